@@ -1,0 +1,37 @@
+"""autopar: compile an unmodified PyTorch model into a 3-D tensor-parallel distributed module."""
+
+from autopar.errors import (
+    AutoparError,
+    InputMismatchError,
+    MeshError,
+    MissingRuleError,
+    ShardingError,
+    TraceError,
+)
+from autopar.layout import Layout, Partial, Replicate, Shard
+from autopar.mesh import Mesh
+
+__all__ = [
+    "AutoparError",
+    "InputMismatchError",
+    "Layout",
+    "Mesh",
+    "MeshError",
+    "MissingRuleError",
+    "Partial",
+    "Replicate",
+    "Shard",
+    "ShardingError",
+    "TraceError",
+    "compile_for_rank",
+    "parallelize",
+]
+
+
+def __getattr__(name: str) -> object:
+    # The pipeline imports torch.distributed and the passes; load it on first use only.
+    if name in ("parallelize", "compile_for_rank"):
+        from autopar import api
+
+        return getattr(api, name)
+    raise AttributeError(name)

@@ -1,0 +1,134 @@
+"""`parallelize`: the whole pipeline, trace -> propagate -> insert_comm -> schedule -> emit."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _pytree as pytree
+
+from autopar.dump import dump_dir_from, write_collectives, write_stage
+from autopar.errors import AutoparError, MeshError
+from autopar.mesh import Mesh
+from autopar.meta import signature
+from autopar.passes.emit import EmittedProgram, emit
+from autopar.passes.insert_comm import insert_comm
+from autopar.passes.propagate import propagate
+from autopar.passes.schedule import schedule
+from autopar.passes.trace import trace
+from autopar.report import PlanReport, build_report
+from autopar.rules.base import RuleRegistry
+from autopar.rules.registry import default_registry
+from autopar.runtime.module import ParallelModule
+
+
+@dataclass
+class Compiled:
+    """Everything the pipeline produced for one rank (used by parallelize and by pass tests)."""
+
+    graph: fx.GraphModule  # the joint graph after schedule, global layouts in node metadata
+    program: EmittedProgram
+    report: PlanReport
+
+
+def compile_for_rank(
+    model: nn.Module,
+    mesh: Mesh,
+    example_inputs: Sequence[Any],
+    *,
+    coords: Sequence[int] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    registry: RuleRegistry | None = None,
+    dump_dir: str | os.PathLike[str] | None = None,
+    rank: int = 0,
+) -> Compiled:
+    """Run the five stages for the rank at `coords` (default: this process's mesh coordinate)."""
+    registry = registry if registry is not None else default_registry()
+    path = dump_dir_from(dump_dir, rank)
+    gm = trace(model, example_inputs, decompose=mesh.size > 1, example_kwargs=example_kwargs)
+    write_stage(path, "1_trace", gm, mesh)
+    gm = propagate(gm, mesh, registry)
+    write_stage(path, "2_propagate", gm, mesh)
+    gm = insert_comm(gm, mesh, coords)
+    write_stage(path, "3_insert_comm", gm, mesh)
+    gm = schedule(gm)
+    write_stage(path, "4_schedule", gm, mesh)
+    program = emit(gm, mesh, registry, coords)
+    write_stage(path, "5_emit_forward", program.forward, mesh, local=True)
+    write_stage(path, "5_emit_backward", program.backward, mesh, local=True)
+    report = build_report(program, mesh, gm.meta.get("autopar_schedule"))
+    write_collectives(path, report)
+    return Compiled(gm, program, report)
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    example_inputs: Sequence[Any],
+    example_kwargs: dict[str, Any] | None = None,
+    dump_dir: str | os.PathLike[str] | None = None,
+    registry: RuleRegistry | None = None,
+) -> ParallelModule:
+    """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
+
+    `dump_dir` (or the AUTOPAR_DUMP_DIR environment variable) writes each stage's graph with its
+    layouts, local shapes and collectives to `<dir>/rank<r>/`.
+    """
+    autopar_mesh = _check_mesh(mesh)
+    _check_model(model)
+    example_inputs = tuple(example_inputs)
+    compiled = compile_for_rank(
+        model,
+        autopar_mesh,
+        example_inputs,
+        example_kwargs=example_kwargs,
+        registry=registry,
+        dump_dir=dump_dir,
+        rank=dist.get_rank(),
+    )
+    sig = signature(compiled.graph)
+    flat, _ = pytree.tree_flatten((example_inputs, example_kwargs or {}))
+    specs = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in flat]
+    return ParallelModule(
+        compiled.program, autopar_mesh, model, sig.aliases, sig.in_spec, specs, compiled.report
+    )
+
+
+def _check_mesh(mesh: Any) -> Mesh:
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(
+            f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}",
+            hint='build one with torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2, 2))',
+        )
+    if not dist.is_initialized():
+        raise MeshError(
+            "torch.distributed is not initialized", hint="run under torchrun or init_process_group first"
+        )
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise MeshError(
+            f"mesh {tuple(mesh.shape)} has {mesh.size()} ranks but the job has {world}",
+            hint=f"use a mesh whose axis sizes multiply to {world}",
+        )
+    if not 1 <= mesh.ndim <= 4:
+        raise MeshError(f"meshes of 1 to 4 axes are supported, got {mesh.ndim}", hint="merge or drop axes")
+    return Mesh.from_device_mesh(mesh)
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise AutoparError(f"expected an nn.Module, got {type(model).__name__}")
+    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise AutoparError(
+            f"parameters are on the meta device (e.g. {meta[0]}); parallelize needs their values",
+            hint="load or initialize the weights first; planning alone works on meta models",
+        )

@@ -1,0 +1,54 @@
+"""Errors a user can act on: each names what failed, where in their model, and what to do."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class AutoparError(Exception):
+    """Base class. `where` is the user's module path and source line when known."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str | None = None,
+        where: str | None = None,
+        layouts: Sequence[str] = (),
+        hint: str | None = None,
+    ) -> None:
+        self.message = message
+        self.op = op
+        self.where = where
+        self.layouts = tuple(layouts)
+        self.hint = hint
+        parts = [message]
+        if op:
+            parts.append(f"  op: {op}")
+        if where:
+            parts.append(f"  at: {where}")
+        for layout in self.layouts:
+            parts.append(f"  layout: {layout}")
+        if hint:
+            parts.append(f"  hint: {hint}")
+        super().__init__("\n".join(parts))
+
+
+class MeshError(AutoparError):
+    """The mesh does not fit the job (size, dims, process groups)."""
+
+
+class TraceError(AutoparError):
+    """torch.export or the joint forward/backward trace failed on the user's model."""
+
+
+class MissingRuleError(AutoparError):
+    """An op in the graph has no sharding rule."""
+
+
+class ShardingError(AutoparError):
+    """No layout satisfies an op on this mesh (divisibility, unsupported split)."""
+
+
+class InputMismatchError(AutoparError):
+    """Inputs at call time differ from the example inputs the module was compiled for."""

@@ -1,0 +1,459 @@
+"""The layout choice: one Strategy per node (a greedy first heuristic; issue 4 replaces it).
+
+Nodes are visited in graph order. Each op picks the strategy whose input redistributions, pending
+sums and replicated work cost least given its producers' layouts. Parameters are not laid out up
+front: the first op that consumes a parameter chooses the layout it computes with, and the
+parameter is then *stored* in that layout further split over every axis it was replicated on, so
+that each rank stores ~1/p of it and all-gathers before use.
+
+Matmul-like ops that consume a parameter follow axis roles, which is where the 3-D algorithm comes
+from: "token" axes split the rows (tokens) of the activation, "tensor" axes must each split the
+weight, preferably along different weight dims (contraction on one, columns on the other, as in
+the AxoNN / Tensor3D grid; one tensor axis gives 1-D Megatron, two give 2-D).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.errors import MissingRuleError, ShardingError
+from autopar.layout import Layout, Partial, Placement, Replicate, Shard
+from autopar.mesh import Mesh
+from autopar.meta import info, signature
+from autopar.redistribute import redistribute_cost
+from autopar.rules.base import AxisStrategy, OpCall, RuleRegistry, Strategy, combine, expand, make_call
+
+DATA_AXIS_NAMES = ("dp", "data", "ddp", "fsdp", "batch")
+# Relative weights of the heuristic's cost terms, in "elements sent per rank".
+FLOP_WEIGHT = 1.0 / 200.0  # a rank does ~200 flops in the time it sends one element (CPU/gloo-like)
+PARTIAL_WEIGHT = 1.0  # a pending sum will cost at least a reduce-scatter later
+BEAM = 3
+
+
+@dataclass
+class Plan:
+    """The choice, keyed by node name so that it is plain data every rank can compare."""
+
+    strategies: dict[str, Strategy] = field(default_factory=dict)
+    layouts: dict[str, tuple[Layout, ...]] = field(default_factory=dict)
+    output_layouts: list[Layout | None] = field(default_factory=list)
+    notes: dict[str, str] = field(default_factory=dict)
+    roles: tuple[str, ...] = ()
+
+
+def axis_roles(mesh: Mesh) -> tuple[str, ...]:
+    """'token' or 'tensor' per axis: by name for data axes, else by position (x, y tensor; z token)."""
+    n = mesh.ndim
+    by_position = {1: ("tensor",), 2: ("tensor", "tensor"), 3: ("tensor", "tensor", "token")}
+    roles = list(by_position.get(n, ("token",) + ("tensor", "tensor") + ("token",) * (n - 3)))
+    for a, name in enumerate(mesh.axis_names):
+        if name.lower() in DATA_AXIS_NAMES:
+            roles[a] = "token"
+    return tuple(roles)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """Flattened tensor-valued node arguments, in the order rules see them."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [x for x in leaves if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
+
+
+def op_call(node: fx.Node) -> OpCall:
+    def val(x: Any) -> Any:
+        return x.meta["val"] if isinstance(x, fx.Node) else x
+
+    args = pytree.tree_map(val, node.args)
+    kwargs = pytree.tree_map(val, node.kwargs)
+    return make_call(node.target, tuple(args), dict(kwargs), node.meta.get("val"))
+
+
+def output_index(node: fx.Node) -> int:
+    """Flattened tensor index of a getitem on a multi-output op."""
+    parent, index = node.args[0], node.args[1]
+    assert isinstance(parent, fx.Node) and isinstance(index, int)
+    values = parent.meta["val"]
+    return sum(1 for v in list(values)[:index] if isinstance(v, torch.Tensor))
+
+
+def choose_layouts(gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry) -> Plan:
+    return _Greedy(gm, mesh, registry).run()
+
+
+@functools.lru_cache(maxsize=200_000)
+def _redist(src: Layout, dst: Layout, mesh_shape: tuple[int, ...]) -> float:
+    return redistribute_cost(src, dst, mesh_shape)
+
+
+class _Greedy:
+    def __init__(self, gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry) -> None:
+        self.gm = gm
+        self.mesh = mesh
+        self.shape = tuple(mesh.shape)
+        self.registry = registry
+        self.plan = Plan(roles=axis_roles(mesh))
+        self.deferred: set[fx.Node] = set()
+        self.sig = signature(gm)
+        self.output = next(n for n in gm.graph.nodes if n.op == "output")
+
+    # ---- driver -------------------------------------------------------------------------------
+    def run(self) -> Plan:
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                self._placeholder(node)
+            elif node.op == "call_function":
+                self._call(node)
+        self._outputs()
+        return self.plan
+
+    def _placeholder(self, node: fx.Node) -> None:
+        role = info(node).role
+        val = node.meta["val"]
+        if role == "param":
+            self.deferred.add(node)
+        elif role == "tangent":
+            self.deferred.add(node)  # takes its output's layout once that is known
+        else:  # user inputs and buffers arrive whole on every rank; consumers slice for free
+            self._set(node, (Layout.replicated(val.shape, self.mesh.ndim, val.dtype),), "global input")
+
+    def _call(self, node: fx.Node) -> None:
+        if node.target is operator.getitem:
+            parent = node.args[0]
+            assert isinstance(parent, fx.Node)
+            if parent in self.deferred:
+                self.deferred.add(node)
+                return
+            layout = self.plan.strategies[parent.name].outputs[output_index(node)]
+            self._set(node, (layout,), "")
+            return
+        inputs = tensor_inputs(node)
+        if (
+            inputs
+            and all(self._is_deferred_weight(i) for i in inputs)
+            and isinstance(node.meta["val"], torch.Tensor)
+        ):
+            self.deferred.add(node)  # a view/cast of a parameter: laid out by its consumer
+            return
+        self._choose(node, inputs)
+
+    def _is_deferred_weight(self, node: fx.Node) -> bool:
+        return node in self.deferred and not (node.op == "placeholder" and info(node).role == "tangent")
+
+    # ---- choosing a strategy -------------------------------------------------------------------
+    def _rule(self, node: fx.Node) -> Any:
+        rule = self.registry.get(node.target)
+        if rule is None:
+            raise MissingRuleError(
+                f"no sharding rule for {node.target}",
+                op=str(node.target),
+                where=info(node).where(),
+                hint="register one with registry.register(op, strategies, family=...) and pass "
+                "registry= to autopar.parallelize (see README: custom ops)",
+            )
+        return rule
+
+    def _current(self, node: fx.Node) -> Layout | None:
+        """Layout an input has now; None for a parameter (chain) still to be laid out."""
+        if node.op == "placeholder" and info(node).role == "tangent" and node in self.deferred:
+            self._resolve_tangent(node)
+        if node in self.deferred:
+            return None
+        layouts = self.plan.layouts[node.name]
+        return layouts[0]
+
+    def _choose(self, node: fx.Node, inputs: list[fx.Node]) -> None:
+        rule = self._rule(node)
+        call = op_call(node)
+        current = [self._current(i) for i in inputs]
+        axis_options = rule.strategies(call)
+        if rule.anchor or len(inputs) == 0:
+            candidates = expand(call, axis_options, self.shape)
+        else:
+            candidates = self._beam(call, axis_options, current)
+        if not candidates:
+            raise self._no_strategy(node, call)
+        work = _global_work(node)
+        scored = []
+        for index, strategy in enumerate(candidates):
+            cost = self._cost(strategy, current, work)
+            scored.append((cost, self._slices(strategy, current), index, strategy))
+        note = "lowest modeled cost"
+        if rule.anchor and any(c is None for c in current) and any(c is not None for c in current):
+            constrained = self._role_filter(scored, current)
+            if constrained:
+                scored, note = constrained, "axis roles (tokens / tensor axes)"
+        scored.sort(key=lambda t: (t[0], t[1], t[2]))
+        best = scored[0][3]
+        for node_in, want in zip(inputs, best.inputs):
+            if node_in in self.deferred and not (
+                node_in.op == "placeholder" and info(node_in).role == "tangent"
+            ):
+                self._resolve(node_in, want)
+        self.plan.strategies[node.name] = best
+        self._set(node, best.outputs, note)
+
+    def _cost(self, strategy: Strategy, current: Sequence[Layout | None], work: float) -> float:
+        comm = 0.0
+        for have, want in zip(current, strategy.inputs):
+            if have is None:
+                comm += _gather_from_storage(want, self.shape)
+            else:
+                comm += _redist(have, want, self.shape)
+        split = math.prod(
+            self.shape[a]
+            for a in range(len(self.shape))
+            if not all(isinstance(out.placements[a], Replicate) for out in strategy.outputs)
+        )
+        pending = 0.0
+        for out in strategy.outputs:
+            for a in out.partial_axes():
+                g = self.shape[a]
+                pending += (g - 1) / g * out.local_numel(self.shape)
+        return comm + PARTIAL_WEIGHT * pending + FLOP_WEIGHT * work / split
+
+    @staticmethod
+    def _slices(strategy: Strategy, current: Sequence[Layout | None]) -> int:
+        """Tie-break: prefer keeping inputs as they are over slicing replicas."""
+        return sum(1 for have, want in zip(current, strategy.inputs) if have is not None and have != want)
+
+    def _beam(
+        self, call: OpCall, options: list[AxisStrategy], current: Sequence[Layout | None]
+    ) -> list[Strategy]:
+        """Per axis, the few single-axis options closest to the inputs; their product."""
+        per_axis: list[list[AxisStrategy]] = []
+        for a, g in enumerate(self.shape):
+            if g == 1:
+                per_axis.append(
+                    [
+                        AxisStrategy(
+                            tuple(Replicate() for _ in call.inputs), tuple(Replicate() for _ in call.outputs)
+                        )
+                    ]
+                )
+                continue
+            ranked = sorted(
+                enumerate(options),
+                key=lambda t: (self._axis_cost(t[1], current, a, g), t[0]),
+            )
+            per_axis.append([s for _, s in ranked[:BEAM]])
+        result = []
+        for combo in itertools.product(*per_axis):
+            strategy = combine(call, combo)
+            if all(lay.is_even(self.shape) for lay in (*strategy.inputs, *strategy.outputs)):
+                result.append(strategy)
+        return result or expand(call, options, self.shape)
+
+    def _axis_cost(self, option: AxisStrategy, current: Sequence[Layout | None], axis: int, g: int) -> float:
+        cost = 0.0
+        for have, want in zip(current, option.inputs):
+            if have is None:
+                cost += 0.0 if isinstance(want, Shard) else 1.0
+                continue
+            cost += _placement_cost(have.placements[axis], want, g, have.local_numel(self.shape))
+        for out in option.outputs:
+            if isinstance(out, Partial):
+                cost += 0.5
+        return cost
+
+    def _role_filter(self, scored: list[Any], current: Sequence[Layout | None]) -> list[Any]:
+        roles = self.plan.roles
+        kept = []
+        for item in scored:
+            strategy: Strategy = item[3]
+            ok = True
+            distinct: set[int] = set()
+            weights = [w for w, c in zip(strategy.inputs, current) if c is None]
+            main_weight = max(weights, key=lambda w: math.prod(w.shape))
+            for a, role in enumerate(roles):
+                if self.shape[a] == 1:
+                    continue
+                if role == "token":
+                    acts = [
+                        w for w, c in zip(strategy.inputs, current) if c is not None and len(w.shape) >= 1
+                    ]
+                    ok = ok and all(w.placements[a] == Shard(0) for w in acts)
+                else:
+                    p = main_weight.placements[a]
+                    ok = ok and isinstance(p, Shard)
+                    if isinstance(p, Shard):
+                        distinct.add(p.dim)
+            if ok:
+                kept.append(item)
+                item_distinct = len(distinct)
+                kept[-1] = (item[0] - 1e9 * item_distinct, *item[1:])
+        return kept
+
+    # ---- laying out parameters -----------------------------------------------------------------
+    def _resolve(self, node: fx.Node, want: Layout) -> None:
+        """Give a deferred parameter (or a view/cast chain of one) the layout its consumer wants."""
+        if node not in self.deferred:
+            return
+        self.deferred.discard(node)
+        if node.op == "placeholder":
+            storage = storage_layout(want, self.shape)
+            self._set(node, (storage,), f"stored split over all axes; computes as {want.per_axis_str()}")
+            return
+        if node.target is operator.getitem:
+            raise ShardingError(f"cannot lay out {node.name}", where=info(node).where())
+        inputs = tensor_inputs(node)
+        rule = self._rule(node)
+        call = op_call(node)
+        matching = [s for s in expand(call, rule.strategies(call), self.shape) if s.outputs[0] == want]
+        if not matching:
+            replicated = [
+                s for s in expand(call, rule.strategies(call), self.shape) if s.outputs[0].is_replicated
+            ]
+            matching = replicated[:1]
+        best = min(
+            matching,
+            key=lambda s: sum(_gather_from_storage(w, self.shape) for w in s.inputs),
+        )
+        for node_in, need in zip(inputs, best.inputs):
+            self._resolve(node_in, need)
+        self.plan.strategies[node.name] = best
+        self._set(node, best.outputs, "follows its consumer")
+
+    def _resolve_tangent(self, node: fx.Node) -> None:
+        index = info(node).input_index or 0
+        produced = self.output.args[0][index]  # type: ignore[index]
+        assert isinstance(produced, fx.Node)
+        self.deferred.discard(node)
+        self._set(node, (self._user_output_layout(produced),), "gradient of a user output")
+
+    def _user_output_layout(self, produced: fx.Node) -> Layout:
+        have = self.plan.layouts[produced.name][0]
+        if len(have.shape) == 0:
+            return Layout.replicated((), self.mesh.ndim, have.dtype)
+        return Layout(
+            tuple(Replicate() if isinstance(p, Partial) else p for p in have.placements),
+            have.shape,
+            have.dtype,
+        )
+
+    def _outputs(self) -> None:
+        values = list(self.output.args[0])  # type: ignore[arg-type]
+        nu = self.sig.num_user_outputs
+        param_nodes = {
+            info(n).param_name: n
+            for n in self.gm.graph.nodes
+            if n.op == "placeholder" and info(n).role == "param"
+        }
+        result: list[Layout | None] = []
+        for i, value in enumerate(values):
+            if not isinstance(value, fx.Node):
+                result.append(None)
+                continue
+            if i < nu:
+                result.append(self._user_output_layout(value))
+                continue
+            param = param_nodes[self.sig.grad_of[i - nu]]
+            if param in self.deferred:  # used only in backward: store it as its gradient arrives
+                grad = self.plan.layouts[value.name][0]
+                self._resolve(
+                    param,
+                    Layout(
+                        tuple(Replicate() if isinstance(p, Partial) else p for p in grad.placements),
+                        grad.shape,
+                        grad.dtype,
+                    ),
+                )
+            result.append(self.plan.layouts[param.name][0])
+        for node in list(self.deferred):
+            if node.op == "placeholder" and info(node).role == "param":
+                val = node.meta["val"]
+                self._resolve(node, Layout.replicated(val.shape, self.mesh.ndim, val.dtype))
+        self.plan.output_layouts = result
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _set(self, node: fx.Node, layouts: tuple[Layout, ...], note: str) -> None:
+        self.plan.layouts[node.name] = layouts
+        if note:
+            self.plan.notes[node.name] = note
+
+    def _no_strategy(self, node: fx.Node, call: OpCall) -> ShardingError:
+        shapes = ", ".join(str(list(s.shape)) for s in call.inputs)
+        return ShardingError(
+            f"no even layout of {node.target} fits mesh {self.mesh}: input shapes {shapes}",
+            op=str(node.target),
+            where=info(node).where(),
+            hint="make the split dims divisible by the mesh axes that split them, or choose another mesh shape",
+        )
+
+
+def storage_layout(compute: Layout, mesh_shape: Sequence[int]) -> Layout:
+    """`compute` further split over every axis it replicates, so each rank stores ~1/p.
+
+    Each extra axis goes to the largest dim it divides, preferring dims where it nests innermost
+    (a plain all-gather restores the compute layout). A tensor too small to split stays replicated
+    on that axis.
+    """
+    layout = Layout(
+        tuple(Replicate() if isinstance(p, Partial) else p for p in compute.placements),
+        compute.shape,
+        compute.dtype,
+    )
+    for a, p in enumerate(layout.placements):
+        if not isinstance(p, Replicate) or mesh_shape[a] == 1:
+            continue
+        best: tuple[int, int, int] | None = None
+        for d in range(len(layout.shape)):
+            factor = layout.split_factor(d, mesh_shape) * mesh_shape[a]
+            if layout.shape[d] % factor:
+                continue
+            innermost = int(all(b < a for b in layout.shard_axes(d)))
+            key = (innermost, layout.shape[d] // factor, -d)
+            if best is None or key > best:
+                best = key
+        if best is not None:
+            layout = layout.with_placement(a, Shard(-best[2]))
+    return layout
+
+
+def _gather_from_storage(want: Layout, mesh_shape: Sequence[int]) -> float:
+    """Elements a rank receives to build `want` from its ~1/p storage (all-gathers on R axes)."""
+    replicated = math.prod(mesh_shape[a] for a, p in enumerate(want.placements) if not isinstance(p, Shard))
+    partial_penalty = 1e12 if want.partial_axes() else 0.0
+    return want.local_numel(mesh_shape) * (1 - 1 / replicated) + partial_penalty
+
+
+def _placement_cost(have: Placement, want: Placement, g: int, n: int) -> float:
+    if have == want:
+        return 0.0
+    if isinstance(want, Replicate):
+        return (g - 1) * n if isinstance(have, Shard) else 2 * (g - 1) / g * n
+    if isinstance(want, Shard):
+        return 0.0 if isinstance(have, Replicate) else (g - 1) / g * n
+    return 0.0 if isinstance(have, Replicate) else (g - 1) * n
+
+
+def _global_work(node: fx.Node) -> float:
+    """Flops of the full op (matmuls, attention) or elements produced (everything else)."""
+    from torch.utils.flop_counter import flop_registry
+
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    out = node.meta.get("val")
+    if packet in flop_registry:
+        args = pytree.tree_map(lambda x: x.meta["val"] if isinstance(x, fx.Node) else x, node.args)
+        kwargs = pytree.tree_map(lambda x: x.meta["val"] if isinstance(x, fx.Node) else x, node.kwargs)
+        try:
+            return float(flop_registry[packet](*args, **kwargs, out_val=out))
+        except Exception:  # a formula that does not take this overload's arguments
+            pass
+    name = str(target)
+    if "scaled_dot_product" in name:
+        q = node.args[0]
+        if isinstance(q, fx.Node):
+            b, h, s, d = q.meta["val"].shape
+            return 4.0 * b * h * s * s * d * (2.5 if "backward" in name else 1.0)
+    numel = sum(v.numel() for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor))
+    return float(numel)

@@ -1,0 +1,127 @@
+"""How to get a tensor from one layout to another: a list of per-axis collective steps.
+
+Pure data (no torch.distributed): insert_comm turns the steps into functional collectives, the
+cost model prices them, and the in-process oracle simulates them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from autopar.layout import Layout, Partial, Replicate, Shard, itemsize
+
+StepKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "zero_partial"]
+
+COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True)
+class CommStep:
+    kind: StepKind
+    axis: int
+    before: Layout
+    after: Layout
+    dim: int | None = None  # tensor dim gathered / scattered / sliced; all_to_all: the dim given up
+    dst_dim: int | None = None  # all_to_all: the dim that becomes split
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in COLLECTIVE_KINDS
+
+    def elements_sent(self, mesh_shape: Sequence[int]) -> float:
+        """Elements one rank sends with ring algorithms (the convention of comm_volumes.md)."""
+        g = mesh_shape[self.axis]
+        n = self.before.local_numel(mesh_shape)
+        if self.kind == "all_gather":
+            return n * (g - 1)
+        if self.kind == "all_reduce":
+            return 2 * (g - 1) / g * n
+        if self.kind in ("reduce_scatter", "all_to_all"):
+            return (g - 1) / g * n
+        return 0.0
+
+    def bytes_sent(self, mesh_shape: Sequence[int]) -> float:
+        return self.elements_sent(mesh_shape) * itemsize(self.before.dtype)
+
+    def describe(self, axis_names: Sequence[str]) -> str:
+        axis = axis_names[self.axis]
+        if self.kind == "all_to_all":
+            return f"all_to_all[{axis}] dim {self.dim}->{self.dst_dim}"
+        if self.dim is not None:
+            return f"{self.kind}[{axis}] dim {self.dim}"
+        return f"{self.kind}[{axis}]"
+
+
+def _is_prefix(prefix: Sequence[int], full: Sequence[int]) -> bool:
+    return tuple(full[: len(prefix)]) == tuple(prefix)
+
+
+def plan_redistribute(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> list[CommStep]:
+    """Steps from `src` to `dst`: reductions first (smallest tensors), then un-sharding, then slicing."""
+    if src.shape != dst.shape:
+        raise ValueError(f"redistribute between shapes {src.shape} and {dst.shape}")
+    cur = src
+    steps: list[CommStep] = []
+
+    def step(
+        kind: StepKind, axis: int, new: Layout, dim: int | None = None, dst_dim: int | None = None
+    ) -> None:
+        nonlocal cur
+        if mesh_shape[axis] > 1 or kind in ("slice", "zero_partial"):
+            steps.append(CommStep(kind, axis, cur, new, dim, dst_dim))
+        cur = new
+
+    # 1. pending sums: reduce-scatter straight into the target split where the nesting allows.
+    for a, p in enumerate(cur.placements):
+        if not isinstance(p, Partial) or isinstance(dst.placements[a], Partial):
+            continue
+        target = dst.placements[a]
+        if isinstance(target, Shard) and _is_prefix(
+            (*cur.shard_axes(target.dim), a), dst.shard_axes(target.dim)
+        ):
+            step("reduce_scatter", a, cur.with_placement(a, target), dim=target.dim)
+        else:
+            step("all_reduce", a, cur.with_placement(a, Replicate()))
+
+    # 2. un-shard every dim down to the prefix of axes it keeps, innermost axis first.
+    for d in range(len(cur.shape)):
+        src_axes = cur.shard_axes(d)
+        dst_axes = dst.shard_axes(d)
+        keep = 0
+        while keep < min(len(src_axes), len(dst_axes)) and src_axes[keep] == dst_axes[keep]:
+            keep += 1
+        for a in reversed(src_axes[keep:]):
+            target = dst.placements[a]
+            if (
+                isinstance(target, Shard)
+                and target.dim != d
+                and all(b < a for b in cur.shard_axes(target.dim))
+                and _is_prefix((*cur.shard_axes(target.dim), a), dst.shard_axes(target.dim))
+            ):
+                step("all_to_all", a, cur.with_placement(a, target), dim=d, dst_dim=target.dim)
+            else:
+                step("all_gather", a, cur.with_placement(a, Replicate()), dim=d)
+
+    # 3. local work: slice replicated axes into their split, zero replicas that must become summands.
+    for a, target in enumerate(dst.placements):
+        now = cur.placements[a]
+        if now == target:
+            continue
+        if isinstance(target, Shard) and isinstance(now, Replicate):
+            step("slice", a, cur.with_placement(a, target), dim=target.dim)
+        elif isinstance(target, Partial) and isinstance(now, Replicate):
+            step("zero_partial", a, cur.with_placement(a, target))
+        else:  # pragma: no cover - the three steps above leave no other case
+            raise AssertionError(f"cannot redistribute {src} -> {dst} (stuck at {cur})")
+    if cur != dst:  # pragma: no cover
+        raise AssertionError(f"redistribution {src} -> {dst} ended at {cur}")
+    return steps
+
+
+def redistribute_cost(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> float:
+    """Elements sent per rank (all steps); 0 when the layouts agree."""
+    if src == dst:
+        return 0.0
+    return sum(s.elements_sent(mesh_shape) for s in plan_redistribute(src, dst, mesh_shape))

@@ -1,0 +1,225 @@
+"""What a sharding rule is: per mesh axis, the placements an op accepts and produces.
+
+A rule is written for ONE mesh axis and returns `AxisStrategy`s; `expand` takes the product over
+the mesh axes (that product is where the 2-D and 3-D algorithms come from) and drops layouts whose
+split dims do not divide evenly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autopar.layout import Layout, Partial, Placement, Replicate, Shard
+
+R = Replicate()
+P = Partial()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Global shape and dtype of a tensor argument or result."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One call of an op with tensors replaced by their specs: what a rule looks at."""
+
+    op: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """Argument by position or keyword, falling back to the schema default."""
+        if index < len(self.args):
+            return self.args[index]
+        if name in self.kwargs:
+            return self.kwargs[name]
+        schema = getattr(self.op, "_schema", None)
+        if schema is not None:
+            for a in schema.arguments:
+                if a.name == name and a.has_default_value():
+                    return a.default_value
+        return default
+
+
+@dataclass(frozen=True)
+class AxisStrategy:
+    """Placements on one mesh axis: one per tensor input, one per tensor output."""
+
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Full layouts for one op call on the whole mesh."""
+
+    inputs: tuple[Layout, ...]
+    outputs: tuple[Layout, ...]
+
+    def __str__(self) -> str:
+        ins = ", ".join(lay.per_axis_str() for lay in self.inputs)
+        outs = ", ".join(lay.per_axis_str() for lay in self.outputs)
+        return f"({ins}) -> ({outs})"
+
+
+StrategyFn = Callable[[OpCall], list[AxisStrategy]]
+
+
+@dataclass(frozen=True)
+class LocalCall:
+    """What a rank runs in place of the global op: target and rewritten non-tensor arguments."""
+
+    target: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LocalContext:
+    call: OpCall
+    strategy: Strategy
+    mesh_shape: tuple[int, ...]
+    coords: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+Localizer = Callable[[LocalContext], LocalCall]
+
+
+@dataclass(frozen=True)
+class OpRule:
+    op: Any
+    strategies: StrategyFn
+    family: str
+    localize: Localizer | None = None
+    # Ops whose choice shapes the whole plan (matmuls, attention, embedding) get every candidate
+    # evaluated; cheap followers take the best per-axis matches.
+    anchor: bool = False
+
+
+class RuleRegistry:
+    """Op overload -> rule. Built explicitly and passed around; never a module global."""
+
+    def __init__(self) -> None:
+        self._rules: dict[Any, OpRule] = {}
+
+    def register(
+        self,
+        op: Any,
+        strategies: StrategyFn,
+        *,
+        family: str,
+        localize: Localizer | None = None,
+        anchor: bool = False,
+    ) -> None:
+        self._rules[op] = OpRule(op, strategies, family, localize, anchor)
+
+    def get(self, op: Any) -> OpRule | None:
+        return self._rules.get(op)
+
+    def __contains__(self, op: Any) -> bool:
+        return op in self._rules
+
+    def ops(self) -> list[Any]:
+        return list(self._rules)
+
+    def rules(self) -> list[OpRule]:
+        return list(self._rules.values())
+
+    def copy(self) -> RuleRegistry:
+        new = RuleRegistry()
+        new._rules = dict(self._rules)
+        return new
+
+
+def all_replicated(call: OpCall) -> AxisStrategy:
+    return AxisStrategy((R,) * len(call.inputs), (R,) * len(call.outputs))
+
+
+def with_replicated(call: OpCall, strategies: Iterable[AxisStrategy]) -> list[AxisStrategy]:
+    """Deduplicated strategies, always including all-replicated (so every op has a fallback)."""
+    out: list[AxisStrategy] = []
+    for s in [*strategies, all_replicated(call)]:
+        if len(s.inputs) != len(call.inputs) or len(s.outputs) != len(call.outputs):
+            raise ValueError(f"strategy {s} does not match {call.op} arity")
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def layouts_for(specs: Sequence[TensorSpec], per_axis: Sequence[Sequence[Placement]]) -> tuple[Layout, ...]:
+    return tuple(
+        Layout(tuple(axis[i] for axis in per_axis), spec.shape, spec.dtype) for i, spec in enumerate(specs)
+    )
+
+
+def combine(call: OpCall, per_axis: Sequence[AxisStrategy]) -> Strategy:
+    """One AxisStrategy per mesh axis -> full Strategy."""
+    ins = layouts_for(call.inputs, [s.inputs for s in per_axis])
+    outs = layouts_for(call.outputs, [s.outputs for s in per_axis])
+    return Strategy(ins, outs)
+
+
+def is_even(strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
+    return all(lay.is_even(mesh_shape) for lay in (*strategy.inputs, *strategy.outputs))
+
+
+def expand(
+    call: OpCall, axis_strategies: Sequence[AxisStrategy], mesh_shape: Sequence[int]
+) -> list[Strategy]:
+    """Product of the single-axis strategies over the mesh, keeping evenly divisible ones.
+
+    Axes of size 1 only get all-replicated (any placement there is equivalent).
+    """
+    options = [[all_replicated(call)] if size == 1 else list(axis_strategies) for size in mesh_shape]
+    result = []
+    for combo in itertools.product(*options):
+        strategy = combine(call, combo)
+        if is_even(strategy, mesh_shape):
+            result.append(strategy)
+    return result
+
+
+def spec_of(value: Any) -> TensorSpec | None:
+    if isinstance(value, torch.Tensor):
+        return TensorSpec(tuple(int(s) for s in value.shape), value.dtype)
+    return None
+
+
+def make_call(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outputs: Any) -> OpCall:
+    """OpCall from real or fake tensors (or any objects with .shape/.dtype) in args and outputs."""
+
+    def to_spec(x: Any) -> Any:
+        s = spec_of(x)
+        return s if s is not None else x
+
+    spec_args = pytree.tree_map(to_spec, args)
+    spec_kwargs = pytree.tree_map(to_spec, kwargs)
+    flat_in = [x for x in pytree.tree_leaves((spec_args, spec_kwargs)) if isinstance(x, TensorSpec)]
+    flat_out = [s for s in (spec_of(x) for x in pytree.tree_leaves(outputs)) if s is not None]
+    return OpCall(op, tuple(spec_args), dict(spec_kwargs), tuple(flat_in), tuple(flat_out))
+
+
+def shard(dim: int) -> Shard:
+    return Shard(dim)
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0

@@ -1,0 +1,193 @@
+"""Stage 5, emit: this rank's forward and backward GraphModules on local shapes.
+
+Every compute node is localized by its rule (shape arguments become local shapes; some ops become
+local helpers), the joint graph is split into a forward graph (which also returns the values the
+backward needs) and a backward graph, and fake-tensor propagation checks that every node's local
+shape is the one its layout promises.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils import _pytree as pytree
+
+from autopar.errors import ShardingError
+from autopar.layout import Layout
+from autopar.mesh import Mesh
+from autopar.meta import has_info, info, signature
+from autopar.planner import op_call
+from autopar.rules.base import LocalContext, RuleRegistry
+from autopar.rules.localize import localize_sizes
+
+
+@dataclass
+class EmittedProgram:
+    """What a rank runs. forward: (params..., inputs...) -> (outputs..., saved...)."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule  # (saved..., tangents...) -> parameter gradients, in storage layout
+    param_names: list[str]
+    param_layouts: list[Layout]  # storage layouts, placeholder order
+    input_layouts: list[Layout]
+    output_layouts: list[Layout]
+    tangent_outputs: list[int]  # which user output each tangent belongs to
+    num_saved: int
+    coords: tuple[int, ...]
+
+
+def emit(
+    gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry, coords: Sequence[int] | None = None
+) -> EmittedProgram:
+    coords = tuple(coords) if coords is not None else mesh.my_coords()
+    sig = signature(gm)
+    shape = tuple(mesh.shape)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params = [n for n in placeholders if info(n).role in ("param", "buffer")]
+    inputs = [n for n in placeholders if info(n).role == "input"]
+    tangents = [n for n in placeholders if info(n).role == "tangent"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    out_values: list[fx.Node] = list(output.args[0])  # type: ignore[arg-type]
+    nu = sig.num_user_outputs
+
+    backward_nodes = {
+        n for n in gm.graph.nodes if has_info(n) and info(n).phase == "backward" and n.op != "output"
+    }
+    forward_nodes = [n for n in gm.graph.nodes if n.op != "output" and n not in backward_nodes]
+    for node in forward_nodes:
+        bad = [i for i in node.all_input_nodes if i in backward_nodes]
+        if bad:
+            raise ShardingError(f"forward node {node.name} depends on backward node {bad[0].name}")
+    saved = [n for n in forward_nodes if any(u in backward_nodes for u in n.users) or n in out_values[nu:]]
+    if any(n.op == "placeholder" and info(n).role == "input" for n in out_values[nu:]):
+        raise ShardingError("a gradient output is a raw input; this graph shape is not supported")
+
+    fwd_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in [*params, *inputs]:
+        env[node] = _placeholder(fwd_graph, node)
+    for node in forward_nodes:
+        if node.op == "placeholder":
+            continue
+        env[node] = _local_node(fwd_graph, node, env, shape, coords, registry)
+    fwd_graph.output(tuple(env[v] for v in [*out_values[:nu], *saved]))
+
+    bwd_graph = fx.Graph()
+    benv: dict[fx.Node, fx.Node] = {}
+    for node in saved:
+        benv[node] = bwd_graph.placeholder(f"saved_{node.name}")
+        benv[node].meta.update(node.meta)
+    for node in tangents:
+        benv[node] = _placeholder(bwd_graph, node)
+    for node in gm.graph.nodes:
+        if node in backward_nodes and node.op != "placeholder":
+            benv[node] = _local_node(bwd_graph, node, benv, shape, coords, registry)
+    grads = dict(zip(sig.grad_of, out_values[nu:]))
+    grad_values = [grads.get(info(n).param_name or "") for n in params]
+    bwd_graph.output(tuple(benv[v] if v is not None else None for v in grad_values))
+
+    forward = fx.GraphModule(torch.nn.Module(), fwd_graph)
+    backward = fx.GraphModule(torch.nn.Module(), bwd_graph)
+    program = EmittedProgram(
+        forward=forward,
+        backward=backward,
+        param_names=[info(n).param_name or n.name for n in params],
+        param_layouts=[info(n).layout for n in params],
+        input_layouts=[info(n).layout for n in inputs],
+        output_layouts=list(info(output).layouts)[:nu],
+        tangent_outputs=[info(n).input_index or 0 for n in tangents],
+        num_saved=len(saved),
+        coords=coords,
+    )
+    check_local_shapes(program, shape)
+    return program
+
+
+def _placeholder(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    new = graph.placeholder(node.name)
+    new.meta.update(node.meta)
+    return new
+
+
+def _local_node(
+    graph: fx.Graph,
+    node: fx.Node,
+    env: dict[fx.Node, fx.Node],
+    mesh_shape: tuple[int, ...],
+    coords: tuple[int, ...],
+    registry: RuleRegistry,
+) -> fx.Node:
+    node_info = info(node)
+    if node.target is operator.getitem or node_info.role == "comm" or node_info.strategy is None:
+        new = graph.node_copy(node, lambda n: env[n])
+        return new
+    rule = registry.get(node.target)
+    localize = rule.localize if rule is not None and rule.localize is not None else localize_sizes
+    args = pytree.tree_map(lambda x: env[x] if isinstance(x, fx.Node) else x, node.args)
+    kwargs = pytree.tree_map(lambda x: env[x] if isinstance(x, fx.Node) else x, node.kwargs)
+    ctx = LocalContext(op_call(node), node_info.strategy, mesh_shape, coords, tuple(args), dict(kwargs))
+    local = localize(ctx)
+    new = graph.call_function(local.target, tuple(local.args), dict(local.kwargs))
+    new.meta.update(node.meta)
+    new.name = node.name
+    return new
+
+
+def check_local_shapes(program: EmittedProgram, mesh_shape: tuple[int, ...]) -> None:
+    """Propagate fake local tensors through both graphs; every laid-out node must match its layout."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fwd_args = [
+            torch.empty(lay.local_shape(mesh_shape), dtype=lay.dtype)
+            for lay in [*program.param_layouts, *program.input_layouts]
+        ]
+    FakeTensorProp(program.forward, mode).propagate(*fwd_args)
+    _compare(program.forward, mesh_shape)
+    out = next(n for n in program.forward.graph.nodes if n.op == "output")
+    saved_vals = [n.meta["val"] for n in list(out.args[0])[len(program.output_layouts) :]]  # type: ignore[arg-type]
+    with mode:
+        tangent_vals = [
+            torch.empty(
+                program.output_layouts[i].local_shape(mesh_shape), dtype=program.output_layouts[i].dtype
+            )
+            for i in program.tangent_outputs
+        ]
+    FakeTensorProp(program.backward, mode).propagate(*saved_vals, *tangent_vals)
+    _compare(program.backward, mesh_shape)
+
+
+def _compare(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> None:
+    for node in gm.graph.nodes:
+        if node.op == "output" or not has_info(node):
+            continue
+        layouts = info(node).layouts
+        vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+        if not layouts or len(vals) != len(layouts):
+            continue
+        for val, layout in zip(vals, layouts):
+            if tuple(val.shape) != layout.local_shape(mesh_shape):
+                raise ShardingError(
+                    f"emitted {node.name} has local shape {tuple(val.shape)}, its layout "
+                    f"{layout.per_axis_str()} of {list(layout.shape)} promises {list(layout.local_shape(mesh_shape))}",
+                    op=str(node.target),
+                    where=info(node).where(),
+                    hint="this is a bug in a sharding rule's localize step; please report it",
+                )
+
+
+def local_value(full: torch.Tensor, layout: Layout, mesh_shape: Sequence[int], coords: Sequence[int]) -> Any:
+    """This rank's block of a full tensor (parameters at start-up, inputs at call time)."""
+    out = full
+    local = layout.local_shape(mesh_shape)
+    offsets = layout.local_offsets(mesh_shape, coords)
+    for d in range(full.dim()):
+        if local[d] != full.shape[d]:
+            out = out.narrow(d, offsets[d], local[d])
+    return out

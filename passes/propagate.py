@@ -1,0 +1,42 @@
+"""Stage 2, propagate: give every value of the joint graph a Layout and every op a Strategy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.fx as fx
+
+from autopar.errors import ShardingError
+from autopar.mesh import Mesh
+from autopar.meta import info, update_info
+from autopar.planner import Plan, choose_layouts
+from autopar.rules.base import RuleRegistry
+
+Chooser = Callable[[fx.GraphModule, Mesh, RuleRegistry], Plan]
+
+
+def propagate(
+    gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry, choose: Chooser = choose_layouts
+) -> fx.GraphModule:
+    """Record the chosen layouts in node metadata; the output node gets the layouts it requires."""
+    plan = choose(gm, mesh, registry)
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            layouts = plan.output_layouts
+            if any(lay is None for lay in layouts):
+                raise ShardingError(
+                    "every model output must be a tensor",
+                    hint="return tensors (or a loss) from forward; other values are not supported",
+                )
+            update_info(node, layouts=tuple(lay for lay in layouts if lay is not None))
+            continue
+        if node.name not in plan.layouts:
+            raise ShardingError(f"planner left {node.name} without a layout", where=info(node).where())
+        update_info(
+            node,
+            layouts=plan.layouts[node.name],
+            strategy=plan.strategies.get(node.name),
+            note=plan.notes.get(node.name, ""),
+        )
+    gm.meta["autopar_roles"] = plan.roles
+    return gm

@@ -1,0 +1,310 @@
+"""Stage 1, trace: the user's module -> one joint forward+backward ATen graph on fake tensors.
+
+torch.export first (it copes with real-world models), then AOTAutograd's joint export. Weights are
+never copied: the model is cloned with fake parameters. Every node keeps the user's module path and
+source line for dumps and errors. With more than one rank, a few fused ops whose sharded forms need
+cross-rank sums (layer norm, nll loss) are decomposed into primitive ops first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+
+from autopar.errors import TraceError
+from autopar.meta import SIGNATURE_KEY, JointSignature, NodeInfo, Phase, Role, info, set_info
+from autopar.rules.decompositions import sharding_decompositions
+
+_TORCH_FRAME = re.compile(r"/(torch|torchvision|transformers)/")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    decompose: bool = True,
+    example_kwargs: dict[str, Any] | None = None,
+) -> fx.GraphModule:
+    """Joint graph of `model`: placeholders (params, buffers, inputs, tangents) -> (outputs, grads)."""
+    example_kwargs = example_kwargs or {}
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_model = fake_clone(model, fake_mode)
+    fake_args = tuple(_fakeify(x, fake_mode) for x in example_inputs)
+    fake_kwargs = {k: _fakeify(v, fake_mode) for k, v in example_kwargs.items()}
+    try:
+        exported = torch.export.export(fake_model, fake_args, fake_kwargs, strict=False)
+    except Exception as exc:  # torch raises many types; the user needs the location and the cause
+        raise TraceError(
+            f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {_first_lines(exc)}",
+            where=_user_frame_of(exc),
+            hint="make the forward traceable by torch.export (no data-dependent Python control flow on "
+            "tensor values, no unsupported Python side effects); see the torch.export docs",
+        ) from exc
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    try:
+        with contextlib.ExitStack() as stack:
+            joint = aot_export_joint_with_descriptors(stack, exported.module(), fake_args, fake_kwargs)
+            gm = joint.graph_module
+    except Exception as exc:
+        raise TraceError(
+            f"building the joint forward+backward graph of {type(model).__name__} failed: "
+            f"{type(exc).__name__}: {_first_lines(exc)}",
+            where=_user_frame_of(exc),
+            hint="the model must be differentiable with a single output that backward() is called on",
+        ) from exc
+    gm.graph._codegen = fx.graph.CodeGen()  # flat positional calling convention, flat outputs
+    if decompose:
+        gm = _retrace(gm, sharding_decompositions())
+    _annotate(gm, model, in_spec=pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1])
+    _merge_tied(gm)
+    _drop_identities(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def fake_clone(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
+    """A structural copy of `model` whose parameters and buffers are fake CPU tensors.
+
+    Works for real and meta-device models alike; tied parameters stay the same object.
+    """
+    memo: dict[int, Any] = {}
+    with fake_mode:
+        tensors: list[torch.Tensor] = [t for _, t in model.named_parameters(remove_duplicate=False)]
+        tensors += [t for _, t in model.named_buffers(remove_duplicate=False)]
+        for tensor in tensors:
+            if id(tensor) in memo:
+                continue
+            fake = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            if isinstance(tensor, nn.Parameter):
+                memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+            else:
+                memo[id(tensor)] = fake
+    return copy.deepcopy(model, memo)
+
+
+def _fakeify(value: Any, fake_mode: FakeTensorMode) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fake_mode.from_tensor(value.detach().to("cpu") if value.device.type == "meta" else value)
+    return value
+
+
+def _retrace(gm: fx.GraphModule, decompositions: dict[Any, Callable[..., Any]]) -> fx.GraphModule:
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.traceback import preserve_node_meta
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = [n.meta["val"] for n in placeholders]
+    with preserve_node_meta():
+        new = make_fx(fx.Interpreter(gm).run, decomposition_table=decompositions, tracing_mode="fake")(
+            *values
+        )
+    for old, fresh in zip(placeholders, [n for n in new.graph.nodes if n.op == "placeholder"]):
+        fresh.meta.update({k: v for k, v in old.meta.items() if k not in fresh.meta})
+        fresh.name = old.name
+    old_out = next(n for n in gm.graph.nodes if n.op == "output")
+    new_out = next(n for n in new.graph.nodes if n.op == "output")
+    new_out.meta["desc"] = old_out.meta.get("desc")
+    new_out.args = (tuple(pytree.tree_leaves(new_out.args[0], is_leaf=lambda x: x is None)),)
+    return new
+
+
+def _desc_kind(desc: Any) -> str:
+    return type(desc).__name__ if desc is not None else "None"
+
+
+def _annotate(gm: fx.GraphModule, model: nn.Module, in_spec: Any) -> None:
+    params: list[str] = []
+    buffers: list[str] = []
+    num_inputs = 0
+    num_tangents = 0
+    requires_grad = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        desc = node.meta.get("desc")
+        kind = _desc_kind(desc)
+        role: Role
+        if kind == "ParamAOTInput":
+            role, name, index = "param", desc.target, None
+            params.append(name)
+        elif kind == "BufferAOTInput":
+            role, name, index = "buffer", desc.target, None
+            buffers.append(name)
+        elif kind == "PlainAOTInput":
+            role, name, index = "input", None, num_inputs
+            num_inputs += 1
+        elif kind == "TangentAOTInput":
+            role, name = "tangent", None
+            index = getattr(getattr(desc, "output", None), "idx", num_tangents)
+            num_tangents += 1
+        else:
+            raise TraceError(
+                f"unsupported graph input kind {kind} ({node.name})",
+                hint="models that mutate inputs or use RNG state in backward are not supported yet",
+            )
+        phase: Phase = "backward" if role == "tangent" else "forward"
+        set_info(node, NodeInfo(role=role, phase=phase, param_name=name, input_index=index))
+
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    descs = output.meta.get("desc") or []
+    outs = list(output.args[0])
+    num_user_outputs = 0
+    grad_of: list[str] = []
+    kept = []
+    for value, desc in zip(outs, descs):
+        kind = _desc_kind(desc)
+        if kind == "PlainAOTOutput":
+            num_user_outputs += 1
+            kept.append(value)
+        elif kind == "GradAOTOutput" and _desc_kind(desc.grad_of) == "ParamAOTInput":
+            grad_of.append(desc.grad_of.target)
+            kept.append(value)
+        elif kind == "GradAOTOutput" or (kind == "None" and value is None):
+            continue  # gradients of user inputs (or absent ones) are not returned
+        else:
+            raise TraceError(
+                f"unsupported graph output kind {kind}",
+                hint="models that mutate buffers or inputs (e.g. BatchNorm running stats) are not supported yet",
+            )
+    output.args = (tuple(kept),)
+    set_info(output, NodeInfo(role="output", phase="backward"))
+
+    tangent_nodes = {n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "tangent"}
+    backward: set[fx.Node] = set(tangent_nodes)
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        tag = node.meta.get("partitioner_tag")
+        is_bwd = tag == "is_backward" or any(a in backward for a in node.all_input_nodes)
+        if is_bwd:
+            backward.add(node)
+        stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+        module_path = list(stack.values())[-1][0] if stack else ""
+        set_info(
+            node,
+            NodeInfo(
+                role="compute",
+                phase="backward" if is_bwd else "forward",
+                module_path=module_path or "<root>",
+                source=_user_frame(node.meta.get("stack_trace") or ""),
+            ),
+        )
+    gm.meta[SIGNATURE_KEY] = JointSignature(
+        param_names=params,
+        aliases={},
+        buffer_names=buffers,
+        num_inputs=num_inputs,
+        num_tangents=num_tangents,
+        num_user_outputs=num_user_outputs,
+        grad_of=grad_of,
+        in_spec=in_spec,
+        requires_grad=requires_grad,
+    )
+    # parameter names in the original model that alias the same tensor
+    gm.meta["autopar_tied_groups"] = _tied_groups(model)
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _merge_tied(gm: fx.GraphModule) -> None:
+    """One placeholder per tied weight, named by the first alias; its gradient sums the aliases'.
+
+    torch.export may route every use of a tied weight through one alias and give the others no
+    uses and no gradient; either way one placeholder and one summed gradient remain.
+    """
+    sig: JointSignature = gm.meta[SIGNATURE_KEY]
+    groups = gm.meta.pop("autopar_tied_groups", [])
+    placeholders = {
+        info(n).param_name: n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "param"
+    }
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    nu = sig.num_user_outputs
+    for group in groups:
+        present = [name for name in group if name in placeholders]
+        canonical = group[0]
+        for alias in group[1:]:
+            sig.aliases[alias] = canonical
+        if not present:
+            continue
+        keep = next((placeholders[n] for n in present if placeholders[n].users), placeholders[present[0]])
+        grads = [outs[nu + sig.grad_of.index(n)] for n in present]
+        grads = [g for g in grads if g is not None]
+        total = grads[0] if grads else None
+        for g in grads[1:]:
+            with gm.graph.inserting_before(output):
+                summed = gm.graph.call_function(torch.ops.aten.add.Tensor, (total, g))
+            summed.meta["val"] = g.meta["val"]
+            set_info(summed, NodeInfo(role="compute", phase="backward", module_path="<tied weights>"))
+            total = summed
+        for name in present:
+            node = placeholders[name]
+            if node is not keep:
+                node.replace_all_uses_with(keep)
+                gm.graph.erase_node(node)
+        info(keep).param_name = canonical
+        slots = sorted(sig.grad_of.index(n) for n in present)
+        outs[nu + slots[0]] = total
+        for slot in reversed(slots[1:]):
+            del outs[nu + slot]
+        for name in present:
+            sig.param_names.remove(name)
+            sig.grad_of.remove(name)
+        sig.param_names.insert(slots[0], canonical)
+        sig.grad_of.insert(slots[0], canonical)
+    missing = [g for g, v in zip(sig.grad_of, outs[nu:]) if v is None]
+    if missing:
+        raise TraceError(
+            f"parameters {missing} get no gradient from the output",
+            hint="set requires_grad=False on parameters the loss does not use",
+        )
+    output.args = (tuple(outs),)
+
+
+def _drop_identities(gm: fx.GraphModule) -> None:
+    """detach/alias nodes carry no computation for us; removing them keeps dumps readable."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in (
+            torch.ops.aten.detach.default,
+            torch.ops.aten.alias.default,
+        ):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+
+
+def _user_frame(stack_trace: str) -> str:
+    frames = _FRAME.findall(stack_trace)
+    for path, line, fn in reversed(frames):
+        if not _TORCH_FRAME.search(path):
+            return f"{path}:{line} in {fn}"
+    return ""
+
+
+def _user_frame_of(exc: BaseException) -> str:
+    import traceback
+
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if not _TORCH_FRAME.search(frame.filename) and "autopar" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return ""
+
+
+def _first_lines(exc: BaseException, n: int = 6) -> str:
+    return "\n".join(str(exc).strip().splitlines()[:n])
