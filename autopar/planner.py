@@ -419,10 +419,13 @@ def storage_layout(compute: Layout, mesh_shape: Sequence[int]) -> Layout:
 
 
 def _gather_from_storage(want: Layout, mesh_shape: Sequence[int]) -> float:
-    """Elements a rank receives to build `want` from its ~1/p storage (all-gathers on R axes)."""
+    """Elements a rank receives to build `want` from its ~1/p storage (all-gathers on R axes).
+
+    A Partial axis (a bias added before a split contraction) costs nothing extra: the stored value
+    is zeroed on all but one rank of that axis.
+    """
     replicated = math.prod(mesh_shape[a] for a, p in enumerate(want.placements) if not isinstance(p, Shard))
-    partial_penalty = 1e12 if want.partial_axes() else 0.0
-    return want.local_numel(mesh_shape) * (1 - 1 / replicated) + partial_penalty
+    return want.local_numel(mesh_shape) * (1 - 1 / replicated)
 
 
 def _placement_cost(have: Placement, want: Placement, g: int, n: int) -> float:

@@ -134,7 +134,12 @@ def _local_node(
     kwargs = pytree.tree_map(lambda x: env[x] if isinstance(x, fx.Node) else x, node.kwargs)
     ctx = LocalContext(op_call(node), node_info.strategy, mesh_shape, coords, tuple(args), dict(kwargs))
     local = localize(ctx)
-    new = graph.call_function(local.target, tuple(local.args), dict(local.kwargs))
+    target = local.target
+    if target is torch.ops.aten.view.default:
+        # A redistribution may hand over a contiguous copy where the global graph relied on a
+        # producer's strides (e.g. attention output viewed after a transpose): reshape copies then.
+        target = torch.ops.aten.reshape.default
+    new = graph.call_function(target, tuple(local.args), dict(local.kwargs))
     new.meta.update(node.meta)
     new.name = node.name
     return new

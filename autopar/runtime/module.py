@@ -90,11 +90,19 @@ class ParallelModule(nn.Module):
         self.report = report
         program.forward.meta["autopar_mesh_shape"] = tuple(mesh.shape)
         full: dict[str, torch.Tensor] = dict(source.named_parameters(remove_duplicate=False))
-        full.update(dict(source.named_buffers(remove_duplicate=False)))
-        buffer_names = {name for name, _ in source.named_buffers(remove_duplicate=False)}
-        self._ordered: list[str] = []
-        for name, layout in zip(program.param_names, program.param_layouts):
+        buffers = dict(source.named_buffers(remove_duplicate=False))
+        full.update(buffers)
+        layouts = dict(zip(program.param_names, program.param_layouts))
+        self._ordered: list[str] = list(program.param_names)
+        # register in the source model's order so named_parameters()/state_dict() read the same
+        for name in [*dict(source.named_parameters(remove_duplicate=False)), *buffers]:
+            if name in aliases:
+                _register(self, name, _lookup(self, aliases[name]), buffer=name in buffers)
+                continue
+            if name not in layouts:
+                continue
             tensor = full[name].detach()
+            layout = layouts[name]
             local = local_value(tensor, layout, mesh.shape, program.coords).clone().contiguous()
             dt = DTensor.from_local(
                 local,
@@ -104,13 +112,10 @@ class ParallelModule(nn.Module):
                 shape=tensor.shape,
                 stride=tensor.stride() if tensor.is_contiguous() else None,
             )
-            if name in buffer_names:
+            if name in buffers:
                 _register(self, name, dt, buffer=True)
             else:
                 _register(self, name, nn.Parameter(dt, requires_grad=full[name].requires_grad))
-            self._ordered.append(name)
-        for alias, canonical in aliases.items():
-            _register(self, alias, _lookup(self, canonical), buffer=canonical in buffer_names)
 
     @property
     def program(self) -> EmittedProgram:
