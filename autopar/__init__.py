@@ -1,5 +1,7 @@
 """autopar: compile an unmodified PyTorch model into a 3-D tensor-parallel distributed module."""
 
+from typing import TYPE_CHECKING
+
 from autopar.errors import (
     AutoparError,
     InputMismatchError,
@@ -10,6 +12,9 @@ from autopar.errors import (
 )
 from autopar.layout import Layout, Partial, Replicate, Shard
 from autopar.mesh import Mesh
+
+if TYPE_CHECKING:
+    from autopar.api import compile_for_rank, parallelize
 
 __all__ = [
     "AutoparError",

@@ -107,13 +107,56 @@ class _Greedy:
 
     # ---- driver -------------------------------------------------------------------------------
     def run(self) -> Plan:
+        self._check_batch()
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 self._placeholder(node)
             elif node.op == "call_function":
                 self._call(node)
         self._outputs()
+        self._check_storage()
         return self.plan
+
+    def _check_batch(self) -> None:
+        """The first input's dim 0 is the batch; the token axes split it, so it must divide evenly."""
+        token_axes = [a for a, r in enumerate(self.plan.roles) if r == "token" and self.shape[a] > 1]
+        factor = math.prod(self.shape[a] for a in token_axes)
+        first = next(
+            (n for n in self.gm.graph.nodes if n.op == "placeholder" and info(n).role == "input"), None
+        )
+        if first is None or factor == 1:
+            return
+        val = first.meta["val"]
+        if val.dim() >= 1 and val.shape[0] % factor:
+            names = "".join(self.mesh.axis_names[a] for a in token_axes)
+            raise ShardingError(
+                f"the batch dim of input 0 ({val.shape[0]}, shape {list(val.shape)}) is not divisible "
+                f"by the token axes {names} of mesh {self.mesh} ({factor} ranks)",
+                op="input",
+                layouts=[f"wanted: dim 0 split {factor} ways over {names}"],
+                hint=f"use a batch size that is a multiple of {factor}, or a mesh with smaller token axes",
+            )
+
+    def _check_storage(self) -> None:
+        """Weights (2-D and up) must be stored split on every axis; vectors may stay replicated."""
+        for node in self.gm.graph.nodes:
+            if node.op != "placeholder" or info(node).role != "param":
+                continue
+            layout = self.plan.layouts[node.name][0]
+            unsplit = [
+                a for a, p in enumerate(layout.placements) if isinstance(p, Replicate) and self.shape[a] > 1
+            ]
+            if len(layout.shape) >= 2 and unsplit:
+                axes = ", ".join(f"{self.mesh.axis_names[a]}={self.shape[a]}" for a in unsplit)
+                raise ShardingError(
+                    f"parameter {info(node).param_name} of shape {list(layout.shape)} cannot be split "
+                    f"evenly over mesh axis {axes}: after the splits its computation needs, no dim "
+                    "is divisible by that axis",
+                    op="parameter storage",
+                    layouts=[layout.per_dim_str(self.mesh.axis_names)],
+                    hint="make the weight's dims divisible by the mesh axis sizes (uneven shards "
+                    "are not supported yet), or choose a mesh whose axes divide them",
+                )
 
     def _placeholder(self, node: fx.Node) -> None:
         role = info(node).role

@@ -1,0 +1,1 @@
+"""Runnable examples; `examples.models` also serves the tests and benchmarks."""

@@ -1,0 +1,165 @@
+"""Run a function on N real gloo ranks, as forked processes, and collect what each returns.
+
+Forking from a parent that has already imported torch starts 8 ranks in under a second, where
+`mp.spawn`/`torchrun` pay ~15 s to import torch in every rank. The heavy modules are imported below,
+in the parent, so that the forks inherit them (the first functional collective would otherwise
+import torch._dynamo, ~1 s in every rank).
+
+The harness must never hang pytest: a rank that fails gets the others killed after a short grace
+period (they are usually stuck in a collective waiting for it), and on timeout every rank is
+killed, after its Python stacks were dumped so that the error says where each one was stuck.
+
+Usage (in a test; ``fn`` must be a module-level or otherwise fork-visible callable)::
+
+    def body(rank: int, world_size: int, x: float) -> float:
+        t = torch.tensor([x]); dist.all_reduce(t); return t.item()
+
+    assert run_ranks(8, body, 1.0) == [8.0] * 8
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo  # noqa: F401
+import torch.distributed as dist
+import torch.distributed.device_mesh  # noqa: F401
+import torch.distributed.tensor  # noqa: F401
+
+# Once one rank has failed, how long the others get to finish before they are killed.
+FAILURE_GRACE_S = 1.0
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    conn: Connection,
+    tmp: str,
+    timeout: float,
+) -> None:
+    with open(os.path.join(tmp, f"stacks.{rank}"), "w") as stacks:
+        # The parent sends SIGUSR1 before killing a hung rank: this writes where it hung.
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        os.environ.update(LOCAL_WORLD_SIZE=str(world_size))
+        torch.set_num_threads(1)  # N ranks share few cores; more threads only contend
+        try:
+            store = dist.FileStore(os.path.join(tmp, "store"), world_size)
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            )
+            # Plain pickle, not the Connection's ForkingPickler: torch registers shared-memory
+            # reductions there, which break once this process has exited.
+            payload = pickle.dumps(("ok", fn(rank, world_size, *args)))
+            ok = True
+        except BaseException:
+            payload = pickle.dumps(("raised", traceback.format_exc()))
+            ok = False
+        conn.send_bytes(payload)
+        conn.close()
+        if dist.is_initialized():
+            # Gloo connects ranks without a barrier: a rank that returned early and closed its
+            # connections would make a slower rank's connection set-up fail. A failed rank skips
+            # this, so that peers stuck waiting for it see the closed connection and raise. The
+            # result is sent already, so a barrier broken by a failed peer changes nothing.
+            if ok:
+                with contextlib.suppress(Exception):
+                    dist.barrier()
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on each of ``world_size`` forked gloo ranks.
+
+    Returns the ranks' return values in rank order. Raises AssertionError naming every rank that
+    raised (with its traceback), died, or was still running when ``timeout`` seconds had passed.
+    """
+    ctx = mp.get_context("fork")
+    procs: list[Any] = []
+    unanswered = list(range(world_size))  # until collected, any exit kills every child at once
+    with tempfile.TemporaryDirectory(prefix="autopar-ranks-") as tmp:
+        try:
+            readers: dict[Connection, int] = {}
+            for rank in range(world_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_child, args=(rank, world_size, fn, args, writer, tmp, timeout))
+                p.start()
+                writer.close()  # the child now holds the only write end: its death gives us EOF
+                procs.append(p)
+                readers[reader] = rank
+            results = _collect(readers, procs, timeout)
+            unanswered = sorted(readers.values())
+            for rank in unanswered:
+                os.kill(procs[rank].pid, signal.SIGUSR1)  # its faulthandler writes where it hangs
+            if unanswered:
+                time.sleep(0.3)
+            stacks = {rank: _own_frames(Path(tmp, f"stacks.{rank}").read_text()) for rank in unanswered}
+        finally:
+            for rank in unanswered:
+                if rank < len(procs):
+                    procs[rank].kill()
+            teardown_deadline = time.monotonic() + 5.0  # ranks that answered are only tearing down
+            for p in procs:
+                p.join(timeout=max(0.0, teardown_deadline - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+    failures = []
+    any_failed = any(status != "ok" for status, _ in results.values())
+    for rank in range(world_size):
+        if rank in unanswered:
+            why = "was killed after another rank failed" if any_failed else f"timed out after {timeout:g} s"
+            failures.append(f"--- rank {rank} {why}; its stacks:\n{stacks[rank] or '(none written)'}")
+        elif results[rank][0] != "ok":
+            failures.append(f"--- rank {rank} {results[rank][0]}:\n{results[rank][1]}")
+    if failures:
+        raise AssertionError(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(failures))
+    return [results[rank][1] for rank in range(world_size)]
+
+
+def _collect(readers: dict[Connection, int], procs: list[Any], timeout: float) -> dict[int, tuple[str, Any]]:
+    """Read each rank's result until all are in, the timeout passes, or the grace after a failure does.
+
+    Ranks that never answered are left in ``readers``.
+    """
+    results: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while readers and (remaining := deadline - time.monotonic()) > 0:
+        for conn in wait(list(readers), timeout=remaining):
+            assert isinstance(conn, Connection)
+            rank = readers.pop(conn)
+            try:
+                results[rank] = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                procs[rank].join(timeout=1.0)
+                results[rank] = ("died", f"exited with code {procs[rank].exitcode} before returning")
+            conn.close()
+            if results[rank][0] != "ok":
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    for conn in readers:
+        conn.close()
+    return results
+
+
+def _own_frames(dump: str) -> str:
+    """A faulthandler dump without the frames below ``_child``, which the fork copied from the parent."""
+    lines = dump.strip().splitlines()
+    cut = next((i for i, line in enumerate(lines) if line.endswith(" in _child")), len(lines) - 1)
+    return "\n".join(lines[: cut + 1])

@@ -1,0 +1,118 @@
+"""Bad input gets an AutoparError a user can act on: what failed, where in their model, what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from multirank import run_ranks
+
+import autopar
+from autopar.api import compile_for_rank
+from autopar.errors import InputMismatchError, MeshError, MissingRuleError, ShardingError, TraceError
+from autopar.mesh import Mesh
+from autopar.rules.registry import default_registry
+from examples.models import make_mlp
+
+
+class Tiny(nn.Module):
+    def __init__(self, d_in: int = 16, d_out: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.fc(x)).sum()
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if y.sum() > 0:  # Python control flow on a tensor value: not traceable
+            return y.sum()
+        return (-y).sum()
+
+
+def test_not_a_device_mesh() -> None:
+    model, batch = make_mlp(0)
+    with pytest.raises(MeshError, match="must be a torch DeviceMesh") as err:
+        autopar.parallelize(model, (2, 2, 2), example_inputs=batch)  # type: ignore[arg-type]
+    assert "init_device_mesh" in str(err.value)
+
+
+def test_batch_not_divisible_by_token_axes() -> None:
+    model, (x, y) = make_mlp(0, batch_size=7)
+    with pytest.raises(ShardingError, match=r"batch dim of input 0 \(7") as err:
+        compile_for_rank(model, Mesh.from_shape((2, 2, 2)), (x, y), coords=(0, 0, 0))
+    assert "multiple of 2" in str(err.value)
+
+
+def test_weight_not_divisible_names_the_parameter() -> None:
+    model = Tiny(d_in=7, d_out=9)
+    with pytest.raises(ShardingError, match=r"parameter fc\.weight of shape \[9, 7\]") as err:
+        compile_for_rank(model, Mesh.from_shape((2,)), (torch.randn(4, 7),), coords=(0,))
+    assert "x=2" in str(err.value) and "hint" in str(err.value)
+
+
+def test_op_without_rule_names_op_module_and_line() -> None:
+    registry = default_registry()
+    del registry._rules[torch.ops.aten.gelu.default]
+    with pytest.raises(MissingRuleError) as err:
+        compile_for_rank(Tiny(), Mesh.from_shape((2,)), (torch.randn(4, 16),), coords=(0,), registry=registry)
+    message = str(err.value)
+    assert "aten.gelu.default" in message
+    assert "test_errors.py" in message and "in forward" in message  # the user's source line
+    assert "registry.register" in message
+
+
+def test_untraceable_model_wraps_torch_error_with_location() -> None:
+    with pytest.raises(TraceError) as err:
+        compile_for_rank(DataDependent(), Mesh.from_shape((2,)), (torch.randn(4, 8),), coords=(0,))
+    message = str(err.value)
+    assert "torch.export could not trace DataDependent" in message
+    assert "test_errors.py" in message  # where in the user's code it failed
+    assert isinstance(err.value.__cause__, Exception)
+
+
+def _mismatched_inputs(rank: int, world_size: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("x",))
+    model, batch = make_mlp(0)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=batch)
+    _, other = make_mlp(0, batch_size=4)
+    try:
+        pmodel(*other)
+    except InputMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _mesh_smaller_than_world(rank: int, world_size: int) -> str:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", torch.tensor([0]), mesh_dim_names=("x",))
+    model, batch = make_mlp(0)
+    try:
+        autopar.parallelize(model, mesh, example_inputs=batch)
+    except MeshError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_inputs_that_differ_from_the_examples() -> None:
+    (message,) = run_ranks(1, _mismatched_inputs, timeout=120)
+    assert "input 0 is float32[4, 32]" in message and "compiled for float32[8, 32]" in message, message
+    assert "parallelize again" in message
+
+
+@pytest.mark.multirank
+def test_mesh_size_must_equal_world_size() -> None:
+    messages = run_ranks(2, _mesh_smaller_than_world, timeout=120)
+    for message in messages:
+        assert "has 1 ranks but the job has 2" in message, message

@@ -1,0 +1,98 @@
+"""The multi-rank harness itself: results in rank order, failures named, hangs killed, all fast."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+
+pytestmark = pytest.mark.multirank
+
+
+def _all_reduce(rank: int, world_size: int, scale: float) -> tuple[int, int, float]:
+    t = torch.tensor([scale * (rank + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+def test_all_reduce_on_eight_ranks_returns_in_rank_order() -> None:
+    results = run_ranks(8, _all_reduce, 0.5, timeout=60)
+    assert results == [(rank, 8, 0.5 * 36) for rank in range(8)]
+
+
+def _mesh_axis_sums(rank: int, world_size: int) -> list[float]:
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("x", "y", "z"))
+    sums = []
+    for axis in ("x", "y", "z"):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=mesh.get_group(axis))
+        sums.append(t.item())
+    return sums
+
+
+def test_device_mesh_groups_work_in_forked_ranks() -> None:
+    # Rank r has coordinates (r // 4, r // 2 % 2, r % 2); the partner along x is r ^ 4, and so on.
+    results = run_ranks(8, _mesh_axis_sums, timeout=60)
+    assert results == [[float(r + (r ^ 4)), float(r + (r ^ 2)), float(r + (r ^ 1))] for r in range(8)]
+
+
+def _fail_on_rank_two_while_others_are_stuck(rank: int, world_size: int) -> None:
+    if rank == 2:
+        raise ValueError("rank two is broken")
+    # Like a rank stuck in a collective that will never complete: only the harness can end it.
+    time.sleep(3600)
+
+
+def test_failing_rank_is_named_and_the_waiting_ranks_are_killed() -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_ranks(4, _fail_on_rank_two_while_others_are_stuck, timeout=60)
+    message = str(info.value)
+    assert "4 of 4 ranks failed" in message
+    assert "rank 2 raised" in message
+    assert "ValueError: rank two is broken" in message
+    assert "rank 0 was killed after another rank failed" in message
+    assert "_fail_on_rank_two_while_others_are_stuck" in message  # the stuck ranks' stacks
+    assert time.monotonic() - start < 10  # the grace period, not the 60 s timeout
+
+
+def _hang_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        time.sleep(3600)
+    return rank
+
+
+def test_hung_rank_is_killed_at_the_timeout_with_its_stack() -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_ranks(2, _hang_on_rank_one, timeout=1.5)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert "1 of 2 ranks failed" in message
+    assert "rank 1 timed out after 1.5 s" in message
+    assert "_hang_on_rank_one" in message  # faulthandler's dump names the function it hung in
+    assert elapsed < 10
+
+
+def _exit_abruptly(rank: int, world_size: int) -> None:
+    if rank == 0:
+        os._exit(3)
+
+
+def test_rank_that_dies_without_answering_is_reported() -> None:
+    with pytest.raises(AssertionError, match=r"rank 0 died:\nexited with code 3"):
+        run_ranks(2, _exit_abruptly, timeout=30)
+
+
+def _unpicklable(rank: int, world_size: int) -> object:
+    return lambda: rank
+
+
+def test_unpicklable_result_is_an_error_not_a_hang() -> None:
+    with pytest.raises(AssertionError, match="rank 1 raised"):
+        run_ranks(2, _unpicklable, timeout=30)
