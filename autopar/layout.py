@@ -7,6 +7,7 @@ outer blocks, the later one splits each block (DTensor's default order).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ class Layout:
 
     def shard_axes(self, dim: int) -> tuple[int, ...]:
         """Mesh axes splitting `dim`, outermost first."""
-        return tuple(a for a, p in enumerate(self.placements) if p == Shard(dim))
+        return _axes_by_dim(self.placements, len(self.shape))[dim]
 
     def partial_axes(self) -> tuple[int, ...]:
         return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Partial))
@@ -89,7 +90,8 @@ class Layout:
         return [d for d in range(len(self.shape)) if self.shape[d] % self.split_factor(d, mesh_shape)]
 
     def local_shape(self, mesh_shape: Sequence[int]) -> tuple[int, ...]:
-        return tuple(s // self.split_factor(d, mesh_shape) for d, s in enumerate(self.shape))
+        factors = _split_factors(self.placements, len(self.shape), tuple(mesh_shape))
+        return tuple(size // f for size, f in zip(self.shape, factors))
 
     def local_numel(self, mesh_shape: Sequence[int]) -> int:
         return math.prod(self.local_shape(mesh_shape))
@@ -131,6 +133,23 @@ class Layout:
         return self.per_axis_str()
 
 
+@functools.lru_cache(maxsize=65536)
+def _axes_by_dim(placements: tuple[Placement, ...], ndim: int) -> tuple[tuple[int, ...], ...]:
+    by_dim: list[list[int]] = [[] for _ in range(ndim)]
+    for a, p in enumerate(placements):
+        if isinstance(p, Shard):
+            by_dim[p.dim].append(a)
+    return tuple(tuple(axes) for axes in by_dim)
+
+
+@functools.lru_cache(maxsize=65536)
+def _split_factors(
+    placements: tuple[Placement, ...], ndim: int, mesh_shape: tuple[int, ...]
+) -> tuple[int, ...]:
+    return tuple(math.prod(mesh_shape[a] for a in axes) for axes in _axes_by_dim(placements, ndim))
+
+
+@functools.lru_cache(maxsize=64)
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

@@ -101,9 +101,12 @@ class _Greedy:
         self.shape = tuple(mesh.shape)
         self.registry = registry
         self.plan = Plan(roles=axis_roles(mesh))
-        self.deferred: set[fx.Node] = set()
+        # Values laid out by their first consumer: "param" chains (a parameter and views/casts of
+        # it) and "replica" chains (computed from whole, replicated values only: slicing is free).
+        self.deferred: dict[fx.Node, str] = {}
         self.sig = signature(gm)
         self.output = next(n for n in gm.graph.nodes if n.op == "output")
+        self.tangents: set[fx.Node] = set()
 
     # ---- driver -------------------------------------------------------------------------------
     def run(self) -> Plan:
@@ -162,9 +165,9 @@ class _Greedy:
         role = info(node).role
         val = node.meta["val"]
         if role == "param":
-            self.deferred.add(node)
+            self.deferred[node] = "param"
         elif role == "tangent":
-            self.deferred.add(node)  # takes its output's layout once that is known
+            self.tangents.add(node)  # takes its output's layout once that is known
         else:  # user inputs and buffers arrive whole on every rank; consumers slice for free
             self._set(node, (Layout.replicated(val.shape, self.mesh.ndim, val.dtype),), "global input")
 
@@ -172,24 +175,24 @@ class _Greedy:
         if node.target is operator.getitem:
             parent = node.args[0]
             assert isinstance(parent, fx.Node)
-            if parent in self.deferred:
-                self.deferred.add(node)
-                return
             layout = self.plan.strategies[parent.name].outputs[output_index(node)]
             self._set(node, (layout,), "")
             return
         inputs = tensor_inputs(node)
-        if (
-            inputs
-            and all(self._is_deferred_weight(i) for i in inputs)
-            and isinstance(node.meta["val"], torch.Tensor)
-        ):
-            self.deferred.add(node)  # a view/cast of a parameter: laid out by its consumer
-            return
+        rule = self.registry.get(node.target)
+        if inputs and isinstance(node.meta["val"], torch.Tensor) and not (rule is not None and rule.anchor):
+            kinds = [self._deferral(i) for i in inputs]
+            if all(k is not None for k in kinds):
+                self.deferred[node] = "param" if "param" in kinds else "replica"
+                return
         self._choose(node, inputs)
 
-    def _is_deferred_weight(self, node: fx.Node) -> bool:
-        return node in self.deferred and not (node.op == "placeholder" and info(node).role == "tangent")
+    def _deferral(self, node: fx.Node) -> str | None:
+        """How a value may be laid out later: "param", "replica", or None (it has its layout)."""
+        current = self._current(node)
+        if isinstance(current, str):
+            return current
+        return "replica" if current.is_replicated else None
 
     # ---- choosing a strategy -------------------------------------------------------------------
     def _rule(self, node: fx.Node) -> Any:
@@ -204,14 +207,21 @@ class _Greedy:
             )
         return rule
 
-    def _current(self, node: fx.Node) -> Layout | None:
-        """Layout an input has now; None for a parameter (chain) still to be laid out."""
-        if node.op == "placeholder" and info(node).role == "tangent" and node in self.deferred:
+    def _current(self, node: fx.Node) -> Layout | str:
+        """Layout an input has now, or its deferral kind if its consumer will lay it out."""
+        if node in self.tangents:
             self._resolve_tangent(node)
         if node in self.deferred:
-            return None
-        layouts = self.plan.layouts[node.name]
-        return layouts[0]
+            return self.deferred[node]
+        return self.plan.layouts[node.name][0]
+
+    def _input_cost(self, have: Layout | str, want: Layout) -> float:
+        if have == "param":
+            return _gather_from_storage(want, self.shape)
+        if have == "replica":
+            return 0.0
+        assert isinstance(have, Layout)
+        return _redist(have, want, self.shape)
 
     def _choose(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         rule = self._rule(node)
@@ -230,27 +240,19 @@ class _Greedy:
             cost = self._cost(strategy, current, work)
             scored.append((cost, self._slices(strategy, current), index, strategy))
         note = "lowest modeled cost"
-        if rule.anchor and any(c is None for c in current) and any(c is not None for c in current):
+        if rule.anchor and "param" in current and any(c != "param" for c in current):
             constrained = self._role_filter(scored, current)
             if constrained:
                 scored, note = constrained, "axis roles (tokens / tensor axes)"
         scored.sort(key=lambda t: (t[0], t[1], t[2]))
         best = scored[0][3]
         for node_in, want in zip(inputs, best.inputs):
-            if node_in in self.deferred and not (
-                node_in.op == "placeholder" and info(node_in).role == "tangent"
-            ):
-                self._resolve(node_in, want)
+            self._resolve(node_in, want)
         self.plan.strategies[node.name] = best
         self._set(node, best.outputs, note)
 
-    def _cost(self, strategy: Strategy, current: Sequence[Layout | None], work: float) -> float:
-        comm = 0.0
-        for have, want in zip(current, strategy.inputs):
-            if have is None:
-                comm += _gather_from_storage(want, self.shape)
-            else:
-                comm += _redist(have, want, self.shape)
+    def _cost(self, strategy: Strategy, current: Sequence[Layout | str], work: float) -> float:
+        comm = sum(self._input_cost(have, want) for have, want in zip(current, strategy.inputs))
         split = math.prod(
             self.shape[a]
             for a in range(len(self.shape))
@@ -264,12 +266,14 @@ class _Greedy:
         return comm + PARTIAL_WEIGHT * pending + FLOP_WEIGHT * work / split
 
     @staticmethod
-    def _slices(strategy: Strategy, current: Sequence[Layout | None]) -> int:
+    def _slices(strategy: Strategy, current: Sequence[Layout | str]) -> int:
         """Tie-break: prefer keeping inputs as they are over slicing replicas."""
-        return sum(1 for have, want in zip(current, strategy.inputs) if have is not None and have != want)
+        return sum(
+            1 for have, want in zip(current, strategy.inputs) if isinstance(have, Layout) and have != want
+        )
 
     def _beam(
-        self, call: OpCall, options: list[AxisStrategy], current: Sequence[Layout | None]
+        self, call: OpCall, options: list[AxisStrategy], current: Sequence[Layout | str]
     ) -> list[Strategy]:
         """Per axis, the few single-axis options closest to the inputs; their product."""
         per_axis: list[list[AxisStrategy]] = []
@@ -295,34 +299,35 @@ class _Greedy:
                 result.append(strategy)
         return result or expand(call, options, self.shape)
 
-    def _axis_cost(self, option: AxisStrategy, current: Sequence[Layout | None], axis: int, g: int) -> float:
+    def _axis_cost(self, option: AxisStrategy, current: Sequence[Layout | str], axis: int, g: int) -> float:
         cost = 0.0
         for have, want in zip(current, option.inputs):
-            if have is None:
+            if have == "param":
                 cost += 0.0 if isinstance(want, Shard) else 1.0
                 continue
+            if have == "replica":
+                continue
+            assert isinstance(have, Layout)
             cost += _placement_cost(have.placements[axis], want, g, have.local_numel(self.shape))
         for out in option.outputs:
             if isinstance(out, Partial):
                 cost += 0.5
         return cost
 
-    def _role_filter(self, scored: list[Any], current: Sequence[Layout | None]) -> list[Any]:
+    def _role_filter(self, scored: list[Any], current: Sequence[Layout | str]) -> list[Any]:
         roles = self.plan.roles
         kept = []
         for item in scored:
             strategy: Strategy = item[3]
             ok = True
             distinct: set[int] = set()
-            weights = [w for w, c in zip(strategy.inputs, current) if c is None]
+            weights = [w for w, c in zip(strategy.inputs, current) if c == "param"]
             main_weight = max(weights, key=lambda w: math.prod(w.shape))
             for a, role in enumerate(roles):
                 if self.shape[a] == 1:
                     continue
                 if role == "token":
-                    acts = [
-                        w for w, c in zip(strategy.inputs, current) if c is not None and len(w.shape) >= 1
-                    ]
+                    acts = [w for w, c in zip(strategy.inputs, current) if c != "param" and len(w.shape) >= 1]
                     ok = ok and all(w.placements[a] == Shard(0) for w in acts)
                 else:
                     p = main_weight.placements[a]
@@ -337,10 +342,10 @@ class _Greedy:
 
     # ---- laying out parameters -----------------------------------------------------------------
     def _resolve(self, node: fx.Node, want: Layout) -> None:
-        """Give a deferred parameter (or a view/cast chain of one) the layout its consumer wants."""
+        """Give a deferred value (a parameter or replica chain) the layout its consumer wants."""
         if node not in self.deferred:
             return
-        self.deferred.discard(node)
+        kind = self.deferred.pop(node)
         if node.op == "placeholder":
             storage = storage_layout(want, self.shape)
             self._set(node, (storage,), f"stored split over all axes; computes as {want.per_axis_str()}")
@@ -356,21 +361,24 @@ class _Greedy:
                 s for s in expand(call, rule.strategies(call), self.shape) if s.outputs[0].is_replicated
             ]
             matching = replicated[:1]
-        best = min(
-            matching,
-            key=lambda s: sum(_gather_from_storage(w, self.shape) for w in s.inputs),
-        )
+        current = [self._current(i) for i in inputs]
+        best = min(matching, key=lambda s: sum(self._input_cost(h, w) for h, w in zip(current, s.inputs)))
         for node_in, need in zip(inputs, best.inputs):
             self._resolve(node_in, need)
         self.plan.strategies[node.name] = best
-        self._set(node, best.outputs, "follows its consumer")
+        self._set(node, best.outputs, f"laid out by its consumer ({kind} chain)")
 
     def _resolve_tangent(self, node: fx.Node) -> None:
         index = info(node).input_index or 0
         produced = self.output.args[0][index]  # type: ignore[index]
         assert isinstance(produced, fx.Node)
-        self.deferred.discard(node)
+        self.tangents.discard(node)
+        self._resolve(produced, self._replicated(produced))
         self._set(node, (self._user_output_layout(produced),), "gradient of a user output")
+
+    def _replicated(self, node: fx.Node) -> Layout:
+        val = node.meta["val"]
+        return Layout.replicated(val.shape, self.mesh.ndim, val.dtype)
 
     def _user_output_layout(self, produced: fx.Node) -> Layout:
         have = self.plan.layouts[produced.name][0]
@@ -396,6 +404,7 @@ class _Greedy:
                 result.append(None)
                 continue
             if i < nu:
+                self._resolve(value, self._replicated(value))
                 result.append(self._user_output_layout(value))
                 continue
             param = param_nodes[self.sig.grad_of[i - nu]]
@@ -410,10 +419,8 @@ class _Greedy:
                     ),
                 )
             result.append(self.plan.layouts[param.name][0])
-        for node in list(self.deferred):
-            if node.op == "placeholder" and info(node).role == "param":
-                val = node.meta["val"]
-                self._resolve(node, Layout.replicated(val.shape, self.mesh.ndim, val.dtype))
+        for node in list(self.deferred):  # computed but consumed by nothing that chose a layout
+            self._resolve(node, self._replicated(node))
         self.plan.output_layouts = result
 
     # ---- helpers -------------------------------------------------------------------------------

@@ -113,6 +113,15 @@ def _retrace(gm: fx.GraphModule, decompositions: dict[Any, Callable[..., Any]]) 
     for old, fresh in zip(placeholders, [n for n in new.graph.nodes if n.op == "placeholder"]):
         fresh.meta.update({k: v for k, v in old.meta.items() if k not in fresh.meta})
         fresh.name = old.name
+    # make_fx keeps the forward module stacks but not the backward ones: restore from the source node
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for node in new.graph.nodes:
+        sources = node.meta.get("from_node") or []
+        origin = by_name.get(sources[0].name) if sources else None
+        if origin is not None:
+            for key in ("fwd_nn_module_stack", "nn_module_stack", "stack_trace", "partitioner_tag"):
+                if key in origin.meta and key not in node.meta:
+                    node.meta[key] = origin.meta[key]
     old_out = next(n for n in gm.graph.nodes if n.op == "output")
     new_out = next(n for n in new.graph.nodes if n.op == "output")
     new_out.meta["desc"] = old_out.meta.get("desc")

@@ -1,0 +1,96 @@
+"""Tensor factories: the output may be created directly in any split layout.
+
+Constant fills only need the local shape (`localize_sizes` rewrites `size`); `arange` must produce
+this rank's elements, so its localize computes the block from the output layout and coords.
+`*_like` factories follow their input's shards; their input values are never read, so a Partial
+input yields a plain replicated constant (or, for zeros, a Partial zero).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from autopar.layout import P, R, Shard
+from autopar.rules import local_ops
+from autopar.rules.base import AxisStrategy, LocalCall, LocalContext, OpCall, RuleRegistry, with_replicated
+
+aten = torch.ops.aten
+
+FAMILY = "factory"
+
+
+def fill_rule(call: OpCall) -> list[AxisStrategy]:
+    """zeros/ones/full/empty: any output dim may be split."""
+    shape = call.outputs[0].shape
+    result = [AxisStrategy((R,) * len(call.inputs), (Shard(d),)) for d in range(len(shape)) if shape[d] > 1]
+    return with_replicated(call, result)
+
+
+def like_rule(zero: bool) -> Callable[[OpCall], list[AxisStrategy]]:
+    def rule(call: OpCall) -> list[AxisStrategy]:
+        shape = call.outputs[0].shape
+        result = [AxisStrategy((Shard(d),), (Shard(d),)) for d in range(len(shape)) if shape[d] > 1]
+        floating = call.outputs[0].dtype.is_floating_point
+        result.append(AxisStrategy((P,), (P if zero and floating else R,)))
+        return with_replicated(call, result)
+
+    return rule
+
+
+def _arange_bounds(call: OpCall) -> tuple[float | int, float | int]:
+    """(start, step) of an arange call."""
+    if call.op == aten.arange.default:
+        return 0, 1
+    return call.arg(0, "start"), call.arg(2, "step", 1) if call.op == aten.arange.start_step else 1
+
+
+def arange_rule(call: OpCall) -> list[AxisStrategy]:
+    result = [AxisStrategy((), (Shard(0),))] if call.outputs[0].shape[0] > 1 else []
+    return with_replicated(call, result)
+
+
+def localize_arange(ctx: LocalContext) -> LocalCall:
+    """This rank's block `[offset, offset + length)` of the global arange."""
+    call = ctx.call
+    layout = ctx.strategy.outputs[0]
+    if not layout.shard_axes(0):
+        return LocalCall(call.op, ctx.args, ctx.kwargs)
+    start, step = _arange_bounds(call)
+    offset = layout.local_offsets(ctx.mesh_shape, ctx.coords)[0]
+    length = layout.local_shape(ctx.mesh_shape)[0]
+    args = (start, step, offset, length, call.outputs[0].dtype, ctx.kwargs.get("device"))
+    return LocalCall(local_ops.arange_block, args, {})
+
+
+def scalar_rule(call: OpCall) -> list[AxisStrategy]:
+    """A 0-d tensor has nothing to split."""
+    return with_replicated(call, [])
+
+
+FILLS = [
+    aten.zeros.default,
+    aten.ones.default,
+    aten.full.default,
+    aten.empty.memory_format,
+]
+
+LIKES = {
+    aten.zeros_like.default: True,
+    aten.ones_like.default: False,
+    aten.full_like.default: False,
+    aten.empty_like.default: False,
+}
+
+ARANGES = [aten.arange.default, aten.arange.start, aten.arange.start_step]
+
+
+def register(registry: RuleRegistry) -> None:
+    for op in FILLS:
+        registry.register(op, fill_rule, family=FAMILY)
+    for op, zero in LIKES.items():
+        registry.register(op, like_rule(zero), family=FAMILY)
+    for op in ARANGES:
+        registry.register(op, arange_rule, family=FAMILY, localize=localize_arange)
+    registry.register(aten.scalar_tensor.default, scalar_rule, family=FAMILY)

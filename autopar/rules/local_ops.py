@@ -1,0 +1,95 @@
+"""Plain functions a rank runs where its local op differs from the global one.
+
+Localize hooks return these as `LocalCall.target`; emitted GraphModules call them directly, so
+they take only local tensors and plain Python values computed at plan time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+aten = torch.ops.aten
+
+
+def sum_over_count(
+    x: torch.Tensor,
+    dims: Sequence[int],
+    keepdim: bool,
+    dtype: torch.dtype | None,
+    count: int,
+) -> torch.Tensor:
+    """`mean` whose reduced dims may be split: local sum divided by the GLOBAL element count.
+
+    Summing the ranks' results (the output is Partial over the split axes) gives the mean.
+    """
+    total = aten.sum.dim_IntList(x, list(dims), keepdim, dtype=dtype)
+    return total / count
+
+
+def squared_error_over_count(x: torch.Tensor, target: torch.Tensor, count: int) -> torch.Tensor:
+    """`mse_loss(reduction="mean")` on a block: local squared-error sum over the GLOBAL count."""
+    return (x - target).pow(2).sum() / count
+
+
+def mse_grad_over_count(
+    grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, count: int
+) -> torch.Tensor:
+    """`mse_loss_backward(reduction="mean")` on a block, scaled by the GLOBAL element count."""
+    return grad * 2.0 * (x - target) / count
+
+
+def arange_block(
+    start: int | float,
+    step: int | float,
+    offset: int,
+    length: int,
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Elements `[offset, offset + length)` of `arange(start, ., step)`.
+
+    The end is placed half a step past the last element and the result truncated, so float
+    rounding can neither drop nor add an element.
+    """
+    if not dtype.is_floating_point:
+        # integer aranges truncate start and step to the dtype before counting, as ATen does
+        start, step = int(start), int(step)
+    first = start + offset * step
+    end = first + (length + 0.5) * step
+    return torch.arange(first, end, step, dtype=dtype, device=device)[:length]
+
+
+def embedding_row_block(weight: torch.Tensor, indices: torch.Tensor, row_offset: int) -> torch.Tensor:
+    """Lookup in a block of vocabulary rows: rows held elsewhere give zeros (output Partial)."""
+    rows = weight.shape[0]
+    local = indices - row_offset
+    inside = (local >= 0) & (local < rows)
+    out = aten.embedding.default(weight, torch.where(inside, local, torch.zeros_like(local)))
+    return out * inside.unsqueeze(-1).to(out.dtype)
+
+
+def embedding_backward_row_block(
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    num_weights: int,
+    row_offset: int,
+    rows: int,
+    padding_idx: int,
+    scale_grad_by_freq: bool,
+) -> torch.Tensor:
+    """This rank's rows `[row_offset, row_offset + rows)` of `embedding_dense_backward`.
+
+    Indices of other rows go to one extra scratch row that is dropped; counts for
+    `scale_grad_by_freq` stay global because every rank sees all indices.
+    """
+    local = indices - row_offset
+    inside = (local >= 0) & (local < rows)
+    local = torch.where(inside, local, torch.full_like(local, rows))
+    if 0 <= padding_idx < num_weights and row_offset <= padding_idx < row_offset + rows:
+        local_padding = padding_idx - row_offset
+    else:
+        local_padding = -1
+    out = aten.embedding_dense_backward.default(grad, local, rows + 1, local_padding, scale_grad_by_freq)
+    return out[:rows]

@@ -1,0 +1,97 @@
+"""Matrix products, all from one einsum-like spec.
+
+For a spec such as `"mk,kn->mn"` the options on one mesh axis are:
+
+* shard one letter: every operand dim carrying it and the output dim carrying it are split; a
+  contracted letter (absent from the output) leaves each rank a partial product, so the output
+  is Partial;
+* Partial through linearity: exactly one operand Partial, the others Replicate, output Partial;
+* all Replicate.
+
+A bias added to the product (`addmm`, `baddbmm`) broadcasts against the output. It is added once
+per rank, so whenever the product is Partial the bias must be Partial too (a replicated bias
+would be counted g times); when the output is sharded it follows by broadcasting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from autopar.layout import P, Placement, R, Shard
+from autopar.rules.base import AxisStrategy, OpCall, RuleRegistry, with_replicated
+from autopar.rules.pointwise import broadcast_shard, partial_ok
+
+aten = torch.ops.aten
+
+FAMILY = "matmul"
+
+
+def parse_spec(spec: str) -> tuple[list[str], str]:
+    lhs, out = spec.replace(" ", "").split("->")
+    return lhs.split(","), out
+
+
+def einsum_strategies(
+    call: OpCall, spec: str, operands: tuple[int, ...], bias: int | None
+) -> list[AxisStrategy]:
+    """Single-axis strategies for `spec`; `operands[k]` is the tensor input index of operand k."""
+    subscripts, out = parse_spec(spec)
+    if len(subscripts) != len(operands):
+        raise ValueError(f"spec {spec!r} has {len(subscripts)} operands, got {len(operands)}")
+    n_in = len(call.inputs)
+    out_shape = call.outputs[0].shape
+    if len(out) != len(out_shape) or any(len(s) != call.inputs[i].ndim for s, i in zip(subscripts, operands)):
+        return with_replicated(call, [])
+    summable = partial_ok(call.inputs, call.outputs)
+    letters = sorted({c for s in subscripts for c in s})
+    result: list[AxisStrategy] = []
+    for letter in letters:
+        ins: list[Placement] = [R] * n_in
+        for sub, index in zip(subscripts, operands):
+            if letter in sub:
+                ins[index] = Shard(sub.index(letter))
+        if letter in out:
+            o = out.index(letter)
+            if bias is not None:
+                ins[bias] = broadcast_shard([call.inputs[bias].shape], out_shape, o)[0]
+            result.append(AxisStrategy(tuple(ins), (Shard(o),)))
+        elif summable:
+            if bias is not None:
+                ins[bias] = P
+            result.append(AxisStrategy(tuple(ins), (P,)))
+    if summable:
+        for index in operands:
+            ins = [R] * n_in
+            ins[index] = P
+            if bias is not None:
+                ins[bias] = P
+            result.append(AxisStrategy(tuple(ins), (P,)))
+    return with_replicated(call, result)
+
+
+def spec_rule(
+    spec: str, operands: tuple[int, ...], bias: int | None = None
+) -> Callable[[OpCall], list[AxisStrategy]]:
+    def rule(call: OpCall) -> list[AxisStrategy]:
+        return einsum_strategies(call, spec, operands, bias)
+
+    rule.__doc__ = f"einsum {spec}"
+    return rule
+
+
+# op -> (spec, tensor input index of each operand, tensor input index of the bias)
+SPECS: dict[object, tuple[str, tuple[int, ...], int | None]] = {
+    aten.mm.default: ("mk,kn->mn", (0, 1), None),
+    aten.bmm.default: ("bmk,bkn->bmn", (0, 1), None),
+    aten.addmm.default: ("mk,kn->mn", (1, 2), 0),
+    aten.baddbmm.default: ("bmk,bkn->bmn", (1, 2), 0),
+    aten.mv.default: ("mk,k->m", (0, 1), None),
+    aten.dot.default: ("k,k->", (0, 1), None),
+}
+
+
+def register(registry: RuleRegistry) -> None:
+    for op, (spec, operands, bias) in SPECS.items():
+        registry.register(op, spec_rule(spec, operands, bias), family=FAMILY, anchor=True)

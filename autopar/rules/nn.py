@@ -1,0 +1,320 @@
+"""Neural-network ops: embedding, attention, softmax, layer norm, losses, gather/scatter, activations.
+
+Each rule says which dims are independent "rows" of the computation (they may be split on every
+tensor consistently) and which are mixed (softmax dim, normalized dims, attention sequence and
+head_dim), and where a result is a sum over a split dim (Partial).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from autopar.layout import P, Placement, R, Shard
+from autopar.rules import local_ops
+from autopar.rules.base import (
+    AxisStrategy,
+    LocalCall,
+    LocalContext,
+    OpCall,
+    RuleRegistry,
+    normalize_dim,
+    with_replicated,
+)
+from autopar.rules.pointwise import (
+    FIRST,
+    NONE,
+    Linearity,
+    broadcast_shard,
+    partial_ok,
+    pointwise_rule,
+    pointwise_strategies,
+)
+from autopar.rules.views import passthrough_partial
+
+aten = torch.ops.aten
+
+FAMILY = "nn"
+
+# ---------------------------------------------------------------- embedding
+
+
+def embedding_rule(call: OpCall) -> list[AxisStrategy]:
+    """Column split -> last dim split; index split -> same dim; vocab (row) split -> Partial."""
+    weight, indices = call.inputs[0], call.inputs[1]
+    out_nd = call.outputs[0].ndim
+    result = [AxisStrategy((Shard(1), R), (Shard(out_nd - 1),))]
+    result += [AxisStrategy((R, Shard(d)), (Shard(d),)) for d in range(indices.ndim)]
+    if partial_ok([weight], call.outputs):
+        result.append(AxisStrategy((P, R), (P,)))
+        result.append(AxisStrategy((Shard(0), R), (P,)))
+    return with_replicated(call, result)
+
+
+def localize_embedding(ctx: LocalContext) -> LocalCall:
+    """A rank holding a block of vocabulary rows looks up only those rows (zeros elsewhere)."""
+    layout = ctx.strategy.inputs[0]
+    if not layout.shard_axes(0):
+        return LocalCall(ctx.call.op, ctx.args, ctx.kwargs)
+    offset = layout.local_offsets(ctx.mesh_shape, ctx.coords)[0]
+    return LocalCall(local_ops.embedding_row_block, (ctx.args[0], ctx.args[1], offset), {})
+
+
+def embedding_backward_rule(call: OpCall) -> list[AxisStrategy]:
+    """Tokens split on grad and indices alike -> Partial weight grad; embed dim split -> dim 1."""
+    grad, indices = call.inputs[0], call.inputs[1]
+    result = [AxisStrategy((Shard(grad.ndim - 1), R), (Shard(1),)), AxisStrategy((R, R), (Shard(0),))]
+    summable = partial_ok([grad], call.outputs)
+    # scale_grad_by_freq divides by counts over ALL tokens: a rank with some tokens cannot.
+    if summable and not call.arg(4, "scale_grad_by_freq", False):
+        result += [AxisStrategy((Shard(d), Shard(d)), (P,)) for d in range(indices.ndim)]
+    if summable:
+        result.append(AxisStrategy((P, R), (P,)))
+    return with_replicated(call, result)
+
+
+def localize_embedding_backward(ctx: LocalContext) -> LocalCall:
+    layout = ctx.strategy.outputs[0]
+    if not layout.shard_axes(0):
+        return LocalCall(ctx.call.op, ctx.args, ctx.kwargs)
+    call = ctx.call
+    offset = layout.local_offsets(ctx.mesh_shape, ctx.coords)[0]
+    rows = layout.local_shape(ctx.mesh_shape)[0]
+    args = (
+        ctx.args[0],
+        ctx.args[1],
+        int(call.arg(2, "num_weights")),
+        offset,
+        rows,
+        int(call.arg(3, "padding_idx")),
+        bool(call.arg(4, "scale_grad_by_freq")),
+    )
+    return LocalCall(local_ops.embedding_backward_row_block, args, {})
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _attention_strategies(call: OpCall, n_main: int, grad_linear: bool) -> list[AxisStrategy]:
+    """Batch (0) and heads (1) split on every tensor; an optional trailing attn_mask follows by
+    broadcasting against the (B, H, L, S) scores."""
+    q = call.inputs[1 if grad_linear else 0]
+    k = call.inputs[2 if grad_linear else 1]
+    main = call.inputs[:n_main]
+    scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    masks = call.inputs[n_main:]
+    result: list[AxisStrategy] = []
+    for d in (0, 1):
+        if any(t.shape[d] != q.shape[d] for t in main):
+            continue
+        mask_p = [broadcast_shard([m.shape], scores, d)[0] for m in masks]
+        ins: tuple[Placement, ...] = (Shard(d),) * n_main + tuple(mask_p)
+        result.append(AxisStrategy(ins, (Shard(d),) * len(call.outputs)))
+    # Backward is linear in grad_out with q, k, v, out and logsumexp fixed.
+    if grad_linear and partial_ok(call.inputs[:1], call.outputs):
+        ins = (P,) + (R,) * (len(call.inputs) - 1)
+        result.append(AxisStrategy(ins, (P,) * len(call.outputs)))
+    return with_replicated(call, result)
+
+
+def sdpa_rule(call: OpCall) -> list[AxisStrategy]:
+    """(query, key, value[, attn_mask]) -> (output, logsumexp)."""
+    return _attention_strategies(call, 3, grad_linear=False)
+
+
+def sdpa_backward_rule(call: OpCall) -> list[AxisStrategy]:
+    """(grad_out, query, key, value, out, logsumexp[, attn_mask]) -> (dq, dk, dv)."""
+    return _attention_strategies(call, 6, grad_linear=True)
+
+
+# ---------------------------------------------------------------- softmax / layer norm
+
+
+def _rows_rule(call: OpCall, mixed: set[int], linear_first: bool) -> list[AxisStrategy]:
+    """Inputs and outputs of one shape; any dim outside `mixed` may be split on all of them."""
+    ndim = call.inputs[0].ndim
+    n_in, n_out = len(call.inputs), len(call.outputs)
+    result = [AxisStrategy((Shard(d),) * n_in, (Shard(d),) * n_out) for d in range(ndim) if d not in mixed]
+    if linear_first:
+        result += passthrough_partial(call, [0])
+    return with_replicated(call, result)
+
+
+def softmax_rule(call: OpCall) -> list[AxisStrategy]:
+    ndim = call.inputs[0].ndim
+    return _rows_rule(call, {normalize_dim(call.arg(1, "dim"), ndim)}, linear_first=False)
+
+
+def softmax_backward_rule(call: OpCall) -> list[AxisStrategy]:
+    """Linear in grad_output given the forward output."""
+    ndim = call.inputs[0].ndim
+    return _rows_rule(call, {normalize_dim(call.arg(2, "dim"), ndim)}, linear_first=True)
+
+
+def layer_norm_rule(call: OpCall) -> list[AxisStrategy]:
+    """(input, weight?, bias?) -> (out, mean, rstd); leading dims split, weight/bias whole."""
+    x = call.inputs[0]
+    axis = x.ndim - len(call.arg(1, "normalized_shape"))
+    extra = (R,) * (len(call.inputs) - 1)
+    result = [AxisStrategy((Shard(d),) + extra, (Shard(d),) * 3) for d in range(axis)]
+    return with_replicated(call, result)
+
+
+def layer_norm_backward_rule(call: OpCall) -> list[AxisStrategy]:
+    """(grad_out, input, mean, rstd, weight?, bias?) -> masked (grad_input, grad_weight, grad_bias).
+
+    A split leading dim gives each rank part of the sum over rows that makes grad_weight and
+    grad_bias: those are Partial. Everything is linear in grad_out.
+    """
+    x = call.inputs[1]
+    axis = x.ndim - len(call.arg(2, "normalized_shape"))
+    mask = list(call.arg(7, "output_mask"))
+    n_in, n_out = len(call.inputs), len(call.outputs)
+    extra = (R,) * (n_in - 4)
+    result = []
+    for d in range(axis):
+        outs: tuple[Placement, ...] = ((Shard(d),) if mask[0] else ()) + (P,) * (n_out - int(mask[0]))
+        result.append(AxisStrategy((Shard(d),) * 4 + extra, outs))
+    if partial_ok(call.inputs[:1], call.outputs):
+        result.append(AxisStrategy((P,) + (R,) * (n_in - 1), (P,) * n_out))
+    return with_replicated(call, result)
+
+
+# ---------------------------------------------------------------- losses
+
+
+def replicated_only(call: OpCall) -> list[AxisStrategy]:
+    """Ops the compiler decomposes before propagation; all-Replicate keeps them runnable."""
+    return with_replicated(call, [])
+
+
+def mse_loss_rule(call: OpCall) -> list[AxisStrategy]:
+    """reduction none: pointwise; sum/mean: any split dim gives a Partial scalar."""
+    if int(call.arg(2, "reduction", 1)) == 0:
+        return pointwise_strategies(call, NONE)
+    out_shape = tuple(max(a, b) for a, b in zip(call.inputs[0].shape, call.inputs[1].shape))
+    if call.inputs[0].ndim != call.inputs[1].ndim:
+        return with_replicated(call, [])
+    shapes = [i.shape for i in call.inputs]
+    result = [
+        AxisStrategy(tuple(broadcast_shard(shapes, out_shape, d)), (P,))
+        for d in range(len(out_shape))
+        if out_shape[d] > 1
+    ]
+    return with_replicated(call, result)
+
+
+def localize_mse_loss(ctx: LocalContext) -> LocalCall:
+    call = ctx.call
+    if int(call.arg(2, "reduction", 1)) != 1:
+        return LocalCall(call.op, ctx.args, ctx.kwargs)
+    count = math.prod(max(a, b) for a, b in zip(call.inputs[0].shape, call.inputs[1].shape))
+    return LocalCall(local_ops.squared_error_over_count, (ctx.args[0], ctx.args[1], count), {})
+
+
+def mse_loss_backward_rule(call: OpCall) -> list[AxisStrategy]:
+    """(grad, self, target): elementwise (a reduced loss's scalar grad broadcasts, so stays whole);
+    linear in grad, and in (self, target) together."""
+    return pointwise_strategies(call, ((0,), (1, 2)))
+
+
+def localize_mse_loss_backward(ctx: LocalContext) -> LocalCall:
+    """reduction=mean divides by the element count: the GLOBAL one, not the block's."""
+    call = ctx.call
+    if int(call.arg(3, "reduction")) != 1:
+        return LocalCall(call.op, ctx.args, ctx.kwargs)
+    count = math.prod(call.outputs[0].shape)
+    return LocalCall(local_ops.mse_grad_over_count, (*ctx.args[:3], count), {})
+
+
+# ---------------------------------------------------------------- gather / scatter
+
+
+def gather_rule(call: OpCall) -> list[AxisStrategy]:
+    """Dims other than `dim` split on self, index and output alike; the gather dim of the index
+    may be split with self whole (each position looks up the full self)."""
+    src, index = call.inputs[0], call.inputs[1]
+    at = normalize_dim(call.arg(1, "dim"), max(src.ndim, 1))
+    result = [
+        AxisStrategy((Shard(d), Shard(d)), (Shard(d),))
+        for d in range(index.ndim)
+        if d != at and src.shape[d] == index.shape[d]
+    ]
+    if index.ndim:
+        result.append(AxisStrategy((R, Shard(at)), (Shard(at),)))
+    result += passthrough_partial(call, [0])
+    return with_replicated(call, result)
+
+
+def scatter_rule(call: OpCall) -> list[AxisStrategy]:
+    """scatter.src / scatter.value: dims other than `dim` split on all tensors when they agree."""
+    at = normalize_dim(call.arg(1, "dim"), max(call.inputs[0].ndim, 1))
+    tensors = call.inputs
+    result = [
+        AxisStrategy((Shard(d),) * len(tensors), (Shard(d),))
+        for d in range(tensors[0].ndim)
+        if d != at and all(t.ndim == tensors[0].ndim and t.shape[d] == tensors[0].shape[d] for t in tensors)
+    ]
+    if call.op == aten.scatter.src:
+        result += passthrough_partial(call, [0, 2])
+    elif float(call.arg(3, "value")) == 0.0:
+        result += passthrough_partial(call, [0])
+    return with_replicated(call, result)
+
+
+# ---------------------------------------------------------------- registration
+
+ACTIVATIONS: dict[object, Linearity] = {
+    aten.gelu.default: NONE,
+    aten.relu.default: NONE,
+    aten.tanh.default: NONE,
+    aten.gelu_backward.default: FIRST,
+    aten.threshold_backward.default: FIRST,
+}
+
+RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
+    aten._softmax.default: softmax_rule,
+    aten._log_softmax.default: softmax_rule,
+    aten._softmax_backward_data.default: softmax_backward_rule,
+    aten._log_softmax_backward_data.default: softmax_backward_rule,
+    aten.native_layer_norm.default: layer_norm_rule,
+    aten.native_layer_norm_backward.default: layer_norm_backward_rule,
+    aten.nll_loss_forward.default: replicated_only,
+    aten.nll_loss_backward.default: replicated_only,
+    aten.gather.default: gather_rule,
+    aten.scatter.src: scatter_rule,
+    aten.scatter.value: scatter_rule,
+}
+
+ANCHORS: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_rule,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_backward_rule,
+}
+
+
+def register(registry: RuleRegistry) -> None:
+    for op, linear in ACTIVATIONS.items():
+        registry.register(op, pointwise_rule(linear), family=FAMILY)
+    for op, rule in RULES.items():
+        registry.register(op, rule, family=FAMILY)
+    for op, rule in ANCHORS.items():
+        registry.register(op, rule, family=FAMILY, anchor=True)
+    registry.register(aten.mse_loss.default, mse_loss_rule, family=FAMILY, localize=localize_mse_loss)
+    registry.register(
+        aten.mse_loss_backward.default,
+        mse_loss_backward_rule,
+        family=FAMILY,
+        localize=localize_mse_loss_backward,
+    )
+    registry.register(
+        aten.embedding.default, embedding_rule, family=FAMILY, localize=localize_embedding, anchor=True
+    )
+    registry.register(
+        aten.embedding_dense_backward.default,
+        embedding_backward_rule,
+        family=FAMILY,
+        localize=localize_embedding_backward,
+        anchor=True,
+    )

@@ -1,0 +1,133 @@
+"""Reductions over a set of dims.
+
+Dims that are not reduced keep their shard (renumbered unless keepdim). Reducing a split dim
+leaves each rank the reduction of its block: for `sum` that is a summand of the result, so the
+output is Partial; `mean` becomes a local sum over the GLOBAL count (see `local_ops`) for the same
+reason. Max/min/arg-reductions and variances of a split dim have no such combine and are not
+offered. Partial inputs pass through the linear reductions (sum, mean).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from autopar.layout import P, Placement, R, Shard
+from autopar.rules import local_ops
+from autopar.rules.base import (
+    AxisStrategy,
+    LocalCall,
+    LocalContext,
+    OpCall,
+    RuleRegistry,
+    normalize_dim,
+    with_replicated,
+)
+from autopar.rules.pointwise import partial_ok
+
+aten = torch.ops.aten
+
+FAMILY = "reduction"
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """Where a reduction op keeps its dims, keepdim flag, and how split dims may combine."""
+
+    dim_arg: tuple[int, str] | None  # (position, name); None: always all dims
+    keepdim_arg: tuple[int, str] | None
+    linear: bool  # sum-like: a split reduced dim gives Partial, Partial passes through
+    none_flattens: bool = False  # argmax(dim=None) indexes the flattened tensor
+
+
+def reduced_dims(call: OpCall, how: Reduce) -> tuple[list[int], bool, bool]:
+    """(reduced dims, keepdim, flattens) of this call."""
+    ndim = call.inputs[0].ndim
+    keepdim = bool(call.arg(*how.keepdim_arg, default=False)) if how.keepdim_arg else False
+    dims = call.arg(*how.dim_arg) if how.dim_arg else None
+    if dims is None and how.none_flattens:
+        return list(range(ndim)), keepdim, True
+    if isinstance(dims, int):
+        dims = [dims]
+    if not dims:
+        return list(range(ndim)), keepdim, False
+    return sorted({normalize_dim(d, ndim) for d in dims}), keepdim, False
+
+
+def reduction_strategies(call: OpCall, how: Reduce) -> list[AxisStrategy]:
+    ndim = call.inputs[0].ndim
+    dims, keepdim, flattens = reduced_dims(call, how)
+    n_out = len(call.outputs)
+    extra_in = len(call.inputs) - 1
+    if ndim == 0 or flattens:
+        return with_replicated(call, [])
+    summable = how.linear and partial_ok(call.inputs[:1], call.outputs)
+    result: list[AxisStrategy] = []
+    for d in range(ndim):
+        ins: tuple[Placement, ...] = (Shard(d),) + (R,) * extra_in
+        if d not in dims:
+            out_dim = d if keepdim else d - sum(r < d for r in dims)
+            result.append(AxisStrategy(ins, (Shard(out_dim),) * n_out))
+        elif summable:
+            result.append(AxisStrategy(ins, (P,) * n_out))
+    if summable:
+        result.append(AxisStrategy((P,) + (R,) * extra_in, (P,) * n_out))
+    return with_replicated(call, result)
+
+
+def reduction_rule(how: Reduce) -> Callable[[OpCall], list[AxisStrategy]]:
+    def rule(call: OpCall) -> list[AxisStrategy]:
+        return reduction_strategies(call, how)
+
+    return rule
+
+
+def localize_mean(how: Reduce) -> Callable[[LocalContext], LocalCall]:
+    """mean -> local sum / global count of reduced elements (exact whether or not they are split)."""
+
+    def localize(ctx: LocalContext) -> LocalCall:
+        call = ctx.call
+        dims, keepdim, _ = reduced_dims(call, how)
+        count = math.prod(call.inputs[0].shape[d] for d in dims)
+        dtype = call.kwargs.get("dtype") or call.outputs[0].dtype
+        return LocalCall(local_ops.sum_over_count, (ctx.args[0], dims, keepdim, dtype, count), {})
+
+    return localize
+
+
+SUM_ALL = Reduce(None, None, linear=True)
+SUM_DIMS = Reduce((1, "dim"), (2, "keepdim"), linear=True)
+LIST_DIMS = Reduce((1, "dim"), (2, "keepdim"), linear=False)
+ARG_DIM = Reduce((1, "dim"), (2, "keepdim"), linear=False, none_flattens=True)
+STAT_DIMS = Reduce((1, "dim"), (2, "keepdim"), linear=False)  # var/std: keepdim is kw-only
+
+REDUCTIONS: dict[object, Reduce] = {
+    aten.sum.default: SUM_ALL,
+    aten.sum.dim_IntList: SUM_DIMS,
+    aten.amax.default: LIST_DIMS,
+    aten.amin.default: LIST_DIMS,
+    aten.logsumexp.default: LIST_DIMS,
+    aten.argmax.default: ARG_DIM,
+    aten.argmin.default: ARG_DIM,
+    aten.max.dim: LIST_DIMS,
+    aten.min.dim: LIST_DIMS,
+    aten.any.dim: LIST_DIMS,
+    aten.var_mean.correction: STAT_DIMS,
+    aten.var.correction: STAT_DIMS,
+    aten.std.correction: STAT_DIMS,
+}
+
+MEANS: dict[object, Reduce] = {
+    aten.mean.default: SUM_ALL,
+    aten.mean.dim: SUM_DIMS,
+}
+
+
+def register(registry: RuleRegistry) -> None:
+    for op, how in REDUCTIONS.items():
+        registry.register(op, reduction_rule(how), family=FAMILY)
+    for op, how in MEANS.items():
+        registry.register(op, reduction_rule(how), family=FAMILY, localize=localize_mean(how))

@@ -1,0 +1,16 @@
+"""The default rule library, built fresh on every call (no shared mutable registry)."""
+
+from __future__ import annotations
+
+from autopar.rules import factory, matmul, nn, pointwise, reduction, views
+from autopar.rules.base import RuleRegistry
+
+FAMILIES = (matmul, pointwise, reduction, views, nn, factory)
+
+
+def default_registry() -> RuleRegistry:
+    """A new registry with every family's rules; callers may add or override rules on it."""
+    registry = RuleRegistry()
+    for family in FAMILIES:
+        family.register(registry)
+    return registry

@@ -1,0 +1,254 @@
+"""Views and data movement: reshapes, dim permutations, splits/concatenation, slicing, copies.
+
+Partial passes through all of them (they are linear); shards follow the dim they are on.
+
+Reshape (`view`, `_unsafe_view`, `reshape`): ignoring size-1 dims (never evenly split), input and
+output dims fall into runs with equal products, and within a run the flat row-major order is
+shared. Splitting the OUTERMOST input dim of a run hands each rank a contiguous 1/g of the run,
+which is a shard of the outermost output dim of the run exactly when that dim divides by g (the
+evenness check of `expand` enforces that, also for nested splits from several mesh axes). A split
+of an inner dim of a merged or split run is strided in the other shape, so it is not offered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from autopar.layout import P, Placement, R, Shard
+from autopar.rules.base import (
+    AxisStrategy,
+    LocalCall,
+    LocalContext,
+    OpCall,
+    RuleRegistry,
+    TensorSpec,
+    normalize_dim,
+    with_replicated,
+)
+from autopar.rules.pointwise import broadcast_shard, partial_ok
+
+aten = torch.ops.aten
+
+FAMILY = "views"
+
+
+def passthrough_partial(call: OpCall, partial_inputs: Sequence[int] | None = None) -> list[AxisStrategy]:
+    """Partial on `partial_inputs` (default: all inputs), others R -> all outputs Partial."""
+    members = list(range(len(call.inputs))) if partial_inputs is None else list(partial_inputs)
+    if not members or not partial_ok([call.inputs[i] for i in members], call.outputs):
+        return []
+    ins = tuple(P if i in members else R for i in range(len(call.inputs)))
+    return [AxisStrategy(ins, (P,) * len(call.outputs))]
+
+
+def _dim_map_strategies(call: OpCall, mapping: dict[int, int]) -> list[AxisStrategy]:
+    """Single-input view: input dim d split <-> output dim mapping[d] split; plus Partial."""
+    out: list[AxisStrategy] = [
+        AxisStrategy((Shard(d),), (Shard(o),) * len(call.outputs)) for d, o in sorted(mapping.items())
+    ]
+    return with_replicated(call, out + passthrough_partial(call))
+
+
+def reshape_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Runs of non-1 dims (src dims, dst dims) with equal products, in order."""
+    a = [d for d, s in enumerate(src) if s != 1]
+    b = [d for d, s in enumerate(dst) if s != 1]
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        ga, gb = [a[i]], [b[j]]
+        pa, pb = src[a[i]], dst[b[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                ga.append(a[i])
+                pa *= src[a[i]]
+                i += 1
+            elif pb < pa and j < len(b):
+                gb.append(b[j])
+                pb *= dst[b[j]]
+                j += 1
+            else:
+                raise ValueError(f"cannot reshape {tuple(src)} to {tuple(dst)}")
+        groups.append((ga, gb))
+    if i != len(a) or j != len(b):
+        raise ValueError(f"cannot reshape {tuple(src)} to {tuple(dst)}")
+    return groups
+
+
+def reshape_rule(call: OpCall) -> list[AxisStrategy]:
+    src, dst = call.inputs[0].shape, call.outputs[0].shape
+    if 0 in src:
+        return with_replicated(call, [])
+    mapping = {ga[0]: gb[0] for ga, gb in reshape_groups(src, dst)}
+    return _dim_map_strategies(call, mapping)
+
+
+def localize_shape_arg(ctx: LocalContext) -> LocalCall:
+    """`reshape(x, shape)`: the shape argument (not named `size`) becomes the local shape."""
+    local = list(ctx.strategy.outputs[0].local_shape(ctx.mesh_shape))
+    return LocalCall(ctx.call.op, (ctx.args[0], local), {})
+
+
+def permute_rule(call: OpCall) -> list[AxisStrategy]:
+    ndim = call.inputs[0].ndim
+    order = [normalize_dim(d, ndim) for d in call.arg(1, "dims")]
+    return _dim_map_strategies(call, {d: o for o, d in enumerate(order)})
+
+
+def transpose_rule(call: OpCall) -> list[AxisStrategy]:
+    ndim = call.inputs[0].ndim
+    if call.op == aten.t.default:
+        d0, d1 = 0, max(ndim - 1, 0)
+    else:
+        d0, d1 = (normalize_dim(call.arg(i, n), ndim) for i, n in ((1, "dim0"), (2, "dim1")))
+    swap = {d0: d1, d1: d0}
+    return _dim_map_strategies(call, {d: swap.get(d, d) for d in range(ndim)})
+
+
+def unsqueeze_rule(call: OpCall) -> list[AxisStrategy]:
+    ndim = call.inputs[0].ndim
+    at = normalize_dim(call.arg(1, "dim"), ndim + 1)
+    return _dim_map_strategies(call, {d: d if d < at else d + 1 for d in range(ndim)})
+
+
+def squeezed_dims(call: OpCall) -> list[int]:
+    """The dims this squeeze removes: asked-for dims of GLOBAL size 1."""
+    shape = call.inputs[0].shape
+    ndim = len(shape)
+    if call.op == aten.squeeze.default:
+        asked = list(range(ndim))
+    else:
+        dims = call.arg(1, "dim")
+        asked = [dims] if isinstance(dims, int) else list(dims)
+        asked = [normalize_dim(d, ndim) for d in asked]
+    return sorted({d for d in asked if shape[d] == 1})
+
+
+def squeeze_rule(call: OpCall) -> list[AxisStrategy]:
+    removed = squeezed_dims(call)
+    kept = [d for d in range(call.inputs[0].ndim) if d not in removed]
+    return _dim_map_strategies(call, {d: o for o, d in enumerate(kept)})
+
+
+def localize_squeeze(ctx: LocalContext) -> LocalCall:
+    """A split dim can be 1 locally but not globally; name exactly the globally removed dims."""
+    return LocalCall(aten.squeeze.dims, (ctx.args[0], squeezed_dims(ctx.call)), {})
+
+
+def expand_rule(call: OpCall) -> list[AxisStrategy]:
+    """Kept dims follow; a broadcast (new or size-1) dim can be split from a replicated input."""
+    src, dst = call.inputs[0].shape, call.outputs[0].shape
+    lead = len(dst) - len(src)
+    result: list[AxisStrategy] = []
+    for o in range(len(dst)):
+        d = o - lead
+        if d >= 0 and src[d] == dst[o]:
+            result.append(AxisStrategy((Shard(d),), (Shard(o),)))
+        elif dst[o] > 1:
+            result.append(AxisStrategy((R,), (Shard(o),)))
+    return with_replicated(call, result + passthrough_partial(call))
+
+
+def identity_rule(call: OpCall) -> list[AxisStrategy]:
+    """clone/detach/alias/_to_copy: same layout in and out (Partial if the dtype keeps sums)."""
+    return _dim_map_strategies(call, {d: d for d in range(call.inputs[0].ndim)})
+
+
+def split_rule(call: OpCall) -> list[AxisStrategy]:
+    """Every piece keeps a shard of another dim; the split dim itself must be whole."""
+    ndim = call.inputs[0].ndim
+    at = normalize_dim(call.arg(2, "dim", 0), ndim)
+    return _dim_map_strategies(call, {d: d for d in range(ndim) if d != at})
+
+
+def _slice_dim_rule(call: OpCall, drop: bool) -> list[AxisStrategy]:
+    ndim = call.inputs[0].ndim
+    at = normalize_dim(call.arg(1, "dim", 0), ndim)
+    others = [d for d in range(ndim) if d != at]
+    mapping = {d: (d if not drop or d < at else d - 1) for d in others}
+    return _dim_map_strategies(call, mapping)
+
+
+def slice_rule(call: OpCall) -> list[AxisStrategy]:
+    """A slice that keeps the whole dim (`x[:, :T]` with T the full length: common in traced
+    graphs) is a no-op, so even a split dim may pass; the local slice clamps to the block."""
+    if call.outputs[0].shape == call.inputs[0].shape:
+        return identity_rule(call)
+    return _slice_dim_rule(call, drop=False)
+
+
+def select_rule(call: OpCall) -> list[AxisStrategy]:
+    return _slice_dim_rule(call, drop=True)
+
+
+def _tensor_list(call: OpCall) -> list[TensorSpec]:
+    return [t for t in call.args[0] if isinstance(t, TensorSpec)]
+
+
+def cat_rule(call: OpCall) -> list[AxisStrategy]:
+    """All inputs split on the same non-cat dim; all Partial -> Partial."""
+    specs = _tensor_list(call)
+    ndim = call.outputs[0].ndim
+    if any(s.ndim != ndim for s in specs):
+        return with_replicated(call, [])
+    at = normalize_dim(call.arg(1, "dim", 0), ndim)
+    result = [AxisStrategy((Shard(d),) * len(specs), (Shard(d),)) for d in range(ndim) if d != at]
+    return with_replicated(call, result + passthrough_partial(call))
+
+
+def stack_rule(call: OpCall) -> list[AxisStrategy]:
+    specs = _tensor_list(call)
+    ndim = call.outputs[0].ndim
+    at = normalize_dim(call.arg(1, "dim", 0), ndim)
+    result = [
+        AxisStrategy((Shard(d),) * len(specs), (Shard(d if d < at else d + 1),)) for d in range(ndim - 1)
+    ]
+    return with_replicated(call, result + passthrough_partial(call))
+
+
+def copy_rule(call: OpCall) -> list[AxisStrategy]:
+    """`copy(self, src)`: result has self's layout; src broadcasts into it and carries the values."""
+    dst, src = call.inputs[0].shape, call.inputs[1].shape
+    result: list[AxisStrategy] = []
+    for o in range(len(dst)):
+        if dst[o] > 1:
+            src_p = broadcast_shard([src], dst, o)[0]
+            result.append(AxisStrategy((Shard(o), src_p), (Shard(o),)))
+    if partial_ok(call.inputs[1:], call.outputs):
+        ins: tuple[Placement, ...] = (R, P)
+        result.append(AxisStrategy(ins, (P,)))
+    return with_replicated(call, result)
+
+
+RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
+    aten.view.default: reshape_rule,
+    aten._unsafe_view.default: reshape_rule,
+    aten.t.default: transpose_rule,
+    aten.transpose.int: transpose_rule,
+    aten.permute.default: permute_rule,
+    aten.unsqueeze.default: unsqueeze_rule,
+    aten.expand.default: expand_rule,
+    aten.split.Tensor: split_rule,
+    aten.split_with_sizes.default: split_rule,
+    aten.cat.default: cat_rule,
+    aten.stack.default: stack_rule,
+    aten.slice.Tensor: slice_rule,
+    aten.select.int: select_rule,
+    aten.clone.default: identity_rule,
+    aten.detach.default: identity_rule,
+    aten.alias.default: identity_rule,
+    aten.lift_fresh_copy.default: identity_rule,
+    aten._to_copy.default: identity_rule,
+    aten.copy.default: copy_rule,
+}
+
+
+def register(registry: RuleRegistry) -> None:
+    for op, rule in RULES.items():
+        registry.register(op, rule, family=FAMILY)
+    registry.register(aten.reshape.default, reshape_rule, family=FAMILY, localize=localize_shape_arg)
+    for op in (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims):
+        registry.register(op, squeeze_rule, family=FAMILY, localize=localize_squeeze)

@@ -1,0 +1,81 @@
+"""Property tests: factories (arange blocks, constant fills, *_like)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.rules.base import make_call
+from autopar.rules.registry import default_registry
+from autopar.testing import run_local
+from autopar.testing_strategies import (
+    candidate_strategies,
+    check_random_strategies,
+    dim_sizes,
+    mesh_shapes,
+    random_tensor,
+    seeds,
+    tensor_shapes,
+)
+
+aten = torch.ops.aten
+REGISTRY = default_registry()
+SETTINGS = settings(max_examples=30, deadline=None)
+
+ARANGES = [aten.arange.default, aten.arange.start, aten.arange.start_step]
+FILLS = [aten.zeros.default, aten.ones.default, aten.full.default]
+LIKES = [aten.zeros_like.default, aten.ones_like.default, aten.full_like.default]
+EMPTIES = [aten.empty.memory_format, aten.empty_like.default]
+
+COVERED_OPS = [*ARANGES, *FILLS, *LIKES, *EMPTIES, aten.scalar_tensor.default]
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(ARANGES))
+def test_arange(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    length = data.draw(dim_sizes(mesh))
+    dtype = data.draw(st.sampled_from([None, torch.float64, torch.int64]))
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    if op == aten.arange.default:
+        args: tuple = (length,)
+    elif op == aten.arange.start:
+        start = data.draw(st.integers(-5, 5))
+        args = (start, start + length)
+    else:
+        start = data.draw(st.sampled_from([-3, 0, 2, 0.5]))
+        step = data.draw(st.sampled_from([1, 2, -1, 0.25] if dtype != torch.int64 else [1, 2, -1]))
+        args = (start, start + length * step, step)
+    check_random_strategies(data, op, args, kwargs, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(FILLS + LIKES + [aten.scalar_tensor.default]))
+def test_fills(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    dtype = data.draw(st.sampled_from([torch.float64, torch.int64]))
+    x = random_tensor(shape, dtype, generator=torch.Generator().manual_seed(data.draw(seeds())))
+    if op == aten.scalar_tensor.default:
+        args: tuple = (2.5,)
+    elif op == aten.full.default:
+        args = (list(shape), 7)
+    elif op == aten.full_like.default:
+        args = (x, 7)
+    elif op in LIKES:
+        args = (x,)
+    else:
+        args = (list(shape),)
+    check_random_strategies(data, op, args, {"dtype": dtype}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(EMPTIES))
+def test_empty_shapes(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    """Values of `empty` are arbitrary: check every rank's local shape only."""
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    args: tuple = (list(shape),) if op == aten.empty.memory_format else (torch.zeros(shape),)
+    strategy = data.draw(st.sampled_from(candidate_strategies(op, args, {}, mesh, REGISTRY)))
+    call = make_call(op, args, {}, op(*args))
+    outputs, _ = run_local(call, strategy, args, {}, mesh, REGISTRY)
+    want = strategy.outputs[0].local_shape(mesh)
+    assert all(tuple(outs[0].shape) == want for outs in outputs.values())

@@ -1,0 +1,219 @@
+"""Property tests: embedding, attention, softmax, layer norm, losses, gather/scatter."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.rules.registry import default_registry
+from autopar.testing_strategies import (
+    check_random_strategies,
+    dim_sizes,
+    mesh_shapes,
+    random_tensor,
+    seeds,
+    tensor_shapes,
+)
+
+aten = torch.ops.aten
+REGISTRY = default_registry()
+SETTINGS = settings(max_examples=30, deadline=None)
+
+SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
+SDPA_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+SOFTMAX = [
+    aten._softmax.default,
+    aten._log_softmax.default,
+    aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default,
+]
+GATHER_SCATTER = [aten.gather.default, aten.scatter.src, aten.scatter.value]
+
+COVERED_OPS = [
+    aten.embedding.default,
+    aten.embedding_dense_backward.default,
+    SDPA,
+    SDPA_BACKWARD,
+    *SOFTMAX,
+    aten.native_layer_norm.default,
+    aten.native_layer_norm_backward.default,
+    aten.nll_loss_forward.default,
+    aten.nll_loss_backward.default,
+    aten.mse_loss.default,
+    aten.mse_loss_backward.default,
+    *GATHER_SCATTER,
+]
+
+
+def _gen(data: st.DataObject) -> torch.Generator:
+    return torch.Generator().manual_seed(data.draw(seeds()))
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes())
+def test_embedding_forward(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    _embedding(data, mesh, backward=False)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes())
+def test_embedding_backward(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    _embedding(data, mesh, backward=True)
+
+
+def _embedding(data: st.DataObject, mesh: tuple[int, ...], backward: bool) -> None:
+    g = _gen(data)
+    vocab, dim = data.draw(dim_sizes(mesh, allow_one=False)), data.draw(dim_sizes(mesh))
+    tokens = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=2))
+    indices = random_tensor(tokens, torch.int64, generator=g, high=vocab)
+    padding = data.draw(st.sampled_from([-1, 0, vocab - 1]))
+    if not backward:
+        weight = random_tensor((vocab, dim), generator=g)
+        check_random_strategies(data, aten.embedding.default, (weight, indices, padding), {}, mesh, REGISTRY)
+        return
+    grad = random_tensor((*tokens, dim), generator=g)
+    scale = data.draw(st.booleans())
+    args = (grad, indices, vocab, padding, scale)
+    check_random_strategies(data, aten.embedding_dense_backward.default, args, {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(max_axes=3))
+def test_attention_forward(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    _attention(data, mesh, backward=False)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(max_axes=3))
+def test_attention_backward(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    _attention(data, mesh, backward=True)
+
+
+def _attention(data: st.DataObject, mesh: tuple[int, ...], backward: bool) -> None:
+    g = _gen(data)
+    b, h = data.draw(dim_sizes(mesh, cap=6)), data.draw(dim_sizes(mesh, cap=6))
+    seq_q, seq_k, e = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 5)), data.draw(st.integers(1, 4))
+    causal = data.draw(st.booleans())
+    q = random_tensor((b, h, seq_q, e), generator=g)
+    k = random_tensor((b, h, seq_k, e), generator=g)
+    v = random_tensor((b, h, seq_k, e), generator=g)
+    kwargs: dict = {"scale": data.draw(st.sampled_from([None, 0.3]))}
+    if not causal and data.draw(st.booleans()):
+        mask_shape = data.draw(st.sampled_from([(seq_q, seq_k), (b, 1, seq_q, seq_k), (b, h, seq_q, seq_k)]))
+        kwargs["attn_mask"] = random_tensor(mask_shape, generator=g)
+    if not backward:
+        check_random_strategies(data, SDPA, (q, k, v, 0.0, causal), kwargs, mesh, REGISTRY)
+        return
+    out, lse = SDPA(q, k, v, 0.0, causal, **kwargs)
+    grad = random_tensor(out.shape, generator=g)
+    args = (grad, q, k, v, out, lse, 0.0, causal)
+    check_random_strategies(data, SDPA_BACKWARD, args, kwargs, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(SOFTMAX))
+def test_softmax(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    g = _gen(data)
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    x = random_tensor(shape, generator=g)
+    if op in (aten._softmax.default, aten._log_softmax.default):
+        args: tuple = (x, dim, False)
+    else:
+        forward = aten._softmax if op == aten._softmax_backward_data.default else aten._log_softmax
+        args = (random_tensor(shape, generator=g), forward.default(x, dim, False), dim, x.dtype)
+    check_random_strategies(data, op, args, {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes())
+def test_layer_norm_forward(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    _layer_norm(data, mesh, backward=False)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes())
+def test_layer_norm_backward(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    _layer_norm(data, mesh, backward=True)
+
+
+def _layer_norm(data: st.DataObject, mesh: tuple[int, ...], backward: bool) -> None:
+    g = _gen(data)
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    # prefer leading (splittable) dims and affine params: that is where Partial grads come from
+    normalized = list(shape[data.draw(st.sampled_from(range(len(shape) - 1, -1, -1))) :])
+    affine = data.draw(st.sampled_from([True, False]))
+    weight = random_tensor(normalized, generator=g) if affine else None
+    bias = random_tensor(normalized, generator=g) if affine and data.draw(st.booleans()) else None
+    x = random_tensor(shape, generator=g)
+    if not backward:
+        args: tuple = (x, normalized, weight, bias, 1e-5)
+        check_random_strategies(data, aten.native_layer_norm.default, args, {}, mesh, REGISTRY)
+        return
+    _, mean, rstd = aten.native_layer_norm.default(x, normalized, weight, bias, 1e-5)
+    mask = [
+        data.draw(st.booleans()),
+        weight is not None and data.draw(st.sampled_from([True, False])),
+        bias is not None,
+    ]
+    grad = random_tensor(shape, generator=g)
+    args = (grad, x, normalized, mean, rstd, weight, bias, mask)
+    check_random_strategies(data, aten.native_layer_norm_backward.default, args, {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), reduction=st.sampled_from([0, 1, 2]), backward=st.booleans())
+def test_losses(data: st.DataObject, mesh: tuple[int, ...], reduction: int, backward: bool) -> None:
+    g = _gen(data)
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    x, target = random_tensor(shape, generator=g), random_tensor(shape, generator=g)
+    if data.draw(st.booleans()):  # nll_loss: all-replicated only, checked all the same
+        n, c = data.draw(dim_sizes(mesh)), data.draw(dim_sizes(mesh, allow_one=False))
+        logp = random_tensor((n, c), generator=g).log_softmax(-1)
+        labels = random_tensor((n,), torch.int64, generator=g, high=c)
+        if n > 1:  # one ignored token (all ignored would make the mean NaN)
+            labels[0] = -100
+        loss, total = aten.nll_loss_forward.default(logp, labels, None, reduction, -100)
+        if backward:
+            grad = random_tensor(loss.shape, generator=g)
+            args: tuple = (grad, logp, labels, None, reduction, -100, total)
+            check_random_strategies(data, aten.nll_loss_backward.default, args, {}, mesh, REGISTRY)
+        else:
+            args = (logp, labels, None, reduction, -100)
+            check_random_strategies(data, aten.nll_loss_forward.default, args, {}, mesh, REGISTRY)
+        return
+    if not backward:
+        check_random_strategies(data, aten.mse_loss.default, (x, target, reduction), {}, mesh, REGISTRY)
+        return
+    grad = random_tensor(shape if reduction == 0 else (), generator=g)
+    args = (grad, x, target, reduction)
+    check_random_strategies(data, aten.mse_loss_backward.default, args, {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(GATHER_SCATTER))
+def test_gather_scatter(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    g = _gen(data)
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3, allow_one=False))
+    n = len(shape)
+    dim = data.draw(st.integers(-n, n - 1))
+    size = shape[dim]
+    # index: same shape as self except along `dim`; distinct positions along `dim` (scatter is
+    # only deterministic without duplicates)
+    picked = data.draw(st.integers(1, size)) if op != aten.gather.default else data.draw(dim_sizes(mesh))
+    index_shape = list(shape)
+    index_shape[dim] = picked
+    if op == aten.gather.default:
+        index = random_tensor(index_shape, torch.int64, generator=g, high=size)
+    else:
+        keys = torch.rand(shape, generator=g).argsort(dim=dim)
+        index = keys.narrow(dim, 0, picked).contiguous()
+    x = random_tensor(shape, generator=g)
+    if op == aten.gather.default:
+        args: tuple = (x, dim, index)
+    elif op == aten.scatter.src:
+        args = (x, dim, index, random_tensor(index_shape, generator=g))
+    else:
+        args = (x, dim, index, data.draw(st.sampled_from([0.0, -1.0])))
+    check_random_strategies(data, op, args, {}, mesh, REGISTRY)

@@ -1,0 +1,148 @@
+"""Property tests: elementwise ops with broadcasting and Partial linearity, against the oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.rules.registry import default_registry
+from autopar.testing_strategies import (
+    check_random_strategies,
+    mesh_shapes,
+    random_tensor,
+    seeds,
+    tensor_shapes,
+)
+
+aten = torch.ops.aten
+REGISTRY = default_registry()
+
+# op -> argument kinds: "f" float, "+" positive float, "b" bool, "i" int64 (tensors, broadcast
+# against one output shape), or a plain Python value passed as is.
+ARGS: dict[object, tuple[object, ...]] = {
+    aten.exp.default: ("f",),
+    aten.log.default: ("+",),
+    aten.log1p.default: ("+",),
+    aten.expm1.default: ("f",),
+    aten.sqrt.default: ("+",),
+    aten.rsqrt.default: ("+",),
+    aten.reciprocal.default: ("+",),
+    aten.abs.default: ("f",),
+    aten.sin.default: ("f",),
+    aten.cos.default: ("f",),
+    aten.erf.default: ("f",),
+    aten.sigmoid.default: ("f",),
+    aten.silu.default: ("f",),
+    aten.sign.default: ("f",),
+    aten.pow.Tensor_Scalar: ("f", 2),
+    aten.add.Scalar: ("f", 1.5),
+    aten.sub.Scalar: ("f", 1.5),
+    aten.rsub.Scalar: ("f", 1.5),
+    aten.clamp.default: ("f", -0.5, 0.5),
+    aten.logical_not.default: ("b",),
+    aten.bitwise_not.default: ("i",),
+    aten.eq.Scalar: ("i", 1),
+    aten.ne.Scalar: ("i", 1),
+    aten.lt.Scalar: ("f", 0.0),
+    aten.le.Scalar: ("f", 0.0),
+    aten.gt.Scalar: ("f", 0.0),
+    aten.ge.Scalar: ("f", 0.0),
+    aten.eq.Tensor: ("i", "i"),
+    aten.ne.Tensor: ("i", "i"),
+    aten.lt.Tensor: ("f", "f"),
+    aten.le.Tensor: ("f", "f"),
+    aten.gt.Tensor: ("f", "f"),
+    aten.ge.Tensor: ("f", "f"),
+    aten.logical_and.default: ("b", "b"),
+    aten.logical_or.default: ("b", "b"),
+    aten.maximum.default: ("f", "f"),
+    aten.minimum.default: ("f", "f"),
+    aten.pow.Tensor_Tensor: ("+", "f"),
+    aten.neg.default: ("f",),
+    aten.mul.Scalar: ("f", 3.0),
+    aten.div.Scalar: ("f", 4.0),
+    aten.add.Tensor: ("f", "f"),
+    aten.sub.Tensor: ("f", "f"),
+    aten.mul.Tensor: ("f", "f"),
+    aten.div.Tensor: ("f", "+"),
+    aten.where.self: ("b", "f", "f"),
+    aten.sigmoid_backward.default: ("f", "f"),
+    aten.tanh_backward.default: ("f", "f"),
+    aten.silu_backward.default: ("f", "f"),
+    # activations registered by the nn family, elementwise all the same
+    aten.gelu.default: ("f",),
+    aten.relu.default: ("f",),
+    aten.tanh.default: ("f",),
+    aten.gelu_backward.default: ("f", "f"),
+    aten.threshold_backward.default: ("f", "f", 0.0),
+}
+# Same-shape-only ops (no broadcasting in their kernels' contract).
+SAME_SHAPE = {
+    aten.sigmoid_backward.default,
+    aten.tanh_backward.default,
+    aten.silu_backward.default,
+    aten.gelu_backward.default,
+    aten.threshold_backward.default,
+}
+# Integer variants exercising Partial integer sums.
+INT_ARGS: dict[object, tuple[object, ...]] = {
+    aten.add.Tensor: ("i", "i"),
+    aten.mul.Tensor: ("i", "i"),
+    aten.sub.Tensor: ("i", "f"),
+}
+
+COVERED_OPS = [*ARGS, aten.masked_fill.Scalar]
+
+
+@st.composite
+def broadcast_shape(draw: st.DrawFn, out: tuple[int, ...]) -> tuple[int, ...]:
+    """A shape that broadcasts to `out`: leading dims dropped, some dims set to 1."""
+    drop = draw(st.integers(0, len(out)))
+    kept = out[drop:]
+    return tuple(1 if s != 1 and draw(st.integers(0, 3)) == 0 else s for s in kept)
+
+
+def _maker(g: torch.Generator) -> Callable[[object, tuple[int, ...]], object]:
+    def make(kind: object, shape: tuple[int, ...]) -> object:
+        if kind == "f":
+            return random_tensor(shape, generator=g)
+        if kind == "+":
+            return random_tensor(shape, generator=g).abs() + 0.5
+        if kind == "b":
+            return random_tensor(shape, torch.bool, generator=g)
+        if kind == "i":
+            return random_tensor(shape, torch.int64, generator=g)
+        return kind
+
+    return make
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(list(ARGS) + list(INT_ARGS)))
+def test_pointwise(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    kinds = INT_ARGS[op] if op in INT_ARGS and data.draw(st.booleans()) else ARGS[op]
+    make = _maker(torch.Generator().manual_seed(data.draw(seeds())))
+    out = data.draw(tensor_shapes(mesh, min_dims=0, max_dims=3))
+    tensor_kinds = [k for k in kinds if k in ("f", "+", "b", "i")]
+    full_at = data.draw(st.integers(0, max(len(tensor_kinds) - 1, 0)))
+    args, t = [], 0
+    for kind in kinds:
+        if kind in ("f", "+", "b", "i"):
+            same = op in SAME_SHAPE or t == full_at
+            args.append(make(kind, out if same else data.draw(broadcast_shape(out))))
+            t += 1
+        else:
+            args.append(kind)
+    check_random_strategies(data, op, tuple(args), {}, mesh, REGISTRY)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes(), value=st.sampled_from([0.0, 2.5]))
+def test_masked_fill(data: st.DataObject, mesh: tuple[int, ...], value: float) -> None:
+    make = _maker(torch.Generator().manual_seed(data.draw(seeds())))
+    out = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    x, mask = make("f", out), make("b", data.draw(broadcast_shape(out)))
+    check_random_strategies(data, aten.masked_fill.Scalar, (x, mask, value), {}, mesh, REGISTRY)

@@ -1,0 +1,185 @@
+"""Property tests: reshapes, permutations, splits/cat, slicing and copies against the oracle."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.rules.registry import default_registry
+from autopar.testing_strategies import (
+    check_random_strategies,
+    mesh_shapes,
+    random_tensor,
+    seeds,
+    tensor_shapes,
+)
+
+aten = torch.ops.aten
+REGISTRY = default_registry()
+SETTINGS = settings(max_examples=40, deadline=None)
+
+RESHAPES = [aten.view.default, aten._unsafe_view.default, aten.reshape.default]
+IDENTITIES = [aten.clone.default, aten.detach.default, aten.alias.default, aten.lift_fresh_copy.default]
+PERMUTES = [aten.t.default, aten.transpose.int, aten.permute.default]
+SQUEEZES = [aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims]
+SPLITS = [aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default, aten.stack.default]
+SLICES = [aten.slice.Tensor, aten.select.int]
+
+COVERED_OPS = [
+    *RESHAPES,
+    *IDENTITIES,
+    *PERMUTES,
+    *SQUEEZES,
+    *SPLITS,
+    *SLICES,
+    aten.expand.default,
+    aten._to_copy.default,
+    aten.copy.default,
+]
+
+
+def _primes(n: int) -> list[int]:
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out
+
+
+@st.composite
+def reshape_target(draw: st.DrawFn, shape: tuple[int, ...]) -> list[int]:
+    """Same numel: regroup the dims' prime factors in order (splits/merges), or shuffled (runs
+    that neither split nor merge cleanly); size-1 dims sprinkled in; maybe one -1."""
+    factors = [p for s in shape for p in _primes(s)]
+    if draw(st.booleans()):
+        factors = draw(st.permutations(factors))
+    dims: list[int] = []
+    for p in factors:
+        if dims and draw(st.booleans()):
+            dims[-1] *= p
+        else:
+            dims.append(p)
+    for _ in range(draw(st.integers(0, 2))):
+        dims.insert(draw(st.integers(0, len(dims))), 1)
+    if dims and draw(st.booleans()):
+        dims[draw(st.integers(0, len(dims) - 1))] = -1
+    return dims
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(RESHAPES))
+def test_reshape(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    x = random_tensor(data.draw(tensor_shapes(mesh, max_dims=4)), generator=torch.Generator().manual_seed(1))
+    target = data.draw(reshape_target(tuple(x.shape)))
+    if op == aten._unsafe_view.default and -1 in target:
+        target[target.index(-1)] = math.prod(x.shape) // math.prod(s for s in target if s != -1)
+    check_random_strategies(data, op, (x, target), {}, mesh, REGISTRY, count=3)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(PERMUTES + SQUEEZES + IDENTITIES))
+def test_dim_moves(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    max_dims = 2 if op == aten.t.default else 4
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=max_dims))
+    if op in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+        ones = data.draw(st.lists(st.integers(0, len(shape)), max_size=2))
+        for at in sorted(ones, reverse=True):
+            shape = shape[:at] + (1,) + shape[at:]
+    x = random_tensor(shape, generator=g)
+    n = x.ndim
+    dim = st.integers(-n, n - 1)
+    if op == aten.transpose.int:
+        args: tuple = (x, data.draw(dim), data.draw(dim))
+    elif op == aten.permute.default:
+        args = (x, [d - n if data.draw(st.booleans()) else d for d in data.draw(st.permutations(range(n)))])
+    elif op == aten.unsqueeze.default:
+        args = (x, data.draw(st.integers(-n - 1, n)))
+    elif op == aten.squeeze.dim:
+        args = (x, data.draw(dim))
+    elif op == aten.squeeze.dims:
+        args = (x, data.draw(st.lists(st.integers(0, n - 1), unique=True)))
+    else:
+        args = (x,)
+    check_random_strategies(data, op, args, {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes())
+def test_expand(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    out = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=4))
+    lead = data.draw(st.integers(0, len(out)))
+    src = tuple(1 if data.draw(st.booleans()) else s for s in out[lead:])
+    size = [
+        -1 if i >= lead and src[i - lead] == s and data.draw(st.booleans()) else s for i, s in enumerate(out)
+    ]
+    x = random_tensor(src, generator=g)
+    check_random_strategies(data, aten.expand.default, (x, size), {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(SPLITS + SLICES))
+def test_split_cat_slice(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    n = len(shape)
+    dim = data.draw(st.integers(-n, n - 1))
+    size = shape[dim]
+    if op == aten.split.Tensor:
+        args: tuple = (random_tensor(shape, generator=g), data.draw(st.integers(1, size)), dim)
+    elif op == aten.split_with_sizes.default:
+        cut = sorted(data.draw(st.lists(st.integers(0, size), max_size=3)))
+        bounds = [0, *cut, size]
+        args = (random_tensor(shape, generator=g), [b - a for a, b in zip(bounds, bounds[1:])], dim)
+    elif op == aten.cat.default:
+        parts = []
+        for _ in range(data.draw(st.integers(1, 3))):
+            part = list(shape)
+            part[dim] = data.draw(st.integers(1, 4))
+            parts.append(random_tensor(part, generator=g))
+        args = (parts, dim)
+    elif op == aten.stack.default:
+        count = data.draw(st.integers(1, 3))
+        args = ([random_tensor(shape, generator=g) for _ in range(count)], data.draw(st.integers(-n - 1, n)))
+    elif op == aten.slice.Tensor:
+        start = data.draw(st.sampled_from([None, 0, 1, -2]))
+        end = data.draw(st.sampled_from([None, size, -1, 2**63 - 1]))
+        args = (random_tensor(shape, generator=g), dim, start, end, data.draw(st.integers(1, 2)))
+    else:
+        args = (random_tensor(shape, generator=g), dim, data.draw(st.integers(-size, size - 1)))
+    check_random_strategies(data, op, args, {}, mesh, REGISTRY)
+
+
+CASTS = [
+    (torch.float64, torch.float32),
+    (torch.float32, torch.float64),
+    (torch.int64, torch.float64),
+    (torch.float64, torch.int64),
+    (torch.int64, torch.bool),
+    (torch.int64, torch.int32),
+]
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), cast=st.sampled_from(CASTS), copy=st.booleans())
+def test_casts_and_copy(
+    data: st.DataObject, mesh: tuple[int, ...], cast: tuple[torch.dtype, torch.dtype], copy: bool
+) -> None:
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    src_dtype, dst_dtype = cast
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    if not copy:
+        x = random_tensor(shape, src_dtype, generator=g) * 3
+        check_random_strategies(data, aten._to_copy.default, (x,), {"dtype": dst_dtype}, mesh, REGISTRY)
+        return
+    lead = data.draw(st.integers(0, len(shape)))
+    src_shape = tuple(1 if data.draw(st.booleans()) else s for s in shape[lead:])
+    dst = random_tensor(shape, dst_dtype, generator=g)
+    src = random_tensor(src_shape, src_dtype, generator=g) * 3
+    check_random_strategies(data, aten.copy.default, (dst, src), {}, mesh, REGISTRY)
