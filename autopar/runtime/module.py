@@ -147,6 +147,7 @@ class ParallelModule(nn.Module):
             to_dtensor_placements(layout),
             run_check=False,
             shape=torch.Size(layout.shape),
+            stride=_contiguous_strides(layout.shape),
         )
 
     def _check_inputs(self, flat: list[Any], spec: Any) -> None:
@@ -168,6 +169,15 @@ class ParallelModule(nn.Module):
 
     def plan_summary(self) -> str:
         return str(self.report) if self.report is not None else ""
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = []
+    running = 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= size
+    return tuple(reversed(strides))
 
 
 def _describe(spec: tuple[tuple[int, ...], torch.dtype] | None) -> str:
