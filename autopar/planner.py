@@ -197,13 +197,22 @@ class _Greedy:
     # ---- choosing a strategy -------------------------------------------------------------------
     def _rule(self, node: fx.Node) -> Any:
         rule = self.registry.get(node.target)
+        tags = getattr(node.target, "tags", ())
+        if rule is None and torch.Tag.nondeterministic_seeded in tags:
+            raise MissingRuleError(
+                f"random op {node.target} has no sharding rule: its numbers would depend on the layout",
+                op=str(node.target),
+                where=info(node).where(),
+                hint="train without it for now (e.g. dropout p=0); layout-invariant random streams "
+                "are not supported yet",
+            )
         if rule is None:
             raise MissingRuleError(
                 f"no sharding rule for {node.target}",
                 op=str(node.target),
                 where=info(node).where(),
                 hint="register one with registry.register(op, strategies, family=...) and pass "
-                "registry= to autopar.parallelize (see README: custom ops)",
+                "registry= to autopar.parallelize (README: Sharding rules)",
             )
         return rule
 
