@@ -77,9 +77,20 @@ def _hoist(gm: fx.GraphModule, collective: fx.Node) -> bool:
     external = [i for n in ordered for i in n.all_input_nodes if i not in chain_set]
     position = {n: k for k, n in enumerate(gm.graph.nodes)}
     anchor = max(external, key=lambda n: position[n]) if external else None
-    if anchor is None or position[anchor] + 1 >= position[ordered[0]]:
+    if anchor is None:
         return False
-    # never move a node before the phase it belongs to begins (keeps forward/backward tidy)
+    # never move a node before the phase it belongs to begins: a backward collective cannot
+    # overlap forward compute, which runs in another graph
+    if info(collective).phase == "backward":
+        first_backward = next(
+            n
+            for n in gm.graph.nodes
+            if has_info(n) and info(n).phase == "backward" and info(n).role == "compute"
+        )
+        if position[anchor] < position[first_backward]:
+            anchor = first_backward.prev
+    if position[anchor] + 1 >= position[ordered[0]]:
+        return False
     target = anchor
     for n in ordered:
         target.append(n)

@@ -278,6 +278,11 @@ def _merge_tied(gm: fx.GraphModule) -> None:
             sig.grad_of.remove(name)
         sig.param_names.insert(slots[0], canonical)
         sig.grad_of.insert(slots[0], canonical)
+    sig.param_names = [
+        info(n).param_name or n.name
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and info(n).role == "param"
+    ]
     missing = [g for g, v in zip(sig.grad_of, outs[nu:]) if v is None]
     if missing:
         raise TraceError(

@@ -1,0 +1,235 @@
+"""Shared, cached compilations for the per-stage tests (test_pass_*.py, test_dump.py).
+
+Tracing dominates the cost of a compile, so every graph here is built once per test session.
+Callers must not mutate what these functions return; tests that corrupt a graph build their own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.api import Compiled, compile_for_rank
+from autopar.mesh import Mesh
+from autopar.meta import has_info, info
+from autopar.passes.emit import EmittedProgram, emit, local_value
+from autopar.passes.insert_comm import insert_comm
+from autopar.passes.propagate import propagate
+from autopar.passes.schedule import schedule
+from autopar.passes.trace import trace
+from autopar.rules.registry import default_registry
+from autopar.testing import all_coords
+from examples.models import make_gpt, make_mlp
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+COLLECTIVES = (
+    c10d.all_gather_into_tensor.default,
+    c10d.reduce_scatter_tensor.default,
+    c10d.all_reduce.default,
+    c10d.all_to_all_single.default,
+)
+
+# The two-linear MLP of the insert_comm tests: T tokens, hidden H, width 4H, no biases.
+T, H = 64, 64
+
+
+class TwoLinear(nn.Module):
+    def __init__(self, h: int = H) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(h, 4 * h, bias=False)
+        self.fc2 = nn.Linear(4 * h, h, bias=False)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return ((self.fc2(F.gelu(self.fc1(x))) - t) ** 2).sum()
+
+
+def two_linear_case(seed: int = 0) -> tuple[TwoLinear, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(seed)
+    model = TwoLinear()
+    gen = torch.Generator().manual_seed(seed + 1)
+    return model, (torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen))
+
+
+@functools.cache
+def gpt_case() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    return make_gpt(0)
+
+
+@functools.cache
+def model_case(key: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """The models of these tests by name: gpt, gpt1 (one layer), mlp (examples), two_linear."""
+    if key == "gpt":
+        return gpt_case()
+    if key == "gpt1":
+        return make_gpt(0, n_layer=1)
+    if key == "mlp":
+        return make_mlp(0)
+    if key == "two_linear":
+        return two_linear_case()
+    raise KeyError(key)
+
+
+@functools.cache
+def propagated(key: str, shape: tuple[int, ...]) -> fx.GraphModule:
+    """A model's joint graph after trace + propagate only (no communication inserted)."""
+    model, inputs = model_case(key)
+    mesh = Mesh.from_shape(shape)
+    gm = trace(model, inputs, decompose=mesh.size > 1)
+    return propagate(gm, mesh, default_registry())
+
+
+def gpt_propagated(shape: tuple[int, ...]) -> fx.GraphModule:
+    return propagated("gpt", shape)
+
+
+@functools.cache
+def rank_programs(
+    key: str, shape: tuple[int, ...], scheduled: bool = True
+) -> dict[tuple[int, ...], tuple[fx.GraphModule, EmittedProgram]]:
+    """Stages 3-5 for every rank of the mesh, from one shared propagated graph (copied per rank)."""
+    mesh = Mesh.from_shape(shape)
+    registry = default_registry()
+    out = {}
+    for coords in all_coords(shape):
+        gm = insert_comm(copy.deepcopy(propagated(key, shape)), mesh, coords)
+        if scheduled:
+            gm = schedule(gm)
+        out[coords] = (gm, emit(gm, mesh, registry, coords))
+    return out
+
+
+def simulate_step(
+    key: str, shape: tuple[int, ...], scheduled: bool = True
+) -> tuple[dict[tuple[int, ...], list], dict[tuple[int, ...], list]]:
+    """One forward + backward of every rank's emitted program, collectives simulated in step.
+
+    Returns (forward outputs, backward outputs) per rank; the tangent of the loss is 1.0.
+    """
+    model, inputs = model_case(key)
+    programs = {c: p for c, (_, p) in rank_programs(key, shape, scheduled).items()}
+    params = dict(model.named_parameters())
+    fwd_args = {}
+    for c, prog in programs.items():
+        fwd_args[c] = [
+            local_value(params[n].detach(), lay, shape, c)
+            for n, lay in zip(prog.param_names, prog.param_layouts)
+        ] + [local_value(x, lay, shape, c) for x, lay in zip(inputs, prog.input_layouts)]
+    fwd = run_lockstep({c: p.forward for c, p in programs.items()}, fwd_args, shape)
+    bwd_args = {}
+    for c, prog in programs.items():
+        nu = len(prog.output_layouts)
+        tangents = [torch.ones(prog.output_layouts[i].local_shape(shape)) for i in prog.tangent_outputs]
+        bwd_args[c] = [*fwd[c][nu:], *tangents]
+    bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, shape)
+    return fwd, bwd
+
+
+@functools.cache
+def gpt_compiled(shape: tuple[int, ...], coords: tuple[int, ...]) -> tuple[Compiled, Path]:
+    """compile_for_rank on the GPT, with its stage dumps written to a session temp dir."""
+    model, inputs = gpt_case()
+    dump = Path(tempfile.mkdtemp(prefix="autopar_dump_"))
+    atexit.register(shutil.rmtree, dump, True)
+    compiled = compile_for_rank(model, Mesh.from_shape(shape), inputs, coords=coords, dump_dir=dump)
+    return compiled, dump / "rank0"
+
+
+def two_linear_after_insert_comm(
+    shape: tuple[int, ...] = (2, 2, 2), coords: tuple[int, ...] | None = None
+) -> fx.GraphModule:
+    model, inputs = two_linear_case()
+    mesh = Mesh.from_shape(shape)
+    gm = trace(model, inputs, decompose=mesh.size > 1)
+    gm = propagate(gm, mesh, default_registry())
+    return insert_comm(gm, mesh, coords if coords is not None else (0,) * len(shape))
+
+
+def collectives(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVES]
+
+
+def is_comm(node: fx.Node) -> bool:
+    return has_info(node) and info(node).role == "comm"
+
+
+# ---- in-process lockstep execution of per-rank graphs -------------------------------------------
+Coords = tuple[int, ...]
+
+
+def group_of(coords: Coords, axis: int, mesh_shape: tuple[int, ...]) -> list[Coords]:
+    """The ranks that share every coordinate but `axis`, in axis order (the process group)."""
+    return [tuple(i if a == axis else c for a, c in enumerate(coords)) for i in range(mesh_shape[axis])]
+
+
+def _collective(
+    node: fx.Node, coords: Coords, inputs: dict[Coords, torch.Tensor], mesh_shape: tuple[int, ...]
+):
+    axis = info(node).comm.axis  # type: ignore[union-attr]
+    group = [inputs[c] for c in group_of(coords, axis, mesh_shape)]
+    me = coords[axis]
+    g = mesh_shape[axis]
+    if node.target is c10d.all_reduce.default:
+        assert node.args[1] == "sum"
+        return sum(group[1:], group[0].clone())
+    if node.target is c10d.all_gather_into_tensor.default:
+        assert node.args[1] == g
+        return torch.cat(group, dim=0)
+    if node.target is c10d.reduce_scatter_tensor.default:
+        assert node.args[1] == "sum" and node.args[2] == g
+        return sum(group[1:], group[0].clone()).chunk(g, dim=0)[me].clone()
+    if node.target is c10d.all_to_all_single.default:
+        out_sizes, in_sizes = node.args[1], node.args[2]
+        assert len(out_sizes) == len(in_sizes) == g
+        return torch.cat([x.split(list(in_sizes), dim=0)[me] for x in group], dim=0)
+    raise AssertionError(node.target)
+
+
+def _load(env: dict[fx.Node, object], tree: object) -> object:
+    return torch.utils._pytree.tree_map(lambda x: env[x] if isinstance(x, fx.Node) else x, tree)
+
+
+def run_lockstep(
+    graphs: dict[Coords, fx.GraphModule], args: dict[Coords, list], mesh_shape: tuple[int, ...]
+) -> dict[Coords, list]:
+    """Run one graph per rank, node by node in step, simulating collectives across the ranks.
+
+    The graphs must have the same structure (they do: only slice offsets and zero_partial differ
+    between ranks); a collective's group is read from the node's CommStep axis.
+    """
+    order = {c: list(gm.graph.nodes) for c, gm in graphs.items()}
+    length = {len(nodes) for nodes in order.values()}
+    assert len(length) == 1, "per-rank graphs differ in length"
+    envs: dict[Coords, dict[fx.Node, object]] = {c: {} for c in graphs}
+    feeds = {c: iter(a) for c, a in args.items()}
+    result: dict[Coords, list] = {}
+    for i in range(length.pop()):
+        nodes = {c: order[c][i] for c in graphs}
+        first = next(iter(nodes.values()))
+        assert all(n.op == first.op for n in nodes.values())
+        if first.op == "call_function" and first.target in COLLECTIVES:
+            inputs = {c: envs[c][n.args[0]] for c, n in nodes.items()}
+            for c, n in nodes.items():
+                envs[c][n] = _collective(n, c, inputs, mesh_shape)  # type: ignore[arg-type]
+            continue
+        for c, node in nodes.items():
+            env = envs[c]
+            if node.op == "placeholder":
+                env[node] = next(feeds[c])
+            elif node.op == "output":
+                result[c] = list(_load(env, node.args[0]))
+            elif node.target is c10d.wait_tensor.default:
+                env[node] = env[node.args[0]]
+            else:
+                a, k = _load(env, (node.args, node.kwargs))
+                env[node] = node.target(*a, **k)
+    return result

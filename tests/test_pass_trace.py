@@ -1,0 +1,199 @@
+"""Stage 1, trace: the joint graph computes eager autograd's loss and gradients, on fake tensors."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from autopar.meta import info, signature
+from autopar.passes.trace import trace
+from examples.models import make_gpt
+
+MODELS_PY = str(Path(__file__).resolve().parent.parent / "examples" / "models.py")
+
+
+@functools.cache
+def _traced(decompose: bool) -> tuple[fx.GraphModule, nn.Module, tuple[torch.Tensor, ...]]:
+    model, inputs = make_gpt(0)
+    return trace(model, inputs, decompose=decompose), model, inputs
+
+
+def _placeholders(gm: fx.GraphModule, role: str) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == role]
+
+
+def _run_joint(
+    gm: fx.GraphModule, model: nn.Module, inputs: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Feed the real parameters in placeholder order; returns (loss, gradient by parameter name)."""
+    params = dict(model.named_parameters())
+    args: list[torch.Tensor] = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        node_info = info(node)
+        if node_info.role == "param":
+            args.append(params[node_info.param_name].detach())
+        elif node_info.role == "input":
+            args.append(inputs[node_info.input_index])
+        else:
+            assert node_info.role == "tangent"
+            args.append(torch.tensor(1.0))
+    sig = signature(gm)
+    out = gm(*args)
+    assert len(out) == sig.num_user_outputs + len(sig.grad_of)
+    return out[0], dict(zip(sig.grad_of, out[sig.num_user_outputs :]))
+
+
+def _eager(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(*inputs)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def test_signature_of_the_gpt_joint_graph() -> None:
+    gm, model, _ = _traced(False)
+    sig = signature(gm)
+    names = [n for n, _ in model.named_parameters()]  # tied alias listed once
+    assert sorted(sig.param_names) == sorted(names) and len(sig.param_names) == len(names)
+    assert sorted(sig.grad_of) == sorted(names)
+    assert (sig.num_inputs, sig.num_tangents, sig.num_user_outputs) == (2, 1, 1)
+    assert sig.aliases == {"lm_head.weight": "wte.weight"}
+    assert sig.buffer_names == []
+    assert [info(n).input_index for n in _placeholders(gm, "input")] == [0, 1]
+    assert len(_placeholders(gm, "tangent")) == 1
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    assert len(output.args[0]) == 1 + len(names)
+
+
+def test_signature_param_names_follow_placeholder_order() -> None:
+    gm, _, _ = _traced(False)
+    assert [info(n).param_name for n in _placeholders(gm, "param")] == signature(gm).param_names
+
+
+def test_joint_graph_without_decomposition_is_bit_identical_to_eager() -> None:
+    gm, model, inputs = _traced(False)
+    loss, grads = _run_joint(gm, model, inputs)
+    want_loss, want_grads = _eager(model, inputs)
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, want_grads[name]), name
+
+
+def test_joint_graph_with_decomposition_matches_eager() -> None:
+    gm, model, inputs = _traced(True)
+    loss, grads = _run_joint(gm, model, inputs)
+    want_loss, want_grads = _eager(model, inputs)
+    torch.testing.assert_close(loss, want_loss, atol=1e-6, rtol=1e-6)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    # decomposition replaced the fused ops whose sharded forms need cross-rank sums
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.native_layer_norm.default not in targets
+    plain = {n.target for n in _traced(False)[0].graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.native_layer_norm.default in plain
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_tied_weight_is_one_placeholder_with_the_summed_gradient(decompose: bool) -> None:
+    gm, model, inputs = _traced(decompose)
+    params = _placeholders(gm, "param")
+    names = [info(n).param_name for n in params]
+    assert names.count("wte.weight") == 1 and "lm_head.weight" not in names
+    tied = params[names.index("wte.weight")]
+    assert tuple(tied.meta["val"].shape) == tuple(model.wte.weight.shape)
+    # both uses (embedding lookup, lm_head matmul) read the one placeholder
+    user_targets = {u.target for u in tied.users}
+    assert torch.ops.aten.embedding.default in user_targets
+    assert len(tied.users) >= 2
+    _, grads = _run_joint(gm, model, inputs)
+    _, want = _eager(model, inputs)
+    assert model.lm_head.weight is model.wte.weight
+    torch.testing.assert_close(grads["wte.weight"], want["wte.weight"], atol=1e-7, rtol=1e-6)
+    # the gradient sums both uses: untie a copy and add the two separate gradients
+    untied = copy.deepcopy(model)
+    untied.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
+    untied(*inputs).backward()
+    emb, head = untied.wte.weight.grad, untied.lm_head.weight.grad
+    assert emb.abs().sum() > 0 and head.abs().sum() > 0
+    torch.testing.assert_close(grads["wte.weight"], emb + head, atol=1e-7, rtol=1e-6)
+
+
+def test_every_op_knows_its_module_and_the_attention_its_source_line() -> None:
+    gm, _, _ = _traced(True)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert calls and all(info(n).module_path for n in calls)
+    assert all(info(n).phase in ("forward", "backward") for n in calls)
+    attn = [
+        n for n in calls if info(n).phase == "forward" and info(n).module_path.startswith("blocks.0.attn")
+    ]
+    assert {info(n).module_path for n in attn} >= {"blocks.0.attn", "blocks.0.attn.qkv", "blocks.0.attn.proj"}
+    for node in attn:
+        path, _, rest = info(node).source.rpartition(":")
+        assert path == MODELS_PY, info(node).source
+        line = int(rest.split()[0])
+        assert 30 < line < 45, info(node).source  # CausalSelfAttention.forward
+    sdpa = [n for n in attn if "scaled_dot_product" in str(n.target)]
+    assert sdpa
+    sdpa_line = int(info(sdpa[0]).source.rpartition(":")[2].split()[0])
+    assert "scaled_dot_product_attention" in Path(MODELS_PY).read_text().splitlines()[sdpa_line - 1]
+    qkv = next(n for n in attn if n.target is torch.ops.aten.addmm.default)
+    assert info(qkv).module_path == "blocks.0.attn.qkv"
+    # where() joins module path and source for error messages
+    assert info(qkv).where().startswith("blocks.0.attn.qkv @ " + MODELS_PY)
+
+
+def test_forward_and_backward_phases_split_at_the_tangent() -> None:
+    gm, _, _ = _traced(False)
+    tangent = _placeholders(gm, "tangent")[0]
+    backward = {n for n in gm.graph.nodes if n.op == "call_function" and info(n).phase == "backward"}
+    assert backward
+    # everything downstream of the tangent is backward; nothing forward reads a backward value
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if tangent in node.all_input_nodes:
+            assert node in backward
+        if node not in backward:
+            assert not any(i in backward for i in node.all_input_nodes), node.name
+    loss_node = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert info(loss_node).phase == "forward"
+
+
+def test_no_parameter_memory_is_copied() -> None:
+    model, inputs = make_gpt(0)
+    before = {n: (p.data_ptr(), p.clone()) for n, p in model.named_parameters()}
+    gm = trace(model, inputs, decompose=False)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            assert isinstance(node.meta["val"], FakeTensor), node.name
+    # no constants were captured from the weights either
+    assert not [name for name, _ in gm.named_buffers()] and not list(gm.parameters())
+    for n, p in model.named_parameters():
+        assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]) and p.grad is None
+
+
+def test_a_meta_device_model_traces_to_the_same_graph() -> None:
+    with torch.device("meta"):
+        model, _ = make_gpt(0)
+    _, inputs = make_gpt(0)
+    assert model.wte.weight.device.type == "meta"
+    gm = trace(model, inputs, decompose=False)
+    ref, _, _ = _traced(False)
+    shapes = [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder"]
+    assert shapes == [tuple(n.meta["val"].shape) for n in ref.graph.nodes if n.op == "placeholder"]
+    assert [str(n.target) for n in gm.graph.nodes] == [str(n.target) for n in ref.graph.nodes]
