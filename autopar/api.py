@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,10 +24,12 @@ from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
 from autopar.passes.schedule import schedule
 from autopar.passes.trace import trace
+from autopar.planner import Plan, choose_layouts
 from autopar.report import PlanReport, build_report
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.runtime.module import ParallelModule
+from autopar.search import search_layouts
 
 
 @dataclass
@@ -48,13 +51,29 @@ def compile_for_rank(
     registry: RuleRegistry | None = None,
     dump_dir: str | os.PathLike[str] | None = None,
     rank: int = 0,
+    planner: str = "greedy",
+    agree: Callable[[fx.GraphModule, Callable[[], Plan]], Plan] | None = None,
 ) -> Compiled:
-    """Run the five stages for the rank at `coords` (default: this process's mesh coordinate)."""
+    """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
+
+    `planner` is "greedy" (the default for now) or "search" (the whole-graph search seeded by the
+    greedy pass under every assignment of axis roles; opt-in until it prices real hardware). `agree`,
+    when given, decides how ranks settle on one plan (parallelize: rank 0 plans, all check).
+    """
     registry = registry if registry is not None else default_registry()
     path = dump_dir_from(dump_dir, rank)
     gm = trace(model, example_inputs, decompose=mesh.size > 1, example_kwargs=example_kwargs)
     write_stage(path, "1_trace", gm, mesh)
-    gm = propagate(gm, mesh, registry)
+    choose = {"search": search_layouts, "greedy": choose_layouts}.get(planner)
+    if choose is None:
+        raise AutoparError(f"unknown planner {planner!r}", hint='use "search" or "greedy"')
+
+    def make_plan() -> Plan:
+        assert choose is not None
+        return choose(gm, mesh, registry)
+
+    plan = agree(gm, make_plan) if agree is not None else make_plan()
+    gm = propagate(gm, mesh, registry, choose=lambda *_: plan)
     write_stage(path, "2_propagate", gm, mesh)
     gm = insert_comm(gm, mesh, coords)
     write_stage(path, "3_insert_comm", gm, mesh)
@@ -76,6 +95,7 @@ def parallelize(
     example_kwargs: dict[str, Any] | None = None,
     dump_dir: str | os.PathLike[str] | None = None,
     registry: RuleRegistry | None = None,
+    planner: str = "greedy",
 ) -> ParallelModule:
     """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
 
@@ -93,6 +113,8 @@ def parallelize(
         registry=registry,
         dump_dir=dump_dir,
         rank=dist.get_rank(),
+        planner=planner,
+        agree=_agree_across_ranks,
     )
     sig = signature(compiled.graph)
     flat, _ = pytree.tree_flatten((example_inputs, example_kwargs or {}))
@@ -100,6 +122,49 @@ def parallelize(
     return ParallelModule(
         compiled.program, autopar_mesh, model, sig.aliases, sig.in_spec, specs, compiled.report
     )
+
+
+def graph_fingerprint(gm: fx.GraphModule) -> str:
+    """What every rank must have traced identically for one plan to fit all of them."""
+    digest = hashlib.sha256()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        digest.update(f"{node.op}|{node.name}|{node.target}|{shape}\n".encode())
+    return digest.hexdigest()
+
+
+def _agree_across_ranks(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Plan:
+    """Rank 0 plans and broadcasts; every rank first checks that all traced the same graph.
+
+    Failures travel with the broadcast, so a rank whose planning raised never leaves the others
+    waiting in a collective.
+    """
+    mine = graph_fingerprint(gm)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    differing = [r for r, f in enumerate(everyone) if f != mine]
+    if differing:
+        raise AutoparError(
+            f"ranks traced different graphs (this rank differs from ranks {differing})",
+            hint="every rank must call parallelize with the same model code, shapes and dtypes",
+        )
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = ("plan", make_plan())
+        except Exception as exc:  # every rank must hear about it, whatever it is
+            error = (
+                exc
+                if isinstance(exc, AutoparError)
+                else AutoparError(f"planning failed on rank 0: {type(exc).__name__}: {exc}")
+            )
+            payload[0] = ("error", error)
+    dist.broadcast_object_list(payload, src=0)
+    kind, value = payload[0]
+    if kind == "error":
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 def _check_mesh(mesh: Any) -> Mesh:

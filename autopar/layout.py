@@ -15,26 +15,110 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass(frozen=True, order=True)
-class Shard:
+class _Placement:
+    """Immutable, interned placement: equal placements are the same object, so the tuples of
+    them that layouts compare millions of times during planning compare by identity."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __lt__(self, other: _Placement) -> bool:
+        return self._order() < other._order()
+
+    def _order(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+
+class Shard(_Placement):
+    __slots__ = ("dim",)
     dim: int
+    _instances: dict[int, Shard] = {}  # intern table of immutable values
+
+    def __new__(cls, dim: int) -> Shard:
+        instance = cls._instances.get(dim)
+        if instance is None:
+            instance = super().__new__(cls)
+            object.__setattr__(instance, "dim", int(dim))
+            cls._instances[dim] = instance
+        return instance
+
+    def __reduce__(self) -> tuple[type, tuple[int]]:
+        return (Shard, (self.dim,))
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, Shard) and other.dim == self.dim)
+
+    def __hash__(self) -> int:
+        return hash(("Shard", self.dim))
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
 
     def __str__(self) -> str:
         return f"S({self.dim})"
 
+    def _order(self) -> tuple[int, int]:
+        return (2, self.dim)
 
-@dataclass(frozen=True, order=True)
-class Replicate:
+
+class Replicate(_Placement):
+    __slots__ = ()
+    _instance: Replicate | None = None
+
+    def __new__(cls) -> Replicate:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (Replicate, ())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Replicate)
+
+    def __hash__(self) -> int:
+        return hash("Replicate")
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
     def __str__(self) -> str:
         return "R"
 
+    def _order(self) -> tuple[int, int]:
+        return (0, 0)
 
-@dataclass(frozen=True, order=True)
-class Partial:
+
+class Partial(_Placement):
     """Each rank holds a summand; the value is the sum over the axis."""
+
+    __slots__ = ()
+    _instance: Partial | None = None
+
+    def __new__(cls) -> Partial:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (Partial, ())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Partial)
+
+    def __hash__(self) -> int:
+        return hash("Partial")
+
+    def __repr__(self) -> str:
+        return "Partial()"
 
     def __str__(self) -> str:
         return "P"
+
+    def _order(self) -> tuple[int, int]:
+        return (1, 0)
 
 
 Placement = Shard | Replicate | Partial
@@ -54,7 +138,7 @@ _DTYPE_SHORT = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Layout:
     placements: tuple[Placement, ...]
     shape: tuple[int, ...]
@@ -64,6 +148,25 @@ class Layout:
         for p in self.placements:
             if isinstance(p, Shard) and not 0 <= p.dim < len(self.shape):
                 raise ValueError(f"{p} out of range for shape {self.shape}")
+        # layouts are dictionary keys everywhere in planning: hash once, index axes once
+        key = (self.placements, self.shape, self.dtype)
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_hash", hash(key))
+        by_dim: list[list[int]] = [[] for _ in self.shape]
+        for a, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                by_dim[p.dim].append(a)
+        object.__setattr__(self, "_axes", tuple(tuple(axes) for axes in by_dim))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined, no-any-return]
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return self._hash == other._hash and self._key == other._key  # type: ignore[attr-defined, no-any-return]
 
     @staticmethod
     def replicated(shape: Sequence[int], ndim_mesh: int, dtype: torch.dtype = torch.float32) -> Layout:
@@ -71,7 +174,7 @@ class Layout:
 
     def shard_axes(self, dim: int) -> tuple[int, ...]:
         """Mesh axes splitting `dim`, outermost first."""
-        return _axes_by_dim(self.placements, len(self.shape))[dim]
+        return self._axes[dim]  # type: ignore[attr-defined, no-any-return]
 
     def partial_axes(self) -> tuple[int, ...]:
         return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Partial))

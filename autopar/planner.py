@@ -49,6 +49,11 @@ class Plan:
     output_layouts: list[Layout | None] = field(default_factory=list)
     notes: dict[str, str] = field(default_factory=dict)
     roles: tuple[str, ...] = ()
+    decided: list[str] = field(default_factory=list)  # nodes whose strategy was a choice (not implied)
+    # per decided node and input: "param" / "replica" if the input was still to be laid out
+    deferred_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # a deferred value -> (the decided node that laid it out, that node's input index)
+    resolved_by: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
 def axis_roles(mesh: Mesh) -> tuple[str, ...]:
@@ -89,18 +94,52 @@ def choose_layouts(gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry) -> Pl
     return _Greedy(gm, mesh, registry).run()
 
 
+def greedy_plan(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    *,
+    roles: tuple[str, ...] | None = None,
+    forced: dict[str, Strategy] | None = None,
+    expand_cache: dict[Any, list[Strategy]] | None = None,
+) -> Plan:
+    """The greedy pass with other axis roles, or with some nodes' strategies fixed in advance."""
+    return _Greedy(gm, mesh, registry, roles=roles, forced=forced, expand_cache=expand_cache).run()
+
+
+def expand_cached(
+    node: fx.Node, rule: Any, call: OpCall, shape: tuple[int, ...], cache: dict[Any, list[Strategy]]
+) -> list[Strategy]:
+    """`expand` memoized by op and argument specs: repeated layers share their candidate lists."""
+    key = (node.target, repr(call.args), repr(sorted(call.kwargs.items())), call.inputs, call.outputs)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = expand(call, rule.strategies(call), shape)
+    return found
+
+
 @functools.lru_cache(maxsize=200_000)
 def _redist(src: Layout, dst: Layout, mesh_shape: tuple[int, ...]) -> float:
     return redistribute_cost(src, dst, mesh_shape)
 
 
 class _Greedy:
-    def __init__(self, gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        mesh: Mesh,
+        registry: RuleRegistry,
+        roles: tuple[str, ...] | None = None,
+        forced: dict[str, Strategy] | None = None,
+        expand_cache: dict[Any, list[Strategy]] | None = None,
+    ) -> None:
         self.gm = gm
         self.mesh = mesh
         self.shape = tuple(mesh.shape)
         self.registry = registry
-        self.plan = Plan(roles=axis_roles(mesh))
+        self.plan = Plan(roles=roles if roles is not None else axis_roles(mesh))
+        self.forced = forced or {}
+        self.expand_cache = expand_cache if expand_cache is not None else {}
         # Values laid out by their first consumer: "param" chains (a parameter and views/casts of
         # it) and "replica" chains (computed from whole, replicated values only: slicing is free).
         self.deferred: dict[fx.Node, str] = {}
@@ -236,9 +275,21 @@ class _Greedy:
         rule = self._rule(node)
         call = op_call(node)
         current = [self._current(i) for i in inputs]
+        self.plan.decided.append(node.name)
+        self.plan.deferred_inputs[node.name] = tuple(c if isinstance(c, str) else "" for c in current)
+        for index, (node_in, have) in enumerate(zip(inputs, current)):
+            if isinstance(have, str):
+                self.plan.resolved_by.setdefault(node_in.name, (node.name, index))
+        if node.name in self.forced:
+            best = self.forced[node.name]
+            for node_in, want in zip(inputs, best.inputs):
+                self._resolve(node_in, want)
+            self.plan.strategies[node.name] = best
+            self._set(node, best.outputs, "chosen by the plan search")
+            return
         axis_options = rule.strategies(call)
         if rule.anchor or len(inputs) == 0:
-            candidates = expand(call, axis_options, self.shape)
+            candidates = expand_cached(node, rule, call, self.shape, self.expand_cache)
         else:
             candidates = self._beam(call, axis_options, current)
         if not candidates:
@@ -364,11 +415,10 @@ class _Greedy:
         inputs = tensor_inputs(node)
         rule = self._rule(node)
         call = op_call(node)
-        matching = [s for s in expand(call, rule.strategies(call), self.shape) if s.outputs[0] == want]
+        every = expand_cached(node, rule, call, self.shape, self.expand_cache)
+        matching = [s for s in every if s.outputs[0] == want]
         if not matching:
-            replicated = [
-                s for s in expand(call, rule.strategies(call), self.shape) if s.outputs[0].is_replicated
-            ]
+            replicated = [s for s in every if s.outputs[0].is_replicated]
             matching = replicated[:1]
         current = [self._current(i) for i in inputs]
         best = min(matching, key=lambda s: sum(self._input_cost(h, w) for h, w in zip(current, s.inputs)))

@@ -28,10 +28,10 @@ NAMES = {1: ("x",), 2: ("x", "y"), 3: ("x", "y", "z"), 4: ("dp", "x", "y", "z")}
 MAKERS = {"gpt": make_gpt, "mlp": make_mlp}
 
 
-def _train(model_name: str, mesh: Any, exact: bool) -> dict[str, Any]:
+def _train(model_name: str, mesh: Any, exact: bool, planner: str = "greedy") -> dict[str, Any]:
     model, batch = MAKERS[model_name](0)
     serial = copy.deepcopy(model)
-    pmodel = autopar.parallelize(model, mesh, example_inputs=batch)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, planner=planner)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
     serial_opt = torch.optim.AdamW(serial.parameters(), lr=1e-3)
     serial_params = dict(serial.named_parameters())
@@ -76,9 +76,11 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / (want.abs().max() + 1e-6))
 
 
-def _job(rank: int, world_size: int, shape: tuple[int, ...], models: tuple[str, ...]) -> dict[str, Any]:
+def _job(
+    rank: int, world_size: int, shape: tuple[int, ...], models: tuple[str, ...], planner: str = "greedy"
+) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=NAMES[len(shape)])
-    return {name: _train(name, mesh, exact=world_size == 1) for name in models}
+    return {name: _train(name, mesh, exact=world_size == 1, planner=planner) for name in models}
 
 
 class MLPWithLogits(MLP):
@@ -152,10 +154,18 @@ def test_api_outputs_clipping_checkpoint_and_tied_weights(tmp_path: Any) -> None
 
 
 @pytest.mark.parametrize(
-    "shape", [(8,), (2, 4), (2, 2, 2), (2, 2, 2, 1)], ids=lambda s: "x".join(map(str, s))
+    ("shape", "planner"),
+    [
+        ((8,), "greedy"),
+        ((2, 4), "greedy"),
+        ((2, 2, 2), "greedy"),
+        ((2, 2, 2, 1), "greedy"),
+        ((2, 2, 2), "search"),
+    ],
+    ids=["8", "2x4", "2x2x2", "2x2x2x1", "2x2x2-search"],
 )
-def test_matches_serial_on_eight_ranks(shape: tuple[int, ...]) -> None:
-    results = run_ranks(8, _job, shape, ("gpt", "mlp"), timeout=600)
+def test_matches_serial_on_eight_ranks(shape: tuple[int, ...], planner: str) -> None:
+    results = run_ranks(8, _job, shape, ("gpt", "mlp"), planner, timeout=600)
     for rank, per_model in enumerate(results):
         for name, r in per_model.items():
             for loss, serial_loss in r["losses"]:

@@ -170,3 +170,18 @@ def test_redistribution_round_trips(case: tuple[tuple[int, ...], Layout, Layout,
     assert all(mesh[s.axis] > 1 for s in steps if s.is_collective)
     assert redistribute_cost(src, dst, mesh) == pytest.approx(sum(s.elements_sent(mesh) for s in steps))
     _round_trip(full, src, dst, mesh)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fast_cost_equals_the_steps(data: st.DataObject) -> None:
+    """redistribute_cost prices pairs without building steps; it must agree with plan_redistribute."""
+    mesh = tuple(data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=4)))
+    ndim = data.draw(st.integers(0, 3))
+    options = [R, P, *(Shard(d) for d in range(ndim))]
+    src_p = tuple(data.draw(st.sampled_from(options)) for _ in mesh)
+    dst_p = tuple(data.draw(st.sampled_from(options)) for _ in mesh)
+    shape = tuple(math.prod(mesh) * data.draw(st.integers(1, 2)) for _ in range(ndim))
+    src, dst = Layout(src_p, shape), Layout(dst_p, shape)
+    steps = plan_redistribute(src, dst, mesh)
+    assert redistribute_cost(src, dst, mesh) == pytest.approx(sum(s.elements_sent(mesh) for s in steps))

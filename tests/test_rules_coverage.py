@@ -109,6 +109,12 @@ WRONG = [
     (aten.mul.Tensor, lambda: (torch.randn(4, 6), torch.randn(4, 6)), AxisStrategy((P, P), (P,))),
     # an inner dim of a merged run is strided in the result
     (aten.view.default, lambda: (torch.randn(4, 6), [24]), AxisStrategy((Shard(1),), (Shard(0),))),
+    # a bias added on every rank of an input-channel split is counted g times
+    (
+        aten.convolution.default,
+        lambda: (torch.randn(2, 4, 5), torch.randn(6, 4, 3), torch.randn(6), [1], [0], [1], False, [0], 1),
+        AxisStrategy((Shard(1), Shard(1), R), (P,)),
+    ),
     # softmax over a split dim normalizes each block separately
     (aten._softmax.default, lambda: (torch.randn(4, 6), 1, False), AxisStrategy((Shard(1),), (Shard(1),))),
 ]

@@ -26,9 +26,10 @@ SETTINGS = settings(max_examples=30, deadline=None)
 ARANGES = [aten.arange.default, aten.arange.start, aten.arange.start_step]
 FILLS = [aten.zeros.default, aten.ones.default, aten.full.default]
 LIKES = [aten.zeros_like.default, aten.ones_like.default, aten.full_like.default]
-EMPTIES = [aten.empty.memory_format, aten.empty_like.default]
+EMPTIES = [aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default]
+NEW_FILLS = [aten.new_ones.default, aten.new_zeros.default, aten.new_full.default]
 
-COVERED_OPS = [*ARANGES, *FILLS, *LIKES, *EMPTIES, aten.scalar_tensor.default]
+COVERED_OPS = [*ARANGES, *FILLS, *LIKES, *EMPTIES, *NEW_FILLS, aten.scalar_tensor.default]
 
 
 @SETTINGS
@@ -73,9 +74,26 @@ def test_fills(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
 def test_empty_shapes(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     """Values of `empty` are arbitrary: check every rank's local shape only."""
     shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
-    args: tuple = (list(shape),) if op == aten.empty.memory_format else (torch.zeros(shape),)
+    if op == aten.empty.memory_format:
+        args: tuple = (list(shape),)
+    elif op == aten.new_empty.default:
+        args = (torch.zeros(data.draw(tensor_shapes(mesh, min_dims=0, max_dims=2))), list(shape))
+    else:
+        args = (torch.zeros(shape),)
     strategy = data.draw(st.sampled_from(candidate_strategies(op, args, {}, mesh, REGISTRY)))
     call = make_call(op, args, {}, op(*args))
     outputs, _ = run_local(call, strategy, args, {}, mesh, REGISTRY)
     want = strategy.outputs[0].local_shape(mesh)
     assert all(tuple(outs[0].shape) == want for outs in outputs.values())
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(NEW_FILLS))
+def test_new_fills(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    """`x.new_ones(size)`: x (any layout, any shape) gives only the dtype; size may be () too."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    src = random_tensor(data.draw(tensor_shapes(mesh, min_dims=0, max_dims=3)), generator=g)
+    shape = data.draw(tensor_shapes(mesh, min_dims=0, max_dims=3))
+    args: tuple = (src, list(shape), 7) if op == aten.new_full.default else (src, list(shape))
+    dtype = data.draw(st.sampled_from([torch.float64, torch.int64, torch.bool]))
+    check_random_strategies(data, op, args, {"dtype": dtype}, mesh, REGISTRY)

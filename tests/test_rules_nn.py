@@ -43,6 +43,8 @@ COVERED_OPS = [
     aten.mse_loss.default,
     aten.mse_loss_backward.default,
     *GATHER_SCATTER,
+    aten.convolution.default,
+    aten.convolution_backward.default,
 ]
 
 
@@ -217,3 +219,47 @@ def test_gather_scatter(data: st.DataObject, mesh: tuple[int, ...], op: object) 
     else:
         args = (x, dim, index, data.draw(st.sampled_from([0.0, -1.0])))
     check_random_strategies(data, op, args, {}, mesh, REGISTRY)
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes(max_axes=3), backward=st.booleans())
+def test_convolution(data: st.DataObject, mesh: tuple[int, ...], backward: bool) -> None:
+    """1-d and 2-d convolutions (plain, transposed, grouped; strided, padded, dilated), forward
+    and backward with every output mask."""
+    g = _gen(data)
+    spatial = data.draw(st.integers(1, 2))
+    groups = data.draw(st.sampled_from([1, 1, 2]))
+    batch = data.draw(dim_sizes(mesh, cap=6))
+    c_in = groups * data.draw(dim_sizes(mesh, cap=6, allow_one=False))
+    c_out = groups * data.draw(dim_sizes(mesh, cap=6, allow_one=False))
+    kernel = [data.draw(st.integers(1, 3)) for _ in range(spatial)]
+    transposed = data.draw(st.booleans())
+    stride = [data.draw(st.integers(1, 2)) for _ in range(spatial)]
+    # (a transposed convolution's padding crops its output: none, so that it never vanishes)
+    padding = [0 if transposed else data.draw(st.integers(0, 1)) for _ in range(spatial)]
+    dilation = [data.draw(st.integers(1, 2)) for _ in range(spatial)]
+    # at least the dilated kernel's extent, so that every output has a valid size
+    size = [(k - 1) * d + data.draw(st.integers(1, 4)) for k, d in zip(kernel, dilation)]
+    if transposed:
+        weight_shape = (c_in, c_out // groups, *kernel)
+    else:
+        weight_shape = (c_out, c_in // groups, *kernel)
+    x = random_tensor((batch, c_in, *size), generator=g)
+    weight = random_tensor(weight_shape, generator=g)
+    bias = random_tensor((c_out,), generator=g) if data.draw(st.booleans()) else None
+    conv_args = (stride, padding, dilation, transposed, [0] * spatial, groups)
+    if not backward:
+        args: tuple = (x, weight, bias, *conv_args)
+        check_random_strategies(data, aten.convolution.default, args, {}, mesh, REGISTRY)
+        return
+    out = aten.convolution.default(x, weight, bias, *conv_args)
+    grad = random_tensor(out.shape, generator=g)
+    mask = data.draw(
+        st.lists(st.booleans(), min_size=3, max_size=3).filter(lambda m: any(m[:2]) or bias is not None)
+    )
+    mask[2] = mask[2] and bias is not None
+    if not any(mask):
+        mask[1] = True
+    bias_sizes = [c_out] if bias is not None else None
+    args = (grad, x, weight, bias_sizes, *conv_args, mask)
+    check_random_strategies(data, aten.convolution_backward.default, args, {}, mesh, REGISTRY)

@@ -58,6 +58,8 @@ ARGS: dict[object, tuple[object, ...]] = {
     aten.ge.Tensor: ("f", "f"),
     aten.logical_and.default: ("b", "b"),
     aten.logical_or.default: ("b", "b"),
+    aten.bitwise_and.Tensor: ("b", "b"),
+    aten.bitwise_or.Tensor: ("i", "i"),
     aten.maximum.default: ("f", "f"),
     aten.minimum.default: ("f", "f"),
     aten.pow.Tensor_Tensor: ("+", "f"),

@@ -30,11 +30,15 @@ SINGLE_DIM_OPS = [aten.argmax.default, aten.argmin.default, aten.max.dim, aten.m
 CORRECTION_OPS = [aten.var_mean.correction, aten.var.correction, aten.std.correction]
 ALL_OPS = [aten.sum.default, aten.mean.default]
 
-COVERED_OPS = [*DIM_LIST_OPS, *SINGLE_DIM_OPS, *CORRECTION_OPS, *ALL_OPS]
+COVERED_OPS = [*DIM_LIST_OPS, *SINGLE_DIM_OPS, *CORRECTION_OPS, *ALL_OPS, aten.cumsum.default]
 
 
 @settings(max_examples=40, deadline=None)
-@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(COVERED_OPS))
+@given(
+    data=st.data(),
+    mesh=mesh_shapes(),
+    op=st.sampled_from(DIM_LIST_OPS + SINGLE_DIM_OPS + CORRECTION_OPS + ALL_OPS),
+)
 def test_reductions(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     g = torch.Generator().manual_seed(data.draw(seeds()))
     shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
@@ -67,3 +71,16 @@ def test_reductions(data: st.DataObject, mesh: tuple[int, ...], op: object) -> N
         args = (x, reduce)
         kwargs = {"correction": correction, "keepdim": keepdim}
     check_random_strategies(data, op, args, kwargs, mesh, REGISTRY)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes())
+def test_cumsum(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """Scans keep their dim whole; bool inputs (attention-mask position ids) count up as int64."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    dtype = data.draw(st.sampled_from([torch.float64, torch.int64, torch.bool]))
+    x = random_tensor(shape, dtype, generator=g)
+    kwargs = {"dtype": torch.float64} if dtype == torch.int64 and data.draw(st.booleans()) else {}
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    check_random_strategies(data, aten.cumsum.default, (x, dim), kwargs, mesh, REGISTRY)

@@ -27,6 +27,7 @@ PERMUTES = [aten.t.default, aten.transpose.int, aten.permute.default]
 SQUEEZES = [aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims]
 SPLITS = [aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default, aten.stack.default]
 SLICES = [aten.slice.Tensor, aten.select.int]
+BACKWARDS = [aten.slice_backward.default, aten.select_backward.default]
 
 COVERED_OPS = [
     *RESHAPES,
@@ -38,6 +39,11 @@ COVERED_OPS = [
     aten.expand.default,
     aten._to_copy.default,
     aten.copy.default,
+    *BACKWARDS,
+    aten.unbind.int,
+    aten.constant_pad_nd.default,
+    aten.index.Tensor,
+    aten._assert_tensor_metadata.default,
 ]
 
 
@@ -183,3 +189,85 @@ def test_casts_and_copy(
     dst = random_tensor(shape, dst_dtype, generator=g)
     src = random_tensor(src_shape, src_dtype, generator=g) * 3
     check_random_strategies(data, aten.copy.default, (dst, src), {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from([*BACKWARDS, aten.unbind.int]))
+def test_slice_select_backward_and_unbind(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    n = len(shape)
+    dim = data.draw(st.integers(-n, n - 1))
+    size = shape[dim]
+    if op == aten.unbind.int:
+        args: tuple = (random_tensor(shape, generator=g), dim)
+    elif op == aten.slice_backward.default:
+        # the same slices as x[..., start:end:step] in the forward (whole-dim ones included)
+        start = data.draw(st.sampled_from([0, 1, -2, 0]))
+        end = data.draw(st.sampled_from([2**63 - 1, size, -1]))
+        step = data.draw(st.integers(1, 2))
+        piece = aten.slice.Tensor(torch.empty(shape), dim, start, end, step)
+        args = (random_tensor(piece.shape, generator=g), list(shape), dim, start, end, step)
+    else:
+        index = data.draw(st.integers(-size, size - 1))
+        piece = aten.select.int(torch.empty(shape), dim, index)
+        args = (random_tensor(piece.shape, generator=g), list(shape), dim, index)
+    check_random_strategies(data, op, args, {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), value=st.sampled_from([0.0, -100.0]))
+def test_constant_pad(data: st.DataObject, mesh: tuple[int, ...], value: float) -> None:
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    # (left, right) pairs from the last dim backwards; zeros leave a dim alone, negatives crop
+    pairs = data.draw(st.integers(1, len(shape)))
+    pad = [data.draw(st.sampled_from([0, 0, 1, 2, -1])) for _ in range(2 * pairs)]
+    for i in range(pairs):  # never crop a dim to nothing
+        if shape[-1 - i] + pad[2 * i] + pad[2 * i + 1] <= 0:
+            pad[2 * i] = pad[2 * i + 1] = 0
+    dtype = data.draw(st.sampled_from([torch.float64, torch.int64]))
+    x = random_tensor(shape, dtype, generator=g)
+    check_random_strategies(data, aten.constant_pad_nd.default, (x, pad, value), {}, mesh, REGISTRY)
+
+
+@st.composite
+def _broadcasting_to(draw: st.DrawFn, out: tuple[int, ...]) -> tuple[int, ...]:
+    drop = draw(st.integers(0, len(out)))
+    return tuple(1 if draw(st.integers(0, 3)) == 0 else s for s in out[drop:])
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes())
+def test_index_with_integer_tensors(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """`x[i, :, j]`-style indexing: adjacent and separated index tensors, broadcasting between them."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3, max_numel=512))
+    broadcast = data.draw(tensor_shapes(mesh, min_dims=0, max_dims=2, max_numel=64))
+    used = data.draw(
+        st.lists(st.booleans(), min_size=len(shape), max_size=len(shape)).filter(lambda u: any(u))
+    )
+    indices: list[torch.Tensor | None] = [
+        random_tensor(data.draw(_broadcasting_to(broadcast)), torch.int64, generator=g, high=size)
+        if use
+        else None
+        for use, size in zip(used, shape)
+    ]
+    while indices[-1] is None:  # x[i] leaves the trailing dims whole, like x[i, :]
+        indices.pop()
+    dtype = data.draw(st.sampled_from([torch.float64, torch.int64]))
+    x = random_tensor(shape, dtype, generator=g)
+    check_random_strategies(data, aten.index.Tensor, (x, indices), {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), sizes=st.booleans())
+def test_assert_tensor_metadata(data: st.DataObject, mesh: tuple[int, ...], sizes: bool) -> None:
+    """Passes on every rank's block, also when the global size and stride are given."""
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    x = random_tensor(shape, generator=torch.Generator().manual_seed(data.draw(seeds())))
+    args: tuple = (x, list(x.shape), list(x.stride()), x.dtype) if sizes else (x, None, None, x.dtype)
+    strategies = check_random_strategies(
+        data, aten._assert_tensor_metadata.default, args, {"device": x.device}, mesh, REGISTRY
+    )
+    assert all(len(s.outputs) == 0 for s in strategies)

@@ -3,7 +3,8 @@
 Constant fills only need the local shape (`localize_sizes` rewrites `size`); `arange` must produce
 this rank's elements, so its localize computes the block from the output layout and coords.
 `*_like` factories follow their input's shards; their input values are never read, so a Partial
-input yields a plain replicated constant (or, for zeros, a Partial zero).
+input yields a plain replicated constant (or, for zeros, a Partial zero). `new_*` factories take
+only dtype and device from their input, so it may arrive in any layout.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from autopar.layout import P, R, Shard
+from autopar.layout import P, Placement, R, Shard
 from autopar.rules import local_ops
 from autopar.rules.base import AxisStrategy, LocalCall, LocalContext, OpCall, RuleRegistry, with_replicated
 
@@ -37,6 +38,15 @@ def like_rule(zero: bool) -> Callable[[OpCall], list[AxisStrategy]]:
         return with_replicated(call, result)
 
     return rule
+
+
+def new_fill_rule(call: OpCall) -> list[AxisStrategy]:
+    """`x.new_ones(size)` etc.: x gives only dtype and device, so it may come in any layout (no
+    redistribution is ever needed for it) and the output may be split on any dim."""
+    src, shape = call.inputs[0], call.outputs[0].shape
+    ins: list[Placement] = [R, P, *(Shard(d) for d in range(src.ndim) if src.shape[d] > 1)]
+    outs: list[Placement] = [R, *(Shard(d) for d in range(len(shape)) if shape[d] > 1)]
+    return with_replicated(call, [AxisStrategy((i,), (o,)) for i in ins for o in outs])
 
 
 def _arange_bounds(call: OpCall) -> tuple[float | int, float | int]:
@@ -83,6 +93,8 @@ LIKES = {
     aten.empty_like.default: False,
 }
 
+NEW_FILLS = [aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default]
+
 ARANGES = [aten.arange.default, aten.arange.start, aten.arange.start_step]
 
 
@@ -91,6 +103,8 @@ def register(registry: RuleRegistry) -> None:
         registry.register(op, fill_rule, family=FAMILY)
     for op, zero in LIKES.items():
         registry.register(op, like_rule(zero), family=FAMILY)
+    for op in NEW_FILLS:
+        registry.register(op, new_fill_rule, family=FAMILY)
     for op in ARANGES:
         registry.register(op, arange_rule, family=FAMILY, localize=localize_arange)
     registry.register(aten.scalar_tensor.default, scalar_rule, family=FAMILY)

@@ -1,4 +1,5 @@
-"""Neural-network ops: embedding, attention, softmax, layer norm, losses, gather/scatter, activations.
+"""Neural-network ops: embedding, attention, convolution, softmax, layer norm, losses, gather/scatter,
+activations.
 
 Each rule says which dims are independent "rows" of the computation (they may be split on every
 tensor consistently) and which are mixed (softmax dim, normalized dims, attention sequence and
@@ -264,6 +265,72 @@ def scatter_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, result)
 
 
+# ---------------------------------------------------------------- convolution
+
+
+def _weight_dims(transposed: bool) -> tuple[int, int]:
+    """(out-channel dim, in-channel dim) of the weight: (out, in/g, k...) or, transposed, (in, out/g, k...)."""
+    return (1, 0) if transposed else (0, 1)
+
+
+def convolution_rule(call: OpCall) -> list[AxisStrategy]:
+    """(input, weight, bias?) -> out, N C_out spatial... Batch split: weight whole. Out-channel
+    split: weight (and bias) split on their out-channel dim, output on dim 1. In-channel split:
+    input dim 1 and the weight's in-channel dim, each rank a partial sum (bias Partial). Spatial
+    dims need halos and are not split. Linear in input and in weight separately."""
+    has_bias = len(call.inputs) == 3
+    out_d, in_d = _weight_dims(bool(call.arg(6, "transposed")))
+    summable = partial_ok(call.inputs, call.outputs)
+
+    def strategy(x: Placement, w: Placement, b: Placement, out: Placement) -> AxisStrategy:
+        return AxisStrategy((x, w, b) if has_bias else (x, w), (out,))
+
+    result = [strategy(Shard(0), R, R, Shard(0))]
+    if int(call.arg(8, "groups")) == 1:
+        result.append(strategy(R, Shard(out_d), Shard(0), Shard(1)))
+        if summable:
+            result.append(strategy(Shard(1), Shard(in_d), P, P))
+    if summable:
+        result += [strategy(P, R, P, P), strategy(R, P, P, P)]
+    return with_replicated(call, result)
+
+
+def convolution_backward_rule(call: OpCall) -> list[AxisStrategy]:
+    """(grad_out, input, weight) -> (grad_input, grad_weight, grad_bias), the masked-out ones absent.
+
+    The splits of the forward, seen from the gradients: batch -> weight and bias grads are sums
+    over the batch (Partial); out channels -> grad_input sums over them (Partial), weight/bias
+    grads split; in channels -> grad_input and grad_weight split, grad_bias whole. Linear in
+    grad_out with input and weight fixed.
+    """
+    mask = [bool(m) for m in call.arg(10, "output_mask")]
+    out_d, in_d = _weight_dims(bool(call.arg(7, "transposed")))
+    summable = partial_ok(call.inputs, call.outputs)
+
+    def strategy(ins: tuple[Placement, ...], outs: tuple[Placement, ...]) -> AxisStrategy:
+        return AxisStrategy(ins, tuple(o for o, m in zip(outs, mask) if m))
+
+    options: list[tuple[tuple[Placement, ...], tuple[Placement, ...]]] = [
+        ((Shard(0), Shard(0), R), (Shard(0), P, P))
+    ]
+    if int(call.arg(9, "groups")) == 1:
+        options.append(((Shard(1), R, Shard(out_d)), (P, Shard(out_d), Shard(0))))
+        options.append(((R, Shard(1), Shard(in_d)), (Shard(1), Shard(in_d), R)))
+    options.append(((P, R, R), (P, P, P)))
+    result = [
+        strategy(ins, outs) for ins, outs in options if summable or not any(o == P for o in (*ins, *outs))
+    ]
+    return with_replicated(call, result)
+
+
+def localize_convolution_backward(ctx: LocalContext) -> LocalCall:
+    """`bias_sizes` is the global channel count; a rank with split out channels has fewer."""
+    args = list(ctx.args)
+    if ctx.call.arg(3, "bias_sizes") is not None:
+        args[3] = [ctx.strategy.inputs[0].local_shape(ctx.mesh_shape)[1]]
+    return LocalCall(ctx.call.op, tuple(args), dict(ctx.kwargs))
+
+
 # ---------------------------------------------------------------- registration
 
 ACTIVATIONS: dict[object, Linearity] = {
@@ -289,6 +356,7 @@ RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
 }
 
 ANCHORS: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
+    aten.convolution.default: convolution_rule,
     aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_rule,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_backward_rule,
 }
@@ -301,6 +369,13 @@ def register(registry: RuleRegistry) -> None:
         registry.register(op, rule, family=FAMILY)
     for op, rule in ANCHORS.items():
         registry.register(op, rule, family=FAMILY, anchor=True)
+    registry.register(
+        aten.convolution_backward.default,
+        convolution_backward_rule,
+        family=FAMILY,
+        localize=localize_convolution_backward,
+        anchor=True,
+    )
     registry.register(aten.mse_loss.default, mse_loss_rule, family=FAMILY, localize=localize_mse_loss)
     registry.register(
         aten.mse_loss_backward.default,

@@ -174,6 +174,8 @@ TABLE: dict[object, Linearity] = {
     aten.ge.Tensor: NONE,
     aten.logical_and.default: NONE,
     aten.logical_or.default: NONE,
+    aten.bitwise_and.Tensor: NONE,
+    aten.bitwise_or.Tensor: NONE,
     # binary, not linear
     aten.maximum.default: NONE,
     aten.minimum.default: NONE,

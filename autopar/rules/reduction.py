@@ -4,7 +4,7 @@ Dims that are not reduced keep their shard (renumbered unless keepdim). Reducing
 leaves each rank the reduction of its block: for `sum` that is a summand of the result, so the
 output is Partial; `mean` becomes a local sum over the GLOBAL count (see `local_ops`) for the same
 reason. Max/min/arg-reductions and variances of a split dim have no such combine and are not
-offered. Partial inputs pass through the linear reductions (sum, mean).
+offered. Partial inputs pass through the linear reductions (sum, mean) and the scan (cumsum).
 """
 
 from __future__ import annotations
@@ -98,6 +98,17 @@ def localize_mean(how: Reduce) -> Callable[[LocalContext], LocalCall]:
     return localize
 
 
+def scan_rule(call: OpCall) -> list[AxisStrategy]:
+    """`cumsum(x, dim)`: each position depends on all before it along `dim`, which stays whole;
+    other dims split freely. Linear, so a Partial input gives a Partial result."""
+    ndim = call.inputs[0].ndim
+    at = normalize_dim(call.arg(1, "dim"), ndim)
+    result = [AxisStrategy((Shard(d),), (Shard(d),)) for d in range(ndim) if d != at]
+    if partial_ok(call.inputs, call.outputs):
+        result.append(AxisStrategy((P,), (P,)))
+    return with_replicated(call, result)
+
+
 SUM_ALL = Reduce(None, None, linear=True)
 SUM_DIMS = Reduce((1, "dim"), (2, "keepdim"), linear=True)
 LIST_DIMS = Reduce((1, "dim"), (2, "keepdim"), linear=False)
@@ -129,5 +140,6 @@ MEANS: dict[object, Reduce] = {
 def register(registry: RuleRegistry) -> None:
     for op, how in REDUCTIONS.items():
         registry.register(op, reduction_rule(how), family=FAMILY)
+    registry.register(aten.cumsum.default, scan_rule, family=FAMILY)
     for op, how in MEANS.items():
         registry.register(op, reduction_rule(how), family=FAMILY, localize=localize_mean(how))

@@ -1,4 +1,5 @@
-"""Views and data movement: reshapes, dim permutations, splits/concatenation, slicing, copies.
+"""Views and data movement: reshapes, dim permutations, splits/concatenation, slicing (and its
+backward), padding, integer indexing, copies.
 
 Partial passes through all of them (they are linear); shards follow the dim they are on.
 
@@ -223,6 +224,90 @@ def copy_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, result)
 
 
+def unbind_rule(call: OpCall) -> list[AxisStrategy]:
+    """Every slice keeps the shards of the other dims (renumbered); the unbound dim stays whole."""
+    return _slice_dim_rule(call, drop=True)
+
+
+def slice_backward_rule(call: OpCall) -> list[AxisStrategy]:
+    """`slice_backward(grad, input_sizes, dim, ...)` scatters grad into zeros: the inverse of
+    `slice`, so the same dims may be split (all of them when the slice was the whole dim)."""
+    if call.outputs[0].shape == call.inputs[0].shape:
+        return identity_rule(call)
+    ndim = call.inputs[0].ndim
+    at = normalize_dim(call.arg(2, "dim"), ndim)
+    return _dim_map_strategies(call, {d: d for d in range(ndim) if d != at})
+
+
+def select_backward_rule(call: OpCall) -> list[AxisStrategy]:
+    """`select_backward(grad, input_sizes, dim, index)`: grad dims map to the others of the output."""
+    ndim = call.outputs[0].ndim
+    at = normalize_dim(call.arg(2, "dim"), ndim)
+    mapping = {d: d if d < at else d + 1 for d in range(ndim - 1)}
+    return _dim_map_strategies(call, mapping)
+
+
+def localize_input_sizes(ctx: LocalContext) -> LocalCall:
+    """The `input_sizes` argument of slice/select_backward is the output's shape: make it local."""
+    local = list(ctx.strategy.outputs[0].local_shape(ctx.mesh_shape))
+    return LocalCall(ctx.call.op, (ctx.args[0], local, *ctx.args[2:]), dict(ctx.kwargs))
+
+
+def constant_pad_rule(call: OpCall) -> list[AxisStrategy]:
+    """Unpadded dims follow; padded ones stay whole. Padding with 0 is linear (Partial passes)."""
+    ndim = call.inputs[0].ndim
+    pad = list(call.arg(1, "pad"))
+    padded = {ndim - 1 - i // 2 for i, amount in enumerate(pad) if amount != 0}
+    result = [AxisStrategy((Shard(d),), (Shard(d),)) for d in range(ndim) if d not in padded]
+    if float(call.arg(2, "value", 0)) == 0.0:
+        result += passthrough_partial(call)
+    return with_replicated(call, result)
+
+
+def index_rule(call: OpCall) -> list[AxisStrategy]:
+    """`self[indices]` with integer index tensors (None = a whole dim).
+
+    The result holds the broadcast index dims (at the first indexed dim when the indexed dims are
+    adjacent, else first) and the unindexed dims of self. An unindexed dim may be split on self
+    and result alike; a broadcast dim may be split on the indices that span it (self whole); self
+    may be Partial (indexing is linear in it). Boolean masks give data-dependent shapes: whole.
+    """
+    self_spec, index_specs = call.inputs[0], call.inputs[1:]
+    indices = list(call.arg(1, "indices"))
+    if any(s.dtype == torch.bool for s in index_specs) or len(indices) > self_spec.ndim:
+        return with_replicated(call, [])
+    positions = [i for i, x in enumerate(indices) if x is not None]
+    out_shape = call.outputs[0].shape
+    n_b = len(out_shape) - (self_spec.ndim - len(positions))
+    adjacent = positions == list(range(positions[0], positions[-1] + 1)) if positions else True
+    first = positions[0] if adjacent and positions else 0
+    unindexed = [d for d in range(self_spec.ndim) if d not in positions]
+    result: list[AxisStrategy] = []
+    for k, d in enumerate(unindexed):
+        o = k if (adjacent and d < first) else k + n_b
+        result.append(AxisStrategy((Shard(d),) + (R,) * len(index_specs), (Shard(o),)))
+    b_shape = out_shape[first : first + n_b]
+    for b in range(n_b):
+        if b_shape[b] > 1:
+            ins = broadcast_shard([s.shape for s in index_specs], b_shape, b)
+            result.append(AxisStrategy((R, *ins), (Shard(first + b),)))
+    result += passthrough_partial(call, [0])
+    return with_replicated(call, result)
+
+
+def assert_metadata_rule(call: OpCall) -> list[AxisStrategy]:
+    """`_assert_tensor_metadata` (export's dtype checks) computes nothing: any layout is fine."""
+    ndim = call.inputs[0].ndim
+    result = [AxisStrategy((Shard(d),), ()) for d in range(ndim)] + [AxisStrategy((P,), ())]
+    return with_replicated(call, result)
+
+
+def localize_assert_metadata(ctx: LocalContext) -> LocalCall:
+    """Sizes and strides, when given, are global: check only dtype, device and layout locally."""
+    kwargs = {k: v for k, v in ctx.kwargs.items() if k not in ("size", "stride")}
+    return LocalCall(ctx.call.op, (ctx.args[0], None, None, *ctx.args[3:]), kwargs)
+
+
 RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
     aten.view.default: reshape_rule,
     aten._unsafe_view.default: reshape_rule,
@@ -243,6 +328,9 @@ RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
     aten.lift_fresh_copy.default: identity_rule,
     aten._to_copy.default: identity_rule,
     aten.copy.default: copy_rule,
+    aten.unbind.int: unbind_rule,
+    aten.constant_pad_nd.default: constant_pad_rule,
+    aten.index.Tensor: index_rule,
 }
 
 
@@ -250,5 +338,17 @@ def register(registry: RuleRegistry) -> None:
     for op, rule in RULES.items():
         registry.register(op, rule, family=FAMILY)
     registry.register(aten.reshape.default, reshape_rule, family=FAMILY, localize=localize_shape_arg)
+    registry.register(
+        aten.slice_backward.default, slice_backward_rule, family=FAMILY, localize=localize_input_sizes
+    )
+    registry.register(
+        aten.select_backward.default, select_backward_rule, family=FAMILY, localize=localize_input_sizes
+    )
+    registry.register(
+        aten._assert_tensor_metadata.default,
+        assert_metadata_rule,
+        family=FAMILY,
+        localize=localize_assert_metadata,
+    )
     for op in (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims):
         registry.register(op, squeeze_rule, family=FAMILY, localize=localize_squeeze)

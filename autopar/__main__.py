@@ -1,0 +1,74 @@
+"""Command line: `python -m autopar <command>` (or `autopar <command>`).
+
+Each command is a subparser registered in `_COMMANDS`; add one with a `register(subparsers)`-style
+function that sets `func` on its parser. The command's module is imported only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from autopar.cost.calibrate import calibrate
+
+    calibrate(ranks=args.ranks, out=args.out, quick=args.quick, threads=args.threads)
+    return 0
+
+
+def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="measure this machine (matmul rate, memory bandwidth, gloo collectives) into the cpu-gloo table",
+        description="Measure this machine and write the cpu-gloo hardware table used by the cost model.",
+    )
+    p.add_argument("--ranks", type=int, default=4, help="local gloo ranks to time collectives on (default 4)")
+    p.add_argument(
+        "--out", default=None, help="where to write the table (default: the checked-in cpu-gloo.json)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads per device for the compute numbers"
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds; for tests)")
+    p.set_defaults(func=_run_calibrate)
+
+
+def _run_coverage(args: argparse.Namespace) -> int:
+    from autopar.coverage import run
+
+    return run(args.factory, args.mesh)
+
+
+def _add_coverage(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "coverage",
+        help="list every op of a model's joint graph with the rule family that covers it, or 'missing'",
+        description="Trace the model that MODULE:FACTORY builds (FACTORY() or FACTORY(seed) returns "
+        "(model, batch)) and list each op of its forward+backward graph with its count and rule "
+        "family. Exits 1 if any op has no sharding rule.",
+    )
+    p.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. examples.zoo:make_llama")
+    p.add_argument("--mesh", default="2,2,2", help="mesh shape to trace for, e.g. 2,2,2 or 8 (default 2,2,2)")
+    p.set_defaults(func=_run_coverage)
+
+
+_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_calibrate, _add_coverage]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0] if __doc__ else None)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for add in _COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Measure this machine and write the `cpu-gloo` hardware table (`python -m autopar calibrate`).
+
+A "device" here is one gloo rank running with `threads` intra-op threads (1 by default, as in the
+multi-rank tests, where several ranks share the cores). Measured: the fp32 (and bf16) matmul rate,
+best over a few sizes and repeats; memory bandwidth from a large copy (read + write bytes); and
+gloo all_reduce / all_gather times between forked local ranks over a range of message sizes, to
+which alpha (s per ring step) and bandwidth are fitted by least squares on relative error.
+
+Ranks are forked from this process, which has imported torch and torch.distributed already, so
+that starting them costs well under a second instead of an import of torch per rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from autopar.cost.formulas import LATENCY_STEPS, VOLUME_FACTOR, collective_time
+from autopar.cost.hardware import TABLES_DIR, Hardware, Link, hardware_from_dict
+
+DEFAULT_SIZES = tuple(4**k for k in range(12))  # 1 to 4 Mi elements (16 MiB fp32)
+QUICK_SIZES = (1, 64, 4096, 2**18, 2**20)  # a few sizes up to 4 MiB fp32: a clear bandwidth term
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One timed collective: N sized as in `formulas.collective_time`, median seconds."""
+
+    kind: str
+    elements: int
+    group_size: int
+    seconds: float
+
+
+def _best_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up: allocation, first-call dispatch
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_matmul_flops(
+    dtype: torch.dtype = torch.float32, sizes: Sequence[int] = (256, 512, 1024), repeats: int = 5
+) -> float:
+    """Best FLOP/s of an n x n x n matmul over `sizes` (best of `repeats` each)."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        seconds = _best_seconds(functools.partial(torch.mm, a, b), repeats)
+        best = max(best, 2.0 * n**3 / seconds)
+    return best
+
+
+def measure_memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of a large copy, counting the bytes read and the bytes written."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2.0 * nbytes / _best_seconds(lambda: dst.copy_(src), repeats)
+
+
+def _all_gather(out: torch.Tensor, x: torch.Tensor) -> None:
+    # all_gather_single is the newer name of all_gather_into_tensor (which now warns).
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    gather(out, x)
+
+
+def _iters_for(elements: int) -> int:
+    """Back-to-back calls per timed trial: many for small messages, whose single-call time is
+    dominated by process wake-ups on shared cores; one for large ones."""
+    return max(1, min(20, 2_000_000 // max(elements, 1)))
+
+
+def _rank_main(
+    rank: int, world: int, tmp: str, sizes: Sequence[int], repeats: int, conn: Connection, timeout: float
+) -> None:
+    """One forked rank: time each collective at each size; send [(kind, n_local, [seconds...])]."""
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(os.path.join(tmp, "store"), world)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+        )
+        out: list[tuple[str, int, list[float]]] = []
+        for n in sizes:
+            x = torch.ones(n)
+            gathered = torch.empty(n * world)
+            ops: dict[str, Callable[[], Any]] = {
+                "all_reduce": functools.partial(dist.all_reduce, x),
+                "all_gather": functools.partial(_all_gather, gathered, x),
+            }
+            for kind, op in ops.items():
+                op()  # warm-up (connection and buffer set-up)
+                times = []
+                iters = _iters_for(n)
+                for _ in range(repeats):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        op()
+                    times.append((time.perf_counter() - t0) / iters)
+                out.append((kind, n, times))
+        dist.barrier()
+        conn.send_bytes(pickle.dumps(("ok", out)))
+    except BaseException as e:  # report, never hang the parent
+        conn.send_bytes(pickle.dumps(("error", f"rank {rank}: {type(e).__name__}: {e}")))
+    finally:
+        conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure_collectives(
+    ranks: int = 4, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5, timeout: float = 120.0
+) -> list[Sample]:
+    """Time gloo all_reduce / all_gather on `ranks` forked local ranks.
+
+    A trial times up to 20 back-to-back calls (averaged) after a barrier; per trial the slowest
+    rank's time counts (a collective ends when its last rank ends), and the sample is the median
+    over `repeats` trials (the cores are shared, so the best would flatter).
+    """
+    ctx = mp.get_context("fork")
+    procs = []
+    results: dict[int, tuple[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="autopar-calibrate-") as tmp:
+        readers: dict[Connection, int] = {}
+        try:
+            for rank in range(ranks):
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_rank_main, args=(rank, ranks, tmp, tuple(sizes), repeats, writer, timeout)
+                )
+                proc.start()
+                writer.close()
+                procs.append(proc)
+                readers[reader] = rank
+            deadline = time.monotonic() + timeout
+            while readers and (left := deadline - time.monotonic()) > 0:
+                for conn in wait(list(readers), timeout=left):
+                    assert isinstance(conn, Connection)
+                    rank = readers.pop(conn)
+                    try:
+                        results[rank] = pickle.loads(conn.recv_bytes())
+                    except EOFError:
+                        results[rank] = ("error", f"rank {rank} died")
+                    conn.close()
+                    if results[rank][0] != "ok":  # the others are stuck waiting for it
+                        deadline = min(deadline, time.monotonic() + 2.0)
+        finally:
+            for proc in procs:
+                proc.join(timeout=5.0)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+    errors = [r[1] for r in results.values() if r[0] != "ok"]
+    if errors or len(results) < ranks:
+        raise RuntimeError("calibration ranks failed: " + ("; ".join(errors) or "timed out"))
+    samples = []
+    for i, (kind, n, _) in enumerate(results[0][1]):
+        slowest = [max(results[r][1][i][2][k] for r in range(ranks)) for k in range(repeats)]
+        full = n * ranks if kind == "all_gather" else n
+        samples.append(Sample(kind, full, ranks, statistics.median(slowest)))
+    return samples
+
+
+def fit_alpha_beta(samples: Sequence[Sample], itemsize: int = 4) -> tuple[float, float]:
+    """(alpha s, bandwidth bytes/s) minimizing the relative error of the alpha-beta ring model.
+
+    Each sample gives t = steps * alpha + bytes_sent * beta with steps and bytes_sent from the
+    collective's ring formula; rows are divided by t so that small messages (alpha) weigh as much
+    as large ones (beta). A negative coefficient is clamped to 0 and the other refitted alone.
+    """
+    rows, rhs = [], []
+    for s in samples:
+        g = s.group_size
+        steps = LATENCY_STEPS[s.kind] * (g - 1)
+        sent = VOLUME_FACTOR[s.kind] * (g - 1) / g * s.elements * itemsize
+        rows.append([steps / s.seconds, sent / s.seconds])
+        rhs.append(1.0)
+    a, y = np.asarray(rows), np.asarray(rhs)
+    (alpha, beta), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if alpha < 0 or beta <= 0:
+        col = 1 if alpha < 0 else 0
+        only = float(a[:, col] @ y / (a[:, col] @ a[:, col]))
+        alpha, beta = (0.0, only) if col == 1 else (only, 0.0)
+    if beta <= 0:
+        raise RuntimeError("calibration: message time does not grow with size; measure larger messages")
+    return float(alpha), float(1.0 / beta)
+
+
+def fit_error(samples: Sequence[Sample], alpha: float, bandwidth: float, itemsize: int = 4) -> float:
+    """Median |model - measured| / measured over the samples."""
+    link = Link(alpha, bandwidth)
+    return statistics.median(
+        abs(collective_time(s.kind, s.elements, itemsize, s.group_size, link) - s.seconds) / s.seconds
+        for s in samples
+    )
+
+
+def calibrate(
+    ranks: int = 4,
+    out: str | Path | None = None,
+    quick: bool = False,
+    threads: int = 1,
+    log: Callable[[str], None] = print,
+) -> Hardware:
+    """Measure, fit, write the `cpu-gloo` table to `out` (default: the checked-in one), return it."""
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        sizes_mm = (128, 256) if quick else (256, 512, 1024)
+        repeats = 3 if quick else 5
+        fp32 = measure_matmul_flops(torch.float32, sizes_mm, repeats)
+        bf16 = measure_matmul_flops(torch.bfloat16, sizes_mm[:2], repeats)
+        log(f"matmul: fp32 {fp32 / 1e9:.1f} GFLOP/s, bf16 {bf16 / 1e9:.1f} GFLOP/s ({threads} thread(s))")
+        mem_bw = measure_memory_bandwidth((32 if quick else 256) * 2**20, repeats)
+        log(f"memory: {mem_bw / 1e9:.2f} GB/s (copy, read + write)")
+    finally:
+        torch.set_num_threads(old_threads)
+    samples = measure_collectives(ranks, QUICK_SIZES if quick else DEFAULT_SIZES, repeats)
+    alpha, bandwidth = fit_alpha_beta(samples)
+    error = fit_error(samples, alpha, bandwidth)
+    log(
+        f"gloo, {ranks} ranks: alpha {alpha * 1e6:.1f} us per step, bandwidth {bandwidth / 1e9:.3f} GB/s "
+        f"(median relative error of the fit {error:.0%})"
+    )
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    stamp = (
+        f"{datetime.date.today().isoformat()} on {platform.node() or 'this machine'} (load average {load})"
+    )
+    cpu = _cpu_name()
+    link = {"alpha": _sig(alpha), "bandwidth": _sig(bandwidth)}
+    table = {
+        "name": "cpu-gloo",
+        "description": (
+            f"This machine ({cpu}, {os.cpu_count()} cores): one device = one gloo rank with "
+            f"{threads} thread(s); all local ranks share the machine's memory and cores."
+        ),
+        "devices_per_node": 1024,
+        "peak_flops": {"float32": _sig(fp32), "bfloat16": _sig(bf16)},
+        "memory_bandwidth": _sig(mem_bw),
+        "memory_capacity": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        "intra_node": link,
+        "inter_node": dict(link),
+        "source": {
+            "all": f"measured by `python -m autopar calibrate --ranks {ranks}` {stamp}, torch {torch.__version__}",
+            "peak_flops": f"best n x n matmul rate, n in {sizes_mm}, best of {repeats}, {threads} thread(s)",
+            "memory_bandwidth": "torch copy_ of a large fp32 tensor, bytes read + written, best of repeats",
+            "memory_capacity": "physical RAM of the machine (shared by all local ranks)",
+            "intra_node": (
+                f"gloo over loopback between {ranks} forked ranks: all_reduce and all_gather, "
+                f"{len(samples) // 2} sizes, slowest rank, median of {repeats} trials of up to 20 back-to-back calls; "
+                f"alpha-beta least-squares fit on relative error, median fit error {error:.0%}"
+            ),
+            "inter_node": "not measured (one machine): a copy of intra_node",
+            "devices_per_node": "all ranks of a local job run on this one machine",
+        },
+        "calibration": [[s.kind, s.elements, s.group_size, _sig(s.seconds)] for s in samples],
+    }
+    path = Path(out) if out is not None else TABLES_DIR / "cpu-gloo.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(_to_json(table))
+    log(f"wrote {path}")
+    return hardware_from_dict(table)
+
+
+def _to_json(table: dict[str, Any]) -> str:
+    """Indented JSON with one line per calibration sample."""
+    rows = table.pop("calibration")
+    text = json.dumps(table, indent=2)
+    body = ",\n".join("    " + json.dumps(row) for row in rows)
+    table["calibration"] = rows
+    return text[:-2] + ',\n  "calibration": [\n' + body + "\n  ]\n}\n"
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,179 @@
+"""Per-rank time and memory formulas, as plain floats (the search calls them per candidate).
+
+`symbolic.py` holds the same formulas as sympy expressions; tests check that the two agree.
+
+Collective sizes. `collective_time` takes N in the form each collective's API sees it:
+
+| kind           | N                                   | time                                        |
+|----------------|-------------------------------------|---------------------------------------------|
+| all_reduce     | the tensor (same size in and out)   | 2(g-1)/g * N*b / bw + 2(g-1) * alpha        |
+| all_gather     | the FULL gathered output (g x input) | (g-1)/g * N*b / bw + (g-1) * alpha          |
+| reduce_scatter | the FULL input (g x output)         | (g-1)/g * N*b / bw + (g-1) * alpha          |
+| all_to_all     | the local tensor (same size in/out) | (g-1)/g * N*b / bw + (g-1) * alpha          |
+
+(b = bytes per element, g = group size; a size-1 group costs 0.) The bandwidth term is exactly
+`CommStep.elements_sent * b / bw` for the step doing that collective, which is what `step_time`
+uses, so the two entry points agree (tested).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from autopar.cost.hardware import Hardware, Link, axis_links
+from autopar.layout import Layout, itemsize
+from autopar.redistribute import CommStep, plan_redistribute
+
+# Message steps of a ring algorithm over g ranks, each paying the link latency alpha once.
+LATENCY_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
+# Elements sent per rank per element of N (above), times (g-1)/g.
+VOLUME_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
+
+ADAMW_STATE_FACTOR = 2.0  # exp_avg and exp_avg_sq
+SGD_MOMENTUM_STATE_FACTOR = 1.0
+
+
+def _bytes_per_element(dtype: torch.dtype | int) -> int:
+    return dtype if isinstance(dtype, int) else itemsize(dtype)
+
+
+def compute_time(flops: float, bytes_moved: float, dtype: torch.dtype | str, hw: Hardware) -> float:
+    """Roofline time of one op on one rank: limited by either peak FLOP/s or memory bandwidth."""
+    return max(flops / hw.peak(dtype), bytes_moved / hw.memory_bandwidth)
+
+
+def latency_steps(kind: str, group_size: int) -> int:
+    """Ring message steps: 2(g-1) for all_reduce (reduce-scatter + all-gather), g-1 for the rest."""
+    if kind not in LATENCY_STEPS:
+        raise ValueError(f"not a collective: {kind!r} (expected one of {', '.join(LATENCY_STEPS)})")
+    return LATENCY_STEPS[kind] * (group_size - 1)
+
+
+def collective_time(
+    kind: str, elements: float, dtype: torch.dtype | int, group_size: int, link: Link
+) -> float:
+    """Alpha-beta ring time of one collective; `elements` is N as in the module table above.
+
+    `dtype` may be a torch dtype or a byte count per element.
+    """
+    if group_size <= 1:
+        return 0.0
+    g = group_size
+    steps = latency_steps(kind, g)
+    sent = VOLUME_FACTOR[kind] * (g - 1) / g * elements * _bytes_per_element(dtype)
+    return sent / link.bandwidth + steps * link.alpha
+
+
+def step_time(step: CommStep, mesh_shape: Sequence[int], links: Sequence[Link]) -> float:
+    """Time of one redistribution step on the link of its mesh axis (`links = axis_links(...)`).
+
+    Uses `step.bytes_sent` (elements sent per rank, ring convention of comm_volumes.md) for the
+    bandwidth term. Local steps (`slice`, `zero_partial`) cost 0 here: they send nothing, and their
+    memory traffic is a small copy that the compute roofline of the consumer dominates.
+    """
+    if not step.is_collective:
+        return 0.0
+    g = mesh_shape[step.axis]
+    if g <= 1:
+        return 0.0
+    link = links[step.axis]
+    return step.bytes_sent(mesh_shape) / link.bandwidth + latency_steps(step.kind, g) * link.alpha
+
+
+def redistribute_time(src: Layout, dst: Layout, mesh_shape: Sequence[int], links: Sequence[Link]) -> float:
+    """Seconds to move a tensor from layout `src` to `dst` (0 when they agree).
+
+    Memoized: a search prices the same layout pairs over and over.
+    """
+    if src == dst:
+        return 0.0
+    return _redistribute_time(src, dst, tuple(mesh_shape), tuple(links))
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _redistribute_time(
+    src: Layout, dst: Layout, mesh_shape: tuple[int, ...], links: tuple[Link, ...]
+) -> float:
+    return sum(step_time(s, mesh_shape, links) for s in plan_redistribute(src, dst, mesh_shape))
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one rank holds at the peak of a training step, by kind."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def fits(self, hw: Hardware, headroom: float = 0.9) -> bool:
+        """Whether the total stays under `headroom` of device memory (allocator slack, workspaces)."""
+        return self.total <= headroom * hw.memory_capacity
+
+    def __str__(self) -> str:
+        gib = 2.0**30
+        return (
+            f"params {self.params / gib:.2f} GiB + grads {self.grads / gib:.2f} GiB + optimizer "
+            f"{self.optimizer / gib:.2f} GiB + activations {self.activations / gib:.2f} GiB = "
+            f"{self.total / gib:.2f} GiB"
+        )
+
+
+def memory_per_rank(
+    param_bytes_local: float,
+    grad_bytes_local: float,
+    optimizer_state_factor: float = ADAMW_STATE_FACTOR,
+    activation_bytes: float = 0.0,
+    param_itemsize: int = 4,
+    state_itemsize: int = 4,
+) -> MemoryBreakdown:
+    """Memory of one rank: stored shards of parameters and gradients, optimizer states, activations.
+
+    Optimizer states: `optimizer_state_factor` values of `state_itemsize` bytes per local parameter
+    element (AdamW: 2, SGD with momentum: 1, plain SGD: 0); the element count is
+    `param_bytes_local / param_itemsize`. torch allocates states in the parameter's dtype, so pass
+    `state_itemsize=2` for pure-bf16 parameters; the default is fp32 (fp32 or mixed-precision masters).
+    `activation_bytes` is what the forward keeps for backward plus the largest live temporary.
+    """
+    states = optimizer_state_factor * (param_bytes_local / param_itemsize) * state_itemsize
+    return MemoryBreakdown(
+        params=float(param_bytes_local),
+        grads=float(grad_bytes_local),
+        optimizer=float(states),
+        activations=float(activation_bytes),
+    )
+
+
+@dataclass(frozen=True)
+class MeshCost:
+    """A hardware table bound to one mesh shape, so a search prices candidates without re-deriving
+    the per-axis links each time."""
+
+    hw: Hardware
+    mesh_shape: tuple[int, ...]
+    links: tuple[Link, ...]
+
+    @staticmethod
+    def build(hw: Hardware, mesh_shape: Sequence[int]) -> MeshCost:
+        return MeshCost(hw, tuple(mesh_shape), axis_links(mesh_shape, hw))
+
+    def compute(self, flops: float, bytes_moved: float, dtype: torch.dtype | str) -> float:
+        return compute_time(flops, bytes_moved, dtype, self.hw)
+
+    def collective(self, kind: str, elements: float, dtype: torch.dtype | int, axis: int) -> float:
+        """`collective_time` over mesh axis `axis` (its size and link)."""
+        return collective_time(kind, elements, dtype, self.mesh_shape[axis], self.links[axis])
+
+    def step(self, step: CommStep) -> float:
+        return step_time(step, self.mesh_shape, self.links)
+
+    def redistribute(self, src: Layout, dst: Layout) -> float:
+        return redistribute_time(src, dst, self.mesh_shape, self.links)

@@ -1,0 +1,186 @@
+"""Machine constants as data: one JSON table per hardware kind, and the link each mesh axis uses.
+
+The numbers live in `autopar/cost/tables/<name>.json` (vendor spec values, or measured values
+written by `python -m autopar calibrate`), never in code, so that a new cluster is a new file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TABLES_DIR = Path(__file__).parent / "tables"
+
+# Keys of a table; "source" explains every number, "calibration" (optional) holds raw measurements.
+_REQUIRED = (
+    "name",
+    "description",
+    "devices_per_node",
+    "peak_flops",
+    "memory_bandwidth",
+    "memory_capacity",
+    "intra_node",
+    "inter_node",
+    "source",
+)
+
+
+@dataclass(frozen=True)
+class Link:
+    """Alpha-beta constants of one kind of link: `alpha` s per message step, `bandwidth` bytes/s."""
+
+    alpha: float
+    bandwidth: float
+    name: str = field(default="", compare=False)  # "intra_node" / "inter_node", for explanations
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte (1 / bandwidth), the beta of the alpha-beta model."""
+        return 1.0 / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device kind and its node: peak rates per dtype, memory, and intra/inter-node links.
+
+    `peak_flops` is keyed by torch dtype name without the `torch.` prefix ("float32", "bfloat16").
+    A dtype without an entry (integer index math, or bf16 on a V100) is priced at the float32 rate.
+    """
+
+    name: str
+    description: str
+    devices_per_node: int
+    peak_flops: Mapping[str, float]
+    memory_bandwidth: float  # bytes/s of device memory (HBM, or DRAM for cpu-gloo)
+    memory_capacity: float  # bytes per device
+    intra_node: Link
+    inter_node: Link
+    source: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def peak(self, dtype: torch.dtype | str) -> float:
+        """FLOP/s for `dtype`; the float32 rate when the table has no entry for it."""
+        key = dtype_key(dtype)
+        rate = self.peak_flops.get(key)
+        if rate is None:
+            rate = self.peak_flops["float32"]
+        return rate
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "devices_per_node": self.devices_per_node,
+            "peak_flops": dict(self.peak_flops),
+            "memory_bandwidth": self.memory_bandwidth,
+            "memory_capacity": self.memory_capacity,
+            "intra_node": {"alpha": self.intra_node.alpha, "bandwidth": self.intra_node.bandwidth},
+            "inter_node": {"alpha": self.inter_node.alpha, "bandwidth": self.inter_node.bandwidth},
+            "source": dict(self.source),
+        }
+
+
+def dtype_key(dtype: torch.dtype | str) -> str:
+    """`torch.bfloat16` -> "bfloat16"; strings pass through (so tables stay plain JSON)."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+def available_hardware() -> list[str]:
+    """Names of the checked-in tables."""
+    return sorted(p.stem for p in TABLES_DIR.glob("*.json"))
+
+
+def hardware_from_dict(data: Mapping[str, Any]) -> Hardware:
+    """Build a `Hardware` from a parsed table, naming any missing key."""
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise ValueError(f"hardware table {data.get('name', '?')!r} lacks {', '.join(missing)}")
+    if "float32" not in data["peak_flops"]:
+        raise ValueError(f"hardware table {data['name']!r}: peak_flops needs a float32 entry")
+
+    def link(key: str) -> Link:
+        entry = data[key]
+        return Link(float(entry["alpha"]), float(entry["bandwidth"]), key)
+
+    return Hardware(
+        name=str(data["name"]),
+        description=str(data["description"]),
+        devices_per_node=int(data["devices_per_node"]),
+        peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
+        memory_bandwidth=float(data["memory_bandwidth"]),
+        memory_capacity=float(data["memory_capacity"]),
+        intra_node=link("intra_node"),
+        inter_node=link("inter_node"),
+        source={str(k): str(v) for k, v in data["source"].items()},
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _load(path: str, mtime: float) -> Hardware:
+    with open(path) as f:
+        return hardware_from_dict(json.load(f))
+
+
+def load_hardware(name_or_path: str | Path) -> Hardware:
+    """A checked-in table by name (`"h100-nvlink-ib"`), or any table file by path."""
+    path = Path(name_or_path)
+    if not path.suffix and not path.exists():
+        path = TABLES_DIR / f"{name_or_path}.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no hardware table {str(name_or_path)!r}; known: {', '.join(available_hardware())}"
+        )
+    return _load(str(path.resolve()), path.stat().st_mtime)
+
+
+def axis_strides(mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Rank distance between neighbours along each axis (row-major: the last axis varies fastest)."""
+    return tuple(math.prod(mesh_shape[a + 1 :]) for a in range(len(mesh_shape)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _intra_node(mesh_shape: tuple[int, ...], devices_per_node: int) -> tuple[bool, ...]:
+    strides = axis_strides(mesh_shape)
+    world = math.prod(mesh_shape)
+    result = []
+    for a, (size, stride) in enumerate(zip(mesh_shape, strides)):
+        span = stride * size
+        if span <= devices_per_node and devices_per_node % span == 0:
+            result.append(True)  # groups tile whole nodes: the common (power-of-two) case
+        elif span > devices_per_node:
+            result.append(size == 1)
+        else:  # small groups that may straddle a node boundary (e.g. 6 devices per node): check each
+            bases = [r for r in range(world) if (r // stride) % mesh_shape[a] == 0]
+            last = (size - 1) * stride
+            result.append(all(b // devices_per_node == (b + last) // devices_per_node for b in bases))
+    return tuple(result)
+
+
+def axis_intra_node(mesh_shape: Sequence[int], devices_per_node: int) -> tuple[bool, ...]:
+    """Whether every process group of each axis lies inside one node.
+
+    Ranks are numbered row-major and nodes hold consecutive ranks. An axis of size `g` and stride
+    `s` (product of the later axes' sizes) is intra-node when `s * g <= devices_per_node` and its
+    groups do not straddle a node boundary; size-1 axes are trivially intra-node.
+    """
+    return _intra_node(tuple(mesh_shape), devices_per_node)
+
+
+def axis_links(mesh_shape: Sequence[int], hw: Hardware) -> tuple[Link, ...]:
+    """The link each mesh axis's collectives run over.
+
+    An axis whose groups span nodes uses the inter-node link at its per-GPU bandwidth, whatever
+    number k of group members share a node: every ring step waits for its slowest hop, and a ring
+    over such a group has inter-node hops, so the k - 1 faster intra-node hops per node earn no
+    credit. Two-level (hierarchical) algorithms can do better; this model does not assume them.
+    """
+    return tuple(
+        hw.intra_node if intra else hw.inter_node
+        for intra in axis_intra_node(mesh_shape, hw.devices_per_node)
+    )

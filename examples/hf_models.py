@@ -1,0 +1,85 @@
+"""HuggingFace transformers models built from tiny configs with random weights (no downloads).
+
+`LossOf` wraps a `*ForCausalLM` model so that forward returns the training loss: autopar compiles a
+model whose output is the loss, and transformers computes it when `labels` are passed. Sizes are
+divisible by 8 like the rest of the examples; every dropout probability is 0 (random ops are
+refused today).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+BATCH = 8
+VOCAB = 64
+SEQ = 16
+
+
+class LossOf(nn.Module):
+    """`model(input_ids, labels=labels).loss`: the causal-LM loss (transformers shifts the labels)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+
+def _batch(seed: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed + 1)
+    idx = torch.randint(VOCAB, (batch_size, SEQ), generator=gen)
+    return idx, idx.clone()  # causal LM: the labels are the inputs, shifted inside the model
+
+
+def make_hf_gpt2(
+    seed: int, batch_size: int = BATCH, n_layer: int = 2
+) -> tuple[LossOf, tuple[torch.Tensor, torch.Tensor]]:
+    """transformers' GPT2LMHeadModel (tied head) of width 32."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=n_layer,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    return LossOf(GPT2LMHeadModel(config)), _batch(seed, batch_size)
+
+
+def make_hf_llama(
+    seed: int, batch_size: int = BATCH, n_layer: int = 2
+) -> tuple[LossOf, tuple[torch.Tensor, torch.Tensor]]:
+    """transformers' LlamaForCausalLM with grouped-query attention (4 heads, 2 k/v heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=n_layer,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    return LossOf(LlamaForCausalLM(config)), _batch(seed, batch_size)
+
+
+MAKERS = {"hf_gpt2": make_hf_gpt2, "hf_llama": make_hf_llama}

@@ -1,0 +1,97 @@
+"""`python -m autopar coverage`: every op of a joint graph with its rule family, or "missing".
+
+Also the regression test of the rule library against real architectures: every op in the joint
+graph of every zoo model (and of the two transformers models when installed), with and without
+the multi-rank decompositions, has a rule.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.__main__ import main
+from autopar.coverage import MISSING, format_rows, load_factory, model_coverage, op_coverage
+from autopar.rules.registry import default_registry
+
+aten = torch.ops.aten
+
+
+class Flipper(nn.Module):
+    """`torch.flip` has no sharding rule (yet): the tool must say so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).flip(-1).square().mean()
+
+
+def make_flipper(seed: int) -> tuple[Flipper, tuple[torch.Tensor]]:
+    torch.manual_seed(seed)
+    return Flipper(), (torch.randn(8, 8),)
+
+
+def test_missing_op_is_reported_with_its_count() -> None:
+    rows = op_coverage(*make_flipper(0), mesh_shape=(2,))
+    by_op = {r.op: r for r in rows}
+    flip = by_op[str(aten.flip.default)]
+    assert flip.missing and flip.family == MISSING
+    assert flip.count == 2  # forward, and flip again in backward
+    assert rows[0] is flip  # missing ops come first
+    assert by_op[str(aten.addmm.default)].family == "matmul"
+    assert not any(r.missing for r in rows if r is not flip)
+    assert "1 missing" in format_rows(rows)
+
+
+def test_rows_count_every_node_and_say_what_can_be_split() -> None:
+    model, batch = make_flipper(0)
+    rows = op_coverage(model, batch, mesh_shape=(2,))
+    mm = next(r for r in rows if r.op == str(aten.mm.default))
+    assert mm.splittable == mm.count > 0
+    registry = default_registry()
+    registry.register(aten.flip.default, lambda call: [], family="mine")
+    rows = op_coverage(model, batch, mesh_shape=(2,), registry=registry)
+    flip = next(r for r in rows if r.op == str(aten.flip.default))
+    assert flip.family == "mine" and flip.splittable == 0  # no strategy at all: nothing to split
+
+
+def test_command_exit_status_and_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["coverage", "test_coverage:make_flipper", "--mesh", "2,2"]) == 1
+    out = capsys.readouterr().out
+    assert "aten.flip.default" in out and MISSING in out
+    assert main(["coverage", "examples.models:make_mlp", "--mesh", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "aten.addmm.default" in out and "0 missing" in out
+
+
+def test_factory_specs() -> None:
+    model, batch = load_factory("examples.zoo:make_vit")()
+    assert isinstance(model, nn.Module) and len(batch) == 2
+    with pytest.raises(ValueError, match="MODULE:FACTORY"):
+        load_factory("examples.zoo.make_vit")
+
+
+ZOO = [
+    "examples.zoo:make_llama",
+    "examples.zoo:make_bert",
+    "examples.zoo:make_vit",
+    "examples.zoo:make_mixer",
+]
+HF = ["examples.hf_models:make_hf_gpt2", "examples.hf_models:make_hf_llama"]
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+@pytest.mark.parametrize("mesh", [(2, 2, 2), (1,)], ids=["decomposed", "fused"])
+@pytest.mark.parametrize("spec", ZOO + HF)
+def test_every_op_of_the_zoo_has_a_rule(spec: str, mesh: tuple[int, ...]) -> None:
+    if spec in HF and not HAVE_TRANSFORMERS:
+        pytest.skip("transformers is not installed (pip install -e '.[test]')")
+    rows = model_coverage(spec, mesh)
+    assert not [r.op for r in rows if r.missing]
+    if max(mesh) > 1:  # the rules split these models' matmuls, not just replicate them
+        assert all(r.splittable == r.count for r in rows if r.family == "matmul")
