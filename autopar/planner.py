@@ -219,7 +219,7 @@ class _Greedy:
             return
         inputs = tensor_inputs(node)
         rule = self.registry.get(node.target)
-        if inputs and isinstance(node.meta["val"], torch.Tensor) and not (rule is not None and rule.anchor):
+        if inputs and isinstance(node.meta.get("val"), torch.Tensor) and not (rule is not None and rule.anchor):
             kinds = [self._deferral(i) for i in inputs]
             if all(k is not None for k in kinds):
                 self.deferred[node] = "param" if "param" in kinds else "replica"

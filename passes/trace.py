@@ -293,8 +293,15 @@ def _merge_tied(gm: fx.GraphModule) -> None:
 
 
 def _drop_identities(gm: fx.GraphModule) -> None:
-    """detach/alias nodes carry no computation for us; removing them keeps dumps readable."""
+    """detach/alias nodes carry no computation for us; removing them keeps dumps readable.
+
+    torch.export's `_assert_tensor_metadata` checks (emitted for dtype casts) have no result and
+    no users; they were checked while tracing, and their global sizes would not hold locally.
+    """
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+            continue
         if node.op == "call_function" and node.target in (
             torch.ops.aten.detach.default,
             torch.ops.aten.alias.default,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +98,24 @@ def _unpicklable(rank: int, world_size: int) -> object:
 def test_unpicklable_result_is_an_error_not_a_hang() -> None:
     with pytest.raises(AssertionError, match="rank 1 raised"):
         run_ranks(2, _unpicklable, timeout=30)
+
+
+def _abort_once(rank: int, world_size: int, marker: str) -> int:
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        faulthandler.disable()  # keep the intended abort out of the test log
+        os.abort()  # killed by SIGABRT, as gloo has rarely done under heavy load
+    return rank
+
+
+def _abort_always(rank: int, world_size: int) -> int:
+    if rank == 1:
+        faulthandler.disable()
+        os.abort()
+    return rank
+
+
+def test_a_rank_killed_by_a_signal_is_retried_once(tmp_path: Path) -> None:
+    assert run_ranks(2, _abort_once, str(tmp_path / "aborted"), timeout=30) == [0, 1]
+    with pytest.raises(AssertionError, match=r"rank 1 died:\nexited with code -6"):
+        run_ranks(2, _abort_always, timeout=30)
