@@ -15,6 +15,7 @@ from autopar.mesh import Mesh
 
 if TYPE_CHECKING:
     from autopar.api import compile_for_rank, parallelize
+    from autopar.planning import PlanResult, plan
 
 __all__ = [
     "AutoparError",
@@ -28,8 +29,10 @@ __all__ = [
     "Shard",
     "ShardingError",
     "TraceError",
+    "PlanResult",
     "compile_for_rank",
     "parallelize",
+    "plan",
 ]
 
 
@@ -39,4 +42,8 @@ def __getattr__(name: str) -> object:
         from autopar import api
 
         return getattr(api, name)
+    if name in ("plan", "PlanResult"):
+        from autopar import planning
+
+        return getattr(planning, name)
     raise AttributeError(name)

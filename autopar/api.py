@@ -29,7 +29,7 @@ from autopar.report import PlanReport, build_report
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.runtime.module import ParallelModule
-from autopar.search import search_layouts
+from autopar.search import TimeCost, search_layouts
 
 
 @dataclass
@@ -53,6 +53,7 @@ def compile_for_rank(
     rank: int = 0,
     planner: str = "greedy",
     agree: Callable[[fx.GraphModule, Callable[[], Plan]], Plan] | None = None,
+    hardware: str | None = None,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -64,13 +65,14 @@ def compile_for_rank(
     path = dump_dir_from(dump_dir, rank)
     gm = trace(model, example_inputs, decompose=mesh.size > 1, example_kwargs=example_kwargs)
     write_stage(path, "1_trace", gm, mesh)
-    choose = {"search": search_layouts, "greedy": choose_layouts}.get(planner)
-    if choose is None:
+    if planner not in ("search", "greedy"):
         raise AutoparError(f"unknown planner {planner!r}", hint='use "search" or "greedy"')
 
     def make_plan() -> Plan:
-        assert choose is not None
-        return choose(gm, mesh, registry)
+        if planner == "greedy":
+            return choose_layouts(gm, mesh, registry)
+        cost = TimeCost(hardware, mesh.shape) if hardware is not None else None
+        return search_layouts(gm, mesh, registry, cost=cost)
 
     plan = agree(gm, make_plan) if agree is not None else make_plan()
     gm = propagate(gm, mesh, registry, choose=lambda *_: plan)

@@ -61,6 +61,29 @@ class ElementCost:
         return FLOP_WEIGHT * work / split
 
 
+class TimeCost(ElementCost):
+    """Seconds per step on a hardware table: alpha-beta collectives on each axis's link (intra- or
+    inter-node) and roofline compute, via `autopar.cost`."""
+
+    def __init__(self, hardware: Any, mesh_shape: Sequence[int]) -> None:
+        from autopar.cost import MeshCost, load_hardware
+
+        super().__init__(mesh_shape)
+        hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+        self.mesh = MeshCost.build(hw, mesh_shape)
+
+    def redistribute(self, src: Layout, dst: Layout) -> float:
+        return self.mesh.redistribute(src, dst) if src != dst else 0.0
+
+    def gather_from_storage(self, want: Layout) -> float:
+        from autopar.planner import storage_layout
+
+        return self.redistribute(storage_layout(want, self.shape), _settled(want))
+
+    def compute(self, work: float, split: int) -> float:
+        return self.mesh.compute(work / split, 0.0, "float32")
+
+
 @dataclass
 class SearchReport:
     seeds: dict[str, float] = field(default_factory=dict)  # roles -> modeled cost of the greedy plan
