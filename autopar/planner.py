@@ -242,8 +242,8 @@ class _Greedy:
                 f"random op {node.target} has no sharding rule: its numbers would depend on the layout",
                 op=str(node.target),
                 where=info(node).where(),
-                hint="train without it for now (e.g. dropout p=0); layout-invariant random streams "
-                "are not supported yet",
+                hint="give it a rule that draws the global random tensor and keeps each rank's block, "
+                "as autopar/rules/random.py does for dropout, or train without it",
             )
         if rule is None:
             raise MissingRuleError(

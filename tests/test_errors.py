@@ -69,20 +69,20 @@ def test_op_without_rule_names_op_module_and_line() -> None:
     assert "registry.register" in message
 
 
-class WithDropout(nn.Module):
+class WithNoise(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(16, 16)
-        self.drop = nn.Dropout(0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.fc(x)).sum()
+        y = self.fc(x)
+        return (y + torch.rand_like(y)).sum()  # a random op with no layout-invariant rule
 
 
-def test_random_op_is_refused_with_its_reason() -> None:
-    with pytest.raises(MissingRuleError, match="random op aten.native_dropout") as err:
-        compile_for_rank(WithDropout(), Mesh.from_shape((2,)), (torch.randn(4, 16),), coords=(0,))
-    assert "drop @" in str(err.value) and "p=0" in str(err.value)
+def test_random_op_without_rule_is_refused_with_its_reason() -> None:
+    with pytest.raises(MissingRuleError, match="random op aten.rand_like") as err:
+        compile_for_rank(WithNoise(), Mesh.from_shape((2,)), (torch.randn(4, 16),), coords=(0,))
+    assert "@ " in str(err.value) and "depend on the layout" in str(err.value)
 
 
 def test_untraceable_model_wraps_torch_error_with_location() -> None:

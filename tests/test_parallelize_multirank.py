@@ -91,6 +91,36 @@ class MLPWithLogits(MLP):
         return F.cross_entropy(logits, y), logits
 
 
+class MLPWithDropout(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        hidden = self.drop(F.gelu(self.fc1(x)))
+        return F.cross_entropy(self.head(self.drop(F.gelu(self.fc2(hidden)))), y)
+
+
+def _dropout_matches_serial(mesh: Any) -> dict[str, float]:
+    """With the same seed, sharded dropout draws the serial model's masks: same loss and gradients."""
+    torch.manual_seed(0)
+    model = MLPWithDropout()
+    serial = copy.deepcopy(model)
+    _, batch = make_mlp(2)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=batch)
+    torch.manual_seed(1234)
+    loss = pmodel(*batch)
+    loss.backward()
+    torch.manual_seed(1234)
+    serial_loss = serial(*batch)
+    serial_loss.backward()
+    serial_params = dict(serial.named_parameters())
+    grad_err = max(
+        _rel_err(p.grad.full_tensor(), serial_params[n].grad) for n, p in pmodel.named_parameters()
+    )
+    return {"loss": float(loss), "serial_loss": float(serial_loss), "grad_err": grad_err}
+
+
 def _api_job(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
     """DTensor outputs, clip_grad_norm_, distributed checkpoint and tied weights, on a 2x2x2 mesh."""
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("x", "y", "z"))
@@ -137,6 +167,7 @@ def _api_job(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
         float((state[k].full_tensor() - saved[k].full_tensor()).abs().max()) for k in saved
     )
     out["checkpoint_loss"] = (float(pfresh(*gpt_batch)), float(pgpt(*gpt_batch)))
+    out["dropout"] = _dropout_matches_serial(mesh)
     return out
 
 
@@ -151,6 +182,9 @@ def test_api_outputs_clipping_checkpoint_and_tied_weights(tmp_path: Any) -> None
         assert r["tied"] and r["still_tied"], rank
         assert r["checkpoint_err"] == 0.0, (rank, r["checkpoint_err"])
         assert r["checkpoint_loss"][0] == r["checkpoint_loss"][1], (rank, r["checkpoint_loss"])
+        drop = r["dropout"]
+        assert drop["loss"] == pytest.approx(drop["serial_loss"], rel=1e-6), (rank, drop)
+        assert drop["grad_err"] < 1e-5, (rank, drop)
 
 
 @pytest.mark.parametrize(

@@ -93,3 +93,22 @@ def embedding_backward_row_block(
         local_padding = -1
     out = aten.embedding_dense_backward.default(grad, local, rows + 1, local_padding, scale_grad_by_freq)
     return out[:rows]
+
+
+def dropout_block(
+    x: torch.Tensor, p: float, train: bool | None, global_shape: list[int], offsets: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """native_dropout on this rank's block, with the serial model's numbers.
+
+    Draws the global mask from the generator's current state (every rank seeds alike and runs the
+    random ops in the serial order) and keeps this rank's block: bit-identical to the serial op.
+    It costs one global-size draw per rank; a counter-based generator would avoid that.
+    """
+    if train is False:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    keep = 1.0 - p
+    scale = 0.0 if keep == 0 else 1.0 / keep
+    mask = torch.empty(global_shape, dtype=x.dtype, device=x.device).bernoulli_(keep)
+    for d, (offset, size) in enumerate(zip(offsets, x.shape)):
+        mask = mask.narrow(d, offset, size)
+    return x.mul(mask).mul_(scale), mask.to(torch.bool)

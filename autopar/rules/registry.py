@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from autopar.rules import factory, matmul, nn, pointwise, reduction, views
+from autopar.rules import factory, matmul, nn, pointwise, random, reduction, views
 from autopar.rules.base import RuleRegistry
 
-FAMILIES = (matmul, pointwise, reduction, views, nn, factory)
+FAMILIES = (matmul, pointwise, reduction, views, nn, factory, random)
 
 
 def default_registry() -> RuleRegistry:

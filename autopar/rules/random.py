@@ -1,0 +1,47 @@
+"""Random ops: the serial model's numbers on any mesh.
+
+A rank draws the global random tensor from the generator state the serial model would have at
+this op (every rank seeds alike; ops run in the serial order) and keeps its own block, so a value's
+random numbers do not depend on its layout. Replicas draw the same numbers; Partial inputs share one
+mask, which keeps dropout linear in its input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.layout import P, R, Shard
+from autopar.rules import local_ops
+from autopar.rules.base import AxisStrategy, LocalCall, LocalContext, OpCall, RuleRegistry, with_replicated
+
+FAMILY = "random"
+aten = torch.ops.aten
+
+
+def dropout_rule(call: OpCall) -> list[AxisStrategy]:
+    """native_dropout(input, p, train) -> (output, mask): split any dim; a pending sum stays pending."""
+    strategies = [AxisStrategy((Shard(d),), (Shard(d), Shard(d))) for d in range(call.inputs[0].ndim)]
+    if call.inputs[0].dtype.is_floating_point:
+        strategies.append(AxisStrategy((P,), (P, R)))
+    return with_replicated(call, strategies)
+
+
+def localize_dropout(ctx: LocalContext) -> LocalCall:
+    layout = ctx.strategy.inputs[0]
+    offsets = list(layout.local_offsets(ctx.mesh_shape, ctx.coords))
+    p = float(ctx.call.arg(1, "p"))
+    train = ctx.call.arg(2, "train")
+    return LocalCall(local_ops.dropout_block, (ctx.args[0], p, train, list(layout.shape), offsets), {})
+
+
+def dropout_backward_rule(call: OpCall) -> list[AxisStrategy]:
+    """native_dropout_backward(grad, mask, scale): pointwise; linear in grad with a shared mask."""
+    ndim = call.inputs[0].ndim
+    strategies = [AxisStrategy((Shard(d), Shard(d)), (Shard(d),)) for d in range(ndim)]
+    strategies.append(AxisStrategy((P, R), (P,)))
+    return with_replicated(call, strategies)
+
+
+def register(registry: RuleRegistry) -> None:
+    registry.register(aten.native_dropout.default, dropout_rule, family=FAMILY, localize=localize_dropout)
+    registry.register(aten.native_dropout_backward.default, dropout_backward_rule, family=FAMILY)

@@ -1,0 +1,70 @@
+"""Random ops: sharded dropout draws exactly the serial model's numbers, whatever the layout."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.layout import Layout
+from autopar.rules.base import LocalContext, make_call
+from autopar.rules.registry import default_registry
+from autopar.testing import all_coords, assemble, shard_tensor
+from autopar.testing_strategies import (
+    candidate_strategies,
+    check_random_strategies,
+    mesh_shapes,
+    tensor_shapes,
+)
+
+aten = torch.ops.aten
+COVERED_OPS = [aten.native_dropout.default, aten.native_dropout_backward.default]
+REGISTRY = default_registry()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_dropout_blocks_reassemble_the_serial_draw(data: st.DataObject) -> None:
+    mesh = data.draw(mesh_shapes())
+    shape = data.draw(tensor_shapes(mesh, max_dims=3))
+    p = data.draw(st.sampled_from([0.1, 0.5, 0.0]))
+    train = data.draw(st.sampled_from([True, False]))
+    seed = data.draw(st.integers(0, 1000))
+    x = torch.randn(shape, dtype=torch.float64)
+    torch.manual_seed(seed)
+    want_out, want_mask = aten.native_dropout.default(x, p, train)
+    call = make_call(aten.native_dropout.default, (x, p, train), {}, (want_out, want_mask))
+    strategy = data.draw(
+        st.sampled_from(candidate_strategies(aten.native_dropout.default, (x, p, train), {}, mesh, REGISTRY))
+    )
+    rule = REGISTRY.get(aten.native_dropout.default)
+    assert rule is not None and rule.localize is not None
+    pieces = shard_tensor(x, strategy.inputs[0], mesh)
+    outs, masks = {}, {}
+    for coords in all_coords(mesh):
+        torch.manual_seed(seed)  # every rank starts from the serial generator state
+        ctx = LocalContext(call, strategy, tuple(mesh), coords, (pieces[coords], p, train), {})
+        local = rule.localize(ctx)
+        outs[coords], masks[coords] = local.target(*local.args, **local.kwargs)
+    got_out = assemble(outs, strategy.outputs[0], mesh)
+    got_mask = assemble(
+        {c: m.to(torch.float64) for c, m in masks.items()}, _as_float(strategy.outputs[1]), mesh
+    )
+    torch.testing.assert_close(got_out, want_out)
+    assert torch.equal(got_mask.to(torch.bool), want_mask)
+
+
+def _as_float(layout: Layout) -> Layout:
+    return Layout(layout.placements, layout.shape, torch.float64)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_dropout_backward(data: st.DataObject) -> None:
+    mesh = data.draw(mesh_shapes())
+    shape = data.draw(tensor_shapes(mesh, max_dims=3))
+    grad = torch.randn(shape, dtype=torch.float64)
+    mask = torch.rand(shape) > 0.3
+    check_random_strategies(
+        data, aten.native_dropout_backward.default, (grad, mask, 1.25), {}, mesh, REGISTRY
+    )
