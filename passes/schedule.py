@@ -7,6 +7,7 @@ changes, never the computation, so results are bit-identical to the unscheduled 
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -32,32 +33,100 @@ class ScheduleReport:
 
 
 def schedule(gm: fx.GraphModule) -> fx.GraphModule:
-    report = ScheduleReport()
+    """Reorder in one list-scheduling pass (linear in the graph size).
+
+    Nodes keep their order except that each collective, with the private copies preparing its
+    buffer, is emitted as soon as all its inputs are (a backward collective not before the backward
+    begins), and each wait only when a node needs its result.
+    """
     nodes = list(gm.graph.nodes)
+    original = {n: i for i, n in enumerate(nodes)}
+    chains: dict[fx.Node, list[fx.Node]] = {}  # collective -> its chain, in graph order
+    chain_of: dict[fx.Node, fx.Node] = {}
     for node in nodes:
         if node.op == "call_function" and node.target in COLLECTIVES:
-            report.collectives += 1
-            if _hoist(gm, node):
-                report.issues_moved += 1
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is c10d.wait_tensor.default and _sink(node):
-            report.waits_moved += 1
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in COLLECTIVES:
-            wait = next(iter(node.users))
-            cursor = node.next
-            while cursor is not wait and cursor.op != "output":
-                if cursor.op == "call_function" and has_info(cursor) and info(cursor).role == "compute":
-                    report.overlapped_ops += 1
-                cursor = cursor.next
+            chain = sorted(_chain(node), key=original.__getitem__)
+            chains[node] = chain
+            for member in chain:
+                chain_of[member] = node
+    waits = {n for n in nodes if n.op == "call_function" and n.target is c10d.wait_tensor.default}
+    first_backward = next(
+        (n for n in nodes if has_info(n) and info(n).phase == "backward" and info(n).role == "compute"), None
+    )
+    externals = {
+        c: {i for m in chain for i in m.all_input_nodes if i not in chain_of or chain_of[i] is not c}
+        for c, chain in chains.items()
+    }
+    missing = {c: len(ext) for c, ext in externals.items()}
+    needed_by: dict[fx.Node, list[fx.Node]] = {}
+    for c, ext in externals.items():
+        for i in ext:
+            needed_by.setdefault(i, []).append(c)
+
+    order: list[fx.Node] = []
+    emitted: set[fx.Node] = set()
+    ready: list[tuple[int, fx.Node]] = []
+    held: list[fx.Node] = []  # backward collectives ready before the backward begins
+    backward_started = first_backward is None
+
+    def emit(node: fx.Node) -> None:
+        order.append(node)
+        emitted.add(node)
+        for c in needed_by.get(node, ()):
+            missing[c] -= 1
+            if missing[c] == 0:
+                heapq.heappush(ready, (original[c], c))
+
+    def emit_chain(c: fx.Node) -> None:
+        for member in chains[c]:
+            if member not in emitted:
+                emit(member)
+
+    def ensure(node: fx.Node) -> None:
+        if node in emitted:
+            return
+        if node in chain_of:
+            c = chain_of[node]
+            for i in externals[c]:
+                ensure(i)
+            emit_chain(c)
+            return
+        # collectives first, then the waits: a wait lands right before the node that needs it
+        for i in node.all_input_nodes:
+            ensure(i.args[0] if i in waits else i)  # type: ignore[arg-type]
+        for i in node.all_input_nodes:
+            ensure(i)
+        emit(node)
+
+    for node in nodes:
+        if node in emitted or node in chain_of or node in waits:
+            continue
+        if node is first_backward:
+            backward_started = True
+            for c in held:
+                emit_chain(c)
+            held.clear()
+        ensure(node)
+        while ready:
+            _, c = heapq.heappop(ready)
+            if c in emitted:
+                continue
+            if not backward_started and info(c).phase == "backward":
+                held.append(c)
+            else:
+                emit_chain(c)
+    assert len(order) == len(nodes), "schedule lost nodes"
+
+    report = _report(order, original, chains)
+    _apply(gm, order)
     gm.graph.lint()
     gm.recompile()
     gm.meta["autopar_schedule"] = report
     return gm
 
 
-def _hoist(gm: fx.GraphModule, collective: fx.Node) -> bool:
-    """Move the collective and its private preparation chain right after their external inputs."""
+def _chain(collective: fx.Node) -> list[fx.Node]:
+    """The collective and the comm-only copies that exist just to prepare its buffer."""
     chain = [collective]
     frontier = [collective]
     while frontier:
@@ -69,42 +138,35 @@ def _hoist(gm: fx.GraphModule, collective: fx.Node) -> bool:
                 and inp.target not in COLLECTIVES
                 and inp.target is not c10d.wait_tensor.default
                 and len(inp.users) == 1
+                and inp not in chain
             ):
                 chain.append(inp)
                 frontier.append(inp)
-    chain_set = set(chain)
-    ordered = [n for n in gm.graph.nodes if n in chain_set]
-    external = [i for n in ordered for i in n.all_input_nodes if i not in chain_set]
-    position = {n: k for k, n in enumerate(gm.graph.nodes)}
-    anchor = max(external, key=lambda n: position[n]) if external else None
-    if anchor is None:
-        return False
-    # never move a node before the phase it belongs to begins: a backward collective cannot
-    # overlap forward compute, which runs in another graph
-    if info(collective).phase == "backward":
-        first_backward = next(
-            n
-            for n in gm.graph.nodes
-            if has_info(n) and info(n).phase == "backward" and info(n).role == "compute"
-        )
-        if position[anchor] < position[first_backward]:
-            anchor = first_backward.prev
-    if position[anchor] + 1 >= position[ordered[0]]:
-        return False
-    target = anchor
-    for n in ordered:
-        target.append(n)
-        target = n
-    return True
+    return chain
 
 
-def _sink(wait: fx.Node) -> bool:
-    users = list(wait.users)
-    if not users:
-        return False
-    position = {n: k for k, n in enumerate(wait.graph.nodes)}
-    first = min(users, key=lambda n: position[n])
-    if position[first] == position[wait] + 1:
-        return False
-    first.prepend(wait)
-    return True
+def _report(
+    order: list[fx.Node], original: dict[fx.Node, int], chains: dict[fx.Node, list[fx.Node]]
+) -> ScheduleReport:
+    final = {n: i for i, n in enumerate(order)}
+    computes = [0]
+    for node in order:
+        is_compute = node.op == "call_function" and has_info(node) and info(node).role == "compute"
+        computes.append(computes[-1] + int(is_compute))
+    report = ScheduleReport(collectives=len(chains))
+    for c in chains:
+        wait = next(iter(c.users))
+        report.issues_moved += int(final[c] < original[c])
+        report.waits_moved += int(final[wait] > original[wait])
+        report.overlapped_ops += computes[final[wait]] - computes[final[c] + 1]
+    return report
+
+
+def _apply(gm: fx.GraphModule, order: list[fx.Node]) -> None:
+    """Make the graph's node list follow `order` (the output node stays last)."""
+    body = [n for n in order if n.op != "output"]
+    first = next(iter(gm.graph.nodes))
+    if body and body[0] is not first:
+        first.prepend(body[0])
+    for previous, node in zip(body, body[1:]):
+        previous.append(node)

@@ -75,8 +75,8 @@ def test_schedule_moves_issues_up_and_waits_down() -> None:
     schedule(gm)
     assert _names(gm) == [
         "a", "b", "x",
-        "p", "q", "c2",  # the gather's private buffer chain moved as one, right after its input
-        "c1",  # issued right after x too (hoisted second, it lands first... after x's other chain)
+        "c1",  # issued right after its input x
+        "p", "q", "c2",  # the gather's private buffer chain moved as one, also right after x
         "y", "z", "u", "v",  # compute overlaps both collectives
         "w1", "out1",  # each wait right before its first user
         "w2", "out2", "output",
