@@ -37,7 +37,9 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
 
     Nodes keep their order except that each collective, with the private copies preparing its
     buffer, is emitted as soon as all its inputs are (a backward collective not before the backward
-    begins), and each wait only when a node needs its result.
+    begins), and each wait only when a node needs its result. At most one collective per process
+    group is in flight: gloo has deadlocked (and once aborted) with many outstanding operations on
+    one group, and one in flight per axis still overlaps each axis with compute and the others.
     """
     nodes = list(gm.graph.nodes)
     original = {n: i for i, n in enumerate(nodes)}
@@ -67,7 +69,9 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
     emitted: set[fx.Node] = set()
     ready: list[tuple[int, fx.Node]] = []
     held: list[fx.Node] = []  # backward collectives ready before the backward begins
-    backward_started = first_backward is None
+    in_flight: dict[str, fx.Node] = {}  # process group -> its issued, not yet waited collective
+    blocked: dict[str, list[fx.Node]] = {}  # ready collectives waiting for their group to free up
+    state = {"backward": first_backward is None, "flushing": False}
 
     def emit(node: fx.Node) -> None:
         order.append(node)
@@ -76,8 +80,41 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
             missing[c] -= 1
             if missing[c] == 0:
                 heapq.heappush(ready, (original[c], c))
+        if node in waits:
+            group = _group(node.args[0])  # type: ignore[arg-type]
+            if in_flight.get(group) is node.args[0]:
+                del in_flight[group]
+                for c in blocked.pop(group, []):  # the group is free: issue the next one now
+                    heapq.heappush(ready, (original[c], c))
+        flush()
+
+    def flush() -> None:
+        """Issue every ready collective whose group is free, right after what made it ready."""
+        if state["flushing"]:
+            return
+        state["flushing"] = True
+        try:
+            while ready:
+                _, c = heapq.heappop(ready)
+                if c in emitted:
+                    continue
+                if not state["backward"] and info(c).phase == "backward":
+                    held.append(c)
+                elif _group(c) in in_flight:
+                    blocked.setdefault(_group(c), []).append(c)
+                else:
+                    emit_chain(c)
+        finally:
+            state["flushing"] = False
 
     def emit_chain(c: fx.Node) -> None:
+        if c in emitted:  # already issued (e.g. by a flush while its inputs were being ensured)
+            return
+        group = _group(c)
+        busy = in_flight.get(group)
+        if busy is not None:
+            ensure(next(iter(busy.users)))  # its wait: one collective in flight per group
+        in_flight[group] = c  # before emitting: nothing else may start on this group meanwhile
         for member in chains[c]:
             if member not in emitted:
                 emit(member)
@@ -96,26 +133,31 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
             ensure(i.args[0] if i in waits else i)  # type: ignore[arg-type]
         for i in node.all_input_nodes:
             ensure(i)
-        emit(node)
+        if node not in emitted:  # an input's ensure may have emitted it (a forced wait)
+            emit(node)
 
     for node in nodes:
         if node in emitted or node in chain_of or node in waits:
             continue
-        if node is first_backward:
-            backward_started = True
+        if node.op == "output":  # whatever nothing asked for (unused results) still runs, in order
+            state["backward"] = True
             for c in held:
-                emit_chain(c)
+                heapq.heappush(ready, (original[c], c))
             held.clear()
+            flush()
+            for leftover in nodes:
+                if leftover not in emitted and leftover is not node:
+                    ensure(leftover)
+        if node is first_backward:
+            state["backward"] = True
+            for c in held:
+                heapq.heappush(ready, (original[c], c))
+            held.clear()
+            flush()
         ensure(node)
-        while ready:
-            _, c = heapq.heappop(ready)
-            if c in emitted:
-                continue
-            if not backward_started and info(c).phase == "backward":
-                held.append(c)
-            else:
-                emit_chain(c)
-    assert len(order) == len(nodes), "schedule lost nodes"
+    if len(order) != len(nodes):  # pragma: no cover - a bug in this pass
+        lost = [n.name for n in nodes if n not in emitted]
+        raise AssertionError(f"schedule lost nodes {lost[:10]} (emitted {len(order)} of {len(nodes)})")
 
     report = _report(order, original, chains)
     _apply(gm, order)
@@ -123,6 +165,11 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
     gm.recompile()
     gm.meta["autopar_schedule"] = report
     return gm
+
+
+def _group(collective: fx.Node) -> str:
+    """The process group a functional collective runs on (its last argument)."""
+    return str(collective.args[-1])
 
 
 def _chain(collective: fx.Node) -> list[fx.Node]:
