@@ -24,15 +24,15 @@ class _Placement:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"{type(self).__name__} is immutable")
 
-    def __lt__(self, other: _Placement) -> bool:
-        return self._order() < other._order()
+    _kind = 0  # sort order between kinds: Replicate, Partial, Shard (by dim)
 
-    def _order(self) -> tuple[int, int]:
-        raise NotImplementedError
+    def __lt__(self, other: _Placement) -> bool:
+        return (self._kind, getattr(self, "dim", 0)) < (other._kind, getattr(other, "dim", 0))
 
 
 class Shard(_Placement):
     __slots__ = ("dim",)
+    _kind = 2
     dim: int
     _instances: dict[int, Shard] = {}  # intern table of immutable values
 
@@ -59,9 +59,6 @@ class Shard(_Placement):
     def __str__(self) -> str:
         return f"S({self.dim})"
 
-    def _order(self) -> tuple[int, int]:
-        return (2, self.dim)
-
 
 class Replicate(_Placement):
     __slots__ = ()
@@ -87,14 +84,12 @@ class Replicate(_Placement):
     def __str__(self) -> str:
         return "R"
 
-    def _order(self) -> tuple[int, int]:
-        return (0, 0)
-
 
 class Partial(_Placement):
     """Each rank holds a summand; the value is the sum over the axis."""
 
     __slots__ = ()
+    _kind = 1
     _instance: Partial | None = None
 
     def __new__(cls) -> Partial:
@@ -116,9 +111,6 @@ class Partial(_Placement):
 
     def __str__(self) -> str:
         return "P"
-
-    def _order(self) -> tuple[int, int]:
-        return (1, 0)
 
 
 Placement = Shard | Replicate | Partial

@@ -45,4 +45,4 @@ def test_matmul_family(data: st.DataObject, mesh: tuple[int, ...], op: object) -
         rhs = t(k, n) if op == aten.addmm.default else t(b, k, n)
         args = (t(*bias_shape), lhs, rhs)
     kwargs = {"beta": 0.5, "alpha": 2.0} if op in (aten.addmm.default, aten.baddbmm.default) else {}
-    check_random_strategies(data, op, args, kwargs, mesh, REGISTRY)
+    assert check_random_strategies(data, op, args, kwargs, mesh, REGISTRY)

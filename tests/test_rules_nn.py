@@ -72,12 +72,14 @@ def _embedding(data: st.DataObject, mesh: tuple[int, ...], backward: bool) -> No
     padding = data.draw(st.sampled_from([-1, 0, vocab - 1]))
     if not backward:
         weight = random_tensor((vocab, dim), generator=g)
-        check_random_strategies(data, aten.embedding.default, (weight, indices, padding), {}, mesh, REGISTRY)
+        assert check_random_strategies(
+            data, aten.embedding.default, (weight, indices, padding), {}, mesh, REGISTRY
+        )
         return
     grad = random_tensor((*tokens, dim), generator=g)
     scale = data.draw(st.booleans())
     args = (grad, indices, vocab, padding, scale)
-    check_random_strategies(data, aten.embedding_dense_backward.default, args, {}, mesh, REGISTRY)
+    assert check_random_strategies(data, aten.embedding_dense_backward.default, args, {}, mesh, REGISTRY)
 
 
 @SETTINGS
@@ -105,12 +107,12 @@ def _attention(data: st.DataObject, mesh: tuple[int, ...], backward: bool) -> No
         mask_shape = data.draw(st.sampled_from([(seq_q, seq_k), (b, 1, seq_q, seq_k), (b, h, seq_q, seq_k)]))
         kwargs["attn_mask"] = random_tensor(mask_shape, generator=g)
     if not backward:
-        check_random_strategies(data, SDPA, (q, k, v, 0.0, causal), kwargs, mesh, REGISTRY)
+        assert check_random_strategies(data, SDPA, (q, k, v, 0.0, causal), kwargs, mesh, REGISTRY)
         return
     out, lse = SDPA(q, k, v, 0.0, causal, **kwargs)
     grad = random_tensor(out.shape, generator=g)
     args = (grad, q, k, v, out, lse, 0.0, causal)
-    check_random_strategies(data, SDPA_BACKWARD, args, kwargs, mesh, REGISTRY)
+    assert check_random_strategies(data, SDPA_BACKWARD, args, kwargs, mesh, REGISTRY)
 
 
 @SETTINGS
@@ -125,7 +127,7 @@ def test_softmax(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None
     else:
         forward = aten._softmax if op == aten._softmax_backward_data.default else aten._log_softmax
         args = (random_tensor(shape, generator=g), forward.default(x, dim, False), dim, x.dtype)
-    check_random_strategies(data, op, args, {}, mesh, REGISTRY)
+    assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)
 
 
 @SETTINGS
@@ -151,7 +153,7 @@ def _layer_norm(data: st.DataObject, mesh: tuple[int, ...], backward: bool) -> N
     x = random_tensor(shape, generator=g)
     if not backward:
         args: tuple = (x, normalized, weight, bias, 1e-5)
-        check_random_strategies(data, aten.native_layer_norm.default, args, {}, mesh, REGISTRY)
+        assert check_random_strategies(data, aten.native_layer_norm.default, args, {}, mesh, REGISTRY)
         return
     _, mean, rstd = aten.native_layer_norm.default(x, normalized, weight, bias, 1e-5)
     mask = [
@@ -161,7 +163,7 @@ def _layer_norm(data: st.DataObject, mesh: tuple[int, ...], backward: bool) -> N
     ]
     grad = random_tensor(shape, generator=g)
     args = (grad, x, normalized, mean, rstd, weight, bias, mask)
-    check_random_strategies(data, aten.native_layer_norm_backward.default, args, {}, mesh, REGISTRY)
+    assert check_random_strategies(data, aten.native_layer_norm_backward.default, args, {}, mesh, REGISTRY)
 
 
 @SETTINGS
@@ -180,17 +182,19 @@ def test_losses(data: st.DataObject, mesh: tuple[int, ...], reduction: int, back
         if backward:
             grad = random_tensor(loss.shape, generator=g)
             args: tuple = (grad, logp, labels, None, reduction, -100, total)
-            check_random_strategies(data, aten.nll_loss_backward.default, args, {}, mesh, REGISTRY)
+            assert check_random_strategies(data, aten.nll_loss_backward.default, args, {}, mesh, REGISTRY)
         else:
             args = (logp, labels, None, reduction, -100)
-            check_random_strategies(data, aten.nll_loss_forward.default, args, {}, mesh, REGISTRY)
+            assert check_random_strategies(data, aten.nll_loss_forward.default, args, {}, mesh, REGISTRY)
         return
     if not backward:
-        check_random_strategies(data, aten.mse_loss.default, (x, target, reduction), {}, mesh, REGISTRY)
+        assert check_random_strategies(
+            data, aten.mse_loss.default, (x, target, reduction), {}, mesh, REGISTRY
+        )
         return
     grad = random_tensor(shape if reduction == 0 else (), generator=g)
     args = (grad, x, target, reduction)
-    check_random_strategies(data, aten.mse_loss_backward.default, args, {}, mesh, REGISTRY)
+    assert check_random_strategies(data, aten.mse_loss_backward.default, args, {}, mesh, REGISTRY)
 
 
 @SETTINGS
@@ -218,7 +222,7 @@ def test_gather_scatter(data: st.DataObject, mesh: tuple[int, ...], op: object) 
         args = (x, dim, index, random_tensor(index_shape, generator=g))
     else:
         args = (x, dim, index, data.draw(st.sampled_from([0.0, -1.0])))
-    check_random_strategies(data, op, args, {}, mesh, REGISTRY)
+    assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)
 
 
 @settings(max_examples=50, deadline=None)
@@ -250,7 +254,7 @@ def test_convolution(data: st.DataObject, mesh: tuple[int, ...], backward: bool)
     conv_args = (stride, padding, dilation, transposed, [0] * spatial, groups)
     if not backward:
         args: tuple = (x, weight, bias, *conv_args)
-        check_random_strategies(data, aten.convolution.default, args, {}, mesh, REGISTRY)
+        assert check_random_strategies(data, aten.convolution.default, args, {}, mesh, REGISTRY)
         return
     out = aten.convolution.default(x, weight, bias, *conv_args)
     grad = random_tensor(out.shape, generator=g)
@@ -262,4 +266,4 @@ def test_convolution(data: st.DataObject, mesh: tuple[int, ...], backward: bool)
         mask[1] = True
     bias_sizes = [c_out] if bias is not None else None
     args = (grad, x, weight, bias_sizes, *conv_args, mask)
-    check_random_strategies(data, aten.convolution_backward.default, args, {}, mesh, REGISTRY)
+    assert check_random_strategies(data, aten.convolution_backward.default, args, {}, mesh, REGISTRY)

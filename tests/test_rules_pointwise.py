@@ -138,7 +138,7 @@ def test_pointwise(data: st.DataObject, mesh: tuple[int, ...], op: object) -> No
             t += 1
         else:
             args.append(kind)
-    check_random_strategies(data, op, tuple(args), {}, mesh, REGISTRY)
+    assert check_random_strategies(data, op, tuple(args), {}, mesh, REGISTRY)
 
 
 @settings(max_examples=25, deadline=None)
@@ -147,4 +147,4 @@ def test_masked_fill(data: st.DataObject, mesh: tuple[int, ...], value: float) -
     make = _maker(torch.Generator().manual_seed(data.draw(seeds())))
     out = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
     x, mask = make("f", out), make("b", data.draw(broadcast_shape(out)))
-    check_random_strategies(data, aten.masked_fill.Scalar, (x, mask, value), {}, mesh, REGISTRY)
+    assert check_random_strategies(data, aten.masked_fill.Scalar, (x, mask, value), {}, mesh, REGISTRY)

@@ -70,7 +70,7 @@ def test_reductions(data: st.DataObject, mesh: tuple[int, ...], op: object) -> N
         correction = data.draw(st.sampled_from([0, 1])) if count > 1 else 0
         args = (x, reduce)
         kwargs = {"correction": correction, "keepdim": keepdim}
-    check_random_strategies(data, op, args, kwargs, mesh, REGISTRY)
+    assert check_random_strategies(data, op, args, kwargs, mesh, REGISTRY)
 
 
 @settings(max_examples=30, deadline=None)
@@ -83,4 +83,4 @@ def test_cumsum(data: st.DataObject, mesh: tuple[int, ...]) -> None:
     x = random_tensor(shape, dtype, generator=g)
     kwargs = {"dtype": torch.float64} if dtype == torch.int64 and data.draw(st.booleans()) else {}
     dim = data.draw(st.integers(-len(shape), len(shape) - 1))
-    check_random_strategies(data, aten.cumsum.default, (x, dim), kwargs, mesh, REGISTRY)
+    assert check_random_strategies(data, aten.cumsum.default, (x, dim), kwargs, mesh, REGISTRY)
