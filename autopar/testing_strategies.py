@@ -108,6 +108,25 @@ def layouts(
     return layout
 
 
+@st.composite
+def layout_pairs(
+    draw: st.DrawFn, max_axes: int = 4, max_ndim: int = 3, dtype: torch.dtype = torch.float64
+) -> tuple[tuple[int, ...], Layout, Layout]:
+    """(mesh shape, src, dst): any placements on 1..max_axes axes of size 1..3, with a global
+    shape that both layouts split evenly; what a redistribution test needs."""
+    mesh = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=max_axes)))
+    ndim = draw(st.integers(0, max_ndim))
+    choices: list[Placement] = [Replicate(), Partial(), *(Shard(d) for d in range(ndim))]
+    src = tuple(draw(st.sampled_from(choices)) for _ in mesh)
+    dst = tuple(draw(st.sampled_from(choices)) for _ in mesh)
+    shape = []
+    for d in range(ndim):
+        f_src = math.prod(g for g, p in zip(mesh, src) if p == Shard(d))
+        f_dst = math.prod(g for g, p in zip(mesh, dst) if p == Shard(d))
+        shape.append(math.lcm(f_src, f_dst) * draw(st.integers(1, 2)))
+    return mesh, Layout(src, tuple(shape), dtype), Layout(dst, tuple(shape), dtype)
+
+
 def seeds() -> st.SearchStrategy[int]:
     return st.integers(0, 2**31 - 1)
 

@@ -24,7 +24,7 @@ from autopar.meta import has_info, info
 from autopar.passes.emit import EmittedProgram, emit, local_value
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
-from autopar.passes.schedule import schedule
+from autopar.passes.schedule import COLLECTIVES, schedule
 from autopar.passes.trace import trace
 from autopar.rules.registry import default_registry
 from autopar.testing import all_coords
@@ -32,12 +32,6 @@ from examples.models import make_gpt, make_mlp
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-COLLECTIVES = (
-    c10d.all_gather_into_tensor.default,
-    c10d.reduce_scatter_tensor.default,
-    c10d.all_reduce.default,
-    c10d.all_to_all_single.default,
-)
 
 # The two-linear MLP of the insert_comm tests: T tokens, hidden H, width 4H, no biases.
 T, H = 64, 64

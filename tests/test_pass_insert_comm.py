@@ -7,12 +7,10 @@ axis, n on the other, tokens on z, weights stored split on z).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.fx as fx
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from pass_fixtures import (
     COLLECTIVES,
@@ -31,6 +29,7 @@ from autopar.mesh import Mesh
 from autopar.meta import NodeInfo, info, set_info, signature
 from autopar.passes.insert_comm import insert_comm
 from autopar.testing import all_coords, assemble, shard_tensor
+from autopar.testing_strategies import layout_pairs
 
 MESH = (2, 2, 2)
 X, Y, Z = MESH
@@ -242,23 +241,7 @@ def test_lowered_steps_on_a_2x3_mesh(src: tuple, dst: tuple, kinds: list[str]) -
             assert info(node).role == "comm" and info(node).phase == "forward"
 
 
-@st.composite
-def _layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], Layout, Layout]:
-    mesh = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)))
-    ndim = draw(st.integers(0, 3))
-    choices = [R, P] + [Shard(d) for d in range(ndim)]
-    src = tuple(draw(st.sampled_from(choices)) for _ in mesh)
-    dst = tuple(draw(st.sampled_from(choices)) for _ in mesh)
-    shape = []
-    for d in range(ndim):
-        f_src = math.prod(g for g, p in zip(mesh, src) if p == Shard(d))
-        f_dst = math.prod(g for g, p in zip(mesh, dst) if p == Shard(d))
-        shape.append(math.lcm(f_src, f_dst) * draw(st.integers(1, 2)))
-    return mesh, Layout(src, tuple(shape), torch.float64), Layout(dst, tuple(shape), torch.float64)
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_layouts(), st.integers(0, 1000))
+@given(layout_pairs(max_axes=3), st.integers(0, 1000))
 def test_lowered_redistribution_round_trips(case: tuple, seed: int) -> None:
     mesh, src, dst = case
     _check_redistribution(src, dst, mesh, seed)

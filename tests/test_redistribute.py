@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from autopar.layout import Layout, P, R, Shard
 from autopar.redistribute import COLLECTIVE_KINDS, plan_redistribute, redistribute_cost
 from autopar.testing import assemble, shard_tensor, simulate_steps
+from autopar.testing_strategies import layout_pairs
 
 
 def _kinds(steps: list) -> list[tuple[str, int]]:
@@ -134,19 +135,10 @@ def test_all_gather_volume_equals_ring_formula_of_the_gathered_size() -> None:
 # ---- property: any even src -> dst round-trips through the simulated collectives ---------------
 @st.composite
 def _case(draw: st.DrawFn) -> tuple[tuple[int, ...], Layout, Layout, torch.Tensor]:
-    mesh = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=4)))
-    ndim = draw(st.integers(0, 3))
-    choices = [R, P] + [Shard(d) for d in range(ndim)]
-    src_p = tuple(draw(st.sampled_from(choices)) for _ in mesh)
-    dst_p = tuple(draw(st.sampled_from(choices)) for _ in mesh)
-    shape = []
-    for d in range(ndim):
-        f_src = math.prod(g for g, p in zip(mesh, src_p) if p == Shard(d))
-        f_dst = math.prod(g for g, p in zip(mesh, dst_p) if p == Shard(d))
-        shape.append(math.lcm(f_src, f_dst) * draw(st.integers(1, 2)))
+    mesh, src, dst = draw(layout_pairs())
     seed = draw(st.integers(0, 2**16))
-    full = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    return mesh, Layout(src_p, tuple(shape), torch.float64), Layout(dst_p, tuple(shape), torch.float64), full
+    full = torch.randn(src.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return mesh, src, dst, full
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -173,15 +165,9 @@ def test_redistribution_round_trips(case: tuple[tuple[int, ...], Layout, Layout,
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.data())
-def test_fast_cost_equals_the_steps(data: st.DataObject) -> None:
+@given(layout_pairs())
+def test_fast_cost_equals_the_steps(case: tuple[tuple[int, ...], Layout, Layout]) -> None:
     """redistribute_cost prices pairs without building steps; it must agree with plan_redistribute."""
-    mesh = tuple(data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=4)))
-    ndim = data.draw(st.integers(0, 3))
-    options = [R, P, *(Shard(d) for d in range(ndim))]
-    src_p = tuple(data.draw(st.sampled_from(options)) for _ in mesh)
-    dst_p = tuple(data.draw(st.sampled_from(options)) for _ in mesh)
-    shape = tuple(math.prod(mesh) * data.draw(st.integers(1, 2)) for _ in range(ndim))
-    src, dst = Layout(src_p, shape), Layout(dst_p, shape)
+    mesh, src, dst = case
     steps = plan_redistribute(src, dst, mesh)
     assert redistribute_cost(src, dst, mesh) == pytest.approx(sum(s.elements_sent(mesh) for s in steps))
