@@ -219,7 +219,11 @@ class _Greedy:
             return
         inputs = tensor_inputs(node)
         rule = self.registry.get(node.target)
-        if inputs and isinstance(node.meta.get("val"), torch.Tensor) and not (rule is not None and rule.anchor):
+        if (
+            inputs
+            and isinstance(node.meta.get("val"), torch.Tensor)
+            and not (rule is not None and rule.anchor)
+        ):
             kinds = [self._deferral(i) for i in inputs]
             if all(k is not None for k in kinds):
                 self.deferred[node] = "param" if "param" in kinds else "replica"
@@ -265,7 +269,7 @@ class _Greedy:
 
     def _input_cost(self, have: Layout | str, want: Layout) -> float:
         if have == "param":
-            return _gather_from_storage(want, self.shape)
+            return gather_from_storage(want, self.shape)
         if have == "replica":
             return 0.0
         assert isinstance(have, Layout)
@@ -294,7 +298,7 @@ class _Greedy:
             candidates = self._beam(call, axis_options, current)
         if not candidates:
             raise self._no_strategy(node, call)
-        work = _global_work(node)
+        work = global_work(node)
         scored = []
         for index, strategy in enumerate(candidates):
             cost = self._cost(strategy, current, work)
@@ -313,11 +317,7 @@ class _Greedy:
 
     def _cost(self, strategy: Strategy, current: Sequence[Layout | str], work: float) -> float:
         comm = sum(self._input_cost(have, want) for have, want in zip(current, strategy.inputs))
-        split = math.prod(
-            self.shape[a]
-            for a in range(len(self.shape))
-            if not all(isinstance(out.placements[a], Replicate) for out in strategy.outputs)
-        )
+        split = work_split(strategy, self.shape)
         pending = 0.0
         for out in strategy.outputs:
             for a in out.partial_axes():
@@ -527,7 +527,16 @@ def storage_layout(compute: Layout, mesh_shape: Sequence[int]) -> Layout:
     return layout
 
 
-def _gather_from_storage(want: Layout, mesh_shape: Sequence[int]) -> float:
+def work_split(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
+    """Ranks an op's work is divided over: every axis on which some output is not replicated."""
+    return math.prod(
+        mesh_shape[a]
+        for a in range(len(mesh_shape))
+        if not all(isinstance(out.placements[a], Replicate) for out in strategy.outputs)
+    )
+
+
+def gather_from_storage(want: Layout, mesh_shape: Sequence[int]) -> float:
     """Elements a rank receives to build `want` from its ~1/p storage (all-gathers on R axes).
 
     A Partial axis (a bias added before a split contraction) costs nothing extra: the stored value
@@ -547,7 +556,7 @@ def _placement_cost(have: Placement, want: Placement, g: int, n: int) -> float:
     return 0.0 if isinstance(have, Replicate) else (g - 1) * n
 
 
-def _global_work(node: fx.Node) -> float:
+def global_work(node: fx.Node) -> float:
     """Flops of the full op (matmuls, attention) or elements produced (everything else)."""
     from torch.utils.flop_counter import flop_registry
 

@@ -8,7 +8,6 @@ compute time per step and memory per rank. Nothing is allocated at the model's s
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,10 +18,9 @@ import torch.nn as nn
 
 from autopar.api import Compiled, compile_for_rank
 from autopar.cost import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_per_rank
-from autopar.layout import Replicate
 from autopar.mesh import Mesh
 from autopar.meta import has_info, info
-from autopar.planner import _global_work
+from autopar.planner import global_work, work_split
 from autopar.rules.base import RuleRegistry
 from autopar.search import TimeCost
 
@@ -164,12 +162,7 @@ def _node_compute(node: fx.Node, cost: TimeCost, shape: tuple[int, ...]) -> floa
         return 0.0
     strategy = info(node).strategy
     assert strategy is not None
-    split = math.prod(
-        shape[a]
-        for a in range(len(shape))
-        if not all(isinstance(out.placements[a], Replicate) for out in strategy.outputs)
-    )
-    return cost.compute(_global_work(node), split)
+    return cost.compute(global_work(node), work_split(strategy, shape))
 
 
 def _bytes(node: fx.Node) -> int:

@@ -14,7 +14,6 @@ search starts from the best of the 1-D / 2-D / 3-D patterns and can only improve
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,15 +28,17 @@ from autopar.meta import signature
 from autopar.planner import (
     FLOP_WEIGHT,
     Plan,
-    _gather_from_storage,
-    _global_work,
     _redist,
     axis_roles,
     expand_cached,
+    gather_from_storage,
+    global_work,
     greedy_plan,
     op_call,
     output_index,
+    storage_layout,
     tensor_inputs,
+    work_split,
 )
 from autopar.rules.base import RuleRegistry, Strategy
 
@@ -55,7 +56,7 @@ class ElementCost:
         return _redist(src, dst, self.shape)
 
     def gather_from_storage(self, want: Layout) -> float:
-        return _gather_from_storage(want, self.shape)
+        return gather_from_storage(want, self.shape)
 
     def compute(self, work: float, split: int) -> float:
         return FLOP_WEIGHT * work / split
@@ -76,8 +77,6 @@ class TimeCost(ElementCost):
         return self.mesh.redistribute(src, dst) if src != dst else 0.0
 
     def gather_from_storage(self, want: Layout) -> float:
-        from autopar.planner import storage_layout
-
         return self.redistribute(storage_layout(want, self.shape), _settled(want))
 
     def compute(self, work: float, split: int) -> float:
@@ -162,20 +161,12 @@ def plan_cost(gm: fx.GraphModule, plan: Plan, mesh: Mesh, cost: ElementCost) -> 
             strategy = plan.strategies[node.name]
             for src, want in zip(tensor_inputs(node), strategy.inputs):
                 total += cost.redistribute(plan.layouts[src.name][0], want)
-            total += cost.compute(_global_work(node), _split(strategy, shape))
+            total += cost.compute(global_work(node), work_split(strategy, shape))
         elif node.op == "output":
             for src, wanted in zip(node.args[0], plan.output_layouts):  # type: ignore[arg-type]
                 if isinstance(src, fx.Node) and wanted is not None:
                     total += cost.redistribute(plan.layouts[src.name][0], wanted)
     return total
-
-
-def _split(strategy: Strategy, shape: Sequence[int]) -> int:
-    return math.prod(
-        shape[a]
-        for a in range(len(shape))
-        if not all(isinstance(out.placements[a], Replicate) for out in strategy.outputs)
-    )
 
 
 @dataclass
@@ -233,8 +224,8 @@ class _Problem:
             cands = list(expand_cached(node, rule, op_call(node), self.shape, expand_cache))
             if seed.strategies[name] not in cands:
                 cands.append(seed.strategies[name])
-            work = _global_work(node)
-            unary = np.array([cost.compute(work, _split(s, self.shape)) for s in cands])
+            work = global_work(node)
+            unary = np.array([cost.compute(work, work_split(s, self.shape)) for s in cands])
             self.vars.append(_Var(name, cands, unary, cands.index(seed.strategies[name])))
         for name in seed.decided:
             self._inputs(nodes[name], seed)
