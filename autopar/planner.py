@@ -302,14 +302,14 @@ class _Greedy:
         scored = []
         for index, strategy in enumerate(candidates):
             cost = self._cost(strategy, current, work)
-            scored.append((cost, self._slices(strategy, current), index, strategy))
+            scored.append((0, cost, self._slices(strategy, current), index, strategy))
         note = "lowest modeled cost"
         if rule.anchor and "param" in current and any(c != "param" for c in current):
             constrained = self._role_filter(scored, current)
             if constrained:
                 scored, note = constrained, "axis roles (tokens / tensor axes)"
-        scored.sort(key=lambda t: (t[0], t[1], t[2]))
-        best = scored[0][3]
+        scored.sort(key=lambda t: t[:4])  # (role preference, cost, slices, enumeration order)
+        best = scored[0][4]
         for node_in, want in zip(inputs, best.inputs):
             self._resolve(node_in, want)
         self.plan.strategies[node.name] = best
@@ -375,10 +375,12 @@ class _Greedy:
         return cost
 
     def _role_filter(self, scored: list[Any], current: Sequence[Layout | str]) -> list[Any]:
+        """Candidates that respect the axis roles, ranked first by how many distinct weight dims
+        the tensor axes split (then by cost)."""
         roles = self.plan.roles
         kept = []
         for item in scored:
-            strategy: Strategy = item[3]
+            strategy: Strategy = item[4]
             ok = True
             distinct: set[int] = set()
             weights = [w for w, c in zip(strategy.inputs, current) if c == "param"]
@@ -395,9 +397,7 @@ class _Greedy:
                     if isinstance(p, Shard):
                         distinct.add(p.dim)
             if ok:
-                kept.append(item)
-                item_distinct = len(distinct)
-                kept[-1] = (item[0] - 1e9 * item_distinct, *item[1:])
+                kept.append((-len(distinct), *item[1:]))
         return kept
 
     # ---- laying out parameters -----------------------------------------------------------------

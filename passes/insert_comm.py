@@ -9,6 +9,7 @@ are already rank-local (local shapes, this rank's coordinates); emit copies them
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -174,6 +175,4 @@ class _Inserter:
 
 
 def _with(base: NodeInfo, **changes: Any) -> NodeInfo:
-    from dataclasses import replace
-
     return replace(base, **changes)
