@@ -38,7 +38,7 @@ def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
 def _run_coverage(args: argparse.Namespace) -> int:
     from autopar.coverage import run
 
-    return run(args.factory, args.mesh)
+    return run(args.factory, args.mesh, args.registry)
 
 
 def _add_coverage(subparsers: argparse._SubParsersAction) -> None:
@@ -51,6 +51,13 @@ def _add_coverage(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. examples.zoo:make_llama")
     p.add_argument("--mesh", default="2,2,2", help="mesh shape to trace for, e.g. 2,2,2 or 8 (default 2,2,2)")
+    p.add_argument(
+        "--registry",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="a function returning your RuleRegistry (with rules for custom ops), "
+        "e.g. examples.custom_op:custom_registry (default: the built-in rules)",
+    )
     p.set_defaults(func=_run_coverage)
 
 

@@ -69,7 +69,7 @@ def graph_coverage(gm: fx.GraphModule, registry: RuleRegistry, mesh_shape: Seque
             continue
         counts[node.target] += 1
         rule = registry.get(node.target)
-        if rule is not None and _can_split(node, rule.strategies, axis_sizes):
+        if rule is not None and _can_split(node, rule.strategies, axis_sizes, rule.uneven):
             splittable[node.target] += 1
     rows = [
         OpCoverage(str(op), n, rule.family if (rule := registry.get(op)) else MISSING, splittable[op])
@@ -78,7 +78,9 @@ def graph_coverage(gm: fx.GraphModule, registry: RuleRegistry, mesh_shape: Seque
     return sorted(rows, key=lambda r: (not r.missing, -r.count, r.op))
 
 
-def _can_split(node: fx.Node, strategies: Callable[..., Any], axis_sizes: Sequence[int]) -> bool:
+def _can_split(
+    node: fx.Node, strategies: Callable[..., Any], axis_sizes: Sequence[int], uneven: bool = False
+) -> bool:
     """Whether the rule offers an even layout other than all-replicated on one of the axis sizes."""
 
     def val(x: Any) -> Any:
@@ -89,7 +91,7 @@ def _can_split(node: fx.Node, strategies: Callable[..., Any], axis_sizes: Sequen
     call = make_call(node.target, tuple(args), dict(kwargs), node.meta.get("val"))
     options = strategies(call)
     for size in axis_sizes:
-        for strategy in expand(call, options, (size,)):
+        for strategy in expand(call, options, (size,), uneven):
             if not all(lay.is_replicated for lay in (*strategy.inputs, *strategy.outputs)):
                 return True
     return False
@@ -115,11 +117,24 @@ def load_factory(spec: str) -> Callable[[], tuple[nn.Module, Sequence[Any]]]:
     return factory  # type: ignore[no-any-return]
 
 
-def model_coverage(spec: str, mesh_shape: Sequence[int] = (2, 2, 2)) -> list[OpCoverage]:
+def model_coverage(
+    spec: str, mesh_shape: Sequence[int] = (2, 2, 2), registry: RuleRegistry | None = None
+) -> list[OpCoverage]:
     """Rows for the model that the factory `MODULE:FACTORY` builds."""
     model, batch = load_factory(spec)()
     inputs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-    return op_coverage(model, inputs, mesh_shape=mesh_shape)
+    return op_coverage(model, inputs, mesh_shape=mesh_shape, registry=registry)
+
+
+def load_registry(spec: str) -> RuleRegistry:
+    """`"package.module:function"` -> the RuleRegistry that function returns (your own rules)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected MODULE:FUNCTION, got {spec!r}")
+    registry = getattr(importlib.import_module(module_name), attr)()
+    if not isinstance(registry, RuleRegistry):
+        raise TypeError(f"{spec} returned {type(registry).__name__}, not a RuleRegistry")
+    return registry
 
 
 def format_rows(rows: Sequence[OpCoverage]) -> str:
@@ -147,8 +162,8 @@ def parse_mesh(text: str) -> tuple[int, ...]:
     return shape
 
 
-def run(spec: str, mesh: str = "2,2,2") -> int:
+def run(spec: str, mesh: str = "2,2,2", registry: str | None = None) -> int:
     """The `coverage` subcommand: print the table; 1 if any op is missing a rule, else 0."""
-    rows = model_coverage(spec, parse_mesh(mesh))
+    rows = model_coverage(spec, parse_mesh(mesh), load_registry(registry) if registry else None)
     print(format_rows(rows))
     return 1 if any(r.missing for r in rows) else 0

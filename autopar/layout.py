@@ -3,6 +3,11 @@
 A `Layout` is one placement per mesh axis plus the global shape and dtype. When several mesh axes
 shard the same tensor dim, they nest in mesh-axis order: the earlier axis splits the dim into
 outer blocks, the later one splits each block (DTensor's default order).
+
+A dim that its axes do not divide is split like `torch.chunk` (and DTensor): blocks of
+`ceil(n / f)`, the last one shorter. Such an uneven dim may be split by one mesh axis only and the
+last block may not be empty (`Layout.fits`); then every block but the last has the same size, so
+collectives pad the last block to that size and cut the padding off again.
 """
 
 from __future__ import annotations
@@ -153,6 +158,11 @@ class Layout:
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined, no-any-return]
 
+    def __reduce__(self) -> tuple[type, tuple[tuple[Placement, ...], tuple[int, ...], torch.dtype]]:
+        # Rebuild from the fields: the cached hash is per process (string hashing is salted), and
+        # plans travel between ranks pickled (broadcast_object_list under torchrun).
+        return (Layout, (self.placements, self.shape, self.dtype))
+
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
@@ -184,9 +194,26 @@ class Layout:
     def uneven_dims(self, mesh_shape: Sequence[int]) -> list[int]:
         return [d for d in range(len(self.shape)) if self.shape[d] % self.split_factor(d, mesh_shape)]
 
-    def local_shape(self, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    def fits(self, mesh_shape: Sequence[int]) -> bool:
+        """Even, or every uneven dim split by one axis into non-empty `torch.chunk` blocks."""
+        for d in self.uneven_dims(mesh_shape):
+            if len(self.shard_axes(d)) != 1 or not chunks_nonempty(self.shape[d], self.split_factor(d, mesh_shape)):
+                return False
+        return True
+
+    def local_shape(self, mesh_shape: Sequence[int], coords: Sequence[int] | None = None) -> tuple[int, ...]:
+        """This rank's block shape; without `coords`, the largest block (what pricing uses).
+
+        The two agree on even layouts; on uneven ones only the last block along a dim is shorter.
+        """
         factors = _split_factors(self.placements, len(self.shape), tuple(mesh_shape))
-        return tuple(size // f for size, f in zip(self.shape, factors))
+        full = tuple(-(-size // f) for size, f in zip(self.shape, factors))
+        if coords is None or all(size % f == 0 for size, f in zip(self.shape, factors)):
+            return full
+        return tuple(
+            min(c, size - self.block_index(d, mesh_shape, coords) * c)
+            for d, (size, c) in enumerate(zip(self.shape, full))
+        )
 
     def local_numel(self, mesh_shape: Sequence[int]) -> int:
         return math.prod(self.local_shape(mesh_shape))
@@ -202,8 +229,8 @@ class Layout:
         return index
 
     def local_offsets(self, mesh_shape: Sequence[int], coords: Sequence[int]) -> tuple[int, ...]:
-        local = self.local_shape(mesh_shape)
-        return tuple(self.block_index(d, mesh_shape, coords) * local[d] for d in range(len(self.shape)))
+        block = self.local_shape(mesh_shape)  # full blocks: block i starts at i * block, even or not
+        return tuple(self.block_index(d, mesh_shape, coords) * block[d] for d in range(len(self.shape)))
 
     def with_placement(self, axis: int, placement: Placement) -> Layout:
         placements = list(self.placements)
@@ -251,3 +278,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def itemsize(dtype: torch.dtype) -> int:
     return _itemsize(dtype)
+
+
+def chunks_nonempty(size: int, parts: int) -> bool:
+    """Whether `torch.chunk(size, parts)` gives exactly `parts` non-empty blocks."""
+    return (parts - 1) * -(-size // parts) < size

@@ -31,7 +31,16 @@ from autopar.layout import Layout, Partial, Placement, Replicate, Shard
 from autopar.mesh import Mesh
 from autopar.meta import info, signature
 from autopar.redistribute import redistribute_cost
-from autopar.rules.base import AxisStrategy, OpCall, RuleRegistry, Strategy, combine, expand, make_call
+from autopar.rules.base import (
+    AxisStrategy,
+    OpCall,
+    RuleRegistry,
+    Strategy,
+    admissible,
+    combine,
+    expand,
+    make_call,
+)
 
 DATA_AXIS_NAMES = ("dp", "data", "ddp", "fsdp", "batch")
 # Relative weights of the heuristic's cost terms, in "elements sent per rank".
@@ -111,11 +120,16 @@ def expand_cached(
     node: fx.Node, rule: Any, call: OpCall, shape: tuple[int, ...], cache: dict[Any, list[Strategy]]
 ) -> list[Strategy]:
     """`expand` memoized by op and argument specs: repeated layers share their candidate lists."""
-    key = (node.target, repr(call.args), repr(sorted(call.kwargs.items())), call.inputs, call.outputs)
+    key = (node.target, call_key(call))
     found = cache.get(key)
     if found is None:
-        found = cache[key] = expand(call, rule.strategies(call), shape)
+        found = cache[key] = expand(call, rule.strategies(call), shape, rule.uneven)
     return found
+
+
+def call_key(call: OpCall) -> tuple[Any, ...]:
+    """What a rule sees of a call (argument specs and constants), as a dictionary key."""
+    return (repr(call.args), repr(sorted(call.kwargs.items())), call.inputs, call.outputs)
 
 
 @functools.lru_cache(maxsize=200_000)
@@ -140,6 +154,8 @@ class _Greedy:
         self.plan = Plan(roles=roles if roles is not None else axis_roles(mesh))
         self.forced = forced or {}
         self.expand_cache = expand_cache if expand_cache is not None else {}
+        # (op, call_key, input layouts) -> (strategy, note): see _choose
+        self.choices: dict[Any, tuple[Strategy, str]] = {}
         # Values laid out by their first consumer: "param" chains (a parameter and views/casts of
         # it) and "replica" chains (computed from whole, replicated values only: slicing is free).
         self.deferred: dict[fx.Node, str] = {}
@@ -192,12 +208,13 @@ class _Greedy:
                 axes = ", ".join(f"{self.mesh.axis_names[a]}={self.shape[a]}" for a in unsplit)
                 raise ShardingError(
                     f"parameter {info(node).param_name} of shape {list(layout.shape)} cannot be split "
-                    f"evenly over mesh axis {axes}: after the splits its computation needs, no dim "
-                    "is divisible by that axis",
+                    f"over mesh axis {axes}: after the splits its computation needs, no dim is "
+                    "divisible by that axis, nor long enough for uneven blocks (every rank must "
+                    "hold at least one row)",
                     op="parameter storage",
                     layouts=[layout.per_dim_str(self.mesh.axis_names)],
-                    hint="make the weight's dims divisible by the mesh axis sizes (uneven shards "
-                    "are not supported yet), or choose a mesh whose axes divide them",
+                    hint="choose a mesh whose axes divide the weight's dims (or are smaller than "
+                    "them), or make the weight larger",
                 )
 
     def _placeholder(self, node: fx.Node) -> None:
@@ -291,29 +308,41 @@ class _Greedy:
             self.plan.strategies[node.name] = best
             self._set(node, best.outputs, "chosen by the plan search")
             return
+        # The choice depends only on the op call and the inputs' current layouts: repeated layers
+        # ask the same question again and get the same answer.
+        key = (node.target, call_key(call), tuple(current))
+        found = self.choices.get(key)
+        if found is None:
+            found = self.choices[key] = self._pick(node, rule, call, current)
+        best, note = found
+        for node_in, want in zip(inputs, best.inputs):
+            self._resolve(node_in, want)
+        self.plan.strategies[node.name] = best
+        self._set(node, best.outputs, note)
+
+    def _pick(self, node: fx.Node, rule: Any, call: OpCall, current: list[Layout | str]) -> tuple[Strategy, str]:
+        """The lowest-cost candidate strategy for `call` given its inputs' current layouts."""
         axis_options = rule.strategies(call)
-        if rule.anchor or len(inputs) == 0:
+        if rule.anchor or len(current) == 0:
             candidates = expand_cached(node, rule, call, self.shape, self.expand_cache)
         else:
-            candidates = self._beam(call, axis_options, current)
+            candidates = self._beam(call, axis_options, current, rule.uneven)
         if not candidates:
             raise self._no_strategy(node, call)
         work = global_work(node)
         scored = []
         for index, strategy in enumerate(candidates):
             cost = self._cost(strategy, current, work)
-            scored.append((0, cost, self._slices(strategy, current), index, strategy))
+            uneven = sum(not lay.is_even(self.shape) for lay in (*strategy.inputs, *strategy.outputs))
+            scored.append((0, cost, uneven, self._slices(strategy, current), index, strategy))
         note = "lowest modeled cost"
         if rule.anchor and "param" in current and any(c != "param" for c in current):
             constrained = self._role_filter(scored, current)
             if constrained:
                 scored, note = constrained, "axis roles (tokens / tensor axes)"
-        scored.sort(key=lambda t: t[:4])  # (role preference, cost, slices, enumeration order)
-        best = scored[0][4]
-        for node_in, want in zip(inputs, best.inputs):
-            self._resolve(node_in, want)
-        self.plan.strategies[node.name] = best
-        self._set(node, best.outputs, note)
+        # (role preference, cost, uneven blocks (even splits win ties), slices, enumeration order)
+        scored.sort(key=lambda t: t[:5])
+        return scored[0][5], note
 
     def _cost(self, strategy: Strategy, current: Sequence[Layout | str], work: float) -> float:
         comm = sum(self._input_cost(have, want) for have, want in zip(current, strategy.inputs))
@@ -333,7 +362,7 @@ class _Greedy:
         )
 
     def _beam(
-        self, call: OpCall, options: list[AxisStrategy], current: Sequence[Layout | str]
+        self, call: OpCall, options: list[AxisStrategy], current: Sequence[Layout | str], uneven: bool
     ) -> list[Strategy]:
         """Per axis, the few single-axis options closest to the inputs; their product."""
         per_axis: list[list[AxisStrategy]] = []
@@ -355,9 +384,9 @@ class _Greedy:
         result = []
         for combo in itertools.product(*per_axis):
             strategy = combine(call, combo)
-            if all(lay.is_even(self.shape) for lay in (*strategy.inputs, *strategy.outputs)):
+            if admissible(strategy, self.shape, uneven):
                 result.append(strategy)
-        return result or expand(call, options, self.shape)
+        return result or expand(call, options, self.shape, uneven)
 
     def _axis_cost(self, option: AxisStrategy, current: Sequence[Layout | str], axis: int, g: int) -> float:
         cost = 0.0
@@ -380,7 +409,7 @@ class _Greedy:
         roles = self.plan.roles
         kept = []
         for item in scored:
-            strategy: Strategy = item[4]
+            strategy: Strategy = item[5]
             ok = True
             distinct: set[int] = set()
             weights = [w for w, c in zip(strategy.inputs, current) if c == "param"]
@@ -502,8 +531,10 @@ def storage_layout(compute: Layout, mesh_shape: Sequence[int]) -> Layout:
     """`compute` further split over every axis it replicates, so each rank stores ~1/p.
 
     Each extra axis goes to the largest dim it divides, preferring dims where it nests innermost
-    (a plain all-gather restores the compute layout). A tensor too small to split stays replicated
-    on that axis.
+    (a plain all-gather restores the compute layout). Where it divides none, a 2-D or larger
+    weight takes `torch.chunk` blocks on its largest unsplit dim (GPT-2's 50257-row embedding on
+    an axis of 8: seven blocks of 6283 and one of 6276). Vectors and tensors too small for that stay
+    replicated on the axis.
     """
     layout = Layout(
         tuple(Replicate() if isinstance(p, Partial) else p for p in compute.placements),
@@ -524,6 +555,18 @@ def storage_layout(compute: Layout, mesh_shape: Sequence[int]) -> Layout:
                 best = key
         if best is not None:
             layout = layout.with_placement(a, Shard(-best[2]))
+        elif len(layout.shape) >= 2:
+            layout = _uneven_storage(layout, a, mesh_shape)
+    return layout
+
+
+def _uneven_storage(layout: Layout, axis: int, mesh_shape: Sequence[int]) -> Layout:
+    """`layout` split over `axis` in uneven blocks on its largest dim no other axis splits."""
+    free = [d for d in range(len(layout.shape)) if not layout.shard_axes(d)]
+    for d in sorted(free, key=lambda d: (-layout.shape[d], d)):
+        candidate = layout.with_placement(axis, Shard(d))
+        if candidate.fits(mesh_shape):
+            return candidate
     return layout
 
 

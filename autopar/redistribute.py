@@ -6,7 +6,8 @@ cost model prices them, and the in-process oracle simulates them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,6 +59,23 @@ def _is_prefix(prefix: Sequence[int], full: Sequence[int]) -> bool:
     return tuple(full[: len(prefix)]) == tuple(prefix)
 
 
+def _even_exchange(
+    shape: Sequence[int],
+    gathered: int,
+    scattered: int,
+    axes_of: Callable[[int], Sequence[int]],
+    axis: int,
+    mesh_shape: Sequence[int],
+) -> bool:
+    """An all_to_all moves equal blocks: both dims must split evenly before and after it.
+
+    Uneven (`torch.chunk`) dims are un-sharded by all_gather and re-split by slicing instead.
+    """
+    before = math.prod(mesh_shape[b] for b in axes_of(gathered))
+    after = math.prod(mesh_shape[b] for b in axes_of(scattered)) * mesh_shape[axis]
+    return shape[gathered] % before == 0 and shape[scattered] % after == 0
+
+
 def plan_redistribute(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> list[CommStep]:
     """Steps from `src` to `dst`: reductions first (smallest tensors), then un-sharding, then slicing."""
     if src.shape != dst.shape:
@@ -99,6 +117,7 @@ def plan_redistribute(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> li
                 and target.dim != d
                 and all(b < a for b in cur.shard_axes(target.dim))
                 and _is_prefix((*cur.shard_axes(target.dim), a), dst.shard_axes(target.dim))
+                and _even_exchange(cur.shape, d, target.dim, cur.shard_axes, a, mesh_shape)
             ):
                 step("all_to_all", a, cur.with_placement(a, target), dim=d, dst_dim=target.dim)
             else:
@@ -138,6 +157,17 @@ def redistribute_cost(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> fl
     def axes(dim: int) -> list[int]:
         return [a for a, p in enumerate(cur) if isinstance(p, Shard) and p.dim == dim]
 
+    # Even layouts stay even through every step, so scaling n by g is exact; uneven blocks round
+    # up, so there each step's block is recounted.
+    exact = not (src.is_even(mesh_shape) and dst.is_even(mesh_shape))
+
+    def block() -> float:
+        return float(
+            math.prod(
+                -(-size // math.prod(mesh_shape[b] for b in axes(d))) for d, size in enumerate(src.shape)
+            )
+        )
+
     for a, p in enumerate(cur):
         if not isinstance(p, Partial) or isinstance(target[a], Partial):
             continue
@@ -145,8 +175,8 @@ def redistribute_cost(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> fl
         t = target[a]
         if isinstance(t, Shard) and _is_prefix((*axes(t.dim), a), dst.shard_axes(t.dim)):
             total += (g - 1) / g * n
-            n /= g
             cur[a] = t
+            n = block() if exact else n / g
         else:
             total += 2 * (g - 1) / g * n
             cur[a] = Replicate()
@@ -164,11 +194,13 @@ def redistribute_cost(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> fl
                 and t.dim != d
                 and all(b < a for b in axes(t.dim))
                 and _is_prefix((*axes(t.dim), a), dst.shard_axes(t.dim))
+                and _even_exchange(src.shape, d, t.dim, axes, a, mesh_shape)
             ):
                 total += (g - 1) / g * n
                 cur[a] = t
+                n = block() if exact else n
             else:
                 total += n * (g - 1)
-                n *= g
                 cur[a] = Replicate()
+                n = block() if exact else n * g
     return total

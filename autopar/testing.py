@@ -33,7 +33,7 @@ def local_block(
 ) -> torch.Tensor:
     """The rank's block of a full tensor, ignoring Partial axes."""
     out = full
-    local = layout.local_shape(mesh_shape)
+    local = layout.local_shape(mesh_shape, coords)
     offsets = layout.local_offsets(mesh_shape, coords)
     for d in range(full.ndim):
         if local[d] != full.shape[d]:
@@ -106,9 +106,10 @@ def assemble(
             if not any(combo):
                 continue
             total = total + pieces[_with_coords(coords, partial_axes, combo)]
-        if tuple(total.shape) != layout.local_shape(mesh_shape):
+        if tuple(total.shape) != layout.local_shape(mesh_shape, coords):
             raise AssertionError(
-                f"rank {coords}: local shape {tuple(total.shape)} != {layout.local_shape(mesh_shape)} for {layout}"
+                f"rank {coords}: local shape {tuple(total.shape)} != {layout.local_shape(mesh_shape, coords)} "
+                f"for {layout}"
             )
         target = local_block(full, layout, mesh_shape, coords)
         mask = local_block(written, layout, mesh_shape, coords)

@@ -9,7 +9,8 @@ Typical property test for a rule of your own::
         check_random_strategies(data, torch.ops.aten.my_op.default, (x,), {}, mesh, registry)
 
 Tensor dims are drawn as products of mesh axis sizes, so that sharded strategies (including
-several axes nested on one dim) survive the evenness filter of `expand` often enough to matter.
+several axes nested on one dim) survive the evenness filter of `expand` often enough to matter,
+and one in five is one larger, so that rules registered `uneven=True` meet `torch.chunk` blocks.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def _cap_pieces(sizes: list[int], max_pieces: int) -> list[int]:
 @st.composite
 def dim_sizes(draw: st.DrawFn, mesh_shape: Sequence[int], cap: int = 24, allow_one: bool = True) -> int:
     """A dim size: the product of a random subset of mesh axis sizes (kept <= cap), times 1 or 2,
-    or sometimes 1 (size-1 dims are where broadcasting and view bugs live)."""
+    sometimes plus 1 (uneven blocks), or sometimes 1 (size-1 dims are where broadcasting and view
+    bugs live)."""
     if allow_one and draw(st.sampled_from([False] * 7 + [True])):
         return 1
     count = draw(st.sampled_from([*range(len(mesh_shape), 0, -1)] * 2 + [0]))
@@ -60,6 +62,8 @@ def dim_sizes(draw: st.DrawFn, mesh_shape: Sequence[int], cap: int = 24, allow_o
             size *= mesh_shape[a]
     factor = draw(st.sampled_from([1, 2]))
     size = size * factor if size * factor <= cap else size
+    if size > 1 and draw(st.sampled_from([False] * 4 + [True])):
+        size += 1
     return max(size, 2 if not allow_one else 1)
 
 
@@ -96,10 +100,11 @@ def layouts(
     allow_partial: bool = True,
     even: bool = True,
 ) -> Layout:
-    """A random layout of `shape` on the mesh (evenly divisible unless `even=False`)."""
+    """A random layout of `shape` on the mesh (evenly divisible unless `even=False`; then uneven
+    dims are still `Layout.fits`: one axis each, no empty block)."""
     chosen = tuple(draw(placements(len(shape), allow_partial)) for _ in mesh_shape)
     layout = Layout(chosen, tuple(shape), dtype)
-    if even and not layout.is_even(mesh_shape):
+    if (even and not layout.is_even(mesh_shape)) or not layout.fits(mesh_shape):
         fixed = tuple(
             Replicate() if isinstance(p, Shard) and p.dim in layout.uneven_dims(mesh_shape) else p
             for p in chosen
@@ -110,10 +115,15 @@ def layouts(
 
 @st.composite
 def layout_pairs(
-    draw: st.DrawFn, max_axes: int = 4, max_ndim: int = 3, dtype: torch.dtype = torch.float64
+    draw: st.DrawFn,
+    max_axes: int = 4,
+    max_ndim: int = 3,
+    dtype: torch.dtype = torch.float64,
+    uneven: bool = True,
 ) -> tuple[tuple[int, ...], Layout, Layout]:
     """(mesh shape, src, dst): any placements on 1..max_axes axes of size 1..3, with a global
-    shape that both layouts split evenly; what a redistribution test needs."""
+    shape that both layouts split evenly, or with `uneven`, sometimes one more than that where
+    both layouts still fit (`torch.chunk` blocks); what a redistribution test needs."""
     mesh = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=max_axes)))
     ndim = draw(st.integers(0, max_ndim))
     choices: list[Placement] = [Replicate(), Partial(), *(Shard(d) for d in range(ndim))]
@@ -124,6 +134,12 @@ def layout_pairs(
         f_src = math.prod(g for g, p in zip(mesh, src) if p == Shard(d))
         f_dst = math.prod(g for g, p in zip(mesh, dst) if p == Shard(d))
         shape.append(math.lcm(f_src, f_dst) * draw(st.integers(1, 2)))
+    for d in range(ndim):
+        if not uneven or not draw(st.booleans()):
+            continue
+        grown = [*shape[:d], shape[d] + 1, *shape[d + 1 :]]
+        if Layout(src, tuple(grown), dtype).fits(mesh) and Layout(dst, tuple(grown), dtype).fits(mesh):
+            shape = grown
     return mesh, Layout(src, tuple(shape), dtype), Layout(dst, tuple(shape), dtype)
 
 
@@ -154,7 +170,7 @@ def candidate_strategies(
     if rule is None:
         raise AssertionError(f"no rule registered for {op}")
     call = make_call(op, args, kwargs, op(*args, **kwargs))
-    return expand(call, rule.strategies(call), mesh_shape)
+    return expand(call, rule.strategies(call), mesh_shape, rule.uneven)
 
 
 def check_random_strategies(

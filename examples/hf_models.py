@@ -2,8 +2,9 @@
 
 `LossOf` wraps a `*ForCausalLM` model so that forward returns the training loss: autopar compiles a
 model whose output is the loss, and transformers computes it when `labels` are passed. Sizes are
-divisible by 8 like the rest of the examples; every dropout probability is 0 (random ops are
-refused today).
+divisible by 8 like the rest of the examples, except `make_hf_gpt2_vocab`: GPT-2's real vocabulary
+of 50257 and a width of 36, which no axis of 8 divides (uneven `torch.chunk` blocks everywhere).
+Dropout probabilities are 0 so that the serial reference is deterministic.
 """
 
 from __future__ import annotations
@@ -82,4 +83,30 @@ def make_hf_llama(
     return LossOf(LlamaForCausalLM(config)), _batch(seed, batch_size)
 
 
-MAKERS = {"hf_gpt2": make_hf_gpt2, "hf_llama": make_hf_llama}
+def make_hf_gpt2_vocab(
+    seed: int, batch_size: int = BATCH, n_layer: int = 2
+) -> tuple[LossOf, tuple[torch.Tensor, torch.Tensor]]:
+    """GPT2LMHeadModel with GPT-2's vocabulary (50257 = 7 x 7193 + 6) and width 36."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    vocab = 50257
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_positions=SEQ,
+        n_embd=36,
+        n_layer=n_layer,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    idx = torch.randint(vocab, (batch_size, SEQ), generator=gen)
+    return LossOf(GPT2LMHeadModel(config)), (idx, idx.clone())
+
+
+MAKERS = {"hf_gpt2": make_hf_gpt2, "hf_llama": make_hf_llama, "hf_gpt2_vocab": make_hf_gpt2_vocab}

@@ -101,7 +101,7 @@ class _Inserter:
         return node
 
     def _emit_step(self, x: fx.Node, step: CommStep, base: NodeInfo) -> fx.Node:
-        local = list(step.before.local_shape(self.shape))
+        local = list(step.before.local_shape(self.shape, self.coords))
         g = self.shape[step.axis]
         group = self.groups[step.axis]
         me = self.coords[step.axis]
@@ -110,20 +110,34 @@ class _Inserter:
             return self._wait(out, step, base)
         if step.kind in ("all_gather", "reduce_scatter"):
             assert step.dim is not None
+            # torch.chunk blocks (uneven dims): every block but the last is `block` long, so the
+            # collective runs on blocks padded to that size and the padding is cut off after it.
+            # Every rank emits the same nodes (padding by 0 where its block is full).
+            split = step.before if step.kind == "all_gather" else step.after
+            block = split.local_shape(self.shape)[step.dim]
+            uneven = step.dim in split.uneven_dims(self.shape)
             front = self._to_front(x, step.dim, len(local), base)
             if step.kind == "all_gather":
+                if uneven:
+                    front = self._pad_front(front, local, step.dim, block, base)
                 out = self._node(c10d.all_gather_into_tensor.default, (front, g, group), base)
             else:
+                if uneven:
+                    front = self._pad_front(front, local, step.dim, block * g, base)
                 out = self._node(c10d.reduce_scatter_tensor.default, (front, "sum", g, group), base)
             waited = self._wait(out, step, base)
+            if uneven:
+                size = step.after.local_shape(self.shape, self.coords)[step.dim]
+                waited = self._node(aten.slice.Tensor, (waited, 0, 0, size), base)
             return self._from_front(waited, step.dim, len(local), base)
         if step.kind == "all_to_all":
             assert step.dim is not None and step.dst_dim is not None
             return self._all_to_all(x, step, local, g, group, base)
         if step.kind == "slice":
             assert step.dim is not None
-            size = local[step.dim] // g
-            out = self._node(aten.slice.Tensor, (x, step.dim, me * size, (me + 1) * size), base)
+            block = step.after.local_shape(self.shape)[step.dim]
+            size = step.after.local_shape(self.shape, self.coords)[step.dim]
+            out = self._node(aten.slice.Tensor, (x, step.dim, me * block, me * block + size), base)
             return self._contiguous(out, base) if step.dim != 0 else out
         if step.kind == "zero_partial":
             if me == 0:
@@ -134,6 +148,11 @@ class _Inserter:
     def _wait(self, x: fx.Node, step: CommStep, base: NodeInfo) -> fx.Node:
         set_info(x, _with(base, comm=step, comm_group=self.groups[step.axis]))
         return self._node(c10d.wait_tensor.default, (x,), base)
+
+    def _pad_front(self, x: fx.Node, local: list[int], dim: int, length: int, base: NodeInfo) -> fx.Node:
+        """Zero-pad dim 0 (the moved-to-front `dim`) of `x` up to `length` rows."""
+        missing = length - local[dim]
+        return self._node(aten.constant_pad_nd.default, (x, [0, 0] * (len(local) - 1) + [0, missing], 0.0), base)
 
     def _contiguous(self, x: fx.Node, base: NodeInfo) -> fx.Node:
         return self._node(aten.clone.default, (x,), base, memory_format=torch.contiguous_format)

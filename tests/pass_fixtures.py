@@ -61,13 +61,18 @@ def gpt_case() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
 
 @functools.cache
 def model_case(key: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """The models of these tests by name: gpt, gpt1 (one layer), mlp (examples), two_linear."""
+    """The models of these tests by name: gpt, gpt1 (one layer), mlp (examples), two_linear, and
+    mlp_uneven / gpt1_vocab67 (sizes the meshes do not divide)."""
     if key == "gpt":
         return gpt_case()
     if key == "gpt1":
         return make_gpt(0, n_layer=1)
     if key == "mlp":
         return make_mlp(0)
+    if key == "mlp_uneven":  # widths no axis of 8 divides: every weight in torch.chunk blocks
+        return make_mlp(0, d_in=36, hidden=67, n_classes=11)
+    if key == "gpt1_vocab67":  # a vocabulary no axis divides
+        return make_gpt(0, n_layer=1, vocab_size=67)
     if key == "two_linear":
         return two_linear_case()
     raise KeyError(key)
@@ -122,7 +127,9 @@ def simulate_step(
     bwd_args = {}
     for c, prog in programs.items():
         nu = len(prog.output_layouts)
-        tangents = [torch.ones(prog.output_layouts[i].local_shape(shape)) for i in prog.tangent_outputs]
+        tangents = [
+            torch.ones(prog.output_layouts[i].local_shape(shape, prog.coords)) for i in prog.tangent_outputs
+        ]
         bwd_args[c] = [*fwd[c][nu:], *tangents]
     bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, shape)
     return fwd, bwd

@@ -15,55 +15,56 @@ from torch import nn
 
 from autopar.__main__ import main
 from autopar.coverage import MISSING, format_rows, load_factory, model_coverage, op_coverage
+from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 
 aten = torch.ops.aten
 
 
-class Flipper(nn.Module):
-    """`torch.flip` has no sharding rule (yet): the tool must say so."""
+class Roller(nn.Module):
+    """`torch.roll` has no sharding rule (yet): the tool must say so."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x).flip(-1).square().mean()
+        return self.fc(x).roll(1, -1).square().mean()
 
 
-def make_flipper(seed: int) -> tuple[Flipper, tuple[torch.Tensor]]:
+def make_roller(seed: int) -> tuple[Roller, tuple[torch.Tensor]]:
     torch.manual_seed(seed)
-    return Flipper(), (torch.randn(8, 8),)
+    return Roller(), (torch.randn(8, 8),)
 
 
 def test_missing_op_is_reported_with_its_count() -> None:
-    rows = op_coverage(*make_flipper(0), mesh_shape=(2,))
+    rows = op_coverage(*make_roller(0), mesh_shape=(2,))
     by_op = {r.op: r for r in rows}
-    flip = by_op[str(aten.flip.default)]
-    assert flip.missing and flip.family == MISSING
-    assert flip.count == 2  # forward, and flip again in backward
-    assert rows[0] is flip  # missing ops come first
+    roll = by_op[str(aten.roll.default)]
+    assert roll.missing and roll.family == MISSING
+    assert roll.count == 2  # forward, and roll back in backward
+    assert rows[0] is roll  # missing ops come first
     assert by_op[str(aten.addmm.default)].family == "matmul"
-    assert not any(r.missing for r in rows if r is not flip)
+    assert not any(r.missing for r in rows if r is not roll)
     assert "1 missing" in format_rows(rows)
 
 
 def test_rows_count_every_node_and_say_what_can_be_split() -> None:
-    model, batch = make_flipper(0)
+    model, batch = make_roller(0)
     rows = op_coverage(model, batch, mesh_shape=(2,))
     mm = next(r for r in rows if r.op == str(aten.mm.default))
     assert mm.splittable == mm.count > 0
     registry = default_registry()
-    registry.register(aten.flip.default, lambda call: [], family="mine")
+    registry.register(aten.roll.default, lambda call: [], family="mine")
     rows = op_coverage(model, batch, mesh_shape=(2,), registry=registry)
-    flip = next(r for r in rows if r.op == str(aten.flip.default))
-    assert flip.family == "mine" and flip.splittable == 0  # no strategy at all: nothing to split
+    roll = next(r for r in rows if r.op == str(aten.roll.default))
+    assert roll.family == "mine" and roll.splittable == 0  # no strategy at all: nothing to split
 
 
 def test_command_exit_status_and_output(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["coverage", "test_coverage:make_flipper", "--mesh", "2,2"]) == 1
+    assert main(["coverage", "test_coverage:make_roller", "--mesh", "2,2"]) == 1
     out = capsys.readouterr().out
-    assert "aten.flip.default" in out and MISSING in out
+    assert "aten.roll.default" in out and MISSING in out
     assert main(["coverage", "examples.models:make_mlp", "--mesh", "8"]) == 0
     out = capsys.readouterr().out
     assert "aten.addmm.default" in out and "0 missing" in out
@@ -95,3 +96,19 @@ def test_every_op_of_the_zoo_has_a_rule(spec: str, mesh: tuple[int, ...]) -> Non
     assert not [r.op for r in rows if r.missing]
     if max(mesh) > 1:  # the rules split these models' matmuls, not just replicate them
         assert all(r.splittable == r.count for r in rows if r.family == "matmul")
+
+
+def roller_registry() -> RuleRegistry:
+    """A user's registry: the built-in rules plus one for roll (for `--registry`)."""
+    registry = default_registry()
+    registry.register(aten.roll.default, lambda call: [], family="mine")
+    return registry
+
+
+def test_command_takes_the_users_registry(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = "test_coverage:make_roller"
+    assert main(["coverage", spec, "--mesh", "2", "--registry", "test_coverage:roller_registry"]) == 0
+    out = capsys.readouterr().out
+    assert "mine" in out and "0 missing" in out
+    with pytest.raises(TypeError, match="not a RuleRegistry"):
+        main(["coverage", spec, "--registry", "examples.models:GPTConfig"])

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
+import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -125,3 +129,24 @@ def test_local_shape_of_every_single_axis_split() -> None:
         rows = 8 // (2 if p0 == Shard(0) else 1) // (4 if p1 == Shard(0) else 1)
         cols = 16 // (2 if p0 == Shard(1) else 1) // (4 if p1 == Shard(1) else 1)
         assert layout.local_shape(mesh) == (rows, cols), layout
+
+
+def test_layouts_survive_pickling_into_another_process() -> None:
+    """Plans are broadcast pickled; string hashes are salted per process, so a layout must not
+    carry its cached hash across (under torchrun every unpickled layout compared unequal)."""
+    layout = Layout((Shard(1), Shard(0), Partial()), (4, 6))
+    code = (
+        "import pickle, sys\n"
+        "from autopar.layout import Layout, Shard, Partial\n"
+        "got = pickle.loads(bytes.fromhex(sys.argv[1]))\n"
+        "want = Layout((Shard(1), Shard(0), Partial()), (4, 6))\n"
+        "print(got == want, hash(got) == hash(want), {want: 1}.get(got))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, pickle.dumps(layout).hex()],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "random"},
+    )
+    assert out.stdout.split() == ["True", "True", "1"], out.stdout + out.stderr

@@ -211,7 +211,7 @@ def _check_redistribution(src: Layout, dst: Layout, mesh: tuple[int, ...], seed:
     out = run_lockstep(graphs, {c: [pieces[c]] for c in graphs}, mesh)
     result = {c: o[0] for c, o in out.items()}
     for c, piece in result.items():
-        assert tuple(piece.shape) == dst.local_shape(mesh), (c, src, dst)
+        assert tuple(piece.shape) == dst.local_shape(mesh, c), (c, src, dst)
     torch.testing.assert_close(assemble(result, dst, mesh, atol=1e-9, rtol=1e-9), full, atol=1e-9, rtol=1e-9)
     return graphs
 

@@ -25,7 +25,7 @@ def _round_trip(full: torch.Tensor, src: Layout, dst: Layout, mesh: tuple[int, .
     steps = plan_redistribute(src, dst, mesh)
     out = simulate_steps(pieces, steps, mesh)
     for coords, piece in out.items():
-        assert tuple(piece.shape) == dst.local_shape(mesh), (coords, src, dst)
+        assert tuple(piece.shape) == dst.local_shape(mesh, coords), (coords, src, dst)
     torch.testing.assert_close(assemble(out, dst, mesh, atol=1e-9, rtol=1e-9), full, atol=1e-9, rtol=1e-9)
 
 

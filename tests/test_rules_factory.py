@@ -83,8 +83,8 @@ def test_empty_shapes(data: st.DataObject, mesh: tuple[int, ...], op: object) ->
     strategy = data.draw(st.sampled_from(candidate_strategies(op, args, {}, mesh, REGISTRY)))
     call = make_call(op, args, {}, op(*args))
     outputs, _ = run_local(call, strategy, args, {}, mesh, REGISTRY)
-    want = strategy.outputs[0].local_shape(mesh)
-    assert all(tuple(outs[0].shape) == want for outs in outputs.values())
+    layout = strategy.outputs[0]
+    assert all(tuple(outs[0].shape) == layout.local_shape(mesh, c) for c, outs in outputs.items())
 
 
 @SETTINGS

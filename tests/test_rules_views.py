@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autopar.layout import Shard
 from autopar.rules.registry import default_registry
 from autopar.testing_strategies import (
     check_random_strategies,
@@ -41,6 +42,7 @@ COVERED_OPS = [
     aten.copy.default,
     *BACKWARDS,
     aten.unbind.int,
+    aten.flip.default,
     aten.constant_pad_nd.default,
     aten.index.Tensor,
     aten._assert_tensor_metadata.default,
@@ -229,6 +231,25 @@ def test_constant_pad(data: st.DataObject, mesh: tuple[int, ...], value: float) 
     dtype = data.draw(st.sampled_from([torch.float64, torch.int64]))
     x = random_tensor(shape, dtype, generator=g)
     check_random_strategies(data, aten.constant_pad_nd.default, (x, pad, value), {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes())
+def test_flip(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    dims = data.draw(
+        st.lists(
+            st.integers(-len(shape), len(shape) - 1),
+            min_size=1,
+            max_size=2,
+            unique_by=lambda d: d % len(shape),
+        )
+    )
+    x = random_tensor(shape, torch.float64, generator=g)
+    checked = check_random_strategies(data, aten.flip.default, (x, dims), {}, mesh, REGISTRY)
+    flipped = {d % len(shape) for d in dims}
+    assert all(p.dim not in flipped for s in checked for p in s.inputs[0].placements if isinstance(p, Shard))
 
 
 @st.composite

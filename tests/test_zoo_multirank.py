@@ -33,7 +33,7 @@ MESHES = [(2, 2, 2), (8,)]
 NAMES = {1: ("x",), 3: ("x", "y", "z")}
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 ZOO = ("llama", "bert", "vit", "mixer")
-HF = ("hf_gpt2", "hf_llama")
+HF = ("hf_gpt2", "hf_llama", "hf_gpt2_vocab")  # the last: vocabulary 50257, uneven blocks
 
 
 def _makers() -> dict[str, Callable[..., tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]]:

@@ -2,7 +2,9 @@
 
 A rule is written for ONE mesh axis and returns `AxisStrategy`s; `expand` takes the product over
 the mesh axes (that product is where the 2-D and 3-D algorithms come from) and drops layouts whose
-split dims do not divide evenly.
+split dims do not divide evenly, unless the rule is registered `uneven=True`: then a dim split by
+one axis into `torch.chunk` blocks is kept too, provided every tensor that axis splits in the call
+splits a dim of that same size (an elementwise correspondence; a view that merges the dim fails it).
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ class OpRule:
     # Ops whose choice shapes the whole plan (matmuls, attention, embedding) get every candidate
     # evaluated; cheap followers take the best per-axis matches.
     anchor: bool = False
+    # Whether the rule's strategies (and its localize step) stay right on uneven `torch.chunk`
+    # blocks; property tests draw uneven shapes for every rule that says so.
+    uneven: bool = False
 
 
 class RuleRegistry:
@@ -128,8 +133,9 @@ class RuleRegistry:
         family: str,
         localize: Localizer | None = None,
         anchor: bool = False,
+        uneven: bool = False,
     ) -> None:
-        self._rules[op] = OpRule(op, strategies, family, localize, anchor)
+        self._rules[op] = OpRule(op, strategies, family, localize, anchor, uneven)
 
     def get(self, op: Any) -> OpRule | None:
         return self._rules.get(op)
@@ -181,10 +187,30 @@ def is_even(strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
     return all(lay.is_even(mesh_shape) for lay in (*strategy.inputs, *strategy.outputs))
 
 
+def admissible(strategy: Strategy, mesh_shape: Sequence[int], uneven: bool = False) -> bool:
+    """Even; or, for `uneven` rules, uneven dims that fit and split the same size on every tensor."""
+    layouts = (*strategy.inputs, *strategy.outputs)
+    if all(lay.is_even(mesh_shape) for lay in layouts):
+        return True
+    if not uneven or not all(lay.fits(mesh_shape) for lay in layouts):
+        return False
+    uneven_axes = {lay.shard_axes(d)[0] for lay in layouts for d in lay.uneven_dims(mesh_shape)}
+    for a in uneven_axes:
+        sizes = {
+            lay.shape[p.dim]
+            for lay in layouts
+            for b, p in enumerate(lay.placements)
+            if b == a and isinstance(p, Shard)
+        }
+        if len(sizes) != 1:
+            return False
+    return True
+
+
 def expand(
-    call: OpCall, axis_strategies: Sequence[AxisStrategy], mesh_shape: Sequence[int]
+    call: OpCall, axis_strategies: Sequence[AxisStrategy], mesh_shape: Sequence[int], uneven: bool = False
 ) -> list[Strategy]:
-    """Product of the single-axis strategies over the mesh, keeping evenly divisible ones.
+    """Product of the single-axis strategies over the mesh, keeping the admissible ones.
 
     Axes of size 1 only get all-replicated (any placement there is equivalent).
     """
@@ -192,7 +218,7 @@ def expand(
     result = []
     for combo in itertools.product(*options):
         strategy = combine(call, combo)
-        if is_even(strategy, mesh_shape):
+        if admissible(strategy, mesh_shape, uneven):
             result.append(strategy)
     return result
 

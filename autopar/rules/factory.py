@@ -69,7 +69,7 @@ def localize_arange(ctx: LocalContext) -> LocalCall:
         return LocalCall(call.op, ctx.args, ctx.kwargs)
     start, step = _arange_bounds(call)
     offset = layout.local_offsets(ctx.mesh_shape, ctx.coords)[0]
-    length = layout.local_shape(ctx.mesh_shape)[0]
+    length = layout.local_shape(ctx.mesh_shape, ctx.coords)[0]
     args = (start, step, offset, length, call.outputs[0].dtype, ctx.kwargs.get("device"))
     return LocalCall(local_ops.arange_block, args, {})
 
@@ -100,11 +100,11 @@ ARANGES = [aten.arange.default, aten.arange.start, aten.arange.start_step]
 
 def register(registry: RuleRegistry) -> None:
     for op in FILLS:
-        registry.register(op, fill_rule, family=FAMILY)
+        registry.register(op, fill_rule, family=FAMILY, uneven=True)
     for op, zero in LIKES.items():
-        registry.register(op, like_rule(zero), family=FAMILY)
+        registry.register(op, like_rule(zero), family=FAMILY, uneven=True)
     for op in NEW_FILLS:
-        registry.register(op, new_fill_rule, family=FAMILY)
+        registry.register(op, new_fill_rule, family=FAMILY, uneven=True)
     for op in ARANGES:
-        registry.register(op, arange_rule, family=FAMILY, localize=localize_arange)
-    registry.register(aten.scalar_tensor.default, scalar_rule, family=FAMILY)
+        registry.register(op, arange_rule, family=FAMILY, localize=localize_arange, uneven=True)
+    registry.register(aten.scalar_tensor.default, scalar_rule, family=FAMILY, uneven=True)

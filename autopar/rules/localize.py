@@ -20,7 +20,7 @@ def localize_sizes(ctx: LocalContext) -> LocalCall:
     kwargs = dict(ctx.kwargs)
     if schema is None or not ctx.strategy.outputs:
         return LocalCall(op, tuple(args), kwargs)
-    local = list(ctx.strategy.outputs[0].local_shape(ctx.mesh_shape))
+    local = list(ctx.strategy.outputs[0].local_shape(ctx.mesh_shape, ctx.coords))
     for index, argument in enumerate(schema.arguments):
         if argument.name not in _SIZE_ARGS or not isinstance(argument.type, torch.ListType):
             continue

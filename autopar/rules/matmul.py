@@ -94,4 +94,4 @@ SPECS: dict[object, tuple[str, tuple[int, ...], int | None]] = {
 
 def register(registry: RuleRegistry) -> None:
     for op, (spec, operands, bias) in SPECS.items():
-        registry.register(op, spec_rule(spec, operands, bias), family=FAMILY, anchor=True)
+        registry.register(op, spec_rule(spec, operands, bias), family=FAMILY, anchor=True, uneven=True)

@@ -82,7 +82,7 @@ def localize_embedding_backward(ctx: LocalContext) -> LocalCall:
         return LocalCall(ctx.call.op, ctx.args, ctx.kwargs)
     call = ctx.call
     offset = layout.local_offsets(ctx.mesh_shape, ctx.coords)[0]
-    rows = layout.local_shape(ctx.mesh_shape)[0]
+    rows = layout.local_shape(ctx.mesh_shape, ctx.coords)[0]
     args = (
         ctx.args[0],
         ctx.args[1],
@@ -327,7 +327,7 @@ def localize_convolution_backward(ctx: LocalContext) -> LocalCall:
     """`bias_sizes` is the global channel count; a rank with split out channels has fewer."""
     args = list(ctx.args)
     if ctx.call.arg(3, "bias_sizes") is not None:
-        args[3] = [ctx.strategy.inputs[0].local_shape(ctx.mesh_shape)[1]]
+        args[3] = [ctx.strategy.inputs[0].local_shape(ctx.mesh_shape, ctx.coords)[1]]
     return LocalCall(ctx.call.op, tuple(args), dict(ctx.kwargs))
 
 
@@ -364,27 +364,36 @@ ANCHORS: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
 
 def register(registry: RuleRegistry) -> None:
     for op, linear in ACTIVATIONS.items():
-        registry.register(op, pointwise_rule(linear), family=FAMILY)
+        registry.register(op, pointwise_rule(linear), family=FAMILY, uneven=True)
     for op, rule in RULES.items():
-        registry.register(op, rule, family=FAMILY)
+        registry.register(op, rule, family=FAMILY, uneven=True)
     for op, rule in ANCHORS.items():
-        registry.register(op, rule, family=FAMILY, anchor=True)
+        registry.register(op, rule, family=FAMILY, anchor=True, uneven=True)
     registry.register(
         aten.convolution_backward.default,
         convolution_backward_rule,
         family=FAMILY,
         localize=localize_convolution_backward,
         anchor=True,
+        uneven=True,
     )
-    registry.register(aten.mse_loss.default, mse_loss_rule, family=FAMILY, localize=localize_mse_loss)
+    registry.register(
+        aten.mse_loss.default, mse_loss_rule, family=FAMILY, localize=localize_mse_loss, uneven=True
+    )
     registry.register(
         aten.mse_loss_backward.default,
         mse_loss_backward_rule,
         family=FAMILY,
         localize=localize_mse_loss_backward,
+        uneven=True,
     )
     registry.register(
-        aten.embedding.default, embedding_rule, family=FAMILY, localize=localize_embedding, anchor=True
+        aten.embedding.default,
+        embedding_rule,
+        family=FAMILY,
+        localize=localize_embedding,
+        anchor=True,
+        uneven=True,
     )
     registry.register(
         aten.embedding_dense_backward.default,
@@ -392,4 +401,5 @@ def register(registry: RuleRegistry) -> None:
         family=FAMILY,
         localize=localize_embedding_backward,
         anchor=True,
+        uneven=True,
     )

@@ -199,5 +199,5 @@ TABLE: dict[object, Linearity] = {
 
 def register(registry: RuleRegistry) -> None:
     for op, linear in TABLE.items():
-        registry.register(op, pointwise_rule(linear), family=FAMILY)
-    registry.register(aten.masked_fill.Scalar, masked_fill_rule, family=FAMILY)
+        registry.register(op, pointwise_rule(linear), family=FAMILY, uneven=True)
+    registry.register(aten.masked_fill.Scalar, masked_fill_rule, family=FAMILY, uneven=True)

@@ -43,5 +43,7 @@ def dropout_backward_rule(call: OpCall) -> list[AxisStrategy]:
 
 
 def register(registry: RuleRegistry) -> None:
-    registry.register(aten.native_dropout.default, dropout_rule, family=FAMILY, localize=localize_dropout)
-    registry.register(aten.native_dropout_backward.default, dropout_backward_rule, family=FAMILY)
+    registry.register(
+        aten.native_dropout.default, dropout_rule, family=FAMILY, localize=localize_dropout, uneven=True
+    )
+    registry.register(aten.native_dropout_backward.default, dropout_backward_rule, family=FAMILY, uneven=True)

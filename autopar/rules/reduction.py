@@ -139,7 +139,7 @@ MEANS: dict[object, Reduce] = {
 
 def register(registry: RuleRegistry) -> None:
     for op, how in REDUCTIONS.items():
-        registry.register(op, reduction_rule(how), family=FAMILY)
-    registry.register(aten.cumsum.default, scan_rule, family=FAMILY)
+        registry.register(op, reduction_rule(how), family=FAMILY, uneven=True)
+    registry.register(aten.cumsum.default, scan_rule, family=FAMILY, uneven=True)
     for op, how in MEANS.items():
-        registry.register(op, reduction_rule(how), family=FAMILY, localize=localize_mean(how))
+        registry.register(op, reduction_rule(how), family=FAMILY, localize=localize_mean(how), uneven=True)

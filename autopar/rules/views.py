@@ -89,7 +89,7 @@ def reshape_rule(call: OpCall) -> list[AxisStrategy]:
 
 def localize_shape_arg(ctx: LocalContext) -> LocalCall:
     """`reshape(x, shape)`: the shape argument (not named `size`) becomes the local shape."""
-    local = list(ctx.strategy.outputs[0].local_shape(ctx.mesh_shape))
+    local = list(ctx.strategy.outputs[0].local_shape(ctx.mesh_shape, ctx.coords))
     return LocalCall(ctx.call.op, (ctx.args[0], local), {})
 
 
@@ -224,6 +224,15 @@ def copy_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, result)
 
 
+def flip_rule(call: OpCall) -> list[AxisStrategy]:
+    """Dims that are not flipped may be split; a flipped dim's blocks would trade places across
+    ranks, so it stays whole. Linear: pending sums pass through (cumsum's backward flips grads)."""
+    ndim = call.inputs[0].ndim
+    flipped = {normalize_dim(d, ndim) for d in call.arg(1, "dims")}
+    result = [AxisStrategy((Shard(d),), (Shard(d),)) for d in range(ndim) if d not in flipped]
+    return with_replicated(call, result + passthrough_partial(call))
+
+
 def unbind_rule(call: OpCall) -> list[AxisStrategy]:
     """Every slice keeps the shards of the other dims (renumbered); the unbound dim stays whole."""
     return _slice_dim_rule(call, drop=True)
@@ -249,7 +258,7 @@ def select_backward_rule(call: OpCall) -> list[AxisStrategy]:
 
 def localize_input_sizes(ctx: LocalContext) -> LocalCall:
     """The `input_sizes` argument of slice/select_backward is the output's shape: make it local."""
-    local = list(ctx.strategy.outputs[0].local_shape(ctx.mesh_shape))
+    local = list(ctx.strategy.outputs[0].local_shape(ctx.mesh_shape, ctx.coords))
     return LocalCall(ctx.call.op, (ctx.args[0], local, *ctx.args[2:]), dict(ctx.kwargs))
 
 
@@ -329,6 +338,7 @@ RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
     aten._to_copy.default: identity_rule,
     aten.copy.default: copy_rule,
     aten.unbind.int: unbind_rule,
+    aten.flip.default: flip_rule,
     aten.constant_pad_nd.default: constant_pad_rule,
     aten.index.Tensor: index_rule,
 }
@@ -336,19 +346,30 @@ RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
 
 def register(registry: RuleRegistry) -> None:
     for op, rule in RULES.items():
-        registry.register(op, rule, family=FAMILY)
-    registry.register(aten.reshape.default, reshape_rule, family=FAMILY, localize=localize_shape_arg)
+        registry.register(op, rule, family=FAMILY, uneven=True)
     registry.register(
-        aten.slice_backward.default, slice_backward_rule, family=FAMILY, localize=localize_input_sizes
+        aten.reshape.default, reshape_rule, family=FAMILY, localize=localize_shape_arg, uneven=True
     )
     registry.register(
-        aten.select_backward.default, select_backward_rule, family=FAMILY, localize=localize_input_sizes
+        aten.slice_backward.default,
+        slice_backward_rule,
+        family=FAMILY,
+        localize=localize_input_sizes,
+        uneven=True,
+    )
+    registry.register(
+        aten.select_backward.default,
+        select_backward_rule,
+        family=FAMILY,
+        localize=localize_input_sizes,
+        uneven=True,
     )
     registry.register(
         aten._assert_tensor_metadata.default,
         assert_metadata_rule,
         family=FAMILY,
         localize=localize_assert_metadata,
+        uneven=True,
     )
     for op in (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims):
-        registry.register(op, squeeze_rule, family=FAMILY, localize=localize_squeeze)
+        registry.register(op, squeeze_rule, family=FAMILY, localize=localize_squeeze, uneven=True)

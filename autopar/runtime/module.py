@@ -57,7 +57,9 @@ class _RunProgram(torch.autograd.Function):
             grad = grads[index]
             if grad is None:
                 layout = program.output_layouts[index]
-                grad = torch.zeros(layout.local_shape(_mesh_shape_of(program)), dtype=layout.dtype)
+                grad = torch.zeros(
+                    layout.local_shape(_mesh_shape_of(program), program.coords), dtype=layout.dtype
+                )
             tangents.append(grad.contiguous())
         param_grads = program.backward(*ctx.saved_tensors, *tangents)
         rest = [None] * (ctx.num_flat - ctx.num_params)
