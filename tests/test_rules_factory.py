@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,9 @@ from autopar.testing_strategies import (
     tensor_shapes,
 )
 
+# Each op of a family gets its own examples (sampling the op would leave some untested).
+PER_OP = settings(max_examples=8, deadline=None)
+
 aten = torch.ops.aten
 REGISTRY = default_registry()
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -32,8 +36,9 @@ NEW_FILLS = [aten.new_ones.default, aten.new_zeros.default, aten.new_full.defaul
 COVERED_OPS = [*ARANGES, *FILLS, *LIKES, *EMPTIES, *NEW_FILLS, aten.scalar_tensor.default]
 
 
-@SETTINGS
-@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(ARANGES))
+@pytest.mark.parametrize("op", ARANGES, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
 def test_arange(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     length = data.draw(dim_sizes(mesh))
     dtype = data.draw(st.sampled_from([None, torch.float64, torch.int64]))
@@ -50,8 +55,9 @@ def test_arange(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     check_random_strategies(data, op, args, kwargs, mesh, REGISTRY)
 
 
-@SETTINGS
-@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(FILLS + LIKES + [aten.scalar_tensor.default]))
+@pytest.mark.parametrize("op", FILLS + LIKES + [aten.scalar_tensor.default], ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
 def test_fills(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
     dtype = data.draw(st.sampled_from([torch.float64, torch.int64]))
@@ -69,8 +75,9 @@ def test_fills(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     check_random_strategies(data, op, args, {"dtype": dtype}, mesh, REGISTRY)
 
 
-@SETTINGS
-@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(EMPTIES))
+@pytest.mark.parametrize("op", EMPTIES, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
 def test_empty_shapes(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     """Values of `empty` are arbitrary: check every rank's local shape only."""
     shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
@@ -87,8 +94,9 @@ def test_empty_shapes(data: st.DataObject, mesh: tuple[int, ...], op: object) ->
     assert all(tuple(outs[0].shape) == layout.local_shape(mesh, c) for c, outs in outputs.items())
 
 
-@SETTINGS
-@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(NEW_FILLS))
+@pytest.mark.parametrize("op", NEW_FILLS, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
 def test_new_fills(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     """`x.new_ones(size)`: x (any layout, any shape) gives only the dtype; size may be () too."""
     g = torch.Generator().manual_seed(data.draw(seeds()))

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.rules.registry import default_registry
 from autopar.testing_strategies import check_random_strategies, dim_sizes, mesh_shapes, random_tensor, seeds
+
+# Each op of a family gets its own examples (sampling the op would leave some untested).
+PER_OP = settings(max_examples=8, deadline=None)
 
 aten = torch.ops.aten
 REGISTRY = default_registry()
@@ -23,8 +27,9 @@ COVERED_OPS = [
 ]
 
 
-@SETTINGS
-@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(COVERED_OPS))
+@pytest.mark.parametrize("op", COVERED_OPS, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
 def test_matmul_family(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     g = torch.Generator().manual_seed(data.draw(seeds()))
     b, m, k, n = (data.draw(dim_sizes(mesh, cap=12)) for _ in range(4))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +16,9 @@ from autopar.testing_strategies import (
     seeds,
     tensor_shapes,
 )
+
+# Each op of a family gets its own examples (sampling the op would leave some untested).
+PER_OP = settings(max_examples=8, deadline=None)
 
 aten = torch.ops.aten
 REGISTRY = default_registry()
@@ -115,8 +119,9 @@ def _attention(data: st.DataObject, mesh: tuple[int, ...], backward: bool) -> No
     assert check_random_strategies(data, SDPA_BACKWARD, args, kwargs, mesh, REGISTRY)
 
 
-@SETTINGS
-@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(SOFTMAX))
+@pytest.mark.parametrize("op", SOFTMAX, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
 def test_softmax(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     g = _gen(data)
     shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
@@ -166,13 +171,15 @@ def _layer_norm(data: st.DataObject, mesh: tuple[int, ...], backward: bool) -> N
     assert check_random_strategies(data, aten.native_layer_norm_backward.default, args, {}, mesh, REGISTRY)
 
 
-@SETTINGS
-@given(data=st.data(), mesh=mesh_shapes(), reduction=st.sampled_from([0, 1, 2]), backward=st.booleans())
-def test_losses(data: st.DataObject, mesh: tuple[int, ...], reduction: int, backward: bool) -> None:
+@pytest.mark.parametrize("loss", ["nll", "mse"])
+@pytest.mark.parametrize("backward", [False, True])
+@settings(max_examples=12, deadline=None)  # per op
+@given(data=st.data(), mesh=mesh_shapes(), reduction=st.sampled_from([0, 1, 2]))
+def test_losses(data: st.DataObject, mesh: tuple[int, ...], reduction: int, backward: bool, loss: str) -> None:
     g = _gen(data)
     shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
     x, target = random_tensor(shape, generator=g), random_tensor(shape, generator=g)
-    if data.draw(st.booleans()):  # nll_loss: all-replicated only, checked all the same
+    if loss == "nll":  # nll_loss: all-replicated only, checked all the same
         n, c = data.draw(dim_sizes(mesh)), data.draw(dim_sizes(mesh, allow_one=False))
         logp = random_tensor((n, c), generator=g).log_softmax(-1)
         labels = random_tensor((n,), torch.int64, generator=g, high=c)
@@ -197,8 +204,9 @@ def test_losses(data: st.DataObject, mesh: tuple[int, ...], reduction: int, back
     assert check_random_strategies(data, aten.mse_loss_backward.default, args, {}, mesh, REGISTRY)
 
 
-@SETTINGS
-@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(GATHER_SCATTER))
+@pytest.mark.parametrize("op", GATHER_SCATTER, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
 def test_gather_scatter(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     g = _gen(data)
     shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3, allow_one=False))

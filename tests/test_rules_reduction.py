@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,12 +34,9 @@ ALL_OPS = [aten.sum.default, aten.mean.default]
 COVERED_OPS = [*DIM_LIST_OPS, *SINGLE_DIM_OPS, *CORRECTION_OPS, *ALL_OPS, aten.cumsum.default]
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    data=st.data(),
-    mesh=mesh_shapes(),
-    op=st.sampled_from(DIM_LIST_OPS + SINGLE_DIM_OPS + CORRECTION_OPS + ALL_OPS),
-)
+@pytest.mark.parametrize("op", DIM_LIST_OPS + SINGLE_DIM_OPS + CORRECTION_OPS + ALL_OPS, ids=str)
+@settings(max_examples=10, deadline=None)  # per op
+@given(data=st.data(), mesh=mesh_shapes())
 def test_reductions(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     g = torch.Generator().manual_seed(data.draw(seeds()))
     shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))

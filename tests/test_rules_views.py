@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,6 +18,9 @@ from autopar.testing_strategies import (
     seeds,
     tensor_shapes,
 )
+
+# Each op of a family gets its own examples (sampling the op would leave some untested).
+PER_OP = settings(max_examples=8, deadline=None)
 
 aten = torch.ops.aten
 REGISTRY = default_registry()
@@ -79,8 +83,9 @@ def reshape_target(draw: st.DrawFn, shape: tuple[int, ...]) -> list[int]:
     return dims
 
 
-@SETTINGS
-@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(RESHAPES))
+@pytest.mark.parametrize("op", RESHAPES, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
 def test_reshape(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     x = random_tensor(data.draw(tensor_shapes(mesh, max_dims=4)), generator=torch.Generator().manual_seed(1))
     target = data.draw(reshape_target(tuple(x.shape)))
@@ -89,8 +94,9 @@ def test_reshape(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None
     check_random_strategies(data, op, (x, target), {}, mesh, REGISTRY, count=3)
 
 
-@SETTINGS
-@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(PERMUTES + SQUEEZES + IDENTITIES))
+@pytest.mark.parametrize("op", PERMUTES + SQUEEZES + IDENTITIES, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
 def test_dim_moves(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     g = torch.Generator().manual_seed(data.draw(seeds()))
     max_dims = 2 if op == aten.t.default else 4
@@ -131,8 +137,9 @@ def test_expand(data: st.DataObject, mesh: tuple[int, ...]) -> None:
     check_random_strategies(data, aten.expand.default, (x, size), {}, mesh, REGISTRY)
 
 
-@SETTINGS
-@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from(SPLITS + SLICES))
+@pytest.mark.parametrize("op", SPLITS + SLICES, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
 def test_split_cat_slice(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     g = torch.Generator().manual_seed(data.draw(seeds()))
     shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
@@ -193,8 +200,9 @@ def test_casts_and_copy(
     check_random_strategies(data, aten.copy.default, (dst, src), {}, mesh, REGISTRY)
 
 
-@SETTINGS
-@given(data=st.data(), mesh=mesh_shapes(), op=st.sampled_from([*BACKWARDS, aten.unbind.int]))
+@pytest.mark.parametrize("op", [*BACKWARDS, aten.unbind.int], ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
 def test_slice_select_backward_and_unbind(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     g = torch.Generator().manual_seed(data.draw(seeds()))
     shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
