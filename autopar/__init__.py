@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 from autopar.errors import (
     AutoparError,
     InputMismatchError,
+    MemoryLimitError,
     MeshError,
     MissingRuleError,
     ShardingError,
@@ -21,6 +22,7 @@ __all__ = [
     "AutoparError",
     "InputMismatchError",
     "Layout",
+    "MemoryLimitError",
     "Mesh",
     "MeshError",
     "MissingRuleError",

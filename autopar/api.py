@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import hashlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -15,21 +17,24 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from autopar.dump import dump_dir_from, write_collectives, write_stage
+from autopar.dump import dump_dir_from, write_collectives, write_stage, write_timeline
 from autopar.errors import AutoparError, MeshError
 from autopar.mesh import Mesh
+from autopar.mesh_choice import auto_device_mesh
 from autopar.meta import signature
 from autopar.passes.emit import EmittedProgram, emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
-from autopar.passes.schedule import schedule
+from autopar.passes.regather import regather
+from autopar.passes.schedule import schedule as schedule_pass
 from autopar.passes.trace import trace
 from autopar.planner import Plan, choose_layouts
 from autopar.report import PlanReport, build_report
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.runtime.module import ParallelModule
-from autopar.search import TimeCost, search_layouts
+from autopar.search import ElementCost, SearchPlan, TimeCost, fit_memory, search_layouts
+from autopar.timeline import Timeline, default_hardware, simulate
 
 
 @dataclass
@@ -39,8 +44,37 @@ class Compiled:
     graph: fx.GraphModule  # the joint graph after schedule, global layouts in node metadata
     program: EmittedProgram
     report: PlanReport
+    # modeled step before and after the schedule stage (autopar.timeline), when `hardware` is
+    # given or a dump is written
+    timelines: tuple[Timeline, Timeline] | None = None
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _no_gc_pauses(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run `fn` with the cyclic garbage collector off (its previous state restored after).
+
+    A compile builds ~10^6 long-lived objects (graph nodes, metadata, fake tensors) and little
+    cyclic garbage: the collector's repeated full passes over them cost 15-20% of a compile
+    (benchmarks/compile_time.py), for a few percent more peak memory.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return wrapper
+
+
+@_no_gc_pauses
 def compile_for_rank(
     model: nn.Module,
     mesh: Mesh,
@@ -54,12 +88,20 @@ def compile_for_rank(
     planner: str = "greedy",
     agree: Callable[[fx.GraphModule, Callable[[], Plan]], Plan] | None = None,
     hardware: str | None = None,
+    schedule: bool = True,
+    memory_limit: float | None = None,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
     `planner` is "greedy" (the default for now) or "search" (the whole-graph search seeded by the
     greedy pass under every assignment of axis roles; opt-in until it prices real hardware). `agree`,
     when given, decides how ranks settle on one plan (parallelize: rank 0 plans, all check).
+    `schedule=False` skips the schedule stage (bucketing and reordering): insert_comm's order stays,
+    each collective waited on right after it is issued (no overlap), for measuring what it buys.
+    `memory_limit` (bytes per rank) bounds the plan's modeled memory: the search trades time for
+    memory under it (default: 90% of the `hardware` table's device memory, none without a table),
+    the greedy planner (only when given) keeps its layouts and gathers weights again in backward;
+    `MemoryLimitError` is raised if no plan fits.
     """
     registry = registry if registry is not None else default_registry()
     path = dump_dir_from(dump_dir, rank)
@@ -69,44 +111,80 @@ def compile_for_rank(
         raise AutoparError(f"unknown planner {planner!r}", hint='use "search" or "greedy"')
 
     def make_plan() -> Plan:
+        cost = TimeCost(hardware, mesh.shape) if hardware is not None else ElementCost(mesh.shape)
         if planner == "greedy":
-            return choose_layouts(gm, mesh, registry)
-        cost = TimeCost(hardware, mesh.shape) if hardware is not None else None
-        return search_layouts(gm, mesh, registry, cost=cost)
+            greedy = choose_layouts(gm, mesh, registry)
+            return greedy if memory_limit is None else fit_memory(gm, greedy, mesh, cost, memory_limit)
+        return search_layouts(gm, mesh, registry, cost=cost, memory_limit=memory_limit)
 
     plan = agree(gm, make_plan) if agree is not None else make_plan()
     gm = propagate(gm, mesh, registry, choose=lambda *_: plan)
     write_stage(path, "2_propagate", gm, mesh)
     gm = insert_comm(gm, mesh, coords)
+    if isinstance(plan, SearchPlan):
+        gm = regather(gm, plan.regather)
     write_stage(path, "3_insert_comm", gm, mesh)
-    gm = schedule(gm)
+    modeled_on = default_hardware(mesh, hardware) if hardware is not None or path is not None else None
+    unscheduled = simulate(gm, mesh, modeled_on) if modeled_on is not None else None  # schedule reorders in place
+    if schedule:
+        gm = schedule_pass(gm, mesh, hardware=default_hardware(mesh, hardware))
     write_stage(path, "4_schedule", gm, mesh)
     program = emit(gm, mesh, registry, coords)
     write_stage(path, "5_emit_forward", program.forward, mesh, local=True)
     write_stage(path, "5_emit_backward", program.backward, mesh, local=True)
     report = build_report(program, mesh, gm.meta.get("autopar_schedule"))
     write_collectives(path, report)
-    return Compiled(gm, program, report)
+    timelines = None
+    if unscheduled is not None and modeled_on is not None:
+        timelines = (unscheduled, simulate(gm, mesh, modeled_on))
+        write_timeline(path, timelines, rank)
+    return Compiled(gm, program, report, timelines)
 
 
 def parallelize(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | int,
     *,
     example_inputs: Sequence[Any],
     example_kwargs: dict[str, Any] | None = None,
     dump_dir: str | os.PathLike[str] | None = None,
     registry: RuleRegistry | None = None,
     planner: str = "greedy",
+    schedule: bool = True,
+    mesh_shape: str | None = None,
+    hardware: str | None = None,
+    memory_limit: float | None = None,
 ) -> ParallelModule:
     """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
 
     `dump_dir` (or the AUTOPAR_DUMP_DIR environment variable) writes each stage's graph with its
-    layouts, local shapes and collectives to `<dir>/rank<r>/`.
+    layouts, local shapes and collectives to `<dir>/rank<r>/`. `schedule=False` skips bucketing and
+    keeps every collective's wait right after its issue (no communication/compute overlap).
+    `mesh_shape="auto"` (with the job's DeviceMesh or its world size as `mesh`) plans every
+    factorization of the world size on `hardware` (default: cpu-gloo for CPU, else h100-nvlink-ib)
+    and runs on the fastest that fits `memory_limit`; rank 0 chooses for all, and the ranked table
+    is `result.mesh_choice`. `memory_limit` (bytes per rank) bounds the plan's modeled memory.
     """
-    autopar_mesh = _check_mesh(mesh)
     _check_model(model)
     example_inputs = tuple(example_inputs)
+    choice = None
+    if mesh_shape is not None:
+        if mesh_shape != "auto":
+            raise MeshError(
+                f"mesh_shape {mesh_shape!r}", hint='pass "auto", or a DeviceMesh of the shape you want'
+            )
+        mesh, choice = auto_device_mesh(
+            model,
+            mesh,
+            example_inputs,
+            hardware=hardware,
+            planner=planner,
+            memory_limit=memory_limit,
+            example_kwargs=example_kwargs,
+            registry=registry,
+        )
+        hardware = choice.hardware
+    autopar_mesh = _check_mesh(mesh)
     compiled = compile_for_rank(
         model,
         autopar_mesh,
@@ -117,13 +195,18 @@ def parallelize(
         rank=dist.get_rank(),
         planner=planner,
         agree=_agree_across_ranks,
+        schedule=schedule,
+        hardware=hardware,
+        memory_limit=memory_limit,
     )
     sig = signature(compiled.graph)
     flat, _ = pytree.tree_flatten((example_inputs, example_kwargs or {}))
     specs = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in flat]
-    return ParallelModule(
+    result = ParallelModule(
         compiled.program, autopar_mesh, model, sig.aliases, sig.in_spec, specs, compiled.report
     )
+    result.mesh_choice = choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
+    return result
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:

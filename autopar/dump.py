@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.mesh import Mesh
 from autopar.meta import has_info, info
+from autopar.timeline import Timeline, overlap_text, write_chrome_trace, write_png
 
 DUMP_ENV = "AUTOPAR_DUMP_DIR"
 
@@ -90,9 +91,21 @@ def write_collectives(path: Path | None, report: Any) -> None:
         rows.append(
             f"{c.phase:<9} {c.kind:<15} {c.axis:<5} {c.bytes:>12.0f} {c.node:<28} "
             f"{c.layout_before + ' -> ' + c.layout_after:<50} {c.module_path}"
+            + (f"  [in bucket {c.bucket}]" if c.bucket else "")
         )
     rows.append(
         f"total {report.bytes_per_step():.0f} bytes per rank per step in {len(report.collectives)} collectives"
     )
     (path / "collectives.txt").write_text("\n".join(rows) + "\n")
     (path / "summary.txt").write_text(str(report) + "\n")
+
+
+def write_timeline(path: Path | None, timelines: tuple[Timeline, Timeline], rank: int) -> None:
+    """timeline.json (Chrome / Perfetto trace of the scheduled step), timeline.png (unscheduled above
+    scheduled) and overlap.txt (per collective: modeled time, overlapped compute, exposed time)."""
+    if path is None:
+        return
+    before, after = timelines
+    write_chrome_trace(after, path / "timeline.json", rank)
+    write_png(path / "timeline.png", after, before)
+    (path / "overlap.txt").write_text(overlap_text(before, after))

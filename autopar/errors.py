@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 class AutoparError(Exception):
@@ -48,6 +49,16 @@ class MissingRuleError(AutoparError):
 
 class ShardingError(AutoparError):
     """No layout satisfies an op on this mesh (divisibility, unsupported split)."""
+
+
+class MemoryLimitError(AutoparError):
+    """No plan fits the per-rank memory limit: `memory` is the leanest plan's need, `limit` the
+    limit, both in bytes per rank."""
+
+    def __init__(self, message: str, *, memory: float = 0.0, limit: float = 0.0, **kwargs: Any) -> None:
+        self.memory = memory
+        self.limit = limit
+        super().__init__(message, **kwargs)
 
 
 class InputMismatchError(AutoparError):

@@ -36,10 +36,11 @@ from autopar.rules.base import (
     OpCall,
     RuleRegistry,
     Strategy,
+    TensorSpec,
     admissible,
     combine,
     expand,
-    make_call,
+    spec_of,
 )
 
 DATA_AXIS_NAMES = ("dp", "data", "ddp", "fsdp", "batch")
@@ -83,12 +84,31 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
 
 
 def op_call(node: fx.Node) -> OpCall:
-    def val(x: Any) -> Any:
-        return x.meta["val"] if isinstance(x, fx.Node) else x
+    """`make_call` on the node's argument and result values, without pytree (it runs once per
+    node in the planner and again in emit; the equivalence is tested)."""
+    inputs: list[TensorSpec] = []
 
-    args = pytree.tree_map(val, node.args)
-    kwargs = pytree.tree_map(val, node.kwargs)
-    return make_call(node.target, tuple(args), dict(kwargs), node.meta.get("val"))
+    def to_spec(x: Any) -> Any:
+        spec = spec_of(x)
+        if spec is None:
+            return x
+        inputs.append(spec)
+        return spec
+
+    def leaf(x: Any) -> Any:
+        value = x.meta["val"] if isinstance(x, fx.Node) else x
+        if isinstance(value, (tuple, list, dict)):  # a node holding several values
+            return pytree.tree_map(to_spec, value)
+        return to_spec(value)
+
+    args = fx.node.map_aggregate(node.args, leaf)
+    kwargs = fx.node.map_aggregate(node.kwargs, leaf)
+    out = node.meta.get("val")
+    if isinstance(out, torch.Tensor):
+        outputs: tuple[TensorSpec, ...] = (spec_of(out),)  # type: ignore[assignment]
+    else:
+        outputs = tuple(s for s in (spec_of(x) for x in pytree.tree_leaves(out)) if s is not None)
+    return OpCall(node.target, tuple(args), dict(kwargs), tuple(inputs), outputs)
 
 
 def output_index(node: fx.Node) -> int:
@@ -320,7 +340,9 @@ class _Greedy:
         self.plan.strategies[node.name] = best
         self._set(node, best.outputs, note)
 
-    def _pick(self, node: fx.Node, rule: Any, call: OpCall, current: list[Layout | str]) -> tuple[Strategy, str]:
+    def _pick(
+        self, node: fx.Node, rule: Any, call: OpCall, current: list[Layout | str]
+    ) -> tuple[Strategy, str]:
         """The lowest-cost candidate strategy for `call` given its inputs' current layouts."""
         axis_options = rule.strategies(call)
         if rule.anchor or len(current) == 0:

@@ -7,9 +7,10 @@ compute time per step and memory per rank. Nothing is allocated at the model's s
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,11 +19,15 @@ import torch.nn as nn
 
 from autopar.api import Compiled, compile_for_rank
 from autopar.cost import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_per_rank
+from autopar.errors import AutoparError
 from autopar.mesh import Mesh
+from autopar.mesh_choice import MeshChoice, choose_mesh
 from autopar.meta import has_info, info
-from autopar.planner import global_work, work_split
+from autopar.planner import Plan, global_work, work_split
 from autopar.rules.base import RuleRegistry
+from autopar.rules.registry import default_registry
 from autopar.search import TimeCost
+from autopar.timeline import overlap_summary
 
 
 @dataclass
@@ -34,11 +39,29 @@ class PlanResult:
     comm_time: float  # s per step, collectives priced one after another (no overlap)
     compute_time: float  # s per step, roofline over every op of the joint graph
     memory: MemoryBreakdown
+    # plan(compare=True): this plan and the fixed 1-D / 2-D / cube plans of the same graph
+    comparison: list[Compared] = field(default_factory=list)
+    # plan(model, "auto", ..., world_size=N): every candidate mesh, ranked (autopar.mesh_choice)
+    mesh_choice: MeshChoice | None = None
+
+    @property
+    def comm_elements(self) -> float:
+        """Elements sent per rank per step by every collective of the emitted program."""
+        return sum(c.elements for c in self.compiled.report.collectives)
+
+    @property
+    def comm_bytes(self) -> float:
+        return sum(c.bytes for c in self.compiled.report.collectives)
 
     @property
     def step_time(self) -> float:
         """Modeled step time with no overlap of communication and compute (an upper bound)."""
         return self.comm_time + self.compute_time
+
+    def overlap(self) -> dict[str, dict[str, float]] | None:
+        """Modeled overlap (autopar.timeline): totals of the step before and after the schedule stage."""
+        timelines = self.compiled.timelines
+        return overlap_summary(*timelines) if timelines is not None else None
 
     def layouts(self) -> dict[str, str]:
         """Every node's layout(s), per-dim form, keyed by node name."""
@@ -98,6 +121,8 @@ class PlanResult:
                 for c in report.collectives
             ],
             "layouts": self.layouts(),
+            "overlap": self.overlap(),
+            "comparison": [c.to_json(self) for c in self.comparison],
         }
 
     def save_json(self, path: str) -> None:
@@ -106,20 +131,91 @@ class PlanResult:
 
     def __str__(self) -> str:
         m = self.memory
-        return "\n".join(
-            [
-                str(self.compiled.report),
-                f"modeled on {self.hardware}: communication {self.comm_time * 1e3:.3f} ms + compute "
-                f"{self.compute_time * 1e3:.3f} ms = {self.step_time * 1e3:.3f} ms per step (no overlap)",
-                f"memory per rank: params {m.params / 1e6:.1f} MB, grads {m.grads / 1e6:.1f} MB, optimizer "
-                f"{m.optimizer / 1e6:.1f} MB, saved activations {m.activations / 1e6:.1f} MB, total {m.total / 1e6:.1f} MB",
-            ]
-        )
+        lines = [
+            str(self.compiled.report),
+            f"modeled on {self.hardware}: communication {self.comm_time * 1e3:.3f} ms + compute "
+            f"{self.compute_time * 1e3:.3f} ms = {self.step_time * 1e3:.3f} ms per step (no overlap)",
+            f"memory per rank: params {m.params / 1e6:.1f} MB, grads {m.grads / 1e6:.1f} MB, optimizer "
+            f"{m.optimizer / 1e6:.1f} MB, saved activations {m.activations / 1e6:.1f} MB, total {m.total / 1e6:.1f} MB",
+        ]
+        overlap = self.overlap()
+        if overlap is not None:
+            before, after = overlap["unscheduled"], overlap["scheduled"]
+            lines.append(
+                f"overlap (timeline model): exposed communication {100 * before['exposed_fraction']:.1f}% "
+                f"unscheduled -> {100 * after['exposed_fraction']:.1f}% scheduled, step "
+                f"{before['step_time'] * 1e3:.3f} -> {after['step_time'] * 1e3:.3f} ms"
+            )
+        if self.comparison:
+            lines.append(self.compare_text())
+        if self.mesh_choice is not None:
+            lines.append(self.mesh_choice.table())
+        return "\n".join(lines)
+
+    def compare_text(self) -> str:
+        """The comparison as a table: per plan, comm per rank, modeled times, memory, x this plan."""
+        rows = [
+            ("plan", "mesh", "comm M el/rank", "comm MB/rank", "comm ms", "compute ms", "step ms", "mem MB/rank",
+             "step / chosen")
+        ]
+        notes = []
+        for c in self.comparison:
+            if c.result is None:
+                rows.append((c.name, "-", "-", "-", "-", "-", "-", "-", "-"))
+            else:
+                r = c.result
+                rows.append(
+                    (
+                        c.name,
+                        "x".join(map(str, r.mesh.shape)),
+                        f"{r.comm_elements / 1e6:.3f}",
+                        f"{r.comm_bytes / 1e6:.3f}",
+                        f"{r.comm_time * 1e3:.3f}",
+                        f"{r.compute_time * 1e3:.3f}",
+                        f"{r.step_time * 1e3:.3f}",
+                        f"{r.memory.total / 1e6:.1f}",
+                        f"{r.step_time / self.step_time:.2f}x",
+                    )
+                )
+            if c.note:
+                notes.append(f"  {c.name}: {c.note}")
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        text = [f"comparison on {self.hardware} (same traced graph, {self.mesh.size} ranks each):"]
+        text += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+        return "\n".join(text + notes)
+
+
+@dataclass
+class Compared:
+    """One row of a comparison: a plan of the same graph, or why a fixed scheme cannot run."""
+
+    name: str
+    mesh_shape: tuple[int, ...] | None
+    note: str
+    result: PlanResult | None
+
+    def to_json(self, chosen: PlanResult) -> dict[str, Any]:
+        r = self.result
+        if r is None:
+            return {"name": self.name, "feasible": False, "note": self.note}
+        return {
+            "name": self.name,
+            "feasible": True,
+            "note": self.note,
+            "mesh": list(r.mesh.shape),
+            "comm_elements_per_rank": r.comm_elements,
+            "comm_bytes_per_rank": r.comm_bytes,
+            "comm_seconds": r.comm_time,
+            "compute_seconds": r.compute_time,
+            "step_seconds": r.step_time,
+            "memory_bytes_per_rank": r.memory.total,
+            "step_time_over_chosen": r.step_time / chosen.step_time,
+        }
 
 
 def plan(
     model: nn.Module,
-    mesh_shape: Sequence[int],
+    mesh_shape: Sequence[int] | str,
     example_inputs: Sequence[Any],
     *,
     hardware: str = "h100-nvlink-ib",
@@ -127,9 +223,43 @@ def plan(
     mesh_names: Sequence[str] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     registry: RuleRegistry | None = None,
+    compare: bool = False,
+    world_size: int | None = None,
+    memory_limit: float | None = None,
 ) -> PlanResult:
-    """Plan `model` for a mesh of `mesh_shape` ranks on `hardware`, in this process, allocating no weights."""
+    """Plan `model` for a mesh of `mesh_shape` ranks on `hardware`, in this process, allocating no weights.
+
+    `compare=True` also plans the fixed 1-D Megatron, 2-D SUMMA and 3-D cube schemes of the same
+    traced graph on as many ranks (`autopar.fixed_plans`) and prices them the same way:
+    `result.comparison`, `result.compare_text()`, and "comparison" in `to_json()`.
+    `mesh_shape="auto"` with `world_size=N` plans every factorization of N (`autopar.mesh_choice`)
+    and compiles the fastest that fits; the ranked table is `result.mesh_choice`. `memory_limit`
+    (bytes per rank, default 90% of the table's device memory) bounds the plan's modeled memory.
+    """
+    registry = registry if registry is not None else default_registry()
+    choice = None
+    if isinstance(mesh_shape, str):
+        if mesh_shape != "auto" or world_size is None:
+            raise AutoparError(f"mesh_shape {mesh_shape!r}", hint='give a shape, or "auto" with world_size=N')
+        choice = choose_mesh(
+            model,
+            world_size,
+            example_inputs,
+            hardware=hardware,
+            planner=planner,
+            memory_limit=memory_limit,
+            example_kwargs=example_kwargs,
+            registry=registry,
+        )
+        mesh_shape, mesh_names = choice.chosen.shape, choice.chosen.names
     mesh = Mesh.from_shape(tuple(mesh_shape), tuple(mesh_names) if mesh_names else None)
+    traced: list[fx.GraphModule] = []
+
+    def keep_traced(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Plan:
+        if compare:  # the joint graph as traced, before planning annotates it
+            traced.append(copy.deepcopy(gm))
+        return make_plan()
+
     compiled = compile_for_rank(
         model,
         mesh,
@@ -139,7 +269,24 @@ def plan(
         registry=registry,
         planner=planner,
         hardware=hardware,
+        agree=keep_traced,
+        memory_limit=memory_limit,
     )
+    result = price(compiled, mesh, hardware, planner)
+    result.mesh_choice = choice
+    if compare:
+        from autopar.fixed_plans import compare_fixed
+
+        chosen = Compared(f"chosen ({planner})", mesh.shape, "", result)
+        fixed = compare_fixed(
+            model, example_inputs, traced[0], mesh.size, hardware, registry, example_kwargs=example_kwargs
+        )
+        result.comparison = [chosen, *fixed]
+    return result
+
+
+def price(compiled: Compiled, mesh: Mesh, hardware: str, planner: str) -> PlanResult:
+    """Model one compiled rank program on `hardware`: communication, compute, memory per rank."""
     cost = TimeCost(hardware, mesh.shape)
     program = compiled.program
     comm = 0.0

@@ -10,7 +10,9 @@ import torch.fx as fx
 
 from autopar.layout import Replicate
 from autopar.mesh import Mesh
-from autopar.meta import has_info, info
+from autopar.meta import NodeInfo, has_info, info
+from autopar.passes.bucket import bucket_members
+from autopar.redistribute import CommStep
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class CollectiveRecord:
     module_path: str
     layout_before: str
     layout_after: str
+    bucket: str = ""  # the merged collective that carries it, when bucketing folded it into one
 
 
 @dataclass
@@ -70,6 +73,15 @@ class PlanReport:
                 f"schedule: {s.waits_moved} waits moved later, {s.issues_moved} collectives issued earlier, "
                 f"{s.overlapped_ops} compute ops overlap in-flight collectives"
             )
+            if s.buckets:
+                issued = len(self.collectives) - s.bucketed + s.buckets
+                lines.append(
+                    f"  bucketing: {s.bucketed} collectives merged into {s.buckets}, {issued} issued per step"
+                )
+            if s.cap_delays or s.cap_forced_waits:
+                lines.append(
+                    f"  in-flight memory cap: {s.cap_delays} issues delayed, {s.cap_forced_waits} waits moved earlier"
+                )
         return "\n".join(lines)
 
 
@@ -82,21 +94,30 @@ def collect(graphs: list[fx.GraphModule], mesh: Mesh) -> list[CollectiveRecord]:
             node_info = info(node)
             step = node_info.comm
             assert step is not None
-            records.append(
-                CollectiveRecord(
-                    phase=node_info.phase,
-                    kind=step.kind,
-                    axis=mesh.axis_names[step.axis],
-                    group=node_info.comm_group or "",
-                    elements=step.elements_sent(mesh.shape),
-                    bytes=step.bytes_sent(mesh.shape),
-                    node=node.name,
-                    module_path=node_info.module_path,
-                    layout_before=step.before.per_dim_str(mesh.axis_names),
-                    layout_after=step.after.per_dim_str(mesh.axis_names),
-                )
-            )
+            members = bucket_members(node)
+            if not members:
+                records.append(_record(node_info, step, node.name, node_info.module_path, "", mesh))
+            for m in members:  # one record per collective the plan asked for, as without bucketing
+                records.append(_record(node_info, m.step, m.name, m.module_path, node.name, mesh))
     return records
+
+
+def _record(
+    node_info: NodeInfo, step: CommStep, name: str, module_path: str, bucket: str, mesh: Mesh
+) -> CollectiveRecord:
+    return CollectiveRecord(
+        phase=node_info.phase,
+        kind=step.kind,
+        axis=mesh.axis_names[step.axis],
+        group=node_info.comm_group or "",
+        elements=step.elements_sent(mesh.shape),
+        bytes=step.bytes_sent(mesh.shape),
+        node=name,
+        module_path=module_path,
+        layout_before=step.before.per_dim_str(mesh.axis_names),
+        layout_after=step.after.per_dim_str(mesh.axis_names),
+        bucket=bucket,
+    )
 
 
 def build_report(program: Any, mesh: Mesh, schedule: Any = None) -> PlanReport:

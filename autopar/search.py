@@ -1,4 +1,4 @@
-"""Plan search: improve the greedy plan over the whole joint graph.
+"""Plan search: improve the greedy plan over the whole joint graph, under a memory limit.
 
 The greedy pass decides each op looking only at its producers. Here every decided op becomes a
 variable whose values are its strategies; the objective is the modeled cost of the whole step:
@@ -7,47 +7,61 @@ output layout and its consumer's required input layout, plus parameter gathers a
 reductions. The graph is cut into chains (an op whose only decided producer is the previous one);
 each chain is solved exactly by dynamic programming (Viterbi) with the rest of the graph held fixed,
 and the chains are swept forward and backward until the total stops falling (coordinate descent
-with exact block moves). Seeds are the greedy plans for every assignment of axis roles, so the
-search starts from the best of the 1-D / 2-D / 3-D patterns and can only improve on it.
+with exact block moves; `autopar.search_problem`). Seeds are the greedy plans for every assignment
+of axis roles, so the search starts from the best of the 1-D / 2-D / 3-D patterns and can only
+improve on it; role assignments that cannot split the model (a token axis larger than the batch)
+are skipped, and only if none works is the error raised.
+
+Memory: a plan must fit `memory_limit` bytes per rank (default: `MEMORY_HEADROOM` of the hardware
+table's device memory; no limit when pricing in element counts). Stored parameters, gradients and
+AdamW states are nearly the same for every plan (each rank stores ~1/p); what plans change is the
+activations the forward saves for backward, including gathered weights that backward reuses. When
+the cheapest plan does not fit, saved bytes get a price per byte, raised until the plan fits: with
+it the search trades time for memory, both in layouts and per weight chain, whose saved gathered
+copy can be dropped and gathered again in backward (`SearchPlan.regather`, carried out by
+`autopar.passes.regather`). If even the leanest plan does not fit, `MemoryLimitError` says by how much.
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-import numpy as np
 import torch.fx as fx
 
-from autopar.layout import Layout, Partial, Replicate
+from autopar.cost import MemoryBreakdown
+from autopar.errors import AutoparError, MemoryLimitError
+from autopar.layout import Layout
 from autopar.mesh import Mesh
-from autopar.meta import signature
+from autopar.plan_memory import MEMORY_HEADROOM, PlanMemory, choose_regather, plan_memory
 from autopar.planner import (
     FLOP_WEIGHT,
     Plan,
     _redist,
     axis_roles,
-    expand_cached,
     gather_from_storage,
     global_work,
     greedy_plan,
-    op_call,
-    output_index,
     storage_layout,
     tensor_inputs,
     work_split,
 )
 from autopar.rules.base import RuleRegistry, Strategy
+from autopar.search_problem import Problem, regather_cost, settled
 
-MAX_CANDIDATES = 512
 MAX_SWEEPS = 8
+PRICE_STEPS = 24  # memory prices tried, each 4x the last, before giving up on fitting
+PRICE_BISECTIONS = 4  # refinements between the last price that did not fit and the first that did
+PRICE_STALL = 3  # stop raising the price once this many raises left the plan unchanged
 
 
 class ElementCost:
     """Elements sent per rank plus flops / 200: the greedy pass's units (no hardware table)."""
+
+    memory_capacity: float | None = None  # no device, so no default memory limit
 
     def __init__(self, mesh_shape: Sequence[int]) -> None:
         self.shape = tuple(mesh_shape)
@@ -72,26 +86,64 @@ class TimeCost(ElementCost):
         super().__init__(mesh_shape)
         hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
         self.mesh = MeshCost.build(hw, mesh_shape)
+        self.memory_capacity = hw.memory_capacity
 
     def redistribute(self, src: Layout, dst: Layout) -> float:
         return self.mesh.redistribute(src, dst) if src != dst else 0.0
 
     def gather_from_storage(self, want: Layout) -> float:
-        return self.redistribute(storage_layout(want, self.shape), _settled(want))
+        return self.redistribute(storage_layout(want, self.shape), settled(want))
 
     def compute(self, work: float, split: int) -> float:
         return self.mesh.compute(work / split, 0.0, "float32")
 
 
 @dataclass
+class SearchPlan(Plan):
+    """A Plan with the search's memory decision: forward values (gathered weights) that backward
+    gathers again instead of keeping, and the modeled memory per rank."""
+
+    regather: tuple[str, ...] = ()
+    memory: MemoryBreakdown | None = None
+
+
+@dataclass
 class SearchReport:
     seeds: dict[str, float] = field(default_factory=dict)  # roles -> modeled cost of the greedy plan
+    failed_roles: dict[str, str] = field(default_factory=dict)  # roles -> why the greedy pass failed
     chosen_roles: tuple[str, ...] = ()
     seed_cost: float = 0.0
-    final_cost: float = 0.0
+    final_cost: float = 0.0  # includes the regathers' collectives
     sweeps: int = 0
     variables: int = 0
     chains: int = 0
+    distinct_chains: int = 0  # chains with different structure (repeated layers share one)
+    solves: int = 0
+    memo_hits: int = 0  # chain solves answered from an identical earlier one
+    memory_limit: float = math.inf
+    memory: float = 0.0  # bytes per rank of the chosen plan
+    prices: list[float] = field(default_factory=list)  # memory prices tried (cost per byte)
+    regathered: tuple[str, ...] = ()  # weight chains gathered again in backward
+
+
+@dataclass
+class _Fitted:
+    plan: Plan
+    regather: tuple[str, ...]
+    memory: PlanMemory | None  # None: not computed (no limit to check)
+    cost: float
+
+    @property
+    def bytes(self) -> float:
+        return self.memory.breakdown(self.regather).total if self.memory is not None else 0.0
+
+    def search_plan(self, gm: fx.GraphModule, mesh: Mesh) -> SearchPlan:
+        memory = self.memory if self.memory is not None else plan_memory(gm, self.plan, mesh.shape)
+        return SearchPlan(
+            **{f.name: getattr(self.plan, f.name) for f in fields(Plan)},
+            regather=self.regather,
+            memory=memory.breakdown(self.regather),
+        )
 
 
 def search_layouts(
@@ -101,41 +153,124 @@ def search_layouts(
     *,
     cost: ElementCost | None = None,
     max_sweeps: int = MAX_SWEEPS,
-) -> Plan:
-    """Best greedy seed over axis-role assignments, then exact chain moves until no gain."""
+    memory_limit: float | None = None,
+) -> SearchPlan:
+    """Best greedy seed over axis-role assignments, then exact chain moves until no gain, within
+    `memory_limit` bytes per rank (None: the default of the cost's hardware; math.inf: none)."""
     cost = cost or ElementCost(mesh.shape)
-    report = SearchReport()
-    best_plan: Plan | None = None
+    limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
+    report = SearchReport(memory_limit=limit)
     cache: dict[Any, list[Strategy]] = {}
-    for roles in role_assignments(mesh):
-        try:
-            plan = greedy_plan(gm, mesh, registry, roles=roles, expand_cache=cache)
-        except Exception:  # a role assignment that cannot split this model evenly
-            if roles == axis_roles(mesh):
-                raise
-            continue
-        value = plan_cost(gm, plan, mesh, cost)
-        report.seeds["/".join(roles)] = value
-        if best_plan is None or value < report.seed_cost:
-            best_plan, report.seed_cost = plan, value
-    assert best_plan is not None
-    report.chosen_roles = best_plan.roles
-    problem = _Problem(gm, mesh, registry, best_plan, cost, cache)
+    seed_plan = _best_seed(gm, mesh, registry, cost, cache, report)
+    report.chosen_roles = seed_plan.roles
+    problem = Problem(gm, mesh, registry, seed_plan, cost, cache)
     report.variables = len(problem.vars)
     report.chains = len(problem.chains)
     report.sweeps = problem.optimize(max_sweeps)
-    forced = {v.name: v.cands[v.current] for v in problem.vars}
-    final = greedy_plan(gm, mesh, registry, roles=best_plan.roles, forced=forced, expand_cache=cache)
-    final_cost = plan_cost(gm, final, mesh, cost)
-    if final_cost > report.seed_cost:  # the chain model is approximate at parameters; never regress
-        final, final_cost = best_plan, report.seed_cost
-    report.final_cost = final_cost
+
+    def materialize() -> Plan:
+        return greedy_plan(
+            gm, mesh, registry, roles=seed_plan.roles, forced=problem.forced(), expand_cache=cache
+        )
+
+    first = materialize()
+    options = [_fit(gm, plan, mesh, cost, limit) for plan in (first, seed_plan)]
+    lean = None
+    if (options[0] is None or options[0].regather) and math.isfinite(limit):
+        priced, lean = _price_memory(gm, mesh, cost, limit, problem, max_sweeps, materialize, report)
+        options += priced
+    fitting = [o for o in options if o is not None]
+    if not fitting:
+        lean = lean if lean is not None else plan_memory(gm, first, mesh.shape)
+        raise _memory_error(lean, mesh, limit, "the leanest plan found")
+    best = min(fitting, key=lambda o: (o.cost, o.bytes))  # never worse than the seed
+    final = best.search_plan(gm, mesh)
+    report.final_cost = best.cost
+    report.memory = final.memory.total if final.memory is not None else 0.0
+    report.regathered = best.regather
+    report.solves, report.memo_hits = problem.tally.solves, problem.tally.memo_hits
+    report.distinct_chains = problem.tally.distinct_chains
+    memory_note = (
+        f"; memory {format_bytes(report.memory)} per rank of {format_bytes(limit)}, "
+        f"{len(best.regather)} gathered weights gathered again in backward"
+        if math.isfinite(limit)
+        else ""
+    )
     final.notes["__search__"] = (
-        f"search: seed {report.seed_cost:.4g} -> {final_cost:.4g} in {report.sweeps} sweeps "
-        f"over {report.variables} ops in {report.chains} chains; roles {'/'.join(report.chosen_roles)}"
+        f"search: seed {report.seed_cost:.4g} -> {best.cost:.4g} in {report.sweeps} sweeps over "
+        f"{report.variables} ops in {report.chains} chains ({report.distinct_chains} distinct); "
+        f"roles {'/'.join(report.chosen_roles)}{memory_note}"
     )
     gm.meta["autopar_search"] = report
     return final
+
+
+def fit_memory(
+    gm: fx.GraphModule, plan: Plan, mesh: Mesh, cost: ElementCost, memory_limit: float | None = None
+) -> SearchPlan:
+    """A fixed plan (the greedy one) under a memory limit: its layouts, with the cheapest backward
+    regathers that make it fit; `MemoryLimitError` if regathering every weight chain is not enough."""
+    limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
+    fitted = _fit(gm, plan, mesh, cost, limit)
+    if fitted is None:
+        raise _memory_error(plan_memory(gm, plan, mesh.shape), mesh, limit, "this plan")
+    return fitted.search_plan(gm, mesh)
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in GiB, or MiB below one GiB (small test models)."""
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.3f} MiB"
+
+
+def default_memory_limit(cost: ElementCost) -> float:
+    """`MEMORY_HEADROOM` of the device memory of the cost's hardware table; no limit without one."""
+    capacity = cost.memory_capacity
+    return MEMORY_HEADROOM * capacity if capacity else math.inf
+
+
+def _best_seed(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    cost: ElementCost,
+    cache: dict[Any, list[Strategy]],
+    report: SearchReport,
+) -> Plan:
+    """The cheapest greedy plan over role assignments; the most telling error if none works."""
+    best: Plan | None = None
+    errors: list[tuple[tuple[str, ...], Exception]] = []
+    for roles in role_assignments(mesh):
+        try:
+            plan = greedy_plan(gm, mesh, registry, roles=roles, expand_cache=cache)
+        except Exception as exc:  # a role assignment that cannot split this model evenly
+            errors.append((roles, exc))
+            report.failed_roles["/".join(roles)] = str(exc).splitlines()[0]
+            continue
+        value = plan_cost(gm, plan, mesh, cost)
+        report.seeds["/".join(roles)] = value
+        if best is None or value < report.seed_cost:
+            best, report.seed_cost = plan, value
+    if best is not None:
+        return best
+    raise _roles_error(errors)
+
+
+def _roles_error(errors: list[tuple[tuple[str, ...], Exception]]) -> Exception:
+    """The error of the attempt that got furthest: one past the batch check, else the default's."""
+    ours = [(r, e) for r, e in errors if isinstance(e, AutoparError)]
+    if not ours:
+        return errors[0][1]
+    roles, error = next(((r, e) for r, e in ours if e.op != "input"), ours[0])
+    assert isinstance(error, AutoparError)
+    tried = ", ".join("/".join(r) for r, _ in errors)
+    hint = f"every assignment of axis roles failed ({tried}); this one with roles {'/'.join(roles)}"
+    return type(error)(
+        error.message,
+        op=error.op,
+        where=error.where,
+        layouts=error.layouts,
+        hint=f"{error.hint}; {hint}" if error.hint else hint,
+    )
 
 
 def role_assignments(mesh: Mesh) -> list[tuple[str, ...]]:
@@ -154,264 +289,124 @@ def role_assignments(mesh: Mesh) -> list[tuple[str, ...]]:
 
 def plan_cost(gm: fx.GraphModule, plan: Plan, mesh: Mesh, cost: ElementCost) -> float:
     """Modeled cost of a whole plan: every edge's redistribution and every op's compute."""
+    comm, compute = plan_cost_parts(gm, plan, mesh, cost)
+    return comm + compute
+
+
+def plan_cost_parts(gm: fx.GraphModule, plan: Plan, mesh: Mesh, cost: ElementCost) -> tuple[float, float]:
+    """(communication, compute) of a plan; for a SearchPlan, with its regathers' collectives."""
     shape = tuple(mesh.shape)
-    total = 0.0
+    comm = compute = 0.0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.name in plan.strategies:
             strategy = plan.strategies[node.name]
             for src, want in zip(tensor_inputs(node), strategy.inputs):
-                total += cost.redistribute(plan.layouts[src.name][0], want)
-            total += cost.compute(global_work(node), work_split(strategy, shape))
+                comm += cost.redistribute(plan.layouts[src.name][0], want)
+            compute += cost.compute(global_work(node), work_split(strategy, shape))
         elif node.op == "output":
-            for src, wanted in zip(node.args[0], plan.output_layouts):  # type: ignore[arg-type]
+            for src, wanted in zip(node.args[0], plan.output_layouts):
                 if isinstance(src, fx.Node) and wanted is not None:
-                    total += cost.redistribute(plan.layouts[src.name][0], wanted)
-    return total
+                    comm += cost.redistribute(plan.layouts[src.name][0], wanted)
+    for name in getattr(plan, "regather", ()):
+        comm += cost.gather_from_storage(plan.layouts[name][0])
+    return comm, compute
 
 
-@dataclass
-class _Var:
-    name: str
-    cands: list[Strategy]
-    unary: np.ndarray
-    current: int
-    edges: list[_Edge] = field(default_factory=list)
-
-
-@dataclass
-class _Edge:
-    """Producer u's layout (an output, or an input it laid out) feeding consumer v's input."""
-
-    u: int
-    v: int
-    table: np.ndarray  # cost between the distinct layouts on each side
-    out_index: np.ndarray  # per candidate of u: row of `table`
-    in_index: np.ndarray  # per candidate of v: column of `table`
-
-    def for_consumer(self, u_choice: int) -> np.ndarray:
-        return self.table[self.out_index[u_choice], self.in_index]
-
-    def for_producer(self, v_choice: int) -> np.ndarray:
-        return self.table[self.out_index, self.in_index[v_choice]]
-
-    def matrix(self) -> np.ndarray:
-        return self.table[np.ix_(self.out_index, self.in_index)]
-
-    def value(self, u_choice: int, v_choice: int) -> float:
-        return float(self.table[self.out_index[u_choice], self.in_index[v_choice]])
-
-
-class _Problem:
-    def __init__(
-        self,
-        gm: fx.GraphModule,
-        mesh: Mesh,
-        registry: RuleRegistry,
-        seed: Plan,
-        cost: ElementCost,
-        expand_cache: dict[Any, list[Strategy]],
-    ) -> None:
-        self.shape = tuple(mesh.shape)
-        self.cost = cost
-        nodes = {n.name: n for n in gm.graph.nodes}
-        self.index = {name: i for i, name in enumerate(seed.decided)}
-        self.vars: list[_Var] = []
-        self.edges: list[_Edge] = []
-        self.tables: dict[Any, np.ndarray] = {}
-        for name in seed.decided:
-            node = nodes[name]
-            rule = registry.get(node.target)
-            cands = list(expand_cached(node, rule, op_call(node), self.shape, expand_cache))
-            if seed.strategies[name] not in cands:
-                cands.append(seed.strategies[name])
-            work = global_work(node)
-            unary = np.array([cost.compute(work, work_split(s, self.shape)) for s in cands])
-            self.vars.append(_Var(name, cands, unary, cands.index(seed.strategies[name])))
-        for name in seed.decided:
-            self._inputs(nodes[name], seed)
-        self._outputs(gm, seed)
-        for var in self.vars:
-            if len(var.cands) > MAX_CANDIDATES:
-                self._prune(var)
-        self.chains = self._chains()
-
-    # ---- building the objective ----------------------------------------------------------------
-    def _inputs(self, node: fx.Node, seed: Plan) -> None:
-        v = self.index[node.name]
-        var = self.vars[v]
-        kinds = seed.deferred_inputs[node.name]
-        for j, (src, kind) in enumerate(zip(tensor_inputs(node), kinds)):
-            wants = [s.inputs[j] for s in var.cands]
-            if kind == "param":
-                var.unary += np.array([self.cost.gather_from_storage(w) for w in wants])
-                continue
-            if kind == "replica":
-                continue
-            producer = self._producer(src, seed)
-            if producer is None:
-                have = seed.layouts[src.name][0]
-                var.unary += np.array([self.cost.redistribute(have, w) for w in wants])
-                continue
-            u, pick = producer
-            self._edge(u, v, [pick(s) for s in self.vars[u].cands], wants)
-
-    def _producer(self, src: fx.Node, seed: Plan) -> tuple[int, Callable[[Strategy], Layout]] | None:
-        if src.name in self.index:
-            return self.index[src.name], lambda s: s.outputs[0]
-        if src.target is _getitem and isinstance(src.args[0], fx.Node) and src.args[0].name in self.index:
-            k = output_index(src)
-            return self.index[src.args[0].name], lambda s, k=k: s.outputs[k]  # type: ignore[misc]
-        if src.name in seed.resolved_by:
-            owner, j = seed.resolved_by[src.name]
-            if owner in self.index:
-                return self.index[owner], lambda s, j=j: s.inputs[j]  # type: ignore[misc]
+def _fit(
+    gm: fx.GraphModule,
+    plan: Plan,
+    mesh: Mesh,
+    cost: ElementCost,
+    limit: float,
+    memory: PlanMemory | None = None,
+) -> _Fitted | None:
+    """`plan` with the cheapest regathers that bring it under `limit`, or None if none do."""
+    if not math.isfinite(limit):
+        return _Fitted(plan, (), None, plan_cost(gm, plan, mesh, cost))
+    memory = memory if memory is not None else plan_memory(gm, plan, mesh.shape)
+    regather = choose_regather(memory, limit, lambda s: regather_cost(s, cost))
+    if regather is None:
         return None
-
-    def _outputs(self, gm: fx.GraphModule, seed: Plan) -> None:
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        nu = signature(gm).num_user_outputs
-        for i, src in enumerate(output.args[0]):  # type: ignore[arg-type]
-            producer = self._producer(src, seed) if isinstance(src, fx.Node) else None
-            if producer is None:
-                continue
-            u, pick = producer
-            var = self.vars[u]
-            outs = [pick(s) for s in var.cands]
-            if i < nu:  # the user gets it without pending sums (a loss: replicated)
-                var.unary += np.array([self.cost.redistribute(o, _settled(o)) for o in outs])
-            else:  # a gradient: reduced into the parameter's storage
-                var.unary += np.array([_reduce_cost(o, self.shape) for o in outs])
-
-    def _edge(self, u: int, v: int, outs: list[Layout], ins: list[Layout]) -> None:
-        out_keys: dict[Layout, int] = {}
-        in_keys: dict[Layout, int] = {}
-        out_index = np.array([out_keys.setdefault(o, len(out_keys)) for o in outs])
-        in_index = np.array([in_keys.setdefault(w, len(in_keys)) for w in ins])
-        key = (tuple(out_keys), tuple(in_keys))
-        table = self.tables.get(key)
-        if table is None:  # edges between same-shaped values share one table
-            table = np.array([[self.cost.redistribute(o, w) for w in in_keys] for o in out_keys])
-            self.tables[key] = table
-        edge = _Edge(u, v, table, out_index, in_index)
-        self.edges.append(edge)
-        self.vars[u].edges.append(edge)
-        self.vars[v].edges.append(edge)
-
-    def _prune(self, var: _Var) -> None:
-        """Keep the candidates that are cheapest on their own (and the current one)."""
-        order = list(np.argsort(var.unary, kind="stable")[:MAX_CANDIDATES])
-        if var.current not in order:
-            order[-1] = var.current
-        order.sort()
-        keep = np.array(order)
-        remap = {old: new for new, old in enumerate(order)}
-        var.cands = [var.cands[i] for i in order]
-        var.unary = var.unary[keep]
-        var.current = remap[var.current]
-        index = self.index[var.name]
-        for edge in var.edges:
-            if edge.u == index:
-                edge.out_index = edge.out_index[keep]
-            if edge.v == index:
-                edge.in_index = edge.in_index[keep]
-
-    def _chains(self) -> list[list[int]]:
-        """Partition the variables into paths u -> v where u is v's only producing variable."""
-        producers: list[set[int]] = [set() for _ in self.vars]
-        for edge in self.edges:
-            producers[edge.v].add(edge.u)
-        chain_of: dict[int, int] = {}
-        chains: list[list[int]] = []
-        for v in range(len(self.vars)):
-            if len(producers[v]) == 1:
-                (u,) = producers[v]
-                c = chain_of[u]
-                if chains[c][-1] == u:
-                    chains[c].append(v)
-                    chain_of[v] = c
-                    continue
-            chain_of[v] = len(chains)
-            chains.append([v])
-        return chains
-
-    # ---- optimizing ------------------------------------------------------------------------------
-    def total(self) -> float:
-        value = sum(float(var.unary[var.current]) for var in self.vars)
-        for edge in self.edges:
-            value += edge.value(self.vars[edge.u].current, self.vars[edge.v].current)
-        return value
-
-    def optimize(self, max_sweeps: int) -> int:
-        before = self.total()
-        for sweep in range(1, max_sweeps + 1):
-            order = self.chains if sweep % 2 else list(reversed(self.chains))
-            for chain in order:
-                self._solve(chain)
-            after = self.total()
-            if after >= before - 1e-9 * max(1.0, abs(before)):
-                return sweep
-            before = after
-        return max_sweeps
-
-    def _solve(self, chain: list[int]) -> None:
-        position = {v: k for k, v in enumerate(chain)}
-        local = []
-        for v in chain:
-            var = self.vars[v]
-            u_vec = var.unary.copy()
-            u_vec[var.current] -= 1e-9 * (1.0 + abs(float(u_vec[var.current])))  # stay put on ties
-            for edge in var.edges:
-                other = edge.u if edge.v == v else edge.v
-                if other in position:
-                    continue
-                if edge.v == v:
-                    u_vec += edge.for_consumer(self.vars[edge.u].current)
-                else:
-                    u_vec += edge.for_producer(self.vars[edge.v].current)
-            local.append(u_vec)
-        value = local[0]
-        back = []
-        for k in range(1, len(chain)):
-            u, v = chain[k - 1], chain[k]
-            pair = np.zeros((len(self.vars[u].cands), len(self.vars[v].cands)))
-            for edge in self.vars[v].edges:
-                if edge.u == u and edge.v == v:
-                    pair += edge.matrix()
-            total = value[:, None] + pair
-            arg = total.argmin(axis=0)
-            value = total[arg, np.arange(total.shape[1])] + local[k]
-            back.append(arg)
-        choice = int(value.argmin())
-        for k in range(len(chain) - 1, -1, -1):
-            self.vars[chain[k]].current = choice
-            if k:
-                choice = int(back[k - 1][choice])
+    extra = sum(regather_cost(s, cost) for s in memory.saved if s.name in regather)
+    return _Fitted(plan, regather, memory, plan_cost(gm, plan, mesh, cost) + extra)
 
 
-_getitem = operator.getitem
+def _price_memory(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    cost: ElementCost,
+    limit: float,
+    problem: Problem,
+    max_sweeps: int,
+    materialize: Any,
+    report: SearchReport,
+) -> tuple[list[_Fitted | None], PlanMemory | None]:
+    """Raise the price of saved bytes (4x a step) until the plan fits, then bisect between the
+    last two prices. Each priced optimum is measured exactly (the problem's memory model sees only
+    each value's own layout, not forward redistributions that backward reuses). Returns the plans
+    that fit, and the memory of the leanest plan seen (with every weight chain regathered)."""
+    unpriced_cost, unpriced_bytes = problem.modeled(0.0)
+    start = unpriced_cost / max(unpriced_bytes, 1.0) * 1e-3
+    measured: dict[tuple[int, ...], tuple[_Fitted | None, PlanMemory]] = {}
+    fits: list[_Fitted | None] = []
+    lean: list[tuple[float, PlanMemory]] = []
+    last: list[tuple[int, ...]] = []
+
+    def attempt(price: float) -> bool:
+        problem.set_price(price)
+        problem.optimize(max_sweeps)
+        report.prices.append(price)
+        state = tuple(problem.snapshot())
+        last.append(state)
+        if state not in measured:
+            plan = materialize()
+            memory = plan_memory(gm, plan, mesh.shape)
+            measured[state] = (_fit(gm, plan, mesh, cost, limit, memory), memory)
+            fits.append(measured[state][0])
+            need = memory.breakdown([s.name for s in memory.saved if s.regatherable]).total
+            lean.append((need, memory))
+        return measured[state][0] is not None
+
+    low, high = 0.0, None
+    price = start
+    for _ in range(PRICE_STEPS):
+        if attempt(price):
+            high = price
+            break
+        if len(last) > PRICE_STALL and len(set(last[-PRICE_STALL - 1 :])) == 1:
+            break  # memory dominates the objective already: higher prices change nothing
+        low, price = price, price * 4
+    for _ in range(PRICE_BISECTIONS if high is not None and low == 0 else 0):  # fit at once: cheaper?
+        assert high is not None
+        price = high / 4
+        if not attempt(price):
+            low = price
+            break
+        high = price
+    if high is not None and low > 0:
+        for _ in range(PRICE_BISECTIONS):
+            middle = math.sqrt(low * high)
+            if attempt(middle):
+                high = middle
+            else:
+                low = middle
+    problem.set_price(0.0)
+    return fits, min(lean, key=lambda t: t[0])[1] if lean else None
 
 
-def _settled(layout: Layout) -> Layout:
-    if len(layout.shape) == 0:
-        return Layout.replicated((), len(layout.placements), layout.dtype)
-    return Layout(
-        tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements),
-        layout.shape,
-        layout.dtype,
+def _memory_error(memory: PlanMemory, mesh: Mesh, limit: float, which: str) -> MemoryLimitError:
+    """`which` plan's memory with every weight chain regathered, against the limit."""
+    need = memory.breakdown([s.name for s in memory.saved if s.regatherable])
+    parts = (
+        f"params {format_bytes(need.params)} + grads {format_bytes(need.grads)} + AdamW states "
+        f"{format_bytes(need.optimizer)} + saved activations {format_bytes(need.activations)}"
     )
-
-
-def _reduce_cost(layout: Layout, shape: Sequence[int]) -> float:
-    """Reduce-scatters that take a gradient's pending sums into a fully split storage layout."""
-    n = layout.local_numel(shape)
-    total = 0.0
-    for a in layout.partial_axes():
-        g = shape[a]
-        total += (g - 1) / g * n
-        n //= g
-    return total
-
-
-def searched_layouts(gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry) -> Plan:
-    """`propagate`'s chooser: the search (see module docstring)."""
-    return search_layouts(gm, mesh, registry)
+    return MemoryLimitError(
+        f"no plan fits the memory limit of {format_bytes(limit)} per rank on mesh {mesh}: {which} "
+        f"needs {format_bytes(need.total)} ({parts}), even with every gathered weight gathered again "
+        "in backward",
+        memory=need.total,
+        limit=limit,
+        hint="use a bigger mesh (more ranks split the weights and activations), a smaller batch or "
+        "sequence, or a larger memory_limit",
+    )

@@ -3,11 +3,13 @@
 Every compute node is localized by its rule (shape arguments become local shapes; some ops become
 local helpers), the joint graph is split into a forward graph (which also returns the values the
 backward needs) and a backward graph, and fake-tensor propagation checks that every node's local
-shape is the one its layout promises.
+shape is the one its layout promises (each distinct op call is propagated once: repeated layers
+reuse the result, and every node is still compared with its own layout).
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from autopar.errors import ShardingError
+from autopar.errors import AutoparError, ShardingError
 from autopar.layout import Layout
 from autopar.mesh import Mesh
 from autopar.meta import has_info, info, signature
@@ -65,7 +67,8 @@ def emit(
         bad = [i for i in node.all_input_nodes if i in backward_nodes]
         if bad:
             raise ShardingError(f"forward node {node.name} depends on backward node {bad[0].name}")
-    saved = [n for n in forward_nodes if any(u in backward_nodes for u in n.users) or n in out_values[nu:]]
+    grad_values_set = set(out_values[nu:])
+    saved = [n for n in forward_nodes if n in grad_values_set or any(u in backward_nodes for u in n.users)]
     if any(n.op == "placeholder" and info(n).role == "input" for n in out_values[nu:]):
         raise ShardingError("a gradient output is a raw input; this graph shape is not supported")
 
@@ -130,8 +133,8 @@ def _local_node(
         return new
     rule = registry.get(node.target)
     localize = rule.localize if rule is not None and rule.localize is not None else localize_sizes
-    args = pytree.tree_map(lambda x: env[x] if isinstance(x, fx.Node) else x, node.args)
-    kwargs = pytree.tree_map(lambda x: env[x] if isinstance(x, fx.Node) else x, node.kwargs)
+    args = fx.map_arg(node.args, env.__getitem__)
+    kwargs = fx.map_arg(node.kwargs, env.__getitem__)
     ctx = LocalContext(op_call(node), node_info.strategy, mesh_shape, coords, tuple(args), dict(kwargs))
     local = localize(ctx)
     target = local.target
@@ -146,51 +149,162 @@ def _local_node(
 
 
 def check_local_shapes(program: EmittedProgram, mesh_shape: tuple[int, ...]) -> None:
-    """Propagate fake local tensors through both graphs; every laid-out node must match its layout."""
+    """Propagate fake local tensors through both graphs; every laid-out node must match its layout.
+
+    Each node is compared as soon as it is propagated, so the first wrong local shape is the one
+    reported (not a kernel error further down)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         fwd_args = [
-            torch.empty(lay.local_shape(mesh_shape), dtype=lay.dtype)
+            torch.empty(lay.local_shape(mesh_shape, program.coords), dtype=lay.dtype)
             for lay in [*program.param_layouts, *program.input_layouts]
         ]
-    FakeTensorProp(program.forward, mode).propagate(*fwd_args)
-    _compare(program.forward, mesh_shape)
+    memo: dict[Any, Any] = {}
+    _SharedCallProp(program.forward, mode, memo, mesh_shape, program.coords).propagate(*fwd_args)
     out = next(n for n in program.forward.graph.nodes if n.op == "output")
     saved_vals = [n.meta["val"] for n in list(out.args[0])[len(program.output_layouts) :]]  # type: ignore[arg-type]
     with mode:
         tangent_vals = [
             torch.empty(
-                program.output_layouts[i].local_shape(mesh_shape), dtype=program.output_layouts[i].dtype
+                program.output_layouts[i].local_shape(mesh_shape, program.coords),
+                dtype=program.output_layouts[i].dtype,
             )
             for i in program.tangent_outputs
         ]
-    FakeTensorProp(program.backward, mode).propagate(*saved_vals, *tangent_vals)
-    _compare(program.backward, mesh_shape)
+    _SharedCallProp(program.backward, mode, memo, mesh_shape, program.coords).propagate(
+        *saved_vals, *tangent_vals
+    )
 
 
-def _compare(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> None:
-    for node in gm.graph.nodes:
-        if node.op == "output" or not has_info(node):
-            continue
-        layouts = info(node).layouts
-        vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
-        if not layouts or len(vals) != len(layouts):
-            continue
-        for val, layout in zip(vals, layouts):
-            if tuple(val.shape) != layout.local_shape(mesh_shape):
-                raise ShardingError(
-                    f"emitted {node.name} has local shape {tuple(val.shape)}, its layout "
-                    f"{layout.per_axis_str()} of {list(layout.shape)} promises {list(layout.local_shape(mesh_shape))}",
-                    op=str(node.target),
-                    where=info(node).where(),
-                    hint="this is a bug in a sharding rule's localize step; please report it",
-                )
+class _SharedCallProp(FakeTensorProp):
+    """FakeTensorProp that runs each distinct op call once and reuses its result for repeats.
+
+    A functional op's fake result is a function of its target, its constant arguments and its
+    tensor arguments' metadata (the key below), so repeated layers need not run their identical
+    calls again: a call that differs in anything (a wrong local size argument, an input of
+    another shape) gets its own key and runs. Every node is still compared with its own layout.
+    """
+
+    def __init__(
+        self,
+        module: fx.GraphModule,
+        mode: FakeTensorMode,
+        memo: dict[Any, Any],
+        mesh_shape: tuple[int, ...],
+        coords: tuple[int, ...],
+    ) -> None:
+        super().__init__(module, mode)
+        self.memo = memo  # call key -> (result, meta val); shared by the forward and backward graphs
+        self.value_keys: dict[fx.Node, Any] = {}
+        self.mesh_shape = mesh_shape
+        self.coords = coords
+        self.extra_traceback = False  # errors name the emitted node themselves
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            result = self._propagate(n)
+        except AutoparError:
+            raise
+        except Exception as exc:  # a fake kernel rejecting the local shapes it was given
+            raise ShardingError(
+                f"emitted {n.name} fails on its local inputs: {type(exc).__name__}: {exc}",
+                op=str(n.target),
+                where=info(n).where() if has_info(n) else None,
+                hint="this is a bug in a sharding rule's localize step; please report it",
+            ) from exc
+        if n.op != "output" and has_info(n):
+            _check_node(n, self.mesh_shape, self.coords)
+        return result
+
+    def _propagate(self, n: fx.Node) -> Any:
+        if n.op != "call_function" or not _pure_op(n.target):
+            return super().run_node(n)
+        try:
+            key = (n.target, self._arg_key(n.args), self._arg_key(n.kwargs))
+            found = self.memo.get(key)
+        except (TypeError, _Unkeyable):  # an unhashable or undescribable argument: just run it
+            return super().run_node(n)
+        if found is None:
+            result = super().run_node(n)
+            self.memo[key] = (result, n.meta.get("val"))
+            return result
+        n.meta["val"] = found[1]
+        return found[0]
+
+    def _arg_key(self, x: Any) -> Any:
+        if isinstance(x, fx.Node):
+            key = self.value_keys.get(x)
+            if key is None:
+                key = self.value_keys[x] = _value_key(self.env[x])
+            return key
+        if isinstance(x, (list, tuple)):
+            return (type(x), tuple([self._arg_key(v) for v in x]))
+        if isinstance(x, dict):
+            return (dict, tuple([(k, self._arg_key(v)) for k, v in x.items()]))
+        if isinstance(x, torch.Tensor):
+            raise _Unkeyable  # a tensor constant in the graph
+        return (type(x), x)
+
+
+def _value_key(v: Any) -> Any:
+    """Everything a fake kernel can see of a value."""
+    if isinstance(v, torch.Tensor):
+        return (
+            tuple(v.shape),
+            v.stride(),
+            v.storage_offset(),
+            v.dtype,
+            v.device,
+            v.layout,
+            v.requires_grad,
+            v.is_conj(),
+            v.is_neg(),
+        )
+    if isinstance(v, (list, tuple)):
+        return (type(v), tuple([_value_key(x) for x in v]))
+    if v is None or isinstance(v, (bool, int, float)):
+        return (type(v), v)
+    raise _Unkeyable
+
+
+class _Unkeyable(Exception):
+    """A value the call key cannot describe (the node is then propagated on its own)."""
+
+
+@functools.cache
+def _pure_op(target: Any) -> bool:
+    """ATen-style ops whose fake result depends only on argument metadata: no mutation, no
+    data-dependent output shape."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target._schema.is_mutable:
+        return False
+    return not any(
+        tag in target.tags for tag in (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+    )
+
+
+def _check_node(node: fx.Node, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> None:
+    layouts = info(node).layouts
+    vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    if not layouts or len(vals) != len(layouts):
+        return
+    for val, layout in zip(vals, layouts):
+        if tuple(val.shape) != layout.local_shape(mesh_shape, coords):
+            raise ShardingError(
+                f"emitted {node.name} has local shape {tuple(val.shape)}, its layout "
+                f"{layout.per_axis_str()} of {list(layout.shape)} promises "
+                f"{list(layout.local_shape(mesh_shape, coords))}",
+                op=str(node.target),
+                where=info(node).where(),
+                hint="this is a bug in a sharding rule's localize step; please report it",
+            )
 
 
 def local_value(full: torch.Tensor, layout: Layout, mesh_shape: Sequence[int], coords: Sequence[int]) -> Any:
     """This rank's block of a full tensor (parameters at start-up, inputs at call time)."""
     out = full
-    local = layout.local_shape(mesh_shape)
+    local = layout.local_shape(mesh_shape, coords)
     offsets = layout.local_offsets(mesh_shape, coords)
     for d in range(full.dim()):
         if local[d] != full.shape[d]:

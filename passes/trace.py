@@ -3,7 +3,8 @@
 torch.export first (it copes with real-world models), then AOTAutograd's joint export. Weights are
 never copied: the model is cloned with fake parameters. Every node keeps the user's module path and
 source line for dumps and errors. With more than one rank, a few fused ops whose sharded forms need
-cross-rank sums (layer norm, nll loss) are decomposed into primitive ops first.
+cross-rank sums (layer norm, nll loss) are decomposed into primitive ops, inside the joint export
+(one trace over the model, not a second pass over the joint graph).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
@@ -52,9 +54,12 @@ def trace(
         ) from exc
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
+    decompositions = sharding_decompositions() if decompose else None
     try:
         with contextlib.ExitStack() as stack:
-            joint = aot_export_joint_with_descriptors(stack, exported.module(), fake_args, fake_kwargs)
+            joint = aot_export_joint_with_descriptors(
+                stack, exported.module(), fake_args, fake_kwargs, decompositions=decompositions
+            )
             gm = joint.graph_module
     except Exception as exc:
         raise TraceError(
@@ -64,14 +69,15 @@ def trace(
             hint="the model must be differentiable with a single output that backward() is called on",
         ) from exc
     gm.graph._codegen = fx.graph.CodeGen()  # flat positional calling convention, flat outputs
-    if decompose:
-        gm = _retrace(gm, sharding_decompositions())
     _annotate(gm, model, in_spec=pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1])
     _merge_tied(gm)
     _drop_identities(gm)
     gm.graph.lint()
-    gm.recompile()
-    return gm
+    # Python code for the joint graph is generated only when someone runs or prints it: the later
+    # passes rewrite the graph and call recompile() several times, and none of them runs it.
+    lazy = _LazyGraphModule.from_graphmodule(gm)
+    lazy.meta.update(gm.meta)
+    return lazy
 
 
 def fake_clone(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
@@ -98,35 +104,6 @@ def _fakeify(value: Any, fake_mode: FakeTensorMode) -> Any:
     if isinstance(value, torch.Tensor):
         return fake_mode.from_tensor(value.detach().to("cpu") if value.device.type == "meta" else value)
     return value
-
-
-def _retrace(gm: fx.GraphModule, decompositions: dict[Any, Callable[..., Any]]) -> fx.GraphModule:
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.traceback import preserve_node_meta
-
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    values = [n.meta["val"] for n in placeholders]
-    with preserve_node_meta():
-        new = make_fx(fx.Interpreter(gm).run, decomposition_table=decompositions, tracing_mode="fake")(
-            *values
-        )
-    for old, fresh in zip(placeholders, [n for n in new.graph.nodes if n.op == "placeholder"]):
-        fresh.meta.update({k: v for k, v in old.meta.items() if k not in fresh.meta})
-        fresh.name = old.name
-    # make_fx keeps the forward module stacks but not the backward ones: restore from the source node
-    by_name = {n.name: n for n in gm.graph.nodes}
-    for node in new.graph.nodes:
-        sources = node.meta.get("from_node") or []
-        origin = by_name.get(sources[0].name) if sources else None
-        if origin is not None:
-            for key in ("fwd_nn_module_stack", "nn_module_stack", "stack_trace", "partitioner_tag"):
-                if key in origin.meta and key not in node.meta:
-                    node.meta[key] = origin.meta[key]
-    old_out = next(n for n in gm.graph.nodes if n.op == "output")
-    new_out = next(n for n in new.graph.nodes if n.op == "output")
-    new_out.meta["desc"] = old_out.meta.get("desc")
-    new_out.args = (tuple(pytree.tree_leaves(new_out.args[0], is_leaf=lambda x: x is None)),)
-    return new
 
 
 def _desc_kind(desc: Any) -> str:

@@ -51,11 +51,12 @@ def test_batch_not_divisible_by_token_axes() -> None:
     assert "multiple of 2" in str(err.value)
 
 
-def test_weight_not_divisible_names_the_parameter() -> None:
-    model = Tiny(d_in=7, d_out=9)
-    with pytest.raises(ShardingError, match=r"parameter fc\.weight of shape \[9, 7\]") as err:
-        compile_for_rank(model, Mesh.from_shape((2,)), (torch.randn(4, 7),), coords=(0,))
-    assert "x=2" in str(err.value) and "hint" in str(err.value)
+def test_weight_too_small_to_split_names_the_parameter() -> None:
+    """9 x 7 on 2 ranks is stored in uneven blocks; 5 x 3 cannot give each of 8 ranks a row."""
+    model = Tiny(d_in=3, d_out=5)
+    with pytest.raises(ShardingError, match=r"parameter fc\.weight of shape \[5, 3\]") as err:
+        compile_for_rank(model, Mesh.from_shape((8,)), (torch.randn(8, 3),), coords=(0,))
+    assert "x=8" in str(err.value) and "uneven blocks" in str(err.value) and "hint" in str(err.value)
 
 
 def test_op_without_rule_names_op_module_and_line() -> None:

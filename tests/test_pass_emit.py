@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.fx as fx
 from pass_fixtures import gpt_compiled, is_comm, model_case, propagated, rank_programs, simulate_step
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autopar.errors import ShardingError
 from autopar.layout import Layout, Shard
@@ -185,6 +187,117 @@ def test_check_local_shapes_raises_on_a_corrupted_layout(graph: str) -> None:
         check_local_shapes(prog, MESH)
     assert "promises" in str(err.value) and str(list(wrong.local_shape(MESH))) in str(err.value)
     assert err.value.where is not None and err.value.hint
+
+
+# ---- repeated blocks: the shape check runs each distinct call once, and still catches every error -
+def _gpt_program(coords: tuple[int, ...] = (0, 0, 0)) -> EmittedProgram:
+    """A fresh program of the two-block GPT: block 1 repeats block 0's op calls."""
+    mesh = Mesh.from_shape(MESH)
+    gm = insert_comm(copy.deepcopy(propagated("gpt", MESH)), mesh, coords)
+    return emit(schedule(gm), mesh, default_registry(), coords)
+
+
+def _metadata(gm: fx.GraphModule) -> dict[str, list[tuple]]:
+    out = {}
+    for node in gm.graph.nodes:
+        leaves = torch.utils._pytree.tree_leaves(node.meta.get("val"))
+        out[node.name] = [
+            (tuple(v.shape), v.stride(), v.dtype) for v in leaves if isinstance(v, torch.Tensor)
+        ]
+    return out
+
+
+def test_shape_check_reuses_repeated_calls_and_agrees_with_plain_fake_propagation(monkeypatch) -> None:
+    prog = _gpt_program()
+    runs = []
+    plain_run_node = FakeTensorProp.run_node
+
+    def counting(self: FakeTensorProp, n: fx.Node) -> object:
+        runs.append(n.op)
+        return plain_run_node(self, n)
+
+    monkeypatch.setattr(FakeTensorProp, "run_node", counting)
+    check_local_shapes(prog, MESH)
+    monkeypatch.undo()
+    calls = sum(
+        1 for gm in (prog.forward, prog.backward) for n in gm.graph.nodes if n.op == "call_function"
+    )
+    ran = runs.count("call_function")
+    assert 0 < ran < 0.75 * calls  # block 1 (and many repeats within a block) came from the memo
+    got = {"forward": _metadata(prog.forward), "backward": _metadata(prog.backward)}
+    # plain FakeTensorProp over every node gives every node the same shape, strides and dtype
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        args = [
+            torch.empty(lay.local_shape(MESH, prog.coords), dtype=lay.dtype)
+            for lay in [*prog.param_layouts, *prog.input_layouts]
+        ]
+    FakeTensorProp(prog.forward, mode).propagate(*args)
+    out = next(n for n in prog.forward.graph.nodes if n.op == "output")
+    saved = [n.meta["val"] for n in list(out.args[0])[len(prog.output_layouts) :]]
+    with mode:
+        tangents = [torch.empty((), dtype=prog.output_layouts[0].dtype)]
+    FakeTensorProp(prog.backward, mode).propagate(*saved, *tangents)
+    assert _metadata(prog.forward) == got["forward"]
+    assert _metadata(prog.backward) == got["backward"]
+
+
+def _repeated_reshape(gm: fx.GraphModule) -> fx.Node:
+    """A reshape in block 1 whose call (input shape and sizes) block 0 makes too."""
+    reshapes = [n for n in gm.graph.nodes if n.target is aten.reshape.default and not is_comm(n)]
+
+    def call(n: fx.Node) -> tuple:
+        return (tuple(n.args[0].meta["val"].shape), tuple(n.args[1]))
+
+    block0 = {call(n) for n in reshapes if info(n).module_path.startswith("blocks.0.")}
+    for node in reshapes:
+        sizes = list(node.args[1])
+        if info(node).module_path.startswith("blocks.1.") and call(node) in block0 and sizes[::-1] != sizes:
+            return node
+    raise AssertionError("no repeated reshape in block 1")
+
+
+@pytest.mark.parametrize("graph", ["forward", "backward"])
+def test_a_wrong_local_size_in_a_repeated_block_is_caught(graph: str) -> None:
+    prog = _gpt_program()
+    gm = getattr(prog, graph)
+    node = _repeated_reshape(gm)
+    good = _shape(node)
+    wrong = list(node.args[1])[::-1]  # same number of elements: the reshape itself still runs
+    node.args = (node.args[0], wrong)
+    with pytest.raises(ShardingError, match=node.name) as err:
+        check_local_shapes(prog, MESH)
+    assert f"local shape {tuple(wrong)}" in str(err.value) and str(list(good)) in str(err.value)
+    assert info(node).module_path in err.value.where
+
+
+@pytest.mark.parametrize("graph", ["forward", "backward"])
+def test_a_wrong_layout_on_a_repeated_call_is_caught(graph: str) -> None:
+    prog = _gpt_program()
+    gm = getattr(prog, graph)
+    matmuls = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+    mms = [n for n in gm.graph.nodes if n.target in matmuls and not is_comm(n)]
+
+    def call(n: fx.Node) -> tuple:
+        return (n.target, *(tuple(a.meta["val"].shape) for a in n.args))
+
+    # the last matmul whose local call an earlier matmul (in the other block) already made
+    node = next(n for n in reversed(mms) if any(call(m) == call(n) for m in mms[: mms.index(n)]))
+    assert info(node).module_path.startswith("blocks.")
+    good = info(node).layout
+    wrong = Layout.replicated(good.shape, len(MESH), good.dtype)
+    assert wrong.local_shape(MESH) != good.local_shape(MESH)
+    update_info(node, layouts=(wrong,))
+    with pytest.raises(ShardingError, match=node.name):
+        check_local_shapes(prog, MESH)
+
+
+def test_a_kernel_rejecting_local_shapes_names_the_emitted_node() -> None:
+    prog = _gpt_program()
+    node = next(n for n in prog.forward.graph.nodes if n.target is aten.reshape.default and not is_comm(n))
+    node.args = (node.args[0], [v + 1 for v in node.args[1]])  # wrong number of elements
+    with pytest.raises(ShardingError, match=f"emitted {node.name} fails on its local inputs"):
+        check_local_shapes(prog, MESH)
 
 
 # ---- end to end: the emitted programs of all ranks compute eager's loss and gradients -----------

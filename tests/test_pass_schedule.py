@@ -3,16 +3,36 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch.fx as fx
-from pass_fixtures import c10d, collectives, gpt_compiled, is_comm, rank_programs, run_lockstep, simulate_step
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pass_fixtures import (
+    c10d,
+    collectives,
+    gpt_compiled,
+    is_comm,
+    model_case,
+    propagated,
+    rank_programs,
+    run_lockstep,
+    simulate_step,
+)
 
 from autopar.layout import Layout, P, R
+from autopar.mesh import Mesh
 from autopar.meta import NodeInfo, info, set_info
-from autopar.passes.schedule import COLLECTIVES, ScheduleReport, _group, schedule
+from autopar.passes.bucket import bucket
+from autopar.passes.emit import EmittedProgram, emit, local_value
+from autopar.passes.insert_comm import insert_comm
+from autopar.passes.schedule import COLLECTIVES, ScheduleReport, _group, _tail, schedule
 from autopar.redistribute import CommStep
+from autopar.report import CollectiveRecord, build_report
+from autopar.rules.registry import default_registry
+from autopar.testing import all_coords
 
 aten = torch.ops.aten
 MESH = (2, 2, 2)
@@ -173,6 +193,8 @@ def test_collectives_sit_right_after_their_last_input(which: int) -> None:
         if n.op == "call_function" and not is_comm(n) and info(n).phase == "backward"
     )
     in_flight_until: dict[str, int] = {}
+    gradients = _tail(nodes)
+    assert gradients & set(collectives(gm))
     for coll in collectives(gm):
         last = position[max(coll.all_input_nodes, key=position.__getitem__)]
         if info(coll).phase == "backward":  # a backward collective waits for the backward to begin
@@ -182,8 +204,9 @@ def test_collectives_sit_right_after_their_last_input(which: int) -> None:
         last = max(last, previous_wait)  # one collective in flight per process group
         between = nodes[last + 1 : position[coll]]
         # no computation delays it: only communication (other collectives with their buffers, or
-        # the waits that free their groups) may sit between the moment it can start and its issue
-        assert all(is_comm(n) for n in between), (coll.name, [n.name for n in between])
+        # the waits that free their groups) may sit between the moment it can start and its issue;
+        # a gradient on its way out gives way to collectives that other work needs
+        assert coll in gradients or all(is_comm(n) for n in between), (coll.name, [n.name for n in between])
         in_flight_until[_group(coll)] = position[next(iter(coll.users))]
         # its private preparation chain (permute/clone of the buffer) moved along with it
         prep = coll.args[0]
@@ -256,3 +279,358 @@ def test_backward_collectives_are_not_hoisted_into_the_forward() -> None:
     )
     early = [n.name for n in collectives(gm) if info(n).phase == "backward" and nodes.index(n) < last_forward]
     assert early == []
+
+
+# ---- bucketing and the in-flight cap (schedule with a mesh) ----------------------------------------
+SMALL = {"a": (4, 6), "b": (3,), "c": (2, 5)}
+
+
+def _partial_input(graph: fx.Graph, name: str, index: int) -> fx.Node:
+    node = graph.placeholder(name)
+    set_info(node, NodeInfo(role="input", phase="forward", input_index=index))
+    return node
+
+
+def _reduce(graph: fx.Graph, x: fx.Node, name: str, shape: tuple[int, ...], axis: int, ndim: int) -> fx.Node:
+    before = [R] * ndim
+    before[axis] = P
+    step = CommStep("all_reduce", axis, Layout(tuple(before), shape), Layout((R,) * ndim, shape))
+    group = f"<{'xy'[axis]}>"
+    coll = _call(
+        graph,
+        f"ar_{name}",
+        c10d.all_reduce.default,
+        (x, "sum", group),
+        role="comm",
+        comm=step,
+        comm_group=group,
+    )
+    return _call(graph, f"w_{name}", c10d.wait_tensor.default, (coll,), role="comm", layouts=(step.after,))
+
+
+def _small_reductions() -> fx.GraphModule:
+    """Three small all-reduces on one group, all ready at the start (their inputs are inputs)."""
+    graph = fx.Graph()
+    inputs = {n: _partial_input(graph, n, i) for i, n in enumerate(SMALL)}
+    outs = []
+    for name, shape in SMALL.items():
+        waited = _reduce(graph, inputs[name], name, shape, 0, 1)
+        outs.append(_call(graph, f"m_{name}", aten.mul.Tensor, (waited, 2.0)))
+    graph.output(tuple(outs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _lockstep_small(gm: fx.GraphModule) -> dict[tuple[int, ...], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    args = {c: [torch.randn(s, generator=gen) for s in SMALL.values()] for c in [(0,), (1,)]}
+    return run_lockstep({c: gm for c in args}, args, (2,))
+
+
+def test_small_all_reduces_ready_together_become_one_bucket() -> None:
+    plain = _small_reductions()
+    bucketed = schedule(copy.deepcopy(plain), Mesh.from_shape((2,)))
+    report = bucketed.meta["autopar_schedule"]
+    assert (report.buckets, report.bucketed, report.collectives) == (1, 3, 1)
+    calls = [n for n in bucketed.graph.nodes if n.op == "call_function"]
+    assert [n.target for n in calls] == [
+        aten.reshape.default, aten.reshape.default, aten.reshape.default, aten.cat.default,
+        c10d.all_reduce.default, c10d.wait_tensor.default,
+        aten.narrow.default, aten.view.default, aten.narrow.default, aten.view.default,
+        aten.narrow.default, aten.view.default,
+        aten.mul.Tensor, aten.mul.Tensor, aten.mul.Tensor,
+    ]  # fmt: skip
+    flats, cat, merged = calls[:3], calls[3], calls[4]
+    assert [f.args[1] for f in flats] == [[24], [3], [10]] and cat.args == (flats, 0)
+    assert merged.args == (cat, "sum", "<x>")
+    assert [(n.args[2], n.args[3]) for n in calls[6:12:2]] == [(0, 24), (24, 3), (27, 10)]
+    assert [n.args[1] for n in calls[7:12:2]] == [[4, 6], [3], [2, 5]]
+    # the merged collective is priced as one all-reduce of the 37 elements and reports its members
+    step = info(merged).comm
+    assert step.kind == "all_reduce" and step.before.local_numel((2,)) == 37
+    assert step.bytes_sent((2,)) == sum(
+        s.bytes_sent((2,)) for s in (m.step for m in merged.meta["autopar_bucket"])
+    )
+    assert [m.name for m in merged.meta["autopar_bucket"]] == ["ar_a", "ar_b", "ar_c"]
+    want, got = _lockstep_small(plain), _lockstep_small(bucketed)
+    for c in want:
+        assert all(torch.equal(x, y) for x, y in zip(got[c], want[c]))
+
+
+def test_sums_merge_only_where_the_result_stays_bit_identical() -> None:
+    """On groups of more than two ranks a merged sum may be added in another order by the backend,
+    so by default only 2-rank groups merge reductions (all-gathers merge anywhere)."""
+    on_four = schedule(_small_reductions(), Mesh.from_shape((4,)))
+    assert on_four.meta["autopar_schedule"].buckets == 0
+    gm = _small_reductions()
+    report = bucket(gm, (4,), max_sum_group=4)
+    assert (report.buckets, report.merged) == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("max_bytes", "max_count", "sizes"), [(25 * 2**20, 2, [2, 1]), (28 * 4, 64, [2, 1]), (0, 64, [])]
+)
+def test_bucket_limits(max_bytes: int, max_count: int, sizes: list[int]) -> None:
+    """A bucket holds at most `bucket_count` collectives and `bucket_bytes` of buffer; 0 turns it off."""
+    gm = schedule(_small_reductions(), Mesh.from_shape((2,)), bucket_bytes=max_bytes, bucket_count=max_count)
+    merged = [n for n in collectives(gm) if "autopar_bucket" in n.meta]
+    assert sorted((len(n.meta["autopar_bucket"]) for n in merged), reverse=True) == [
+        s for s in sizes if s > 1
+    ]
+    assert len(collectives(gm)) == 3 - sum(s - 1 for s in sizes)
+
+
+def _capped(use_b_first: bool) -> fx.GraphModule:
+    """Two 1 KiB all-reduces on different groups, both ready at the start, and some compute."""
+    graph = fx.Graph()
+    a, b, c = (_partial_input(graph, n, i) for i, n in enumerate("abc"))
+    z1 = _call(graph, "z1", aten.mul.Tensor, (c, 2.0))
+    z2 = _call(graph, "z2", aten.add.Tensor, (z1, 1.0))
+    outs = {}
+    for name, x, axis in (("b", b, 1), ("a", a, 0)) if use_b_first else (("a", a, 0), ("b", b, 1)):
+        outs[name] = _call(
+            graph, f"use_{name}", aten.add.Tensor, (_reduce(graph, x, name, (256,), axis, 2), z2)
+        )
+    graph.output((outs["a"], outs["b"]))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_in_flight_cap_delays_an_issue_until_a_wait_frees_memory() -> None:
+    mesh = Mesh.from_shape((2, 2))
+    assert _names(_capped(False)) == [
+        "a", "b", "c", "z1", "z2", "ar_a", "w_a", "use_a", "ar_b", "w_b", "use_b", "output",
+    ]  # fmt: skip
+    free = schedule(_capped(False), mesh)
+    assert _names(free) == [
+        "a",
+        "ar_a",
+        "b",
+        "ar_b",
+        "c",
+        "z1",
+        "z2",
+        "w_a",
+        "use_a",
+        "w_b",
+        "use_b",
+        "output",
+    ]
+    assert free.meta["autopar_schedule"].cap_delays == 0
+    capped = schedule(_capped(False), mesh, in_flight_bytes=1500)  # room for one 1024-byte result
+    # ar_b is ready at b but waits until w_a frees ar_a's buffer
+    assert _names(capped) == [
+        "a",
+        "ar_a",
+        "b",
+        "c",
+        "z1",
+        "z2",
+        "w_a",
+        "ar_b",
+        "use_a",
+        "w_b",
+        "use_b",
+        "output",
+    ]
+    report = capped.meta["autopar_schedule"]
+    assert (report.cap_delays, report.cap_delayed, report.cap_forced_waits) == (1, ["ar_b"], 0)
+    assert "in-flight memory cap: 1 issues delayed" in _summary_line(report)
+
+
+def test_in_flight_cap_forces_a_wait_when_a_collective_is_needed_now() -> None:
+    capped = schedule(_capped(True), Mesh.from_shape((2, 2)), in_flight_bytes=1500)
+    # ar_a is issued first (ready first) and ar_b held back; use_b comes first and needs ar_b now,
+    # so ar_a's wait moves up to make room
+    assert _names(capped) == [
+        "a",
+        "ar_a",
+        "b",
+        "c",
+        "z1",
+        "z2",
+        "w_a",
+        "ar_b",
+        "w_b",
+        "use_b",
+        "use_a",
+        "output",
+    ]
+    report = capped.meta["autopar_schedule"]
+    assert (report.cap_delayed, report.cap_forced_waits) == (["ar_b"], 1)
+    assert "1 issues delayed, 1 waits moved earlier" in _summary_line(report)
+
+
+def _summary_line(report: ScheduleReport) -> str:
+    from autopar.report import PlanReport
+
+    return str(
+        PlanReport(mesh="(x=2, y=2)", world_size=4, param_bytes_local=0, param_bytes_total=0, schedule=report)
+    )
+
+
+# ---- compiled models: bucketing and any schedule settings keep every number ----------------------
+PROPERTY_MESH = (2, 2)
+
+
+def _programs(
+    key: str, shape: tuple[int, ...], **settings: object
+) -> dict[tuple[int, ...], tuple[fx.GraphModule, EmittedProgram]]:
+    """Stages 3-5 per rank; `settings=None` keeps insert_comm's order (no schedule at all)."""
+    mesh = Mesh.from_shape(shape)
+    out = {}
+    for coords in all_coords(shape):
+        gm = insert_comm(copy.deepcopy(propagated(key, shape)), mesh, coords)
+        if settings.get("off") is None:
+            gm = schedule(gm, mesh, **settings)  # type: ignore[arg-type]
+        out[coords] = (gm, emit(gm, mesh, default_registry(), coords))
+    return out
+
+
+def _step(key: str, shape: tuple[int, ...], programs: dict) -> dict[tuple[int, ...], list[torch.Tensor]]:
+    """Forward then backward of every rank in lockstep; outputs and gradients per rank."""
+    model, inputs = model_case(key)
+    params = dict(model.named_parameters())
+    progs = {c: p for c, (_, p) in programs.items()}
+    fwd_args = {
+        c: [local_value(params[n].detach(), lay, shape, c) for n, lay in zip(p.param_names, p.param_layouts)]
+        + [local_value(x, lay, shape, c) for x, lay in zip(inputs, p.input_layouts)]
+        for c, p in progs.items()
+    }
+    fwd = run_lockstep({c: p.forward for c, p in progs.items()}, fwd_args, shape)
+    bwd_args = {}
+    for c, p in progs.items():
+        nu = len(p.output_layouts)
+        tangents = [torch.ones(p.output_layouts[i].local_shape(shape)) for i in p.tangent_outputs]
+        bwd_args[c] = [*fwd[c][nu:], *tangents]
+    bwd = run_lockstep({c: p.backward for c, p in progs.items()}, bwd_args, shape)
+    return {c: fwd[c][: len(progs[c].output_layouts)] + bwd[c] for c in progs}
+
+
+@functools.cache
+def _reference(key: str, shape: tuple[int, ...]) -> dict[tuple[int, ...], list[torch.Tensor]]:
+    return _step(key, shape, _programs(key, shape, off=True))
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for c in want:
+        assert len(got[c]) == len(want[c])
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got[c], want[c])), c
+
+
+def test_bucketed_mlp_is_bit_identical_and_reports_every_collective() -> None:
+    programs = _programs("mlp", PROPERTY_MESH)
+    gm, program = programs[(0, 0)]
+    report = gm.meta["autopar_schedule"]
+    assert report.buckets >= 1 and report.bucketed >= 2 * report.buckets
+    _assert_same(_step("mlp", PROPERTY_MESH, programs), _reference("mlp", PROPERTY_MESH))
+    # the plan report still lists every collective the plan asked for, each with its own bytes
+    mesh = Mesh.from_shape(PROPERTY_MESH)
+    plain = build_report(_programs("mlp", PROPERTY_MESH, off=True)[(0, 0)][1], mesh)
+    bucketed = build_report(program, mesh)
+
+    def key(r: CollectiveRecord) -> tuple:
+        return (r.node, r.phase, r.kind, r.axis, r.bytes, r.module_path, r.layout_before, r.layout_after)
+
+    assert sorted(map(key, bucketed.collectives)) == sorted(map(key, plain.collectives))
+    assert sum(1 for r in bucketed.collectives if r.bucket) == report.bucketed
+
+
+def _check_order(gm: fx.GraphModule, max_in_flight: int) -> None:
+    """A topological order in which no group has more than `max_in_flight` collectives outstanding."""
+    seen: set[fx.Node] = set()
+    flying: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        assert all(i in seen for i in node.all_input_nodes), node.name
+        seen.add(node)
+        if node.op == "call_function" and node.target in COLLECTIVES:
+            flying.setdefault(_group(node), []).append(node)
+            assert len(flying[_group(node)]) <= max_in_flight, node.name
+        elif node.op == "call_function" and node.target is c10d.wait_tensor.default:
+            flying[_group(node.args[0])].remove(node.args[0])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    bucket_bytes=st.sampled_from([0, 256, 4096, 25 * 2**20]),
+    bucket_count=st.integers(2, 6),
+    in_flight_bytes=st.sampled_from([0, 2048, 2**16, 2**30]),
+    lookahead=st.sampled_from([0, 3, 64]),
+    max_in_flight=st.integers(1, 2),
+)
+def test_any_schedule_is_a_valid_order_with_identical_results(
+    bucket_bytes: int, bucket_count: int, in_flight_bytes: int, lookahead: int, max_in_flight: int
+) -> None:
+    programs = _programs(
+        "mlp",
+        PROPERTY_MESH,
+        bucket_bytes=bucket_bytes,
+        bucket_count=bucket_count,
+        in_flight_bytes=in_flight_bytes,
+        lookahead=lookahead,
+        max_in_flight=max_in_flight,
+    )
+    for gm, _ in programs.values():
+        _check_order(gm, max_in_flight)
+        report = gm.meta["autopar_schedule"]
+        assert bucket_bytes > 0 or report.buckets == 0
+        assert all(len(n.meta.get("autopar_bucket", ())) <= bucket_count for n in collectives(gm))
+    _assert_same(_step("mlp", PROPERTY_MESH, programs), _reference("mlp", PROPERTY_MESH))
+
+
+def _gradient_and_activation() -> fx.GraphModule:
+    """Backward: a weight gradient (feeds one output) and an input gradient (feeds two) reduced on
+    the same group, in the order insert_comm leaves them."""
+    graph = fx.Graph()
+    g, d = (_partial_input(graph, n, i) for i, n in enumerate("gd"))
+
+    def node(name: str, target: object, args: tuple, role: str = "compute", **extra: object) -> fx.Node:
+        made = graph.create_node("call_function", target, args, {}, name=name)
+        set_info(made, NodeInfo(role=role, phase="backward", **extra))  # type: ignore[arg-type]
+        return made
+
+    step = CommStep("all_reduce", 0, Layout((P,), (8,)), Layout((R,), (8,)))
+    wgrad = node("wgrad", aten.mul.Tensor, (g, d))
+    rs_w = node("rs_w", c10d.all_reduce.default, (wgrad, "sum", "<x>"), "comm", comm=step, comm_group="<x>")
+    w_w = node("w_w", c10d.wait_tensor.default, (rs_w,), "comm", layouts=(step.after,))
+    gout = node("gout", aten.mul.Tensor, (w_w, 0.5))
+    dgrad = node("dgrad", aten.add.Tensor, (g, 1.0))
+    ar_d = node("ar_d", c10d.all_reduce.default, (dgrad, "sum", "<x>"), "comm", comm=step, comm_group="<x>")
+    w_d = node("w_d", c10d.wait_tensor.default, (ar_d,), "comm", layouts=(step.after,))
+    h = node("h", aten.mul.Tensor, (w_d, 3.0))
+    k1 = node("k1", aten.add.Tensor, (h, 1.0))
+    k2 = node("k2", aten.mul.Tensor, (h, 2.0))
+    graph.output((gout, k1, k2))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_a_gradient_gives_way_to_a_collective_needed_sooner() -> None:
+    gm = _gradient_and_activation()
+    assert {n.name for n in _tail(list(gm.graph.nodes))} == {"wgrad", "rs_w", "w_w", "gout", "k1", "k2"}
+    schedule(gm)
+    # rs_w is ready first, but ar_d (whose result the next nodes need) takes the group first; the
+    # gradient goes as soon as the group is free, and nothing waits for it before the end
+    assert _names(gm) == [
+        "g",
+        "d",
+        "wgrad",
+        "dgrad",
+        "ar_d",
+        "w_d",
+        "rs_w",
+        "h",
+        "k1",
+        "k2",
+        "w_w",
+        "gout",
+        "output",
+    ]
+    report = gm.meta["autopar_schedule"]
+    assert report.yielded >= 1 and report.deferred == 1
+    args = {
+        c: [torch.randn(8, generator=torch.Generator().manual_seed(c[0] + 3)) for _ in "gd"]
+        for c in [(0,), (1,)]
+    }
+    want = run_lockstep({c: _gradient_and_activation() for c in args}, args, (2,))
+    got = run_lockstep({c: gm for c in args}, args, (2,))
+    for c in args:
+        assert all(torch.equal(x, y) for x, y in zip(got[c], want[c]))

@@ -197,3 +197,42 @@ def test_a_meta_device_model_traces_to_the_same_graph() -> None:
     shapes = [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder"]
     assert shapes == [tuple(n.meta["val"].shape) for n in ref.graph.nodes if n.op == "placeholder"]
     assert [str(n.target) for n in gm.graph.nodes] == [str(n.target) for n in ref.graph.nodes]
+
+
+def test_decomposed_ops_keep_the_module_and_phase_of_the_op_they_replace() -> None:
+    gm, _, _ = _traced(True)
+    plain, _, _ = _traced(False)
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    for fused in (
+        torch.ops.aten.native_layer_norm.default,
+        torch.ops.aten.native_layer_norm_backward.default,
+        torch.ops.aten.nll_loss_forward.default,
+        torch.ops.aten.nll_loss_backward.default,
+    ):
+        assert fused not in targets
+        assert fused in {n.target for n in plain.graph.nodes if n.op == "call_function"}
+    # the layer norm backward became sums and pointwise ops, still attributed to the norm module
+    for path in ("blocks.0.ln_1", "blocks.1.ln_2", "ln_f"):
+        back = [
+            n
+            for n in gm.graph.nodes
+            if n.op == "call_function" and info(n).module_path == path and info(n).phase == "backward"
+        ]
+        assert torch.ops.aten.sum.dim_IntList in {n.target for n in back}, path
+        fwd = [n for n in gm.graph.nodes if n.op == "call_function" and info(n).module_path == path]
+        assert torch.ops.aten.rsqrt.default in {n.target for n in fwd}, path
+
+
+def test_the_joint_module_regenerates_its_code_after_a_pass_edits_the_graph() -> None:
+    model, inputs = make_gpt(0, n_layer=1)
+    gm = trace(model, inputs, decompose=True)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = output.args[0][0]
+    with gm.graph.inserting_before(output):
+        doubled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (loss, 2.0))
+    output.args = ((doubled, *output.args[0][1:]),)
+    gm.recompile()  # what insert_comm and schedule do after editing
+    assert "aten.mul.Tensor(" in gm.code
+    got, _ = _run_joint(gm, model, inputs)
+    want, _ = _eager(model, inputs)
+    torch.testing.assert_close(got, 2 * want, atol=1e-5, rtol=1e-5)

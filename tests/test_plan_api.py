@@ -61,3 +61,60 @@ def test_report_json_and_explain(plans: dict[str, autopar.PlanResult]) -> None:
     assert "blocks.0.attn.qkv" in text and "reason:" in text and "inputs wanted:" in text
     with pytest.raises(KeyError):
         result.explain("no_such_node")
+
+
+@pytest.fixture(scope="module")
+def compared(batch: tuple[torch.Tensor, torch.Tensor]) -> autopar.PlanResult:
+    with torch.device("meta"):
+        model = GPT(CFG)
+    return autopar.plan(model, (2, 2, 2), batch, planner="search", hardware="v100-cluster", compare=True)
+
+
+def test_compare_prices_the_fixed_plans_of_the_same_graph(compared: autopar.PlanResult) -> None:
+    rows = compared.comparison
+    assert [c.name for c in rows] == ["chosen (search)", "1-D Megatron", "2-D SUMMA", "3-D cube"]
+    assert rows[0].result is compared
+    shapes = {c.name: c.mesh_shape for c in rows}
+    assert shapes["1-D Megatron"] == (8,) and shapes["3-D cube"] == (2, 2, 2)
+    assert shapes["2-D SUMMA"] is not None and sorted(shapes["2-D SUMMA"]) == [2, 4]
+    for c in rows:
+        r = c.result
+        assert r is not None and r.mesh.size == 8 and r.hardware == "v100-cluster"
+        assert 0 < r.comm_elements <= r.comm_bytes <= 8 * r.comm_elements  # f32 mostly; masks, indices
+        assert r.step_time == pytest.approx(r.comm_time + r.compute_time)
+        assert r.memory.total > r.memory.params > 0
+    # every plan does the same model's work: compute differs only by what some plans replicate
+    computes = [c.result.compute_time for c in rows if c.result is not None]
+    assert max(computes) < 3 * min(computes)
+    # 1-D Megatron stores each linear weight 1/8 per rank with no weight collectives
+    megatron = rows[1].result
+    assert megatron is not None
+    assert not any(c.kind == "all_gather" and "weight" in c.node for c in megatron.compiled.report.collectives)
+
+
+def test_compare_report_text_and_json(compared: autopar.PlanResult) -> None:
+    text = compared.compare_text()
+    assert "step / chosen" in text and "1.00x" in text and "2-D SUMMA" in text
+    assert "3-D cube (" in text  # the scheme's axes and letters
+    assert "comparison on v100-cluster" in str(compared)
+    data = json.loads(json.dumps(compared.to_json()))["comparison"]
+    assert [d["name"] for d in data] == [c.name for c in compared.comparison]
+    for d, c in zip(data, compared.comparison):
+        assert c.result is not None
+        assert d["feasible"] and d["step_seconds"] == pytest.approx(c.result.step_time)
+        assert d["step_time_over_chosen"] == pytest.approx(c.result.step_time / compared.step_time)
+        assert d["comm_elements_per_rank"] == pytest.approx(c.result.comm_elements)
+        assert d["memory_bytes_per_rank"] == pytest.approx(c.result.memory.total)
+
+
+def test_compare_reports_an_infeasible_scheme(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    with torch.device("meta"):
+        model = GPT(CFG)  # 8 heads: no 1-D Megatron over 16 ranks; 16 is not a cube
+    result = autopar.plan(model, (2, 8), batch, planner="greedy", compare=True)
+    rows = {c.name: c for c in result.comparison}
+    assert rows["1-D Megatron"].result is None and "heads 8 % 16 != 0" in rows["1-D Megatron"].note
+    assert rows["3-D cube"].result is None and "q^3" in rows["3-D cube"].note
+    assert rows["2-D SUMMA"].result is not None
+    data = result.to_json()["comparison"]
+    assert {d["name"]: d["feasible"] for d in data}["1-D Megatron"] is False
+    assert "infeasible" in result.compare_text()

@@ -1,0 +1,289 @@
+"""Automatic mesh choice: the factorization of the world size with the lowest modeled step time.
+
+Every way to write the world size as a product of up to four factors larger than one is a
+candidate mesh, in the order of its axes: one to three axes are named x, y, z and a fourth leading
+one dp (`autopar.mesh.default_axis_names`); axes of size 1 change nothing and are left out, so 8
+ranks give (8), (2, 4), (4, 2) and (2, 2, 2). Order matters: ranks are row-major, so the last axis
+is the one whose groups stay inside a node. The model is traced once; each candidate is planned on
+that graph (the search tries every tensor/token role of the axes, so a mesh's names only pick its
+default roles) and priced on the hardware table: communication and compute seconds per step and
+memory per rank. The fastest candidate that fits the memory limit wins; ties go to the earlier
+candidate, so the choice is deterministic. Under `parallelize` rank 0 chooses and broadcasts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.errors import AutoparError, MemoryLimitError, MeshError
+from autopar.mesh import Mesh, default_axis_names
+from autopar.passes.trace import trace
+from autopar.planner import choose_layouts
+from autopar.rules.base import RuleRegistry
+from autopar.rules.registry import default_registry
+from autopar.search import (
+    SearchPlan,
+    TimeCost,
+    default_memory_limit,
+    fit_memory,
+    format_bytes,
+    plan_cost_parts,
+    search_layouts,
+)
+
+MAX_AXES = 4
+
+
+@dataclass(frozen=True)
+class MeshCandidate:
+    """One factorization of the world size and how its plan is modeled to run."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    comm_time: float = math.nan  # s per step, collectives one after another
+    compute_time: float = math.nan  # s per step
+    memory: float = math.nan  # bytes per rank (for a plan that does not fit: the leanest found)
+    fits: bool = False
+    roles: tuple[str, ...] = ()
+    error: str = ""  # why it has no plan (memory, or a dim no axis split divides)
+
+    @property
+    def step_time(self) -> float:
+        return self.comm_time + self.compute_time
+
+    @property
+    def label(self) -> str:
+        return "x".join(map(str, self.shape)) + " (" + ",".join(self.names) + ")"
+
+
+@dataclass
+class MeshChoice:
+    """The ranked candidates: those that fit by step time, then the others."""
+
+    world_size: int
+    hardware: str
+    planner: str
+    memory_limit: float
+    candidates: list[MeshCandidate] = field(default_factory=list)
+
+    @property
+    def chosen(self) -> MeshCandidate:
+        return self.candidates[0]
+
+    def table(self) -> str:
+        rows = [("rank", "mesh", "step ms", "comm ms", "compute ms", "memory/rank", "roles / why not")]
+        for i, c in enumerate(self.candidates, 1):
+            if c.fits:
+                rows.append(
+                    (
+                        str(i),
+                        c.label,
+                        f"{c.step_time * 1e3:.4f}",
+                        f"{c.comm_time * 1e3:.4f}",
+                        f"{c.compute_time * 1e3:.4f}",
+                        format_bytes(c.memory),
+                        "/".join(c.roles),
+                    )
+                )
+            else:
+                memory = format_bytes(c.memory) if math.isfinite(c.memory) else "-"
+                rows.append(("-", c.label, "-", "-", "-", memory, c.error))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        limit = format_bytes(self.memory_limit) if math.isfinite(self.memory_limit) else "none"
+        head = (
+            f"mesh choice for {self.world_size} ranks on {self.hardware} ({self.planner} planner, "
+            f"memory limit {limit} per rank):"
+        )
+        return "\n".join([head] + ["  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows])
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "mesh": dict(zip(c.names, c.shape)),
+                "fits": c.fits,
+                "step_seconds": c.step_time if c.fits else None,
+                "comm_seconds": c.comm_time if c.fits else None,
+                "compute_seconds": c.compute_time if c.fits else None,
+                "memory_bytes_per_rank": c.memory if math.isfinite(c.memory) else None,
+                "roles": list(c.roles),
+                "error": c.error,
+            }
+            for c in self.candidates
+        ]
+
+
+def mesh_candidates(
+    world_size: int, max_axes: int = MAX_AXES
+) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Every ordered factorization of `world_size` into 1..`max_axes` factors > 1, with names."""
+    if world_size < 1:
+        raise MeshError(f"world size must be >= 1, got {world_size}")
+    if world_size == 1:
+        return [((1,), ("x",))]
+    result = []
+    for n in range(1, max_axes + 1):
+        for shape in _factorizations(world_size, n):
+            result.append((shape, default_axis_names(n)))
+    return result
+
+
+def _factorizations(p: int, n: int) -> list[tuple[int, ...]]:
+    divisors = [d for d in range(2, p + 1) if p % d == 0]
+    return [
+        (*head, p // math.prod(head))
+        for head in itertools.product(divisors, repeat=n - 1)
+        if p % math.prod(head) == 0 and p // math.prod(head) > 1
+    ]
+
+
+def choose_mesh(
+    model: nn.Module,
+    world_size: int,
+    example_inputs: Sequence[Any],
+    *,
+    hardware: str = "h100-nvlink-ib",
+    planner: str = "search",
+    memory_limit: float | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    registry: RuleRegistry | None = None,
+    candidates: Sequence[tuple[tuple[int, ...], tuple[str, ...]]] | None = None,
+) -> MeshChoice:
+    """Plan `model` on every candidate mesh of `world_size` ranks and rank them (see module doc).
+
+    Raises `MemoryLimitError` when no candidate fits (with the leanest candidate's need) and
+    `ShardingError`-like `AutoparError`s when no candidate has a plan at all.
+    """
+    registry = registry if registry is not None else default_registry()
+    gm = trace(model, tuple(example_inputs), decompose=world_size > 1, example_kwargs=example_kwargs)
+    evaluated = []
+    limit = math.inf
+    for shape, names in candidates if candidates is not None else mesh_candidates(world_size):
+        mesh = Mesh.from_shape(tuple(shape), tuple(names))
+        if mesh.size != world_size:
+            raise MeshError(f"candidate mesh {mesh} does not have {world_size} ranks")
+        cost = TimeCost(hardware, mesh.shape)
+        limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
+        evaluated.append(_evaluate(gm, mesh, registry, cost, planner, limit))
+    order = sorted(
+        range(len(evaluated)),
+        key=lambda i: (
+            0 if evaluated[i].fits else 1 if math.isfinite(evaluated[i].memory) else 2,
+            evaluated[i].step_time if evaluated[i].fits else evaluated[i].memory,
+            i,
+        ),
+    )
+    choice = MeshChoice(world_size, hardware, planner, limit, [evaluated[i] for i in order])
+    if not choice.candidates or not choice.chosen.fits:
+        raise _no_mesh_error(choice)
+    return choice
+
+
+def _evaluate(
+    gm: Any, mesh: Mesh, registry: RuleRegistry, cost: TimeCost, planner: str, limit: float
+) -> MeshCandidate:
+    try:
+        if planner == "search":
+            plan: SearchPlan = search_layouts(gm, mesh, registry, cost=cost, memory_limit=limit)
+        elif planner == "greedy":
+            plan = fit_memory(gm, choose_layouts(gm, mesh, registry), mesh, cost, limit)
+        else:
+            raise AutoparError(f"unknown planner {planner!r}", hint='use "search" or "greedy"')
+    except MemoryLimitError as exc:
+        return MeshCandidate(mesh.shape, mesh.axis_names, memory=exc.memory, error="does not fit in memory")
+    except AutoparError as exc:
+        return MeshCandidate(mesh.shape, mesh.axis_names, error=f"{type(exc).__name__}: {exc.message}"[:160])
+    comm, compute = plan_cost_parts(gm, plan, mesh, cost)
+    memory = plan.memory.total if plan.memory is not None else math.nan
+    return MeshCandidate(mesh.shape, mesh.axis_names, comm, compute, memory, True, plan.roles)
+
+
+def _no_mesh_error(choice: MeshChoice) -> AutoparError:
+    table = choice.table()
+    lean = [c for c in choice.candidates if math.isfinite(c.memory)]
+    if lean:
+        best = min(lean, key=lambda c: c.memory)
+        return MemoryLimitError(
+            f"no mesh of {choice.world_size} ranks fits the memory limit of {format_bytes(choice.memory_limit)} "
+            f"per rank; the leanest, {best.label}, needs {format_bytes(best.memory)}\n{table}",
+            memory=best.memory,
+            limit=choice.memory_limit,
+            hint="use more ranks, a smaller batch or sequence, or a larger memory_limit",
+        )
+    return AutoparError(
+        f"no mesh of {choice.world_size} ranks has a plan for this model\n{table}",
+        hint="use a world size whose factors divide the model's batch and hidden dims",
+    )
+
+
+def default_hardware(device_type: str) -> str:
+    """The table a mesh choice prices on when none is given: measured CPU/gloo, else H100."""
+    return "cpu-gloo" if device_type == "cpu" else "h100-nvlink-ib"
+
+
+def auto_device_mesh(
+    model: nn.Module,
+    mesh: DeviceMesh | int,
+    example_inputs: Sequence[Any],
+    *,
+    hardware: str | None = None,
+    planner: str = "search",
+    memory_limit: float | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    registry: RuleRegistry | None = None,
+) -> tuple[DeviceMesh, MeshChoice]:
+    """`parallelize(..., mesh_shape="auto")`: rank 0 chooses, every rank builds the same DeviceMesh.
+
+    `mesh` is the job's DeviceMesh (its device type and size are kept, its shape is not) or the
+    world size. A failure on rank 0 is raised on every rank, so none waits in a collective.
+    """
+    if not dist.is_initialized():
+        raise MeshError(
+            "torch.distributed is not initialized", hint="run under torchrun or init_process_group first"
+        )
+    world = dist.get_world_size()
+    size = mesh.size() if isinstance(mesh, DeviceMesh) else int(mesh)
+    if size != world:
+        raise MeshError(
+            f"asked for {size} ranks but the job has {world}", hint=f"pass {world} or the job's DeviceMesh"
+        )
+    device_type = (
+        mesh.device_type if isinstance(mesh, DeviceMesh) else "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = (
+                "choice",
+                choose_mesh(
+                    model,
+                    world,
+                    example_inputs,
+                    hardware=hardware or default_hardware(device_type),
+                    planner=planner,
+                    memory_limit=memory_limit,
+                    example_kwargs=example_kwargs,
+                    registry=registry,
+                ),
+            )
+        except Exception as exc:  # every rank must hear about it, whatever it is
+            error = (
+                exc
+                if isinstance(exc, AutoparError)
+                else AutoparError(f"mesh choice failed on rank 0: {exc!r}")
+            )
+            payload[0] = ("error", error)
+    dist.broadcast_object_list(payload, src=0)
+    kind, value = payload[0]
+    if kind == "error":
+        raise value
+    chosen = value.chosen
+    return init_device_mesh(device_type, chosen.shape, mesh_dim_names=chosen.names), value

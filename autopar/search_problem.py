@@ -1,0 +1,466 @@
+"""The plan search's objective as arrays, and its exact block moves (see `autopar.search`).
+
+Every decided op is a variable whose values are its candidate strategies. `unary` holds each
+candidate's own cost (compute, parameter gathers, fixed inputs, user outputs, gradient reductions,
+and under a memory price the saved activations), edges hold the redistribution between a producer's
+layouts and a consumer's wanted layouts. Chains are solved exactly by dynamic programming.
+
+Repeated layers make most of this repeat: candidate lists are shared by every op with the same
+signature (`expand_cached`), so the per-candidate vectors and edge index arrays are computed once
+per candidate list, and a chain's dynamic program is memoized by its structure (edge tables and
+index arrays) plus its local cost vectors. Two layers whose neighbourhoods agree therefore cost one
+solve, which is what keeps a 32-layer search close to a 4-layer one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch.fx as fx
+
+from autopar.layout import Layout, Partial, Replicate
+from autopar.mesh import Mesh
+from autopar.meta import signature
+from autopar.plan_memory import SavedValue, plan_memory, saved_nodes, weight_chain
+from autopar.planner import Plan, expand_cached, global_work, op_call, output_index, tensor_inputs, work_split
+from autopar.rules.base import RuleRegistry, Strategy
+
+MAX_CANDIDATES = 512
+_getitem = operator.getitem
+
+
+class Cost(Protocol):
+    shape: tuple[int, ...]
+
+    def redistribute(self, src: Layout, dst: Layout) -> float: ...
+
+    def gather_from_storage(self, want: Layout) -> float: ...
+
+    def compute(self, work: float, split: int) -> float: ...
+
+
+@dataclass
+class _Var:
+    name: str
+    cands: list[Strategy]
+    key: Any  # identifies `cands` (shared by every op with the same candidate list)
+    base: np.ndarray  # time cost of each candidate
+    unary: np.ndarray  # base plus the memory price
+    current: int
+    edges: list[_Edge] = field(default_factory=list)
+    memory: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (bytes, regather cost)
+
+
+@dataclass
+class _Edge:
+    """Producer u's layout (an output, or an input it laid out) feeding consumer v's input."""
+
+    u: int
+    v: int
+    table: np.ndarray  # cost between the distinct layouts on each side
+    out_index: np.ndarray  # per candidate of u: row of `table`
+    in_index: np.ndarray  # per candidate of v: column of `table`
+
+    def for_consumer(self, u_choice: int) -> np.ndarray:
+        return self.table[self.out_index[u_choice], self.in_index]
+
+    def for_producer(self, v_choice: int) -> np.ndarray:
+        return self.table[self.out_index, self.in_index[v_choice]]
+
+    def matrix(self) -> np.ndarray:
+        return self.table[np.ix_(self.out_index, self.in_index)]
+
+    def value(self, u_choice: int, v_choice: int) -> float:
+        return float(self.table[self.out_index[u_choice], self.in_index[v_choice]])
+
+
+@dataclass
+class Tally:
+    """How much of the work the memoization saved (reported by the search)."""
+
+    solves: int = 0
+    memo_hits: int = 0
+    distinct_chains: int = 0
+
+
+class Problem:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        mesh: Mesh,
+        registry: RuleRegistry,
+        seed: Plan,
+        cost: Cost,
+        expand_cache: dict[Any, list[Strategy]],
+    ) -> None:
+        self.shape = tuple(mesh.shape)
+        self.cost = cost
+        self.seed = seed
+        self.tally = Tally()
+        nodes = {n.name: n for n in gm.graph.nodes}
+        self.index = {name: i for i, name in enumerate(seed.decided)}
+        self.vars: list[_Var] = []
+        self.edges: list[_Edge] = []
+        self._tables: dict[Any, np.ndarray] = {}
+        self._vectors: dict[Any, Any] = {}  # per candidate list: layouts, splits, costs
+        self._positions: dict[int, dict[Strategy, int]] = {}
+        self._interned: dict[tuple[Layout, ...], tuple[Layout, ...]] = {}
+        self._memo: dict[tuple[int, bytes], np.ndarray] = {}
+        for name in seed.decided:
+            node = nodes[name]
+            rule = registry.get(node.target)
+            listed = expand_cached(node, rule, op_call(node), self.shape, expand_cache)
+            chosen = seed.strategies[name]
+            at = self._position(listed).get(chosen)
+            key: tuple[int, Strategy | None] = (id(listed), None)
+            cands = listed
+            if at is None:
+                cands, key, at = [*listed, chosen], (id(listed), chosen), len(listed)
+            work = global_work(node)
+            base = self._cached(("compute", key, work), lambda c=cands, w=work: self._compute(c, w))  # type: ignore[misc]
+            self.vars.append(_Var(name, cands, key, base.copy(), base.copy(), at))
+        for name in seed.decided:
+            self._inputs(nodes[name], seed)
+        self._outputs(gm, seed)
+        for var in self.vars:
+            if len(var.cands) > MAX_CANDIDATES:
+                self._prune(var)
+        for var in self.vars:
+            var.unary = var.base.copy()
+        self._gm = gm
+        self._fixed_bytes: float | None = None  # saved bytes no variable decides; set by _memory
+        self.chains = self._chains()
+        self._signatures = self._chain_signatures()
+
+    # ---- building the objective ----------------------------------------------------------------
+    def _position(self, listed: list[Strategy]) -> dict[Strategy, int]:
+        found = self._positions.get(id(listed))
+        if found is None:
+            found = self._positions[id(listed)] = {}
+            for i, s in enumerate(listed):
+                found.setdefault(s, i)
+        return found
+
+    def _cached(self, key: Any, make: Callable[[], Any]) -> Any:
+        found = self._vectors.get(key)
+        if found is None:
+            found = self._vectors[key] = make()
+        return found
+
+    def _compute(self, cands: list[Strategy], work: float) -> np.ndarray:
+        splits = [work_split(s, self.shape) for s in cands]
+        by_split = {s: self.cost.compute(work, s) for s in set(splits)}
+        return np.array([by_split[s] for s in splits], dtype=float)
+
+    def _layouts(self, var: _Var, side: str, k: int) -> tuple[tuple[Layout, ...], np.ndarray]:
+        """The distinct layouts of `var`'s candidates at input / output k, and each candidate's row."""
+
+        def make() -> tuple[tuple[Layout, ...], np.ndarray]:
+            keys: dict[Layout, int] = {}
+            pick = (lambda s: s.inputs[k]) if side == "in" else (lambda s: s.outputs[k])
+            index = np.array([keys.setdefault(pick(s), len(keys)) for s in var.cands], dtype=np.intp)
+            distinct = tuple(keys)
+            return self._interned.setdefault(distinct, distinct), index  # equal tuples: one table
+
+        return self._cached(("layouts", var.key, side, k), make)
+
+    def _per_candidate(
+        self, var: _Var, side: str, k: int, what: Any, price: Callable[[Layout], float]
+    ) -> np.ndarray:
+        layouts, index = self._layouts(var, side, k)
+        distinct = self._cached(
+            ("price", var.key, side, k, what), lambda: np.array([price(x) for x in layouts], dtype=float)
+        )
+        return distinct[index]
+
+    def _inputs(self, node: fx.Node, seed: Plan) -> None:
+        v = self.index[node.name]
+        var = self.vars[v]
+        kinds = seed.deferred_inputs[node.name]
+        for j, (src, kind) in enumerate(zip(tensor_inputs(node), kinds)):
+            if kind == "param":
+                var.base += self._per_candidate(var, "in", j, "gather", self.cost.gather_from_storage)
+                continue
+            if kind == "replica":
+                continue
+            producer = self._producer(src, seed)
+            if producer is None:
+                have = seed.layouts[src.name][0]
+                var.base += self._per_candidate(
+                    var,
+                    "in",
+                    j,
+                    ("from", have),
+                    lambda w, have=have: self.cost.redistribute(have, w),  # type: ignore[misc]
+                )
+                continue
+            u, side, k = producer
+            self._edge(u, v, self._layouts(self.vars[u], side, k), self._layouts(var, "in", j))
+
+    def _producer(self, src: fx.Node, seed: Plan) -> tuple[int, str, int] | None:
+        if src.name in self.index:
+            return self.index[src.name], "out", 0
+        if src.target is _getitem and isinstance(src.args[0], fx.Node) and src.args[0].name in self.index:
+            return self.index[src.args[0].name], "out", output_index(src)
+        if src.name in seed.resolved_by:
+            owner, j = seed.resolved_by[src.name]
+            if owner in self.index:
+                return self.index[owner], "in", j
+        return None
+
+    def _outputs(self, gm: fx.GraphModule, seed: Plan) -> None:
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        nu = signature(gm).num_user_outputs
+        for i, src in enumerate(output.args[0]):
+            producer = self._producer(src, seed) if isinstance(src, fx.Node) else None
+            if producer is None:
+                continue
+            u, side, k = producer
+            var = self.vars[u]
+            if i < nu:  # the user gets it without pending sums (a loss: replicated)
+                var.base += self._per_candidate(
+                    var, side, k, "settle", lambda o: self.cost.redistribute(o, settled(o))
+                )
+            else:  # a gradient: reduced into the parameter's storage
+                var.base += self._per_candidate(var, side, k, "reduce", lambda o: reduce_cost(o, self.shape))
+
+    def _edge(
+        self,
+        u: int,
+        v: int,
+        outs: tuple[tuple[Layout, ...], np.ndarray],
+        ins: tuple[tuple[Layout, ...], np.ndarray],
+    ) -> None:
+        (out_keys, out_index), (in_keys, in_index) = outs, ins
+        key = (id(out_keys), id(in_keys))
+        table = self._tables.get(key)
+        if table is None:  # edges between the same candidate lists share one table
+            table = np.array([[self.cost.redistribute(o, w) for w in in_keys] for o in out_keys], dtype=float)
+            self._tables[key] = table
+        edge = _Edge(u, v, table, out_index, in_index)
+        self.edges.append(edge)
+        self.vars[u].edges.append(edge)
+        self.vars[v].edges.append(edge)
+
+    def _prune(self, var: _Var) -> None:
+        """Keep the candidates that are cheapest on their own (and the current one)."""
+        order = list(np.argsort(var.base, kind="stable")[:MAX_CANDIDATES])
+        if var.current not in order:
+            order[-1] = var.current
+        order.sort()
+        keep = np.array(order)
+        var.cands = [var.cands[i] for i in order]
+        var.key = ("pruned", var.name)
+        var.base = var.base[keep]
+        var.current = order.index(var.current)
+        index = self.index[var.name]
+        for edge in var.edges:
+            if edge.u == index:
+                edge.out_index = edge.out_index[keep]
+            if edge.v == index:
+                edge.in_index = edge.in_index[keep]
+
+    def _memory(self) -> float:
+        """Per saved value: its bytes and its regather cost for each candidate of the variable
+        that lays it out (once, on first use: a search without a memory limit never needs it).
+        Returns the saved bytes that no variable decides."""
+        if self._fixed_bytes is not None:
+            return self._fixed_bytes
+        gm, seed = self._gm, self.seed
+        memory = plan_memory(gm, seed, self.shape)
+        nodes = {n.name: n for n in saved_nodes(gm)}
+        decided = set(seed.decided)
+        fixed = 0.0
+        for saved in memory.saved:
+            node = nodes[saved.name]
+            producer = self._producer(node, seed) if node.op != "placeholder" else None
+            if producer is None:
+                fixed += saved.bytes
+                continue
+            u, side, k = producer
+            var = self.vars[u]
+            chain = weight_chain(node, decided) is not None
+            per_byte = self._per_candidate(
+                var, side, k, "bytes", lambda lay: float(lay.local_bytes(self.shape))
+            )
+            again = (
+                self._per_candidate(var, side, k, "gather", self.cost.gather_from_storage)
+                if chain
+                else np.full(len(var.cands), np.inf)
+            )
+            var.memory.append((per_byte, again))
+        self._fixed_bytes = fixed
+        return fixed
+
+    def _chains(self) -> list[list[int]]:
+        """Partition the variables into paths u -> v where u is v's only producing variable."""
+        producers: list[set[int]] = [set() for _ in self.vars]
+        for edge in self.edges:
+            producers[edge.v].add(edge.u)
+        chain_of: dict[int, int] = {}
+        chains: list[list[int]] = []
+        for v in range(len(self.vars)):
+            if len(producers[v]) == 1:
+                (u,) = producers[v]
+                c = chain_of[u]
+                if chains[c][-1] == u:
+                    chains[c].append(v)
+                    chain_of[v] = c
+                    continue
+            chain_of[v] = len(chains)
+            chains.append([v])
+        return chains
+
+    def _chain_signatures(self) -> list[int]:
+        """Chains with the same candidate lists and the same internal edges share a signature."""
+        ids: dict[Any, int] = {}
+        result = []
+        for chain in self.chains:
+            links = []
+            for u, v in zip(chain, chain[1:]):
+                links.append(
+                    tuple(
+                        (id(e.table), id(e.out_index), id(e.in_index))
+                        for e in self.vars[v].edges
+                        if e.u == u and e.v == v
+                    )
+                )
+            key = (tuple(self.vars[v].key for v in chain), tuple(links))
+            result.append(ids.setdefault(key, len(ids)))
+        self.tally.distinct_chains = len(ids)
+        return result
+
+    # ---- the memory price ------------------------------------------------------------------------
+    def set_price(self, per_byte: float) -> None:
+        """Price every saved byte at `per_byte` (cost units per byte); a weight chain instead costs
+        its gather again in backward when that is cheaper."""
+        self._memory()
+        for var in self.vars:
+            var.unary = var.base.copy()
+            if per_byte > 0:
+                for size, again in var.memory:
+                    var.unary += np.minimum(per_byte * size, again)
+
+    def modeled(self, per_byte: float) -> tuple[float, float]:
+        """(cost without the memory price, including backward regathers; activation bytes) now."""
+        cost = sum(float(var.base[var.current]) for var in self.vars)
+        cost += sum(e.value(self.vars[e.u].current, self.vars[e.v].current) for e in self.edges)
+        saved = self._memory()
+        for var in self.vars:
+            for size, again in var.memory:
+                b, r = float(size[var.current]), float(again[var.current])
+                if per_byte > 0 and per_byte * b > r:
+                    cost += r
+                else:
+                    saved += b
+        return cost, saved
+
+    def snapshot(self) -> list[int]:
+        return [var.current for var in self.vars]
+
+    def restore(self, state: Sequence[int]) -> None:
+        for var, current in zip(self.vars, state):
+            var.current = current
+
+    def forced(self) -> dict[str, Strategy]:
+        return {v.name: v.cands[v.current] for v in self.vars}
+
+    # ---- optimizing ------------------------------------------------------------------------------
+    def total(self) -> float:
+        value = sum(float(var.unary[var.current]) for var in self.vars)
+        for edge in self.edges:
+            value += edge.value(self.vars[edge.u].current, self.vars[edge.v].current)
+        return value
+
+    def optimize(self, max_sweeps: int) -> int:
+        before = self.total()
+        for sweep in range(1, max_sweeps + 1):
+            order = range(len(self.chains)) if sweep % 2 else range(len(self.chains) - 1, -1, -1)
+            for c in order:
+                self._solve(c)
+            after = self.total()
+            if after >= before - 1e-9 * max(1.0, abs(before)):
+                return sweep
+            before = after
+        return max_sweeps
+
+    def _solve(self, c: int) -> None:
+        chain = self.chains[c]
+        position = {v: k for k, v in enumerate(chain)}
+        local = []
+        for v in chain:
+            var = self.vars[v]
+            u_vec = var.unary.copy()
+            u_vec[var.current] -= 1e-9 * (1.0 + abs(float(u_vec[var.current])))  # stay put on ties
+            for edge in var.edges:
+                other = edge.u if edge.v == v else edge.v
+                if other in position:
+                    continue
+                if edge.v == v:
+                    u_vec += edge.for_consumer(self.vars[edge.u].current)
+                else:
+                    u_vec += edge.for_producer(self.vars[edge.v].current)
+            local.append(u_vec)
+        self.tally.solves += 1
+        digest = hashlib.blake2b(b"".join(vec.tobytes() for vec in local), digest_size=16).digest()
+        key = (self._signatures[c], digest)
+        choices = self._memo.get(key)
+        if choices is None:
+            choices = self._memo[key] = self._viterbi(chain, local)
+        else:
+            self.tally.memo_hits += 1
+        for v, choice in zip(chain, choices):
+            self.vars[v].current = int(choice)
+
+    def _viterbi(self, chain: list[int], local: list[np.ndarray]) -> np.ndarray:
+        value = local[0]
+        back = []
+        for k in range(1, len(chain)):
+            u, v = chain[k - 1], chain[k]
+            pair = np.zeros((len(self.vars[u].cands), len(self.vars[v].cands)))
+            for edge in self.vars[v].edges:
+                if edge.u == u and edge.v == v:
+                    pair += edge.matrix()
+            total = value[:, None] + pair
+            arg = total.argmin(axis=0)
+            value = total[arg, np.arange(total.shape[1])] + local[k]
+            back.append(arg)
+        choices = np.zeros(len(chain), dtype=np.intp)
+        choice = int(value.argmin())
+        for k in range(len(chain) - 1, -1, -1):
+            choices[k] = choice
+            if k:
+                choice = int(back[k - 1][choice])
+        return choices
+
+
+def settled(layout: Layout) -> Layout:
+    """`layout` with its pending sums done (what a user output is handed over as)."""
+    if len(layout.shape) == 0:
+        return Layout.replicated((), len(layout.placements), layout.dtype)
+    return Layout(
+        tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements),
+        layout.shape,
+        layout.dtype,
+    )
+
+
+def reduce_cost(layout: Layout, shape: Sequence[int]) -> float:
+    """Reduce-scatters that take a gradient's pending sums into a fully split storage layout."""
+    n = layout.local_numel(shape)
+    total = 0.0
+    for a in layout.partial_axes():
+        g = shape[a]
+        total += (g - 1) / g * n
+        n //= g
+    return total
+
+
+def regather_cost(saved: SavedValue, cost: Cost) -> float:
+    """What gathering a saved weight chain again in backward costs (its forward gather once more)."""
+    return cost.gather_from_storage(saved.layout)

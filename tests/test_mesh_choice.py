@@ -1,0 +1,146 @@
+"""Automatic mesh choice: every factorization of the world size planned, priced and ranked."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+from multirank import run_ranks
+
+import autopar
+from autopar.mesh_choice import MeshChoice, choose_mesh, mesh_candidates
+from autopar.passes.trace import trace
+from autopar.rules.registry import default_registry
+from autopar.search import TimeCost, plan_cost_parts, search_layouts
+from examples.models import GPT, GPTConfig, make_gpt
+
+CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=8, n_embd=256)
+HW = "h100-nvlink-ib"
+
+
+@pytest.fixture(scope="module")
+def model_and_batch() -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
+    with torch.device("meta"):
+        model = GPT(CFG)
+    g = torch.Generator().manual_seed(0)
+    return model, (torch.randint(0, 256, (8, 64), generator=g), torch.randint(0, 256, (8, 64), generator=g))
+
+
+@pytest.fixture(scope="module")
+def choice(model_and_batch: tuple[GPT, tuple[torch.Tensor, torch.Tensor]]) -> MeshChoice:
+    model, batch = model_and_batch
+    return choose_mesh(model, 8, batch, hardware=HW)
+
+
+def test_candidates_are_the_ordered_factorizations() -> None:
+    assert mesh_candidates(8) == [
+        ((8,), ("x",)),
+        ((2, 4), ("x", "y")),
+        ((4, 2), ("x", "y")),
+        ((2, 2, 2), ("x", "y", "z")),
+    ]
+    assert mesh_candidates(1) == [((1,), ("x",))]
+    assert mesh_candidates(6) == [((6,), ("x",)), ((2, 3), ("x", "y")), ((3, 2), ("x", "y"))]
+    sixteen = mesh_candidates(16)
+    assert ((2, 2, 2, 2), ("dp", "x", "y", "z")) in sixteen and len(sixteen) == 8  # compositions of 4
+    assert len(mesh_candidates(64)) == 26 and len(mesh_candidates(512)) == 93  # of 6 and 9, <= 4 parts
+    assert all(math.prod(shape) == 512 and min(shape) > 1 for shape, _ in mesh_candidates(512))
+
+
+def test_every_candidate_is_planned_and_the_fastest_wins(choice: MeshChoice) -> None:
+    assert sorted(c.shape for c in choice.candidates) == sorted(s for s, _ in mesh_candidates(8))
+    assert all(c.fits and c.error == "" for c in choice.candidates)
+    times = [c.step_time for c in choice.candidates]
+    assert times == sorted(times) and choice.chosen.step_time == min(times)
+    assert all(c.memory <= choice.memory_limit for c in choice.candidates)
+    assert choice.memory_limit == pytest.approx(0.9 * 80e9)
+    table = choice.table()
+    assert table.splitlines()[2].split()[:2] == ["1", "x".join(map(str, choice.chosen.shape))]
+    assert len(table.splitlines()) == 2 + len(choice.candidates)
+
+
+def test_candidate_numbers_are_the_search_plans_modeled_time(
+    model_and_batch: tuple[GPT, tuple[torch.Tensor, torch.Tensor]], choice: MeshChoice
+) -> None:
+    model, batch = model_and_batch
+    gm = trace(model, batch, decompose=True)
+    for candidate in (choice.chosen, choice.candidates[-1]):
+        mesh = autopar.Mesh.from_shape(candidate.shape, candidate.names)
+        cost = TimeCost(HW, mesh.shape)
+        plan = search_layouts(gm, mesh, default_registry(), cost=cost)
+        comm, compute = plan_cost_parts(gm, plan, mesh, cost)
+        assert candidate.comm_time == pytest.approx(comm) and candidate.compute_time == pytest.approx(compute)
+        assert plan.memory is not None and candidate.memory == pytest.approx(plan.memory.total)
+        assert candidate.roles == plan.roles
+
+
+def test_choice_is_deterministic(
+    model_and_batch: tuple[GPT, tuple[torch.Tensor, torch.Tensor]], choice: MeshChoice
+) -> None:
+    model, batch = model_and_batch
+    again = choose_mesh(model, 8, batch, hardware=HW)
+    assert again.candidates == choice.candidates
+
+
+def test_a_limit_no_mesh_fits_raises_with_the_table(
+    model_and_batch: tuple[GPT, tuple[torch.Tensor, torch.Tensor]], choice: MeshChoice
+) -> None:
+    model, batch = model_and_batch
+    limit = 0.3 * min(c.memory for c in choice.candidates)
+    with pytest.raises(autopar.MemoryLimitError) as caught:
+        choose_mesh(
+            model,
+            8,
+            batch,
+            hardware=HW,
+            memory_limit=limit,
+            candidates=[((8,), ("x",)), ((2, 4), ("x", "y"))],
+        )
+    assert caught.value.limit == limit and caught.value.memory > limit
+    assert "does not fit in memory" in str(caught.value) and "mesh choice for 8 ranks" in str(caught.value)
+
+
+def test_plan_auto_compiles_the_chosen_mesh(
+    model_and_batch: tuple[GPT, tuple[torch.Tensor, torch.Tensor]], choice: MeshChoice
+) -> None:
+    model, batch = model_and_batch
+    result = autopar.plan(model, "auto", batch, world_size=8, hardware=HW)
+    assert result.mesh_choice is not None and result.mesh_choice.candidates == choice.candidates
+    assert result.mesh.shape == choice.chosen.shape and result.mesh.axis_names == choice.chosen.names
+    assert "mesh choice for 8 ranks" in str(result)
+    with pytest.raises(autopar.AutoparError):
+        autopar.plan(model, "auto", batch)  # no world size
+
+
+def _auto_job(rank: int, world_size: int) -> dict[str, Any]:
+    model, batch = make_gpt(0)
+    serial = copy.deepcopy(model)
+    pmodel = autopar.parallelize(model, world_size, example_inputs=batch, planner="search", mesh_shape="auto")
+    loss, serial_loss = pmodel(*batch), serial(*batch)
+    loss.backward()
+    serial_loss.backward()
+    serial_params = dict(serial.named_parameters())
+    grad_err = max(
+        float((p.grad.full_tensor() - serial_params[n].grad).abs().max())
+        for n, p in pmodel.named_parameters()
+    )
+    chosen = pmodel.mesh_choice.chosen
+    return {
+        "shape": chosen.shape,
+        "names": chosen.names,
+        "hardware": pmodel.mesh_choice.hardware,
+        "loss": (float(loss), float(serial_loss)),
+        "grad_err": grad_err,
+    }
+
+
+@pytest.mark.multirank
+def test_parallelize_auto_mesh_agrees_on_every_rank() -> None:
+    results = run_ranks(8, _auto_job, timeout=600)
+    assert len({(r["shape"], r["names"]) for r in results}) == 1
+    assert math.prod(results[0]["shape"]) == 8 and results[0]["hardware"] == "cpu-gloo"
+    for r in results:
+        assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5) and r["grad_err"] < 1e-4, r

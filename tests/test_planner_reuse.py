@@ -1,0 +1,87 @@
+"""The greedy planner answers a repeated question (same op call, same input layouts) once.
+
+Repeated blocks ask the same questions; the memoized plan must be the plan the planner makes when
+it works every node out afresh. `op_call` (what rules see of a node) must be `make_call`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from autopar.mesh import Mesh
+from autopar.passes.trace import trace
+from autopar.planner import Plan, _Greedy, op_call
+from autopar.rules.base import TensorSpec, make_call
+from autopar.rules.registry import default_registry
+from examples.models import make_gpt
+from examples.zoo import make_llama
+
+
+class _Forgetful(dict):  # type: ignore[type-arg]
+    """A choice memo that never remembers: every node is worked out afresh."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        pass
+
+
+@functools.cache
+def _traced(name: str) -> tuple[fx.GraphModule, nn.Module]:
+    model, inputs = (make_gpt if name == "gpt" else make_llama)(0, n_layer=3)
+    return trace(model, inputs), model
+
+
+def _plan(gm: fx.GraphModule, shape: tuple[int, ...], memo: bool) -> tuple[Plan, _Greedy]:
+    greedy = _Greedy(gm, Mesh.from_shape(shape), default_registry())
+    if not memo:
+        greedy.choices = _Forgetful()
+    return greedy.run(), greedy
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("shape", [(2, 2, 2), (4, 2), (8,)])
+def test_memoized_choices_give_the_plan_worked_out_node_by_node(name: str, shape: tuple[int, ...]) -> None:
+    gm, _ = _traced(name)
+    fast, greedy = _plan(gm, shape, memo=True)
+    slow, _ = _plan(gm, shape, memo=False)
+    assert fast.strategies == slow.strategies
+    assert fast.layouts == slow.layouts
+    assert fast.notes == slow.notes
+    assert fast.output_layouts == slow.output_layouts
+    assert (fast.decided, fast.deferred_inputs, fast.resolved_by) == (
+        slow.decided,
+        slow.deferred_inputs,
+        slow.resolved_by,
+    )
+    # three identical blocks: most decided nodes repeat an earlier question
+    assert len(greedy.choices) < 0.6 * len(fast.decided)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_op_call_is_make_call_on_the_node_values(name: str) -> None:
+    gm, _ = _traced(name)
+    checked = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+
+        def val(x: object) -> object:
+            return x.meta["val"] if isinstance(x, fx.Node) else x
+
+        args = pytree.tree_map(val, node.args)
+        kwargs = pytree.tree_map(val, node.kwargs)
+        want = make_call(node.target, tuple(args), dict(kwargs), node.meta.get("val"))
+        got = op_call(node)
+        assert got == want, node.name
+        assert repr(got.args) == repr(want.args) and repr(got.kwargs) == repr(want.kwargs), node.name
+        checked += bool(got.inputs)
+    assert checked > 100
+    # an op taking a list of tensors (cat, stack) gets one spec per element, in order
+    cat = next(n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.args[0], (list, tuple)))
+    assert len(op_call(cat).inputs) == len(cat.args[0]) and all(
+        isinstance(s, TensorSpec) for s in op_call(cat).args[0]
+    )

@@ -1,0 +1,230 @@
+"""The plan search under a per-rank memory limit: gathered weights kept for backward or gathered again.
+
+A small GPT on a (2, 2, 2) planning mesh priced on the H100 table. Without a limit the search keeps
+every gathered weight from forward to backward; with a limit between the leanest and the fastest
+plan it gathers some of them again in backward, the compiled program then saves less, and a limit
+below what the parameters alone need raises MemoryLimitError with both numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+from multirank import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from autopar.meta import has_info, info
+from autopar.passes.trace import trace
+from autopar.plan_memory import MEMORY_HEADROOM, plan_memory, weight_chain
+from autopar.planner import choose_layouts
+from autopar.rules.registry import default_registry
+from autopar.search import (
+    ElementCost,
+    SearchPlan,
+    TimeCost,
+    default_memory_limit,
+    fit_memory,
+    plan_cost,
+    search_layouts,
+)
+from examples.models import GPT, GPTConfig, make_gpt
+
+CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=8, n_embd=256)
+SHAPE = (2, 2, 2)
+HW = "h100-nvlink-ib"
+
+
+@pytest.fixture(scope="module")
+def setup() -> dict[str, Any]:
+    with torch.device("meta"):
+        model = GPT(CFG)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 256, (8, 64), generator=g), torch.randint(0, 256, (8, 64), generator=g))
+    gm = trace(model, batch, decompose=True)
+    mesh = autopar.Mesh.from_shape(SHAPE)
+    cost = TimeCost(HW, SHAPE)
+    free = search_layouts(gm, mesh, default_registry(), cost=cost, memory_limit=math.inf)
+    memory = plan_memory(gm, free, SHAPE).breakdown()
+    static = memory.params + memory.grads + memory.optimizer
+    return {
+        "model": model,
+        "batch": batch,
+        "gm": gm,
+        "mesh": mesh,
+        "cost": cost,
+        "free": free,
+        "memory": memory,
+        "static": static,
+    }
+
+
+def _limit(setup: dict[str, Any], share: float) -> float:
+    """Parameters, gradients and AdamW states, plus `share` of the unlimited plan's activations."""
+    return setup["static"] + share * setup["memory"].activations
+
+
+def test_default_limit_is_device_memory_with_headroom() -> None:
+    assert default_memory_limit(TimeCost(HW, SHAPE)) == pytest.approx(MEMORY_HEADROOM * 80e9)
+    assert MEMORY_HEADROOM == 0.9
+    assert default_memory_limit(ElementCost(SHAPE)) == math.inf
+
+
+def test_without_a_limit_every_gathered_weight_is_kept(setup: dict[str, Any]) -> None:
+    free: SearchPlan = setup["free"]
+    assert free.regather == ()
+    saved = plan_memory(setup["gm"], free, SHAPE).saved
+    chains = [s for s in saved if s.regatherable]
+    # one gathered weight per linear layer: qkv, proj, fc, proj in each of the 2 blocks
+    assert len(chains) == 8
+    nodes = {n.name: n for n in setup["gm"].graph.nodes}
+    assert all(nodes[s.name].target is torch.ops.aten.t.default for s in chains)
+    assert free.memory is not None and free.memory.total == pytest.approx(setup["memory"].total)
+
+
+def test_limit_makes_backward_gather_weights_again(setup: dict[str, Any]) -> None:
+    gm, mesh, cost = setup["gm"], setup["mesh"], setup["cost"]
+    limit = _limit(setup, 0.8)
+    assert setup["memory"].total > limit  # the unlimited plan does not fit
+    plan = search_layouts(gm, mesh, default_registry(), cost=cost, memory_limit=limit)
+    report = gm.meta["autopar_search"]
+    assert plan.regather and report.regathered == plan.regather
+    decided = set(plan.decided)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert all(weight_chain(nodes[name], decided) is not None for name in plan.regather)
+    memory = plan_memory(gm, plan, SHAPE)
+    kept = memory.breakdown()
+    lean = memory.breakdown(plan.regather)
+    assert plan.memory is not None and plan.memory.total == pytest.approx(lean.total)
+    assert lean.total <= limit < kept.total
+    freed = sum(s.bytes for s in memory.saved if s.name in plan.regather)
+    assert kept.activations - lean.activations == pytest.approx(freed) and freed > 0
+    # the trade is priced: the plan's modeled time includes each regather's all-gathers once more
+    again = sum(cost.gather_from_storage(plan.layouts[name][0]) for name in plan.regather)
+    layouts_only = fit_memory(gm, plan, mesh, cost, math.inf)  # same layouts, nothing regathered
+    assert again > 0
+    assert report.final_cost == pytest.approx(plan_cost(gm, plan, mesh, cost))
+    assert report.final_cost == pytest.approx(plan_cost(gm, layouts_only, mesh, cost) + again)
+    assert report.memory == pytest.approx(lean.total)
+
+
+def test_compiled_program_saves_less_and_gathers_in_backward(setup: dict[str, Any]) -> None:
+    limit = _limit(setup, 0.8)
+    free = autopar.plan(setup["model"], SHAPE, setup["batch"], hardware=HW, memory_limit=math.inf)
+    lean = autopar.plan(setup["model"], SHAPE, setup["batch"], hardware=HW, memory_limit=limit)
+    regathered = lean.compiled.graph.meta["autopar_search"].regathered
+    assert regathered
+    # the emitted program's own memory (what autopar.plan reports) is under the limit
+    assert lean.memory.total <= limit < free.memory.total
+    assert lean.memory.params == free.memory.params
+    # the regathered weights are no longer handed from forward to backward
+    assert set(regathered) <= _saved(free) and not set(regathered) & _saved(lean)
+    # each is built again in backward from an all-gather in backward
+    joint = lean.compiled.graph
+    for name in regathered:
+        original = next(n for n in joint.graph.nodes if n.name == name)
+        copies = [
+            n
+            for n in joint.graph.nodes
+            if n is not original
+            and n.target is original.target
+            and info(n).phase == "backward"
+            and info(n).module_path == info(original).module_path
+            and _gathered_in_backward(n)
+        ]
+        assert copies, name
+    gathers = [
+        c for c in lean.compiled.report.collectives if c.kind == "all_gather" and c.phase == "backward"
+    ]
+    assert gathers
+
+
+def _saved(result: autopar.PlanResult) -> set[str]:
+    program = result.compiled.program
+    out = next(n for n in program.forward.graph.nodes if n.op == "output")
+    return {n.name for n in list(out.args[0])[len(program.output_layouts) :] if isinstance(n, fx.Node)}
+
+
+def _gathered_in_backward(node: fx.Node) -> bool:
+    frontier = list(node.all_input_nodes)
+    while frontier:
+        current = frontier.pop()
+        if not has_info(current) or info(current).phase != "backward":
+            continue
+        if current.target is torch.ops._c10d_functional.all_gather_into_tensor.default:
+            return True
+        frontier.extend(current.all_input_nodes)
+    return False
+
+
+def test_impossible_limit_raises_with_both_numbers(setup: dict[str, Any]) -> None:
+    limit = 0.5 * setup["static"]
+    with pytest.raises(autopar.MemoryLimitError) as caught:
+        search_layouts(setup["gm"], setup["mesh"], default_registry(), cost=setup["cost"], memory_limit=limit)
+    error = caught.value
+    assert error.limit == limit
+    assert error.memory >= setup["static"] > limit
+    assert error.memory < setup["memory"].total  # the leanest plan, every weight gathered again
+    text = str(error)
+    assert f"{limit / 2**20:.3f} MiB" in text and f"{error.memory / 2**20:.3f} MiB" in text
+    assert "bigger mesh" in (error.hint or "") and "smaller batch" in (error.hint or "")
+
+
+def test_greedy_plan_fits_a_limit_by_regathering(setup: dict[str, Any]) -> None:
+    gm, mesh, cost = setup["gm"], setup["mesh"], setup["cost"]
+    greedy = choose_layouts(gm, mesh, default_registry())
+    kept = plan_memory(gm, greedy, SHAPE).breakdown()
+    limit = kept.params + kept.grads + kept.optimizer + 0.9 * kept.activations
+    fitted = fit_memory(gm, greedy, mesh, cost, limit)
+    assert fitted.strategies == greedy.strategies  # same layouts, only regathers added
+    assert fitted.regather and fitted.memory is not None and fitted.memory.total <= limit
+    assert fit_memory(gm, greedy, mesh, cost, math.inf).regather == ()
+    with pytest.raises(autopar.MemoryLimitError):
+        fit_memory(gm, greedy, mesh, cost, 0.5 * setup["static"])
+
+
+def _train_under_limit(rank: int, world_size: int, limit: float) -> dict[str, float]:
+    mesh = init_device_mesh("cpu", SHAPE, mesh_dim_names=("x", "y", "z"))
+    model, batch = make_gpt(0)
+    serial = copy.deepcopy(model)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, planner="search", memory_limit=limit)
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+    serial_opt = torch.optim.AdamW(serial.parameters(), lr=1e-3)
+    serial_params = dict(serial.named_parameters())
+    out = {"loss_err": 0.0, "grad_err": 0.0, "param_err": 0.0}
+    for _ in range(2):
+        loss, serial_loss = pmodel(*batch), serial(*batch)
+        loss.backward()
+        serial_loss.backward()
+        out["loss_err"] = max(out["loss_err"], abs(float(loss) - float(serial_loss)))
+        for name, p in pmodel.named_parameters():
+            want = serial_params[name].grad
+            err = float((p.grad.full_tensor() - want).abs().max() / (want.abs().max() + 1e-6))
+            out["grad_err"] = max(out["grad_err"], err)
+        opt.step()
+        serial_opt.step()
+        opt.zero_grad()
+        serial_opt.zero_grad()
+    for name, p in pmodel.named_parameters():
+        out["param_err"] = max(out["param_err"], float((p.full_tensor() - serial_params[name]).abs().max()))
+    return out
+
+
+@pytest.mark.multirank
+def test_regathered_weights_train_like_the_serial_model() -> None:
+    model, batch = make_gpt(0)
+    gm = trace(model, batch, decompose=True)
+    mesh = autopar.Mesh.from_shape(SHAPE)
+    free = plan_memory(
+        gm, search_layouts(gm, mesh, default_registry(), memory_limit=math.inf), SHAPE
+    ).breakdown()
+    limit = free.params + free.grads + free.optimizer + 0.7 * free.activations
+    lean = search_layouts(gm, mesh, default_registry(), memory_limit=limit)
+    assert lean.regather  # the job below runs a plan that gathers weights again in backward
+    for rank, r in enumerate(run_ranks(8, _train_under_limit, limit, timeout=600)):
+        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["param_err"] < 1e-5, (rank, r)

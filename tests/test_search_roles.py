@@ -1,0 +1,52 @@
+"""The search falls back to other axis roles when the default ones cannot split the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+import autopar
+from autopar.passes.trace import trace
+from autopar.planner import choose_layouts
+from autopar.rules.registry import default_registry
+from autopar.search import role_assignments, search_layouts
+from examples.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=8, n_embd=256)
+
+
+@pytest.fixture(scope="module")
+def gm() -> fx.GraphModule:
+    with torch.device("meta"):
+        model = GPT(CFG)
+    idx = torch.zeros(8, 64, dtype=torch.long)  # batch 8
+    return trace(model, (idx, idx), decompose=True)
+
+
+def test_token_axis_larger_than_the_batch_uses_other_roles(gm: fx.GraphModule) -> None:
+    mesh = autopar.Mesh.from_shape((2, 2, 16))  # default roles: z (16 ranks) splits the batch of 8
+    with pytest.raises(autopar.ShardingError, match="batch dim of input 0"):
+        choose_layouts(gm, mesh, default_registry())
+    plan = search_layouts(gm, mesh, default_registry())
+    report = gm.meta["autopar_search"]
+    assert plan.roles[2] == "tensor"  # z had to become a tensor axis
+    assert "tensor/tensor/token" in report.failed_roles
+    assert "batch dim of input 0 (8" in report.failed_roles["tensor/tensor/token"]
+    # every assignment with a token axis of 16 or more ranks fails; the others were all planned
+    tried = {"/".join(r) for r in role_assignments(mesh)}
+    assert set(report.failed_roles) | set(report.seeds) == tried
+    assert set(report.failed_roles) == {"tensor/tensor/token", "tensor/token/token", "token/tensor/token"}
+    assert report.seeds and min(report.seeds.values()) == report.seed_cost
+
+
+def test_no_role_assignment_works_raises_the_furthest_error(gm: fx.GraphModule) -> None:
+    mesh = autopar.Mesh.from_shape((1, 1, 512))  # batch 8 and 64 positions: no role can split 512 ways
+    with pytest.raises(autopar.ShardingError) as caught:
+        search_layouts(gm, mesh, default_registry())
+    error = caught.value
+    # the error of the attempt past the batch check (z as a tensor axis), naming the tried roles
+    assert error.op != "input" and "512" in error.message
+    assert "every assignment of axis roles failed (tensor/tensor/token, tensor/tensor/tensor)" in (
+        error.hint or ""
+    )
