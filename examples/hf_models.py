@@ -32,22 +32,21 @@ class LossOf(nn.Module):
         return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
 
 
-def _batch(seed: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(seed: int, batch_size: int, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed + 1)
-    idx = torch.randint(VOCAB, (batch_size, SEQ), generator=gen)
+    idx = torch.randint(vocab, (batch_size, SEQ), generator=gen)
     return idx, idx.clone()  # causal LM: the labels are the inputs, shifted inside the model
 
 
-def make_hf_gpt2(
-    seed: int, batch_size: int = BATCH, n_layer: int = 2
+def _gpt2(
+    seed: int, batch_size: int, n_layer: int, vocab: int, width: int
 ) -> tuple[LossOf, tuple[torch.Tensor, torch.Tensor]]:
-    """transformers' GPT2LMHeadModel (tied head) of width 32."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         n_positions=SEQ,
-        n_embd=32,
+        n_embd=width,
         n_layer=n_layer,
         n_head=4,
         bos_token_id=0,
@@ -58,7 +57,14 @@ def make_hf_gpt2(
         attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
-    return LossOf(GPT2LMHeadModel(config)), _batch(seed, batch_size)
+    return LossOf(GPT2LMHeadModel(config)), _batch(seed, batch_size, vocab)
+
+
+def make_hf_gpt2(
+    seed: int, batch_size: int = BATCH, n_layer: int = 2
+) -> tuple[LossOf, tuple[torch.Tensor, torch.Tensor]]:
+    """transformers' GPT2LMHeadModel (tied head) of width 32."""
+    return _gpt2(seed, batch_size, n_layer, VOCAB, 32)
 
 
 def make_hf_llama(
@@ -87,26 +93,7 @@ def make_hf_gpt2_vocab(
     seed: int, batch_size: int = BATCH, n_layer: int = 2
 ) -> tuple[LossOf, tuple[torch.Tensor, torch.Tensor]]:
     """GPT2LMHeadModel with GPT-2's vocabulary (50257 = 7 x 7193 + 6) and width 36."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    vocab = 50257
-    config = GPT2Config(
-        vocab_size=vocab,
-        n_positions=SEQ,
-        n_embd=36,
-        n_layer=n_layer,
-        n_head=4,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    idx = torch.randint(vocab, (batch_size, SEQ), generator=gen)
-    return LossOf(GPT2LMHeadModel(config)), (idx, idx.clone())
+    return _gpt2(seed, batch_size, n_layer, 50257, 36)
 
 
 MAKERS = {"hf_gpt2": make_hf_gpt2, "hf_llama": make_hf_llama, "hf_gpt2_vocab": make_hf_gpt2_vocab}
