@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
+from autopar.agreement import decided_on_rank0
 from autopar.dump import dump_dir_from, write_collectives, write_stage, write_timeline
 from autopar.errors import AutoparError, MeshError
 from autopar.mesh import Mesh
@@ -234,22 +235,7 @@ def _agree_across_ranks(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Pl
             f"ranks traced different graphs (this rank differs from ranks {differing})",
             hint="every rank must call parallelize with the same model code, shapes and dtypes",
         )
-    payload: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            payload[0] = ("plan", make_plan())
-        except Exception as exc:  # every rank must hear about it, whatever it is
-            error = (
-                exc
-                if isinstance(exc, AutoparError)
-                else AutoparError(f"planning failed on rank 0: {type(exc).__name__}: {exc}")
-            )
-            payload[0] = ("error", error)
-    dist.broadcast_object_list(payload, src=0)
-    kind, value = payload[0]
-    if kind == "error":
-        raise value
-    return value  # type: ignore[no-any-return]
+    return decided_on_rank0(make_plan, "planning")
 
 
 def _check_mesh(mesh: Any) -> Mesh:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopar.agreement import decided_on_rank0
 from autopar.errors import AutoparError, MemoryLimitError, MeshError
 from autopar.mesh import Mesh, default_axis_names
 from autopar.passes.trace import trace
@@ -258,32 +259,18 @@ def auto_device_mesh(
     device_type = (
         mesh.device_type if isinstance(mesh, DeviceMesh) else "cuda" if torch.cuda.is_available() else "cpu"
     )
-    payload: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            payload[0] = (
-                "choice",
-                choose_mesh(
-                    model,
-                    world,
-                    example_inputs,
-                    hardware=hardware or default_hardware(device_type),
-                    planner=planner,
-                    memory_limit=memory_limit,
-                    example_kwargs=example_kwargs,
-                    registry=registry,
-                ),
-            )
-        except Exception as exc:  # every rank must hear about it, whatever it is
-            error = (
-                exc
-                if isinstance(exc, AutoparError)
-                else AutoparError(f"mesh choice failed on rank 0: {exc!r}")
-            )
-            payload[0] = ("error", error)
-    dist.broadcast_object_list(payload, src=0)
-    kind, value = payload[0]
-    if kind == "error":
-        raise value
+    value = decided_on_rank0(
+        lambda: choose_mesh(
+            model,
+            world,
+            example_inputs,
+            hardware=hardware or default_hardware(device_type),
+            planner=planner,
+            memory_limit=memory_limit,
+            example_kwargs=example_kwargs,
+            registry=registry,
+        ),
+        "mesh choice",
+    )
     chosen = value.chosen
     return init_device_mesh(device_type, chosen.shape, mesh_dim_names=chosen.names), value
