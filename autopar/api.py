@@ -125,10 +125,11 @@ def compile_for_rank(
     if isinstance(plan, SearchPlan):
         gm = regather(gm, plan.regather)
     write_stage(path, "3_insert_comm", gm, mesh)
-    modeled_on = default_hardware(mesh, hardware) if hardware is not None or path is not None else None
+    table = default_hardware(mesh, hardware)
+    modeled_on = table if hardware is not None or path is not None else None
     unscheduled = simulate(gm, mesh, modeled_on) if modeled_on is not None else None  # schedule reorders in place
     if schedule:
-        gm = schedule_pass(gm, mesh, hardware=default_hardware(mesh, hardware))
+        gm = schedule_pass(gm, mesh, hardware=table)
     write_stage(path, "4_schedule", gm, mesh)
     program = emit(gm, mesh, registry, coords)
     write_stage(path, "5_emit_forward", program.forward, mesh, local=True)

@@ -196,12 +196,7 @@ def admissible(strategy: Strategy, mesh_shape: Sequence[int], uneven: bool = Fal
         return False
     uneven_axes = {lay.shard_axes(d)[0] for lay in layouts for d in lay.uneven_dims(mesh_shape)}
     for a in uneven_axes:
-        sizes = {
-            lay.shape[p.dim]
-            for lay in layouts
-            for b, p in enumerate(lay.placements)
-            if b == a and isinstance(p, Shard)
-        }
+        sizes = {lay.shape[p.dim] for lay in layouts if isinstance(p := lay.placements[a], Shard)}
         if len(sizes) != 1:
             return False
     return True
