@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import hashlib
@@ -23,6 +24,8 @@ from autopar.errors import AutoparError, MeshError
 from autopar.mesh import Mesh
 from autopar.mesh_choice import auto_device_mesh
 from autopar.meta import signature
+from autopar.overdecompose import OverDecompositionError, chunk_plan
+from autopar.passes.chunks import merge_chunks
 from autopar.passes.emit import EmittedProgram, emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
@@ -37,6 +40,8 @@ from autopar.runtime.module import ParallelModule
 from autopar.search import ElementCost, SearchPlan, TimeCost, fit_memory, search_layouts
 from autopar.timeline import Timeline, default_hardware, simulate
 
+AUTO_CHUNKS = (1, 2, 4)  # batch chunks per rank that over_decompose="auto" compares
+
 
 @dataclass
 class Compiled:
@@ -48,6 +53,10 @@ class Compiled:
     # modeled step before and after the schedule stage (autopar.timeline), when `hardware` is
     # given or a dump is written
     timelines: tuple[Timeline, Timeline] | None = None
+    # the mesh the graph's layouts are on: the device mesh, plus a chunk axis when over-decomposed
+    graph_mesh: Mesh | None = None
+    chunks: int = 1  # batch chunks per rank (over-decomposition); 1: off
+    chunk_step_times: dict[int, float] | None = None  # over_decompose="auto": modeled step per choice
 
 
 _P = ParamSpec("_P")
@@ -91,6 +100,7 @@ def compile_for_rank(
     hardware: str | None = None,
     schedule: bool = True,
     memory_limit: float | None = None,
+    over_decompose: int | str = 1,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -102,9 +112,12 @@ def compile_for_rank(
     `memory_limit` (bytes per rank) bounds the plan's modeled memory: the search trades time for
     memory under it (default: 90% of the `hardware` table's device memory, none without a table),
     the greedy planner (only when given) keeps its layouts and gathers weights again in backward;
-    `MemoryLimitError` is raised if no plan fits.
+    `MemoryLimitError` is raised if no plan fits. `over_decompose=k` runs each rank's batch as k
+    chunks one after another so that one chunk's collectives overlap the next one's compute
+    (`autopar.overdecompose`); "auto" tries 1, 2 and 4 and keeps the fastest modeled step.
     """
     registry = registry if registry is not None else default_registry()
+    candidates = _chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
     gm = trace(model, example_inputs, decompose=mesh.size > 1, example_kwargs=example_kwargs)
     write_stage(path, "1_trace", gm, mesh)
@@ -119,28 +132,91 @@ def compile_for_rank(
         return search_layouts(gm, mesh, registry, cost=cost, memory_limit=memory_limit)
 
     plan = agree(gm, make_plan) if agree is not None else make_plan()
-    gm = propagate(gm, mesh, registry, choose=lambda *_: plan)
-    write_stage(path, "2_propagate", gm, mesh)
-    gm = insert_comm(gm, mesh, coords)
-    if isinstance(plan, SearchPlan):
-        gm = regather(gm, plan.regather)
-    write_stage(path, "3_insert_comm", gm, mesh)
+    base = tuple(coords) if coords is not None else mesh.my_coords()
     table = default_hardware(mesh, hardware)
+    step_times: dict[int, float] | None = None
+    if len(candidates) > 1:  # over_decompose="auto": lower, schedule and model every choice
+        step_times, gm = _choose_chunks(gm, plan, mesh, registry, base, candidates, table, schedule)
+        chunks = min(step_times, key=lambda k: (step_times[k], k))  # type: ignore[index]
+    else:
+        chunks = candidates[0]
+    work = mesh.with_chunks(chunks) if chunks > 1 else mesh
+    gm = _lower(gm, plan, mesh, registry, base, chunks, path)
+    write_stage(path, "3_insert_comm", gm, work)
     modeled_on = table if hardware is not None or path is not None else None
-    unscheduled = simulate(gm, mesh, modeled_on) if modeled_on is not None else None  # schedule reorders in place
+    unscheduled = simulate(gm, work, modeled_on) if modeled_on is not None else None  # schedule reorders in place
     if schedule:
-        gm = schedule_pass(gm, mesh, hardware=table)
-    write_stage(path, "4_schedule", gm, mesh)
-    program = emit(gm, mesh, registry, coords)
-    write_stage(path, "5_emit_forward", program.forward, mesh, local=True)
-    write_stage(path, "5_emit_backward", program.backward, mesh, local=True)
-    report = build_report(program, mesh, gm.meta.get("autopar_schedule"))
+        gm = schedule_pass(gm, work, hardware=table)
+    write_stage(path, "4_schedule", gm, work)
+    program = emit(gm, work, registry, (*base, *(0,) * work.in_process)).on_devices(mesh.ndim)
+    write_stage(path, "5_emit_forward", program.forward, work, local=True)
+    write_stage(path, "5_emit_backward", program.backward, work, local=True)
+    report = build_report(program, mesh, gm.meta.get("autopar_schedule"), graph_mesh=work)
     write_collectives(path, report)
     timelines = None
     if unscheduled is not None and modeled_on is not None:
-        timelines = (unscheduled, simulate(gm, mesh, modeled_on))
+        timelines = (unscheduled, simulate(gm, work, modeled_on))
         write_timeline(path, timelines, rank)
-    return Compiled(gm, program, report, timelines)
+    return Compiled(gm, program, report, timelines, work, chunks, step_times)
+
+
+def _chunk_candidates(over_decompose: int | str) -> list[int]:
+    if over_decompose == "auto":
+        return list(AUTO_CHUNKS)
+    if isinstance(over_decompose, int) and not isinstance(over_decompose, bool) and over_decompose >= 1:
+        return [over_decompose]
+    raise AutoparError(
+        f"over_decompose={over_decompose!r}",
+        hint='give the number of batch chunks per rank (1: off) or "auto" to let the cost model choose',
+    )
+
+
+def _lower(
+    gm: fx.GraphModule,
+    plan: Plan,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    coords: tuple[int, ...],
+    chunks: int,
+    path: Any = None,
+) -> fx.GraphModule:
+    """propagate and insert_comm (with the search's regathers); chunked: once per chunk, then merged."""
+    work, chosen = mesh, plan
+    if chunks > 1:
+        work, chosen = mesh.with_chunks(chunks), chunk_plan(gm, plan, mesh, registry, chunks)
+    gm = propagate(gm, work, registry, choose=lambda *_: chosen)
+    write_stage(path, "2_propagate", gm, work)
+    copies = [gm] + [copy.deepcopy(gm) for _ in range(chunks - 1)]
+    for c, one in enumerate(copies):
+        insert_comm(one, work, (*coords, c) if chunks > 1 else coords)
+        if isinstance(plan, SearchPlan):
+            regather(one, plan.regather)
+    return merge_chunks(copies, work) if chunks > 1 else gm
+
+
+def _choose_chunks(
+    gm: fx.GraphModule,
+    plan: Plan,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    coords: tuple[int, ...],
+    candidates: Sequence[int],
+    table: str,
+    schedule: bool,
+) -> tuple[dict[int, float], fx.GraphModule]:
+    """Modeled step time of each chunk count that fits (lowered and scheduled like the real one);
+    returns them with an unlowered copy of `gm` for the chosen one."""
+    times: dict[int, float] = {}
+    for k in candidates:
+        work = mesh.with_chunks(k) if k > 1 else mesh
+        try:
+            lowered = _lower(copy.deepcopy(gm), plan, mesh, registry, coords, k)
+        except OverDecompositionError:
+            continue
+        if schedule:
+            lowered = schedule_pass(lowered, work, hardware=table)
+        times[k] = simulate(lowered, work, table).step_time
+    return times, gm
 
 
 def parallelize(
@@ -156,6 +232,7 @@ def parallelize(
     mesh_shape: str | None = None,
     hardware: str | None = None,
     memory_limit: float | None = None,
+    over_decompose: int | str = 1,
 ) -> ParallelModule:
     """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
 
@@ -166,6 +243,8 @@ def parallelize(
     factorization of the world size on `hardware` (default: cpu-gloo for CPU, else h100-nvlink-ib)
     and runs on the fastest that fits `memory_limit`; rank 0 chooses for all, and the ranked table
     is `result.mesh_choice`. `memory_limit` (bytes per rank) bounds the plan's modeled memory.
+    `over_decompose` splits each rank's batch into chunks whose collectives overlap each other's
+    compute: an int, or "auto" to let the modeled step time choose (see `compile_for_rank`).
     """
     _check_model(model)
     example_inputs = tuple(example_inputs)
@@ -200,6 +279,7 @@ def parallelize(
         schedule=schedule,
         hardware=hardware,
         memory_limit=memory_limit,
+        over_decompose=over_decompose,
     )
     sig = signature(compiled.graph)
     flat, _ = pytree.tree_flatten((example_inputs, example_kwargs or {}))

@@ -14,11 +14,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Mesh:
-    """Axis names and sizes; `device_mesh` is absent when planning without processes."""
+    """Axis names and sizes; `device_mesh` is absent when planning without processes.
+
+    The last `in_process` axes are not ranks: over-decomposition runs their "ranks" (batch chunks)
+    one after another inside each process, so their redistributions are local tensor ops.
+    """
 
     axis_names: tuple[str, ...]
     shape: tuple[int, ...]
     device_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    in_process: int = 0
 
     def __post_init__(self) -> None:
         if len(self.axis_names) != len(self.shape):
@@ -48,6 +53,27 @@ class Mesh:
     def size(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def device_ndim(self) -> int:
+        """Axes whose coordinates are ranks (all but the in-process ones)."""
+        return self.ndim - self.in_process
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape[: self.device_ndim])
+
+    def is_in_process(self, axis: int) -> bool:
+        return axis >= self.device_ndim
+
+    def with_chunks(self, chunks: int, name: str = "chunk") -> Mesh:
+        """This mesh with one more, in-process axis of `chunks` batch chunks (over-decomposition)."""
+        return Mesh((*self.axis_names, name), (*self.shape, chunks), self.device_mesh, self.in_process + 1)
+
+    def on_devices(self) -> Mesh:
+        """This mesh without its in-process axes."""
+        n = self.device_ndim
+        return Mesh(self.axis_names[:n], self.shape[:n], self.device_mesh)
+
     def axis(self, name: str) -> int:
         return self.axis_names.index(name)
 
@@ -65,15 +91,20 @@ class Mesh:
         coords = self.device_mesh.get_coordinate()
         if coords is None:
             raise MeshError("this rank is not part of the mesh", hint="build the mesh over all ranks")
-        return tuple(coords)
+        return (*coords, *(0,) * self.in_process)
 
     def group_name(self, axis: int) -> str:
+        if self.is_in_process(axis):
+            return f"<{self.axis_names[axis]}>"
         if self.device_mesh is None:
             raise MeshError("this mesh has no process groups (planning-only mesh)")
         return self.device_mesh.get_group(axis).group_name
 
     def __str__(self) -> str:
-        return "(" + ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape)) + ")"
+        axes = [f"{n}={s}" for n, s in zip(self.axis_names, self.shape)]
+        for a in range(self.device_ndim, self.ndim):
+            axes[a] += " in-process"
+        return "(" + ", ".join(axes) + ")"
 
 
 def default_axis_names(ndim: int) -> tuple[str, ...]:

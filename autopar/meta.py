@@ -35,6 +35,7 @@ class NodeInfo:
     comm: CommStep | None = None  # inserted redistribution steps
     comm_group: str | None = None  # process group name the collective runs on
     note: str = ""  # why this layout (planner's reason), shown in dumps
+    chunk: int | None = None  # over-decomposition: the batch chunk (in-process coordinate) it computes
 
     @property
     def layout(self) -> Layout:

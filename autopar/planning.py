@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.api import Compiled, compile_for_rank
-from autopar.cost import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_per_rank
+from autopar.cost import ADAMW_STATE_FACTOR, MemoryBreakdown, MeshCost, memory_per_rank
 from autopar.errors import AutoparError
 from autopar.mesh import Mesh
 from autopar.mesh_choice import MeshChoice, choose_mesh
@@ -226,6 +226,7 @@ def plan(
     compare: bool = False,
     world_size: int | None = None,
     memory_limit: float | None = None,
+    over_decompose: int | str = 1,
 ) -> PlanResult:
     """Plan `model` for a mesh of `mesh_shape` ranks on `hardware`, in this process, allocating no weights.
 
@@ -235,6 +236,7 @@ def plan(
     `mesh_shape="auto"` with `world_size=N` plans every factorization of N (`autopar.mesh_choice`)
     and compiles the fastest that fits; the ranked table is `result.mesh_choice`. `memory_limit`
     (bytes per rank, default 90% of the table's device memory) bounds the plan's modeled memory.
+    `over_decompose`: batch chunks per rank, or "auto" (`autopar.compile_for_rank`).
     """
     registry = registry if registry is not None else default_registry()
     choice = None
@@ -271,6 +273,7 @@ def plan(
         hardware=hardware,
         agree=keep_traced,
         memory_limit=memory_limit,
+        over_decompose=over_decompose,
     )
     result = price(compiled, mesh, hardware, planner)
     result.mesh_choice = choice
@@ -288,6 +291,9 @@ def plan(
 def price(compiled: Compiled, mesh: Mesh, hardware: str, planner: str) -> PlanResult:
     """Model one compiled rank program on `hardware`: communication, compute, memory per rank."""
     cost = TimeCost(hardware, mesh.shape)
+    work = compiled.graph_mesh or mesh
+    if work.in_process:  # over-decomposed: layouts carry the in-process chunk axis
+        cost.mesh = MeshCost.build(cost.mesh.hw, work.shape, work.in_process)
     program = compiled.program
     comm = 0.0
     for gm in (program.forward, program.backward):
@@ -295,7 +301,7 @@ def price(compiled: Compiled, mesh: Mesh, hardware: str, planner: str) -> PlanRe
             step = info(node).comm if has_info(node) else None
             if step is not None:
                 comm += cost.mesh.step(step)
-    compute = sum(_node_compute(node, cost, mesh.shape) for node in compiled.graph.graph.nodes)
+    compute = sum(_node_compute(node, cost, work.shape) for node in compiled.graph.graph.nodes)
     out = next(n for n in program.forward.graph.nodes if n.op == "output")
     saved = list(out.args[0])[len(program.output_layouts) :]  # type: ignore[arg-type]
     activation_bytes = sum(_bytes(n) for n in saved if isinstance(n, fx.Node) and n.op != "placeholder")

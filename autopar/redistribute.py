@@ -76,8 +76,13 @@ def _even_exchange(
     return shape[gathered] % before == 0 and shape[scattered] % after == 0
 
 
-def plan_redistribute(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> list[CommStep]:
-    """Steps from `src` to `dst`: reductions first (smallest tensors), then un-sharding, then slicing."""
+def plan_redistribute(
+    src: Layout, dst: Layout, mesh_shape: Sequence[int], sums_first: Sequence[int] = ()
+) -> list[CommStep]:
+    """Steps from `src` to `dst`: reductions first (smallest tensors), then un-sharding, then slicing.
+
+    Pending sums are reduced in axis order, except that `sums_first` axes go first: over-decomposed
+    batch chunks add up their gradients in memory before one collective sends the total."""
     if src.shape != dst.shape:
         raise ValueError(f"redistribute between shapes {src.shape} and {dst.shape}")
     cur = src
@@ -92,7 +97,9 @@ def plan_redistribute(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> li
         cur = new
 
     # 1. pending sums: reduce-scatter straight into the target split where the nesting allows.
-    for a, p in enumerate(cur.placements):
+    order = [*sums_first, *(a for a in range(len(mesh_shape)) if a not in sums_first)]
+    for a in order:
+        p = cur.placements[a]
         if not isinstance(p, Partial) or isinstance(dst.placements[a], Partial):
             continue
         target = dst.placements[a]

@@ -120,7 +120,9 @@ def _record(
     )
 
 
-def build_report(program: Any, mesh: Mesh, schedule: Any = None) -> PlanReport:
+def build_report(program: Any, mesh: Mesh, schedule: Any = None, graph_mesh: Mesh | None = None) -> PlanReport:
+    """`graph_mesh`: the mesh the program's collectives are laid out on, when it has more axes than
+    the device mesh (over-decomposition's in-process chunk axis)."""
     local = sum(lay.local_bytes(mesh.shape) for lay in program.param_layouts)
     total = sum(lay.local_bytes([1] * mesh.ndim) for lay in program.param_layouts)
     replicated = [
@@ -134,6 +136,6 @@ def build_report(program: Any, mesh: Mesh, schedule: Any = None) -> PlanReport:
         param_bytes_local=local,
         param_bytes_total=total,
         replicated_params=replicated,
-        collectives=collect([program.forward, program.backward], mesh),
+        collectives=collect([program.forward, program.backward], graph_mesh or mesh),
         schedule=schedule,
     )

@@ -241,7 +241,7 @@ def _mesh_cost(hardware: str | Hardware | MeshCost, mesh: Mesh) -> MeshCost:
     if isinstance(hardware, MeshCost):
         return hardware
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
-    return MeshCost.build(hw, mesh.shape)
+    return MeshCost.build(hw, mesh.shape, mesh.in_process)
 
 
 def is_view(node: fx.Node) -> bool:

@@ -258,7 +258,9 @@ def _merge(gm: fx.GraphModule, members: list[_Candidate], shape: tuple[int, ...]
     g = shape[axis]
     dtype = steps[0].before.dtype  # type: ignore[union-attr]
     group = comm_group(first)
-    base = replace(info(first), comm=None, comm_group=None, layouts=(), strategy=None, note="bucket")
+    chunks = {info(m.node).chunk for m in members}  # over-decomposition: one batch chunk, or several
+    chunk = chunks.pop() if len(chunks) == 1 else None
+    base = replace(info(first), comm=None, comm_group=None, layouts=(), strategy=None, note="bucket", chunk=chunk)
 
     chains = [sorted(prep_chain(c.node), key=position.__getitem__) for c in members]
     inputs = [i for chain in chains for m in chain for i in m.all_input_nodes if i not in chain]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError, ShardingError
-from autopar.layout import Layout
+from autopar.layout import Layout, Replicate
 from autopar.mesh import Mesh
 from autopar.meta import has_info, info, signature
 from autopar.planner import op_call
@@ -43,6 +43,26 @@ class EmittedProgram:
     tangent_outputs: list[int]  # which user output each tangent belongs to
     num_saved: int
     coords: tuple[int, ...]
+
+    def on_devices(self, device_ndim: int) -> EmittedProgram:
+        """The program's interface on the device mesh: over-decomposed programs were emitted on a
+        mesh with in-process chunk axes, on which parameters, inputs and outputs are whole."""
+        if len(self.coords) == device_ndim:
+            return self
+
+        def drop(layout: Layout) -> Layout:
+            extra = layout.placements[device_ndim:]
+            if any(not isinstance(p, Replicate) for p in extra):
+                raise AssertionError(f"interface layout {layout} is split over an in-process axis")
+            return Layout(layout.placements[:device_ndim], layout.shape, layout.dtype)
+
+        return replace(
+            self,
+            param_layouts=[drop(x) for x in self.param_layouts],
+            input_layouts=[drop(x) for x in self.input_layouts],
+            output_layouts=[drop(x) for x in self.output_layouts],
+            coords=self.coords[:device_ndim],
+        )
 
 
 def emit(
@@ -131,6 +151,8 @@ def _local_node(
     if node.target is operator.getitem or node_info.role == "comm" or node_info.strategy is None:
         new = graph.node_copy(node, lambda n: env[n])
         return new
+    if node_info.chunk is not None:  # over-decomposed: its chunk is its in-process coordinate
+        coords = (*coords[:-1], node_info.chunk)
     rule = registry.get(node.target)
     localize = rule.localize if rule is not None and rule.localize is not None else localize_sizes
     args = fx.map_arg(node.args, env.__getitem__)

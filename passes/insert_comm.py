@@ -48,6 +48,7 @@ class _Inserter:
         self.coords = coords
         self.done: dict[tuple[fx.Node, Layout], fx.Node] = {}
         self.groups = {a: self._group(a) for a in range(mesh.ndim)}
+        self.in_process = tuple(a for a in range(mesh.ndim) if mesh.is_in_process(a))
 
     def _group(self, axis: int) -> str:
         if self.mesh.device_mesh is None or self.shape[axis] == 1:
@@ -87,7 +88,7 @@ class _Inserter:
         )
         current = producer
         with self.gm.graph.inserting_before(consumer):
-            for step in plan_redistribute(have, want, self.shape):
+            for step in plan_redistribute(have, want, self.shape, self.in_process):
                 current = self._emit_step(current, step, base)
                 current.meta["val"] = producer.meta["val"]
                 set_info(current, _with(info(current), layouts=(step.after,)))

@@ -109,8 +109,14 @@ def schedule(
     first_backward = next(
         (n for n in nodes if has_info(n) and info(n).phase == "backward" and info(n).role == "compute"), None
     )
+    # in chain order (not a set of nodes, whose order follows memory addresses): every rank must
+    # place the same nodes in the same order, or ranks issue collectives in different orders
     externals = {
-        c: {i for m in chain for i in m.all_input_nodes if i not in chain_of or chain_of[i] is not c}
+        c: list(
+            dict.fromkeys(
+                i for m in chain for i in m.all_input_nodes if i not in chain_of or chain_of[i] is not c
+            )
+        )
         for c, chain in chains.items()
     }
     missing = {c: len(ext) for c, ext in externals.items()}
@@ -301,7 +307,9 @@ def schedule(
                     and node not in chain_of
                     and node not in waits
                     and has_info(node)
-                    and info(node).role == "compute"
+                    # in forward also a copy of a buffer already received (over-decomposed
+                    # chunks: the next chunk's input waits behind it)
+                    and (info(node).role == "compute" or (info(node).role == "comm" and phase == "forward"))
                     and info(node).phase == phase
                     and all(i in emitted for i in node.all_input_nodes)
                 ):

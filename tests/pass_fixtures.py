@@ -217,6 +217,9 @@ def run_lockstep(
         nodes = {c: order[c][i] for c in graphs}
         first = next(iter(nodes.values()))
         assert all(n.op == first.op for n in nodes.values())
+        # the same op at the same place on every rank (zero_partial: clone on one, zeros on others)
+        targets = {n.target for n in nodes.values()} - {aten.clone.default, aten.zeros_like.default}
+        assert first.op != "call_function" or len(targets) <= 1, [n.target for n in nodes.values()]
         if first.op == "call_function" and first.target in COLLECTIVES:
             inputs = {c: envs[c][n.args[0]] for c, n in nodes.items()}
             for c, n in nodes.items():

@@ -28,10 +28,10 @@ NAMES = {1: ("x",), 2: ("x", "y"), 3: ("x", "y", "z"), 4: ("dp", "x", "y", "z")}
 MAKERS = {"gpt": make_gpt, "mlp": make_mlp}
 
 
-def _train(model_name: str, mesh: Any, exact: bool, planner: str = "greedy") -> dict[str, Any]:
+def _train(model_name: str, mesh: Any, exact: bool, planner: str = "greedy", chunks: int = 1) -> dict[str, Any]:
     model, batch = MAKERS[model_name](0)
     serial = copy.deepcopy(model)
-    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, planner=planner)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, planner=planner, over_decompose=chunks)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
     serial_opt = torch.optim.AdamW(serial.parameters(), lr=1e-3)
     serial_params = dict(serial.named_parameters())
@@ -77,10 +77,15 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _job(
-    rank: int, world_size: int, shape: tuple[int, ...], models: tuple[str, ...], planner: str = "greedy"
+    rank: int,
+    world_size: int,
+    shape: tuple[int, ...],
+    models: tuple[str, ...],
+    planner: str = "greedy",
+    chunks: int = 1,
 ) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=NAMES[len(shape)])
-    return {name: _train(name, mesh, exact=world_size == 1, planner=planner) for name in models}
+    return {name: _train(name, mesh, exact=world_size == 1, planner=planner, chunks=chunks) for name in models}
 
 
 class MLPWithLogits(MLP):
@@ -188,18 +193,19 @@ def test_api_outputs_clipping_checkpoint_and_tied_weights(tmp_path: Any) -> None
 
 
 @pytest.mark.parametrize(
-    ("shape", "planner"),
+    ("shape", "planner", "chunks"),
     [
-        ((8,), "greedy"),
-        ((2, 4), "greedy"),
-        ((2, 2, 2), "greedy"),
-        ((2, 2, 2, 1), "greedy"),
-        ((2, 2, 2), "search"),
+        ((8,), "greedy", 1),
+        ((2, 4), "greedy", 1),
+        ((2, 2, 2), "greedy", 1),
+        ((2, 2, 2, 1), "greedy", 1),
+        ((2, 2, 2), "search", 1),
+        ((2, 2, 2), "greedy", 2),
     ],
-    ids=["8", "2x4", "2x2x2", "2x2x2x1", "2x2x2-search"],
+    ids=["8", "2x4", "2x2x2", "2x2x2x1", "2x2x2-search", "2x2x2-2chunks"],
 )
-def test_matches_serial_on_eight_ranks(shape: tuple[int, ...], planner: str) -> None:
-    results = run_ranks(8, _job, shape, ("gpt", "mlp"), planner, timeout=600)
+def test_matches_serial_on_eight_ranks(shape: tuple[int, ...], planner: str, chunks: int) -> None:
+    results = run_ranks(8, _job, shape, ("gpt", "mlp"), planner, chunks, timeout=600)
     for rank, per_model in enumerate(results):
         for name, r in per_model.items():
             for loss, serial_loss in r["losses"]:

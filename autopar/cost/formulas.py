@@ -162,8 +162,12 @@ class MeshCost:
     links: tuple[Link, ...]
 
     @staticmethod
-    def build(hw: Hardware, mesh_shape: Sequence[int]) -> MeshCost:
-        return MeshCost(hw, tuple(mesh_shape), axis_links(mesh_shape, hw))
+    def build(hw: Hardware, mesh_shape: Sequence[int], in_process: int = 0) -> MeshCost:
+        """`in_process` trailing axes are batch chunks inside one process (over-decomposition):
+        the device axes' links are as without them, and theirs is a copy through memory."""
+        devices = tuple(mesh_shape)[: len(mesh_shape) - in_process]
+        local = Link(alpha=0.0, bandwidth=hw.memory_bandwidth / 2, name="in_process")
+        return MeshCost(hw, tuple(mesh_shape), axis_links(devices, hw) + (local,) * in_process)
 
     def compute(self, flops: float, bytes_moved: float, dtype: torch.dtype | str) -> float:
         return compute_time(flops, bytes_moved, dtype, self.hw)

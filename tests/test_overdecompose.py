@@ -1,0 +1,142 @@
+"""Over-decomposition: each rank's batch in chunks, one graph running them all, equal to serial."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.fx as fx
+from pass_fixtures import all_coords, model_case, run_lockstep
+
+from autopar.api import Compiled, compile_for_rank
+from autopar.errors import AutoparError
+from autopar.mesh import Mesh
+from autopar.meta import has_info, info
+from autopar.overdecompose import OverDecompositionError
+from autopar.passes.bucket import COLLECTIVES
+from autopar.passes.emit import local_value
+from autopar.testing import assemble
+from examples.models import GPT, GPTConfig
+
+c10d = torch.ops._c10d_functional
+
+
+@functools.cache
+def _compiled(key: str, shape: tuple[int, ...], chunks: int, coords: tuple[int, ...]) -> Compiled:
+    model, inputs = model_case(key)
+    return compile_for_rank(model, Mesh.from_shape(shape), inputs, coords=coords, over_decompose=chunks)
+
+
+def _step(key: str, shape: tuple[int, ...], chunks: int) -> tuple[list[float], float, float]:
+    """Losses of every rank, the serial loss, and the worst gradient error relative to serial."""
+    model, inputs = model_case(key)
+    programs = {c: _compiled(key, shape, chunks, c).program for c in all_coords(shape)}
+    params = dict(model.named_parameters())
+    fwd_args = {
+        c: [local_value(params[n].detach(), lay, shape, c) for n, lay in zip(p.param_names, p.param_layouts)]
+        + [local_value(x, lay, shape, c) for x, lay in zip(inputs, p.input_layouts)]
+        for c, p in programs.items()
+    }
+    fwd = run_lockstep({c: p.forward for c, p in programs.items()}, fwd_args, shape)
+    bwd_args = {}
+    for c, p in programs.items():
+        tangents = [torch.ones(p.output_layouts[i].local_shape(shape, p.coords)) for i in p.tangent_outputs]
+        bwd_args[c] = [*fwd[c][len(p.output_layouts) :], *tangents]
+    bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, shape)
+    model.zero_grad()
+    serial = model(*inputs)
+    serial.backward()
+    first = next(iter(programs.values()))
+    worst = 0.0
+    for i, (name, layout) in enumerate(zip(first.param_names, first.param_layouts)):
+        got = assemble({c: bwd[c][i] for c in programs}, layout, shape)
+        want = params[name].grad
+        assert want is not None
+        worst = max(worst, float((got - want).abs().max() / (want.abs().max() + 1e-4)))
+    return [float(out[0]) for out in fwd.values()], float(serial.detach()), worst
+
+
+@pytest.mark.parametrize(("key", "shape", "chunks"), [("gpt1", (2, 2, 2), 2), ("mlp", (2, 2), 2)])
+def test_chunked_programs_equal_serial_on_every_rank(key: str, shape: tuple[int, ...], chunks: int) -> None:
+    losses, serial, grad_err = _step(key, shape, chunks)
+    assert all(loss == pytest.approx(serial, rel=1e-6) for loss in losses)
+    assert grad_err < 1e-5
+    assert _compiled(key, shape, chunks, (0,) * len(shape)).chunks == chunks
+
+
+def _collectives(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVES]
+
+
+def test_merged_graph_runs_each_chunk_and_shares_what_is_whole() -> None:
+    model, inputs = model_case("gpt1")
+    mesh = Mesh.from_shape((2, 2, 2))
+    compiled = compile_for_rank(model, mesh, inputs, coords=(0, 0, 0), over_decompose=2, schedule=False)
+    gm = compiled.graph
+    assert compiled.graph_mesh is not None and compiled.graph_mesh.shape == (2, 2, 2, 2)
+    assert str(compiled.graph_mesh).endswith("chunk=2 in-process)")
+    colls = _collectives(gm)
+    assert colls and not [n for n in colls if "<chunk>" in str(n.args[-1])]  # chunk axis: local ops only
+    by_chunk = {c: [n for n in colls if info(n).chunk == c] for c in (None, 0, 1)}
+    # activations: every chunk runs its own collectives, the same ones
+    assert by_chunk[0] and len(by_chunk[0]) == len(by_chunk[1])
+    assert [info(n).comm.kind for n in by_chunk[0]] == [info(n).comm.kind for n in by_chunk[1]]  # type: ignore[union-attr]
+    # weight gathers are shared; every gradient leaves the rank once, summed over the chunks first
+    shared = by_chunk[None]
+    assert any(info(n).phase == "forward" and info(n).comm.kind == "all_gather" for n in shared)  # type: ignore[union-attr]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    grads = output.args[0][compiled.graph.meta["autopar_signature"].num_user_outputs :]  # type: ignore[index]
+    for grad in grads:
+        if isinstance(grad, fx.Node) and has_info(grad):
+            assert info(grad).chunk is None, grad.name
+    sums = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor and info(n).chunk is None]
+    assert sums  # the chunks' partial gradients (and the loss) added in memory
+
+
+def test_schedule_overlaps_one_chunks_collectives_with_the_others_compute() -> None:
+    gm = _compiled("gpt1", (2, 2, 2), 2, (0, 0, 0)).graph
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    overlapped = 0
+    for coll in [n for n in _collectives(gm) if info(n).chunk == 0]:
+        wait = next(iter(coll.users))
+        overlapped += any(
+            order[coll] < order[n] < order[wait] and info(n).role == "compute" and info(n).chunk == 1
+            for n in gm.graph.nodes
+            if n.op == "call_function" and has_info(n)
+        )
+    assert overlapped >= 2
+
+
+def test_the_interface_stays_on_the_device_mesh() -> None:
+    program = _compiled("gpt1", (2, 2, 2), 2, (1, 0, 1)).program
+    assert program.coords == (1, 0, 1)
+    for layout in [*program.param_layouts, *program.input_layouts, *program.output_layouts]:
+        assert len(layout.placements) == 3
+
+
+def test_a_batch_the_chunks_do_not_divide_is_refused_by_name() -> None:
+    model, inputs = model_case("gpt1")  # batch 8 on 8 ranks: one row each
+    with pytest.raises(OverDecompositionError) as err:
+        compile_for_rank(model, Mesh.from_shape((8,)), inputs, over_decompose=2)
+    text = str(err.value)
+    assert "batch chunks" in text and "at:" in text and "over_decompose=1" in text
+    with pytest.raises(AutoparError, match="over_decompose"):
+        compile_for_rank(model, Mesh.from_shape((2, 2, 2)), inputs, over_decompose=0)
+
+
+def test_auto_keeps_the_fastest_modeled_step() -> None:
+    """The GPT layer of the overlap benchmark on one H100 node (1x2x4): two chunks hide forward
+    tensor-parallel collectives behind the other chunk's compute; four do not fit the batch."""
+    cfg = GPTConfig(vocab_size=512, block_size=2048, n_layer=1, n_head=32, n_embd=4096)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    inputs = (torch.zeros(8, 2048, dtype=torch.long), torch.zeros(8, 2048, dtype=torch.long))
+    compiled = compile_for_rank(
+        model, Mesh.from_shape((1, 2, 4)), inputs, over_decompose="auto", hardware="h100-nvlink-ib"
+    )
+    times = compiled.chunk_step_times
+    assert times is not None and set(times) == {1, 2}  # 4 chunks do not divide the per-rank batch
+    assert compiled.chunks == 2 and times[2] < times[1]
+    assert compiled.timelines is not None
+    assert compiled.timelines[1].step_time == pytest.approx(times[2], rel=1e-9)
