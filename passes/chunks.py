@@ -131,7 +131,9 @@ class _Merger:
         # compute, not comm: the schedule treats comm-only nodes before a collective as copies of
         # its input that it may rebuild (bucketing), and these add or cut values
         base = replace(info(first), role="compute", comm=None, comm_group=None, layouts=(), strategy=None)
-        val = first.meta.get("val")
+        # the global value the step yields: insert_comm records it on the step's last node (the wait)
+        waits = [u for u in first.users if u.target is c10d.wait_tensor.default]
+        val = waits[0].meta.get("val") if waits else None
         if step.kind == "all_reduce":
             total = self._sum(xs, base, val)
             return [total] * self.k
