@@ -116,21 +116,27 @@ def simulate_step(
     """
     model, inputs = model_case(key)
     programs = {c: p for c, (_, p) in rank_programs(key, shape, scheduled).items()}
+    return run_programs(programs, model, inputs, shape)
+
+
+def run_programs(
+    programs: dict[tuple[int, ...], EmittedProgram], model: nn.Module, inputs: tuple, shape: tuple[int, ...]
+) -> tuple[dict[tuple[int, ...], list], dict[tuple[int, ...], list]]:
+    """Every rank's forward then backward in lockstep, from the model's weights and the full
+    inputs (each rank's blocks cut by its layouts); the tangent of each output is ones.
+
+    Returns (forward outputs + saved values, parameter gradients) per rank."""
     params = dict(model.named_parameters())
-    fwd_args = {}
-    for c, prog in programs.items():
-        fwd_args[c] = [
-            local_value(params[n].detach(), lay, shape, c)
-            for n, lay in zip(prog.param_names, prog.param_layouts)
-        ] + [local_value(x, lay, shape, c) for x, lay in zip(inputs, prog.input_layouts)]
+    fwd_args = {
+        c: [local_value(params[n].detach(), lay, shape, c) for n, lay in zip(p.param_names, p.param_layouts)]
+        + [local_value(x, lay, shape, c) for x, lay in zip(inputs, p.input_layouts)]
+        for c, p in programs.items()
+    }
     fwd = run_lockstep({c: p.forward for c, p in programs.items()}, fwd_args, shape)
     bwd_args = {}
-    for c, prog in programs.items():
-        nu = len(prog.output_layouts)
-        tangents = [
-            torch.ones(prog.output_layouts[i].local_shape(shape, prog.coords)) for i in prog.tangent_outputs
-        ]
-        bwd_args[c] = [*fwd[c][nu:], *tangents]
+    for c, p in programs.items():
+        tangents = [torch.ones(p.output_layouts[i].local_shape(shape, p.coords)) for i in p.tangent_outputs]
+        bwd_args[c] = [*fwd[c][len(p.output_layouts) :], *tangents]
     bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, shape)
     return fwd, bwd
 

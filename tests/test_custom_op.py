@@ -16,14 +16,14 @@ import torch
 import torch.fx as fx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pass_fixtures import run_lockstep
+from pass_fixtures import run_programs
 
 from autopar.api import compile_for_rank
 from autopar.errors import MissingRuleError
 from autopar.layout import Layout, R, Shard
 from autopar.mesh import Mesh
 from autopar.meta import info
-from autopar.passes.emit import EmittedProgram, emit, local_value
+from autopar.passes.emit import EmittedProgram, emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
 from autopar.passes.schedule import schedule
@@ -152,21 +152,8 @@ def test_missing_rule_error_names_the_op(registered: tuple, missing: str) -> Non
 def _run_all_ranks(
     programs: dict[tuple[int, ...], EmittedProgram], model: torch.nn.Module, batch: tuple
 ) -> tuple[dict, dict]:
-    """Forward then backward of every rank's program in step (pass_fixtures.run_lockstep)."""
-    params = dict(model.named_parameters())
-    fwd_args = {
-        c: [local_value(params[n].detach(), lay, MESH, c) for n, lay in zip(p.param_names, p.param_layouts)]
-        + [local_value(x, lay, MESH, c) for x, lay in zip(batch, p.input_layouts)]
-        for c, p in programs.items()
-    }
-    fwd = run_lockstep({c: p.forward for c, p in programs.items()}, fwd_args, MESH)
-    bwd_args = {}
-    for c, p in programs.items():
-        n_out = len(p.output_layouts)
-        tangents = [torch.ones(p.output_layouts[i].local_shape(MESH)) for i in p.tangent_outputs]
-        bwd_args[c] = [*fwd[c][n_out:], *tangents]
-    bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, MESH)
-    return fwd, bwd
+    """Forward then backward of every rank's program in step (pass_fixtures.run_programs)."""
+    return run_programs(programs, model, batch, MESH)
 
 
 def _rank_programs(model: torch.nn.Module, batch: tuple) -> tuple[fx.GraphModule, dict]:

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 import torch.fx as fx
-from pass_fixtures import all_coords, model_case, run_lockstep
+from pass_fixtures import all_coords, model_case, run_programs
 
 from autopar.api import Compiled, compile_for_rank
 from autopar.errors import AutoparError
@@ -15,7 +15,6 @@ from autopar.mesh import Mesh
 from autopar.meta import has_info, info
 from autopar.overdecompose import OverDecompositionError
 from autopar.passes.bucket import COLLECTIVES
-from autopar.passes.emit import local_value
 from autopar.testing import assemble
 from examples.models import GPT, GPTConfig
 
@@ -32,18 +31,8 @@ def _step(key: str, shape: tuple[int, ...], chunks: int) -> tuple[list[float], f
     """Losses of every rank, the serial loss, and the worst gradient error relative to serial."""
     model, inputs = model_case(key)
     programs = {c: _compiled(key, shape, chunks, c).program for c in all_coords(shape)}
+    fwd, bwd = run_programs(programs, model, inputs, shape)
     params = dict(model.named_parameters())
-    fwd_args = {
-        c: [local_value(params[n].detach(), lay, shape, c) for n, lay in zip(p.param_names, p.param_layouts)]
-        + [local_value(x, lay, shape, c) for x, lay in zip(inputs, p.input_layouts)]
-        for c, p in programs.items()
-    }
-    fwd = run_lockstep({c: p.forward for c, p in programs.items()}, fwd_args, shape)
-    bwd_args = {}
-    for c, p in programs.items():
-        tangents = [torch.ones(p.output_layouts[i].local_shape(shape, p.coords)) for i in p.tangent_outputs]
-        bwd_args[c] = [*fwd[c][len(p.output_layouts) :], *tangents]
-    bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, shape)
     model.zero_grad()
     serial = model(*inputs)
     serial.backward()

@@ -19,6 +19,7 @@ from pass_fixtures import (
     propagated,
     rank_programs,
     run_lockstep,
+    run_programs,
     simulate_step,
 )
 
@@ -26,7 +27,7 @@ from autopar.layout import Layout, P, R
 from autopar.mesh import Mesh
 from autopar.meta import NodeInfo, info, set_info
 from autopar.passes.bucket import bucket
-from autopar.passes.emit import EmittedProgram, emit, local_value
+from autopar.passes.emit import EmittedProgram, emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.schedule import COLLECTIVES, ScheduleReport, _group, _tail, schedule
 from autopar.redistribute import CommStep
@@ -488,20 +489,8 @@ def _programs(
 def _step(key: str, shape: tuple[int, ...], programs: dict) -> dict[tuple[int, ...], list[torch.Tensor]]:
     """Forward then backward of every rank in lockstep; outputs and gradients per rank."""
     model, inputs = model_case(key)
-    params = dict(model.named_parameters())
     progs = {c: p for c, (_, p) in programs.items()}
-    fwd_args = {
-        c: [local_value(params[n].detach(), lay, shape, c) for n, lay in zip(p.param_names, p.param_layouts)]
-        + [local_value(x, lay, shape, c) for x, lay in zip(inputs, p.input_layouts)]
-        for c, p in progs.items()
-    }
-    fwd = run_lockstep({c: p.forward for c, p in progs.items()}, fwd_args, shape)
-    bwd_args = {}
-    for c, p in progs.items():
-        nu = len(p.output_layouts)
-        tangents = [torch.ones(p.output_layouts[i].local_shape(shape)) for i in p.tangent_outputs]
-        bwd_args[c] = [*fwd[c][nu:], *tangents]
-    bwd = run_lockstep({c: p.backward for c, p in progs.items()}, bwd_args, shape)
+    fwd, bwd = run_programs(progs, model, inputs, shape)
     return {c: fwd[c][: len(progs[c].output_layouts)] + bwd[c] for c in progs}
 
 
