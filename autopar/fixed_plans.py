@@ -31,6 +31,7 @@ batch) is planned and the cheapest, priced by `search.plan_cost`, is kept.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,7 @@ from autopar.errors import AutoparError
 from autopar.layout import Layout, P, Placement, R, Shard
 from autopar.mesh import Mesh
 from autopar.meta import info, signature
-from autopar.planner import Plan, greedy_plan, op_call
+from autopar.planner import Plan, call_key, greedy_plan, op_call
 from autopar.planning import Compared, price
 from autopar.rules.base import RuleRegistry, Strategy, admissible, combine
 from autopar.rules.matmul import SPECS
@@ -101,7 +102,8 @@ class Scheme:
 
     @property
     def roles(self) -> tuple[str, ...]:
-        """Axis roles for the planner's other parameter consumers: token where tokens are split."""
+        """Axis roles for the planner's other parameter consumers: token where tokens are split
+        (a unit axis, letter "-", splits nothing and its role changes nothing)."""
         return tuple("token" if letter == "T" else "tensor" for letter in self.first)
 
     def mesh(self) -> Mesh:
@@ -319,6 +321,26 @@ def scheme_variants(key: str, p: int, gm: fx.GraphModule, require_heads: bool = 
     raise AutoparError(f"unknown fixed scheme {key!r}", hint=f"use one of {', '.join(SCHEMES)}")
 
 
+def variants_on(key: str, mesh_shape: Sequence[int], gm: fx.GraphModule) -> list[Scheme]:
+    """The scheme's variants that lay out on `mesh_shape` itself: those whose mesh is `mesh_shape`
+    without its unit axes, the letters moved onto the non-unit axes and "-" (no split) on the unit
+    ones ((1, 8, 8) takes the 8x8 grids of 2-D). 1-D keeps linears-only variants (heads that do not
+    divide: attention is laid out by the planner). Raises `InfeasibleScheme` as `scheme_variants`."""
+    shape = tuple(int(g) for g in mesh_shape)
+    sized = [a for a, g in enumerate(shape) if g > 1]
+    if not sized:
+        raise InfeasibleScheme(f"mesh {shape} has no axis to split over")
+    out = []
+    for scheme in scheme_variants(key, math.prod(shape), gm, require_heads=False):
+        if scheme.mesh_shape != tuple(shape[a] for a in sized):
+            continue
+        first, second = ["-"] * len(shape), ["-"] * len(shape)
+        for a, x, y in zip(sized, scheme.first, scheme.second):
+            first[a], second[a] = x, y
+        out.append(Scheme(key, shape, tuple(first), tuple(second), scheme.note))
+    return out
+
+
 def _attention_heads(gm: fx.GraphModule) -> set[int]:
     heads = set()
     for node in gm.graph.nodes:
@@ -341,23 +363,35 @@ def _batch(gm: fx.GraphModule) -> int | None:
 
 
 def forced_strategies(
-    gm: fx.GraphModule, scheme: Scheme, pairs: Sequence[tuple[Linear, Linear]], registry: RuleRegistry
+    gm: fx.GraphModule,
+    scheme: Scheme,
+    pairs: Sequence[tuple[Linear, Linear]],
+    registry: RuleRegistry,
+    memo: dict[Any, Strategy] | None = None,
 ) -> dict[str, Strategy]:
-    """The strategy of every product of every paired linear under `scheme`."""
+    """The strategy of every product of every paired linear under `scheme`. `memo` (shared by
+    calls on one graph) answers a repeated layer's identical product or transpose at once."""
     nodes = {n.name: n for n in gm.graph.nodes}
+    memo = memo if memo is not None else {}
     forced: dict[str, Strategy] = {}
     for pair in pairs:
         for lin, letters in zip(pair, (scheme.first, scheme.second)):
             for product in lin.products:
                 node = nodes[product.node]
-                strategy = forced[product.node] = _strategy(node, product, letters, scheme, registry)
+                key = (node.target, call_key(op_call(node)), product.letters, letters, scheme.mesh_shape)
+                strategy = memo.get(key)
+                if strategy is None:  # a failure raises and ends the scheme: only answers are kept
+                    strategy = memo[key] = _strategy(node, product, letters, scheme, registry)
+                forced[product.node] = strategy
                 _, (ia, ib), _ = SPECS[node.target]
                 for index in (ia, ib):
-                    _through_transposes(node.args[index], strategy.inputs[index], forced, registry)
+                    _through_transposes(node.args[index], strategy.inputs[index], forced, registry, memo)
     return forced
 
 
-def _through_transposes(node: Any, want: Layout, forced: dict[str, Strategy], registry: RuleRegistry) -> None:
+def _through_transposes(
+    node: Any, want: Layout, forced: dict[str, Strategy], registry: RuleRegistry, memo: dict[Any, Strategy]
+) -> None:
     """Force the transposes feeding a product to take their input in the wanted layout (transposed).
 
     Otherwise a transpose of a value picks its own layout (usually a free slice) and the product
@@ -373,16 +407,20 @@ def _through_transposes(node: Any, want: Layout, forced: dict[str, Strategy], re
         if rule is None:
             return
         call = op_call(node)
-        per_axis = []
-        for placement in want.placements:
-            source = Shard(1 - placement.dim) if flip and isinstance(placement, Shard) else placement
-            match = next(
-                (s for s in rule.strategies(call) if s.inputs[0] == source and s.outputs == (placement,)), None
-            )
-            if match is None:
-                return
-            per_axis.append(match)
-        strategy = combine(call, per_axis)
+        key = ("through", node.target, call_key(call), flip, want)
+        strategy = memo.get(key)
+        if strategy is None:
+            per_axis = []
+            for placement in want.placements:
+                source = Shard(1 - placement.dim) if flip and isinstance(placement, Shard) else placement
+                match = next(
+                    (s for s in rule.strategies(call) if s.inputs[0] == source and s.outputs == (placement,)),
+                    None,
+                )
+                if match is None:
+                    return
+                per_axis.append(match)
+            strategy = memo[key] = combine(call, per_axis)
         forced[node.name] = strategy
         node, want = src, strategy.inputs[0]
 
@@ -398,7 +436,7 @@ def _strategy(
     options = rule.strategies(call)
     per_axis = []
     for axis, letter in enumerate(letters):
-        a, b, out = _placements(product.letters.index(letter) if letter is not None else None)
+        a, b, out = _placements(product.letters.index(letter) if letter in LETTERS else None)
         match = next(
             (s for s in options if s.inputs[ia] == a and s.inputs[ib] == b and s.outputs == (out,)), None
         )
@@ -453,11 +491,12 @@ def plan_fixed(
         return fixed
     best = float("inf")
     caches: dict[tuple[int, ...], dict[Any, list[Strategy]]] = {}
+    memo: dict[Any, Strategy] = {}
     reasons = []
     for scheme in variants:
         mesh = scheme.mesh()
         try:
-            forced = forced_strategies(gm, scheme, pairs, registry)
+            forced = forced_strategies(gm, scheme, pairs, registry, memo)
             cache = caches.setdefault(scheme.mesh_shape, {})
             plan = greedy_plan(gm, mesh, registry, roles=scheme.roles, forced=forced, expand_cache=cache)
         except AutoparError as exc:

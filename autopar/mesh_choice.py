@@ -6,8 +6,11 @@ one dp (`autopar.mesh.default_axis_names`); axes of size 1 change nothing and ar
 ranks give (8), (2, 4), (4, 2) and (2, 2, 2). Order matters: ranks are row-major, so the last axis
 is the one whose groups stay inside a node. The model is traced once; each candidate is planned on
 that graph (the search tries every tensor/token role of the axes, so a mesh's names only pick its
-default roles) and priced on the hardware table: communication and compute seconds per step and
-memory per rank. The fastest candidate that fits the memory limit wins; ties go to the earlier
+default roles, and is seeded by the fixed 1-D / 2-D / cube plans that lay out on the candidate, so
+in the search's objective its plan is no slower than any of them on that candidate: 2-D's q x q
+grid is a candidate) and priced on the hardware table: communication and compute seconds per step (each
+redistribution of a value to a layout counted once, as insert_comm emits it, so that candidates
+whose consumers share collectives rank as their compiled programs do) and memory per rank. The fastest candidate that fits the memory limit wins; ties go to the earlier
 candidate, so the choice is deterministic. Under `parallelize` rank 0 chooses and broadcasts.
 """
 
@@ -202,7 +205,7 @@ def _evaluate(
         return MeshCandidate(mesh.shape, mesh.axis_names, memory=exc.memory, error="does not fit in memory")
     except AutoparError as exc:
         return MeshCandidate(mesh.shape, mesh.axis_names, error=f"{type(exc).__name__}: {exc.message}"[:160])
-    comm, compute = plan_cost_parts(gm, plan, mesh, cost)
+    comm, compute = plan_cost_parts(gm, plan, mesh, cost, once=True)  # as insert_comm will emit it
     memory = plan.memory.total if plan.memory is not None else math.nan
     return MeshCandidate(mesh.shape, mesh.axis_names, comm, compute, memory, True, plan.roles)
 

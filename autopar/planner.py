@@ -27,6 +27,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.errors import MissingRuleError, ShardingError
+from autopar.greedy_scores import GreedyMemo, ListFacts, best, scores
 from autopar.layout import Layout, Partial, Placement, Replicate, Shard
 from autopar.mesh import Mesh
 from autopar.meta import info, signature
@@ -131,16 +132,24 @@ def greedy_plan(
     roles: tuple[str, ...] | None = None,
     forced: dict[str, Strategy] | None = None,
     expand_cache: dict[Any, list[Strategy]] | None = None,
+    memo: GreedyMemo | None = None,
 ) -> Plan:
-    """The greedy pass with other axis roles, or with some nodes' strategies fixed in advance."""
-    return _Greedy(gm, mesh, registry, roles=roles, forced=forced, expand_cache=expand_cache).run()
+    """The greedy pass with other axis roles, or with some nodes' strategies fixed in advance.
+    Passes over the same graph and mesh may share `memo` and `expand_cache`."""
+    return _Greedy(gm, mesh, registry, roles=roles, forced=forced, expand_cache=expand_cache, memo=memo).run()
 
 
 def expand_cached(
-    node: fx.Node, rule: Any, call: OpCall, shape: tuple[int, ...], cache: dict[Any, list[Strategy]]
+    node: fx.Node,
+    rule: Any,
+    call: OpCall,
+    shape: tuple[int, ...],
+    cache: dict[Any, list[Strategy]],
+    key_of_call: tuple[Any, ...] | None = None,
 ) -> list[Strategy]:
-    """`expand` memoized by op and argument specs: repeated layers share their candidate lists."""
-    key = (node.target, call_key(call))
+    """`expand` memoized by op and argument specs: repeated layers share their candidate lists.
+    `key_of_call`: `call_key(call)`, if known."""
+    key = (node.target, call_key(call) if key_of_call is None else key_of_call)
     found = cache.get(key)
     if found is None:
         found = cache[key] = expand(call, rule.strategies(call), shape, rule.uneven)
@@ -157,6 +166,24 @@ def _redist(src: Layout, dst: Layout, mesh_shape: tuple[int, ...]) -> float:
     return redistribute_cost(src, dst, mesh_shape)
 
 
+@functools.lru_cache(maxsize=200_000)
+def _gather(want: Layout, mesh_shape: tuple[int, ...]) -> float:
+    return gather_from_storage(want, mesh_shape)
+
+
+@functools.lru_cache(maxsize=200_000)
+def _strategy_facts(strategy: Strategy, mesh_shape: tuple[int, ...]) -> tuple[int, int, float]:
+    """(uneven layouts, work split, elements of pending sums) of a candidate: candidate lists are
+    shared by repeated ops and passes, so each candidate is worked out once."""
+    uneven = sum(not lay.is_even(mesh_shape) for lay in (*strategy.inputs, *strategy.outputs))
+    pending = 0.0
+    for out in strategy.outputs:
+        for a in out.partial_axes():
+            g = mesh_shape[a]
+            pending += (g - 1) / g * out.local_numel(mesh_shape)
+    return uneven, work_split(strategy, mesh_shape), pending
+
+
 class _Greedy:
     def __init__(
         self,
@@ -166,6 +193,7 @@ class _Greedy:
         roles: tuple[str, ...] | None = None,
         forced: dict[str, Strategy] | None = None,
         expand_cache: dict[Any, list[Strategy]] | None = None,
+        memo: GreedyMemo | None = None,
     ) -> None:
         self.gm = gm
         self.mesh = mesh
@@ -174,8 +202,10 @@ class _Greedy:
         self.plan = Plan(roles=roles if roles is not None else axis_roles(mesh))
         self.forced = forced or {}
         self.expand_cache = expand_cache if expand_cache is not None else {}
-        # (op, call_key, input layouts) -> (strategy, note): see _choose
-        self.choices: dict[Any, tuple[Strategy, str]] = {}
+        memo = memo if memo is not None else GreedyMemo()
+        # (op, call_key, input layouts, roles where they apply) -> (strategy, note): see _choose
+        self.choices: dict[Any, tuple[Strategy, str]] = memo.choices
+        self.memo = memo
         # Values laid out by their first consumer: "param" chains (a parameter and views/casts of
         # it) and "replica" chains (computed from whole, replicated values only: slicing is free).
         self.deferred: dict[fx.Node, str] = {}
@@ -254,7 +284,7 @@ class _Greedy:
             layout = self.plan.strategies[parent.name].outputs[output_index(node)]
             self._set(node, (layout,), "")
             return
-        inputs = tensor_inputs(node)
+        inputs = self._tensor_inputs(node)
         rule = self.registry.get(node.target)
         if (
             inputs
@@ -305,16 +335,27 @@ class _Greedy:
         return self.plan.layouts[node.name][0]
 
     def _input_cost(self, have: Layout | str, want: Layout) -> float:
-        if have == "param":
-            return gather_from_storage(want, self.shape)
-        if have == "replica":
-            return 0.0
-        assert isinstance(have, Layout)
-        return _redist(have, want, self.shape)
+        if isinstance(have, Layout):
+            return _redist(have, want, self.shape)
+        return _gather(want, self.shape) if have == "param" else 0.0  # "replica": slicing is free
+
+    def _tensor_inputs(self, node: fx.Node) -> list[fx.Node]:
+        found = self.memo.inputs.get(node)
+        if found is None:
+            found = self.memo.inputs[node] = tensor_inputs(node)
+        return found
+
+    def _op_call(self, node: fx.Node) -> tuple[OpCall, tuple[Any, ...]]:
+        """The node's op call and its `call_key` (each worked out once per memo)."""
+        found = self.memo.calls.get(node)
+        if found is None:
+            call = op_call(node)
+            found = self.memo.calls[node] = (call, call_key(call))
+        return found
 
     def _choose(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         rule = self._rule(node)
-        call = op_call(node)
+        call, key_of_call = self._op_call(node)
         current = [self._current(i) for i in inputs]
         self.plan.decided.append(node.name)
         self.plan.deferred_inputs[node.name] = tuple(c if isinstance(c, str) else "" for c in current)
@@ -328,12 +369,14 @@ class _Greedy:
             self.plan.strategies[node.name] = best
             self._set(node, best.outputs, "chosen by the plan search")
             return
-        # The choice depends only on the op call and the inputs' current layouts: repeated layers
-        # ask the same question again and get the same answer.
-        key = (node.target, call_key(call), tuple(current))
+        # The choice depends only on the op call and the inputs' current layouts (and the axis roles
+        # where `_role_filter` applies): repeated layers ask the same question again and get the
+        # same answer, and so do passes with other roles or forced nodes sharing `choices`.
+        roled = rule.anchor and "param" in current and any(c != "param" for c in current)
+        key = (node.target, key_of_call, tuple(current), self.plan.roles if roled else None)
         found = self.choices.get(key)
         if found is None:
-            found = self.choices[key] = self._pick(node, rule, call, current)
+            found = self.choices[key] = self._pick(node, rule, call, current, key_of_call)
         best, note = found
         for node_in, want in zip(inputs, best.inputs):
             self._resolve(node_in, want)
@@ -341,24 +384,38 @@ class _Greedy:
         self._set(node, best.outputs, note)
 
     def _pick(
-        self, node: fx.Node, rule: Any, call: OpCall, current: list[Layout | str]
+        self,
+        node: fx.Node,
+        rule: Any,
+        call: OpCall,
+        current: list[Layout | str],
+        key_of_call: tuple[Any, ...] | None = None,
     ) -> tuple[Strategy, str]:
         """The lowest-cost candidate strategy for `call` given its inputs' current layouts."""
-        axis_options = rule.strategies(call)
         if rule.anchor or len(current) == 0:
-            candidates = expand_cached(node, rule, call, self.shape, self.expand_cache)
+            candidates = expand_cached(node, rule, call, self.shape, self.expand_cache, key_of_call)
         else:
-            candidates = self._beam(call, axis_options, current, rule.uneven)
+            key = (call.op, call_key(call) if key_of_call is None else key_of_call)
+            candidates = self._beam(call, rule.strategies(call), current, rule.uneven, key)
         if not candidates:
             raise self._no_strategy(node, call)
         work = global_work(node)
-        scored = []
-        for index, strategy in enumerate(candidates):
-            cost = self._cost(strategy, current, work)
-            uneven = sum(not lay.is_even(self.shape) for lay in (*strategy.inputs, *strategy.outputs))
-            scored.append((0, cost, uneven, self._slices(strategy, current), index, strategy))
+        roled = rule.anchor and "param" in current and any(c != "param" for c in current)
+        if rule.anchor or len(current) == 0:  # a whole (shared) list: scored as arrays
+            facts = self._list_facts(candidates)
+            cost, slices = scores(facts, current, work, self._input_cost, PARTIAL_WEIGHT, FLOP_WEIGHT)
+            if not roled:
+                return candidates[best(cost, facts.uneven, slices)], "lowest modeled cost"
+            columns = (cost.tolist(), facts.uneven.tolist(), slices.tolist(), range(len(cost)), candidates)
+            scored = [(0, *row) for row in zip(*columns)]
+        else:
+            scored = []
+            for index, strategy in enumerate(candidates):
+                cost_of = self._cost(strategy, current, work)
+                uneven, _, _ = _strategy_facts(strategy, self.shape)
+                scored.append((0, cost_of, uneven, self._slices(strategy, current), index, strategy))
         note = "lowest modeled cost"
-        if rule.anchor and "param" in current and any(c != "param" for c in current):
+        if roled:
             constrained = self._role_filter(scored, current)
             if constrained:
                 scored, note = constrained, "axis roles (tokens / tensor axes)"
@@ -366,14 +423,17 @@ class _Greedy:
         scored.sort(key=lambda t: t[:5])
         return scored[0][5], note
 
+    def _list_facts(self, candidates: list[Strategy]) -> ListFacts:
+        found = self.memo.lists.get(id(candidates))
+        if found is None:
+            found = self.memo.lists[id(candidates)] = ListFacts.of(
+                candidates, lambda s: _strategy_facts(s, self.shape)
+            )
+        return found
+
     def _cost(self, strategy: Strategy, current: Sequence[Layout | str], work: float) -> float:
         comm = sum(self._input_cost(have, want) for have, want in zip(current, strategy.inputs))
-        split = work_split(strategy, self.shape)
-        pending = 0.0
-        for out in strategy.outputs:
-            for a in out.partial_axes():
-                g = self.shape[a]
-                pending += (g - 1) / g * out.local_numel(self.shape)
+        _, split, pending = _strategy_facts(strategy, self.shape)
         return comm + PARTIAL_WEIGHT * pending + FLOP_WEIGHT * work / split
 
     @staticmethod
@@ -384,9 +444,16 @@ class _Greedy:
         )
 
     def _beam(
-        self, call: OpCall, options: list[AxisStrategy], current: Sequence[Layout | str], uneven: bool
+        self,
+        call: OpCall,
+        options: list[AxisStrategy],
+        current: Sequence[Layout | str],
+        uneven: bool,
+        key: Any = None,
     ) -> list[Strategy]:
-        """Per axis, the few single-axis options closest to the inputs; their product."""
+        """Per axis, the few single-axis options closest to the inputs; their product (each
+        combination combined once per memo: `key` names the call)."""
+        numels = [have.local_numel(self.shape) if isinstance(have, Layout) else 0 for have in current]
         per_axis: list[list[AxisStrategy]] = []
         for a, g in enumerate(self.shape):
             if g == 1:
@@ -400,26 +467,29 @@ class _Greedy:
                 continue
             ranked = sorted(
                 enumerate(options),
-                key=lambda t: (self._axis_cost(t[1], current, a, g), t[0]),
+                key=lambda t: (self._axis_cost(t[1], current, a, g, numels), t[0]),
             )
             per_axis.append([s for _, s in ranked[:BEAM]])
         result = []
+        combos = self.memo.combos if key is not None else {}
         for combo in itertools.product(*per_axis):
-            strategy = combine(call, combo)
-            if admissible(strategy, self.shape, uneven):
-                result.append(strategy)
+            if (key, combo) not in combos:
+                strategy = combine(call, combo)
+                combos[(key, combo)] = strategy if admissible(strategy, self.shape, uneven) else None
+            found = combos[(key, combo)]
+            if found is not None:
+                result.append(found)
         return result or expand(call, options, self.shape, uneven)
 
-    def _axis_cost(self, option: AxisStrategy, current: Sequence[Layout | str], axis: int, g: int) -> float:
+    def _axis_cost(
+        self, option: AxisStrategy, current: Sequence[Layout | str], axis: int, g: int, numels: Sequence[int]
+    ) -> float:
         cost = 0.0
-        for have, want in zip(current, option.inputs):
-            if have == "param":
+        for have, want, n in zip(current, option.inputs, numels):
+            if isinstance(have, Layout):
+                cost += _placement_cost(have.placements[axis], want, g, n)
+            elif have == "param":
                 cost += 0.0 if isinstance(want, Shard) else 1.0
-                continue
-            if have == "replica":
-                continue
-            assert isinstance(have, Layout)
-            cost += _placement_cost(have.placements[axis], want, g, have.local_numel(self.shape))
         for out in option.outputs:
             if isinstance(out, Partial):
                 cost += 0.5
@@ -463,10 +533,10 @@ class _Greedy:
             return
         if node.target is operator.getitem:
             raise ShardingError(f"cannot lay out {node.name}", where=info(node).where())
-        inputs = tensor_inputs(node)
+        inputs = self._tensor_inputs(node)
         rule = self._rule(node)
-        call = op_call(node)
-        every = expand_cached(node, rule, call, self.shape, self.expand_cache)
+        call, key_of_call = self._op_call(node)
+        every = expand_cached(node, rule, call, self.shape, self.expand_cache, key_of_call)
         matching = [s for s in every if s.outputs[0] == want]
         if not matching:
             replicated = [s for s in every if s.outputs[0].is_replicated]

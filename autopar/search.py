@@ -8,9 +8,12 @@ reductions. The graph is cut into chains (an op whose only decided producer is t
 each chain is solved exactly by dynamic programming (Viterbi) with the rest of the graph held fixed,
 and the chains are swept forward and backward until the total stops falling (coordinate descent
 with exact block moves; `autopar.search_problem`). Seeds are the greedy plans for every assignment
-of axis roles, so the search starts from the best of the 1-D / 2-D / 3-D patterns and can only
-improve on it; role assignments that cannot split the model (a token axis larger than the batch)
-are skipped, and only if none works is the error raised.
+of axis roles and the fixed 1-D / 2-D / 3-D scheme plans that lay out on this mesh
+(`autopar.search_seeds`); the chain moves start from the cheapest role seed and from the cheapest
+fixed seed when that is cheaper still, so the search is never worse than any seed; role
+assignments that cannot split the model (a token axis larger than the batch) are skipped, and only
+if no seed works is the error raised. Edge tables are priced per pair of placements
+(`autopar.search_cost`).
 
 Memory: a plan must fit `memory_limit` bytes per rank (default: `MEMORY_HEADROOM` of the hardware
 table's device memory; no limit when pricing in element counts). Stored parameters, gradients and
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -38,64 +40,38 @@ from autopar.layout import Layout
 from autopar.mesh import Mesh
 from autopar.plan_memory import MEMORY_HEADROOM, PlanMemory, choose_regather, plan_memory
 from autopar.planner import (
-    FLOP_WEIGHT,
     Plan,
-    _redist,
     axis_roles,
-    gather_from_storage,
     global_work,
     greedy_plan,
-    storage_layout,
     tensor_inputs,
     work_split,
 )
 from autopar.rules.base import RuleRegistry, Strategy
-from autopar.search_problem import Problem, regather_cost, settled
+from autopar.search_cost import ElementCost, TimeCost, even_factor, even_steps
+from autopar.search_problem import Problem, Shared, regather_cost
+
+__all__ = [
+    "ElementCost",
+    "GraphFacts",
+    "SearchPlan",
+    "SearchReport",
+    "TimeCost",
+    "default_memory_limit",
+    "even_factor",
+    "even_steps",
+    "fit_memory",
+    "format_bytes",
+    "plan_cost",
+    "plan_cost_parts",
+    "role_assignments",
+    "search_layouts",
+]
 
 MAX_SWEEPS = 8
 PRICE_STEPS = 24  # memory prices tried, each 4x the last, before giving up on fitting
 PRICE_BISECTIONS = 4  # refinements between the last price that did not fit and the first that did
 PRICE_STALL = 3  # stop raising the price once this many raises left the plan unchanged
-
-
-class ElementCost:
-    """Elements sent per rank plus flops / 200: the greedy pass's units (no hardware table)."""
-
-    memory_capacity: float | None = None  # no device, so no default memory limit
-
-    def __init__(self, mesh_shape: Sequence[int]) -> None:
-        self.shape = tuple(mesh_shape)
-
-    def redistribute(self, src: Layout, dst: Layout) -> float:
-        return _redist(src, dst, self.shape)
-
-    def gather_from_storage(self, want: Layout) -> float:
-        return gather_from_storage(want, self.shape)
-
-    def compute(self, work: float, split: int) -> float:
-        return FLOP_WEIGHT * work / split
-
-
-class TimeCost(ElementCost):
-    """Seconds per step on a hardware table: alpha-beta collectives on each axis's link (intra- or
-    inter-node) and roofline compute, via `autopar.cost`."""
-
-    def __init__(self, hardware: Any, mesh_shape: Sequence[int]) -> None:
-        from autopar.cost import MeshCost, load_hardware
-
-        super().__init__(mesh_shape)
-        hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
-        self.mesh = MeshCost.build(hw, mesh_shape)
-        self.memory_capacity = hw.memory_capacity
-
-    def redistribute(self, src: Layout, dst: Layout) -> float:
-        return self.mesh.redistribute(src, dst) if src != dst else 0.0
-
-    def gather_from_storage(self, want: Layout) -> float:
-        return self.redistribute(storage_layout(want, self.shape), settled(want))
-
-    def compute(self, work: float, split: int) -> float:
-        return self.mesh.compute(work / split, 0.0, "float32")
 
 
 @dataclass
@@ -109,8 +85,11 @@ class SearchPlan(Plan):
 
 @dataclass
 class SearchReport:
-    seeds: dict[str, float] = field(default_factory=dict)  # roles -> modeled cost of the greedy plan
+    # roles ("tensor/tensor/token") or "fixed:<scheme>" -> modeled cost of that seed plan
+    seeds: dict[str, float] = field(default_factory=dict)
     failed_roles: dict[str, str] = field(default_factory=dict)  # roles -> why the greedy pass failed
+    failed_fixed: dict[str, str] = field(default_factory=dict)  # "fixed:<scheme>" -> why it failed
+    chosen_seed: str = ""  # the seed whose chain moves gave the plan (see `_starts`)
     chosen_roles: tuple[str, ...] = ()
     seed_cost: float = 0.0
     final_cost: float = 0.0  # includes the regathers' collectives
@@ -154,41 +133,35 @@ def search_layouts(
     cost: ElementCost | None = None,
     max_sweeps: int = MAX_SWEEPS,
     memory_limit: float | None = None,
+    fixed_seeds: bool = True,
 ) -> SearchPlan:
-    """Best greedy seed over axis-role assignments, then exact chain moves until no gain, within
-    `memory_limit` bytes per rank (None: the default of the cost's hardware; math.inf: none)."""
+    """Best seed (greedy plans over axis-role assignments and, with `fixed_seeds`, the fixed
+    schemes' plans on this mesh), then exact chain moves until no gain, within `memory_limit`
+    bytes per rank (None: the default of the cost's hardware; math.inf: none)."""
     cost = cost or ElementCost(mesh.shape)
     limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
     report = SearchReport(memory_limit=limit)
-    cache: dict[Any, list[Strategy]] = {}
-    seed_plan = _best_seed(gm, mesh, registry, cost, cache, report)
-    report.chosen_roles = seed_plan.roles
-    problem = Problem(gm, mesh, registry, seed_plan, cost, cache)
-    report.variables = len(problem.vars)
-    report.chains = len(problem.chains)
-    report.sweeps = problem.optimize(max_sweeps)
-
-    def materialize() -> Plan:
-        return greedy_plan(
-            gm, mesh, registry, roles=seed_plan.roles, forced=problem.forced(), expand_cache=cache
-        )
-
-    first = materialize()
-    options = [_fit(gm, plan, mesh, cost, limit) for plan in (first, seed_plan)]
-    lean = None
-    if (options[0] is None or options[0].regather) and math.isfinite(limit):
-        priced, lean = _price_memory(gm, mesh, cost, limit, problem, max_sweeps, materialize, report)
-        options += priced
-    fitting = [o for o in options if o is not None]
+    facts = GraphFacts.of(gm)
+    shared = Shared(work={name: work for name, _, work in facts.calls})
+    runs = [
+        _from_seed(gm, mesh, registry, cost, shared, facts, start, limit, max_sweeps, report)
+        for start in _starts(gm, mesh, registry, cost, shared, facts, report, fixed_seeds)
+    ]
+    fitting = [(option, run) for run in runs for option in run.options]
     if not fitting:
-        lean = lean if lean is not None else plan_memory(gm, first, mesh.shape)
+        lean = min((run.leanest(gm, mesh) for run in runs), key=_leanest_need)
         raise _memory_error(lean, mesh, limit, "the leanest plan found")
-    best = min(fitting, key=lambda o: (o.cost, o.bytes))  # never worse than the seed
+    # never worse than a start (its seed is an option); ties keep the earlier start
+    best, run = min(fitting, key=lambda t: (t[0].cost, t[0].bytes))
     final = best.search_plan(gm, mesh)
+    problem = run.problem
+    report.chosen_seed, report.chosen_roles, report.sweeps = run.name, run.seed.roles, run.sweeps
+    report.variables, report.chains = len(problem.vars), len(problem.chains)
     report.final_cost = best.cost
     report.memory = final.memory.total if final.memory is not None else 0.0
     report.regathered = best.regather
-    report.solves, report.memo_hits = problem.tally.solves, problem.tally.memo_hits
+    report.solves = sum(r.problem.tally.solves for r in runs)
+    report.memo_hits = sum(r.problem.tally.memo_hits for r in runs)
     report.distinct_chains = problem.tally.distinct_chains
     memory_note = (
         f"; memory {format_bytes(report.memory)} per rank of {format_bytes(limit)}, "
@@ -198,8 +171,8 @@ def search_layouts(
     )
     final.notes["__search__"] = (
         f"search: seed {report.seed_cost:.4g} -> {best.cost:.4g} in {report.sweeps} sweeps over "
-        f"{report.variables} ops in {report.chains} chains ({report.distinct_chains} distinct); "
-        f"roles {'/'.join(report.chosen_roles)}{memory_note}"
+        f"{report.variables} ops in {report.chains} chains ({report.distinct_chains} distinct) from "
+        f"seed {report.chosen_seed}; roles {'/'.join(report.chosen_roles)}{memory_note}"
     )
     gm.meta["autopar_search"] = report
     return final
@@ -228,31 +201,115 @@ def default_memory_limit(cost: ElementCost) -> float:
     return MEMORY_HEADROOM * capacity if capacity else math.inf
 
 
-def _best_seed(
+def _starts(
     gm: fx.GraphModule,
     mesh: Mesh,
     registry: RuleRegistry,
     cost: ElementCost,
-    cache: dict[Any, list[Strategy]],
+    shared: Shared,
+    facts: GraphFacts,
     report: SearchReport,
-) -> Plan:
-    """The cheapest greedy plan over role assignments; the most telling error if none works."""
-    best: Plan | None = None
+    fixed: bool = True,
+) -> list[tuple[str, Plan, float]]:
+    """Where the chain moves start: the cheapest greedy plan over role assignments, and (`fixed`)
+    the cheapest fixed scheme's plan on this mesh when it is cheaper still. Both are searched from,
+    so the result is never worse than any seed, nor than the search from the role seeds alone (a
+    cheaper start can end higher). Every seed's cost is in `report.seeds`; if no role assignment
+    and no scheme works, the most telling error of the role assignments is raised."""
+    best: tuple[str, Plan, float] | None = None
     errors: list[tuple[tuple[str, ...], Exception]] = []
     for roles in role_assignments(mesh):
         try:
-            plan = greedy_plan(gm, mesh, registry, roles=roles, expand_cache=cache)
+            plan = greedy_plan(
+                gm, mesh, registry, roles=roles, expand_cache=shared.expand, memo=shared.greedy
+            )
         except Exception as exc:  # a role assignment that cannot split this model evenly
             errors.append((roles, exc))
             report.failed_roles["/".join(roles)] = str(exc).splitlines()[0]
             continue
-        value = plan_cost(gm, plan, mesh, cost)
-        report.seeds["/".join(roles)] = value
-        if best is None or value < report.seed_cost:
-            best, report.seed_cost = plan, value
-    if best is not None:
-        return best
-    raise _roles_error(errors)
+        value = report.seeds["/".join(roles)] = plan_cost(gm, plan, mesh, cost, facts)
+        if best is None or value < best[2]:
+            best = ("/".join(roles), plan, value)
+    starts = [best] if best is not None else []
+    if fixed:
+        from autopar.search_seeds import fixed_seeds  # imports the fixed plans, which import this
+
+        cheapest: tuple[str, Plan, float] | None = None
+        for name, found in fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy):
+            if isinstance(found, AutoparError):
+                report.failed_fixed[name] = found.message.splitlines()[0]
+                continue
+            value = report.seeds[name] = plan_cost(gm, found, mesh, cost, facts)
+            if cheapest is None or value < cheapest[2]:
+                cheapest = (name, found, value)
+        if cheapest is not None and (best is None or cheapest[2] < best[2]):
+            starts.append(cheapest)
+    if not starts:
+        raise _roles_error(errors)
+    report.seed_cost = min(start[2] for start in starts)
+    return starts
+
+
+@dataclass
+class _Run:
+    """The chain moves from one start: its problem and the plans it offers (fitting the limit)."""
+
+    name: str
+    seed: Plan
+    problem: Problem
+    sweeps: int
+    options: list[_Fitted]
+    first: Plan  # the plan of the unpriced optimum
+    lean: PlanMemory | None  # the leanest plan's memory seen while pricing memory, if priced
+
+    def leanest(self, gm: fx.GraphModule, mesh: Mesh) -> PlanMemory:
+        """For the error when nothing fits: the leanest plan seen, or the unpriced optimum's."""
+        return self.lean if self.lean is not None else plan_memory(gm, self.first, mesh.shape)
+
+
+def _from_seed(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    cost: ElementCost,
+    shared: Shared,
+    facts: GraphFacts,
+    start: tuple[str, Plan, float],
+    limit: float,
+    max_sweeps: int,
+    report: SearchReport,
+) -> _Run:
+    name, seed, seed_cost = start
+    problem = Problem(gm, mesh, registry, seed, cost, shared.expand, shared)
+    unmoved = problem.snapshot()
+    sweeps = problem.optimize(max_sweeps)
+
+    def materialize() -> Plan:
+        return greedy_plan(
+            gm,
+            mesh,
+            registry,
+            roles=seed.roles,
+            forced=problem.forced(),
+            expand_cache=shared.expand,
+            memo=shared.greedy,
+        )
+
+    # nothing moved: the greedy pass with every decided strategy forced to the seed's is the seed
+    first = materialize() if problem.snapshot() != unmoved else seed
+    options = [_fit(gm, seed, mesh, cost, limit, facts=facts, known=seed_cost)]
+    if first is not seed:
+        options.insert(0, _fit(gm, first, mesh, cost, limit, facts=facts))
+    lean = None
+    if (options[0] is None or options[0].regather) and math.isfinite(limit):
+        priced, lean = _price_memory(gm, mesh, cost, facts, limit, problem, max_sweeps, materialize, report)
+        options += priced
+    return _Run(name, seed, problem, sweeps, [o for o in options if o is not None], first, lean)
+
+
+def _leanest_need(memory: PlanMemory) -> float:
+    """Bytes per rank with every weight chain regathered (the least a plan's layouts can need)."""
+    return memory.breakdown([s.name for s in memory.saved if s.regatherable]).total
 
 
 def _roles_error(errors: list[tuple[tuple[str, ...], Exception]]) -> Exception:
@@ -287,28 +344,73 @@ def role_assignments(mesh: Mesh) -> list[tuple[str, ...]]:
     return options
 
 
-def plan_cost(gm: fx.GraphModule, plan: Plan, mesh: Mesh, cost: ElementCost) -> float:
+@dataclass(frozen=True)
+class GraphFacts:
+    """What pricing a plan reads of the graph, gathered once for the many plans of one search:
+    per call node in graph order its tensor inputs and global work, and the output's values."""
+
+    calls: tuple[tuple[str, tuple[str, ...], float], ...]
+    outputs: tuple[str | None, ...]
+
+    @staticmethod
+    def of(gm: fx.GraphModule) -> GraphFacts:
+        calls = []
+        outputs: tuple[str | None, ...] = ()
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                inputs = tuple(src.name for src in tensor_inputs(node))
+                calls.append((node.name, inputs, global_work(node)))
+            elif node.op == "output":
+                outputs = tuple(src.name if isinstance(src, fx.Node) else None for src in node.args[0])
+        return GraphFacts(tuple(calls), outputs)
+
+
+def plan_cost(
+    gm: fx.GraphModule, plan: Plan, mesh: Mesh, cost: ElementCost, facts: GraphFacts | None = None
+) -> float:
     """Modeled cost of a whole plan: every edge's redistribution and every op's compute."""
-    comm, compute = plan_cost_parts(gm, plan, mesh, cost)
+    comm, compute = plan_cost_parts(gm, plan, mesh, cost, facts)
     return comm + compute
 
 
-def plan_cost_parts(gm: fx.GraphModule, plan: Plan, mesh: Mesh, cost: ElementCost) -> tuple[float, float]:
-    """(communication, compute) of a plan; for a SearchPlan, with its regathers' collectives."""
+def plan_cost_parts(
+    gm: fx.GraphModule,
+    plan: Plan,
+    mesh: Mesh,
+    cost: ElementCost,
+    facts: GraphFacts | None = None,
+    once: bool = False,
+) -> tuple[float, float]:
+    """(communication, compute) of a plan; for a SearchPlan, with its regathers' collectives.
+    `facts`: `GraphFacts.of(gm)`, when pricing many plans of the same graph. The search's
+    objective prices every edge; `once` prices each (value, wanted layout) once, as insert_comm
+    emits it (consumers that want the same layout of a value share one redistribution, a weight
+    gathered in forward is reused in backward): closer to the compiled program's collectives."""
+    facts = facts if facts is not None else GraphFacts.of(gm)
     shape = tuple(mesh.shape)
     comm = compute = 0.0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.name in plan.strategies:
-            strategy = plan.strategies[node.name]
-            for src, want in zip(tensor_inputs(node), strategy.inputs):
-                comm += cost.redistribute(plan.layouts[src.name][0], want)
-            compute += cost.compute(global_work(node), work_split(strategy, shape))
-        elif node.op == "output":
-            for src, wanted in zip(node.args[0], plan.output_layouts):
-                if isinstance(src, fx.Node) and wanted is not None:
-                    comm += cost.redistribute(plan.layouts[src.name][0], wanted)
+    layouts, strategies = plan.layouts, plan.strategies
+    splits: dict[Strategy, int] = {}
+    made: set[tuple[str, Layout]] = set()
+    for name, inputs, work in facts.calls:
+        strategy = strategies.get(name)
+        if strategy is None:
+            continue
+        for src, want in zip(inputs, strategy.inputs):
+            if once:
+                if (src, want) in made:
+                    continue
+                made.add((src, want))
+            comm += cost.redistribute(layouts[src][0], want)
+        split = splits.get(strategy)
+        if split is None:
+            split = splits[strategy] = work_split(strategy, shape)
+        compute += cost.compute(work, split)
+    for src_name, wanted in zip(facts.outputs, plan.output_layouts):
+        if src_name is not None and wanted is not None:
+            comm += cost.redistribute(layouts[src_name][0], wanted)
     for name in getattr(plan, "regather", ()):
-        comm += cost.gather_from_storage(plan.layouts[name][0])
+        comm += cost.gather_from_storage(layouts[name][0])
     return comm, compute
 
 
@@ -319,22 +421,27 @@ def _fit(
     cost: ElementCost,
     limit: float,
     memory: PlanMemory | None = None,
+    facts: GraphFacts | None = None,
+    known: float | None = None,
 ) -> _Fitted | None:
-    """`plan` with the cheapest regathers that bring it under `limit`, or None if none do."""
+    """`plan` with the cheapest regathers that bring it under `limit`, or None if none do
+    (`known`: the plan's `plan_cost`, if already worked out)."""
+    value = known if known is not None else plan_cost(gm, plan, mesh, cost, facts)
     if not math.isfinite(limit):
-        return _Fitted(plan, (), None, plan_cost(gm, plan, mesh, cost))
+        return _Fitted(plan, (), None, value)
     memory = memory if memory is not None else plan_memory(gm, plan, mesh.shape)
     regather = choose_regather(memory, limit, lambda s: regather_cost(s, cost))
     if regather is None:
         return None
     extra = sum(regather_cost(s, cost) for s in memory.saved if s.name in regather)
-    return _Fitted(plan, regather, memory, plan_cost(gm, plan, mesh, cost) + extra)
+    return _Fitted(plan, regather, memory, value + extra)
 
 
 def _price_memory(
     gm: fx.GraphModule,
     mesh: Mesh,
     cost: ElementCost,
+    facts: GraphFacts,
     limit: float,
     problem: Problem,
     max_sweeps: int,
@@ -361,10 +468,9 @@ def _price_memory(
         if state not in measured:
             plan = materialize()
             memory = plan_memory(gm, plan, mesh.shape)
-            measured[state] = (_fit(gm, plan, mesh, cost, limit, memory), memory)
+            measured[state] = (_fit(gm, plan, mesh, cost, limit, memory, facts), memory)
             fits.append(measured[state][0])
-            need = memory.breakdown([s.name for s in memory.saved if s.regatherable]).total
-            lean.append((need, memory))
+            lean.append((_leanest_need(memory), memory))
         return measured[state][0] is not None
 
     low, high = 0.0, None

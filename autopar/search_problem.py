@@ -27,8 +27,18 @@ from autopar.layout import Layout, Partial, Replicate
 from autopar.mesh import Mesh
 from autopar.meta import signature
 from autopar.plan_memory import SavedValue, plan_memory, saved_nodes, weight_chain
-from autopar.planner import Plan, expand_cached, global_work, op_call, output_index, tensor_inputs, work_split
-from autopar.rules.base import RuleRegistry, Strategy
+from autopar.planner import (
+    GreedyMemo,
+    Plan,
+    call_key,
+    expand_cached,
+    global_work,
+    op_call,
+    output_index,
+    tensor_inputs,
+    work_split,
+)
+from autopar.rules.base import OpCall, RuleRegistry, Strategy
 
 MAX_CANDIDATES = 512
 _getitem = operator.getitem
@@ -42,6 +52,8 @@ class Cost(Protocol):
     def gather_from_storage(self, want: Layout) -> float: ...
 
     def compute(self, work: float, split: int) -> float: ...
+
+    def redistribute_table(self, outs: Sequence[Layout], ins: Sequence[Layout]) -> np.ndarray: ...
 
 
 @dataclass
@@ -88,6 +100,22 @@ class Tally:
     distinct_chains: int = 0
 
 
+@dataclass
+class Shared:
+    """What the greedy passes and the problems of one search (same graph, mesh and cost) share:
+    candidate lists and the greedy passes' memo (`planner.greedy_plan`), edge tables, per-candidate
+    vectors, interned layout lists."""
+
+    expand: dict[Any, list[Strategy]] = field(default_factory=dict)
+    work: dict[str, float] = field(default_factory=dict)  # node -> `global_work`, where known
+    greedy: GreedyMemo = field(default_factory=GreedyMemo)
+    tables: dict[Any, np.ndarray] = field(default_factory=dict)
+    vectors: dict[Any, Any] = field(default_factory=dict)  # per candidate list: layouts, costs
+    positions: dict[int, dict[Strategy, int]] = field(default_factory=dict)
+    interned: dict[tuple[Layout, ...], tuple[Layout, ...]] = field(default_factory=dict)
+    pruned: int = 0  # pruned candidate lists so far (each gets its own key)
+
+
 class Problem:
     def __init__(
         self,
@@ -97,6 +125,7 @@ class Problem:
         seed: Plan,
         cost: Cost,
         expand_cache: dict[Any, list[Strategy]],
+        shared: Shared | None = None,
     ) -> None:
         self.shape = tuple(mesh.shape)
         self.cost = cost
@@ -106,22 +135,24 @@ class Problem:
         self.index = {name: i for i, name in enumerate(seed.decided)}
         self.vars: list[_Var] = []
         self.edges: list[_Edge] = []
-        self._tables: dict[Any, np.ndarray] = {}
-        self._vectors: dict[Any, Any] = {}  # per candidate list: layouts, splits, costs
-        self._positions: dict[int, dict[Strategy, int]] = {}
-        self._interned: dict[tuple[Layout, ...], tuple[Layout, ...]] = {}
+        self.shared = shared = shared if shared is not None else Shared()
+        self._tables = shared.tables
+        self._vectors = shared.vectors
+        self._positions = shared.positions
+        self._interned = shared.interned
         self._memo: dict[tuple[int, bytes], np.ndarray] = {}
         for name in seed.decided:
             node = nodes[name]
             rule = registry.get(node.target)
-            listed = expand_cached(node, rule, op_call(node), self.shape, expand_cache)
+            call, key_of_call = self._call(node)
+            listed = expand_cached(node, rule, call, self.shape, expand_cache, key_of_call)
             chosen = seed.strategies[name]
             at = self._position(listed).get(chosen)
             key: tuple[int, Strategy | None] = (id(listed), None)
             cands = listed
             if at is None:
                 cands, key, at = [*listed, chosen], (id(listed), chosen), len(listed)
-            work = global_work(node)
+            work = shared.work[name] if name in shared.work else global_work(node)
             base = self._cached(("compute", key, work), lambda c=cands, w=work: self._compute(c, w))  # type: ignore[misc]
             self.vars.append(_Var(name, cands, key, base.copy(), base.copy(), at))
         for name in seed.decided:
@@ -144,6 +175,14 @@ class Problem:
             found = self._positions[id(listed)] = {}
             for i, s in enumerate(listed):
                 found.setdefault(s, i)
+        return found
+
+    def _call(self, node: fx.Node) -> tuple[OpCall, tuple[Any, ...]]:
+        """The node's op call and `call_key`, as the greedy passes worked them out (`GreedyMemo`)."""
+        found = self.shared.greedy.calls.get(node)
+        if found is None:
+            call = op_call(node)
+            found = self.shared.greedy.calls[node] = (call, call_key(call))
         return found
 
     def _cached(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -182,7 +221,8 @@ class Problem:
         v = self.index[node.name]
         var = self.vars[v]
         kinds = seed.deferred_inputs[node.name]
-        for j, (src, kind) in enumerate(zip(tensor_inputs(node), kinds)):
+        inputs = self.shared.greedy.inputs.get(node)
+        for j, (src, kind) in enumerate(zip(inputs if inputs is not None else tensor_inputs(node), kinds)):
             if kind == "param":
                 var.base += self._per_candidate(var, "in", j, "gather", self.cost.gather_from_storage)
                 continue
@@ -240,8 +280,7 @@ class Problem:
         key = (id(out_keys), id(in_keys))
         table = self._tables.get(key)
         if table is None:  # edges between the same candidate lists share one table
-            table = np.array([[self.cost.redistribute(o, w) for w in in_keys] for o in out_keys], dtype=float)
-            self._tables[key] = table
+            table = self._tables[key] = self.cost.redistribute_table(out_keys, in_keys)
         edge = _Edge(u, v, table, out_index, in_index)
         self.edges.append(edge)
         self.vars[u].edges.append(edge)
@@ -255,7 +294,8 @@ class Problem:
         order.sort()
         keep = np.array(order)
         var.cands = [var.cands[i] for i in order]
-        var.key = ("pruned", var.name)
+        self.shared.pruned += 1
+        var.key = ("pruned", self.shared.pruned)
         var.base = var.base[keep]
         var.current = order.index(var.current)
         index = self.index[var.name]

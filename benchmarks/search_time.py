@@ -2,10 +2,12 @@
 
 Same models, mesh and batch as `compile_time.py` (GPT-2 small and the LLaMA-8B shape, rank 0 of a
 (4, 4, 4) planning mesh, batch 8, built on the meta device), but only trace + the search are run,
-each configuration in a fresh process. The search memoizes the dynamic program of chains that
-repeat (one per transformer layer), so its time should grow much more slowly than the layer count;
-"final cost" (modeled seconds per step on `--hardware`, or element counts with `--hardware none`)
-shows that the memoized search finds the same plan quality.
+each configuration in a fresh process, with Python's cyclic garbage collector paused as
+`compile_for_rank` runs it. The search memoizes the dynamic program of chains that repeat (one per
+transformer layer), so its time should grow much more slowly than the layer count; "final cost"
+(modeled seconds per step on `--hardware`, or element counts with `--hardware none`) shows that
+the faster search finds the same plan quality. "seeds" counts the seed plans it priced (the greedy
+plan of each axis-role assignment and the fixed 1-D / 2-D / cube plans that lay out on the mesh).
 
     python benchmarks/search_time.py                         # both models, 4 8 16 32 layers
     python benchmarks/search_time.py --models gpt2-small --layers 4 32
@@ -16,6 +18,7 @@ Writes benchmarks/results/search_time.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import os
 import sys
@@ -46,10 +49,12 @@ def measure(name: str, layers: int, hardware: str | None) -> dict[str, Any]:
         gm = trace(model, inputs, decompose=True)
         out["trace_s"] = time.perf_counter() - start
         cost = TimeCost(hardware, mesh.shape) if hardware else None
+        gc.disable()  # as compile_for_rank does while it compiles
         start, cpu = time.perf_counter(), time.process_time()
         search_layouts(gm, mesh, default_registry(), cost=cost)
         out["search_s"] = time.perf_counter() - start
         out["search_cpu_s"] = time.process_time() - cpu
+        gc.enable()
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         out["traceback"] = traceback.format_exc(limit=8)
@@ -63,6 +68,8 @@ def measure(name: str, layers: int, hardware: str | None) -> dict[str, Any]:
         sweeps=report.sweeps,
         seed_cost=report.seed_cost,
         final_cost=report.final_cost,
+        seeds=len(report.seeds),
+        chosen_seed=getattr(report, "chosen_seed", ""),
     )
     return out
 
@@ -95,7 +102,7 @@ def main() -> None:
     rows = []
     for r in runs:
         if "error" in r:
-            rows.append([r["model"], r["layers"], "ERROR", "", "", "", "", "", r["error"][:80]])
+            rows.append([r["model"], r["layers"], "ERROR", "", "", "", "", "", "", r["error"][:80]])
             continue
         rows.append(
             [
@@ -107,6 +114,7 @@ def main() -> None:
                 r["variables"],
                 f"{r['chains']} / {r['distinct_chains']}",
                 r["sweeps"],
+                r.get("seeds", ""),
                 f"{r['final_cost']:.4g}",
             ]
         )
@@ -122,6 +130,7 @@ def main() -> None:
                 "variables",
                 "chains / distinct",
                 "sweeps",
+                "seeds",
                 "final cost",
             ],
             rows,

@@ -5,11 +5,17 @@ vocabulary 512) with **2 layers** instead of 3 to keep the run short (the ratios
 a layer dominates it; embedding and head are tiny at this vocabulary). For each hardware table
 (h100-nvlink-ib, v100-cluster) and p (64, 512):
 
-- "search": `autopar.plan(..., planner="search", hardware=table)` on a few 3-axis meshes (the best
-  of plan_quality.py's meshes per p); the mesh with the lowest modeled step time is the chosen plan;
 - the fixed plans of `autopar.fixed_plans` on the same traced graph and the same table: 1-D
   Megatron on (p,), 2-D SUMMA on its best grid and axis order, 3-D cube on (q, q, q); linears forced
-  to the scheme, everything else laid out by the greedy planner, compiled and priced the same way.
+  to the scheme, everything else laid out by the greedy planner, compiled and priced the same way;
+- "search": `autopar.plan(..., planner="search", hardware=table)` on a few 3-axis meshes (the best
+  of plan_quality.py's meshes per p) and on the mesh of every fixed plan not already among them
+  (a unit axis aside: 1x8x8 is the 8x8 grid), so the search sees every mesh a fixed plan uses. On
+  each mesh the search is seeded by the fixed schemes' plans that lay out on it (as well as the
+  greedy plans of every axis-role assignment), so its modeled cost is never above theirs; the mesh
+  with the lowest modeled step time is the chosen plan ("seed" names where its chain moves began);
+- "auto" (`--auto P`): `autopar.plan(model, "auto", world_size=P)`, the search on every
+  factorization of P ranked by `autopar.mesh_choice` and the fastest compiled and priced.
 
 "layer M" is the elements sent per rank by the collectives whose module path lies in `blocks.1` (the
 last layer; collectives the compiler attributes to `<root>` are missed, as in plan_quality.py), for
@@ -25,7 +31,8 @@ The paper figures (task text, the seeds: Bian et al. 2021, cube algorithm on 64 
 1-D and 1.57x over 2-D; they are measured step times of their implementation and model, ours are
 modeled on the tables.
 
-    python benchmarks/speedup.py               # ~3-4 min on 2 idle cores (2 worker processes)
+    python benchmarks/speedup.py               # ~1 min on 2 idle cores (2 worker processes)
+    python benchmarks/speedup.py --auto 64     # ~4 min: also mesh_shape="auto" at p = 64 (26 meshes)
     python benchmarks/speedup.py --p 64 --hardware v100-cluster
 
 Writes benchmarks/results/speedup.json.
@@ -51,7 +58,7 @@ from autopar.cost import symbolic  # noqa: E402
 
 LAYERS = 2
 HARDWARE = ("h100-nvlink-ib", "v100-cluster")
-MESHES: dict[int, list[tuple[int, int, int]]] = {
+MESHES: dict[int, list[tuple[int, ...]]] = {
     64: [(1, 8, 8), (2, 8, 4), (4, 4, 4)],
     512: [(4, 16, 8), (8, 8, 8), (8, 16, 4)],
 }
@@ -85,8 +92,14 @@ def _closed_form(key: str, p: int, shape: tuple[int, ...], letters: tuple[str, .
     return float(symbolic.cube_3d(tokens, H, p))
 
 
-def measure(hardware: str, p: int, meshes: list[tuple[int, int, int]]) -> dict[str, Any]:
-    """Search on each mesh and the fixed plans, in this (worker) process; plain data out."""
+def _unit_free(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(g for g in shape if g > 1)
+
+
+def measure(hardware: str, p: int, meshes: list[tuple[int, ...]], auto: bool = False) -> dict[str, Any]:
+    """The fixed plans, then the search on each mesh (and on the fixed plans' meshes), and with
+    `auto` on the mesh `autopar.plan(..., "auto")` chooses among every factorization of p, in
+    this (worker) process; plain data out."""
     import torch
 
     import autopar
@@ -103,13 +116,6 @@ def measure(hardware: str, p: int, meshes: list[tuple[int, int, int]]) -> dict[s
     idx = torch.zeros(BATCH, SEQ, dtype=torch.long)
     out: dict[str, Any] = {"hardware": hardware, "p": p, "search": [], "fixed": {}}
     start = time.perf_counter()
-    for shape in meshes:
-        t0 = time.perf_counter()
-        try:
-            result = autopar.plan(model, shape, (idx, idx), hardware=hardware, planner="search")
-            out["search"].append({**_priced(result), "seconds": time.perf_counter() - t0})
-        except Exception as exc:  # report, do not stop the sweep
-            out["search"].append({"mesh": list(shape), "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
     registry = default_registry()
     traced = trace(model, (idx, idx), decompose=True)
     try:
@@ -118,6 +124,7 @@ def measure(hardware: str, p: int, meshes: list[tuple[int, int, int]]) -> dict[s
     except autopar.AutoparError as exc:
         out["megatron_1d_strict"] = exc.message
     fingerprint = graph_fingerprint(traced)
+    searched = list(meshes)
     for key in SCHEMES:
         fixed = plan_fixed(traced, key, p, registry, hardware, require_heads=False)
         entry: dict[str, Any] = {"name": fixed.title, "note": f"infeasible: {fixed.infeasible}"}
@@ -126,6 +133,8 @@ def measure(hardware: str, p: int, meshes: list[tuple[int, int, int]]) -> dict[s
             continue
         entry["note"] = f"{fixed.scheme.describe()}; best of {fixed.variants} layouts"
         entry["closed_form_layer"] = _closed_form(key, p, fixed.scheme.mesh_shape, fixed.scheme.first)
+        if _unit_free(fixed.scheme.mesh_shape) not in {_unit_free(m) for m in searched}:
+            searched.append(fixed.scheme.mesh_shape)
         try:
             compiled = compile_fixed(
                 model, (idx, idx), fixed, traced_fingerprint=fingerprint, registry=registry, hardware=hardware
@@ -133,6 +142,24 @@ def measure(hardware: str, p: int, meshes: list[tuple[int, int, int]]) -> dict[s
             entry.update(_priced(price(compiled, fixed.scheme.mesh(), hardware, key)))
         except Exception:
             entry["error"] = traceback.format_exc(limit=6)
+    for shape in searched:
+        t0 = time.perf_counter()
+        try:
+            result = autopar.plan(model, shape, (idx, idx), hardware=hardware, planner="search")
+            report = result.compiled.graph.meta.get("autopar_search")
+            seed = {"seed": report.chosen_seed, "seeds": report.seeds} if report is not None else {}
+            out["search"].append({**_priced(result), **seed, "seconds": time.perf_counter() - t0})
+        except Exception as exc:  # report, do not stop the sweep
+            out["search"].append({"mesh": list(shape), "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+    if auto:
+        t0 = time.perf_counter()
+        result = autopar.plan(model, "auto", (idx, idx), world_size=p, hardware=hardware, planner="search")
+        assert result.mesh_choice is not None
+        ranked = [
+            {"mesh": list(c.shape), "modeled_step_s": c.step_time if c.fits else None, "error": c.error}
+            for c in result.mesh_choice.candidates
+        ]
+        out["auto"] = {**_priced(result), "candidates": ranked, "seconds": time.perf_counter() - t0}
     out["seconds"] = time.perf_counter() - start
     return out
 
@@ -142,12 +169,15 @@ def main() -> None:
     parser.add_argument("--p", type=int, nargs="*", default=[64, 512])
     parser.add_argument("--hardware", nargs="*", default=list(HARDWARE))
     parser.add_argument("--jobs", type=int, default=2, help="worker processes")
+    parser.add_argument(
+        "--auto", type=int, nargs="*", default=[], help='p for which also to plan mesh_shape="auto" (slow: every mesh)'
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     configs = [(hw, p) for hw in args.hardware for p in args.p]
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(measure, hw, p, MESHES[p]) for hw, p in configs]
+        futures = [pool.submit(measure, hw, p, MESHES[p], p in args.auto) for hw, p in configs]
         runs = []
         for (hw, p), fut in zip(configs, futures):
             runs.append(fut.result())
@@ -159,10 +189,11 @@ def main() -> None:
         chosen = min(ok, key=lambda s: s["step_s"]) if ok else None
         run["chosen"] = chosen
         plans = [("search " + "x".join(map(str, s["mesh"])), s) for s in run["search"]]
+        plans += [("search auto", run["auto"])] if "auto" in run else []
         plans += [(f["name"], f) for f in run["fixed"].values()]
         for name, rec in plans:
             if "step_s" not in rec:
-                detail.append([run["hardware"], run["p"], name, rec.get("error") or rec.get("note", "")] + [""] * 7)
+                detail.append([run["hardware"], run["p"], name, rec.get("error") or rec.get("note", "")] + [""] * 8)
                 continue
             detail.append(
                 [
@@ -178,6 +209,7 @@ def main() -> None:
                     f"{rec['step_s'] * 1e3:.1f}",
                     f"{rec['memory_bytes'] / 2**30:.2f}",
                     f"{rec['step_s'] / chosen['step_s']:.2f}x" if chosen else "",
+                    rec.get("seed", ""),
                 ]
             )
         fixed = run["fixed"]
@@ -197,11 +229,13 @@ def main() -> None:
         run["ratios"] = ratio
         strict = run.get("megatron_1d_strict")
         paper = run["hardware"] == "v100-cluster" and run["p"] == 64
+        auto = run.get("auto")
         summary.append(
             [
                 run["hardware"],
                 run["p"],
                 f"{c * 1e3:.1f} ({'x'.join(map(str, chosen['mesh']))})" if chosen else "none",
+                f"{auto['step_s'] * 1e3:.1f} ({'x'.join(map(str, auto['mesh']))})" if auto else "-",
                 (f"{t1 * 1e3:.1f}" if t1 else "-") + (" (linears only: heads)" if strict else ""),
                 f"{t2 * 1e3:.1f}" if t2 else "-",
                 f"{t3 * 1e3:.1f}" if t3 else "-",
@@ -213,14 +247,14 @@ def main() -> None:
     print(
         table(
             ["hardware", "p", "plan", "mesh", "comm M el", "layer M (closed form)", "comm ms", "compute ms",
-             "step ms", "mem GiB", "step / chosen"],
+             "step ms", "mem GiB", "step / chosen", "search seed"],
             detail,
         )
     )
     print("\nSpeed-up of the chosen (search) plan, and of the cube, over the fixed schemes")
     print(
         table(
-            ["hardware", "p", "search ms (mesh)", "1-D ms", "2-D ms", "cube ms", "search/1-D", "search/2-D",
+            ["hardware", "p", "search ms (mesh)", "auto ms (mesh)", "1-D ms", "2-D ms", "cube ms", "search/1-D", "search/2-D",
              "search/cube", "cube/1-D", "cube/2-D", "paper cube/1-D, /2-D"],
             summary,
         )

@@ -11,6 +11,7 @@ import torch
 from multirank import run_ranks
 
 import autopar
+from autopar.fixed_plans import SCHEMES, plan_fixed
 from autopar.mesh_choice import MeshChoice, choose_mesh, mesh_candidates
 from autopar.passes.trace import trace
 from autopar.rules.registry import default_registry
@@ -71,10 +72,31 @@ def test_candidate_numbers_are_the_search_plans_modeled_time(
         mesh = autopar.Mesh.from_shape(candidate.shape, candidate.names)
         cost = TimeCost(HW, mesh.shape)
         plan = search_layouts(gm, mesh, default_registry(), cost=cost)
-        comm, compute = plan_cost_parts(gm, plan, mesh, cost)
+        comm, compute = plan_cost_parts(gm, plan, mesh, cost, once=True)
         assert candidate.comm_time == pytest.approx(comm) and candidate.compute_time == pytest.approx(compute)
+        every_edge, _ = plan_cost_parts(gm, plan, mesh, cost)  # the search's objective
+        assert comm <= every_edge
         assert plan.memory is not None and candidate.memory == pytest.approx(plan.memory.total)
         assert candidate.roles == plan.roles
+
+
+def test_chosen_mesh_is_never_slower_than_a_fixed_scheme(
+    model_and_batch: tuple[GPT, tuple[torch.Tensor, torch.Tensor]], choice: MeshChoice
+) -> None:
+    # each fixed scheme's best plan (1-D on (8,), 2-D on its grid, cube on (2, 2, 2)) lies on a
+    # candidate mesh and seeds the search there: the choice is modeled no slower than any of them
+    # (candidates count each redistribution once, which is at most the search's every-edge sum)
+    model, batch = model_and_batch
+    gm = trace(model, batch, decompose=True)
+    by_shape = {c.shape: c for c in choice.candidates}
+    for key in SCHEMES:
+        fixed = plan_fixed(gm, key, 8, default_registry(), HW, require_heads=False)
+        assert fixed.plan is not None and fixed.scheme is not None, fixed.infeasible
+        shape = fixed.scheme.mesh_shape
+        mesh = autopar.Mesh.from_shape(shape)
+        comm, compute = plan_cost_parts(gm, fixed.plan, mesh, TimeCost(HW, shape))
+        assert by_shape[shape].step_time <= (comm + compute) * (1 + 1e-9), key
+        assert choice.chosen.step_time <= (comm + compute) * (1 + 1e-9), key
 
 
 def test_choice_is_deterministic(

@@ -1,0 +1,116 @@
+"""The fixed schemes seed the search: it is never worse than any of them on its own mesh.
+
+A small GPT (2 layers, h = 64, 8 heads, s = 32, batch 8, vocabulary 64). On each mesh every
+variant of 1-D / 2-D / cube that lays out on that mesh (unit axes aside) is a seed, named
+"fixed:<scheme>" in the search report beside the role seeds; the search's final modeled cost is at
+most each seed's and at most the cost of the scheme's own best plan (`plan_fixed`, which also tries
+other mesh shapes) whenever that plan is on the search's mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.fx as fx
+
+from autopar.fixed_plans import SCHEMES, TITLES, plan_fixed
+from autopar.mesh import Mesh
+from autopar.passes.trace import trace
+from autopar.rules.registry import default_registry
+from autopar.search import ElementCost, SearchReport, TimeCost, plan_cost, search_layouts
+from autopar.search_seeds import PREFIX
+from examples.models import GPT, GPTConfig
+
+REGISTRY = default_registry()
+CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=8, n_embd=64)
+HARDWARE = [None, "h100-nvlink-ib"]
+
+
+@functools.cache
+def _traced() -> fx.GraphModule:
+    with torch.device("meta"):
+        model = GPT(CFG)
+    idx = torch.zeros(8, CFG.block_size, dtype=torch.long)
+    return trace(model, (idx, idx), decompose=True)
+
+
+def _cost(hardware: str | None, shape: tuple[int, ...]) -> ElementCost:
+    return TimeCost(hardware, shape) if hardware is not None else ElementCost(shape)
+
+
+@functools.cache
+def _searched(shape: tuple[int, ...], hardware: str | None) -> tuple[float, SearchReport]:
+    gm = _traced()
+    plan = search_layouts(gm, Mesh.from_shape(shape), REGISTRY, cost=_cost(hardware, shape), memory_limit=math.inf)
+    report: SearchReport = gm.meta["autopar_search"]
+    assert plan_cost(gm, plan, Mesh.from_shape(shape), _cost(hardware, shape)) == pytest.approx(report.final_cost)
+    return report.final_cost, report
+
+
+@pytest.mark.parametrize("hardware", HARDWARE)
+@pytest.mark.parametrize(
+    ("shape", "key", "variants"),
+    [((2, 2, 2), "cube_3d", 6), ((2, 4), "summa_2d", 2), ((4, 2), "summa_2d", 2), ((8,), "megatron_1d", 1)],
+)
+def test_search_is_at_most_every_fixed_seed(
+    shape: tuple[int, ...], key: str, variants: int, hardware: str | None
+) -> None:
+    final, report = _searched(shape, hardware)
+    fixed = {name: cost for name, cost in report.seeds.items() if name.startswith(PREFIX + TITLES[key])}
+    assert len(fixed) == variants, report.seeds
+    assert all(final <= cost * (1 + 1e-12) for cost in report.seeds.values())
+    assert report.seed_cost == min(report.seeds.values())
+    # the role seeds are there too, and no fixed seed failed on these meshes
+    assert any(not name.startswith(PREFIX) for name in report.seeds)
+    assert not report.failed_fixed
+    assert report.chosen_seed in report.seeds
+
+
+@pytest.mark.parametrize("hardware", HARDWARE)
+@pytest.mark.parametrize("p", [8])
+def test_search_is_at_most_each_fixed_plan_on_its_mesh(p: int, hardware: str | None) -> None:
+    gm = _traced()
+    compared = 0
+    for key in SCHEMES:
+        fixed = plan_fixed(gm, key, p, REGISTRY, hardware, require_heads=False)
+        assert fixed.plan is not None and fixed.scheme is not None, fixed.infeasible
+        shape = fixed.scheme.mesh_shape
+        value = plan_cost(gm, fixed.plan, Mesh.from_shape(shape), _cost(hardware, shape))
+        final, report = _searched(shape, hardware)
+        assert final <= value * (1 + 1e-12), (key, shape)
+        # the scheme's best plan on this mesh is one of the seeds, at the same cost
+        assert any(cost == pytest.approx(value) for name, cost in report.seeds.items() if name.startswith(PREFIX))
+        compared += 1
+    assert compared == len(SCHEMES)
+
+
+def test_unit_axes_take_the_schemes_of_the_other_axes() -> None:
+    final, report = _searched((1, 2, 4), "h100-nvlink-ib")
+    names = [name for name in report.seeds if name.startswith(PREFIX)]
+    assert names == [
+        "fixed:2-D SUMMA (x=1: -, y=2: T, z=4: n; grid 2x4)",
+        "fixed:2-D SUMMA (x=1: -, y=2: n, z=4: T; grid 4x2)",
+    ]
+    flat, flat_report = _searched((2, 4), "h100-nvlink-ib")
+    # the same plans on (2, 4): the unit axis changes no cost
+    assert sorted(report.seeds[n] for n in names) == pytest.approx(
+        sorted(c for n, c in flat_report.seeds.items() if n.startswith(PREFIX))
+    )
+    assert final == pytest.approx(flat)
+
+
+def test_without_fixed_seeds_only_roles_seed() -> None:
+    gm = _traced()
+    mesh = Mesh.from_shape((2, 4))
+    search_layouts(gm, mesh, REGISTRY, cost=TimeCost("h100-nvlink-ib", (2, 4)), fixed_seeds=False)
+    report: SearchReport = gm.meta["autopar_search"]
+    assert report.seeds and not any(name.startswith(PREFIX) for name in report.seeds)
+    final, seeded = _searched((2, 4), "h100-nvlink-ib")
+    # here SUMMA (tokens on y, outputs on x) is the cheapest seed, and the chain moves from it
+    # end below the search from the role seeds alone
+    assert seeded.chosen_seed == "fixed:2-D SUMMA (x=2: n, y=4: T; grid 4x2)"
+    assert seeded.seeds[seeded.chosen_seed] < min(report.seeds.values())
+    assert final < report.final_cost * (1 - 1e-3)
