@@ -23,10 +23,11 @@ from autopar.errors import AutoparError
 from autopar.mesh import Mesh
 from autopar.mesh_choice import MeshChoice, choose_mesh
 from autopar.meta import has_info, info
-from autopar.planner import Plan, global_work, work_split
+from autopar.planner import Plan
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.search import TimeCost
+from autopar.storage import global_work, work_split
 from autopar.timeline import overlap_summary
 
 

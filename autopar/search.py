@@ -42,14 +42,13 @@ from autopar.plan_memory import MEMORY_HEADROOM, PlanMemory, choose_regather, pl
 from autopar.planner import (
     Plan,
     axis_roles,
-    global_work,
     greedy_plan,
     tensor_inputs,
-    work_split,
 )
 from autopar.rules.base import RuleRegistry, Strategy
 from autopar.search_cost import ElementCost, TimeCost, even_factor, even_steps
 from autopar.search_problem import Problem, Shared, regather_cost
+from autopar.storage import global_work, work_split
 
 __all__ = [
     "ElementCost",

@@ -20,8 +20,9 @@ import numpy as np
 
 from autopar.cost.formulas import latency_steps
 from autopar.layout import Layout, Partial, Placement, Shard, itemsize
-from autopar.planner import FLOP_WEIGHT, _redist, gather_from_storage, storage_layout
+from autopar.planner import FLOP_WEIGHT, _redist
 from autopar.search_problem import settled
+from autopar.storage import gather_from_storage, storage_layout
 
 # A step of `even_steps`: (kind, mesh axis, num, den): its block has `n * num / den` elements
 # when the source block has n.

@@ -32,13 +32,12 @@ from autopar.planner import (
     Plan,
     call_key,
     expand_cached,
-    global_work,
     op_call,
     output_index,
     tensor_inputs,
-    work_split,
 )
 from autopar.rules.base import OpCall, RuleRegistry, Strategy
+from autopar.storage import global_work, work_split
 
 MAX_CANDIDATES = 512
 _getitem = operator.getitem

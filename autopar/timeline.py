@@ -30,7 +30,7 @@ from autopar.cost import Hardware, MeshCost, load_hardware
 from autopar.mesh import Mesh
 from autopar.meta import has_info, info
 from autopar.passes.bucket import BYTES_KEY, COLLECTIVES, bucket_members
-from autopar.planner import global_work, work_split
+from autopar.storage import global_work, work_split
 
 c10d = torch.ops._c10d_functional
 _VIEWS = {torch.ops.aten._unsafe_view.default, operator.getitem}

@@ -1,0 +1,111 @@
+"""Where weights live and what ops cost, for every planner: the storage layout that gives each
+rank ~1/p of a weight, the gather back to a compute layout, and an op's global work and the
+ranks that share it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.layout import Layout, Partial, Placement, Replicate, Shard
+from autopar.rules.base import Strategy
+
+
+def storage_layout(compute: Layout, mesh_shape: Sequence[int]) -> Layout:
+    """`compute` further split over every axis it replicates, so each rank stores ~1/p.
+
+    Each extra axis goes to the largest dim it divides, preferring dims where it nests innermost
+    (a plain all-gather restores the compute layout). Where it divides none, a 2-D or larger
+    weight takes `torch.chunk` blocks on its largest unsplit dim (GPT-2's 50257-row embedding on
+    an axis of 8: seven blocks of 6283 and one of 6276). Vectors and tensors too small for that stay
+    replicated on the axis.
+    """
+    layout = Layout(
+        tuple(Replicate() if isinstance(p, Partial) else p for p in compute.placements),
+        compute.shape,
+        compute.dtype,
+    )
+    for a, p in enumerate(layout.placements):
+        if not isinstance(p, Replicate) or mesh_shape[a] == 1:
+            continue
+        best: tuple[int, int, int] | None = None
+        for d in range(len(layout.shape)):
+            factor = layout.split_factor(d, mesh_shape) * mesh_shape[a]
+            if layout.shape[d] % factor:
+                continue
+            innermost = int(all(b < a for b in layout.shard_axes(d)))
+            key = (innermost, layout.shape[d] // factor, -d)
+            if best is None or key > best:
+                best = key
+        if best is not None:
+            layout = layout.with_placement(a, Shard(-best[2]))
+        elif len(layout.shape) >= 2:
+            layout = _uneven_storage(layout, a, mesh_shape)
+    return layout
+
+
+def _uneven_storage(layout: Layout, axis: int, mesh_shape: Sequence[int]) -> Layout:
+    """`layout` split over `axis` in uneven blocks on its largest dim no other axis splits."""
+    free = [d for d in range(len(layout.shape)) if not layout.shard_axes(d)]
+    for d in sorted(free, key=lambda d: (-layout.shape[d], d)):
+        candidate = layout.with_placement(axis, Shard(d))
+        if candidate.fits(mesh_shape):
+            return candidate
+    return layout
+
+
+def work_split(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
+    """Ranks an op's work is divided over: every axis on which some output is not replicated."""
+    return math.prod(
+        mesh_shape[a]
+        for a in range(len(mesh_shape))
+        if not all(isinstance(out.placements[a], Replicate) for out in strategy.outputs)
+    )
+
+
+def gather_from_storage(want: Layout, mesh_shape: Sequence[int]) -> float:
+    """Elements a rank receives to build `want` from its ~1/p storage (all-gathers on R axes).
+
+    A Partial axis (a bias added before a split contraction) costs nothing extra: the stored value
+    is zeroed on all but one rank of that axis.
+    """
+    replicated = math.prod(mesh_shape[a] for a, p in enumerate(want.placements) if not isinstance(p, Shard))
+    return want.local_numel(mesh_shape) * (1 - 1 / replicated)
+
+
+def placement_cost(have: Placement, want: Placement, g: int, n: int) -> float:
+    if have == want:
+        return 0.0
+    if isinstance(want, Replicate):
+        return (g - 1) * n if isinstance(have, Shard) else 2 * (g - 1) / g * n
+    if isinstance(want, Shard):
+        return 0.0 if isinstance(have, Replicate) else (g - 1) / g * n
+    return 0.0 if isinstance(have, Replicate) else (g - 1) * n
+
+
+def global_work(node: fx.Node) -> float:
+    """Flops of the full op (matmuls, attention) or elements produced (everything else)."""
+    from torch.utils.flop_counter import flop_registry
+
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    out = node.meta.get("val")
+    if packet in flop_registry:
+        args = pytree.tree_map(lambda x: x.meta["val"] if isinstance(x, fx.Node) else x, node.args)
+        kwargs = pytree.tree_map(lambda x: x.meta["val"] if isinstance(x, fx.Node) else x, node.kwargs)
+        try:
+            return float(flop_registry[packet](*args, **kwargs, out_val=out))
+        except Exception:  # a formula that does not take this overload's arguments
+            pass
+    name = str(target)
+    if "scaled_dot_product" in name:
+        q = node.args[0]
+        if isinstance(q, fx.Node):
+            b, h, s, d = q.meta["val"].shape
+            return 4.0 * b * h * s * s * d * (2.5 if "backward" in name else 1.0)
+    numel = sum(v.numel() for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor))
+    return float(numel)
