@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 import torch.fx as fx
-from pass_fixtures import H, T, gpt_case, run_lockstep, two_linear_case
+from pass_fixtures import H, T, gpt_case, run_programs, two_linear_case
 
 from autopar.api import graph_fingerprint
 from autopar.cost import symbolic
@@ -28,7 +28,7 @@ from autopar.fixed_plans import (
     split_letters,
 )
 from autopar.meta import has_info, info
-from autopar.passes.emit import EmittedProgram, emit, local_value
+from autopar.passes.emit import EmittedProgram, emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
 from autopar.passes.schedule import schedule
@@ -157,18 +157,8 @@ def test_fixed_plans_compute_the_serial_model(key: str, p: int) -> None:
     fixed = _fixed(key, p)
     assert fixed.scheme is not None
     shape = fixed.scheme.mesh_shape
+    fwd, bwd = run_programs(programs, model, inputs, shape)
     params = dict(model.named_parameters())
-    fwd_args = {
-        c: [local_value(params[n].detach(), lay, shape, c) for n, lay in zip(prog.param_names, prog.param_layouts)]
-        + [local_value(x, lay, shape, c) for x, lay in zip(inputs, prog.input_layouts)]
-        for c, prog in programs.items()
-    }
-    fwd = run_lockstep({c: prog.forward for c, prog in programs.items()}, fwd_args, shape)
-    bwd_args = {}
-    for c, prog in programs.items():
-        tangents = [torch.ones(prog.output_layouts[i].local_shape(shape)) for i in prog.tangent_outputs]
-        bwd_args[c] = [*fwd[c][len(prog.output_layouts) :], *tangents]
-    bwd = run_lockstep({c: prog.backward for c, prog in programs.items()}, bwd_args, shape)
     model.zero_grad(set_to_none=True)
     loss = model(*inputs)
     loss.backward()
