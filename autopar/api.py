@@ -136,12 +136,11 @@ def compile_for_rank(
     table = default_hardware(mesh, hardware)
     step_times: dict[int, float] | None = None
     if len(candidates) > 1:  # over_decompose="auto": lower, schedule and model every choice
-        step_times, gm = _choose_chunks(gm, plan, mesh, registry, base, candidates, table, schedule)
+        step_times = _chunk_step_times(gm, plan, mesh, registry, base, candidates, table, schedule)
         chunks = min(step_times, key=lambda k: (step_times[k], k))  # type: ignore[index]
     else:
         chunks = candidates[0]
-    work = mesh.with_chunks(chunks) if chunks > 1 else mesh
-    gm = _lower(gm, plan, mesh, registry, base, chunks, path)
+    gm, work = _lower(gm, plan, mesh, registry, base, chunks, path)
     write_stage(path, "3_insert_comm", gm, work)
     modeled_on = table if hardware is not None or path is not None else None
     unscheduled = simulate(gm, work, modeled_on) if modeled_on is not None else None  # schedule reorders in place
@@ -179,8 +178,9 @@ def _lower(
     coords: tuple[int, ...],
     chunks: int,
     path: Any = None,
-) -> fx.GraphModule:
-    """propagate and insert_comm (with the search's regathers); chunked: once per chunk, then merged."""
+) -> tuple[fx.GraphModule, Mesh]:
+    """propagate and insert_comm (with the search's regathers); chunked: once per chunk, then
+    merged. Returns the graph and the mesh its layouts are on (with the chunk axis if chunked)."""
     work, chosen = mesh, plan
     if chunks > 1:
         work, chosen = mesh.with_chunks(chunks), chunk_plan(gm, plan, mesh, registry, chunks)
@@ -191,10 +191,10 @@ def _lower(
         insert_comm(one, work, (*coords, c) if chunks > 1 else coords)
         if isinstance(plan, SearchPlan):
             regather(one, plan.regather)
-    return merge_chunks(copies, work) if chunks > 1 else gm
+    return (merge_chunks(copies, work) if chunks > 1 else gm), work
 
 
-def _choose_chunks(
+def _chunk_step_times(
     gm: fx.GraphModule,
     plan: Plan,
     mesh: Mesh,
@@ -203,20 +203,19 @@ def _choose_chunks(
     candidates: Sequence[int],
     table: str,
     schedule: bool,
-) -> tuple[dict[int, float], fx.GraphModule]:
-    """Modeled step time of each chunk count that fits (lowered and scheduled like the real one);
-    returns them with an unlowered copy of `gm` for the chosen one."""
+) -> dict[int, float]:
+    """Modeled step time of each chunk count that fits, lowered (on a copy of `gm`) and
+    scheduled like the real one."""
     times: dict[int, float] = {}
     for k in candidates:
-        work = mesh.with_chunks(k) if k > 1 else mesh
         try:
-            lowered = _lower(copy.deepcopy(gm), plan, mesh, registry, coords, k)
+            lowered, work = _lower(copy.deepcopy(gm), plan, mesh, registry, coords, k)
         except OverDecompositionError:
             continue
         if schedule:
             lowered = schedule_pass(lowered, work, hardware=table)
         times[k] = simulate(lowered, work, table).step_time
-    return times, gm
+    return times
 
 
 def parallelize(

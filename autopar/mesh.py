@@ -58,24 +58,12 @@ class Mesh:
         """Axes whose coordinates are ranks (all but the in-process ones)."""
         return self.ndim - self.in_process
 
-    @property
-    def world_size(self) -> int:
-        return math.prod(self.shape[: self.device_ndim])
-
     def is_in_process(self, axis: int) -> bool:
         return axis >= self.device_ndim
 
     def with_chunks(self, chunks: int, name: str = "chunk") -> Mesh:
         """This mesh with one more, in-process axis of `chunks` batch chunks (over-decomposition)."""
         return Mesh((*self.axis_names, name), (*self.shape, chunks), self.device_mesh, self.in_process + 1)
-
-    def on_devices(self) -> Mesh:
-        """This mesh without its in-process axes."""
-        n = self.device_ndim
-        return Mesh(self.axis_names[:n], self.shape[:n], self.device_mesh)
-
-    def axis(self, name: str) -> int:
-        return self.axis_names.index(name)
 
     def coords_of(self, rank_in_mesh: int) -> tuple[int, ...]:
         """Row-major coordinates of the rank's position in the mesh (DeviceMesh convention)."""

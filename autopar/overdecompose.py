@@ -34,13 +34,7 @@ def chunk_plan(gm: fx.GraphModule, plan: Plan, mesh: Mesh, registry: RuleRegistr
     """`plan` (on `mesh`) with a chunk axis of `chunks` appended: the plan on `mesh.with_chunks(chunks)`."""
     data = _data_parallel(gm, registry, chunks)
     shape = mesh.with_chunks(chunks, CHUNK_AXIS).shape
-    out = Plan(
-        notes=dict(plan.notes),
-        roles=(*plan.roles, CHUNK_AXIS),
-        decided=list(plan.decided),
-        deferred_inputs=dict(plan.deferred_inputs),
-        resolved_by=dict(plan.resolved_by),
-    )
+    out = Plan(notes=dict(plan.notes), roles=(*plan.roles, CHUNK_AXIS))
     for node in gm.graph.nodes:
         if node.op == "output":
             continue

@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.api import Compiled, compile_for_rank
-from autopar.cost import ADAMW_STATE_FACTOR, MemoryBreakdown, MeshCost, memory_per_rank
+from autopar.cost import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_per_rank
 from autopar.errors import AutoparError
 from autopar.mesh import Mesh
 from autopar.mesh_choice import MeshChoice, choose_mesh
@@ -291,10 +291,8 @@ def plan(
 
 def price(compiled: Compiled, mesh: Mesh, hardware: str, planner: str) -> PlanResult:
     """Model one compiled rank program on `hardware`: communication, compute, memory per rank."""
-    cost = TimeCost(hardware, mesh.shape)
-    work = compiled.graph_mesh or mesh
-    if work.in_process:  # over-decomposed: layouts carry the in-process chunk axis
-        cost.mesh = MeshCost.build(cost.mesh.hw, work.shape, work.in_process)
+    work = compiled.graph_mesh or mesh  # over-decomposed: layouts carry the in-process chunk axis
+    cost = TimeCost(hardware, work.shape, work.in_process)
     program = compiled.program
     comm = 0.0
     for gm in (program.forward, program.backward):

@@ -139,11 +139,12 @@ class TimeCost(ElementCost):
     """Seconds per step on a hardware table: alpha-beta collectives on each axis's link (intra- or
     inter-node) and roofline compute, via `autopar.cost`."""
 
-    def __init__(self, hardware: Any, mesh_shape: Sequence[int]) -> None:
+    def __init__(self, hardware: Any, mesh_shape: Sequence[int], in_process: int = 0) -> None:
+        """`in_process`: trailing axes of batch chunks (`Mesh.in_process`), priced as memory copies."""
         from autopar.cost import MeshCost, load_hardware
 
         hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
-        self.mesh = MeshCost.build(hw, mesh_shape)
+        self.mesh = MeshCost.build(hw, mesh_shape, in_process)
         self.memory_capacity = hw.memory_capacity
         super().__init__(mesh_shape)
 

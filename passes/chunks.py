@@ -34,7 +34,6 @@ def merge_chunks(copies: Sequence[fx.GraphModule], mesh: Mesh) -> fx.GraphModule
     merger = _Merger(copies, mesh, axis)
     merged = fx.GraphModule(copies[0], merger.run())
     merged.meta.update(copies[0].meta)
-    merged.meta["autopar_chunks"] = len(copies)
     return merged
 
 
@@ -49,8 +48,6 @@ class _Merger:
         self.group = mesh.group_name(axis)
         self.graph = fx.Graph()
         self.env: list[dict[fx.Node, fx.Node]] = [{} for _ in copies]
-        self.position: dict[fx.Node, float] = {}  # order in the merged graph (inserted: fractions)
-        self.inserted = 0.0  # position of the last node inserted after an anchor
 
     def run(self) -> fx.Graph:
         for row in zip(*self.nodes):
@@ -81,7 +78,6 @@ class _Merger:
         return fx.map_arg(value, self.env[c].__getitem__)
 
     def _share(self, row: Sequence[fx.Node], new: fx.Node) -> None:
-        self.position[new] = len(self.position)
         new.meta.update(row[0].meta)
         for c, n in enumerate(row):
             self.env[c][n] = new
@@ -95,7 +91,6 @@ class _Merger:
             return
         for c, (n, (args, kwargs)) in enumerate(zip(row, mapped)):
             new = self.graph.create_node(n.op, n.target, args, kwargs, name=f"{n.name}_c{c}")
-            self.position[new] = len(self.position)
             new.meta.update(n.meta)
             if has_info(n):
                 set_info(new, replace(info(n), chunk=c))
@@ -116,12 +111,11 @@ class _Merger:
         gradients sit before the output in insert_comm's order, and the schedule moves collectives
         early, not compute, so a sum left there would hold each gradient's collective to the end."""
         xs = [self._map(c, n.args[0]) for c, n in enumerate(row)]
-        anchor = max(xs, key=self.position.__getitem__)
-        if info(row[0]).phase == "forward" or not has_info(anchor) or info(anchor).phase == "forward":
-            self.inserted = len(self.position)  # in forward, at the row's own place
-            return self._combined(row, xs)
-        self.inserted = self.position[anchor]
-        with self.graph.inserting_before(anchor.next):
+        # every row is placed chunk by chunk, so the last chunk's input is the latest of them
+        last = xs[-1]
+        if info(row[0]).phase == "forward" or not has_info(last) or info(last).phase == "forward":
+            return self._combined(row, xs)  # in forward, at the row's own place
+        with self.graph.inserting_before(last.next):
             return self._combined(row, xs)
 
     def _combined(self, row: Sequence[fx.Node], xs: list[fx.Node]) -> list[fx.Node]:
@@ -168,8 +162,6 @@ class _Merger:
     def _node(self, target: Any, args: tuple[Any, ...], base: Any, val: Any) -> fx.Node:
         """A local op standing in for a chunk-axis collective; `val` is the value's global meta."""
         node = self.graph.call_function(target, args)
-        self.inserted += 1e-6
-        self.position[node] = self.inserted
         set_info(node, base)
         if val is not None:
             node.meta["val"] = val
