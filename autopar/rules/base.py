@@ -137,6 +137,11 @@ class RuleRegistry:
     ) -> None:
         self._rules[op] = OpRule(op, strategies, family, localize, anchor, uneven)
 
+    def family(self, name: str, *, uneven: bool = False) -> FamilyRules:
+        """Registers one family's rules with what they share: the family name and whether they
+        stay right on uneven blocks (every built-in family does; a user's rule opts in)."""
+        return FamilyRules(self, name, uneven)
+
     def get(self, op: Any) -> OpRule | None:
         return self._rules.get(op)
 
@@ -153,6 +158,22 @@ class RuleRegistry:
         new = RuleRegistry()
         new._rules = dict(self._rules)
         return new
+
+
+@dataclass(frozen=True)
+class FamilyRules:
+    """`RuleRegistry.register` with the family's name and uneven support filled in."""
+
+    registry: RuleRegistry
+    name: str
+    uneven: bool
+
+    def register(
+        self, op: Any, strategies: StrategyFn, *, localize: Localizer | None = None, anchor: bool = False
+    ) -> None:
+        self.registry.register(
+            op, strategies, family=self.name, localize=localize, anchor=anchor, uneven=self.uneven
+        )
 
 
 def all_replicated(call: OpCall) -> AxisStrategy:

@@ -99,12 +99,13 @@ ARANGES = [aten.arange.default, aten.arange.start, aten.arange.start_step]
 
 
 def register(registry: RuleRegistry) -> None:
+    rules = registry.family(FAMILY, uneven=True)
     for op in FILLS:
-        registry.register(op, fill_rule, family=FAMILY, uneven=True)
+        rules.register(op, fill_rule)
     for op, zero in LIKES.items():
-        registry.register(op, like_rule(zero), family=FAMILY, uneven=True)
+        rules.register(op, like_rule(zero))
     for op in NEW_FILLS:
-        registry.register(op, new_fill_rule, family=FAMILY, uneven=True)
+        rules.register(op, new_fill_rule)
     for op in ARANGES:
-        registry.register(op, arange_rule, family=FAMILY, localize=localize_arange, uneven=True)
-    registry.register(aten.scalar_tensor.default, scalar_rule, family=FAMILY, uneven=True)
+        rules.register(op, arange_rule, localize=localize_arange)
+    rules.register(aten.scalar_tensor.default, scalar_rule)

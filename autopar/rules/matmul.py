@@ -93,5 +93,6 @@ SPECS: dict[object, tuple[str, tuple[int, ...], int | None]] = {
 
 
 def register(registry: RuleRegistry) -> None:
+    rules = registry.family(FAMILY, uneven=True)
     for op, (spec, operands, bias) in SPECS.items():
-        registry.register(op, spec_rule(spec, operands, bias), family=FAMILY, anchor=True, uneven=True)
+        rules.register(op, spec_rule(spec, operands, bias), anchor=True)

@@ -363,43 +363,34 @@ ANCHORS: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
 
 
 def register(registry: RuleRegistry) -> None:
+    rules = registry.family(FAMILY, uneven=True)
     for op, linear in ACTIVATIONS.items():
-        registry.register(op, pointwise_rule(linear), family=FAMILY, uneven=True)
+        rules.register(op, pointwise_rule(linear))
     for op, rule in RULES.items():
-        registry.register(op, rule, family=FAMILY, uneven=True)
+        rules.register(op, rule)
     for op, rule in ANCHORS.items():
-        registry.register(op, rule, family=FAMILY, anchor=True, uneven=True)
-    registry.register(
+        rules.register(op, rule, anchor=True)
+    rules.register(
         aten.convolution_backward.default,
         convolution_backward_rule,
-        family=FAMILY,
         localize=localize_convolution_backward,
         anchor=True,
-        uneven=True,
     )
-    registry.register(
-        aten.mse_loss.default, mse_loss_rule, family=FAMILY, localize=localize_mse_loss, uneven=True
-    )
-    registry.register(
+    rules.register(aten.mse_loss.default, mse_loss_rule, localize=localize_mse_loss)
+    rules.register(
         aten.mse_loss_backward.default,
         mse_loss_backward_rule,
-        family=FAMILY,
         localize=localize_mse_loss_backward,
-        uneven=True,
     )
-    registry.register(
+    rules.register(
         aten.embedding.default,
         embedding_rule,
-        family=FAMILY,
         localize=localize_embedding,
         anchor=True,
-        uneven=True,
     )
-    registry.register(
+    rules.register(
         aten.embedding_dense_backward.default,
         embedding_backward_rule,
-        family=FAMILY,
         localize=localize_embedding_backward,
         anchor=True,
-        uneven=True,
     )

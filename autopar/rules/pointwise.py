@@ -198,6 +198,7 @@ TABLE: dict[object, Linearity] = {
 
 
 def register(registry: RuleRegistry) -> None:
+    rules = registry.family(FAMILY, uneven=True)
     for op, linear in TABLE.items():
-        registry.register(op, pointwise_rule(linear), family=FAMILY, uneven=True)
-    registry.register(aten.masked_fill.Scalar, masked_fill_rule, family=FAMILY, uneven=True)
+        rules.register(op, pointwise_rule(linear))
+    rules.register(aten.masked_fill.Scalar, masked_fill_rule)

@@ -43,7 +43,6 @@ def dropout_backward_rule(call: OpCall) -> list[AxisStrategy]:
 
 
 def register(registry: RuleRegistry) -> None:
-    registry.register(
-        aten.native_dropout.default, dropout_rule, family=FAMILY, localize=localize_dropout, uneven=True
-    )
-    registry.register(aten.native_dropout_backward.default, dropout_backward_rule, family=FAMILY, uneven=True)
+    rules = registry.family(FAMILY, uneven=True)
+    rules.register(aten.native_dropout.default, dropout_rule, localize=localize_dropout)
+    rules.register(aten.native_dropout_backward.default, dropout_backward_rule)

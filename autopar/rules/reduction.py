@@ -138,8 +138,9 @@ MEANS: dict[object, Reduce] = {
 
 
 def register(registry: RuleRegistry) -> None:
+    rules = registry.family(FAMILY, uneven=True)
     for op, how in REDUCTIONS.items():
-        registry.register(op, reduction_rule(how), family=FAMILY, uneven=True)
-    registry.register(aten.cumsum.default, scan_rule, family=FAMILY, uneven=True)
+        rules.register(op, reduction_rule(how))
+    rules.register(aten.cumsum.default, scan_rule)
     for op, how in MEANS.items():
-        registry.register(op, reduction_rule(how), family=FAMILY, localize=localize_mean(how), uneven=True)
+        rules.register(op, reduction_rule(how), localize=localize_mean(how))

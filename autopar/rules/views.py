@@ -345,31 +345,24 @@ RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
 
 
 def register(registry: RuleRegistry) -> None:
+    rules = registry.family(FAMILY, uneven=True)
     for op, rule in RULES.items():
-        registry.register(op, rule, family=FAMILY, uneven=True)
-    registry.register(
-        aten.reshape.default, reshape_rule, family=FAMILY, localize=localize_shape_arg, uneven=True
-    )
-    registry.register(
+        rules.register(op, rule)
+    rules.register(aten.reshape.default, reshape_rule, localize=localize_shape_arg)
+    rules.register(
         aten.slice_backward.default,
         slice_backward_rule,
-        family=FAMILY,
         localize=localize_input_sizes,
-        uneven=True,
     )
-    registry.register(
+    rules.register(
         aten.select_backward.default,
         select_backward_rule,
-        family=FAMILY,
         localize=localize_input_sizes,
-        uneven=True,
     )
-    registry.register(
+    rules.register(
         aten._assert_tensor_metadata.default,
         assert_metadata_rule,
-        family=FAMILY,
         localize=localize_assert_metadata,
-        uneven=True,
     )
     for op in (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims):
-        registry.register(op, squeeze_rule, family=FAMILY, localize=localize_squeeze, uneven=True)
+        rules.register(op, squeeze_rule, localize=localize_squeeze)
