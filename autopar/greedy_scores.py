@@ -4,8 +4,8 @@ A matmul-like op weighs every strategy `expand` gives it (hundreds on a 3-axis m
 layers and the plan search's many greedy passes ask about the same lists again with other input
 layouts. Per list, what does not depend on the inputs (uneven blocks, work split, pending sums) is
 kept once, and each input's wanted layouts are reduced to the distinct ones; a question then
-prices each distinct (current, wanted) pair once and adds them up as arrays. The sums are made in
-the order `_cost` makes them, so the costs are the same numbers, and ties are broken the same way.
+prices each distinct (current, wanted) pair once and adds them up as arrays. Lists of a beam
+(fresh per question) are scored the same way, without keeping their facts.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def scores(
     partial_weight: float,
     flop_weight: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(cost, slices) of every candidate: `_cost` and `_slices` of the greedy planner."""
+    """(cost, slices) of every candidate: the inputs' redistributions, pending sums and the work
+    per rank; slices count inputs that must be cut from what they are (a tie-break: keep
+    inputs as they are)."""
     n = len(facts.candidates)
     comm = np.zeros(n)
     slices = np.zeros(n, dtype=np.int64)

@@ -400,26 +400,18 @@ class _Greedy:
             candidates = self._beam(call, rule.strategies(call), current, rule.uneven, key)
         if not candidates:
             raise self._no_strategy(node, call)
-        work = global_work(node)
+        shared = rule.anchor or len(current) == 0  # a whole list, shared by repeated ops and passes
+        facts = self._list_facts(candidates) if shared else ListFacts.of(candidates, self._facts)
+        cost, slices = scores(facts, current, global_work(node), self._input_cost, PARTIAL_WEIGHT, FLOP_WEIGHT)
         roled = rule.anchor and "param" in current and any(c != "param" for c in current)
-        if rule.anchor or len(current) == 0:  # a whole (shared) list: scored as arrays
-            facts = self._list_facts(candidates)
-            cost, slices = scores(facts, current, work, self._input_cost, PARTIAL_WEIGHT, FLOP_WEIGHT)
-            if not roled:
-                return candidates[best(cost, facts.uneven, slices)], "lowest modeled cost"
-            columns = (cost.tolist(), facts.uneven.tolist(), slices.tolist(), range(len(cost)), candidates)
-            scored = [(0, *row) for row in zip(*columns)]
-        else:
-            scored = []
-            for index, strategy in enumerate(candidates):
-                cost_of = self._cost(strategy, current, work)
-                uneven, _, _ = _strategy_facts(strategy, self.shape)
-                scored.append((0, cost_of, uneven, self._slices(strategy, current), index, strategy))
+        if not roled:
+            return candidates[best(cost, facts.uneven, slices)], "lowest modeled cost"
+        columns = (cost.tolist(), facts.uneven.tolist(), slices.tolist(), range(len(cost)), candidates)
+        scored = [(0, *row) for row in zip(*columns)]
         note = "lowest modeled cost"
-        if roled:
-            constrained = self._role_filter(scored, current)
-            if constrained:
-                scored, note = constrained, "axis roles (tokens / tensor axes)"
+        constrained = self._role_filter(scored, current)
+        if constrained:
+            scored, note = constrained, "axis roles (tokens / tensor axes)"
         # (role preference, cost, uneven blocks (even splits win ties), slices, enumeration order)
         scored.sort(key=lambda t: t[:5])
         return scored[0][5], note
@@ -427,22 +419,11 @@ class _Greedy:
     def _list_facts(self, candidates: list[Strategy]) -> ListFacts:
         found = self.memo.lists.get(id(candidates))
         if found is None:
-            found = self.memo.lists[id(candidates)] = ListFacts.of(
-                candidates, lambda s: _strategy_facts(s, self.shape)
-            )
+            found = self.memo.lists[id(candidates)] = ListFacts.of(candidates, self._facts)
         return found
 
-    def _cost(self, strategy: Strategy, current: Sequence[Layout | str], work: float) -> float:
-        comm = sum(self._input_cost(have, want) for have, want in zip(current, strategy.inputs))
-        _, split, pending = _strategy_facts(strategy, self.shape)
-        return comm + PARTIAL_WEIGHT * pending + FLOP_WEIGHT * work / split
-
-    @staticmethod
-    def _slices(strategy: Strategy, current: Sequence[Layout | str]) -> int:
-        """Tie-break: prefer keeping inputs as they are over slicing replicas."""
-        return sum(
-            1 for have, want in zip(current, strategy.inputs) if isinstance(have, Layout) and have != want
-        )
+    def _facts(self, strategy: Strategy) -> tuple[int, int, float]:
+        return _strategy_facts(strategy, self.shape)
 
     def _beam(
         self,
