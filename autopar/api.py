@@ -38,6 +38,7 @@ from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.runtime.module import ParallelModule
 from autopar.search import ElementCost, SearchPlan, TimeCost, fit_memory, search_layouts
+from autopar.storage import unify_part_storage
 from autopar.timeline import Timeline, default_hardware, simulate
 
 AUTO_CHUNKS = (1, 2, 4)  # batch chunks per rank that over_decompose="auto" compares
@@ -101,6 +102,7 @@ def compile_for_rank(
     schedule: bool = True,
     memory_limit: float | None = None,
     over_decompose: int | str = 1,
+    split_fused: bool = False,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -115,11 +117,15 @@ def compile_for_rank(
     `MemoryLimitError` is raised if no plan fits. `over_decompose=k` runs each rank's batch as k
     chunks one after another so that one chunk's collectives overlap the next one's compute
     (`autopar.overdecompose`); "auto" tries 1, 2 and 4 and keeps the fastest modeled step.
+    `split_fused=True` cuts fused linears split into equal pieces (GPT's qkv) into one linear per
+    piece, so each can be split by heads (`autopar.passes.fused`); opt-in, see the README.
     """
     registry = registry if registry is not None else default_registry()
     candidates = _chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
-    gm = trace(model, example_inputs, decompose=mesh.size > 1, example_kwargs=example_kwargs)
+    gm = trace(
+        model, example_inputs, decompose=mesh.size > 1, example_kwargs=example_kwargs, split_fused=split_fused
+    )
     write_stage(path, "1_trace", gm, mesh)
     if planner not in ("search", "greedy"):
         raise AutoparError(f"unknown planner {planner!r}", hint='use "search" or "greedy"')
@@ -132,6 +138,7 @@ def compile_for_rank(
         return search_layouts(gm, mesh, registry, cost=cost, memory_limit=memory_limit)
 
     plan = agree(gm, make_plan) if agree is not None else make_plan()
+    plan = unify_part_storage(gm, plan, mesh.shape)
     base = tuple(coords) if coords is not None else mesh.my_coords()
     table = default_hardware(mesh, hardware)
     step_times: dict[int, float] | None = None
@@ -232,6 +239,7 @@ def parallelize(
     hardware: str | None = None,
     memory_limit: float | None = None,
     over_decompose: int | str = 1,
+    split_fused: bool = False,
 ) -> ParallelModule:
     """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
 
@@ -244,6 +252,7 @@ def parallelize(
     is `result.mesh_choice`. `memory_limit` (bytes per rank) bounds the plan's modeled memory.
     `over_decompose` splits each rank's batch into chunks whose collectives overlap each other's
     compute: an int, or "auto" to let the modeled step time choose (see `compile_for_rank`).
+    `split_fused=True` plans fused projections (qkv) as one linear per piece (`compile_for_rank`).
     """
     _check_model(model)
     example_inputs = tuple(example_inputs)
@@ -279,6 +288,7 @@ def parallelize(
         hardware=hardware,
         memory_limit=memory_limit,
         over_decompose=over_decompose,
+        split_fused=split_fused,
     )
     sig = signature(compiled.graph)
     flat, _ = pytree.tree_flatten((example_inputs, example_kwargs or {}))

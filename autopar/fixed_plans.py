@@ -173,19 +173,30 @@ def find_linears(gm: fx.GraphModule) -> list[Linear]:
     return found
 
 
-def pair_linears(gm: fx.GraphModule, linears: Sequence[Linear]) -> list[tuple[Linear, Linear]]:
-    """Consecutive linears (graph order) where the second reads the first's output."""
+def pair_linears(gm: fx.GraphModule, linears: Sequence[Linear]) -> list[tuple[tuple[Linear, ...], Linear]]:
+    """Consecutive linears (graph order) where the second reads the first's output. Linears that
+    read the same activation count as one first linear (q, k and v cut from a fused qkv)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    pairs = []
-    pending: Linear | None = None
+    pairs: list[tuple[tuple[Linear, ...], Linear]] = []
+    pending: list[Linear] = []
     for lin in linears:
-        if pending is not None and _depends(nodes[lin.activation], nodes[pending.forward], order):
-            pairs.append((pending, lin))
-            pending = None
+        reads = nodes[lin.activation]
+        if pending and any(_depends(reads, nodes[p.forward], order) for p in pending):
+            pairs.append((tuple(pending), lin))
+            pending = []
+        elif pending and _unviewed(reads) is _unviewed(nodes[pending[0].activation]):
+            pending.append(lin)
         else:
-            pending = lin
+            pending = [lin]
     return pairs
+
+
+def _unviewed(node: fx.Node) -> fx.Node:
+    """`node` before any reshapes (each of q, k, v flattens the same activation on its own)."""
+    while node.op == "call_function" and node.target in _SAME and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
 
 
 def _weight_uses(param: fx.Node) -> tuple[list[tuple[fx.Node, int, tuple[str, str]]], bool]:
@@ -365,7 +376,7 @@ def _batch(gm: fx.GraphModule) -> int | None:
 def forced_strategies(
     gm: fx.GraphModule,
     scheme: Scheme,
-    pairs: Sequence[tuple[Linear, Linear]],
+    pairs: Sequence[tuple[tuple[Linear, ...], Linear]],
     registry: RuleRegistry,
     memo: dict[Any, Strategy] | None = None,
 ) -> dict[str, Strategy]:
@@ -374,8 +385,8 @@ def forced_strategies(
     nodes = {n.name: n for n in gm.graph.nodes}
     memo = memo if memo is not None else {}
     forced: dict[str, Strategy] = {}
-    for pair in pairs:
-        for lin, letters in zip(pair, (scheme.first, scheme.second)):
+    for firsts, second in pairs:
+        for lin, letters in [*((first, scheme.first) for first in firsts), (second, scheme.second)]:
             for product in lin.products:
                 node = nodes[product.node]
                 key = (node.target, call_key(op_call(node)), product.letters, letters, scheme.mesh_shape)
@@ -523,6 +534,7 @@ def compile_fixed(
     hardware: str | None = None,
     example_kwargs: dict[str, Any] | None = None,
     coords: Sequence[int] | None = None,
+    split_fused: bool = False,
 ) -> Compiled:
     """`compile_for_rank` on the scheme's mesh with the fixed plan; the model is traced again and
     must give the graph the plan was made on (`api.graph_fingerprint`), so the plan fits it."""
@@ -546,6 +558,7 @@ def compile_fixed(
         registry=registry,
         agree=use_fixed,
         hardware=hardware,
+        split_fused=split_fused,
     )
 
 
@@ -560,6 +573,7 @@ def compare_fixed(
     example_kwargs: dict[str, Any] | None = None,
     schemes: Sequence[str] = SCHEMES,
     require_heads: bool = True,
+    split_fused: bool = False,
 ) -> list[Compared]:
     """Each fixed scheme planned on `traced` (the model's joint graph, as traced for p ranks, before
     planning), compiled on its own mesh of p ranks and priced like any plan."""
@@ -572,7 +586,7 @@ def compare_fixed(
             continue
         compiled = compile_fixed(
             model, example_inputs, fixed, traced_fingerprint=fingerprint, registry=registry,
-            hardware=hardware, example_kwargs=example_kwargs,
+            hardware=hardware, example_kwargs=example_kwargs, split_fused=split_fused,
         )
         result = price(compiled, fixed.scheme.mesh(), hardware, key)
         note = f"{fixed.scheme.describe()}; best of {fixed.variants} layouts"

@@ -48,6 +48,21 @@ class NodeInfo:
         return " @ ".join(parts)
 
 
+@dataclass(frozen=True)
+class ParamPart:
+    """A parameter the trace stage cut out of a fused one (`autopar.passes.fused`): chunk `index`
+    of `count` equal chunks of the user's parameter `source` along `dim`."""
+
+    source: str
+    dim: int
+    index: int
+    count: int
+
+    def of(self, full: Any) -> Any:
+        """This part of the source parameter's full value (a view)."""
+        return full.chunk(self.count, self.dim)[self.index]
+
+
 @dataclass
 class JointSignature:
     """How the joint graph's placeholders and outputs map to the user's model."""
@@ -62,6 +77,7 @@ class JointSignature:
     in_spec: Any = None  # pytree spec of the user's (args, kwargs)
     out_spec: Any = None  # pytree spec of the user's outputs
     requires_grad: dict[str, bool] = field(default_factory=dict)
+    param_parts: dict[str, ParamPart] = field(default_factory=dict)  # part name -> where it comes from
 
 
 def info(node: fx.Node) -> NodeInfo:

@@ -228,6 +228,7 @@ def plan(
     world_size: int | None = None,
     memory_limit: float | None = None,
     over_decompose: int | str = 1,
+    split_fused: bool = False,
 ) -> PlanResult:
     """Plan `model` for a mesh of `mesh_shape` ranks on `hardware`, in this process, allocating no weights.
 
@@ -237,7 +238,8 @@ def plan(
     `mesh_shape="auto"` with `world_size=N` plans every factorization of N (`autopar.mesh_choice`)
     and compiles the fastest that fits; the ranked table is `result.mesh_choice`. `memory_limit`
     (bytes per rank, default 90% of the table's device memory) bounds the plan's modeled memory.
-    `over_decompose`: batch chunks per rank, or "auto" (`autopar.compile_for_rank`).
+    `over_decompose`: batch chunks per rank, or "auto"; `split_fused`: one linear per piece of a
+    fused projection (both `autopar.compile_for_rank`).
     """
     registry = registry if registry is not None else default_registry()
     choice = None
@@ -275,6 +277,7 @@ def plan(
         agree=keep_traced,
         memory_limit=memory_limit,
         over_decompose=over_decompose,
+        split_fused=split_fused,
     )
     result = price(compiled, mesh, hardware, planner)
     result.mesh_choice = choice
@@ -283,7 +286,8 @@ def plan(
 
         chosen = Compared(f"chosen ({planner})", mesh.shape, "", result)
         fixed = compare_fixed(
-            model, example_inputs, traced[0], mesh.size, hardware, registry, example_kwargs=example_kwargs
+            model, example_inputs, traced[0], mesh.size, hardware, registry, example_kwargs=example_kwargs,
+            split_fused=split_fused,
         )
         result.comparison = [chosen, *fixed]
     return result

@@ -76,6 +76,33 @@ def _even_exchange(
     return shape[gathered] % before == 0 and shape[scattered] % after == 0
 
 
+def _exchanges_before(
+    cur: Layout, dst: Layout, axis: int, dim: int, mesh_shape: Sequence[int]
+) -> list[tuple[int, int]]:
+    """All-to-alls (axis, from dim) that move the axes `dst` nests outside `axis` on `dim` there
+    first, so that `axis`'s pending sum can reduce-scatter into `dim` instead of all-reducing: an
+    exchange of summands is one of sums, and it moves the same block it would move after an
+    all-reduce. Empty unless every such axis can move (innermost on its dim, even blocks)."""
+    want = dst.shard_axes(dim)
+    if axis not in want:
+        return []
+    have = cur.shard_axes(dim)
+    outer = want[: want.index(axis)]
+    if not _is_prefix(have, outer) or len(have) == len(outer):
+        return []
+    moves = []
+    layout = cur
+    for b in outer[len(have) :]:
+        p = layout.placements[b]
+        if not isinstance(p, Shard) or p.dim == dim or layout.shard_axes(p.dim)[-1] != b:
+            return []
+        if not _even_exchange(layout.shape, p.dim, dim, layout.shard_axes, b, mesh_shape):
+            return []
+        moves.append((b, p.dim))
+        layout = layout.with_placement(b, Shard(dim))
+    return moves
+
+
 def plan_redistribute(
     src: Layout, dst: Layout, mesh_shape: Sequence[int], sums_first: Sequence[int] = ()
 ) -> list[CommStep]:
@@ -103,6 +130,9 @@ def plan_redistribute(
         if not isinstance(p, Partial) or isinstance(dst.placements[a], Partial):
             continue
         target = dst.placements[a]
+        if isinstance(target, Shard):
+            for b, d in _exchanges_before(cur, dst, a, target.dim, mesh_shape):
+                step("all_to_all", b, cur.with_placement(b, target), dim=d, dst_dim=target.dim)
         if isinstance(target, Shard) and _is_prefix(
             (*cur.shard_axes(target.dim), a), dst.shard_axes(target.dim)
         ):
@@ -180,6 +210,11 @@ def redistribute_cost(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> fl
             continue
         g = mesh_shape[a]
         t = target[a]
+        if isinstance(t, Shard):
+            for b, _ in _exchanges_before(Layout(tuple(cur), src.shape, src.dtype), dst, a, t.dim, mesh_shape):
+                total += (mesh_shape[b] - 1) / mesh_shape[b] * n
+                cur[b] = t
+                n = block() if exact else n
         if isinstance(t, Shard) and _is_prefix((*axes(t.dim), a), dst.shard_axes(t.dim)):
             total += (g - 1) / g * n
             cur[a] = t

@@ -197,6 +197,10 @@ def _coded_steps(src: tuple[int, ...], dst: tuple[int, ...], mesh_shape: tuple[i
             t = dst[a]
             if c != PARTIAL or t == PARTIAL:
                 continue
+            if t >= 0:  # `redistribute._exchanges_before`: move the outer axes there first
+                for b in _exchanges(have, a, want.get(t, ()), t):
+                    if mesh_shape[b] > 1:
+                        steps.append(("all_to_all", b, num, den))
             if t >= 0 and _extends(have.get(t, ()), a, want.get(t, ())):
                 if mesh_shape[a] > 1:
                     steps.append(("reduce_scatter", a, num, den))
@@ -226,6 +230,26 @@ def _coded_steps(src: tuple[int, ...], dst: tuple[int, ...], mesh_shape: tuple[i
                 steps.append(("all_gather", a, num, den))
             num *= mesh_shape[a]
     return tuple(steps)  # 3. slicing and zeroing replicas send nothing
+
+
+def _exchanges(have: dict[int, list[int]], axis: int, full: Sequence[int], dim: int) -> list[int]:
+    """The axes `redistribute._exchanges_before` all-to-alls into `dim` (updating `have`)."""
+    if axis not in full:
+        return []
+    there = have.get(dim, [])
+    outer = list(full[: list(full).index(axis)])
+    if there != outer[: len(there)] or len(there) == len(outer):
+        return []
+    trial = {d: list(axes) for d, axes in have.items()}
+    for b in outer[len(there) :]:
+        home = next((d for d, axes in trial.items() if b in axes), None)
+        if home is None or home == dim or trial[home][-1] != b:
+            return []
+        trial[home].pop()
+        trial.setdefault(dim, []).append(b)
+    have.clear()
+    have.update(trial)
+    return outer[len(there) :]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -4,15 +4,23 @@ ranks that share it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.layout import Layout, Partial, Placement, Replicate, Shard
+from autopar.meta import info, signature
 from autopar.rules.base import Strategy
+
+if TYPE_CHECKING:
+    from autopar.planner import Plan
+
+PlanT = TypeVar("PlanT", bound="Plan")
 
 
 def storage_layout(compute: Layout, mesh_shape: Sequence[int]) -> Layout:
@@ -109,3 +117,49 @@ def global_work(node: fx.Node) -> float:
             return 4.0 * b * h * s * s * d * (2.5 if "backward" in name else 1.0)
     numel = sum(v.numel() for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor))
     return float(numel)
+
+
+def whole_on(layout: Layout, dim: int, mesh_shape: Sequence[int]) -> Layout:
+    """`layout` with `dim` whole: each axis that split it moves to the largest other dim it divides
+    evenly (kept ~1/p), else replicates."""
+    axes = layout.shard_axes(dim)
+    for a in axes:
+        layout = layout.with_placement(a, Replicate())
+    for a in axes:
+        options = [
+            d
+            for d in range(len(layout.shape))
+            if d != dim and layout.shape[d] % (layout.split_factor(d, mesh_shape) * mesh_shape[a]) == 0
+        ]
+        if options:
+            best = max(options, key=lambda d: (layout.shape[d] // layout.split_factor(d, mesh_shape), -d))
+            layout = layout.with_placement(a, Shard(best))
+    return layout
+
+
+def unify_part_storage(gm: fx.GraphModule, plan: PlanT, mesh_shape: Sequence[int]) -> PlanT:
+    """Store every part of a fused parameter (`autopar.passes.fused`) in its first part's storage
+    layout with the cut dim whole, so the parts side by side are one ordinary shard of the user's
+    parameter (a DTensor and a checkpoint shard; a split of the cut dim would be strided, which
+    torch's checkpointing refuses). The parts' uses keep their layouts: insert_comm gathers from
+    this storage and reduces gradients into it."""
+    sig = signature(gm)
+    if not sig.param_parts:
+        return plan
+    placeholders = {
+        info(n).param_name: n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "param"
+    }
+    first: dict[str, Layout] = {}
+    layouts = dict(plan.layouts)
+    output_layouts = list(plan.output_layouts)
+    for name, part in sig.param_parts.items():
+        node = placeholders[name]
+        (stored,) = plan.layouts[node.name]
+        if part.source not in first:
+            first[part.source] = whole_on(stored, part.dim, mesh_shape)
+        want = Layout(first[part.source].placements, stored.shape, stored.dtype)
+        if want == stored:
+            continue
+        layouts[node.name] = (want,)
+        output_layouts[sig.num_user_outputs + sig.grad_of.index(name)] = want
+    return dataclasses.replace(plan, layouts=layouts, output_layouts=output_layouts)

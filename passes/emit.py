@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import AutoparError, ShardingError
 from autopar.layout import Layout, Replicate
 from autopar.mesh import Mesh
-from autopar.meta import has_info, info, signature
+from autopar.meta import ParamPart, has_info, info, signature
 from autopar.planner import op_call
 from autopar.rules.base import LocalContext, RuleRegistry
 from autopar.rules.localize import localize_sizes
@@ -43,6 +43,30 @@ class EmittedProgram:
     tangent_outputs: list[int]  # which user output each tangent belongs to
     num_saved: int
     coords: tuple[int, ...]
+    # parameters cut out of a fused one (`autopar.passes.fused`): name -> which chunk of which
+    param_parts: dict[str, ParamPart] = field(default_factory=dict)
+
+    def param_value(self, name: str, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The value of program parameter `name` given the user's parameters by name (a chunk of
+        the user's fused parameter for a part)."""
+        part = self.param_parts.get(name)
+        return part.of(params[part.source]) if part is not None else params[name]
+
+    def source_layouts(self) -> dict[str, Layout]:
+        """Storage layout of every user parameter the program reads; a fused parameter's parts
+        share one layout that leaves the cut dim whole, which is then the whole parameter's."""
+        result: dict[str, Layout] = {}
+        for name, layout in zip(self.param_names, self.param_layouts):
+            part = self.param_parts.get(name)
+            if part is None:
+                result[name] = layout
+                continue
+            if layout.shard_axes(part.dim) or result.get(part.source, layout).placements != layout.placements:
+                raise AssertionError(f"parts of {part.source} are not stored alike with dim {part.dim} whole")
+            shape = list(layout.shape)
+            shape[part.dim] *= part.count
+            result[part.source] = Layout(layout.placements, tuple(shape), layout.dtype)
+        return result
 
     def on_devices(self, device_ndim: int) -> EmittedProgram:
         """The program's interface on the device mesh: over-decomposed programs were emitted on a
@@ -128,6 +152,7 @@ def emit(
         tangent_outputs=[info(n).input_index or 0 for n in tangents],
         num_saved=len(saved),
         coords=coords,
+        param_parts={n: sig.param_parts[n] for n in (info(p).param_name for p in params) if n in sig.param_parts},
     )
     check_local_shapes(program, shape)
     return program

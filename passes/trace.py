@@ -23,7 +23,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
-from autopar.meta import SIGNATURE_KEY, JointSignature, NodeInfo, Phase, Role, info, set_info
+from autopar.meta import SIGNATURE_KEY, JointSignature, NodeInfo, ParamPart, Phase, Role, info, set_info
+from autopar.passes.fused import split_fused_linears
 from autopar.rules.decompositions import sharding_decompositions
 
 _TORCH_FRAME = re.compile(r"/(torch|torchvision|transformers)/")
@@ -36,8 +37,12 @@ def trace(
     *,
     decompose: bool = True,
     example_kwargs: dict[str, Any] | None = None,
+    split_fused: bool = False,
 ) -> fx.GraphModule:
-    """Joint graph of `model`: placeholders (params, buffers, inputs, tangents) -> (outputs, grads)."""
+    """Joint graph of `model`: placeholders (params, buffers, inputs, tangents) -> (outputs, grads).
+
+    `split_fused` cuts fused linears whose output is split into equal pieces into one linear per
+    piece (`autopar.passes.fused`)."""
     example_kwargs = example_kwargs or {}
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_model = fake_clone(model, fake_mode)
@@ -55,10 +60,15 @@ def trace(
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     decompositions = sharding_decompositions() if decompose else None
+    forward = exported.module()
+    parts: dict[str, ParamPart] = {}
+    if split_fused:
+        tied = [name for group in _tied_groups(model) for name in group]
+        parts = split_fused_linears(forward, fake_mode, tied)  # type: ignore[arg-type]
     try:
         with contextlib.ExitStack() as stack:
             joint = aot_export_joint_with_descriptors(
-                stack, exported.module(), fake_args, fake_kwargs, decompositions=decompositions
+                stack, forward, fake_args, fake_kwargs, decompositions=decompositions
             )
             gm = joint.graph_module
     except Exception as exc:
@@ -69,7 +79,7 @@ def trace(
             hint="the model must be differentiable with a single output that backward() is called on",
         ) from exc
     gm.graph._codegen = fx.graph.CodeGen()  # flat positional calling convention, flat outputs
-    _annotate(gm, model, in_spec=pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1])
+    _annotate(gm, model, in_spec=pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1], parts=parts)
     _merge_tied(gm)
     _drop_identities(gm)
     gm.graph.lint()
@@ -110,12 +120,13 @@ def _desc_kind(desc: Any) -> str:
     return type(desc).__name__ if desc is not None else "None"
 
 
-def _annotate(gm: fx.GraphModule, model: nn.Module, in_spec: Any) -> None:
+def _annotate(gm: fx.GraphModule, model: nn.Module, in_spec: Any, parts: dict[str, ParamPart]) -> None:
     params: list[str] = []
     buffers: list[str] = []
     num_inputs = 0
     num_tangents = 0
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
+    requires_grad.update({name: requires_grad[part.source] for name, part in parts.items()})
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
@@ -197,6 +208,7 @@ def _annotate(gm: fx.GraphModule, model: nn.Module, in_spec: Any) -> None:
         grad_of=grad_of,
         in_spec=in_spec,
         requires_grad=requires_grad,
+        param_parts=parts,
     )
     # parameter names in the original model that alias the same tensor
     gm.meta["autopar_tied_groups"] = _tied_groups(model)

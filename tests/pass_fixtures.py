@@ -128,7 +128,7 @@ def run_programs(
     Returns (forward outputs + saved values, parameter gradients) per rank."""
     params = dict(model.named_parameters())
     fwd_args = {
-        c: [local_value(params[n].detach(), lay, shape, c) for n, lay in zip(p.param_names, p.param_layouts)]
+        c: [local_value(p.param_value(n, params).detach(), lay, shape, c) for n, lay in zip(p.param_names, p.param_layouts)]
         + [local_value(x, lay, shape, c) for x, lay in zip(inputs, p.input_layouts)]
         for c, p in programs.items()
     }

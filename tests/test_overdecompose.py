@@ -38,9 +38,10 @@ def _step(key: str, shape: tuple[int, ...], chunks: int) -> tuple[list[float], f
     serial.backward()
     first = next(iter(programs.values()))
     worst = 0.0
+    grads = {name: p.grad for name, p in params.items()}
     for i, (name, layout) in enumerate(zip(first.param_names, first.param_layouts)):
         got = assemble({c: bwd[c][i] for c in programs}, layout, shape)
-        want = params[name].grad
+        want = first.param_value(name, grads)
         assert want is not None
         worst = max(worst, float((got - want).abs().max() / (want.abs().max() + 1e-4)))
     return [float(out[0]) for out in fwd.values()], float(serial.detach()), worst

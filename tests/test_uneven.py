@@ -121,10 +121,11 @@ def _grad_errors(key: str, shape: tuple[int, ...]) -> tuple[float, float, float,
     params = dict(model.named_parameters())
     worst = 0.0
     uneven = 0
+    grads = {name: p.grad for name, p in params.items()}
     for i, (name, layout) in enumerate(zip(first.param_names, first.param_layouts)):
         uneven += not layout.is_even(shape)
         got = assemble({c: bwd[c][i] for c in programs}, layout, shape)
-        want = params[name].grad
+        want = first.param_value(name, grads)
         assert want is not None
         worst = max(worst, float((got - want).abs().max() / (want.abs().max() + 1e-4)))
     losses = {float(out[0]) for out in fwd.values()}

@@ -94,7 +94,7 @@ class ParallelModule(nn.Module):
         full: dict[str, torch.Tensor] = dict(source.named_parameters(remove_duplicate=False))
         buffers = dict(source.named_buffers(remove_duplicate=False))
         full.update(buffers)
-        layouts = dict(zip(program.param_names, program.param_layouts))
+        layouts = program.source_layouts()  # a fused parameter's parts make one layout
         self._ordered: list[str] = list(program.param_names)
         # register in the source model's order so named_parameters()/state_dict() read the same
         for name in [*dict(source.named_parameters(remove_duplicate=False)), *buffers]:
@@ -133,11 +133,19 @@ class ParallelModule(nn.Module):
                 [x for x in flat if isinstance(x, torch.Tensor)], self._program.input_layouts
             )
         ]
-        local_params = [_local(_lookup(self, name)) for name in self._ordered]
+        local_params = [self._local_param(name) for name in self._ordered]
         num_outputs = len(self._program.output_layouts)
         outputs = _RunProgram.apply(self._program, num_outputs, *local_params, *local_inputs)
         results = [self._wrap(o, lay) for o, lay in zip(outputs, self._program.output_layouts)]
         return results[0] if len(results) == 1 else tuple(results)
+
+    def _local_param(self, name: str) -> torch.Tensor:
+        """This rank's block of program parameter `name`: a part of a fused parameter is a chunk
+        of the whole parameter's block (its cut dim is whole there), so autograd sums into it."""
+        part = self._program.param_parts.get(name)
+        if part is None:
+            return _local(_lookup(self, name))
+        return part.of(_local(_lookup(self, part.source)))
 
     def _wrap(self, local: torch.Tensor, layout: Layout) -> Any:
         if layout.is_replicated and len(layout.shape) == 0:

@@ -1,0 +1,88 @@
+"""split_fused: a fused linear split into equal pieces becomes one linear per piece (passes/fused.py)."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from pass_fixtures import gpt_case, run_programs
+
+from autopar.api import compile_for_rank
+from autopar.layout import Layout, Partial, Replicate, Shard
+from autopar.mesh import Mesh
+from autopar.meta import info, signature
+from autopar.passes.trace import trace
+from autopar.redistribute import plan_redistribute, redistribute_cost
+from autopar.testing import all_coords, assemble
+
+aten = torch.ops.aten
+
+
+def test_trace_cuts_the_fused_qkv_into_three_linears() -> None:
+    model, inputs = gpt_case()
+    gm = trace(model, inputs, decompose=True, split_fused=True)
+    sig = signature(gm)
+    qkv = {n: p for n, p in sig.param_parts.items() if n.startswith("blocks.0.attn.qkv.")}
+    assert sorted(qkv) == sorted(f"blocks.0.attn.qkv.{w}__part{i}" for w in ("weight", "bias") for i in range(3))
+    assert {(p.source, p.dim, p.count) for p in qkv.values()} == {
+        ("blocks.0.attn.qkv.weight", 0, 3),
+        ("blocks.0.attn.qkv.bias", 0, 3),
+    }
+    # the user's fused parameter is gone from the graph; every part has a gradient
+    assert "blocks.0.attn.qkv.weight" not in sig.param_names
+    assert set(sig.param_parts) <= set(sig.grad_of)
+    # no split of a qkv output is left in the forward: q, k and v come from their own products
+    splits = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target in (aten.split.Tensor, aten.split_with_sizes.default)
+        and info(n).module_path.endswith("attn") and info(n).phase == "forward"
+    ]
+    assert splits == []
+    h = model.blocks[0].attn.qkv.in_features
+    part = next(n for n in gm.graph.nodes if n.op == "placeholder" and info(n).param_name == "blocks.0.attn.qkv.weight__part1")
+    assert tuple(part.meta["val"].shape) == (h, h)
+    # without the option the graph keeps the fused linear
+    assert signature(trace(model, inputs, decompose=True)).param_parts == {}
+
+
+@pytest.mark.parametrize("shape", [(4,), (2, 2, 2)])
+def test_split_programs_equal_serial_and_store_parts_with_the_cut_dim_whole(shape: tuple[int, ...]) -> None:
+    model, inputs = gpt_case()
+    mesh = Mesh.from_shape(shape)
+    programs = {
+        c: compile_for_rank(model, mesh, inputs, coords=c, planner="search", split_fused=True).program
+        for c in all_coords(shape)
+    }
+    first = next(iter(programs.values()))
+    assert len(first.param_parts) == 12
+    for name, part in first.param_parts.items():  # stored so that the parts make one plain shard
+        layout = first.param_layouts[first.param_names.index(name)]
+        assert not layout.shard_axes(part.dim), (name, layout)
+    sources = first.source_layouts()
+    assert sources["blocks.0.attn.qkv.weight"].shape == tuple(model.blocks[0].attn.qkv.weight.shape)
+    fwd, bwd = run_programs(programs, model, inputs, shape)
+    model.zero_grad(set_to_none=True)
+    loss = model(*inputs)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for c in programs:
+        torch.testing.assert_close(fwd[c][0], loss.detach(), atol=1e-5, rtol=1e-5)
+    for i, (name, lay) in enumerate(zip(first.param_names, first.param_layouts)):
+        got = assemble({c: bwd[c][i] for c in bwd}, lay, shape, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got, first.param_value(name, grads), atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_partial_sum_reduce_scatters_after_moving_the_outer_axis() -> None:
+    """[S(0) on y, P on z] -> [S(1) on y, S(1) on z]: all-to-all y (summands), then reduce-scatter z,
+    instead of all-reduce z then all-to-all y (twice the volume on z)."""
+    mesh = (1, 4, 4)
+    src = Layout((Replicate(), Shard(0), Partial()), (64, 64))
+    dst = Layout((Replicate(), Shard(1), Shard(1)), (64, 64))
+    steps = plan_redistribute(src, dst, mesh)
+    assert [(s.kind, s.axis) for s in steps] == [("all_to_all", 1), ("reduce_scatter", 2)]
+    assert steps[-1].after == dst
+    n = 64 * 64 / 4
+    assert redistribute_cost(src, dst, mesh) == pytest.approx(3 / 4 * n + 3 / 4 * n)
+    assert operator.eq(sum(s.elements_sent(mesh) for s in steps), redistribute_cost(src, dst, mesh))
