@@ -7,7 +7,7 @@ cost model prices them, and the in-process oracle simulates them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -76,30 +76,39 @@ def _even_exchange(
     return shape[gathered] % before == 0 and shape[scattered] % after == 0
 
 
-def _exchanges_before(
-    cur: Layout, dst: Layout, axis: int, dim: int, mesh_shape: Sequence[int]
+def exchanges_before(
+    by_dim: Mapping[int, Sequence[int]],
+    axis: int,
+    want: Sequence[int],
+    dim: int,
+    shape: Sequence[int] | None = None,
+    mesh_shape: Sequence[int] = (),
 ) -> list[tuple[int, int]]:
-    """All-to-alls (axis, from dim) that move the axes `dst` nests outside `axis` on `dim` there
-    first, so that `axis`'s pending sum can reduce-scatter into `dim` instead of all-reducing: an
-    exchange of summands is one of sums, and it moves the same block it would move after an
-    all-reduce. Empty unless every such axis can move (innermost on its dim, even blocks)."""
-    want = dst.shard_axes(dim)
+    """All-to-alls (axis, from dim) that first move to `dim` the axes the target nests outside
+    `axis` there (`want`: the target's axes on `dim`), so that `axis`'s pending sum can
+    reduce-scatter into `dim` instead of all-reducing: an exchange of summands is one of sums, and
+    it moves the block it would move after an all-reduce. `by_dim`: the current axes of each dim,
+    outermost first (not modified). Empty unless every such axis can move: innermost on its dim,
+    and with `shape` given, in even blocks (without it the layouts are known to be even)."""
     if axis not in want:
         return []
-    have = cur.shard_axes(dim)
-    outer = want[: want.index(axis)]
-    if not _is_prefix(have, outer) or len(have) == len(outer):
+    there = list(by_dim.get(dim, ()))
+    outer = list(want[: list(want).index(axis)])
+    if there != outer[: len(there)] or len(there) == len(outer):
         return []
+    trial = {d: list(axes) for d, axes in by_dim.items()}
     moves = []
-    layout = cur
-    for b in outer[len(have) :]:
-        p = layout.placements[b]
-        if not isinstance(p, Shard) or p.dim == dim or layout.shard_axes(p.dim)[-1] != b:
+    for b in outer[len(there) :]:
+        home = next((d for d, axes in trial.items() if b in axes), None)
+        if home is None or home == dim or trial[home][-1] != b:
             return []
-        if not _even_exchange(layout.shape, p.dim, dim, layout.shard_axes, b, mesh_shape):
+        if shape is not None and not _even_exchange(
+            shape, home, dim, lambda d: trial.get(d, ()), b, mesh_shape
+        ):
             return []
-        moves.append((b, p.dim))
-        layout = layout.with_placement(b, Shard(dim))
+        trial[home].pop()
+        trial.setdefault(dim, []).append(b)
+        moves.append((b, home))
     return moves
 
 
@@ -131,7 +140,9 @@ def plan_redistribute(
             continue
         target = dst.placements[a]
         if isinstance(target, Shard):
-            for b, d in _exchanges_before(cur, dst, a, target.dim, mesh_shape):
+            by_dim = {d: cur.shard_axes(d) for d in range(len(cur.shape))}
+            want = dst.shard_axes(target.dim)
+            for b, d in exchanges_before(by_dim, a, want, target.dim, cur.shape, mesh_shape):
                 step("all_to_all", b, cur.with_placement(b, target), dim=d, dst_dim=target.dim)
         if isinstance(target, Shard) and _is_prefix(
             (*cur.shard_axes(target.dim), a), dst.shard_axes(target.dim)
@@ -210,8 +221,9 @@ def redistribute_cost(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> fl
             continue
         g = mesh_shape[a]
         t = target[a]
-        if isinstance(t, Shard):
-            for b, _ in _exchanges_before(Layout(tuple(cur), src.shape, src.dtype), dst, a, t.dim, mesh_shape):
+        if isinstance(t, Shard) and not _is_prefix((*axes(t.dim), a), dst.shard_axes(t.dim)):
+            by_dim = {d: axes(d) for d in range(len(src.shape))}  # only where a move may help
+            for b, _ in exchanges_before(by_dim, a, dst.shard_axes(t.dim), t.dim, src.shape, mesh_shape):
                 total += (mesh_shape[b] - 1) / mesh_shape[b] * n
                 cur[b] = t
                 n = block() if exact else n

@@ -21,6 +21,7 @@ import numpy as np
 from autopar.cost.formulas import latency_steps
 from autopar.layout import Layout, Partial, Placement, Shard, itemsize
 from autopar.planner import FLOP_WEIGHT, _redist
+from autopar.redistribute import exchanges_before
 from autopar.search_problem import settled
 from autopar.storage import gather_from_storage, storage_layout
 
@@ -197,8 +198,10 @@ def _coded_steps(src: tuple[int, ...], dst: tuple[int, ...], mesh_shape: tuple[i
             t = dst[a]
             if c != PARTIAL or t == PARTIAL:
                 continue
-            if t >= 0:  # `redistribute._exchanges_before`: move the outer axes there first
-                for b in _exchanges(have, a, want.get(t, ()), t):
+            if t >= 0:  # move the axes nesting outside `a` there first (even: no shape check)
+                for b, home in exchanges_before(have, a, want.get(t, ()), t):
+                    have[home].pop()
+                    have.setdefault(t, []).append(b)
                     if mesh_shape[b] > 1:
                         steps.append(("all_to_all", b, num, den))
             if t >= 0 and _extends(have.get(t, ()), a, want.get(t, ())):
@@ -230,26 +233,6 @@ def _coded_steps(src: tuple[int, ...], dst: tuple[int, ...], mesh_shape: tuple[i
                 steps.append(("all_gather", a, num, den))
             num *= mesh_shape[a]
     return tuple(steps)  # 3. slicing and zeroing replicas send nothing
-
-
-def _exchanges(have: dict[int, list[int]], axis: int, full: Sequence[int], dim: int) -> list[int]:
-    """The axes `redistribute._exchanges_before` all-to-alls into `dim` (updating `have`)."""
-    if axis not in full:
-        return []
-    there = have.get(dim, [])
-    outer = list(full[: list(full).index(axis)])
-    if there != outer[: len(there)] or len(there) == len(outer):
-        return []
-    trial = {d: list(axes) for d, axes in have.items()}
-    for b in outer[len(there) :]:
-        home = next((d for d, axes in trial.items() if b in axes), None)
-        if home is None or home == dim or trial[home][-1] != b:
-            return []
-        trial[home].pop()
-        trial.setdefault(dim, []).append(b)
-    have.clear()
-    have.update(trial)
-    return outer[len(there) :]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -62,9 +62,9 @@ def trace(
     decompositions = sharding_decompositions() if decompose else None
     forward = exported.module()
     parts: dict[str, ParamPart] = {}
+    tied = _tied_groups(model)
     if split_fused:
-        tied = [name for group in _tied_groups(model) for name in group]
-        parts = split_fused_linears(forward, fake_mode, tied)  # type: ignore[arg-type]
+        parts = split_fused_linears(forward, fake_mode, [name for group in tied for name in group])  # type: ignore[arg-type]
     try:
         with contextlib.ExitStack() as stack:
             joint = aot_export_joint_with_descriptors(
@@ -80,7 +80,7 @@ def trace(
         ) from exc
     gm.graph._codegen = fx.graph.CodeGen()  # flat positional calling convention, flat outputs
     _annotate(gm, model, in_spec=pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1], parts=parts)
-    _merge_tied(gm)
+    _merge_tied(gm, tied)
     _drop_identities(gm)
     gm.graph.lint()
     # Python code for the joint graph is generated only when someone runs or prints it: the later
@@ -210,25 +210,23 @@ def _annotate(gm: fx.GraphModule, model: nn.Module, in_spec: Any, parts: dict[st
         requires_grad=requires_grad,
         param_parts=parts,
     )
-    # parameter names in the original model that alias the same tensor
-    gm.meta["autopar_tied_groups"] = _tied_groups(model)
 
 
 def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """Parameter names of the user's model that alias the same tensor."""
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
     return [names for names in by_id.values() if len(names) > 1]
 
 
-def _merge_tied(gm: fx.GraphModule) -> None:
+def _merge_tied(gm: fx.GraphModule, groups: list[list[str]]) -> None:
     """One placeholder per tied weight, named by the first alias; its gradient sums the aliases'.
 
     torch.export may route every use of a tied weight through one alias and give the others no
     uses and no gradient; either way one placeholder and one summed gradient remain.
     """
     sig: JointSignature = gm.meta[SIGNATURE_KEY]
-    groups = gm.meta.pop("autopar_tied_groups", [])
     placeholders = {
         info(n).param_name: n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "param"
     }
