@@ -25,6 +25,7 @@ from autopar.mesh import Mesh
 from autopar.mesh_choice import auto_device_mesh
 from autopar.meta import signature
 from autopar.overdecompose import OverDecompositionError, chunk_plan
+from autopar.passes import fused
 from autopar.passes.chunks import merge_chunks
 from autopar.passes.emit import EmittedProgram, emit
 from autopar.passes.insert_comm import insert_comm
@@ -102,7 +103,7 @@ def compile_for_rank(
     schedule: bool = True,
     memory_limit: float | None = None,
     over_decompose: int | str = 1,
-    split_fused: bool = False,
+    split_fused: bool | None = None,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -118,9 +119,10 @@ def compile_for_rank(
     chunks one after another so that one chunk's collectives overlap the next one's compute
     (`autopar.overdecompose`); "auto" tries 1, 2 and 4 and keeps the fastest modeled step.
     `split_fused=True` cuts fused linears split into equal pieces (GPT's qkv) into one linear per
-    piece, so each can be split by heads (`autopar.passes.fused`); opt-in, see the README.
+    piece, so each can be split by heads (`autopar.passes.fused`); default: with the search planner.
     """
     registry = registry if registry is not None else default_registry()
+    split_fused = fused.wanted(split_fused, planner)
     candidates = _chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
     gm = trace(
@@ -239,7 +241,7 @@ def parallelize(
     hardware: str | None = None,
     memory_limit: float | None = None,
     over_decompose: int | str = 1,
-    split_fused: bool = False,
+    split_fused: bool | None = None,
 ) -> ParallelModule:
     """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
 
@@ -252,7 +254,8 @@ def parallelize(
     is `result.mesh_choice`. `memory_limit` (bytes per rank) bounds the plan's modeled memory.
     `over_decompose` splits each rank's batch into chunks whose collectives overlap each other's
     compute: an int, or "auto" to let the modeled step time choose (see `compile_for_rank`).
-    `split_fused=True` plans fused projections (qkv) as one linear per piece (`compile_for_rank`).
+    `split_fused=True` plans fused projections (qkv) as one linear per piece; None: with the search
+    planner (`compile_for_rank`).
     """
     _check_model(model)
     example_inputs = tuple(example_inputs)
@@ -271,6 +274,7 @@ def parallelize(
             memory_limit=memory_limit,
             example_kwargs=example_kwargs,
             registry=registry,
+            split_fused=split_fused,
         )
         hardware = choice.hardware
     autopar_mesh = _check_mesh(mesh)

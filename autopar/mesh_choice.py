@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.agreement import decided_on_rank0
 from autopar.errors import AutoparError, MemoryLimitError, MeshError
 from autopar.mesh import Mesh, default_axis_names
+from autopar.passes import fused
 from autopar.passes.trace import trace
 from autopar.planner import choose_layouts
 from autopar.rules.base import RuleRegistry
@@ -160,6 +161,7 @@ def choose_mesh(
     example_kwargs: dict[str, Any] | None = None,
     registry: RuleRegistry | None = None,
     candidates: Sequence[tuple[tuple[int, ...], tuple[str, ...]]] | None = None,
+    split_fused: bool | None = None,
 ) -> MeshChoice:
     """Plan `model` on every candidate mesh of `world_size` ranks and rank them (see module doc).
 
@@ -167,7 +169,13 @@ def choose_mesh(
     `ShardingError`-like `AutoparError`s when no candidate has a plan at all.
     """
     registry = registry if registry is not None else default_registry()
-    gm = trace(model, tuple(example_inputs), decompose=world_size > 1, example_kwargs=example_kwargs)
+    gm = trace(
+        model,
+        tuple(example_inputs),
+        decompose=world_size > 1,
+        example_kwargs=example_kwargs,
+        split_fused=fused.wanted(split_fused, planner),
+    )
     evaluated = []
     limit = math.inf
     for shape, names in candidates if candidates is not None else mesh_candidates(world_size):
@@ -243,6 +251,7 @@ def auto_device_mesh(
     memory_limit: float | None = None,
     example_kwargs: dict[str, Any] | None = None,
     registry: RuleRegistry | None = None,
+    split_fused: bool | None = None,
 ) -> tuple[DeviceMesh, MeshChoice]:
     """`parallelize(..., mesh_shape="auto")`: rank 0 chooses, every rank builds the same DeviceMesh.
 
@@ -272,6 +281,7 @@ def auto_device_mesh(
             memory_limit=memory_limit,
             example_kwargs=example_kwargs,
             registry=registry,
+            split_fused=split_fused,
         ),
         "mesh choice",
     )

@@ -43,7 +43,15 @@ from autopar.rules.base import (
     expand,
     spec_of,
 )
-from autopar.storage import gather_from_storage, global_work, placement_cost, storage_layout, work_split
+from autopar.storage import (
+    gather_from_storage,
+    global_work,
+    part_dims,
+    part_storage,
+    placement_cost,
+    storage_layout,
+    work_split,
+)
 
 DATA_AXIS_NAMES = ("dp", "data", "ddp", "fsdp", "batch")
 # Relative weights of the heuristic's cost terms, in "elements sent per rank".
@@ -211,6 +219,7 @@ class _Greedy:
         # it) and "replica" chains (computed from whole, replicated values only: slicing is free).
         self.deferred: dict[fx.Node, str] = {}
         self.sig = signature(gm)
+        self.part_dims = part_dims(gm)  # parts of fused parameters: stored with the cut dim whole
         self.output = next(n for n in gm.graph.nodes if n.op == "output")
         self.tangents: set[fx.Node] = set()
 
@@ -402,7 +411,9 @@ class _Greedy:
             raise self._no_strategy(node, call)
         shared = rule.anchor or len(current) == 0  # a whole list, shared by repeated ops and passes
         facts = self._list_facts(candidates) if shared else ListFacts.of(candidates, self._facts)
-        cost, slices = scores(facts, current, global_work(node), self._input_cost, PARTIAL_WEIGHT, FLOP_WEIGHT)
+        cost, slices = scores(
+            facts, current, global_work(node), self._input_cost, PARTIAL_WEIGHT, FLOP_WEIGHT
+        )
         roled = rule.anchor and "param" in current and any(c != "param" for c in current)
         if not roled:
             return candidates[best(cost, facts.uneven, slices)], "lowest modeled cost"
@@ -510,7 +521,8 @@ class _Greedy:
             return
         kind = self.deferred.pop(node)
         if node.op == "placeholder":
-            storage = storage_layout(want, self.shape)
+            dim = self.part_dims.get(node.name)
+            storage = storage_layout(want, self.shape) if dim is None else part_storage(want, dim, self.shape)
             self._set(node, (storage,), f"stored split over all axes; computes as {want.per_axis_str()}")
             return
         if node.target is operator.getitem:

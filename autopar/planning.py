@@ -23,6 +23,7 @@ from autopar.errors import AutoparError
 from autopar.mesh import Mesh
 from autopar.mesh_choice import MeshChoice, choose_mesh
 from autopar.meta import has_info, info
+from autopar.passes import fused
 from autopar.planner import Plan
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
@@ -228,7 +229,7 @@ def plan(
     world_size: int | None = None,
     memory_limit: float | None = None,
     over_decompose: int | str = 1,
-    split_fused: bool = False,
+    split_fused: bool | None = None,
 ) -> PlanResult:
     """Plan `model` for a mesh of `mesh_shape` ranks on `hardware`, in this process, allocating no weights.
 
@@ -239,9 +240,10 @@ def plan(
     and compiles the fastest that fits; the ranked table is `result.mesh_choice`. `memory_limit`
     (bytes per rank, default 90% of the table's device memory) bounds the plan's modeled memory.
     `over_decompose`: batch chunks per rank, or "auto"; `split_fused`: one linear per piece of a
-    fused projection (both `autopar.compile_for_rank`).
+    fused projection, None: with the search planner (both `autopar.compile_for_rank`).
     """
     registry = registry if registry is not None else default_registry()
+    split_fused = fused.wanted(split_fused, planner)
     choice = None
     if isinstance(mesh_shape, str):
         if mesh_shape != "auto" or world_size is None:
@@ -255,6 +257,7 @@ def plan(
             memory_limit=memory_limit,
             example_kwargs=example_kwargs,
             registry=registry,
+            split_fused=split_fused,
         )
         mesh_shape, mesh_names = choice.chosen.shape, choice.chosen.names
     mesh = Mesh.from_shape(tuple(mesh_shape), tuple(mesh_names) if mesh_names else None)

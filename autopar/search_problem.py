@@ -14,7 +14,6 @@ solve, which is what keeps a 32-layer search close to a 4-layer one.
 
 from __future__ import annotations
 
-import hashlib
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +36,8 @@ from autopar.planner import (
     tensor_inputs,
 )
 from autopar.rules.base import OpCall, RuleRegistry, Strategy
-from autopar.storage import global_work, work_split
+from autopar.search_blocks import chains, make_blocks, solve, trees
+from autopar.storage import global_work, part_dim_at, part_dims, part_storage, work_split
 
 MAX_CANDIDATES = 512
 _getitem = operator.getitem
@@ -154,6 +154,7 @@ class Problem:
             work = shared.work[name] if name in shared.work else global_work(node)
             base = self._cached(("compute", key, work), lambda c=cands, w=work: self._compute(c, w))  # type: ignore[misc]
             self.vars.append(_Var(name, cands, key, base.copy(), base.copy(), at))
+        self._part_dims = part_dims(gm)
         for name in seed.decided:
             self._inputs(nodes[name], seed)
         self._outputs(gm, seed)
@@ -164,8 +165,10 @@ class Problem:
             var.unary = var.base.copy()
         self._gm = gm
         self._fixed_bytes: float | None = None  # saved bytes no variable decides; set by _memory
-        self.chains = self._chains()
-        self._signatures = self._chain_signatures()
+        self.chains = chains(self.vars, self.edges)
+        paths = [[(v, chain[k - 1] if k else -1) for k, v in enumerate(chain)] for chain in self.chains]
+        self.blocks = make_blocks(self.vars, paths + trees(self.vars, self.edges, self.chains))
+        self.tally.distinct_chains = len({b.signature for b in self.blocks[: len(self.chains)]})
 
     # ---- building the objective ----------------------------------------------------------------
     def _position(self, listed: list[Strategy]) -> dict[Strategy, int]:
@@ -223,7 +226,9 @@ class Problem:
         inputs = self.shared.greedy.inputs.get(node)
         for j, (src, kind) in enumerate(zip(inputs if inputs is not None else tensor_inputs(node), kinds)):
             if kind == "param":
-                var.base += self._per_candidate(var, "in", j, "gather", self.cost.gather_from_storage)
+                dim = part_dim_at(src, self._part_dims)
+                gather = self.cost.gather_from_storage if dim is None else self._part_gather(dim)
+                var.base += self._per_candidate(var, "in", j, ("gather", dim), gather)
                 continue
             if kind == "replica":
                 continue
@@ -254,7 +259,8 @@ class Problem:
 
     def _outputs(self, gm: fx.GraphModule, seed: Plan) -> None:
         output = next(n for n in gm.graph.nodes if n.op == "output")
-        nu = signature(gm).num_user_outputs
+        sig = signature(gm)
+        nu = sig.num_user_outputs
         for i, src in enumerate(output.args[0]):
             producer = self._producer(src, seed) if isinstance(src, fx.Node) else None
             if producer is None:
@@ -266,7 +272,19 @@ class Problem:
                     var, side, k, "settle", lambda o: self.cost.redistribute(o, settled(o))
                 )
             else:  # a gradient: reduced into the parameter's storage
-                var.base += self._per_candidate(var, side, k, "reduce", lambda o: reduce_cost(o, self.shape))
+                part = sig.param_parts.get(sig.grad_of[i - nu])
+                reduce = (
+                    (lambda o: reduce_cost(o, self.shape)) if part is None else self._part_reduce(part.dim)
+                )
+                var.base += self._per_candidate(var, side, k, ("reduce", part and part.dim), reduce)
+
+    def _part_gather(self, dim: int) -> Callable[[Layout], float]:
+        """Gathering a part of a fused parameter from its storage (`storage.part_storage`)."""
+        return lambda want: self.cost.redistribute(part_storage(want, dim, self.shape), settled(want))
+
+    def _part_reduce(self, dim: int) -> Callable[[Layout], float]:
+        """Reducing a part's gradient into its storage: the cut dim's axes move elsewhere."""
+        return lambda grad: self.cost.redistribute(grad, part_storage(settled(grad), dim, self.shape))
 
     def _edge(
         self,
@@ -336,44 +354,6 @@ class Problem:
         self._fixed_bytes = fixed
         return fixed
 
-    def _chains(self) -> list[list[int]]:
-        """Partition the variables into paths u -> v where u is v's only producing variable."""
-        producers: list[set[int]] = [set() for _ in self.vars]
-        for edge in self.edges:
-            producers[edge.v].add(edge.u)
-        chain_of: dict[int, int] = {}
-        chains: list[list[int]] = []
-        for v in range(len(self.vars)):
-            if len(producers[v]) == 1:
-                (u,) = producers[v]
-                c = chain_of[u]
-                if chains[c][-1] == u:
-                    chains[c].append(v)
-                    chain_of[v] = c
-                    continue
-            chain_of[v] = len(chains)
-            chains.append([v])
-        return chains
-
-    def _chain_signatures(self) -> list[int]:
-        """Chains with the same candidate lists and the same internal edges share a signature."""
-        ids: dict[Any, int] = {}
-        result = []
-        for chain in self.chains:
-            links = []
-            for u, v in zip(chain, chain[1:]):
-                links.append(
-                    tuple(
-                        (id(e.table), id(e.out_index), id(e.in_index))
-                        for e in self.vars[v].edges
-                        if e.u == u and e.v == v
-                    )
-                )
-            key = (tuple(self.vars[v].key for v in chain), tuple(links))
-            result.append(ids.setdefault(key, len(ids)))
-        self.tally.distinct_chains = len(ids)
-        return result
-
     # ---- the memory price ------------------------------------------------------------------------
     def set_price(self, per_byte: float) -> None:
         """Price every saved byte at `per_byte` (cost units per byte); a weight chain instead costs
@@ -419,63 +399,14 @@ class Problem:
     def optimize(self, max_sweeps: int) -> int:
         before = self.total()
         for sweep in range(1, max_sweeps + 1):
-            order = range(len(self.chains)) if sweep % 2 else range(len(self.chains) - 1, -1, -1)
-            for c in order:
-                self._solve(c)
+            order = self.blocks if sweep % 2 else self.blocks[::-1]
+            for block in order:
+                solve(block, self.vars, self._memo, self.tally)
             after = self.total()
             if after >= before - 1e-9 * max(1.0, abs(before)):
                 return sweep
             before = after
         return max_sweeps
-
-    def _solve(self, c: int) -> None:
-        chain = self.chains[c]
-        position = {v: k for k, v in enumerate(chain)}
-        local = []
-        for v in chain:
-            var = self.vars[v]
-            u_vec = var.unary.copy()
-            u_vec[var.current] -= 1e-9 * (1.0 + abs(float(u_vec[var.current])))  # stay put on ties
-            for edge in var.edges:
-                other = edge.u if edge.v == v else edge.v
-                if other in position:
-                    continue
-                if edge.v == v:
-                    u_vec += edge.for_consumer(self.vars[edge.u].current)
-                else:
-                    u_vec += edge.for_producer(self.vars[edge.v].current)
-            local.append(u_vec)
-        self.tally.solves += 1
-        digest = hashlib.blake2b(b"".join(vec.tobytes() for vec in local), digest_size=16).digest()
-        key = (self._signatures[c], digest)
-        choices = self._memo.get(key)
-        if choices is None:
-            choices = self._memo[key] = self._viterbi(chain, local)
-        else:
-            self.tally.memo_hits += 1
-        for v, choice in zip(chain, choices):
-            self.vars[v].current = int(choice)
-
-    def _viterbi(self, chain: list[int], local: list[np.ndarray]) -> np.ndarray:
-        value = local[0]
-        back = []
-        for k in range(1, len(chain)):
-            u, v = chain[k - 1], chain[k]
-            pair = np.zeros((len(self.vars[u].cands), len(self.vars[v].cands)))
-            for edge in self.vars[v].edges:
-                if edge.u == u and edge.v == v:
-                    pair += edge.matrix()
-            total = value[:, None] + pair
-            arg = total.argmin(axis=0)
-            value = total[arg, np.arange(total.shape[1])] + local[k]
-            back.append(arg)
-        choices = np.zeros(len(chain), dtype=np.intp)
-        choice = int(value.argmin())
-        for k in range(len(chain) - 1, -1, -1):
-            choices[k] = choice
-            if k:
-                choice = int(back[k - 1][choice])
-        return choices
 
 
 def settled(layout: Layout) -> Layout:

@@ -137,6 +137,45 @@ def whole_on(layout: Layout, dim: int, mesh_shape: Sequence[int]) -> Layout:
     return layout
 
 
+def part_storage(compute: Layout, dim: int, mesh_shape: Sequence[int]) -> Layout:
+    """Where a part of a fused parameter is stored when it computes as `compute`: split over all
+    axes with the cut dim whole (`unify_part_storage` says why)."""
+    return whole_on(storage_layout(compute, mesh_shape), dim, mesh_shape)
+
+
+def part_dims(gm: fx.GraphModule) -> dict[str, int]:
+    """Placeholder name -> cut dim, for every part of a fused parameter (`autopar.passes.fused`)."""
+    parts = signature(gm).param_parts
+    if not parts:
+        return {}
+    names = {n.name: info(n).param_name for n in gm.graph.nodes if n.op == "placeholder"}
+    return {node: parts[name].dim for node, name in names.items() if name is not None and name in parts}
+
+
+_DIM_ORDER = {torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default}
+
+
+def part_dim_at(node: fx.Node, dims: dict[str, int]) -> int | None:
+    """The cut dim of a part parameter in the dims of `node`, a value computed from the part by
+    transposes (the weight a linear's matmul reads); None for anything else."""
+    if node.op == "placeholder":
+        return dims.get(node.name)
+    if node.target not in _DIM_ORDER or not isinstance(node.args[0], fx.Node):
+        return None
+    inner = part_dim_at(node.args[0], dims)
+    if inner is None:
+        return None
+    rank = len(node.args[0].meta["val"].shape)
+    dims_of = [int(d) % rank for d in node.args[1:] if isinstance(d, int)]  # transpose's two dims
+    if node.target is torch.ops.aten.permute.default:
+        order = [int(d) % rank for d in node.args[1]]  # type: ignore[union-attr, arg-type]
+    else:
+        order = list(range(rank))
+        a, b = (0, 1) if node.target is torch.ops.aten.t.default else dims_of
+        order[a], order[b] = order[b], order[a]
+    return order.index(inner)
+
+
 def unify_part_storage(gm: fx.GraphModule, plan: PlanT, mesh_shape: Sequence[int]) -> PlanT:
     """Store every part of a fused parameter (`autopar.passes.fused`) in its first part's storage
     layout with the cut dim whole, so the parts side by side are one ordinary shard of the user's

@@ -54,13 +54,13 @@ def import_lazy_modules() -> tuple[float, float]:
 
 
 def staged_compile(
-    model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any], planner: str = "greedy"
+    model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any], planner: str = "greedy", **options: Any
 ) -> tuple[Compiled, dict[str, float]]:
     """`autopar.api.compile_for_rank` for the rank at coords (0, ...), timed stage by stage.
 
     The stage functions compile_for_rank calls are wrapped with timers for the duration of the
     call, so this measures compile_for_rank itself, whatever it does between the stages (`other`).
-    Returns wall seconds per stage and `total`, and CPU seconds under `cpu_<stage>` and `cpu_total`
+    `options` go to compile_for_rank (split_fused=...). Returns wall seconds per stage and `total`, and CPU seconds under `cpu_<stage>` and `cpu_total`
     (the machine is shared: CPU time is what the compile itself spent). No dumps are written.
     """
     wall = dict.fromkeys(STAGES, 0.0)
@@ -85,7 +85,9 @@ def staged_compile(
         setattr(api, name, timed(name, fn))
     try:
         w, c = time.perf_counter(), time.process_time()
-        compiled = api.compile_for_rank(model, mesh, example_inputs, coords=(0,) * mesh.ndim, planner=planner)
+        compiled = api.compile_for_rank(
+            model, mesh, example_inputs, coords=(0,) * mesh.ndim, planner=planner, **options
+        )
         total_wall, total_cpu = time.perf_counter() - w, time.process_time() - c
     finally:
         for name, fn in originals.items():

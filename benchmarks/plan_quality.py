@@ -69,7 +69,10 @@ def measure(mesh_shape: tuple[int, ...], planner: str, layers: int) -> dict[str,
     out: dict[str, Any] = {"mesh": list(mesh_shape), "planner": planner, "layers": layers}
     start = time.perf_counter()
     try:
-        compiled, times = staged_compile(model, Mesh.from_shape(mesh_shape), (idx, idx), planner)
+        base, _, variant = planner.partition("+")  # "search+split": split_fused=True
+        compiled, times = staged_compile(
+            model, Mesh.from_shape(mesh_shape), (idx, idx), base, split_fused=variant == "split"
+        )
     except Exception as exc:  # report, do not stop the sweep
         out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         out["traceback"] = traceback.format_exc(limit=6)

@@ -32,6 +32,13 @@ aten = torch.ops.aten
 _PART = "__part"  # part parameter names: "<weight name>__part<i>"
 
 
+def wanted(split_fused: bool | None, planner: str) -> bool:
+    """`split_fused=None` (the default): cut with the search planner, not with greedy. The search
+    moves q, k and v together and plans the cut graph below the fused one (plan quality at 64 and
+    512 ranks, README); greedy decides op by op and its plans of the cut graph are worse."""
+    return planner == "search" if split_fused is None else bool(split_fused)
+
+
 def split_fused_linears(
     module: fx.GraphModule, fake_mode: FakeTensorMode, tied: Iterable[str] = ()
 ) -> dict[str, ParamPart]:

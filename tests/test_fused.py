@@ -12,6 +12,9 @@ from autopar.mesh import Mesh
 from autopar.meta import info, signature
 from autopar.passes.trace import trace
 from autopar.redistribute import plan_redistribute, redistribute_cost
+from autopar.rules.registry import default_registry
+from autopar.search import ElementCost, plan_cost_parts, search_layouts
+from autopar.storage import part_dim_at, part_dims
 from autopar.testing import all_coords, assemble
 
 aten = torch.ops.aten
@@ -84,3 +87,24 @@ def test_partial_sum_reduce_scatters_after_moving_the_outer_axis() -> None:
     n = 64 * 64 / 4
     assert redistribute_cost(src, dst, mesh) == pytest.approx(3 / 4 * n + 3 / 4 * n)
     assert sum(s.elements_sent(mesh) for s in steps) == redistribute_cost(src, dst, mesh)
+
+
+def test_the_search_prices_parts_in_the_storage_they_get() -> None:
+    # a part is stored with its cut dim whole: the planner lays it out so, and the search prices
+    # its gathers and gradient reductions from and into that storage, as insert_comm emits them
+    model, inputs = gpt_case()
+    mesh = Mesh.from_shape((2, 2, 2))
+    gm = trace(model, inputs, decompose=True, split_fused=True)
+    dims = part_dims(gm)
+    assert len(dims) == 12 and set(dims.values()) == {0}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    weights = [n for n in gm.graph.nodes if n.target is aten.t.default and n.args[0].name in dims]
+    assert weights and all(part_dim_at(n, dims) == 1 for n in weights)  # the matmul reads W^T
+    assert all(part_dim_at(nodes[name], dims) == 0 for name in dims)
+    plan = search_layouts(gm, mesh, default_registry())
+    for name, dim in dims.items():
+        assert not plan.layouts[name][0].shard_axes(dim), name
+    comm, _ = plan_cost_parts(gm, plan, mesh, ElementCost(mesh.shape), once=True)
+    compiled = compile_for_rank(model, mesh, inputs, coords=(0, 0, 0), planner="search")
+    assert signature(compiled.graph).param_parts  # split by default with the search
+    assert comm == pytest.approx(sum(c.elements for c in compiled.report.collectives), rel=1e-6)

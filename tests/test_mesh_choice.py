@@ -67,7 +67,7 @@ def test_candidate_numbers_are_the_search_plans_modeled_time(
     model_and_batch: tuple[GPT, tuple[torch.Tensor, torch.Tensor]], choice: MeshChoice
 ) -> None:
     model, batch = model_and_batch
-    gm = trace(model, batch, decompose=True)
+    gm = trace(model, batch, decompose=True, split_fused=True)  # as the search plans it
     for candidate in (choice.chosen, choice.candidates[-1]):
         mesh = autopar.Mesh.from_shape(candidate.shape, candidate.names)
         cost = TimeCost(HW, mesh.shape)
@@ -87,7 +87,7 @@ def test_chosen_mesh_is_never_slower_than_a_fixed_scheme(
     # candidate mesh and seeds the search there: the choice is modeled no slower than any of them
     # (candidates count each redistribution once, which is at most the search's every-edge sum)
     model, batch = model_and_batch
-    gm = trace(model, batch, decompose=True)
+    gm = trace(model, batch, decompose=True, split_fused=True)  # as the search plans it
     by_shape = {c.shape: c for c in choice.candidates}
     for key in SCHEMES:
         fixed = plan_fixed(gm, key, 8, default_registry(), HW, require_heads=False)

@@ -218,7 +218,7 @@ def _train_under_limit(rank: int, world_size: int, limit: float) -> dict[str, fl
 @pytest.mark.multirank
 def test_regathered_weights_train_like_the_serial_model() -> None:
     model, batch = make_gpt(0)
-    gm = trace(model, batch, decompose=True)
+    gm = trace(model, batch, decompose=True, split_fused=True)  # the graph parallelize's search plans
     mesh = autopar.Mesh.from_shape(SHAPE)
     free = plan_memory(
         gm, search_layouts(gm, mesh, default_registry(), memory_limit=math.inf), SHAPE

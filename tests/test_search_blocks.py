@@ -1,0 +1,175 @@
+"""The search's block moves (autopar/search_blocks.py): chains and trees of chains, solved exactly."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.search_blocks import chains, make_blocks, solve, trees
+from autopar.search_problem import Tally, _Edge, _Var
+
+
+def _var(name: str, unary: list[float], current: int = 0) -> _Var:
+    base = np.array(unary, dtype=float)
+    return _Var(name, [f"{name}{i}" for i in range(len(unary))], ("test", name), base, base.copy(), current)  # type: ignore[arg-type]
+
+
+def _connect(vars: list[_Var], u: int, v: int, table: np.ndarray) -> _Edge:
+    n_u, n_v = table.shape
+    edge = _Edge(u, v, table, np.arange(n_u), np.arange(n_v))
+    vars[u].edges.append(edge)
+    vars[v].edges.append(edge)
+    return edge
+
+
+def _total(vars: list[_Var], edges: list[_Edge]) -> float:
+    value = sum(float(v.unary[v.current]) for v in vars)
+    return value + sum(e.value(vars[e.u].current, vars[e.v].current) for e in edges)
+
+
+def _sweep(vars: list[_Var], edges: list[_Edge], with_trees: bool) -> float:
+    found = chains(vars, edges)
+    shapes = [[(v, chain[k - 1] if k else -1) for k, v in enumerate(chain)] for chain in found]
+    if with_trees:
+        shapes += trees(vars, edges, found)
+    memo: dict = {}
+    for _ in range(4):
+        for block in make_blocks(vars, shapes):
+            solve(block, vars, memo, Tally())
+    return _total(vars, edges)
+
+
+def _attention_like() -> tuple[list[_Var], list[_Edge]]:
+    """q, k and v (one op each) feed an attention op; every op has layouts A (0) and B (1). Each
+    projection is a little cheaper in B, but disagreeing with the attention costs 10."""
+    vars = [_var("q", [1, 0]), _var("k", [1, 0]), _var("v", [1, 0]), _var("attn", [0, 0])]
+    mismatch = np.array([[0.0, 10.0], [10.0, 0.0]])
+    edges = [_connect(vars, i, 3, mismatch) for i in range(3)]
+    return vars, edges
+
+
+def test_chain_moves_stay_where_q_k_v_must_move_together() -> None:
+    vars, edges = _attention_like()
+    assert _sweep(vars, edges, with_trees=False) == 3.0  # any one op moving alone pays 10
+    assert [v.current for v in vars] == [0, 0, 0, 0]
+
+
+def test_the_tree_move_moves_the_join_and_its_producers_together() -> None:
+    vars, edges = _attention_like()
+    assert _sweep(vars, edges, with_trees=True) == 0.0
+    assert [v.current for v in vars] == [1, 1, 1, 1]
+
+
+def test_a_fork_join_becomes_a_tree_trimmed_at_the_fork() -> None:
+    # x forks into q, k and v (two ops each), which join at attention, followed by a projection
+    names = ["x", "q1", "q2", "k1", "k2", "v1", "v2", "attn", "proj"]
+    vars = [_var(n, [0.0, 0.0]) for n in names]
+    at = {n: i for i, n in enumerate(names)}
+    edges = []
+    for u, v in [
+        ("x", "q1"),
+        ("q1", "q2"),
+        ("x", "k1"),
+        ("k1", "k2"),
+        ("x", "v1"),
+        ("v1", "v2"),
+        ("q2", "attn"),
+        ("k2", "attn"),
+        ("v2", "attn"),
+        ("attn", "proj"),
+    ]:
+        edges.append(_connect(vars, at[u], at[v], np.zeros((2, 2))))
+    found = chains(vars, edges)
+    assert [[names[v] for v in c] for c in found] == [
+        ["x", "q1", "q2"],
+        ["k1", "k2"],
+        ["v1", "v2"],
+        ["attn", "proj"],
+    ]
+    fork, join = trees(vars, edges, found)
+    # at the fork, x's chain is the root and the k and v chains hang from x whole
+    assert {names[v]: names[p] if p >= 0 else None for v, p in fork} == {
+        "x": None,
+        "q1": "x",
+        "q2": "q1",
+        "k1": "x",
+        "k2": "k1",
+        "v1": "x",
+        "v2": "v1",
+    }
+    parent = {names[v]: names[p] if p >= 0 else None for v, p in join}
+    # the attention's chain is the root; q's chain hangs from it whole (x included); k and v lose
+    # the op next to the fork, which would close a cycle through x
+    assert parent == {
+        "attn": None,
+        "proj": "attn",
+        "q2": "attn",
+        "q1": "q2",
+        "x": "q1",
+        "k2": "attn",
+        "v2": "attn",
+    }
+    members = {at[n] for n in parent}
+    inside = [e for e in edges if e.u in members and e.v in members]
+    assert len(inside) == len(members) - 1  # a tree
+
+
+@st.composite
+def _trees(draw: st.DrawFn) -> tuple[list[_Var], list[_Edge], list[tuple[int, int]]]:
+    """A random tree of 2..6 variables (2..3 candidates each) plus fixed outside neighbours."""
+    n = draw(st.integers(2, 6))
+    costs = st.floats(0, 10, allow_nan=False, allow_infinity=False)
+    vars = [_var(f"v{i}", draw(st.lists(costs, min_size=2, max_size=3)), 0) for i in range(n)]
+    outside = _var("fixed", [0.0, 0.0], current=draw(st.integers(0, 1)))
+    vars.append(outside)
+    edges = []
+    shape = [(0, -1)]
+    for v in range(1, n):
+        p = draw(st.integers(0, v - 1))
+        shape.append((v, p))
+        table = np.array(
+            draw(
+                st.lists(
+                    st.lists(costs, min_size=len(vars[v].cands), max_size=len(vars[v].cands)),
+                    min_size=len(vars[p].cands),
+                    max_size=len(vars[p].cands),
+                )
+            )
+        )
+        u, w = (p, v) if draw(st.booleans()) else (v, p)
+        edges.append(_connect(vars, u, w, table if u == p else table.T))
+    for v in range(n):  # an edge to the fixed variable outside the block
+        if draw(st.booleans()):
+            table = np.array(
+                draw(
+                    st.lists(
+                        st.lists(costs, min_size=len(vars[v].cands), max_size=len(vars[v].cands)),
+                        min_size=2,
+                        max_size=2,
+                    )
+                )
+            )
+            edges.append(_connect(vars, n, v, table))
+    return vars, edges, shape
+
+
+@settings(max_examples=60, deadline=None)
+@given(_trees())
+def test_tree_block_solve_is_the_exact_optimum(
+    case: tuple[list[_Var], list[_Edge], list[tuple[int, int]]],
+) -> None:
+    vars, edges, shape = case
+    n = len(shape)
+    best = np.inf
+    for choice in itertools.product(*(range(len(vars[v].cands)) for v in range(n))):
+        for v, c in enumerate(choice):
+            vars[v].current = c
+        best = min(best, _total(vars, edges))
+    for v in range(n):
+        vars[v].current = 0
+    (block,) = make_blocks(vars, [shape])
+    solve(block, vars, {}, Tally())
+    assert abs(_total(vars, edges) - best) <= 1e-6 * (1 + abs(best))
