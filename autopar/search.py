@@ -367,8 +367,11 @@ class GraphFacts:
 def plan_cost(
     gm: fx.GraphModule, plan: Plan, mesh: Mesh, cost: ElementCost, facts: GraphFacts | None = None
 ) -> float:
-    """Modeled cost of a whole plan: every edge's redistribution and every op's compute."""
-    comm, compute = plan_cost_parts(gm, plan, mesh, cost, facts)
+    """Modeled cost of a whole plan, as it will be emitted: each (value, wanted layout)
+    redistributed once, and every op's compute. Seeds and the runs' results are compared by it:
+    the search's own objective prices every edge apart, which overprices a value read by several
+    consumers (q, k and v reading one layer norm's output) and can rank plans wrongly."""
+    comm, compute = plan_cost_parts(gm, plan, mesh, cost, facts, once=True)
     return comm + compute
 
 

@@ -16,6 +16,10 @@ layers and report the difference of the whole step's volume ("marginal", what on
     python benchmarks/plan_quality.py            # default mesh list, ~3 min on 2 cores
     python benchmarks/plan_quality.py --all      # every ordered 3-axis factorization (slow)
     python benchmarks/plan_quality.py --p 8 --planners greedy
+    python benchmarks/plan_quality.py --planners greedy greedy+split search search+fused
+
+"search" cuts fused projections into one linear per piece by default (split_fused, README), "greedy"
+does not; "+split" / "+fused" force the cut on / off.
 
 Writes benchmarks/results/plan_quality.json.
 """
@@ -69,10 +73,9 @@ def measure(mesh_shape: tuple[int, ...], planner: str, layers: int) -> dict[str,
     out: dict[str, Any] = {"mesh": list(mesh_shape), "planner": planner, "layers": layers}
     start = time.perf_counter()
     try:
-        base, _, variant = planner.partition("+")  # "search+split": split_fused=True
-        compiled, times = staged_compile(
-            model, Mesh.from_shape(mesh_shape), (idx, idx), base, split_fused=variant == "split"
-        )
+        base, _, variant = planner.partition("+")  # "search+split" / "search+fused": split_fused on / off
+        split = {"split": True, "fused": False}.get(variant)  # None: the planner's default
+        compiled, times = staged_compile(model, Mesh.from_shape(mesh_shape), (idx, idx), base, split_fused=split)
     except Exception as exc:  # report, do not stop the sweep
         out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         out["traceback"] = traceback.format_exc(limit=6)
