@@ -166,12 +166,12 @@ def part_dim_at(node: fx.Node, dims: dict[str, int]) -> int | None:
     if inner is None:
         return None
     rank = len(node.args[0].meta["val"].shape)
-    dims_of = [int(d) % rank for d in node.args[1:] if isinstance(d, int)]  # transpose's two dims
     if node.target is torch.ops.aten.permute.default:
         order = [int(d) % rank for d in node.args[1]]  # type: ignore[union-attr, arg-type]
     else:
+        swapped = [int(d) % rank for d in node.args[1:] if isinstance(d, int)]  # transpose's dims
+        a, b = (0, 1) if node.target is torch.ops.aten.t.default else swapped
         order = list(range(rank))
-        a, b = (0, 1) if node.target is torch.ops.aten.t.default else dims_of
         order[a], order[b] = order[b], order[a]
     return order.index(inner)
 
