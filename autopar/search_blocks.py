@@ -31,6 +31,7 @@ class Block:
     parents: tuple[int, ...]  # position in `members` of each member's parent (-1 for the root)
     links: tuple[tuple[tuple[_Edge, bool], ...], ...]  # per member: edges to its parent, child is u?
     signature: int  # blocks with equal structure (candidate lists, tables, shape) share it
+    scope: tuple[int, ...]  # members and the variables next to them: all a solve reads
 
 
 def chains(vars: Sequence[_Var], edges: Sequence[_Edge]) -> list[list[int]]:
@@ -127,8 +128,49 @@ def make_blocks(vars: Sequence[_Var], shapes: Sequence[list[tuple[int, int]]]) -
                 tuple((id(e.table), id(e.out_index), id(e.in_index), up) for e, up in link) for link in links
             ),
         )
-        blocks.append(Block(members, parents, links, ids.setdefault(key, len(ids))))
+        scope = set(members)
+        for v in members:
+            scope.update(n for e in vars[v].edges for n in (e.u, e.v))
+        blocks.append(Block(members, parents, links, ids.setdefault(key, len(ids)), tuple(sorted(scope))))
     return blocks
+
+
+def sweep(
+    blocks: Sequence[Block],
+    vars: Sequence[_Var],
+    memo: dict[Any, np.ndarray],
+    tally: Tally,
+    clock: Clock,
+) -> None:
+    """Solve each block in turn, skipping a block when nothing in its scope moved since its last
+    solve (it would return its current choices): later sweeps only revisit where moves happened."""
+    for block in blocks:
+        last = clock.solved.get(id(block))
+        if last is not None and all(clock.changed[v] < last for v in block.scope):
+            continue
+        before = [vars[v].current for v in block.members]
+        solve(block, vars, memo, tally)
+        for v, was in zip(block.members, before):
+            if vars[v].current != was:
+                clock.changed[v] = clock.tick()
+        clock.solved[id(block)] = clock.tick()
+
+
+@dataclass
+class Clock:
+    """When each variable last moved and each block was last solved (one optimize call)."""
+
+    changed: list[int]
+    solved: dict[int, int]
+    now: int = 0
+
+    @classmethod
+    def fresh(cls, n_vars: int) -> Clock:
+        return cls([-1] * n_vars, {})
+
+    def tick(self) -> int:
+        self.now += 1
+        return self.now
 
 
 def solve(block: Block, vars: Sequence[_Var], memo: dict[Any, np.ndarray], tally: Tally) -> None:

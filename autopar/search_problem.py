@@ -36,7 +36,7 @@ from autopar.planner import (
     tensor_inputs,
 )
 from autopar.rules.base import OpCall, RuleRegistry, Strategy
-from autopar.search_blocks import chains, make_blocks, solve, trees
+from autopar.search_blocks import Clock, chains, make_blocks, sweep, trees
 from autopar.storage import global_work, part_dim_at, part_dims, part_storage, work_split
 
 MAX_CANDIDATES = 512
@@ -398,13 +398,12 @@ class Problem:
 
     def optimize(self, max_sweeps: int) -> int:
         before = self.total()
-        for sweep in range(1, max_sweeps + 1):
-            order = self.blocks if sweep % 2 else self.blocks[::-1]
-            for block in order:
-                solve(block, self.vars, self._memo, self.tally)
+        clock = Clock.fresh(len(self.vars))  # the unary costs may have changed since the last call
+        for done in range(1, max_sweeps + 1):
+            sweep(self.blocks if done % 2 else self.blocks[::-1], self.vars, self._memo, self.tally, clock)
             after = self.total()
             if after >= before - 1e-9 * max(1.0, abs(before)):
-                return sweep
+                return done
             before = after
         return max_sweeps
 

@@ -152,7 +152,9 @@ def emit(
         tangent_outputs=[info(n).input_index or 0 for n in tangents],
         num_saved=len(saved),
         coords=coords,
-        param_parts={n: sig.param_parts[n] for n in (info(p).param_name for p in params) if n in sig.param_parts},
+        param_parts={
+            n: sig.param_parts[n] for n in (info(p).param_name for p in params) if n in sig.param_parts
+        },
     )
     check_local_shapes(program, shape)
     return program
@@ -243,6 +245,7 @@ class _SharedCallProp(FakeTensorProp):
         super().__init__(module, mode)
         self.memo = memo  # call key -> (result, meta val); shared by the forward and backward graphs
         self.value_keys: dict[fx.Node, Any] = {}
+        self.views = False  # whether the op being keyed returns a view
         self.mesh_shape = mesh_shape
         self.coords = coords
         self.extra_traceback = False  # errors name the emitted node themselves
@@ -267,6 +270,7 @@ class _SharedCallProp(FakeTensorProp):
         if n.op != "call_function" or not _pure_op(n.target):
             return super().run_node(n)
         try:
+            self.views = _returns_view(n.target)
             key = (n.target, self._arg_key(n.args), self._arg_key(n.kwargs))
             found = self.memo.get(key)
         except (TypeError, _Unkeyable):  # an unhashable or undescribable argument: just run it
@@ -283,7 +287,8 @@ class _SharedCallProp(FakeTensorProp):
             key = self.value_keys.get(x)
             if key is None:
                 key = self.value_keys[x] = _value_key(self.env[x])
-            return key
+            # where a view starts in its storage matters only to ops that return views
+            return key if self.views or not isinstance(key, _TensorKey) else key.without_offset()
         if isinstance(x, (list, tuple)):
             return (type(x), tuple([self._arg_key(v) for v in x]))
         if isinstance(x, dict):
@@ -293,19 +298,28 @@ class _SharedCallProp(FakeTensorProp):
         return (type(x), x)
 
 
+class _TensorKey(tuple):  # type: ignore[type-arg]
+    """A tensor's `_value_key`; index 2 is its storage offset."""
+
+    def without_offset(self) -> tuple[Any, ...]:
+        return (*self[:2], *self[3:])
+
+
 def _value_key(v: Any) -> Any:
     """Everything a fake kernel can see of a value."""
     if isinstance(v, torch.Tensor):
-        return (
-            tuple(v.shape),
-            v.stride(),
-            v.storage_offset(),
-            v.dtype,
-            v.device,
-            v.layout,
-            v.requires_grad,
-            v.is_conj(),
-            v.is_neg(),
+        return _TensorKey(
+            (
+                tuple(v.shape),
+                v.stride(),
+                v.storage_offset(),
+                v.dtype,
+                v.device,
+                v.layout,
+                v.requires_grad,
+                v.is_conj(),
+                v.is_neg(),
+            )
         )
     if isinstance(v, (list, tuple)):
         return (type(v), tuple([_value_key(x) for x in v]))
@@ -316,6 +330,12 @@ def _value_key(v: Any) -> Any:
 
 class _Unkeyable(Exception):
     """A value the call key cannot describe (the node is then propagated on its own)."""
+
+
+@functools.cache
+def _returns_view(target: Any) -> bool:
+    """An op whose result aliases an argument (its storage offset follows the argument's)."""
+    return any(r.alias_info is not None for r in target._schema.returns)
 
 
 @functools.cache

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.search_blocks import chains, make_blocks, solve, trees
+from autopar.search_blocks import Clock, chains, make_blocks, solve, sweep, trees
 from autopar.search_problem import Tally, _Edge, _Var
 
 
@@ -173,3 +173,42 @@ def test_tree_block_solve_is_the_exact_optimum(
     (block,) = make_blocks(vars, [shape])
     solve(block, vars, {}, Tally())
     assert abs(_total(vars, edges) - best) <= 1e-6 * (1 + abs(best))
+
+
+@st.composite
+def _graphs(draw: st.DrawFn) -> tuple[list[_Var], list[_Edge]]:
+    """Random DAGs of 3 to 8 ops with 2 or 3 candidates each and random edge tables."""
+    n = draw(st.integers(3, 8))
+    cost = st.floats(0.0, 10.0, allow_nan=False)
+    sizes = [draw(st.integers(2, 3)) for _ in range(n)]
+    vars = [_var(f"v{i}", draw(st.lists(cost, min_size=s, max_size=s))) for i, s in enumerate(sizes)]
+    edges = []
+    for v in range(1, n):
+        for u in sorted(draw(st.sets(st.integers(0, v - 1), min_size=1, max_size=min(2, v)))):
+            table = np.array(draw(st.lists(cost, min_size=sizes[u] * sizes[v], max_size=sizes[u] * sizes[v])))
+            edges.append(_connect(vars, u, v, table.reshape(sizes[u], sizes[v])))
+    return vars, edges
+
+
+@settings(max_examples=60, deadline=None)
+@given(_graphs())
+def test_sweeps_that_skip_unmoved_blocks_end_where_full_sweeps_end(graph: tuple[list[_Var], list[_Edge]]) -> None:
+    vars, edges = graph
+    found = chains(vars, edges)
+    shapes = [[(v, chain[k - 1] if k else -1) for k, v in enumerate(chain)] for chain in found]
+    blocks = make_blocks(vars, shapes + trees(vars, edges, found))
+    full, skipping = Tally(), Tally()
+    for _ in range(6):
+        for block in blocks:
+            solve(block, vars, {}, full)
+    reference = [v.current for v in vars]
+    for var in vars:
+        var.current = 0
+    clock = Clock.fresh(len(vars))
+    for _ in range(6):
+        sweep(blocks, vars, {}, skipping, clock)
+    assert [v.current for v in vars] == reference
+    before = skipping.solves
+    sweep(blocks, vars, {}, skipping, clock)  # nothing moved since: every block is skipped
+    assert skipping.solves == before
+    assert skipping.solves <= full.solves
