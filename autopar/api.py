@@ -97,7 +97,7 @@ def compile_for_rank(
     registry: RuleRegistry | None = None,
     dump_dir: str | os.PathLike[str] | None = None,
     rank: int = 0,
-    planner: str = "greedy",
+    planner: str = "search",
     agree: Callable[[fx.GraphModule, Callable[[], Plan]], Plan] | None = None,
     hardware: str | None = None,
     schedule: bool = True,
@@ -107,8 +107,10 @@ def compile_for_rank(
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
-    `planner` is "greedy" (the default for now) or "search" (the whole-graph search seeded by the
-    greedy pass under every assignment of axis roles; opt-in until it prices real hardware). `agree`,
+    `planner` is "search" (the default: the whole-graph search over every op's strategy, seeded by
+    the greedy pass under every axis-role assignment and by the fixed schemes, priced on `hardware`
+    or by element counts without one) or "greedy" (op by op, the first heuristic: faster to plan,
+    more communication). `agree`,
     when given, decides how ranks settle on one plan (parallelize: rank 0 plans, all check).
     `schedule=False` skips the schedule stage (bucketing and reordering): insert_comm's order stays,
     each collective waited on right after it is issued (no overlap), for measuring what it buys.
@@ -235,7 +237,7 @@ def parallelize(
     example_kwargs: dict[str, Any] | None = None,
     dump_dir: str | os.PathLike[str] | None = None,
     registry: RuleRegistry | None = None,
-    planner: str = "greedy",
+    planner: str = "search",
     schedule: bool = True,
     mesh_shape: str | None = None,
     hardware: str | None = None,

@@ -65,7 +65,10 @@ def test_forward_placeholders_have_storage_local_shapes(coords: tuple[int, ...])
             assert lay.is_replicated, name
         else:
             assert lay.local_numel(MESH) * 8 == value.numel(), name
-    assert prog.param_parts == {}  # fused linears stay whole unless split_fused=True
+    # the search planner (the default) cuts the fused qkv into q, k and v parts
+    assert {p.source for p in prog.param_parts.values()} == {
+        f"blocks.{i}.attn.qkv.{w}" for i in range(2) for w in ("weight", "bias")
+    }
     # inputs arrive whole; the loss leaves whole
     assert all(lay.is_replicated for lay in prog.input_layouts)
     assert [lay.shape for lay in prog.output_layouts] == [()] and prog.output_layouts[0].is_replicated
@@ -224,9 +227,7 @@ def test_shape_check_reuses_repeated_calls_and_agrees_with_plain_fake_propagatio
     monkeypatch.setattr(FakeTensorProp, "run_node", counting)
     check_local_shapes(prog, MESH)
     monkeypatch.undo()
-    calls = sum(
-        1 for gm in (prog.forward, prog.backward) for n in gm.graph.nodes if n.op == "call_function"
-    )
+    calls = sum(1 for gm in (prog.forward, prog.backward) for n in gm.graph.nodes if n.op == "call_function")
     ran = runs.count("call_function")
     assert 0 < ran < 0.75 * calls  # block 1 (and many repeats within a block) came from the memo
     got = {"forward": _metadata(prog.forward), "backward": _metadata(prog.backward)}
@@ -319,9 +320,9 @@ def test_all_ranks_together_compute_eager_loss_and_gradients(key: str, shape: tu
         torch.testing.assert_close(fwd[c][0], loss.detach(), atol=1e-5, rtol=1e-5)
     prog = rank_programs(key, shape)[(0,) * len(shape)][1]
     params = dict(model.named_parameters())
-    assert sorted({prog.param_parts[n].source if n in prog.param_parts else n for n in prog.param_names}) == sorted(
-        params
-    )
+    assert sorted(
+        {prog.param_parts[n].source if n in prog.param_parts else n for n in prog.param_names}
+    ) == sorted(params)
     grads = {name: p.grad for name, p in params.items()}
     for i, (name, lay) in enumerate(zip(prog.param_names, prog.param_layouts)):
         grad = assemble({c: bwd[c][i] for c in bwd}, lay, shape, atol=1e-4, rtol=1e-4)

@@ -129,5 +129,7 @@ def test_zoo_matches_serial(shape: tuple[int, ...], name: str) -> None:
         for loss, serial_loss in r["losses"]:
             assert loss == pytest.approx(serial_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
         assert r["grad_err"] < 1e-4, (rank, r["grad_err"])
-        assert r["param_err"] < 1e-5, (rank, r["param_err"])
+        # AdamW divides by the gradient's running RMS: rounding in a tiny gradient moves its
+        # parameter by a visible share of lr = 1e-3, so parameters are held to 3e-5
+        assert r["param_err"] < 3e-5, (rank, r["param_err"])
         assert r["names_match"], rank
