@@ -82,6 +82,7 @@ def trace(
     _annotate(gm, model, in_spec=pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1], parts=parts)
     _merge_tied(gm, tied)
     _drop_identities(gm)
+    _merge_repeated_calls(gm)
     gm.graph.lint()
     # Python code for the joint graph is generated only when someone runs or prints it: the later
     # passes rewrite the graph and call recompile() several times, and none of them runs it.
@@ -295,6 +296,44 @@ def _drop_identities(gm: fx.GraphModule) -> None:
         ):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+
+
+def _merge_repeated_calls(gm: fx.GraphModule) -> None:
+    """One node per repeated pure call within a phase. The linears that `split_fused` makes from
+    one fused linear each flatten the same input (three equal views): left apart, each would get
+    its own redistribution of that input, where one serves all three."""
+    seen: dict[Any, fx.Node] = {}
+    outputs = set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node in outputs or not _mergeable(node.target):
+            continue
+        try:
+            key = (node.target, _frozen(node.args), _frozen(node.kwargs), info(node).phase)
+            hash(key)
+        except TypeError:  # an unhashable constant argument
+            continue
+        first = seen.setdefault(key, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+
+
+def _mergeable(target: Any) -> bool:
+    """Functional ATen ops whose result depends only on their arguments (no randomness)."""
+    return (
+        isinstance(target, torch._ops.OpOverload)
+        and not target._schema.is_mutable
+        and torch.Tag.nondeterministic_seeded not in target.tags
+        and torch.Tag.nondeterministic_bitwise not in target.tags
+    )
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_frozen(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _frozen(v)) for k, v in value.items()))
+    return value
 
 
 def _user_frame(stack_trace: str) -> str:

@@ -236,3 +236,40 @@ def test_the_joint_module_regenerates_its_code_after_a_pass_edits_the_graph() ->
     got, _ = _run_joint(gm, model, inputs)
     want, _ = _eager(model, inputs)
     torch.testing.assert_close(got, 2 * want, atol=1e-5, rtol=1e-5)
+
+
+class _Repeats(nn.Module):
+    """The same pure call twice (merged) and the same dropout twice (random: kept apart)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        twice = h * 2.0 + h * 2.0
+        dropped = nn.functional.dropout(h, 0.5, training=True) + nn.functional.dropout(h, 0.5, training=True)
+        return (twice + dropped).sum()
+
+
+def test_repeated_pure_calls_merge_and_random_ones_stay_apart() -> None:
+    gm = trace(_Repeats(), (torch.randn(8, 4),))
+    forward = [n for n in gm.graph.nodes if n.op == "call_function" and info(n).phase == "forward"]
+    doubles = [n for n in forward if n.target is torch.ops.aten.mul.Tensor and n.args[1] == 2.0]
+    assert len(doubles) == 1
+    random = [n for n in forward if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
+    assert len(random) == 2
+
+
+def test_the_parts_of_a_cut_fused_linear_share_one_view_of_their_input() -> None:
+    model, inputs = make_gpt(0)
+    gm = trace(model, inputs, split_fused=True)
+    parts = [
+        n
+        for n in gm.graph.nodes
+        if n.target is torch.ops.aten.addmm.default
+        and info(n).phase == "forward"
+        and info(n).module_path == "blocks.0.attn.qkv"
+    ]
+    assert len(parts) == 3  # q, k and v
+    assert len({n.args[1] for n in parts}) == 1  # one flattened input, so one redistribution of it
