@@ -22,8 +22,10 @@ greedy compile with 4, 8, 16 and 32 layers.
     python benchmarks/compile_time.py --full          # both planners, 4..32 layers, ~5 min
     python benchmarks/compile_time.py --models gpt2-small --layers 12
     python benchmarks/compile_time.py --planners greedy --layers 4 8
+    python benchmarks/compile_time.py --layers 12 --models gpt2-small --repeat 5 --name compile_time_targets
 
-Writes benchmarks/results/compile_time.json. Timings are from a shared machine; the load average
+`--repeat N` compiles every config N times, alternating, and shows each config's median run.
+Writes benchmarks/results/compile_time.json (or <name>.json). Timings are from a shared machine; the load average
 at the start and end is recorded beside them.
 """
 
@@ -100,6 +102,19 @@ def measure(name: str, layers: int, planner: str) -> dict[str, Any]:
     return out
 
 
+def _config(run: dict[str, Any]) -> tuple[str, int, str]:
+    return (run["model"], run["layers"], run["planner"])
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median total (the lower middle one for an even count); errors win."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    ordered = sorted(runs, key=lambda r: r["times"]["total"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -107,6 +122,13 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--planners", nargs="*", default=["greedy", "search"])
     parser.add_argument("--layers", type=int, nargs="*", help="layer counts (with --models / --planners)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="compile every config N times, configs alternating, and report each config's median run",
+    )
+    parser.add_argument("--name", default="compile_time", help="writes benchmarks/results/<name>.json")
     parser.add_argument(
         "--full", action="store_true", help="every model's growth list with every planner (~12 min)"
     )
@@ -127,6 +149,9 @@ def main() -> None:
         configs = sorted(set(configs), key=lambda c: (list(MODELS).index(c[0]), c[1], c[2]))
     ctx = multiprocessing.get_context("spawn")
     runs = []
+    # --repeat: every config once per round, the order reversed every other round, so that drifts
+    # in machine load hit all configs alike; each config is then shown by its median run
+    configs = [c for rep in range(args.repeat) for c in (configs if rep % 2 == 0 else configs[::-1])]
     # one compile at a time, each in a fresh process: the timings do not share a core or a cache
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
         for config in configs:
@@ -135,6 +160,12 @@ def main() -> None:
             status = run.get("error") or f"{run['times']['total']:.1f} s"
             print(f"  {config[0]:<10} L={config[1]:<3} {config[2]:<7} {status}", flush=True)
 
+    every_run = runs
+    if args.repeat > 1:
+        runs = [
+            _median_run([r for r in every_run if _config(r) == config])
+            for config in dict.fromkeys(map(_config, every_run))
+        ]
     stage_cols = [s for s in STAGES if s not in ("propagate", "report")]
     rows = []
     for r in runs:
@@ -201,7 +232,7 @@ def main() -> None:
         f"\n{len(runs)} compiles in {elapsed:.0f} s; load average {load_before[0]:.1f} -> {load_after[0]:.1f}"
     )
     path = write_result(
-        "compile_time",
+        args.name,
         {
             "mesh": list(MESH),
             "batch": BATCH,
@@ -212,6 +243,13 @@ def main() -> None:
             "mode": "full" if args.full else "custom" if args.layers else "default",
             "load_average_before_after": [load_before, load_after],
             "runs": runs,
+            "repeat": args.repeat,
+            "every_run_total_s": {
+                " ".join(map(str, c)): [
+                    r["times"]["total"] for r in every_run if _config(r) == c and "times" in r
+                ]
+                for c in dict.fromkeys(map(_config, every_run))
+            },
             "wall_seconds": elapsed,
         },
     )
