@@ -32,6 +32,9 @@ class Block:
     links: tuple[tuple[tuple[_Edge, bool], ...], ...]  # per member: edges to its parent, child is u?
     signature: int  # blocks with equal structure (candidate lists, tables, shape) share it
     scope: tuple[int, ...]  # members and the variables next to them: all a solve reads
+    # per member: its edges to variables outside the block (edge, member is the consumer, the other
+    # variable, the edge's identity)
+    outside: tuple[tuple[tuple[_Edge, bool, int, tuple[int, int, int]], ...], ...]
 
 
 def chains(vars: Sequence[_Var], edges: Sequence[_Edge]) -> list[list[int]]:
@@ -131,7 +134,17 @@ def make_blocks(vars: Sequence[_Var], shapes: Sequence[list[tuple[int, int]]]) -
         scope = set(members)
         for v in members:
             scope.update(n for e in vars[v].edges for n in (e.u, e.v))
-        blocks.append(Block(members, parents, links, ids.setdefault(key, len(ids)), tuple(sorted(scope))))
+        inside = set(members)
+        outside = tuple(
+            tuple(
+                (e, e.v == v, e.u if e.v == v else e.v, e.identity)
+                for e in vars[v].edges
+                if (e.u if e.v == v else e.v) not in inside
+            )
+            for v in members
+        )
+        signature = ids.setdefault(key, len(ids))
+        blocks.append(Block(members, parents, links, signature, tuple(sorted(scope)), outside))
     return blocks
 
 
@@ -175,20 +188,7 @@ class Clock:
 
 def solve(block: Block, vars: Sequence[_Var], memo: dict[Any, np.ndarray], tally: Tally) -> None:
     """Set the block's variables to its exact optimum with every other variable held fixed."""
-    position = {v: k for k, v in enumerate(block.members)}
-    local = []
-    for v in block.members:
-        var = vars[v]
-        vec = var.unary.copy()
-        vec[var.current] -= 1e-9 * (1.0 + abs(float(vec[var.current])))  # stay put on ties
-        for edge in var.edges:
-            if (edge.u if edge.v == v else edge.v) in position:
-                continue
-            if edge.v == v:
-                vec += edge.for_consumer(vars[edge.u].current)
-            else:
-                vec += edge.for_producer(vars[edge.v].current)
-        local.append(vec)
+    local = _local(block, vars)
     tally.solves += 1
     digest = hashlib.blake2b(b"".join(vec.tobytes() for vec in local), digest_size=16).digest()
     key = (block.signature, digest)
@@ -199,6 +199,21 @@ def solve(block: Block, vars: Sequence[_Var], memo: dict[Any, np.ndarray], tally
         tally.memo_hits += 1
     for v, choice in zip(block.members, choices):
         vars[v].current = int(choice)
+
+
+def _local(block: Block, vars: Sequence[_Var]) -> list[np.ndarray]:
+    """Each member's cost per candidate with everything outside the block held fixed."""
+    local = []
+    for v, outside in zip(block.members, block.outside):
+        var = vars[v]
+        vec = var.unary.copy()
+        vec[var.current] -= 1e-9 * (1.0 + abs(float(vec[var.current])))  # stay put on ties
+        for edge, consumer, other, _ in outside:
+            vec += (
+                edge.for_consumer(vars[other].current) if consumer else edge.for_producer(vars[other].current)
+            )
+        local.append(vec)
+    return local
 
 
 def _tree_dp(block: Block, local: list[np.ndarray]) -> np.ndarray:

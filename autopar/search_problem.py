@@ -76,6 +76,7 @@ class _Edge:
     table: np.ndarray  # cost between the distinct layouts on each side
     out_index: np.ndarray  # per candidate of u: row of `table`
     in_index: np.ndarray  # per candidate of v: column of `table`
+    cached: np.ndarray | None = field(default=None, repr=False)  # `matrix()`, once computed
 
     def for_consumer(self, u_choice: int) -> np.ndarray:
         return self.table[self.out_index[u_choice], self.in_index]
@@ -84,7 +85,14 @@ class _Edge:
         return self.table[self.out_index, self.in_index[v_choice]]
 
     def matrix(self) -> np.ndarray:
-        return self.table[np.ix_(self.out_index, self.in_index)]
+        if self.cached is None:
+            self.cached = self.table[np.ix_(self.out_index, self.in_index)]
+        return self.cached
+
+    @property
+    def identity(self) -> tuple[int, int, int]:
+        """Edges between the same candidate lists share their table and index arrays."""
+        return (id(self.table), id(self.out_index), id(self.in_index))
 
     def value(self, u_choice: int, v_choice: int) -> float:
         return float(self.table[self.out_index[u_choice], self.in_index[v_choice]])
@@ -321,6 +329,7 @@ class Problem:
                 edge.out_index = edge.out_index[keep]
             if edge.v == index:
                 edge.in_index = edge.in_index[keep]
+            edge.cached = None
 
     def _memory(self) -> float:
         """Per saved value: its bytes and its regather cost for each candidate of the variable
