@@ -37,6 +37,8 @@ class PlanReport:
     param_bytes_local: int
     param_bytes_total: int
     replicated_params: list[str] = field(default_factory=list)
+    # of those, parts of a cut fused parameter, replicated because their cut dim stays whole
+    replicated_parts: list[str] = field(default_factory=list)
     collectives: list[CollectiveRecord] = field(default_factory=list)
     schedule: Any = None
 
@@ -53,8 +55,14 @@ class PlanReport:
             f"parameters per rank: {self.param_bytes_local / 1e6:.3f} MB of {self.param_bytes_total / 1e6:.3f} MB "
             f"({self.param_fraction * self.world_size:.3f} x total/{self.world_size})",
         ]
-        if self.replicated_params:
-            lines.append(f"replicated on some axis (too small to split): {', '.join(self.replicated_params)}")
+        small = [name for name in self.replicated_params if name not in self.replicated_parts]
+        if small:
+            lines.append(f"replicated on some axis (too small to split): {', '.join(small)}")
+        if self.replicated_parts:
+            lines.append(
+                "replicated on some axis (a part of a fused parameter keeps its cut dim whole, so that "
+                f"the fused parameter stays one evenly sharded tensor): {', '.join(self.replicated_parts)}"
+            )
         counts: Counter[tuple[str, str, str]] = Counter()
         volume: dict[tuple[str, str, str], float] = {}
         for c in self.collectives:
@@ -120,7 +128,9 @@ def _record(
     )
 
 
-def build_report(program: Any, mesh: Mesh, schedule: Any = None, graph_mesh: Mesh | None = None) -> PlanReport:
+def build_report(
+    program: Any, mesh: Mesh, schedule: Any = None, graph_mesh: Mesh | None = None
+) -> PlanReport:
     """`graph_mesh`: the mesh the program's collectives are laid out on, when it has more axes than
     the device mesh (over-decomposition's in-process chunk axis)."""
     local = sum(lay.local_bytes(mesh.shape) for lay in program.param_layouts)
@@ -136,6 +146,7 @@ def build_report(program: Any, mesh: Mesh, schedule: Any = None, graph_mesh: Mes
         param_bytes_local=local,
         param_bytes_total=total,
         replicated_params=replicated,
+        replicated_parts=[name for name in replicated if name in program.param_parts],
         collectives=collect([program.forward, program.backward], graph_mesh or mesh),
         schedule=schedule,
     )

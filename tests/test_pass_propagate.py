@@ -154,9 +154,9 @@ def test_report_param_bytes_are_one_eighth_on_2x2x2() -> None:
     # parts of the fused qkv keep their cut dim whole: its bias parts (1-D) stay whole on every rank
     bias = sum(p.numel() * 4 for n, p in gpt_case()[0].named_parameters() if n.endswith("attn.qkv.bias"))
     assert report.param_bytes_local == pytest.approx((report.param_bytes_total - bias) / 8 + bias, rel=0.02)
-    assert set(report.replicated_params) == {
-        f"blocks.{i}.attn.qkv.bias__part{k}" for i in range(2) for k in range(3)
-    }
+    parts = {f"blocks.{i}.attn.qkv.bias__part{k}" for i in range(2) for k in range(3)}
+    assert set(report.replicated_params) == set(report.replicated_parts) == parts
+    assert "keeps its cut dim whole" in str(report) and "too small to split" not in str(report)
 
 
 def test_megatron_column_then_row_on_a_1d_mesh() -> None:
