@@ -32,9 +32,8 @@ class Block:
     links: tuple[tuple[tuple[_Edge, bool], ...], ...]  # per member: edges to its parent, child is u?
     signature: int  # blocks with equal structure (candidate lists, tables, shape) share it
     scope: tuple[int, ...]  # members and the variables next to them: all a solve reads
-    # per member: its edges to variables outside the block (edge, member is the consumer, the other
-    # variable, the edge's identity)
-    outside: tuple[tuple[tuple[_Edge, bool, int, tuple[int, int, int]], ...], ...]
+    # per member: its edges to variables outside the block (edge, member is the consumer, the other)
+    outside: tuple[tuple[tuple[_Edge, bool, int], ...], ...]
 
 
 def chains(vars: Sequence[_Var], edges: Sequence[_Edge]) -> list[list[int]]:
@@ -131,20 +130,17 @@ def make_blocks(vars: Sequence[_Var], shapes: Sequence[list[tuple[int, int]]]) -
                 tuple((id(e.table), id(e.out_index), id(e.in_index), up) for e, up in link) for link in links
             ),
         )
-        scope = set(members)
-        for v in members:
-            scope.update(n for e in vars[v].edges for n in (e.u, e.v))
         inside = set(members)
         outside = tuple(
             tuple(
-                (e, e.v == v, e.u if e.v == v else e.v, e.identity)
+                (e, e.v == v, e.u if e.v == v else e.v)
                 for e in vars[v].edges
                 if (e.u if e.v == v else e.v) not in inside
             )
             for v in members
         )
-        signature = ids.setdefault(key, len(ids))
-        blocks.append(Block(members, parents, links, signature, tuple(sorted(scope)), outside))
+        scope = tuple(sorted(inside | {other for edges in outside for _, _, other in edges}))
+        blocks.append(Block(members, parents, links, ids.setdefault(key, len(ids)), scope, outside))
     return blocks
 
 
@@ -208,7 +204,7 @@ def _local(block: Block, vars: Sequence[_Var]) -> list[np.ndarray]:
         var = vars[v]
         vec = var.unary.copy()
         vec[var.current] -= 1e-9 * (1.0 + abs(float(vec[var.current])))  # stay put on ties
-        for edge, consumer, other, _ in outside:
+        for edge, consumer, other in outside:
             vec += (
                 edge.for_consumer(vars[other].current) if consumer else edge.for_producer(vars[other].current)
             )

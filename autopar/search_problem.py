@@ -89,11 +89,6 @@ class _Edge:
             self.cached = self.table[np.ix_(self.out_index, self.in_index)]
         return self.cached
 
-    @property
-    def identity(self) -> tuple[int, int, int]:
-        """Edges between the same candidate lists share their table and index arrays."""
-        return (id(self.table), id(self.out_index), id(self.in_index))
-
     def value(self, u_choice: int, v_choice: int) -> float:
         return float(self.table[self.out_index[u_choice], self.in_index[v_choice]])
 

@@ -245,7 +245,6 @@ class _SharedCallProp(FakeTensorProp):
         super().__init__(module, mode)
         self.memo = memo  # call key -> (result, meta val); shared by the forward and backward graphs
         self.value_keys: dict[fx.Node, Any] = {}
-        self.views = False  # whether the op being keyed returns a view
         self.mesh_shape = mesh_shape
         self.coords = coords
         self.extra_traceback = False  # errors name the emitted node themselves
@@ -270,8 +269,8 @@ class _SharedCallProp(FakeTensorProp):
         if n.op != "call_function" or not _pure_op(n.target):
             return super().run_node(n)
         try:
-            self.views = _returns_view(n.target)
-            key = (n.target, self._arg_key(n.args), self._arg_key(n.kwargs))
+            views = _returns_view(n.target)
+            key = (n.target, self._arg_key(n.args, views), self._arg_key(n.kwargs, views))
             found = self.memo.get(key)
         except (TypeError, _Unkeyable):  # an unhashable or undescribable argument: just run it
             return super().run_node(n)
@@ -282,17 +281,18 @@ class _SharedCallProp(FakeTensorProp):
         n.meta["val"] = found[1]
         return found[0]
 
-    def _arg_key(self, x: Any) -> Any:
+    def _arg_key(self, x: Any, views: bool) -> Any:
+        """`views`: the op returns a view (its result's storage offset follows its inputs')."""
         if isinstance(x, fx.Node):
             key = self.value_keys.get(x)
             if key is None:
                 key = self.value_keys[x] = _value_key(self.env[x])
             # where a view starts in its storage matters only to ops that return views
-            return key if self.views or not isinstance(key, _TensorKey) else key.without_offset()
+            return key if views or not isinstance(key, _TensorKey) else key.without_offset()
         if isinstance(x, (list, tuple)):
-            return (type(x), tuple([self._arg_key(v) for v in x]))
+            return (type(x), tuple([self._arg_key(v, views) for v in x]))
         if isinstance(x, dict):
-            return (dict, tuple([(k, self._arg_key(v)) for k, v in x.items()]))
+            return (dict, tuple([(k, self._arg_key(v, views)) for k, v in x.items()]))
         if isinstance(x, torch.Tensor):
             raise _Unkeyable  # a tensor constant in the graph
         return (type(x), x)
