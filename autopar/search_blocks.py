@@ -36,11 +36,17 @@ class Block:
     outside: tuple[tuple[tuple[_Edge, bool, int], ...], ...]
 
 
-def chains(vars: Sequence[_Var], edges: Sequence[_Edge]) -> list[list[int]]:
-    """Partition the variables into paths u -> v where u is v's only producing variable."""
+def _producers(vars: Sequence[_Var], edges: Sequence[_Edge]) -> list[set[int]]:
+    """The variables each variable reads from."""
     producers: list[set[int]] = [set() for _ in vars]
     for edge in edges:
         producers[edge.v].add(edge.u)
+    return producers
+
+
+def chains(vars: Sequence[_Var], edges: Sequence[_Edge]) -> list[list[int]]:
+    """Partition the variables into paths u -> v where u is v's only producing variable."""
+    producers = _producers(vars, edges)
     chain_of: dict[int, int] = {}
     found: list[list[int]] = []
     for v in range(len(vars)):
@@ -62,12 +68,11 @@ def trees(
     """Per join or fork with two or more attached chains: its tree as (member, parent) pairs, the
     root (the join's chain head) first with parent -1."""
     chain_of = {v: c for c, chain in enumerate(chain_list) for v in chain}
+    producers = _producers(vars, edges)
     neighbours: list[set[int]] = [set() for _ in vars]
-    producers: list[set[int]] = [set() for _ in vars]
     for edge in edges:
         neighbours[edge.u].add(edge.v)
         neighbours[edge.v].add(edge.u)
-        producers[edge.v].add(edge.u)
     found = []
     for chain in chain_list:
         inside = set(chain)
