@@ -212,7 +212,12 @@ def schedule(
                 else:
                     emit_chain(c)
             for group, queue in low.items():  # gradients go when the group has nothing urgent
-                while queue and not group_full(group) and not urgent_soon(group, queue[0]) and not over_cap(queue[0]):
+                while (
+                    queue
+                    and not group_full(group)
+                    and not urgent_soon(group, queue[0])
+                    and not over_cap(queue[0])
+                ):
                     c = queue.pop(0)
                     if c not in emitted:
                         emit_chain(c)
@@ -370,9 +375,12 @@ def _group(collective: fx.Node) -> str:
 def _tail(nodes: list[fx.Node]) -> set[fx.Node]:
     """Backward nodes that feed exactly one output (one parameter's gradient) and nothing else:
     the weight-gradient computation and the collectives taking the gradient to its storage layout.
-    Nothing on the way to another output waits for them (the input-gradient path feeds many)."""
-    many = -1
-    reach: dict[fx.Node, int] = {}  # node -> the one output position it feeds, or many
+    Nothing on the way to another output waits for them (the input-gradient path feeds many).
+
+    A bucket of such collectives feeds several gradients, but only through its own buffer copies:
+    it stays in the tail (it stands for "gradients only"), and so does what only feeds it."""
+    many, grads = -1, -2
+    reach: dict[fx.Node, int] = {}  # node -> the one output position it feeds, grads, or many
     output = nodes[-1]
     if output.op == "output":
         for i, value in enumerate(output.all_input_nodes):
@@ -381,8 +389,14 @@ def _tail(nodes: list[fx.Node]) -> set[fx.Node]:
         targets = {reach.get(u, many) for u in node.users if u.op != "output"}
         if node in reach:
             targets.add(reach[node])
-        if node.users:
-            reach[node] = targets.pop() if len(targets) == 1 else many
+        if not node.users:
+            continue
+        if len(targets) == 1:
+            reach[node] = targets.pop()
+        elif many not in targets and has_info(node) and info(node).note == "bucket":
+            reach[node] = grads
+        else:
+            reach[node] = many
     return {
         n
         for n, r in reach.items()

@@ -171,6 +171,7 @@ def test_waits_sit_right_before_their_first_user(which: int) -> None:
     position = {n: i for i, n in enumerate(nodes)}
     waits = [n for n in nodes if n.op == "call_function" and n.target is c10d.wait_tensor.default]
     assert waits
+    gradients = _tail(nodes)
     for wait in waits:
         first = min(wait.users, key=position.__getitem__)
         between = nodes[position[wait] + 1 : position[first]]
@@ -179,8 +180,9 @@ def test_waits_sit_right_before_their_first_user(which: int) -> None:
             nxt = next(n for n in between if n.target in COLLECTIVES and _group(n) == _group(wait.args[0]))
             assert all(is_comm(n) for n in nodes[position[wait] + 1 : position[nxt]]), wait.name
             continue
-        # otherwise only comm nodes (other waits, collectives released by them) sit in between
-        assert all(is_comm(n) for n in between), (wait.name, [n.name for n in between])
+        # otherwise only comm nodes (other waits, collectives released by them) sit in between, or
+        # gradient work put off until its wait came (it runs then, at no cost to other work)
+        assert all(is_comm(n) or n in gradients for n in between), (wait.name, [n.name for n in between])
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["two_linear", "gpt"])
@@ -623,3 +625,54 @@ def test_a_gradient_gives_way_to_a_collective_needed_sooner() -> None:
     got = run_lockstep({c: gm for c in args}, args, (2,))
     for c in args:
         assert all(torch.equal(x, y) for x, y in zip(got[c], want[c]))
+
+
+def _two_gradients_and_activation() -> fx.GraphModule:
+    """Backward: two small weight gradients (one output each, inputs to the graph here), all-reduced
+    on one group and ready together, and an input gradient that feeds two outputs."""
+    graph = fx.Graph()
+    g, d = (_partial_input(graph, n, i) for i, n in enumerate("gd"))
+
+    def node(name: str, target: object, args: tuple, role: str = "compute", **extra: object) -> fx.Node:
+        made = graph.create_node("call_function", target, args, {}, name=name)
+        set_info(made, NodeInfo(role=role, phase="backward", **extra))  # type: ignore[arg-type]
+        return made
+
+    step = CommStep("all_reduce", 0, Layout((P,), (8,)), Layout((R,), (8,)))
+    h = node("h", aten.sub.Tensor, (g, 1.0))
+    grads = []
+    for name, wgrad in (("1", g), ("2", d)):
+        ar = node(
+            f"ar{name}", c10d.all_reduce.default, (wgrad, "sum", "<x>"), "comm", comm=step, comm_group="<x>"
+        )
+        waited = node(f"w{name}", c10d.wait_tensor.default, (ar,), "comm", layouts=(step.after,))
+        grads.append(node(f"gout{name}", aten.mul.Tensor, (waited, 0.5)))
+    k1 = node("k1", aten.add.Tensor, (h, 1.0))
+    k2 = node("k2", aten.mul.Tensor, (h, 2.0))
+    graph.output((*grads, k1, k2))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_a_bucket_of_gradients_stays_a_gradient() -> None:
+    """A bucket feeds several gradients, through its own pieces only: it is still in the tail, so
+    it is not waited on before the end. (Once it was not, and a bucket of bias gradients at the
+    end of the backward held every gradient collective behind it: 47.8 % exposed -> 20.6 %.)"""
+    gm = _two_gradients_and_activation()
+    report = bucket(gm, (2,))
+    assert (report.buckets, report.merged) == (1, 2)
+    nodes = list(gm.graph.nodes)
+    (merged,) = collectives(gm)
+    tail = _tail(nodes)
+    # every node the bucket added (its buffer, collective, wait and pieces) is in the tail, and
+    # so are the gradients after it; the input gradient's path is not
+    added = [n for n in nodes if n.op == "call_function" and info(n).note == "bucket"]
+    assert merged in added and len(added) == 9 and set(added) <= tail
+    assert {"gout1", "gout2"} <= {n.name for n in tail}
+    assert "h" not in {n.name for n in tail}  # it feeds two outputs
+    # the bucket is issued as soon as its inputs exist and waited on only for the gradients
+    assert _names(schedule(gm)) == [
+        "g", "d", "reshape_default", "reshape_default_1", "cat_default", "all_reduce_default",
+        "h", "k1", "k2",
+        "wait_tensor_default", "narrow_default", "view_default", "gout1", "narrow_default_1",
+        "view_default_1", "gout2", "output",
+    ]  # fmt: skip
