@@ -1,8 +1,9 @@
 """Over-decomposition, after insert_comm: one graph that runs every batch chunk of this rank.
 
 insert_comm lowers the chunked plan (`autopar.overdecompose`) once per chunk, as if each chunk were
-a rank of the mesh's in-process axis. This pass zips those copies into one graph node by node, so
-chunk c's collective sits beside chunk c+1's compute, where the schedule stage overlaps them.
+a rank of the mesh's in-process axis. This pass zips those copies into one graph node by node, then
+lets each chunk's forward run whole segments in turn (`forward_segments_in_turn`), so that chunk c's
+collective sits before chunk c+1's compute, where the schedule stage overlaps them.
 What every chunk computes alike is emitted once: placeholders, weight gathers, and any value that
 is whole on the chunk axis and computed from shared values. Redistributions on the chunk axis are
 local tensor ops among the copies: a sum for all_reduce, a concatenation for all_gather, a sum and
@@ -11,6 +12,7 @@ each chunk's rows for reduce_scatter, exchanged rows for all_to_all.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar.graph_order import apply_order
 from autopar.layout import Replicate
 from autopar.mesh import Mesh
 from autopar.meta import has_info, info, set_info
@@ -32,7 +35,9 @@ def merge_chunks(copies: Sequence[fx.GraphModule], mesh: Mesh) -> fx.GraphModule
     if not mesh.is_in_process(axis) or len(copies) != mesh.shape[axis]:
         raise ValueError(f"expected {mesh.shape[axis]} chunk copies on an in-process last axis of {mesh}")
     merger = _Merger(copies, mesh, axis)
-    merged = fx.GraphModule(copies[0], merger.run())
+    graph = merger.run()
+    apply_order(graph, forward_segments_in_turn(graph))
+    merged = fx.GraphModule(copies[0], graph)
     merged.meta.update(copies[0].meta)
     return merged
 
@@ -85,7 +90,11 @@ class _Merger:
     def _copy(self, row: Sequence[fx.Node]) -> None:
         mapped = [(self._map(c, n.args), self._map(c, n.kwargs)) for c, n in enumerate(row)]
         first = row[0]
-        if all(n.target == first.target for n in row) and all(m == mapped[0] for m in mapped) and self._whole(first):
+        if (
+            all(n.target == first.target for n in row)
+            and all(m == mapped[0] for m in mapped)
+            and self._whole(first)
+        ):
             new = self.graph.create_node(first.op, first.target, mapped[0][0], mapped[0][1], name=first.name)
             self._share(row, new)
             return
@@ -138,7 +147,9 @@ class _Merger:
             total = self._sum(xs, base, val)
             rows = step.before.local_shape(self.mesh.shape)[step.dim] // self.k  # type: ignore[index]
             return [
-                self._node(aten.slice.Tensor, (total, 0, c * rows, (c + 1) * rows), replace(base, chunk=c), val)
+                self._node(
+                    aten.slice.Tensor, (total, 0, c * rows, (c + 1) * rows), replace(base, chunk=c), val
+                )
                 for c in range(self.k)
             ]
         if step.kind == "all_to_all":
@@ -146,7 +157,9 @@ class _Merger:
             out = []
             for c in range(self.k):
                 pieces = [
-                    self._node(aten.slice.Tensor, (x, 0, c * rows, (c + 1) * rows), replace(base, chunk=c), val)
+                    self._node(
+                        aten.slice.Tensor, (x, 0, c * rows, (c + 1) * rows), replace(base, chunk=c), val
+                    )
                     for x in xs
                 ]
                 out.append(self._node(aten.cat.default, (pieces, 0), replace(base, chunk=c), val))
@@ -166,6 +179,52 @@ class _Merger:
         if val is not None:
             node.meta["val"] = val
         return node
+
+
+def forward_segments_in_turn(graph: fx.Graph) -> list[fx.Node]:
+    """The zipped graph's nodes with each chunk's forward running a whole segment (its work between
+    two of its waits) before the next chunk's: zipped node by node, chunk 0's collective overlaps
+    only chunk 1's last node of the segment; in turn, it overlaps chunk 1's whole segment. On the
+    GPT of benchmarks/overlap.py at p = 8, 2 chunks: 15.9 % -> 12.9 % of communication exposed.
+
+    The backward keeps the zipped order: there the weight gradients fill the collectives' time, and
+    taking segments in turn delayed them (15.2 % exposed). A topological order by (phase, segment
+    depth, chunk, zipped position); what the chunks share runs right before its first user."""
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    depth: dict[fx.Node, int] = {}
+    key: dict[fx.Node, tuple[int, ...]] = {}
+    shared: list[fx.Node] = []
+    for n in nodes:
+        depth[n] = max((depth[i] for i in n.all_input_nodes), default=0) + int(
+            n.target is c10d.wait_tensor.default
+        )
+        if has_info(n) and info(n).phase == "backward":
+            key[n] = (1, 0, 0, position[n])
+            continue
+        chunk = info(n).chunk if has_info(n) else None
+        key[n] = (0, depth[n], -1 if chunk is None else chunk, position[n])
+        if chunk is None and n.op == "call_function":
+            shared.append(n)
+    for n in reversed(shared):
+        users = [key[u] for u in n.users if u.op != "output" and key[u][0] == 0]
+        if users:
+            key[n] = (*min(users)[:3], position[n])  # before its first user: its position is lower
+    missing = {n: len(n.all_input_nodes) for n in nodes}
+    ready = [(key[n], position[n], n) for n in nodes if not missing[n] and n.op != "output"]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        *_, n = heapq.heappop(ready)
+        order.append(n)
+        for u in n.users:
+            missing[u] -= 1
+            if not missing[u] and u.op != "output":
+                heapq.heappush(ready, (key[u], position[u], u))
+    if len(order) != len(nodes) - 1:  # pragma: no cover - the zipped graph has a cycle
+        raise AssertionError("chunk order lost nodes")
+    # the placeholders (the backward's among them) stay together at the top
+    return [n for n in order if n.op == "placeholder"] + [n for n in order if n.op != "placeholder"]
 
 
 def _per_chunk_op(node: fx.Node) -> bool:

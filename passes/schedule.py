@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost import Hardware
+from autopar.graph_order import apply_order
 from autopar.mesh import Mesh
 from autopar.meta import has_info, info
 from autopar.passes.bucket import BUCKET_BYTES, BUCKET_COUNT, COLLECTIVES, bucket, comm_group, prep_chain
@@ -360,7 +361,7 @@ def schedule(
     if bucketing is not None:
         report.buckets, report.bucketed = bucketing.buckets, bucketing.merged
     report.cap_delays = len(report.cap_delayed)
-    _apply(gm, order)
+    apply_order(gm.graph, order)
     gm.graph.lint()
     gm.recompile()
     gm.meta["autopar_schedule"] = report
@@ -433,13 +434,3 @@ def _report(
         report.issues_moved += int(final[c] < original[c])
         report.waits_moved += int(final[wait] > original[wait])
         report.overlapped_ops += computes[final[wait]] - computes[final[c] + 1]
-
-
-def _apply(gm: fx.GraphModule, order: list[fx.Node]) -> None:
-    """Make the graph's node list follow `order` (the output node stays last)."""
-    body = [n for n in order if n.op != "output"]
-    first = next(iter(gm.graph.nodes))
-    if body and body[0] is not first:
-        first.prepend(body[0])
-    for previous, node in zip(body, body[1:]):
-        previous.append(node)

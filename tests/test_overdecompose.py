@@ -84,6 +84,34 @@ def test_merged_graph_runs_each_chunk_and_shares_what_is_whole() -> None:
     assert sums  # the chunks' partial gradients (and the loss) added in memory
 
 
+def test_forward_chunks_take_whole_segments_in_turn() -> None:
+    """Chunk 0 runs all its forward work between two of its waits before chunk 1 runs the same
+    segment, so chunk 0's collective can overlap the whole of chunk 1's segment (zipped node by
+    node, it overlapped only chunk 1's last node); the backward stays zipped."""
+    model, inputs = model_case("gpt1")
+    mesh = Mesh.from_shape((2, 2, 2))
+    gm = compile_for_rank(model, mesh, inputs, coords=(0, 0, 0), over_decompose=2, schedule=False).graph
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and has_info(n)]
+    depth: dict[fx.Node, int] = {}
+    for n in gm.graph.nodes:  # waits on the longest path to the node
+        depth[n] = max((depth[i] for i in n.all_input_nodes), default=0) + int(
+            n.target is c10d.wait_tensor.default
+        )
+    forward = [n for n in nodes if info(n).phase == "forward" and info(n).chunk is not None]
+    segments = sorted({depth[n] for n in forward})
+    assert len(segments) >= 4
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for segment in segments:
+        places = {
+            c: [position[n] for n in forward if depth[n] == segment and info(n).chunk == c] for c in (0, 1)
+        }
+        assert places[0] and places[1] and max(places[0]) < min(places[1]), segment
+    # backward: still node by node, chunk 1's copy of a node right after chunk 0's
+    backward = [n for n in nodes if info(n).phase == "backward" and info(n).chunk is not None]
+    pairs = [(a, b) for a, b in zip(backward, backward[1:]) if b.name == a.name.replace("_c0", "_c1")]
+    assert len(pairs) >= len(backward) // 3
+
+
 def test_schedule_overlaps_one_chunks_collectives_with_the_others_compute() -> None:
     gm = _compiled("gpt1", (2, 2, 2), 2, (0, 0, 0)).graph
     order = {n: i for i, n in enumerate(gm.graph.nodes)}

@@ -1,0 +1,18 @@
+"""Put a graph's nodes in a given order (the passes that reorder share this, not each other)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.fx as fx
+
+
+def apply_order(graph: fx.Graph, order: Sequence[fx.Node]) -> None:
+    """Make the node list follow `order`, a topological order of every node but the output, which
+    stays last."""
+    body = [n for n in order if n.op != "output"]
+    first = next(iter(graph.nodes))
+    if body and body[0] is not first:
+        first.prepend(body[0])
+    for previous, node in zip(body, body[1:]):
+        previous.append(node)
