@@ -44,8 +44,14 @@ def _call(
     graph: fx.Graph, name: str, target: object, args: tuple, role: str = "compute", **extra: object
 ) -> fx.Node:
     node = graph.create_node("call_function", target, args, {}, name=name)
-    set_info(node, NodeInfo(role=role, phase="forward", **extra))  # type: ignore[arg-type]
+    set_info(node, NodeInfo(**{"role": role, "phase": "forward", **extra}))  # type: ignore[arg-type]
     return node
+
+
+def _backward_call(
+    graph: fx.Graph, name: str, target: object, args: tuple, role: str = "compute", **extra: object
+) -> fx.Node:
+    return _call(graph, name, target, args, role, phase="backward", **extra)
 
 
 def _hand_built() -> fx.GraphModule:
@@ -574,10 +580,7 @@ def _gradient_and_activation() -> fx.GraphModule:
     graph = fx.Graph()
     g, d = (_partial_input(graph, n, i) for i, n in enumerate("gd"))
 
-    def node(name: str, target: object, args: tuple, role: str = "compute", **extra: object) -> fx.Node:
-        made = graph.create_node("call_function", target, args, {}, name=name)
-        set_info(made, NodeInfo(role=role, phase="backward", **extra))  # type: ignore[arg-type]
-        return made
+    node = functools.partial(_backward_call, graph)
 
     step = CommStep("all_reduce", 0, Layout((P,), (8,)), Layout((R,), (8,)))
     wgrad = node("wgrad", aten.mul.Tensor, (g, d))
@@ -633,10 +636,7 @@ def _two_gradients_and_activation() -> fx.GraphModule:
     graph = fx.Graph()
     g, d = (_partial_input(graph, n, i) for i, n in enumerate("gd"))
 
-    def node(name: str, target: object, args: tuple, role: str = "compute", **extra: object) -> fx.Node:
-        made = graph.create_node("call_function", target, args, {}, name=name)
-        set_info(made, NodeInfo(role=role, phase="backward", **extra))  # type: ignore[arg-type]
-        return made
+    node = functools.partial(_backward_call, graph)
 
     step = CommStep("all_reduce", 0, Layout((P,), (8,)), Layout((R,), (8,)))
     h = node("h", aten.sub.Tensor, (g, 1.0))
