@@ -19,13 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.api import Compiled, compile_for_rank
+from autopar.layout import Layout, P, R
 from autopar.mesh import Mesh
-from autopar.meta import has_info, info
+from autopar.meta import NodeInfo, has_info, info, set_info
 from autopar.passes.emit import EmittedProgram, emit, local_value
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
 from autopar.passes.schedule import COLLECTIVES, schedule
 from autopar.passes.trace import trace
+from autopar.redistribute import CommStep
 from autopar.rules.registry import default_registry
 from autopar.testing import all_coords
 from examples.models import make_gpt, make_mlp
@@ -128,7 +130,10 @@ def run_programs(
     Returns (forward outputs + saved values, parameter gradients) per rank."""
     params = dict(model.named_parameters())
     fwd_args = {
-        c: [local_value(p.param_value(n, params).detach(), lay, shape, c) for n, lay in zip(p.param_names, p.param_layouts)]
+        c: [
+            local_value(p.param_value(n, params).detach(), lay, shape, c)
+            for n, lay in zip(p.param_names, p.param_layouts)
+        ]
         + [local_value(x, lay, shape, c) for x, lay in zip(inputs, p.input_layouts)]
         for c, p in programs.items()
     }
@@ -243,3 +248,51 @@ def run_lockstep(
                 a, k = _load(env, (node.args, node.kwargs))
                 env[node] = node.target(*a, **k)
     return result
+
+
+# ---- hand-built graphs: nodes with the metadata the passes read -------------------------------------
+def call_node(
+    graph: fx.Graph, name: str, target: object, args: tuple, role: str = "compute", **extra: object
+) -> fx.Node:
+    node = graph.create_node("call_function", target, args, {}, name=name)
+    set_info(node, NodeInfo(**{"role": role, "phase": "forward", **extra}))  # type: ignore[arg-type]
+    return node
+
+
+def backward_node(
+    graph: fx.Graph, name: str, target: object, args: tuple, role: str = "compute", **extra: object
+) -> fx.Node:
+    return call_node(graph, name, target, args, role, phase="backward", **extra)
+
+
+def input_node(graph: fx.Graph, name: str, index: int) -> fx.Node:
+    """A user input placeholder (index-th input of the graph)."""
+    node = graph.placeholder(name)
+    set_info(node, NodeInfo(role="input", phase="forward", input_index=index))
+    return node
+
+
+def all_reduce_node(
+    graph: fx.Graph, x: fx.Node, name: str, shape: tuple[int, ...], axis: int, ndim: int
+) -> fx.Node:
+    """A sum over mesh axis `axis` (group "<x>" or "<y>") and its wait, as insert_comm emits it."""
+    before = [R] * ndim
+    before[axis] = P
+    step = CommStep("all_reduce", axis, Layout(tuple(before), shape), Layout((R,) * ndim, shape))
+    group = f"<{'xy'[axis]}>"
+    coll = call_node(
+        graph,
+        f"ar_{name}",
+        c10d.all_reduce.default,
+        (x, "sum", group),
+        role="comm",
+        comm=step,
+        comm_group=group,
+    )
+    return call_node(
+        graph, f"w_{name}", c10d.wait_tensor.default, (coll,), role="comm", layouts=(step.after,)
+    )
+
+
+def node_names(gm: fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes]

@@ -11,11 +11,16 @@ import torch.fx as fx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pass_fixtures import (
+    all_reduce_node,
+    backward_node,
     c10d,
+    call_node,
     collectives,
     gpt_compiled,
+    input_node,
     is_comm,
     model_case,
+    node_names,
     propagated,
     rank_programs,
     run_lockstep,
@@ -26,7 +31,6 @@ from pass_fixtures import (
 from autopar.layout import Layout, P, R
 from autopar.mesh import Mesh
 from autopar.meta import NodeInfo, info, set_info
-from autopar.passes.bucket import bucket
 from autopar.passes.emit import EmittedProgram, emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.schedule import COLLECTIVES, ScheduleReport, _group, _tail, schedule
@@ -40,20 +44,6 @@ MESH = (2, 2, 2)
 
 
 # ---- a small hand-built graph ------------------------------------------------------------------
-def _call(
-    graph: fx.Graph, name: str, target: object, args: tuple, role: str = "compute", **extra: object
-) -> fx.Node:
-    node = graph.create_node("call_function", target, args, {}, name=name)
-    set_info(node, NodeInfo(**{"role": role, "phase": "forward", **extra}))  # type: ignore[arg-type]
-    return node
-
-
-def _backward_call(
-    graph: fx.Graph, name: str, target: object, args: tuple, role: str = "compute", **extra: object
-) -> fx.Node:
-    return _call(graph, name, target, args, role, phase="backward", **extra)
-
-
 def _hand_built() -> fx.GraphModule:
     """Collectives issued late and waited on early, as insert_comm leaves them."""
     graph = fx.Graph()
@@ -61,12 +51,12 @@ def _hand_built() -> fx.GraphModule:
     b = graph.placeholder("b")
     for i, ph in enumerate((a, b)):
         set_info(ph, NodeInfo(role="input", phase="forward", input_index=i))
-    x = _call(graph, "x", aten.mul.Tensor, (a, 2.0))
-    y = _call(graph, "y", aten.add.Tensor, (b, 1.0))
-    z = _call(graph, "z", aten.mul.Tensor, (y, 3.0))
+    x = call_node(graph, "x", aten.mul.Tensor, (a, 2.0))
+    y = call_node(graph, "y", aten.add.Tensor, (b, 1.0))
+    z = call_node(graph, "z", aten.mul.Tensor, (y, 3.0))
     # collective 1: all_reduce of x (input x is ready long before)
     reduce_step = CommStep("all_reduce", 0, Layout((P,), (4, 6)), Layout((R,), (4, 6)))
-    c1 = _call(
+    c1 = call_node(
         graph,
         "c1",
         c10d.all_reduce.default,
@@ -75,32 +65,30 @@ def _hand_built() -> fx.GraphModule:
         comm=reduce_step,
         comm_group="<x>",
     )
-    w1 = _call(graph, "w1", c10d.wait_tensor.default, (c1,), role="comm")
+    w1 = call_node(graph, "w1", c10d.wait_tensor.default, (c1,), role="comm")
     # collective 2: all_gather of x's transpose, with a private preparation chain
-    p = _call(graph, "p", aten.permute.default, (x, [1, 0]), role="comm")
-    q = _call(graph, "q", aten.clone.default, (p,), role="comm")
+    p = call_node(graph, "p", aten.permute.default, (x, [1, 0]), role="comm")
+    q = call_node(graph, "q", aten.clone.default, (p,), role="comm")
     gather_step = CommStep("all_gather", 0, Layout((P,), (6, 4)), Layout((R,), (6, 4)), dim=0)
-    c2 = _call(graph, "c2", c10d.all_gather_into_tensor.default, (q, 2, "<x>"), role="comm", comm=gather_step)
-    w2 = _call(graph, "w2", c10d.wait_tensor.default, (c2,), role="comm")
-    u = _call(graph, "u", aten.add.Tensor, (z, 1.0))
-    v = _call(graph, "v", aten.mul.Tensor, (u, u))
-    out1 = _call(graph, "out1", aten.add.Tensor, (w1, v))
-    out2 = _call(graph, "out2", aten.sum.default, (w2,))
+    c2 = call_node(
+        graph, "c2", c10d.all_gather_into_tensor.default, (q, 2, "<x>"), role="comm", comm=gather_step
+    )
+    w2 = call_node(graph, "w2", c10d.wait_tensor.default, (c2,), role="comm")
+    u = call_node(graph, "u", aten.add.Tensor, (z, 1.0))
+    v = call_node(graph, "v", aten.mul.Tensor, (u, u))
+    out1 = call_node(graph, "out1", aten.add.Tensor, (w1, v))
+    out2 = call_node(graph, "out2", aten.sum.default, (w2,))
     graph.output((out1, out2))
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-def _names(gm: fx.GraphModule) -> list[str]:
-    return [n.name for n in gm.graph.nodes]
-
-
 def test_schedule_moves_issues_up_and_waits_down() -> None:
     gm = _hand_built()
-    assert _names(gm) == [
+    assert node_names(gm) == [
         "a", "b", "x", "y", "z", "c1", "w1", "p", "q", "c2", "w2", "u", "v", "out1", "out2", "output",
     ]  # fmt: skip
     schedule(gm)
-    assert _names(gm) == [
+    assert node_names(gm) == [
         "a", "b", "x",
         "c1",  # issued right after its input x
         "y", "z", "u", "v",  # compute overlaps the collective
@@ -116,9 +104,9 @@ def test_schedule_moves_issues_up_and_waits_down() -> None:
 
 def test_rescheduling_moves_no_wait_and_no_compute() -> None:
     gm = schedule(_hand_built())
-    before = _names(gm)
+    before = node_names(gm)
     again = schedule(gm)
-    after = _names(again)
+    after = node_names(again)
     report = again.meta["autopar_schedule"]
     assert report.collectives == 2 and report.waits_moved == 0
     # collectives issued from the same point may trade places; every other node keeps its slot
@@ -135,11 +123,11 @@ def test_shared_preparation_nodes_stay_put() -> None:
     clone = next(n for n in gm.graph.nodes if n.name == "q")
     out = next(n for n in gm.graph.nodes if n.op == "output")
     with gm.graph.inserting_before(out):
-        extra = _call(gm.graph, "extra", aten.neg.default, (clone,))
+        extra = call_node(gm.graph, "extra", aten.neg.default, (clone,))
     out.args = ((*out.args[0], extra),)
     gm.recompile()
     schedule(gm)
-    names = _names(gm)
+    names = node_names(gm)
     # the shared buffer stays put; the collective, whose group c1 occupies until w1, is issued
     # right after w1
     assert names.index("q") > names.index("z")
@@ -265,7 +253,7 @@ def test_schedule_only_reorders() -> None:
         }
 
     assert signature(scheduled) == signature(plain)
-    assert _names(scheduled) != _names(plain)
+    assert node_names(scheduled) != node_names(plain)
 
 
 def test_scheduled_program_is_bit_identical_on_every_rank() -> None:
@@ -291,113 +279,16 @@ def test_backward_collectives_are_not_hoisted_into_the_forward() -> None:
 
 
 # ---- bucketing and the in-flight cap (schedule with a mesh) ----------------------------------------
-SMALL = {"a": (4, 6), "b": (3,), "c": (2, 5)}
-
-
-def _partial_input(graph: fx.Graph, name: str, index: int) -> fx.Node:
-    node = graph.placeholder(name)
-    set_info(node, NodeInfo(role="input", phase="forward", input_index=index))
-    return node
-
-
-def _reduce(graph: fx.Graph, x: fx.Node, name: str, shape: tuple[int, ...], axis: int, ndim: int) -> fx.Node:
-    before = [R] * ndim
-    before[axis] = P
-    step = CommStep("all_reduce", axis, Layout(tuple(before), shape), Layout((R,) * ndim, shape))
-    group = f"<{'xy'[axis]}>"
-    coll = _call(
-        graph,
-        f"ar_{name}",
-        c10d.all_reduce.default,
-        (x, "sum", group),
-        role="comm",
-        comm=step,
-        comm_group=group,
-    )
-    return _call(graph, f"w_{name}", c10d.wait_tensor.default, (coll,), role="comm", layouts=(step.after,))
-
-
-def _small_reductions() -> fx.GraphModule:
-    """Three small all-reduces on one group, all ready at the start (their inputs are inputs)."""
-    graph = fx.Graph()
-    inputs = {n: _partial_input(graph, n, i) for i, n in enumerate(SMALL)}
-    outs = []
-    for name, shape in SMALL.items():
-        waited = _reduce(graph, inputs[name], name, shape, 0, 1)
-        outs.append(_call(graph, f"m_{name}", aten.mul.Tensor, (waited, 2.0)))
-    graph.output(tuple(outs))
-    return fx.GraphModule(torch.nn.Module(), graph)
-
-
-def _lockstep_small(gm: fx.GraphModule) -> dict[tuple[int, ...], list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(5)
-    args = {c: [torch.randn(s, generator=gen) for s in SMALL.values()] for c in [(0,), (1,)]}
-    return run_lockstep({c: gm for c in args}, args, (2,))
-
-
-def test_small_all_reduces_ready_together_become_one_bucket() -> None:
-    plain = _small_reductions()
-    bucketed = schedule(copy.deepcopy(plain), Mesh.from_shape((2,)))
-    report = bucketed.meta["autopar_schedule"]
-    assert (report.buckets, report.bucketed, report.collectives) == (1, 3, 1)
-    calls = [n for n in bucketed.graph.nodes if n.op == "call_function"]
-    assert [n.target for n in calls] == [
-        aten.reshape.default, aten.reshape.default, aten.reshape.default, aten.cat.default,
-        c10d.all_reduce.default, c10d.wait_tensor.default,
-        aten.narrow.default, aten.view.default, aten.narrow.default, aten.view.default,
-        aten.narrow.default, aten.view.default,
-        aten.mul.Tensor, aten.mul.Tensor, aten.mul.Tensor,
-    ]  # fmt: skip
-    flats, cat, merged = calls[:3], calls[3], calls[4]
-    assert [f.args[1] for f in flats] == [[24], [3], [10]] and cat.args == (flats, 0)
-    assert merged.args == (cat, "sum", "<x>")
-    assert [(n.args[2], n.args[3]) for n in calls[6:12:2]] == [(0, 24), (24, 3), (27, 10)]
-    assert [n.args[1] for n in calls[7:12:2]] == [[4, 6], [3], [2, 5]]
-    # the merged collective is priced as one all-reduce of the 37 elements and reports its members
-    step = info(merged).comm
-    assert step.kind == "all_reduce" and step.before.local_numel((2,)) == 37
-    assert step.bytes_sent((2,)) == sum(
-        s.bytes_sent((2,)) for s in (m.step for m in merged.meta["autopar_bucket"])
-    )
-    assert [m.name for m in merged.meta["autopar_bucket"]] == ["ar_a", "ar_b", "ar_c"]
-    want, got = _lockstep_small(plain), _lockstep_small(bucketed)
-    for c in want:
-        assert all(torch.equal(x, y) for x, y in zip(got[c], want[c]))
-
-
-def test_sums_merge_only_where_the_result_stays_bit_identical() -> None:
-    """On groups of more than two ranks a merged sum may be added in another order by the backend,
-    so by default only 2-rank groups merge reductions (all-gathers merge anywhere)."""
-    on_four = schedule(_small_reductions(), Mesh.from_shape((4,)))
-    assert on_four.meta["autopar_schedule"].buckets == 0
-    gm = _small_reductions()
-    report = bucket(gm, (4,), max_sum_group=4)
-    assert (report.buckets, report.merged) == (1, 3)
-
-
-@pytest.mark.parametrize(
-    ("max_bytes", "max_count", "sizes"), [(25 * 2**20, 2, [2, 1]), (28 * 4, 64, [2, 1]), (0, 64, [])]
-)
-def test_bucket_limits(max_bytes: int, max_count: int, sizes: list[int]) -> None:
-    """A bucket holds at most `bucket_count` collectives and `bucket_bytes` of buffer; 0 turns it off."""
-    gm = schedule(_small_reductions(), Mesh.from_shape((2,)), bucket_bytes=max_bytes, bucket_count=max_count)
-    merged = [n for n in collectives(gm) if "autopar_bucket" in n.meta]
-    assert sorted((len(n.meta["autopar_bucket"]) for n in merged), reverse=True) == [
-        s for s in sizes if s > 1
-    ]
-    assert len(collectives(gm)) == 3 - sum(s - 1 for s in sizes)
-
-
 def _capped(use_b_first: bool) -> fx.GraphModule:
     """Two 1 KiB all-reduces on different groups, both ready at the start, and some compute."""
     graph = fx.Graph()
-    a, b, c = (_partial_input(graph, n, i) for i, n in enumerate("abc"))
-    z1 = _call(graph, "z1", aten.mul.Tensor, (c, 2.0))
-    z2 = _call(graph, "z2", aten.add.Tensor, (z1, 1.0))
+    a, b, c = (input_node(graph, n, i) for i, n in enumerate("abc"))
+    z1 = call_node(graph, "z1", aten.mul.Tensor, (c, 2.0))
+    z2 = call_node(graph, "z2", aten.add.Tensor, (z1, 1.0))
     outs = {}
     for name, x, axis in (("b", b, 1), ("a", a, 0)) if use_b_first else (("a", a, 0), ("b", b, 1)):
-        outs[name] = _call(
-            graph, f"use_{name}", aten.add.Tensor, (_reduce(graph, x, name, (256,), axis, 2), z2)
+        outs[name] = call_node(
+            graph, f"use_{name}", aten.add.Tensor, (all_reduce_node(graph, x, name, (256,), axis, 2), z2)
         )
     graph.output((outs["a"], outs["b"]))
     return fx.GraphModule(torch.nn.Module(), graph)
@@ -405,11 +296,11 @@ def _capped(use_b_first: bool) -> fx.GraphModule:
 
 def test_in_flight_cap_delays_an_issue_until_a_wait_frees_memory() -> None:
     mesh = Mesh.from_shape((2, 2))
-    assert _names(_capped(False)) == [
+    assert node_names(_capped(False)) == [
         "a", "b", "c", "z1", "z2", "ar_a", "w_a", "use_a", "ar_b", "w_b", "use_b", "output",
     ]  # fmt: skip
     free = schedule(_capped(False), mesh)
-    assert _names(free) == [
+    assert node_names(free) == [
         "a",
         "ar_a",
         "b",
@@ -426,7 +317,7 @@ def test_in_flight_cap_delays_an_issue_until_a_wait_frees_memory() -> None:
     assert free.meta["autopar_schedule"].cap_delays == 0
     capped = schedule(_capped(False), mesh, in_flight_bytes=1500)  # room for one 1024-byte result
     # ar_b is ready at b but waits until w_a frees ar_a's buffer
-    assert _names(capped) == [
+    assert node_names(capped) == [
         "a",
         "ar_a",
         "b",
@@ -449,7 +340,7 @@ def test_in_flight_cap_forces_a_wait_when_a_collective_is_needed_now() -> None:
     capped = schedule(_capped(True), Mesh.from_shape((2, 2)), in_flight_bytes=1500)
     # ar_a is issued first (ready first) and ar_b held back; use_b comes first and needs ar_b now,
     # so ar_a's wait moves up to make room
-    assert _names(capped) == [
+    assert node_names(capped) == [
         "a",
         "ar_a",
         "b",
@@ -578,9 +469,9 @@ def _gradient_and_activation() -> fx.GraphModule:
     """Backward: a weight gradient (feeds one output) and an input gradient (feeds two) reduced on
     the same group, in the order insert_comm leaves them."""
     graph = fx.Graph()
-    g, d = (_partial_input(graph, n, i) for i, n in enumerate("gd"))
+    g, d = (input_node(graph, n, i) for i, n in enumerate("gd"))
 
-    node = functools.partial(_backward_call, graph)
+    node = functools.partial(backward_node, graph)
 
     step = CommStep("all_reduce", 0, Layout((P,), (8,)), Layout((R,), (8,)))
     wgrad = node("wgrad", aten.mul.Tensor, (g, d))
@@ -603,7 +494,7 @@ def test_a_gradient_gives_way_to_a_collective_needed_sooner() -> None:
     schedule(gm)
     # rs_w is ready first, but ar_d (whose result the next nodes need) takes the group first; the
     # gradient goes as soon as the group is free, and nothing waits for it before the end
-    assert _names(gm) == [
+    assert node_names(gm) == [
         "g",
         "d",
         "wgrad",
@@ -628,51 +519,3 @@ def test_a_gradient_gives_way_to_a_collective_needed_sooner() -> None:
     got = run_lockstep({c: gm for c in args}, args, (2,))
     for c in args:
         assert all(torch.equal(x, y) for x, y in zip(got[c], want[c]))
-
-
-def _two_gradients_and_activation() -> fx.GraphModule:
-    """Backward: two small weight gradients (one output each, inputs to the graph here), all-reduced
-    on one group and ready together, and an input gradient that feeds two outputs."""
-    graph = fx.Graph()
-    g, d = (_partial_input(graph, n, i) for i, n in enumerate("gd"))
-
-    node = functools.partial(_backward_call, graph)
-
-    step = CommStep("all_reduce", 0, Layout((P,), (8,)), Layout((R,), (8,)))
-    h = node("h", aten.sub.Tensor, (g, 1.0))
-    grads = []
-    for name, wgrad in (("1", g), ("2", d)):
-        ar = node(
-            f"ar{name}", c10d.all_reduce.default, (wgrad, "sum", "<x>"), "comm", comm=step, comm_group="<x>"
-        )
-        waited = node(f"w{name}", c10d.wait_tensor.default, (ar,), "comm", layouts=(step.after,))
-        grads.append(node(f"gout{name}", aten.mul.Tensor, (waited, 0.5)))
-    k1 = node("k1", aten.add.Tensor, (h, 1.0))
-    k2 = node("k2", aten.mul.Tensor, (h, 2.0))
-    graph.output((*grads, k1, k2))
-    return fx.GraphModule(torch.nn.Module(), graph)
-
-
-def test_a_bucket_of_gradients_stays_a_gradient() -> None:
-    """A bucket feeds several gradients, through its own pieces only: it is still in the tail, so
-    it is not waited on before the end. (Once it was not, and a bucket of bias gradients at the
-    end of the backward held every gradient collective behind it: 47.8 % exposed -> 20.6 %.)"""
-    gm = _two_gradients_and_activation()
-    report = bucket(gm, (2,))
-    assert (report.buckets, report.merged) == (1, 2)
-    nodes = list(gm.graph.nodes)
-    (merged,) = collectives(gm)
-    tail = _tail(nodes)
-    # every node the bucket added (its buffer, collective, wait and pieces) is in the tail, and
-    # so are the gradients after it; the input gradient's path is not
-    added = [n for n in nodes if n.op == "call_function" and info(n).note == "bucket"]
-    assert merged in added and len(added) == 9 and set(added) <= tail
-    assert {"gout1", "gout2"} <= {n.name for n in tail}
-    assert "h" not in {n.name for n in tail}  # it feeds two outputs
-    # the bucket is issued as soon as its inputs exist and waited on only for the gradients
-    assert _names(schedule(gm)) == [
-        "g", "d", "reshape_default", "reshape_default_1", "cat_default", "all_reduce_default",
-        "h", "k1", "k2",
-        "wait_tensor_default", "narrow_default", "view_default", "gout1", "narrow_default_1",
-        "view_default_1", "gout2", "output",
-    ]  # fmt: skip
