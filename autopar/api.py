@@ -154,7 +154,9 @@ def compile_for_rank(
     gm, work = _lower(gm, plan, mesh, registry, base, chunks, path)
     write_stage(path, "3_insert_comm", gm, work)
     modeled_on = table if hardware is not None or path is not None else None
-    unscheduled = simulate(gm, work, modeled_on) if modeled_on is not None else None  # schedule reorders in place
+    unscheduled = (
+        simulate(gm, work, modeled_on) if modeled_on is not None else None
+    )  # schedule reorders in place
     if schedule:
         gm = schedule_pass(gm, work, hardware=table)
     write_stage(path, "4_schedule", gm, work)
@@ -203,6 +205,16 @@ def _lower(
         if isinstance(plan, SearchPlan):
             regather(one, plan.regather)
     return (merge_chunks(copies, work) if chunks > 1 else gm), work
+
+
+def scheduled_step_time(
+    gm: fx.GraphModule, plan: Plan, mesh: Mesh, registry: RuleRegistry, hardware: str
+) -> float:
+    """Modeled step time of `plan` with overlap: lowered on a copy of `gm` for the rank at
+    coordinates 0, scheduled and simulated on `hardware` as `compile_for_rank` runs it (the mesh
+    choice ranks its best candidates by this)."""
+    plan = unify_part_storage(gm, plan, mesh.shape)
+    return _chunk_step_times(gm, plan, mesh, registry, (0,) * mesh.ndim, [1], hardware, True)[1]
 
 
 def _chunk_step_times(

@@ -10,8 +10,18 @@ default roles, and is seeded by the fixed 1-D / 2-D / cube plans that lay out on
 in the search's objective its plan is no slower than any of them on that candidate: 2-D's q x q
 grid is a candidate) and priced on the hardware table: communication and compute seconds per step (each
 redistribution of a value to a layout counted once, as insert_comm emits it, so that candidates
-whose consumers share collectives rank as their compiled programs do) and memory per rank. The fastest candidate that fits the memory limit wins; ties go to the earlier
-candidate, so the choice is deterministic. Under `parallelize` rank 0 chooses and broadcasts.
+whose consumers share collectives rank as their compiled programs do) and memory per rank.
+
+That sum assumes no overlap, and meshes differ in how much of their communication the schedule
+stage can hide: at 8 ranks on H100 the 1x2x4 plan sums to 130.1 ms but its activation collectives
+sit on the critical path (132.0 ms scheduled), while the all-token 1x1x8 plan (weights gathered,
+ZeRO-3-like) sums to 132.3 ms and hides nearly all of it (128.3 ms). So the fitting candidates are
+then lowered, scheduled and simulated (`autopar.timeline`) as `compile_for_rank` would run them, in
+order of their sum, up to `OVERLAP_CANDIDATES` of them, skipping those whose compute alone (a lower
+bound: the simulated compute stream also runs the buffer copies) is no shorter than the best
+scheduled step found; those modeled rank first, by scheduled step time. The fastest candidate that fits the memory limit wins; ties go
+to the earlier candidate, so the choice is deterministic. Under `parallelize` rank 0 chooses and
+broadcasts.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,7 +42,7 @@ from autopar.errors import AutoparError, MemoryLimitError, MeshError
 from autopar.mesh import Mesh, default_axis_names
 from autopar.passes import fused
 from autopar.passes.trace import trace
-from autopar.planner import choose_layouts
+from autopar.planner import Plan, choose_layouts
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.search import (
@@ -46,6 +56,9 @@ from autopar.search import (
 )
 
 MAX_AXES = 4
+# Candidates modeled with overlap at most, the fastest by the no-overlap sum (each is lowered and
+# scheduled: about a second for a 3-layer h = 4096 GPT).
+OVERLAP_CANDIDATES = 4
 
 
 @dataclass(frozen=True)
@@ -60,10 +73,17 @@ class MeshCandidate:
     fits: bool = False
     roles: tuple[str, ...] = ()
     error: str = ""  # why it has no plan (memory, or a dim no axis split divides)
+    scheduled_time: float = math.nan  # s per step lowered, scheduled and simulated; nan: not modeled
 
     @property
     def step_time(self) -> float:
+        """Communication plus compute: no overlap (an upper bound on the scheduled step)."""
         return self.comm_time + self.compute_time
+
+    @property
+    def rank_time(self) -> float:
+        """What it is ranked by: the scheduled step where it was modeled, else the sum."""
+        return self.scheduled_time if math.isfinite(self.scheduled_time) else self.step_time
 
     @property
     def label(self) -> str:
@@ -85,13 +105,25 @@ class MeshChoice:
         return self.candidates[0]
 
     def table(self) -> str:
-        rows = [("rank", "mesh", "step ms", "comm ms", "compute ms", "memory/rank", "roles / why not")]
+        rows = [
+            (
+                "rank",
+                "mesh",
+                "scheduled ms",
+                "step ms",
+                "comm ms",
+                "compute ms",
+                "memory/rank",
+                "roles / why not",
+            )
+        ]
         for i, c in enumerate(self.candidates, 1):
             if c.fits:
                 rows.append(
                     (
                         str(i),
                         c.label,
+                        f"{c.scheduled_time * 1e3:.4f}" if math.isfinite(c.scheduled_time) else "-",
                         f"{c.step_time * 1e3:.4f}",
                         f"{c.comm_time * 1e3:.4f}",
                         f"{c.compute_time * 1e3:.4f}",
@@ -101,12 +133,13 @@ class MeshChoice:
                 )
             else:
                 memory = format_bytes(c.memory) if math.isfinite(c.memory) else "-"
-                rows.append(("-", c.label, "-", "-", "-", memory, c.error))
+                rows.append(("-", c.label, "-", "-", "-", "-", memory, c.error))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         limit = format_bytes(self.memory_limit) if math.isfinite(self.memory_limit) else "none"
         head = (
             f"mesh choice for {self.world_size} ranks on {self.hardware} ({self.planner} planner, "
-            f"memory limit {limit} per rank):"
+            f"memory limit {limit} per rank; scheduled: lowered, scheduled and simulated, '-' where "
+            "not modeled):"
         )
         return "\n".join([head] + ["  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows])
 
@@ -115,6 +148,7 @@ class MeshChoice:
             {
                 "mesh": dict(zip(c.names, c.shape)),
                 "fits": c.fits,
+                "scheduled_step_seconds": c.scheduled_time if math.isfinite(c.scheduled_time) else None,
                 "step_seconds": c.step_time if c.fits else None,
                 "comm_seconds": c.comm_time if c.fits else None,
                 "compute_seconds": c.compute_time if c.fits else None,
@@ -162,8 +196,12 @@ def choose_mesh(
     registry: RuleRegistry | None = None,
     candidates: Sequence[tuple[tuple[int, ...], tuple[str, ...]]] | None = None,
     split_fused: bool | None = None,
+    overlap_candidates: int = OVERLAP_CANDIDATES,
 ) -> MeshChoice:
     """Plan `model` on every candidate mesh of `world_size` ranks and rank them (see module doc).
+
+    `overlap_candidates`: how many candidates at most are lowered and scheduled to rank them by
+    their modeled step with overlap (0: rank by the no-overlap sum alone).
 
     Raises `MemoryLimitError` when no candidate fits (with the leanest candidate's need) and
     `ShardingError`-like `AutoparError`s when no candidate has a plan at all.
@@ -177,6 +215,7 @@ def choose_mesh(
         split_fused=fused.wanted(split_fused, planner),
     )
     evaluated = []
+    plans: list[Plan | None] = []
     limit = math.inf
     for shape, names in candidates if candidates is not None else mesh_candidates(world_size):
         mesh = Mesh.from_shape(tuple(shape), tuple(names))
@@ -184,12 +223,16 @@ def choose_mesh(
             raise MeshError(f"candidate mesh {mesh} does not have {world_size} ranks")
         cost = TimeCost(hardware, mesh.shape)
         limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
-        evaluated.append(_evaluate(gm, mesh, registry, cost, planner, limit))
+        candidate, plan = _evaluate(gm, mesh, registry, cost, planner, limit)
+        evaluated.append(candidate)
+        plans.append(plan)
+    evaluated = _scheduled(gm, evaluated, plans, registry, hardware, overlap_candidates)
     order = sorted(
         range(len(evaluated)),
         key=lambda i: (
             0 if evaluated[i].fits else 1 if math.isfinite(evaluated[i].memory) else 2,
-            evaluated[i].step_time if evaluated[i].fits else evaluated[i].memory,
+            0 if math.isfinite(evaluated[i].scheduled_time) else 1,
+            evaluated[i].rank_time if evaluated[i].fits else evaluated[i].memory,
             i,
         ),
     )
@@ -199,9 +242,40 @@ def choose_mesh(
     return choice
 
 
+def _scheduled(
+    gm: Any,
+    evaluated: list[MeshCandidate],
+    plans: Sequence[Plan | None],
+    registry: RuleRegistry,
+    hardware: str,
+    at_most: int,
+) -> list[MeshCandidate]:
+    """The candidates with `scheduled_time` set on those worth modeling with overlap (module doc)."""
+    from autopar.api import scheduled_step_time  # the compiler's stages; api imports this module
+
+    out = list(evaluated)
+    best = math.inf
+    fitting = sorted(
+        (i for i, c in enumerate(evaluated) if c.fits), key=lambda i: (evaluated[i].step_time, i)
+    )
+    modeled = 0
+    for i in fitting:
+        candidate, plan = evaluated[i], plans[i]
+        if modeled == at_most:
+            break
+        if candidate.compute_time >= best:  # (not the communication: bucketing shortens it)
+            continue
+        modeled += 1
+        assert plan is not None
+        mesh = Mesh.from_shape(candidate.shape, candidate.names)
+        out[i] = replace(candidate, scheduled_time=scheduled_step_time(gm, plan, mesh, registry, hardware))
+        best = min(best, out[i].scheduled_time)
+    return out
+
+
 def _evaluate(
     gm: Any, mesh: Mesh, registry: RuleRegistry, cost: TimeCost, planner: str, limit: float
-) -> MeshCandidate:
+) -> tuple[MeshCandidate, Plan | None]:
     try:
         if planner == "search":
             plan: SearchPlan = search_layouts(gm, mesh, registry, cost=cost, memory_limit=limit)
@@ -210,12 +284,15 @@ def _evaluate(
         else:
             raise AutoparError(f"unknown planner {planner!r}", hint='use "search" or "greedy"')
     except MemoryLimitError as exc:
-        return MeshCandidate(mesh.shape, mesh.axis_names, memory=exc.memory, error="does not fit in memory")
+        return MeshCandidate(
+            mesh.shape, mesh.axis_names, memory=exc.memory, error="does not fit in memory"
+        ), None
     except AutoparError as exc:
-        return MeshCandidate(mesh.shape, mesh.axis_names, error=f"{type(exc).__name__}: {exc.message}"[:160])
+        error = f"{type(exc).__name__}: {exc.message}"[:160]
+        return MeshCandidate(mesh.shape, mesh.axis_names, error=error), None
     comm, compute = plan_cost_parts(gm, plan, mesh, cost, once=True)  # as insert_comm will emit it
     memory = plan.memory.total if plan.memory is not None else math.nan
-    return MeshCandidate(mesh.shape, mesh.axis_names, comm, compute, memory, True, plan.roles)
+    return MeshCandidate(mesh.shape, mesh.axis_names, comm, compute, memory, True, plan.roles), plan
 
 
 def _no_mesh_error(choice: MeshChoice) -> AutoparError:

@@ -330,7 +330,10 @@ def _roles_error(errors: list[tuple[tuple[str, ...], Exception]]) -> Exception:
 
 
 def role_assignments(mesh: Mesh) -> list[tuple[str, ...]]:
-    """The default roles first, then every distinct arrangement of tensor/token roles over the axes."""
+    """The default roles first, then every distinct arrangement of tensor/token roles over the axes,
+    all-token among them: every axis splits the batch and weights are stored split and gathered
+    where used (ZeRO-3-like), which can lose on the summed step and still hide its communication
+    best (`autopar.mesh_choice` ranks meshes by the scheduled step)."""
     default = axis_roles(mesh)
     sized = [a for a, s in enumerate(mesh.shape) if s > 1]
     options = [default]
@@ -338,7 +341,7 @@ def role_assignments(mesh: Mesh) -> list[tuple[str, ...]]:
         roles = list(default)
         for a, role in zip(sized, combo):
             roles[a] = role
-        if tuple(roles) not in options and "tensor" in roles:
+        if tuple(roles) not in options:
             options.append(tuple(roles))
     return options
 

@@ -14,9 +14,13 @@ model (`autopar.timeline`) runs one step with a compute stream and one communica
   per-group streams on different links would run;
 - ablations of the schedule on the same graph: no bucketing, no lookahead, two in flight per group;
 - "over-decomposed (auto)": `over_decompose="auto"`, the batch cut into 1, 2 or 4 chunks per rank
-  (those that divide it), each lowered, scheduled and modeled; the fastest step is kept.
+  (those that divide it), each lowered, scheduled and modeled; the fastest step is kept;
+- "mesh auto" (`--auto`, default p = 8): `autopar.plan(model, "auto", world_size=p)`, every
+  factorization of p planned and the best few by the no-overlap sum lowered, scheduled and ranked
+  by their modeled step with overlap (`autopar.mesh_choice`); the chosen mesh's exposure.
 
-    python benchmarks/overlap.py              # ~1 min on 2 cores (2 worker processes)
+    python benchmarks/overlap.py              # ~1.5 min on 2 cores (2 worker processes)
+    python benchmarks/overlap.py --auto 8 64  # ~4 min: also the mesh choice at 64 ranks (26 meshes)
     python benchmarks/overlap.py --p 64
 
 Writes benchmarks/results/overlap.json.
@@ -119,6 +123,42 @@ def measure(mesh_shape: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
+def measure_auto(p: int) -> dict[str, Any]:
+    """The mesh `autopar.plan(..., "auto", world_size=p)` chooses (ranked by scheduled step), and
+    its modeled step before and after scheduling; plain data out."""
+    import torch
+
+    import autopar
+    from examples.models import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=H)
+    model = on_meta(lambda: GPT(cfg))
+    idx = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    start = time.perf_counter()
+    result = autopar.plan(model, "auto", (idx, idx), world_size=p, hardware=HARDWARE, planner="search")
+    assert result.compiled.timelines is not None and result.mesh_choice is not None
+    before, after = result.compiled.timelines
+    floor = max(0.0, after.comm_time - after.compute_time) / after.comm_time if after.comm_time else 0.0
+    by_sum = min((c for c in result.mesh_choice.candidates if c.fits), key=lambda c: c.step_time)
+    return {
+        "p": p,
+        "mesh": list(result.mesh.shape),
+        "roles": list(result.mesh_choice.chosen.roles),
+        "before": before.totals(),
+        "after": after.totals(),
+        "floor_exposed_fraction": floor,
+        "best_by_sum": {
+            "mesh": list(by_sum.shape),
+            "roles": list(by_sum.roles),
+            "step_s": by_sum.step_time,
+            "scheduled_step_s": by_sum.scheduled_time if by_sum.scheduled_time == by_sum.scheduled_time else None,
+        },
+        "candidates": result.mesh_choice.to_json(),
+        "seconds": time.perf_counter() - start,
+    }
+
+
 def _chunk_cell(od: dict[str, Any]) -> str:
     """Chunks chosen, their exposed fraction and step, and each candidate's modeled step."""
     tried = ", ".join(f"{k}: {v * 1e3:.2f}" for k, v in od["step_time_by_chunks"].items())
@@ -144,12 +184,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--p", type=int, nargs="*", default=[8, 64, 512])
     parser.add_argument("--jobs", type=int, default=2, help="worker processes")
+    parser.add_argument(
+        "--auto", type=int, nargs="*", default=[8], help='p for which to plan mesh_shape="auto" (64: ~3 min)'
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     shapes = [shape for p in args.p for shape in MESHES[p]]
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+        autos = [pool.submit(measure_auto, p) for p in args.auto]  # the longest first
         runs = list(pool.map(measure, shapes))
+        auto_runs = [f.result() for f in autos]
     ms = 1e3
     rows = []
     for r in runs:
@@ -199,8 +244,36 @@ def main() -> None:
             ab_rows,
         )
     )
+    if auto_runs:
+        print()
+        print('Mesh chosen by autopar.plan(model, "auto", world_size=p), ranked by the scheduled step:')
+        auto_rows = []
+        for r in auto_runs:
+            a, best = r["after"], r["best_by_sum"]
+            sched = best["scheduled_step_s"]
+            auto_rows.append(
+                [
+                    r["p"],
+                    "x".join(map(str, r["mesh"])) + " (" + "/".join(r["roles"]) + ")",
+                    f"{a['comm_time'] * ms:.2f}",
+                    f"{a['compute_time'] * ms:.2f}",
+                    f"{100 * a['exposed_fraction']:.1f}%",
+                    f"{100 * r['floor_exposed_fraction']:.1f}%",
+                    f"{r['before']['step_time'] * ms:.2f} -> {a['step_time'] * ms:.2f}",
+                    "x".join(map(str, best["mesh"])) + " (" + "/".join(best["roles"]) + ")",
+                    f"{best['step_s'] * ms:.2f}",
+                    f"{sched * ms:.2f}" if sched is not None and sched == sched else "-",
+                ]
+            )
+        print(
+            table(
+                ["p", "chosen mesh (roles)", "comm ms", "compute ms", "exposed after", "floor", "step ms",
+                 "lowest no-overlap sum", "its sum ms", "its scheduled ms"],
+                auto_rows,
+            )
+        )
     elapsed = time.perf_counter() - started
-    print(f"\n{len(runs)} plans in {elapsed:.0f} s")
+    print(f"\n{len(runs) + len(auto_runs)} plans in {elapsed:.0f} s")
     path = write_result(
         "overlap",
         {
@@ -208,6 +281,7 @@ def main() -> None:
             "hardware": HARDWARE,
             "units": "seconds per step for rank 0; fractions of the step's communication time",
             "runs": runs,
+            "mesh_auto": auto_runs,
             "wall_seconds": elapsed,
         },
     )

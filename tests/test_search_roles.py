@@ -36,7 +36,12 @@ def test_token_axis_larger_than_the_batch_uses_other_roles(gm: fx.GraphModule) -
     # every assignment with a token axis of 16 or more ranks fails; the others were all planned
     tried = {"/".join(r) for r in role_assignments(mesh)}
     assert set(report.failed_roles) | set(report.seeds) == tried
-    assert set(report.failed_roles) == {"tensor/tensor/token", "tensor/token/token", "token/tensor/token"}
+    assert set(report.failed_roles) == {
+        "tensor/tensor/token",
+        "tensor/token/token",
+        "token/tensor/token",
+        "token/token/token",
+    }
     assert report.seeds and min(report.seeds.values()) == report.seed_cost
 
 
