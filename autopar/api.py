@@ -6,6 +6,7 @@ import copy
 import functools
 import gc
 import hashlib
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from autopar.agreement import decided_on_rank0
+from autopar.cost import load_hardware
 from autopar.dump import dump_dir_from, write_collectives, write_stage, write_timeline
 from autopar.errors import AutoparError, MeshError
 from autopar.mesh import Mesh
@@ -31,8 +33,10 @@ from autopar.passes.emit import EmittedProgram, emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
 from autopar.passes.regather import regather
+from autopar.passes.schedule import IN_FLIGHT_BYTES
 from autopar.passes.schedule import schedule as schedule_pass
 from autopar.passes.trace import trace
+from autopar.plan_memory import MEMORY_HEADROOM, plan_memory
 from autopar.planner import Plan, choose_layouts
 from autopar.report import PlanReport, build_report
 from autopar.rules.base import RuleRegistry
@@ -104,6 +108,7 @@ def compile_for_rank(
     memory_limit: float | None = None,
     over_decompose: int | str = 1,
     split_fused: bool | None = None,
+    in_flight_bytes: int | None = None,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -122,6 +127,9 @@ def compile_for_rank(
     (`autopar.overdecompose`); "auto" tries 1, 2 and 4 and keeps the fastest modeled step.
     `split_fused=True` cuts fused linears split into equal pieces (GPT's qkv) into one linear per
     piece, so each can be split by heads (`autopar.passes.fused`); default: with the search planner.
+    `in_flight_bytes` caps the output buffers of collectives issued and not yet waited on (how far
+    ahead the schedule prefetches); default `in_flight_budget`: what the memory limit leaves after
+    the plan's modeled memory.
     """
     registry = registry if registry is not None else default_registry()
     split_fused = fused.wanted(split_fused, planner)
@@ -145,9 +153,13 @@ def compile_for_rank(
     plan = unify_part_storage(gm, plan, mesh.shape)
     base = tuple(coords) if coords is not None else mesh.my_coords()
     table = default_hardware(mesh, hardware)
+    if in_flight_bytes is None:
+        in_flight_bytes = in_flight_budget(gm, plan, mesh, table, memory_limit)
     step_times: dict[int, float] | None = None
     if len(candidates) > 1:  # over_decompose="auto": lower, schedule and model every choice
-        step_times = _chunk_step_times(gm, plan, mesh, registry, base, candidates, table, schedule)
+        step_times = _chunk_step_times(
+            gm, plan, mesh, registry, base, candidates, table, schedule, in_flight_bytes
+        )
         chunks = min(step_times, key=lambda k: (step_times[k], k))  # type: ignore[index]
     else:
         chunks = candidates[0]
@@ -158,7 +170,7 @@ def compile_for_rank(
         simulate(gm, work, modeled_on) if modeled_on is not None else None
     )  # schedule reorders in place
     if schedule:
-        gm = schedule_pass(gm, work, hardware=table)
+        gm = schedule_pass(gm, work, hardware=table, in_flight_bytes=in_flight_bytes)
     write_stage(path, "4_schedule", gm, work)
     program = emit(gm, work, registry, (*base, *(0,) * work.in_process)).on_devices(mesh.ndim)
     write_stage(path, "5_emit_forward", program.forward, work, local=True)
@@ -208,13 +220,38 @@ def _lower(
 
 
 def scheduled_step_time(
-    gm: fx.GraphModule, plan: Plan, mesh: Mesh, registry: RuleRegistry, hardware: str
+    gm: fx.GraphModule,
+    plan: Plan,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    hardware: str,
+    memory_limit: float | None = None,
 ) -> float:
     """Modeled step time of `plan` with overlap: lowered on a copy of `gm` for the rank at
     coordinates 0, scheduled and simulated on `hardware` as `compile_for_rank` runs it (the mesh
     choice ranks its best candidates by this)."""
     plan = unify_part_storage(gm, plan, mesh.shape)
-    return _chunk_step_times(gm, plan, mesh, registry, (0,) * mesh.ndim, [1], hardware, True)[1]
+    cap = in_flight_budget(gm, plan, mesh, hardware, memory_limit)
+    return _chunk_step_times(gm, plan, mesh, registry, (0,) * mesh.ndim, [1], hardware, True, cap)[1]
+
+
+def in_flight_budget(
+    gm: fx.GraphModule, plan: Plan, mesh: Mesh, hardware: str, memory_limit: float | None = None
+) -> int:
+    """The schedule's default cap on collective buffers in flight, bytes per rank: what the memory
+    limit (`memory_limit`, else `MEMORY_HEADROOM` of the table's device memory) leaves after the
+    plan's modeled memory (stored parameters, gradients, AdamW states, saved activations; the
+    search's own figure where it has one). Prefetching may use the headroom, never more; 0 when
+    there is none (one collective in flight at a time). `IN_FLIGHT_BYTES` on a table without
+    device memory."""
+    hw = load_hardware(hardware)
+    limit = memory_limit if memory_limit is not None else MEMORY_HEADROOM * hw.memory_capacity
+    if not limit or not math.isfinite(limit):
+        return IN_FLIGHT_BYTES
+    memory = plan.memory if isinstance(plan, SearchPlan) else None
+    if memory is None:
+        memory = plan_memory(gm, plan, mesh.shape).breakdown(getattr(plan, "regather", ()))
+    return max(0, int(limit - memory.total))
 
 
 def _chunk_step_times(
@@ -226,6 +263,7 @@ def _chunk_step_times(
     candidates: Sequence[int],
     table: str,
     schedule: bool,
+    in_flight_bytes: int,
 ) -> dict[int, float]:
     """Modeled step time of each chunk count that fits, lowered (on a copy of `gm`) and
     scheduled like the real one."""
@@ -236,7 +274,7 @@ def _chunk_step_times(
         except OverDecompositionError:
             continue
         if schedule:
-            lowered = schedule_pass(lowered, work, hardware=table)
+            lowered = schedule_pass(lowered, work, hardware=table, in_flight_bytes=in_flight_bytes)
         times[k] = simulate(lowered, work, table).step_time
     return times
 
@@ -256,6 +294,7 @@ def parallelize(
     memory_limit: float | None = None,
     over_decompose: int | str = 1,
     split_fused: bool | None = None,
+    in_flight_bytes: int | None = None,
 ) -> ParallelModule:
     """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
 
@@ -269,7 +308,8 @@ def parallelize(
     `over_decompose` splits each rank's batch into chunks whose collectives overlap each other's
     compute: an int, or "auto" to let the modeled step time choose (see `compile_for_rank`).
     `split_fused=True` plans fused projections (qkv) as one linear per piece; None: with the search
-    planner (`compile_for_rank`).
+    planner (`compile_for_rank`). `in_flight_bytes` caps the buffers of collectives in flight
+    (default: the memory limit's headroom over the plan, `in_flight_budget`).
     """
     _check_model(model)
     example_inputs = tuple(example_inputs)
@@ -307,6 +347,7 @@ def parallelize(
         memory_limit=memory_limit,
         over_decompose=over_decompose,
         split_fused=split_fused,
+        in_flight_bytes=in_flight_bytes,
     )
     sig = signature(compiled.graph)
     flat, _ = pytree.tree_flatten((example_inputs, example_kwargs or {}))

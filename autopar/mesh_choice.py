@@ -226,7 +226,7 @@ def choose_mesh(
         candidate, plan = _evaluate(gm, mesh, registry, cost, planner, limit)
         evaluated.append(candidate)
         plans.append(plan)
-    evaluated = _scheduled(gm, evaluated, plans, registry, hardware, overlap_candidates)
+    evaluated = _scheduled(gm, evaluated, plans, registry, hardware, overlap_candidates, memory_limit)
     order = sorted(
         range(len(evaluated)),
         key=lambda i: (
@@ -249,6 +249,7 @@ def _scheduled(
     registry: RuleRegistry,
     hardware: str,
     at_most: int,
+    memory_limit: float | None,
 ) -> list[MeshCandidate]:
     """The candidates with `scheduled_time` set on those worth modeling with overlap (module doc)."""
     from autopar.api import scheduled_step_time  # the compiler's stages; api imports this module
@@ -268,7 +269,8 @@ def _scheduled(
         modeled += 1
         assert plan is not None
         mesh = Mesh.from_shape(candidate.shape, candidate.names)
-        out[i] = replace(candidate, scheduled_time=scheduled_step_time(gm, plan, mesh, registry, hardware))
+        scheduled = scheduled_step_time(gm, plan, mesh, registry, hardware, memory_limit)
+        out[i] = replace(candidate, scheduled_time=scheduled)
         best = min(best, out[i].scheduled_time)
     return out
 

@@ -230,6 +230,7 @@ def plan(
     memory_limit: float | None = None,
     over_decompose: int | str = 1,
     split_fused: bool | None = None,
+    in_flight_bytes: int | None = None,
 ) -> PlanResult:
     """Plan `model` for a mesh of `mesh_shape` ranks on `hardware`, in this process, allocating no weights.
 
@@ -240,7 +241,8 @@ def plan(
     and compiles the fastest that fits; the ranked table is `result.mesh_choice`. `memory_limit`
     (bytes per rank, default 90% of the table's device memory) bounds the plan's modeled memory.
     `over_decompose`: batch chunks per rank, or "auto"; `split_fused`: one linear per piece of a
-    fused projection, None: with the search planner (both `autopar.compile_for_rank`).
+    fused projection, None: with the search planner; `in_flight_bytes`: the schedule's cap on
+    collective buffers in flight, default the memory limit's headroom (all `autopar.compile_for_rank`).
     """
     registry = registry if registry is not None else default_registry()
     split_fused = fused.wanted(split_fused, planner)
@@ -281,6 +283,7 @@ def plan(
         memory_limit=memory_limit,
         over_decompose=over_decompose,
         split_fused=split_fused,
+        in_flight_bytes=in_flight_bytes,
     )
     result = price(compiled, mesh, hardware, planner)
     result.mesh_choice = choice

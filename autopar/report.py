@@ -13,6 +13,7 @@ from autopar.mesh import Mesh
 from autopar.meta import NodeInfo, has_info, info
 from autopar.passes.bucket import bucket_members
 from autopar.redistribute import CommStep
+from autopar.search import format_bytes
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,10 @@ class PlanReport:
                 lines.append(
                     f"  bucketing: {s.bucketed} collectives merged into {s.buckets}, {issued} issued per step"
                 )
-            if s.cap_delays or s.cap_forced_waits:
-                lines.append(
-                    f"  in-flight memory cap: {s.cap_delays} issues delayed, {s.cap_forced_waits} waits moved earlier"
-                )
+            cap = format_bytes(s.in_flight_cap) if s.in_flight_cap is not None else "none"
+            lines.append(
+                f"  in-flight memory cap {cap}: {s.cap_delays} issues delayed, {s.cap_forced_waits} waits moved earlier"
+            )
         return "\n".join(lines)
 
 

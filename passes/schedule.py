@@ -24,9 +24,10 @@ from autopar.passes.bucket import BUCKET_BYTES, BUCKET_COUNT, COLLECTIVES, bucke
 from autopar.timeline import StepClock
 
 c10d = torch.ops._c10d_functional
-# Bound on the output buffers of issued, not yet waited collectives (bytes per rank). 1 GiB is
-# 1.25 % of an 80 GB H100: it never binds one-in-flight-per-axis schedules of bucket-sized messages,
-# and stops several axes from each holding a large gathered weight long before its use.
+# Bound on the output buffers of issued, not yet waited collectives (bytes per rank) where no
+# memory budget is known (a graph scheduled on its own; compile_for_rank passes the budget's
+# headroom). 1 GiB is 1.25 % of an 80 GB H100: it never binds one-in-flight-per-axis schedules of
+# bucket-sized messages, and stops several axes from each holding a large gathered weight early.
 IN_FLIGHT_BYTES = 2**30
 
 # Before a wait, compute among the next LOOKAHEAD nodes that is ready runs first. A window, not the
@@ -47,6 +48,7 @@ class ScheduleReport:
     cap_delays: int = 0  # issues held back by the in-flight cap
     cap_delayed: list[str] = field(default_factory=list)  # those collectives, in order
     cap_forced_waits: int = 0  # waits moved earlier to make room for a collective needed now
+    in_flight_cap: int | None = None  # the cap on buffers in flight (bytes; None: no mesh, no cap)
     filled: int = 0  # compute nodes moved up to run before a wait (the lookahead)
     deferred: int = 0  # backward nodes feeding only the output, put off until their inputs exist
     yielded: int = 0  # times a ready gradient collective gave way to a collective needed sooner
@@ -75,7 +77,9 @@ def schedule(
 
     Buffer sizes need the mesh: without `mesh` nothing is bucketed and the cap does not apply.
     With it, collectives are bucketed (`bucket_bytes`, `bucket_count`; 0 turns it off), and a
-    collective is not issued early while the output buffers in flight would exceed `in_flight_bytes`.
+    collective is not issued early while the output buffers in flight would exceed `in_flight_bytes`
+    (`compile_for_rank` passes what the memory limit leaves after the plan, `api.in_flight_budget`;
+    `IN_FLIGHT_BYTES` is the default for graphs scheduled on their own).
 
     Gradients on their way to the output (nodes that feed one output only) are never waited for
     on their own behalf, and their collectives give way to collectives that other work needs soon
@@ -361,6 +365,7 @@ def schedule(
     if bucketing is not None:
         report.buckets, report.bucketed = bucketing.buckets, bucketing.merged
     report.cap_delays = len(report.cap_delayed)
+    report.in_flight_cap = in_flight_bytes if sizes else None
     apply_order(gm.graph, order)
     gm.graph.lint()
     gm.recompile()

@@ -333,7 +333,8 @@ def test_in_flight_cap_delays_an_issue_until_a_wait_frees_memory() -> None:
     ]
     report = capped.meta["autopar_schedule"]
     assert (report.cap_delays, report.cap_delayed, report.cap_forced_waits) == (1, ["ar_b"], 0)
-    assert "in-flight memory cap: 1 issues delayed" in _summary_line(report)
+    assert report.in_flight_cap == 1500
+    assert "in-flight memory cap 0.001 MiB: 1 issues delayed" in _summary_line(report)
 
 
 def test_in_flight_cap_forces_a_wait_when_a_collective_is_needed_now() -> None:

@@ -98,6 +98,32 @@ def _compare_job(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.multirank
+def test_in_flight_cap_defaults_to_the_memory_limits_headroom_over_the_plan() -> None:
+    """The schedule may prefetch into what the memory limit leaves after the plan's modeled memory,
+    never more: the cap moves one for one with the limit, stays below it, and an explicit
+    `in_flight_bytes` wins. A limit below the plan's need leaves no headroom (one in flight)."""
+    model, batch = gpt_case()
+    mesh = Mesh.from_shape(MESH)
+
+    def cap(**options: Any) -> int:
+        compiled = compile_for_rank(
+            model, mesh, batch, coords=(0, 0, 0), planner="greedy", hardware="h100-nvlink-ib", **options
+        )
+        report = compiled.report.schedule
+        assert report is not None and report.in_flight_cap is not None
+        return int(report.in_flight_cap)
+
+    limit = 2**30
+    roomy, roomier = cap(memory_limit=limit), cap(memory_limit=limit + 2**20)
+    assert 0 < roomy < limit and roomier - roomy == 2**20
+    default = cap()  # 90 % of the table's 80 GB
+    assert default - roomy == int(0.9 * 80e9) - limit
+    assert cap(in_flight_bytes=12345) == 12345
+    need = limit - roomy  # the plan's modeled bytes per rank
+    with pytest.raises(autopar.MemoryLimitError):  # the greedy plan cannot shrink below it
+        cap(memory_limit=need // 4)
+
+
 def test_scheduled_and_unscheduled_are_bitwise_equal_and_serial() -> None:
     results = run_ranks(8, _compare_job, timeout=600)
     for rank, r in enumerate(results):
