@@ -166,9 +166,8 @@ def compile_for_rank(
     gm, work = _lower(gm, plan, mesh, registry, base, chunks, path)
     write_stage(path, "3_insert_comm", gm, work)
     modeled_on = table if hardware is not None or path is not None else None
-    unscheduled = (
-        simulate(gm, work, modeled_on) if modeled_on is not None else None
-    )  # schedule reorders in place
+    # modeled before the schedule stage, which reorders the graph in place
+    unscheduled = simulate(gm, work, modeled_on) if modeled_on is not None else None
     if schedule:
         gm = schedule_pass(gm, work, hardware=table, in_flight_bytes=in_flight_bytes)
     write_stage(path, "4_schedule", gm, work)
@@ -242,11 +241,11 @@ def in_flight_budget(
     limit (`memory_limit`, else `MEMORY_HEADROOM` of the table's device memory) leaves after the
     plan's modeled memory (stored parameters, gradients, AdamW states, saved activations; the
     search's own figure where it has one). Prefetching may use the headroom, never more; 0 when
-    there is none (one collective in flight at a time). `IN_FLIGHT_BYTES` on a table without
-    device memory."""
+    there is none (one collective in flight at a time). `IN_FLIGHT_BYTES` without a limit (a table
+    without device memory, or `memory_limit=math.inf`)."""
     hw = load_hardware(hardware)
     limit = memory_limit if memory_limit is not None else MEMORY_HEADROOM * hw.memory_capacity
-    if not limit or not math.isfinite(limit):
+    if limit <= 0 or not math.isfinite(limit):
         return IN_FLIGHT_BYTES
     memory = plan.memory if isinstance(plan, SearchPlan) else None
     if memory is None:

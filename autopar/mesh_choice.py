@@ -13,15 +13,16 @@ redistribution of a value to a layout counted once, as insert_comm emits it, so 
 whose consumers share collectives rank as their compiled programs do) and memory per rank.
 
 That sum assumes no overlap, and meshes differ in how much of their communication the schedule
-stage can hide: at 8 ranks on H100 the 1x2x4 plan sums to 130.1 ms but its activation collectives
-sit on the critical path (132.0 ms scheduled), while the all-token 1x1x8 plan (weights gathered,
-ZeRO-3-like) sums to 132.3 ms and hides nearly all of it (128.3 ms). So the fitting candidates are
-then lowered, scheduled and simulated (`autopar.timeline`) as `compile_for_rank` would run them, in
-order of their sum, up to `OVERLAP_CANDIDATES` of them, skipping those whose compute alone (a lower
-bound: the simulated compute stream also runs the buffer copies) is no shorter than the best
-scheduled step found; those modeled rank first, by scheduled step time. The fastest candidate that fits the memory limit wins; ties go
-to the earlier candidate, so the choice is deterministic. Under `parallelize` rank 0 chooses and
-broadcasts.
+stage can hide: for the 3-layer h = 4096 GPT of benchmarks/overlap.py at 8 ranks on H100, the 2x4
+plan sums to 130.2 ms but its activation collectives sit on the critical path (132.0 ms
+scheduled), while the all-token (8) plan (weights gathered, ZeRO-3-like) sums to 132.4 ms and hides
+nearly all of it (128.3 ms). So the fitting candidates are then lowered, scheduled and simulated
+(`autopar.timeline`) as `compile_for_rank` would run them, in order of their sum, up to
+`OVERLAP_CANDIDATES` of them, skipping those whose compute alone (a lower bound: the simulated
+compute stream also runs the buffer copies) is no shorter than the best scheduled step found; those
+modeled rank first, by scheduled step time. The fastest candidate that fits the memory limit wins;
+ties go to the earlier candidate, so the choice is deterministic. Under `parallelize` rank 0
+chooses and broadcasts.
 """
 
 from __future__ import annotations
