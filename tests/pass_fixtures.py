@@ -29,7 +29,7 @@ from autopar.passes.schedule import COLLECTIVES, schedule
 from autopar.passes.trace import trace
 from autopar.redistribute import CommStep
 from autopar.rules.registry import default_registry
-from autopar.testing import all_coords
+from autopar.testing import all_coords, assemble
 from examples.models import make_gpt, make_mlp
 
 aten = torch.ops.aten
@@ -144,6 +144,33 @@ def run_programs(
         bwd_args[c] = [*fwd[c][len(p.output_layouts) :], *tangents]
     bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, shape)
     return fwd, bwd
+
+
+def assert_matches_serial(
+    program: EmittedProgram,
+    fwd: dict[tuple[int, ...], list],
+    bwd: dict[tuple[int, ...], list],
+    model: nn.Module,
+    inputs: tuple,
+    shape: tuple[int, ...],
+    *,
+    loss_tol: tuple[float, float] = (1e-5, 1e-5),
+    grad_tol: tuple[float, float] = (2e-5, 1e-4),
+    replica_tol: tuple[float, float] = (1e-4, 1e-4),
+) -> None:
+    """A lockstep step (`run_programs`) against one serial step of `model`: every rank's loss (its
+    first output) and every parameter gradient, assembled from the ranks' blocks (replicas agreeing
+    to `replica_tol`), equal the serial model's. Tolerances are (atol, rtol)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(*inputs)
+    loss.backward()
+    for c in fwd:
+        torch.testing.assert_close(fwd[c][0], loss.detach(), atol=loss_tol[0], rtol=loss_tol[1])
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for i, (name, lay) in enumerate(zip(program.param_names, program.param_layouts)):
+        grad = assemble({c: bwd[c][i] for c in bwd}, lay, shape, atol=replica_tol[0], rtol=replica_tol[1])
+        want = program.param_value(name, grads)
+        torch.testing.assert_close(grad, want, atol=grad_tol[0], rtol=grad_tol[1], msg=name)
 
 
 @functools.cache

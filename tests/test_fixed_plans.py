@@ -13,9 +13,8 @@ import copy
 import functools
 
 import pytest
-import torch
 import torch.fx as fx
-from pass_fixtures import H, T, gpt_case, run_programs, two_linear_case
+from pass_fixtures import H, T, assert_matches_serial, gpt_case, run_programs, two_linear_case
 
 from autopar.api import graph_fingerprint
 from autopar.cost import symbolic
@@ -34,7 +33,7 @@ from autopar.passes.propagate import propagate
 from autopar.passes.schedule import schedule
 from autopar.passes.trace import trace
 from autopar.rules.registry import default_registry
-from autopar.testing import all_coords, assemble
+from autopar.testing import all_coords
 
 REGISTRY = default_registry()
 
@@ -158,17 +157,8 @@ def test_fixed_plans_compute_the_serial_model(key: str, p: int) -> None:
     assert fixed.scheme is not None
     shape = fixed.scheme.mesh_shape
     fwd, bwd = run_programs(programs, model, inputs, shape)
-    params = dict(model.named_parameters())
-    model.zero_grad(set_to_none=True)
-    loss = model(*inputs)
-    loss.backward()
     prog = programs[(0,) * len(shape)]
-    for c in programs:
-        torch.testing.assert_close(fwd[c][0], loss.detach(), atol=1e-4, rtol=1e-5)
-    grads = {name: p.grad for name, p in params.items()}
-    for i, (name, lay) in enumerate(zip(prog.param_names, prog.param_layouts)):
-        grad = assemble({c: bwd[c][i] for c in bwd}, lay, shape, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(grad, prog.param_value(name, grads), atol=1e-4, rtol=1e-4, msg=name)
+    assert_matches_serial(prog, fwd, bwd, model, inputs, shape, loss_tol=(1e-4, 1e-5), grad_tol=(1e-4, 1e-4))
 
 
 def test_compile_fixed_goes_through_the_whole_compiler() -> None:
@@ -206,9 +196,13 @@ def test_gpt_pairs_are_attention_and_mlp() -> None:
     linears = find_linears(gm)
     modules = [lin.module for lin in linears]
     # the LM head is tied to the token embedding: not a plain linear
-    assert modules == [f"blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+    assert modules == [
+        f"blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+    ]
     pairs = pair_linears(gm, linears)
-    assert [(tuple(a.module.split(".")[-1] for a in firsts), b.module.split(".")[-1]) for firsts, b in pairs] == [
+    assert [
+        (tuple(a.module.split(".")[-1] for a in firsts), b.module.split(".")[-1]) for firsts, b in pairs
+    ] == [
         (("qkv",), "proj"),
         (("fc",), "proj"),
     ] * 2

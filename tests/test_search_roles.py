@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.fx as fx
-from pass_fixtures import gpt_case, run_programs
+from pass_fixtures import assert_matches_serial, gpt_case, run_programs
 
 import autopar
 from autopar.passes.emit import emit
@@ -19,7 +19,7 @@ from autopar.passes.trace import trace
 from autopar.planner import choose_layouts, greedy_plan
 from autopar.rules.registry import default_registry
 from autopar.search import role_assignments, search_layouts
-from autopar.testing import all_coords, assemble
+from autopar.testing import all_coords
 from examples.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=8, n_embd=256)
@@ -88,12 +88,5 @@ def test_an_all_token_plan_computes_the_serial_model() -> None:
         for lay in first.param_layouts
     )
     fwd, bwd = run_programs(programs, model, inputs, shape)
-    model.zero_grad(set_to_none=True)
-    loss = model(*inputs)
-    loss.backward()
-    grads = {name: p.grad for name, p in model.named_parameters()}
-    for c in programs:
-        torch.testing.assert_close(fwd[c][0], loss.detach(), atol=1e-5, rtol=1e-5)
-    for i, (name, lay) in enumerate(zip(first.param_names, first.param_layouts)):
-        grad = assemble({c: bwd[c][i] for c in bwd}, lay, shape, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(grad, first.param_value(name, grads), atol=1e-5, rtol=1e-5, msg=name)
+    tol = (1e-5, 1e-5)
+    assert_matches_serial(first, fwd, bwd, model, inputs, shape, loss_tol=tol, grad_tol=tol, replica_tol=tol)
