@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
@@ -140,8 +141,9 @@ def emit(
     grad_values = [grads.get(info(n).param_name or "") for n in params]
     bwd_graph.output(tuple(benv[v] if v is not None else None for v in grad_values))
 
-    forward = fx.GraphModule(torch.nn.Module(), fwd_graph)
-    backward = fx.GraphModule(torch.nn.Module(), bwd_graph)
+    # Python code is generated on the first call (or print): `autopar.plan` never runs the graphs
+    forward = _LazyGraphModule(torch.nn.Module(), fwd_graph)
+    backward = _LazyGraphModule(torch.nn.Module(), bwd_graph)
     program = EmittedProgram(
         forward=forward,
         backward=backward,

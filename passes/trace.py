@@ -13,6 +13,7 @@ import contextlib
 import copy
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +26,13 @@ from torch.utils import _pytree as pytree
 from autopar.errors import TraceError
 from autopar.meta import SIGNATURE_KEY, JointSignature, NodeInfo, ParamPart, Phase, Role, info, set_info
 from autopar.passes.fused import split_fused_linears
+from autopar.passes.repeats import (
+    NotRepeated,
+    RepeatedBlocks,
+    cut_to_two_blocks,
+    find_repeated_blocks,
+    stamp_repeated_blocks,
+)
 from autopar.rules.decompositions import sharding_decompositions
 
 _TORCH_FRAME = re.compile(r"/(torch|torchvision|transformers)/")
@@ -38,11 +46,13 @@ def trace(
     decompose: bool = True,
     example_kwargs: dict[str, Any] | None = None,
     split_fused: bool = False,
+    repeats: bool = True,
 ) -> fx.GraphModule:
     """Joint graph of `model`: placeholders (params, buffers, inputs, tangents) -> (outputs, grads).
 
     `split_fused` cuts fused linears whose output is split into equal pieces into one linear per
-    piece (`autopar.passes.fused`)."""
+    piece (`autopar.passes.fused`). `repeats` exports identical blocks' joint graph once and copies
+    it (`autopar.passes.repeats`); False exports every block (the same graph, slower)."""
     example_kwargs = example_kwargs or {}
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_model = fake_clone(model, fake_mode)
@@ -57,29 +67,16 @@ def trace(
             hint="make the forward traceable by torch.export (no data-dependent Python control flow on "
             "tensor values, no unsupported Python side effects); see the torch.export docs",
         ) from exc
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-
     decompositions = sharding_decompositions() if decompose else None
-    forward = exported.module()
-    parts: dict[str, ParamPart] = {}
     tied = _tied_groups(model)
-    if split_fused:
-        parts = split_fused_linears(forward, fake_mode, [name for group in tied for name in group])  # type: ignore[arg-type]
+    forward = exported.module()
+    groups = find_repeated_blocks(model, forward, tied) if repeats else []
+    in_spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1]
+    joint = _Joint(model, fake_mode, fake_args, fake_kwargs, decompositions, tied, split_fused, in_spec)
     try:
-        with contextlib.ExitStack() as stack:
-            joint = aot_export_joint_with_descriptors(
-                stack, forward, fake_args, fake_kwargs, decompositions=decompositions
-            )
-            gm = joint.graph_module
-    except Exception as exc:
-        raise TraceError(
-            f"building the joint forward+backward graph of {type(model).__name__} failed: "
-            f"{type(exc).__name__}: {_first_lines(exc)}",
-            where=_user_frame_of(exc),
-            hint="the model must be differentiable with a single output that backward() is called on",
-        ) from exc
-    gm.graph._codegen = fx.graph.CodeGen()  # flat positional calling convention, flat outputs
-    _annotate(gm, model, in_spec=pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1], parts=parts)
+        gm = joint.export(forward, groups)
+    except NotRepeated:  # block 1's joint graph is not the self-contained run the copy needs
+        gm = joint.export(exported.module(), [])
     _merge_tied(gm, tied)
     _drop_identities(gm)
     _merge_repeated_calls(gm)
@@ -89,6 +86,48 @@ def trace(
     lazy = _LazyGraphModule.from_graphmodule(gm)
     lazy.meta.update(gm.meta)
     return lazy
+
+
+@dataclass
+class _Joint:
+    """The joint export of torch.export's module, with what it needs besides the module."""
+
+    model: nn.Module
+    fake_mode: FakeTensorMode
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    decompositions: Any
+    tied: list[list[str]]
+    split_fused: bool
+    in_spec: Any
+
+    def export(self, forward: fx.GraphModule, groups: list[RepeatedBlocks]) -> fx.GraphModule:
+        """Cut to two blocks of each group in `groups`, joint-export, annotate, copy the blocks."""
+        from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+        if groups:
+            cut_to_two_blocks(forward, groups)
+        parts: dict[str, ParamPart] = {}
+        if self.split_fused:
+            parts = split_fused_linears(forward, self.fake_mode, [name for group in self.tied for name in group])
+        try:
+            with contextlib.ExitStack() as stack:
+                joint = aot_export_joint_with_descriptors(
+                    stack, forward, self.args, self.kwargs, decompositions=self.decompositions
+                )
+                gm = joint.graph_module
+        except Exception as exc:
+            raise TraceError(
+                f"building the joint forward+backward graph of {type(self.model).__name__} failed: "
+                f"{type(exc).__name__}: {_first_lines(exc)}",
+                where=_user_frame_of(exc),
+                hint="the model must be differentiable with a single output that backward() is called on",
+            ) from exc
+        gm.graph._codegen = fx.graph.CodeGen()  # flat positional calling convention, flat outputs
+        _annotate(gm, self.model, in_spec=self.in_spec, parts=parts)
+        if groups:
+            stamp_repeated_blocks(gm, groups)
+        return gm
 
 
 def fake_clone(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:

@@ -21,7 +21,7 @@ from torch import nn
 from autopar.api import Compiled, compile_for_rank
 from autopar.layout import Layout, P, R
 from autopar.mesh import Mesh
-from autopar.meta import NodeInfo, has_info, info, set_info
+from autopar.meta import NodeInfo, has_info, info, set_info, signature
 from autopar.passes.emit import EmittedProgram, emit, local_value
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
@@ -323,3 +323,66 @@ def all_reduce_node(
 
 def node_names(gm: fx.GraphModule) -> list[str]:
     return [n.name for n in gm.graph.nodes]
+
+
+def run_joint(
+    gm: fx.GraphModule, model: nn.Module, inputs: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Run a traced joint graph on the model's real parameters and buffers, the loss's tangent
+    1.0; returns (loss, gradient by parameter name)."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    args: list[torch.Tensor] = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        node_info = info(node)
+        if node_info.role == "param":
+            args.append(params[node_info.param_name].detach())
+        elif node_info.role == "buffer":
+            args.append(buffers[node_info.param_name])
+        elif node_info.role == "input":
+            args.append(inputs[node_info.input_index])
+        else:
+            assert node_info.role == "tangent"
+            args.append(torch.tensor(1.0))
+    sig = signature(gm)
+    out = gm(*args)
+    assert len(out) == sig.num_user_outputs + len(sig.grad_of)
+    return out[0], dict(zip(sig.grad_of, out[sig.num_user_outputs :]))
+
+
+def eager_step(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Eager autograd's (loss, gradient by parameter name); the model's grads are left cleared."""
+    model.zero_grad(set_to_none=True)
+    loss = model(*inputs)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def isomorphism_failure(a: fx.GraphModule, b: fx.GraphModule) -> str | None:
+    """None if the two graphs are the same graph up to node names: the same nodes in the same order
+    (op, target, phase, module path, role, parameter name, shape) reading the same values; else
+    the first difference."""
+    nodes_a, nodes_b = list(a.graph.nodes), list(b.graph.nodes)
+    if len(nodes_a) != len(nodes_b):
+        return f"{len(nodes_a)} nodes against {len(nodes_b)}"
+    same: dict[fx.Node, fx.Node] = {}
+    for x, y in zip(nodes_a, nodes_b):
+        if x.op != y.op or (x.op != "placeholder" and x.target != y.target):
+            return f"{x.name} ({x.op} {x.target}) against {y.name} ({y.op} {y.target})"
+        fx_, fy = info(x), info(y)
+        facts_x = (fx_.phase, fx_.module_path, fx_.source, fx_.role, fx_.param_name, fx_.input_index)
+        facts_y = (fy.phase, fy.module_path, fy.source, fy.role, fy.param_name, fy.input_index)
+        if facts_x != facts_y:
+            return f"{x.name} {facts_x} against {y.name} {facts_y}"
+        val_x, val_y = x.meta.get("val"), y.meta.get("val")
+        if isinstance(val_x, torch.Tensor) and (val_x.shape, val_x.dtype) != (val_y.shape, val_y.dtype):
+            return f"{x.name} {val_x.shape} against {y.name} {val_y.shape}"
+        mapped = fx.map_arg((x.args, x.kwargs), lambda n: same[n])
+        if repr(mapped) != repr((y.args, y.kwargs)):
+            return f"{x.name} reads {mapped} where {y.name} reads {(y.args, y.kwargs)}"
+        same[x] = y
+    return None

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.fx as fx
+from pass_fixtures import eager_step, run_joint
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -27,40 +28,6 @@ def _traced(decompose: bool) -> tuple[fx.GraphModule, nn.Module, tuple[torch.Ten
 
 def _placeholders(gm: fx.GraphModule, role: str) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == role]
-
-
-def _run_joint(
-    gm: fx.GraphModule, model: nn.Module, inputs: tuple[torch.Tensor, ...]
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Feed the real parameters in placeholder order; returns (loss, gradient by parameter name)."""
-    params = dict(model.named_parameters())
-    args: list[torch.Tensor] = []
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        node_info = info(node)
-        if node_info.role == "param":
-            args.append(params[node_info.param_name].detach())
-        elif node_info.role == "input":
-            args.append(inputs[node_info.input_index])
-        else:
-            assert node_info.role == "tangent"
-            args.append(torch.tensor(1.0))
-    sig = signature(gm)
-    out = gm(*args)
-    assert len(out) == sig.num_user_outputs + len(sig.grad_of)
-    return out[0], dict(zip(sig.grad_of, out[sig.num_user_outputs :]))
-
-
-def _eager(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...]
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = model(*inputs)
-    loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
 
 
 def test_signature_of_the_gpt_joint_graph() -> None:
@@ -83,20 +50,20 @@ def test_signature_param_names_follow_placeholder_order() -> None:
     assert [info(n).param_name for n in _placeholders(gm, "param")] == signature(gm).param_names
 
 
-def test_joint_graph_without_decomposition_is_bit_identical_to_eager() -> None:
+def test_joint_graph_without_decomposition_is_bit_identical_toeager_step() -> None:
     gm, model, inputs = _traced(False)
-    loss, grads = _run_joint(gm, model, inputs)
-    want_loss, want_grads = _eager(model, inputs)
+    loss, grads = run_joint(gm, model, inputs)
+    want_loss, want_grads = eager_step(model, inputs)
     assert torch.equal(loss, want_loss)
     assert grads.keys() == want_grads.keys()
     for name, grad in grads.items():
         assert torch.equal(grad, want_grads[name]), name
 
 
-def test_joint_graph_with_decomposition_matches_eager() -> None:
+def test_joint_graph_with_decomposition_matcheseager_step() -> None:
     gm, model, inputs = _traced(True)
-    loss, grads = _run_joint(gm, model, inputs)
-    want_loss, want_grads = _eager(model, inputs)
+    loss, grads = run_joint(gm, model, inputs)
+    want_loss, want_grads = eager_step(model, inputs)
     torch.testing.assert_close(loss, want_loss, atol=1e-6, rtol=1e-6)
     assert grads.keys() == want_grads.keys()
     for name, grad in grads.items():
@@ -120,8 +87,8 @@ def test_tied_weight_is_one_placeholder_with_the_summed_gradient(decompose: bool
     user_targets = {u.target for u in tied.users}
     assert torch.ops.aten.embedding.default in user_targets
     assert len(tied.users) >= 2
-    _, grads = _run_joint(gm, model, inputs)
-    _, want = _eager(model, inputs)
+    _, grads = run_joint(gm, model, inputs)
+    _, want = eager_step(model, inputs)
     assert model.lm_head.weight is model.wte.weight
     torch.testing.assert_close(grads["wte.weight"], want["wte.weight"], atol=1e-7, rtol=1e-6)
     # the gradient sums both uses: untie a copy and add the two separate gradients
@@ -233,8 +200,8 @@ def test_the_joint_module_regenerates_its_code_after_a_pass_edits_the_graph() ->
     output.args = ((doubled, *output.args[0][1:]),)
     gm.recompile()  # what insert_comm and schedule do after editing
     assert "aten.mul.Tensor(" in gm.code
-    got, _ = _run_joint(gm, model, inputs)
-    want, _ = _eager(model, inputs)
+    got, _ = run_joint(gm, model, inputs)
+    want, _ = eager_step(model, inputs)
     torch.testing.assert_close(got, 2 * want, atol=1e-5, rtol=1e-5)
 
 

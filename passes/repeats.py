@@ -1,0 +1,425 @@
+"""Part of stage 1, trace: repeated blocks go through the joint export once, and are copied after.
+
+AOTAutograd's joint export costs about a millisecond per op (functionalization, fake tensors,
+autograd's own trace): three quarters of the trace, and it grows with the depth of the model. A
+transformer is mostly N identical blocks in a `ModuleList`, and the joint graph of block k is
+block 1's with block k's parameters and block k-1's output put in. So the trace exports the joint
+graph of the model cut to its first two blocks, and copies block 1's forward and backward nodes
+for blocks 2..N-1.
+
+Nothing is assumed from the model's code. torch.export's graph of the whole model (which the trace
+makes anyway) must show that blocks 1..N-1 are the same ops on the same constants, each taking
+only the previous block's single output, its own parameters and values made before the blocks
+(`find_repeated_blocks`). In the cut joint graph, block 1's backward must be one run of nodes whose
+only inputs are the gradient of its output, its own forward values and those same shared values,
+and whose only results are the gradient of its input and its parameters' gradients
+(`stamp_repeated_blocks`). Where any check fails the model is exported whole, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar.meta import SIGNATURE_KEY, JointSignature, info, set_info
+
+MIN_BLOCKS = 3  # with two blocks there is nothing to copy
+REPEATS_KEY = "autopar_repeated_blocks"  # gm.meta: the RepeatedBlocks the trace copied
+
+
+@dataclass(frozen=True)
+class RepeatedBlocks:
+    """`count` identical blocks: the children "0".."count-1" of the container at `prefix`."""
+
+    prefix: str
+    count: int
+
+    def block_of(self, path: str) -> int | None:
+        """Index of the block a module path or parameter name lies in, else None."""
+        if self.prefix:
+            if not path.startswith(self.prefix + "."):
+                return None
+            path = path[len(self.prefix) + 1 :]
+        head = path.split(".", 1)[0]
+        if not head.isdigit() or int(head) >= self.count:
+            return None
+        return int(head)
+
+    def rename(self, path: str, block: int) -> str:
+        """`path` inside block 1 -> the same path inside `block`."""
+        start = len(self.prefix) + 1 if self.prefix else 0
+        head, dot, rest = path[start:].partition(".")
+        assert head == "1", path
+        return f"{path[:start]}{block}{dot}{rest}"
+
+
+class NotRepeated(Exception):
+    """The cut joint graph does not have the shape the copy needs; the trace exports it whole."""
+
+
+# ---- torch.export's graph: which containers hold identical blocks -------------------------------
+
+
+def find_repeated_blocks(
+    model: nn.Module, forward: fx.GraphModule, tied: Iterable[Iterable[str]]
+) -> list[RepeatedBlocks]:
+    """Containers of `model` whose blocks 1..N-1 torch.export's graph `forward` shows identical."""
+    tied_names = {name for group in tied for name in group}
+    found: list[RepeatedBlocks] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < MIN_BLOCKS:
+            continue
+        if any(path == g.prefix or path.startswith(g.prefix + ".") for g in found if g.prefix) or any(
+            not g.prefix for g in found
+        ):
+            continue  # inside blocks already copied whole
+        names = [name for name, _ in module.named_children()]
+        if names != [str(i) for i in range(len(module))]:
+            continue
+        group = RepeatedBlocks(path, len(module))
+        if _same_modules(module, group, tied_names) and _same_export_blocks(forward, group):
+            found.append(group)
+    return found
+
+
+def _same_modules(container: nn.Module, group: RepeatedBlocks, tied_names: set[str]) -> bool:
+    """Blocks 1..N-1: one class, and parameters and buffers of the same names, shapes and dtypes."""
+    blocks = list(container.children())[1:]
+
+    def facts(block: nn.Module) -> tuple[Any, ...]:
+        params = [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()]
+        buffers = [(n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()]
+        return (type(block), params, buffers)
+
+    first = facts(blocks[0])
+    if any(facts(b) != first for b in blocks[1:]):
+        return False
+    return not any(group.block_of(name) is not None for name in tied_names)
+
+
+def _export_block(node: fx.Node, group: RepeatedBlocks) -> int | None:
+    """The block an export graph node belongs to: parameters by name, ops by module stack (other
+    nodes, such as export's input guard, belong to none)."""
+    if node.op == "get_attr":
+        return group.block_of(str(node.target))
+    if node.op != "call_function":
+        return None
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        block = group.block_of(path)
+        if block is not None:
+            return block
+    return None
+
+
+def _same_export_blocks(forward: fx.GraphModule, group: RepeatedBlocks) -> bool:
+    """Blocks 1..N-1 of the export graph: the same ops on the same constants, each reading its own
+    parameters, values made outside the blocks, and the previous block's one output, which nothing
+    else reads (the last block's output is read only outside the blocks)."""
+    nodes, block_of = _export_blocks(forward.graph, group)
+    outputs = [_block_output(nodes[k], block_of, k) for k in range(group.count)]
+    if any(out is None for out in outputs):
+        return False
+    for k in range(group.count - 1):
+        if any(block_of.get(u) != k + 1 for u in outputs[k].users):  # type: ignore[union-attr]
+            return False
+    forms = [_export_form(nodes[k], block_of, k, outputs[k - 1], group) for k in range(1, group.count)]
+    return forms[0] is not None and all(form == forms[0] for form in forms[1:])
+
+
+def _export_blocks(graph: fx.Graph, group: RepeatedBlocks) -> tuple[list[list[fx.Node]], dict[fx.Node, int]]:
+    """Each block's ops in graph order, and the block of every op and parameter in one."""
+    nodes: list[list[fx.Node]] = [[] for _ in range(group.count)]
+    block_of: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        block = _export_block(node, group)
+        if block is not None:
+            block_of[node] = block
+            if node.op == "call_function":
+                nodes[block].append(node)
+    return nodes, block_of
+
+
+def _block_output(nodes: list[fx.Node], block_of: dict[fx.Node, int], block: int) -> fx.Node | None:
+    """The one value of a block that is read outside it."""
+    read = {n for n in nodes if any(block_of.get(u) != block for u in n.users)}
+    return read.pop() if len(read) == 1 else None
+
+
+def _export_form(
+    nodes: list[fx.Node],
+    block_of: dict[fx.Node, int],
+    block: int,
+    previous: fx.Node | None,
+    group: RepeatedBlocks,
+) -> list[Any] | None:
+    """A block's ops with its own values by position and the previous block's output as "in"."""
+    position = {n: i for i, n in enumerate(nodes)}
+    own = f"{group.prefix}.{block}." if group.prefix else f"{block}."
+
+    def encode(x: Any) -> Any:
+        if isinstance(x, fx.Node):
+            if x in position:
+                return ("node", position[x])
+            where = block_of.get(x)
+            if where == block and x.op == "get_attr":
+                return ("attr", str(x.target)[len(own) :])
+            if where is None:
+                return ("shared", x.name)
+            if x is previous:
+                return ("in",)
+            raise NotRepeated(x.name)
+        if isinstance(x, (list, tuple)):
+            return (type(x), tuple(encode(v) for v in x))
+        if isinstance(x, dict):
+            return (dict, tuple((k, encode(v)) for k, v in x.items()))
+        return (type(x), x)
+
+    form = []
+    try:
+        for node in nodes:
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            inner = stack[-1][0] if stack else ""
+            form.append((node.target, encode(node.args), encode(node.kwargs), inner[len(own) - 1 :]))
+    except NotRepeated:
+        return None
+    return form
+
+
+def cut_to_two_blocks(forward: fx.GraphModule, groups: list[RepeatedBlocks]) -> None:
+    """Drop blocks 2..N-1 from the export graph (and their parameters from the module); what read
+    the last block's output reads block 1's."""
+    for group in groups:
+        _cut(forward, group)
+    forward.recompile()
+
+
+def _cut(forward: fx.GraphModule, group: RepeatedBlocks) -> None:
+    graph = forward.graph
+    nodes, block_of = _export_blocks(graph, group)
+    first = _block_output(nodes[1], block_of, 1)
+    last = _block_output(nodes[-1], block_of, group.count - 1)
+    assert first is not None and last is not None
+    last.replace_all_uses_with(first, delete_user_cb=lambda u: u not in block_of)
+    dropped = [n for k in range(2, group.count) for n in nodes[k]]
+    attrs = [n for n, k in block_of.items() if k >= 2 and n.op == "get_attr"]
+    for node in [*reversed(dropped), *attrs]:
+        graph.erase_node(node)
+    container = forward.get_submodule(group.prefix) if group.prefix else forward
+    for k in range(2, group.count):
+        if hasattr(container, str(k)):
+            delattr(container, str(k))
+
+
+# ---- the joint graph: copy block 1 ---------------------------------------------------------------
+
+
+@dataclass
+class _Block1:
+    """Block 1 in the cut joint graph."""
+
+    forward: list[fx.Node]
+    backward: list[fx.Node]
+    params: list[fx.Node]  # its parameter and buffer placeholders, in order
+    input: fx.Node  # block 0's output, which it reads
+    output: fx.Node  # its output, read by what follows the blocks
+    grad_output: fx.Node  # the gradient of `output` its backward starts from
+    grad_input: fx.Node  # the gradient of `input` its backward ends with
+
+
+def stamp_repeated_blocks(gm: fx.GraphModule, groups: list[RepeatedBlocks]) -> None:
+    """Copy block 1's forward and backward nodes, parameters and gradients for blocks 2..N-1 of
+    each group into the joint graph of the cut model (traced and annotated). Raises NotRepeated
+    (the graph unchanged) if block 1 is not a self-contained run of nodes as the copy needs."""
+    found = [(group, _find_block1(gm, group)) for group in groups]
+    for group, block1 in found:
+        _stamp(gm, group, block1)
+    gm.meta[REPEATS_KEY] = tuple(groups)
+
+
+def _find_block1(gm: fx.GraphModule, group: RepeatedBlocks) -> _Block1:
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+
+    def block(n: fx.Node) -> int | None:
+        if n.op == "placeholder":
+            name = info(n).param_name
+            return group.block_of(name) if name is not None else None
+        if n.op != "call_function":
+            return None
+        return group.block_of(info(n).module_path)
+
+    calls = [n for n in nodes if n.op == "call_function"]
+    forward = [n for n in calls if info(n).phase == "forward" and block(n) == 1]
+    if not forward:
+        raise NotRepeated("block 1 has no forward nodes")
+    span = calls[calls.index(forward[0]) : calls.index(forward[-1]) + 1]
+    if len(span) != len(forward):
+        raise NotRepeated("block 1's forward nodes are not one run")
+    backward_calls = [n for n in calls if info(n).phase == "backward"]
+    starts = [i for i, n in enumerate(backward_calls) if block(n) == 1]
+    if not starts:
+        raise NotRepeated("block 1 has no backward nodes")
+    end = starts[0]
+    while end < len(backward_calls) and block(backward_calls[end]) in (1, None):
+        end += 1
+    backward = backward_calls[starts[0] : end]
+    if starts[-1] >= end:
+        raise NotRepeated("block 1's backward nodes are not one run")
+    params = [n for n in nodes if n.op == "placeholder" and block(n) == 1]
+    fwd_set, bwd_set, param_set = set(forward), set(backward), set(params)
+    first_forward = order[forward[0]]
+
+    def shared(x: fx.Node) -> bool:
+        """Made before the blocks and outside them (the same value for every block)."""
+        if x.op == "placeholder":
+            return block(x) is None and info(x).role != "tangent"
+        return (
+            x.op == "call_function"
+            and info(x).phase == "forward"
+            and block(x) is None
+            and order[x] < first_forward
+        )
+
+    inputs = {x for n in forward for x in n.all_input_nodes if x not in fwd_set and x not in param_set}
+    previous = [x for x in inputs if not shared(x)]
+    if len(previous) != 1 or block(previous[0]) != 0 or info(previous[0]).phase != "forward":
+        raise NotRepeated("block 1 reads more than block 0's output")
+    block_input = previous[0]
+    leaving = [n for n in forward if any(u not in fwd_set and u not in bwd_set for u in n.users)]
+    if len(leaving) != 1 or any(u.op == "output" for u in leaving[0].users):
+        raise NotRepeated("block 1's forward has more than one output")
+    block_output = leaving[0]
+    outside = {
+        x
+        for n in backward
+        for x in n.all_input_nodes
+        if x not in bwd_set
+        and x not in fwd_set
+        and x not in param_set
+        and x is not block_input
+        and not shared(x)
+    }
+    if len(outside) != 1:
+        raise NotRepeated("block 1's backward reads more than its output's gradient")
+    grad_output = outside.pop()
+    output_node = nodes[-1]
+    sig: JointSignature = gm.meta[SIGNATURE_KEY]
+    grads = list(output_node.args[0])[sig.num_user_outputs :]  # type: ignore[arg-type]
+    own_grads = {g for g, name in zip(grads, sig.grad_of) if group.block_of(name) == 1}
+    if not own_grads <= bwd_set or any(
+        g in bwd_set for g, name in zip(grads, sig.grad_of) if group.block_of(name) != 1
+    ):
+        raise NotRepeated("block 1's parameter gradients are not made by its backward")
+    read_later = {n for n in backward if any(u not in bwd_set and u is not output_node for u in n.users)}
+    if len(read_later) != 1:
+        raise NotRepeated("block 1's backward has more than one result besides its parameters' gradients")
+    grad_input = read_later.pop()
+    if grad_input in own_grads:
+        raise NotRepeated("block 1's input gradient is also a parameter gradient")
+    shapes = {tuple(n.meta["val"].shape) for n in (block_input, block_output, grad_output, grad_input)}
+    if len(shapes) != 1:
+        raise NotRepeated("block 1's input, output and their gradients differ in shape")
+    return _Block1(forward, backward, params, block_input, block_output, grad_output, grad_input)
+
+
+def _copy(
+    graph: fx.Graph, node: fx.Node, env: dict[fx.Node, fx.Node], group: RepeatedBlocks, k: int
+) -> fx.Node:
+    new = graph.create_node(
+        node.op,
+        node.target,
+        fx.map_arg(node.args, lambda x: env.get(x, x)),  # type: ignore[arg-type]
+        fx.map_arg(node.kwargs, lambda x: env.get(x, x)),  # type: ignore[arg-type]
+        name=f"{node.name}_b{k}",
+    )
+    if "val" in node.meta:
+        new.meta["val"] = node.meta["val"]
+    old = info(node)
+    path = group.rename(old.module_path, k) if group.block_of(old.module_path) == 1 else old.module_path
+    set_info(new, replace(old, module_path=path))
+    env[node] = new
+    return new
+
+
+def _stamp(gm: fx.GraphModule, group: RepeatedBlocks, b: _Block1) -> None:
+    graph = gm.graph
+    sig: JointSignature = gm.meta[SIGNATURE_KEY]
+    last = group.count - 1
+    # parameters (and buffers) of blocks 2..N-1, each after the same role's placeholders of the block before
+    params: dict[int, list[fx.Node]] = {1: b.params}
+    anchors = {info(p).role: p for p in b.params}  # the last of each role
+    for k in range(2, group.count):
+        made = []
+        for p in b.params:
+            with graph.inserting_after(anchors[info(p).role]):
+                new = graph.placeholder(f"{p.name}_b{k}")
+            new.meta["val"] = p.meta["val"]
+            set_info(new, replace(info(p), param_name=group.rename(info(p).param_name or "", k)))
+            anchors[info(p).role] = new
+            made.append(new)
+        params[k] = made
+    # forward: block k after block k-1, reading its output
+    after_blocks = [u for u in b.output.users if u not in b.forward and u not in b.backward]
+    outputs = {1: b.output}
+    anchor = b.forward[-1]
+    env_of: dict[int, dict[fx.Node, fx.Node]] = {}
+    for k in range(2, group.count):
+        env = env_of[k] = dict(zip(b.params, params[k]))
+        env[b.input] = outputs[k - 1]
+        for node in b.forward:
+            with graph.inserting_after(anchor):
+                anchor = _copy(graph, node, env, group, k)
+        outputs[k] = env[b.output]
+    for user in after_blocks:
+        user.replace_input_with(b.output, outputs[last])
+    # backward: blocks N-1..2 before block 1's, each starting from the gradient the one after made
+    grad_in: dict[int, fx.Node] = {}
+    for k in range(last, 1, -1):
+        env = env_of[k]
+        env[b.grad_output] = b.grad_output if k == last else grad_in[k + 1]
+        for node in b.backward:
+            with graph.inserting_before(b.backward[0]):
+                _copy(graph, node, env, group, k)
+        grad_in[k] = env[b.grad_input]
+    for node in b.backward:
+        node.replace_input_with(b.grad_output, grad_in[2])
+    _extend_signature(gm, group, env_of, sig)
+    gm.meta[SIGNATURE_KEY] = sig
+
+
+def _extend_signature(
+    gm: fx.GraphModule, group: RepeatedBlocks, env_of: dict[int, dict[fx.Node, fx.Node]], sig: JointSignature
+) -> None:
+    """Gradient outputs, names and parameter parts of the copied blocks, in the model's order."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outs = list(output.args[0])  # type: ignore[arg-type]
+    nu = sig.num_user_outputs
+    grads, grad_of = outs[nu:], sig.grad_of
+    own = [i for i, name in enumerate(grad_of) if group.block_of(name) == 1]
+    new_grads: list[Any] = []
+    new_names: list[str] = []
+    for i, (g, name) in enumerate(zip(grads, grad_of)):
+        new_grads.append(g)
+        new_names.append(name)
+        if own and i == own[-1]:
+            for k in range(2, group.count):
+                for j in own:
+                    new_grads.append(env_of[k][grads[j]])
+                    new_names.append(group.rename(grad_of[j], k))
+    output.args = (tuple(outs[:nu] + new_grads),)
+    sig.grad_of = new_names
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sig.param_names = [info(n).param_name or n.name for n in placeholders if info(n).role == "param"]
+    sig.buffer_names = [info(n).param_name or n.name for n in placeholders if info(n).role == "buffer"]
+    for name in list(sig.requires_grad):
+        if group.block_of(name) == 1:
+            for k in range(2, group.count):
+                sig.requires_grad.setdefault(group.rename(name, k), sig.requires_grad[name])
+    for name, part in list(sig.param_parts.items()):
+        if group.block_of(name) == 1:
+            for k in range(2, group.count):
+                sig.param_parts[group.rename(name, k)] = replace(part, source=group.rename(part.source, k))
