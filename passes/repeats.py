@@ -1,29 +1,28 @@
-"""Part of stage 1, trace: repeated blocks go through the joint export once, and are copied after.
+"""Part of stage 1, trace: repeated blocks go through torch's tracers once, and are copied after.
 
-AOTAutograd's joint export costs about a millisecond per op (functionalization, fake tensors,
-autograd's own trace): three quarters of the trace, and it grows with the depth of the model. A
-transformer is mostly N identical blocks in a `ModuleList`, and the joint graph of block k is
-block 1's with block k's parameters and block k-1's output put in. So the trace exports the joint
-graph of the model cut to its first two blocks, and copies block 1's forward and backward nodes
-for blocks 2..N-1.
+torch.export and AOTAutograd's joint export cost one to three milliseconds per op (fake tensors,
+functionalization, autograd's own trace, stack traces): nearly all of the trace, growing with the
+model's depth. A transformer is mostly N identical blocks in a `ModuleList`, and the joint graph of
+block k is block 1's with block k's parameters and block k-1's output put in. So the trace exports
+the model cut to its first two blocks, and copies block 1's forward and backward nodes, parameters
+and gradients for blocks 2..N-1.
 
-Nothing is assumed from the model's code. torch.export's graph of the whole model (which the trace
-makes anyway) must show that blocks 1..N-1 are the same ops on the same constants, each taking
-only the previous block's single output, its own parameters and values made before the blocks
-(`find_repeated_blocks`). In the cut joint graph, block 1's backward must be one run of nodes whose
-only inputs are the gradient of its output, its own forward values and those same shared values,
-and whose only results are the gradient of its input and its parameters' gradients
-(`stamp_repeated_blocks`). Where any check fails the model is exported whole, as before.
+Nothing is assumed from the model's code. A recorded forward run of the whole model must show
+blocks 1..N-1 making the same calls, chained output to input (`autopar.passes.repeats_find`). In the
+cut model's joint graph, block 1's forward and backward must each be one run of nodes whose only
+inputs are block 0's output (and, backward, the gradient of block 1's output), block 1's own
+values and parameters, and values made before the blocks; whose only results are its output (and
+the gradient of its input) and its parameters' gradients (`stamp_repeated_blocks`). Where any check
+fails the model is traced whole, as before; `tests/test_pass_repeats.py` checks that the copied
+graph is the whole trace up to node names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.fx as fx
-import torch.nn as nn
 
 from autopar.meta import SIGNATURE_KEY, JointSignature, info, set_info
 
@@ -59,159 +58,6 @@ class RepeatedBlocks:
 
 class NotRepeated(Exception):
     """The cut joint graph does not have the shape the copy needs; the trace exports it whole."""
-
-
-# ---- torch.export's graph: which containers hold identical blocks -------------------------------
-
-
-def find_repeated_blocks(
-    model: nn.Module, forward: fx.GraphModule, tied: Iterable[Iterable[str]]
-) -> list[RepeatedBlocks]:
-    """Containers of `model` whose blocks 1..N-1 torch.export's graph `forward` shows identical."""
-    tied_names = {name for group in tied for name in group}
-    found: list[RepeatedBlocks] = []
-    for path, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < MIN_BLOCKS:
-            continue
-        if any(path == g.prefix or path.startswith(g.prefix + ".") for g in found if g.prefix) or any(
-            not g.prefix for g in found
-        ):
-            continue  # inside blocks already copied whole
-        names = [name for name, _ in module.named_children()]
-        if names != [str(i) for i in range(len(module))]:
-            continue
-        group = RepeatedBlocks(path, len(module))
-        if _same_modules(module, group, tied_names) and _same_export_blocks(forward, group):
-            found.append(group)
-    return found
-
-
-def _same_modules(container: nn.Module, group: RepeatedBlocks, tied_names: set[str]) -> bool:
-    """Blocks 1..N-1: one class, and parameters and buffers of the same names, shapes and dtypes."""
-    blocks = list(container.children())[1:]
-
-    def facts(block: nn.Module) -> tuple[Any, ...]:
-        params = [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()]
-        buffers = [(n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()]
-        return (type(block), params, buffers)
-
-    first = facts(blocks[0])
-    if any(facts(b) != first for b in blocks[1:]):
-        return False
-    return not any(group.block_of(name) is not None for name in tied_names)
-
-
-def _export_block(node: fx.Node, group: RepeatedBlocks) -> int | None:
-    """The block an export graph node belongs to: parameters by name, ops by module stack (other
-    nodes, such as export's input guard, belong to none)."""
-    if node.op == "get_attr":
-        return group.block_of(str(node.target))
-    if node.op != "call_function":
-        return None
-    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-        block = group.block_of(path)
-        if block is not None:
-            return block
-    return None
-
-
-def _same_export_blocks(forward: fx.GraphModule, group: RepeatedBlocks) -> bool:
-    """Blocks 1..N-1 of the export graph: the same ops on the same constants, each reading its own
-    parameters, values made outside the blocks, and the previous block's one output, which nothing
-    else reads (the last block's output is read only outside the blocks)."""
-    nodes, block_of = _export_blocks(forward.graph, group)
-    outputs = [_block_output(nodes[k], block_of, k) for k in range(group.count)]
-    if any(out is None for out in outputs):
-        return False
-    for k in range(group.count - 1):
-        if any(block_of.get(u) != k + 1 for u in outputs[k].users):  # type: ignore[union-attr]
-            return False
-    forms = [_export_form(nodes[k], block_of, k, outputs[k - 1], group) for k in range(1, group.count)]
-    return forms[0] is not None and all(form == forms[0] for form in forms[1:])
-
-
-def _export_blocks(graph: fx.Graph, group: RepeatedBlocks) -> tuple[list[list[fx.Node]], dict[fx.Node, int]]:
-    """Each block's ops in graph order, and the block of every op and parameter in one."""
-    nodes: list[list[fx.Node]] = [[] for _ in range(group.count)]
-    block_of: dict[fx.Node, int] = {}
-    for node in graph.nodes:
-        block = _export_block(node, group)
-        if block is not None:
-            block_of[node] = block
-            if node.op == "call_function":
-                nodes[block].append(node)
-    return nodes, block_of
-
-
-def _block_output(nodes: list[fx.Node], block_of: dict[fx.Node, int], block: int) -> fx.Node | None:
-    """The one value of a block that is read outside it."""
-    read = {n for n in nodes if any(block_of.get(u) != block for u in n.users)}
-    return read.pop() if len(read) == 1 else None
-
-
-def _export_form(
-    nodes: list[fx.Node],
-    block_of: dict[fx.Node, int],
-    block: int,
-    previous: fx.Node | None,
-    group: RepeatedBlocks,
-) -> list[Any] | None:
-    """A block's ops with its own values by position and the previous block's output as "in"."""
-    position = {n: i for i, n in enumerate(nodes)}
-    own = f"{group.prefix}.{block}." if group.prefix else f"{block}."
-
-    def encode(x: Any) -> Any:
-        if isinstance(x, fx.Node):
-            if x in position:
-                return ("node", position[x])
-            where = block_of.get(x)
-            if where == block and x.op == "get_attr":
-                return ("attr", str(x.target)[len(own) :])
-            if where is None:
-                return ("shared", x.name)
-            if x is previous:
-                return ("in",)
-            raise NotRepeated(x.name)
-        if isinstance(x, (list, tuple)):
-            return (type(x), tuple(encode(v) for v in x))
-        if isinstance(x, dict):
-            return (dict, tuple((k, encode(v)) for k, v in x.items()))
-        return (type(x), x)
-
-    form = []
-    try:
-        for node in nodes:
-            stack = list((node.meta.get("nn_module_stack") or {}).values())
-            inner = stack[-1][0] if stack else ""
-            form.append((node.target, encode(node.args), encode(node.kwargs), inner[len(own) - 1 :]))
-    except NotRepeated:
-        return None
-    return form
-
-
-def cut_to_two_blocks(forward: fx.GraphModule, groups: list[RepeatedBlocks]) -> None:
-    """Drop blocks 2..N-1 from the export graph (and their parameters from the module); what read
-    the last block's output reads block 1's."""
-    for group in groups:
-        _cut(forward, group)
-    forward.recompile()
-
-
-def _cut(forward: fx.GraphModule, group: RepeatedBlocks) -> None:
-    graph = forward.graph
-    nodes, block_of = _export_blocks(graph, group)
-    first = _block_output(nodes[1], block_of, 1)
-    last = _block_output(nodes[-1], block_of, group.count - 1)
-    assert first is not None and last is not None
-    last.replace_all_uses_with(first, delete_user_cb=lambda u: u not in block_of)
-    dropped = [n for k in range(2, group.count) for n in nodes[k]]
-    attrs = [n for n, k in block_of.items() if k >= 2 and n.op == "get_attr"]
-    for node in [*reversed(dropped), *attrs]:
-        graph.erase_node(node)
-    container = forward.get_submodule(group.prefix) if group.prefix else forward
-    for k in range(2, group.count):
-        if hasattr(container, str(k)):
-            delattr(container, str(k))
 
 
 # ---- the joint graph: copy block 1 ---------------------------------------------------------------

@@ -26,13 +26,8 @@ from torch.utils import _pytree as pytree
 from autopar.errors import TraceError
 from autopar.meta import SIGNATURE_KEY, JointSignature, NodeInfo, ParamPart, Phase, Role, info, set_info
 from autopar.passes.fused import split_fused_linears
-from autopar.passes.repeats import (
-    NotRepeated,
-    RepeatedBlocks,
-    cut_to_two_blocks,
-    find_repeated_blocks,
-    stamp_repeated_blocks,
-)
+from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
+from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
 from autopar.rules.decompositions import sharding_decompositions
 
 _TORCH_FRAME = re.compile(r"/(torch|torchvision|transformers)/")
@@ -58,25 +53,20 @@ def trace(
     fake_model = fake_clone(model, fake_mode)
     fake_args = tuple(_fakeify(x, fake_mode) for x in example_inputs)
     fake_kwargs = {k: _fakeify(v, fake_mode) for k, v in example_kwargs.items()}
-    try:
-        exported = torch.export.export(fake_model, fake_args, fake_kwargs, strict=False)
-    except Exception as exc:  # torch raises many types; the user needs the location and the cause
-        raise TraceError(
-            f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {_first_lines(exc)}",
-            where=_user_frame_of(exc),
-            hint="make the forward traceable by torch.export (no data-dependent Python control flow on "
-            "tensor values, no unsupported Python side effects); see the torch.export docs",
-        ) from exc
-    decompositions = sharding_decompositions() if decompose else None
     tied = _tied_groups(model)
-    forward = exported.module()
-    groups = find_repeated_blocks(model, forward, tied) if repeats else []
+    containers = find_repeated_blocks(fake_model, fake_args, fake_kwargs, fake_mode, tied) if repeats else []
+    groups = [group for group, _ in containers]
+    restore = cut_to_two_blocks(containers)
+    exported = _export(model, fake_model, fake_args, fake_kwargs)
+    decompositions = sharding_decompositions() if decompose else None
     in_spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1]
     joint = _Joint(model, fake_mode, fake_args, fake_kwargs, decompositions, tied, split_fused, in_spec)
     try:
-        gm = joint.export(forward, groups)
+        gm = joint.export(exported.module(), groups)
     except NotRepeated:  # block 1's joint graph is not the self-contained run the copy needs
-        gm = joint.export(exported.module(), [])
+        restore()
+        gm = joint.export(_export(model, fake_model, fake_args, fake_kwargs).module(), [])
+    restore()
     _merge_tied(gm, tied)
     _drop_identities(gm)
     _merge_repeated_calls(gm)
@@ -86,6 +76,18 @@ def trace(
     lazy = _LazyGraphModule.from_graphmodule(gm)
     lazy.meta.update(gm.meta)
     return lazy
+
+
+def _export(model: nn.Module, fake_model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    try:
+        return torch.export.export(fake_model, args, kwargs, strict=False)
+    except Exception as exc:  # torch raises many types; the user needs the location and the cause
+        raise TraceError(
+            f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {_first_lines(exc)}",
+            where=_user_frame_of(exc),
+            hint="make the forward traceable by torch.export (no data-dependent Python control flow on "
+            "tensor values, no unsupported Python side effects); see the torch.export docs",
+        ) from exc
 
 
 @dataclass
@@ -102,14 +104,15 @@ class _Joint:
     in_spec: Any
 
     def export(self, forward: fx.GraphModule, groups: list[RepeatedBlocks]) -> fx.GraphModule:
-        """Cut to two blocks of each group in `groups`, joint-export, annotate, copy the blocks."""
+        """Joint-export torch.export's module, annotate, and copy block 1 of each of `groups` (the
+        module has blocks 0 and 1 of each)."""
         from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
-        if groups:
-            cut_to_two_blocks(forward, groups)
         parts: dict[str, ParamPart] = {}
         if self.split_fused:
-            parts = split_fused_linears(forward, self.fake_mode, [name for group in self.tied for name in group])
+            parts = split_fused_linears(
+                forward, self.fake_mode, [name for group in self.tied for name in group]
+            )
         try:
             with contextlib.ExitStack() as stack:
                 joint = aot_export_joint_with_descriptors(

@@ -114,11 +114,14 @@ class _Stack(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = []
-        for k, block in enumerate(self.blocks):
+        blocks = [self.blocks[k] for k in range(4)] if self.variant == "indexed" else self.blocks
+        for k, block in enumerate(blocks):
             x = block(x, self.gain if self.variant == "shared_param" else None)
             if self.variant == "loop" and k == 2:
                 x = x * 0.5
             outs.append(x)
+        if self.variant == "depth":
+            x = x / len(self.blocks)
         loss = sum(o.pow(2).mean() for o in outs) if self.variant == "all_outputs" else x.pow(2).mean()
         return loss + self.gain.sum() * 0.0
 
@@ -127,10 +130,12 @@ class _Stack(nn.Module):
     "variant, stamped",
     [
         ("plain", True),
-        ("attribute", False),  # block 2 scales by another constant: torch.export's blocks differ
+        ("attribute", False),  # block 2 scales by another constant: the blocks' calls differ
         ("loop", False),  # the model's loop treats block 2 apart: block 3 does not read block 2's output
         ("all_outputs", False),  # every block's output is read after the blocks
-        ("shared_param", False),  # passes the export check; block 1's backward also sums gain's gradient
+        ("shared_param", False),  # the forward run checks out; block 1's backward also sums gain's gradient
+        ("depth", False),  # the code after the blocks reads how many there are: the cut model differs
+        ("indexed", False),  # the model indexes blocks 0..3: the cut model does not run
     ],
 )
 def test_blocks_that_are_not_repeats_are_traced_whole(variant: str, stamped: bool) -> None:
