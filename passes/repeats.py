@@ -196,7 +196,7 @@ def _stamp(gm: fx.GraphModule, group: RepeatedBlocks, b: _Block1) -> None:
     sig: JointSignature = gm.meta[SIGNATURE_KEY]
     last = group.count - 1
     # parameters (and buffers) of blocks 2..N-1, each after the same role's placeholders of the block before
-    params: dict[int, list[fx.Node]] = {1: b.params}
+    params: dict[int, list[fx.Node]] = {}
     anchors = {info(p).role: p for p in b.params}  # the last of each role
     for k in range(2, group.count):
         made = []
@@ -209,7 +209,8 @@ def _stamp(gm: fx.GraphModule, group: RepeatedBlocks, b: _Block1) -> None:
             made.append(new)
         params[k] = made
     # forward: block k after block k-1, reading its output
-    after_blocks = [u for u in b.output.users if u not in b.forward and u not in b.backward]
+    inside = {*b.forward, *b.backward}
+    after_blocks = [u for u in b.output.users if u not in inside]
     outputs = {1: b.output}
     anchor = b.forward[-1]
     env_of: dict[int, dict[fx.Node, fx.Node]] = {}
@@ -234,7 +235,6 @@ def _stamp(gm: fx.GraphModule, group: RepeatedBlocks, b: _Block1) -> None:
     for node in b.backward:
         node.replace_input_with(b.grad_output, grad_in[2])
     _extend_signature(gm, group, env_of, sig)
-    gm.meta[SIGNATURE_KEY] = sig
 
 
 def _extend_signature(
