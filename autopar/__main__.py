@@ -1,7 +1,7 @@
 """Command line: `python -m autopar <command>` (or `autopar <command>`).
 
 Each command is a subparser registered in `_COMMANDS`; add one with a `register(subparsers)`-style
-function that sets `func` on its parser. The command's module is imported only when it runs.
+function that sets `func` on its parser.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from autopar.compiler.coverage import run as run_coverage
+from autopar.cost.calibrate import calibrate
+
 
 def _run_calibrate(args: argparse.Namespace) -> int:
-    from autopar.cost.calibrate import calibrate
-
     calibrate(ranks=args.ranks, out=args.out, quick=args.quick, threads=args.threads)
     return 0
 
@@ -36,9 +37,7 @@ def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_coverage(args: argparse.Namespace) -> int:
-    from autopar.coverage import run
-
-    return run(args.factory, args.mesh, args.registry)
+    return run_coverage(args.factory, args.mesh, args.registry)
 
 
 def _add_coverage(subparsers: argparse._SubParsersAction) -> None:

@@ -1,16 +1,12 @@
-"""`parallelize`: the whole pipeline, trace -> propagate -> insert_comm -> schedule -> emit."""
+"""The public API: `parallelize` (compile for the ranks of this job) and `plan` (plan offline)."""
 
 from __future__ import annotations
 
 import copy
-import functools
-import gc
-import hashlib
-import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,263 +15,20 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from autopar.agreement import decided_on_rank0
-from autopar.cost import load_hardware
-from autopar.dump import dump_dir_from, write_collectives, write_stage, write_timeline
-from autopar.errors import AutoparError, MeshError
-from autopar.mesh import Mesh
-from autopar.mesh_choice import auto_device_mesh
-from autopar.meta import signature
-from autopar.overdecompose import OverDecompositionError, chunk_plan
+from autopar.compiler import driver
+from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh
+from autopar.compiler.driver import compile_for_rank, graph_fingerprint
+from autopar.compiler.fixed import compare_fixed
+from autopar.compiler.pricing import Compared, PlanResult, price
+from autopar.core.errors import AutoparError, MeshError
+from autopar.core.mesh import Mesh
+from autopar.core.meta import signature
+from autopar.core.plan import Plan
 from autopar.passes import fused
-from autopar.passes.chunks import merge_chunks
-from autopar.passes.emit import EmittedProgram, emit
-from autopar.passes.insert_comm import insert_comm
-from autopar.passes.propagate import propagate
-from autopar.passes.regather import regather
-from autopar.passes.schedule import IN_FLIGHT_BYTES
-from autopar.passes.schedule import schedule as schedule_pass
-from autopar.passes.trace import trace
-from autopar.plan_memory import MEMORY_HEADROOM, plan_memory
-from autopar.planner import Plan, choose_layouts
-from autopar.report import PlanReport, build_report
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
+from autopar.runtime.agreement import decided_on_rank0
 from autopar.runtime.module import ParallelModule
-from autopar.search import ElementCost, SearchPlan, TimeCost, fit_memory, search_layouts
-from autopar.storage import unify_part_storage
-from autopar.timeline import Timeline, default_hardware, simulate
-
-AUTO_CHUNKS = (1, 2, 4)  # batch chunks per rank that over_decompose="auto" compares
-
-
-@dataclass
-class Compiled:
-    """Everything the pipeline produced for one rank (used by parallelize and by pass tests)."""
-
-    graph: fx.GraphModule  # the joint graph after schedule, global layouts in node metadata
-    program: EmittedProgram
-    report: PlanReport
-    # modeled step before and after the schedule stage (autopar.timeline), when `hardware` is
-    # given or a dump is written
-    timelines: tuple[Timeline, Timeline] | None = None
-    # the mesh the graph's layouts are on: the device mesh, plus a chunk axis when over-decomposed
-    graph_mesh: Mesh | None = None
-    chunks: int = 1  # batch chunks per rank (over-decomposition); 1: off
-    chunk_step_times: dict[int, float] | None = None  # over_decompose="auto": modeled step per choice
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _no_gc_pauses(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Run `fn` with the cyclic garbage collector off (its previous state restored after).
-
-    A compile builds ~10^6 long-lived objects (graph nodes, metadata, fake tensors) and little
-    cyclic garbage: the collector's repeated full passes over them cost 15-20% of a compile
-    (benchmarks/compile_time.py), for a few percent more peak memory.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if not gc.isenabled():
-            return fn(*args, **kwargs)
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.enable()
-
-    return wrapper
-
-
-@_no_gc_pauses
-def compile_for_rank(
-    model: nn.Module,
-    mesh: Mesh,
-    example_inputs: Sequence[Any],
-    *,
-    coords: Sequence[int] | None = None,
-    example_kwargs: dict[str, Any] | None = None,
-    registry: RuleRegistry | None = None,
-    dump_dir: str | os.PathLike[str] | None = None,
-    rank: int = 0,
-    planner: str = "search",
-    agree: Callable[[fx.GraphModule, Callable[[], Plan]], Plan] | None = None,
-    hardware: str | None = None,
-    schedule: bool = True,
-    memory_limit: float | None = None,
-    over_decompose: int | str = 1,
-    split_fused: bool | None = None,
-    in_flight_bytes: int | None = None,
-) -> Compiled:
-    """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
-
-    `planner` is "search" (the default: the whole-graph search over every op's strategy, seeded by
-    the greedy pass under every axis-role assignment and by the fixed schemes, priced on `hardware`
-    or by element counts without one) or "greedy" (op by op, the first heuristic: faster to plan,
-    more communication). `agree`,
-    when given, decides how ranks settle on one plan (parallelize: rank 0 plans, all check).
-    `schedule=False` skips the schedule stage (bucketing and reordering): insert_comm's order stays,
-    each collective waited on right after it is issued (no overlap), for measuring what it buys.
-    `memory_limit` (bytes per rank) bounds the plan's modeled memory: the search trades time for
-    memory under it (default: 90% of the `hardware` table's device memory, none without a table),
-    the greedy planner (only when given) keeps its layouts and gathers weights again in backward;
-    `MemoryLimitError` is raised if no plan fits. `over_decompose=k` runs each rank's batch as k
-    chunks one after another so that one chunk's collectives overlap the next one's compute
-    (`autopar.overdecompose`); "auto" tries 1, 2 and 4 and keeps the fastest modeled step.
-    `split_fused=True` cuts fused linears split into equal pieces (GPT's qkv) into one linear per
-    piece, so each can be split by heads (`autopar.passes.fused`); default: with the search planner.
-    `in_flight_bytes` caps the output buffers of collectives issued and not yet waited on (how far
-    ahead the schedule prefetches); default `in_flight_budget`: what the memory limit leaves after
-    the plan's modeled memory.
-    """
-    registry = registry if registry is not None else default_registry()
-    split_fused = fused.wanted(split_fused, planner)
-    candidates = _chunk_candidates(over_decompose)
-    path = dump_dir_from(dump_dir, rank)
-    gm = trace(
-        model, example_inputs, decompose=mesh.size > 1, example_kwargs=example_kwargs, split_fused=split_fused
-    )
-    write_stage(path, "1_trace", gm, mesh)
-    if planner not in ("search", "greedy"):
-        raise AutoparError(f"unknown planner {planner!r}", hint='use "search" or "greedy"')
-
-    def make_plan() -> Plan:
-        cost = TimeCost(hardware, mesh.shape) if hardware is not None else ElementCost(mesh.shape)
-        if planner == "greedy":
-            greedy = choose_layouts(gm, mesh, registry)
-            return greedy if memory_limit is None else fit_memory(gm, greedy, mesh, cost, memory_limit)
-        return search_layouts(gm, mesh, registry, cost=cost, memory_limit=memory_limit)
-
-    plan = agree(gm, make_plan) if agree is not None else make_plan()
-    plan = unify_part_storage(gm, plan, mesh.shape)
-    base = tuple(coords) if coords is not None else mesh.my_coords()
-    table = default_hardware(mesh, hardware)
-    if in_flight_bytes is None:
-        in_flight_bytes = in_flight_budget(gm, plan, mesh, table, memory_limit)
-    step_times: dict[int, float] | None = None
-    if len(candidates) > 1:  # over_decompose="auto": lower, schedule and model every choice
-        step_times = _chunk_step_times(
-            gm, plan, mesh, registry, base, candidates, table, schedule, in_flight_bytes
-        )
-        chunks = min(step_times, key=lambda k: (step_times[k], k))  # type: ignore[index]
-    else:
-        chunks = candidates[0]
-    gm, work = _lower(gm, plan, mesh, registry, base, chunks, path)
-    write_stage(path, "3_insert_comm", gm, work)
-    modeled_on = table if hardware is not None or path is not None else None
-    # modeled before the schedule stage, which reorders the graph in place
-    unscheduled = simulate(gm, work, modeled_on) if modeled_on is not None else None
-    if schedule:
-        gm = schedule_pass(gm, work, hardware=table, in_flight_bytes=in_flight_bytes)
-    write_stage(path, "4_schedule", gm, work)
-    program = emit(gm, work, registry, (*base, *(0,) * work.in_process)).on_devices(mesh.ndim)
-    write_stage(path, "5_emit_forward", program.forward, work, local=True)
-    write_stage(path, "5_emit_backward", program.backward, work, local=True)
-    report = build_report(program, mesh, gm.meta.get("autopar_schedule"), graph_mesh=work)
-    write_collectives(path, report)
-    timelines = None
-    if unscheduled is not None and modeled_on is not None:
-        timelines = (unscheduled, simulate(gm, work, modeled_on))
-        write_timeline(path, timelines, rank)
-    return Compiled(gm, program, report, timelines, work, chunks, step_times)
-
-
-def _chunk_candidates(over_decompose: int | str) -> list[int]:
-    if over_decompose == "auto":
-        return list(AUTO_CHUNKS)
-    if isinstance(over_decompose, int) and not isinstance(over_decompose, bool) and over_decompose >= 1:
-        return [over_decompose]
-    raise AutoparError(
-        f"over_decompose={over_decompose!r}",
-        hint='give the number of batch chunks per rank (1: off) or "auto" to let the cost model choose',
-    )
-
-
-def _lower(
-    gm: fx.GraphModule,
-    plan: Plan,
-    mesh: Mesh,
-    registry: RuleRegistry,
-    coords: tuple[int, ...],
-    chunks: int,
-    path: Any = None,
-) -> tuple[fx.GraphModule, Mesh]:
-    """propagate and insert_comm (with the search's regathers); chunked: once per chunk, then
-    merged. Returns the graph and the mesh its layouts are on (with the chunk axis if chunked)."""
-    work, chosen = mesh, plan
-    if chunks > 1:
-        work, chosen = mesh.with_chunks(chunks), chunk_plan(gm, plan, mesh, registry, chunks)
-    gm = propagate(gm, work, registry, choose=lambda *_: chosen)
-    write_stage(path, "2_propagate", gm, work)
-    copies = [gm] + [copy.deepcopy(gm) for _ in range(chunks - 1)]
-    for c, one in enumerate(copies):
-        insert_comm(one, work, (*coords, c) if chunks > 1 else coords)
-        if isinstance(plan, SearchPlan):
-            regather(one, plan.regather)
-    return (merge_chunks(copies, work) if chunks > 1 else gm), work
-
-
-def scheduled_step_time(
-    gm: fx.GraphModule,
-    plan: Plan,
-    mesh: Mesh,
-    registry: RuleRegistry,
-    hardware: str,
-    memory_limit: float | None = None,
-) -> float:
-    """Modeled step time of `plan` with overlap: lowered on a copy of `gm` for the rank at
-    coordinates 0, scheduled and simulated on `hardware` as `compile_for_rank` runs it (the mesh
-    choice ranks its best candidates by this)."""
-    plan = unify_part_storage(gm, plan, mesh.shape)
-    cap = in_flight_budget(gm, plan, mesh, hardware, memory_limit)
-    return _chunk_step_times(gm, plan, mesh, registry, (0,) * mesh.ndim, [1], hardware, True, cap)[1]
-
-
-def in_flight_budget(
-    gm: fx.GraphModule, plan: Plan, mesh: Mesh, hardware: str, memory_limit: float | None = None
-) -> int:
-    """The schedule's default cap on collective buffers in flight, bytes per rank: what the memory
-    limit (`memory_limit`, else `MEMORY_HEADROOM` of the table's device memory) leaves after the
-    plan's modeled memory (stored parameters, gradients, AdamW states, saved activations; the
-    search's own figure where it has one). Prefetching may use the headroom, never more; 0 when
-    there is none (one collective in flight at a time). `IN_FLIGHT_BYTES` without a limit (a table
-    without device memory, or `memory_limit=math.inf`)."""
-    hw = load_hardware(hardware)
-    limit = memory_limit if memory_limit is not None else MEMORY_HEADROOM * hw.memory_capacity
-    if limit <= 0 or not math.isfinite(limit):
-        return IN_FLIGHT_BYTES
-    memory = plan.memory if isinstance(plan, SearchPlan) else None
-    if memory is None:
-        memory = plan_memory(gm, plan, mesh.shape).breakdown(getattr(plan, "regather", ()))
-    return max(0, int(limit - memory.total))
-
-
-def _chunk_step_times(
-    gm: fx.GraphModule,
-    plan: Plan,
-    mesh: Mesh,
-    registry: RuleRegistry,
-    coords: tuple[int, ...],
-    candidates: Sequence[int],
-    table: str,
-    schedule: bool,
-    in_flight_bytes: int,
-) -> dict[int, float]:
-    """Modeled step time of each chunk count that fits, lowered (on a copy of `gm`) and
-    scheduled like the real one."""
-    times: dict[int, float] = {}
-    for k in candidates:
-        try:
-            lowered, work = _lower(copy.deepcopy(gm), plan, mesh, registry, coords, k)
-        except OverDecompositionError:
-            continue
-        if schedule:
-            lowered = schedule_pass(lowered, work, hardware=table, in_flight_bytes=in_flight_bytes)
-        times[k] = simulate(lowered, work, table).step_time
-    return times
 
 
 def parallelize(
@@ -358,16 +111,6 @@ def parallelize(
     return result
 
 
-def graph_fingerprint(gm: fx.GraphModule) -> str:
-    """What every rank must have traced identically for one plan to fit all of them."""
-    digest = hashlib.sha256()
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-        digest.update(f"{node.op}|{node.name}|{node.target}|{shape}\n".encode())
-    return digest.hexdigest()
-
-
 def _agree_across_ranks(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Plan:
     """Rank 0 plans and broadcasts; every rank first checks that all traced the same graph.
 
@@ -416,3 +159,100 @@ def _check_model(model: nn.Module) -> None:
             f"parameters are on the meta device (e.g. {meta[0]}); parallelize needs their values",
             hint="load or initialize the weights first; planning alone works on meta models",
         )
+
+
+def plan(
+    model: nn.Module,
+    mesh_shape: Sequence[int] | str,
+    example_inputs: Sequence[Any],
+    *,
+    hardware: str = "h100-nvlink-ib",
+    planner: str = "search",
+    mesh_names: Sequence[str] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    registry: RuleRegistry | None = None,
+    compare: bool = False,
+    world_size: int | None = None,
+    memory_limit: float | None = None,
+    over_decompose: int | str = 1,
+    split_fused: bool | None = None,
+    in_flight_bytes: int | None = None,
+) -> PlanResult:
+    """Plan `model` for a mesh of `mesh_shape` ranks on `hardware`, in this process, allocating no weights.
+
+    `compare=True` also plans the fixed 1-D Megatron, 2-D SUMMA and 3-D cube schemes of the same
+    traced graph on as many ranks (`autopar.planning.fixed`) and prices them the same way:
+    `result.comparison`, `result.compare_text()`, and "comparison" in `to_json()`.
+    `mesh_shape="auto"` with `world_size=N` plans every factorization of N (`autopar.planning.mesh_choice`)
+    and compiles the fastest that fits; the ranked table is `result.mesh_choice`. `memory_limit`
+    (bytes per rank, default 90% of the table's device memory) bounds the plan's modeled memory.
+    `over_decompose`: batch chunks per rank, or "auto"; `split_fused`: one linear per piece of a
+    fused projection, None: with the search planner; `in_flight_bytes`: the schedule's cap on
+    collective buffers in flight, default the memory limit's headroom (all `autopar.compile_for_rank`).
+    """
+    registry = registry if registry is not None else default_registry()
+    split_fused = fused.wanted(split_fused, planner)
+    choice = None
+    if isinstance(mesh_shape, str):
+        if mesh_shape != "auto" or world_size is None:
+            raise AutoparError(f"mesh_shape {mesh_shape!r}", hint='give a shape, or "auto" with world_size=N')
+        choice = choose_mesh(
+            model,
+            world_size,
+            example_inputs,
+            hardware=hardware,
+            planner=planner,
+            memory_limit=memory_limit,
+            example_kwargs=example_kwargs,
+            registry=registry,
+            split_fused=split_fused,
+        )
+        mesh_shape, mesh_names = choice.chosen.shape, choice.chosen.names
+    mesh = Mesh.from_shape(tuple(mesh_shape), tuple(mesh_names) if mesh_names else None)
+    traced: list[fx.GraphModule] = []
+
+    def keep_traced(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Plan:
+        if compare:  # the joint graph as traced, before planning annotates it
+            traced.append(copy.deepcopy(gm))
+        return make_plan()
+
+    compiled = compile_for_rank(
+        model,
+        mesh,
+        tuple(example_inputs),
+        coords=(0,) * mesh.ndim,
+        example_kwargs=example_kwargs,
+        registry=registry,
+        planner=planner,
+        hardware=hardware,
+        agree=keep_traced,
+        memory_limit=memory_limit,
+        over_decompose=over_decompose,
+        split_fused=split_fused,
+        in_flight_bytes=in_flight_bytes,
+    )
+    result = price(compiled, mesh, hardware, planner)
+    result.mesh_choice = choice
+    if compare:
+        chosen = Compared(f"chosen ({planner})", mesh.shape, "", result)
+        fixed = compare_fixed(
+            model, example_inputs, traced[0], mesh.size, hardware, registry, example_kwargs=example_kwargs,
+            split_fused=split_fused,
+        )
+        result.comparison = [chosen, *fixed]
+    return result
+
+
+# Names that lived here before the compiler driver had its own package; kept one release.
+_MOVED_TO_DRIVER = ("Compiled", "in_flight_budget", "scheduled_step_time")
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED_TO_DRIVER:
+        warnings.warn(
+            f"autopar.api.{name} is deprecated: import it from autopar.compiler.driver",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(driver, name)
+    raise AttributeError(f"module 'autopar.api' has no attribute {name!r}")

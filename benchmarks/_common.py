@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-import autopar.api as api
-from autopar.api import Compiled
-from autopar.mesh import Mesh
+import autopar.compiler.driver as driver
+from autopar.compiler.driver import Compiled
+from autopar.core.mesh import Mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -56,7 +56,7 @@ def import_lazy_modules() -> tuple[float, float]:
 def staged_compile(
     model: nn.Module, mesh: Mesh, example_inputs: Sequence[Any], planner: str = "greedy", **options: Any
 ) -> tuple[Compiled, dict[str, float]]:
-    """`autopar.api.compile_for_rank` for the rank at coords (0, ...), timed stage by stage.
+    """`autopar.compiler.driver.compile_for_rank` for the rank at coords (0, ...), timed stage by stage.
 
     The stage functions compile_for_rank calls are wrapped with timers for the duration of the
     call, so this measures compile_for_rank itself, whatever it does between the stages (`other`).
@@ -65,7 +65,7 @@ def staged_compile(
     """
     wall = dict.fromkeys(STAGES, 0.0)
     cpu = dict.fromkeys(STAGES, 0.0)
-    originals = {name: getattr(api, name) for name in _STAGE_OF}
+    originals = {name: getattr(driver, name) for name in _STAGE_OF}
 
     def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         stage = _STAGE_OF[name]
@@ -82,16 +82,16 @@ def staged_compile(
 
     dump = os.environ.pop("AUTOPAR_DUMP_DIR", None)
     for name, fn in originals.items():
-        setattr(api, name, timed(name, fn))
+        setattr(driver, name, timed(name, fn))
     try:
         w, c = time.perf_counter(), time.process_time()
-        compiled = api.compile_for_rank(
+        compiled = driver.compile_for_rank(
             model, mesh, example_inputs, coords=(0,) * mesh.ndim, planner=planner, **options
         )
         total_wall, total_cpu = time.perf_counter() - w, time.process_time() - c
     finally:
         for name, fn in originals.items():
-            setattr(api, name, fn)
+            setattr(driver, name, fn)
         if dump is not None:
             os.environ["AUTOPAR_DUMP_DIR"] = dump
     times = dict(wall)

@@ -4,7 +4,7 @@ The GPT layer stack of benchmarks/plan_quality.py (examples/models.GPT, h = 4096
 s = 2048, b = 8, 3 layers, vocabulary 512, fp32, built on the meta device) is planned with the
 search planner priced on `h100-nvlink-ib` for rank 0 of planning meshes of 64 and 512 ranks (the
 best mesh of plan_quality and the AxoNN grid), and of 8 ranks (one node) for contrast. The timeline
-model (`autopar.timeline`) runs one step with a compute stream and one communication stream:
+model (`autopar.cost.timeline`) runs one step with a compute stream and one communication stream:
 
 - "before": insert_comm's order, every wait right after its collective (nothing overlaps);
 - "after": the schedule stage (bucketing, issue early, wait late, lookahead, one collective in
@@ -17,7 +17,7 @@ model (`autopar.timeline`) runs one step with a compute stream and one communica
   (those that divide it), each lowered, scheduled and modeled; the fastest step is kept;
 - "mesh auto" (`--auto`, default p = 8): `autopar.plan(model, "auto", world_size=p)`, every
   factorization of p planned and the best few by the no-overlap sum lowered, scheduled and ranked
-  by their modeled step with overlap (`autopar.mesh_choice`); the chosen mesh's exposure.
+  by their modeled step with overlap (`autopar.planning.mesh_choice`); the chosen mesh's exposure.
 
     python benchmarks/overlap.py              # ~1.5 min on 2 cores (2 worker processes)
     python benchmarks/overlap.py --auto 8 64  # ~4 min: also the mesh choice at 64 ranks (26 meshes)
@@ -61,8 +61,8 @@ def measure(mesh_shape: tuple[int, ...]) -> dict[str, Any]:
 
     import autopar
     from autopar.api import compile_for_rank
+    from autopar.cost.timeline import Timeline, simulate
     from autopar.passes.schedule import schedule
-    from autopar.timeline import Timeline, simulate
     from examples.models import GPT, GPTConfig
 
     torch.set_num_threads(1)

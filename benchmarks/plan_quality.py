@@ -18,7 +18,7 @@ layers and report the difference of the whole step's volume ("marginal", what on
     python benchmarks/plan_quality.py --p 8 --planners greedy
     python benchmarks/plan_quality.py --planners greedy greedy+split search search+fused
 
-"search" cuts fused projections into one linear per piece by default (split_fused, README), "greedy"
+"search" cuts fused projections into one linear per piece by default (split_fused, docs/planning.md), "greedy"
 does not; "+split" / "+fused" force the cut on / off.
 
 Writes benchmarks/results/plan_quality.json.
@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import Mesh, factorizations, on_meta, staged_compile, table, write_result  # noqa: E402
 
+from autopar.core.meta import has_info, info  # noqa: E402
 from autopar.cost import symbolic  # noqa: E402
-from autopar.meta import has_info, info  # noqa: E402
 
 H, HEADS, SEQ, BATCH, VOCAB = 4096, 32, 2048, 8, 512
 LAYERS = 3  # count the middle one (blocks.1); 2-layer compiles give the marginal check

@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.mesh import default_axis_names  # noqa: E402
+from autopar.core.mesh import default_axis_names  # noqa: E402
 from autopar.runtime.module import ParallelModule  # noqa: E402
 from examples.models import make_gpt  # noqa: E402
 

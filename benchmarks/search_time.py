@@ -37,8 +37,8 @@ from compile_time import BATCH, MESH, build  # noqa: E402
 def measure(name: str, layers: int, hardware: str | None) -> dict[str, Any]:
     """Trace, then the search, in this (fresh) process."""
     from autopar.passes.trace import trace
+    from autopar.planning.search import TimeCost, search_layouts
     from autopar.rules.registry import default_registry
-    from autopar.search import TimeCost, search_layouts
 
     out: dict[str, Any] = {"model": name, "layers": layers, "mesh": list(MESH), "hardware": hardware}
     try:

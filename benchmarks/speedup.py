@@ -5,7 +5,7 @@ vocabulary 512) with **2 layers** instead of 3 to keep the run short (the ratios
 a layer dominates it; embedding and head are tiny at this vocabulary). For each hardware table
 (h100-nvlink-ib, v100-cluster) and p (64, 512):
 
-- the fixed plans of `autopar.fixed_plans` on the same traced graph and the same table: 1-D
+- the fixed plans of `autopar.planning.fixed` on the same traced graph and the same table: 1-D
   Megatron on (p,), 2-D SUMMA on its best grid and axis order, 3-D cube on (q, q, q); linears forced
   to the scheme, everything else laid out by the greedy planner, compiled and priced the same way;
 - "search": `autopar.plan(..., planner="search", hardware=table)` on a few 3-axis meshes (the best
@@ -15,7 +15,7 @@ a layer dominates it; embedding and head are tiny at this vocabulary). For each 
   greedy plans of every axis-role assignment), so its modeled cost is never above theirs; the mesh
   with the lowest modeled step time is the chosen plan ("seed" names where its chain moves began);
 - "auto" (`--auto P`): `autopar.plan(model, "auto", world_size=P)`, the search on every
-  factorization of P ranked by `autopar.mesh_choice` and the fastest compiled and priced.
+  factorization of P ranked by `autopar.planning.mesh_choice` and the fastest compiled and priced.
 
 "layer M" is the elements sent per rank by the collectives whose module path lies in `blocks.1` (the
 last layer; collectives the compiler attributes to `<root>` are missed, as in plan_quality.py), for
@@ -103,10 +103,11 @@ def measure(hardware: str, p: int, meshes: list[tuple[int, ...]], auto: bool = F
     import torch
 
     import autopar
-    from autopar.api import graph_fingerprint
-    from autopar.fixed_plans import SCHEMES, compile_fixed, plan_fixed, scheme_variants
+    from autopar.compiler.driver import graph_fingerprint
+    from autopar.compiler.fixed import compile_fixed
+    from autopar.compiler.pricing import price
     from autopar.passes.trace import trace
-    from autopar.planning import price
+    from autopar.planning.fixed import SCHEMES, plan_fixed, scheme_variants
     from autopar.rules.registry import default_registry
     from examples.models import GPT, GPTConfig
 

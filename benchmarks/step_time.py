@@ -71,9 +71,9 @@ from multirank import run_ranks  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import autopar  # noqa: E402
-import autopar.api  # noqa: E402
-from autopar.mesh import default_axis_names  # noqa: E402
-from autopar.passes.schedule import COLLECTIVES  # noqa: E402
+import autopar.compiler.driver  # noqa: E402
+from autopar.core.collectives import COLLECTIVES  # noqa: E402
+from autopar.core.mesh import default_axis_names  # noqa: E402
 from autopar.passes.schedule import schedule as schedule_stage  # noqa: E402
 from autopar.runtime.module import ParallelModule  # noqa: E402
 from examples.models import make_gpt  # noqa: E402
@@ -170,7 +170,7 @@ def _compile(model: torch.nn.Module, mesh: Any, batch: Any, variant: str) -> Par
         return autopar.parallelize(model, mesh, example_inputs=batch, schedule=variant == "scheduled")
     # the schedule stage without its bucketing (bucket_bytes=0), to tell the two apart; opt-in
     no_buckets = functools.partial(schedule_stage, bucket_bytes=0)
-    with mock.patch.object(autopar.api, "schedule_pass", no_buckets):
+    with mock.patch.object(autopar.compiler.driver, "schedule_pass", no_buckets):
         return autopar.parallelize(model, mesh, example_inputs=batch)
 
 

@@ -32,8 +32,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.coverage import format_rows, op_coverage
-from autopar.layout import P, R, Shard
+from autopar.compiler.coverage import op_coverage
+from autopar.core.layout import P, R, Shard
+from autopar.reporting.coverage import format_rows
 from autopar.rules.base import AxisStrategy, LocalCall, LocalContext, OpCall, RuleRegistry, with_replicated
 from autopar.rules.registry import default_registry
 

@@ -28,7 +28,7 @@ from models import gpt_batch, make_gpt
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.mesh import default_axis_names
+from autopar.core.mesh import default_axis_names
 
 SEED = 0
 RTOL = 1e-4  # parallel and serial losses must agree to this relative tolerance

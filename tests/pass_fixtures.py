@@ -18,17 +18,21 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.api import Compiled, compile_for_rank
-from autopar.layout import Layout, P, R
-from autopar.mesh import Mesh
-from autopar.meta import NodeInfo, has_info, info, set_info, signature
-from autopar.passes.emit import EmittedProgram, emit, local_value
+from autopar.api import compile_for_rank
+from autopar.compiler.driver import Compiled
+from autopar.core.collectives import COLLECTIVES
+from autopar.core.layout import Layout, P, R
+from autopar.core.mesh import Mesh
+from autopar.core.meta import NodeInfo, has_info, info, set_info, signature
+from autopar.core.redistribute import CommStep
+from autopar.passes.emit import emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
-from autopar.passes.schedule import COLLECTIVES, schedule
+from autopar.passes.schedule import schedule
 from autopar.passes.trace import trace
-from autopar.redistribute import CommStep
+from autopar.planning.greedy import choose_layouts
 from autopar.rules.registry import default_registry
+from autopar.runtime.program import EmittedProgram, local_value
 from autopar.testing import all_coords, assemble
 from examples.models import make_gpt, make_mlp
 
@@ -86,7 +90,7 @@ def propagated(key: str, shape: tuple[int, ...]) -> fx.GraphModule:
     model, inputs = model_case(key)
     mesh = Mesh.from_shape(shape)
     gm = trace(model, inputs, decompose=mesh.size > 1)
-    return propagate(gm, mesh, default_registry())
+    return propagate(gm, choose_layouts(gm, mesh, default_registry()))
 
 
 def gpt_propagated(shape: tuple[int, ...]) -> fx.GraphModule:
@@ -189,7 +193,7 @@ def two_linear_after_insert_comm(
     model, inputs = two_linear_case()
     mesh = Mesh.from_shape(shape)
     gm = trace(model, inputs, decompose=mesh.size > 1)
-    gm = propagate(gm, mesh, default_registry())
+    gm = propagate(gm, choose_layouts(gm, mesh, default_registry()))
     return insert_comm(gm, mesh, coords if coords is not None else (0,) * len(shape))
 
 

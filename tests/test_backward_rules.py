@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.coverage import op_coverage
+from autopar.compiler.coverage import op_coverage
 from autopar.rules.registry import default_registry
 
 HERE = Path(__file__).parent

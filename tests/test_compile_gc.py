@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from pass_fixtures import two_linear_case
 
-import autopar.api as api
-from autopar.mesh import Mesh
+import autopar.compiler.driver as driver
+from autopar.core.mesh import Mesh
 
 
 @pytest.mark.parametrize("enabled_before", [True, False])
@@ -17,19 +17,19 @@ def test_the_collector_is_off_during_a_compile_and_restored_after(
     enabled_before: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[bool] = []
-    plain_emit = api.emit
+    plain_emit = driver.emit
 
     def emit(*args: Any, **kwargs: Any) -> Any:
         seen.append(gc.isenabled())
         return plain_emit(*args, **kwargs)
 
-    monkeypatch.setattr(api, "emit", emit)
+    monkeypatch.setattr(driver, "emit", emit)
     model, inputs = two_linear_case()
     was = gc.isenabled()
     if not enabled_before:
         gc.disable()
     try:
-        compiled = api.compile_for_rank(model, Mesh.from_shape((2, 2)), inputs, coords=(0, 1))
+        compiled = driver.compile_for_rank(model, Mesh.from_shape((2, 2)), inputs, coords=(0, 1))
         assert gc.isenabled() == enabled_before
     finally:
         if was:
@@ -42,9 +42,9 @@ def test_an_error_inside_the_compile_still_restores_the_collector(monkeypatch: p
     def failing(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(api, "insert_comm", failing)
+    monkeypatch.setattr(driver, "insert_comm", failing)
     model, inputs = two_linear_case()
     assert gc.isenabled()
     with pytest.raises(RuntimeError, match="boom"):
-        api.compile_for_rank(model, Mesh.from_shape((2,)), inputs, coords=(0,))
+        driver.compile_for_rank(model, Mesh.from_shape((2,)), inputs, coords=(0,))
     assert gc.isenabled()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autopar.core.layout import Layout, P, R, Shard
+from autopar.core.redistribute import plan_redistribute
 from autopar.cost import (
     ADAMW_STATE_FACTOR,
     Link,
@@ -19,8 +21,6 @@ from autopar.cost import (
     redistribute_time,
     step_time,
 )
-from autopar.layout import Layout, P, R, Shard
-from autopar.redistribute import plan_redistribute
 
 H100 = load_hardware("h100-nvlink-ib")
 NVLINK = H100.intra_node

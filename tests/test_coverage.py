@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from autopar.__main__ import main
-from autopar.coverage import MISSING, format_rows, load_factory, model_coverage, op_coverage
+from autopar.compiler.coverage import load_factory, model_coverage, op_coverage
+from autopar.reporting.coverage import MISSING, format_rows
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 

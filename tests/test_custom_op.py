@@ -19,19 +19,21 @@ from hypothesis import strategies as st
 from pass_fixtures import run_programs
 
 from autopar.api import compile_for_rank
-from autopar.errors import MissingRuleError
-from autopar.layout import Layout, R, Shard
-from autopar.mesh import Mesh
-from autopar.meta import info
-from autopar.passes.emit import EmittedProgram, emit
+from autopar.core.errors import MissingRuleError
+from autopar.core.layout import Layout, R, Shard
+from autopar.core.mesh import Mesh
+from autopar.core.meta import info
+from autopar.passes.emit import emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
 from autopar.passes.schedule import schedule
 from autopar.passes.trace import trace
+from autopar.planning.greedy import choose_layouts
 from autopar.rules.base import AxisStrategy, Strategy, make_call
 from autopar.rules.registry import default_registry
+from autopar.runtime.program import EmittedProgram
 from autopar.testing import all_coords, assemble, check_strategy
-from autopar.testing_strategies import (
+from autopar.testing.strategies import (
     candidate_strategies,
     check_random_strategies,
     mesh_shapes,
@@ -159,7 +161,8 @@ def _run_all_ranks(
 def _rank_programs(model: torch.nn.Module, batch: tuple) -> tuple[fx.GraphModule, dict]:
     """compile_for_rank's stages for every rank, tracing and planning once (as pass_fixtures does)."""
     mesh = Mesh.from_shape(MESH)
-    planned = propagate(trace(model, batch, decompose=True), mesh, REGISTRY)
+    traced = trace(model, batch, decompose=True)
+    planned = propagate(traced, choose_layouts(traced, mesh, REGISTRY))
     programs = {}
     for c in all_coords(MESH):
         gm = schedule(insert_comm(copy.deepcopy(planned), mesh, c))

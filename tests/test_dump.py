@@ -10,9 +10,9 @@ import torch
 from pass_fixtures import gpt_compiled, is_comm, model_case
 
 from autopar.api import compile_for_rank
-from autopar.dump import DUMP_ENV, dump_dir_from
-from autopar.mesh import Mesh
-from autopar.meta import info
+from autopar.core.mesh import Mesh
+from autopar.core.meta import info
+from autopar.reporting.dump import DUMP_ENV, dump_dir_from
 
 MESH = (2, 2, 2)
 NAMES = ("x", "y", "z")
@@ -25,7 +25,7 @@ FILES = {
     "5_emit_backward.txt",
     "collectives.txt",
     "summary.txt",
-    "timeline.json",  # autopar.timeline: modeled step (tests/test_timeline.py checks the contents)
+    "timeline.json",  # autopar.cost.timeline: modeled step (tests/test_timeline.py checks the contents)
     "timeline.png",
     "overlap.txt",
 }

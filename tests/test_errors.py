@@ -10,8 +10,8 @@ from multirank import run_ranks
 
 import autopar
 from autopar.api import compile_for_rank
-from autopar.errors import InputMismatchError, MeshError, MissingRuleError, ShardingError, TraceError
-from autopar.mesh import Mesh
+from autopar.core.errors import InputMismatchError, MeshError, MissingRuleError, ShardingError, TraceError
+from autopar.core.mesh import Mesh
 from autopar.rules.registry import default_registry
 from examples.models import make_mlp
 

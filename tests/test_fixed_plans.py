@@ -1,4 +1,4 @@
-"""Fixed comparison plans (autopar.fixed_plans): the linears found, the closed-form volumes, numbers.
+"""Fixed comparison plans (autopar.planning.fixed): the linears found, the closed-form volumes, numbers.
 
 On the two-linear MLP of the insert_comm tests (T = 64 tokens, h = 64, width 4h, no biases, loss
 sum((y - t)^2)) each scheme's emitted collectives add up exactly to its closed form in
@@ -16,23 +16,18 @@ import pytest
 import torch.fx as fx
 from pass_fixtures import H, T, assert_matches_serial, gpt_case, run_programs, two_linear_case
 
-from autopar.api import graph_fingerprint
+from autopar.compiler.driver import graph_fingerprint
+from autopar.compiler.fixed import compile_fixed
+from autopar.core.meta import has_info, info
 from autopar.cost import symbolic
-from autopar.fixed_plans import (
-    FixedPlan,
-    compile_fixed,
-    find_linears,
-    pair_linears,
-    plan_fixed,
-    split_letters,
-)
-from autopar.meta import has_info, info
-from autopar.passes.emit import EmittedProgram, emit
+from autopar.passes.emit import emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
 from autopar.passes.schedule import schedule
 from autopar.passes.trace import trace
+from autopar.planning.fixed import FixedPlan, find_linears, pair_linears, plan_fixed, split_letters
 from autopar.rules.registry import default_registry
+from autopar.runtime.program import EmittedProgram
 from autopar.testing import all_coords
 
 REGISTRY = default_registry()
@@ -56,7 +51,7 @@ def _programs(key: str, p: int) -> dict[tuple[int, ...], EmittedProgram]:
     assert fixed.scheme is not None and fixed.plan is not None, fixed.infeasible
     mesh = fixed.scheme.mesh()
     plan = fixed.plan
-    done = propagate(copy.deepcopy(_traced("mlp")), mesh, REGISTRY, choose=lambda *_: plan)
+    done = propagate(copy.deepcopy(_traced("mlp")), plan)
     out = {}
     for coords in all_coords(mesh.shape):
         gm = schedule(insert_comm(copy.deepcopy(done), mesh, coords), mesh)

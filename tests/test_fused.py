@@ -1,4 +1,4 @@
-"""split_fused: a fused linear split into equal pieces becomes one linear per piece (passes/fused.py)."""
+"""split_fused: a fused linear split into equal pieces becomes one linear per piece (autopar/passes/fused.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import torch
 from pass_fixtures import assert_matches_serial, gpt_case, run_programs
 
 from autopar.api import compile_for_rank
-from autopar.layout import Layout, Partial, Replicate, Shard
-from autopar.mesh import Mesh
-from autopar.meta import info, signature
+from autopar.core.layout import Layout, Partial, Replicate, Shard
+from autopar.core.mesh import Mesh
+from autopar.core.meta import info, signature
+from autopar.core.redistribute import plan_redistribute, redistribute_cost
 from autopar.passes.trace import trace
-from autopar.redistribute import plan_redistribute, redistribute_cost
+from autopar.planning.search import ElementCost, plan_cost_parts, search_layouts
+from autopar.planning.storage import part_dim_at, part_dims
 from autopar.rules.registry import default_registry
-from autopar.search import ElementCost, plan_cost_parts, search_layouts
-from autopar.storage import part_dim_at, part_dims
 from autopar.testing import all_coords
 
 aten = torch.ops.aten

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from autopar.layout import Layout, P, Partial, R, Replicate, Shard
+from autopar.core.layout import Layout, P, Partial, R, Replicate, Shard
 from autopar.testing import all_coords, local_block
 
 
@@ -137,7 +137,7 @@ def test_layouts_survive_pickling_into_another_process() -> None:
     layout = Layout((Shard(1), Shard(0), Partial()), (4, 6))
     code = (
         "import pickle, sys\n"
-        "from autopar.layout import Layout, Shard, Partial\n"
+        "from autopar.core.layout import Layout, Shard, Partial\n"
         "got = pickle.loads(bytes.fromhex(sys.argv[1]))\n"
         "want = Layout((Shard(1), Shard(0), Partial()), (4, 6))\n"
         "print(got == want, hash(got) == hash(want), {want: 1}.get(got))\n"

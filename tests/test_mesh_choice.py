@@ -11,12 +11,13 @@ import torch
 from multirank import run_ranks
 
 import autopar
-from autopar.api import scheduled_step_time
-from autopar.fixed_plans import SCHEMES, plan_fixed
-from autopar.mesh_choice import OVERLAP_CANDIDATES, MeshChoice, choose_mesh, mesh_candidates
+from autopar.compiler.auto_mesh import choose_mesh
+from autopar.compiler.driver import scheduled_step_time
 from autopar.passes.trace import trace
+from autopar.planning.fixed import SCHEMES, plan_fixed
+from autopar.planning.mesh_choice import OVERLAP_CANDIDATES, MeshChoice, mesh_candidates
+from autopar.planning.search import TimeCost, plan_cost_parts, search_layouts
 from autopar.rules.registry import default_registry
-from autopar.search import TimeCost, plan_cost_parts, search_layouts
 from examples.models import GPT, GPTConfig, make_gpt
 
 CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=8, n_embd=256)

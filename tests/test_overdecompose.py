@@ -9,12 +9,13 @@ import torch
 import torch.fx as fx
 from pass_fixtures import all_coords, model_case, run_programs
 
-from autopar.api import Compiled, compile_for_rank
-from autopar.errors import AutoparError
-from autopar.mesh import Mesh
-from autopar.meta import has_info, info
-from autopar.overdecompose import OverDecompositionError
-from autopar.passes.bucket import COLLECTIVES
+from autopar.api import compile_for_rank
+from autopar.compiler.driver import Compiled
+from autopar.core.collectives import COLLECTIVES
+from autopar.core.errors import AutoparError
+from autopar.core.mesh import Mesh
+from autopar.core.meta import has_info, info
+from autopar.planning.overdecompose import OverDecompositionError
 from autopar.testing import assemble
 from examples.models import GPT, GPTConfig
 

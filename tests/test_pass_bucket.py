@@ -19,12 +19,12 @@ from pass_fixtures import (
     run_lockstep,
 )
 
-from autopar.layout import Layout, P, R
-from autopar.mesh import Mesh
-from autopar.meta import info
+from autopar.core.layout import Layout, P, R
+from autopar.core.mesh import Mesh
+from autopar.core.meta import info
+from autopar.core.redistribute import CommStep
 from autopar.passes.bucket import bucket
 from autopar.passes.schedule import _tail, schedule
-from autopar.redistribute import CommStep
 
 aten = torch.ops.aten
 

@@ -15,14 +15,15 @@ from pass_fixtures import gpt_compiled, is_comm, model_case, propagated, rank_pr
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from autopar.errors import ShardingError
-from autopar.layout import Layout, Shard
-from autopar.mesh import Mesh
-from autopar.meta import info, update_info
-from autopar.passes.emit import EmittedProgram, check_local_shapes, emit, local_value
+from autopar.core.errors import ShardingError
+from autopar.core.layout import Layout, Shard
+from autopar.core.mesh import Mesh
+from autopar.core.meta import info, update_info
+from autopar.passes.emit import check_local_shapes, emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.schedule import schedule
 from autopar.rules.registry import default_registry
+from autopar.runtime.program import EmittedProgram, local_value
 from autopar.testing import all_coords, assemble
 
 MESH = (2, 2, 2)

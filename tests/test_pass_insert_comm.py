@@ -24,12 +24,12 @@ from pass_fixtures import (
     run_lockstep,
 )
 
-from autopar.layout import Layout, P, R, Shard
-from autopar.mesh import Mesh
-from autopar.meta import NodeInfo, info, set_info, signature
+from autopar.core.layout import Layout, P, R, Shard
+from autopar.core.mesh import Mesh
+from autopar.core.meta import NodeInfo, info, set_info, signature
 from autopar.passes.insert_comm import insert_comm
 from autopar.testing import all_coords, assemble, shard_tensor
-from autopar.testing_strategies import layout_pairs
+from autopar.testing.strategies import layout_pairs
 
 MESH = (2, 2, 2)
 X, Y, Z = MESH

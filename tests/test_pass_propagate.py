@@ -10,11 +10,11 @@ import torch
 import torch.fx as fx
 from pass_fixtures import gpt_case, gpt_compiled, gpt_propagated
 
-from autopar.layout import Layout, Partial, Replicate, Shard
-from autopar.mesh import Mesh
-from autopar.meta import info, signature
-from autopar.planner import axis_roles
-from autopar.storage import storage_layout
+from autopar.core.layout import Layout, Partial, Replicate, Shard
+from autopar.core.mesh import Mesh
+from autopar.core.meta import info, signature
+from autopar.planning.greedy import axis_roles
+from autopar.planning.storage import storage_layout
 
 MESHES = [(8,), (2, 4), (2, 2, 2), (2, 2, 2, 1)]
 LINEAR_SUFFIXES = (".attn.qkv", ".attn.proj", ".mlp.fc", ".mlp.proj")

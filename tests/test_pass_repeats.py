@@ -1,4 +1,4 @@
-"""Repeated blocks traced once and copied (passes/repeats.py): the copied joint graph is the whole
+"""Repeated blocks traced once and copied (autopar/passes/repeats.py): the copied joint graph is the whole
 trace up to node names, and every model that does not check out is traced whole."""
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import torch.fx as fx
 from pass_fixtures import assert_matches_serial, eager_step, isomorphism_failure, run_joint, run_programs
 from torch import nn
 
-from autopar.mesh import Mesh
-from autopar.meta import info, signature
+from autopar.core.mesh import Mesh
+from autopar.core.meta import info, signature
 from autopar.passes.emit import emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
 from autopar.passes.repeats import REPEATS_KEY, RepeatedBlocks
 from autopar.passes.schedule import schedule
 from autopar.passes.trace import trace
+from autopar.planning.greedy import choose_layouts
 from autopar.rules.registry import default_registry
 from autopar.testing import all_coords
 from examples.models import make_gpt
@@ -161,7 +162,7 @@ def test_a_copied_gpt_computes_the_serial_model_on_every_rank() -> None:
     registry = default_registry()
     gm = trace(model, inputs)
     assert gm.meta[REPEATS_KEY] == (RepeatedBlocks("blocks", 3),)
-    planned = propagate(gm, mesh, registry)
+    planned = propagate(gm, choose_layouts(gm, mesh, registry))
     programs = {
         c: emit(schedule(insert_comm(copy.deepcopy(planned), mesh, c)), mesh, registry, c)
         for c in all_coords(shape)

@@ -28,15 +28,17 @@ from pass_fixtures import (
     simulate_step,
 )
 
-from autopar.layout import Layout, P, R
-from autopar.mesh import Mesh
-from autopar.meta import NodeInfo, info, set_info
-from autopar.passes.emit import EmittedProgram, emit
+from autopar.core.collectives import COLLECTIVES
+from autopar.core.layout import Layout, P, R
+from autopar.core.mesh import Mesh
+from autopar.core.meta import NodeInfo, info, set_info
+from autopar.core.redistribute import CommStep
+from autopar.passes.emit import emit
 from autopar.passes.insert_comm import insert_comm
-from autopar.passes.schedule import COLLECTIVES, ScheduleReport, _group, _tail, schedule
-from autopar.redistribute import CommStep
-from autopar.report import CollectiveRecord, build_report
+from autopar.passes.schedule import ScheduleReport, _group, _tail, schedule
+from autopar.reporting.report import CollectiveRecord, build_report
 from autopar.rules.registry import default_registry
+from autopar.runtime.program import EmittedProgram
 from autopar.testing import all_coords
 
 aten = torch.ops.aten
@@ -361,7 +363,7 @@ def test_in_flight_cap_forces_a_wait_when_a_collective_is_needed_now() -> None:
 
 
 def _summary_line(report: ScheduleReport) -> str:
-    from autopar.report import PlanReport
+    from autopar.reporting.report import PlanReport
 
     return str(
         PlanReport(mesh="(x=2, y=2)", world_size=4, param_bytes_local=0, param_bytes_total=0, schedule=report)

@@ -13,7 +13,7 @@ from pass_fixtures import eager_step, run_joint
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autopar.meta import info, signature
+from autopar.core.meta import info, signature
 from autopar.passes.trace import trace
 from examples.models import make_gpt
 

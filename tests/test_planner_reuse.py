@@ -13,10 +13,12 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autopar.mesh import Mesh
+from autopar.core.mesh import Mesh
+from autopar.core.plan import Plan
 from autopar.passes.trace import trace
-from autopar.planner import Plan, _Greedy, op_call
+from autopar.planning.greedy import _Greedy
 from autopar.rules.base import TensorSpec, make_call
+from autopar.rules.calls import op_call
 from autopar.rules.registry import default_registry
 from examples.models import make_gpt
 from examples.zoo import make_llama

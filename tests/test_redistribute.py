@@ -9,10 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopar.layout import Layout, P, R, Shard
-from autopar.redistribute import COLLECTIVE_KINDS, plan_redistribute, redistribute_cost
+from autopar.core.layout import Layout, P, R, Shard
+from autopar.core.redistribute import COLLECTIVE_KINDS, plan_redistribute, redistribute_cost
 from autopar.testing import assemble, shard_tensor, simulate_steps
-from autopar.testing_strategies import layout_pairs
+from autopar.testing.strategies import layout_pairs
 
 
 def _kinds(steps: list) -> list[tuple[str, int]]:

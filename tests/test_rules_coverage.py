@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.layout import Layout, P, R, Shard
+from autopar.core.layout import Layout, P, R, Shard
 from autopar.rules.base import AxisStrategy, OpCall, RuleRegistry, Strategy, make_call
 from autopar.rules.registry import default_registry
 from autopar.testing import check_strategy

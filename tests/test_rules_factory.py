@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from autopar.rules.base import make_call
 from autopar.rules.registry import default_registry
 from autopar.testing import run_local
-from autopar.testing_strategies import (
+from autopar.testing.strategies import (
     candidate_strategies,
     check_random_strategies,
     dim_sizes,

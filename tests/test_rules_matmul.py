@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.rules.registry import default_registry
-from autopar.testing_strategies import check_random_strategies, dim_sizes, mesh_shapes, random_tensor, seeds
+from autopar.testing.strategies import check_random_strategies, dim_sizes, mesh_shapes, random_tensor, seeds
 
 # Each op of a family gets its own examples (sampling the op would leave some untested).
 PER_OP = settings(max_examples=8, deadline=None)

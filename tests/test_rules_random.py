@@ -6,11 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.layout import Layout
+from autopar.core.layout import Layout
 from autopar.rules.base import LocalContext, make_call
 from autopar.rules.registry import default_registry
 from autopar.testing import all_coords, assemble, shard_tensor
-from autopar.testing_strategies import (
+from autopar.testing.strategies import (
     candidate_strategies,
     check_random_strategies,
     mesh_shapes,

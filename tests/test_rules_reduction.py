@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.rules.registry import default_registry
-from autopar.testing_strategies import (
+from autopar.testing.strategies import (
     check_random_strategies,
     mesh_shapes,
     random_tensor,

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.layout import Shard
+from autopar.core.layout import Shard
 from autopar.rules.registry import default_registry
-from autopar.testing_strategies import (
+from autopar.testing.strategies import (
     check_random_strategies,
     mesh_shapes,
     random_tensor,

@@ -20,9 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.api import compile_for_rank
-from autopar.mesh import Mesh
-from autopar.meta import has_info, info
-from autopar.passes.schedule import COLLECTIVES
+from autopar.core.collectives import COLLECTIVES
+from autopar.core.mesh import Mesh
+from autopar.core.meta import has_info, info
 from examples.models import make_gpt
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default

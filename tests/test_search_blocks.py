@@ -1,4 +1,4 @@
-"""The search's block moves (autopar/search_blocks.py): chains and trees of chains, solved exactly."""
+"""The search's block moves (autopar/planning/search_blocks.py): chains and trees of chains, solved exactly."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.search_blocks import Clock, chains, make_blocks, solve, sweep, trees
-from autopar.search_problem import Tally, _Edge, _Var
+from autopar.planning.search_blocks import Clock, chains, make_blocks, solve, sweep, trees
+from autopar.planning.search_vars import Edge as _Edge
+from autopar.planning.search_vars import Tally
+from autopar.planning.search_vars import Var as _Var
 
 
 def _var(name: str, unary: list[float], current: int = 0) -> _Var:

@@ -26,13 +26,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.core.mesh import Mesh
+from autopar.core.plan import Plan
 from autopar.cost import symbolic
-from autopar.fixed_plans import find_linears, split_letters
-from autopar.mesh import Mesh
 from autopar.passes.trace import trace
-from autopar.planner import Plan
+from autopar.planning.fixed import find_linears, split_letters
+from autopar.planning.search import search_layouts
 from autopar.rules.registry import default_registry
-from autopar.search import search_layouts
 
 HIDDEN = 64
 

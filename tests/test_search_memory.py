@@ -19,12 +19,11 @@ from multirank import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.meta import has_info, info
+from autopar.core.meta import has_info, info
 from autopar.passes.trace import trace
-from autopar.plan_memory import MEMORY_HEADROOM, plan_memory, weight_chain
-from autopar.planner import choose_layouts
-from autopar.rules.registry import default_registry
-from autopar.search import (
+from autopar.planning.greedy import choose_layouts
+from autopar.planning.memory import MEMORY_HEADROOM, plan_memory, weight_chain
+from autopar.planning.search import (
     ElementCost,
     SearchPlan,
     TimeCost,
@@ -33,6 +32,7 @@ from autopar.search import (
     plan_cost,
     search_layouts,
 )
+from autopar.rules.registry import default_registry
 from examples.models import GPT, GPTConfig, make_gpt
 
 CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=8, n_embd=256)

@@ -16,9 +16,9 @@ from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
 from autopar.passes.schedule import schedule
 from autopar.passes.trace import trace
-from autopar.planner import choose_layouts, greedy_plan
+from autopar.planning.greedy import choose_layouts, greedy_plan
+from autopar.planning.search import role_assignments, search_layouts
 from autopar.rules.registry import default_registry
-from autopar.search import role_assignments, search_layouts
 from autopar.testing import all_coords
 from examples.models import GPT, GPTConfig
 
@@ -76,7 +76,7 @@ def test_an_all_token_plan_computes_the_serial_model() -> None:
     registry = default_registry()
     gm = trace(model, inputs, decompose=True)
     plan = greedy_plan(gm, mesh, registry, roles=("token", "token", "token"))
-    gm = propagate(gm, mesh, registry, choose=lambda *_: plan)
+    gm = propagate(gm, plan)
     programs = {}
     for c in all_coords(shape):
         lowered = schedule(insert_comm(copy.deepcopy(gm), mesh, c), mesh)

@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.fx as fx
 
-from autopar.fixed_plans import SCHEMES, TITLES, plan_fixed
-from autopar.mesh import Mesh
+from autopar.core.mesh import Mesh
 from autopar.passes.trace import trace
+from autopar.planning.fixed import SCHEMES, TITLES, plan_fixed
+from autopar.planning.search import ElementCost, SearchReport, TimeCost, plan_cost, search_layouts
+from autopar.planning.search_seeds import PREFIX
 from autopar.rules.registry import default_registry
-from autopar.search import ElementCost, SearchReport, TimeCost, plan_cost, search_layouts
-from autopar.search_seeds import PREFIX
 from examples.models import GPT, GPTConfig
 
 REGISTRY = default_registry()

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopar.layout import Layout, P, R, Shard
-from autopar.redistribute import redistribute_cost
-from autopar.search import ElementCost, TimeCost, even_factor
-from autopar.testing_strategies import layout_pairs
+from autopar.core.layout import Layout, P, R, Shard
+from autopar.core.redistribute import redistribute_cost
+from autopar.planning.search import ElementCost, TimeCost, even_factor
+from autopar.testing.strategies import layout_pairs
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

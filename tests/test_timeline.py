@@ -11,22 +11,15 @@ import torch
 import torch.fx as fx
 from pass_fixtures import gpt_compiled
 
+from autopar.core.layout import Layout, P, R
+from autopar.core.mesh import Mesh
+from autopar.core.meta import NodeInfo, set_info
+from autopar.core.redistribute import CommStep
 from autopar.cost import collective_time, hardware_from_dict
-from autopar.layout import Layout, P, R
-from autopar.mesh import Mesh
-from autopar.meta import NodeInfo, set_info
+from autopar.cost.timeline import StepClock, Timeline, simulate
 from autopar.passes.schedule import schedule
-from autopar.redistribute import CommStep
+from autopar.reporting.timeline_views import chrome_trace, overlap_text, write_chrome_trace, write_png
 from autopar.rules.base import Strategy
-from autopar.timeline import (
-    StepClock,
-    Timeline,
-    chrome_trace,
-    overlap_text,
-    simulate,
-    write_chrome_trace,
-    write_png,
-)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

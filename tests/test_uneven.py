@@ -11,13 +11,13 @@ import pytest
 import torch
 from pass_fixtures import model_case, propagated, rank_programs, simulate_step
 
-from autopar.layout import Layout, Partial, R, Shard, chunks_nonempty
-from autopar.meta import has_info, info
+from autopar.core.layout import Layout, Partial, R, Shard, chunks_nonempty
+from autopar.core.meta import has_info, info
+from autopar.planning.storage import storage_layout
 from autopar.rules.base import Strategy, admissible
 from autopar.rules.registry import default_registry
-from autopar.storage import storage_layout
 from autopar.testing import assemble, check_strategy
-from autopar.testing_strategies import candidate_strategies
+from autopar.testing.strategies import candidate_strategies
 
 aten = torch.ops.aten
 REGISTRY = default_registry()

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.core.layout import Layout, itemsize
+from autopar.core.redistribute import CommStep, plan_redistribute
 from autopar.cost.hardware import Hardware, Link, axis_links
-from autopar.layout import Layout, itemsize
-from autopar.redistribute import CommStep, plan_redistribute
 
 # Message steps of a ring algorithm over g ranks, each paying the link latency alpha once.
 LATENCY_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
@@ -181,3 +181,8 @@ class MeshCost:
 
     def redistribute(self, src: Layout, dst: Layout) -> float:
         return redistribute_time(src, dst, self.mesh_shape, self.links)
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in GiB, or MiB below one GiB (small test models)."""
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.3f} MiB"

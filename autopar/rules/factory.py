@@ -13,9 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-from autopar.layout import P, Placement, R, Shard
+from autopar.core.layout import P, Placement, R, Shard
+from autopar.core.strategy import AxisStrategy, OpCall
 from autopar.rules import local_ops
-from autopar.rules.base import AxisStrategy, LocalCall, LocalContext, OpCall, RuleRegistry, with_replicated
+from autopar.rules.base import LocalCall, LocalContext, RuleRegistry, with_replicated
 
 aten = torch.ops.aten
 

@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from autopar.layout import P, Placement, R, Shard
-from autopar.rules.base import AxisStrategy, OpCall, RuleRegistry, with_replicated
+from autopar.core.layout import P, Placement, R, Shard
+from autopar.core.strategy import AxisStrategy, OpCall
+from autopar.rules.base import RuleRegistry, with_replicated
 from autopar.rules.pointwise import broadcast_shard, partial_ok
 
 aten = torch.ops.aten

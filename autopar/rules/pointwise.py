@@ -15,10 +15,11 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from autopar.layout import P as PARTIAL
-from autopar.layout import Placement, Shard
-from autopar.layout import R as REPLICATE
-from autopar.rules.base import AxisStrategy, OpCall, RuleRegistry, TensorSpec, with_replicated
+from autopar.core.layout import P as PARTIAL
+from autopar.core.layout import Placement, Shard
+from autopar.core.layout import R as REPLICATE
+from autopar.core.strategy import AxisStrategy, OpCall, TensorSpec
+from autopar.rules.base import RuleRegistry, with_replicated
 
 aten = torch.ops.aten
 

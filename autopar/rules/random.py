@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from autopar.layout import P, R, Shard
+from autopar.core.layout import P, R, Shard
+from autopar.core.strategy import AxisStrategy, OpCall
 from autopar.rules import local_ops
-from autopar.rules.base import AxisStrategy, LocalCall, LocalContext, OpCall, RuleRegistry, with_replicated
+from autopar.rules.base import LocalCall, LocalContext, RuleRegistry, with_replicated
 
 FAMILY = "random"
 aten = torch.ops.aten

@@ -15,17 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.layout import P, Placement, R, Shard
+from autopar.core.layout import P, Placement, R, Shard
+from autopar.core.strategy import AxisStrategy, OpCall
 from autopar.rules import local_ops
-from autopar.rules.base import (
-    AxisStrategy,
-    LocalCall,
-    LocalContext,
-    OpCall,
-    RuleRegistry,
-    normalize_dim,
-    with_replicated,
-)
+from autopar.rules.base import LocalCall, LocalContext, RuleRegistry, normalize_dim, with_replicated
 from autopar.rules.pointwise import partial_ok
 
 aten = torch.ops.aten

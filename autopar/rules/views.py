@@ -17,17 +17,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from autopar.layout import P, Placement, R, Shard
-from autopar.rules.base import (
-    AxisStrategy,
-    LocalCall,
-    LocalContext,
-    OpCall,
-    RuleRegistry,
-    TensorSpec,
-    normalize_dim,
-    with_replicated,
-)
+from autopar.core.layout import P, Placement, R, Shard
+from autopar.core.strategy import AxisStrategy, OpCall, TensorSpec
+from autopar.rules.base import LocalCall, LocalContext, RuleRegistry, normalize_dim, with_replicated
 from autopar.rules.pointwise import broadcast_shard, partial_ok
 
 aten = torch.ops.aten

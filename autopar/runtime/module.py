@@ -19,10 +19,10 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor.placement_types import Partial as DPartial
 from torch.utils import _pytree as pytree
 
-from autopar.errors import InputMismatchError
-from autopar.layout import Layout, Partial, Shard
-from autopar.mesh import Mesh
-from autopar.passes.emit import EmittedProgram, local_value
+from autopar.core.errors import InputMismatchError
+from autopar.core.layout import Layout, Partial, Shard
+from autopar.core.mesh import Mesh
+from autopar.runtime.program import EmittedProgram, local_value
 
 
 def to_dtensor_placements(layout: Layout) -> list[Any]:

@@ -1,0 +1,119 @@
+"""The mesh choice run on a model: trace it once, rank every factorization of the world size by
+the plan choice (`autopar.planning.mesh_choice`), pricing the best few with this driver's
+scheduled step; under `parallelize`, rank 0 chooses and every rank builds the chosen DeviceMesh."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.compiler.driver import scheduled_step_time
+from autopar.core.errors import MeshError
+from autopar.passes import fused
+from autopar.passes.trace import trace
+from autopar.planning.mesh_choice import OVERLAP_CANDIDATES, MeshChoice, rank_meshes
+from autopar.rules.base import RuleRegistry
+from autopar.rules.registry import default_registry
+from autopar.runtime.agreement import decided_on_rank0
+
+
+def choose_mesh(
+    model: nn.Module,
+    world_size: int,
+    example_inputs: Sequence[Any],
+    *,
+    hardware: str = "h100-nvlink-ib",
+    planner: str = "search",
+    memory_limit: float | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    registry: RuleRegistry | None = None,
+    candidates: Sequence[tuple[tuple[int, ...], tuple[str, ...]]] | None = None,
+    split_fused: bool | None = None,
+    overlap_candidates: int = OVERLAP_CANDIDATES,
+) -> MeshChoice:
+    """Trace `model` once and rank every candidate mesh of `world_size` ranks on it
+    (`autopar.planning.mesh_choice.rank_meshes`, with `scheduled_step_time` for the overlap step).
+
+    `overlap_candidates`: how many candidates at most are lowered and scheduled to rank them by
+    their modeled step with overlap (0: rank by the no-overlap sum alone).
+
+    Raises `MemoryLimitError` when no candidate fits (with the leanest candidate's need) and
+    `ShardingError`-like `AutoparError`s when no candidate has a plan at all.
+    """
+    registry = registry if registry is not None else default_registry()
+    gm = trace(
+        model,
+        tuple(example_inputs),
+        decompose=world_size > 1,
+        example_kwargs=example_kwargs,
+        split_fused=fused.wanted(split_fused, planner),
+    )
+    return rank_meshes(
+        gm,
+        world_size,
+        registry,
+        scheduled_step_time,
+        hardware=hardware,
+        planner=planner,
+        memory_limit=memory_limit,
+        candidates=candidates,
+        overlap_candidates=overlap_candidates,
+    )
+
+
+def default_hardware(device_type: str) -> str:
+    """The table a mesh choice prices on when none is given: measured CPU/gloo, else H100."""
+    return "cpu-gloo" if device_type == "cpu" else "h100-nvlink-ib"
+
+
+def auto_device_mesh(
+    model: nn.Module,
+    mesh: DeviceMesh | int,
+    example_inputs: Sequence[Any],
+    *,
+    hardware: str | None = None,
+    planner: str = "search",
+    memory_limit: float | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    registry: RuleRegistry | None = None,
+    split_fused: bool | None = None,
+) -> tuple[DeviceMesh, MeshChoice]:
+    """`parallelize(..., mesh_shape="auto")`: rank 0 chooses, every rank builds the same DeviceMesh.
+
+    `mesh` is the job's DeviceMesh (its device type and size are kept, its shape is not) or the
+    world size. A failure on rank 0 is raised on every rank, so none waits in a collective.
+    """
+    if not dist.is_initialized():
+        raise MeshError(
+            "torch.distributed is not initialized", hint="run under torchrun or init_process_group first"
+        )
+    world = dist.get_world_size()
+    size = mesh.size() if isinstance(mesh, DeviceMesh) else int(mesh)
+    if size != world:
+        raise MeshError(
+            f"asked for {size} ranks but the job has {world}", hint=f"pass {world} or the job's DeviceMesh"
+        )
+    device_type = (
+        mesh.device_type if isinstance(mesh, DeviceMesh) else "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    value = decided_on_rank0(
+        lambda: choose_mesh(
+            model,
+            world,
+            example_inputs,
+            hardware=hardware or default_hardware(device_type),
+            planner=planner,
+            memory_limit=memory_limit,
+            example_kwargs=example_kwargs,
+            registry=registry,
+            split_fused=split_fused,
+        ),
+        "mesh choice",
+    )
+    chosen = value.chosen
+    return init_device_mesh(device_type, chosen.shape, mesh_dim_names=chosen.names), value

@@ -1,0 +1,45 @@
+"""The graph's collective nodes: which ops they are and what bucketing records on them.
+
+insert_comm emits torch's functional collectives; the schedule stage may merge several into one
+bucket and records the members on the merged node. The cost model's timeline and the reports read
+those records, so they are vocabulary rather than a pass's internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.core.redistribute import CommStep
+
+c10d = torch.ops._c10d_functional
+COLLECTIVES = (
+    c10d.all_gather_into_tensor.default,
+    c10d.reduce_scatter_tensor.default,
+    c10d.all_reduce.default,
+    c10d.all_to_all_single.default,
+)
+
+BUCKET_KEY = "autopar_bucket"  # node.meta of a merged collective: its members, in buffer order
+BYTES_KEY = "autopar_local_bytes"  # node.meta of the buffer nodes bucketing adds: local size in bytes
+
+
+@dataclass(frozen=True)
+class BucketMember:
+    """One collective folded into a bucket (for reports: its own step, node name and module)."""
+
+    name: str
+    step: CommStep
+    module_path: str
+
+
+def comm_group(collective: fx.Node) -> str:
+    """The process group a functional collective runs on (its last argument)."""
+    return str(collective.args[-1])
+
+
+def bucket_members(node: fx.Node) -> tuple[BucketMember, ...]:
+    """The collectives a merged collective stands for (empty for an ordinary one)."""
+    return tuple(node.meta.get(BUCKET_KEY, ()))

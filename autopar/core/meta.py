@@ -1,0 +1,113 @@
+"""Typed node metadata: the only thing passes share with each other.
+
+Every node of the joint graph carries a `NodeInfo` under `node.meta["autopar"]`; the graph module
+carries a `JointSignature` under `gm.meta["autopar_signature"]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch.fx as fx
+
+from autopar.core.layout import Layout
+from autopar.core.redistribute import CommStep
+from autopar.core.strategy import Strategy
+
+NODE_KEY = "autopar"
+SIGNATURE_KEY = "autopar_signature"
+
+Role = Literal["param", "buffer", "input", "tangent", "compute", "comm", "output"]
+Phase = Literal["forward", "backward"]
+
+
+@dataclass
+class NodeInfo:
+    role: Role
+    phase: Phase
+    module_path: str = ""
+    source: str = ""  # "file:line" of the user's code that created the node
+    param_name: str | None = None  # params/buffers: the user's name
+    input_index: int | None = None  # user inputs: position in the flattened example inputs
+    strategy: Strategy | None = None  # chosen by propagate (compute nodes)
+    layouts: tuple[Layout, ...] = ()  # one per flattened tensor output
+    comm: CommStep | None = None  # inserted redistribution steps
+    comm_group: str | None = None  # process group name the collective runs on
+    note: str = ""  # why this layout (planner's reason), shown in dumps
+    chunk: int | None = None  # over-decomposition: the batch chunk (in-process coordinate) it computes
+
+    @property
+    def layout(self) -> Layout:
+        if len(self.layouts) != 1:
+            raise ValueError(f"node has {len(self.layouts)} outputs, not one")
+        return self.layouts[0]
+
+    def where(self) -> str:
+        parts = [p for p in (self.module_path, self.source) if p]
+        return " @ ".join(parts)
+
+
+@dataclass(frozen=True)
+class ParamPart:
+    """A parameter the trace stage cut out of a fused one (`autopar.passes.fused`): chunk `index`
+    of `count` equal chunks of the user's parameter `source` along `dim`."""
+
+    source: str
+    dim: int
+    index: int
+    count: int
+
+    def of(self, full: Any) -> Any:
+        """This part of the source parameter's full value (a view)."""
+        return full.chunk(self.count, self.dim)[self.index]
+
+
+@dataclass
+class JointSignature:
+    """How the joint graph's placeholders and outputs map to the user's model."""
+
+    param_names: list[str]  # placeholder order; tied aliases removed
+    aliases: dict[str, str]  # tied alias name -> canonical name
+    buffer_names: list[str]
+    num_inputs: int
+    num_tangents: int
+    num_user_outputs: int
+    grad_of: list[str]  # parameter name of each gradient output, in output order
+    in_spec: Any = None  # pytree spec of the user's (args, kwargs)
+    out_spec: Any = None  # pytree spec of the user's outputs
+    requires_grad: dict[str, bool] = field(default_factory=dict)
+    param_parts: dict[str, ParamPart] = field(default_factory=dict)  # part name -> where it comes from
+
+
+def info(node: fx.Node) -> NodeInfo:
+    value = node.meta.get(NODE_KEY)
+    if value is None:
+        raise KeyError(f"node {node.name} has no autopar metadata")
+    return value  # type: ignore[no-any-return]
+
+
+def has_info(node: fx.Node) -> bool:
+    return NODE_KEY in node.meta
+
+
+def set_info(node: fx.Node, value: NodeInfo) -> None:
+    node.meta[NODE_KEY] = value
+
+
+def update_info(node: fx.Node, **changes: Any) -> NodeInfo:
+    new = replace(info(node), **changes)
+    set_info(node, new)
+    return new
+
+
+def signature(gm: fx.GraphModule) -> JointSignature:
+    return gm.meta[SIGNATURE_KEY]  # type: ignore[no-any-return]
+
+
+def where_of(node: fx.Node) -> str:
+    return info(node).where() if has_info(node) else node.name
+
+
+def is_backward(node: fx.Node) -> bool:
+    return has_info(node) and info(node).phase == "backward"

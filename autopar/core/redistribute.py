@@ -1,0 +1,260 @@
+"""How to get a tensor from one layout to another: a list of per-axis collective steps.
+
+Pure data (no torch.distributed): insert_comm turns the steps into functional collectives, the
+cost model prices them, and the in-process oracle simulates them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from autopar.core.layout import Layout, Partial, Replicate, Shard, itemsize
+
+StepKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "zero_partial"]
+
+COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True)
+class CommStep:
+    kind: StepKind
+    axis: int
+    before: Layout
+    after: Layout
+    dim: int | None = None  # tensor dim gathered / scattered / sliced; all_to_all: the dim given up
+    dst_dim: int | None = None  # all_to_all: the dim that becomes split
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in COLLECTIVE_KINDS
+
+    def elements_sent(self, mesh_shape: Sequence[int]) -> float:
+        """Elements one rank sends with ring algorithms (the convention of comm_volumes.md)."""
+        g = mesh_shape[self.axis]
+        n = self.before.local_numel(mesh_shape)
+        if self.kind == "all_gather":
+            return n * (g - 1)
+        if self.kind == "all_reduce":
+            return 2 * (g - 1) / g * n
+        if self.kind in ("reduce_scatter", "all_to_all"):
+            return (g - 1) / g * n
+        return 0.0
+
+    def bytes_sent(self, mesh_shape: Sequence[int]) -> float:
+        return self.elements_sent(mesh_shape) * itemsize(self.before.dtype)
+
+    def describe(self, axis_names: Sequence[str]) -> str:
+        axis = axis_names[self.axis]
+        if self.kind == "all_to_all":
+            return f"all_to_all[{axis}] dim {self.dim}->{self.dst_dim}"
+        if self.dim is not None:
+            return f"{self.kind}[{axis}] dim {self.dim}"
+        return f"{self.kind}[{axis}]"
+
+
+def _is_prefix(prefix: Sequence[int], full: Sequence[int]) -> bool:
+    return tuple(full[: len(prefix)]) == tuple(prefix)
+
+
+def _even_exchange(
+    shape: Sequence[int],
+    gathered: int,
+    scattered: int,
+    axes_of: Callable[[int], Sequence[int]],
+    axis: int,
+    mesh_shape: Sequence[int],
+) -> bool:
+    """An all_to_all moves equal blocks: both dims must split evenly before and after it.
+
+    Uneven (`torch.chunk`) dims are un-sharded by all_gather and re-split by slicing instead.
+    """
+    before = math.prod(mesh_shape[b] for b in axes_of(gathered))
+    after = math.prod(mesh_shape[b] for b in axes_of(scattered)) * mesh_shape[axis]
+    return shape[gathered] % before == 0 and shape[scattered] % after == 0
+
+
+def exchanges_before(
+    by_dim: Mapping[int, Sequence[int]],
+    axis: int,
+    want: Sequence[int],
+    dim: int,
+    shape: Sequence[int] | None = None,
+    mesh_shape: Sequence[int] = (),
+) -> list[tuple[int, int]]:
+    """All-to-alls (axis, from dim) that first move to `dim` the axes the target nests outside
+    `axis` there (`want`: the target's axes on `dim`), so that `axis`'s pending sum can
+    reduce-scatter into `dim` instead of all-reducing: an exchange of summands is one of sums, and
+    it moves the block it would move after an all-reduce. `by_dim`: the current axes of each dim,
+    outermost first (not modified). Empty unless every such axis can move: innermost on its dim,
+    and with `shape` given, in even blocks (without it the layouts are known to be even)."""
+    if axis not in want:
+        return []
+    there = list(by_dim.get(dim, ()))
+    outer = list(want[: list(want).index(axis)])
+    if there != outer[: len(there)] or len(there) == len(outer):
+        return []
+    trial = {d: list(axes) for d, axes in by_dim.items()}
+    moves = []
+    for b in outer[len(there) :]:
+        home = next((d for d, axes in trial.items() if b in axes), None)
+        if home is None or home == dim or trial[home][-1] != b:
+            return []
+        if shape is not None and not _even_exchange(
+            shape, home, dim, lambda d: trial.get(d, ()), b, mesh_shape
+        ):
+            return []
+        trial[home].pop()
+        trial.setdefault(dim, []).append(b)
+        moves.append((b, home))
+    return moves
+
+
+def plan_redistribute(
+    src: Layout, dst: Layout, mesh_shape: Sequence[int], sums_first: Sequence[int] = ()
+) -> list[CommStep]:
+    """Steps from `src` to `dst`: reductions first (smallest tensors), then un-sharding, then slicing.
+
+    Pending sums are reduced in axis order, except that `sums_first` axes go first: over-decomposed
+    batch chunks add up their gradients in memory before one collective sends the total."""
+    if src.shape != dst.shape:
+        raise ValueError(f"redistribute between shapes {src.shape} and {dst.shape}")
+    cur = src
+    steps: list[CommStep] = []
+
+    def step(
+        kind: StepKind, axis: int, new: Layout, dim: int | None = None, dst_dim: int | None = None
+    ) -> None:
+        nonlocal cur
+        if mesh_shape[axis] > 1 or kind in ("slice", "zero_partial"):
+            steps.append(CommStep(kind, axis, cur, new, dim, dst_dim))
+        cur = new
+
+    # 1. pending sums: reduce-scatter straight into the target split where the nesting allows.
+    order = [*sums_first, *(a for a in range(len(mesh_shape)) if a not in sums_first)]
+    for a in order:
+        p = cur.placements[a]
+        if not isinstance(p, Partial) or isinstance(dst.placements[a], Partial):
+            continue
+        target = dst.placements[a]
+        if isinstance(target, Shard):
+            by_dim = {d: cur.shard_axes(d) for d in range(len(cur.shape))}
+            want = dst.shard_axes(target.dim)
+            for b, d in exchanges_before(by_dim, a, want, target.dim, cur.shape, mesh_shape):
+                step("all_to_all", b, cur.with_placement(b, target), dim=d, dst_dim=target.dim)
+        if isinstance(target, Shard) and _is_prefix(
+            (*cur.shard_axes(target.dim), a), dst.shard_axes(target.dim)
+        ):
+            step("reduce_scatter", a, cur.with_placement(a, target), dim=target.dim)
+        else:
+            step("all_reduce", a, cur.with_placement(a, Replicate()))
+
+    # 2. un-shard every dim down to the prefix of axes it keeps, innermost axis first.
+    for d in range(len(cur.shape)):
+        src_axes = cur.shard_axes(d)
+        dst_axes = dst.shard_axes(d)
+        keep = 0
+        while keep < min(len(src_axes), len(dst_axes)) and src_axes[keep] == dst_axes[keep]:
+            keep += 1
+        for a in reversed(src_axes[keep:]):
+            target = dst.placements[a]
+            if (
+                isinstance(target, Shard)
+                and target.dim != d
+                and all(b < a for b in cur.shard_axes(target.dim))
+                and _is_prefix((*cur.shard_axes(target.dim), a), dst.shard_axes(target.dim))
+                and _even_exchange(cur.shape, d, target.dim, cur.shard_axes, a, mesh_shape)
+            ):
+                step("all_to_all", a, cur.with_placement(a, target), dim=d, dst_dim=target.dim)
+            else:
+                step("all_gather", a, cur.with_placement(a, Replicate()), dim=d)
+
+    # 3. local work: slice replicated axes into their split, zero replicas that must become summands.
+    for a, target in enumerate(dst.placements):
+        now = cur.placements[a]
+        if now == target:
+            continue
+        if isinstance(target, Shard) and isinstance(now, Replicate):
+            step("slice", a, cur.with_placement(a, target), dim=target.dim)
+        elif isinstance(target, Partial) and isinstance(now, Replicate):
+            step("zero_partial", a, cur.with_placement(a, target))
+        else:  # pragma: no cover - the three steps above leave no other case
+            raise AssertionError(f"cannot redistribute {src} -> {dst} (stuck at {cur})")
+    if cur != dst:  # pragma: no cover
+        raise AssertionError(f"redistribution {src} -> {dst} ended at {cur}")
+    return steps
+
+
+def redistribute_cost(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> float:
+    """Elements sent per rank by `plan_redistribute(src, dst)`'s steps, in arithmetic only.
+
+    The planner prices millions of layout pairs; this follows the same three phases as
+    `plan_redistribute` without building layouts (a property test keeps the two equal).
+    """
+    if src == dst:
+        return 0.0
+    if src.shape != dst.shape:
+        raise ValueError(f"redistribute between shapes {src.shape} and {dst.shape}")
+    cur = list(src.placements)
+    target = dst.placements
+    n = float(src.local_numel(mesh_shape))
+    total = 0.0
+
+    def axes(dim: int) -> list[int]:
+        return [a for a, p in enumerate(cur) if isinstance(p, Shard) and p.dim == dim]
+
+    # Even layouts stay even through every step, so scaling n by g is exact; uneven blocks round
+    # up, so there each step's block is recounted.
+    exact = not (src.is_even(mesh_shape) and dst.is_even(mesh_shape))
+
+    def block() -> float:
+        return float(
+            math.prod(
+                -(-size // math.prod(mesh_shape[b] for b in axes(d))) for d, size in enumerate(src.shape)
+            )
+        )
+
+    for a, p in enumerate(cur):
+        if not isinstance(p, Partial) or isinstance(target[a], Partial):
+            continue
+        g = mesh_shape[a]
+        t = target[a]
+        if isinstance(t, Shard) and not _is_prefix((*axes(t.dim), a), dst.shard_axes(t.dim)):
+            by_dim = {d: axes(d) for d in range(len(src.shape))}  # only where a move may help
+            for b, _ in exchanges_before(by_dim, a, dst.shard_axes(t.dim), t.dim, src.shape, mesh_shape):
+                total += (mesh_shape[b] - 1) / mesh_shape[b] * n
+                cur[b] = t
+                n = block() if exact else n
+        if isinstance(t, Shard) and _is_prefix((*axes(t.dim), a), dst.shard_axes(t.dim)):
+            total += (g - 1) / g * n
+            cur[a] = t
+            n = block() if exact else n / g
+        else:
+            total += 2 * (g - 1) / g * n
+            cur[a] = Replicate()
+    for d in range(len(src.shape)):
+        src_axes = axes(d)
+        dst_axes = dst.shard_axes(d)
+        keep = 0
+        while keep < min(len(src_axes), len(dst_axes)) and src_axes[keep] == dst_axes[keep]:
+            keep += 1
+        for a in reversed(src_axes[keep:]):
+            g = mesh_shape[a]
+            t = target[a]
+            if (
+                isinstance(t, Shard)
+                and t.dim != d
+                and all(b < a for b in axes(t.dim))
+                and _is_prefix((*axes(t.dim), a), dst.shard_axes(t.dim))
+                and _even_exchange(src.shape, d, t.dim, axes, a, mesh_shape)
+            ):
+                total += (g - 1) / g * n
+                cur[a] = t
+                n = block() if exact else n
+            else:
+                total += n * (g - 1)
+                cur[a] = Replicate()
+                n = block() if exact else n * g
+    return total

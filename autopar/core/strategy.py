@@ -1,0 +1,72 @@
+"""What a rule sees of one op call and what it answers: the types every layer shares.
+
+`OpCall` is an op call with tensors replaced by their global specs; a rule answers per mesh axis
+with `AxisStrategy`s, expanded to whole-mesh `Strategy`s (`autopar.rules.base.expand`). They sit in
+the vocabulary because node metadata, the planners and the cost model all carry strategies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autopar.core.layout import Layout, Placement
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Global shape and dtype of a tensor argument or result."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One call of an op with tensors replaced by their specs: what a rule looks at."""
+
+    op: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """Argument by position or keyword, falling back to the schema default."""
+        if index < len(self.args):
+            return self.args[index]
+        if name in self.kwargs:
+            return self.kwargs[name]
+        schema = getattr(self.op, "_schema", None)
+        if schema is not None:
+            for a in schema.arguments:
+                if a.name == name and a.has_default_value():
+                    return a.default_value
+        return default
+
+
+@dataclass(frozen=True)
+class AxisStrategy:
+    """Placements on one mesh axis: one per tensor input, one per tensor output."""
+
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Full layouts for one op call on the whole mesh."""
+
+    inputs: tuple[Layout, ...]
+    outputs: tuple[Layout, ...]
+
+    def __str__(self) -> str:
+        ins = ", ".join(lay.per_axis_str() for lay in self.inputs)
+        outs = ", ".join(lay.per_axis_str() for lay in self.outputs)
+        return f"({ins}) -> ({outs})"

@@ -1,0 +1,48 @@
+"""The work of an op: flops (or elements produced) of the full op, and the ranks it is divided over.
+
+The simulated timeline and every planner price compute from these two numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import flop_registry
+
+from autopar.core.layout import Replicate
+from autopar.core.strategy import Strategy
+
+
+def work_split(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
+    """Ranks an op's work is divided over: every axis on which some output is not replicated."""
+    return math.prod(
+        mesh_shape[a]
+        for a in range(len(mesh_shape))
+        if not all(isinstance(out.placements[a], Replicate) for out in strategy.outputs)
+    )
+
+
+def global_work(node: fx.Node) -> float:
+    """Flops of the full op (matmuls, attention) or elements produced (everything else)."""
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    out = node.meta.get("val")
+    if packet in flop_registry:
+        args = pytree.tree_map(lambda x: x.meta["val"] if isinstance(x, fx.Node) else x, node.args)
+        kwargs = pytree.tree_map(lambda x: x.meta["val"] if isinstance(x, fx.Node) else x, node.kwargs)
+        try:
+            return float(flop_registry[packet](*args, **kwargs, out_val=out))
+        except Exception:  # a formula that does not take this overload's arguments
+            pass
+    name = str(target)
+    if "scaled_dot_product" in name:
+        q = node.args[0]
+        if isinstance(q, fx.Node):
+            b, h, s, d = q.meta["val"].shape
+            return 4.0 * b * h * s * s * d * (2.5 if "backward" in name else 1.0)
+    numel = sum(v.numel() for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor))
+    return float(numel)

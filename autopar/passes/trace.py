@@ -1,0 +1,399 @@
+"""Stage 1, trace: the user's module -> one joint forward+backward ATen graph on fake tensors.
+
+torch.export first (it copes with real-world models), then AOTAutograd's joint export. Weights are
+never copied: the model is cloned with fake parameters. Every node keeps the user's module path and
+source line for dumps and errors. With more than one rank, a few fused ops whose sharded forms need
+cross-rank sums (layer norm, nll loss) are decomposed into primitive ops, inside the joint export
+(one trace over the model, not a second pass over the joint graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.utils import _pytree as pytree
+
+from autopar.core.errors import TraceError
+from autopar.core.meta import SIGNATURE_KEY, JointSignature, NodeInfo, ParamPart, Phase, Role, info, set_info
+from autopar.passes.fused import split_fused_linears
+from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
+from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
+from autopar.rules.decompositions import sharding_decompositions
+
+_TORCH_FRAME = re.compile(r"/(torch|torchvision|transformers)/")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    decompose: bool = True,
+    example_kwargs: dict[str, Any] | None = None,
+    split_fused: bool = False,
+    repeats: bool = True,
+) -> fx.GraphModule:
+    """Joint graph of `model`: placeholders (params, buffers, inputs, tangents) -> (outputs, grads).
+
+    `split_fused` cuts fused linears whose output is split into equal pieces into one linear per
+    piece (`autopar.passes.fused`). `repeats` exports identical blocks' joint graph once and copies
+    it (`autopar.passes.repeats`); False exports every block (the same graph, slower)."""
+    example_kwargs = example_kwargs or {}
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_model = fake_clone(model, fake_mode)
+    fake_args = tuple(_fakeify(x, fake_mode) for x in example_inputs)
+    fake_kwargs = {k: _fakeify(v, fake_mode) for k, v in example_kwargs.items()}
+    tied = _tied_groups(model)
+    containers = find_repeated_blocks(fake_model, fake_args, fake_kwargs, fake_mode, tied) if repeats else []
+    groups = [group for group, _ in containers]
+    restore = cut_to_two_blocks(containers)
+    exported = _export(model, fake_model, fake_args, fake_kwargs)
+    decompositions = sharding_decompositions() if decompose else None
+    in_spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1]
+    joint = _Joint(model, fake_mode, fake_args, fake_kwargs, decompositions, tied, split_fused, in_spec)
+    try:
+        gm = joint.export(exported.module(), groups)
+    except NotRepeated:  # block 1's joint graph is not the self-contained run the copy needs
+        restore()
+        gm = joint.export(_export(model, fake_model, fake_args, fake_kwargs).module(), [])
+    restore()
+    _merge_tied(gm, tied)
+    _drop_identities(gm)
+    _merge_repeated_calls(gm)
+    gm.graph.lint()
+    # Python code for the joint graph is generated only when someone runs or prints it: the later
+    # passes rewrite the graph and call recompile() several times, and none of them runs it.
+    lazy = _LazyGraphModule.from_graphmodule(gm)
+    lazy.meta.update(gm.meta)
+    return lazy
+
+
+def _export(model: nn.Module, fake_model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    try:
+        return torch.export.export(fake_model, args, kwargs, strict=False)
+    except Exception as exc:  # torch raises many types; the user needs the location and the cause
+        raise TraceError(
+            f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {_first_lines(exc)}",
+            where=_user_frame_of(exc),
+            hint="make the forward traceable by torch.export (no data-dependent Python control flow on "
+            "tensor values, no unsupported Python side effects); see the torch.export docs",
+        ) from exc
+
+
+@dataclass
+class _Joint:
+    """The joint export of torch.export's module, with what it needs besides the module."""
+
+    model: nn.Module
+    fake_mode: FakeTensorMode
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    decompositions: Any
+    tied: list[list[str]]
+    split_fused: bool
+    in_spec: Any
+
+    def export(self, forward: fx.GraphModule, groups: list[RepeatedBlocks]) -> fx.GraphModule:
+        """Joint-export torch.export's module, annotate, and copy block 1 of each of `groups` (the
+        module has blocks 0 and 1 of each)."""
+        from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+        parts: dict[str, ParamPart] = {}
+        if self.split_fused:
+            parts = split_fused_linears(
+                forward, self.fake_mode, [name for group in self.tied for name in group]
+            )
+        try:
+            with contextlib.ExitStack() as stack:
+                joint = aot_export_joint_with_descriptors(
+                    stack, forward, self.args, self.kwargs, decompositions=self.decompositions
+                )
+                gm = joint.graph_module
+        except Exception as exc:
+            raise TraceError(
+                f"building the joint forward+backward graph of {type(self.model).__name__} failed: "
+                f"{type(exc).__name__}: {_first_lines(exc)}",
+                where=_user_frame_of(exc),
+                hint="the model must be differentiable with a single output that backward() is called on",
+            ) from exc
+        gm.graph._codegen = fx.graph.CodeGen()  # flat positional calling convention, flat outputs
+        _annotate(gm, self.model, in_spec=self.in_spec, parts=parts)
+        if groups:
+            stamp_repeated_blocks(gm, groups)
+        return gm
+
+
+def fake_clone(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
+    """A structural copy of `model` whose parameters and buffers are fake CPU tensors.
+
+    Works for real and meta-device models alike; tied parameters stay the same object.
+    """
+    memo: dict[int, Any] = {}
+    with fake_mode:
+        tensors: list[torch.Tensor] = [t for _, t in model.named_parameters(remove_duplicate=False)]
+        tensors += [t for _, t in model.named_buffers(remove_duplicate=False)]
+        for tensor in tensors:
+            if id(tensor) in memo:
+                continue
+            fake = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            if isinstance(tensor, nn.Parameter):
+                memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+            else:
+                memo[id(tensor)] = fake
+    return copy.deepcopy(model, memo)
+
+
+def _fakeify(value: Any, fake_mode: FakeTensorMode) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fake_mode.from_tensor(value.detach().to("cpu") if value.device.type == "meta" else value)
+    return value
+
+
+def _desc_kind(desc: Any) -> str:
+    return type(desc).__name__ if desc is not None else "None"
+
+
+def _annotate(gm: fx.GraphModule, model: nn.Module, in_spec: Any, parts: dict[str, ParamPart]) -> None:
+    params: list[str] = []
+    buffers: list[str] = []
+    num_inputs = 0
+    num_tangents = 0
+    requires_grad = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
+    requires_grad.update({name: requires_grad[part.source] for name, part in parts.items()})
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        desc = node.meta.get("desc")
+        kind = _desc_kind(desc)
+        role: Role
+        if kind == "ParamAOTInput":
+            role, name, index = "param", desc.target, None
+            params.append(name)
+        elif kind == "BufferAOTInput":
+            role, name, index = "buffer", desc.target, None
+            buffers.append(name)
+        elif kind == "PlainAOTInput":
+            role, name, index = "input", None, num_inputs
+            num_inputs += 1
+        elif kind == "TangentAOTInput":
+            role, name = "tangent", None
+            index = getattr(getattr(desc, "output", None), "idx", num_tangents)
+            num_tangents += 1
+        else:
+            raise TraceError(
+                f"unsupported graph input kind {kind} ({node.name})",
+                hint="models that mutate inputs or use RNG state in backward are not supported yet",
+            )
+        phase: Phase = "backward" if role == "tangent" else "forward"
+        set_info(node, NodeInfo(role=role, phase=phase, param_name=name, input_index=index))
+
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    descs = output.meta.get("desc") or []
+    outs = list(output.args[0])
+    num_user_outputs = 0
+    grad_of: list[str] = []
+    kept = []
+    for value, desc in zip(outs, descs):
+        kind = _desc_kind(desc)
+        if kind == "PlainAOTOutput":
+            num_user_outputs += 1
+            kept.append(value)
+        elif kind == "GradAOTOutput" and _desc_kind(desc.grad_of) == "ParamAOTInput":
+            grad_of.append(desc.grad_of.target)
+            kept.append(value)
+        elif kind == "GradAOTOutput" or (kind == "None" and value is None):
+            continue  # gradients of user inputs (or absent ones) are not returned
+        else:
+            raise TraceError(
+                f"unsupported graph output kind {kind}",
+                hint="models that mutate buffers or inputs (e.g. BatchNorm running stats) are not supported yet",
+            )
+    output.args = (tuple(kept),)
+    set_info(output, NodeInfo(role="output", phase="backward"))
+
+    tangent_nodes = {n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "tangent"}
+    backward: set[fx.Node] = set(tangent_nodes)
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        tag = node.meta.get("partitioner_tag")
+        is_bwd = tag == "is_backward" or any(a in backward for a in node.all_input_nodes)
+        if is_bwd:
+            backward.add(node)
+        stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+        module_path = list(stack.values())[-1][0] if stack else ""
+        set_info(
+            node,
+            NodeInfo(
+                role="compute",
+                phase="backward" if is_bwd else "forward",
+                module_path=module_path or "<root>",
+                source=_user_frame(node.meta.get("stack_trace") or ""),
+            ),
+        )
+    gm.meta[SIGNATURE_KEY] = JointSignature(
+        param_names=params,
+        aliases={},
+        buffer_names=buffers,
+        num_inputs=num_inputs,
+        num_tangents=num_tangents,
+        num_user_outputs=num_user_outputs,
+        grad_of=grad_of,
+        in_spec=in_spec,
+        requires_grad=requires_grad,
+        param_parts=parts,
+    )
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """Parameter names of the user's model that alias the same tensor."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _merge_tied(gm: fx.GraphModule, groups: list[list[str]]) -> None:
+    """One placeholder per tied weight, named by the first alias; its gradient sums the aliases'.
+
+    torch.export may route every use of a tied weight through one alias and give the others no
+    uses and no gradient; either way one placeholder and one summed gradient remain.
+    """
+    sig: JointSignature = gm.meta[SIGNATURE_KEY]
+    placeholders = {
+        info(n).param_name: n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "param"
+    }
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    nu = sig.num_user_outputs
+    for group in groups:
+        present = [name for name in group if name in placeholders]
+        canonical = group[0]
+        for alias in group[1:]:
+            sig.aliases[alias] = canonical
+        if not present:
+            continue
+        keep = next((placeholders[n] for n in present if placeholders[n].users), placeholders[present[0]])
+        grads = [outs[nu + sig.grad_of.index(n)] for n in present]
+        grads = [g for g in grads if g is not None]
+        total = grads[0] if grads else None
+        for g in grads[1:]:
+            with gm.graph.inserting_before(output):
+                summed = gm.graph.call_function(torch.ops.aten.add.Tensor, (total, g))
+            summed.meta["val"] = g.meta["val"]
+            set_info(summed, NodeInfo(role="compute", phase="backward", module_path="<tied weights>"))
+            total = summed
+        for name in present:
+            node = placeholders[name]
+            if node is not keep:
+                node.replace_all_uses_with(keep)
+                gm.graph.erase_node(node)
+        info(keep).param_name = canonical
+        slots = sorted(sig.grad_of.index(n) for n in present)
+        outs[nu + slots[0]] = total
+        for slot in reversed(slots[1:]):
+            del outs[nu + slot]
+        for name in present:
+            sig.param_names.remove(name)
+            sig.grad_of.remove(name)
+        sig.param_names.insert(slots[0], canonical)
+        sig.grad_of.insert(slots[0], canonical)
+    sig.param_names = [
+        info(n).param_name or n.name
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and info(n).role == "param"
+    ]
+    missing = [g for g, v in zip(sig.grad_of, outs[nu:]) if v is None]
+    if missing:
+        raise TraceError(
+            f"parameters {missing} get no gradient from the output",
+            hint="set requires_grad=False on parameters the loss does not use",
+        )
+    output.args = (tuple(outs),)
+
+
+def _drop_identities(gm: fx.GraphModule) -> None:
+    """detach/alias nodes carry no computation for us; removing them keeps dumps readable.
+
+    torch.export's `_assert_tensor_metadata` checks (emitted for dtype casts) have no result and
+    no users; they were checked while tracing, and their global sizes would not hold locally.
+    """
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+            continue
+        if node.op == "call_function" and node.target in (
+            torch.ops.aten.detach.default,
+            torch.ops.aten.alias.default,
+        ):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+
+
+def _merge_repeated_calls(gm: fx.GraphModule) -> None:
+    """One node per repeated pure call within a phase. The linears that `split_fused` makes from
+    one fused linear each flatten the same input (three equal views): left apart, each would get
+    its own redistribution of that input, where one serves all three."""
+    seen: dict[Any, fx.Node] = {}
+    outputs = set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node in outputs or not _mergeable(node.target):
+            continue
+        try:
+            key = (node.target, _frozen(node.args), _frozen(node.kwargs), info(node).phase)
+            hash(key)
+        except TypeError:  # an unhashable constant argument
+            continue
+        first = seen.setdefault(key, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+
+
+def _mergeable(target: Any) -> bool:
+    """Functional ATen ops whose result depends only on their arguments (no randomness)."""
+    return (
+        isinstance(target, torch._ops.OpOverload)
+        and not target._schema.is_mutable
+        and torch.Tag.nondeterministic_seeded not in target.tags
+        and torch.Tag.nondeterministic_bitwise not in target.tags
+    )
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_frozen(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _frozen(v)) for k, v in value.items()))
+    return value
+
+
+def _user_frame(stack_trace: str) -> str:
+    frames = _FRAME.findall(stack_trace)
+    for path, line, fn in reversed(frames):
+        if not _TORCH_FRAME.search(path):
+            return f"{path}:{line} in {fn}"
+    return ""
+
+
+def _user_frame_of(exc: BaseException) -> str:
+    import traceback
+
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if not _TORCH_FRAME.search(frame.filename) and "autopar" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return ""
+
+
+def _first_lines(exc: BaseException, n: int = 6) -> str:
+    return "\n".join(str(exc).strip().splitlines()[:n])

@@ -1,0 +1,173 @@
+"""Memory per rank of a plan, before any collective exists: what the plan search constrains.
+
+It counts what `autopar.plan` measures on the emitted program: stored parameter shards, their
+gradients and AdamW states (fp32), and the activations the forward hands to the backward. Backward
+reuses a redistribution made in forward (insert_comm makes each (value, layout) once), so a value
+that forward gathered and backward wants gathered is saved gathered; this is where the gathered
+weights that the search keeps for backward come from.
+
+A *weight chain* value (a parameter and views / casts of it, all-gathered from its storage before
+use) can be built again in backward instead ("regathered", `autopar.passes.regather`): its saved
+copies disappear and its all-gathers run a second time. `choose_regather` picks which, cheapest
+seconds per byte first, to bring a plan under a memory limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autopar.core.layout import Layout
+from autopar.core.meta import info, is_backward, signature
+from autopar.core.plan import MAX_REGATHER_NODES, Plan
+from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_per_rank
+from autopar.rules.calls import tensor_inputs
+
+MEMORY_HEADROOM = 0.9  # default limit: this share of device memory (as MemoryBreakdown.fits)
+
+
+@dataclass(frozen=True)
+class SavedValue:
+    """A forward value the backward needs, and what keeping it costs one rank."""
+
+    name: str
+    layout: Layout  # the value's own layout
+    bytes: float  # per rank: its saved copies (own layout and forward redistributions backward reuses)
+    regatherable: bool  # a weight chain: backward can gather it again from the stored parameter
+
+
+@dataclass
+class PlanMemory:
+    """Per-rank memory of one plan; `breakdown(regather)` with some weight chains regathered."""
+
+    param_bytes: float  # stored shards of parameters and buffers
+    saved: list[SavedValue] = field(default_factory=list)
+
+    def activation_bytes(self, regather: Collection[str] = ()) -> float:
+        return sum(s.bytes for s in self.saved if s.name not in regather)
+
+    def breakdown(self, regather: Collection[str] = ()) -> MemoryBreakdown:
+        return memory_per_rank(
+            self.param_bytes, self.param_bytes, ADAMW_STATE_FACTOR, self.activation_bytes(regather)
+        )
+
+
+def saved_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """Forward values that some backward node, or a gradient output, uses. Placeholders are among
+    them; they are stored anyway, but a forward redistribution of one that backward reuses is not."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    grads = {v for v in list(output.args[0])[signature(gm).num_user_outputs :] if isinstance(v, fx.Node)}
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op in ("call_function", "placeholder")
+        and not is_backward(n)
+        and isinstance(n.meta.get("val"), torch.Tensor)
+        and (any(is_backward(u) for u in n.users) or n in grads)
+    ]
+
+
+def weight_chain(node: fx.Node, decided: Collection[str]) -> list[fx.Node] | None:
+    """`node` and its forward ancestors if it is computed from parameters by a few undecided ops
+    (views, casts; no chosen compute, no random op), else None."""
+    if node.op == "placeholder":  # stored anyway: nothing to gather again
+        return None
+    closure: list[fx.Node] = []
+    seen = {node}
+    frontier = [node]
+    params = 0
+    while frontier:
+        current = frontier.pop()
+        if current.op == "placeholder":
+            role = info(current).role
+            if role not in ("param", "buffer"):
+                return None
+            params += role == "param"
+            continue
+        tags = getattr(current.target, "tags", ())
+        if (
+            current.op != "call_function"
+            or current.name in decided
+            or is_backward(current)
+            or torch.Tag.nondeterministic_seeded in tags
+        ):
+            return None
+        closure.append(current)
+        if len(closure) > MAX_REGATHER_NODES:
+            return None
+        for i in current.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                frontier.append(i)
+    return closure if params else None
+
+
+def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> PlanMemory:
+    """Memory per rank of `plan` on `gm` (see the module docstring for what is counted)."""
+    shape = tuple(mesh_shape)
+    param_bytes = float(
+        sum(
+            plan.layouts[n.name][0].local_bytes(shape)
+            for n in gm.graph.nodes
+            if n.op == "placeholder" and info(n).role in ("param", "buffer")
+        )
+    )
+    decided = set(plan.decided)
+    memory = PlanMemory(param_bytes)
+    for node in saved_nodes(gm):
+        have = plan.layouts[node.name][0]
+        forward_wants: set[Layout] = set()
+        backward_wants: list[Layout] = []
+        for user in node.users:
+            strategy = plan.strategies.get(user.name)
+            if strategy is None:
+                wants = [have]
+            else:
+                wants = [w for i, w in zip(tensor_inputs(user), strategy.inputs) if i is node]
+            (backward_wants.extend if is_backward(user) else forward_wants.update)(wants)
+        kept = {w if w in forward_wants else have for w in backward_wants} or {have}
+        if node.op == "placeholder":
+            kept.discard(have)
+            if not kept:
+                continue
+        memory.saved.append(
+            SavedValue(
+                node.name,
+                have,
+                float(sum(lay.local_bytes(shape) for lay in kept)),
+                weight_chain(node, decided) is not None,
+            )
+        )
+    return memory
+
+
+def choose_regather(
+    memory: PlanMemory, limit: float, cost_of: Callable[[SavedValue], float]
+) -> tuple[str, ...] | None:
+    """The weight chains to regather so that `memory` fits `limit`: () if it fits already, None if
+    even regathering every chain does not fit. Cheapest seconds (or elements) per byte saved first,
+    then any chosen chain whose bytes are no longer needed is dropped again (most expensive first)."""
+    excess = memory.breakdown().total - limit
+    if excess <= 0:
+        return ()
+    options = sorted(
+        (s for s in memory.saved if s.regatherable and s.bytes > 0),
+        key=lambda s: (cost_of(s) / s.bytes, s.name),
+    )
+    chosen: list[SavedValue] = []
+    freed = 0.0
+    for s in options:
+        if freed >= excess:
+            break
+        chosen.append(s)
+        freed += s.bytes
+    if freed < excess:
+        return None
+    for s in sorted(chosen, key=lambda s: (-cost_of(s), s.name)):
+        if freed - s.bytes >= excess:
+            chosen.remove(s)
+            freed -= s.bytes
+    return tuple(sorted(s.name for s in chosen))

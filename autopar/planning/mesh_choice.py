@@ -1,0 +1,301 @@
+"""Automatic mesh choice: the factorization of the world size with the lowest modeled step time.
+
+Every way to write the world size as a product of up to four factors larger than one is a
+candidate mesh, in the order of its axes: one to three axes are named x, y, z and a fourth leading
+one dp (`autopar.core.mesh.default_axis_names`); axes of size 1 change nothing and are left out, so 8
+ranks give (8), (2, 4), (4, 2) and (2, 2, 2). Order matters: ranks are row-major, so the last axis
+is the one whose groups stay inside a node. The model is traced once; each candidate is planned on
+that graph (the search tries every tensor/token role of the axes, so a mesh's names only pick its
+default roles, and is seeded by the fixed 1-D / 2-D / cube plans that lay out on the candidate, so
+in the search's objective its plan is no slower than any of them on that candidate: 2-D's q x q
+grid is a candidate) and priced on the hardware table: communication and compute seconds per step (each
+redistribution of a value to a layout counted once, as insert_comm emits it, so that candidates
+whose consumers share collectives rank as their compiled programs do) and memory per rank.
+
+That sum assumes no overlap, and meshes differ in how much of their communication the schedule
+stage can hide: for the 3-layer h = 4096 GPT of benchmarks/overlap.py at 8 ranks on H100, the 2x4
+plan sums to 130.2 ms but its activation collectives sit on the critical path (132.0 ms
+scheduled), while the all-token (8) plan (weights gathered, ZeRO-3-like) sums to 132.4 ms and hides
+nearly all of it (128.3 ms). So the fitting candidates are then lowered, scheduled and simulated
+(`autopar.cost.timeline`) as `compile_for_rank` would run them, in order of their sum, up to
+`OVERLAP_CANDIDATES` of them, skipping those whose compute alone (a lower bound: the simulated
+compute stream also runs the buffer copies) is no shorter than the best scheduled step found; those
+modeled rank first, by scheduled step time. The fastest candidate that fits the memory limit wins;
+ties go to the earlier candidate, so the choice is deterministic. Under `parallelize` rank 0
+chooses and broadcasts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch.fx as fx
+
+from autopar.core.errors import AutoparError, MemoryLimitError, MeshError
+from autopar.core.mesh import Mesh, default_axis_names
+from autopar.core.plan import Plan
+from autopar.cost.formulas import format_bytes
+from autopar.planning.greedy import choose_layouts
+from autopar.planning.plan_cost import plan_cost_parts
+from autopar.planning.search import SearchPlan, default_memory_limit, fit_memory, search_layouts
+from autopar.planning.search_cost import TimeCost
+from autopar.rules.base import RuleRegistry
+
+MAX_AXES = 4
+# Candidates modeled with overlap at most, the fastest by the no-overlap sum (each is lowered and
+# scheduled: about a second for a 3-layer h = 4096 GPT).
+OVERLAP_CANDIDATES = 4
+
+
+@dataclass(frozen=True)
+class MeshCandidate:
+    """One factorization of the world size and how its plan is modeled to run."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    comm_time: float = math.nan  # s per step, collectives one after another
+    compute_time: float = math.nan  # s per step
+    memory: float = math.nan  # bytes per rank (for a plan that does not fit: the leanest found)
+    fits: bool = False
+    roles: tuple[str, ...] = ()
+    error: str = ""  # why it has no plan (memory, or a dim no axis split divides)
+    scheduled_time: float = math.nan  # s per step lowered, scheduled and simulated; nan: not modeled
+
+    @property
+    def step_time(self) -> float:
+        """Communication plus compute: no overlap (an upper bound on the scheduled step)."""
+        return self.comm_time + self.compute_time
+
+    @property
+    def rank_time(self) -> float:
+        """What it is ranked by: the scheduled step where it was modeled, else the sum."""
+        return self.scheduled_time if math.isfinite(self.scheduled_time) else self.step_time
+
+    @property
+    def label(self) -> str:
+        return "x".join(map(str, self.shape)) + " (" + ",".join(self.names) + ")"
+
+
+@dataclass
+class MeshChoice:
+    """The ranked candidates: those that fit by step time, then the others."""
+
+    world_size: int
+    hardware: str
+    planner: str
+    memory_limit: float
+    candidates: list[MeshCandidate] = field(default_factory=list)
+
+    @property
+    def chosen(self) -> MeshCandidate:
+        return self.candidates[0]
+
+    def table(self) -> str:
+        rows = [
+            (
+                "rank",
+                "mesh",
+                "scheduled ms",
+                "step ms",
+                "comm ms",
+                "compute ms",
+                "memory/rank",
+                "roles / why not",
+            )
+        ]
+        for i, c in enumerate(self.candidates, 1):
+            if c.fits:
+                rows.append(
+                    (
+                        str(i),
+                        c.label,
+                        f"{c.scheduled_time * 1e3:.4f}" if math.isfinite(c.scheduled_time) else "-",
+                        f"{c.step_time * 1e3:.4f}",
+                        f"{c.comm_time * 1e3:.4f}",
+                        f"{c.compute_time * 1e3:.4f}",
+                        format_bytes(c.memory),
+                        "/".join(c.roles),
+                    )
+                )
+            else:
+                memory = format_bytes(c.memory) if math.isfinite(c.memory) else "-"
+                rows.append(("-", c.label, "-", "-", "-", "-", memory, c.error))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        limit = format_bytes(self.memory_limit) if math.isfinite(self.memory_limit) else "none"
+        head = (
+            f"mesh choice for {self.world_size} ranks on {self.hardware} ({self.planner} planner, "
+            f"memory limit {limit} per rank; scheduled: lowered, scheduled and simulated, '-' where "
+            "not modeled):"
+        )
+        return "\n".join([head] + ["  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows])
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "mesh": dict(zip(c.names, c.shape)),
+                "fits": c.fits,
+                "scheduled_step_seconds": c.scheduled_time if math.isfinite(c.scheduled_time) else None,
+                "step_seconds": c.step_time if c.fits else None,
+                "comm_seconds": c.comm_time if c.fits else None,
+                "compute_seconds": c.compute_time if c.fits else None,
+                "memory_bytes_per_rank": c.memory if math.isfinite(c.memory) else None,
+                "roles": list(c.roles),
+                "error": c.error,
+            }
+            for c in self.candidates
+        ]
+
+
+def mesh_candidates(
+    world_size: int, max_axes: int = MAX_AXES
+) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Every ordered factorization of `world_size` into 1..`max_axes` factors > 1, with names."""
+    if world_size < 1:
+        raise MeshError(f"world size must be >= 1, got {world_size}")
+    if world_size == 1:
+        return [((1,), ("x",))]
+    result = []
+    for n in range(1, max_axes + 1):
+        for shape in _factorizations(world_size, n):
+            result.append((shape, default_axis_names(n)))
+    return result
+
+
+def _factorizations(p: int, n: int) -> list[tuple[int, ...]]:
+    divisors = [d for d in range(2, p + 1) if p % d == 0]
+    return [
+        (*head, p // math.prod(head))
+        for head in itertools.product(divisors, repeat=n - 1)
+        if p % math.prod(head) == 0 and p // math.prod(head) > 1
+    ]
+
+
+StepTime = Callable[[fx.GraphModule, Plan, Mesh, RuleRegistry, str, "float | None"], float]
+
+
+def rank_meshes(
+    gm: fx.GraphModule,
+    world_size: int,
+    registry: RuleRegistry,
+    step_time: StepTime,
+    *,
+    hardware: str = "h100-nvlink-ib",
+    planner: str = "search",
+    memory_limit: float | None = None,
+    candidates: Sequence[tuple[tuple[int, ...], tuple[str, ...]]] | None = None,
+    overlap_candidates: int = OVERLAP_CANDIDATES,
+) -> MeshChoice:
+    """Plan the traced joint graph `gm` on every candidate mesh of `world_size` ranks and rank them
+    (module doc). `step_time(gm, plan, mesh, registry, hardware, memory_limit)` is the modeled step
+    with overlap of a plan as the compiler would lower and schedule it (the driver's
+    `scheduled_step_time`), asked for at most `overlap_candidates` of the fitting candidates.
+    """
+    evaluated = []
+    plans: list[Plan | None] = []
+    limit = math.inf
+    for shape, names in candidates if candidates is not None else mesh_candidates(world_size):
+        mesh = Mesh.from_shape(tuple(shape), tuple(names))
+        if mesh.size != world_size:
+            raise MeshError(f"candidate mesh {mesh} does not have {world_size} ranks")
+        cost = TimeCost(hardware, mesh.shape)
+        limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
+        candidate, plan = _evaluate(gm, mesh, registry, cost, planner, limit)
+        evaluated.append(candidate)
+        plans.append(plan)
+    evaluated = _scheduled(
+        gm, evaluated, plans, registry, hardware, overlap_candidates, memory_limit, step_time
+    )
+    order = sorted(
+        range(len(evaluated)),
+        key=lambda i: (
+            0 if evaluated[i].fits else 1 if math.isfinite(evaluated[i].memory) else 2,
+            0 if math.isfinite(evaluated[i].scheduled_time) else 1,
+            evaluated[i].rank_time if evaluated[i].fits else evaluated[i].memory,
+            i,
+        ),
+    )
+    choice = MeshChoice(world_size, hardware, planner, limit, [evaluated[i] for i in order])
+    if not choice.candidates or not choice.chosen.fits:
+        raise _no_mesh_error(choice)
+    return choice
+
+
+
+
+def _scheduled(
+    gm: fx.GraphModule,
+    evaluated: list[MeshCandidate],
+    plans: Sequence[Plan | None],
+    registry: RuleRegistry,
+    hardware: str,
+    at_most: int,
+    memory_limit: float | None,
+    step_time: StepTime,
+) -> list[MeshCandidate]:
+    """The candidates with `scheduled_time` set on those worth modeling with overlap (module doc)."""
+
+    out = list(evaluated)
+    best = math.inf
+    fitting = sorted(
+        (i for i, c in enumerate(evaluated) if c.fits), key=lambda i: (evaluated[i].step_time, i)
+    )
+    modeled = 0
+    for i in fitting:
+        candidate, plan = evaluated[i], plans[i]
+        if modeled == at_most:
+            break
+        if candidate.compute_time >= best:  # (not the communication: bucketing shortens it)
+            continue
+        modeled += 1
+        assert plan is not None
+        mesh = Mesh.from_shape(candidate.shape, candidate.names)
+        scheduled = step_time(gm, plan, mesh, registry, hardware, memory_limit)
+        out[i] = replace(candidate, scheduled_time=scheduled)
+        best = min(best, out[i].scheduled_time)
+    return out
+
+
+def _evaluate(
+    gm: Any, mesh: Mesh, registry: RuleRegistry, cost: TimeCost, planner: str, limit: float
+) -> tuple[MeshCandidate, Plan | None]:
+    try:
+        if planner == "search":
+            plan: SearchPlan = search_layouts(gm, mesh, registry, cost=cost, memory_limit=limit)
+        elif planner == "greedy":
+            plan = fit_memory(gm, choose_layouts(gm, mesh, registry), mesh, cost, limit)
+        else:
+            raise AutoparError(f"unknown planner {planner!r}", hint='use "search" or "greedy"')
+    except MemoryLimitError as exc:
+        return MeshCandidate(
+            mesh.shape, mesh.axis_names, memory=exc.memory, error="does not fit in memory"
+        ), None
+    except AutoparError as exc:
+        error = f"{type(exc).__name__}: {exc.message}"[:160]
+        return MeshCandidate(mesh.shape, mesh.axis_names, error=error), None
+    comm, compute = plan_cost_parts(gm, plan, mesh, cost, once=True)  # as insert_comm will emit it
+    memory = plan.memory.total if plan.memory is not None else math.nan
+    return MeshCandidate(mesh.shape, mesh.axis_names, comm, compute, memory, True, plan.roles), plan
+
+
+def _no_mesh_error(choice: MeshChoice) -> AutoparError:
+    table = choice.table()
+    lean = [c for c in choice.candidates if math.isfinite(c.memory)]
+    if lean:
+        best = min(lean, key=lambda c: c.memory)
+        return MemoryLimitError(
+            f"no mesh of {choice.world_size} ranks fits the memory limit of {format_bytes(choice.memory_limit)} "
+            f"per rank; the leanest, {best.label}, needs {format_bytes(best.memory)}\n{table}",
+            memory=best.memory,
+            limit=choice.memory_limit,
+            hint="use more ranks, a smaller batch or sequence, or a larger memory_limit",
+        )
+    return AutoparError(
+        f"no mesh of {choice.world_size} ranks has a plan for this model\n{table}",
+        hint="use a world size whose factors divide the model's batch and hidden dims",
+    )
+
+

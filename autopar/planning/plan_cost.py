@@ -1,0 +1,92 @@
+"""The modeled cost of a whole plan: what the search, its seeds and the fixed schemes are ranked by.
+
+Every plan (greedy, fixed scheme or searched) is priced by the same two functions, so they sit
+below all of the planners that compare plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from autopar.core.layout import Layout
+from autopar.core.mesh import Mesh
+from autopar.core.plan import Plan
+from autopar.core.strategy import Strategy
+from autopar.cost.work import global_work, work_split
+from autopar.planning.search_cost import ElementCost
+from autopar.rules.calls import tensor_inputs
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """What pricing a plan reads of the graph, gathered once for the many plans of one search:
+    per call node in graph order its tensor inputs and global work, and the output's values."""
+
+    calls: tuple[tuple[str, tuple[str, ...], float], ...]
+    outputs: tuple[str | None, ...]
+
+    @staticmethod
+    def of(gm: fx.GraphModule) -> GraphFacts:
+        calls = []
+        outputs: tuple[str | None, ...] = ()
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                inputs = tuple(src.name for src in tensor_inputs(node))
+                calls.append((node.name, inputs, global_work(node)))
+            elif node.op == "output":
+                outputs = tuple(src.name if isinstance(src, fx.Node) else None for src in node.args[0])
+        return GraphFacts(tuple(calls), outputs)
+
+
+def plan_cost(
+    gm: fx.GraphModule, plan: Plan, mesh: Mesh, cost: ElementCost, facts: GraphFacts | None = None
+) -> float:
+    """Modeled cost of a whole plan, as it will be emitted: each (value, wanted layout)
+    redistributed once, and every op's compute. Seeds and the runs' results are compared by it:
+    the search's own objective prices every edge apart, which overprices a value read by several
+    consumers (q, k and v reading one layer norm's output) and can rank plans wrongly."""
+    comm, compute = plan_cost_parts(gm, plan, mesh, cost, facts, once=True)
+    return comm + compute
+
+
+def plan_cost_parts(
+    gm: fx.GraphModule,
+    plan: Plan,
+    mesh: Mesh,
+    cost: ElementCost,
+    facts: GraphFacts | None = None,
+    once: bool = False,
+) -> tuple[float, float]:
+    """(communication, compute) of a plan; for a SearchPlan, with its regathers' collectives.
+    `facts`: `GraphFacts.of(gm)`, when pricing many plans of the same graph. The search's
+    objective prices every edge; `once` prices each (value, wanted layout) once, as insert_comm
+    emits it (consumers that want the same layout of a value share one redistribution, a weight
+    gathered in forward is reused in backward): closer to the compiled program's collectives."""
+    facts = facts if facts is not None else GraphFacts.of(gm)
+    shape = tuple(mesh.shape)
+    comm = compute = 0.0
+    layouts, strategies = plan.layouts, plan.strategies
+    splits: dict[Strategy, int] = {}
+    made: set[tuple[str, Layout]] = set()
+    for name, inputs, work in facts.calls:
+        strategy = strategies.get(name)
+        if strategy is None:
+            continue
+        for src, want in zip(inputs, strategy.inputs):
+            if once:
+                if (src, want) in made:
+                    continue
+                made.add((src, want))
+            comm += cost.redistribute(layouts[src][0], want)
+        split = splits.get(strategy)
+        if split is None:
+            split = splits[strategy] = work_split(strategy, shape)
+        compute += cost.compute(work, split)
+    for src_name, wanted in zip(facts.outputs, plan.output_layouts):
+        if src_name is not None and wanted is not None:
+            comm += cost.redistribute(layouts[src_name][0], wanted)
+    for name in getattr(plan, "regather", ()):
+        comm += cost.gather_from_storage(layouts[name][0])
+    return comm, compute

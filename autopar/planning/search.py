@@ -1,0 +1,439 @@
+"""Plan search: improve the greedy plan over the whole joint graph, under a memory limit.
+
+The greedy pass decides each op looking only at its producers. Here every decided op becomes a
+variable whose values are its strategies; the objective is the modeled cost of the whole step:
+each op's compute under its strategy, plus the redistribution on every edge between a producer's
+output layout and its consumer's required input layout, plus parameter gathers and gradient
+reductions. The graph is cut into chains (an op whose only decided producer is the previous one);
+each chain is solved exactly by dynamic programming (Viterbi) with the rest of the graph held fixed,
+and the chains are swept forward and backward until the total stops falling (coordinate descent
+with exact block moves; `autopar.planning.search_problem`). Seeds are the greedy plans for every assignment
+of axis roles and the fixed 1-D / 2-D / 3-D scheme plans that lay out on this mesh
+(`autopar.planning.search_seeds`); the chain moves start from the cheapest role seed and from the cheapest
+fixed seed when that is cheaper still, so the search is never worse than any seed; role
+assignments that cannot split the model (a token axis larger than the batch) are skipped, and only
+if no seed works is the error raised. Edge tables are priced per pair of placements
+(`autopar.planning.search_cost`).
+
+Memory: a plan must fit `memory_limit` bytes per rank (default: `MEMORY_HEADROOM` of the hardware
+table's device memory; no limit when pricing in element counts). Stored parameters, gradients and
+AdamW states are nearly the same for every plan (each rank stores ~1/p); what plans change is the
+activations the forward saves for backward, including gathered weights that backward reuses. When
+the cheapest plan does not fit, saved bytes get a price per byte, raised until the plan fits: with
+it the search trades time for memory, both in layouts and per weight chain, whose saved gathered
+copy can be dropped and gathered again in backward (`SearchPlan.regather`, carried out by
+`autopar.passes.regather`). If even the leanest plan does not fit, `MemoryLimitError` says by how much.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch.fx as fx
+
+from autopar.core.errors import AutoparError, MemoryLimitError
+from autopar.core.mesh import Mesh
+from autopar.core.plan import Plan
+from autopar.cost.formulas import MemoryBreakdown, format_bytes
+from autopar.planning.greedy import axis_roles, greedy_plan
+from autopar.planning.memory import MEMORY_HEADROOM, PlanMemory, choose_regather, plan_memory
+from autopar.planning.plan_cost import GraphFacts, plan_cost, plan_cost_parts
+from autopar.planning.search_cost import ElementCost, TimeCost, even_factor, even_steps
+from autopar.planning.search_problem import Problem, Shared, regather_cost
+from autopar.planning.search_seeds import fixed_seeds
+from autopar.rules.base import RuleRegistry
+
+__all__ = [
+    "ElementCost",
+    "GraphFacts",
+    "SearchPlan",
+    "SearchReport",
+    "TimeCost",
+    "default_memory_limit",
+    "even_factor",
+    "even_steps",
+    "fit_memory",
+    "format_bytes",
+    "plan_cost",
+    "plan_cost_parts",
+    "role_assignments",
+    "search_layouts",
+]
+
+MAX_SWEEPS = 8
+PRICE_STEPS = 24  # memory prices tried, each 4x the last, before giving up on fitting
+PRICE_BISECTIONS = 4  # refinements between the last price that did not fit and the first that did
+PRICE_STALL = 3  # stop raising the price once this many raises left the plan unchanged
+
+
+@dataclass
+class SearchPlan(Plan):
+    """A Plan with the search's memory decision: forward values (gathered weights) that backward
+    gathers again instead of keeping, and the modeled memory per rank."""
+
+    regather: tuple[str, ...] = ()
+    memory: MemoryBreakdown | None = None
+
+
+@dataclass
+class SearchReport:
+    # roles ("tensor/tensor/token") or "fixed:<scheme>" -> modeled cost of that seed plan
+    seeds: dict[str, float] = field(default_factory=dict)
+    failed_roles: dict[str, str] = field(default_factory=dict)  # roles -> why the greedy pass failed
+    failed_fixed: dict[str, str] = field(default_factory=dict)  # "fixed:<scheme>" -> why it failed
+    chosen_seed: str = ""  # the seed whose chain moves gave the plan (see `_starts`)
+    chosen_roles: tuple[str, ...] = ()
+    seed_cost: float = 0.0
+    final_cost: float = 0.0  # includes the regathers' collectives
+    sweeps: int = 0
+    variables: int = 0
+    chains: int = 0
+    distinct_chains: int = 0  # chains with different structure (repeated layers share one)
+    solves: int = 0
+    memo_hits: int = 0  # chain solves answered from an identical earlier one
+    memory_limit: float = math.inf
+    memory: float = 0.0  # bytes per rank of the chosen plan
+    prices: list[float] = field(default_factory=list)  # memory prices tried (cost per byte)
+    regathered: tuple[str, ...] = ()  # weight chains gathered again in backward
+
+
+@dataclass
+class _Fitted:
+    plan: Plan
+    regather: tuple[str, ...]
+    memory: PlanMemory | None  # None: not computed (no limit to check)
+    cost: float
+
+    @property
+    def bytes(self) -> float:
+        return self.memory.breakdown(self.regather).total if self.memory is not None else 0.0
+
+    def search_plan(self, gm: fx.GraphModule, mesh: Mesh) -> SearchPlan:
+        memory = self.memory if self.memory is not None else plan_memory(gm, self.plan, mesh.shape)
+        return SearchPlan(
+            **{f.name: getattr(self.plan, f.name) for f in fields(Plan)},
+            regather=self.regather,
+            memory=memory.breakdown(self.regather),
+        )
+
+
+def search_layouts(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    *,
+    cost: ElementCost | None = None,
+    max_sweeps: int = MAX_SWEEPS,
+    memory_limit: float | None = None,
+    fixed_seeds: bool = True,
+) -> SearchPlan:
+    """Best seed (greedy plans over axis-role assignments and, with `fixed_seeds`, the fixed
+    schemes' plans on this mesh), then exact chain moves until no gain, within `memory_limit`
+    bytes per rank (None: the default of the cost's hardware; math.inf: none)."""
+    cost = cost or ElementCost(mesh.shape)
+    limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
+    report = SearchReport(memory_limit=limit)
+    facts = GraphFacts.of(gm)
+    shared = Shared(work={name: work for name, _, work in facts.calls})
+    runs = [
+        _from_seed(gm, mesh, registry, cost, shared, facts, start, limit, max_sweeps, report)
+        for start in _starts(gm, mesh, registry, cost, shared, facts, report, fixed_seeds)
+    ]
+    fitting = [(option, run) for run in runs for option in run.options]
+    if not fitting:
+        lean = min((run.leanest(gm, mesh) for run in runs), key=_leanest_need)
+        raise _memory_error(lean, mesh, limit, "the leanest plan found")
+    # never worse than a start (its seed is an option); ties keep the earlier start
+    best, run = min(fitting, key=lambda t: (t[0].cost, t[0].bytes))
+    final = best.search_plan(gm, mesh)
+    problem = run.problem
+    report.chosen_seed, report.chosen_roles, report.sweeps = run.name, run.seed.roles, run.sweeps
+    report.variables, report.chains = len(problem.vars), len(problem.chains)
+    report.final_cost = best.cost
+    report.memory = final.memory.total if final.memory is not None else 0.0
+    report.regathered = best.regather
+    report.solves = sum(r.problem.tally.solves for r in runs)
+    report.memo_hits = sum(r.problem.tally.memo_hits for r in runs)
+    report.distinct_chains = problem.tally.distinct_chains
+    memory_note = (
+        f"; memory {format_bytes(report.memory)} per rank of {format_bytes(limit)}, "
+        f"{len(best.regather)} gathered weights gathered again in backward"
+        if math.isfinite(limit)
+        else ""
+    )
+    final.notes["__search__"] = (
+        f"search: seed {report.seed_cost:.4g} -> {best.cost:.4g} in {report.sweeps} sweeps over "
+        f"{report.variables} ops in {report.chains} chains ({report.distinct_chains} distinct) from "
+        f"seed {report.chosen_seed}; roles {'/'.join(report.chosen_roles)}{memory_note}"
+    )
+    gm.meta["autopar_search"] = report
+    return final
+
+
+def fit_memory(
+    gm: fx.GraphModule, plan: Plan, mesh: Mesh, cost: ElementCost, memory_limit: float | None = None
+) -> SearchPlan:
+    """A fixed plan (the greedy one) under a memory limit: its layouts, with the cheapest backward
+    regathers that make it fit; `MemoryLimitError` if regathering every weight chain is not enough."""
+    limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
+    fitted = _fit(gm, plan, mesh, cost, limit)
+    if fitted is None:
+        raise _memory_error(plan_memory(gm, plan, mesh.shape), mesh, limit, "this plan")
+    return fitted.search_plan(gm, mesh)
+
+
+def default_memory_limit(cost: ElementCost) -> float:
+    """`MEMORY_HEADROOM` of the device memory of the cost's hardware table; no limit without one."""
+    capacity = cost.memory_capacity
+    return MEMORY_HEADROOM * capacity if capacity else math.inf
+
+
+def _starts(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    cost: ElementCost,
+    shared: Shared,
+    facts: GraphFacts,
+    report: SearchReport,
+    fixed: bool = True,
+) -> list[tuple[str, Plan, float]]:
+    """Where the chain moves start: the cheapest greedy plan over role assignments, and (`fixed`)
+    the cheapest fixed scheme's plan on this mesh when it is cheaper still. Both are searched from,
+    so the result is never worse than any seed, nor than the search from the role seeds alone (a
+    cheaper start can end higher). Every seed's cost is in `report.seeds`; if no role assignment
+    and no scheme works, the most telling error of the role assignments is raised."""
+    best: tuple[str, Plan, float] | None = None
+    errors: list[tuple[tuple[str, ...], Exception]] = []
+    for roles in role_assignments(mesh):
+        try:
+            plan = greedy_plan(
+                gm, mesh, registry, roles=roles, expand_cache=shared.expand, memo=shared.greedy
+            )
+        except Exception as exc:  # a role assignment that cannot split this model evenly
+            errors.append((roles, exc))
+            report.failed_roles["/".join(roles)] = str(exc).splitlines()[0]
+            continue
+        value = report.seeds["/".join(roles)] = plan_cost(gm, plan, mesh, cost, facts)
+        if best is None or value < best[2]:
+            best = ("/".join(roles), plan, value)
+    starts = [best] if best is not None else []
+    if fixed:
+        cheapest: tuple[str, Plan, float] | None = None
+        for name, found in fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy):
+            if isinstance(found, AutoparError):
+                report.failed_fixed[name] = found.message.splitlines()[0]
+                continue
+            value = report.seeds[name] = plan_cost(gm, found, mesh, cost, facts)
+            if cheapest is None or value < cheapest[2]:
+                cheapest = (name, found, value)
+        if cheapest is not None and (best is None or cheapest[2] < best[2]):
+            starts.append(cheapest)
+    if not starts:
+        raise _roles_error(errors)
+    report.seed_cost = min(start[2] for start in starts)
+    return starts
+
+
+@dataclass
+class _Run:
+    """The chain moves from one start: its problem and the plans it offers (fitting the limit)."""
+
+    name: str
+    seed: Plan
+    problem: Problem
+    sweeps: int
+    options: list[_Fitted]
+    first: Plan  # the plan of the unpriced optimum
+    lean: PlanMemory | None  # the leanest plan's memory seen while pricing memory, if priced
+
+    def leanest(self, gm: fx.GraphModule, mesh: Mesh) -> PlanMemory:
+        """For the error when nothing fits: the leanest plan seen, or the unpriced optimum's."""
+        return self.lean if self.lean is not None else plan_memory(gm, self.first, mesh.shape)
+
+
+def _from_seed(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    cost: ElementCost,
+    shared: Shared,
+    facts: GraphFacts,
+    start: tuple[str, Plan, float],
+    limit: float,
+    max_sweeps: int,
+    report: SearchReport,
+) -> _Run:
+    name, seed, seed_cost = start
+    problem = Problem(gm, mesh, registry, seed, cost, shared.expand, shared)
+    unmoved = problem.snapshot()
+    sweeps = problem.optimize(max_sweeps)
+
+    def materialize() -> Plan:
+        return greedy_plan(
+            gm,
+            mesh,
+            registry,
+            roles=seed.roles,
+            forced=problem.forced(),
+            expand_cache=shared.expand,
+            memo=shared.greedy,
+        )
+
+    # nothing moved: the greedy pass with every decided strategy forced to the seed's is the seed
+    first = materialize() if problem.snapshot() != unmoved else seed
+    options = [_fit(gm, seed, mesh, cost, limit, facts=facts, known=seed_cost)]
+    if first is not seed:
+        options.insert(0, _fit(gm, first, mesh, cost, limit, facts=facts))
+    lean = None
+    if (options[0] is None or options[0].regather) and math.isfinite(limit):
+        priced, lean = _price_memory(gm, mesh, cost, facts, limit, problem, max_sweeps, materialize, report)
+        options += priced
+    return _Run(name, seed, problem, sweeps, [o for o in options if o is not None], first, lean)
+
+
+def _leanest_need(memory: PlanMemory) -> float:
+    """Bytes per rank with every weight chain regathered (the least a plan's layouts can need)."""
+    return memory.breakdown([s.name for s in memory.saved if s.regatherable]).total
+
+
+def _roles_error(errors: list[tuple[tuple[str, ...], Exception]]) -> Exception:
+    """The error of the attempt that got furthest: one past the batch check, else the default's."""
+    ours = [(r, e) for r, e in errors if isinstance(e, AutoparError)]
+    if not ours:
+        return errors[0][1]
+    roles, error = next(((r, e) for r, e in ours if e.op != "input"), ours[0])
+    assert isinstance(error, AutoparError)
+    tried = ", ".join("/".join(r) for r, _ in errors)
+    hint = f"every assignment of axis roles failed ({tried}); this one with roles {'/'.join(roles)}"
+    return type(error)(
+        error.message,
+        op=error.op,
+        where=error.where,
+        layouts=error.layouts,
+        hint=f"{error.hint}; {hint}" if error.hint else hint,
+    )
+
+
+def role_assignments(mesh: Mesh) -> list[tuple[str, ...]]:
+    """The default roles first, then every distinct arrangement of tensor/token roles over the axes,
+    all-token among them: every axis splits the batch and weights are stored split and gathered
+    where used (ZeRO-3-like), which can lose on the summed step and still hide its communication
+    best (`autopar.planning.mesh_choice` ranks meshes by the scheduled step)."""
+    default = axis_roles(mesh)
+    sized = [a for a, s in enumerate(mesh.shape) if s > 1]
+    options = [default]
+    for combo in itertools.product(("tensor", "token"), repeat=len(sized)):
+        roles = list(default)
+        for a, role in zip(sized, combo):
+            roles[a] = role
+        if tuple(roles) not in options:
+            options.append(tuple(roles))
+    return options
+
+
+def _fit(
+    gm: fx.GraphModule,
+    plan: Plan,
+    mesh: Mesh,
+    cost: ElementCost,
+    limit: float,
+    memory: PlanMemory | None = None,
+    facts: GraphFacts | None = None,
+    known: float | None = None,
+) -> _Fitted | None:
+    """`plan` with the cheapest regathers that bring it under `limit`, or None if none do
+    (`known`: the plan's `plan_cost`, if already worked out)."""
+    value = known if known is not None else plan_cost(gm, plan, mesh, cost, facts)
+    if not math.isfinite(limit):
+        return _Fitted(plan, (), None, value)
+    memory = memory if memory is not None else plan_memory(gm, plan, mesh.shape)
+    regather = choose_regather(memory, limit, lambda s: regather_cost(s, cost))
+    if regather is None:
+        return None
+    extra = sum(regather_cost(s, cost) for s in memory.saved if s.name in regather)
+    return _Fitted(plan, regather, memory, value + extra)
+
+
+def _price_memory(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    cost: ElementCost,
+    facts: GraphFacts,
+    limit: float,
+    problem: Problem,
+    max_sweeps: int,
+    materialize: Any,
+    report: SearchReport,
+) -> tuple[list[_Fitted | None], PlanMemory | None]:
+    """Raise the price of saved bytes (4x a step) until the plan fits, then bisect between the
+    last two prices. Each priced optimum is measured exactly (the problem's memory model sees only
+    each value's own layout, not forward redistributions that backward reuses). Returns the plans
+    that fit, and the memory of the leanest plan seen (with every weight chain regathered)."""
+    unpriced_cost, unpriced_bytes = problem.modeled(0.0)
+    start = unpriced_cost / max(unpriced_bytes, 1.0) * 1e-3
+    measured: dict[tuple[int, ...], tuple[_Fitted | None, PlanMemory]] = {}
+    fits: list[_Fitted | None] = []
+    lean: list[tuple[float, PlanMemory]] = []
+    last: list[tuple[int, ...]] = []
+
+    def attempt(price: float) -> bool:
+        problem.set_price(price)
+        problem.optimize(max_sweeps)
+        report.prices.append(price)
+        state = tuple(problem.snapshot())
+        last.append(state)
+        if state not in measured:
+            plan = materialize()
+            memory = plan_memory(gm, plan, mesh.shape)
+            measured[state] = (_fit(gm, plan, mesh, cost, limit, memory, facts), memory)
+            fits.append(measured[state][0])
+            lean.append((_leanest_need(memory), memory))
+        return measured[state][0] is not None
+
+    low, high = 0.0, None
+    price = start
+    for _ in range(PRICE_STEPS):
+        if attempt(price):
+            high = price
+            break
+        if len(last) > PRICE_STALL and len(set(last[-PRICE_STALL - 1 :])) == 1:
+            break  # memory dominates the objective already: higher prices change nothing
+        low, price = price, price * 4
+    for _ in range(PRICE_BISECTIONS if high is not None and low == 0 else 0):  # fit at once: cheaper?
+        assert high is not None
+        price = high / 4
+        if not attempt(price):
+            low = price
+            break
+        high = price
+    if high is not None and low > 0:
+        for _ in range(PRICE_BISECTIONS):
+            middle = math.sqrt(low * high)
+            if attempt(middle):
+                high = middle
+            else:
+                low = middle
+    problem.set_price(0.0)
+    return fits, min(lean, key=lambda t: t[0])[1] if lean else None
+
+
+def _memory_error(memory: PlanMemory, mesh: Mesh, limit: float, which: str) -> MemoryLimitError:
+    """`which` plan's memory with every weight chain regathered, against the limit."""
+    need = memory.breakdown([s.name for s in memory.saved if s.regatherable])
+    parts = (
+        f"params {format_bytes(need.params)} + grads {format_bytes(need.grads)} + AdamW states "
+        f"{format_bytes(need.optimizer)} + saved activations {format_bytes(need.activations)}"
+    )
+    return MemoryLimitError(
+        f"no plan fits the memory limit of {format_bytes(limit)} per rank on mesh {mesh}: {which} "
+        f"needs {format_bytes(need.total)} ({parts}), even with every gathered weight gathered again "
+        "in backward",
+        memory=need.total,
+        limit=limit,
+        hint="use a bigger mesh (more ranks split the weights and activations), a smaller batch or "
+        "sequence, or a larger memory_limit",
+    )

@@ -1,0 +1,153 @@
+"""Plan summaries: parameters per rank and every collective a step runs, with bytes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+
+from autopar.core.collectives import bucket_members
+from autopar.core.layout import Replicate
+from autopar.core.mesh import Mesh
+from autopar.core.meta import NodeInfo, has_info, info
+from autopar.core.redistribute import CommStep
+from autopar.cost.formulas import format_bytes
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    phase: str
+    kind: str
+    axis: str
+    group: str
+    elements: float  # sent per rank
+    bytes: float
+    node: str
+    module_path: str
+    layout_before: str
+    layout_after: str
+    bucket: str = ""  # the merged collective that carries it, when bucketing folded it into one
+
+
+@dataclass
+class PlanReport:
+    mesh: str
+    world_size: int
+    param_bytes_local: int
+    param_bytes_total: int
+    replicated_params: list[str] = field(default_factory=list)
+    # of those, parts of a cut fused parameter, replicated because their cut dim stays whole
+    replicated_parts: list[str] = field(default_factory=list)
+    collectives: list[CollectiveRecord] = field(default_factory=list)
+    schedule: Any = None
+
+    @property
+    def param_fraction(self) -> float:
+        return self.param_bytes_local / max(1, self.param_bytes_total)
+
+    def bytes_per_step(self) -> float:
+        return sum(c.bytes for c in self.collectives)
+
+    def __str__(self) -> str:
+        lines = [
+            f"mesh {self.mesh} ({self.world_size} ranks)",
+            f"parameters per rank: {self.param_bytes_local / 1e6:.3f} MB of {self.param_bytes_total / 1e6:.3f} MB "
+            f"({self.param_fraction * self.world_size:.3f} x total/{self.world_size})",
+        ]
+        small = [name for name in self.replicated_params if name not in self.replicated_parts]
+        if small:
+            lines.append(f"replicated on some axis (too small to split): {', '.join(small)}")
+        if self.replicated_parts:
+            lines.append(
+                "replicated on some axis (a part of a fused parameter keeps its cut dim whole, so that "
+                f"the fused parameter stays one evenly sharded tensor): {', '.join(self.replicated_parts)}"
+            )
+        counts: Counter[tuple[str, str, str]] = Counter()
+        volume: dict[tuple[str, str, str], float] = {}
+        for c in self.collectives:
+            counts[(c.phase, c.kind, c.axis)] += 1
+            volume[(c.phase, c.kind, c.axis)] = volume.get((c.phase, c.kind, c.axis), 0.0) + c.bytes
+        lines.append(
+            f"collectives per step: {len(self.collectives)}, {self.bytes_per_step() / 1e6:.3f} MB sent per rank"
+        )
+        lines.append(f"  {'phase':<9} {'kind':<15} {'axis':<5} {'count':>5} {'KB/rank':>10}")
+        for key in sorted(counts):
+            phase, kind, axis = key
+            lines.append(f"  {phase:<9} {kind:<15} {axis:<5} {counts[key]:>5} {volume[key] / 1e3:>10.1f}")
+        if self.schedule is not None:
+            s = self.schedule
+            lines.append(
+                f"schedule: {s.waits_moved} waits moved later, {s.issues_moved} collectives issued earlier, "
+                f"{s.overlapped_ops} compute ops overlap in-flight collectives"
+            )
+            if s.buckets:
+                issued = len(self.collectives) - s.bucketed + s.buckets
+                lines.append(
+                    f"  bucketing: {s.bucketed} collectives merged into {s.buckets}, {issued} issued per step"
+                )
+            cap = format_bytes(s.in_flight_cap) if s.in_flight_cap is not None else "none"
+            lines.append(
+                f"  in-flight memory cap {cap}: {s.cap_delays} issues delayed, {s.cap_forced_waits} waits moved earlier"
+            )
+        return "\n".join(lines)
+
+
+def collect(graphs: list[fx.GraphModule], mesh: Mesh) -> list[CollectiveRecord]:
+    records = []
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if not has_info(node) or info(node).comm is None:
+                continue
+            node_info = info(node)
+            step = node_info.comm
+            assert step is not None
+            members = bucket_members(node)
+            if not members:
+                records.append(_record(node_info, step, node.name, node_info.module_path, "", mesh))
+            for m in members:  # one record per collective the plan asked for, as without bucketing
+                records.append(_record(node_info, m.step, m.name, m.module_path, node.name, mesh))
+    return records
+
+
+def _record(
+    node_info: NodeInfo, step: CommStep, name: str, module_path: str, bucket: str, mesh: Mesh
+) -> CollectiveRecord:
+    return CollectiveRecord(
+        phase=node_info.phase,
+        kind=step.kind,
+        axis=mesh.axis_names[step.axis],
+        group=node_info.comm_group or "",
+        elements=step.elements_sent(mesh.shape),
+        bytes=step.bytes_sent(mesh.shape),
+        node=name,
+        module_path=module_path,
+        layout_before=step.before.per_dim_str(mesh.axis_names),
+        layout_after=step.after.per_dim_str(mesh.axis_names),
+        bucket=bucket,
+    )
+
+
+def build_report(
+    program: Any, mesh: Mesh, schedule: Any = None, graph_mesh: Mesh | None = None
+) -> PlanReport:
+    """`graph_mesh`: the mesh the program's collectives are laid out on, when it has more axes than
+    the device mesh (over-decomposition's in-process chunk axis)."""
+    local = sum(lay.local_bytes(mesh.shape) for lay in program.param_layouts)
+    total = sum(lay.local_bytes([1] * mesh.ndim) for lay in program.param_layouts)
+    replicated = [
+        name
+        for name, lay in zip(program.param_names, program.param_layouts)
+        if any(isinstance(p, Replicate) and mesh.shape[a] > 1 for a, p in enumerate(lay.placements))
+    ]
+    return PlanReport(
+        mesh=str(mesh),
+        world_size=mesh.size,
+        param_bytes_local=local,
+        param_bytes_total=total,
+        replicated_params=replicated,
+        replicated_parts=[name for name in replicated if name in program.param_parts],
+        collectives=collect([program.forward, program.backward], graph_mesh or mesh),
+        schedule=schedule,
+    )

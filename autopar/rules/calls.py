@@ -1,0 +1,80 @@
+"""What a rule sees of a graph node: its `OpCall`, its tensor inputs, and candidate lists by call.
+
+The planners build an `OpCall` for every node, and emit builds it again to localize the op, so both
+take it from here rather than from each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.core.strategy import OpCall, Strategy, TensorSpec
+from autopar.rules.base import expand, spec_of
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """Flattened tensor-valued node arguments, in the order rules see them."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [x for x in leaves if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
+
+
+def op_call(node: fx.Node) -> OpCall:
+    """`make_call` on the node's argument and result values, without pytree (it runs once per
+    node in the planner and again in emit; the equivalence is tested)."""
+    inputs: list[TensorSpec] = []
+
+    def to_spec(x: Any) -> Any:
+        spec = spec_of(x)
+        if spec is None:
+            return x
+        inputs.append(spec)
+        return spec
+
+    def leaf(x: Any) -> Any:
+        value = x.meta["val"] if isinstance(x, fx.Node) else x
+        if isinstance(value, (tuple, list, dict)):  # a node holding several values
+            return pytree.tree_map(to_spec, value)
+        return to_spec(value)
+
+    args = fx.node.map_aggregate(node.args, leaf)
+    kwargs = fx.node.map_aggregate(node.kwargs, leaf)
+    out = node.meta.get("val")
+    if isinstance(out, torch.Tensor):
+        outputs: tuple[TensorSpec, ...] = (spec_of(out),)  # type: ignore[assignment]
+    else:
+        outputs = tuple(s for s in (spec_of(x) for x in pytree.tree_leaves(out)) if s is not None)
+    return OpCall(node.target, tuple(args), dict(kwargs), tuple(inputs), outputs)
+
+
+def output_index(node: fx.Node) -> int:
+    """Flattened tensor index of a getitem on a multi-output op."""
+    parent, index = node.args[0], node.args[1]
+    assert isinstance(parent, fx.Node) and isinstance(index, int)
+    values = parent.meta["val"]
+    return sum(1 for v in list(values)[:index] if isinstance(v, torch.Tensor))
+
+
+def expand_cached(
+    node: fx.Node,
+    rule: Any,
+    call: OpCall,
+    shape: tuple[int, ...],
+    cache: dict[Any, list[Strategy]],
+    key_of_call: tuple[Any, ...] | None = None,
+) -> list[Strategy]:
+    """`expand` memoized by op and argument specs: repeated layers share their candidate lists.
+    `key_of_call`: `call_key(call)`, if known."""
+    key = (node.target, call_key(call) if key_of_call is None else key_of_call)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = expand(call, rule.strategies(call), shape, rule.uneven)
+    return found
+
+
+def call_key(call: OpCall) -> tuple[Any, ...]:
+    """What a rule sees of a call (argument specs and constants), as a dictionary key."""
+    return (repr(call.args), repr(sorted(call.kwargs.items())), call.inputs, call.outputs)

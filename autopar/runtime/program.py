@@ -1,0 +1,84 @@
+"""What one rank runs: the emitted forward and backward programs and how their values map to the
+user's parameters and inputs. emit produces it and `ParallelModule` runs it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopar.core.layout import Layout, Replicate
+from autopar.core.meta import ParamPart
+
+
+@dataclass
+class EmittedProgram:
+    """What a rank runs. forward: (params..., inputs...) -> (outputs..., saved...)."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule  # (saved..., tangents...) -> parameter gradients, in storage layout
+    param_names: list[str]
+    param_layouts: list[Layout]  # storage layouts, placeholder order
+    input_layouts: list[Layout]
+    output_layouts: list[Layout]
+    tangent_outputs: list[int]  # which user output each tangent belongs to
+    num_saved: int
+    coords: tuple[int, ...]
+    # parameters cut out of a fused one (`autopar.passes.fused`): name -> which chunk of which
+    param_parts: dict[str, ParamPart] = field(default_factory=dict)
+
+    def param_value(self, name: str, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The value of program parameter `name` given the user's parameters by name (a chunk of
+        the user's fused parameter for a part)."""
+        part = self.param_parts.get(name)
+        return part.of(params[part.source]) if part is not None else params[name]
+
+    def source_layouts(self) -> dict[str, Layout]:
+        """Storage layout of every user parameter the program reads; a fused parameter's parts
+        share one layout that leaves the cut dim whole, which is then the whole parameter's."""
+        result: dict[str, Layout] = {}
+        for name, layout in zip(self.param_names, self.param_layouts):
+            part = self.param_parts.get(name)
+            if part is None:
+                result[name] = layout
+                continue
+            if layout.shard_axes(part.dim) or result.get(part.source, layout).placements != layout.placements:
+                raise AssertionError(f"parts of {part.source} are not stored alike with dim {part.dim} whole")
+            shape = list(layout.shape)
+            shape[part.dim] *= part.count
+            result[part.source] = Layout(layout.placements, tuple(shape), layout.dtype)
+        return result
+
+    def on_devices(self, device_ndim: int) -> EmittedProgram:
+        """The program's interface on the device mesh: over-decomposed programs were emitted on a
+        mesh with in-process chunk axes, on which parameters, inputs and outputs are whole."""
+        if len(self.coords) == device_ndim:
+            return self
+
+        def drop(layout: Layout) -> Layout:
+            extra = layout.placements[device_ndim:]
+            if any(not isinstance(p, Replicate) for p in extra):
+                raise AssertionError(f"interface layout {layout} is split over an in-process axis")
+            return Layout(layout.placements[:device_ndim], layout.shape, layout.dtype)
+
+        return replace(
+            self,
+            param_layouts=[drop(x) for x in self.param_layouts],
+            input_layouts=[drop(x) for x in self.input_layouts],
+            output_layouts=[drop(x) for x in self.output_layouts],
+            coords=self.coords[:device_ndim],
+        )
+
+
+def local_value(full: torch.Tensor, layout: Layout, mesh_shape: Sequence[int], coords: Sequence[int]) -> Any:
+    """This rank's block of a full tensor (parameters at start-up, inputs at call time)."""
+    out = full
+    local = layout.local_shape(mesh_shape, coords)
+    offsets = layout.local_offsets(mesh_shape, coords)
+    for d in range(full.dim()):
+        if local[d] != full.shape[d]:
+            out = out.narrow(d, offsets[d], local[d])
+    return out

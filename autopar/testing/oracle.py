@@ -1,0 +1,238 @@
+"""In-process oracle for sharding rules and redistributions (no processes needed).
+
+Shard random global tensors into one local piece per mesh coordinate, run the op each rank would
+run, assemble the results by the output layouts (summing Partial axes, checking that replicas
+agree) and compare with the op on the full tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autopar.core.layout import Layout, Partial, Replicate, Shard
+from autopar.core.redistribute import CommStep
+from autopar.core.strategy import OpCall, Strategy
+from autopar.rules.base import LocalContext, RuleRegistry, make_call
+from autopar.rules.localize import localize_sizes
+
+Coords = tuple[int, ...]
+Pieces = dict[Coords, torch.Tensor]
+
+
+def all_coords(mesh_shape: Sequence[int]) -> list[Coords]:
+    return list(itertools.product(*(range(s) for s in mesh_shape)))
+
+
+def local_block(
+    full: torch.Tensor, layout: Layout, mesh_shape: Sequence[int], coords: Coords
+) -> torch.Tensor:
+    """The rank's block of a full tensor, ignoring Partial axes."""
+    out = full
+    local = layout.local_shape(mesh_shape, coords)
+    offsets = layout.local_offsets(mesh_shape, coords)
+    for d in range(full.ndim):
+        if local[d] != full.shape[d]:
+            out = out.narrow(d, offsets[d], local[d])
+    return out
+
+
+def shard_tensor(
+    full: torch.Tensor, layout: Layout, mesh_shape: Sequence[int], generator: torch.Generator | None = None
+) -> Pieces:
+    """Local pieces of `full`; along Partial axes the block is split into random summands."""
+    pieces: Pieces = {}
+    partial_axes = layout.partial_axes()
+    for coords in all_coords(mesh_shape):
+        block = local_block(full, layout, mesh_shape, coords).clone()
+        pieces[coords] = block
+    if not partial_axes:
+        return pieces
+    floating = full.is_floating_point()
+    # Replicas (ranks differing only along Replicate axes) must hold the same summand: draw the
+    # summands on the canonical replica (Replicate coords 0) and copy them to the others.
+    replicate_axes = [a for a, p in enumerate(layout.placements) if isinstance(p, Replicate)]
+
+    def canonical(coords: Coords) -> Coords:
+        return tuple(0 if a in replicate_axes else v for a, v in enumerate(coords))
+
+    # Group ranks that differ only in their Partial coordinates; their pieces must sum to the block.
+    for coords in all_coords(mesh_shape):
+        if any(coords[a] != 0 for a in partial_axes) or canonical(coords) != coords:
+            continue
+        group = []
+        for combo in itertools.product(*(range(mesh_shape[a]) for a in partial_axes)):
+            group.append(_with_coords(coords, partial_axes, combo))
+        block = pieces[coords]
+        rest = torch.zeros_like(block)
+        for c in group[1:]:
+            if floating:
+                noise = torch.randn(block.shape, generator=generator, dtype=block.dtype)
+            else:
+                noise = torch.randint(-3, 4, block.shape, generator=generator, dtype=block.dtype)
+            pieces[c] = noise
+            rest = rest + noise
+        pieces[coords] = block - rest
+    for coords in all_coords(mesh_shape):
+        if canonical(coords) != coords:
+            pieces[coords] = pieces[canonical(coords)].clone()
+    return pieces
+
+
+def _with_coords(coords: Coords, axes: Sequence[int], values: Sequence[int]) -> Coords:
+    out = list(coords)
+    for a, v in zip(axes, values):
+        out[a] = v
+    return tuple(out)
+
+
+def assemble(
+    pieces: Pieces, layout: Layout, mesh_shape: Sequence[int], *, atol: float = 1e-5, rtol: float = 1e-4
+) -> torch.Tensor:
+    """Full tensor from local pieces; raises if replicas along a Replicate axis disagree."""
+    first = next(iter(pieces.values()))
+    full = torch.zeros(layout.shape, dtype=first.dtype)
+    written = torch.zeros(layout.shape, dtype=torch.bool)
+    partial_axes = layout.partial_axes()
+    for coords in all_coords(mesh_shape):
+        if any(coords[a] != 0 for a in partial_axes):
+            continue
+        total = pieces[coords].clone()
+        for combo in itertools.product(*(range(mesh_shape[a]) for a in partial_axes)):
+            if not any(combo):
+                continue
+            total = total + pieces[_with_coords(coords, partial_axes, combo)]
+        if tuple(total.shape) != layout.local_shape(mesh_shape, coords):
+            raise AssertionError(
+                f"rank {coords}: local shape {tuple(total.shape)} != {layout.local_shape(mesh_shape, coords)} "
+                f"for {layout}"
+            )
+        target = local_block(full, layout, mesh_shape, coords)
+        mask = local_block(written, layout, mesh_shape, coords)
+        if bool(mask.all()):
+            if not torch.allclose(target.double(), total.double(), atol=atol, rtol=rtol):
+                raise AssertionError(f"replicas disagree at rank {coords} for {layout}")
+        else:
+            target.copy_(total)
+            mask.fill_(True)
+    return full
+
+
+def run_local(
+    call: OpCall,
+    strategy: Strategy,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    mesh_shape: Sequence[int],
+    registry: RuleRegistry,
+    generator: torch.Generator | None = None,
+) -> tuple[dict[Coords, list[torch.Tensor]], list[Pieces]]:
+    """Run the op on every rank's pieces. Returns outputs per rank and the input pieces."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    tensor_positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    input_pieces = [
+        shard_tensor(flat[i], strategy.inputs[k], mesh_shape, generator)
+        for k, i in enumerate(tensor_positions)
+    ]
+    rule = registry.get(call.op)
+    localize = rule.localize if rule is not None and rule.localize is not None else localize_sizes
+    outputs: dict[Coords, list[torch.Tensor]] = {}
+    for coords in all_coords(mesh_shape):
+        local_flat = list(flat)
+        for k, i in enumerate(tensor_positions):
+            local_flat[i] = input_pieces[k][coords]
+        local_args, local_kwargs = pytree.tree_unflatten(local_flat, spec)
+        ctx = LocalContext(call, strategy, tuple(mesh_shape), coords, tuple(local_args), dict(local_kwargs))
+        local_call = localize(ctx)
+        result = local_call.target(*local_call.args, **local_call.kwargs)
+        outputs[coords] = [x for x in pytree.tree_leaves(result) if isinstance(x, torch.Tensor)]
+    return outputs, input_pieces
+
+
+def check_strategy(
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    strategy: Strategy,
+    mesh_shape: Sequence[int],
+    registry: RuleRegistry,
+    *,
+    atol: float = 1e-4,
+    rtol: float = 1e-4,
+    generator: torch.Generator | None = None,
+) -> None:
+    """Assert that running `op` sharded by `strategy` and assembling equals the full op."""
+    expected = op(*args, **kwargs)
+    call = make_call(op, args, kwargs, expected)
+    outputs, _ = run_local(call, strategy, args, kwargs, mesh_shape, registry, generator)
+    expected_flat = [x for x in pytree.tree_leaves(expected) if isinstance(x, torch.Tensor)]
+    for index, (want, layout) in enumerate(zip(expected_flat, strategy.outputs)):
+        pieces = {c: outs[index] for c, outs in outputs.items()}
+        got = assemble(pieces, layout, mesh_shape, atol=atol, rtol=rtol)
+        if want.is_floating_point():
+            torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{op} {strategy}: {m}")
+        else:
+            if not torch.equal(got, want):
+                raise AssertionError(f"{op} {strategy}: integer output {index} differs")
+
+
+def simulate_steps(pieces: Pieces, steps: Sequence[CommStep], mesh_shape: Sequence[int]) -> Pieces:
+    """Run redistribution steps on in-process pieces, as the collectives would on real ranks."""
+    for step in steps:
+        pieces = _simulate_step(pieces, step, mesh_shape)
+    return pieces
+
+
+def _axis_group(coords: Coords, axis: int, size: int) -> list[Coords]:
+    return [tuple(v if a != axis else i for a, v in enumerate(coords)) for i in range(size)]
+
+
+def _simulate_step(pieces: Pieces, step: CommStep, mesh_shape: Sequence[int]) -> Pieces:
+    g = mesh_shape[step.axis]
+    out: Pieces = {}
+    for coords, local in pieces.items():
+        group = [pieces[c] for c in _axis_group(coords, step.axis, g)]
+        me = coords[step.axis]
+        if step.kind == "all_gather":
+            assert step.dim is not None
+            out[coords] = torch.cat(group, dim=step.dim)
+        elif step.kind == "all_reduce":
+            out[coords] = sum(group[1:], group[0].clone())
+        elif step.kind == "reduce_scatter":
+            assert step.dim is not None
+            total = sum(group[1:], group[0].clone())
+            out[coords] = total.chunk(g, dim=step.dim)[me].clone()
+        elif step.kind == "all_to_all":
+            assert step.dim is not None and step.dst_dim is not None
+            parts = [p.chunk(g, dim=step.dst_dim)[me] for p in group]
+            out[coords] = torch.cat(parts, dim=step.dim)
+        elif step.kind == "slice":
+            assert step.dim is not None
+            out[coords] = local.chunk(g, dim=step.dim)[me].clone()
+        elif step.kind == "zero_partial":
+            out[coords] = local.clone() if me == 0 else torch.zeros_like(local)
+        else:  # pragma: no cover
+            raise AssertionError(step.kind)
+    return out
+
+
+def placements_on_axis(layout: Layout, axis: int) -> str:
+    p = layout.placements[axis]
+    return (
+        "S"
+        if isinstance(p, Shard)
+        else "R"
+        if isinstance(p, Replicate)
+        else "P"
+        if isinstance(p, Partial)
+        else "?"
+    )
+
+
+def mesh_size(mesh_shape: Sequence[int]) -> int:
+    return math.prod(mesh_shape)

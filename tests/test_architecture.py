@@ -1,0 +1,71 @@
+"""The code's shape (docs/architecture.md): layers import only downward, with no import hidden in a
+function body or a TYPE_CHECKING block to dodge a cycle."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "autopar"
+# `import autopar` stays cheap: the public names that need the compiler load on first use, and
+# their TYPE_CHECKING imports are what type checkers see. That is start-up cost, not a cycle.
+LAZY_PUBLIC_NAMES = PACKAGE / "__init__.py"
+
+
+def _hidden_autopar_imports(source: str, name: str) -> list[str]:
+    """`autopar` imports anywhere but at module level, unconditionally."""
+    tree = ast.parse(source)
+    top_level = {id(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in top_level:
+            continue
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("autopar")):
+            found.append(f"{name}:{node.lineno} from {node.module}")
+        elif isinstance(node, ast.Import) and any(a.name.startswith("autopar") for a in node.names):
+            found.append(f"{name}:{node.lineno} import")
+    return found
+
+
+def test_no_autopar_import_is_deferred_or_conditional() -> None:
+    hidden = [
+        where
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != LAZY_PUBLIC_NAMES
+        for where in _hidden_autopar_imports(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    ]
+    assert hidden == []
+
+
+def test_the_checker_sees_deferred_and_conditional_imports() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from autopar.core import mesh\n"
+        "if TYPE_CHECKING:\n"
+        "    from autopar.core.plan import Plan\n"
+        "def f():\n"
+        "    import autopar.api\n"
+        "    from . import layout\n"
+    )
+    assert _hidden_autopar_imports(source, "m.py") == [
+        "m.py:4 from autopar.core.plan",
+        "m.py:6 import",
+        "m.py:7 from None",
+    ]
+
+
+def test_import_linter_contracts_are_kept() -> None:
+    """The layers, the stages' independence and acyclic packages of pyproject.toml."""
+    linter = shutil.which("lint-imports")
+    assert linter is not None, "install the test extra: pip install -e '.[test]'"
+    done = subprocess.run(
+        [linter, "--no-cache"],
+        cwd=PACKAGE.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "4 kept, 0 broken" in done.stdout
