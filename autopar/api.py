@@ -17,18 +17,19 @@ from torch.utils import _pytree as pytree
 
 from autopar.compiler import driver
 from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh
-from autopar.compiler.driver import compile_for_rank, graph_fingerprint
+from autopar.compiler.driver import compile_for_rank, graph_fingerprint, structure_copy
 from autopar.compiler.fixed import compare_fixed
 from autopar.compiler.pricing import Compared, PlanResult, price
 from autopar.core.errors import AutoparError, MeshError
 from autopar.core.mesh import Mesh
-from autopar.core.meta import signature
+from autopar.core.meta import OutputStructure, signature
 from autopar.core.plan import Plan
 from autopar.passes import fused
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.runtime.agreement import decided_on_rank0
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.program import EmittedProgram
 
 
 def parallelize(
@@ -62,6 +63,10 @@ def parallelize(
     `split_fused=True` plans fused projections (qkv) as one linear per piece; None: with the search
     planner (`compile_for_rank`). `in_flight_bytes` caps the buffers of collectives in flight
     (default: the memory limit's headroom over the plan, `in_flight_budget`).
+
+    The module compiles another program, once, for a call that the first does not fit: other input
+    shapes or arguments, `eval()` mode, or `torch.no_grad()` (forward only); see
+    docs/architecture.md, "Calls, modes and programs".
     """
     _check_model(model)
     example_inputs = tuple(example_inputs)
@@ -84,13 +89,8 @@ def parallelize(
         )
         hardware = choice.hardware
     autopar_mesh = _check_mesh(mesh)
-    compiled = compile_for_rank(
-        model,
-        autopar_mesh,
-        example_inputs,
-        example_kwargs=example_kwargs,
+    options: dict[str, Any] = dict(
         registry=registry,
-        dump_dir=dump_dir,
         rank=dist.get_rank(),
         planner=planner,
         agree=_agree_across_ranks,
@@ -101,11 +101,35 @@ def parallelize(
         split_fused=split_fused,
         in_flight_bytes=in_flight_bytes,
     )
+    compiled = compile_for_rank(
+        model, autopar_mesh, example_inputs, example_kwargs=example_kwargs, dump_dir=dump_dir, **options
+    )
     sig = signature(compiled.graph)
     flat, _ = pytree.tree_flatten((example_inputs, example_kwargs or {}))
     specs = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in flat]
+    structure = structure_copy(model)
+
+    def compile_call(
+        args: tuple[Any, ...], kwargs: dict[str, Any], training: bool, forward_only: bool
+    ) -> tuple[EmittedProgram, OutputStructure | None]:
+        """Another program of the same model, for a call the first does not fit (new shapes, eval)."""
+        structure.train(training)
+        again = compile_for_rank(
+            structure, autopar_mesh, args, example_kwargs=kwargs, forward_only=forward_only, **options
+        )
+        return again.program, signature(again.graph).outputs
+
     result = ParallelModule(
-        compiled.program, autopar_mesh, model, sig.aliases, sig.in_spec, specs, compiled.report
+        compiled.program,
+        autopar_mesh,
+        model,
+        sig.aliases,
+        sig.in_spec,
+        specs,
+        compiled.report,
+        sig.outputs,
+        compile=compile_call,
+        example_flat=flat,
     )
     result.mesh_choice = choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
     return result

@@ -11,7 +11,9 @@ import copy
 import functools
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -24,6 +26,7 @@ from autopar.core.collectives import COLLECTIVES
 from autopar.core.layout import Layout, P, R
 from autopar.core.mesh import Mesh
 from autopar.core.meta import NodeInfo, has_info, info, set_info, signature
+from autopar.core.plan import Plan
 from autopar.core.redistribute import CommStep
 from autopar.passes.emit import emit
 from autopar.passes.insert_comm import insert_comm
@@ -247,7 +250,8 @@ def run_lockstep(
     """Run one graph per rank, node by node in step, simulating collectives across the ranks.
 
     The graphs must have the same structure (they do: only slice offsets and zero_partial differ
-    between ranks); a collective's group is read from the node's CommStep axis.
+    between ranks); a collective's group is read from the node's CommStep axis. Each node starts
+    from the same random generator state on every rank, as separate processes seeded alike do.
     """
     order = {c: list(gm.graph.nodes) for c, gm in graphs.items()}
     length = {len(nodes) for nodes in order.values()}
@@ -267,7 +271,11 @@ def run_lockstep(
             for c, n in nodes.items():
                 envs[c][n] = _collective(n, c, inputs, mesh_shape)  # type: ignore[arg-type]
             continue
+        # every rank is its own process with its own generator, at the same state: a random op
+        # draws the same numbers on each (`autopar.rules.random`)
+        rng = torch.get_rng_state()
         for c, node in nodes.items():
+            torch.set_rng_state(rng)
             env = envs[c]
             if node.op == "placeholder":
                 env[node] = next(feeds[c])
@@ -390,3 +398,76 @@ def isomorphism_failure(a: fx.GraphModule, b: fx.GraphModule) -> str | None:
             return f"{x.name} reads {mapped} where {y.name} reads {(y.args, y.kwargs)}"
         same[x] = y
     return None
+
+
+def compile_every_rank(
+    model: nn.Module, shape: tuple[int, ...], args: tuple, kwargs: dict | None = None, **options: Any
+) -> dict[Coords, Compiled]:
+    """`compile_for_rank` for every coordinate of a mesh of `shape`, all with the plan made for the
+    first (as `parallelize` makes rank 0's plan everyone's)."""
+    chosen: list[Plan] = []
+
+    def plan_once(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Plan:
+        if not chosen:
+            chosen.append(make_plan())
+        return chosen[0]
+
+    mesh = Mesh.from_shape(shape)
+    return {
+        c: compile_for_rank(model, mesh, args, example_kwargs=kwargs, coords=c, agree=plan_once, **options)
+        for c in all_coords(shape)
+    }
+
+
+def assert_call_matches_serial(
+    model: nn.Module,
+    shape: tuple[int, ...],
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    atol: float = 2e-5,
+    rtol: float = 1e-4,
+    **options: Any,
+) -> dict[Coords, Compiled]:
+    """One training step of every rank's program in lockstep against `model(*args, **kwargs)` called
+    serially, backward from the first tensor of the output (the loss): every output tensor and every
+    parameter gradient, assembled from the ranks' blocks, equals serial."""
+    kwargs = kwargs or {}
+    compiled = compile_every_rank(model, shape, args, kwargs, **options)
+    programs = {c: comp.program for c, comp in compiled.items()}
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    flat_inputs = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    fwd_args = {
+        c: [local_value(p.param_value(n, state).detach(), lay, shape, c) for n, lay in zip(p.param_names, p.param_layouts)]
+        + [local_value(x, lay, shape, c) for x, lay in zip(flat_inputs, p.input_layouts)]
+        for c, p in programs.items()
+    }
+    torch.manual_seed(0)  # dropout draws the serial model's numbers: the serial call starts here too
+    fwd = run_lockstep({c: p.forward for c, p in programs.items()}, fwd_args, shape)
+    bwd_args = {}
+    for c, p in programs.items():
+        tangents = [
+            (torch.ones if i == 0 else torch.zeros)(p.output_layouts[i].local_shape(shape, c), dtype=p.output_layouts[i].dtype)
+            for i in p.tangent_outputs
+        ]
+        bwd_args[c] = [*fwd[c][len(p.output_layouts) :], *tangents]
+    bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, shape)
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    out = model(*args, **kwargs)
+    serial = [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    serial[0].backward()
+    first = next(iter(programs.values()))
+    assert len(first.output_layouts) == len(serial)
+    for i, (want, lay) in enumerate(zip(serial, first.output_layouts)):
+        got = assemble({c: fwd[c][i] for c in fwd}, lay, shape, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got, want.detach(), atol=atol, rtol=rtol, msg=f"output {i}")
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    for i, (name, lay) in enumerate(zip(first.param_names, first.param_layouts)):
+        part = first.param_parts.get(name)
+        if (part.source if part is not None else name) not in grads:  # a buffer, constant or frozen weight
+            continue
+        got = assemble({c: bwd[c][i] for c in bwd}, lay, shape, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got, first.param_value(name, grads), atol=atol, rtol=rtol, msg=name)
+    return compiled

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -10,7 +12,7 @@ from multirank import run_ranks
 
 import autopar
 from autopar.api import compile_for_rank
-from autopar.core.errors import InputMismatchError, MeshError, MissingRuleError, ShardingError, TraceError
+from autopar.core.errors import MeshError, MissingRuleError, ShardingError, TraceError
 from autopar.core.mesh import Mesh
 from autopar.rules.registry import default_registry
 from examples.models import make_mlp
@@ -98,18 +100,21 @@ def test_untraceable_model_wraps_torch_error_with_location() -> None:
     assert isinstance(err.value.__cause__, Exception)
 
 
-def _mismatched_inputs(rank: int, world_size: int) -> str:
+def _smaller_batch(rank: int, world_size: int) -> tuple[float, float, list[str], list[str]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("x",))
     model, batch = make_mlp(0)
     pmodel = autopar.parallelize(model, mesh, example_inputs=batch)
     _, other = make_mlp(0, batch_size=4)
-    try:
-        pmodel(*other)
-    except InputMismatchError as exc:
-        return str(exc)
-    return "no error"
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("autopar")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    loss = pmodel(*other)
+    return float(loss), float(model(*other)), logged, [why for why, _ in pmodel.programs]
 
 
 def _mesh_smaller_than_world(rank: int, world_size: int) -> str:
@@ -125,10 +130,12 @@ def _mesh_smaller_than_world(rank: int, world_size: int) -> str:
 
 
 @pytest.mark.multirank
-def test_inputs_that_differ_from_the_examples() -> None:
-    (message,) = run_ranks(1, _mismatched_inputs, timeout=120)
-    assert "input 0 is float32[4, 32]" in message and "compiled for float32[8, 32]" in message, message
-    assert "parallelize again" in message
+def test_a_smaller_batch_compiles_another_program_and_says_why() -> None:
+    ((loss, serial, logged, programs),) = run_ranks(1, _smaller_batch, timeout=120)
+    assert loss == serial
+    assert logged == ["autopar: compiling a program for input 0: float32[4, 32] (was float32[8, 32]); "
+                      "input 1: int64[4] (was int64[8])"], logged
+    assert programs == ["example inputs", logged[0].removeprefix("autopar: compiling a program for ")]
 
 
 @pytest.mark.multirank

@@ -28,6 +28,7 @@ SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
 SDPA_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 SOFTMAX = [
     aten._softmax.default,
+    aten._safe_softmax.default,
     aten._log_softmax.default,
     aten._softmax_backward_data.default,
     aten._log_softmax_backward_data.default,
@@ -127,8 +128,13 @@ def test_softmax(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None
     shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
     dim = data.draw(st.integers(-len(shape), len(shape) - 1))
     x = random_tensor(shape, generator=g)
-    if op in (aten._softmax.default, aten._log_softmax.default):
-        args: tuple = (x, dim, False)
+    if op is aten._safe_softmax.default:  # masked attention: some rows wholly -inf come out 0
+        masked = torch.rand(shape, generator=g) < 0.5
+        if len(shape) > 1:
+            masked[0] = True
+        args: tuple = (x.masked_fill(masked, float("-inf")), dim)
+    elif op in (aten._softmax.default, aten._log_softmax.default):
+        args = (x, dim, False)
     else:
         forward = aten._softmax if op == aten._softmax_backward_data.default else aten._log_softmax
         args = (random_tensor(shape, generator=g), forward.default(x, dim, False), dim, x.dtype)

@@ -111,8 +111,12 @@ def compile_for_rank(
     over_decompose: int | str = 1,
     split_fused: bool | None = None,
     in_flight_bytes: int | None = None,
+    forward_only: bool = False,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
+
+    `forward_only` compiles the forward alone, as run under `torch.no_grad()` (evaluation,
+    inference): no backward graph, nothing saved for it.
 
     `planner` is "search" (the default: the whole-graph search over every op's strategy, seeded by
     the greedy pass under every axis-role assignment and by the fixed schemes, priced on `hardware`
@@ -138,7 +142,12 @@ def compile_for_rank(
     candidates = _chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
     gm = trace(
-        model, example_inputs, decompose=mesh.size > 1, example_kwargs=example_kwargs, split_fused=split_fused
+        model,
+        example_inputs,
+        decompose=mesh.size > 1,
+        example_kwargs=example_kwargs,
+        split_fused=split_fused,
+        forward_only=forward_only,
     )
     write_stage(path, "1_trace", gm, mesh)
     if planner not in ("search", "greedy"):
@@ -183,6 +192,21 @@ def compile_for_rank(
         timelines = (unscheduled, simulate(gm, work, modeled_on))
         write_timeline(path, timelines, rank)
     return Compiled(gm, program, report, timelines, work, chunks, step_times)
+
+
+def structure_copy(model: nn.Module) -> nn.Module:
+    """`model` with its parameters and buffers on the meta device (tied ones stay tied): what later
+    compiles of the same model trace (new input shapes, eval mode) without a second copy of the
+    weights. Other tensor attributes are copied as they are."""
+    memo: dict[int, Any] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for _, tensor in named:
+        if id(tensor) in memo:
+            continue
+        meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        is_param = isinstance(tensor, nn.Parameter)
+        memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if is_param else meta
+    return copy.deepcopy(model, memo)
 
 
 def _chunk_candidates(over_decompose: int | str) -> list[int]:

@@ -6,10 +6,13 @@ carries a `JointSignature` under `gm.meta["autopar_signature"]`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from autopar.core.layout import Layout
 from autopar.core.redistribute import CommStep
@@ -18,7 +21,9 @@ from autopar.core.strategy import Strategy
 NODE_KEY = "autopar"
 SIGNATURE_KEY = "autopar_signature"
 
-Role = Literal["param", "buffer", "input", "tangent", "compute", "comm", "output"]
+# "constant": a tensor the forward made from Python data (`torch.tensor([])` in a cache), lifted by
+# export; its value is in `JointSignature.constants` and every rank holds it whole.
+Role = Literal["param", "buffer", "constant", "input", "tangent", "compute", "comm", "output"]
 Phase = Literal["forward", "backward"]
 
 
@@ -63,6 +68,29 @@ class ParamPart:
         return full.chunk(self.count, self.dim)[self.index]
 
 
+# Output leaves kept as traced: what a forward returns besides tensors (flags, counts, names).
+PLAIN_OUTPUT_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+@dataclass(frozen=True)
+class OutputStructure:
+    """The user's output rebuilt around the program's tensor outputs: the pytree spec of what the
+    forward returned, the leaf positions the tensors fill in order, and the other leaves as traced.
+    Leaves that are neither tensors nor plain values (a transformers `Cache`: state for generation,
+    not a training result) come back as None; `dropped` names their types."""
+
+    spec: Any
+    tensor_positions: tuple[int, ...]
+    others: tuple[Any, ...]  # every leaf: the value traced, or None (tensors and dropped leaves)
+    dropped: tuple[str, ...] = ()
+
+    def rebuild(self, tensors: Sequence[Any]) -> Any:
+        leaves = list(self.others)
+        for position, value in zip(self.tensor_positions, tensors, strict=True):
+            leaves[position] = value
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
 @dataclass
 class JointSignature:
     """How the joint graph's placeholders and outputs map to the user's model."""
@@ -75,9 +103,10 @@ class JointSignature:
     num_user_outputs: int
     grad_of: list[str]  # parameter name of each gradient output, in output order
     in_spec: Any = None  # pytree spec of the user's (args, kwargs)
-    out_spec: Any = None  # pytree spec of the user's outputs
+    outputs: OutputStructure | None = None  # how the user's output is rebuilt from the tensor outputs
     requires_grad: dict[str, bool] = field(default_factory=dict)
     param_parts: dict[str, ParamPart] = field(default_factory=dict)  # part name -> where it comes from
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # constant placeholder -> value
 
 
 def info(node: fx.Node) -> NodeInfo:

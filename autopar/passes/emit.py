@@ -37,7 +37,7 @@ def emit(
     sig = signature(gm)
     shape = tuple(mesh.shape)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    params = [n for n in placeholders if info(n).role in ("param", "buffer")]
+    params = [n for n in placeholders if info(n).role in ("param", "buffer", "constant")]
     inputs = [n for n in placeholders if info(n).role == "input"]
     tangents = [n for n in placeholders if info(n).role == "tangent"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -96,6 +96,10 @@ def emit(
         coords=coords,
         param_parts={
             n: sig.param_parts[n] for n in (info(p).param_name for p in params) if n in sig.param_parts
+        },
+        constants={
+            name: sig.constants[name]
+            for name in (info(p).param_name or p.name for p in params if info(p).role == "constant")
         },
     )
     check_local_shapes(program, shape)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import re
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,13 +27,26 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import TraceError
-from autopar.core.meta import SIGNATURE_KEY, JointSignature, NodeInfo, ParamPart, Phase, Role, info, set_info
+from autopar.core.meta import (
+    PLAIN_OUTPUT_TYPES,
+    SIGNATURE_KEY,
+    JointSignature,
+    NodeInfo,
+    OutputStructure,
+    ParamPart,
+    Phase,
+    Role,
+    info,
+    set_info,
+)
 from autopar.passes.fused import split_fused_linears
 from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
 from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
 from autopar.rules.decompositions import sharding_decompositions
 
-_TORCH_FRAME = re.compile(r"/(torch|torchvision|transformers)/")
+_TORCH_FRAME = re.compile(r"/(torch|torchvision)/")
+_LIBRARY_FRAME = re.compile(r"/(site-packages|dist-packages)/")  # a library model's own code
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # autopar's frames are never the user's
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
@@ -42,15 +58,20 @@ def trace(
     example_kwargs: dict[str, Any] | None = None,
     split_fused: bool = False,
     repeats: bool = True,
+    forward_only: bool = False,
 ) -> fx.GraphModule:
     """Joint graph of `model`: placeholders (params, buffers, inputs, tangents) -> (outputs, grads).
 
     `split_fused` cuts fused linears whose output is split into equal pieces into one linear per
     piece (`autopar.passes.fused`). `repeats` exports identical blocks' joint graph once and copies
-    it (`autopar.passes.repeats`); False exports every block (the same graph, slower)."""
+    it (`autopar.passes.repeats`); False exports every block (the same graph, slower).
+    `forward_only` traces as under `torch.no_grad()`: no parameter requires a gradient, so the
+    graph has no backward part (evaluation and inference programs)."""
     example_kwargs = example_kwargs or {}
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    fake_model = fake_clone(model, fake_mode)
+    fake_model = fake_clone(model, fake_mode, frozen=forward_only)
+    outputs = _OutputRecord()
+    fake_model.forward = _tensor_outputs(fake_model.forward, outputs)  # type: ignore[method-assign]
     fake_args = tuple(_fakeify(x, fake_mode) for x in example_inputs)
     fake_kwargs = {k: _fakeify(v, fake_mode) for k, v in example_kwargs.items()}
     tied = _tied_groups(model)
@@ -60,7 +81,7 @@ def trace(
     exported = _export(model, fake_model, fake_args, fake_kwargs)
     decompositions = sharding_decompositions() if decompose else None
     in_spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1]
-    joint = _Joint(model, fake_mode, fake_args, fake_kwargs, decompositions, tied, split_fused, in_spec)
+    joint = _Joint(model, fake_mode, fake_args, fake_kwargs, decompositions, tied, split_fused, in_spec, outputs)
     try:
         gm = joint.export(exported.module(), groups)
     except NotRepeated:  # block 1's joint graph is not the self-contained run the copy needs
@@ -102,6 +123,7 @@ class _Joint:
     tied: list[list[str]]
     split_fused: bool
     in_spec: Any
+    outputs: _OutputRecord
 
     def export(self, forward: fx.GraphModule, groups: list[RepeatedBlocks]) -> fx.GraphModule:
         """Joint-export torch.export's module, annotate, and copy block 1 of each of `groups` (the
@@ -127,14 +149,41 @@ class _Joint:
                 hint="the model must be differentiable with a single output that backward() is called on",
             ) from exc
         gm.graph._codegen = fx.graph.CodeGen()  # flat positional calling convention, flat outputs
-        _annotate(gm, self.model, in_spec=self.in_spec, parts=parts)
+        _annotate(gm, self.model, in_spec=self.in_spec, parts=parts, outputs=self.outputs.structure)
         if groups:
             stamp_repeated_blocks(gm, groups)
         return gm
 
 
-def fake_clone(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
-    """A structural copy of `model` whose parameters and buffers are fake CPU tensors.
+@dataclass
+class _OutputRecord:
+    structure: OutputStructure | None = None
+
+
+def _tensor_outputs(forward: Any, record: _OutputRecord) -> Any:
+    """`forward` returning only the tensors of its output, flat; `record` keeps how to rebuild the
+    rest (`OutputStructure`). torch.export then traces any output (a transformers `ModelOutput`
+    with a cache object, a dict with flags) and the program returns just the tensors."""
+
+    @functools.wraps(forward)
+    def tensors_only(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        leaves, spec = pytree.tree_flatten(forward(*args, **kwargs))
+        positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+        others = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        dropped = []
+        for i, leaf in enumerate(others):
+            if leaf is not None and not isinstance(leaf, PLAIN_OUTPUT_TYPES):
+                dropped.append(type(leaf).__name__)
+                others[i] = None
+        record.structure = OutputStructure(spec, positions, tuple(others), tuple(dropped))
+        return tuple(leaves[i] for i in positions)
+
+    return tensors_only
+
+
+def fake_clone(model: nn.Module, fake_mode: FakeTensorMode, frozen: bool = False) -> nn.Module:
+    """A structural copy of `model` whose parameters and buffers are fake CPU tensors (`frozen`:
+    none requires a gradient).
 
     Works for real and meta-device models alike; tied parameters stay the same object.
     """
@@ -147,7 +196,7 @@ def fake_clone(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
                 continue
             fake = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
             if isinstance(tensor, nn.Parameter):
-                memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad and not frozen)
             else:
                 memo[id(tensor)] = fake
     return copy.deepcopy(model, memo)
@@ -163,7 +212,13 @@ def _desc_kind(desc: Any) -> str:
     return type(desc).__name__ if desc is not None else "None"
 
 
-def _annotate(gm: fx.GraphModule, model: nn.Module, in_spec: Any, parts: dict[str, ParamPart]) -> None:
+def _annotate(
+    gm: fx.GraphModule,
+    model: nn.Module,
+    in_spec: Any,
+    parts: dict[str, ParamPart],
+    outputs: OutputStructure | None,
+) -> None:
     params: list[str] = []
     buffers: list[str] = []
     num_inputs = 0
@@ -252,7 +307,33 @@ def _annotate(gm: fx.GraphModule, model: nn.Module, in_spec: Any, parts: dict[st
         in_spec=in_spec,
         requires_grad=requires_grad,
         param_parts=parts,
+        constants=_lift_constants(gm),
+        outputs=outputs,
     )
+
+
+def _lift_constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Tensors the forward made from Python data (export keeps them as `get_attr` attributes of the
+    graph module, e.g. the empty tensors a transformers cache starts from) become placeholders of
+    role "constant": every stage then treats them like a buffer that every rank holds whole, and
+    the emitted program receives their values as inputs. Returns name -> real value."""
+    constants: dict[str, torch.Tensor] = {}
+    last_placeholder = next(n for n in reversed(gm.graph.nodes) if n.op == "placeholder")
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
+        value = getattr(gm, str(node.target))
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            continue
+        name = str(node.target)
+        with gm.graph.inserting_after(last_placeholder):
+            lifted = gm.graph.placeholder(name)
+        lifted.meta.update(node.meta)
+        set_info(lifted, NodeInfo(role="constant", phase="forward", param_name=name))
+        node.replace_all_uses_with(lifted)
+        gm.graph.erase_node(node)
+        delattr(gm, name)
+        constants[name] = value.detach().clone()
+        last_placeholder = lifted
+    return constants
 
 
 def _tied_groups(model: nn.Module) -> list[list[str]]:
@@ -284,7 +365,8 @@ def _merge_tied(gm: fx.GraphModule, groups: list[list[str]]) -> None:
         if not present:
             continue
         keep = next((placeholders[n] for n in present if placeholders[n].users), placeholders[present[0]])
-        grads = [outs[nu + sig.grad_of.index(n)] for n in present]
+        with_grads = [n for n in present if n in sig.grad_of]  # none in a forward-only graph
+        grads = [outs[nu + sig.grad_of.index(n)] for n in with_grads]
         grads = [g for g in grads if g is not None]
         total = grads[0] if grads else None
         for g in grads[1:]:
@@ -299,14 +381,16 @@ def _merge_tied(gm: fx.GraphModule, groups: list[list[str]]) -> None:
                 node.replace_all_uses_with(keep)
                 gm.graph.erase_node(node)
         info(keep).param_name = canonical
-        slots = sorted(sig.grad_of.index(n) for n in present)
+        for name in present:
+            sig.param_names.remove(name)
+        if not with_grads:
+            continue
+        slots = sorted(sig.grad_of.index(n) for n in with_grads)
         outs[nu + slots[0]] = total
         for slot in reversed(slots[1:]):
             del outs[nu + slot]
-        for name in present:
-            sig.param_names.remove(name)
+        for name in with_grads:
             sig.grad_of.remove(name)
-        sig.param_names.insert(slots[0], canonical)
         sig.grad_of.insert(slots[0], canonical)
     sig.param_names = [
         info(n).param_name or n.name
@@ -379,20 +463,31 @@ def _frozen(value: Any) -> Any:
 
 
 def _user_frame(stack_trace: str) -> str:
-    frames = _FRAME.findall(stack_trace)
-    for path, line, fn in reversed(frames):
-        if not _TORCH_FRAME.search(path):
-            return f"{path}:{line} in {fn}"
-    return ""
+    """Where the op was called: the innermost frame outside torch (a library model's modeling file
+    when the op sits inside one), and then the innermost frame of the user's own code that led
+    there, if that is another one."""
+    frames = [(path, int(line), fn) for path, line, fn in _FRAME.findall(stack_trace)]
+    return _call_site(frames)
 
 
 def _user_frame_of(exc: BaseException) -> str:
-    import traceback
+    frames = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(exc.__traceback__)]
+    return _call_site(frames)
 
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if not _TORCH_FRAME.search(frame.filename) and "autopar" not in frame.filename:
-            return f"{frame.filename}:{frame.lineno} in {frame.name}"
-    return ""
+
+def _call_site(frames: Sequence[tuple[str, int, str]]) -> str:
+    """`frames` outermost first -> "file:line in fn", with " (from file:line in fn)" for the user's
+    code when the call site is in a library."""
+    outside = [f for f in frames if not _TORCH_FRAME.search(f[0]) and not f[0].startswith(_PACKAGE_DIR)]
+    if not outside:
+        return ""
+    path, line, fn = outside[-1]
+    site = f"{path}:{line} in {fn}"
+    if _LIBRARY_FRAME.search(path):
+        user = [f for f in outside if not _LIBRARY_FRAME.search(f[0])]
+        if user:
+            site += f" (from {user[-1][0]}:{user[-1][1]} in {user[-1][2]})"
+    return site
 
 
 def _first_lines(exc: BaseException, n: int = 6) -> str:

@@ -83,7 +83,7 @@ def weight_chain(node: fx.Node, decided: Collection[str]) -> list[fx.Node] | Non
         current = frontier.pop()
         if current.op == "placeholder":
             role = info(current).role
-            if role not in ("param", "buffer"):
+            if role not in ("param", "buffer", "constant"):
                 return None
             params += role == "param"
             continue
@@ -112,7 +112,7 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> Pl
         sum(
             plan.layouts[n.name][0].local_bytes(shape)
             for n in gm.graph.nodes
-            if n.op == "placeholder" and info(n).role in ("param", "buffer")
+            if n.op == "placeholder" and info(n).role in ("param", "buffer", "constant")
         )
     )
     decided = set(plan.decided)

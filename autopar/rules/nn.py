@@ -336,6 +336,7 @@ ACTIVATIONS: dict[object, Linearity] = {
 
 RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
     aten._softmax.default: softmax_rule,
+    aten._safe_softmax.default: softmax_rule,  # rows all -inf give 0 (masked attention)
     aten._log_softmax.default: softmax_rule,
     aten._softmax_backward_data.default: softmax_backward_rule,
     aten._log_softmax_backward_data.default: softmax_backward_rule,

@@ -8,7 +8,10 @@ graph; the local gradients it returns flow through `DTensor.to_local` into DTens
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +25,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.errors import InputMismatchError
 from autopar.core.layout import Layout, Partial, Shard
 from autopar.core.mesh import Mesh
+from autopar.core.meta import OutputStructure
 from autopar.runtime.program import EmittedProgram, local_value
 
 
@@ -70,8 +74,31 @@ def _mesh_shape_of(program: EmittedProgram) -> tuple[int, ...]:
     return tuple(program.forward.meta.get("autopar_mesh_shape", ()))
 
 
+# Compiles `(args, kwargs, training, forward_only)` into this rank's program and its output
+# structure; every rank calls it together (it plans on rank 0 and broadcasts).
+Compile = Callable[[tuple[Any, ...], dict[str, Any], bool, bool], tuple[EmittedProgram, "OutputStructure | None"]]
+MAX_PROGRAMS = 8  # programs kept per module (input signatures x modes), least recently used dropped
+_LOG = logging.getLogger("autopar")
+
+
+@dataclass
+class _Program:
+    """A compiled program and what calling it needs besides the parameters."""
+
+    program: EmittedProgram
+    outputs: OutputStructure | None
+    source_layouts: dict[str, Layout]
+    constants: dict[str, torch.Tensor]
+    why: str = ""
+
+
 class ParallelModule(nn.Module):
-    """This rank's share of the model; call it with the same global inputs on every rank."""
+    """This rank's share of the model; call it with the same global inputs on every rank.
+
+    A call whose input shapes, dtypes or non-tensor arguments differ from every compiled one, or in
+    another mode (`eval()`, or under `torch.no_grad()`: a forward-only program), compiles a program
+    for it with `compile` (when given) and keeps it; all programs share the parameters.
+    """
 
     def __init__(
         self,
@@ -82,6 +109,9 @@ class ParallelModule(nn.Module):
         in_spec: Any,
         example_specs: Sequence[tuple[tuple[int, ...], torch.dtype] | None],
         report: Any = None,
+        outputs: OutputStructure | None = None,
+        compile: Compile | None = None,
+        example_flat: Sequence[Any] | None = None,
     ) -> None:
         super().__init__()
         assert mesh.device_mesh is not None
@@ -89,13 +119,18 @@ class ParallelModule(nn.Module):
         self._mesh = mesh
         self._in_spec = in_spec
         self._example_specs = list(example_specs)
+        self._compile = compile
         self.report = report
-        program.forward.meta["autopar_mesh_shape"] = tuple(mesh.shape)
+        self.training = source.training
+        self._programs: OrderedDict[Any, _Program] = OrderedDict()
+        first = self._prepared(program, outputs)
+        if example_flat is not None:
+            self._programs[_call_key(in_spec, example_flat, self.training, True)] = first
+        self._first = first
         full: dict[str, torch.Tensor] = dict(source.named_parameters(remove_duplicate=False))
         buffers = dict(source.named_buffers(remove_duplicate=False))
         full.update(buffers)
         layouts = program.source_layouts()  # a fused parameter's parts make one layout
-        self._ordered: list[str] = list(program.param_names)
         # register in the source model's order so named_parameters()/state_dict() read the same
         for name in [*dict(source.named_parameters(remove_duplicate=False)), *buffers]:
             if name in aliases:
@@ -125,27 +160,95 @@ class ParallelModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
-        self._check_inputs(flat, spec)
+        run = self._program_for(args, kwargs, flat, spec)
+        program = run.program
         shape = tuple(self._mesh.shape)
         local_inputs = [
-            local_value(x, layout, shape, self._program.coords)
-            for x, layout in zip(
-                [x for x in flat if isinstance(x, torch.Tensor)], self._program.input_layouts
-            )
+            local_value(x, layout, shape, program.coords)
+            for x, layout in zip([x for x in flat if isinstance(x, torch.Tensor)], program.input_layouts)
         ]
-        local_params = [self._local_param(name) for name in self._ordered]
-        num_outputs = len(self._program.output_layouts)
-        outputs = _RunProgram.apply(self._program, num_outputs, *local_params, *local_inputs)
-        results = [self._wrap(o, lay) for o, lay in zip(outputs, self._program.output_layouts)]
+        local_params = [self._local_param(run, name) for name in program.param_names]
+        num_outputs = len(program.output_layouts)
+        outputs = _RunProgram.apply(program, num_outputs, *local_params, *local_inputs)
+        results = [self._wrap(o, lay) for o, lay in zip(outputs, program.output_layouts)]
+        if run.outputs is not None:  # the structure the model returned (a dict, a ModelOutput)
+            return run.outputs.rebuild(results)
         return results[0] if len(results) == 1 else tuple(results)
 
-    def _local_param(self, name: str) -> torch.Tensor:
-        """This rank's block of program parameter `name`: a part of a fused parameter is a chunk
-        of the whole parameter's block (its cut dim is whole there), so autograd sums into it."""
-        part = self._program.param_parts.get(name)
-        if part is None:
-            return _local(_lookup(self, name))
-        return part.of(_local(_lookup(self, part.source)))
+    def _program_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], spec: Any) -> _Program:
+        """The compiled program for this call, compiling one if none fits (see the class doc)."""
+        grad = torch.is_grad_enabled()
+        if self._compile is None:  # a module built around one program: it takes only that call
+            self._check_inputs(flat, spec)
+            return self._first
+        key = _call_key(spec, flat, self.training, grad)
+        found = self._programs.get(key)
+        if found is not None:
+            self._programs.move_to_end(key)
+            return found
+        why = self._difference(key)
+        _LOG.info("autopar: compiling a program for %s", why)
+        program, outputs = self._compile(args, kwargs, self.training, not grad)
+        found = self._prepared(program, outputs, why)
+        self._programs[key] = found
+        if len(self._programs) > MAX_PROGRAMS:
+            self._programs.popitem(last=False)
+        return found
+
+    def _difference(self, key: Any) -> str:
+        """What is new about a call: its inputs, or its mode, next to the last program compiled."""
+        if not self._programs:
+            return "this call"
+        spec, leaves, training, grad = key
+        last_spec, last_leaves, last_training, last_grad = next(reversed(self._programs))
+        changes = []
+        if spec != last_spec:
+            changes.append("another structure of arguments")
+        else:
+            changes += [
+                f"input {i}: {_leaf_text(new)} (was {_leaf_text(old)})"
+                for i, (new, old) in enumerate(zip(leaves, last_leaves))
+                if new != old
+            ]
+        if training != last_training:
+            changes.append("train() mode" if training else "eval() mode")
+        if grad != last_grad:
+            changes.append("gradients on" if grad else "torch.no_grad(): forward only")
+        return "; ".join(changes) or "a call seen before, compiled again"
+
+    @property
+    def programs(self) -> list[tuple[str, EmittedProgram]]:
+        """The compiled programs, least recently used first, each with why it was compiled."""
+        return [(run.why or "example inputs", run.program) for run in self._programs.values()]
+
+    def _prepared(self, program: EmittedProgram, outputs: OutputStructure | None, why: str = "") -> _Program:
+        program.forward.meta["autopar_mesh_shape"] = tuple(self._mesh.shape)
+        assert self._mesh.device_mesh is not None
+        device = self._mesh.device_mesh.device_type
+        # constants are the program's, not the user's model's: not registered as buffers
+        constants = {name: value.to(device) for name, value in program.constants.items()}
+        return _Program(program, outputs, program.source_layouts(), constants, why)
+
+    def _local_param(self, run: _Program, name: str) -> torch.Tensor:
+        """This rank's block of program parameter `name` in the layout the program wants: stored
+        parameters are redistributed when a later program wants another layout (autograd brings
+        the gradient back), and a part of a fused parameter is a chunk of the whole parameter's
+        block (its cut dim is whole there), so autograd sums into it."""
+        constant = run.constants.get(name)
+        if constant is not None:
+            return constant
+        part = run.program.param_parts.get(name)
+        source = part.source if part is not None else name
+        local = self._local_as(_lookup(self, source), run.source_layouts[source])
+        return part.of(local) if part is not None else local
+
+    def _local_as(self, value: Any, layout: Layout) -> torch.Tensor:
+        if not isinstance(value, DTensor):
+            return value  # type: ignore[no-any-return]
+        placements = to_dtensor_placements(layout)
+        if list(value.placements) != placements:
+            value = value.redistribute(value.device_mesh, placements)
+        return value.to_local()
 
     def _wrap(self, local: torch.Tensor, layout: Layout) -> Any:
         if layout.is_replicated and len(layout.shape) == 0:
@@ -161,6 +264,7 @@ class ParallelModule(nn.Module):
         )
 
     def _check_inputs(self, flat: list[Any], spec: Any) -> None:
+        """For a module without a compiler: the call must be the example's."""
         if spec != self._in_spec:
             raise InputMismatchError(
                 f"inputs have structure {spec}, but the module was compiled for {self._in_spec}",
@@ -179,6 +283,29 @@ class ParallelModule(nn.Module):
 
     def plan_summary(self) -> str:
         return str(self.report) if self.report is not None else ""
+
+
+def _call_key(spec: Any, flat: Sequence[Any], training: bool, grad: bool) -> tuple[Any, ...]:
+    """What selects a program: the arguments' structure, each tensor's shape and dtype and each
+    other argument's value, the module's mode and whether gradients are on."""
+    leaves = tuple(
+        ("tensor", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", _hashable(x)) for x in flat
+    )
+    return (spec, leaves, training, grad)
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+def _leaf_text(leaf: tuple[Any, ...]) -> str:
+    if leaf[0] == "tensor":
+        return _describe((leaf[1], leaf[2]))
+    return repr(leaf[1])
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -29,10 +29,14 @@ class EmittedProgram:
     coords: tuple[int, ...]
     # parameters cut out of a fused one (`autopar.passes.fused`): name -> which chunk of which
     param_parts: dict[str, ParamPart] = field(default_factory=dict)
+    # tensors the forward made from Python data (lifted by export): name -> value, whole on every rank
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def param_value(self, name: str, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The value of program parameter `name` given the user's parameters by name (a chunk of
         the user's fused parameter for a part)."""
+        if name in self.constants:
+            return self.constants[name]
         part = self.param_parts.get(name)
         return part.of(params[part.source]) if part is not None else params[name]
 
@@ -41,6 +45,8 @@ class EmittedProgram:
         share one layout that leaves the cut dim whole, which is then the whole parameter's."""
         result: dict[str, Layout] = {}
         for name, layout in zip(self.param_names, self.param_layouts):
+            if name in self.constants:
+                continue
             part = self.param_parts.get(name)
             if part is None:
                 result[name] = layout

@@ -1,0 +1,101 @@
+"""transformers' GPT-2 on 8 real gloo ranks, called as its docs call it: default config (dropout
+on, `use_cache` on), `out = model(input_ids=ids, labels=ids)`, `out.loss.backward()`; SGD with
+momentum against the serial model, every rank seeded alike before each call (as every rank of a
+job is), the serial call from the same seed. Then what a training script does next: a smaller last
+batch, an evaluation under `eval()` + `torch.no_grad()` without labels, and back to training."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from multirank import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import autopar
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.multirank
+
+STEPS = 3
+VOCAB, SEQ, BATCH = 64, 16, 8
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 + step))
+
+
+def _job(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("x", "y", "z"))
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4)
+    model = transformers.GPT2LMHeadModel(config)
+    serial = copy.deepcopy(model)
+    ids = _batch(0)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=(), example_kwargs={"input_ids": ids, "labels": ids})
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
+    serial_opt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    serial_params = dict(serial.named_parameters())
+    result: dict[str, Any] = {"losses": [], "logits_err": 0.0, "grad_err": 0.0, "param_err": 0.0}
+    for step in range(STEPS + 2):
+        ids = _batch(step) if step < STEPS else _batch(step)[:4]  # the last, smaller batch (twice)
+        torch.manual_seed(step)
+        out = pmodel(input_ids=ids, labels=ids)
+        torch.manual_seed(step)
+        want = serial(input_ids=ids, labels=ids)
+        result["types"] = (type(out).__name__, type(out.logits).__name__, out.past_key_values)
+        out.loss.backward()
+        want.loss.backward()
+        result["losses"].append((float(out.loss), float(want.loss)))
+        result["logits_err"] = max(result["logits_err"], float((out.logits.full_tensor() - want.logits).abs().max()))
+        for name, p in pmodel.named_parameters():
+            grad = p.grad.full_tensor()
+            expected = serial_params[name].grad
+            result["grad_err"] = max(result["grad_err"], float((grad - expected).abs().max()))
+        opt.step()
+        serial_opt.step()
+        opt.zero_grad()
+        serial_opt.zero_grad()
+    pmodel.eval()
+    serial.eval()
+    with torch.no_grad():
+        out = pmodel(input_ids=_batch(9))
+        want = serial(input_ids=_batch(9))
+    result["eval"] = (out.loss, float((out.logits.full_tensor() - want.logits).abs().max()))
+    pmodel.train()
+    serial.train()
+    torch.manual_seed(7)
+    pmodel(input_ids=_batch(7), labels=_batch(7)).loss.backward()
+    torch.manual_seed(7)
+    serial(input_ids=_batch(7), labels=_batch(7)).loss.backward()
+    opt.step()
+    serial_opt.step()
+    result["programs"] = [why for why, _ in pmodel.programs]
+    for name, p in pmodel.named_parameters():
+        result["param_err"] = max(result["param_err"], float((p.full_tensor() - serial_params[name]).abs().max()))
+    result["names_match"] = [n for n, _ in pmodel.named_parameters()] == list(serial_params)
+    result["stored_fraction"] = sum(p.to_local().numel() for p in pmodel.parameters()) / sum(
+        p.numel() for p in serial.parameters()
+    )
+    return result
+
+
+def test_gpt2_called_with_defaults_trains_like_serial() -> None:
+    for rank, r in enumerate(run_ranks(8, _job, timeout=600)):
+        assert r["types"] == ("CausalLMOutputWithCrossAttentions", DTensor.__name__, None), rank
+        for loss, serial_loss in r["losses"]:
+            assert loss == pytest.approx(serial_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
+        assert r["logits_err"] < 1e-4, (rank, r["logits_err"])
+        assert r["grad_err"] < 1e-4, (rank, r["grad_err"])
+        assert r["param_err"] < 1e-4, (rank, r["param_err"])
+        assert r["names_match"], rank
+        assert r["eval"][0] is None and r["eval"][1] < 1e-4, (rank, r["eval"])
+        assert r["programs"] == [  # least recently used first: training again used the first
+            "input 0: int64[4, 16] (was int64[8, 16]); input 1: int64[4, 16] (was int64[8, 16])",
+            "another structure of arguments; eval() mode; torch.no_grad(): forward only",
+            "example inputs",
+        ], (rank, r["programs"])
+        assert r["stored_fraction"] < 0.3, (rank, r["stored_fraction"])
