@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 from autopar.core.errors import (
     AutoparError,
     InputMismatchError,
+    InternalError,
     MemoryLimitError,
     MeshError,
     MissingRuleError,
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AutoparError",
     "InputMismatchError",
+    "InternalError",
     "Layout",
     "MemoryLimitError",
     "Mesh",

@@ -29,7 +29,7 @@ class LossOf(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+        return self.model(input_ids=input_ids, labels=labels).loss
 
 
 def _batch(seed: int, batch_size: int, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +54,6 @@ def _gpt2(
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
-        attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
     return LossOf(GPT2LMHeadModel(config)), _batch(seed, batch_size, vocab)
@@ -83,7 +82,6 @@ def make_hf_llama(
         max_position_embeddings=SEQ,
         tie_word_embeddings=False,
         attention_dropout=0.0,
-        attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
     return LossOf(LlamaForCausalLM(config)), _batch(seed, batch_size)

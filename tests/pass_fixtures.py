@@ -430,8 +430,9 @@ def assert_call_matches_serial(
     **options: Any,
 ) -> dict[Coords, Compiled]:
     """One training step of every rank's program in lockstep against `model(*args, **kwargs)` called
-    serially, backward from the first tensor of the output (the loss): every output tensor and every
-    parameter gradient, assembled from the ranks' blocks, equals serial."""
+    serially, backward from the first tensor of the output (the loss): every output tensor, every
+    buffer the forward updates (BatchNorm running stats) and every parameter gradient, assembled
+    from the ranks' blocks, equals serial."""
     kwargs = kwargs or {}
     compiled = compile_every_rank(model, shape, args, kwargs, **options)
     programs = {c: comp.program for c, comp in compiled.items()}
@@ -459,10 +460,12 @@ def assert_call_matches_serial(
     serial = [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
     serial[0].backward()
     first = next(iter(programs.values()))
-    assert len(first.output_layouts) == len(serial)
-    for i, (want, lay) in enumerate(zip(serial, first.output_layouts)):
+    buffers = dict(model.named_buffers())  # after the serial call: updated
+    wanted = [t.detach() for t in serial] + [buffers[name] for name in first.buffer_updates]
+    assert len(first.output_layouts) == len(wanted)
+    for i, (want, lay) in enumerate(zip(wanted, first.output_layouts)):
         got = assemble({c: fwd[c][i] for c in fwd}, lay, shape, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(got, want.detach(), atol=atol, rtol=rtol, msg=f"output {i}")
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=f"output {i}")
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     for i, (name, lay) in enumerate(zip(first.param_names, first.param_layouts)):
         part = first.param_parts.get(name)

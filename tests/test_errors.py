@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from multirank import run_ranks
 
 import autopar
+import autopar.compiler.driver as driver
 from autopar.api import compile_for_rank
-from autopar.core.errors import MeshError, MissingRuleError, ShardingError, TraceError
+from autopar.core.errors import InternalError, MeshError, MissingRuleError, ShardingError, TraceError
 from autopar.core.mesh import Mesh
 from autopar.rules.registry import default_registry
 from examples.models import make_mlp
@@ -98,6 +99,29 @@ def test_untraceable_model_wraps_torch_error_with_location() -> None:
     assert "torch.export could not trace DataDependent" in message
     assert "test_errors.py" in message  # where in the user's code it failed
     assert isinstance(err.value.__cause__, Exception)
+
+
+def test_an_internal_failure_names_the_stage_the_node_and_its_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug inside a stage (here a KeyError planted in insert_comm) reaches the user as an
+    AutoparError naming the stage and the node it was working on, caused by the original."""
+    real = driver.insert_comm
+    seen: list[torch.fx.Node] = []
+
+    def broken(gm: torch.fx.GraphModule, *args: object) -> object:
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                seen.append(node)
+                raise KeyError("_tensor_constant0")
+        return real(gm, *args)
+
+    monkeypatch.setattr(driver, "insert_comm", broken)
+    model, batch = make_mlp(0)
+    with pytest.raises(InternalError) as err:
+        compile_for_rank(model, Mesh.from_shape((2,)), batch, coords=(0,))
+    assert err.value.message.startswith("internal error in the propagate / insert_comm stage: KeyError")
+    assert err.value.op == str(seen[0].target)
+    assert err.value.where is not None and "@" in err.value.where, err.value.where
+    assert isinstance(err.value.__cause__, KeyError) and isinstance(err.value, autopar.AutoparError)
 
 
 def _smaller_batch(rank: int, world_size: int) -> tuple[float, float, list[str], list[str]]:

@@ -33,7 +33,12 @@ SOFTMAX = [
     aten._softmax_backward_data.default,
     aten._log_softmax_backward_data.default,
 ]
-GATHER_SCATTER = [aten.gather.default, aten.scatter.src, aten.scatter.value]
+BATCH_NORM = [
+    aten._native_batch_norm_legit_functional.default,
+    aten._native_batch_norm_legit_no_training.default,
+    aten.native_batch_norm_backward.default,
+]
+GATHER_SCATTER = [aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default]
 
 COVERED_OPS = [
     aten.embedding.default,
@@ -48,6 +53,8 @@ COVERED_OPS = [
     aten.mse_loss.default,
     aten.mse_loss_backward.default,
     *GATHER_SCATTER,
+    aten.index_add.default,
+    *BATCH_NORM,
     aten.convolution.default,
     aten.convolution_backward.default,
 ]
@@ -232,10 +239,53 @@ def test_gather_scatter(data: st.DataObject, mesh: tuple[int, ...], op: object) 
     x = random_tensor(shape, generator=g)
     if op == aten.gather.default:
         args: tuple = (x, dim, index)
-    elif op == aten.scatter.src:
+    elif op in (aten.scatter.src, aten.scatter_add.default):
         args = (x, dim, index, random_tensor(index_shape, generator=g))
     else:
         args = (x, dim, index, data.draw(st.sampled_from([0.0, -1.0])))
+    assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes())
+def test_index_add(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """Mixture-of-experts combine: rows of `source` added into `self` at `index` (repeats add up)."""
+    g = _gen(data)
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3, allow_one=False))
+    n = len(shape)
+    dim = data.draw(st.integers(-n, n - 1))
+    rows = data.draw(dim_sizes(mesh))
+    index = random_tensor((rows,), torch.int64, generator=g, high=shape[dim])
+    source_shape = list(shape)
+    source_shape[dim] = rows
+    x, source = random_tensor(shape, generator=g), random_tensor(source_shape, generator=g)
+    alpha = data.draw(st.sampled_from([1, 2.5]))
+    assert check_random_strategies(data, aten.index_add.default, (x, dim, index, source), {"alpha": alpha}, mesh, REGISTRY)
+
+
+@pytest.mark.parametrize("op", BATCH_NORM, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes(), affine=st.booleans())
+def test_batch_norm(data: st.DataObject, mesh: tuple[int, ...], op: object, affine: bool) -> None:
+    """The fused ops as one rank traces them (more ranks decompose them: test_decompositions)."""
+    g = _gen(data)
+    shape = data.draw(tensor_shapes(mesh, min_dims=2, max_dims=4, allow_one=False))
+    channels = shape[1]
+    x = random_tensor(shape, generator=g)
+    weight, bias = (random_tensor((channels,), generator=g) for _ in range(2)) if affine else (None, None)
+    mean = random_tensor((channels,), generator=g)
+    var = random_tensor((channels,), generator=g).abs() + 0.5
+    if op == aten._native_batch_norm_legit_functional.default:
+        args: tuple = (x, weight, bias, mean, var, True, 0.1, 1e-5)
+    elif op == aten._native_batch_norm_legit_no_training.default:
+        args = (x, weight, bias, mean, var, 0.1, 1e-5)
+    else:
+        train = data.draw(st.booleans())
+        _, save_mean, save_rstd, _, _ = aten._native_batch_norm_legit_functional.default(
+            x, weight, bias, mean, var, True, 0.1, 1e-5
+        )
+        grad = random_tensor(shape, generator=g)
+        args = (grad, x, weight, mean, var, save_mean, save_rstd, train, 1e-5, [True, affine, affine])
     assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)
 
 

@@ -31,7 +31,8 @@ SINGLE_DIM_OPS = [aten.argmax.default, aten.argmin.default, aten.max.dim, aten.m
 CORRECTION_OPS = [aten.var_mean.correction, aten.var.correction, aten.std.correction]
 ALL_OPS = [aten.sum.default, aten.mean.default]
 
-COVERED_OPS = [*DIM_LIST_OPS, *SINGLE_DIM_OPS, *CORRECTION_OPS, *ALL_OPS, aten.cumsum.default]
+ALONG_DIM_OPS = [aten.sort.default, aten.sort.stable, aten.topk.default]
+COVERED_OPS = [*DIM_LIST_OPS, *SINGLE_DIM_OPS, *CORRECTION_OPS, *ALL_OPS, aten.cumsum.default, *ALONG_DIM_OPS]
 
 
 @pytest.mark.parametrize("op", DIM_LIST_OPS + SINGLE_DIM_OPS + CORRECTION_OPS + ALL_OPS, ids=str)
@@ -82,3 +83,26 @@ def test_cumsum(data: st.DataObject, mesh: tuple[int, ...]) -> None:
     kwargs = {"dtype": torch.float64} if dtype == torch.int64 and data.draw(st.booleans()) else {}
     dim = data.draw(st.integers(-len(shape), len(shape) - 1))
     assert check_random_strategies(data, aten.cumsum.default, (x, dim), kwargs, mesh, REGISTRY)
+
+
+@pytest.mark.parametrize("op", ALONG_DIM_OPS, ids=str)
+@settings(max_examples=10, deadline=None)  # per op
+@given(data=st.data(), mesh=mesh_shapes())
+def test_sort_and_topk(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    """Mixture-of-experts routing picks the top k experts per token; distinct values (ties would
+    make the indices depend on the sort's stability)."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    ndim = len(shape)
+    x = torch.randperm(int(torch.tensor(shape).prod()), generator=g).reshape(shape).double()
+    dim = data.draw(st.integers(-ndim, ndim - 1))
+    flip = data.draw(st.booleans())
+    if op == aten.topk.default:
+        k = data.draw(st.integers(1, shape[dim]))
+        args: tuple = (x, k, dim, flip, True)
+        kwargs: dict = {}
+    elif op == aten.sort.stable:
+        args, kwargs = (x,), {"stable": True, "dim": dim, "descending": flip}
+    else:
+        args, kwargs = (x, dim, flip), {}
+    assert check_random_strategies(data, op, args, kwargs, mesh, REGISTRY)

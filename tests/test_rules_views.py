@@ -50,6 +50,9 @@ COVERED_OPS = [
     aten.constant_pad_nd.default,
     aten.index.Tensor,
     aten._assert_tensor_metadata.default,
+    aten.repeat.default,
+    aten.tril.default,
+    aten.triu.default,
 ]
 
 
@@ -300,3 +303,38 @@ def test_assert_tensor_metadata(data: st.DataObject, mesh: tuple[int, ...], size
         data, aten._assert_tensor_metadata.default, args, {"device": x.device}, mesh, REGISTRY
     )
     assert all(len(s.outputs) == 0 for s in strategies)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes())
+def test_repeat(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """Tiles, new leading dims and size-1 dims repeated (ALiBi slopes, expanded k/v heads)."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    lead = data.draw(st.integers(0, 2))
+    repeats = [data.draw(st.integers(1, 4)) for _ in range(lead + len(shape))]
+    x = random_tensor(shape, generator=g)
+    assert check_random_strategies(data, aten.repeat.default, (x, repeats), {}, mesh, REGISTRY)
+
+
+@pytest.mark.parametrize("op", [aten.tril.default, aten.triu.default], ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
+def test_triangles(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=2, max_dims=4))
+    diagonal = data.draw(st.integers(-2, 2))
+    x = random_tensor(shape, generator=g)
+    assert check_random_strategies(data, op, (x, diagonal), {}, mesh, REGISTRY)
+
+
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
+def test_cat_skips_an_empty_vector_as_torch_does(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """A transformers cache concatenates `torch.tensor([])` with the first keys."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=2, max_dims=4))
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    parts = [torch.empty(0), random_tensor(shape, generator=g)]
+    checked = check_random_strategies(data, aten.cat.default, (parts, dim), {}, mesh, REGISTRY)
+    assert checked and all(not s.inputs[0].shard_axes(0) for s in checked)  # never split

@@ -8,13 +8,14 @@ overlap (`scheduled_step_time`), which the mesh choice ranks candidates by.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
 import hashlib
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -22,8 +23,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.core.errors import AutoparError
+from autopar.core.errors import AutoparError, InternalError
 from autopar.core.mesh import Mesh
+from autopar.core.meta import has_info, where_of
 from autopar.core.plan import Plan
 from autopar.cost.hardware import load_hardware
 from autopar.cost.timeline import Timeline, default_hardware, simulate
@@ -141,48 +143,55 @@ def compile_for_rank(
     split_fused = fused.wanted(split_fused, planner)
     candidates = _chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
-    gm = trace(
-        model,
-        example_inputs,
-        decompose=mesh.size > 1,
-        example_kwargs=example_kwargs,
-        split_fused=split_fused,
-        forward_only=forward_only,
-    )
+    with stage("trace"):
+        gm = trace(
+            model,
+            example_inputs,
+            decompose=mesh.size > 1,
+            example_kwargs=example_kwargs,
+            split_fused=split_fused,
+            forward_only=forward_only,
+        )
     write_stage(path, "1_trace", gm, mesh)
     if planner not in ("search", "greedy"):
         raise AutoparError(f"unknown planner {planner!r}", hint='use "search" or "greedy"')
 
     def make_plan() -> Plan:
-        cost = TimeCost(hardware, mesh.shape) if hardware is not None else ElementCost(mesh.shape)
-        if planner == "greedy":
-            greedy = choose_layouts(gm, mesh, registry)
-            return greedy if memory_limit is None else fit_memory(gm, greedy, mesh, cost, memory_limit)
-        return search_layouts(gm, mesh, registry, cost=cost, memory_limit=memory_limit)
+        with stage("plan"):
+            cost = TimeCost(hardware, mesh.shape) if hardware is not None else ElementCost(mesh.shape)
+            if planner == "greedy":
+                greedy = choose_layouts(gm, mesh, registry)
+                return greedy if memory_limit is None else fit_memory(gm, greedy, mesh, cost, memory_limit)
+            return search_layouts(gm, mesh, registry, cost=cost, memory_limit=memory_limit)
 
     plan = agree(gm, make_plan) if agree is not None else make_plan()
-    plan = unify_part_storage(gm, plan, mesh.shape)
+    with stage("plan"):
+        plan = unify_part_storage(gm, plan, mesh.shape)
     base = tuple(coords) if coords is not None else mesh.my_coords()
     table = default_hardware(mesh, hardware)
     if in_flight_bytes is None:
         in_flight_bytes = in_flight_budget(gm, plan, mesh, table, memory_limit)
     step_times: dict[int, float] | None = None
     if len(candidates) > 1:  # over_decompose="auto": lower, schedule and model every choice
-        step_times = _chunk_step_times(
-            gm, plan, mesh, registry, base, candidates, table, schedule, in_flight_bytes
-        )
+        with stage("over-decomposition"):
+            step_times = _chunk_step_times(
+                gm, plan, mesh, registry, base, candidates, table, schedule, in_flight_bytes
+            )
         chunks = min(step_times, key=lambda k: (step_times[k], k))  # type: ignore[index]
     else:
         chunks = candidates[0]
-    gm, work = _lower(gm, plan, mesh, registry, base, chunks, path)
+    with stage("propagate / insert_comm"):
+        gm, work = _lower(gm, plan, mesh, registry, base, chunks, path)
     write_stage(path, "3_insert_comm", gm, work)
     modeled_on = table if hardware is not None or path is not None else None
     # modeled before the schedule stage, which reorders the graph in place
     unscheduled = simulate(gm, work, modeled_on) if modeled_on is not None else None
     if schedule:
-        gm = schedule_pass(gm, work, hardware=table, in_flight_bytes=in_flight_bytes)
+        with stage("schedule"):
+            gm = schedule_pass(gm, work, hardware=table, in_flight_bytes=in_flight_bytes)
     write_stage(path, "4_schedule", gm, work)
-    program = emit(gm, work, registry, (*base, *(0,) * work.in_process)).on_devices(mesh.ndim)
+    with stage("emit"):
+        program = emit(gm, work, registry, (*base, *(0,) * work.in_process)).on_devices(mesh.ndim)
     write_stage(path, "5_emit_forward", program.forward, work, local=True)
     write_stage(path, "5_emit_backward", program.backward, work, local=True)
     report = build_report(program, mesh, gm.meta.get("autopar_schedule"), graph_mesh=work)
@@ -192,6 +201,39 @@ def compile_for_rank(
         timelines = (unscheduled, simulate(gm, work, modeled_on))
         write_timeline(path, timelines, rank)
     return Compiled(gm, program, report, timelines, work, chunks, step_times)
+
+
+@contextlib.contextmanager
+def stage(name: str) -> Iterator[None]:
+    """Run one stage: an exception from it that is not an `AutoparError` is a bug in autopar, and
+    reaches the user as an `InternalError` naming the stage, the node and its op, caused by it."""
+    try:
+        yield
+    except AutoparError:
+        raise
+    except Exception as exc:
+        node = _innermost_node(exc)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise InternalError(
+            f"internal error in the {name} stage: {type(exc).__name__}: {first}",
+            op=str(node.target) if node is not None and node.op == "call_function" else None,
+            where=(where_of(node) if has_info(node) else node.name) if node is not None else None,
+            hint="this is a bug in autopar, not in your model; please report it with this message "
+            "(the original exception is chained below)",
+        ) from exc
+
+
+def _innermost_node(exc: BaseException) -> fx.Node | None:
+    """The graph node the deepest frame of the traceback was working on, if any frame held one."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, fx.Node):
+                found = value
+                break
+        tb = tb.tb_next
+    return found
 
 
 def structure_copy(model: nn.Module) -> nn.Module:

@@ -97,6 +97,7 @@ def emit(
         param_parts={
             n: sig.param_parts[n] for n in (info(p).param_name for p in params) if n in sig.param_parts
         },
+        buffer_updates=list(sig.buffer_updates),
         constants={
             name: sig.constants[name]
             for name in (info(p).param_name or p.name for p in params if info(p).role == "constant")

@@ -255,25 +255,32 @@ def _annotate(
     output = next(n for n in gm.graph.nodes if n.op == "output")
     descs = output.meta.get("desc") or []
     outs = list(output.args[0])
-    num_user_outputs = 0
+    user: list[Any] = []
+    updates: list[Any] = []  # new values of buffers the forward updates (BatchNorm running stats)
+    buffer_updates: list[str] = []
+    grads: list[Any] = []
     grad_of: list[str] = []
-    kept = []
     for value, desc in zip(outs, descs):
         kind = _desc_kind(desc)
         if kind == "PlainAOTOutput":
-            num_user_outputs += 1
-            kept.append(value)
+            user.append(value)
+        elif kind == "InputMutationAOTOutput" and _desc_kind(desc.mutated_input) == "BufferAOTInput":
+            buffer_updates.append(desc.mutated_input.target)
+            updates.append(value)
         elif kind == "GradAOTOutput" and _desc_kind(desc.grad_of) == "ParamAOTInput":
             grad_of.append(desc.grad_of.target)
-            kept.append(value)
+            grads.append(value)
         elif kind == "GradAOTOutput" or (kind == "None" and value is None):
             continue  # gradients of user inputs (or absent ones) are not returned
         else:
             raise TraceError(
                 f"unsupported graph output kind {kind}",
-                hint="models that mutate buffers or inputs (e.g. BatchNorm running stats) are not supported yet",
+                hint="the forward may update its own buffers (BatchNorm running statistics), "
+                "not its inputs or parameters in place",
             )
-    output.args = (tuple(kept),)
+    # the buffers' new values count as forward outputs, after the user's
+    num_user_outputs = len(user) + len(updates)
+    output.args = (tuple(user + updates + grads),)
     set_info(output, NodeInfo(role="output", phase="backward"))
 
     tangent_nodes = {n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "tangent"}
@@ -309,6 +316,7 @@ def _annotate(
         param_parts=parts,
         constants=_lift_constants(gm),
         outputs=outputs,
+        buffer_updates=buffer_updates,
     )
 
 

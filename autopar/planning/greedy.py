@@ -482,10 +482,18 @@ class _Greedy:
             for n in self.gm.graph.nodes
             if n.op == "placeholder" and info(n).role == "param"
         }
+        buffers = {
+            info(n).param_name: n for n in self.gm.graph.nodes if n.op == "placeholder" and info(n).role == "buffer"
+        }
+        updated = {nu - len(self.sig.buffer_updates) + k: name for k, name in enumerate(self.sig.buffer_updates)}
         result: list[Layout | None] = []
         for i, value in enumerate(values):
             if not isinstance(value, fx.Node):
                 result.append(None)
+                continue
+            if i in updated:  # a buffer's new value goes back into the buffer, laid out as it is
+                self._resolve(value, self._replicated(value))
+                result.append(self.plan.layouts[buffers[updated[i]].name][0])
                 continue
             if i < nu:
                 self._resolve(value, self._replicated(value))

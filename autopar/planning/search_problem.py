@@ -220,7 +220,11 @@ class Problem:
                 continue
             u, side, k = producer
             var = self.vars[u]
-            if i < nu:  # the user gets it without pending sums (a loss: replicated)
+            if nu - len(sig.buffer_updates) <= i < nu:  # a buffer's new value: whole, as buffers are
+                var.base += self._per_candidate(
+                    var, side, k, "whole", lambda o: self.cost.redistribute(o, Layout.replicated(o.shape, len(o.placements), o.dtype))
+                )
+            elif i < nu:  # the user gets it without pending sums (a loss: replicated)
                 var.base += self._per_candidate(
                     var, side, k, "settle", lambda o: self.cost.redistribute(o, settled(o))
                 )

@@ -2,7 +2,8 @@
 
 Fused ops whose reductions run over a dim we may want to split are rewritten into sums and
 pointwise ops, so that a split dim becomes a Partial sum (a small all-reduce) instead of an
-all-gather of the whole activation. Layer norm is written with sums (not var_mean) for that reason.
+all-gather of the whole activation. Layer norm is written with sums (not var_mean) for that reason;
+batch norm too, so a batch split across ranks gets the global batch's statistics.
 """
 
 from __future__ import annotations
@@ -68,12 +69,115 @@ def _layer_norm_backward(
     return grad_x, grad_w, grad_b
 
 
+def _channel_shape(x: torch.Tensor) -> list[int]:
+    """(1, C, 1, ...): a per-channel vector broadcast against an (N, C, ...) input."""
+    return [1, x.shape[1]] + [1] * (x.dim() - 2)
+
+
+def _batch_norm_training(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_native_batch_norm_legit_functional` with sums: statistics over a batch split across ranks
+    are Partial sums (an all-reduce of C values), so every rank normalizes by the global batch's
+    statistics and the running stats update as the serial model's do."""
+    if not training:
+        out, _, _ = _batch_norm_inference(x, weight, bias, running_mean, running_var, momentum, eps)
+        empty = x.new_zeros((0,))
+        return out, empty, empty, running_mean.clone(), running_var.clone()
+    dims = [0, *range(2, x.dim())]
+    count = x.numel() // x.shape[1]
+    mean = aten.sum.dim_IntList(x, dims, True) / count
+    centered = x - mean
+    var = aten.sum.dim_IntList(centered * centered, dims, True) / count
+    rstd = aten.rsqrt.default(var + eps)
+    out = centered * rstd
+    if weight is not None:
+        out = out * weight.reshape(_channel_shape(x))
+    if bias is not None:
+        out = out + bias.reshape(_channel_shape(x))
+    flat_mean, flat_var = mean.reshape(-1), var.reshape(-1)
+    unbiased = flat_var * (count / max(count - 1, 1))
+    new_mean = running_mean * (1 - momentum) + flat_mean * momentum
+    new_var = running_var * (1 - momentum) + unbiased * momentum
+    return out, flat_mean, rstd.reshape(-1), new_mean, new_var
+
+
+def _batch_norm_inference(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_native_batch_norm_legit_no_training`: the running statistics, pointwise per channel."""
+    shape = _channel_shape(x)
+    rstd = aten.rsqrt.default(running_var + eps)
+    out = (x - running_mean.reshape(shape)) * rstd.reshape(shape)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    empty = x.new_zeros((0,))
+    return out, empty, empty
+
+
+def _batch_norm_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    save_mean: torch.Tensor | None,
+    save_invstd: torch.Tensor | None,
+    train: bool,
+    eps: float,
+    output_mask: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`native_batch_norm_backward` with sums over the batch and spatial dims (Partial when split)."""
+    shape = _channel_shape(x)
+    dims = [0, *range(2, x.dim())]
+    count = x.numel() // x.shape[1]
+    if train:
+        assert save_mean is not None and save_invstd is not None
+        mean, invstd = save_mean.reshape(shape), save_invstd.reshape(shape)
+    else:
+        assert running_mean is not None and running_var is not None
+        mean, invstd = running_mean.reshape(shape), aten.rsqrt.default(running_var + eps).reshape(shape)
+    xhat = (x - mean) * invstd
+    g = grad_out * weight.reshape(shape) if weight is not None else grad_out
+    grad_x = grad_w = grad_b = None
+    if output_mask[0]:
+        if train:
+            sum_g = aten.sum.dim_IntList(g, dims, True)
+            sum_gx = aten.sum.dim_IntList(g * xhat, dims, True)
+            grad_x = (g - sum_g / count - xhat * (sum_gx / count)) * invstd
+        else:
+            grad_x = g * invstd
+    if output_mask[1]:
+        grad_w = aten.sum.dim_IntList(grad_out * xhat, dims, False)
+    if output_mask[2]:
+        grad_b = aten.sum.dim_IntList(grad_out, dims, False)
+    return grad_x, grad_w, grad_b
+
+
 def sharding_decompositions() -> dict[Any, Callable[..., Any]]:
     from torch._decomp import decomposition_table
 
     table: dict[Any, Callable[..., Any]] = {
         aten.native_layer_norm.default: _layer_norm,
         aten.native_layer_norm_backward.default: _layer_norm_backward,
+        aten._native_batch_norm_legit_functional.default: _batch_norm_training,
+        aten._native_batch_norm_legit_no_training.default: _batch_norm_inference,
+        aten.native_batch_norm_backward.default: _batch_norm_backward,
     }
     for op in (
         aten.nll_loss_forward.default,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from autopar.core.layout import P, Placement, R, Shard
-from autopar.core.strategy import AxisStrategy, OpCall
+from autopar.core.strategy import AxisStrategy, OpCall, TensorSpec
 from autopar.rules import local_ops
 from autopar.rules.base import LocalCall, LocalContext, RuleRegistry, normalize_dim, with_replicated
 from autopar.rules.pointwise import (
@@ -243,7 +243,8 @@ def gather_rule(call: OpCall) -> list[AxisStrategy]:
 
 
 def scatter_rule(call: OpCall) -> list[AxisStrategy]:
-    """scatter.src / scatter.value: dims other than `dim` split on all tensors when they agree."""
+    """scatter.src / scatter.value / scatter_add: dims other than `dim` split on all tensors when
+    they agree; linear in (self, src) together."""
     at = normalize_dim(call.arg(1, "dim"), max(call.inputs[0].ndim, 1))
     tensors = call.inputs
     result = [
@@ -251,10 +252,40 @@ def scatter_rule(call: OpCall) -> list[AxisStrategy]:
         for d in range(tensors[0].ndim)
         if d != at and all(t.ndim == tensors[0].ndim and t.shape[d] == tensors[0].shape[d] for t in tensors)
     ]
-    if call.op == aten.scatter.src:
+    if call.op in (aten.scatter.src, aten.scatter_add.default):
         result += passthrough_partial(call, [0, 2])
     elif float(call.arg(3, "value")) == 0.0:
         result += passthrough_partial(call, [0])
+    return with_replicated(call, result)
+
+
+def index_add_rule(call: OpCall) -> list[AxisStrategy]:
+    """index_add(self, dim, index, source): rows of source added into self at index along `dim`
+    (mixture-of-experts combine). Other dims split on self and source alike, the 1-D index whole;
+    linear in (self, source) together."""
+    self_, _, source = call.inputs
+    at = normalize_dim(call.arg(1, "dim"), max(self_.ndim, 1))
+    result = [
+        AxisStrategy((Shard(d), R, Shard(d)), (Shard(d),))
+        for d in range(self_.ndim)
+        if d != at and source.ndim == self_.ndim and source.shape[d] == self_.shape[d]
+    ]
+    result += passthrough_partial(call, [0, 2])
+    return with_replicated(call, result)
+
+
+def batch_norm_rule(call: OpCall) -> list[AxisStrategy]:
+    """The fused batch-norm ops, forward (training or not) and backward, as traced on one rank:
+    everything is per channel, so the channel dim may be split (dim 1 of (N, C, ...) tensors, dim 0
+    of the per-channel vectors; empty placeholder outputs stay whole). With more ranks they are
+    decomposed into sums first (`autopar.rules.decompositions`), where the batch may be split."""
+
+    def channel(spec: TensorSpec) -> Placement:
+        if spec.ndim >= 2:
+            return Shard(1)
+        return Shard(0) if spec.ndim == 1 and spec.shape[0] > 0 else R
+
+    result = [AxisStrategy(tuple(map(channel, call.inputs)), tuple(map(channel, call.outputs)))]
     return with_replicated(call, result)
 
 
@@ -347,6 +378,11 @@ RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
     aten.gather.default: gather_rule,
     aten.scatter.src: scatter_rule,
     aten.scatter.value: scatter_rule,
+    aten.scatter_add.default: scatter_rule,
+    aten.index_add.default: index_add_rule,
+    aten._native_batch_norm_legit_functional.default: batch_norm_rule,
+    aten._native_batch_norm_legit_no_training.default: batch_norm_rule,
+    aten.native_batch_norm_backward.default: batch_norm_rule,
 }
 
 ANCHORS: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {

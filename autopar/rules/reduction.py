@@ -1,4 +1,4 @@
-"""Reductions over a set of dims.
+"""Reductions over a set of dims, and ops that sort or pick along one (sort, topk).
 
 Dims that are not reduced keep their shard (renumbered unless keepdim). Reducing a split dim
 leaves each rank the reduction of its block: for `sum` that is a summand of the result, so the
@@ -130,10 +130,22 @@ MEANS: dict[object, Reduce] = {
 }
 
 
+def along_dim_rule(call: OpCall) -> list[AxisStrategy]:
+    """sort / topk reorder or pick along one dim -> (values, indices): the other dims keep their
+    shards (an index along `dim` does not depend on them); `dim` stays whole. Not linear."""
+    ndim = call.inputs[0].ndim
+    position = 2 if call.op == aten.topk.default else 1
+    at = normalize_dim(call.arg(position, "dim", -1), max(ndim, 1))
+    result = [AxisStrategy((Shard(d),), (Shard(d), Shard(d))) for d in range(ndim) if d != at]
+    return with_replicated(call, result)
+
+
 def register(registry: RuleRegistry) -> None:
     rules = registry.family(FAMILY, uneven=True)
     for op, how in REDUCTIONS.items():
         rules.register(op, reduction_rule(how))
     rules.register(aten.cumsum.default, scan_rule)
+    for op in (aten.sort.default, aten.sort.stable, aten.topk.default):
+        rules.register(op, along_dim_rule)
     for op, how in MEANS.items():
         rules.register(op, reduction_rule(how), localize=localize_mean(how))

@@ -182,13 +182,19 @@ def _tensor_list(call: OpCall) -> list[TensorSpec]:
 
 
 def cat_rule(call: OpCall) -> list[AxisStrategy]:
-    """All inputs split on the same non-cat dim; all Partial -> Partial."""
+    """All inputs split on the same non-cat dim; all Partial -> Partial. `torch.cat` skips empty
+    1-D inputs (a transformers cache starts from `torch.tensor([])`): they stay whole."""
     specs = _tensor_list(call)
     ndim = call.outputs[0].ndim
-    if any(s.ndim != ndim for s in specs):
+    skipped = [s.shape == (0,) and ndim != 1 for s in specs]
+    if any(s.ndim != ndim and not skip for s, skip in zip(specs, skipped)):
         return with_replicated(call, [])
     at = normalize_dim(call.arg(1, "dim", 0), ndim)
-    result = [AxisStrategy((Shard(d),) * len(specs), (Shard(d),)) for d in range(ndim) if d != at]
+    result = [
+        AxisStrategy(tuple(R if skip else Shard(d) for skip in skipped), (Shard(d),))
+        for d in range(ndim)
+        if d != at
+    ]
     return with_replicated(call, result + passthrough_partial(call))
 
 
@@ -200,6 +206,42 @@ def stack_rule(call: OpCall) -> list[AxisStrategy]:
         AxisStrategy((Shard(d),) * len(specs), (Shard(d if d < at else d + 1),)) for d in range(ndim - 1)
     ]
     return with_replicated(call, result + passthrough_partial(call))
+
+
+def repeat_rule(call: OpCall) -> list[AxisStrategy]:
+    """`repeat(x, repeats)` tiles x. A dim repeated once keeps its shard; a new leading dim, or a dim
+    of size 1, may be split from a whole input (each rank makes its share of the copies). A tiled
+    dim longer than 1 stays whole: its blocks would interleave across ranks. Linear."""
+    src, dst = call.inputs[0].shape, call.outputs[0].shape
+    repeats = list(call.arg(1, "repeats"))
+    lead = len(repeats) - len(src)
+    result: list[AxisStrategy] = []
+    for o, r in enumerate(repeats):
+        d = o - lead
+        if d >= 0 and r == 1:
+            result.append(AxisStrategy((Shard(d),), (Shard(o),)))
+        elif (d < 0 or src[d] == 1) and dst[o] > 1:
+            result.append(AxisStrategy((R,), (Shard(o),)))
+    return with_replicated(call, result + passthrough_partial(call))
+
+
+def localize_repeat(ctx: LocalContext) -> LocalCall:
+    """The repeats that make this rank's block: its output block over its input block, per dim."""
+    out = ctx.strategy.outputs[0].local_shape(ctx.mesh_shape, ctx.coords)
+    inp = ctx.strategy.inputs[0].local_shape(ctx.mesh_shape, ctx.coords)
+    given = list(ctx.call.arg(1, "repeats"))
+    lead = len(out) - len(inp)
+    local = [
+        out[o] if o < lead else (out[o] // inp[o - lead] if inp[o - lead] else given[o]) for o in range(len(out))
+    ]
+    return LocalCall(ctx.call.op, (ctx.args[0], local), {})
+
+
+def triangle_rule(call: OpCall) -> list[AxisStrategy]:
+    """tril / triu keep or zero an element by its row and column in the last two dims: leading
+    (batch) dims may be split, the last two stay whole. Linear."""
+    ndim = call.inputs[0].ndim
+    return _dim_map_strategies(call, {d: d for d in range(ndim - 2)})
 
 
 def copy_rule(call: OpCall) -> list[AxisStrategy]:
@@ -358,3 +400,6 @@ def register(registry: RuleRegistry) -> None:
     )
     for op in (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims):
         rules.register(op, squeeze_rule, localize=localize_squeeze)
+    rules.register(aten.repeat.default, repeat_rule, localize=localize_repeat)
+    for op in (aten.tril.default, aten.triu.default):
+        rules.register(op, triangle_rule)

@@ -50,7 +50,10 @@ class _RunProgram(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.num_flat = len(flat)
         ctx.num_params = len(program.param_names)
-        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
+        has_tangent = set(program.tangent_outputs)  # the others get no gradient: buffers' new values,
+        ctx.mark_non_differentiable(  # integer outputs, every output of a forward-only program
+            *[o for i, o in enumerate(outputs) if i not in has_tangent or not o.is_floating_point()]
+        )
         return tuple(outputs)
 
     @staticmethod
@@ -170,7 +173,11 @@ class ParallelModule(nn.Module):
         local_params = [self._local_param(run, name) for name in program.param_names]
         num_outputs = len(program.output_layouts)
         outputs = _RunProgram.apply(program, num_outputs, *local_params, *local_inputs)
-        results = [self._wrap(o, lay) for o, lay in zip(outputs, program.output_layouts)]
+        user = num_outputs - len(program.buffer_updates)
+        with torch.no_grad():  # the forward's updates of its buffers (BatchNorm running stats)
+            for name, value in zip(program.buffer_updates, outputs[user:]):
+                _local(_lookup(self, name)).copy_(value)
+        results = [self._wrap(o, lay) for o, lay in zip(outputs[:user], program.output_layouts)]
         if run.outputs is not None:  # the structure the model returned (a dict, a ModelOutput)
             return run.outputs.rebuild(results)
         return results[0] if len(results) == 1 else tuple(results)

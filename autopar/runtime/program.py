@@ -29,6 +29,8 @@ class EmittedProgram:
     coords: tuple[int, ...]
     # parameters cut out of a fused one (`autopar.passes.fused`): name -> which chunk of which
     param_parts: dict[str, ParamPart] = field(default_factory=dict)
+    # buffers the forward updates: their new values are the last forward outputs, in this order
+    buffer_updates: list[str] = field(default_factory=list)
     # tensors the forward made from Python data (lifted by export): name -> value, whole on every rank
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
 
