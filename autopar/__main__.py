@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from autopar.compiler.coverage import run as run_coverage
+from autopar.core.errors import AutoparError
 from autopar.cost.calibrate import calibrate
 
 
@@ -72,8 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command; an `AutoparError` is printed (no traceback) and exits with 2."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except AutoparError as exc:
+        print(f"autopar {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

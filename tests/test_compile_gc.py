@@ -9,6 +9,7 @@ import pytest
 from pass_fixtures import two_linear_case
 
 import autopar.compiler.driver as driver
+from autopar.core.errors import InternalError
 from autopar.core.mesh import Mesh
 
 
@@ -45,6 +46,8 @@ def test_an_error_inside_the_compile_still_restores_the_collector(monkeypatch: p
     monkeypatch.setattr(driver, "insert_comm", failing)
     model, inputs = two_linear_case()
     assert gc.isenabled()
-    with pytest.raises(RuntimeError, match="boom"):
+    # a failure inside a stage reaches the user as an InternalError caused by it
+    with pytest.raises(InternalError, match="RuntimeError: boom") as err:
         driver.compile_for_rank(model, Mesh.from_shape((2,)), inputs, coords=(0,))
+    assert isinstance(err.value.__cause__, RuntimeError)
     assert gc.isenabled()

@@ -8,6 +8,10 @@ the multi-rank decompositions, has a rule.
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +117,21 @@ def test_command_takes_the_users_registry(capsys: pytest.CaptureFixture[str]) ->
     assert "mine" in out and "0 missing" in out
     with pytest.raises(TypeError, match="not a RuleRegistry"):
         main(["coverage", spec, "--registry", "examples.models:GPTConfig"])
+
+
+def test_the_command_finds_a_module_in_the_directory_it_runs_in(tmp_path: Path) -> None:
+    """`autopar coverage mymodel:make` from the user's own folder (the console script, whose
+    sys.path does not start with the current directory), and a clear error for a missing one."""
+    (tmp_path / "mymodel.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def make():\n"
+        "    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), (torch.randn(8, 16),)\n"
+    )
+    script = shutil.which("autopar")
+    command = [script] if script is not None else [sys.executable, "-m", "autopar"]
+    done = subprocess.run([*command, "coverage", "mymodel:make", "--mesh", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "0 missing" in done.stdout and "aten.relu.default" in done.stdout
+    missing = subprocess.run([*command, "coverage", "nomodule:make"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2
+    assert "cannot import nomodule" in missing.stderr and "Traceback" not in missing.stderr

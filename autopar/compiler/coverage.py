@@ -10,11 +10,14 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.nn as nn
 
+from autopar.core.errors import UsageError
 from autopar.passes.trace import trace
 from autopar.reporting.coverage import OpCoverage, format_rows, graph_coverage
 from autopar.rules.base import RuleRegistry
@@ -39,12 +42,25 @@ def op_coverage(
 def load_factory(spec: str) -> Callable[[], tuple[nn.Module, Sequence[Any]]]:
     """`"package.module:function"` -> a zero-argument callable returning `(model, batch)`.
 
-    Factories that take a `seed` (like `examples.models.make_gpt`) are called with seed 0.
+    Factories that take a `seed` (like `examples.models.make_gpt`) are called with seed 0. The
+    module is looked up from the current directory too, as `python -m` does (the `autopar`
+    console script would not see it otherwise).
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"expected MODULE:FACTORY, got {spec!r}")
-    factory = getattr(importlib.import_module(module_name), attr)
+        raise UsageError(f"expected MODULE:FACTORY, got {spec!r}", hint="for example examples.zoo:make_llama")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(
+            f"cannot import {module_name}: {exc}",
+            hint="run from the directory that holds it, or install its package",
+        ) from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UsageError(f"{module_name} has no function {attr}", hint="name a function returning (model, batch)")
     params = inspect.signature(factory).parameters
     required = [
         p

@@ -1,8 +1,8 @@
-"""`autopar.plan`: the whole compiler on a mesh shape, without processes or weights.
+"""What `autopar.plan` returns: one rank's compiled program priced on a hardware table.
 
-It traces on fake tensors (a model built on the meta device works), plans, inserts collectives and
-emits one rank's program, then prices the result on a hardware table: modeled communication and
-compute time per step and memory per rank. Nothing is allocated at the model's size.
+`price` models the program the driver compiled (on fake tensors: nothing is allocated at the
+model's size): communication and compute time per step and memory per rank; `PlanResult` holds
+them with the compiled graph, explains layouts, and prints the comparison with the fixed schemes.
 """
 
 from __future__ import annotations

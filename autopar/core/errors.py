@@ -65,6 +65,10 @@ class InputMismatchError(AutoparError):
     """Inputs at call time differ from the example inputs the module was compiled for."""
 
 
+class UsageError(AutoparError, ValueError):
+    """An argument that cannot work (a malformed spec, a module that does not import)."""
+
+
 class InternalError(AutoparError):
     """A bug in autopar: an exception inside a compiler stage that is not one of the errors above.
     It names the stage and the graph node being worked on; the original is its `__cause__`."""

@@ -19,6 +19,10 @@ from autopar.core.redistribute import CommStep
 from autopar.core.strategy import Strategy
 
 NODE_KEY = "autopar"
+# node.meta of a random op: its input's dims from outermost to innermost in memory, as the serial
+# model lays that tensor out. Random numbers fill a tensor in memory order, so a rule that draws
+# the serial model's numbers needs it (a transposed view in nn.MultiheadAttention, for one).
+MEMORY_ORDER_KEY = "autopar_memory_order"
 SIGNATURE_KEY = "autopar_signature"
 
 # "constant": a tensor the forward made from Python data (`torch.tensor([])` in a cache), lifted by

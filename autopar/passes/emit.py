@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import AutoparError, ShardingError
 from autopar.core.mesh import Mesh
-from autopar.core.meta import has_info, info, signature
+from autopar.core.meta import MEMORY_ORDER_KEY, has_info, info, signature
 from autopar.rules.base import LocalContext, RuleRegistry
 from autopar.rules.calls import op_call
 from autopar.rules.localize import localize_sizes
@@ -131,7 +131,8 @@ def _local_node(
     localize = rule.localize if rule is not None and rule.localize is not None else localize_sizes
     args = fx.map_arg(node.args, env.__getitem__)
     kwargs = fx.map_arg(node.kwargs, env.__getitem__)
-    ctx = LocalContext(op_call(node), node_info.strategy, mesh_shape, coords, tuple(args), dict(kwargs))
+    order = node.meta.get(MEMORY_ORDER_KEY)
+    ctx = LocalContext(op_call(node), node_info.strategy, mesh_shape, coords, tuple(args), dict(kwargs), order)
     local = localize(ctx)
     target = local.target
     if target is torch.ops.aten.view.default:

@@ -14,6 +14,7 @@ import copy
 import functools
 import re
 import traceback
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import TraceError
 from autopar.core.meta import (
+    MEMORY_ORDER_KEY,
     PLAIN_OUTPUT_TYPES,
     SIGNATURE_KEY,
     JointSignature,
@@ -101,13 +103,18 @@ def trace(
 
 def _export(model: nn.Module, fake_model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
-        return torch.export.export(fake_model, args, kwargs, strict=False)
+        with warnings.catch_warnings():  # nn.LSTM / nn.GRU re-assign their own weight list in forward
+            warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
+            return torch.export.export(fake_model, args, kwargs, strict=False)
     except Exception as exc:  # torch raises many types; the user needs the location and the cause
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {_first_lines(exc)}",
             where=_user_frame_of(exc),
-            hint="make the forward traceable by torch.export (no data-dependent Python control flow on "
-            "tensor values, no unsupported Python side effects); see the torch.export docs",
+            hint=_trace_hint(
+                exc,
+                "make the forward traceable by torch.export (no data-dependent Python control flow on "
+                "tensor values, no unsupported Python side effects); see the torch.export docs",
+            ),
         ) from exc
 
 
@@ -146,7 +153,9 @@ class _Joint:
                 f"building the joint forward+backward graph of {type(self.model).__name__} failed: "
                 f"{type(exc).__name__}: {_first_lines(exc)}",
                 where=_user_frame_of(exc),
-                hint="the model must be differentiable with a single output that backward() is called on",
+                hint=_trace_hint(
+                    exc, "the model must be differentiable with a single output that backward() is called on"
+                ),
             ) from exc
         gm.graph._codegen = fx.graph.CodeGen()  # flat positional calling convention, flat outputs
         _annotate(gm, self.model, in_spec=self.in_spec, parts=parts, outputs=self.outputs.structure)
@@ -292,6 +301,10 @@ def _annotate(
         is_bwd = tag == "is_backward" or any(a in backward for a in node.all_input_nodes)
         if is_bwd:
             backward.add(node)
+        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            first = next((a.meta.get("val") for a in node.all_input_nodes), None)
+            if isinstance(first, torch.Tensor):
+                node.meta[MEMORY_ORDER_KEY] = tuple(first.dim_order())
         stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
         module_path = list(stack.values())[-1][0] if stack else ""
         set_info(
@@ -480,7 +493,26 @@ def _user_frame(stack_trace: str) -> str:
 
 def _user_frame_of(exc: BaseException) -> str:
     frames = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(exc.__traceback__)]
-    return _call_site(frames)
+    site = _call_site(frames)
+    if not site:  # raised while replaying a graph: torch quotes the user's frames in the message
+        quoted = [(path, int(line), fn) for path, line, fn in _FRAME.findall(str(exc))]
+        site = _call_site(quoted)
+    return site
+
+
+_DATA_DEPENDENT = re.compile(r"DynamicOutputShape|GuardOnDataDependent|data-dependent|unbacked", re.IGNORECASE)
+DATA_DEPENDENT_HINT = (
+    "an op's output size depends on tensor values (nonzero, torch.where(mask), boolean indexing: "
+    "for example tokens per expert in a mixture of experts); a plan is made for fixed shapes, so "
+    "route every token through every expert and zero the others with dense gates (scatter the "
+    "top-k weights into a tokens x experts matrix), or give each expert a fixed capacity"
+)
+
+
+def _trace_hint(exc: BaseException, otherwise: str) -> str:
+    """The data-dependent-shape hint when that is what failed, else `otherwise`."""
+    text = f"{type(exc).__name__}: {exc}"
+    return DATA_DEPENDENT_HINT if _DATA_DEPENDENT.search(text) else otherwise
 
 
 def _call_site(frames: Sequence[tuple[str, int, str]]) -> str:

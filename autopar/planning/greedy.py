@@ -1,4 +1,4 @@
-"""The layout choice: one Strategy per node (a greedy first heuristic; issue 4 replaces it).
+"""The greedy pass: one Strategy per node, op by op (`planner="greedy"`, and the search's seeds).
 
 Nodes are visited in graph order. Each op picks the strategy whose input redistributions, pending
 sums and replicated work cost least given its producers' layouts. Parameters are not laid out up

@@ -1,6 +1,5 @@
-"""Where weights live and what ops cost, for every planner: the storage layout that gives each
-rank ~1/p of a weight, the gather back to a compute layout, and an op's global work and the
-ranks that share it."""
+"""Where weights live, for every planner: the storage layout that gives each rank ~1/p of a
+weight, the gather back to a compute layout, and the storage of parts cut from a fused weight."""
 
 from __future__ import annotations
 

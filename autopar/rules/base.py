@@ -44,6 +44,8 @@ class LocalContext:
     coords: tuple[int, ...]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    # a random op's input dims in the serial model's memory order (outermost first), if known
+    memory_order: tuple[int, ...] | None = None
 
 
 Localizer = Callable[[LocalContext], LocalCall]

@@ -96,19 +96,28 @@ def embedding_backward_row_block(
 
 
 def dropout_block(
-    x: torch.Tensor, p: float, train: bool | None, global_shape: list[int], offsets: list[int]
+    x: torch.Tensor,
+    p: float,
+    train: bool | None,
+    global_shape: list[int],
+    offsets: list[int],
+    memory_order: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """native_dropout on this rank's block, with the serial model's numbers.
 
     Draws the global mask from the generator's current state (every rank seeds alike and runs the
     random ops in the serial order) and keeps this rank's block: bit-identical to the serial op.
+    The draw fills the mask in the serial input's memory order (`memory_order`, outermost dim
+    first), as the serial op fills a mask laid out like its input (a transposed view, say).
     It costs one global-size draw per rank; a counter-based generator would avoid that.
     """
     if train is False:
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
     keep = 1.0 - p
     scale = 0.0 if keep == 0 else 1.0 / keep
-    mask = torch.empty(global_shape, dtype=x.dtype, device=x.device).bernoulli_(keep)
+    order = memory_order if memory_order is not None else list(range(len(global_shape)))
+    laid_out = torch.empty([global_shape[d] for d in order], dtype=x.dtype, device=x.device).bernoulli_(keep)
+    mask = laid_out.permute([order.index(d) for d in range(len(order))])
     for d, (offset, size) in enumerate(zip(offsets, x.shape)):
         mask = mask.narrow(d, offset, size)
     return x.mul(mask).mul_(scale), mask.to(torch.bool)

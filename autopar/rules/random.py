@@ -32,7 +32,8 @@ def localize_dropout(ctx: LocalContext) -> LocalCall:
     offsets = list(layout.local_offsets(ctx.mesh_shape, ctx.coords))
     p = float(ctx.call.arg(1, "p"))
     train = ctx.call.arg(2, "train")
-    return LocalCall(local_ops.dropout_block, (ctx.args[0], p, train, list(layout.shape), offsets), {})
+    order = list(ctx.memory_order) if ctx.memory_order is not None else None
+    return LocalCall(local_ops.dropout_block, (ctx.args[0], p, train, list(layout.shape), offsets, order), {})
 
 
 def dropout_backward_rule(call: OpCall) -> list[AxisStrategy]:
