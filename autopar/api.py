@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.compiler import driver
 from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh
-from autopar.compiler.driver import compile_for_rank, graph_fingerprint, structure_copy
+from autopar.compiler.driver import compile_for_rank, example_tuple, graph_fingerprint, structure_copy
 from autopar.compiler.fixed import compare_fixed
 from autopar.compiler.pricing import Compared, PlanResult, price
 from autopar.core.errors import AutoparError, MeshError
@@ -69,7 +69,7 @@ def parallelize(
     docs/architecture.md, "Calls, modes and programs".
     """
     _check_model(model)
-    example_inputs = tuple(example_inputs)
+    example_inputs = example_tuple(example_inputs, example_kwargs)
     choice = None
     if mesh_shape is not None:
         if mesh_shape != "auto":
@@ -214,6 +214,7 @@ def plan(
     fused projection, None: with the search planner; `in_flight_bytes`: the schedule's cap on
     collective buffers in flight, default the memory limit's headroom (all `autopar.compile_for_rank`).
     """
+    example_inputs = example_tuple(example_inputs, example_kwargs)
     registry = registry if registry is not None else default_registry()
     split_fused = fused.wanted(split_fused, planner)
     choice = None

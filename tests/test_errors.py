@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -167,3 +168,26 @@ def test_mesh_size_must_equal_world_size() -> None:
     messages = run_ranks(2, _mesh_smaller_than_world, timeout=120)
     for message in messages:
         assert "has 1 ranks but the job has 2" in message, message
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m, b: autopar.plan(m, (), b), "a mesh needs at least one axis"),
+        (lambda m, b: autopar.plan(m, (2.0, 2), b), "mesh axis sizes must be integers"),
+        (lambda m, b: autopar.plan(m, (0, 2), b), "mesh axis sizes must be >= 1"),
+        (lambda m, b: autopar.plan(m, (2,), b, hardware="nope"), "no hardware table 'nope'; known: a100-cluster"),
+        (lambda m, b: autopar.plan(m, (2,), None), "example_inputs must be a tuple"),
+        (lambda m, b: autopar.plan(m, (2,), b, example_kwargs=[1]), "example_kwargs must be a dict"),
+        (
+            lambda m, b: compile_for_rank(m, Mesh.from_shape((2,)), b, coords=(0,), dump_dir=__file__),
+            "cannot write debug dumps to",
+        ),
+    ],
+    ids=["empty-mesh", "float-mesh", "zero-axis", "unknown-hardware", "inputs-none", "kwargs-list", "dump-dir-file"],
+)
+def test_bad_arguments_are_autopar_errors_with_a_hint(call: Any, message: str) -> None:
+    model, batch = make_mlp(0)
+    with pytest.raises(autopar.AutoparError, match=message) as err:
+        call(model, batch)
+    assert err.value.hint and not isinstance(err.value, InternalError)

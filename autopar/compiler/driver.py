@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.core.errors import AutoparError, InternalError
+from autopar.core.errors import AutoparError, InternalError, UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, where_of
 from autopar.core.plan import Plan
@@ -139,6 +139,7 @@ def compile_for_rank(
     ahead the schedule prefetches); default `in_flight_budget`: what the memory limit leaves after
     the plan's modeled memory.
     """
+    example_inputs = example_tuple(example_inputs, example_kwargs)
     registry = registry if registry is not None else default_registry()
     split_fused = fused.wanted(split_fused, planner)
     candidates = _chunk_candidates(over_decompose)
@@ -201,6 +202,22 @@ def compile_for_rank(
         timelines = (unscheduled, simulate(gm, work, modeled_on))
         write_timeline(path, timelines, rank)
     return Compiled(gm, program, report, timelines, work, chunks, step_times)
+
+
+def example_tuple(example_inputs: Any, example_kwargs: Any = None) -> tuple[Any, ...]:
+    """The example positional arguments as a tuple; anything else is the caller's mistake, said so."""
+    if isinstance(example_inputs, (str, bytes)) or not isinstance(example_inputs, (tuple, list)):
+        raise UsageError(
+            f"example_inputs must be a tuple of the forward's positional arguments, got "
+            f"{type(example_inputs).__name__}",
+            hint="pass (x,) for one input, () when every input is a keyword in example_kwargs",
+        )
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise UsageError(
+            f"example_kwargs must be a dict of keyword arguments, got {type(example_kwargs).__name__}",
+            hint='for example {"input_ids": ids, "labels": ids}',
+        )
+    return tuple(example_inputs)
 
 
 @contextlib.contextmanager

@@ -69,6 +69,10 @@ class UsageError(AutoparError, ValueError):
     """An argument that cannot work (a malformed spec, a module that does not import)."""
 
 
+class UnknownHardwareError(AutoparError, FileNotFoundError):
+    """No hardware table of that name or path."""
+
+
 class InternalError(AutoparError):
     """A bug in autopar: an exception inside a compiler stage that is not one of the errors above.
     It names the stage and the graph node being worked on; the original is its `__cause__`."""

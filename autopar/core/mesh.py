@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,8 +34,14 @@ class Mesh:
             )
         if len(set(self.axis_names)) != len(self.axis_names):
             raise MeshError(f"mesh axis names repeat: {self.axis_names}", hint="name each axis once")
+        if not self.shape:
+            raise MeshError("a mesh needs at least one axis", hint="for one rank, use the shape (1,)")
+        if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in self.shape):
+            raise MeshError(f"mesh axis sizes must be integers, got {self.shape}", hint="for example (2, 2, 2)")
         if any(s < 1 for s in self.shape):
-            raise MeshError(f"mesh axis sizes must be >= 1, got {self.shape}")
+            raise MeshError(
+                f"mesh axis sizes must be >= 1, got {self.shape}", hint="every axis holds at least one rank"
+            )
 
     @staticmethod
     def from_shape(shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Mesh:

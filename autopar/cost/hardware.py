@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from autopar.core.errors import UnknownHardwareError
+
 TABLES_DIR = Path(__file__).parent / "tables"
 
 # Keys of a table; "source" explains every number, "calibration" (optional) holds raw measurements.
@@ -133,8 +135,9 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
     if not path.suffix and not path.exists():
         path = TABLES_DIR / f"{name_or_path}.json"
     if not path.exists():
-        raise FileNotFoundError(
-            f"no hardware table {str(name_or_path)!r}; known: {', '.join(available_hardware())}"
+        raise UnknownHardwareError(
+            f"no hardware table {str(name_or_path)!r}; known: {', '.join(available_hardware())}",
+            hint="name a table above, or give the path of a JSON table (python -m autopar calibrate writes one)",
         )
     return _load(str(path.resolve()), path.stat().st_mtime)
 

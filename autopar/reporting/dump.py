@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from autopar.core.errors import UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
 from autopar.cost.timeline import Timeline
@@ -23,7 +24,13 @@ def dump_dir_from(explicit: str | os.PathLike[str] | None, rank: int) -> Path | 
     if not base:
         return None
     path = Path(base) / f"rank{rank}"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot write debug dumps to {base}: {exc.strerror or exc}",
+            hint=f"give a writable directory as dump_dir (or {DUMP_ENV})",
+        ) from exc
     return path
 
 
