@@ -163,6 +163,7 @@ class ParallelModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
+        _refuse_input_gradients(flat)
         run = self._program_for(args, kwargs, flat, spec)
         program = run.program
         shape = tuple(self._mesh.shape)
@@ -290,6 +291,21 @@ class ParallelModule(nn.Module):
 
     def plan_summary(self) -> str:
         return str(self.report) if self.report is not None else ""
+
+
+def _refuse_input_gradients(flat: Sequence[Any]) -> None:
+    """The programs return gradients of parameters only: an input that wants one would silently
+    get none, so such a call is refused."""
+    if not torch.is_grad_enabled():
+        return
+    wanting = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if wanting:
+        raise InputMismatchError(
+            f"input {wanting[0]} requires a gradient, which the parallel module does not compute",
+            hint="gradients reach parameters only: pass inputs that do not require grad (detach() them), "
+            "or keep the part of the model that needs input gradients (saliency maps, adversarial "
+            "examples) serial",
+        )
 
 
 def _call_key(spec: Any, flat: Sequence[Any], training: bool, grad: bool) -> tuple[Any, ...]:
