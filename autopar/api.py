@@ -27,7 +27,7 @@ from autopar.core.plan import Plan
 from autopar.passes import fused
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
-from autopar.runtime.agreement import decided_on_rank0
+from autopar.runtime.agreement import decided_on_rank0, first_disagreement
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.program import EmittedProgram
 
@@ -48,6 +48,7 @@ def parallelize(
     over_decompose: int | str = 1,
     split_fused: bool | None = None,
     in_flight_bytes: int | None = None,
+    check_inputs: bool = True,
 ) -> ParallelModule:
     """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
 
@@ -66,7 +67,9 @@ def parallelize(
 
     The module compiles another program, once, for a call that the first does not fit: other input
     shapes or arguments, `eval()` mode, or `torch.no_grad()` (forward only); see
-    docs/architecture.md, "Calls, modes and programs".
+    docs/architecture.md, "Calls, modes and programs". Every rank must start from the same weights
+    (checked here) and pass the same inputs (checked on each call with a small all-gather of
+    fingerprints; `check_inputs=False` skips that).
     """
     _check_model(model)
     example_inputs = example_tuple(example_inputs, example_kwargs)
@@ -89,6 +92,7 @@ def parallelize(
         )
         hardware = choice.hardware
     autopar_mesh = _check_mesh(mesh)
+    _check_weights_agree(model)
     options: dict[str, Any] = dict(
         registry=registry,
         rank=dist.get_rank(),
@@ -130,6 +134,7 @@ def parallelize(
         sig.outputs,
         compile=compile_call,
         example_flat=flat,
+        check_inputs=check_inputs,
     )
     result.mesh_choice = choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
     return result
@@ -172,6 +177,20 @@ def _check_mesh(mesh: Any) -> Mesh:
     if not 1 <= mesh.ndim <= 4:
         raise MeshError(f"meshes of 1 to 4 axes are supported, got {mesh.ndim}", hint="merge or drop axes")
     return Mesh.from_device_mesh(mesh)
+
+
+def _check_weights_agree(model: nn.Module) -> None:
+    """Every rank must start from the same weights; otherwise each stores its block of its own
+    weights and the result mixes them. One all-gather of four numbers per tensor finds out."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    differing = first_disagreement(named)
+    if differing is not None:
+        name, rank = differing
+        raise AutoparError(
+            f"{name} differs between rank 0 and rank {rank}: every rank must pass the same weights",
+            hint="seed every rank alike before building the model (torch.manual_seed), or load the "
+            "same checkpoint on every rank",
+        )
 
 
 def _check_model(model: nn.Module) -> None:

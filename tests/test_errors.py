@@ -210,3 +210,47 @@ def _input_wanting_grad(rank: int, world_size: int) -> str:
 def test_an_input_that_wants_a_gradient_is_refused_not_ignored() -> None:
     (message,) = run_ranks(1, _input_wanting_grad, timeout=120)
     assert "input 0 requires a gradient" in message and "detach()" in message, message
+
+
+def _differing_weights(rank: int, world_size: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+    model, batch = make_mlp(rank)  # each rank its own seed: a silent mix without the check
+    try:
+        autopar.parallelize(model, mesh, example_inputs=batch)
+    except autopar.AutoparError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _differing_batches(rank: int, world_size: int) -> tuple[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+    model, batch = make_mlp(0)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=batch)
+    same = f"{float(pmodel(*batch)):.6f}"
+    _, own = make_mlp(0 if rank == 0 else 5)  # a DistributedSampler's habit: each rank its own batch
+    try:
+        pmodel(*own)
+    except autopar.InputMismatchError as exc:
+        return same, str(exc)
+    return same, "no error"
+
+
+@pytest.mark.multirank
+def test_ranks_with_different_weights_are_refused_naming_the_first_parameter() -> None:
+    first = next(iter(make_mlp(0)[0].named_parameters()))[0]
+    for message in run_ranks(2, _differing_weights, timeout=120):
+        assert message.startswith(f"{first} differs between rank 0 and rank 1"), message
+        assert "manual_seed" in message, message
+
+
+@pytest.mark.multirank
+def test_ranks_that_pass_different_batches_are_refused_on_every_rank() -> None:
+    results = run_ranks(2, _differing_batches, timeout=120)
+    model, batch = make_mlp(0)
+    for same, message in results:
+        assert same == f"{float(model(*batch)):.6f}"
+        assert "input 0 differs between rank 0 and rank 1" in message, message

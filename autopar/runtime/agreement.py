@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from autopar.core.errors import AutoparError
@@ -32,3 +33,36 @@ def decided_on_rank0(decide: Callable[[], T], what: str) -> T:
     if kind == "error":
         raise value
     return value  # type: ignore[no-any-return]
+
+
+def fingerprint(tensor: torch.Tensor) -> tuple[float, float, float, float]:
+    """Four numbers that differ between tensors made from different seeds or data: the sum, the
+    sum of magnitudes, and the first and last element (float64; one pass, no copy of the tensor)."""
+    if tensor.numel() == 0:
+        return (0.0, 0.0, 0.0, 0.0)
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return (
+        float(flat.sum(dtype=torch.float64)),
+        float(flat.abs().sum(dtype=torch.float64)),
+        float(flat[0]),
+        float(flat[-1]),
+    )
+
+
+def first_disagreement(named: list[tuple[str, torch.Tensor]]) -> tuple[str, int] | None:
+    """The first of `named` whose value differs between ranks, and a rank that differs from rank
+    0; None when all agree. Every rank gets the same answer (one all-gather of the fingerprints)."""
+    mine = [fingerprint(t) for _, t in named]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for index, (name, _) in enumerate(named):
+        for rank, theirs in enumerate(everyone):
+            if not _same(theirs[index], everyone[0][index]):
+                return name, rank
+    return None
+
+
+def _same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return all(x == y or (x != x and y != y) for x, y in zip(a, b))  # NaN equals NaN here

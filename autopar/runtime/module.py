@@ -26,6 +26,7 @@ from autopar.core.errors import InputMismatchError
 from autopar.core.layout import Layout, Partial, Shard
 from autopar.core.mesh import Mesh
 from autopar.core.meta import OutputStructure
+from autopar.runtime.agreement import first_disagreement
 from autopar.runtime.program import EmittedProgram, local_value
 
 
@@ -115,6 +116,7 @@ class ParallelModule(nn.Module):
         outputs: OutputStructure | None = None,
         compile: Compile | None = None,
         example_flat: Sequence[Any] | None = None,
+        check_inputs: bool = False,
     ) -> None:
         super().__init__()
         assert mesh.device_mesh is not None
@@ -123,6 +125,7 @@ class ParallelModule(nn.Module):
         self._in_spec = in_spec
         self._example_specs = list(example_specs)
         self._compile = compile
+        self._check_inputs_agree = check_inputs
         self.report = report
         self.training = source.training
         self._programs: OrderedDict[Any, _Program] = OrderedDict()
@@ -164,6 +167,8 @@ class ParallelModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
         _refuse_input_gradients(flat)
+        if self._check_inputs_agree:
+            _refuse_differing_inputs(flat)
         run = self._program_for(args, kwargs, flat, spec)
         program = run.program
         shape = tuple(self._mesh.shape)
@@ -305,6 +310,20 @@ def _refuse_input_gradients(flat: Sequence[Any]) -> None:
             hint="gradients reach parameters only: pass inputs that do not require grad (detach() them), "
             "or keep the part of the model that needs input gradients (saliency maps, adversarial "
             "examples) serial",
+        )
+
+
+def _refuse_differing_inputs(flat: Sequence[Any]) -> None:
+    """Every rank must pass the same global batch; ranks that pass their own shards (as with a
+    DistributedSampler) would train on a mixture, so the call is refused on every rank alike."""
+    tensors = [(f"input {i}", x) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    differing = first_disagreement(tensors)
+    if differing is not None:
+        name, rank = differing
+        raise InputMismatchError(
+            f"{name} differs between rank 0 and rank {rank}: every rank must pass the same global batch",
+            hint="give every rank the whole batch (the same sampler seed on every rank, no "
+            "DistributedSampler); parallelize(..., check_inputs=False) skips this check",
         )
 
 
