@@ -74,6 +74,17 @@ def _channel_shape(x: torch.Tensor) -> list[int]:
     return [1, x.shape[1]] + [1] * (x.dim() - 2)
 
 
+def _per_channel_affine(
+    normalized: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    out = normalized
+    if weight is not None:
+        out = out * weight.reshape(_channel_shape(normalized))
+    if bias is not None:
+        out = out + bias.reshape(_channel_shape(normalized))
+    return out
+
+
 def _batch_norm_training(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -97,11 +108,7 @@ def _batch_norm_training(
     centered = x - mean
     var = aten.sum.dim_IntList(centered * centered, dims, True) / count
     rstd = aten.rsqrt.default(var + eps)
-    out = centered * rstd
-    if weight is not None:
-        out = out * weight.reshape(_channel_shape(x))
-    if bias is not None:
-        out = out + bias.reshape(_channel_shape(x))
+    out = _per_channel_affine(centered * rstd, weight, bias)
     flat_mean, flat_var = mean.reshape(-1), var.reshape(-1)
     unbiased = flat_var * (count / max(count - 1, 1))
     new_mean = running_mean * (1 - momentum) + flat_mean * momentum
@@ -121,11 +128,7 @@ def _batch_norm_inference(
     """`_native_batch_norm_legit_no_training`: the running statistics, pointwise per channel."""
     shape = _channel_shape(x)
     rstd = aten.rsqrt.default(running_var + eps)
-    out = (x - running_mean.reshape(shape)) * rstd.reshape(shape)
-    if weight is not None:
-        out = out * weight.reshape(shape)
-    if bias is not None:
-        out = out + bias.reshape(shape)
+    out = _per_channel_affine((x - running_mean.reshape(shape)) * rstd.reshape(shape), weight, bias)
     empty = x.new_zeros((0,))
     return out, empty, empty
 
