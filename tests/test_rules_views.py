@@ -33,6 +33,7 @@ SQUEEZES = [aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten
 SPLITS = [aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default, aten.stack.default]
 SLICES = [aten.slice.Tensor, aten.select.int]
 BACKWARDS = [aten.slice_backward.default, aten.select_backward.default]
+SCATTERS = [aten.select_scatter.default, aten.slice_scatter.default]
 
 COVERED_OPS = [
     *RESHAPES,
@@ -53,6 +54,7 @@ COVERED_OPS = [
     aten.repeat.default,
     aten.tril.default,
     aten.triu.default,
+    *SCATTERS,
 ]
 
 
@@ -338,3 +340,27 @@ def test_cat_skips_an_empty_vector_as_torch_does(data: st.DataObject, mesh: tupl
     parts = [torch.empty(0), random_tensor(shape, generator=g)]
     checked = check_random_strategies(data, aten.cat.default, (parts, dim), {}, mesh, REGISTRY)
     assert checked and all(not s.inputs[0].shard_axes(0) for s in checked)  # never split
+
+
+@pytest.mark.parametrize("op", SCATTERS, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
+def test_select_and_slice_scatter(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    """Writing into one index or a slice of a dim (T5's shifted labels, rotary halves)."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    n = len(shape)
+    dim = data.draw(st.integers(-n, n - 1))
+    size = shape[dim]
+    x = random_tensor(shape, generator=g)
+    if op == aten.select_scatter.default:
+        index = data.draw(st.integers(-size, size - 1))
+        src = random_tensor(aten.select.int(x, dim, index).shape, generator=g)
+        args: tuple = (x, src, dim, index)
+    else:
+        start = data.draw(st.sampled_from([0, 1, None]))
+        end = data.draw(st.sampled_from([None, size, -1]))
+        step = data.draw(st.integers(1, 2))
+        src = random_tensor(aten.slice.Tensor(x, dim, start, end, step).shape, generator=g)
+        args = (x, src, dim, start, end, step)
+    assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)

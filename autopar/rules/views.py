@@ -237,6 +237,25 @@ def localize_repeat(ctx: LocalContext) -> LocalCall:
     return LocalCall(ctx.call.op, (ctx.args[0], local), {})
 
 
+def select_scatter_rule(call: OpCall) -> list[AxisStrategy]:
+    """`select_scatter(self, src, dim, index)` writes src into one index of `dim`: the other dims
+    split on self and src alike (src lacks `dim`); `dim` stays whole. Linear in (self, src)."""
+    ndim = call.inputs[0].ndim
+    at = normalize_dim(call.arg(2, "dim"), ndim)
+    result = [AxisStrategy((Shard(d), Shard(d if d < at else d - 1)), (Shard(d),)) for d in range(ndim) if d != at]
+    return with_replicated(call, result + passthrough_partial(call))
+
+
+def slice_scatter_rule(call: OpCall) -> list[AxisStrategy]:
+    """`slice_scatter(self, src, dim, start, end, step)` writes src into a slice of `dim`: the other
+    dims split on self and src alike, `dim` whole unless the slice is all of it. Linear."""
+    ndim = call.inputs[0].ndim
+    at = normalize_dim(call.arg(2, "dim", 0), ndim)
+    whole = call.inputs[1].shape == call.inputs[0].shape
+    result = [AxisStrategy((Shard(d), Shard(d)), (Shard(d),)) for d in range(ndim) if d != at or whole]
+    return with_replicated(call, result + passthrough_partial(call))
+
+
 def triangle_rule(call: OpCall) -> list[AxisStrategy]:
     """tril / triu keep or zero an element by its row and column in the last two dims: leading
     (batch) dims may be split, the last two stay whole. Linear."""
@@ -403,3 +422,5 @@ def register(registry: RuleRegistry) -> None:
     rules.register(aten.repeat.default, repeat_rule, localize=localize_repeat)
     for op in (aten.tril.default, aten.triu.default):
         rules.register(op, triangle_rule)
+    rules.register(aten.select_scatter.default, select_scatter_rule)
+    rules.register(aten.slice_scatter.default, slice_scatter_rule)
