@@ -472,5 +472,9 @@ def assert_call_matches_serial(
         if (part.source if part is not None else name) not in grads:  # a buffer, constant or frozen weight
             continue
         got = assemble({c: bwd[c][i] for c in bwd}, lay, shape, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(got, first.param_value(name, grads), atol=atol, rtol=rtol, msg=name)
+        want = first.param_value(name, grads)
+        # float32 sums round with the size of their terms: an entry that cancels to near zero
+        # keeps an error of the tensor's scale (as `_rel_err` in the gloo tests measures it)
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        torch.testing.assert_close(got, want, atol=max(atol, rtol * scale), rtol=rtol, msg=name)
     return compiled

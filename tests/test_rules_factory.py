@@ -33,7 +33,8 @@ LIKES = [aten.zeros_like.default, aten.ones_like.default, aten.full_like.default
 EMPTIES = [aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default]
 NEW_FILLS = [aten.new_ones.default, aten.new_zeros.default, aten.new_full.default]
 
-COVERED_OPS = [*ARANGES, *FILLS, *LIKES, *EMPTIES, *NEW_FILLS, aten.scalar_tensor.default]
+FILL_VALUES = [aten.fill.Scalar, aten.fill.Tensor]
+COVERED_OPS = [*ARANGES, *FILLS, *LIKES, *EMPTIES, *NEW_FILLS, aten.scalar_tensor.default, *FILL_VALUES]
 
 
 @pytest.mark.parametrize("op", ARANGES, ids=str)
@@ -105,3 +106,14 @@ def test_new_fills(data: st.DataObject, mesh: tuple[int, ...], op: object) -> No
     args: tuple = (src, list(shape), 7) if op == aten.new_full.default else (src, list(shape))
     dtype = data.draw(st.sampled_from([torch.float64, torch.int64, torch.bool]))
     check_random_strategies(data, op, args, {"dtype": dtype}, mesh, REGISTRY)
+
+
+@pytest.mark.parametrize("op", FILL_VALUES, ids=str)
+@settings(max_examples=15, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes())
+def test_fill_with_a_value(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    x = random_tensor(shape, generator=g)
+    value = random_tensor((), generator=g) if op == aten.fill.Tensor else 2.5
+    assert check_random_strategies(data, op, (x, value), {}, mesh, REGISTRY)

@@ -67,6 +67,13 @@ ARGS: dict[object, tuple[object, ...]] = {
     aten.maximum.default: ("f", "f"),
     aten.minimum.default: ("f", "f"),
     aten.pow.Tensor_Tensor: ("+", "f"),
+    aten.floor_divide.default: ("f", "+"),
+    aten.hardtanh.default: ("f", -0.5, 0.5),
+    aten.hardswish.default: ("f",),
+    aten.softplus.default: ("f", 1.0, 20.0),
+    aten.hardtanh_backward.default: ("f", "f", -0.5, 0.5),
+    aten.hardswish_backward.default: ("f", "f"),
+    aten.softplus_backward.default: ("f", "f", 1.0, 20.0),
     aten.neg.default: ("f",),
     aten.mul.Scalar: ("f", 3.0),
     aten.div.Scalar: ("f", 4.0),
@@ -87,6 +94,9 @@ ARGS: dict[object, tuple[object, ...]] = {
 }
 # Same-shape-only ops (no broadcasting in their kernels' contract).
 SAME_SHAPE = {
+    aten.hardtanh_backward.default,
+    aten.hardswish_backward.default,
+    aten.softplus_backward.default,
     aten.sigmoid_backward.default,
     aten.tanh_backward.default,
     aten.silu_backward.default,

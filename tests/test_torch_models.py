@@ -73,3 +73,26 @@ def test_trains_like_serial_on_eight_ranks(name: str) -> None:
             assert loss == pytest.approx(want, rel=1e-5, abs=1e-6), (rank, r["losses"])
         assert r["grad_err"] < 1e-4, (rank, r["grad_err"])
         assert r["param_err"] < 1e-4, (rank, r["param_err"])
+
+
+class _WithUnusedLayer(torch.nn.Module):
+    """A layer the loss never reaches, as a transformers pooler skipped by a masked-LM head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(16, 16)
+        self.pooler = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.head(torch.relu(self.used(x))), y)
+
+
+def test_a_parameter_the_loss_does_not_use_gets_no_gradient_as_serially() -> None:
+    torch.manual_seed(0)
+    model = _WithUnusedLayer()
+    batch = (torch.randn(8, 16), torch.randint(4, (8,)))
+    compiled = assert_call_matches_serial(model, (2, 2), batch)  # every other gradient equal serial
+    assert model.pooler.weight.grad is None and model.pooler.bias.grad is None
+    sig = next(iter(compiled.values())).graph.meta["autopar_signature"]
+    assert "pooler.weight" not in sig.grad_of and "used.weight" in sig.grad_of

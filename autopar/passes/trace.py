@@ -418,13 +418,11 @@ def _merge_tied(gm: fx.GraphModule, groups: list[list[str]]) -> None:
         for n in gm.graph.nodes
         if n.op == "placeholder" and info(n).role == "param"
     ]
-    missing = [g for g, v in zip(sig.grad_of, outs[nu:]) if v is None]
-    if missing:
-        raise TraceError(
-            f"parameters {missing} get no gradient from the output",
-            hint="set requires_grad=False on parameters the loss does not use",
-        )
-    output.args = (tuple(outs),)
+    # Parameters the output does not depend on (a pooler the loss skips, a mask token used only
+    # when masking) get no gradient, as in the serial model: their .grad stays None.
+    kept = [(g, v) for g, v in zip(sig.grad_of, outs[nu:]) if v is not None]
+    sig.grad_of = [g for g, _ in kept]
+    output.args = (tuple(outs[:nu] + [v for _, v in kept]),)
 
 
 def _drop_identities(gm: fx.GraphModule) -> None:

@@ -41,6 +41,19 @@ def like_rule(zero: bool) -> Callable[[OpCall], list[AxisStrategy]]:
     return rule
 
 
+def fill_value_rule(call: OpCall) -> list[AxisStrategy]:
+    """`fill(self, value)`: self's shape filled with a number or a 0-d tensor (encoder-decoder
+    models start their decoder inputs so). Self gives only the shape: each rank fills its block;
+    a pending sum in self is ignored, one in the value stays pending."""
+    ndim = call.outputs[0].ndim
+    value: tuple[Placement, ...] = (R,) if len(call.inputs) > 1 else ()
+    result = [AxisStrategy((Shard(d), *value), (Shard(d),)) for d in range(ndim) if call.outputs[0].shape[d] > 1]
+    result.append(AxisStrategy((P, *value), (R,)))
+    if value and call.outputs[0].dtype.is_floating_point:
+        result.append(AxisStrategy((R, P), (P,)))
+    return with_replicated(call, result)
+
+
 def new_fill_rule(call: OpCall) -> list[AxisStrategy]:
     """`x.new_ones(size)` etc.: x gives only dtype and device, so it may come in any layout (no
     redistribution is ever needed for it) and the output may be split on any dim."""
@@ -107,6 +120,8 @@ def register(registry: RuleRegistry) -> None:
         rules.register(op, like_rule(zero))
     for op in NEW_FILLS:
         rules.register(op, new_fill_rule)
+    for op in (aten.fill.Scalar, aten.fill.Tensor):
+        rules.register(op, fill_value_rule)
     for op in ARANGES:
         rules.register(op, arange_rule, localize=localize_arange)
     rules.register(aten.scalar_tensor.default, scalar_rule)

@@ -181,6 +181,11 @@ TABLE: dict[object, Linearity] = {
     aten.maximum.default: NONE,
     aten.minimum.default: NONE,
     aten.pow.Tensor_Tensor: NONE,
+    aten.floor_divide.default: NONE,
+    # activations of vision and state-space models (MobileNet, LeViT, Apertus)
+    aten.hardtanh.default: NONE,
+    aten.hardswish.default: NONE,
+    aten.softplus.default: NONE,
     # linear
     aten.neg.default: FIRST,
     aten.mul.Scalar: FIRST,
@@ -195,6 +200,9 @@ TABLE: dict[object, Linearity] = {
     aten.sigmoid_backward.default: FIRST,
     aten.tanh_backward.default: FIRST,
     aten.silu_backward.default: FIRST,
+    aten.hardtanh_backward.default: FIRST,
+    aten.hardswish_backward.default: FIRST,
+    aten.softplus_backward.default: FIRST,
 }
 
 
