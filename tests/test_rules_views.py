@@ -50,6 +50,7 @@ COVERED_OPS = [
     aten.flip.default,
     aten.constant_pad_nd.default,
     aten.index.Tensor,
+    aten.index_put.default,
     aten._assert_tensor_metadata.default,
     aten.repeat.default,
     aten.tril.default,
@@ -292,6 +293,50 @@ def test_index_with_integer_tensors(data: st.DataObject, mesh: tuple[int, ...]) 
     dtype = data.draw(st.sampled_from([torch.float64, torch.int64]))
     x = random_tensor(shape, dtype, generator=g)
     check_random_strategies(data, aten.index.Tensor, (x, indices), {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(), accumulate=st.booleans())
+def test_index_put_with_integer_tensors(data: st.DataObject, mesh: tuple[int, ...], accumulate: bool) -> None:
+    """`x[i, :, j] = v` and `+=` (index's backward, last-token pooling): values of the indexed
+    shape or broadcasting to it. Without accumulate the indices are distinct, as the op's result is
+    otherwise unspecified."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3, max_numel=512))
+    used = data.draw(
+        st.lists(st.booleans(), min_size=len(shape), max_size=len(shape)).filter(lambda u: any(u))
+    )
+    positions = [d for d, u in enumerate(used) if u]
+    count = data.draw(st.integers(1, min(shape[d] for d in positions)))
+    indices: list[torch.Tensor | None] = []
+    for d, size in enumerate(shape):
+        if not used[d]:
+            indices.append(None)
+        elif accumulate:
+            indices.append(random_tensor((count,), torch.int64, generator=g, high=size))
+        else:
+            indices.append(torch.randperm(size, generator=g)[:count])
+    while indices[-1] is None:
+        indices.pop()
+    x = random_tensor(shape, torch.float64, generator=g)
+    indexed = aten.index.Tensor(x, indices).shape
+    drop = data.draw(st.integers(0, len(indexed)))
+    values_shape = tuple(1 if data.draw(st.integers(0, 3)) == 0 else s for s in indexed[drop:])
+    values = random_tensor(values_shape, torch.float64, generator=g)
+    check_random_strategies(data, aten.index_put.default, (x, indices, values, accumulate), {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes())
+def test_index_put_with_a_mask(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """`x[mask] = value` (masked_fill written as assignment)."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3, max_numel=512))
+    mask_ndim = data.draw(st.integers(1, len(shape)))
+    mask = random_tensor(shape[:mask_ndim], torch.int64, generator=g, high=2).bool()
+    x = random_tensor(shape, torch.float64, generator=g)
+    value = random_tensor((), torch.float64, generator=g)
+    check_random_strategies(data, aten.index_put.default, (x, [mask], value), {}, mesh, REGISTRY)
 
 
 @SETTINGS

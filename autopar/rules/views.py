@@ -357,6 +357,61 @@ def index_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, result)
 
 
+def index_put_rule(call: OpCall) -> list[AxisStrategy]:
+    """`self[indices] = values` (`+=` with accumulate): the backward of `index.Tensor`, and the
+    last-token pooling of decoder sequence classifiers.
+
+    An unindexed dim of self may be split on self, output and the values dim it broadcasts to
+    (indices whole). With accumulate the op is linear in (self, values) together, so both may be
+    Partial, and the indices' broadcast dims may be split with the values that follow them, self
+    Partial: each rank adds its own rows and the sum over ranks holds all of them. A boolean mask
+    with one value splits along any dim of self it covers, like a pointwise op.
+    """
+    self_spec, values = call.inputs[0], call.inputs[-1]
+    index_specs = call.inputs[1:-1]
+    indices = list(call.arg(1, "indices"))
+    accumulate = bool(call.arg(3, "accumulate", False))
+    values_at = len(call.inputs) - 1
+    result: list[AxisStrategy] = []
+    if any(s.dtype == torch.bool for s in index_specs):
+        if len(index_specs) == 1 and len(indices) == 1 and values.ndim == 0:
+            mask_ndim = index_specs[0].ndim
+            for d in range(self_spec.ndim):
+                mask = Shard(d) if d < mask_ndim else R
+                result.append(AxisStrategy((Shard(d), mask, R), (Shard(d),)))
+        return with_replicated(call, result)
+    if len(indices) > self_spec.ndim:
+        return with_replicated(call, [])
+    positions = [i for i, x in enumerate(indices) if x is not None]
+    index_shape = tuple(torch.broadcast_shapes(*(s.shape for s in index_specs)))
+    n_b = len(index_shape)
+    adjacent = positions == list(range(positions[0], positions[-1] + 1)) if positions else True
+    first = positions[0] if adjacent and positions else 0
+    unindexed = [d for d in range(self_spec.ndim) if d not in positions]
+    indexed_ndim = len(unindexed) + n_b
+
+    def values_dim(o: int, size: int) -> Placement:
+        vd = o - (indexed_ndim - values.ndim)
+        return Shard(vd) if vd >= 0 and values.shape[vd] == size and size != 1 else R
+
+    index_whole = (R,) * len(index_specs)
+    for k, d in enumerate(unindexed):
+        o = k if (adjacent and d < first) else k + n_b
+        result.append(
+            AxisStrategy((Shard(d), *index_whole, values_dim(o, self_spec.shape[d])), (Shard(d),))
+        )
+    if accumulate:
+        result += passthrough_partial(call, [0, values_at])
+        if partial_ok([self_spec, values], call.outputs):
+            b_first = first if adjacent else 0
+            for b in range(n_b):
+                if index_shape[b] > 1:
+                    ins = broadcast_shard([s.shape for s in index_specs], index_shape, b)
+                    along = values_dim(b_first + b, index_shape[b])
+                    result.append(AxisStrategy((P, *ins, along), (P,)))
+    return with_replicated(call, result)
+
+
 def assert_metadata_rule(call: OpCall) -> list[AxisStrategy]:
     """`_assert_tensor_metadata` (export's dtype checks) computes nothing: any layout is fine."""
     ndim = call.inputs[0].ndim
@@ -394,6 +449,7 @@ RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
     aten.flip.default: flip_rule,
     aten.constant_pad_nd.default: constant_pad_rule,
     aten.index.Tensor: index_rule,
+    aten.index_put.default: index_put_rule,
 }
 
 
