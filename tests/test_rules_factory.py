@@ -30,11 +30,18 @@ SETTINGS = settings(max_examples=30, deadline=None)
 ARANGES = [aten.arange.default, aten.arange.start, aten.arange.start_step]
 FILLS = [aten.zeros.default, aten.ones.default, aten.full.default]
 LIKES = [aten.zeros_like.default, aten.ones_like.default, aten.full_like.default]
-EMPTIES = [aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default]
+EMPTIES = [
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.new_empty.default,
+    aten.empty_strided.default,
+    aten.new_empty_strided.default,
+]
+EYES = [aten.eye.default, aten.eye.m]
 NEW_FILLS = [aten.new_ones.default, aten.new_zeros.default, aten.new_full.default]
 
 FILL_VALUES = [aten.fill.Scalar, aten.fill.Tensor]
-COVERED_OPS = [*ARANGES, *FILLS, *LIKES, *EMPTIES, *NEW_FILLS, aten.scalar_tensor.default, *FILL_VALUES]
+COVERED_OPS = [*ARANGES, *FILLS, *LIKES, *EMPTIES, *NEW_FILLS, aten.scalar_tensor.default, *FILL_VALUES, *EYES]
 
 
 @pytest.mark.parametrize("op", ARANGES, ids=str)
@@ -86,6 +93,11 @@ def test_empty_shapes(data: st.DataObject, mesh: tuple[int, ...], op: object) ->
         args: tuple = (list(shape),)
     elif op == aten.new_empty.default:
         args = (torch.zeros(data.draw(tensor_shapes(mesh, min_dims=0, max_dims=2))), list(shape))
+    elif op in (aten.empty_strided.default, aten.new_empty_strided.default):
+        strides = list(torch.empty(list(reversed(shape))).permute(*reversed(range(len(shape)))).stride())
+        args = (list(shape), strides)  # column-major, as a transposed buffer
+        if op == aten.new_empty_strided.default:
+            args = (torch.zeros(data.draw(tensor_shapes(mesh, min_dims=0, max_dims=2))), *args)
     else:
         args = (torch.zeros(shape),)
     strategy = data.draw(st.sampled_from(candidate_strategies(op, args, {}, mesh, REGISTRY)))
@@ -117,3 +129,14 @@ def test_fill_with_a_value(data: st.DataObject, mesh: tuple[int, ...], op: objec
     x = random_tensor(shape, generator=g)
     value = random_tensor((), generator=g) if op == aten.fill.Tensor else 2.5
     assert check_random_strategies(data, op, (x, value), {}, mesh, REGISTRY)
+
+
+@pytest.mark.parametrize("op", EYES, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
+def test_eye(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    """`torch.eye(n)` / `torch.eye(n, m)` (gated delta-rule models): any block of the identity."""
+    n, m = data.draw(dim_sizes(mesh)), data.draw(dim_sizes(mesh))
+    args: tuple = (n,) if op == aten.eye.default else (n, m)
+    dtype = data.draw(st.sampled_from([torch.float64, torch.int64, torch.bool]))
+    check_random_strategies(data, op, args, {"dtype": dtype}, mesh, REGISTRY)

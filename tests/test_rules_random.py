@@ -18,7 +18,14 @@ from autopar.testing.strategies import (
 )
 
 aten = torch.ops.aten
-COVERED_OPS = [aten.native_dropout.default, aten.native_dropout_backward.default]
+COVERED_OPS = [
+    aten.native_dropout.default,
+    aten.native_dropout_backward.default,
+    aten.rand.default,
+    aten.randn.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+]
 REGISTRY = default_registry()
 
 
@@ -71,3 +78,37 @@ def test_dropout_backward(data: st.DataObject) -> None:
     check_random_strategies(
         data, aten.native_dropout_backward.default, (grad, mask, 1.25), {}, mesh, REGISTRY
     )
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_random_factories_reassemble_the_serial_draw(data: st.DataObject) -> None:
+    """`torch.rand(shape)` (stochastic depth) and `randn_like(x)` of a view in any memory order:
+    every rank's block, cut from the draw it makes from the serial generator state, reassembles
+    the serial tensor."""
+    mesh = data.draw(mesh_shapes())
+    shape = data.draw(tensor_shapes(mesh, max_dims=3))
+    op = data.draw(st.sampled_from(COVERED_OPS[2:]))
+    seed = data.draw(st.integers(0, 1000))
+    order = data.draw(st.permutations(range(len(shape))))
+    like = op in (aten.rand_like.default, aten.randn_like.default)
+    x = torch.empty([shape[d] for d in order], dtype=torch.float64).permute([order.index(d) for d in range(len(shape))])
+    args: tuple = (x,) if like else (list(shape),)
+    kwargs = {} if like else {"dtype": torch.float64}
+    torch.manual_seed(seed)
+    want = op(*args, **kwargs)
+    call = make_call(op, args, kwargs, want)
+    strategy = data.draw(st.sampled_from(candidate_strategies(op, args, kwargs, mesh, REGISTRY)))
+    rule = REGISTRY.get(op)
+    assert rule is not None and rule.localize is not None
+    pieces = shard_tensor(x, strategy.inputs[0], mesh) if like else None
+    blocks = {}
+    for coords in all_coords(mesh):
+        torch.manual_seed(seed)
+        local_args = (pieces[coords],) if pieces is not None else args
+        order_known = tuple(x.dim_order()) if like else None
+        ctx = LocalContext(call, strategy, tuple(mesh), coords, local_args, dict(kwargs), order_known)
+        local = rule.localize(ctx)
+        blocks[coords] = local.target(*local.args, **local.kwargs)
+        assert blocks[coords].shape == strategy.outputs[0].local_shape(mesh, coords)
+    assert torch.equal(assemble(blocks, strategy.outputs[0], mesh), want)

@@ -32,7 +32,15 @@ CORRECTION_OPS = [aten.var_mean.correction, aten.var.correction, aten.std.correc
 ALL_OPS = [aten.sum.default, aten.mean.default]
 
 ALONG_DIM_OPS = [aten.sort.default, aten.sort.stable, aten.topk.default]
-COVERED_OPS = [*DIM_LIST_OPS, *SINGLE_DIM_OPS, *CORRECTION_OPS, *ALL_OPS, aten.cumsum.default, *ALONG_DIM_OPS]
+COVERED_OPS = [
+    *DIM_LIST_OPS,
+    *SINGLE_DIM_OPS,
+    *CORRECTION_OPS,
+    *ALL_OPS,
+    aten.cumsum.default,
+    *ALONG_DIM_OPS,
+    aten.linalg_vector_norm.default,
+]
 
 
 @pytest.mark.parametrize("op", DIM_LIST_OPS + SINGLE_DIM_OPS + CORRECTION_OPS + ALL_OPS, ids=str)
@@ -70,6 +78,24 @@ def test_reductions(data: st.DataObject, mesh: tuple[int, ...], op: object) -> N
         args = (x, reduce)
         kwargs = {"correction": correction, "keepdim": keepdim}
     assert check_random_strategies(data, op, args, kwargs, mesh, REGISTRY)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes(), order=st.sampled_from([2, 1, 3.0, float("inf")]))
+def test_vector_norm(data: st.DataObject, mesh: tuple[int, ...], order: float) -> None:
+    """`torch.linalg.vector_norm(x, ord, dim, keepdim)`, over some dims or all (dim=None)."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    ndim = len(shape)
+    dims = data.draw(
+        st.one_of(
+            st.none(),
+            st.lists(st.integers(-ndim, ndim - 1), min_size=1, max_size=ndim, unique_by=lambda d: d % ndim),
+        )
+    )
+    x = random_tensor(shape, torch.float64, generator=g)
+    args = (x, order, dims, data.draw(st.booleans()))
+    assert check_random_strategies(data, aten.linalg_vector_norm.default, args, {}, mesh, REGISTRY)
 
 
 @settings(max_examples=30, deadline=None)

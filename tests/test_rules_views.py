@@ -51,6 +51,8 @@ COVERED_OPS = [
     aten.constant_pad_nd.default,
     aten.index.Tensor,
     aten.index_put.default,
+    aten._unsafe_index.Tensor,
+    aten._unsafe_index_put.default,
     aten._assert_tensor_metadata.default,
     aten.repeat.default,
     aten.tril.default,
@@ -272,9 +274,10 @@ def _broadcasting_to(draw: st.DrawFn, out: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(1 if draw(st.integers(0, 3)) == 0 else s for s in out[drop:])
 
 
+@pytest.mark.parametrize("op", [aten.index.Tensor, aten._unsafe_index.Tensor], ids=str)
 @SETTINGS
 @given(data=st.data(), mesh=mesh_shapes())
-def test_index_with_integer_tensors(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+def test_index_with_integer_tensors(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
     """`x[i, :, j]`-style indexing: adjacent and separated index tensors, broadcasting between them."""
     g = torch.Generator().manual_seed(data.draw(seeds()))
     shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3, max_numel=512))
@@ -292,12 +295,15 @@ def test_index_with_integer_tensors(data: st.DataObject, mesh: tuple[int, ...]) 
         indices.pop()
     dtype = data.draw(st.sampled_from([torch.float64, torch.int64]))
     x = random_tensor(shape, dtype, generator=g)
-    check_random_strategies(data, aten.index.Tensor, (x, indices), {}, mesh, REGISTRY)
+    check_random_strategies(data, op, (x, indices), {}, mesh, REGISTRY)
 
 
+@pytest.mark.parametrize("op", [aten.index_put.default, aten._unsafe_index_put.default], ids=str)
 @SETTINGS
 @given(data=st.data(), mesh=mesh_shapes(), accumulate=st.booleans())
-def test_index_put_with_integer_tensors(data: st.DataObject, mesh: tuple[int, ...], accumulate: bool) -> None:
+def test_index_put_with_integer_tensors(
+    data: st.DataObject, mesh: tuple[int, ...], accumulate: bool, op: object
+) -> None:
     """`x[i, :, j] = v` and `+=` (index's backward, last-token pooling): values of the indexed
     shape or broadcasting to it. Without accumulate the indices are distinct, as the op's result is
     otherwise unspecified."""
@@ -323,7 +329,7 @@ def test_index_put_with_integer_tensors(data: st.DataObject, mesh: tuple[int, ..
     drop = data.draw(st.integers(0, len(indexed)))
     values_shape = tuple(1 if data.draw(st.integers(0, 3)) == 0 else s for s in indexed[drop:])
     values = random_tensor(values_shape, torch.float64, generator=g)
-    check_random_strategies(data, aten.index_put.default, (x, indices, values, accumulate), {}, mesh, REGISTRY)
+    check_random_strategies(data, op, (x, indices, values, accumulate), {}, mesh, REGISTRY)
 
 
 @SETTINGS

@@ -88,6 +88,26 @@ def localize_arange(ctx: LocalContext) -> LocalCall:
     return LocalCall(local_ops.arange_block, args, {})
 
 
+def localize_strided_empty(ctx: LocalContext) -> LocalCall:
+    """`empty_strided`/`new_empty_strided` hold no values: this rank's block as a plain empty
+    tensor (the global strides do not describe a block)."""
+    call = ctx.call
+    local = list(ctx.strategy.outputs[0].local_shape(ctx.mesh_shape, ctx.coords))
+    kwargs = dict(ctx.kwargs)
+    if call.op == aten.new_empty_strided.default:
+        return LocalCall(aten.new_empty.default, (ctx.args[0], local), kwargs)
+    return LocalCall(aten.empty.memory_format, (local,), kwargs)
+
+
+def localize_eye(ctx: LocalContext) -> LocalCall:
+    """This rank's block of the identity: ones where its global row and column agree."""
+    out = ctx.strategy.outputs[0]
+    offsets = list(out.local_offsets(ctx.mesh_shape, ctx.coords))
+    lengths = list(out.local_shape(ctx.mesh_shape, ctx.coords))
+    args = (offsets, lengths, ctx.call.outputs[0].dtype, ctx.kwargs.get("device"))
+    return LocalCall(local_ops.eye_block, args, {})
+
+
 def scalar_rule(call: OpCall) -> list[AxisStrategy]:
     """A 0-d tensor has nothing to split."""
     return with_replicated(call, [])
@@ -120,6 +140,10 @@ def register(registry: RuleRegistry) -> None:
         rules.register(op, like_rule(zero))
     for op in NEW_FILLS:
         rules.register(op, new_fill_rule)
+    rules.register(aten.new_empty_strided.default, new_fill_rule, localize=localize_strided_empty)
+    rules.register(aten.empty_strided.default, fill_rule, localize=localize_strided_empty)
+    rules.register(aten.eye.default, fill_rule, localize=localize_eye)
+    rules.register(aten.eye.m, fill_rule, localize=localize_eye)
     for op in (aten.fill.Scalar, aten.fill.Tensor):
         rules.register(op, fill_value_rule)
     for op in ARANGES:

@@ -40,6 +40,15 @@ def mse_grad_over_count(
     return grad * 2.0 * (x - target) / count
 
 
+def eye_block(
+    offsets: list[int], lengths: list[int], dtype: torch.dtype, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Rows `[offsets[0], +lengths[0])` and columns `[offsets[1], +lengths[1])` of the identity."""
+    rows = torch.arange(offsets[0], offsets[0] + lengths[0], device=device)
+    cols = torch.arange(offsets[1], offsets[1] + lengths[1], device=device)
+    return (rows[:, None] == cols[None, :]).to(dtype)
+
+
 def arange_block(
     start: int | float,
     step: int | float,
@@ -121,3 +130,33 @@ def dropout_block(
     for d, (offset, size) in enumerate(zip(offsets, x.shape)):
         mask = mask.narrow(d, offset, size)
     return x.mul(mask).mul_(scale), mask.to(torch.bool)
+
+
+def random_block(
+    like: torch.Tensor | None,
+    kind: str,
+    global_shape: list[int],
+    offsets: list[int],
+    lengths: list[int],
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+    memory_order: list[int] | None = None,
+) -> torch.Tensor:
+    """This rank's block of `torch.rand`/`torch.randn(global_shape)`, with the serial numbers.
+
+    Like `dropout_block`: the global tensor is drawn from the generator's current state and cut.
+    It is laid out as the serial one (`randn_like` of a transposed view, say) and filled in
+    place as the serial op fills it (normal_ fills contiguous and strided tensors differently).
+    """
+    if device is None and like is not None:
+        device = like.device
+    order = memory_order if memory_order is not None else list(range(len(global_shape)))
+    laid_out = torch.empty([global_shape[d] for d in order], dtype=dtype, device=device)
+    block = laid_out.permute([order.index(d) for d in range(len(order))])
+    if kind == "randn":
+        block.normal_()
+    else:
+        block.uniform_()
+    for d, (offset, size) in enumerate(zip(offsets, lengths)):
+        block = block.narrow(d, offset, size)
+    return block.clone()

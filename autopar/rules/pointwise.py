@@ -154,6 +154,11 @@ TABLE: dict[object, Linearity] = {
     aten.silu.default: NONE,
     aten.sign.default: NONE,
     aten.pow.Tensor_Scalar: NONE,
+    aten.pow.Scalar: NONE,  # number ** tensor (ALiBi slopes, Funnel)
+    aten.floor.default: NONE,
+    aten.ceil.default: NONE,
+    aten.trunc.default: NONE,
+    aten.round.default: NONE,
     aten.add.Scalar: NONE,
     aten.sub.Scalar: NONE,
     aten.rsub.Scalar: NONE,

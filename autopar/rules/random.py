@@ -44,7 +44,51 @@ def dropout_backward_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, strategies)
 
 
+def random_factory_rule(call: OpCall) -> list[AxisStrategy]:
+    """rand/randn(size) and rand_like/randn_like(x): the output may be split on any dim; a
+    `*_like` input gives only its shape, so it may be split alike or arrive with a pending sum."""
+    out = call.outputs[0]
+    if call.kwargs.get("generator") is not None:  # the user's own generator: every rank draws all
+        return with_replicated(call, [])
+    like = (R,) * len(call.inputs)
+    strategies = [
+        AxisStrategy(tuple(Shard(d) for _ in call.inputs) or like, (Shard(d),))
+        for d in range(out.ndim)
+        if out.shape[d] > 1
+    ]
+    if call.inputs:
+        strategies.append(AxisStrategy((P,), (R,)))
+    return with_replicated(call, strategies)
+
+
+def localize_random_factory(ctx: LocalContext) -> LocalCall:
+    """Draw the global tensor as the serial op would and keep this rank's block."""
+    call = ctx.call
+    out = ctx.strategy.outputs[0]
+    kind = "randn" if call.op in (aten.randn.default, aten.randn_like.default) else "rand"
+    if ctx.kwargs.get("generator") is not None:
+        return LocalCall(call.op, ctx.args, ctx.kwargs)  # replicated (the rule offers nothing else)
+    contiguous = ctx.kwargs.get("memory_format") == torch.contiguous_format
+    order = list(ctx.memory_order) if ctx.memory_order is not None and not contiguous else None
+    args = (
+        ctx.args[0] if call.inputs else None,  # a `*_like` input: its device, when none is given
+        kind,
+        list(out.shape),
+        list(out.local_offsets(ctx.mesh_shape, ctx.coords)),
+        list(out.local_shape(ctx.mesh_shape, ctx.coords)),
+        call.outputs[0].dtype,
+        ctx.kwargs.get("device"),
+        order,
+    )
+    return LocalCall(local_ops.random_block, args, {})
+
+
+RANDOM_FACTORIES = [aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default]
+
+
 def register(registry: RuleRegistry) -> None:
     rules = registry.family(FAMILY, uneven=True)
     rules.register(aten.native_dropout.default, dropout_rule, localize=localize_dropout)
     rules.register(aten.native_dropout_backward.default, dropout_backward_rule)
+    for op in RANDOM_FACTORIES:
+        rules.register(op, random_factory_rule, localize=localize_random_factory)

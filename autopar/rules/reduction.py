@@ -122,6 +122,9 @@ REDUCTIONS: dict[object, Reduce] = {
     aten.var_mean.correction: STAT_DIMS,
     aten.var.correction: STAT_DIMS,
     aten.std.correction: STAT_DIMS,
+    # p-norms (ConvNeXt-V2's global response norm, Swin-V2's cosine attention): a split reduced
+    # dim would need a pending sum of |x|^p, which no layout says, so it stays whole
+    aten.linalg_vector_norm.default: Reduce((2, "dim"), (3, "keepdim"), linear=False),
 }
 
 MEANS: dict[object, Reduce] = {

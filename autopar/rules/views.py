@@ -450,6 +450,8 @@ RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
     aten.constant_pad_nd.default: constant_pad_rule,
     aten.index.Tensor: index_rule,
     aten.index_put.default: index_put_rule,
+    aten._unsafe_index.Tensor: index_rule,  # upsampling (MobileViT, PVT)
+    aten._unsafe_index_put.default: index_put_rule,
 }
 
 
