@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers.integrations.moe  # noqa: F401  (registers transformers' grouped-matmul ops)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,7 @@ aten = torch.ops.aten
 REGISTRY = default_registry()
 SETTINGS = settings(max_examples=30, deadline=None)
 
-COVERED_OPS = [
+MATMULS = [
     aten.mm.default,
     aten.bmm.default,
     aten.addmm.default,
@@ -25,9 +26,13 @@ COVERED_OPS = [
     aten.mv.default,
     aten.dot.default,
 ]
+GROUPED_MM = torch.ops.transformers.grouped_mm_fallback.default
+GROUPED_MM_BACKWARD = torch.ops.transformers.grouped_mm_fallback_backward.default
+LIBRARY_OPS = [GROUPED_MM, GROUPED_MM_BACKWARD]
+COVERED_OPS = [*MATMULS, *LIBRARY_OPS]
 
 
-@pytest.mark.parametrize("op", COVERED_OPS, ids=str)
+@pytest.mark.parametrize("op", MATMULS, ids=str)
 @PER_OP
 @given(data=st.data(), mesh=mesh_shapes())
 def test_matmul_family(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
@@ -51,3 +56,21 @@ def test_matmul_family(data: st.DataObject, mesh: tuple[int, ...], op: object) -
         args = (t(*bias_shape), lhs, rhs)
     kwargs = {"beta": 0.5, "alpha": 2.0} if op in (aten.addmm.default, aten.baddbmm.default) else {}
     assert check_random_strategies(data, op, args, kwargs, mesh, REGISTRY)
+
+
+@pytest.mark.parametrize("op", LIBRARY_OPS, ids=str)
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes())
+def test_grouped_matmul(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    """transformers' mixture-of-experts grouped matmul and its backward: tokens sorted by expert,
+    some experts given none."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    experts, k, n = data.draw(st.integers(1, 4)), data.draw(dim_sizes(mesh, cap=12)), data.draw(dim_sizes(mesh, cap=12))
+    counts = [data.draw(st.integers(0, 4)) for _ in range(experts)]
+    offs = torch.tensor(counts).cumsum(0)
+    tokens = int(offs[-1])
+    x, w = random_tensor((tokens, k), generator=g), random_tensor((experts, k, n), generator=g)
+    args: tuple = (x, w, offs)
+    if op == GROUPED_MM_BACKWARD:
+        args = (x, w, offs, random_tensor((tokens, n), generator=g))
+    assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)

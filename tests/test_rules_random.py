@@ -25,6 +25,7 @@ COVERED_OPS = [
     aten.randn.default,
     aten.rand_like.default,
     aten.randn_like.default,
+    aten.bernoulli.p,
 ]
 REGISTRY = default_registry()
 
@@ -91,9 +92,11 @@ def test_random_factories_reassemble_the_serial_draw(data: st.DataObject) -> Non
     op = data.draw(st.sampled_from(COVERED_OPS[2:]))
     seed = data.draw(st.integers(0, 1000))
     order = data.draw(st.permutations(range(len(shape))))
-    like = op in (aten.rand_like.default, aten.randn_like.default)
+    like = op in (aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p)
     x = torch.empty([shape[d] for d in order], dtype=torch.float64).permute([order.index(d) for d in range(len(shape))])
     args: tuple = (x,) if like else (list(shape),)
+    if op == aten.bernoulli.p:
+        args = (x, data.draw(st.sampled_from([0.0, 0.3, 0.9])))
     kwargs = {} if like else {"dtype": torch.float64}
     torch.manual_seed(seed)
     want = op(*args, **kwargs)

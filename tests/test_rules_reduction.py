@@ -40,6 +40,7 @@ COVERED_OPS = [
     aten.cumsum.default,
     *ALONG_DIM_OPS,
     aten.linalg_vector_norm.default,
+    aten.histc.default,
 ]
 
 
@@ -132,3 +133,14 @@ def test_sort_and_topk(data: st.DataObject, mesh: tuple[int, ...], op: object) -
     else:
         args, kwargs = (x, dim, flip), {}
     assert check_random_strategies(data, op, args, kwargs, mesh, REGISTRY)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes())
+def test_histogram(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """`torch.histc(expert_ids.float(), bins=E, min=0, max=E - 1)`: tokens per expert."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=2))
+    bins = data.draw(st.integers(1, 6))
+    x = random_tensor(shape, torch.int64, generator=g, high=bins).to(torch.float64)
+    assert check_random_strategies(data, aten.histc.default, (x, bins, 0, bins - 1), {}, mesh, REGISTRY)

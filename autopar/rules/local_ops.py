@@ -141,8 +141,10 @@ def random_block(
     dtype: torch.dtype,
     device: torch.device | str | None = None,
     memory_order: list[int] | None = None,
+    p: float = 0.5,
 ) -> torch.Tensor:
-    """This rank's block of `torch.rand`/`torch.randn(global_shape)`, with the serial numbers.
+    """This rank's block of `torch.rand`/`randn(global_shape)` or of `bernoulli(x, p)`, with the
+    serial numbers.
 
     Like `dropout_block`: the global tensor is drawn from the generator's current state and cut.
     It is laid out as the serial one (`randn_like` of a transposed view, say) and filled in
@@ -155,6 +157,8 @@ def random_block(
     block = laid_out.permute([order.index(d) for d in range(len(order))])
     if kind == "randn":
         block.normal_()
+    elif kind == "bernoulli":
+        block.bernoulli_(p)
     else:
         block.uniform_()
     for d, (offset, size) in enumerate(zip(offsets, lengths)):

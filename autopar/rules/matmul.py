@@ -93,7 +93,59 @@ SPECS: dict[object, tuple[str, tuple[int, ...], int | None]] = {
 }
 
 
+def grouped_mm_rule(call: OpCall) -> list[AxisStrategy]:
+    """transformers' grouped matmul of mixture-of-experts layers: (input (S, K) sorted by expert,
+    weight (E, K, N), offs (E,) cumulative token counts) -> (S, N).
+
+    The tokens and the experts are tied by the data in `offs`, so neither splits; within every
+    expert it is a plain matmul: N splits with the weight's columns (Megatron's column split of
+    each expert), K with the weight's rows, each rank then holding a partial product."""
+    summable = partial_ok(call.inputs[:2], call.outputs)
+    result = [AxisStrategy((R, Shard(2), R), (Shard(1),))]
+    if summable:
+        result += [
+            AxisStrategy((Shard(1), Shard(1), R), (P,)),
+            AxisStrategy((P, R, R), (P,)),
+            AxisStrategy((R, P, R), (P,)),
+        ]
+    return with_replicated(call, result)
+
+
+def grouped_mm_backward_rule(call: OpCall) -> list[AxisStrategy]:
+    """(input, weight, offs, grad_output) -> (grad_input (S, K), grad_weight (E, K, N)): the
+    forward's splits seen from the gradients. N split: grad_input sums over N (Partial), the
+    weight's gradient keeps its column split; K split: both gradients split on K; linear in
+    grad_output with input and weight fixed."""
+    result = [AxisStrategy((Shard(1), Shard(1), R, R), (Shard(1), Shard(1)))]
+    if partial_ok(call.inputs[:2], call.outputs):
+        result += [
+            AxisStrategy((R, Shard(2), R, Shard(1)), (P, Shard(2))),
+            AxisStrategy((R, R, R, P), (P, P)),
+        ]
+    return with_replicated(call, result)
+
+
+def library_op(namespace: str, name: str) -> object | None:
+    """`torch.ops.<namespace>.<name>.default` if a library has registered it in this process
+    (transformers registers its MoE ops when its modeling code is imported), else None."""
+    try:
+        return getattr(getattr(torch.ops, namespace), name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# library custom ops (namespace, name) -> rule; registered when present
+LIBRARY_OPS: dict[tuple[str, str], Callable[[OpCall], list[AxisStrategy]]] = {
+    ("transformers", "grouped_mm_fallback"): grouped_mm_rule,
+    ("transformers", "grouped_mm_fallback_backward"): grouped_mm_backward_rule,
+}
+
+
 def register(registry: RuleRegistry) -> None:
     rules = registry.family(FAMILY, uneven=True)
     for op, (spec, operands, bias) in SPECS.items():
         rules.register(op, spec_rule(spec, operands, bias), anchor=True)
+    for (namespace, name), rule in LIBRARY_OPS.items():
+        found = library_op(namespace, name)
+        if found is not None:
+            rules.register(found, rule, anchor=True)

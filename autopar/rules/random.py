@@ -45,8 +45,8 @@ def dropout_backward_rule(call: OpCall) -> list[AxisStrategy]:
 
 
 def random_factory_rule(call: OpCall) -> list[AxisStrategy]:
-    """rand/randn(size) and rand_like/randn_like(x): the output may be split on any dim; a
-    `*_like` input gives only its shape, so it may be split alike or arrive with a pending sum."""
+    """rand/randn(size), rand_like/randn_like(x) and bernoulli(x, p): the output may be split on
+    any dim; an input gives only its shape, so it may be split alike or arrive with a pending sum."""
     out = call.outputs[0]
     if call.kwargs.get("generator") is not None:  # the user's own generator: every rank draws all
         return with_replicated(call, [])
@@ -65,7 +65,7 @@ def localize_random_factory(ctx: LocalContext) -> LocalCall:
     """Draw the global tensor as the serial op would and keep this rank's block."""
     call = ctx.call
     out = ctx.strategy.outputs[0]
-    kind = "randn" if call.op in (aten.randn.default, aten.randn_like.default) else "rand"
+    kind = KINDS[call.op]
     if ctx.kwargs.get("generator") is not None:
         return LocalCall(call.op, ctx.args, ctx.kwargs)  # replicated (the rule offers nothing else)
     contiguous = ctx.kwargs.get("memory_format") == torch.contiguous_format
@@ -79,16 +79,23 @@ def localize_random_factory(ctx: LocalContext) -> LocalCall:
         call.outputs[0].dtype,
         ctx.kwargs.get("device"),
         order,
+        float(call.arg(1, "p", 0.5)) if kind == "bernoulli" else 0.5,
     )
     return LocalCall(local_ops.random_block, args, {})
 
 
-RANDOM_FACTORIES = [aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default]
+KINDS = {
+    aten.rand.default: "rand",
+    aten.randn.default: "randn",
+    aten.rand_like.default: "rand",
+    aten.randn_like.default: "randn",
+    aten.bernoulli.p: "bernoulli",  # x.new_empty(shape).bernoulli_(keep): stochastic depth
+}
 
 
 def register(registry: RuleRegistry) -> None:
     rules = registry.family(FAMILY, uneven=True)
     rules.register(aten.native_dropout.default, dropout_rule, localize=localize_dropout)
     rules.register(aten.native_dropout_backward.default, dropout_backward_rule)
-    for op in RANDOM_FACTORIES:
+    for op in KINDS:
         rules.register(op, random_factory_rule, localize=localize_random_factory)

@@ -143,11 +143,21 @@ def along_dim_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, result)
 
 
+def histogram_rule(call: OpCall) -> list[AxisStrategy]:
+    """`histc(x, bins, min, max)` counts over all elements (the token count per expert of a
+    mixture of experts): the counts of the blocks add up, so any split gives a pending sum."""
+    x = call.inputs[0]
+    summable = partial_ok(call.inputs, call.outputs)
+    result = [AxisStrategy((Shard(d),), (P,)) for d in range(x.ndim) if summable]
+    return with_replicated(call, result)
+
+
 def register(registry: RuleRegistry) -> None:
     rules = registry.family(FAMILY, uneven=True)
     for op, how in REDUCTIONS.items():
         rules.register(op, reduction_rule(how))
     rules.register(aten.cumsum.default, scan_rule)
+    rules.register(aten.histc.default, histogram_rule)
     for op in (aten.sort.default, aten.sort.stable, aten.topk.default):
         rules.register(op, along_dim_rule)
     for op, how in MEANS.items():
