@@ -245,13 +245,17 @@ def _load(env: dict[fx.Node, object], tree: object) -> object:
 
 
 def run_lockstep(
-    graphs: dict[Coords, fx.GraphModule], args: dict[Coords, list], mesh_shape: tuple[int, ...]
+    graphs: dict[Coords, fx.GraphModule],
+    args: dict[Coords, list],
+    mesh_shape: tuple[int, ...],
+    record: dict[Coords, dict[str, object]] | None = None,
 ) -> dict[Coords, list]:
     """Run one graph per rank, node by node in step, simulating collectives across the ranks.
 
     The graphs must have the same structure (they do: only slice offsets and zero_partial differ
     between ranks); a collective's group is read from the node's CommStep axis. Each node starts
     from the same random generator state on every rank, as separate processes seeded alike do.
+    `record`, if given, receives every rank's value of every node, by node name.
     """
     order = {c: list(gm.graph.nodes) for c, gm in graphs.items()}
     length = {len(nodes) for nodes in order.values()}
@@ -286,7 +290,64 @@ def run_lockstep(
             else:
                 a, k = _load(env, (node.args, node.kwargs))
                 env[node] = node.target(*a, **k)
+    if record is not None:
+        for c, env in envs.items():
+            record.setdefault(c, {}).update((n.name, v) for n, v in env.items())
     return result
+
+
+def run_global(gm: fx.GraphModule, args: list) -> dict[str, object]:
+    """Every node's value of a joint graph run on global tensors (a redistribution's nodes are the
+    identity there: it does not change the value it carries), by node name. Random ops draw
+    in graph order from the current generator state, as every rank's program does."""
+    env: dict[fx.Node, object] = {}
+    feed = iter(args)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(feed)
+        elif node.op == "output":
+            break
+        elif has_info(node) and info(node).role == "comm":  # a collective, its wait or its glue
+            env[node] = env[node.all_input_nodes[0]]
+        else:
+            a, k = _load(env, (node.args, node.kwargs))
+            env[node] = node.target(*a, **k)  # type: ignore[operator]
+    return {n.name: v for n, v in env.items()}
+
+
+def first_divergence(
+    joint: fx.GraphModule,
+    joint_args: list,
+    ranks: dict[Coords, dict[str, object]],
+    mesh_shape: tuple[int, ...],
+    *,
+    atol: float,
+    rtol: float,
+) -> str | None:
+    """The first compute node (in joint-graph order) whose ranks' values, assembled by the node's
+    layout, differ from the global graph's value: its op, module path and source line, or None."""
+    torch.manual_seed(0)
+    try:
+        want = run_global(joint, joint_args)
+    except Exception as exc:  # a graph whose ops cannot run on global values (none known so far)
+        return f"the global graph does not replay: {type(exc).__name__}: {exc}"
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or not has_info(node) or info(node).role == "comm":
+            continue
+        value, layouts = want.get(node.name), info(node).layouts
+        if not isinstance(value, torch.Tensor) or len(layouts) != 1 or not value.is_floating_point():
+            continue
+        pieces = {c: env.get(node.name) for c, env in ranks.items()}
+        if not all(isinstance(x, torch.Tensor) for x in pieces.values()):
+            continue
+        try:
+            got = assemble(pieces, layouts[0], mesh_shape, atol=atol, rtol=rtol)  # type: ignore[arg-type]
+            scale = float(value.abs().max()) if value.numel() else 0.0
+            torch.testing.assert_close(got, value, atol=max(atol, rtol * scale), rtol=rtol)
+        except AssertionError as exc:
+            first_line = str(exc).strip().splitlines()[0]
+            return f"first divergence at {node.name} = {node.target} [{info(node).where()}]: {first_line}"
+    return None
 
 
 # ---- hand-built graphs: nodes with the metadata the passes read -------------------------------------
@@ -443,8 +504,11 @@ def assert_call_matches_serial(
         + [local_value(x, lay, shape, c) for x, lay in zip(flat_inputs, p.input_layouts)]
         for c, p in programs.items()
     }
+    joint = next(iter(compiled.values())).graph
+    joint_args = _joint_args(joint, next(iter(programs.values())), state, flat_inputs)
+    record: dict[Coords, dict[str, object]] = {}
     torch.manual_seed(0)  # dropout draws the serial model's numbers: the serial call starts here too
-    fwd = run_lockstep({c: p.forward for c, p in programs.items()}, fwd_args, shape)
+    fwd = run_lockstep({c: p.forward for c, p in programs.items()}, fwd_args, shape, record)
     bwd_args = {}
     for c, p in programs.items():
         tangents = [
@@ -452,7 +516,7 @@ def assert_call_matches_serial(
             for i in p.tangent_outputs
         ]
         bwd_args[c] = [*fwd[c][len(p.output_layouts) :], *tangents]
-    bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, shape)
+    bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, shape, record)
 
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
@@ -463,6 +527,46 @@ def assert_call_matches_serial(
     buffers = dict(model.named_buffers())  # after the serial call: updated
     wanted = [t.detach() for t in serial] + [buffers[name] for name in first.buffer_updates]
     assert len(first.output_layouts) == len(wanted)
+    try:
+        _compare_with_serial(model, first, fwd, bwd, wanted, shape, atol, rtol)
+    except AssertionError as exc:
+        where = first_divergence(joint, joint_args, record, shape, atol=atol, rtol=rtol)
+        raise AssertionError(f"{exc}; {where or 'every node agrees with the global graph'}") from exc
+    return compiled
+
+
+def _joint_args(
+    joint: fx.GraphModule, program: EmittedProgram, state: dict[str, torch.Tensor], inputs: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The global joint graph's arguments: the model's values (copied: the serial call updates
+    buffers in place), the call's inputs, the first output's gradient 1 and the others' 0."""
+    args: list[torch.Tensor] = []
+    tangents = 0
+    for node in joint.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        node_info = info(node)
+        if node_info.role == "input":
+            args.append(inputs[node_info.input_index])
+        elif node_info.role == "tangent":
+            val = node.meta["val"]
+            args.append((torch.ones if tangents == 0 else torch.zeros)(val.shape, dtype=val.dtype))
+            tangents += 1
+        else:
+            args.append(program.param_value(node_info.param_name, state).detach().clone())
+    return args
+
+
+def _compare_with_serial(
+    model: nn.Module,
+    first: EmittedProgram,
+    fwd: dict[Coords, list],
+    bwd: dict[Coords, list],
+    wanted: list[torch.Tensor],
+    shape: tuple[int, ...],
+    atol: float,
+    rtol: float,
+) -> None:
     for i, (want, lay) in enumerate(zip(wanted, first.output_layouts)):
         got = assemble({c: fwd[c][i] for c in fwd}, lay, shape, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=f"output {i}")
@@ -477,4 +581,3 @@ def assert_call_matches_serial(
         # keeps an error of the tensor's scale (as `_rel_err` in the gloo tests measures it)
         scale = float(want.abs().max()) if want.numel() else 0.0
         torch.testing.assert_close(got, want, atol=max(atol, rtol * scale), rtol=rtol, msg=name)
-    return compiled

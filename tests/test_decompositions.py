@@ -42,6 +42,8 @@ def test_batch_norm_forward_and_backward(shape: list[int], affine: bool, seed: i
     inference = aten._native_batch_norm_legit_no_training.default
     out, *_ = TABLE[inference](x, weight, bias, mean, var, 0.1, 1e-5)
     torch.testing.assert_close(out, inference(x, weight, bias, mean, var, 0.1, 1e-5)[0], atol=1e-9, rtol=1e-9)
+    no_stats = aten._native_batch_norm_legit.no_stats
+    _close(TABLE[no_stats](x, weight, bias, True, 0.1, 1e-5), no_stats(x, weight, bias, True, 0.1, 1e-5))
     _, save_mean, save_rstd, _, _ = functional(x, weight, bias, mean, var, True, 0.1, 1e-5)
     grad = torch.randn(shape, generator=g, dtype=torch.float64)
     backward = aten.native_batch_norm_backward.default

@@ -36,6 +36,7 @@ SOFTMAX = [
 BATCH_NORM = [
     aten._native_batch_norm_legit_functional.default,
     aten._native_batch_norm_legit_no_training.default,
+    aten._native_batch_norm_legit.no_stats,
     aten.native_batch_norm_backward.default,
 ]
 GATHER_SCATTER = [aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default]
@@ -279,6 +280,8 @@ def test_batch_norm(data: st.DataObject, mesh: tuple[int, ...], op: object, affi
         args: tuple = (x, weight, bias, mean, var, True, 0.1, 1e-5)
     elif op == aten._native_batch_norm_legit_no_training.default:
         args = (x, weight, bias, mean, var, 0.1, 1e-5)
+    elif op == aten._native_batch_norm_legit.no_stats:
+        args = (x, weight, bias, True, 0.1, 1e-5)
     else:
         train = data.draw(st.booleans())
         _, save_mean, save_rstd, _, _ = aten._native_batch_norm_legit_functional.default(

@@ -12,6 +12,7 @@ import pytest
 import torch
 from multirank import run_ranks
 from pass_fixtures import assert_call_matches_serial
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
@@ -96,3 +97,28 @@ def test_a_parameter_the_loss_does_not_use_gets_no_gradient_as_serially() -> Non
     assert model.pooler.weight.grad is None and model.pooler.bias.grad is None
     sig = next(iter(compiled.values())).graph.meta["autopar_signature"]
     assert "pooler.weight" not in sig.grad_of and "used.weight" in sig.grad_of
+
+
+class StochasticDepth(nn.Module):
+    """Residual blocks dropped per sample, as timm and BEiT/Swin write it: `x.new_empty(...)
+    .bernoulli_(keep)` in one block, `keep + torch.rand(...)` floored in the other, and noise
+    from `randn_like` on a transposed view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = 0.7
+        mask = x.new_empty(x.shape[0], 1).bernoulli_(keep) / keep
+        x = x + self.a(x) * mask
+        mask = torch.floor(keep + torch.rand(x.shape[0], 1, dtype=x.dtype)) / keep
+        x = x + self.b(x) * mask
+        noisy = x.t() + 0.01 * torch.randn_like(x.t())
+        return noisy.pow(2).mean()
+
+
+def test_stochastic_depth_draws_the_serial_numbers_on_2x2x2() -> None:
+    torch.manual_seed(0)
+    assert_call_matches_serial(StochasticDepth(), (2, 2, 2), (torch.randn(8, 16),))

@@ -102,6 +102,18 @@ def _batch_norm_training(
         out, _, _ = _batch_norm_inference(x, weight, bias, running_mean, running_var, momentum, eps)
         empty = x.new_zeros((0,))
         return out, empty, empty, running_mean.clone(), running_var.clone()
+    out, flat_mean, flat_rstd, flat_var = _batch_statistics(x, weight, bias, eps)
+    count = x.numel() // x.shape[1]
+    unbiased = flat_var * (count / max(count - 1, 1))
+    new_mean = running_mean * (1 - momentum) + flat_mean * momentum
+    new_var = running_var * (1 - momentum) + unbiased * momentum
+    return out, flat_mean, flat_rstd, new_mean, new_var
+
+
+def _batch_statistics(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(normalized output, mean, 1/std, biased variance) over the batch and spatial dims, as sums."""
     dims = [0, *range(2, x.dim())]
     count = x.numel() // x.shape[1]
     mean = aten.sum.dim_IntList(x, dims, True) / count
@@ -109,11 +121,21 @@ def _batch_norm_training(
     var = aten.sum.dim_IntList(centered * centered, dims, True) / count
     rstd = aten.rsqrt.default(var + eps)
     out = _per_channel_affine(centered * rstd, weight, bias)
-    flat_mean, flat_var = mean.reshape(-1), var.reshape(-1)
-    unbiased = flat_var * (count / max(count - 1, 1))
-    new_mean = running_mean * (1 - momentum) + flat_mean * momentum
-    new_var = running_var * (1 - momentum) + unbiased * momentum
-    return out, flat_mean, rstd.reshape(-1), new_mean, new_var
+    return out, mean.reshape(-1), rstd.reshape(-1), var.reshape(-1)
+
+
+def _batch_norm_no_stats(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_native_batch_norm_legit.no_stats`: batch statistics without running ones (BiT's weight
+    standardization calls `F.batch_norm(w, None, None, training=True)`)."""
+    out, mean, rstd, _ = _batch_statistics(x, weight, bias, eps)
+    return out, mean, rstd
 
 
 def _batch_norm_inference(
@@ -180,6 +202,7 @@ def sharding_decompositions() -> dict[Any, Callable[..., Any]]:
         aten.native_layer_norm_backward.default: _layer_norm_backward,
         aten._native_batch_norm_legit_functional.default: _batch_norm_training,
         aten._native_batch_norm_legit_no_training.default: _batch_norm_inference,
+        aten._native_batch_norm_legit.no_stats: _batch_norm_no_stats,
         aten.native_batch_norm_backward.default: _batch_norm_backward,
     }
     for op in (

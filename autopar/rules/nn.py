@@ -382,6 +382,7 @@ RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
     aten.index_add.default: index_add_rule,
     aten._native_batch_norm_legit_functional.default: batch_norm_rule,
     aten._native_batch_norm_legit_no_training.default: batch_norm_rule,
+    aten._native_batch_norm_legit.no_stats: batch_norm_rule,
     aten.native_batch_norm_backward.default: batch_norm_rule,
 }
 
