@@ -311,7 +311,10 @@ def run_global(gm: fx.GraphModule, args: list) -> dict[str, object]:
             env[node] = env[node.all_input_nodes[0]]
         else:
             a, k = _load(env, (node.args, node.kwargs))
-            env[node] = node.target(*a, **k)  # type: ignore[operator]
+            try:
+                env[node] = node.target(*a, **k)  # type: ignore[operator]
+            except Exception as exc:
+                raise RuntimeError(f"{node.name} = {node.target}{fx.map_arg(node.args, str)}: {exc}") from exc
     return {n.name: v for n, v in env.items()}
 
 

@@ -73,6 +73,8 @@ ARGS: dict[object, tuple[object, ...]] = {
     aten.minimum.default: ("f", "f"),
     aten.pow.Tensor_Tensor: ("+", "f"),
     aten.floor_divide.default: ("f", "+"),
+    aten.remainder.Scalar: ("i", 7),
+    aten.remainder.Tensor: ("f", "+"),
     aten.hardtanh.default: ("f", -0.5, 0.5),
     aten.hardswish.default: ("f",),
     aten.softplus.default: ("f", 1.0, 20.0),

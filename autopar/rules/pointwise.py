@@ -187,6 +187,8 @@ TABLE: dict[object, Linearity] = {
     aten.minimum.default: NONE,
     aten.pow.Tensor_Tensor: NONE,
     aten.floor_divide.default: NONE,
+    aten.remainder.Scalar: NONE,  # CANINE's hash buckets
+    aten.remainder.Tensor: NONE,
     # activations of vision and state-space models (MobileNet, LeViT, Apertus)
     aten.hardtanh.default: NONE,
     aten.hardswish.default: NONE,
