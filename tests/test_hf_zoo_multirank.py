@@ -3,8 +3,7 @@
 `model(**batch)` with labels: LLaMA (rotary, GQA), Mixtral (top-k experts through transformers'
 grouped matmul), BERT (masked LM) and ViT (image classification). Two steps of SGD with momentum
 against the serial model on loss, every gradient and the parameters; LLaMA on a 1-D mesh of 8 as
-well. (T5 in training mode departs from serial on 2x2x2 in lockstep too, while it matches on (2,),
-(8,), (2,2) and in eval on 2x2x2: an open bug, not yet in this test.)"""
+well. (T5 in training mode runs in lockstep on 2x2x2 in tests/test_zoo_sweep.py.)"""
 
 from __future__ import annotations
 

@@ -323,6 +323,8 @@ def schedule(
                     and (info(node).role == "compute" or (info(node).role == "comm" and phase == "forward"))
                     and info(node).phase == phase
                     and all(i in emitted for i in node.all_input_nodes)
+                    # random ops draw in graph order, the serial model's: none may run ahead
+                    and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
                 ):
                     emit(node)
                     report.filled += 1
