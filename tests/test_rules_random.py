@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -92,16 +94,32 @@ def test_random_factories_reassemble_the_serial_draw(data: st.DataObject) -> Non
     op = data.draw(st.sampled_from(COVERED_OPS[2:]))
     seed = data.draw(st.integers(0, 1000))
     order = data.draw(st.permutations(range(len(shape))))
+    p = data.draw(st.sampled_from([0.0, 0.3, 0.9]))
+    _check_random_factory(op, mesh, shape, order, seed, p, lambda s: data.draw(st.sampled_from(s)))
+
+
+def test_bernoulli_of_a_transposed_view_draws_in_contiguous_order() -> None:
+    """bernoulli(x, p) fills a contiguous tensor whatever x's strides, unlike randn_like(x)."""
+    for index in range(5):
+        pick = functools.partial(_nth, index)
+        _check_random_factory(aten.bernoulli.p, (2,), (2, 2, 2), [1, 0, 2], 1, 0.3, pick)
+
+
+def _nth(index: int, strategies: list) -> object:
+    return strategies[index % len(strategies)]
+
+
+def _check_random_factory(op, mesh, shape, order, seed, p, pick) -> None:  # type: ignore[no-untyped-def]
     like = op in (aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p)
     x = torch.empty([shape[d] for d in order], dtype=torch.float64).permute([order.index(d) for d in range(len(shape))])
     args: tuple = (x,) if like else (list(shape),)
     if op == aten.bernoulli.p:
-        args = (x, data.draw(st.sampled_from([0.0, 0.3, 0.9])))
+        args = (x, p)
     kwargs = {} if like else {"dtype": torch.float64}
     torch.manual_seed(seed)
     want = op(*args, **kwargs)
     call = make_call(op, args, kwargs, want)
-    strategy = data.draw(st.sampled_from(candidate_strategies(op, args, kwargs, mesh, REGISTRY)))
+    strategy = pick(candidate_strategies(op, args, kwargs, mesh, REGISTRY))
     rule = REGISTRY.get(op)
     assert rule is not None and rule.localize is not None
     pieces = shard_tensor(x, strategy.inputs[0], mesh) if like else None

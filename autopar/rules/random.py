@@ -68,7 +68,8 @@ def localize_random_factory(ctx: LocalContext) -> LocalCall:
     kind = KINDS[call.op]
     if ctx.kwargs.get("generator") is not None:
         return LocalCall(call.op, ctx.args, ctx.kwargs)  # replicated (the rule offers nothing else)
-    contiguous = ctx.kwargs.get("memory_format") == torch.contiguous_format
+    # bernoulli(x, p) draws into a contiguous tensor whatever x's strides (measured on torch 2.13)
+    contiguous = ctx.kwargs.get("memory_format") == torch.contiguous_format or kind == "bernoulli"
     order = list(ctx.memory_order) if ctx.memory_order is not None and not contiguous else None
     args = (
         ctx.args[0] if call.inputs else None,  # a `*_like` input: its device, when none is given
