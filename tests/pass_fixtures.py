@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.api import compile_for_rank
-from autopar.compiler.driver import Compiled
+from autopar.compiler.driver import Compiled, trace_for
 from autopar.core.collectives import COLLECTIVES
 from autopar.core.layout import Layout, P, R
 from autopar.core.mesh import Mesh
@@ -477,8 +477,12 @@ def compile_every_rank(
         return chosen[0]
 
     mesh = Mesh.from_shape(shape)
+    trace_options = {k: options[k] for k in ("planner", "split_fused", "forward_only") if k in options}
+    traced = trace_for(model, mesh, args, kwargs, **trace_options)  # once, as each process of a job
     return {
-        c: compile_for_rank(model, mesh, args, example_kwargs=kwargs, coords=c, agree=plan_once, **options)
+        c: compile_for_rank(
+            model, mesh, args, example_kwargs=kwargs, coords=c, agree=plan_once, traced=traced, **options
+        )
         for c in all_coords(shape)
     }
 
@@ -572,7 +576,10 @@ def _compare_with_serial(
 ) -> None:
     for i, (want, lay) in enumerate(zip(wanted, first.output_layouts)):
         got = assemble({c: fwd[c][i] for c in fwd}, lay, shape, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=f"output {i}")
+        # as for gradients below: an entry near zero keeps a float32 error of the tensor's scale
+        # (a deep CNN's logits, whose batch statistics are summed in another order)
+        scale = float(want.abs().max()) if want.numel() and want.is_floating_point() else 0.0
+        torch.testing.assert_close(got, want, atol=max(atol, rtol * scale), rtol=rtol, msg=f"output {i}")
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     for i, (name, lay) in enumerate(zip(first.param_names, first.param_layouts)):
         part = first.param_parts.get(name)

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import autopar
 from autopar.compiler.driver import compile_for_rank
 from autopar.core.mesh import Mesh
-from autopar.passes.trace import DATA_DEPENDENT_HINT
+from autopar.passes.trace import DATA_DEPENDENT_HINT, VALUE_DEPENDENT_HINT
 from examples import torch_models
 
 
@@ -33,6 +33,26 @@ def test_data_dependent_expert_dispatch_is_refused_with_what_to_do() -> None:
         compile_for_rank(torch_models.SparseMoE(), Mesh.from_shape((2,)), torch_models.batch(), coords=(0,))
     assert err.value.hint == DATA_DEPENDENT_HINT
     assert err.value.where is not None and "torch_models.py" in err.value.where, err.value.where
+
+
+class _ChecksItsInput(torch.nn.Module):
+    """The check IBert's quantizer makes on every call: an assert on a tensor's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        assert x.isnan().sum() == 0, "NaN in the input"
+        return torch.nn.functional.cross_entropy(self.proj(x), y)
+
+
+def test_control_flow_on_a_tensor_value_is_refused_with_what_to_do() -> None:
+    x, y = torch.randn(8, 16), torch.randint(4, (8,))
+    with pytest.raises(autopar.TraceError) as err:
+        compile_for_rank(_ChecksItsInput(), Mesh.from_shape((2,)), (x, y), coords=(0,))
+    assert err.value.hint == VALUE_DEPENDENT_HINT
+    assert err.value.where is not None and "test_torch_models.py" in err.value.where, err.value.where
 
 
 def _job(rank: int, world_size: int, name: str) -> dict[str, Any]:

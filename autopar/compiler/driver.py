@@ -114,6 +114,7 @@ def compile_for_rank(
     split_fused: bool | None = None,
     in_flight_bytes: int | None = None,
     forward_only: bool = False,
+    traced: fx.GraphModule | None = None,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -138,21 +139,18 @@ def compile_for_rank(
     `in_flight_bytes` caps the output buffers of collectives issued and not yet waited on (how far
     ahead the schedule prefetches); default `in_flight_budget`: what the memory limit leaves after
     the plan's modeled memory.
+    `traced`, when given, is `trace_for(...)` of this model, inputs and options, made once: it
+    is copied instead of traced again (an in-process run of every rank's program compiles each
+    rank from one trace, as each process of a real job traces once).
     """
     example_inputs = example_tuple(example_inputs, example_kwargs)
     registry = registry if registry is not None else default_registry()
-    split_fused = fused.wanted(split_fused, planner)
     candidates = _chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
-    with stage("trace"):
-        gm = trace(
-            model,
-            example_inputs,
-            decompose=mesh.size > 1,
-            example_kwargs=example_kwargs,
-            split_fused=split_fused,
-            forward_only=forward_only,
-        )
+    if traced is None:
+        gm = trace_for(model, mesh, example_inputs, example_kwargs, planner, split_fused, forward_only)
+    else:
+        gm = copy.deepcopy(traced)  # the later stages rewrite the graph in place
     write_stage(path, "1_trace", gm, mesh)
     if planner not in ("search", "greedy"):
         raise AutoparError(f"unknown planner {planner!r}", hint='use "search" or "greedy"')
@@ -277,6 +275,27 @@ def _chunk_candidates(over_decompose: int | str) -> list[int]:
         f"over_decompose={over_decompose!r}",
         hint='give the number of batch chunks per rank (1: off) or "auto" to let the cost model choose',
     )
+
+
+def trace_for(
+    model: nn.Module,
+    mesh: Mesh,
+    example_inputs: Sequence[Any],
+    example_kwargs: dict[str, Any] | None = None,
+    planner: str = "search",
+    split_fused: bool | None = None,
+    forward_only: bool = False,
+) -> fx.GraphModule:
+    """The trace stage as `compile_for_rank` runs it with these options (the same for every rank)."""
+    with stage("trace"):
+        return trace(
+            model,
+            example_tuple(example_inputs, example_kwargs),
+            decompose=mesh.size > 1,
+            example_kwargs=example_kwargs,
+            split_fused=fused.wanted(split_fused, planner),
+            forward_only=forward_only,
+        )
 
 
 def _lower(

@@ -16,7 +16,7 @@ import re
 import traceback
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from autopar.core.meta import (
     info,
     set_info,
 )
+from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
 from autopar.passes.fused import split_fused_linears
 from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
 from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
@@ -81,6 +82,9 @@ def trace(
     groups = [group for group, _ in containers]
     restore = cut_to_two_blocks(containers)
     exported = _export(model, fake_model, fake_args, fake_kwargs)
+    if outputs.functions:
+        restore()
+        raise _custom_function_error(outputs.functions, exported.graph_module.graph)
     decompositions = sharding_decompositions() if decompose else None
     in_spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1]
     joint = _Joint(model, fake_mode, fake_args, fake_kwargs, decompositions, tied, split_fused, in_spec, outputs)
@@ -167,6 +171,7 @@ class _Joint:
 @dataclass
 class _OutputRecord:
     structure: OutputStructure | None = None
+    functions: list[type] = field(default_factory=list)  # custom autograd.Functions in the forward
 
 
 def _tensor_outputs(forward: Any, record: _OutputRecord) -> Any:
@@ -185,6 +190,7 @@ def _tensor_outputs(forward: Any, record: _OutputRecord) -> Any:
                 dropped.append(type(leaf).__name__)
                 others[i] = None
         record.structure = OutputStructure(spec, positions, tuple(others), tuple(dropped))
+        record.functions = custom_functions(leaves[i] for i in positions)
         return tuple(leaves[i] for i in positions)
 
     return tensors_only
@@ -481,6 +487,26 @@ def _frozen(value: Any) -> Any:
     return value
 
 
+def _custom_function_error(functions: list[type], graph: fx.Graph) -> TraceError:
+    cls = functions[0]
+    node = first_node_of(graph, cls)
+    where = None
+    if node is not None:
+        stack = node.meta.get("nn_module_stack") or {}
+        module_path = list(stack.values())[-1][0] if stack else "<root>"
+        where = f"{module_path or '<root>'} @ {_user_frame(node.meta.get('stack_trace') or '')}"
+    others = f" (and {', '.join(c.__qualname__ for c in functions[1:])})" if functions[1:] else ""
+    return TraceError(
+        f"{cls.__qualname__} is a custom torch.autograd.Function{others}: torch.export records the "
+        f"ops of its forward ({definition_of(cls)}) and drops its backward, so training would use "
+        "the derivative of the forward instead of the Function's backward",
+        op=f"autograd.Function {qualified_name(cls)}",
+        where=where,
+        hint="make it a torch.library.custom_op with register_autograd and a sharding rule "
+        "(examples/custom_op.py), or write a straight-through estimator as x + (f(x) - x).detach(); for torch.utils.checkpoint, pass use_reentrant=False",
+    )
+
+
 def _user_frame(stack_trace: str) -> str:
     """Where the op was called: the innermost frame outside torch (a library model's modeling file
     when the op sits inside one), and then the innermost frame of the user's own code that led
@@ -507,9 +533,21 @@ DATA_DEPENDENT_HINT = (
 )
 
 
+# a guard on a value read by Python (`if`/`assert` on a tensor, .item()), not on a size
+_VALUE_GUARD = re.compile(r"GuardOnDataDependentSymNode.*Size-like symbols: none", re.DOTALL)
+VALUE_DEPENDENT_HINT = (
+    "Python code reads a tensor's value here (if or assert on a tensor, .item(), bool()): one graph "
+    "is compiled for every batch, so a branch chosen by values cannot be traced; compute both sides "
+    "with torch.where, check the inputs outside forward (in the data pipeline), and turn off random "
+    "layer skipping (LayerDrop: layerdrop=0 in the model's config)"
+)
+
+
 def _trace_hint(exc: BaseException, otherwise: str) -> str:
-    """The data-dependent-shape hint when that is what failed, else `otherwise`."""
+    """The value-dependent or data-dependent-shape hint when that is what failed, else `otherwise`."""
     text = f"{type(exc).__name__}: {exc}"
+    if _VALUE_GUARD.search(text):
+        return VALUE_DEPENDENT_HINT
     return DATA_DEPENDENT_HINT if _DATA_DEPENDENT.search(text) else otherwise
 
 
