@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 from autopar.core.errors import (
     AutoparError,
+    IndexOutOfRangeError,
     InputMismatchError,
     InternalError,
     MemoryLimitError,
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AutoparError",
+    "IndexOutOfRangeError",
     "InputMismatchError",
     "InternalError",
     "Layout",

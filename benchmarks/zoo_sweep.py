@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds per model")
     parser.add_argument("--max-minutes", type=float, default=None, help="start no model after this long")
     parser.add_argument("--resume", action="store_true", help="keep --out's rows, run the rest")
+    parser.add_argument(
+        "--retry", default="", help="with --resume: run again the kept rows of these results (fail,timeout)"
+    )
     parser.add_argument("--tables-only", action="store_true", help="rewrite the .md from --out's JSON")
     parser.add_argument("--verbose", action="store_true", help="keep the children's stderr")
     args = parser.parse_args(argv)
@@ -319,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and args.out.exists():
         previous = json.loads(args.out.read_text())
         results, prior_minutes = previous["results"], previous["settings"].get("wall_minutes", 0.0)
+    retried = set(filter(None, args.retry.split(",")))
+    results = [r for r in results if r["result"] not in retried]
     done = {r["architecture"] for r in results}
     payload: dict[str, Any] = {
         "benchmark": "zoo_sweep",

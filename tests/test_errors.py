@@ -253,4 +253,4 @@ def test_ranks_that_pass_different_batches_are_refused_on_every_rank() -> None:
     model, batch = make_mlp(0)
     for same, message in results:
         assert same == f"{float(model(*batch)):.6f}"
-        assert "input 0 differs between rank 0 and rank 1" in message, message
+        assert "x differs between rank 0 and rank 1" in message, message  # the forward's parameter

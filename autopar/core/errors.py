@@ -65,6 +65,12 @@ class InputMismatchError(AutoparError):
     """Inputs at call time differ from the example inputs the module was compiled for."""
 
 
+class IndexOutOfRangeError(AutoparError, IndexError):
+    """An input's value indexes past what it indexes (a token id past the vocabulary, a target
+    class past the classes): raised on every rank alike before the call's first collective, an
+    IndexError as the serial model's."""
+
+
 class UsageError(AutoparError, ValueError):
     """An argument that cannot work (a malformed spec, a module that does not import)."""
 

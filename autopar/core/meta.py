@@ -95,6 +95,21 @@ class OutputStructure:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
+@dataclass(frozen=True)
+class IndexCheck:
+    """A user input whose values index a tensor (token ids into an embedding, class targets into
+    logits): every value outside `ignored` must lie in [0, bound). The module checks it at call
+    time on the global input, the same on every rank, before any collective: the op that would fail
+    holds only a block on most ranks, so the failure would otherwise hit some ranks and hang the
+    rest."""
+
+    input_index: int  # among the tensor inputs, as NodeInfo.input_index
+    bound: int
+    ignored: tuple[int, ...]  # values the model masks out before indexing (cross-entropy's ignore_index)
+    op: str
+    where: str
+
+
 @dataclass
 class JointSignature:
     """How the joint graph's placeholders and outputs map to the user's model."""
@@ -113,6 +128,7 @@ class JointSignature:
     requires_grad: dict[str, bool] = field(default_factory=dict)
     param_parts: dict[str, ParamPart] = field(default_factory=dict)  # part name -> where it comes from
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # constant placeholder -> value
+    index_checks: list[IndexCheck] = field(default_factory=list)  # inputs used as indices
 
 
 def info(node: fx.Node) -> NodeInfo:

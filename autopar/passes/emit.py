@@ -102,6 +102,7 @@ def emit(
             name: sig.constants[name]
             for name in (info(p).param_name or p.name for p in params if info(p).role == "constant")
         },
+        index_checks=list(sig.index_checks),
     )
     check_local_shapes(program, shape)
     return program

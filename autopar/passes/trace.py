@@ -40,9 +40,11 @@ from autopar.core.meta import (
     Role,
     info,
     set_info,
+    signature,
 )
 from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
 from autopar.passes.fused import split_fused_linears
+from autopar.passes.index_checks import find_index_checks
 from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
 from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
 from autopar.rules.decompositions import sharding_decompositions
@@ -97,6 +99,7 @@ def trace(
     _merge_tied(gm, tied)
     _drop_identities(gm)
     _merge_repeated_calls(gm)
+    signature(gm).index_checks = find_index_checks(gm)
     gm.graph.lint()
     # Python code for the joint graph is generated only when someone runs or prints it: the later
     # passes rewrite the graph and call recompile() several times, and none of them runs it.

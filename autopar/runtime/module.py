@@ -8,6 +8,7 @@ graph; the local gradients it returns flow through `DTensor.to_local` into DTens
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -22,10 +23,10 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor.placement_types import Partial as DPartial
 from torch.utils import _pytree as pytree
 
-from autopar.core.errors import InputMismatchError
+from autopar.core.errors import IndexOutOfRangeError, InputMismatchError
 from autopar.core.layout import Layout, Partial, Shard
 from autopar.core.mesh import Mesh
-from autopar.core.meta import OutputStructure
+from autopar.core.meta import IndexCheck, OutputStructure
 from autopar.runtime.agreement import first_disagreement
 from autopar.runtime.program import EmittedProgram, local_value
 
@@ -126,6 +127,7 @@ class ParallelModule(nn.Module):
         self._example_specs = list(example_specs)
         self._compile = compile
         self._check_inputs_agree = check_inputs
+        self._positional_names = _positional_names(source)  # to name inputs in errors
         self.report = report
         self.training = source.training
         self._programs: OrderedDict[Any, _Program] = OrderedDict()
@@ -168,14 +170,13 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         _refuse_input_gradients(flat)
         if self._check_inputs_agree:
-            _refuse_differing_inputs(flat)
+            _refuse_differing_inputs(flat, input_names(args, kwargs, self._positional_names))
         run = self._program_for(args, kwargs, flat, spec)
         program = run.program
         shape = tuple(self._mesh.shape)
-        local_inputs = [
-            local_value(x, layout, shape, program.coords)
-            for x, layout in zip([x for x in flat if isinstance(x, torch.Tensor)], program.input_layouts)
-        ]
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        _check_indices(program.index_checks, tensors, input_names(args, kwargs, self._positional_names))
+        local_inputs = [local_value(x, layout, shape, program.coords) for x, layout in zip(tensors, program.input_layouts)]
         local_params = [self._local_param(run, name) for name in program.param_names]
         num_outputs = len(program.output_layouts)
         outputs = _RunProgram.apply(program, num_outputs, *local_params, *local_inputs)
@@ -313,10 +314,63 @@ def _refuse_input_gradients(flat: Sequence[Any]) -> None:
         )
 
 
-def _refuse_differing_inputs(flat: Sequence[Any]) -> None:
+def _check_indices(checks: Sequence[IndexCheck], tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    """Refuse, on every rank alike and before the program's first collective, an input value that
+    an op would index out of range with (`IndexCheck`): the IndexError the serial model raises."""
+    for check in checks:
+        values = tensors[check.input_index]
+        if check.ignored:
+            ignored = torch.tensor(check.ignored, dtype=values.dtype, device=values.device)
+            values = values[~torch.isin(values, ignored)]
+        if values.numel() == 0:
+            continue
+        low, high = (int(v) for v in torch.aminmax(values))
+        if low >= 0 and high < check.bound:
+            continue
+        also = f" (or {', '.join(map(str, check.ignored))}, which the model ignores)" if check.ignored else ""
+        raise IndexOutOfRangeError(
+            f"index out of range: {names[check.input_index]} holds "
+            f"{low if low < 0 else high}, but {check.op} takes 0 to {check.bound - 1}{also}",
+            op=check.op,
+            where=check.where,
+            hint="the serial model raises IndexError on this batch too, and no rank has run any of "
+            "it: check the data (token ids below the vocabulary size, targets below the number of "
+            "classes) or skip the batch",
+        )
+
+
+def input_names(args: tuple[Any, ...], kwargs: dict[str, Any], positional: Sequence[str] = ()) -> list[str]:
+    """The name of every tensor input as the user knows it: a keyword (`labels`), the forward's
+    parameter a positional argument binds to (`positional`), else `argument 0`; `[1]`, `['a']`
+    below that for a leaf inside a list or dict."""
+    names = []
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        top, rest = path[1], path[2:]
+        if isinstance(top, pytree.MappingKey):
+            head = str(top.key)
+        else:
+            index = top.idx  # type: ignore[attr-defined]
+            head = positional[index] if index < len(positional) else f"argument {index}"
+        names.append(head + pytree.keystr(rest))
+    return names
+
+
+def _positional_names(model: nn.Module) -> list[str]:
+    """The names of the forward's parameters that a positional argument can bind to."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in kinds]
+
+
+def _refuse_differing_inputs(flat: Sequence[Any], names: Sequence[str]) -> None:
     """Every rank must pass the same global batch; ranks that pass their own shards (as with a
     DistributedSampler) would train on a mixture, so the call is refused on every rank alike."""
-    tensors = [(f"input {i}", x) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    tensors = list(zip(names, [x for x in flat if isinstance(x, torch.Tensor)]))
     differing = first_disagreement(tensors)
     if differing is not None:
         name, rank = differing

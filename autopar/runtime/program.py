@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.layout import Layout, Replicate
-from autopar.core.meta import ParamPart
+from autopar.core.meta import IndexCheck, ParamPart
 
 
 @dataclass
@@ -33,6 +33,8 @@ class EmittedProgram:
     buffer_updates: list[str] = field(default_factory=list)
     # tensors the forward made from Python data (lifted by export): name -> value, whole on every rank
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    # inputs whose values index a tensor: checked before the forward runs (`IndexCheck`)
+    index_checks: list[IndexCheck] = field(default_factory=list)
 
     def param_value(self, name: str, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The value of program parameter `name` given the user's parameters by name (a chunk of
