@@ -11,6 +11,7 @@ from autopar.core.errors import (
     MemoryLimitError,
     MeshError,
     MissingRuleError,
+    RankFailureError,
     ShardingError,
     TraceError,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "MeshError",
     "MissingRuleError",
     "Partial",
+    "RankFailureError",
     "Replicate",
     "Shard",
     "ShardingError",

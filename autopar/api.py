@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import os
 import warnings
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,6 +31,7 @@ from autopar.passes import fused
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.runtime.agreement import decided_on_rank0, first_disagreement
+from autopar.runtime.groups import DEFAULT_TIMEOUT_S, as_timeout, make_groups
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.program import EmittedProgram
 
@@ -49,6 +53,7 @@ def parallelize(
     split_fused: bool | None = None,
     in_flight_bytes: int | None = None,
     check_inputs: bool = True,
+    timeout: float | timedelta = DEFAULT_TIMEOUT_S,
 ) -> ParallelModule:
     """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
 
@@ -70,6 +75,12 @@ def parallelize(
     docs/architecture.md, "Calls, modes and programs". Every rank must start from the same weights
     (checked here) and pass the same inputs (checked on each call with a small all-gather of
     fingerprints; `check_inputs=False` skips that).
+
+    `timeout` (seconds, default 300) bounds every wait of autopar's collectives: the meeting of all
+    ranks here (a rank that never calls parallelize is named), the plan agreement and each step's
+    collectives, which run on process groups autopar makes with this timeout. A rank that fails,
+    exits or is killed ends the others within it, each with a `RankFailureError` naming the first
+    failure recorded in the job (docs/debugging.md, "When a rank fails").
     """
     _check_model(model)
     example_inputs = example_tuple(example_inputs, example_kwargs)
@@ -92,12 +103,15 @@ def parallelize(
         )
         hardware = choice.hardware
     autopar_mesh = _check_mesh(mesh)
-    _check_weights_agree(model)
+    assert autopar_mesh.device_mesh is not None
+    groups = make_groups(autopar_mesh.device_mesh, as_timeout(timeout))
+    autopar_mesh = dataclasses.replace(autopar_mesh, group_names=groups.axis_names)
+    _check_weights_agree(model, groups.world)
     options: dict[str, Any] = dict(
         registry=registry,
         rank=dist.get_rank(),
         planner=planner,
-        agree=_agree_across_ranks,
+        agree=functools.partial(_agree_across_ranks, group=groups.world),
         schedule=schedule,
         hardware=hardware,
         memory_limit=memory_limit,
@@ -135,12 +149,15 @@ def parallelize(
         compile=compile_call,
         example_flat=flat,
         check_inputs=check_inputs,
+        groups=groups,
     )
     result.mesh_choice = choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
     return result
 
 
-def _agree_across_ranks(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Plan:
+def _agree_across_ranks(
+    gm: fx.GraphModule, make_plan: Callable[[], Plan], group: dist.ProcessGroup | None = None
+) -> Plan:
     """Rank 0 plans and broadcasts; every rank first checks that all traced the same graph.
 
     Failures travel with the broadcast, so a rank whose planning raised never leaves the others
@@ -148,14 +165,14 @@ def _agree_across_ranks(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Pl
     """
     mine = graph_fingerprint(gm)
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=group)
     differing = [r for r, f in enumerate(everyone) if f != mine]
     if differing:
         raise AutoparError(
             f"ranks traced different graphs (this rank differs from ranks {differing})",
             hint="every rank must call parallelize with the same model code, shapes and dtypes",
         )
-    return decided_on_rank0(make_plan, "planning")
+    return decided_on_rank0(make_plan, "planning", group)
 
 
 def _check_mesh(mesh: Any) -> Mesh:
@@ -179,11 +196,11 @@ def _check_mesh(mesh: Any) -> Mesh:
     return Mesh.from_device_mesh(mesh)
 
 
-def _check_weights_agree(model: nn.Module) -> None:
+def _check_weights_agree(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Every rank must start from the same weights; otherwise each stores its block of its own
     weights and the result mixes them. One all-gather of four numbers per tensor finds out."""
     named = [*model.named_parameters(), *model.named_buffers()]
-    differing = first_disagreement(named)
+    differing = first_disagreement(named, group)
     if differing is not None:
         name, rank = differing
         raise AutoparError(

@@ -194,3 +194,50 @@ def _own_frames(dump: str) -> str:
     lines = dump.strip().splitlines()
     cut = next((i for i, line in enumerate(lines) if line.endswith(" in _child")), len(lines) - 1)
     return "\n".join(lines[: cut + 1])
+
+
+def run_ranks_with_faults(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0
+) -> list[tuple[str, Any, float]]:
+    """Like `run_ranks`, for jobs in which ranks are meant to fail: no rank is killed because
+    another failed. Returns each rank's (status, value or traceback, seconds from the start until
+    it answered or died); status is "ok", "raised", "died", or "hung" for a rank still running at
+    `timeout` (then killed)."""
+    ctx = mp.get_context("fork")
+    procs: list[Any] = []
+    ended: dict[int, tuple[str, Any, float]] = {}
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="autopar-faults-") as tmp:
+        readers: dict[Connection, int] = {}
+        try:
+            for rank in range(world_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_child, args=(rank, world_size, fn, args, writer, tmp, timeout))
+                p.start()
+                writer.close()
+                procs.append(p)
+                readers[reader] = rank
+            deadline = start + timeout
+            while readers and (remaining := deadline - time.monotonic()) > 0:
+                for conn in wait(list(readers), timeout=remaining):
+                    assert isinstance(conn, Connection)
+                    rank = readers.pop(conn)
+                    seconds = time.monotonic() - start
+                    try:
+                        status, value = pickle.loads(conn.recv_bytes())
+                    except EOFError:
+                        procs[rank].join(timeout=1.0)
+                        status, value = "died", f"exit code {procs[rank].exitcode}"
+                    conn.close()
+                    ended[rank] = (status, value, seconds)
+        finally:
+            for conn, rank in readers.items():
+                conn.close()
+                ended[rank] = ("hung", "", time.monotonic() - start)
+                procs[rank].kill()
+            for p in procs:
+                p.join(timeout=5.0)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return [ended[rank] for rank in range(world_size)]

@@ -71,6 +71,10 @@ class IndexOutOfRangeError(AutoparError, IndexError):
     IndexError as the serial model's."""
 
 
+class RankFailureError(AutoparError, RuntimeError):
+    """A collective broke or timed out because another rank failed, left or never came."""
+
+
 class UsageError(AutoparError, ValueError):
     """An argument that cannot work (a malformed spec, a module that does not import)."""
 

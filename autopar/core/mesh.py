@@ -25,6 +25,9 @@ class Mesh:
     shape: tuple[int, ...]
     device_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     in_process: int = 0
+    # the process groups collectives use per rank axis (autopar's own, with its timeout); None: the
+    # DeviceMesh's
+    group_names: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.axis_names) != len(self.shape):
@@ -70,7 +73,9 @@ class Mesh:
 
     def with_chunks(self, chunks: int, name: str = "chunk") -> Mesh:
         """This mesh with one more, in-process axis of `chunks` batch chunks (over-decomposition)."""
-        return Mesh((*self.axis_names, name), (*self.shape, chunks), self.device_mesh, self.in_process + 1)
+        return Mesh(
+            (*self.axis_names, name), (*self.shape, chunks), self.device_mesh, self.in_process + 1, self.group_names
+        )
 
     def coords_of(self, rank_in_mesh: int) -> tuple[int, ...]:
         """Row-major coordinates of the rank's position in the mesh (DeviceMesh convention)."""
@@ -91,6 +96,8 @@ class Mesh:
     def group_name(self, axis: int) -> str:
         if self.is_in_process(axis):
             return f"<{self.axis_names[axis]}>"
+        if self.group_names is not None:
+            return self.group_names[axis]
         if self.device_mesh is None:
             raise MeshError("this mesh has no process groups (planning-only mesh)")
         return self.device_mesh.get_group(axis).group_name

@@ -17,8 +17,8 @@ from autopar.core.errors import AutoparError
 T = TypeVar("T")
 
 
-def decided_on_rank0(decide: Callable[[], T], what: str) -> T:
-    """`decide()` on rank 0, its result (or its error) on every rank."""
+def decided_on_rank0(decide: Callable[[], T], what: str, group: dist.ProcessGroup | None = None) -> T:
+    """`decide()` on rank 0, its result (or its error) on every rank (of `group`: all ranks)."""
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
@@ -28,7 +28,7 @@ def decided_on_rank0(decide: Callable[[], T], what: str) -> T:
                 exc if isinstance(exc, AutoparError) else AutoparError(f"{what} failed on rank 0: {exc!r}")
             )
             payload[0] = ("error", error)
-    dist.broadcast_object_list(payload, src=0)
+    dist.broadcast_object_list(payload, src=0, group=group)
     kind, value = payload[0]
     if kind == "error":
         raise value
@@ -51,12 +51,14 @@ def fingerprint(tensor: torch.Tensor) -> tuple[float, float, float, float]:
     )
 
 
-def first_disagreement(named: list[tuple[str, torch.Tensor]]) -> tuple[str, int] | None:
+def first_disagreement(
+    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None = None
+) -> tuple[str, int] | None:
     """The first of `named` whose value differs between ranks, and a rank that differs from rank
     0; None when all agree. Every rank gets the same answer (one all-gather of the fingerprints)."""
     mine = [fingerprint(t) for _, t in named]
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=group)
     for index, (name, _) in enumerate(named):
         for rank, theirs in enumerate(everyone):
             if not _same(theirs[index], everyone[0][index]):

@@ -13,9 +13,11 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
@@ -28,6 +30,7 @@ from autopar.core.layout import Layout, Partial, Shard
 from autopar.core.mesh import Mesh
 from autopar.core.meta import IndexCheck, OutputStructure
 from autopar.runtime.agreement import first_disagreement
+from autopar.runtime.groups import Groups, failures_named
 from autopar.runtime.program import EmittedProgram, local_value
 
 
@@ -45,8 +48,12 @@ def to_dtensor_placements(layout: Layout) -> list[Any]:
 
 class _RunProgram(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, program: EmittedProgram, num_outputs: int, *flat: torch.Tensor) -> Any:
-        results = program.forward(*flat)
+    def forward(
+        ctx: Any, program: EmittedProgram, num_outputs: int, timeout: timedelta | None, *flat: torch.Tensor
+    ) -> Any:
+        with failures_named(timeout):
+            results = program.forward(*flat)
+        ctx.timeout = timeout
         outputs, saved = results[:num_outputs], results[num_outputs:]
         ctx.program = program
         ctx.save_for_backward(*saved)
@@ -70,9 +77,11 @@ class _RunProgram(torch.autograd.Function):
                     layout.local_shape(_mesh_shape_of(program), program.coords), dtype=layout.dtype
                 )
             tangents.append(grad.contiguous())
-        param_grads = program.backward(*ctx.saved_tensors, *tangents)
+        with failures_named(ctx.timeout):
+            param_grads = program.backward(*ctx.saved_tensors, *tangents)
         rest = [None] * (ctx.num_flat - ctx.num_params)
-        return (None, None, *param_grads, *rest)
+        return (None, None, None, *param_grads, *rest)
+
 
 
 def _mesh_shape_of(program: EmittedProgram) -> tuple[int, ...]:
@@ -118,6 +127,7 @@ class ParallelModule(nn.Module):
         compile: Compile | None = None,
         example_flat: Sequence[Any] | None = None,
         check_inputs: bool = False,
+        groups: Groups | None = None,
     ) -> None:
         super().__init__()
         assert mesh.device_mesh is not None
@@ -127,6 +137,7 @@ class ParallelModule(nn.Module):
         self._example_specs = list(example_specs)
         self._compile = compile
         self._check_inputs_agree = check_inputs
+        self._groups = groups
         self._positional_names = _positional_names(source)  # to name inputs in errors
         self.report = report
         self.training = source.training
@@ -169,9 +180,12 @@ class ParallelModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
         _refuse_input_gradients(flat)
-        if self._check_inputs_agree:
-            _refuse_differing_inputs(flat, input_names(args, kwargs, self._positional_names))
-        run = self._program_for(args, kwargs, flat, spec)
+        timeout = self._groups.timeout if self._groups is not None else None
+        with failures_named(timeout):  # the input check and a compile's agreement are collectives
+            if self._check_inputs_agree:
+                names = input_names(args, kwargs, self._positional_names)
+                _refuse_differing_inputs(flat, names, self._groups.world if self._groups else None)
+            run = self._program_for(args, kwargs, flat, spec)
         program = run.program
         shape = tuple(self._mesh.shape)
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
@@ -179,7 +193,7 @@ class ParallelModule(nn.Module):
         local_inputs = [local_value(x, layout, shape, program.coords) for x, layout in zip(tensors, program.input_layouts)]
         local_params = [self._local_param(run, name) for name in program.param_names]
         num_outputs = len(program.output_layouts)
-        outputs = _RunProgram.apply(program, num_outputs, *local_params, *local_inputs)
+        outputs = _RunProgram.apply(program, num_outputs, timeout, *local_params, *local_inputs)
         user = num_outputs - len(program.buffer_updates)
         with torch.no_grad():  # the forward's updates of its buffers (BatchNorm running stats)
             for name, value in zip(program.buffer_updates, outputs[user:]):
@@ -367,11 +381,11 @@ def _positional_names(model: nn.Module) -> list[str]:
     return [p.name for p in parameters if p.kind in kinds]
 
 
-def _refuse_differing_inputs(flat: Sequence[Any], names: Sequence[str]) -> None:
+def _refuse_differing_inputs(flat: Sequence[Any], names: Sequence[str], group: dist.ProcessGroup | None) -> None:
     """Every rank must pass the same global batch; ranks that pass their own shards (as with a
     DistributedSampler) would train on a mixture, so the call is refused on every rank alike."""
     tensors = list(zip(names, [x for x in flat if isinstance(x, torch.Tensor)]))
-    differing = first_disagreement(tensors)
+    differing = first_disagreement(tensors, group)
     if differing is not None:
         name, rank = differing
         raise InputMismatchError(

@@ -1,0 +1,155 @@
+"""Bounded failure: process groups whose waits end, and the first failure named on every rank.
+
+torch creates a DeviceMesh's axis groups with its default timeout (30 minutes), whatever
+`init_process_group(timeout=...)` says, so a rank that died left the ranks that share no group
+with it blocked for half an hour. `parallelize` makes its own groups for every mesh axis and one
+over all ranks for its agreement checks, all with its `timeout`, meets every rank first at a
+monitored barrier (gloo names the ranks that never came) and records the first failure of a step
+in the job's store, so that a rank whose collective broke can say which rank failed first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.core.errors import AutoparError, RankFailureError, UsageError
+
+DEFAULT_TIMEOUT_S = 300.0  # a step of a large model on slow links stays well under this
+FIRST_FAILURE_KEY = "autopar/first_failure"
+REPORTED_PREFIX = "autopar/saw_broken_collective/"
+REPORT_WAIT_S = 5.0  # how long a rank waits for the others to report a broken collective too
+
+
+@dataclass(frozen=True)
+class Groups:
+    """autopar's own process groups: one over all ranks, and this rank's group along each axis."""
+
+    world: dist.ProcessGroup
+    axis_names: tuple[str, ...]  # group names, as the emitted collectives address them
+    timeout: timedelta
+
+
+def as_timeout(value: float | timedelta) -> timedelta:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not seconds > 0:
+        raise UsageError(f"timeout must be a positive number of seconds, got {value!r}", hint="for example 300")
+    return timedelta(seconds=seconds)
+
+
+def make_groups(device_mesh: DeviceMesh, timeout: timedelta) -> Groups:
+    """Every rank meets at a barrier bounded by `timeout`, then builds the groups (a collective
+    call: every rank of the job runs it in the same order)."""
+    meet_every_rank(timeout)
+    world = dist.new_group(timeout=timeout)
+    ranks = device_mesh.mesh
+    names = []
+    for axis in range(ranks.ndim):
+        rows = ranks.movedim(axis, -1).reshape(-1, ranks.shape[axis]).tolist()
+        mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
+        names.append(mine.group_name)
+    return Groups(world, tuple(names), timeout)
+
+
+def meet_every_rank(timeout: timedelta) -> None:
+    """Wait at most `timeout` for every rank to reach this point. gloo's monitored barrier names
+    the ranks that did not come; other backends have none, and meet at the first collective."""
+    if dist.get_backend() != "gloo":
+        return
+    try:
+        dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as exc:
+        raise RankFailureError(
+            f"not every rank called parallelize within {timeout.total_seconds():g} s: {_first_line(exc)}",
+            hint="every rank of the job must call parallelize (the same model and inputs); a rank that "
+            "raised before it says why in its own log; parallelize(..., timeout=) sets the bound",
+        ) from exc
+
+
+def record_failure(rank: int, exc: BaseException) -> None:
+    """Keep the job's first failure in its store (later ones leave it), for the other ranks' errors."""
+    with contextlib.suppress(Exception):  # no store, or its host is gone: nothing to keep
+        store = dist.distributed_c10d._get_default_store()
+        store.compare_set(FIRST_FAILURE_KEY, "", f"rank {rank}: {type(exc).__name__}: {_first_line(exc)}")
+
+
+def first_failure() -> str | None:
+    """The first failure a rank recorded in this job, if any rank did and the store answers."""
+    with contextlib.suppress(Exception):
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([FIRST_FAILURE_KEY]):
+            return store.get(FIRST_FAILURE_KEY).decode()
+    return None
+
+
+def failure_error(rank: int, exc: BaseException, timeout: timedelta | None) -> RankFailureError:
+    """The error a rank raises when a collective of its step broke: what it saw, the first failure
+    of a rank's own computation recorded in the job, and the ranks that did not report a broken
+    collective themselves (the one that failed or was killed, or one still waiting)."""
+    first = first_failure()
+    silent = _silent_ranks(rank, REPORT_WAIT_S)
+    bound = f" (waits end after {timeout.total_seconds():g} s)" if timeout is not None else ""
+    told = f"; first failure recorded in the job: {first}" if first else ""
+    if silent:
+        told += (
+            f"; ranks that did not report a broken collective within {REPORT_WAIT_S:g} s (failed "
+            f"first, killed, or still waiting): {silent}"
+        )
+    return RankFailureError(
+        f"a collective failed on rank {rank}{bound}: {_first_line(exc)}{told}",
+        hint="another rank failed, was killed or stopped calling the module: look at the first "
+        "failing rank's error; every rank must run the same steps",
+    )
+
+
+@contextlib.contextmanager
+def failures_named(timeout: timedelta | None) -> Iterator[None]:
+    """Around a step's collectives: a failure is recorded as the job's first if none was, and a
+    broken or timed-out collective becomes a `RankFailureError` naming the first failure recorded.
+    An AutoparError passes as it is: every rank raises it alike (mismatched inputs, bad indices)."""
+    try:
+        yield
+    except AutoparError:
+        raise
+    except Exception as exc:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if is_collective_failure(exc):  # a consequence of another rank's failure
+            raise failure_error(rank, exc, timeout) from exc
+        record_failure(rank, exc)  # this rank's own: the others' errors name it
+        raise
+
+
+def _silent_ranks(rank: int, wait_s: float) -> list[int]:
+    """Say in the store that this rank saw a broken collective, and wait up to `wait_s` for the
+    others to say it too: those that never do are the likely cause. [] without a store."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        world = dist.get_world_size()
+        store.set(f"{REPORTED_PREFIX}{rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            silent = [r for r in range(world) if not store.check([f"{REPORTED_PREFIX}{r}"])]
+            if not silent or time.monotonic() > deadline:
+                return silent
+            time.sleep(0.1)
+    except Exception:  # the store's host is gone: nothing more to learn
+        return []
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """A failure of the transport or a wait, as opposed to an error of this rank's own computation."""
+    text = f"{type(exc).__name__}: {exc}"
+    return isinstance(exc, dist.DistError) or any(
+        mark in text for mark in ("gloo", "Connection closed", "Timed out", "timed out", "NCCL", "DistBackendError")
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
