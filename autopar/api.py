@@ -23,7 +23,7 @@ from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh
 from autopar.compiler.driver import compile_for_rank, example_tuple, graph_fingerprint, structure_copy
 from autopar.compiler.fixed import compare_fixed
 from autopar.compiler.pricing import Compared, PlanResult, price
-from autopar.core.errors import AutoparError, MeshError
+from autopar.core.errors import AutoparError, MeshError, UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import OutputStructure, signature
 from autopar.core.plan import Plan
@@ -212,7 +212,10 @@ def _check_weights_agree(model: nn.Module, group: dist.ProcessGroup | None = Non
 
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
-        raise AutoparError(f"expected an nn.Module, got {type(model).__name__}")
+        raise UsageError(
+            f"model must be an nn.Module, got {type(model).__name__}",
+            hint="wrap a function in an nn.Module whose forward calls it",
+        )
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if meta:
         raise AutoparError(

@@ -144,6 +144,7 @@ def compile_for_rank(
     rank from one trace, as each process of a real job traces once).
     """
     example_inputs = example_tuple(example_inputs, example_kwargs)
+    check_options(model, mesh, coords, memory_limit, in_flight_bytes)
     registry = registry if registry is not None else default_registry()
     candidates = _chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
@@ -200,6 +201,30 @@ def compile_for_rank(
         timelines = (unscheduled, simulate(gm, work, modeled_on))
         write_timeline(path, timelines, rank)
     return Compiled(gm, program, report, timelines, work, chunks, step_times)
+
+
+def check_options(
+    model: Any, mesh: Mesh, coords: Sequence[int] | None, memory_limit: float | None, in_flight_bytes: int | None
+) -> None:
+    """Arguments that cannot work, refused by name before anything is traced."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(
+            f"model must be an nn.Module, got {type(model).__name__}",
+            hint="wrap a function in an nn.Module whose forward calls it",
+        )
+    if coords is not None:
+        coords = tuple(coords)
+        if len(coords) != mesh.ndim or any(not 0 <= c < n for c, n in zip(coords, mesh.shape)):
+            raise UsageError(
+                f"coords {coords} are not a rank of mesh {mesh}",
+                hint=f"give one coordinate per axis, each in 0..size-1 of mesh shape {mesh.shape}",
+            )
+    for name, value, least in (("memory_limit", memory_limit, 1), ("in_flight_bytes", in_flight_bytes, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= least):
+            raise UsageError(
+                f"{name} must be a number of bytes >= {least}, got {value!r}",
+                hint=f"for example {name}=40e9, or leave it out",
+            )
 
 
 def example_tuple(example_inputs: Any, example_kwargs: Any = None) -> tuple[Any, ...]:

@@ -155,7 +155,7 @@ def mesh_candidates(
 ) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
     """Every ordered factorization of `world_size` into 1..`max_axes` factors > 1, with names."""
     if world_size < 1:
-        raise MeshError(f"world size must be >= 1, got {world_size}")
+        raise MeshError(f"world size must be >= 1, got {world_size}", hint="the number of ranks of the job")
     if world_size == 1:
         return [((1,), ("x",))]
     result = []

@@ -179,7 +179,7 @@ class ParallelModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
-        _refuse_input_gradients(flat)
+        _refuse_input_gradients(flat, input_names(args, kwargs, self._positional_names))
         timeout = self._groups.timeout if self._groups is not None else None
         with failures_named(timeout):  # the input check and a compile's agreement are collectives
             if self._check_inputs_agree:
@@ -313,15 +313,16 @@ class ParallelModule(nn.Module):
         return str(self.report) if self.report is not None else ""
 
 
-def _refuse_input_gradients(flat: Sequence[Any]) -> None:
+def _refuse_input_gradients(flat: Sequence[Any], names: Sequence[str]) -> None:
     """The programs return gradients of parameters only: an input that wants one would silently
     get none, so such a call is refused."""
     if not torch.is_grad_enabled():
         return
-    wanting = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    wanting = [name for name, x in zip(names, tensors) if x.requires_grad]
     if wanting:
         raise InputMismatchError(
-            f"input {wanting[0]} requires a gradient, which the parallel module does not compute",
+            f"{wanting[0]} requires a gradient, which the parallel module does not compute",
             hint="gradients reach parameters only: pass inputs that do not require grad (detach() them), "
             "or keep the part of the model that needs input gradients (saliency maps, adversarial "
             "examples) serial",

@@ -1,0 +1,197 @@
+"""The catalogue of bad inputs: one row per mistake a user can make (mesh, example inputs, call-time
+inputs, models, options, dump paths, hardware tables, memory limits), each asserting the
+AutoparError subclass and that the message names the offending thing. Rows that need a process
+group run together in one forked single-rank job. Faults of other ranks (killed, raising, absent)
+are in tests/test_rank_failures.py; inputs that must give the serial result (NaN, frozen weights,
+uneven dims) in the lockstep and gloo tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from multirank import run_ranks
+from test_autograd_functions import Checkpointed, QuantizedMLP, RoundStraightThrough
+
+import autopar
+from autopar.api import compile_for_rank
+from autopar.core.errors import (
+    IndexOutOfRangeError,
+    InputMismatchError,
+    InternalError,
+    MemoryLimitError,
+    MeshError,
+    MissingRuleError,
+    ShardingError,
+    TraceError,
+    UnknownHardwareError,
+    UsageError,
+)
+from autopar.core.mesh import Mesh
+from autopar.passes.trace import DATA_DEPENDENT_HINT, VALUE_DEPENDENT_HINT
+from examples import torch_models
+from examples.models import make_mlp
+
+
+class ChecksItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # Python control flow on a tensor's value
+            return F.cross_entropy(self.proj(x), y)
+        return F.cross_entropy(self.proj(-x), y)
+
+
+class Poisson(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return (h + torch.poisson(h.abs())).sum()
+
+
+class TinyWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1, 1))
+        self.proj = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.proj(x) * self.scale, y)
+
+
+MLP, BATCH = make_mlp(0)
+MESH2 = Mesh.from_shape((2,))
+
+
+def _compile(model: Any = MLP, inputs: Any = BATCH, mesh: Mesh = MESH2, **options: Any) -> Any:
+    return compile_for_rank(model, mesh, inputs, coords=options.pop("coords", (0,)), **options)
+
+
+# (id, call, error class, text the message must contain)
+IN_PROCESS: list[tuple[str, Callable[[], Any], type, str]] = [
+    ("mesh-empty", lambda: autopar.plan(MLP, (), BATCH), MeshError, "a mesh needs at least one axis"),
+    ("mesh-float", lambda: autopar.plan(MLP, (2.0, 2), BATCH), MeshError, "integers, got (2.0, 2)"),
+    ("mesh-zero-axis", lambda: autopar.plan(MLP, (0, 2), BATCH), MeshError, ">= 1, got (0, 2)"),
+    ("mesh-string", lambda: autopar.plan(MLP, "2x2", BATCH), autopar.AutoparError, "mesh_shape '2x2'"),
+    ("world-size-zero", lambda: autopar.plan(MLP, "auto", BATCH, world_size=0), MeshError, "world size must be >= 1, got 0"),
+    ("mesh-names-repeat", lambda: Mesh(("x", "x"), (2, 2)), MeshError, "mesh axis names repeat"),
+    ("hardware-unknown", lambda: autopar.plan(MLP, (2,), BATCH, hardware="nope"), UnknownHardwareError, "'nope'"),
+    ("hardware-path", lambda: autopar.plan(MLP, (2,), BATCH, hardware="/no/such.json"), UnknownHardwareError, "/no/such.json"),
+    ("inputs-none", lambda: _compile(inputs=None), UsageError, "example_inputs must be a tuple"),
+    ("inputs-a-tensor", lambda: _compile(inputs=BATCH[0]), UsageError, "got Tensor"),
+    ("kwargs-a-list", lambda: autopar.plan(MLP, (2,), BATCH, example_kwargs=[1]), UsageError, "example_kwargs must be a dict"),
+    ("model-a-function", lambda: _compile(model=lambda x, y: x), UsageError, "model must be an nn.Module, got function"),
+    ("planner-unknown", lambda: _compile(planner="fastest"), autopar.AutoparError, "unknown planner 'fastest'"),
+    ("over-decompose-negative", lambda: _compile(over_decompose=-1), autopar.AutoparError, "over_decompose=-1"),
+    ("over-decompose-word", lambda: _compile(over_decompose="fast"), autopar.AutoparError, "over_decompose='fast'"),
+    ("memory-limit-negative", lambda: _compile(memory_limit=-1.0), UsageError, "memory_limit must be"),
+    ("memory-limit-too-small", lambda: _compile(memory_limit=1000.0), MemoryLimitError, "no plan fits the memory limit"),
+    ("in-flight-negative", lambda: _compile(in_flight_bytes=-5), UsageError, "in_flight_bytes must be"),
+    ("coords-outside-mesh", lambda: _compile(coords=(5,)), UsageError, "coords (5,) are not a rank"),
+    ("coords-wrong-length", lambda: _compile(coords=(0, 0)), UsageError, "coords (0, 0) are not a rank"),
+    ("dump-dir-a-file", lambda: _compile(dump_dir=__file__), UsageError, "cannot write debug dumps to"),
+    ("dump-dir-unwritable", lambda: _compile(dump_dir="/proc/autopar-dumps"), UsageError, "/proc/autopar-dumps"),
+    ("control-flow-on-a-value", lambda: _compile(model=ChecksItsInput()), TraceError, "torch.export could not trace"),
+    ("data-dependent-size", lambda: _compile(torch_models.SparseMoE(), torch_models.batch()), TraceError, "SparseMoE"),
+    ("custom-autograd-function", lambda: _compile(QuantizedMLP(RoundStraightThrough), _mlp_batch()), TraceError, "RoundStraightThrough"),
+    ("reentrant-checkpoint", lambda: _compile(Checkpointed(True), _grad_batch()), TraceError, "CheckpointFunction"),
+    ("random-op-without-rule", lambda: _compile(model=Poisson()), MissingRuleError, "aten.poisson"),
+    ("weight-too-small-to-split", lambda: _compile(model=TinyWeight(), mesh=Mesh.from_shape((2, 2)), coords=(0, 0), memory_limit=1e9, planner="greedy"), ShardingError, "scale"),
+]
+
+
+def _mlp_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(8, 16, generator=gen), torch.randint(4, (8,), generator=gen)
+
+
+def _grad_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _mlp_batch()
+    return x.requires_grad_(), y
+
+
+HINTS = {"control-flow-on-a-value": VALUE_DEPENDENT_HINT, "data-dependent-size": DATA_DEPENDENT_HINT}
+
+
+@pytest.mark.parametrize(("call", "error", "text"), [row[1:] for row in IN_PROCESS], ids=[row[0] for row in IN_PROCESS])
+def test_in_process(call: Callable[[], Any], error: type, text: str, request: pytest.FixtureRequest) -> None:
+    with pytest.raises(error) as caught:
+        call()
+    assert text in str(caught.value), str(caught.value)
+    assert not isinstance(caught.value, InternalError)
+    assert caught.value.hint, "every error says what to do"
+    row = request.node.callspec.id
+    if row in HINTS:
+        assert caught.value.hint == HINTS[row]
+
+
+def _parallelize_rows(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
+    """Every row that needs a process group, in one single-rank job: row -> (error type, text)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("x",))
+    model, (x, y) = make_mlp(0)
+    rows: dict[str, Callable[[], Any]] = {
+        "mesh-not-a-device-mesh": lambda: autopar.parallelize(model, (2, 2), example_inputs=(x, y)),
+        "mesh-five-axes": lambda: autopar.parallelize(
+            model, init_device_mesh("cpu", (1, 1, 1, 1, 1)), example_inputs=(x, y)
+        ),
+        "model-on-meta": lambda: autopar.parallelize(make_mlp(0)[0].to("meta"), mesh, example_inputs=(x, y)),
+        "timeout-zero": lambda: autopar.parallelize(model, mesh, example_inputs=(x, y), timeout=0),
+    }
+    pmodel = autopar.parallelize(model, mesh, example_inputs=(x, y))
+    bad_y = y.clone()
+    bad_y[3] = 99
+    rows.update(
+        {
+            "call-input-wants-grad": lambda: pmodel(x.clone().requires_grad_(), y),
+            "call-target-out-of-range": lambda: pmodel(x, bad_y),
+            "call-negative-target": lambda: pmodel(x, y - 20),
+            "call-keyword-unknown": lambda: pmodel(x, y, labels=y),
+        }
+    )
+    found = {}
+    for name, row in rows.items():
+        try:
+            row()
+            found[name] = ("no error", "")
+        except autopar.AutoparError as exc:
+            found[name] = (type(exc).__name__, f"{exc}\nhint? {bool(exc.hint)}")
+        except Exception as exc:  # a raw error reaching the user: the test fails on it
+            found[name] = (f"raw {type(exc).__name__}", str(exc))
+    return found
+
+
+WITH_PROCESS_GROUP = {
+    "mesh-not-a-device-mesh": (MeshError, "mesh must be a torch DeviceMesh"),
+    "mesh-five-axes": (MeshError, "meshes of 1 to 4 axes"),
+    "model-on-meta": (autopar.AutoparError, "parameters are on the meta device"),
+    "timeout-zero": (UsageError, "timeout must be a positive number of seconds, got 0"),
+    "call-input-wants-grad": (InputMismatchError, "x requires a gradient"),
+    "call-target-out-of-range": (IndexOutOfRangeError, "y holds 99"),
+    "call-negative-target": (IndexOutOfRangeError, "y holds -"),
+    "call-keyword-unknown": (TraceError, "labels"),
+}
+
+
+@pytest.mark.multirank
+def test_with_a_process_group() -> None:
+    (found,) = run_ranks(1, _parallelize_rows, timeout=180)
+    assert set(found) == set(WITH_PROCESS_GROUP)
+    for name, (error, text) in WITH_PROCESS_GROUP.items():
+        kind, message = found[name]
+        assert kind == error.__name__ or (error is autopar.AutoparError and not kind.startswith("raw")), (name, kind, message)
+        assert text in message and "hint? True" in message, (name, message)
+
+
+def test_the_catalogue_has_at_least_thirty_rows() -> None:
+    assert len(IN_PROCESS) + len(WITH_PROCESS_GROUP) >= 30
