@@ -487,6 +487,38 @@ def compile_every_rank(
     }
 
 
+def lockstep_step(
+    compiled: dict[Coords, Compiled],
+    model: nn.Module,
+    shape: tuple[int, ...],
+    args: tuple,
+    kwargs: dict,
+    record: dict[Coords, dict[str, object]] | None = None,
+) -> tuple[dict[Coords, list], dict[Coords, list]]:
+    """Every rank's forward, then backward from the first output (the loss), in lockstep from the
+    model's current weights, with the generator seeded 0 (as the serial call it is compared with):
+    each rank's forward outputs (then saved values) and parameter gradients."""
+    programs = {c: comp.program for c, comp in compiled.items()}
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    flat_inputs = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    fwd_args = {
+        c: [local_value(p.param_value(n, state).detach(), lay, shape, c) for n, lay in zip(p.param_names, p.param_layouts)]
+        + [local_value(x, lay, shape, c) for x, lay in zip(flat_inputs, p.input_layouts)]
+        for c, p in programs.items()
+    }
+    torch.manual_seed(0)  # dropout draws the serial model's numbers: the serial call starts here too
+    fwd = run_lockstep({c: p.forward for c, p in programs.items()}, fwd_args, shape, record)
+    bwd_args = {}
+    for c, p in programs.items():
+        tangents = [
+            (torch.ones if i == 0 else torch.zeros)(p.output_layouts[i].local_shape(shape, c), dtype=p.output_layouts[i].dtype)
+            for i in p.tangent_outputs
+        ]
+        bwd_args[c] = [*fwd[c][len(p.output_layouts) :], *tangents]
+    bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, shape, record)
+    return fwd, bwd
+
+
 def assert_call_matches_serial(
     model: nn.Module,
     shape: tuple[int, ...],
@@ -506,24 +538,10 @@ def assert_call_matches_serial(
     programs = {c: comp.program for c, comp in compiled.items()}
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     flat_inputs = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    fwd_args = {
-        c: [local_value(p.param_value(n, state).detach(), lay, shape, c) for n, lay in zip(p.param_names, p.param_layouts)]
-        + [local_value(x, lay, shape, c) for x, lay in zip(flat_inputs, p.input_layouts)]
-        for c, p in programs.items()
-    }
     joint = next(iter(compiled.values())).graph
     joint_args = _joint_args(joint, next(iter(programs.values())), state, flat_inputs)
     record: dict[Coords, dict[str, object]] = {}
-    torch.manual_seed(0)  # dropout draws the serial model's numbers: the serial call starts here too
-    fwd = run_lockstep({c: p.forward for c, p in programs.items()}, fwd_args, shape, record)
-    bwd_args = {}
-    for c, p in programs.items():
-        tangents = [
-            (torch.ones if i == 0 else torch.zeros)(p.output_layouts[i].local_shape(shape, c), dtype=p.output_layouts[i].dtype)
-            for i in p.tangent_outputs
-        ]
-        bwd_args[c] = [*fwd[c][len(p.output_layouts) :], *tangents]
-    bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, shape, record)
+    fwd, bwd = lockstep_step(compiled, model, shape, args, kwargs, record)
 
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
