@@ -39,9 +39,11 @@ BATCH_NORM = [
     aten._native_batch_norm_legit.no_stats,
     aten.native_batch_norm_backward.default,
 ]
+GROUP_NORM = [aten.native_group_norm.default, aten.native_group_norm_backward.default]
 GATHER_SCATTER = [aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default]
 
 COVERED_OPS = [
+    *GROUP_NORM,
     aten.embedding.default,
     aten.embedding_dense_backward.default,
     SDPA,
@@ -334,3 +336,23 @@ def test_convolution(data: st.DataObject, mesh: tuple[int, ...], backward: bool)
     bias_sizes = [c_out] if bias is not None else None
     args = (grad, x, weight, bias_sizes, *conv_args, mask)
     assert check_random_strategies(data, aten.convolution_backward.default, args, {}, mesh, REGISTRY)
+
+
+@pytest.mark.parametrize("op", GROUP_NORM, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes(), affine=st.booleans(), groups=st.sampled_from([1, 2]))
+def test_group_norm(data: st.DataObject, mesh: tuple[int, ...], op: object, affine: bool, groups: int) -> None:
+    """Per-sample statistics: the batch splits (N passed as each rank's block of it)."""
+    g = _gen(data)
+    shape = list(data.draw(tensor_shapes(mesh, min_dims=2, max_dims=4, allow_one=False)))
+    shape[1] = 2 * groups
+    n, channels, hxw = shape[0], shape[1], int(torch.tensor(shape[2:]).prod()) if len(shape) > 2 else 1
+    x = random_tensor(tuple(shape), generator=g)
+    weight, bias = (random_tensor((channels,), generator=g) for _ in range(2)) if affine else (None, None)
+    if op == aten.native_group_norm.default:
+        args: tuple = (x, weight, bias, n, channels, hxw, groups, 1e-5)
+    else:
+        _, mean, rstd = aten.native_group_norm.default(x, weight, bias, n, channels, hxw, groups, 1e-5)
+        grad = random_tensor(tuple(shape), generator=g)
+        args = (grad, x, mean, rstd, weight, n, channels, hxw, groups, [True, affine, affine])
+    assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)

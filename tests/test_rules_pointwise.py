@@ -51,6 +51,8 @@ ARGS: dict[object, tuple[object, ...]] = {
     aten.sub.Scalar: ("f", 1.5),
     aten.rsub.Scalar: ("f", 1.5),
     aten.clamp.default: ("f", -0.5, 0.5),
+    aten.clamp_min.default: ("f", -0.25),
+    aten.clamp_max.default: ("f", 0.25),
     aten.logical_not.default: ("b",),
     aten.bitwise_not.default: ("i",),
     aten.eq.Scalar: ("i", 1),
@@ -117,7 +119,7 @@ INT_ARGS: dict[object, tuple[object, ...]] = {
     aten.sub.Tensor: ("i", "f"),
 }
 
-COVERED_OPS = [*ARGS, aten.masked_fill.Scalar]
+COVERED_OPS = [*ARGS, aten.masked_fill.Scalar, aten.masked_fill.Tensor]
 
 
 @st.composite
@@ -170,3 +172,5 @@ def test_masked_fill(data: st.DataObject, mesh: tuple[int, ...], value: float) -
     out = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
     x, mask = make("f", out), make("b", data.draw(broadcast_shape(out)))
     assert check_random_strategies(data, aten.masked_fill.Scalar, (x, mask, value), {}, mesh, REGISTRY)
+    as_tensor = torch.tensor(value, dtype=x.dtype)  # masked_fill(mask, tensor): the Tensor overload
+    assert check_random_strategies(data, aten.masked_fill.Tensor, (x, mask, as_tensor), {}, mesh, REGISTRY)

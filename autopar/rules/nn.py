@@ -289,6 +289,29 @@ def batch_norm_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, result)
 
 
+def group_norm_rule(call: OpCall) -> list[AxisStrategy]:
+    """native_group_norm(x, w, b, N, C, HxW, groups, eps) -> (out, mean, rstd) and its backward
+    (grad, x, mean, rstd, w, N, C, HxW, groups, mask) -> (grad_x, grad_w, grad_b): each sample is
+    normalized alone, so the batch dim splits (per-sample statistics with it, per-channel weight
+    gradients as pending sums); the channels of a group are normalized together and stay whole."""
+    if call.inputs[0].shape[0] < 2:
+        return with_replicated(call, [])
+    ins = tuple(Shard(0) if spec.ndim >= 2 else R for spec in call.inputs)
+    backward = call.op == aten.native_group_norm_backward.default
+    if backward and not partial_ok(call.inputs, call.outputs):
+        return with_replicated(call, [])
+    outs = tuple(Shard(0) if spec.ndim >= 2 else P for spec in call.outputs)
+    return with_replicated(call, [AxisStrategy(ins, outs)])
+
+
+def localize_group_norm(ctx: LocalContext) -> LocalCall:
+    """The op takes the batch size N as a number: a rank with a block of the batch passes its own."""
+    at = 5 if ctx.call.op == aten.native_group_norm_backward.default else 3
+    args = list(ctx.args)
+    args[at] = ctx.strategy.inputs[0].local_shape(ctx.mesh_shape, ctx.coords)[0]  # x, or grad (x's shape)
+    return LocalCall(ctx.call.op, tuple(args), ctx.kwargs)
+
+
 # ---------------------------------------------------------------- convolution
 
 
@@ -407,6 +430,8 @@ def register(registry: RuleRegistry) -> None:
         localize=localize_convolution_backward,
         anchor=True,
     )
+    for op in (aten.native_group_norm.default, aten.native_group_norm_backward.default):
+        rules.register(op, group_norm_rule, localize=localize_group_norm)
     rules.register(aten.mse_loss.default, mse_loss_rule, localize=localize_mse_loss)
     rules.register(
         aten.mse_loss_backward.default,

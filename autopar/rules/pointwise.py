@@ -163,6 +163,8 @@ TABLE: dict[object, Linearity] = {
     aten.sub.Scalar: NONE,
     aten.rsub.Scalar: NONE,
     aten.clamp.default: NONE,
+    aten.clamp_min.default: NONE,  # Swin v2's logit scale, EfficientFormer
+    aten.clamp_max.default: NONE,
     aten.logical_not.default: NONE,
     aten.bitwise_not.default: NONE,
     # comparisons (bool outputs are never Partial)
@@ -218,3 +220,4 @@ def register(registry: RuleRegistry) -> None:
     for op, linear in TABLE.items():
         rules.register(op, pointwise_rule(linear))
     rules.register(aten.masked_fill.Scalar, masked_fill_rule)
+    rules.register(aten.masked_fill.Tensor, pointwise_rule(NONE))  # a 0-d tensor value: filled as is
