@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.fx as fx
-from pass_fixtures import eager_step, run_joint
+from pass_fixtures import assert_call_matches_serial, eager_step, run_joint
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -240,3 +240,34 @@ def test_the_parts_of_a_cut_fused_linear_share_one_view_of_their_input() -> None
     ]
     assert len(parts) == 3  # q, k and v
     assert len({n.args[1] for n in parts}) == 1  # one flattened input, so one redistribution of it
+
+
+class _PooledTokens(nn.Module):
+    """Swin's pooler: adaptive average pooling of (batch, channels, tokens), whose decomposition
+    restrides a keepdim mean with as_strided and whose backward writes a whole buffer with
+    as_strided_scatter; and a one-head relative-position table, far too small to split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 256)
+        self.table = nn.Parameter(torch.randn(3, 1))  # 3 of the model's 5 651 elements
+        self.pool = nn.AdaptiveAvgPool1d(1)
+        self.head = nn.Linear(256, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x) + self.table[1]
+        pooled = self.pool(h.transpose(1, 2)).flatten(1)
+        return nn.functional.cross_entropy(self.head(pooled), y)
+
+
+def test_whole_buffer_strided_ops_become_views_and_the_model_matches_serial() -> None:
+    torch.manual_seed(0)
+    model = _PooledTokens()
+    batch = (torch.randn(8, 6, 16), torch.randint(4, (8,)))
+    gm = trace(model, batch, decompose=True)
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.as_strided.default not in targets
+    assert torch.ops.aten.as_strided_scatter.default not in targets
+    compiled = assert_call_matches_serial(model, (2, 2, 2), batch)
+    report = str(next(iter(compiled.values())).report)
+    assert "too small to split): table" in report, report

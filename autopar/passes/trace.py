@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import re
 import traceback
 import warnings
@@ -98,6 +99,7 @@ def trace(
     restore()
     _merge_tied(gm, tied)
     _drop_identities(gm)
+    _simplify_strided(gm)
     _merge_repeated_calls(gm)
     signature(gm).index_checks = find_index_checks(gm)
     gm.graph.lint()
@@ -444,12 +446,69 @@ def _drop_identities(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
             gm.graph.erase_node(node)
             continue
-        if node.op == "call_function" and node.target in (
-            torch.ops.aten.detach.default,
-            torch.ops.aten.alias.default,
+        if node.op == "call_function" and (
+            node.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) or _is_restride(node)
         ):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+
+
+def _simplify_strided(gm: fx.GraphModule) -> None:
+    """`as_strided` and `as_strided_scatter` over a whole contiguous tensor in row-major strides
+    are a view and a full overwrite: rewritten as `view` and `clone` + `view`, which have rules.
+    Decompositions make them (adaptive average pooling's backward in Swin and FocalNet)."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.as_strided.default, aten.as_strided_scatter.default):
+            continue
+        scatter = node.target is aten.as_strided_scatter.default
+        base = node.args[0]
+        size, stride = node.args[2:4] if scatter else node.args[1:3]
+        offset = node.args[4 if scatter else 3] if len(node.args) > (4 if scatter else 3) else 0
+        val = base.meta.get("val") if isinstance(base, fx.Node) else None
+        if not (isinstance(val, torch.Tensor) and val.is_contiguous() and val.storage_offset() == 0):
+            continue
+        if offset not in (0, None) or math.prod(size) != val.numel() or not _row_major(size, stride):  # type: ignore[arg-type]
+            continue
+        with gm.graph.inserting_before(node):
+            if scatter:  # the whole of base overwritten by src, in row-major order
+                src = node.args[1]
+                copied = gm.graph.call_function(aten.clone.default, (src,), {"memory_format": torch.contiguous_format})
+                copied.meta.update(node.meta)
+                copied.meta["val"] = src.meta["val"].clone(memory_format=torch.contiguous_format)  # type: ignore[union-attr]
+                new = gm.graph.call_function(aten.view.default, (copied, list(val.shape)))
+            else:
+                new = gm.graph.call_function(aten.view.default, (base, list(size)))  # type: ignore[arg-type]
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+
+
+def _row_major(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """Contiguous strides for `size`, dims of length 1 aside (their stride is never used)."""
+    expected = 1
+    for n, s in reversed(list(zip(size, stride))):
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _is_restride(node: fx.Node) -> bool:
+    """`as_strided(x, size, stride, offset)` that reads exactly x's elements where x has them: x's
+    size and offset, and x's stride on every dim longer than 1. Decompositions restride this way
+    (adaptive average pooling's keepdim mean in Swin and FocalNet): the identity on values."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.as_strided.default:
+        return False
+    source = node.args[0]
+    val = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return False
+    size, stride = list(node.args[1]), list(node.args[2])  # type: ignore[arg-type]
+    offset = node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset")
+    if size != list(val.shape) or (offset is not None and offset != val.storage_offset()):
+        return False
+    return all(s == own for n, s, own in zip(size, stride, val.stride()) if n > 1)
 
 
 def _merge_repeated_calls(gm: fx.GraphModule) -> None:

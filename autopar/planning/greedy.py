@@ -49,6 +49,10 @@ FLOP_WEIGHT = 1.0 / 200.0  # a rank does ~200 flops in the time it sends one ele
 PARTIAL_WEIGHT = 1.0  # a pending sum will cost at least a reduce-scatter later
 BEAM = 3
 
+# a parameter at most this fraction of the model's elements may be stored whole where no split
+# fits it: what it adds to a rank's share is noise
+SMALL_PARAM_FRACTION = 1e-3
+
 
 def axis_roles(mesh: Mesh) -> tuple[str, ...]:
     """'token' or 'tensor' per axis: by name for data axes, else by position (x, y tensor; z token)."""
@@ -166,7 +170,11 @@ class _Greedy:
             )
 
     def _check_storage(self) -> None:
-        """Weights (2-D and up) must be stored split on every axis; vectors may stay replicated."""
+        """Weights (2-D and up) must be stored split on every axis; vectors, and tables too small
+        to matter (SMALL_PARAM_FRACTION of the model: Swin's relative-position bias of one head,
+        LeViT's attention biases), may stay replicated, as the report lists."""
+        params = [n for n in self.gm.graph.nodes if n.op == "placeholder" and info(n).role == "param"]
+        total = sum(math.prod(self.plan.layouts[n.name][0].shape) for n in params)
         for node in self.gm.graph.nodes:
             if node.op != "placeholder" or info(node).role != "param":
                 continue
@@ -174,7 +182,8 @@ class _Greedy:
             unsplit = [
                 a for a, p in enumerate(layout.placements) if isinstance(p, Replicate) and self.shape[a] > 1
             ]
-            if len(layout.shape) >= 2 and unsplit:
+            small = math.prod(layout.shape) <= SMALL_PARAM_FRACTION * total
+            if len(layout.shape) >= 2 and unsplit and not small:
                 axes = ", ".join(f"{self.mesh.axis_names[a]}={self.shape[a]}" for a in unsplit)
                 raise ShardingError(
                     f"parameter {info(node).param_name} of shape {list(layout.shape)} cannot be split "
