@@ -119,7 +119,8 @@ INT_ARGS: dict[object, tuple[object, ...]] = {
     aten.sub.Tensor: ("i", "f"),
 }
 
-COVERED_OPS = [*ARGS, aten.masked_fill.Scalar, aten.masked_fill.Tensor]
+COMPLEX_OPS = [aten.polar.default, aten._conj.default, aten.resolve_conj.default]
+COVERED_OPS = [*ARGS, aten.masked_fill.Scalar, aten.masked_fill.Tensor, *COMPLEX_OPS]
 
 
 @st.composite
@@ -174,3 +175,15 @@ def test_masked_fill(data: st.DataObject, mesh: tuple[int, ...], value: float) -
     assert check_random_strategies(data, aten.masked_fill.Scalar, (x, mask, value), {}, mesh, REGISTRY)
     as_tensor = torch.tensor(value, dtype=x.dtype)  # masked_fill(mask, tensor): the Tensor overload
     assert check_random_strategies(data, aten.masked_fill.Tensor, (x, mask, as_tensor), {}, mesh, REGISTRY)
+
+
+@pytest.mark.parametrize("op", COMPLEX_OPS, ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes())
+def test_complex(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    """Complex rotary embeddings (DeepSeek-V2): polar(abs, angle) and the conjugate its backward takes."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    re, im = random_tensor(shape, generator=g), random_tensor(shape, generator=g)
+    args = (re.abs() + 0.1, im) if op == aten.polar.default else (torch.complex(re, im),)
+    assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)

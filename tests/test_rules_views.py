@@ -35,7 +35,9 @@ SLICES = [aten.slice.Tensor, aten.select.int]
 BACKWARDS = [aten.slice_backward.default, aten.select_backward.default]
 SCATTERS = [aten.select_scatter.default, aten.slice_scatter.default]
 
+COMPLEX_VIEWS = [aten.view_as_complex.default, aten.view_as_real.default]
 COVERED_OPS = [
+    *COMPLEX_VIEWS,
     *RESHAPES,
     *IDENTITIES,
     *PERMUTES,
@@ -415,3 +417,14 @@ def test_select_and_slice_scatter(data: st.DataObject, mesh: tuple[int, ...], op
         src = random_tensor(aten.slice.Tensor(x, dim, start, end, step).shape, generator=g)
         args = (x, src, dim, start, end, step)
     assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)
+
+
+@pytest.mark.parametrize("op", COMPLEX_VIEWS, ids=str)
+@settings(max_examples=15, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes())
+def test_complex_views(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    pairs = random_tensor((*shape, 2), generator=g)
+    arg = pairs if op == aten.view_as_complex.default else torch.view_as_complex(pairs)
+    assert check_random_strategies(data, op, (arg,), {}, mesh, REGISTRY)

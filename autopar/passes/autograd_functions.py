@@ -28,6 +28,11 @@ DERIVATIVE_PRESERVING = frozenset(
 )
 
 
+# torch.library makes a Function for each custom op with register_autograd: export keeps the op
+# whole and the joint graph uses its registered backward, so nothing is lost
+CUSTOM_OP_FUNCTIONS = "torch._library."
+
+
 def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -47,6 +52,7 @@ def custom_functions(outputs: Iterable[object]) -> list[type]:
         if (
             isinstance(node, BackwardCFunction)
             and isinstance(cls, type)
+            and not cls.__module__.startswith(CUSTOM_OP_FUNCTIONS)
             and qualified_name(cls) not in DERIVATIVE_PRESERVING
             and cls not in found
         ):

@@ -191,6 +191,9 @@ TABLE: dict[object, Linearity] = {
     aten.floor_divide.default: NONE,
     aten.remainder.Scalar: NONE,  # CANINE's hash buckets
     aten.remainder.Tensor: NONE,
+    aten.polar.default: NONE,  # complex rotary frequencies (DeepSeek-V2)
+    aten._conj.default: NONE,  # and the backward of their complex product
+    aten.resolve_conj.default: NONE,
     # activations of vision and state-space models (MobileNet, LeViT, Apertus)
     aten.hardtanh.default: NONE,
     aten.hardswish.default: NONE,

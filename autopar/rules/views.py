@@ -425,7 +425,18 @@ def localize_assert_metadata(ctx: LocalContext) -> LocalCall:
     return LocalCall(ctx.call.op, (ctx.args[0], None, None, *ctx.args[3:]), kwargs)
 
 
+def complex_view_rule(call: OpCall) -> list[AxisStrategy]:
+    """view_as_complex ((..., 2) real -> (...) complex) and view_as_real (back): every dim but the
+    pair of real and imaginary parts keeps its place and may be split; complex values carry no
+    pending sums (no Partial for complex dtypes)."""
+    dims = min(call.inputs[0].ndim, call.outputs[0].ndim)
+    strategies = [AxisStrategy((Shard(d),), (Shard(d),)) for d in range(dims)]
+    return with_replicated(call, strategies)
+
+
 RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
+    aten.view_as_complex.default: complex_view_rule,
+    aten.view_as_real.default: complex_view_rule,
     aten.view.default: reshape_rule,
     aten._unsafe_view.default: reshape_rule,
     aten.t.default: transpose_rule,
