@@ -32,7 +32,9 @@ CORRECTION_OPS = [aten.var_mean.correction, aten.var.correction, aten.std.correc
 ALL_OPS = [aten.sum.default, aten.mean.default]
 
 ALONG_DIM_OPS = [aten.sort.default, aten.sort.stable, aten.topk.default]
+FFT_OPS = [aten._fft_c2c.default, aten._fft_r2c.default, aten._fft_c2r.default]
 COVERED_OPS = [
+    *FFT_OPS,
     *DIM_LIST_OPS,
     *SINGLE_DIM_OPS,
     *CORRECTION_OPS,
@@ -144,3 +146,22 @@ def test_histogram(data: st.DataObject, mesh: tuple[int, ...]) -> None:
     bins = data.draw(st.integers(1, 6))
     x = random_tensor(shape, torch.int64, generator=g, high=bins).to(torch.float64)
     assert check_random_strategies(data, aten.histc.default, (x, bins, 0, bins - 1), {}, mesh, REGISTRY)
+
+
+@pytest.mark.parametrize("op", FFT_OPS, ids=str)
+@settings(max_examples=15, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes(), two=st.booleans())
+def test_fft(data: st.DataObject, mesh: tuple[int, ...], op: object, two: bool) -> None:
+    """FNet's token mixing: the transformed dims stay whole, the others split."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=2, max_dims=3))
+    dims = [len(shape) - 2, len(shape) - 1] if two else [len(shape) - 1]
+    x = random_tensor(shape, generator=g)
+    if op == aten._fft_c2c.default:
+        args: tuple = (torch.complex(x, random_tensor(shape, generator=g)), dims, 0, True)
+    elif op == aten._fft_r2c.default:
+        args = (x, dims, 0, True)
+    else:  # the inverse of a one-sided transform: last dim n // 2 + 1 -> n
+        half = torch.fft.rfftn(x, dim=dims)
+        args = (half, dims, 2, shape[-1])
+    assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)

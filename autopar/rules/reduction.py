@@ -152,12 +152,26 @@ def histogram_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, result)
 
 
+def fft_rule(call: OpCall) -> list[AxisStrategy]:
+    """_fft_c2c / _fft_r2c / _fft_c2r(self, dim, ...): every output element mixes the whole of the
+    transformed dims, so those stay whole and the others split alike (FNet mixes tokens and hidden
+    features by a 2-D FFT). Linear, but complex values carry no pending sums."""
+    x = call.inputs[0]
+    transformed = {normalize_dim(d, x.ndim) for d in call.arg(1, "dim")}
+    strategies = [
+        AxisStrategy((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d not in transformed and x.shape[d] > 1
+    ]
+    return with_replicated(call, strategies)
+
+
 def register(registry: RuleRegistry) -> None:
     rules = registry.family(FAMILY, uneven=True)
     for op, how in REDUCTIONS.items():
         rules.register(op, reduction_rule(how))
     rules.register(aten.cumsum.default, scan_rule)
     rules.register(aten.histc.default, histogram_rule)
+    for op in (aten._fft_c2c.default, aten._fft_r2c.default, aten._fft_c2r.default):
+        rules.register(op, fft_rule)
     for op in (aten.sort.default, aten.sort.stable, aten.topk.default):
         rules.register(op, along_dim_rule)
     for op, how in MEANS.items():
