@@ -1,9 +1,9 @@
 """transformers models of five families on 8 real gloo ranks, each built by the zoo's toy-config code
 (`examples/hf_zoo.py`: library defaults with only the sizes shrunk) and called as its docs call it,
 `model(**batch)` with labels: LLaMA (rotary, GQA), Mixtral (top-k experts through transformers'
-grouped matmul), BERT (masked LM) and ViT (image classification). Two steps of SGD with momentum
-against the serial model on loss, every gradient and the parameters; LLaMA on a 1-D mesh of 8 as
-well. (T5 in training mode runs in lockstep on 2x2x2 in tests/test_zoo_sweep.py.)"""
+grouped matmul), BERT (masked LM), ViT (image classification) and T5 (encoder-decoder, dropout on
+in training mode). Two steps of SGD with momentum against the serial model on loss, every gradient
+and the parameters; LLaMA on a 1-D mesh of 8 as well."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ CASES: tuple[tuple[str, tuple[int, ...]], ...] = (
     ("MixtralForCausalLM", (2, 2, 2)),
     ("BertForMaskedLM", (2, 2, 2)),
     ("ViTForImageClassification", (2, 2, 2)),
+    ("T5ForConditionalGeneration", (2, 2, 2)),
     ("LlamaForCausalLM", (8,)),
 )
 
