@@ -179,17 +179,17 @@ class ParallelModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
-        _refuse_input_gradients(flat, input_names(args, kwargs, self._positional_names))
+        names = input_names(args, kwargs, self._positional_names)  # for the errors below
+        _refuse_input_gradients(flat, names)
         timeout = self._groups.timeout if self._groups is not None else None
         with failures_named(timeout):  # the input check and a compile's agreement are collectives
             if self._check_inputs_agree:
-                names = input_names(args, kwargs, self._positional_names)
                 _refuse_differing_inputs(flat, names, self._groups.world if self._groups else None)
             run = self._program_for(args, kwargs, flat, spec)
         program = run.program
         shape = tuple(self._mesh.shape)
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        _check_indices(program.index_checks, tensors, input_names(args, kwargs, self._positional_names))
+        _check_indices(program.index_checks, tensors, names)
         local_inputs = [local_value(x, layout, shape, program.coords) for x, layout in zip(tensors, program.input_layouts)]
         local_params = [self._local_param(run, name) for name in program.param_names]
         num_outputs = len(program.output_layouts)
