@@ -316,8 +316,7 @@ def _annotate(
             first = next((a.meta.get("val") for a in node.all_input_nodes), None)
             if isinstance(first, torch.Tensor):
                 node.meta[MEMORY_ORDER_KEY] = tuple(first.dim_order())
-        stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-        module_path = list(stack.values())[-1][0] if stack else ""
+        module_path = _module_path(node)
         set_info(
             node,
             NodeInfo(
@@ -554,9 +553,7 @@ def _custom_function_error(functions: list[type], graph: fx.Graph) -> TraceError
     node = first_node_of(graph, cls)
     where = None
     if node is not None:
-        stack = node.meta.get("nn_module_stack") or {}
-        module_path = list(stack.values())[-1][0] if stack else "<root>"
-        where = f"{module_path or '<root>'} @ {_user_frame(node.meta.get('stack_trace') or '')}"
+        where = f"{_module_path(node) or '<root>'} @ {_user_frame(node.meta.get('stack_trace') or '')}"
     others = f" (and {', '.join(c.__qualname__ for c in functions[1:])})" if functions[1:] else ""
     return TraceError(
         f"{cls.__qualname__} is a custom torch.autograd.Function{others}: torch.export records the "
@@ -567,6 +564,12 @@ def _custom_function_error(functions: list[type], graph: fx.Graph) -> TraceError
         hint="make it a torch.library.custom_op with register_autograd and a sharding rule "
         "(examples/custom_op.py), or write a straight-through estimator as x + (f(x) - x).detach(); for torch.utils.checkpoint, pass use_reentrant=False",
     )
+
+
+def _module_path(node: fx.Node) -> str:
+    """The deepest module the node's op was called in ("" at the root)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    return str(list(stack.values())[-1][0]) if stack else ""
 
 
 def _user_frame(stack_trace: str) -> str:
