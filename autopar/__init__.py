@@ -5,7 +5,9 @@ from typing import TYPE_CHECKING
 
 from autopar.core.errors import (
     AutoparError,
+    CheckpointError,
     IndexOutOfRangeError,
+    InitError,
     InputMismatchError,
     InternalError,
     MemoryLimitError,
@@ -22,9 +24,12 @@ if TYPE_CHECKING:
     from autopar.api import parallelize, plan
     from autopar.compiler.driver import compile_for_rank
     from autopar.compiler.pricing import PlanResult
+    from autopar.runtime.checkpoint import LoadResult, load_checkpoint
 
 __all__ = [
     "AutoparError",
+    "CheckpointError",
+    "InitError",
     "IndexOutOfRangeError",
     "InputMismatchError",
     "InternalError",
@@ -40,7 +45,9 @@ __all__ = [
     "ShardingError",
     "TraceError",
     "PlanResult",
+    "LoadResult",
     "compile_for_rank",
+    "load_checkpoint",
     "parallelize",
     "plan",
 ]
@@ -52,6 +59,8 @@ _LOADED_ON_USE = {
     "plan": "autopar.api",
     "compile_for_rank": "autopar.compiler.driver",
     "PlanResult": "autopar.compiler.pricing",
+    "load_checkpoint": "autopar.runtime.checkpoint",
+    "LoadResult": "autopar.runtime.checkpoint",
 }
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -30,8 +30,10 @@ from autopar.core.plan import Plan
 from autopar.passes import fused
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
-from autopar.runtime.agreement import decided_on_rank0, first_disagreement
+from autopar.runtime.agreement import Fingerprint, decided_on_rank0, fingerprint, first_disagreement
 from autopar.runtime.groups import DEFAULT_TIMEOUT_S, as_timeout, make_groups
+from autopar.runtime.local_batch import GLOBAL, INPUT_MODES, LOCAL, global_stand_ins
+from autopar.runtime.materialize import InitFn, initialized_blocks, meta_tensor_names
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.program import EmittedProgram
 
@@ -54,6 +56,8 @@ def parallelize(
     in_flight_bytes: int | None = None,
     check_inputs: bool = True,
     timeout: float | timedelta = DEFAULT_TIMEOUT_S,
+    init_fn: InitFn | None = None,
+    inputs: str = GLOBAL,
 ) -> ParallelModule:
     """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
 
@@ -76,6 +80,19 @@ def parallelize(
     (checked here) and pass the same inputs (checked on each call with a small all-gather of
     fingerprints; `check_inputs=False` skips that).
 
+    A model built on the meta device (`with torch.device("meta"): model = Model()`) is never
+    materialized whole: every rank runs the model's initialization (each module's
+    `reset_parameters()`, a transformers model's `_init_weights`, or `init_fn(module)` for every
+    module in `model.apply` order) one tensor at a time from the random state seeded before this
+    call, keeping only its blocks, so the weights are those of `model.to_empty(device="cpu")`
+    initialized serially with the same seed; `autopar.load_checkpoint` then loads real weights.
+
+    `inputs="local"`: every rank passes only its own shard of the batch (what a
+    `DistributedSampler` yields: every tensor argument split along dim 0, equal sizes on every
+    rank, `example_inputs` too) and the results are those of the serial model on the shards
+    concatenated in rank order; no rank assembles the global batch. The default, "global", takes
+    the whole batch on every rank.
+
     `timeout` (seconds, default 300) bounds every wait of autopar's collectives: the meeting of all
     ranks here (a rank that never calls parallelize is named), the plan agreement and each step's
     collectives, which run on process groups autopar makes with this timeout. A rank that fails,
@@ -84,6 +101,15 @@ def parallelize(
     """
     _check_model(model)
     example_inputs = example_tuple(example_inputs, example_kwargs)
+    if inputs not in INPUT_MODES:
+        raise UsageError(
+            f"inputs must be one of {', '.join(map(repr, INPUT_MODES))}, got {inputs!r}",
+            hint='"global": every rank passes the whole batch; "local": each rank its own shard of it',
+        )
+    seeded = torch.random.get_rng_state()  # what a meta-device model is initialized from
+    traced_inputs, traced_kwargs = example_inputs, example_kwargs
+    if inputs == LOCAL and dist.is_initialized():  # programs are for the batch the shards make together
+        traced_inputs, traced_kwargs = global_stand_ins((example_inputs, example_kwargs), dist.get_world_size())
     choice = None
     if mesh_shape is not None:
         if mesh_shape != "auto":
@@ -93,11 +119,11 @@ def parallelize(
         mesh, choice = auto_device_mesh(
             model,
             mesh,
-            example_inputs,
+            traced_inputs,
             hardware=hardware,
             planner=planner,
             memory_limit=memory_limit,
-            example_kwargs=example_kwargs,
+            example_kwargs=traced_kwargs,
             registry=registry,
             split_fused=split_fused,
         )
@@ -106,7 +132,9 @@ def parallelize(
     assert autopar_mesh.device_mesh is not None
     groups = make_groups(autopar_mesh.device_mesh, as_timeout(timeout))
     autopar_mesh = dataclasses.replace(autopar_mesh, group_names=groups.axis_names)
-    _check_weights_agree(model, groups.world)
+    on_meta = set(meta_tensor_names(model))
+    if not on_meta:
+        _check_weights_agree(model, groups.world)
     options: dict[str, Any] = dict(
         registry=registry,
         rank=dist.get_rank(),
@@ -120,12 +148,22 @@ def parallelize(
         in_flight_bytes=in_flight_bytes,
     )
     compiled = compile_for_rank(
-        model, autopar_mesh, example_inputs, example_kwargs=example_kwargs, dump_dir=dump_dir, **options
+        model, autopar_mesh, traced_inputs, example_kwargs=traced_kwargs, dump_dir=dump_dir, **options
     )
     sig = signature(compiled.graph)
     flat, _ = pytree.tree_flatten((example_inputs, example_kwargs or {}))
     specs = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in flat]
     structure = structure_copy(model)
+    blocks: dict[str, torch.Tensor] = {}
+    if on_meta:
+        torch.random.set_rng_state(seeded)
+        program = compiled.program
+        made = initialized_blocks(
+            model, program.source_layouts(), autopar_mesh.shape, program.coords, init_fn,
+            device=mesh.device_type if isinstance(mesh, DeviceMesh) else "cpu",
+        )
+        blocks = made.blocks
+        _check_weights_agree(model, groups.world, skip=on_meta, prints=made.fingerprints)
 
     def compile_call(
         args: tuple[Any, ...], kwargs: dict[str, Any], training: bool, forward_only: bool
@@ -150,6 +188,8 @@ def parallelize(
         example_flat=flat,
         check_inputs=check_inputs,
         groups=groups,
+        local_blocks=blocks,
+        local_inputs=inputs == LOCAL,
     )
     result.mesh_choice = choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
     return result
@@ -196,11 +236,17 @@ def _check_mesh(mesh: Any) -> Mesh:
     return Mesh.from_device_mesh(mesh)
 
 
-def _check_weights_agree(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+def _check_weights_agree(
+    model: nn.Module,
+    group: dist.ProcessGroup | None = None,
+    skip: Collection[str] = (),
+    prints: Sequence[tuple[str, Fingerprint]] = (),
+) -> None:
     """Every rank must start from the same weights; otherwise each stores its block of its own
-    weights and the result mixes them. One all-gather of four numbers per tensor finds out."""
-    named = [*model.named_parameters(), *model.named_buffers()]
-    differing = first_disagreement(named, group)
+    weights and the result mixes them. One all-gather of four numbers per tensor finds out (for
+    the tensors of a meta-device model, `prints` of the whole tensors its initialization made)."""
+    named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if n not in skip]
+    differing = first_disagreement([*[(n, fingerprint(t)) for n, t in named], *prints], group)
     if differing is not None:
         name, rank = differing
         raise AutoparError(
@@ -215,12 +261,6 @@ def _check_model(model: nn.Module) -> None:
         raise UsageError(
             f"model must be an nn.Module, got {type(model).__name__}",
             hint="wrap a function in an nn.Module whose forward calls it",
-        )
-    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if meta:
-        raise AutoparError(
-            f"parameters are on the meta device (e.g. {meta[0]}); parallelize needs their values",
-            hint="load or initialize the weights first; planning alone works on meta models",
         )
 
 

@@ -532,7 +532,8 @@ def assert_call_matches_serial(
     """One training step of every rank's program in lockstep against `model(*args, **kwargs)` called
     serially, backward from the first tensor of the output (the loss): every output tensor, every
     buffer the forward updates (BatchNorm running stats) and every parameter gradient, assembled
-    from the ranks' blocks, equals serial."""
+    from the ranks' blocks, and every rank's gradient of each input that requires grad, equals
+    serial."""
     kwargs = kwargs or {}
     compiled = compile_every_rank(model, shape, args, kwargs, **options)
     programs = {c: comp.program for c, comp in compiled.items()}
@@ -544,6 +545,8 @@ def assert_call_matches_serial(
     fwd, bwd = lockstep_step(compiled, model, shape, args, kwargs, record)
 
     model.zero_grad(set_to_none=True)
+    for x in flat_inputs:
+        x.grad = None
     torch.manual_seed(0)
     out = model(*args, **kwargs)
     serial = [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
@@ -554,6 +557,7 @@ def assert_call_matches_serial(
     assert len(first.output_layouts) == len(wanted)
     try:
         _compare_with_serial(model, first, fwd, bwd, wanted, shape, atol, rtol)
+        _compare_input_grads(first, bwd, flat_inputs, atol, rtol)
     except AssertionError as exc:
         where = first_divergence(joint, joint_args, record, shape, atol=atol, rtol=rtol)
         raise AssertionError(f"{exc}; {where or 'every node agrees with the global graph'}") from exc
@@ -609,3 +613,18 @@ def _compare_with_serial(
         # keeps an error of the tensor's scale (as `_rel_err` in the gloo tests measures it)
         scale = float(want.abs().max()) if want.numel() else 0.0
         torch.testing.assert_close(got, want, atol=max(atol, rtol * scale), rtol=rtol, msg=name)
+
+
+def _compare_input_grads(
+    first: EmittedProgram, bwd: dict[Coords, list], inputs: list[torch.Tensor], atol: float, rtol: float
+) -> None:
+    """Every rank holds the whole gradient of every input that requires grad, the serial one."""
+    wanting = [i for i, x in enumerate(inputs) if x.requires_grad]
+    assert sorted(first.input_grads) == wanting, (first.input_grads, wanting)
+    for k, index in enumerate(first.input_grads):
+        want = inputs[index].grad
+        assert want is not None
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        for c, values in bwd.items():
+            got = values[len(first.param_names) + k]
+            torch.testing.assert_close(got, want, atol=max(atol, rtol * scale), rtol=rtol, msg=f"input {index} on {c}")

@@ -7,7 +7,10 @@ uneven dims) in the lockstep and gloo tests."""
 
 from __future__ import annotations
 
+import json
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,8 +23,9 @@ from test_autograd_functions import Checkpointed, QuantizedMLP, RoundStraightThr
 import autopar
 from autopar.api import compile_for_rank
 from autopar.core.errors import (
+    CheckpointError,
     IndexOutOfRangeError,
-    InputMismatchError,
+    InitError,
     InternalError,
     MemoryLimitError,
     MeshError,
@@ -134,6 +138,54 @@ def test_in_process(call: Callable[[], Any], error: type, text: str, request: py
         assert caught.value.hint == HINTS[row]
 
 
+class RawParameter(nn.Module):
+    """A parameter made in __init__ with no reset_parameters(): on meta, nothing can initialize it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.linear(x) * self.scale).sum()
+
+
+def _checkpoint_rows(pmodel: nn.Module, model: nn.Module) -> dict[str, Callable[[], Any]]:
+    """Checkpoints gone wrong, written to a fresh directory: absent, foreign, truncated, partial."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    root = Path(tempfile.mkdtemp())
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    (root / "empty").mkdir()
+    (root / "truncated").mkdir()
+    save_file(state, str(root / "truncated" / "model.safetensors"))
+    whole = (root / "truncated" / "model.safetensors").read_bytes()
+    (root / "truncated" / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    (root / "sharded").mkdir()
+    index = {"metadata": {}, "weight_map": {k: f"model-0000{i % 2 + 1}-of-00002.safetensors" for i, k in enumerate(state)}}
+    (root / "sharded" / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file({k: v for i, (k, v) in enumerate(state.items()) if i % 2 == 0}, str(root / "sharded" / "model-00001-of-00002.safetensors"))
+    first = next(iter(state))
+    save_file({**state, first: state[first].t().contiguous()}, str(root / "wrong-shape.safetensors"))
+    save_file({k: v for k, v in state.items() if k != first}, str(root / "partial.safetensors"))
+    dcp.save({"encoder.weight": torch.zeros(3, 3)}, checkpoint_id=str(root / "foreign"))
+    dcp.save(state, checkpoint_id=str(root / "dcp"))
+    for data in (root / "dcp").glob("*.distcp"):
+        data.write_bytes(data.read_bytes()[:8])
+    return {
+        "checkpoint-absent": lambda: autopar.load_checkpoint(pmodel, root / "absent"),
+        "checkpoint-not-a-checkpoint": lambda: autopar.load_checkpoint(pmodel, root / "empty"),
+        "checkpoint-truncated-safetensors": lambda: autopar.load_checkpoint(pmodel, root / "truncated"),
+        "checkpoint-shard-absent": lambda: autopar.load_checkpoint(pmodel, root / "sharded"),
+        "checkpoint-wrong-shape": lambda: autopar.load_checkpoint(pmodel, root / "wrong-shape.safetensors"),
+        "checkpoint-lacks-a-tensor": lambda: autopar.load_checkpoint(pmodel, root / "partial.safetensors"),
+        "checkpoint-foreign-dcp": lambda: autopar.load_checkpoint(pmodel, root / "foreign"),
+        "checkpoint-truncated-dcp": lambda: autopar.load_checkpoint(pmodel, root / "dcp"),
+        "checkpoint-of-a-plain-module": lambda: autopar.load_checkpoint(model, root / "dcp"),  # type: ignore[arg-type]
+    }
+
+
 def _parallelize_rows(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     """Every row that needs a process group, in one single-rank job: row -> (error type, text)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -145,20 +197,23 @@ def _parallelize_rows(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "mesh-five-axes": lambda: autopar.parallelize(
             model, init_device_mesh("cpu", (1, 1, 1, 1, 1)), example_inputs=(x, y)
         ),
-        "model-on-meta": lambda: autopar.parallelize(make_mlp(0)[0].to("meta"), mesh, example_inputs=(x, y)),
+        "model-on-meta-uninitialized": lambda: autopar.parallelize(
+            RawParameter().to("meta"), mesh, example_inputs=(x,)
+        ),
         "timeout-zero": lambda: autopar.parallelize(model, mesh, example_inputs=(x, y), timeout=0),
+        "inputs-mode-unknown": lambda: autopar.parallelize(model, mesh, example_inputs=(x, y), inputs="sharded"),
     }
     pmodel = autopar.parallelize(model, mesh, example_inputs=(x, y))
     bad_y = y.clone()
     bad_y[3] = 99
     rows.update(
         {
-            "call-input-wants-grad": lambda: pmodel(x.clone().requires_grad_(), y),
             "call-target-out-of-range": lambda: pmodel(x, bad_y),
             "call-negative-target": lambda: pmodel(x, y - 20),
             "call-keyword-unknown": lambda: pmodel(x, y, labels=y),
         }
     )
+    rows.update(_checkpoint_rows(pmodel, model))
     found = {}
     for name, row in rows.items():
         try:
@@ -174,9 +229,18 @@ def _parallelize_rows(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
 WITH_PROCESS_GROUP = {
     "mesh-not-a-device-mesh": (MeshError, "mesh must be a torch DeviceMesh"),
     "mesh-five-axes": (MeshError, "meshes of 1 to 4 axes"),
-    "model-on-meta": (autopar.AutoparError, "parameters are on the meta device"),
+    "model-on-meta-uninitialized": (InitError, "scale is on the meta device and no initialization writes it"),
+    "checkpoint-absent": (CheckpointError, "does not exist"),
+    "checkpoint-not-a-checkpoint": (CheckpointError, "without model.safetensors, its index or a .metadata"),
+    "checkpoint-truncated-safetensors": (CheckpointError, "is not a readable safetensors file"),
+    "checkpoint-shard-absent": (CheckpointError, "which does not exist (1 shard(s) absent)"),
+    "checkpoint-wrong-shape": (CheckpointError, "fc1.weight has shape [32, 128] in the checkpoint, but the model's fc1.weight is [128, 32]"),
+    "checkpoint-lacks-a-tensor": (CheckpointError, "lacks 1 of the model's tensors"),
+    "checkpoint-foreign-dcp": (CheckpointError, "holds none of the model's tensors"),
+    "checkpoint-truncated-dcp": (CheckpointError, "reading the torch.distributed.checkpoint"),
+    "checkpoint-of-a-plain-module": (CheckpointError, "takes the module autopar.parallelize returned"),
     "timeout-zero": (UsageError, "timeout must be a positive number of seconds, got 0"),
-    "call-input-wants-grad": (InputMismatchError, "x requires a gradient"),
+    "inputs-mode-unknown": (UsageError, "inputs must be one of 'global', 'local', got 'sharded'"),
     "call-target-out-of-range": (IndexOutOfRangeError, "y holds 99"),
     "call-negative-target": (IndexOutOfRangeError, "y holds -"),
     "call-keyword-unknown": (TraceError, "labels"),

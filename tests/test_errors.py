@@ -193,25 +193,6 @@ def test_bad_arguments_are_autopar_errors_with_a_hint(call: Any, message: str) -
     assert err.value.hint and not isinstance(err.value, InternalError)
 
 
-def _input_wanting_grad(rank: int, world_size: int) -> str:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("x",))
-    model, (x, y) = make_mlp(0)
-    pmodel = autopar.parallelize(model, mesh, example_inputs=(x, y))
-    try:
-        pmodel(x.clone().requires_grad_(), y)
-    except autopar.InputMismatchError as exc:
-        return str(exc)
-    return "no error"
-
-
-@pytest.mark.multirank
-def test_an_input_that_wants_a_gradient_is_refused_not_ignored() -> None:
-    (message,) = run_ranks(1, _input_wanting_grad, timeout=120)
-    assert "x requires a gradient" in message and "detach()" in message, message
-
-
 def _differing_weights(rank: int, world_size: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
 

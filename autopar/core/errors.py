@@ -83,6 +83,14 @@ class UnknownHardwareError(AutoparError, FileNotFoundError):
     """No hardware table of that name or path."""
 
 
+class InitError(AutoparError):
+    """A model built on the meta device could not be initialized rank by rank as serial would."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint could not be loaded into the parallel module (missing, truncated or foreign)."""
+
+
 class InternalError(AutoparError):
     """A bug in autopar: an exception inside a compiler stage that is not one of the errors above.
     It names the stage and the graph node being worked on; the original is its `__cause__`."""

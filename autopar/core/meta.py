@@ -129,6 +129,14 @@ class JointSignature:
     param_parts: dict[str, ParamPart] = field(default_factory=dict)  # part name -> where it comes from
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # constant placeholder -> value
     index_checks: list[IndexCheck] = field(default_factory=list)  # inputs used as indices
+    # user inputs that require grad: the input index of each gradient output after the
+    # parameters' (the last outputs of the joint graph)
+    input_grads: list[int] = field(default_factory=list)
+
+    @property
+    def num_param_grads_end(self) -> int:
+        """Output position after the parameters' gradients, where the inputs' gradients start."""
+        return self.num_user_outputs + len(self.grad_of)
 
 
 def info(node: fx.Node) -> NodeInfo:

@@ -79,6 +79,7 @@ def emit(
             benv[node] = _local_node(bwd_graph, node, benv, shape, coords, registry)
     grads = dict(zip(sig.grad_of, out_values[nu:]))
     grad_values = [grads.get(info(n).param_name or "") for n in params]
+    grad_values += out_values[sig.num_param_grads_end :]  # the inputs', whole
     bwd_graph.output(tuple(benv[v] if v is not None else None for v in grad_values))
 
     # Python code is generated on the first call (or print): `autopar.plan` never runs the graphs
@@ -103,6 +104,7 @@ def emit(
             for name in (info(p).param_name or p.name for p in params if info(p).role == "constant")
         },
         index_checks=list(sig.index_checks),
+        input_grads=list(sig.input_grads),
     )
     check_local_shapes(program, shape)
     return program

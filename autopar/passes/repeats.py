@@ -244,7 +244,8 @@ def _extend_signature(
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = list(output.args[0])  # type: ignore[arg-type]
     nu = sig.num_user_outputs
-    grads, grad_of = outs[nu:], sig.grad_of
+    grads, grad_of = outs[nu : sig.num_param_grads_end], sig.grad_of
+    input_grads = outs[sig.num_param_grads_end :]
     own = [i for i, name in enumerate(grad_of) if group.block_of(name) == 1]
     new_grads: list[Any] = []
     new_names: list[str] = []
@@ -256,7 +257,7 @@ def _extend_signature(
                 for j in own:
                     new_grads.append(env_of[k][grads[j]])
                     new_names.append(group.rename(grad_of[j], k))
-    output.args = (tuple(outs[:nu] + new_grads),)
+    output.args = (tuple(outs[:nu] + new_grads + input_grads),)
     sig.grad_of = new_names
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sig.param_names = [info(n).param_name or n.name for n in placeholders if info(n).role == "param"]

@@ -78,8 +78,8 @@ def trace(
     fake_model = fake_clone(model, fake_mode, frozen=forward_only)
     outputs = _OutputRecord()
     fake_model.forward = _tensor_outputs(fake_model.forward, outputs)  # type: ignore[method-assign]
-    fake_args = tuple(_fakeify(x, fake_mode) for x in example_inputs)
-    fake_kwargs = {k: _fakeify(v, fake_mode) for k, v in example_kwargs.items()}
+    fake_args = tuple(_fakeify(x, fake_mode, forward_only) for x in example_inputs)
+    fake_kwargs = {k: _fakeify(v, fake_mode, forward_only) for k, v in example_kwargs.items()}
     tied = _tied_groups(model)
     containers = find_repeated_blocks(fake_model, fake_args, fake_kwargs, fake_mode, tied) if repeats else []
     groups = [group for group, _ in containers]
@@ -222,10 +222,16 @@ def fake_clone(model: nn.Module, fake_mode: FakeTensorMode, frozen: bool = False
     return copy.deepcopy(model, memo)
 
 
-def _fakeify(value: Any, fake_mode: FakeTensorMode) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fake_mode.from_tensor(value.detach().to("cpu") if value.device.type == "meta" else value)
-    return value
+def _fakeify(value: Any, fake_mode: FakeTensorMode, frozen: bool = False) -> Any:
+    """A fake copy of an input; it requires grad as the input does (the joint graph then also
+    computes its gradient), except in a forward-only trace (`frozen`)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.device.type == "meta":
+        value = value.detach().to("cpu").requires_grad_(value.requires_grad)
+    if frozen:
+        value = value.detach()
+    return fake_mode.from_tensor(value)
 
 
 def _desc_kind(desc: Any) -> str:
@@ -280,6 +286,13 @@ def _annotate(
     buffer_updates: list[str] = []
     grads: list[Any] = []
     grad_of: list[str] = []
+    input_grads: list[Any] = []  # gradients of user inputs that require grad, after the parameters'
+    input_grad_of: list[int] = []
+    input_index = {
+        getattr(n.meta["desc"], "idx", None): info(n).input_index
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and info(n).role == "input"
+    }
     for value, desc in zip(outs, descs):
         kind = _desc_kind(desc)
         if kind == "PlainAOTOutput":
@@ -290,8 +303,11 @@ def _annotate(
         elif kind == "GradAOTOutput" and _desc_kind(desc.grad_of) == "ParamAOTInput":
             grad_of.append(desc.grad_of.target)
             grads.append(value)
+        elif kind == "GradAOTOutput" and _desc_kind(desc.grad_of) == "PlainAOTInput" and value is not None:
+            input_grad_of.append(int(input_index[desc.grad_of.idx]))  # type: ignore[arg-type]
+            input_grads.append(value)
         elif kind == "GradAOTOutput" or (kind == "None" and value is None):
-            continue  # gradients of user inputs (or absent ones) are not returned
+            continue  # absent gradients: the input does not reach the outputs
         else:
             raise TraceError(
                 f"unsupported graph output kind {kind}",
@@ -300,7 +316,7 @@ def _annotate(
             )
     # the buffers' new values count as forward outputs, after the user's
     num_user_outputs = len(user) + len(updates)
-    output.args = (tuple(user + updates + grads),)
+    output.args = (tuple(user + updates + grads + input_grads),)
     set_info(output, NodeInfo(role="output", phase="backward"))
 
     tangent_nodes = {n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "tangent"}
@@ -340,6 +356,7 @@ def _annotate(
         constants=_lift_constants(gm),
         outputs=outputs,
         buffer_updates=buffer_updates,
+        input_grads=input_grad_of,
     )
 
 
@@ -388,6 +405,7 @@ def _merge_tied(gm: fx.GraphModule, groups: list[list[str]]) -> None:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outs = list(output.args[0])
     nu = sig.num_user_outputs
+    input_grads = outs[sig.num_param_grads_end :]
     for group in groups:
         present = [name for name in group if name in placeholders]
         canonical = group[0]
@@ -432,7 +450,7 @@ def _merge_tied(gm: fx.GraphModule, groups: list[list[str]]) -> None:
     # when masking) get no gradient, as in the serial model: their .grad stays None.
     kept = [(g, v) for g, v in zip(sig.grad_of, outs[nu:]) if v is not None]
     sig.grad_of = [g for g, _ in kept]
-    output.args = (tuple(outs[:nu] + [v for _, v in kept]),)
+    output.args = (tuple(outs[:nu] + [v for _, v in kept] + input_grads),)
 
 
 def _drop_identities(gm: fx.GraphModule) -> None:

@@ -508,6 +508,10 @@ class _Greedy:
                 self._resolve(value, self._replicated(value))
                 result.append(self._user_output_layout(value))
                 continue
+            if i >= self.sig.num_param_grads_end:  # an input's gradient: whole, as the input is
+                self._resolve(value, self._replicated(value))
+                result.append(self._replicated(value))
+                continue
             param = param_nodes[self.sig.grad_of[i - nu]]
             if param in self.deferred:  # used only in backward: store it as its gradient arrives
                 grad = self.plan.layouts[value.name][0]

@@ -214,6 +214,10 @@ class Problem:
         output = next(n for n in gm.graph.nodes if n.op == "output")
         sig = signature(gm)
         nu = sig.num_user_outputs
+
+        def whole(o: Layout) -> float:
+            return self.cost.redistribute(o, Layout.replicated(o.shape, len(o.placements), o.dtype))
+
         for i, src in enumerate(output.args[0]):
             producer = self._producer(src, seed) if isinstance(src, fx.Node) else None
             if producer is None:
@@ -221,13 +225,13 @@ class Problem:
             u, side, k = producer
             var = self.vars[u]
             if nu - len(sig.buffer_updates) <= i < nu:  # a buffer's new value: whole, as buffers are
-                var.base += self._per_candidate(
-                    var, side, k, "whole", lambda o: self.cost.redistribute(o, Layout.replicated(o.shape, len(o.placements), o.dtype))
-                )
+                var.base += self._per_candidate(var, side, k, "whole", whole)
             elif i < nu:  # the user gets it without pending sums (a loss: replicated)
                 var.base += self._per_candidate(
                     var, side, k, "settle", lambda o: self.cost.redistribute(o, settled(o))
                 )
+            elif i >= sig.num_param_grads_end:  # an input's gradient: whole, as the input is
+                var.base += self._per_candidate(var, side, k, "whole", whole)
             else:  # a gradient: reduced into the parameter's storage
                 part = sig.param_parts.get(sig.grad_of[i - nu])
                 reduce = (

@@ -6,7 +6,7 @@ in a collective; every rank raises the same error instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -35,7 +35,10 @@ def decided_on_rank0(decide: Callable[[], T], what: str, group: dist.ProcessGrou
     return value  # type: ignore[no-any-return]
 
 
-def fingerprint(tensor: torch.Tensor) -> tuple[float, float, float, float]:
+Fingerprint = tuple[float, float, float, float]
+
+
+def fingerprint(tensor: torch.Tensor) -> Fingerprint:
     """Four numbers that differ between tensors made from different seeds or data: the sum, the
     sum of magnitudes, and the first and last element (float64; one pass, no copy of the tensor)."""
     if tensor.numel() == 0:
@@ -52,11 +55,12 @@ def fingerprint(tensor: torch.Tensor) -> tuple[float, float, float, float]:
 
 
 def first_disagreement(
-    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None = None
+    named: Sequence[tuple[str, torch.Tensor | Fingerprint]], group: dist.ProcessGroup | None = None
 ) -> tuple[str, int] | None:
-    """The first of `named` whose value differs between ranks, and a rank that differs from rank
-    0; None when all agree. Every rank gets the same answer (one all-gather of the fingerprints)."""
-    mine = [fingerprint(t) for _, t in named]
+    """The first of `named` (tensors, or their fingerprints) whose value differs between ranks,
+    and a rank that differs from rank 0; None when all agree. Every rank gets the same answer (one
+    all-gather of the fingerprints)."""
+    mine = [fingerprint(t) if isinstance(t, torch.Tensor) else t for _, t in named]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine, group=group)
     for index, (name, _) in enumerate(named):

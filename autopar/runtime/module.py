@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -31,6 +31,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.meta import IndexCheck, OutputStructure
 from autopar.runtime.agreement import first_disagreement
 from autopar.runtime.groups import Groups, failures_named
+from autopar.runtime.local_batch import batch_tensor, global_stand_ins, index_extremes, shard_rows
 from autopar.runtime.program import EmittedProgram, local_value
 
 
@@ -51,14 +52,15 @@ class _RunProgram(torch.autograd.Function):
     def forward(
         ctx: Any, program: EmittedProgram, num_outputs: int, timeout: timedelta | None, *flat: torch.Tensor
     ) -> Any:
+        program_inputs = flat[: len(flat) - len(program.input_grads)]  # then the whole inputs wanting grads
         with failures_named(timeout):
-            results = program.forward(*flat)
+            results = program.forward(*program_inputs)
         ctx.timeout = timeout
         outputs, saved = results[:num_outputs], results[num_outputs:]
         ctx.program = program
         ctx.save_for_backward(*saved)
-        ctx.num_flat = len(flat)
         ctx.num_params = len(program.param_names)
+        ctx.num_inputs = len(program.input_layouts)
         has_tangent = set(program.tangent_outputs)  # the others get no gradient: buffers' new values,
         ctx.mark_non_differentiable(  # integer outputs, every output of a forward-only program
             *[o for i, o in enumerate(outputs) if i not in has_tangent or not o.is_floating_point()]
@@ -78,9 +80,10 @@ class _RunProgram(torch.autograd.Function):
                 )
             tangents.append(grad.contiguous())
         with failures_named(ctx.timeout):
-            param_grads = program.backward(*ctx.saved_tensors, *tangents)
-        rest = [None] * (ctx.num_flat - ctx.num_params)
-        return (None, None, None, *param_grads, *rest)
+            grads_out = program.backward(*ctx.saved_tensors, *tangents)
+        param_grads, input_grads = grads_out[: ctx.num_params], grads_out[ctx.num_params :]
+        # the local blocks of the inputs get none: the whole inputs after them get theirs
+        return (None, None, None, *param_grads, *[None] * ctx.num_inputs, *input_grads)
 
 
 
@@ -128,6 +131,8 @@ class ParallelModule(nn.Module):
         example_flat: Sequence[Any] | None = None,
         check_inputs: bool = False,
         groups: Groups | None = None,
+        local_blocks: Mapping[str, torch.Tensor] | None = None,
+        local_inputs: bool = False,
     ) -> None:
         super().__init__()
         assert mesh.device_mesh is not None
@@ -137,6 +142,7 @@ class ParallelModule(nn.Module):
         self._example_specs = list(example_specs)
         self._compile = compile
         self._check_inputs_agree = check_inputs
+        self._local_inputs = local_inputs  # each rank passes its own shard of the batch (`local_batch`)
         self._groups = groups
         self._positional_names = _positional_names(source)  # to name inputs in errors
         self.report = report
@@ -150,16 +156,26 @@ class ParallelModule(nn.Module):
         buffers = dict(source.named_buffers(remove_duplicate=False))
         full.update(buffers)
         layouts = program.source_layouts()  # a fused parameter's parts make one layout
+        saved = set(source.state_dict(keep_vars=True))  # buffers outside it are not persistent
+        self.aliases = dict(aliases)  # tied name -> the name it is stored under
+        self.not_stored: list[str] = []  # the source's tensors that no program reads
+        self.base_model_prefix: str = getattr(source, "base_model_prefix", "") or ""
         # register in the source model's order so named_parameters()/state_dict() read the same
         for name in [*dict(source.named_parameters(remove_duplicate=False)), *buffers]:
             if name in aliases:
-                _register(self, name, _lookup(self, aliases[name]), buffer=name in buffers)
+                _register(self, name, _lookup(self, aliases[name]), buffer=name in buffers, persistent=name in saved)
                 continue
             if name not in layouts:
+                self.not_stored.append(name)
                 continue
             tensor = full[name].detach()
             layout = layouts[name]
-            local = local_value(tensor, layout, mesh.shape, program.coords).clone().contiguous()
+            if tensor.device.type == "meta":  # made on this rank as its block only (`materialize`)
+                local = local_blocks[name] if local_blocks is not None else tensor
+                if local.device.type == "meta":
+                    raise AssertionError(f"{name} is on the meta device and was not initialized")
+            else:
+                local = local_value(tensor, layout, mesh.shape, program.coords).clone().contiguous()
             dt = DTensor.from_local(
                 local,
                 mesh.device_mesh,
@@ -169,7 +185,7 @@ class ParallelModule(nn.Module):
                 stride=tensor.stride() if tensor.is_contiguous() else None,
             )
             if name in buffers:
-                _register(self, name, dt, buffer=True)
+                _register(self, name, dt, buffer=True, persistent=name in saved)
             else:
                 _register(self, name, nn.Parameter(dt, requires_grad=full[name].requires_grad))
 
@@ -177,23 +193,50 @@ class ParallelModule(nn.Module):
     def program(self) -> EmittedProgram:
         return self._program
 
+    def stored_block(self, name: str) -> tuple[slice, ...]:
+        """Where this rank's stored block of parameter or buffer `name` lies in the whole tensor
+        (what a checkpoint reader slices out of it)."""
+        layout = self._first.source_layouts[self.aliases.get(name, name)]
+        shape = tuple(self._mesh.shape)
+        sizes = layout.local_shape(shape, self._program.coords)
+        offsets = layout.local_offsets(shape, self._program.coords)
+        return tuple(slice(start, start + size) for start, size in zip(offsets, sizes))
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """autopar's process group over every rank (its timeout bounds collectives on it)."""
+        return self._groups.world if self._groups is not None else None
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # a DTensor input (another parallel module's output) is its global value to the program;
+        # its gradient comes back laid out as it is, through full_tensor's backward
+        args, kwargs = pytree.tree_map_only(DTensor, lambda x: x.full_tensor(), (args, kwargs))
         flat, spec = pytree.tree_flatten((args, kwargs))
         names = input_names(args, kwargs, self._positional_names)  # for the errors below
-        _refuse_input_gradients(flat, names)
-        timeout = self._groups.timeout if self._groups is not None else None
-        with failures_named(timeout):  # the input check and a compile's agreement are collectives
-            if self._check_inputs_agree:
-                _refuse_differing_inputs(flat, names, self._groups.world if self._groups else None)
-            run = self._program_for(args, kwargs, flat, spec)
-        program = run.program
-        shape = tuple(self._mesh.shape)
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        _check_indices(program.index_checks, tensors, names)
-        local_inputs = [local_value(x, layout, shape, program.coords) for x, layout in zip(tensors, program.input_layouts)]
+        timeout = self._groups.timeout if self._groups is not None else None
+        world = self._groups.world if self._groups else None
+        with failures_named(timeout):  # the input checks and a compile's agreement are collectives
+            if self._local_inputs:  # the program is traced for the batch the shards make together
+                shard_rows(tensors, names, world)
+                program_args, program_kwargs = global_stand_ins((args, kwargs), self._mesh.size)
+            else:
+                if self._check_inputs_agree:
+                    _refuse_differing_inputs(flat, names, world)
+                program_args, program_kwargs = args, kwargs
+            run = self._program_for(program_args, program_kwargs, flat, spec)
+            program = run.program
+            _refuse_input_gradients(tensors, names, program.input_grads)
+            _check_indices(program.index_checks, tensors, names, world, across_ranks=self._local_inputs)
+        local_inputs = self._local_inputs_of(tensors, program)
         local_params = [self._local_param(run, name) for name in program.param_names]
         num_outputs = len(program.output_layouts)
-        outputs = _RunProgram.apply(program, num_outputs, timeout, *local_params, *local_inputs)
+        # the inputs that want a gradient go in whole: the backward returns theirs whole
+        wanting = [tensors[i] for i in program.input_grads]
+        if self._local_inputs:
+            assert self._mesh.device_mesh is not None
+            wanting = [batch_tensor(x, self._mesh.device_mesh).full_tensor() for x in wanting]
+        outputs = _RunProgram.apply(program, num_outputs, timeout, *local_params, *local_inputs, *wanting)
         user = num_outputs - len(program.buffer_updates)
         with torch.no_grad():  # the forward's updates of its buffers (BatchNorm running stats)
             for name, value in zip(program.buffer_updates, outputs[user:]):
@@ -202,6 +245,19 @@ class ParallelModule(nn.Module):
         if run.outputs is not None:  # the structure the model returned (a dict, a ModelOutput)
             return run.outputs.rebuild(results)
         return results[0] if len(results) == 1 else tuple(results)
+
+    def _local_inputs_of(self, tensors: Sequence[torch.Tensor], program: EmittedProgram) -> list[torch.Tensor]:
+        """This rank's block of every input in the layout the program reads it in: cut from the
+        global input, or (local batches) redistributed from the shards of all ranks."""
+        if not self._local_inputs:
+            shape = tuple(self._mesh.shape)
+            return [local_value(x.detach(), lay, shape, program.coords) for x, lay in zip(tensors, program.input_layouts)]
+        mesh = self._mesh.device_mesh
+        assert mesh is not None
+        return [
+            batch_tensor(x.detach(), mesh).redistribute(mesh, to_dtensor_placements(lay)).to_local()
+            for x, lay in zip(tensors, program.input_layouts)
+        ]
 
     def _program_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], spec: Any) -> _Program:
         """The compiled program for this call, compiling one if none fits (see the class doc)."""
@@ -313,33 +369,35 @@ class ParallelModule(nn.Module):
         return str(self.report) if self.report is not None else ""
 
 
-def _refuse_input_gradients(flat: Sequence[Any], names: Sequence[str]) -> None:
-    """The programs return gradients of parameters only: an input that wants one would silently
-    get none, so such a call is refused."""
+def _refuse_input_gradients(tensors: Sequence[torch.Tensor], names: Sequence[str], computed: Sequence[int]) -> None:
+    """An input that wants a gradient the program does not compute would silently get none: a
+    module built around one program (no compiler) refuses such a call."""
     if not torch.is_grad_enabled():
         return
-    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-    wanting = [name for name, x in zip(names, tensors) if x.requires_grad]
+    wanting = [name for i, (name, x) in enumerate(zip(names, tensors)) if x.requires_grad and i not in computed]
     if wanting:
         raise InputMismatchError(
-            f"{wanting[0]} requires a gradient, which the parallel module does not compute",
-            hint="gradients reach parameters only: pass inputs that do not require grad (detach() them), "
-            "or keep the part of the model that needs input gradients (saliency maps, adversarial "
-            "examples) serial",
+            f"{wanting[0]} requires a gradient, but the program was compiled for inputs that do not",
+            hint="pass example_inputs that require grad as the call's do, or detach() the input",
         )
 
 
-def _check_indices(checks: Sequence[IndexCheck], tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+def _check_indices(
+    checks: Sequence[IndexCheck],
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str],
+    group: dist.ProcessGroup | None = None,
+    across_ranks: bool = False,
+) -> None:
     """Refuse, on every rank alike and before the program's first collective, an input value that
-    an op would index out of range with (`IndexCheck`): the IndexError the serial model raises."""
-    for check in checks:
-        values = tensors[check.input_index]
-        if check.ignored:
-            ignored = torch.tensor(check.ignored, dtype=values.dtype, device=values.device)
-            values = values[~torch.isin(values, ignored)]
-        if values.numel() == 0:
+    an op would index out of range with (`IndexCheck`): the IndexError the serial model raises.
+    Global inputs are the same on every rank; local shards are checked together (`across_ranks`)."""
+    if not checks:
+        return
+    for check, extremes in zip(checks, index_extremes(checks, tensors, across_ranks, group)):
+        if extremes is None:
             continue
-        low, high = (int(v) for v in torch.aminmax(values))
+        low, high = extremes
         if low >= 0 and high < check.bound:
             continue
         also = f" (or {', '.join(map(str, check.ignored))}, which the model ignores)" if check.ignored else ""
@@ -397,10 +455,14 @@ def _refuse_differing_inputs(flat: Sequence[Any], names: Sequence[str], group: d
 
 
 def _call_key(spec: Any, flat: Sequence[Any], training: bool, grad: bool) -> tuple[Any, ...]:
-    """What selects a program: the arguments' structure, each tensor's shape and dtype and each
-    other argument's value, the module's mode and whether gradients are on."""
+    """What selects a program: the arguments' structure, each tensor's shape, dtype and (with
+    gradients on) whether it requires grad, each other argument's value, the module's mode and
+    whether gradients are on."""
     leaves = tuple(
-        ("tensor", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", _hashable(x)) for x in flat
+        ("tensor", tuple(x.shape), x.dtype, grad and x.requires_grad)
+        if isinstance(x, torch.Tensor)
+        else ("value", _hashable(x))
+        for x in flat
     )
     return (spec, leaves, training, grad)
 
@@ -415,7 +477,7 @@ def _hashable(value: Any) -> Any:
 
 def _leaf_text(leaf: tuple[Any, ...]) -> str:
     if leaf[0] == "tensor":
-        return _describe((leaf[1], leaf[2]))
+        return _describe((leaf[1], leaf[2])) + (" requiring grad" if leaf[3] else "")
     return repr(leaf[1])
 
 
@@ -439,7 +501,7 @@ def _local(value: Any) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _register(root: nn.Module, name: str, value: Any, buffer: bool = False) -> None:
+def _register(root: nn.Module, name: str, value: Any, buffer: bool = False, persistent: bool = True) -> None:
     *path, leaf = name.split(".")
     module = root
     for part in path:
@@ -447,7 +509,7 @@ def _register(root: nn.Module, name: str, value: Any, buffer: bool = False) -> N
             module.add_module(part, nn.Module())
         module = getattr(module, part)
     if buffer:
-        module.register_buffer(leaf, value)
+        module.register_buffer(leaf, value, persistent=persistent)
     else:
         module.register_parameter(leaf, value)
 

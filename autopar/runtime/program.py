@@ -19,7 +19,7 @@ class EmittedProgram:
     """What a rank runs. forward: (params..., inputs...) -> (outputs..., saved...)."""
 
     forward: fx.GraphModule
-    backward: fx.GraphModule  # (saved..., tangents...) -> parameter gradients, in storage layout
+    backward: fx.GraphModule  # (saved..., tangents...) -> parameter gradients (storage layout), input gradients
     param_names: list[str]
     param_layouts: list[Layout]  # storage layouts, placeholder order
     input_layouts: list[Layout]
@@ -35,6 +35,9 @@ class EmittedProgram:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     # inputs whose values index a tensor: checked before the forward runs (`IndexCheck`)
     index_checks: list[IndexCheck] = field(default_factory=list)
+    # inputs that get a gradient: the tensor input index of each backward output after the
+    # parameters' gradients (whole on every rank, like the input the user passed)
+    input_grads: list[int] = field(default_factory=list)
 
     def param_value(self, name: str, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The value of program parameter `name` given the user's parameters by name (a chunk of

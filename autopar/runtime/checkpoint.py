@@ -1,0 +1,242 @@
+"""`load_checkpoint`: real weights into a parallel module, each rank reading only its own blocks.
+
+Two formats: a transformers `save_pretrained` directory (`model.safetensors`, or shards listed in
+`model.safetensors.index.json`), read slice by slice with safetensors, and a
+torch.distributed.checkpoint directory (`.metadata`), whose reader reshards into the stored
+DTensors. Names are the model's own state-dict keys; a tied weight is read once, under whichever
+of its names the checkpoint has; a checkpoint of the base model (without the task model's
+`base_model_prefix`, or with it) maps too, as transformers maps it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+
+from autopar.core.errors import CheckpointError
+from autopar.runtime.module import ParallelModule
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_FILE = "model.safetensors"
+DCP_METADATA = ".metadata"
+
+
+@dataclass
+class LoadResult:
+    """What `load_checkpoint` did: tensors loaded (by the module's name), the module's tensors the
+    checkpoint lacks, and the checkpoint's keys that name none of the module's tensors."""
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    format: str = ""
+
+
+def load_checkpoint(pmodel: ParallelModule, path: str | os.PathLike[str], *, strict: bool = True) -> LoadResult:
+    """Load the weights at `path` into `pmodel`; every rank calls it with the same path.
+
+    `path`: a directory written by transformers' `save_pretrained` (safetensors, one file or
+    sharded), a `.safetensors` file, or a torch.distributed.checkpoint directory. Each rank reads
+    only the blocks it stores, so no rank holds a whole model. `strict` (default) raises
+    `CheckpointError` when a tensor of the module is missing from the checkpoint or the
+    checkpoint has tensors the module does not; with `strict=False` the result lists them."""
+    if not isinstance(pmodel, ParallelModule):
+        raise CheckpointError(
+            f"load_checkpoint takes the module autopar.parallelize returned, got {type(pmodel).__name__}",
+            hint="call pmodel = autopar.parallelize(model, mesh, ...) first, then load_checkpoint(pmodel, path)",
+        )
+    where = Path(path)
+    if where.is_dir() and (where / DCP_METADATA).is_file():
+        result = _load_dcp(pmodel, where, strict)
+    elif where.is_dir() and ((where / SAFETENSORS_INDEX).is_file() or (where / SAFETENSORS_FILE).is_file()):
+        result = _load_safetensors(pmodel, _safetensors_files(where), strict)
+    elif where.is_file() and where.suffix == ".safetensors":
+        result = _load_safetensors(pmodel, {None: where}, strict)
+    else:
+        found = "does not exist" if not where.exists() else (
+            "is a directory without model.safetensors, its index or a .metadata file"
+            if where.is_dir()
+            else "is not a .safetensors file"
+        )
+        raise CheckpointError(
+            f"checkpoint {where} {found}",
+            hint="pass the directory save_pretrained wrote, a .safetensors file, or a "
+            "torch.distributed.checkpoint directory",
+        )
+    return result
+
+
+# ---- names ---------------------------------------------------------------------------------------
+
+
+def _stored(pmodel: ParallelModule) -> dict[str, list[str]]:
+    """Each tensor the module stores and saves (by its stored name) -> all its names, stored first."""
+    names: dict[str, list[str]] = {}
+    saved = pmodel.state_dict(keep_vars=True)
+    for name in saved:
+        canonical = pmodel.aliases.get(name, name)
+        names.setdefault(canonical, [canonical])
+        if name != canonical:
+            names[canonical].append(name)
+    return names
+
+
+def _candidates(names: list[str], prefix: str) -> Iterator[str]:
+    """Keys a checkpoint may hold a tensor under: its names, then with the base-model prefix
+    dropped or added (a base model's checkpoint for a task model, or the other way round)."""
+    yield from names
+    if not prefix:
+        return
+    for name in names:
+        if name.startswith(prefix + "."):
+            yield name[len(prefix) + 1 :]
+        else:
+            yield f"{prefix}.{name}"
+
+
+def _match(
+    pmodel: ParallelModule, keys: set[str], strict: bool, kind: str
+) -> tuple[dict[str, str], LoadResult]:
+    """Stored name -> checkpoint key; what is missing and unexpected (raised when `strict`)."""
+    result = LoadResult(format=kind)
+    chosen: dict[str, str] = {}
+    for canonical, names in _stored(pmodel).items():
+        key = next((k for k in _candidates(names, pmodel.base_model_prefix) if k in keys), None)
+        if key is None:
+            result.missing.append(canonical)
+        else:
+            chosen[canonical] = key
+    used = set(chosen.values())
+    aliases = {k for names in _stored(pmodel).values() for n in names for k in _candidates([n], pmodel.base_model_prefix)}
+    ignorable = {k for n in pmodel.not_stored for k in _candidates([n], pmodel.base_model_prefix)}
+    result.unexpected = sorted(k for k in keys if k not in used and k not in aliases and k not in ignorable)
+    if not chosen:
+        raise CheckpointError(
+            f"the {kind} checkpoint holds none of the model's tensors (it has {len(keys)}: "
+            f"{', '.join(sorted(keys)[:3])}...; the model wants {', '.join(list(_stored(pmodel))[:3])}...)",
+            hint="load a checkpoint of this model's architecture",
+        )
+    if strict and (result.missing or result.unexpected):
+        parts = []
+        if result.missing:
+            parts.append(f"lacks {len(result.missing)} of the model's tensors ({', '.join(result.missing[:3])})")
+        if result.unexpected:
+            parts.append(f"has {len(result.unexpected)} the model does not ({', '.join(result.unexpected[:3])})")
+        raise CheckpointError(
+            f"the {kind} checkpoint " + " and ".join(parts),
+            hint="load a checkpoint of this model's architecture, or pass strict=False to load what matches",
+        )
+    return chosen, result
+
+
+# ---- safetensors --------------------------------------------------------------------------------
+
+
+def _safetensors_files(directory: Path) -> dict[str | None, Path]:
+    """Key -> file for a sharded checkpoint (from its index); {None: file} for a single file."""
+    index = directory / SAFETENSORS_INDEX
+    if not index.is_file():
+        return {None: directory / SAFETENSORS_FILE}
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"{index} is not a safetensors index (a JSON object with a weight_map): {exc}",
+            hint="write the checkpoint again with save_pretrained",
+        ) from exc
+    files = {key: directory / name for key, name in weight_map.items()}
+    absent = sorted({str(f) for f in files.values() if not f.is_file()})
+    if absent:
+        raise CheckpointError(
+            f"{index} lists {absent[0]}, which does not exist ({len(absent)} shard(s) absent)",
+            hint="the checkpoint was copied only in part: copy every shard the index lists",
+        )
+    return files
+
+
+def _load_safetensors(pmodel: ParallelModule, files: dict[str | None, Path], strict: bool) -> LoadResult:
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def opened(file: Path) -> Any:
+            if file not in handles:
+                try:
+                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+                except (SafetensorError, OSError) as exc:
+                    raise CheckpointError(
+                        f"{file} is not a readable safetensors file: {exc}",
+                        hint="the file may be truncated: write or copy the checkpoint again",
+                    ) from exc
+            return handles[file]
+
+        single = files.get(None)
+        if single is not None:
+            keys = set(opened(single).keys())
+            file_of = dict.fromkeys(keys, single)
+        else:
+            file_of = {k: f for k, f in files.items() if k is not None}
+            keys = set(file_of)
+        chosen, result = _match(pmodel, keys, strict, "safetensors")
+        state = pmodel.state_dict(keep_vars=True)
+        for name, key in chosen.items():
+            target = state[name]
+            local = target.to_local() if isinstance(target, DTensor) else target
+            piece = opened(file_of[key]).get_slice(key)
+            shape = tuple(piece.get_shape())
+            if shape != tuple(target.shape):
+                raise CheckpointError(
+                    f"{key} has shape {list(shape)} in the checkpoint, but the model's {name} is {list(target.shape)}",
+                    hint="load a checkpoint of this model's configuration (sizes, vocabulary)",
+                )
+            block = piece[pmodel.stored_block(name)] if shape else piece[...]
+            with torch.no_grad():
+                local.copy_(block.to(local.dtype).reshape(local.shape))
+            result.loaded.append(name)
+    return result
+
+
+# ---- torch.distributed.checkpoint ---------------------------------------------------------------
+
+
+def _load_dcp(pmodel: ParallelModule, directory: Path, strict: bool) -> LoadResult:
+    try:
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    except Exception as exc:  # a truncated or foreign .metadata: torch raises several kinds
+        raise CheckpointError(
+            f"{directory / DCP_METADATA} is not readable checkpoint metadata: {type(exc).__name__}: {exc}",
+            hint="the checkpoint may be truncated: save it again with torch.distributed.checkpoint",
+        ) from exc
+    keys = set(metadata.state_dict_metadata)
+    chosen, result = _match(pmodel, keys, strict, "DCP")
+    state = pmodel.state_dict(keep_vars=True)
+    for name, key in chosen.items():
+        want = tuple(state[name].shape)
+        have = tuple(getattr(metadata.state_dict_metadata[key], "size", want))
+        if have != want:
+            raise CheckpointError(
+                f"{key} has shape {list(have)} in the checkpoint, but the model's {name} is {list(want)}",
+                hint="load a checkpoint of this model's configuration (sizes, vocabulary)",
+            )
+    request = {key: state[name].detach() for name, key in chosen.items()}
+    try:
+        dcp.load(request, checkpoint_id=str(directory), process_group=pmodel.world_group)
+    except (Exception, CheckpointException) as exc:  # a data file missing or cut short
+        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+        cause = lines[-1] if lines else type(exc).__name__  # the innermost error of the ranks' tracebacks
+        raise CheckpointError(
+            f"reading the torch.distributed.checkpoint {directory} failed: {cause}",
+            hint="the checkpoint may be truncated (a data file missing or cut short): save it again",
+        ) from exc
+    result.loaded = list(chosen)
+    return result

@@ -1,0 +1,385 @@
+"""Weights of a model built on the meta device, made on every rank as its own blocks only.
+
+The model's initialization runs module by module in the order `model.apply` visits them
+(children, then the parent), from the random state the user seeded, exactly as it runs serially on
+`model.to_empty(device=...)`: each tensor is materialized whole while an init call writes it, this
+rank cuts its block, and the whole tensor is freed. Every rank draws the same numbers (the serial
+ones) and keeps 1/p of them; transient memory is what one init call writes (one module's own
+parameters), never the model.
+
+Which call writes which tensor is found first by running the same calls on fake tensors (free: no
+data, no random numbers drawn), so a tensor an init call writes through its parent (or a tied
+weight that two modules initialize in turn) stays whole from its first write to its last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.core.errors import InitError
+from autopar.core.layout import Layout
+from autopar.runtime.agreement import Fingerprint, fingerprint
+from autopar.runtime.program import local_value
+
+InitFn = Callable[[nn.Module], Any]
+
+
+def meta_tensor_names(model: nn.Module) -> list[str]:
+    """Parameters and buffers of `model` on the meta device (tied ones under every name)."""
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return [name for name, tensor in named if tensor.device.type == "meta"]
+
+
+def reset_of(module: nn.Module) -> InitFn | None:
+    """The module's `reset_parameters()` (or `_reset_parameters()`, which torch's
+    `MultiheadAttention` and `Transformer` have instead): what its constructor ran."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        method = getattr(module, name, None)
+        if callable(method):
+            return lambda _: method()
+    return None
+
+
+@dataclass
+class _Slot:
+    """One tensor of the model: where it is registered (every owner, for tied weights)."""
+
+    name: str
+    owners: list[tuple[nn.Module, str, bool]]  # (module, attribute, is a parameter)
+    meta: torch.Tensor
+    writers: list[int] = field(default_factory=list)  # init calls that write it, in order
+
+
+@dataclass
+class _Call:
+    path: str
+    module: nn.Module
+    init: InitFn
+
+
+@dataclass
+class Initialized:
+    """What `initialized_blocks` made on this rank."""
+
+    blocks: dict[str, torch.Tensor]  # name -> this rank's block, for the tensors a program reads
+    fingerprints: list[tuple[str, Fingerprint]]  # of every whole tensor, to check that ranks agree
+    peak_whole_bytes: int  # the most bytes of whole tensors alive at once
+
+
+def initialized_blocks(
+    model: nn.Module,
+    layouts: Mapping[str, Layout],
+    mesh_shape: Sequence[int],
+    coords: Sequence[int],
+    init_fn: InitFn | None = None,
+    device: torch.device | str = "cpu",
+) -> Initialized:
+    """This rank's block (layout `layouts[name]`) of every meta tensor of `model`, as the model's
+    initialization makes it serially, and a fingerprint of each whole tensor.
+
+    `init_fn(module)` is called on every module in `model.apply` order; without it, each module's
+    own initialization (`own_init`). Raises `InitError` for a meta tensor that nothing writes."""
+    slots = _slots(model)
+    if not slots:
+        return Initialized({}, [], 0)
+    calls = _calls(model, init_fn)
+    _find_writers(calls, slots)
+    for index, call in enumerate(calls):  # a call's own tensors are whole during it: init code may
+        for slot in slots.values():  # skip a tensor it sees on meta (trunc_normal_ does)
+            if any(module is call.module for module, _, _ in slot.owners) and index not in slot.writers:
+                slot.writers.append(index)
+    rng = torch.random.get_rng_state()
+    for _ in range(MAX_PASSES):
+        run = _Pass(slots, calls, layouts, tuple(mesh_shape), tuple(coords), device)
+        run.run()
+        if not run.retouched:
+            break
+        for key, indices in run.touched.items():  # learned: keep these whole across their calls
+            slots[key].writers = sorted(set(slots[key].writers) | indices)
+        torch.random.set_rng_state(rng)
+    else:
+        raise InitError(
+            f"the initialization touched {slots[next(iter(run.retouched))].name} in a way autopar could "
+            f"not follow in {MAX_PASSES} passes",
+            hint="pass parallelize(..., init_fn=fn) that initializes each module's own tensors",
+        )
+    unwritten = [s.name for key, s in slots.items() if key not in run.written]
+    if unwritten:
+        raise InitError(
+            f"{unwritten[0]} is on the meta device and no initialization writes it"
+            + (f" ({len(unwritten) - 1} more: {', '.join(unwritten[1:4])}...)" if len(unwritten) > 1 else ""),
+            hint="give its module a reset_parameters(), pass parallelize(..., init_fn=fn) that sets it, "
+            "or build that tensor outside the meta device (buffers computed in __init__, such as "
+            "rotary frequencies, are lost on meta)",
+        )
+    return Initialized(run.blocks, [(slot.name, run.prints[slot.name]) for slot in slots.values()], run.peak)
+
+
+MAX_PASSES = 3  # a pass learns which calls touch a tensor that the fake run could not foresee
+
+
+class _Pass:
+    """One run of every init call on real tensors: each tensor is whole from the first call that
+    writes it to the last (as known before the pass), then cut to this rank's block and freed. A
+    call that touches a tensor no one expected materializes it on the spot; one that touches a
+    tensor already cut (`retouched`) means the pass must run again, knowing that."""
+
+    def __init__(
+        self,
+        slots: dict[int, _Slot],
+        calls: list[_Call],
+        layouts: Mapping[str, Layout],
+        mesh_shape: tuple[int, ...],
+        coords: tuple[int, ...],
+        device: torch.device | str,
+    ) -> None:
+        self.slots, self.calls, self.layouts = slots, calls, layouts
+        self.mesh_shape, self.coords, self.device = mesh_shape, coords, device
+        self.blocks: dict[str, torch.Tensor] = {}
+        self.prints: dict[str, Fingerprint] = {}
+        self.peak = 0
+        self.real: dict[int, torch.Tensor] = {}  # slot -> its whole tensor, while whole
+        self.slot_of_real: dict[int, int] = {}  # a whole tensor's storage -> its slot
+        self.done: set[int] = set()
+        self.touched: dict[int, set[int]] = {}
+        self.retouched: set[int] = set()
+        self.written: set[int] = set()
+        self.index = 0
+
+    def run(self) -> None:
+        last = {key: max(slot.writers) for key, slot in self.slots.items() if slot.writers}
+        by_call: dict[int, list[int]] = {}
+        for key, slot in self.slots.items():
+            for index in slot.writers:
+                by_call.setdefault(index, []).append(key)
+        try:
+            for index, call in enumerate(self.calls):
+                self.index = index
+                for key in by_call.get(index, []):
+                    self.whole(key)
+                with _Touches(self):
+                    _run(call)
+                self.peak = max(self.peak, sum(t.numel() * t.element_size() for t in self.real.values()))
+                for key in [k for k in self.real if last.get(k, index) <= index]:
+                    self.cut(key)
+        finally:
+            for key in list(self.real):
+                self.real.pop(key)
+                _restore(self.slots[key])
+
+    def whole(self, key: int) -> torch.Tensor:
+        """The slot's whole tensor, made (and held by the model) if it is not whole yet."""
+        self.touched.setdefault(key, set()).add(self.index)
+        if key in self.done:
+            self.retouched.add(key)
+        if key not in self.real:
+            value = _materialize(self.slots[key], self.device)
+            self.real[key] = value
+            self.slot_of_real[_storage_key(value)] = key
+        return self.real[key]
+
+    def cut(self, key: int) -> None:
+        slot, value = self.slots[key], self.real.pop(key)
+        self.prints[slot.name] = fingerprint(value)
+        layout = self.layouts.get(slot.name)
+        if layout is not None:  # a tensor no program reads is not kept
+            self.blocks[slot.name] = local_value(value.detach(), layout, self.mesh_shape, self.coords).clone()
+        _restore(slot)
+        self.done.add(key)
+
+
+def _slots(model: nn.Module) -> dict[int, _Slot]:
+    """Every meta tensor of `model` once (keyed by its storage), with all the places it is held."""
+    slots: dict[int, _Slot] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        owned = [(n, t, True) for n, t in module._parameters.items() if t is not None]
+        owned += [(n, t, False) for n, t in module._buffers.items() if t is not None]
+        for attr, tensor, is_param in owned:
+            if tensor.device.type != "meta":
+                continue
+            key = _storage_key(tensor)
+            slot = slots.get(key)
+            if slot is None:
+                slot = slots[key] = _Slot(f"{path}.{attr}" if path else attr, [], tensor)
+            if all(m is not module or a != attr for m, a, _ in slot.owners):
+                slot.owners.append((module, attr, is_param))
+    return slots
+
+
+def _calls(model: nn.Module, init_fn: InitFn | None) -> list[_Call]:
+    """The init calls in the order building the model ran them.
+
+    With `init_fn`: `init_fn` on every module in `model.apply` order (children, then the module).
+    Without: what the constructors ran, so the weights equal the model built on a real device from
+    the same seed. Each module's `reset_parameters()` after its children's; and a module with an
+    `_init_weights` (a transformers model, whose constructor ends in `post_init`; nanoGPT's
+    `self.apply(self._init_weights)`) then runs it on every module below it that no inner model's
+    `_init_weights` has run on yet, as transformers' `initialize_weights` skips them."""
+    calls: list[_Call] = []
+    seen: set[int] = set()
+    post_initialized: set[int] = set()
+
+    def subtree(path: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        found = []
+        for name, child in module.named_children():
+            found += subtree(f"{path}.{name}" if path else name, child)
+        return [*found, (path or "<root>", module)]
+
+    def build(path: str, module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for name, child in module.named_children():
+            build(f"{path}.{name}" if path else name, child)
+        if init_fn is not None:
+            calls.append(_Call(path or "<root>", module, init_fn))
+            return
+        reset = reset_of(module)
+        if reset is not None:
+            calls.append(_Call(path or "<root>", module, reset))
+        post = getattr(module, "_init_weights", None)
+        if callable(post):
+            for inner_path, inner in subtree(path, module):
+                if id(inner) not in post_initialized:
+                    post_initialized.add(id(inner))
+                    calls.append(_Call(inner_path, inner, post))
+
+    build("", model)
+    return calls
+
+
+def _find_writers(calls: list[_Call], slots: dict[int, _Slot]) -> None:
+    """Run every call on fake stand-ins of the tensors (no data, no random numbers drawn) and note
+    which tensors each one writes. Fake, not meta: init code may skip meta tensors (torch's
+    `trunc_normal_` does). A call whose code needs values (a rejection loop) stops at that point in
+    this run; the writes before it are what it is known to write."""
+    rng = torch.random.get_rng_state()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    slot_of: dict[int, int] = {}
+    try:
+        for key, slot in slots.items():
+            with fake_mode:
+                stand_in = torch.empty(slot.meta.shape, dtype=slot.meta.dtype)
+            slot_of[_storage_key(stand_in)] = key
+            _swap(slot, stand_in)
+        for index, call in enumerate(calls):
+            with _Writes() as writes:
+                try:
+                    with torch.no_grad():
+                        call.init(call.module)
+                except Exception:  # noqa: S110  # value-dependent code: the writes before it count
+                    pass
+            for storage in writes.storages:
+                if storage in slot_of:
+                    slots[slot_of[storage]].writers.append(index)
+    finally:
+        for slot in slots.values():
+            _restore(slot)
+        torch.random.set_rng_state(rng)
+
+
+def _run(call: _Call) -> None:
+    try:
+        with torch.no_grad():
+            call.init(call.module)
+    except InitError:
+        raise
+    except Exception as exc:  # the user's or the library's init code: name the module it ran on
+        raise InitError(
+            f"initializing {call.path} ({type(call.module).__name__}) on the meta-device model failed: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            hint="the init must write the module's tensors in place (nn.init.*, copy_, fill_); "
+            "pass parallelize(..., init_fn=fn) to initialize it another way",
+        ) from exc
+
+
+def _materialize(slot: _Slot, device: torch.device | str) -> torch.Tensor:
+    value = torch.empty(slot.meta.shape, dtype=slot.meta.dtype, device=device)
+    _swap(slot, value)
+    return value
+
+
+def _swap(slot: _Slot, value: torch.Tensor) -> None:
+    """Hold `value` where the model holds the slot's meta tensor (under every tied name)."""
+    for module, attr, is_param in slot.owners:
+        if is_param:
+            module._parameters[attr] = nn.Parameter(value, requires_grad=slot.meta.requires_grad)
+        else:
+            module._buffers[attr] = value
+
+
+def _restore(slot: _Slot) -> None:
+    for module, attr, is_param in slot.owners:
+        if is_param:
+            module._parameters[attr] = slot.meta  # type: ignore[assignment]
+        else:
+            module._buffers[attr] = slot.meta
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage()._cdata)
+
+
+class _Writes(TorchDispatchMode):
+    """Records the storages that ops write in place (the arguments their schema marks written)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for value in _written(func, args, kwargs):
+            key = _storage_key(value)
+            if key not in self.storages:
+                self.storages.append(key)
+        return func(*args, **kwargs)
+
+
+class _Touches(TorchDispatchMode):
+    """In a real pass: an op on a slot's meta tensor gets the slot's whole tensor instead (made
+    then), and every write to a whole tensor is noted."""
+
+    def __init__(self, run: _Pass) -> None:
+        super().__init__()
+        self.run = run
+        self.meta_keys = {_storage_key(slot.meta): key for key, slot in run.slots.items()}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        args, kwargs = pytree.tree_map_only(torch.Tensor, self._real, (args, kwargs or {}))
+        for value in _written(func, args, kwargs):
+            key = self.run.slot_of_real.get(_storage_key(value))
+            if key is not None:
+                self.run.written.add(key)
+        return func(*args, **kwargs)
+
+    def _real(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "meta":
+            return tensor
+        key = self.meta_keys.get(_storage_key(tensor))
+        if key is None:
+            return tensor
+        whole = self.run.whole(key)
+        if tensor.shape == whole.shape and tensor.stride() == whole.stride() and tensor.storage_offset() == 0:
+            return whole
+        return whole.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+
+
+def _written(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Iterator[torch.Tensor]:
+    schema = func._schema
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = kwargs.get(argument.name) if argument.kwarg_only else (
+            args[position] if position < len(args) else kwargs.get(argument.name)
+        )
+        if isinstance(value, torch.Tensor):
+            yield value
