@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autopar.compiler import driver
@@ -101,6 +102,10 @@ def parallelize(
     """
     _check_model(model)
     example_inputs = example_tuple(example_inputs, example_kwargs)
+    # a DTensor example (another parallel module's output) stands for its global value, as in calls
+    example_inputs, example_kwargs = pytree.tree_map_only(
+        DTensor, lambda x: x.full_tensor(), (example_inputs, example_kwargs)
+    )
     if inputs not in INPUT_MODES:
         raise UsageError(
             f"inputs must be one of {', '.join(map(repr, INPUT_MODES))}, got {inputs!r}",

@@ -103,6 +103,33 @@ def test_a_saliency_map_of_a_convolutional_classifier_equals_serial() -> None:
     assert_call_matches_serial(TopScore(), (2, 2), (image,))
 
 
+ACTIVATIONS = {
+    "leaky-relu": nn.LeakyReLU(0.2),  # a DCGAN discriminator's
+    "elu": nn.ELU(),
+    "selu": nn.SELU(),
+    "celu": nn.CELU(0.5),
+    "mish": nn.Mish(),
+    "hardsigmoid": nn.Hardsigmoid(),
+    "softsign": nn.Softsign(),
+}
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS.values()), ids=list(ACTIVATIONS))
+def test_a_discriminator_s_gradient_by_its_input_equals_serial(activation: nn.Module) -> None:
+    torch.manual_seed(0)
+    discriminator = nn.Sequential(nn.Linear(8, 16), activation, nn.Linear(16, 1))
+
+    class Loss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.d = discriminator
+
+        def forward(self, fake: torch.Tensor) -> torch.Tensor:
+            return F.softplus(-self.d(fake)).mean()
+
+    assert_call_matches_serial(Loss(), (2, 2), (torch.randn(4, 8, requires_grad=True),))
+
+
 def test_gradients_of_input_embeddings_through_repeated_transformer_blocks_equal_serial() -> None:
     """Adversarial training on embeddings calls a transformers model with `inputs_embeds`."""
     torch.manual_seed(0)
@@ -184,7 +211,35 @@ def _train_with_input_gradients(rank: int, world_size: int) -> dict[str, Any]:
     result["dtensor"] = (type(image.grad).__name__, tuple(map(str, image.grad.placements)))
     result["dtensor_err"] = float((image.grad.full_tensor() - plain.grad).abs().max())
     result["programs"] = [why for why, _ in pmodel.programs]
+
+    # another parallel module's output as the example and as the input; one tensor passed twice
+    pregressor = autopar.parallelize(TwoInputs(), mesh, example_inputs=(pmodel(images), pmodel(images)))
+    serial_regressor = TwoInputs()
+    serial_regressor.load_state_dict({k: v.full_tensor() for k, v in pregressor.state_dict().items()})
+    features = images.clone().requires_grad_()
+    pregressor(pmodel(features), pmodel(features)).backward()
+    plain = images.clone().requires_grad_()
+    serial_regressor(serial(plain), serial(plain)).backward()
+    result["chained"] = float((features.grad - plain.grad).abs().max())
+    logits = torch.randn(4, 10, generator=gen)
+    twice, serial_twice = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    pregressor(twice, twice).backward()
+    serial_regressor(serial_twice, serial_twice).backward()
+    result["twice"] = float((twice.grad - serial_twice.grad).abs().max())
+    # a program traced for one tensor passed twice reads it once: other tensors get their own program
+    half, other = torch.randn(2, 10, generator=gen), torch.randn(2, 10, generator=gen)
+    pregressor(half, half)  # compiles a program for 2 rows that reads its one tensor once
+    result["distinct"] = (float(pregressor(half, other)), float(serial_regressor(half, other)))
     return result
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(10, 8), nn.Linear(10, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(self.a(x)) * self.b(y)).pow(2).mean()
 
 
 @pytest.mark.multirank
@@ -197,6 +252,9 @@ def test_saliency_adversarial_steps_a_generator_and_dtensor_inputs_equal_serial_
         assert result["generator"] < 1e-6, result["generator"]
         assert result["dtensor"] == ("DTensor", ("S(0)", "R")), result["dtensor"]
         assert result["dtensor_err"] < 1e-6, result["dtensor_err"]
+        assert result["chained"] < 1e-6, result["chained"]
+        assert result["twice"] < 1e-6, result["twice"]
+        assert abs(result["distinct"][0] - result["distinct"][1]) < 1e-6, result["distinct"]
         # one program for inputs without gradient, one for inputs that want one
         assert result["programs"] == [
             "example inputs",

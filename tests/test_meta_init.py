@@ -46,8 +46,29 @@ def _torch_modules() -> nn.Module:
     )
 
 
+class TiedAfterConstruction(nn.Module):
+    """Ties the head to the embedding after building both: the embedding's values are kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 32, bias=False)
+        self.head.weight = self.tok.weight
+
+
+def _opt() -> nn.Module:
+    """transformers ties after post_init has initialized both (OPT ties by default)."""
+    config = transformers.OPTConfig(
+        num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4, vocab_size=64,
+        word_embed_proj_dim=32, max_position_embeddings=32,
+    )
+    return transformers.OPTForCausalLM(config)
+
+
 BUILT_ON_A_DEVICE: dict[str, Callable[[], nn.Module]] = {
     "nanogpt-init-weights-and-tied-head": lambda: GPT(GPTConfig()),
+    "tied-after-construction": TiedAfterConstruction,
+    "opt-tied-after-post-init": _opt,
     "llama": _llama,
     "bert": _bert,
     "torch-modules": _torch_modules,

@@ -83,6 +83,16 @@ ARGS: dict[object, tuple[object, ...]] = {
     aten.hardtanh_backward.default: ("f", "f", -0.5, 0.5),
     aten.hardswish_backward.default: ("f", "f"),
     aten.softplus_backward.default: ("f", "f", 1.0, 20.0),
+    aten.leaky_relu.default: ("f", 0.01),
+    aten.elu.default: ("f", 1.0, 1.0, 1.0),
+    aten.celu.default: ("f", 0.5),
+    aten.mish.default: ("f",),
+    aten.hardsigmoid.default: ("f",),
+    aten.sgn.default: ("f",),
+    aten.leaky_relu_backward.default: ("f", "f", 0.01, False),
+    aten.elu_backward.default: ("f", 1.0, 1.0, 1.0, False, "f"),
+    aten.mish_backward.default: ("f", "f"),
+    aten.hardsigmoid_backward.default: ("f", "f"),
     aten.neg.default: ("f",),
     aten.mul.Scalar: ("f", 3.0),
     aten.div.Scalar: ("f", 4.0),
@@ -103,6 +113,10 @@ ARGS: dict[object, tuple[object, ...]] = {
 }
 # Same-shape-only ops (no broadcasting in their kernels' contract).
 SAME_SHAPE = {
+    aten.leaky_relu_backward.default,
+    aten.elu_backward.default,
+    aten.mish_backward.default,
+    aten.hardsigmoid_backward.default,
     aten.hardtanh_backward.default,
     aten.hardswish_backward.default,
     aten.softplus_backward.default,

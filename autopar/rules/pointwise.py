@@ -198,6 +198,14 @@ TABLE: dict[object, Linearity] = {
     aten.hardtanh.default: NONE,
     aten.hardswish.default: NONE,
     aten.softplus.default: NONE,
+    # activations of GAN discriminators and older vision models (LeakyReLU, ELU/SELU/CELU, Mish,
+    # Hardsigmoid; sgn is Softsign's and abs's backward)
+    aten.leaky_relu.default: NONE,
+    aten.elu.default: NONE,
+    aten.celu.default: NONE,
+    aten.mish.default: NONE,
+    aten.hardsigmoid.default: NONE,
+    aten.sgn.default: NONE,
     # linear
     aten.neg.default: FIRST,
     aten.mul.Scalar: FIRST,
@@ -215,6 +223,10 @@ TABLE: dict[object, Linearity] = {
     aten.hardtanh_backward.default: FIRST,
     aten.hardswish_backward.default: FIRST,
     aten.softplus_backward.default: FIRST,
+    aten.leaky_relu_backward.default: FIRST,
+    aten.elu_backward.default: FIRST,
+    aten.mish_backward.default: FIRST,
+    aten.hardsigmoid_backward.default: FIRST,
 }
 
 

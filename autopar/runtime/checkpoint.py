@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,33 +166,23 @@ def _safetensors_files(directory: Path) -> dict[str | None, Path]:
 
 
 def _load_safetensors(pmodel: ParallelModule, files: dict[str | None, Path], strict: bool) -> LoadResult:
-    with ExitStack() as stack:
-        handles: dict[Path, Any] = {}
-
-        def opened(file: Path) -> Any:
-            if file not in handles:
-                try:
-                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-                except (SafetensorError, OSError) as exc:
-                    raise CheckpointError(
-                        f"{file} is not a readable safetensors file: {exc}",
-                        hint="the file may be truncated: write or copy the checkpoint again",
-                    ) from exc
-            return handles[file]
-
-        single = files.get(None)
-        if single is not None:
-            keys = set(opened(single).keys())
-            file_of = dict.fromkeys(keys, single)
-        else:
-            file_of = {k: f for k, f in files.items() if k is not None}
-            keys = set(file_of)
-        chosen, result = _match(pmodel, keys, strict, "safetensors")
-        state = pmodel.state_dict(keep_vars=True)
-        for name, key in chosen.items():
-            target = state[name]
-            local = target.to_local() if isinstance(target, DTensor) else target
-            piece = opened(file_of[key]).get_slice(key)
+    single = files.get(None)
+    if single is not None:
+        with _opened(single) as handle:
+            keys = set(handle.keys())
+        file_of = dict.fromkeys(keys, single)
+    else:
+        file_of = {k: f for k, f in files.items() if k is not None}
+        keys = set(file_of)
+    chosen, result = _match(pmodel, keys, strict, "safetensors")
+    state = pmodel.state_dict(keep_vars=True)
+    for name, key in chosen.items():
+        target = state[name]
+        local = target.to_local() if isinstance(target, DTensor) else target
+        # opened per tensor: the file is memory-mapped, and the pages a slice touches (a column
+        # block touches every row) stay in this process's RSS until it is closed
+        with _opened(file_of[key]) as handle:
+            piece = handle.get_slice(key)
             shape = tuple(piece.get_shape())
             if shape != tuple(target.shape):
                 raise CheckpointError(
@@ -202,8 +192,21 @@ def _load_safetensors(pmodel: ParallelModule, files: dict[str | None, Path], str
             block = piece[pmodel.stored_block(name)] if shape else piece[...]
             with torch.no_grad():
                 local.copy_(block.to(local.dtype).reshape(local.shape))
-            result.loaded.append(name)
+        result.loaded.append(name)
     return result
+
+
+@contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file: {exc}",
+            hint="the file may be truncated: write or copy the checkpoint again",
+        ) from exc
+    with handle:
+        yield handle
 
 
 # ---- torch.distributed.checkpoint ---------------------------------------------------------------

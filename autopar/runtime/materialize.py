@@ -15,6 +15,7 @@ weight that two modules initialize in turn) stays whole from its first write to 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,11 @@ class _Call:
     path: str
     module: nn.Module
     init: InitFn
+    # the call runs before the model ties its weights (a constructor's reset, transformers'
+    # post_init, which ties after initializing): a tied tensor this module holds but another
+    # module owns (the one holding it first) is the module's own scratch during the call, so the
+    # random numbers are drawn as serially and the owner's values are kept, as tying keeps them
+    before_tying: bool = False
 
 
 @dataclass
@@ -165,7 +171,7 @@ class _Pass:
                 self.index = index
                 for key in by_call.get(index, []):
                     self.whole(key)
-                with _Touches(self):
+                with _Touches(self), _scratch_for_tied(call, self.slots):
                     _run(call)
                 self.peak = max(self.peak, sum(t.numel() * t.element_size() for t in self.real.values()))
                 for key in [k for k in self.real if last.get(k, index) <= index]:
@@ -244,13 +250,14 @@ def _calls(model: nn.Module, init_fn: InitFn | None) -> list[_Call]:
             return
         reset = reset_of(module)
         if reset is not None:
-            calls.append(_Call(path or "<root>", module, reset))
+            calls.append(_Call(path or "<root>", module, reset, before_tying=True))
         post = getattr(module, "_init_weights", None)
+        ties_after = callable(getattr(module, "tie_weights", None))  # transformers' post_init order
         if callable(post):
             for inner_path, inner in subtree(path, module):
                 if id(inner) not in post_initialized:
                     post_initialized.add(id(inner))
-                    calls.append(_Call(inner_path, inner, post))
+                    calls.append(_Call(inner_path, inner, post, before_tying=ties_after))
 
     build("", model)
     return calls
@@ -286,6 +293,33 @@ def _find_writers(calls: list[_Call], slots: dict[int, _Slot]) -> None:
         torch.random.set_rng_state(rng)
 
 
+@contextmanager
+def _scratch_for_tied(call: _Call, slots: Mapping[int, _Slot]) -> Iterator[None]:
+    """During a call before tying, the module's hold on a tensor another module owns is scratch."""
+    swapped: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
+    if call.before_tying:
+        for slot in slots.values():
+            for module, attr, is_param in slot.owners[1:]:
+                if module is call.module:
+                    held = (module._parameters if is_param else module._buffers)[attr]
+                    assert held is not None
+                    scratch = torch.empty(held.shape, dtype=held.dtype, device="cpu" if held.is_meta else held.device)
+                    _hold(module, attr, is_param, scratch, slot.meta.requires_grad)
+                    swapped.append((module, attr, is_param, held))
+    try:
+        yield
+    finally:
+        for module, attr, is_param, held in swapped:
+            (module._parameters if is_param else module._buffers)[attr] = held  # type: ignore[index,assignment]
+
+
+def _hold(module: nn.Module, attr: str, is_param: bool, value: torch.Tensor, requires_grad: bool) -> None:
+    if is_param:
+        module._parameters[attr] = nn.Parameter(value, requires_grad=requires_grad)
+    else:
+        module._buffers[attr] = value
+
+
 def _run(call: _Call) -> None:
     try:
         with torch.no_grad():
@@ -310,10 +344,7 @@ def _materialize(slot: _Slot, device: torch.device | str) -> torch.Tensor:
 def _swap(slot: _Slot, value: torch.Tensor) -> None:
     """Hold `value` where the model holds the slot's meta tensor (under every tied name)."""
     for module, attr, is_param in slot.owners:
-        if is_param:
-            module._parameters[attr] = nn.Parameter(value, requires_grad=slot.meta.requires_grad)
-        else:
-            module._buffers[attr] = value
+        _hold(module, attr, is_param, value, slot.meta.requires_grad)
 
 
 def _restore(slot: _Slot) -> None:

@@ -290,7 +290,7 @@ class ParallelModule(nn.Module):
             changes.append("another structure of arguments")
         else:
             changes += [
-                f"input {i}: {_leaf_text(new)} (was {_leaf_text(old)})"
+                f"input {i}: {_leaf_text(new, i)} (was {_leaf_text(old, i)})"
                 for i, (new, old) in enumerate(zip(leaves, last_leaves))
                 if new != old
             ]
@@ -374,7 +374,8 @@ def _refuse_input_gradients(tensors: Sequence[torch.Tensor], names: Sequence[str
     module built around one program (no compiler) refuses such a call."""
     if not torch.is_grad_enabled():
         return
-    wanting = [name for i, (name, x) in enumerate(zip(names, tensors)) if x.requires_grad and i not in computed]
+    covered = {id(tensors[i]) for i in computed}  # a tensor passed twice is one input of the trace
+    wanting = [name for name, x in zip(names, tensors) if x.requires_grad and id(x) not in covered]
     if wanting:
         raise InputMismatchError(
             f"{wanting[0]} requires a gradient, but the program was compiled for inputs that do not",
@@ -456,10 +457,15 @@ def _refuse_differing_inputs(flat: Sequence[Any], names: Sequence[str], group: d
 
 def _call_key(spec: Any, flat: Sequence[Any], training: bool, grad: bool) -> tuple[Any, ...]:
     """What selects a program: the arguments' structure, each tensor's shape, dtype and (with
-    gradients on) whether it requires grad, each other argument's value, the module's mode and
-    whether gradients are on."""
+    gradients on) whether it requires grad, which arguments are one tensor passed twice (the
+    trace reads such a tensor once: `labels=input_ids`), each other argument's value, the
+    module's mode and whether gradients are on."""
+    first_of: dict[int, int] = {}
+    for i, x in enumerate(flat):
+        if isinstance(x, torch.Tensor):
+            first_of.setdefault(id(x), i)
     leaves = tuple(
-        ("tensor", tuple(x.shape), x.dtype, grad and x.requires_grad)
+        ("tensor", tuple(x.shape), x.dtype, grad and x.requires_grad, first_of[id(x)])
         if isinstance(x, torch.Tensor)
         else ("value", _hashable(x))
         for x in flat
@@ -475,9 +481,10 @@ def _hashable(value: Any) -> Any:
     return value
 
 
-def _leaf_text(leaf: tuple[Any, ...]) -> str:
+def _leaf_text(leaf: tuple[Any, ...], index: int) -> str:
     if leaf[0] == "tensor":
-        return _describe((leaf[1], leaf[2])) + (" requiring grad" if leaf[3] else "")
+        same = f", the tensor of input {leaf[4]}" if leaf[4] != index else ""
+        return _describe((leaf[1], leaf[2])) + (" requiring grad" if leaf[3] else "") + same
     return repr(leaf[1])
 
 

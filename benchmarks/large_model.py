@@ -1,0 +1,191 @@
+"""A GPT too large for every rank to hold a copy, started on 8 gloo ranks without ever materializing it.
+
+One process first builds the GPT (examples/models.GPT) serially, writes its weights as a
+safetensors checkpoint (`model.safetensors`, as `save_pretrained` would) and trains it two steps
+(SGD with momentum) on a fixed batch: the reference losses. It then exits, and an 8-rank job
+(tests/multirank.py, forked, one torch thread each) builds the same GPT on the meta device,
+parallelizes it on the mesh, and either loads the checkpoint (`autopar.load_checkpoint`, each
+rank reading only its slices) or initializes it in place (`parallelize` on the meta model, seeded
+as the serial build), then trains the same two steps.
+
+Per rank it reports the peak RSS against the modeled share: parameters + gradients + optimizer
+state (momentum) of the rank's blocks + the activations its program saves for backward, beside
+the RSS of a rank that has only imported torch and joined the job (the runtime's fixed overhead),
+and the time to parallelize, to load and per step. The losses must equal the serial ones.
+
+    python benchmarks/large_model.py                          # ~1 B parameters (4 GB in fp32)
+    python benchmarks/large_model.py --n-layer 2 --n-embd 256 --name large_model_small   # a minute
+
+Writes benchmarks/results/large_model.json (or <name>.json) and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import RESULTS, ROOT, environment
+from safetensors.torch import save_model
+
+sys.path.insert(0, str(ROOT / "tests"))
+from multirank import run_ranks  # noqa: E402
+
+import autopar  # noqa: E402
+from examples.models import GPT, GPTConfig, gpt_batch  # noqa: E402
+
+GiB = 1024**3
+
+
+def _rss_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def serial_reference(config: GPTConfig, batch: tuple[torch.Tensor, ...], directory: Path, lr: float) -> dict[str, Any]:
+    """Build, save and train the serial model: the checkpoint and the losses to match."""
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    model = GPT(config)
+    built = time.perf_counter() - start
+    save_model(model, str(directory / "model.safetensors"))  # tied weights written once
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses, steps = [], []
+    for _ in range(2):
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        steps.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    params = sum(p.numel() for p in model.parameters())
+    return {"losses": losses, "params": params, "build_s": built, "step_s": steps, "peak_rss": _rss_peak()}
+
+
+def _rank(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tensor, ...], shape: tuple[int, ...],
+          directory: str, load: bool, lr: float) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", shape)
+    baseline = _rss_now()  # torch imported, the job joined: the runtime's fixed overhead
+    with torch.device("meta"):
+        model = GPT(config)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    pmodel = autopar.parallelize(model, mesh, example_inputs=batch)
+    parallelize_s = time.perf_counter() - start
+    load_s = 0.0
+    if load:
+        start = time.perf_counter()
+        autopar.load_checkpoint(pmodel, directory)
+        load_s = time.perf_counter() - start
+    after_load = _rss_now()
+    opt = torch.optim.SGD(pmodel.parameters(), lr=lr, momentum=0.9)
+    losses, steps = [], []
+    for _ in range(2):
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss = pmodel(*batch)
+        loss.backward()
+        opt.step()
+        steps.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    local = sum(p.to_local().numel() * p.element_size() for p in pmodel.parameters())
+    out = next(n for n in pmodel.program.forward.graph.nodes if n.op == "output")
+    saved = list(out.args[0])[len(pmodel.program.output_layouts) :]
+    activations = sum(
+        n.meta["val"].numel() * n.meta["val"].element_size()
+        for n in saved
+        if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+    )
+    gc.collect()
+    return {
+        "rank": rank,
+        "losses": losses,
+        "parallelize_s": parallelize_s,
+        "load_s": load_s,
+        "step_s": steps,
+        "baseline_rss": baseline,
+        "after_load_rss": after_load,
+        "peak_rss": _rss_peak(),
+        "modeled": {"params": local, "grads": local, "momentum": local, "activations": activations},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n-layer", type=int, default=20)
+    parser.add_argument("--n-embd", type=int, default=2048)
+    parser.add_argument("--n-head", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--mesh", default="2,2,2")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--name", default="large_model")
+    args = parser.parse_args()
+    config = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    shape = tuple(int(s) for s in args.mesh.split(","))
+    batch = gpt_batch(config, args.batch, torch.Generator().manual_seed(1))
+    with tempfile.TemporaryDirectory() as directory:
+        # the serial reference runs in its own process, so its memory is gone before the job starts
+        (serial,) = run_ranks(1, _serial_job, config, batch, directory, args.lr, timeout=3600)
+        runs = {}
+        for mode in ("checkpoint", "init"):
+            ranks = run_ranks(
+                int(torch.tensor(shape).prod()), _rank, config, batch, shape, directory, mode == "checkpoint", args.lr,
+                timeout=3600,
+            )
+            runs[mode] = ranks
+    result = {"config": vars(args), "serial": serial, "runs": runs, "environment": environment()}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+    print(table(result))
+
+
+def _serial_job(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tensor, ...], directory: str,
+                lr: float) -> dict[str, Any]:
+    torch.set_num_threads(2)
+    return serial_reference(config, batch, Path(directory), lr)
+
+
+def table(result: dict[str, Any]) -> str:
+    serial = result["serial"]
+    lines = [
+        f"GPT of {serial['params'] / 1e9:.2f} B parameters ({serial['params'] * 4 / GiB:.1f} GiB fp32), "
+        f"mesh {result['config']['mesh']}; serial losses {serial['losses']}, serial peak RSS "
+        f"{serial['peak_rss'] / GiB:.1f} GiB, serial step {max(serial['step_s']):.1f} s",
+        "",
+        "| start | rank | modeled share GiB (params+grads+momentum+activations) | fixed GiB | peak RSS GiB | "
+        "peak / (1.5 x share + fixed) | parallelize s | load s | steps s | losses equal serial |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, ranks in result["runs"].items():
+        for r in ranks:
+            share = sum(r["modeled"].values())
+            bound = 1.5 * share + r["baseline_rss"]
+            equal = all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(r["losses"], serial["losses"]))
+            lines.append(
+                f"| {mode} | {r['rank']} | {share / GiB:.2f} | {r['baseline_rss'] / GiB:.2f} | {r['peak_rss'] / GiB:.2f} | "
+                f"{r['peak_rss'] / bound:.2f} | {r['parallelize_s']:.0f} | {r['load_s']:.1f} | "
+                f"{', '.join(f'{s:.1f}' for s in r['step_s'])} | {equal} ({', '.join(f'{x:.6f}' for x in r['losses'])}) |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
