@@ -134,6 +134,20 @@ def test_only_one_module_s_tensors_are_whole_at_a_time() -> None:
     assert made.blocks["0.weight"].shape == (32, 32)
 
 
+def test_a_second_initialization_pass_does_not_keep_every_tensor_whole_between_passes() -> None:
+    """nanoGPT's constructors reset every module, then `_init_weights` overwrites the weights: a
+    weight is dead between the two (the second overwrites it whole), so it is not kept."""
+    config = GPTConfig(n_embd=64, n_layer=4)
+    with torch.device("meta"):
+        model = GPT(config)
+    layouts = {n: _split(t) for n, t in model.named_parameters()}
+    made = initialized_blocks(model, layouts, MESH, (1, 0))
+    largest_module = max(
+        sum(t.numel() * t.element_size() for t in m.parameters(recurse=False)) for m in model.modules()
+    )
+    assert made.peak_whole_bytes == largest_module  # the MLP's first Linear, of 4 layers' worth
+
+
 def test_a_tensor_nothing_initializes_is_named() -> None:
     class Scaled(nn.Module):
         def __init__(self) -> None:

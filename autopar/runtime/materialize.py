@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -56,7 +56,20 @@ class _Slot:
     name: str
     owners: list[tuple[nn.Module, str, bool]]  # (module, attribute, is a parameter)
     meta: torch.Tensor
-    writers: list[int] = field(default_factory=list)  # init calls that write it, in order
+    # the init calls that touch it: call index -> whether the call's first touch overwrites it
+    # whole without reading it (normal_, uniform_, fill_, zero_, copy_ into the whole tensor)
+    touches: dict[int, bool] = field(default_factory=dict)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """(first call, last call) of each stretch its value must live through: a call that
+        overwrites it whole starts a new one, and the value before it is dead."""
+        spans: list[list[int]] = []
+        for index in sorted(self.touches):
+            if not spans or self.touches[index]:
+                spans.append([index, index])
+            else:
+                spans[-1][1] = index
+        return [(a, b) for a, b in spans]
 
 
 @dataclass
@@ -97,19 +110,20 @@ def initialized_blocks(
     if not slots:
         return Initialized({}, [], 0)
     calls = _calls(model, init_fn)
-    _find_writers(calls, slots)
-    for index, call in enumerate(calls):  # a call's own tensors are whole during it: init code may
-        for slot in slots.values():  # skip a tensor it sees on meta (trunc_normal_ does)
-            if any(module is call.module for module, _, _ in slot.owners) and index not in slot.writers:
-                slot.writers.append(index)
+    aborted = _find_touches(calls, slots)
+    for index in aborted:  # the fake run stopped early in these (value-dependent code): their
+        for slot in slots.values():  # module's own tensors are whole during them, to be safe
+            if any(module is calls[index].module for module, _, _ in slot.owners):
+                slot.touches.setdefault(index, False)
     rng = torch.random.get_rng_state()
     for _ in range(MAX_PASSES):
         run = _Pass(slots, calls, layouts, tuple(mesh_shape), tuple(coords), device)
         run.run()
         if not run.retouched:
             break
-        for key, indices in run.touched.items():  # learned: keep these whole across their calls
-            slots[key].writers = sorted(set(slots[key].writers) | indices)
+        for key, touches in run.touched.items():  # learned: keep these whole across their calls
+            for index, fresh in touches.items():
+                slots[key].touches.setdefault(index, fresh)
         torch.random.set_rng_state(rng)
     else:
         raise InitError(
@@ -133,10 +147,11 @@ MAX_PASSES = 3  # a pass learns which calls touch a tensor that the fake run cou
 
 
 class _Pass:
-    """One run of every init call on real tensors: each tensor is whole from the first call that
-    writes it to the last (as known before the pass), then cut to this rank's block and freed. A
-    call that touches a tensor no one expected materializes it on the spot; one that touches a
-    tensor already cut (`retouched`) means the pass must run again, knowing that."""
+    """One run of every init call on real tensors. A tensor is whole through each stretch of calls
+    that must see its value (`_Slot.segments`, as known before the pass), made empty at a stretch's
+    start and dropped at its end; after its last stretch it is cut to this rank's block. A call
+    that touches a tensor no one expected materializes it on the spot; if that tensor had a value
+    already made and dropped (`retouched`), the pass runs again, knowing that."""
 
     def __init__(
         self,
@@ -154,43 +169,59 @@ class _Pass:
         self.peak = 0
         self.real: dict[int, torch.Tensor] = {}  # slot -> its whole tensor, while whole
         self.slot_of_real: dict[int, int] = {}  # a whole tensor's storage -> its slot
-        self.done: set[int] = set()
-        self.touched: dict[int, set[int]] = {}
+        self.made: set[int] = set()  # slots made whole at least once in this pass
+        self.touched: dict[int, dict[int, bool]] = {}
         self.retouched: set[int] = set()
         self.written: set[int] = set()
         self.index = 0
 
     def run(self) -> None:
-        last = {key: max(slot.writers) for key, slot in self.slots.items() if slot.writers}
-        by_call: dict[int, list[int]] = {}
+        starts: dict[int, list[int]] = {}
+        ends: dict[int, list[int]] = {}
+        last = {}
         for key, slot in self.slots.items():
-            for index in slot.writers:
-                by_call.setdefault(index, []).append(key)
+            for first, final in slot.segments():
+                starts.setdefault(first, []).append(key)
+                ends.setdefault(final, []).append(key)
+                last[key] = final
         try:
             for index, call in enumerate(self.calls):
                 self.index = index
-                for key in by_call.get(index, []):
-                    self.whole(key)
+                for key in starts.get(index, []):
+                    self.drop(key)  # a stretch starts: the value before it is dead
+                    self.whole(key, planned=True)
                 with _Touches(self), _scratch_for_tied(call, self.slots):
                     _run(call)
                 self.peak = max(self.peak, sum(t.numel() * t.element_size() for t in self.real.values()))
-                for key in [k for k in self.real if last.get(k, index) <= index]:
-                    self.cut(key)
+                ending = set(ends.get(index, [])) | {k for k in self.real if k not in last}
+                for key in ending:
+                    if key not in self.real:
+                        continue
+                    if last.get(key, index) <= index:
+                        self.cut(key)
+                    else:
+                        self.drop(key)
         finally:
             for key in list(self.real):
-                self.real.pop(key)
-                _restore(self.slots[key])
+                self.drop(key)
 
-    def whole(self, key: int) -> torch.Tensor:
+    def whole(self, key: int, planned: bool = False, fresh: bool = True) -> torch.Tensor:
         """The slot's whole tensor, made (and held by the model) if it is not whole yet."""
-        self.touched.setdefault(key, set()).add(self.index)
-        if key in self.done:
-            self.retouched.add(key)
+        if not planned:
+            self.touched.setdefault(key, {}).setdefault(self.index, fresh)
         if key not in self.real:
+            if not planned and key in self.made and not fresh:
+                self.retouched.add(key)  # its earlier value was dropped, and this call reads it
             value = _materialize(self.slots[key], self.device)
             self.real[key] = value
             self.slot_of_real[_storage_key(value)] = key
+            self.made.add(key)
         return self.real[key]
+
+    def drop(self, key: int) -> None:
+        if key in self.real:
+            self.real.pop(key)
+            _restore(self.slots[key])
 
     def cut(self, key: int) -> None:
         slot, value = self.slots[key], self.real.pop(key)
@@ -199,7 +230,6 @@ class _Pass:
         if layout is not None:  # a tensor no program reads is not kept
             self.blocks[slot.name] = local_value(value.detach(), layout, self.mesh_shape, self.coords).clone()
         _restore(slot)
-        self.done.add(key)
 
 
 def _slots(model: nn.Module) -> dict[int, _Slot]:
@@ -263,14 +293,16 @@ def _calls(model: nn.Module, init_fn: InitFn | None) -> list[_Call]:
     return calls
 
 
-def _find_writers(calls: list[_Call], slots: dict[int, _Slot]) -> None:
+def _find_touches(calls: list[_Call], slots: dict[int, _Slot]) -> list[int]:
     """Run every call on fake stand-ins of the tensors (no data, no random numbers drawn) and note
-    which tensors each one writes. Fake, not meta: init code may skip meta tensors (torch's
-    `trunc_normal_` does). A call whose code needs values (a rejection loop) stops at that point in
-    this run; the writes before it are what it is known to write."""
+    which tensors each one touches, and whether its first touch overwrites the tensor whole. Fake,
+    not meta: init code may skip meta tensors (torch's `trunc_normal_` does). A call whose code
+    needs values (a rejection loop) stops at that point in this run: the touches before it are
+    what is known of it, and its index is returned."""
     rng = torch.random.get_rng_state()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     slot_of: dict[int, int] = {}
+    aborted = []
     try:
         for key, slot in slots.items():
             with fake_mode:
@@ -278,19 +310,20 @@ def _find_writers(calls: list[_Call], slots: dict[int, _Slot]) -> None:
             slot_of[_storage_key(stand_in)] = key
             _swap(slot, stand_in)
         for index, call in enumerate(calls):
-            with _Writes() as writes:
+            with _Accesses() as accesses, _scratch_for_tied(call, slots):
                 try:
                     with torch.no_grad():
                         call.init(call.module)
-                except Exception:  # noqa: S110  # value-dependent code: the writes before it count
-                    pass
-            for storage in writes.storages:
+                except Exception:  # value-dependent code: the touches before it count
+                    aborted.append(index)
+            for storage, fresh in accesses.first.items():
                 if storage in slot_of:
-                    slots[slot_of[storage]].writers.append(index)
+                    slots[slot_of[storage]].touches.setdefault(index, fresh)
     finally:
         for slot in slots.values():
             _restore(slot)
         torch.random.set_rng_state(rng)
+    return aborted
 
 
 @contextmanager
@@ -303,7 +336,11 @@ def _scratch_for_tied(call: _Call, slots: Mapping[int, _Slot]) -> Iterator[None]
                 if module is call.module:
                     held = (module._parameters if is_param else module._buffers)[attr]
                     assert held is not None
-                    scratch = torch.empty(held.shape, dtype=held.dtype, device="cpu" if held.is_meta else held.device)
+                    if isinstance(held, FakeTensor):  # the fake run: a fake scratch
+                        with held.fake_mode:
+                            scratch = torch.empty(held.shape, dtype=held.dtype)
+                    else:
+                        scratch = torch.empty(held.shape, dtype=held.dtype, device="cpu" if held.is_meta else held.device)
                     _hold(module, attr, is_param, scratch, slot.meta.requires_grad)
                     swapped.append((module, attr, is_param, held))
     try:
@@ -359,19 +396,47 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage()._cdata)
 
 
-class _Writes(TorchDispatchMode):
-    """Records the storages that ops write in place (the arguments their schema marks written)."""
+# In-place ops whose result does not depend on the tensor's values before them.
+OVERWRITES = {
+    torch.ops.aten.uniform_.default,
+    torch.ops.aten.normal_.default,
+    torch.ops.aten.fill_.Scalar,
+    torch.ops.aten.fill_.Tensor,
+    torch.ops.aten.zero_.default,
+    torch.ops.aten.copy_.default,
+    torch.ops.aten.random_.default,
+    getattr(torch.ops.aten.random_, "from"),
+    torch.ops.aten.random_.to,
+    torch.ops.aten.exponential_.default,
+    torch.ops.aten.bernoulli_.float,
+    torch.ops.aten.bernoulli_.Tensor,
+    torch.ops.aten.log_normal_.default,
+    torch.ops.aten.cauchy_.default,
+    torch.ops.aten.geometric_.default,
+}
+
+
+def _accesses(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Iterator[tuple[torch.Tensor, bool]]:
+    """Every tensor an op touches, and whether the op overwrites it whole without reading it."""
+    for position, value in enumerate(pytree.tree_leaves((args, kwargs))):
+        if isinstance(value, torch.Tensor):
+            whole = value.storage_offset() == 0 and value.is_contiguous() and (
+                value.numel() * value.element_size() == value.untyped_storage().nbytes()
+            )
+            yield value, position == 0 and func in OVERWRITES and whole
+
+
+class _Accesses(TorchDispatchMode):
+    """Records the storages ops touch, each with whether its first touch overwrote it whole."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.storages: list[int] = []
+        self.first: dict[int, bool] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for value in _written(func, args, kwargs):
-            key = _storage_key(value)
-            if key not in self.storages:
-                self.storages.append(key)
+        for value, fresh in _accesses(func, args, kwargs):
+            self.first.setdefault(_storage_key(value), fresh)
         return func(*args, **kwargs)
 
 
@@ -385,20 +450,22 @@ class _Touches(TorchDispatchMode):
         self.meta_keys = {_storage_key(slot.meta): key for key, slot in run.slots.items()}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        args, kwargs = pytree.tree_map_only(torch.Tensor, self._real, (args, kwargs or {}))
+        kwargs = kwargs or {}
+        fresh = {id(value): is_fresh for value, is_fresh in _accesses(func, args, kwargs)}
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: self._real(t, fresh.get(id(t), False)), (args, kwargs))
         for value in _written(func, args, kwargs):
             key = self.run.slot_of_real.get(_storage_key(value))
             if key is not None:
                 self.run.written.add(key)
         return func(*args, **kwargs)
 
-    def _real(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _real(self, tensor: torch.Tensor, fresh: bool) -> torch.Tensor:
         if tensor.device.type != "meta":
             return tensor
         key = self.meta_keys.get(_storage_key(tensor))
         if key is None:
             return tensor
-        whole = self.run.whole(key)
+        whole = self.run.whole(key, fresh=fresh)
         if tensor.shape == whole.shape and tensor.stride() == whole.stride() and tensor.storage_offset() == 0:
             return whole
         return whole.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
