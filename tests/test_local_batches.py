@@ -57,6 +57,13 @@ def _train_on_shards(rank: int, world_size: int) -> dict[str, Any]:
         result["uneven"] = "no error"
     except autopar.InputMismatchError as exc:
         result["uneven"] = str(exc)
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    try:
+        pmodel(distribute_tensor(ids, mesh, [Replicate(), Replicate()]), targets[mine])
+        result["dtensor"] = "no error"
+    except autopar.InputMismatchError as exc:
+        result["dtensor"] = str(exc)
     # the last, smaller batch: one row per rank compiles a program for the 4 rows together
     result["small"] = (float(pmodel(ids[rank : rank + 1], targets[rank : rank + 1])), float(serial(ids[:4], targets[:4])))
     return result
@@ -70,5 +77,6 @@ def test_each_rank_passes_its_shard_and_training_equals_serial_on_the_whole_batc
         assert result["params"] < 1e-5, result["params"]
         assert "idx holds 1000000, but aten.embedding.default takes 0 to 63" in result["bad_token"], result["bad_token"]
         assert "idx has 1 rows on rank 0 but 2 on rank 1" in result["uneven"], result["uneven"]
+        assert 'a DTensor argument is a global value, but with inputs="local"' in result["dtensor"], result["dtensor"]
         small, small_serial = result["small"]
         assert abs(small - small_serial) < 1e-6, result["small"]

@@ -210,6 +210,12 @@ class ParallelModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # a DTensor input (another parallel module's output) is its global value to the program;
         # its gradient comes back laid out as it is, through full_tensor's backward
+        if self._local_inputs and any(isinstance(x, DTensor) for x in pytree.tree_leaves((args, kwargs))):
+            raise InputMismatchError(
+                'a DTensor argument is a global value, but with inputs="local" every tensor argument '
+                "is this rank's shard of the batch",
+                hint='pass this rank\'s shard as a plain tensor, or use inputs="global"',
+            )
         args, kwargs = pytree.tree_map_only(DTensor, lambda x: x.full_tensor(), (args, kwargs))
         flat, spec = pytree.tree_flatten((args, kwargs))
         names = input_names(args, kwargs, self._positional_names)  # for the errors below
