@@ -1,15 +1,16 @@
 """Weights of a model built on the meta device, made on every rank as its own blocks only.
 
-The model's initialization runs module by module in the order `model.apply` visits them
-(children, then the parent), from the random state the user seeded, exactly as it runs serially on
-`model.to_empty(device=...)`: each tensor is materialized whole while an init call writes it, this
-rank cuts its block, and the whole tensor is freed. Every rank draws the same numbers (the serial
-ones) and keeps 1/p of them; transient memory is what one init call writes (one module's own
-parameters), never the model.
+The model's initialization runs call by call in the order building the model ran it (`_calls`:
+the constructors' `reset_parameters()`, then `_init_weights`; or the user's `init_fn`), from the
+random state the user seeded, so every rank draws the serial numbers and the weights equal the
+model built on a real device from the same seed. A tensor is whole only through each stretch of
+calls that must see its value, then dropped, or after its last stretch cut to this rank's block:
+transient memory is what one init call writes (one module's own tensors), never the model.
 
-Which call writes which tensor is found first by running the same calls on fake tensors (free: no
-data, no random numbers drawn), so a tensor an init call writes through its parent (or a tied
-weight that two modules initialize in turn) stays whole from its first write to its last.
+Which call touches which tensor, and whether it overwrites it whole (which starts a new stretch),
+is found first by running the same calls on fake tensors (free: no data, no random numbers drawn);
+a touch no one foresaw materializes the tensor on the spot, and a pass that finds one it could not
+follow runs again, knowing it.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def initialized_blocks(
     """This rank's block (layout `layouts[name]`) of every meta tensor of `model`, as the model's
     initialization makes it serially, and a fingerprint of each whole tensor.
 
-    `init_fn(module)` is called on every module in `model.apply` order; without it, each module's
-    own initialization (`own_init`). Raises `InitError` for a meta tensor that nothing writes."""
+    `init_fn(module)` is called on every module in `model.apply` order; without it, the model's
+    own initialization as building it ran it (`_calls`). Raises `InitError` for a meta tensor
+    that nothing writes."""
     slots = _slots(model)
     if not slots:
         return Initialized({}, [], 0)
