@@ -24,7 +24,7 @@ from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh
 from autopar.compiler.driver import compile_for_rank, example_tuple, graph_fingerprint, structure_copy
 from autopar.compiler.fixed import compare_fixed
 from autopar.compiler.pricing import Compared, PlanResult, price
-from autopar.core.errors import AutoparError, MeshError, UsageError
+from autopar.core.errors import AutoparError, InputMismatchError, MeshError, UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import OutputStructure, signature
 from autopar.core.plan import Plan
@@ -35,7 +35,7 @@ from autopar.runtime.agreement import Fingerprint, decided_on_rank0, fingerprint
 from autopar.runtime.groups import DEFAULT_TIMEOUT_S, as_timeout, make_groups
 from autopar.runtime.local_batch import GLOBAL, INPUT_MODES, LOCAL, global_stand_ins
 from autopar.runtime.materialize import InitFn, initialized_blocks, meta_tensor_names
-from autopar.runtime.module import ParallelModule
+from autopar.runtime.module import ParallelModule, input_names, positional_names
 from autopar.runtime.program import EmittedProgram
 
 
@@ -138,8 +138,12 @@ def parallelize(
     groups = make_groups(autopar_mesh.device_mesh, as_timeout(timeout))
     autopar_mesh = dataclasses.replace(autopar_mesh, group_names=groups.axis_names)
     on_meta = set(meta_tensor_names(model))
+    examples: list[tuple[str, torch.Tensor]] = []
+    if check_inputs and inputs == GLOBAL:  # local shards differ by design
+        tensors = [x for x in pytree.tree_leaves((example_inputs, example_kwargs)) if isinstance(x, torch.Tensor)]
+        examples = list(zip(input_names(tuple(example_inputs), example_kwargs or {}, positional_names(model)), tensors))
     if not on_meta:
-        _check_weights_agree(model, groups.world)
+        _check_weights_agree(model, groups.world, examples=examples)
     options: dict[str, Any] = dict(
         registry=registry,
         rank=dist.get_rank(),
@@ -168,7 +172,7 @@ def parallelize(
             device=mesh.device_type if isinstance(mesh, DeviceMesh) else "cpu",
         )
         blocks = made.blocks
-        _check_weights_agree(model, groups.world, skip=on_meta, prints=made.fingerprints)
+        _check_weights_agree(model, groups.world, skip=on_meta, prints=made.fingerprints, examples=examples)
 
     def compile_call(
         args: tuple[Any, ...], kwargs: dict[str, Any], training: bool, forward_only: bool
@@ -246,12 +250,23 @@ def _check_weights_agree(
     group: dist.ProcessGroup | None = None,
     skip: Collection[str] = (),
     prints: Sequence[tuple[str, Fingerprint]] = (),
+    examples: Sequence[tuple[str, torch.Tensor]] = (),
 ) -> None:
     """Every rank must start from the same weights; otherwise each stores its block of its own
     weights and the result mixes them. One all-gather of four numbers per tensor finds out (for
-    the tensors of a meta-device model, `prints` of the whole tensors its initialization made)."""
+    the tensors of a meta-device model, `prints` of the whole tensors its initialization made),
+    and of the example inputs (`examples`, by name) in the same all-gather."""
     named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if n not in skip]
-    differing = first_disagreement([*[(n, fingerprint(t)) for n, t in named], *prints], group)
+    inputs = [(f"example input {n}", fingerprint(t)) for n, t in examples]
+    differing = first_disagreement([*[(n, fingerprint(t)) for n, t in named], *prints, *inputs], group)
+    if differing is not None and differing[0].startswith("example input "):
+        name, rank = differing
+        raise InputMismatchError(
+            f"{name.removeprefix('example input ')} of example_inputs differs between rank 0 and rank "
+            f"{rank}: every rank must pass the same example inputs (the global batch)",
+            hint='give every rank the same example batch, or pass inputs="local" if each rank '
+            "passes its own shard of the batch",
+        )
     if differing is not None:
         name, rank = differing
         raise AutoparError(

@@ -220,6 +220,26 @@ def _differing_batches(rank: int, world_size: int) -> tuple[str, str]:
     return same, "no error"
 
 
+def _differing_examples(rank: int, world_size: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+    model, _ = make_mlp(0)
+    _, own = make_mlp(rank)  # each rank its own example batch
+    try:
+        autopar.parallelize(model, mesh, example_inputs=own)
+    except autopar.InputMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_ranks_whose_example_inputs_differ_are_refused_at_parallelize() -> None:
+    for message in run_ranks(2, _differing_examples, timeout=120):
+        assert message.startswith("x of example_inputs differs between rank 0 and rank 1"), message
+        assert 'inputs="local"' in message, message
+
+
 @pytest.mark.multirank
 def test_ranks_with_different_weights_are_refused_naming_the_first_parameter() -> None:
     first = next(iter(make_mlp(0)[0].named_parameters()))[0]

@@ -144,7 +144,7 @@ class ParallelModule(nn.Module):
         self._check_inputs_agree = check_inputs
         self._local_inputs = local_inputs  # each rank passes its own shard of the batch (`local_batch`)
         self._groups = groups
-        self._positional_names = _positional_names(source)  # to name inputs in errors
+        self._positional_names = positional_names(source)  # to name inputs in errors
         self.report = report
         self.training = source.training
         self._programs: OrderedDict[Any, _Program] = OrderedDict()
@@ -437,7 +437,7 @@ def input_names(args: tuple[Any, ...], kwargs: dict[str, Any], positional: Seque
     return names
 
 
-def _positional_names(model: nn.Module) -> list[str]:
+def positional_names(model: nn.Module) -> list[str]:
     """The names of the forward's parameters that a positional argument can bind to."""
     try:
         parameters = inspect.signature(model.forward).parameters.values()
