@@ -28,6 +28,7 @@ from autopar.core.errors import AutoparError, InputMismatchError, MeshError, Usa
 from autopar.core.mesh import Mesh
 from autopar.core.meta import OutputStructure, signature
 from autopar.core.plan import Plan
+from autopar.core.precision import compilable_autocast
 from autopar.passes import fused
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
@@ -35,7 +36,7 @@ from autopar.runtime.agreement import Fingerprint, decided_on_rank0, fingerprint
 from autopar.runtime.groups import DEFAULT_TIMEOUT_S, as_timeout, make_groups
 from autopar.runtime.local_batch import GLOBAL, INPUT_MODES, LOCAL, global_stand_ins
 from autopar.runtime.materialize import InitFn, initialized_blocks, meta_tensor_names
-from autopar.runtime.module import ParallelModule, input_names, positional_names
+from autopar.runtime.module import CallMode, ParallelModule, input_names, positional_names
 from autopar.runtime.program import EmittedProgram
 
 
@@ -156,8 +157,16 @@ def parallelize(
         split_fused=split_fused,
         in_flight_bytes=in_flight_bytes,
     )
+    # the first program is for calls in the autocast regions active here; others compile their own
+    autocast = compilable_autocast(("cpu", mesh.device_type if isinstance(mesh, DeviceMesh) else "cpu"))
     compiled = compile_for_rank(
-        model, autopar_mesh, traced_inputs, example_kwargs=traced_kwargs, dump_dir=dump_dir, **options
+        model,
+        autopar_mesh,
+        traced_inputs,
+        example_kwargs=traced_kwargs,
+        dump_dir=dump_dir,
+        autocast=autocast,
+        **options,
     )
     sig = signature(compiled.graph)
     flat, _ = pytree.tree_flatten((example_inputs, example_kwargs or {}))
@@ -175,12 +184,20 @@ def parallelize(
         _check_weights_agree(model, groups.world, skip=on_meta, prints=made.fingerprints, examples=examples)
 
     def compile_call(
-        args: tuple[Any, ...], kwargs: dict[str, Any], training: bool, forward_only: bool
+        args: tuple[Any, ...], kwargs: dict[str, Any], mode: CallMode
     ) -> tuple[EmittedProgram, OutputStructure | None]:
-        """Another program of the same model, for a call the first does not fit (new shapes, eval)."""
-        structure.train(training)
+        """Another program of the same model, for a call the first does not fit (new shapes, eval,
+        autocast, weights cast to another dtype)."""
+        structure.train(mode.training)
+        _cast_like(structure, mode.dtypes)
         again = compile_for_rank(
-            structure, autopar_mesh, args, example_kwargs=kwargs, forward_only=forward_only, **options
+            structure,
+            autopar_mesh,
+            args,
+            example_kwargs=kwargs,
+            forward_only=mode.forward_only,
+            autocast=mode.autocast,
+            **options,
         )
         return again.program, signature(again.graph).outputs
 
@@ -199,6 +216,7 @@ def parallelize(
         groups=groups,
         local_blocks=blocks,
         local_inputs=inputs == LOCAL,
+        autocast=autocast,
     )
     result.mesh_choice = choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
     return result
@@ -243,6 +261,22 @@ def _check_mesh(mesh: Any) -> Mesh:
     if not 1 <= mesh.ndim <= 4:
         raise MeshError(f"meshes of 1 to 4 axes are supported, got {mesh.ndim}", hint="merge or drop axes")
     return Mesh.from_device_mesh(mesh)
+
+
+def _cast_like(structure: nn.Module, dtypes: Sequence[tuple[str, torch.dtype]]) -> None:
+    """Give the meta copy that later programs trace the parallel module's tensor dtypes (a
+    `pmodel.to(torch.bfloat16)` after parallelize)."""
+    for name, dtype in dtypes:
+        path, _, leaf = name.rpartition(".")
+        module = structure.get_submodule(path)
+        if leaf in module._parameters:
+            param = module._parameters[leaf]
+            if param is not None and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+        elif leaf in module._buffers:
+            buffer = module._buffers[leaf]
+            if buffer is not None and buffer.dtype != dtype:
+                module._buffers[leaf] = buffer.to(dtype)
 
 
 def _check_weights_agree(

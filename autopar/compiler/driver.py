@@ -27,6 +27,7 @@ from autopar.core.errors import AutoparError, InternalError, UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, where_of
 from autopar.core.plan import Plan
+from autopar.core.precision import AutocastState, autocast_off
 from autopar.cost.hardware import load_hardware
 from autopar.cost.timeline import Timeline, default_hardware, simulate
 from autopar.passes import fused
@@ -73,28 +74,32 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _no_gc_pauses(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Run `fn` with the cyclic garbage collector off (its previous state restored after).
+def _compile_conditions(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run `fn` with the cyclic garbage collector off (its previous state restored after) and
+    autocast off.
 
     A compile builds ~10^6 long-lived objects (graph nodes, metadata, fake tensors) and little
     cyclic garbage: the collector's repeated full passes over them cost 15-20% of a compile
-    (benchmarks/compile_time.py), for a few percent more peak memory.
+    (benchmarks/compile_time.py), for a few percent more peak memory. A compile runs inside the
+    user's call, perhaps in an autocast region: the precision it compiles for is its `autocast`
+    argument, and no stage's fake-tensor runs may be cast by the region around it.
     """
 
     @functools.wraps(fn)
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if not gc.isenabled():
-            return fn(*args, **kwargs)
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.enable()
+        with autocast_off():
+            if not gc.isenabled():
+                return fn(*args, **kwargs)
+            gc.disable()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                gc.enable()
 
     return wrapper
 
 
-@_no_gc_pauses
+@_compile_conditions
 def compile_for_rank(
     model: nn.Module,
     mesh: Mesh,
@@ -115,11 +120,13 @@ def compile_for_rank(
     in_flight_bytes: int | None = None,
     forward_only: bool = False,
     traced: fx.GraphModule | None = None,
+    autocast: AutocastState = (),
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
     `forward_only` compiles the forward alone, as run under `torch.no_grad()` (evaluation,
-    inference): no backward graph, nothing saved for it.
+    inference): no backward graph, nothing saved for it. `autocast`: the autocast regions the
+    program's calls run in (`autopar.core.precision`); their casts become nodes of the graph.
 
     `planner` is "search" (the default: the whole-graph search over every op's strategy, seeded by
     the greedy pass under every axis-role assignment and by the fixed schemes, priced on `hardware`
@@ -149,7 +156,7 @@ def compile_for_rank(
     candidates = _chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
     if traced is None:
-        gm = trace_for(model, mesh, example_inputs, example_kwargs, planner, split_fused, forward_only)
+        gm = trace_for(model, mesh, example_inputs, example_kwargs, planner, split_fused, forward_only, autocast)
     else:
         gm = copy.deepcopy(traced)  # the later stages rewrite the graph in place
     write_stage(path, "1_trace", gm, mesh)
@@ -310,6 +317,7 @@ def trace_for(
     planner: str = "search",
     split_fused: bool | None = None,
     forward_only: bool = False,
+    autocast: AutocastState = (),
 ) -> fx.GraphModule:
     """The trace stage as `compile_for_rank` runs it with these options (the same for every rank)."""
     with stage("trace"):
@@ -320,6 +328,7 @@ def trace_for(
             example_kwargs=example_kwargs,
             split_fused=fused.wanted(split_fused, planner),
             forward_only=forward_only,
+            autocast=autocast,
         )
 
 

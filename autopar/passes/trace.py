@@ -43,6 +43,7 @@ from autopar.core.meta import (
     set_info,
     signature,
 )
+from autopar.core.precision import AutocastState, autocast_as, autocast_off
 from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
 from autopar.passes.fused import split_fused_linears
 from autopar.passes.index_checks import find_index_checks
@@ -65,6 +66,7 @@ def trace(
     split_fused: bool = False,
     repeats: bool = True,
     forward_only: bool = False,
+    autocast: AutocastState = (),
 ) -> fx.GraphModule:
     """Joint graph of `model`: placeholders (params, buffers, inputs, tangents) -> (outputs, grads).
 
@@ -72,12 +74,28 @@ def trace(
     piece (`autopar.passes.fused`). `repeats` exports identical blocks' joint graph once and copies
     it (`autopar.passes.repeats`); False exports every block (the same graph, slower).
     `forward_only` traces as under `torch.no_grad()`: no parameter requires a gradient, so the
-    graph has no backward part (evaluation and inference programs)."""
+    graph has no backward part (evaluation and inference programs).
+    `autocast`: the forward runs inside these autocast regions, so the graph holds their casts
+    explicitly; autocast active around this call is not traced (`autopar.core.precision`)."""
+    with autocast_off():
+        return _trace(model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast)
+
+
+def _trace(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    decompose: bool,
+    example_kwargs: dict[str, Any] | None,
+    split_fused: bool,
+    repeats: bool,
+    forward_only: bool,
+    autocast: AutocastState,
+) -> fx.GraphModule:
     example_kwargs = example_kwargs or {}
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_model = fake_clone(model, fake_mode, frozen=forward_only)
     outputs = _OutputRecord()
-    fake_model.forward = _tensor_outputs(fake_model.forward, outputs)  # type: ignore[method-assign]
+    fake_model.forward = _tensor_outputs(fake_model.forward, outputs, autocast)  # type: ignore[method-assign]
     fake_args = tuple(_fakeify(x, fake_mode, forward_only) for x in example_inputs)
     fake_kwargs = {k: _fakeify(v, fake_mode, forward_only) for k, v in example_kwargs.items()}
     tied = _tied_groups(model)
@@ -179,14 +197,17 @@ class _OutputRecord:
     functions: list[type] = field(default_factory=list)  # custom autograd.Functions in the forward
 
 
-def _tensor_outputs(forward: Any, record: _OutputRecord) -> Any:
+def _tensor_outputs(forward: Any, record: _OutputRecord, autocast: AutocastState = ()) -> Any:
     """`forward` returning only the tensors of its output, flat; `record` keeps how to rebuild the
     rest (`OutputStructure`). torch.export then traces any output (a transformers `ModelOutput`
-    with a cache object, a dict with flags) and the program returns just the tensors."""
+    with a cache object, a dict with flags) and the program returns just the tensors. The forward
+    runs in the `autocast` regions of the call being compiled."""
 
     @functools.wraps(forward)
     def tensors_only(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-        leaves, spec = pytree.tree_flatten(forward(*args, **kwargs))
+        with autocast_as(autocast):
+            result = forward(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten(result)
         positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
         others = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         dropped = []

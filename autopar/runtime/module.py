@@ -29,6 +29,7 @@ from autopar.core.errors import IndexOutOfRangeError, InputMismatchError
 from autopar.core.layout import Layout, Partial, Shard
 from autopar.core.mesh import Mesh
 from autopar.core.meta import IndexCheck, OutputStructure
+from autopar.core.precision import AutocastState, autocast_off, compilable_autocast, describe
 from autopar.runtime.agreement import first_disagreement
 from autopar.runtime.groups import Groups, failures_named
 from autopar.runtime.local_batch import batch_tensor, global_stand_ins, index_extremes, shard_rows
@@ -53,7 +54,7 @@ class _RunProgram(torch.autograd.Function):
         ctx: Any, program: EmittedProgram, num_outputs: int, timeout: timedelta | None, *flat: torch.Tensor
     ) -> Any:
         program_inputs = flat[: len(flat) - len(program.input_grads)]  # then the whole inputs wanting grads
-        with failures_named(timeout):
+        with failures_named(timeout), autocast_off():  # the graph holds the casts autocast made
             results = program.forward(*program_inputs)
         ctx.timeout = timeout
         outputs, saved = results[:num_outputs], results[num_outputs:]
@@ -79,7 +80,7 @@ class _RunProgram(torch.autograd.Function):
                     layout.local_shape(_mesh_shape_of(program), program.coords), dtype=layout.dtype
                 )
             tangents.append(grad.contiguous())
-        with failures_named(ctx.timeout):
+        with failures_named(ctx.timeout), autocast_off():
             grads_out = program.backward(*ctx.saved_tensors, *tangents)
         param_grads, input_grads = grads_out[: ctx.num_params], grads_out[ctx.num_params :]
         # the local blocks of the inputs get none: the whole inputs after them get theirs
@@ -91,9 +92,23 @@ def _mesh_shape_of(program: EmittedProgram) -> tuple[int, ...]:
     return tuple(program.forward.meta.get("autopar_mesh_shape", ()))
 
 
-# Compiles `(args, kwargs, training, forward_only)` into this rank's program and its output
-# structure; every rank calls it together (it plans on rank 0 and broadcasts).
-Compile = Callable[[tuple[Any, ...], dict[str, Any], bool, bool], tuple[EmittedProgram, "OutputStructure | None"]]
+
+
+@dataclass(frozen=True)
+class CallMode:
+    """What a program depends on besides its inputs: the module's mode, whether gradients are on,
+    the autocast regions of the call, and the dtype of every parameter and buffer (after
+    `pmodel.to(torch.bfloat16)` the programs compiled for float32 weights no longer fit)."""
+
+    training: bool
+    forward_only: bool
+    autocast: AutocastState = ()
+    dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+
+
+# Compiles `(args, kwargs, mode)` into this rank's program and its output structure; every rank
+# calls it together (it plans on rank 0 and broadcasts).
+Compile = Callable[[tuple[Any, ...], dict[str, Any], CallMode], tuple[EmittedProgram, "OutputStructure | None"]]
 MAX_PROGRAMS = 8  # programs kept per module (input signatures x modes), least recently used dropped
 _LOG = logging.getLogger("autopar")
 
@@ -133,6 +148,7 @@ class ParallelModule(nn.Module):
         groups: Groups | None = None,
         local_blocks: Mapping[str, torch.Tensor] | None = None,
         local_inputs: bool = False,
+        autocast: AutocastState = (),
     ) -> None:
         super().__init__()
         assert mesh.device_mesh is not None
@@ -148,10 +164,9 @@ class ParallelModule(nn.Module):
         self.report = report
         self.training = source.training
         self._programs: OrderedDict[Any, _Program] = OrderedDict()
-        first = self._prepared(program, outputs)
-        if example_flat is not None:
-            self._programs[_call_key(in_spec, example_flat, self.training, True)] = first
-        self._first = first
+        self._first = first = self._prepared(program, outputs)
+        device_type = mesh.device_mesh.device_type
+        self._autocast_devices = tuple(dict.fromkeys(("cpu", device_type)))
         full: dict[str, torch.Tensor] = dict(source.named_parameters(remove_duplicate=False))
         buffers = dict(source.named_buffers(remove_duplicate=False))
         full.update(buffers)
@@ -188,6 +203,9 @@ class ParallelModule(nn.Module):
                 _register(self, name, dt, buffer=True, persistent=name in saved)
             else:
                 _register(self, name, nn.Parameter(dt, requires_grad=full[name].requires_grad))
+        if example_flat is not None:
+            mode = CallMode(self.training, False, autocast, self._tensor_dtypes())
+            self._programs[_call_key(in_spec, example_flat, mode)] = first
 
     @property
     def program(self) -> EmittedProgram:
@@ -271,26 +289,30 @@ class ParallelModule(nn.Module):
         if self._compile is None:  # a module built around one program: it takes only that call
             self._check_inputs(flat, spec)
             return self._first
-        key = _call_key(spec, flat, self.training, grad)
+        mode = CallMode(self.training, not grad, compilable_autocast(self._autocast_devices), self._tensor_dtypes())
+        key = _call_key(spec, flat, mode)
         found = self._programs.get(key)
         if found is not None:
             self._programs.move_to_end(key)
             return found
         why = self._difference(key)
         _LOG.info("autopar: compiling a program for %s", why)
-        program, outputs = self._compile(args, kwargs, self.training, not grad)
+        program, outputs = self._compile(args, kwargs, mode)
         found = self._prepared(program, outputs, why)
         self._programs[key] = found
         if len(self._programs) > MAX_PROGRAMS:
             self._programs.popitem(last=False)
         return found
 
+    def _tensor_dtypes(self) -> tuple[tuple[str, torch.dtype], ...]:
+        return tuple((name, t.dtype) for name, t in [*self.named_parameters(), *self.named_buffers()])
+
     def _difference(self, key: Any) -> str:
         """What is new about a call: its inputs, or its mode, next to the last program compiled."""
         if not self._programs:
             return "this call"
-        spec, leaves, training, grad = key
-        last_spec, last_leaves, last_training, last_grad = next(reversed(self._programs))
+        spec, leaves, mode = key
+        last_spec, last_leaves, last = next(reversed(self._programs))
         changes = []
         if spec != last_spec:
             changes.append("another structure of arguments")
@@ -300,10 +322,16 @@ class ParallelModule(nn.Module):
                 for i, (new, old) in enumerate(zip(leaves, last_leaves))
                 if new != old
             ]
-        if training != last_training:
-            changes.append("train() mode" if training else "eval() mode")
-        if grad != last_grad:
-            changes.append("gradients on" if grad else "torch.no_grad(): forward only")
+        if mode.training != last.training:
+            changes.append("train() mode" if mode.training else "eval() mode")
+        if mode.forward_only != last.forward_only:
+            changes.append("torch.no_grad(): forward only" if mode.forward_only else "gradients on")
+        if mode.autocast != last.autocast:
+            changes.append(describe(mode.autocast))
+        changed = [name for (name, new), (_, old) in zip(mode.dtypes, last.dtypes) if new != old]
+        if changed:
+            changes.append(f"{changed[0]} is {str(dict(mode.dtypes)[changed[0]]).removeprefix('torch.')}"
+                           + (f" (and {len(changed) - 1} more tensors)" if len(changed) > 1 else ""))
         return "; ".join(changes) or "a call seen before, compiled again"
 
     @property
@@ -461,11 +489,12 @@ def _refuse_differing_inputs(flat: Sequence[Any], names: Sequence[str], group: d
         )
 
 
-def _call_key(spec: Any, flat: Sequence[Any], training: bool, grad: bool) -> tuple[Any, ...]:
+def _call_key(spec: Any, flat: Sequence[Any], mode: CallMode) -> tuple[Any, ...]:
     """What selects a program: the arguments' structure, each tensor's shape, dtype and (with
     gradients on) whether it requires grad, which arguments are one tensor passed twice (the
-    trace reads such a tensor once: `labels=input_ids`), each other argument's value, the
-    module's mode and whether gradients are on."""
+    trace reads such a tensor once: `labels=input_ids`), each other argument's value, and the
+    call's `CallMode`."""
+    grad = not mode.forward_only
     first_of: dict[int, int] = {}
     for i, x in enumerate(flat):
         if isinstance(x, torch.Tensor):
@@ -476,7 +505,7 @@ def _call_key(spec: Any, flat: Sequence[Any], training: bool, grad: bool) -> tup
         else ("value", _hashable(x))
         for x in flat
     )
-    return (spec, leaves, training, grad)
+    return (spec, leaves, mode)
 
 
 def _hashable(value: Any) -> Any:
