@@ -79,7 +79,7 @@ def parallelize(
     The module compiles another program, once, for a call that the first does not fit: other input
     shapes or arguments, `eval()` mode, or `torch.no_grad()` (forward only); see
     docs/architecture.md, "Calls, modes and programs". Every rank must start from the same weights
-    (checked here) and pass the same inputs (checked on each call with a small all-gather of
+    (checked here) and pass the same inputs (checked on each call with a small all-reduce of
     fingerprints; `check_inputs=False` skips that).
 
     A model built on the meta device (`with torch.device("meta"): model = Model()`) is never

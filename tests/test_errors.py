@@ -255,3 +255,23 @@ def test_ranks_that_pass_different_batches_are_refused_on_every_rank() -> None:
     for same, message in results:
         assert same == f"{float(model(*batch)):.6f}"
         assert "x differs between rank 0 and rank 1" in message, message  # the forward's parameter
+
+
+def _fingerprints_of(rank: int, world_size: int) -> list[Any]:
+    from autopar.runtime.agreement import first_disagreement
+
+    nan_inf = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")])
+    moved = nan_inf.clone() if rank == 0 else nan_inf[[1, 0, 2, 3]].clone()  # the NaN elsewhere
+    tiny = torch.tensor([1.0, 2.0]) + (2.0**-20 if rank == 1 else 0.0)  # one float32 step above 1
+    return [
+        first_disagreement([("same", nan_inf), ("also same", torch.arange(5))]),
+        first_disagreement([("same", nan_inf), ("moved", moved)]),
+        first_disagreement([("tiny", tiny)]),
+        first_disagreement([]),
+    ]
+
+
+@pytest.mark.multirank
+def test_fingerprints_agree_on_equal_values_with_nan_and_inf_and_name_the_first_difference() -> None:
+    for result in run_ranks(2, _fingerprints_of, timeout=120):
+        assert result == [None, ("moved", 1), ("tiny", 1), None], result

@@ -58,16 +58,31 @@ def first_disagreement(
     named: Sequence[tuple[str, torch.Tensor | Fingerprint]], group: dist.ProcessGroup | None = None
 ) -> tuple[str, int] | None:
     """The first of `named` (tensors, or their fingerprints) whose value differs between ranks,
-    and a rank that differs from rank 0; None when all agree. Every rank gets the same answer (one
-    all-gather of the fingerprints)."""
+    and a rank that differs from rank 0; None when all agree. Every rank gets the same answer.
+
+    One all-reduce of the fingerprints (the largest of each number and of its negation: all ranks
+    agree exactly when both give the same value) decides; only when some differ does an
+    all-gather find which and where."""
     mine = [fingerprint(t) if isinstance(t, torch.Tensor) else t for _, t in named]
-    everyone: list[Any] = [None] * dist.get_world_size()
+    if _all_agree(mine, group):
+        return None
+    everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     for index, (name, _) in enumerate(named):
         for rank, theirs in enumerate(everyone):
             if not _same(theirs[index], everyone[0][index]):
                 return name, rank
     return None
+
+
+def _all_agree(prints: Sequence[Fingerprint], group: dist.ProcessGroup | None) -> bool:
+    values = torch.tensor(prints, dtype=torch.float64).reshape(-1)
+    nan = torch.isnan(values)
+    numbers = torch.where(nan, 0.0, values)  # NaN equals NaN here, as in `_same`
+    both = torch.cat([numbers, -numbers, nan.double(), -nan.double()])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    largest, smallest = both[: 2 * len(values)].chunk(2), both[2 * len(values) :].chunk(2)
+    return bool(torch.equal(largest[0], -largest[1]) and torch.equal(smallest[0], -smallest[1]))
 
 
 def _same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
