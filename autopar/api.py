@@ -77,7 +77,8 @@ def parallelize(
     (default: the memory limit's headroom over the plan, `in_flight_budget`).
 
     The module compiles another program, once, for a call that the first does not fit: other input
-    shapes or arguments, `eval()` mode, or `torch.no_grad()` (forward only); see
+    shapes or arguments, `eval()` mode, `torch.no_grad()` (forward only), a `torch.autocast`
+    region, or weights cast with `pmodel.to(dtype)`; see
     docs/architecture.md, "Calls, modes and programs". Every rank must start from the same weights
     (checked here) and pass the same inputs (checked on each call with a small all-reduce of
     fingerprints; `check_inputs=False` skips that).
