@@ -28,6 +28,9 @@ class Mesh:
     # the process groups collectives use per rank axis (autopar's own, with its timeout); None: the
     # DeviceMesh's
     group_names: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+    # where the programs run ("cpu", "cuda", ...): the device mesh's, or given when planning a job
+    # on another machine; emitted graphs make their tensors there
+    device_type: str = field(default="cpu", compare=False)
 
     def __post_init__(self) -> None:
         if len(self.axis_names) != len(self.shape):
@@ -47,13 +50,14 @@ class Mesh:
             )
 
     @staticmethod
-    def from_shape(shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Mesh:
-        return Mesh(tuple(names) if names else default_axis_names(len(shape)), tuple(shape))
+    def from_shape(shape: tuple[int, ...], names: tuple[str, ...] | None = None, device_type: str = "cpu") -> Mesh:
+        names = tuple(names) if names else default_axis_names(len(shape))
+        return Mesh(names, tuple(shape), device_type=device_type)
 
     @staticmethod
     def from_device_mesh(device_mesh: DeviceMesh) -> Mesh:
         names = device_mesh.mesh_dim_names or default_axis_names(device_mesh.ndim)
-        return Mesh(tuple(names), tuple(device_mesh.shape), device_mesh)
+        return Mesh(tuple(names), tuple(device_mesh.shape), device_mesh, device_type=device_mesh.device_type)
 
     @property
     def ndim(self) -> int:
@@ -74,7 +78,12 @@ class Mesh:
     def with_chunks(self, chunks: int, name: str = "chunk") -> Mesh:
         """This mesh with one more, in-process axis of `chunks` batch chunks (over-decomposition)."""
         return Mesh(
-            (*self.axis_names, name), (*self.shape, chunks), self.device_mesh, self.in_process + 1, self.group_names
+            (*self.axis_names, name),
+            (*self.shape, chunks),
+            self.device_mesh,
+            self.in_process + 1,
+            self.group_names,
+            self.device_type,
         )
 
     def coords_of(self, rank_in_mesh: int) -> tuple[int, ...]:

@@ -105,9 +105,29 @@ def emit(
         },
         index_checks=list(sig.index_checks),
         input_grads=list(sig.input_grads),
+        device_type=mesh.device_type,
     )
     check_local_shapes(program, shape)
+    _place_on(program, torch.device(mesh.device_type))
     return program
+
+
+def _place_on(program: EmittedProgram, device: torch.device) -> None:
+    """The trace ran on CPU fake tensors, so every factory, copy and local op that names a device
+    names the CPU: make it name the mesh's device, where the program runs. (The shape check runs
+    before, on the CPU: on a machine without the mesh's device, torch cannot index a fake tensor of
+    that device, which local ops do.)"""
+    if device.type == "cpu":
+        return
+
+    def placed(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value.type == "cpu" else value
+
+    for gm in (program.forward, program.backward):
+        for node in gm.graph.nodes:
+            node.args = pytree.tree_map(placed, node.args)
+            node.kwargs = pytree.tree_map(placed, node.kwargs)
+        gm.recompile()
 
 
 def _placeholder(graph: fx.Graph, node: fx.Node) -> fx.Node:

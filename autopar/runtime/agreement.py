@@ -75,8 +75,16 @@ def first_disagreement(
     return None
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where autopar's own small check tensors must be for a collective on `group`: NCCL moves
+    only CUDA tensors; gloo and mixed backends take CPU ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _all_agree(prints: Sequence[Fingerprint], group: dist.ProcessGroup | None) -> bool:
-    values = torch.tensor(prints, dtype=torch.float64).reshape(-1)
+    values = torch.tensor(prints, dtype=torch.float64, device=collective_device(group)).reshape(-1)
     nan = torch.isnan(values)
     numbers = torch.where(nan, 0.0, values)  # NaN equals NaN here, as in `_same`
     both = torch.cat([numbers, -numbers, nan.double(), -nan.double()])

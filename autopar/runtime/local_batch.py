@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import InputMismatchError
 from autopar.core.meta import IndexCheck
+from autopar.runtime.agreement import collective_device
 
 LOCAL = "local"
 GLOBAL = "global"
@@ -37,7 +38,7 @@ def shard_rows(tensors: Sequence[torch.Tensor], names: Sequence[str], group: dis
             f"{scalars[0]} is a 0-d tensor, but with inputs=\"local\" every tensor argument is a shard of the batch along dim 0",
             hint='pass it with a batch dim, or use parallelize(..., inputs="global") with the whole batch on every rank',
         )
-    mine = torch.tensor([int(x.shape[0]) for x in tensors], dtype=torch.int64)
+    mine = torch.tensor([int(x.shape[0]) for x in tensors], dtype=torch.int64, device=collective_device(group))
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     for rank, theirs in enumerate(everyone):
@@ -87,7 +88,7 @@ def index_extremes(
             lowest, highest = torch.aminmax(values)
             extremes += [-int(lowest), int(highest)]
     if across_ranks:
-        reduced = torch.tensor(extremes, dtype=torch.int64)
+        reduced = torch.tensor(extremes, dtype=torch.int64, device=collective_device(group))
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
         extremes = reduced.tolist()
     found: list[tuple[int, int] | None] = []

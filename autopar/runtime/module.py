@@ -77,7 +77,9 @@ class _RunProgram(torch.autograd.Function):
             if grad is None:
                 layout = program.output_layouts[index]
                 grad = torch.zeros(
-                    layout.local_shape(_mesh_shape_of(program), program.coords), dtype=layout.dtype
+                    layout.local_shape(_mesh_shape_of(program), program.coords),
+                    dtype=layout.dtype,
+                    device=program.device_type,
                 )
             tangents.append(grad.contiguous())
         with failures_named(ctx.timeout), autocast_off():

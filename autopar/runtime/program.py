@@ -38,6 +38,7 @@ class EmittedProgram:
     # inputs that get a gradient: the tensor input index of each backward output after the
     # parameters' gradients (whole on every rank, like the input the user passed)
     input_grads: list[int] = field(default_factory=list)
+    device_type: str = "cpu"  # where its tensors live: the mesh's device
 
     def param_value(self, name: str, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The value of program parameter `name` given the user's parameters by name (a chunk of
