@@ -28,7 +28,7 @@ from autopar.core.errors import AutoparError, InputMismatchError, MeshError, Usa
 from autopar.core.mesh import Mesh
 from autopar.core.meta import OutputStructure, signature
 from autopar.core.plan import Plan
-from autopar.core.precision import compilable_autocast
+from autopar.core.precision import Autocast, compilable_autocast
 from autopar.passes import fused
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
@@ -335,6 +335,7 @@ def plan(
     over_decompose: int | str = 1,
     split_fused: bool | None = None,
     in_flight_bytes: int | None = None,
+    autocast: torch.dtype | None = None,
 ) -> PlanResult:
     """Plan `model` for a mesh of `mesh_shape` ranks on `hardware`, in this process, allocating no weights.
 
@@ -347,8 +348,12 @@ def plan(
     `over_decompose`: batch chunks per rank, or "auto"; `split_fused`: one linear per piece of a
     fused projection, None: with the search planner; `in_flight_bytes`: the schedule's cap on
     collective buffers in flight, default the memory limit's headroom (all `autopar.compile_for_rank`).
+    `autocast=torch.bfloat16` plans the step as run inside `torch.autocast(dtype=torch.bfloat16)`:
+    its matmuls, activations and collectives in that dtype are priced at that dtype's rates and
+    bytes (the hardware table's peak per dtype), the weights and their optimizer state in theirs.
     """
     example_inputs = example_tuple(example_inputs, example_kwargs)
+    regions = (Autocast("cpu", autocast),) if autocast is not None else ()  # the trace runs on the CPU
     registry = registry if registry is not None else default_registry()
     split_fused = fused.wanted(split_fused, planner)
     choice = None
@@ -365,6 +370,7 @@ def plan(
             example_kwargs=example_kwargs,
             registry=registry,
             split_fused=split_fused,
+            autocast=regions,
         )
         mesh_shape, mesh_names = choice.chosen.shape, choice.chosen.names
     mesh = Mesh.from_shape(tuple(mesh_shape), tuple(mesh_names) if mesh_names else None)
@@ -389,6 +395,7 @@ def plan(
         over_decompose=over_decompose,
         split_fused=split_fused,
         in_flight_bytes=in_flight_bytes,
+        autocast=regions,
     )
     result = price(compiled, mesh, hardware, planner)
     result.mesh_choice = choice
@@ -396,7 +403,7 @@ def plan(
         chosen = Compared(f"chosen ({planner})", mesh.shape, "", result)
         fixed = compare_fixed(
             model, example_inputs, traced[0], mesh.size, hardware, registry, example_kwargs=example_kwargs,
-            split_fused=split_fused,
+            split_fused=split_fused, autocast=regions,
         )
         result.comparison = [chosen, *fixed]
     return result

@@ -147,3 +147,24 @@ def test_a_model_cast_to_bfloat16_before_or_after_parallelize_trains_equal_to_se
         assert result["params"] < 2e-2, result["params"]
         if when == "after":  # the float32 program no longer fits the weights: one for bfloat16
             assert "is bfloat16 (and" in result["why"][-1], result["why"]
+
+
+def test_an_op_is_priced_at_the_peak_of_the_dtype_it_computes_in() -> None:
+    from autopar.planning.search_cost import TimeCost
+
+    cost = TimeCost("h100-nvlink-ib", (8,))
+    assert cost.compute(1e12, 1, torch.bfloat16) == pytest.approx(1e12 / 989e12)
+    assert cost.compute(1e12, 1, torch.float32) == pytest.approx(1e12 / 67e12)
+    assert cost.compute(1e12, 4) == pytest.approx(1e12 / 4 / 67e12)
+
+
+def test_a_plan_for_autocast_is_priced_at_bfloat16_rates_and_bytes() -> None:
+    model, batch = make_gpt(0, batch_size=16, n_embd=256, n_head=8)
+    fp32 = autopar.plan(model, (2, 2, 2), batch, hardware="h100-nvlink-ib")
+    bf16 = autopar.plan(model, (2, 2, 2), batch, hardware="h100-nvlink-ib", autocast=torch.bfloat16)
+    assert _matmul_dtypes(bf16.compiled.graph) == {torch.bfloat16}
+    # the table's bfloat16 peak is ~15x its float32 one: the matmuls' share of compute shrinks
+    assert bf16.compute_time < 0.5 * fp32.compute_time, (bf16.compute_time, fp32.compute_time)
+    assert bf16.memory.activations < fp32.memory.activations  # saved in bfloat16
+    # the weights stay float32 (master weights for the optimizer): autocast casts them at use
+    assert {layout.dtype for layout in bf16.compiled.program.param_layouts} == {torch.float32}

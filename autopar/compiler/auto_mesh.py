@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.compiler.driver import scheduled_step_time
 from autopar.core.errors import MeshError
+from autopar.core.precision import AutocastState
 from autopar.passes import fused
 from autopar.passes.trace import trace
 from autopar.planning.mesh_choice import OVERLAP_CANDIDATES, MeshChoice, rank_meshes
@@ -35,6 +36,7 @@ def choose_mesh(
     candidates: Sequence[tuple[tuple[int, ...], tuple[str, ...]]] | None = None,
     split_fused: bool | None = None,
     overlap_candidates: int = OVERLAP_CANDIDATES,
+    autocast: AutocastState = (),
 ) -> MeshChoice:
     """Trace `model` once and rank every candidate mesh of `world_size` ranks on it
     (`autopar.planning.mesh_choice.rank_meshes`, with `scheduled_step_time` for the overlap step).
@@ -52,6 +54,7 @@ def choose_mesh(
         decompose=world_size > 1,
         example_kwargs=example_kwargs,
         split_fused=fused.wanted(split_fused, planner),
+        autocast=autocast,
     )
     return rank_meshes(
         gm,

@@ -14,6 +14,7 @@ from autopar.compiler.driver import Compiled, compile_for_rank, graph_fingerprin
 from autopar.compiler.pricing import Compared, price
 from autopar.core.errors import AutoparError
 from autopar.core.plan import Plan
+from autopar.core.precision import AutocastState
 from autopar.planning.fixed import SCHEMES, TITLES, FixedPlan, plan_fixed
 from autopar.rules.base import RuleRegistry
 
@@ -29,6 +30,7 @@ def compile_fixed(
     example_kwargs: dict[str, Any] | None = None,
     coords: Sequence[int] | None = None,
     split_fused: bool = False,
+    autocast: AutocastState = (),
 ) -> Compiled:
     """`compile_for_rank` on the scheme's mesh with the fixed plan; the model is traced again and
     must give the graph the plan was made on (`graph_fingerprint`), so the plan fits it."""
@@ -53,6 +55,7 @@ def compile_fixed(
         agree=use_fixed,
         hardware=hardware,
         split_fused=split_fused,
+        autocast=autocast,
     )
 
 
@@ -68,6 +71,7 @@ def compare_fixed(
     schemes: Sequence[str] = SCHEMES,
     require_heads: bool = True,
     split_fused: bool = False,
+    autocast: AutocastState = (),
 ) -> list[Compared]:
     """Each fixed scheme planned on `traced` (the model's joint graph, as traced for p ranks, before
     planning), compiled on its own mesh of p ranks and priced like any plan."""
@@ -80,7 +84,7 @@ def compare_fixed(
             continue
         compiled = compile_fixed(
             model, example_inputs, fixed, traced_fingerprint=fingerprint, registry=registry,
-            hardware=hardware, example_kwargs=example_kwargs, split_fused=split_fused,
+            hardware=hardware, example_kwargs=example_kwargs, split_fused=split_fused, autocast=autocast,
         )
         result = price(compiled, fixed.scheme.mesh(), hardware, key)
         note = f"{fixed.scheme.describe()}; best of {fixed.variants} layouts"

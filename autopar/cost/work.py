@@ -26,6 +26,15 @@ def work_split(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
     )
 
 
+def compute_dtype(node: fx.Node) -> torch.dtype:
+    """The dtype an op computes in, for its peak rate: its first floating-point result's (under
+    autocast a matmul's result is bfloat16, a cast's the dtype it casts to); float32 otherwise."""
+    for value in pytree.tree_leaves(node.meta.get("val")):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.dtype
+    return torch.float32
+
+
 def global_work(node: fx.Node) -> float:
     """Flops of the full op (matmuls, attention) or elements produced (everything else)."""
     target = node.target

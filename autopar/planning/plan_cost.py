@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from autopar.core.layout import Layout
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
-from autopar.cost.work import global_work, work_split
+from autopar.cost.work import compute_dtype, global_work, work_split
 from autopar.planning.search_cost import ElementCost
 from autopar.rules.calls import tensor_inputs
 
@@ -24,7 +25,7 @@ class GraphFacts:
     """What pricing a plan reads of the graph, gathered once for the many plans of one search:
     per call node in graph order its tensor inputs and global work, and the output's values."""
 
-    calls: tuple[tuple[str, tuple[str, ...], float], ...]
+    calls: tuple[tuple[str, tuple[str, ...], float, torch.dtype], ...]
     outputs: tuple[str | None, ...]
 
     @staticmethod
@@ -34,7 +35,7 @@ class GraphFacts:
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 inputs = tuple(src.name for src in tensor_inputs(node))
-                calls.append((node.name, inputs, global_work(node)))
+                calls.append((node.name, inputs, global_work(node), compute_dtype(node)))
             elif node.op == "output":
                 outputs = tuple(src.name if isinstance(src, fx.Node) else None for src in node.args[0])
         return GraphFacts(tuple(calls), outputs)
@@ -70,7 +71,7 @@ def plan_cost_parts(
     layouts, strategies = plan.layouts, plan.strategies
     splits: dict[Strategy, int] = {}
     made: set[tuple[str, Layout]] = set()
-    for name, inputs, work in facts.calls:
+    for name, inputs, work, dtype in facts.calls:
         strategy = strategies.get(name)
         if strategy is None:
             continue
@@ -83,7 +84,7 @@ def plan_cost_parts(
         split = splits.get(strategy)
         if split is None:
             split = splits[strategy] = work_split(strategy, shape)
-        compute += cost.compute(work, split)
+        compute += cost.compute(work, split, dtype)
     for src_name, wanted in zip(facts.outputs, plan.output_layouts):
         if src_name is not None and wanted is not None:
             comm += cost.redistribute(layouts[src_name][0], wanted)

@@ -137,7 +137,7 @@ def search_layouts(
     limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
     report = SearchReport(memory_limit=limit)
     facts = GraphFacts.of(gm)
-    shared = Shared(work={name: work for name, _, work in facts.calls})
+    shared = Shared(work={name: work for name, _, work, _ in facts.calls})
     runs = [
         _from_seed(gm, mesh, registry, cost, shared, facts, start, limit, max_sweeps, report)
         for start in _starts(gm, mesh, registry, cost, shared, facts, report, fixed_seeds)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from autopar.core.layout import Layout, Partial, Placement, Shard, itemsize
 from autopar.core.redistribute import exchanges_before
@@ -52,8 +53,8 @@ class ElementCost:
     def gather_from_storage(self, want: Layout) -> float:
         return gather_from_storage(want, self.shape)
 
-    def compute(self, work: float, split: int) -> float:
-        return FLOP_WEIGHT * work / split
+    def compute(self, work: float, split: int, dtype: torch.dtype = torch.float32) -> float:
+        return FLOP_WEIGHT * work / split  # element counts: every dtype alike
 
     def redistribute_table(self, outs: Sequence[Layout], ins: Sequence[Layout]) -> np.ndarray:
         """`redistribute` between every pair (rows: `outs`, columns: `ins`, one tensor's layouts):
@@ -154,8 +155,10 @@ class TimeCost(ElementCost):
     def gather_from_storage(self, want: Layout) -> float:
         return self.redistribute(storage_layout(want, self.shape), settled(want))
 
-    def compute(self, work: float, split: int) -> float:
-        return self.mesh.compute(work / split, 0.0, "float32")
+    def compute(self, work: float, split: int, dtype: torch.dtype = torch.float32) -> float:
+        """At the table's peak for `dtype` (`cost.work.compute_dtype`): bfloat16 matmuls run at
+        the tensor-core rate, float32 at the vector rate."""
+        return self.mesh.compute(work / split, 0.0, dtype)
 
     def _link(self, axis: int) -> tuple[float, float]:
         link = self.mesh.links[axis]

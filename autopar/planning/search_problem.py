@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 import torch.fx as fx
 
 from autopar.core.layout import Layout, Partial, Replicate
@@ -27,7 +28,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.meta import signature
 from autopar.core.plan import Plan
 from autopar.core.strategy import OpCall, Strategy
-from autopar.cost.work import global_work, work_split
+from autopar.cost.work import compute_dtype, global_work, work_split
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.memory import SavedValue, plan_memory, saved_nodes, weight_chain
 from autopar.planning.search_blocks import Clock, chains, make_blocks, sweep, trees
@@ -47,7 +48,7 @@ class Cost(Protocol):
 
     def gather_from_storage(self, want: Layout) -> float: ...
 
-    def compute(self, work: float, split: int) -> float: ...
+    def compute(self, work: float, split: int, dtype: torch.dtype = ...) -> float: ...
 
     def redistribute_table(self, outs: Sequence[Layout], ins: Sequence[Layout]) -> np.ndarray: ...
 
@@ -105,7 +106,10 @@ class Problem:
             if at is None:
                 cands, key, at = [*listed, chosen], (id(listed), chosen), len(listed)
             work = shared.work[name] if name in shared.work else global_work(node)
-            base = self._cached(("compute", key, work), lambda c=cands, w=work: self._compute(c, w))  # type: ignore[misc]
+            dtype = compute_dtype(node)
+            base = self._cached(
+                ("compute", key, work, dtype), lambda c=cands, w=work, d=dtype: self._compute(c, w, d)  # type: ignore[misc]
+            )
             self.vars.append(Var(name, cands, key, base.copy(), base.copy(), at))
         self._part_dims = part_dims(gm)
         for name in seed.decided:
@@ -146,9 +150,9 @@ class Problem:
             found = self._vectors[key] = make()
         return found
 
-    def _compute(self, cands: list[Strategy], work: float) -> np.ndarray:
+    def _compute(self, cands: list[Strategy], work: float, dtype: torch.dtype) -> np.ndarray:
         splits = [work_split(s, self.shape) for s in cands]
-        by_split = {s: self.cost.compute(work, s) for s in set(splits)}
+        by_split = {s: self.cost.compute(work, s, dtype) for s in set(splits)}
         return np.array([by_split[s] for s in splits], dtype=float)
 
     def _layouts(self, var: Var, side: str, k: int) -> tuple[tuple[Layout, ...], np.ndarray]:
