@@ -60,6 +60,7 @@ def parallelize(
     timeout: float | timedelta = DEFAULT_TIMEOUT_S,
     init_fn: InitFn | None = None,
     inputs: str = GLOBAL,
+    compile: bool = False,
 ) -> ParallelModule:
     """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
 
@@ -96,6 +97,10 @@ def parallelize(
     concatenated in rank order; no rank assembles the global batch. The default, "global", takes
     the whole batch on every rank.
 
+    `compile=True` runs every program's forward and backward graphs through `torch.compile` with
+    Inductor (compiled on each program's first call; results equal the eager programs to float
+    tolerance); `torch.compile(pmodel)` itself is not needed.
+
     `timeout` (seconds, default 300) bounds every wait of autopar's collectives: the meeting of all
     ranks here (a rank that never calls parallelize is named), the plan agreement and each step's
     collectives, which run on process groups autopar makes with this timeout. A rank that fails,
@@ -108,6 +113,8 @@ def parallelize(
     example_inputs, example_kwargs = pytree.tree_map_only(
         DTensor, lambda x: x.full_tensor(), (example_inputs, example_kwargs)
     )
+    if not isinstance(compile, bool):
+        raise UsageError(f"compile must be True or False, got {compile!r}", hint="compile=True runs Inductor")
     if inputs not in INPUT_MODES:
         raise UsageError(
             f"inputs must be one of {', '.join(map(repr, INPUT_MODES))}, got {inputs!r}",
@@ -218,6 +225,7 @@ def parallelize(
         local_blocks=blocks,
         local_inputs=inputs == LOCAL,
         autocast=autocast,
+        inductor=compile,
     )
     result.mesh_choice = choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
     return result

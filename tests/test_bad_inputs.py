@@ -202,6 +202,7 @@ def _parallelize_rows(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         ),
         "timeout-zero": lambda: autopar.parallelize(model, mesh, example_inputs=(x, y), timeout=0),
         "inputs-mode-unknown": lambda: autopar.parallelize(model, mesh, example_inputs=(x, y), inputs="sharded"),
+        "compile-not-a-bool": lambda: autopar.parallelize(model, mesh, example_inputs=(x, y), compile="inductor"),  # type: ignore[arg-type]
     }
     pmodel = autopar.parallelize(model, mesh, example_inputs=(x, y))
     bad_y = y.clone()
@@ -241,6 +242,7 @@ WITH_PROCESS_GROUP = {
     "checkpoint-of-a-plain-module": (CheckpointError, "takes the module autopar.parallelize returned"),
     "timeout-zero": (UsageError, "timeout must be a positive number of seconds, got 0"),
     "inputs-mode-unknown": (UsageError, "inputs must be one of 'global', 'local', got 'sharded'"),
+    "compile-not-a-bool": (UsageError, "compile must be True or False, got 'inductor'"),
     "call-target-out-of-range": (IndexOutOfRangeError, "y holds 99"),
     "call-negative-target": (IndexOutOfRangeError, "y holds -"),
     "call-keyword-unknown": (TraceError, "labels"),

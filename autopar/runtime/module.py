@@ -12,7 +12,7 @@ import inspect
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor.placement_types import Partial as DPartial
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import IndexOutOfRangeError, InputMismatchError
@@ -90,6 +91,20 @@ class _RunProgram(torch.autograd.Function):
 
 
 
+def compiled_by_inductor(program: EmittedProgram) -> EmittedProgram:
+    """`program` whose forward and backward graphs run through `torch.compile` with Inductor:
+    whole graphs (`fullgraph`: a graph break would be a bug here), static shapes (a program is
+    for one input signature), each compiled on its first call. The graphs are plain ATen plus
+    functional collectives, so nothing needs dynamo's guards beyond the inputs' metadata; torch's
+    FX graph cache lets ranks (and later runs) with an identical local graph reuse one compile."""
+    graphs = []
+    for gm in (program.forward, program.backward):
+        if isinstance(gm, _LazyGraphModule):
+            gm.real_recompile()  # dynamo must see the real code, not the lazy stub (a graph break)
+        graphs.append(torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False))
+    return replace(program, forward=graphs[0], backward=graphs[1])  # type: ignore[arg-type]
+
+
 def _mesh_shape_of(program: EmittedProgram) -> tuple[int, ...]:
     return tuple(program.forward.meta.get("autopar_mesh_shape", ()))
 
@@ -151,6 +166,7 @@ class ParallelModule(nn.Module):
         local_blocks: Mapping[str, torch.Tensor] | None = None,
         local_inputs: bool = False,
         autocast: AutocastState = (),
+        inductor: bool = False,
     ) -> None:
         super().__init__()
         assert mesh.device_mesh is not None
@@ -161,6 +177,7 @@ class ParallelModule(nn.Module):
         self._compile = compile
         self._check_inputs_agree = check_inputs
         self._local_inputs = local_inputs  # each rank passes its own shard of the batch (`local_batch`)
+        self._inductor = inductor  # run each program's graphs compiled by Inductor
         self._groups = groups
         self._positional_names = positional_names(source)  # to name inputs in errors
         self.report = report
@@ -347,6 +364,8 @@ class ParallelModule(nn.Module):
         device = self._mesh.device_mesh.device_type
         # constants are the program's, not the user's model's: not registered as buffers
         constants = {name: value.to(device) for name, value in program.constants.items()}
+        if self._inductor:
+            program = compiled_by_inductor(program)
         return _Program(program, outputs, program.source_layouts(), constants, why)
 
     def _local_param(self, run: _Program, name: str) -> torch.Tensor:
