@@ -69,7 +69,7 @@ def _job(rank: int, world_size: int, reps: int, steps: int, batch_size: int) -> 
             loss.backward()
             opt.step()
         dist.barrier()
-        return (time.perf_counter() - start) / n, float(loss)
+        return (time.perf_counter() - start) / n, float(loss.detach())
 
     first = {name: block(name, 1) for name in variants}  # compiled: Inductor's compile
     rounds = []
