@@ -28,7 +28,7 @@ from autopar.core.errors import AutoparError, InputMismatchError, MeshError, Usa
 from autopar.core.mesh import Mesh
 from autopar.core.meta import OutputStructure, signature
 from autopar.core.plan import Plan
-from autopar.core.precision import Autocast, compilable_autocast
+from autopar.core.precision import Autocast, MixedPrecision, compilable_autocast
 from autopar.passes import fused
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
@@ -61,6 +61,7 @@ def parallelize(
     init_fn: InitFn | None = None,
     inputs: str = GLOBAL,
     compile: bool = False,
+    mp_policy: Any = None,
 ) -> ParallelModule:
     """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
 
@@ -97,6 +98,12 @@ def parallelize(
     concatenated in rank order; no rank assembles the global batch. The default, "global", takes
     the whole batch on every rank.
 
+    `mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)` (torch's FSDP2 policy) keeps the
+    parameters as they are (float32 master weights for the optimizer) and computes with
+    `param_dtype` copies: every parameter read in the forward is cast where it is read, floating
+    inputs are cast too (`cast_forward_inputs`), outputs to `output_dtype` when given; gradients
+    come back in the parameters' dtype. `reduce_dtype` other than `param_dtype` is refused.
+
     `compile=True` runs every program's forward and backward graphs through `torch.compile` with
     Inductor (compiled on each program's first call; results equal the eager programs to float
     tolerance); `torch.compile(pmodel)` itself is not needed.
@@ -113,6 +120,7 @@ def parallelize(
     example_inputs, example_kwargs = pytree.tree_map_only(
         DTensor, lambda x: x.full_tensor(), (example_inputs, example_kwargs)
     )
+    mixed_precision = MixedPrecision.of(mp_policy)
     if not isinstance(compile, bool):
         raise UsageError(f"compile must be True or False, got {compile!r}", hint="compile=True runs Inductor")
     if inputs not in INPUT_MODES:
@@ -164,6 +172,7 @@ def parallelize(
         over_decompose=over_decompose,
         split_fused=split_fused,
         in_flight_bytes=in_flight_bytes,
+        mixed_precision=mixed_precision,
     )
     # the first program is for calls in the autocast regions active here; others compile their own
     autocast = compilable_autocast(("cpu", mesh.device_type if isinstance(mesh, DeviceMesh) else "cpu"))
@@ -344,6 +353,7 @@ def plan(
     split_fused: bool | None = None,
     in_flight_bytes: int | None = None,
     autocast: torch.dtype | None = None,
+    mp_policy: Any = None,
 ) -> PlanResult:
     """Plan `model` for a mesh of `mesh_shape` ranks on `hardware`, in this process, allocating no weights.
 
@@ -359,7 +369,9 @@ def plan(
     `autocast=torch.bfloat16` plans the step as run inside `torch.autocast(dtype=torch.bfloat16)`:
     its matmuls, activations and collectives in that dtype are priced at that dtype's rates and
     bytes (the hardware table's peak per dtype), the weights and their optimizer state in theirs.
+    `mp_policy`: torch's `MixedPrecisionPolicy`, planned as `parallelize` compiles it.
     """
+    mixed_precision = MixedPrecision.of(mp_policy)
     example_inputs = example_tuple(example_inputs, example_kwargs)
     regions = (Autocast("cpu", autocast),) if autocast is not None else ()  # the trace runs on the CPU
     registry = registry if registry is not None else default_registry()
@@ -379,6 +391,7 @@ def plan(
             registry=registry,
             split_fused=split_fused,
             autocast=regions,
+            mixed_precision=mixed_precision,
         )
         mesh_shape, mesh_names = choice.chosen.shape, choice.chosen.names
     mesh = Mesh.from_shape(tuple(mesh_shape), tuple(mesh_names) if mesh_names else None)
@@ -404,6 +417,7 @@ def plan(
         split_fused=split_fused,
         in_flight_bytes=in_flight_bytes,
         autocast=regions,
+        mixed_precision=mixed_precision,
     )
     result = price(compiled, mesh, hardware, planner)
     result.mesh_choice = choice
@@ -411,7 +425,7 @@ def plan(
         chosen = Compared(f"chosen ({planner})", mesh.shape, "", result)
         fixed = compare_fixed(
             model, example_inputs, traced[0], mesh.size, hardware, registry, example_kwargs=example_kwargs,
-            split_fused=split_fused, autocast=regions,
+            split_fused=split_fused, autocast=regions, mixed_precision=mixed_precision,
         )
         result.comparison = [chosen, *fixed]
     return result

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.compiler.driver import scheduled_step_time
 from autopar.core.errors import MeshError
-from autopar.core.precision import AutocastState
+from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.passes import fused
 from autopar.passes.trace import trace
 from autopar.planning.mesh_choice import OVERLAP_CANDIDATES, MeshChoice, rank_meshes
@@ -37,6 +37,7 @@ def choose_mesh(
     split_fused: bool | None = None,
     overlap_candidates: int = OVERLAP_CANDIDATES,
     autocast: AutocastState = (),
+    mixed_precision: MixedPrecision | None = None,
 ) -> MeshChoice:
     """Trace `model` once and rank every candidate mesh of `world_size` ranks on it
     (`autopar.planning.mesh_choice.rank_meshes`, with `scheduled_step_time` for the overlap step).
@@ -55,6 +56,7 @@ def choose_mesh(
         example_kwargs=example_kwargs,
         split_fused=fused.wanted(split_fused, planner),
         autocast=autocast,
+        mixed_precision=mixed_precision,
     )
     return rank_meshes(
         gm,

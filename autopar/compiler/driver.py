@@ -27,7 +27,7 @@ from autopar.core.errors import AutoparError, InternalError, UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, where_of
 from autopar.core.plan import Plan
-from autopar.core.precision import AutocastState, autocast_off
+from autopar.core.precision import AutocastState, MixedPrecision, autocast_off
 from autopar.cost.hardware import load_hardware
 from autopar.cost.timeline import Timeline, default_hardware, simulate
 from autopar.passes import fused
@@ -121,12 +121,14 @@ def compile_for_rank(
     forward_only: bool = False,
     traced: fx.GraphModule | None = None,
     autocast: AutocastState = (),
+    mixed_precision: MixedPrecision | None = None,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
     `forward_only` compiles the forward alone, as run under `torch.no_grad()` (evaluation,
     inference): no backward graph, nothing saved for it. `autocast`: the autocast regions the
     program's calls run in (`autopar.core.precision`); their casts become nodes of the graph.
+    `mixed_precision`: a whole-model policy (`MixedPrecision`): parameters read in `param_dtype`.
 
     `planner` is "search" (the default: the whole-graph search over every op's strategy, seeded by
     the greedy pass under every axis-role assignment and by the fixed schemes, priced on `hardware`
@@ -156,7 +158,9 @@ def compile_for_rank(
     candidates = _chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
     if traced is None:
-        gm = trace_for(model, mesh, example_inputs, example_kwargs, planner, split_fused, forward_only, autocast)
+        gm = trace_for(
+            model, mesh, example_inputs, example_kwargs, planner, split_fused, forward_only, autocast, mixed_precision
+        )
     else:
         gm = copy.deepcopy(traced)  # the later stages rewrite the graph in place
     write_stage(path, "1_trace", gm, mesh)
@@ -318,6 +322,7 @@ def trace_for(
     split_fused: bool | None = None,
     forward_only: bool = False,
     autocast: AutocastState = (),
+    mixed_precision: MixedPrecision | None = None,
 ) -> fx.GraphModule:
     """The trace stage as `compile_for_rank` runs it with these options (the same for every rank)."""
     with stage("trace"):
@@ -329,6 +334,7 @@ def trace_for(
             split_fused=fused.wanted(split_fused, planner),
             forward_only=forward_only,
             autocast=autocast,
+            mixed_precision=mixed_precision,
         )
 
 

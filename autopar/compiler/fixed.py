@@ -14,7 +14,7 @@ from autopar.compiler.driver import Compiled, compile_for_rank, graph_fingerprin
 from autopar.compiler.pricing import Compared, price
 from autopar.core.errors import AutoparError
 from autopar.core.plan import Plan
-from autopar.core.precision import AutocastState
+from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.planning.fixed import SCHEMES, TITLES, FixedPlan, plan_fixed
 from autopar.rules.base import RuleRegistry
 
@@ -31,6 +31,7 @@ def compile_fixed(
     coords: Sequence[int] | None = None,
     split_fused: bool = False,
     autocast: AutocastState = (),
+    mixed_precision: MixedPrecision | None = None,
 ) -> Compiled:
     """`compile_for_rank` on the scheme's mesh with the fixed plan; the model is traced again and
     must give the graph the plan was made on (`graph_fingerprint`), so the plan fits it."""
@@ -56,6 +57,7 @@ def compile_fixed(
         hardware=hardware,
         split_fused=split_fused,
         autocast=autocast,
+        mixed_precision=mixed_precision,
     )
 
 
@@ -72,6 +74,7 @@ def compare_fixed(
     require_heads: bool = True,
     split_fused: bool = False,
     autocast: AutocastState = (),
+    mixed_precision: MixedPrecision | None = None,
 ) -> list[Compared]:
     """Each fixed scheme planned on `traced` (the model's joint graph, as traced for p ranks, before
     planning), compiled on its own mesh of p ranks and priced like any plan."""
@@ -85,6 +88,7 @@ def compare_fixed(
         compiled = compile_fixed(
             model, example_inputs, fixed, traced_fingerprint=fingerprint, registry=registry,
             hardware=hardware, example_kwargs=example_kwargs, split_fused=split_fused, autocast=autocast,
+            mixed_precision=mixed_precision,
         )
         result = price(compiled, fixed.scheme.mesh(), hardware, key)
         note = f"{fixed.scheme.describe()}; best of {fixed.variants} layouts"

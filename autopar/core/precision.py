@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,6 +73,41 @@ def autocast_off(device_types: Iterable[str] = AUTOCAST_DEVICE_TYPES) -> Iterato
         for region in autocast_now(device_types):
             stack.enter_context(torch.autocast(region.device_type, enabled=False))
         yield
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """A mixed-precision policy for the whole model, as FSDP2's `MixedPrecisionPolicy`: every
+    parameter read in the forward is a `param_dtype` copy of the stored (master) parameter;
+    floating-point inputs are cast to it (`cast_forward_inputs`), outputs to `output_dtype`."""
+
+    param_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    @staticmethod
+    def of(policy: Any) -> MixedPrecision | None:
+        """From torch's `MixedPrecisionPolicy` (or this class); None when it casts nothing.
+        Gradient reductions run where the plan puts them, in the dtype the gradient has there, so
+        a `reduce_dtype` other than `param_dtype` cannot be honoured and is refused."""
+        if policy is None:
+            return None
+        names = ("param_dtype", "output_dtype", "cast_forward_inputs")
+        if not all(hasattr(policy, name) for name in names):
+            raise UsageError(
+                f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {type(policy).__name__}",
+                hint="MixedPrecisionPolicy(param_dtype=torch.bfloat16)",
+            )
+        reduce_dtype = getattr(policy, "reduce_dtype", None)
+        if reduce_dtype is not None and reduce_dtype != policy.param_dtype:
+            raise UsageError(
+                f"mp_policy reduce_dtype={reduce_dtype} differs from param_dtype={policy.param_dtype}: "
+                "autopar reduces a gradient where its plan does, in the dtype it has there",
+                hint="leave reduce_dtype unset (reductions in param_dtype, as FSDP2's default), or "
+                "train under torch.autocast, whose gradients reach float32 before most reductions",
+            )
+        found = MixedPrecision(policy.param_dtype, policy.output_dtype, bool(policy.cast_forward_inputs))
+        return found if found.param_dtype is not None or found.output_dtype is not None else None
 
 
 def describe(state: AutocastState) -> str:

@@ -43,10 +43,11 @@ from autopar.core.meta import (
     set_info,
     signature,
 )
-from autopar.core.precision import AutocastState, autocast_as, autocast_off
+from autopar.core.precision import AutocastState, MixedPrecision, autocast_as, autocast_off
 from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
 from autopar.passes.fused import split_fused_linears
 from autopar.passes.index_checks import find_index_checks
+from autopar.passes.mixed_precision import cast_inputs, cast_outputs, cast_parameters_on_read
 from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
 from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
 from autopar.rules.decompositions import sharding_decompositions
@@ -67,6 +68,7 @@ def trace(
     repeats: bool = True,
     forward_only: bool = False,
     autocast: AutocastState = (),
+    mixed_precision: MixedPrecision | None = None,
 ) -> fx.GraphModule:
     """Joint graph of `model`: placeholders (params, buffers, inputs, tangents) -> (outputs, grads).
 
@@ -76,9 +78,14 @@ def trace(
     `forward_only` traces as under `torch.no_grad()`: no parameter requires a gradient, so the
     graph has no backward part (evaluation and inference programs).
     `autocast`: the forward runs inside these autocast regions, so the graph holds their casts
-    explicitly; autocast active around this call is not traced (`autopar.core.precision`)."""
+    explicitly; autocast active around this call is not traced (`autopar.core.precision`).
+    `mixed_precision`: every parameter read in the forward is read as a copy in its `param_dtype`
+    (`autopar.passes.mixed_precision`)."""
     with autocast_off():
-        return _trace(model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast)
+        return _trace(
+            model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast,
+            mixed_precision,
+        )
 
 
 def _trace(
@@ -90,12 +97,15 @@ def _trace(
     repeats: bool,
     forward_only: bool,
     autocast: AutocastState,
+    mixed_precision: MixedPrecision | None,
 ) -> fx.GraphModule:
     example_kwargs = example_kwargs or {}
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_model = fake_clone(model, fake_mode, frozen=forward_only)
     outputs = _OutputRecord()
-    fake_model.forward = _tensor_outputs(fake_model.forward, outputs, autocast)  # type: ignore[method-assign]
+    if mixed_precision is not None and mixed_precision.param_dtype is not None:
+        cast_parameters_on_read(fake_model, mixed_precision.param_dtype)
+    fake_model.forward = _tensor_outputs(fake_model.forward, outputs, autocast, mixed_precision)  # type: ignore[method-assign]
     fake_args = tuple(_fakeify(x, fake_mode, forward_only) for x in example_inputs)
     fake_kwargs = {k: _fakeify(v, fake_mode, forward_only) for k, v in example_kwargs.items()}
     tied = _tied_groups(model)
@@ -197,7 +207,9 @@ class _OutputRecord:
     functions: list[type] = field(default_factory=list)  # custom autograd.Functions in the forward
 
 
-def _tensor_outputs(forward: Any, record: _OutputRecord, autocast: AutocastState = ()) -> Any:
+def _tensor_outputs(
+    forward: Any, record: _OutputRecord, autocast: AutocastState = (), mixed_precision: MixedPrecision | None = None
+) -> Any:
     """`forward` returning only the tensors of its output, flat; `record` keeps how to rebuild the
     rest (`OutputStructure`). torch.export then traces any output (a transformers `ModelOutput`
     with a cache object, a dict with flags) and the program returns just the tensors. The forward
@@ -205,8 +217,12 @@ def _tensor_outputs(forward: Any, record: _OutputRecord, autocast: AutocastState
 
     @functools.wraps(forward)
     def tensors_only(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        if mixed_precision is not None:
+            args, kwargs = cast_inputs(mixed_precision, args, kwargs)
         with autocast_as(autocast):
             result = forward(*args, **kwargs)
+        if mixed_precision is not None:
+            result = cast_outputs(mixed_precision, result)
         leaves, spec = pytree.tree_flatten(result)
         positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
         others = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
