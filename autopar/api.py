@@ -148,6 +148,8 @@ def parallelize(
             example_kwargs=traced_kwargs,
             registry=registry,
             split_fused=split_fused,
+            autocast=compilable_autocast(("cpu", mesh.device_type if isinstance(mesh, DeviceMesh) else "cpu")),
+            mixed_precision=mixed_precision,
         )
         hardware = choice.hardware
     autopar_mesh = _check_mesh(mesh)

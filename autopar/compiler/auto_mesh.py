@@ -87,6 +87,8 @@ def auto_device_mesh(
     example_kwargs: dict[str, Any] | None = None,
     registry: RuleRegistry | None = None,
     split_fused: bool | None = None,
+    autocast: AutocastState = (),
+    mixed_precision: MixedPrecision | None = None,
 ) -> tuple[DeviceMesh, MeshChoice]:
     """`parallelize(..., mesh_shape="auto")`: rank 0 chooses, every rank builds the same DeviceMesh.
 
@@ -117,6 +119,8 @@ def auto_device_mesh(
             example_kwargs=example_kwargs,
             registry=registry,
             split_fused=split_fused,
+            autocast=autocast,
+            mixed_precision=mixed_precision,
         ),
         "mesh choice",
     )
