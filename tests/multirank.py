@@ -241,3 +241,20 @@ def run_ranks_with_faults(
                     p.kill()
                     p.join()
     return [ended[rank] for rank in range(world_size)]
+
+
+def train_side_by_side(
+    pairs: list[tuple[torch.nn.Module, tuple[Any, ...]]], steps: int = 2, lr: float = 0.1
+) -> list[float]:
+    """SGD with momentum (linear in the gradient, so parameters compare as gradients do) on each
+    (module, batch) in turn, `steps` times; every loss, in that order."""
+    optimizers = [torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9) for module, _ in pairs]
+    losses = []
+    for _ in range(steps):
+        for (module, batch), optimizer in zip(pairs, optimizers):
+            optimizer.zero_grad()
+            loss = module(*batch)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+    return losses

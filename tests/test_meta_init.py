@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import transformers
-from multirank import run_ranks
+from multirank import run_ranks, train_side_by_side
 
 import autopar
 from autopar.core.errors import InitError
@@ -190,17 +190,7 @@ def _train_from_meta(rank: int, world_size: int) -> dict[str, Any]:
         "local_fraction": sum(p.to_local().numel() for p in pmodel.parameters())
         / sum(p.numel() for p in serial.parameters()),
     }
-    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
-    serial_opt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for _ in range(2):
-        for module, optimizer in ((pmodel, opt), (serial, serial_opt)):
-            optimizer.zero_grad()
-            loss = module(*batch)
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss))
-    result["losses"] = losses
+    result["losses"] = train_side_by_side([(pmodel, batch), (serial, batch)])
     result["params"] = max(float((p.full_tensor() - q).abs().max()) for p, q in zip(pmodel.parameters(), serial.parameters()))
     # ranks seeded differently would each keep blocks of their own weights: refused by name
     with torch.device("meta"):

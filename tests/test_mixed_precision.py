@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.fx as fx
-from multirank import run_ranks
+from multirank import run_ranks, train_side_by_side
 
 import autopar
 from autopar.core.errors import UsageError
@@ -122,16 +122,7 @@ def _train_cast(rank: int, world_size: int, when: str) -> dict[str, Any]:
     pmodel = autopar.parallelize(model, mesh, example_inputs=batch)
     if when == "after":
         pmodel.to(torch.bfloat16)
-    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
-    serial_opt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for _ in range(2):
-        for module, optimizer in ((pmodel, opt), (serial, serial_opt)):
-            optimizer.zero_grad()
-            loss = module(*batch)
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss))
+    losses = train_side_by_side([(pmodel, batch), (serial, batch)])
     dtypes = {str(p.dtype) for p in pmodel.parameters()} | {str(p.grad.dtype) for p in pmodel.parameters()}
     params = max(_scale_diff(p, q) for p, q in zip(pmodel.parameters(), serial.parameters()))
     return {"losses": losses, "dtypes": dtypes, "params": params, "why": [why for why, _ in pmodel.programs]}
