@@ -132,6 +132,8 @@ def parallelize(
     traced_inputs, traced_kwargs = example_inputs, example_kwargs
     if inputs == LOCAL and dist.is_initialized():  # programs are for the batch the shards make together
         traced_inputs, traced_kwargs = global_stand_ins((example_inputs, example_kwargs), dist.get_world_size())
+    # the first program is for calls in the autocast regions active here; others compile their own
+    autocast = compilable_autocast(("cpu", mesh.device_type if isinstance(mesh, DeviceMesh) else "cpu"))
     choice = None
     if mesh_shape is not None:
         if mesh_shape != "auto":
@@ -148,7 +150,7 @@ def parallelize(
             example_kwargs=traced_kwargs,
             registry=registry,
             split_fused=split_fused,
-            autocast=compilable_autocast(("cpu", mesh.device_type if isinstance(mesh, DeviceMesh) else "cpu")),
+            autocast=autocast,
             mixed_precision=mixed_precision,
         )
         hardware = choice.hardware
@@ -176,8 +178,6 @@ def parallelize(
         in_flight_bytes=in_flight_bytes,
         mixed_precision=mixed_precision,
     )
-    # the first program is for calls in the autocast regions active here; others compile their own
-    autocast = compilable_autocast(("cpu", mesh.device_type if isinstance(mesh, DeviceMesh) else "cpu"))
     compiled = compile_for_rank(
         model,
         autopar_mesh,

@@ -90,7 +90,6 @@ class _RunProgram(torch.autograd.Function):
         return (None, None, None, *param_grads, *[None] * ctx.num_inputs, *input_grads)
 
 
-
 def compiled_by_inductor(program: EmittedProgram) -> EmittedProgram:
     """`program` whose forward and backward graphs run through `torch.compile` with Inductor:
     whole graphs (`fullgraph`: a graph break would be a bug here), static shapes (a program is
@@ -107,8 +106,6 @@ def compiled_by_inductor(program: EmittedProgram) -> EmittedProgram:
 
 def _mesh_shape_of(program: EmittedProgram) -> tuple[int, ...]:
     return tuple(program.forward.meta.get("autopar_mesh_shape", ()))
-
-
 
 
 @dataclass(frozen=True)
