@@ -45,6 +45,21 @@ from examples.models import GPT, GPTConfig, gpt_batch  # noqa: E402
 GiB = 1024**3
 
 
+def _two_timed_steps(module: Any, batch: tuple[Any, ...], lr: float) -> tuple[list[float], list[float]]:
+    """Two SGD-with-momentum steps: each loss and each step's seconds (serial and parallel alike)."""
+    opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
+    losses, steps = [], []
+    for _ in range(2):
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss = module(*batch)
+        loss.backward()
+        opt.step()
+        steps.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    return losses, steps
+
+
 def _rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -61,16 +76,7 @@ def serial_reference(config: GPTConfig, batch: tuple[torch.Tensor, ...], directo
     model = GPT(config)
     built = time.perf_counter() - start
     save_model(model, str(directory / "model.safetensors"))  # tied weights written once
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    losses, steps = [], []
-    for _ in range(2):
-        start = time.perf_counter()
-        opt.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        steps.append(time.perf_counter() - start)
-        losses.append(float(loss))
+    losses, steps = _two_timed_steps(model, batch, lr)
     params = sum(p.numel() for p in model.parameters())
     return {"losses": losses, "params": params, "build_s": built, "step_s": steps, "peak_rss": _rss_peak()}
 
@@ -94,16 +100,7 @@ def _rank(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tens
         autopar.load_checkpoint(pmodel, directory)
         load_s = time.perf_counter() - start
     after_load = _rss_now()
-    opt = torch.optim.SGD(pmodel.parameters(), lr=lr, momentum=0.9)
-    losses, steps = [], []
-    for _ in range(2):
-        start = time.perf_counter()
-        opt.zero_grad()
-        loss = pmodel(*batch)
-        loss.backward()
-        opt.step()
-        steps.append(time.perf_counter() - start)
-        losses.append(float(loss))
+    losses, steps = _two_timed_steps(pmodel, batch, lr)
     local = sum(p.to_local().numel() * p.element_size() for p in pmodel.parameters())
     out = next(n for n in pmodel.program.forward.graph.nodes if n.op == "output")
     saved = list(out.args[0])[len(pmodel.program.output_layouts) :]
