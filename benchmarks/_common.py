@@ -37,6 +37,7 @@ _STAGE_OF = {
     "propagate": "propagate",
     "insert_comm": "insert_comm",
     "regather": "insert_comm",
+    "recompute": "insert_comm",
     "schedule_pass": "schedule",
     "emit": "emit",
     "build_report": "report",

@@ -114,7 +114,9 @@ def test_limit_makes_backward_gather_weights_again(setup: dict[str, Any]) -> Non
 
 
 def test_compiled_program_saves_less_and_gathers_in_backward(setup: dict[str, Any]) -> None:
-    limit = _limit(setup, 0.8)
+    # a tight limit: recomputing both blocks is not enough (on the H100 table recomputation is the
+    # cheaper per byte, so it goes first), gathered weights must be gathered again as well
+    limit = _limit(setup, 0.2)
     free = autopar.plan(setup["model"], SHAPE, setup["batch"], hardware=HW, memory_limit=math.inf)
     lean = autopar.plan(setup["model"], SHAPE, setup["batch"], hardware=HW, memory_limit=limit)
     regathered = lean.compiled.graph.meta["autopar_search"].regathered
@@ -216,7 +218,9 @@ def _train_under_limit(rank: int, world_size: int, limit: float) -> dict[str, fl
 
 
 @pytest.mark.multirank
-def test_regathered_weights_train_like_the_serial_model() -> None:
+def test_a_plan_under_a_memory_limit_trains_like_the_serial_model() -> None:
+    """Under 70% of the free plan's activations the search recomputes ops or gathers weights again
+    in backward (on element counts here, recomputation is the cheaper); 8 gloo ranks train with it."""
     model, batch = make_gpt(0)
     gm = trace(model, batch, decompose=True, split_fused=True)  # the graph parallelize's search plans
     mesh = autopar.Mesh.from_shape(SHAPE)
@@ -225,6 +229,6 @@ def test_regathered_weights_train_like_the_serial_model() -> None:
     ).breakdown()
     limit = free.params + free.grads + free.optimizer + 0.7 * free.activations
     lean = search_layouts(gm, mesh, default_registry(), memory_limit=limit)
-    assert lean.regather  # the job below runs a plan that gathers weights again in backward
+    assert lean.regather or lean.recompute  # the job below runs a plan that saves less
     for rank, r in enumerate(run_ranks(8, _train_under_limit, limit, timeout=600)):
         assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["param_err"] < 1e-5, (rank, r)

@@ -35,6 +35,7 @@ from autopar.passes.chunks import merge_chunks
 from autopar.passes.emit import emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
+from autopar.passes.recompute import RECOMPUTE_KEY, recompute
 from autopar.passes.regather import regather
 from autopar.passes.schedule import IN_FLIGHT_BYTES
 from autopar.passes.schedule import schedule as schedule_pass
@@ -42,6 +43,7 @@ from autopar.passes.trace import trace
 from autopar.planning.greedy import choose_layouts
 from autopar.planning.memory import MEMORY_HEADROOM, plan_memory
 from autopar.planning.overdecompose import OverDecompositionError, chunk_plan
+from autopar.planning.recompute import has_checkpoint_regions
 from autopar.planning.search import SearchPlan, fit_memory, search_layouts
 from autopar.planning.search_cost import ElementCost, TimeCost
 from autopar.planning.storage import unify_part_storage
@@ -172,7 +174,10 @@ def compile_for_rank(
             cost = TimeCost(hardware, mesh.shape) if hardware is not None else ElementCost(mesh.shape)
             if planner == "greedy":
                 greedy = choose_layouts(gm, mesh, registry)
-                return greedy if memory_limit is None else fit_memory(gm, greedy, mesh, cost, memory_limit)
+                if memory_limit is None and not has_checkpoint_regions(gm):
+                    return greedy
+                limit = math.inf if memory_limit is None else memory_limit
+                return fit_memory(gm, greedy, mesh, cost, limit)
             return search_layouts(gm, mesh, registry, cost=cost, memory_limit=memory_limit)
 
     plan = agree(gm, make_plan) if agree is not None else make_plan()
@@ -205,7 +210,16 @@ def compile_for_rank(
         program = emit(gm, work, registry, (*base, *(0,) * work.in_process)).on_devices(mesh.ndim)
     write_stage(path, "5_emit_forward", program.forward, work, local=True)
     write_stage(path, "5_emit_backward", program.backward, work, local=True)
-    report = build_report(program, mesh, gm.meta.get("autopar_schedule"), graph_mesh=work)
+    savings = plan.savings if isinstance(plan, SearchPlan) else None
+    report = build_report(
+        program,
+        mesh,
+        gm.meta.get("autopar_schedule"),
+        graph_mesh=work,
+        saved_before=savings.activation_bytes_before if savings is not None and savings.recompute else None,
+        recomputed=savings.units if savings is not None else (),
+        copied_ops=gm.meta.get(RECOMPUTE_KEY, 0),
+    )
     write_collectives(path, report)
     timelines = None
     if unscheduled is not None and modeled_on is not None:
@@ -358,6 +372,7 @@ def _lower(
     for c, one in enumerate(copies):
         insert_comm(one, work, (*coords, c) if chunks > 1 else coords)
         if isinstance(plan, SearchPlan):
+            recompute(one, plan.recompute)  # first: regather then serves the copies' weights too
             regather(one, plan.regather)
     return (merge_chunks(copies, work) if chunks > 1 else gm), work
 
@@ -393,7 +408,7 @@ def in_flight_budget(
         return IN_FLIGHT_BYTES
     memory = plan.memory if isinstance(plan, SearchPlan) else None
     if memory is None:
-        memory = plan_memory(gm, plan, mesh.shape).breakdown(getattr(plan, "regather", ()))
+        memory = plan_memory(gm, plan, mesh.shape).breakdown()
     return max(0, int(limit - memory.total))
 
 

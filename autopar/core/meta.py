@@ -45,6 +45,7 @@ class NodeInfo:
     comm_group: str | None = None  # process group name the collective runs on
     note: str = ""  # why this layout (planner's reason), shown in dumps
     chunk: int | None = None  # over-decomposition: the batch chunk (in-process coordinate) it computes
+    checkpoint: str | None = None  # forward ops in a user's torch.utils.checkpoint region: its module path
 
     @property
     def layout(self) -> Layout:

@@ -44,6 +44,7 @@ from autopar.core.meta import (
 )
 from autopar.core.precision import AutocastState, MixedPrecision, autocast_as, autocast_off
 from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
+from autopar.passes.checkpoint_regions import CheckpointWatch, mark_checkpoint_regions
 from autopar.passes.fused import split_fused_linears
 from autopar.passes.index_checks import find_index_checks
 from autopar.passes.joint_rewrites import (
@@ -117,8 +118,12 @@ def _trace(
     tied = tied_groups(model)
     containers = find_repeated_blocks(fake_model, fake_args, fake_kwargs, fake_mode, tied) if repeats else []
     groups = [group for group, _ in containers]
+    watch = CheckpointWatch(fake_model)  # the user's torch.utils.checkpoint regions
     restore = cut_to_two_blocks(containers)
-    exported = _export(model, fake_model, fake_args, fake_kwargs)
+    try:
+        exported = _export(model, fake_model, fake_args, fake_kwargs)
+    finally:
+        watch.close()
     if outputs.functions:
         restore()
         raise _custom_function_error(outputs.functions, exported.graph_module.graph)
@@ -129,8 +134,10 @@ def _trace(
         gm = joint.export(exported.module(), groups)
     except NotRepeated:  # block 1's joint graph is not the self-contained run the copy needs
         restore()
+        groups = []
         gm = joint.export(_export(model, fake_model, fake_args, fake_kwargs).module(), [])
     restore()
+    mark_checkpoint_regions(gm, watch.regions(), groups)
     merge_tied(gm, tied)
     drop_identities(gm)
     simplify_strided(gm)

@@ -8,13 +8,14 @@ weights that the search keeps for backward come from.
 
 A *weight chain* value (a parameter and views / casts of it, all-gathered from its storage before
 use) can be built again in backward instead ("regathered", `autopar.passes.regather`): its saved
-copies disappear and its all-gathers run a second time. `choose_regather` picks which, cheapest
-seconds per byte first, to bring a plan under a memory limit.
+copies disappear and its all-gathers run a second time. `autopar.planning.recompute.choose_savings`
+picks which, with the activations to recompute, cheapest seconds per byte first, to bring a plan
+under a memory limit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,9 +51,11 @@ class PlanMemory:
         return sum(s.bytes for s in self.saved if s.name not in regather)
 
     def breakdown(self, regather: Collection[str] = ()) -> MemoryBreakdown:
-        return memory_per_rank(
-            self.param_bytes, self.param_bytes, ADAMW_STATE_FACTOR, self.activation_bytes(regather)
-        )
+        return self.with_activations(self.activation_bytes(regather))
+
+    def with_activations(self, activation_bytes: float) -> MemoryBreakdown:
+        """The breakdown with `activation_bytes` saved (what recomputation leaves, `planning.recompute`)."""
+        return memory_per_rank(self.param_bytes, self.param_bytes, ADAMW_STATE_FACTOR, activation_bytes)
 
 
 def saved_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -142,32 +145,3 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> Pl
             )
         )
     return memory
-
-
-def choose_regather(
-    memory: PlanMemory, limit: float, cost_of: Callable[[SavedValue], float]
-) -> tuple[str, ...] | None:
-    """The weight chains to regather so that `memory` fits `limit`: () if it fits already, None if
-    even regathering every chain does not fit. Cheapest seconds (or elements) per byte saved first,
-    then any chosen chain whose bytes are no longer needed is dropped again (most expensive first)."""
-    excess = memory.breakdown().total - limit
-    if excess <= 0:
-        return ()
-    options = sorted(
-        (s for s in memory.saved if s.regatherable and s.bytes > 0),
-        key=lambda s: (cost_of(s) / s.bytes, s.name),
-    )
-    chosen: list[SavedValue] = []
-    freed = 0.0
-    for s in options:
-        if freed >= excess:
-            break
-        chosen.append(s)
-        freed += s.bytes
-    if freed < excess:
-        return None
-    for s in sorted(chosen, key=lambda s: (-cost_of(s), s.name)):
-        if freed - s.bytes >= excess:
-            chosen.remove(s)
-            freed -= s.bytes
-    return tuple(sorted(s.name for s in chosen))

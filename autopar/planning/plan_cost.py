@@ -60,7 +60,8 @@ def plan_cost_parts(
     facts: GraphFacts | None = None,
     once: bool = False,
 ) -> tuple[float, float]:
-    """(communication, compute) of a plan; for a SearchPlan, with its regathers' collectives.
+    """(communication, compute) of a plan; for a SearchPlan, with its regathers' collectives and
+    its recomputed ops (their collectives counted as compute time: `RecomputeModel` prices both).
     `facts`: `GraphFacts.of(gm)`, when pricing many plans of the same graph. The search's
     objective prices every edge; `once` prices each (value, wanted layout) once, as insert_comm
     emits it (consumers that want the same layout of a value share one redistribution, a weight
@@ -90,4 +91,7 @@ def plan_cost_parts(
             comm += cost.redistribute(layouts[src_name][0], wanted)
     for name in getattr(plan, "regather", ()):
         comm += cost.gather_from_storage(layouts[name][0])
+    savings = getattr(plan, "savings", None)
+    if savings is not None:  # ops run again in backward (`planning.recompute`)
+        compute += savings.recompute_seconds
     return comm, compute

@@ -39,8 +39,15 @@ from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.cost.formulas import MemoryBreakdown, format_bytes
 from autopar.planning.greedy import axis_roles, greedy_plan
-from autopar.planning.memory import MEMORY_HEADROOM, PlanMemory, choose_regather, plan_memory
+from autopar.planning.memory import MEMORY_HEADROOM, PlanMemory, plan_memory
 from autopar.planning.plan_cost import GraphFacts, plan_cost, plan_cost_parts
+from autopar.planning.recompute import (
+    RecomputeModel,
+    Savings,
+    choose_savings,
+    compute_seconds,
+    has_checkpoint_regions,
+)
 from autopar.planning.search_cost import ElementCost, TimeCost, even_factor, even_steps
 from autopar.planning.search_problem import Problem, Shared, regather_cost
 from autopar.planning.search_seeds import fixed_seeds
@@ -72,9 +79,12 @@ PRICE_STALL = 3  # stop raising the price once this many raises left the plan un
 @dataclass
 class SearchPlan(Plan):
     """A Plan with the search's memory decision: forward values (gathered weights) that backward
-    gathers again instead of keeping, and the modeled memory per rank."""
+    gathers again instead of keeping, forward ops backward computes again (`planning.recompute`),
+    and the modeled memory per rank."""
 
     regather: tuple[str, ...] = ()
+    recompute: tuple[str, ...] = ()
+    savings: Savings | None = None
     memory: MemoryBreakdown | None = None
 
 
@@ -87,7 +97,7 @@ class SearchReport:
     chosen_seed: str = ""  # the seed whose chain moves gave the plan (see `_starts`)
     chosen_roles: tuple[str, ...] = ()
     seed_cost: float = 0.0
-    final_cost: float = 0.0  # includes the regathers' collectives
+    final_cost: float = 0.0  # includes the regathers' collectives and the recomputed ops
     sweeps: int = 0
     variables: int = 0
     chains: int = 0
@@ -98,25 +108,33 @@ class SearchReport:
     memory: float = 0.0  # bytes per rank of the chosen plan
     prices: list[float] = field(default_factory=list)  # memory prices tried (cost per byte)
     regathered: tuple[str, ...] = ()  # weight chains gathered again in backward
+    recomputed: tuple[str, ...] = ()  # units recomputed in backward ("op:..", "block:..", "region:..")
 
 
 @dataclass
 class _Fitted:
     plan: Plan
-    regather: tuple[str, ...]
+    savings: Savings
     memory: PlanMemory | None  # None: not computed (no limit to check)
     cost: float
 
     @property
+    def regather(self) -> tuple[str, ...]:
+        return self.savings.regather
+
+    @property
     def bytes(self) -> float:
-        return self.memory.breakdown(self.regather).total if self.memory is not None else 0.0
+        return self.memory.with_activations(self.savings.activation_bytes).total if self.memory is not None else 0.0
 
     def search_plan(self, gm: fx.GraphModule, mesh: Mesh) -> SearchPlan:
         memory = self.memory if self.memory is not None else plan_memory(gm, self.plan, mesh.shape)
+        activations = self.savings.activation_bytes if self.memory is not None else memory.activation_bytes()
         return SearchPlan(
             **{f.name: getattr(self.plan, f.name) for f in fields(Plan)},
-            regather=self.regather,
-            memory=memory.breakdown(self.regather),
+            regather=self.savings.regather,
+            recompute=self.savings.recompute,
+            savings=self.savings,
+            memory=memory.with_activations(activations),
         )
 
 
@@ -155,6 +173,7 @@ def search_layouts(
     report.final_cost = best.cost
     report.memory = final.memory.total if final.memory is not None else 0.0
     report.regathered = best.regather
+    report.recomputed = best.savings.units
     report.solves = sum(r.problem.tally.solves for r in runs)
     report.memo_hits = sum(r.problem.tally.memo_hits for r in runs)
     report.distinct_chains = problem.tally.distinct_chains
@@ -163,7 +182,7 @@ def search_layouts(
         f"{len(best.regather)} gathered weights gathered again in backward"
         if math.isfinite(limit)
         else ""
-    )
+    ) + _recompute_note(best.savings)
     final.notes["__search__"] = (
         f"search: seed {report.seed_cost:.4g} -> {best.cost:.4g} in {report.sweeps} sweeps over "
         f"{report.variables} ops in {report.chains} chains ({report.distinct_chains} distinct) from "
@@ -177,7 +196,8 @@ def fit_memory(
     gm: fx.GraphModule, plan: Plan, mesh: Mesh, cost: ElementCost, memory_limit: float | None = None
 ) -> SearchPlan:
     """A fixed plan (the greedy one) under a memory limit: its layouts, with the cheapest backward
-    regathers that make it fit; `MemoryLimitError` if regathering every weight chain is not enough."""
+    regathers and recomputations that make it fit (the user's checkpoint regions recomputed in any
+    case); `MemoryLimitError` if all of them together are not enough."""
     limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
     fitted = _fit(gm, plan, mesh, cost, limit)
     if fitted is None:
@@ -289,7 +309,7 @@ def _from_seed(
     if first is not seed:
         options.insert(0, _fit(gm, first, mesh, cost, limit, facts=facts))
     lean = None
-    if (options[0] is None or options[0].regather) and math.isfinite(limit):
+    if (options[0] is None or options[0].savings.traded) and math.isfinite(limit):
         priced, lean = _price_memory(gm, mesh, cost, facts, limit, problem, max_sweeps, materialize, report)
         options += priced
     return _Run(name, seed, problem, sweeps, [o for o in options if o is not None], first, lean)
@@ -345,17 +365,37 @@ def _fit(
     facts: GraphFacts | None = None,
     known: float | None = None,
 ) -> _Fitted | None:
-    """`plan` with the cheapest regathers that bring it under `limit`, or None if none do
-    (`known`: the plan's `plan_cost`, if already worked out)."""
+    """`plan` with the cheapest regathers and recomputations that bring it under `limit` (the
+    user's checkpoint regions always recomputed), or None if none do (`known`: the plan's
+    `plan_cost`, if already worked out)."""
     value = known if known is not None else plan_cost(gm, plan, mesh, cost, facts)
-    if not math.isfinite(limit):
-        return _Fitted(plan, (), None, value)
+    regions = has_checkpoint_regions(gm)
+    if not math.isfinite(limit) and not regions:
+        return _Fitted(plan, Savings(), None, value)
     memory = memory if memory is not None else plan_memory(gm, plan, mesh.shape)
-    regather = choose_regather(memory, limit, lambda s: regather_cost(s, cost))
-    if regather is None:
+    if memory.breakdown().total <= limit and not regions:
+        plain = memory.activation_bytes()
+        return _Fitted(plan, Savings(activation_bytes=plain, activation_bytes_before=plain), memory, value)
+    model = RecomputeModel(gm, plan, mesh.shape, compute_seconds(cost, mesh.shape, plan), cost.redistribute)
+    savings = choose_savings(
+        model,
+        lambda activations: memory.with_activations(activations).total,
+        limit,
+        [s for s in memory.saved if s.regatherable and s.bytes > 0],
+        lambda s: regather_cost(s, cost),
+    )
+    if savings is None:
         return None
-    extra = sum(regather_cost(s, cost) for s in memory.saved if s.name in regather)
-    return _Fitted(plan, regather, memory, value + extra)
+    return _Fitted(plan, savings, memory, value + savings.seconds)
+
+
+def _recompute_note(savings: Savings) -> str:
+    if not savings.recompute:
+        return ""
+    return (
+        f"; {len(savings.recompute)} ops recomputed in backward ({len(savings.units)} units), saved "
+        f"activations {format_bytes(savings.activation_bytes_before)} -> {format_bytes(savings.activation_bytes)}"
+    )
 
 
 def _price_memory(

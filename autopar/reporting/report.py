@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from autopar.core.collectives import bucket_members
@@ -31,6 +32,27 @@ class CollectiveRecord:
     bucket: str = ""  # the merged collective that carries it, when bucketing folded it into one
 
 
+@dataclass(frozen=True)
+class SavedActivations:
+    """What the forward hands the backward, per rank: modeled with nothing recomputed or gathered
+    again, and in this program, with what the plan recomputes in backward."""
+
+    before: float | None  # bytes, modeled before any recomputation (None: the plan did not model it)
+    after: float  # bytes of the emitted forward's saved outputs
+    recomputed: tuple[str, ...] = ()  # units: "region:<path>" (the user's), "block:<path>", "op:<node>"
+    copied_ops: int = 0  # forward ops copied into backward
+
+    def __str__(self) -> str:
+        before = f"{format_bytes(self.before)} -> " if self.before is not None else ""
+        line = f"saved activations per rank: {before}{format_bytes(self.after)}"
+        if not self.recomputed:
+            return line
+        kinds = Counter(unit.split(":", 1)[0] for unit in self.recomputed)
+        shown = ", ".join(self.recomputed[:6]) + (", ..." if len(self.recomputed) > 6 else "")
+        counts = ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in sorted(kinds.items()))
+        return f"{line}; recomputed in backward: {counts} ({self.copied_ops} ops): {shown}"
+
+
 @dataclass
 class PlanReport:
     mesh: str
@@ -42,6 +64,7 @@ class PlanReport:
     replicated_parts: list[str] = field(default_factory=list)
     collectives: list[CollectiveRecord] = field(default_factory=list)
     schedule: Any = None
+    activations: SavedActivations | None = None
 
     @property
     def param_fraction(self) -> float:
@@ -76,6 +99,8 @@ class PlanReport:
         for key in sorted(counts):
             phase, kind, axis = key
             lines.append(f"  {phase:<9} {kind:<15} {axis:<5} {counts[key]:>5} {volume[key] / 1e3:>10.1f}")
+        if self.activations is not None and (self.activations.after or self.activations.recomputed):
+            lines.append(str(self.activations))
         if self.schedule is not None:
             s = self.schedule
             lines.append(
@@ -130,10 +155,18 @@ def _record(
 
 
 def build_report(
-    program: Any, mesh: Mesh, schedule: Any = None, graph_mesh: Mesh | None = None
+    program: Any,
+    mesh: Mesh,
+    schedule: Any = None,
+    graph_mesh: Mesh | None = None,
+    *,
+    saved_before: float | None = None,
+    recomputed: tuple[str, ...] = (),
+    copied_ops: int = 0,
 ) -> PlanReport:
     """`graph_mesh`: the mesh the program's collectives are laid out on, when it has more axes than
-    the device mesh (over-decomposition's in-process chunk axis)."""
+    the device mesh (over-decomposition's in-process chunk axis). `saved_before`, `recomputed`,
+    `copied_ops`: the plan's activation memory before recomputation and what it recomputes."""
     local = sum(lay.local_bytes(mesh.shape) for lay in program.param_layouts)
     total = sum(lay.local_bytes([1] * mesh.ndim) for lay in program.param_layouts)
     replicated = [
@@ -150,4 +183,19 @@ def build_report(
         replicated_parts=[name for name in replicated if name in program.param_parts],
         collectives=collect([program.forward, program.backward], graph_mesh or mesh),
         schedule=schedule,
+        activations=SavedActivations(saved_before, _saved_bytes(program), recomputed, copied_ops),
     )
+
+
+def _saved_bytes(program: Any) -> float:
+    """Bytes of the tensors the forward program hands the backward (its outputs past the user's),
+    parameters and inputs aside (those are stored anyway)."""
+    output = next(n for n in program.forward.graph.nodes if n.op == "output")
+    total = 0.0
+    for node in list(output.args[0])[len(program.output_layouts) :]:
+        if not isinstance(node, fx.Node) or node.op == "placeholder":
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            total += val.numel() * val.element_size()
+    return total
