@@ -18,12 +18,13 @@ from pass_fixtures import assert_call_matches_serial
 from torch.utils.checkpoint import checkpoint
 
 import autopar
-from autopar.compiler.driver import Compiled
+from autopar.compiler.driver import Compiled, compile_for_rank
 from autopar.core.meta import has_info, info, is_backward
 from autopar.passes.trace import trace
 from autopar.planning.greedy import choose_layouts
 from autopar.planning.memory import plan_memory
 from autopar.planning.recompute import RecomputeModel, compute_seconds
+from autopar.planning.search import fit_memory
 from autopar.planning.search_cost import ElementCost
 from autopar.rules.registry import default_registry
 from examples.models import GPT, make_gpt
@@ -68,12 +69,20 @@ def test_the_planner_counts_saved_bytes_as_plan_memory_does() -> None:
     assert recompute.total_bytes(blocks[0].nodes) == pytest.approx(recompute.total_bytes() - freed)
     selective = [u for u in recompute.units if u.name.startswith("op:")]
     assert selective and all(len(u.nodes) == 1 for u in selective)
+    # the greedy planner under a limit keeps its layouts and recomputes to fit
+    memory = plan_memory(gm, plan, SHAPE)
+    limit = memory.breakdown().total - 0.5 * memory.activation_bytes()
+    fitted = fit_memory(gm, plan, mesh, cost, limit)
+    assert fitted.recompute and fitted.layouts == plan.layouts
+    assert fitted.memory is not None and fitted.memory.total <= limit
+    assert fitted.savings is not None and fitted.memory.activations == fitted.savings.activation_bytes
 
 
-@pytest.mark.parametrize("planner", ["greedy", "search"])
-def test_a_memory_limit_recomputes_and_matches_serial(planner: str) -> None:
+def test_a_memory_limit_recomputes_and_matches_serial() -> None:
+    planner = "search"
     model, batch = make_gpt(0)
-    free = assert_call_matches_serial(model, SHAPE, batch, planner=planner, memory_limit=math.inf)[(0, 0)]
+    mesh = autopar.Mesh.from_shape(SHAPE)
+    free = compile_for_rank(model, mesh, batch, coords=(0, 0), planner=planner, memory_limit=math.inf)
     saved = _saved_bytes(free)
     limit = 4 * free.report.param_bytes_local + 0.5 * saved  # params, grads, AdamW's two states
     compiled = assert_call_matches_serial(model, SHAPE, batch, planner=planner, memory_limit=limit)
@@ -99,7 +108,7 @@ def test_torch_checkpoint_regions_are_recomputed_and_their_outputs_kept() -> Non
     assert regions == {None, "blocks.0", "blocks.1"}
     assert all(not is_backward(n) for n in gm.graph.nodes if has_info(n) and info(n).checkpoint)
 
-    plain = assert_call_matches_serial(model, SHAPE, batch)[(0, 0)]
+    plain = compile_for_rank(model, autopar.Mesh.from_shape(SHAPE), batch, coords=(0, 0))
     compiled = assert_call_matches_serial(checkpointed, SHAPE, batch)[(0, 0)]
     activations = compiled.report.activations
     assert activations is not None
