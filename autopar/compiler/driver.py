@@ -244,6 +244,12 @@ def check_options(
                 f"coords {coords} are not a rank of mesh {mesh}",
                 hint=f"give one coordinate per axis, each in 0..size-1 of mesh shape {mesh.shape}",
             )
+    if "pp" in mesh.axis_names and mesh.shape[mesh.axis_names.index("pp")] > 1:
+        raise UsageError(
+            "the mesh has a pipeline axis \"pp\", which parallelize does not run yet (docs/pipeline.md: "
+            "schedules and stage cuts exist, the pipeline runtime does not)",
+            hint="name the axis otherwise to use it as a tensor or data axis, or leave it out of the mesh",
+        )
     for name, value, least in (("memory_limit", memory_limit, 1), ("in_flight_bytes", in_flight_bytes, 0)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= least):
             raise UsageError(
