@@ -23,6 +23,7 @@ from autopar.compiler import driver
 from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh
 from autopar.compiler.driver import compile_for_rank, example_tuple, graph_fingerprint, structure_copy
 from autopar.compiler.fixed import compare_fixed
+from autopar.compiler.pipeline import PipelinedModule, pipeline_parallelize
 from autopar.compiler.pricing import Compared, PlanResult, price
 from autopar.core.errors import AutoparError, InputMismatchError, MeshError, UsageError
 from autopar.core.mesh import Mesh
@@ -49,7 +50,7 @@ def parallelize(
     dump_dir: str | os.PathLike[str] | None = None,
     registry: RuleRegistry | None = None,
     planner: str = "search",
-    schedule: bool = True,
+    schedule: bool | str = True,
     mesh_shape: str | None = None,
     hardware: str | None = None,
     memory_limit: float | None = None,
@@ -62,8 +63,17 @@ def parallelize(
     inputs: str = GLOBAL,
     compile: bool = False,
     mp_policy: Any = None,
-) -> ParallelModule:
+    microbatches: int | None = None,
+    stage_boundaries: Sequence[str] | None = None,
+    virtual_stages: int = 1,
+) -> ParallelModule | PipelinedModule:
     """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
+
+    A mesh whose one axis is named "pp" is a pipeline (docs/pipeline.md): the model is cut into
+    stages by the cost model (or at `stage_boundaries`, the first module of each later stage),
+    `microbatches` is required, and `schedule` names the pipeline schedule ("1f1b" by default,
+    "gpipe", "interleaved-1f1b" with `virtual_stages` > 1). A "pp" axis beside tensor axes is not
+    run yet.
 
     `dump_dir` (or the AUTOPAR_DUMP_DIR environment variable) writes each stage's graph with its
     layouts, local shapes and collectives to `<dir>/rank<r>/`. `schedule=False` skips bucketing and
@@ -116,6 +126,15 @@ def parallelize(
     """
     _check_model(model)
     example_inputs = example_tuple(example_inputs, example_kwargs)
+    if isinstance(mesh, DeviceMesh) and "pp" in (mesh.mesh_dim_names or ()):
+        return _pipeline(model, mesh, example_inputs, example_kwargs, schedule, microbatches, stage_boundaries,
+                         virtual_stages, hardware)
+    if not isinstance(schedule, bool) or microbatches is not None:
+        raise UsageError(
+            f"schedule={schedule!r} / microbatches={microbatches!r} describe a pipeline, but the mesh has no "
+            "axis named \"pp\"",
+            hint='schedule=True/False turns collective scheduling on or off; for a pipeline use a ("pp",) mesh',
+        )
     # a DTensor example (another parallel module's output) stands for its global value, as in calls
     example_inputs, example_kwargs = pytree.tree_map_only(
         DTensor, lambda x: x.full_tensor(), (example_inputs, example_kwargs)
@@ -336,6 +355,52 @@ def _check_model(model: nn.Module) -> None:
             f"model must be an nn.Module, got {type(model).__name__}",
             hint="wrap a function in an nn.Module whose forward calls it",
         )
+
+
+def _pipeline(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    example_inputs: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None,
+    schedule: bool | str,
+    microbatches: int | None,
+    stage_boundaries: Sequence[str] | None,
+    virtual_stages: int,
+    hardware: str | None,
+) -> PipelinedModule:
+    """`parallelize` on a mesh with a "pp" axis: the pipeline runtime (`autopar.compiler.pipeline`)."""
+    if mesh.ndim != 1:
+        raise UsageError(
+            f"a pipeline axis \"pp\" beside other axes ({mesh.mesh_dim_names}) is not run yet",
+            hint='use a 1-D mesh_dim_names=("pp",) mesh for a pipeline, or a mesh without "pp" for tensor and '
+            "data parallelism",
+        )
+    if microbatches is None or isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise UsageError(
+            f"a pipeline needs microbatches= (a positive int), got {microbatches!r}",
+            hint="parallelize(model, mesh, example_inputs=..., microbatches=8)",
+        )
+    if example_kwargs:
+        raise UsageError(
+            "a pipeline takes positional inputs only (keyword inputs are not cut into microbatches yet)",
+            hint="pass the batch as example_inputs=(...) and call pmodel(*batch)",
+        )
+    name = "1f1b" if schedule is True else schedule
+    if not isinstance(name, str):
+        raise UsageError(
+            f"schedule={schedule!r} on a pipeline mesh: name the pipeline schedule",
+            hint='schedule="1f1b", "gpipe" or "interleaved-1f1b"',
+        )
+    return pipeline_parallelize(
+        model,
+        mesh,
+        example_inputs,
+        microbatches=microbatches,
+        schedule=name,
+        stage_boundaries=stage_boundaries,
+        virtual_stages=virtual_stages,
+        hardware=hardware or "h100-nvlink-ib",
+    )
 
 
 def plan(

@@ -89,6 +89,7 @@ IN_PROCESS: list[tuple[str, Callable[[], Any], type, str]] = [
     ("world-size-zero", lambda: autopar.plan(MLP, "auto", BATCH, world_size=0), MeshError, "world size must be >= 1, got 0"),
     ("mesh-names-repeat", lambda: Mesh(("x", "x"), (2, 2)), MeshError, "mesh axis names repeat"),
     ("mesh-pipeline-axis", lambda: _compile(mesh=Mesh(("pp", "x"), (2, 2)), coords=(0, 0)), UsageError, 'pipeline axis "pp"'),
+    ("schedule-name-without-pp", lambda: autopar.parallelize(MLP, 2, example_inputs=BATCH, schedule="1f1b"), UsageError, 'no axis named "pp"'),
     ("hardware-unknown", lambda: autopar.plan(MLP, (2,), BATCH, hardware="nope"), UnknownHardwareError, "'nope'"),
     ("hardware-path", lambda: autopar.plan(MLP, (2,), BATCH, hardware="/no/such.json"), UnknownHardwareError, "/no/such.json"),
     ("inputs-none", lambda: _compile(inputs=None), UsageError, "example_inputs must be a tuple"),

@@ -246,8 +246,8 @@ def check_options(
             )
     if "pp" in mesh.axis_names and mesh.shape[mesh.axis_names.index("pp")] > 1:
         raise UsageError(
-            "the mesh has a pipeline axis \"pp\", which parallelize does not run yet (docs/pipeline.md: "
-            "schedules and stage cuts exist, the pipeline runtime does not)",
+            "the mesh has a pipeline axis \"pp\": compile_for_rank plans tensor and data axes only; a "
+            "pipeline runs through parallelize on a 1-D (\"pp\",) mesh (docs/pipeline.md)",
             hint="name the axis otherwise to use it as a tensor or data axis, or leave it out of the mesh",
         )
     for name, value, least in (("memory_limit", memory_limit, 1), ("in_flight_bytes", in_flight_bytes, 0)):

@@ -1,0 +1,311 @@
+"""Runs one training step of a pipeline schedule on this rank: the action list of
+`autopar.core.pipeline_schedule` executed over the `pp` process group (docs/pipeline.md#runtime-pipeline-axis-alone).
+
+The stages are plain callables (`StageRunner`); the backward is autograd's, from each stage's kept
+(inputs, outputs) per microbatch. Messages are tagged by (direction, stage, microbatch, tensor), so
+two ranks may read each other's messages in any order (gloo matches a receive to the send with its
+tag); sends are `isend`s waited at the end of the step, receives are waited where the list puts
+them, which are the simulator's semantics (`autopar.core.pipeline_simulate`). Adjacent stages on
+one rank pass their values locally, without a message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from autopar.core.errors import AutoparError
+from autopar.core.pipeline_schedule import Action, ActionKind, Schedule
+
+
+class PipelineRuntimeError(AutoparError):
+    """The pipeline runtime cannot run this step (a schedule it does not run, a broken message)."""
+
+
+class UnsupportedScheduleError(PipelineRuntimeError, NotImplementedError):
+    """A schedule the runtime does not run yet (zero-bubble needs each backward split in two)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a tensor crossing a stage boundary (what a receive's buffer is made of)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def differentiable(self) -> bool:
+        """Whether a gradient comes back for it (floating point and complex tensors only)."""
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+
+@dataclass
+class StageRunner:
+    """One stage held by this rank, as the runtime calls it.
+
+    `forward(m, received)` runs the stage on microbatch m, given the tensors that crossed the
+    boundary into it (empty for the first stage), and returns what crosses the next boundary (the
+    last stage: a 1-tuple, its microbatch's loss term). `params` are the trainable tensors it reads;
+    `input_specs(m)` / `output_specs(m)` the boundary tensors of microbatch m (they differ when the
+    microbatches do)."""
+
+    index: int
+    forward: Callable[[int, Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+    params: tuple[torch.Tensor, ...]
+    input_specs: Callable[[int], tuple[TensorSpec, ...]]
+    output_specs: Callable[[int], tuple[TensorSpec, ...]]
+
+
+@dataclass
+class StepResult:
+    """What one step leaves on this rank: `loss` is the sum of the last stage's microbatch loss
+    terms (on the rank that holds the last stage, else None); `grads[s]` the gradients of stage s's
+    `params`, summed over microbatches (None where a parameter got none, or in a forward-only step)."""
+
+    loss: torch.Tensor | None
+    grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+
+
+_DIRECTIONS = {ActionKind.SEND_F: 0, ActionKind.RECV_F: 0, ActionKind.SEND_B: 1, ActionKind.RECV_B: 1}
+
+
+def check_supported(schedule: Schedule) -> None:
+    """Refuse schedules this runtime does not run, before any work or message."""
+    if schedule.split_backward:
+        raise UnsupportedScheduleError(
+            f"the pipeline runtime does not run the {schedule.name!r} schedule yet: it splits every "
+            "backward into an input-gradient and a weight-gradient half (zero-bubble), which needs "
+            "each stage's backward emitted as two programs",
+            hint='use schedule="1f1b", "gpipe" or "interleaved-1f1b"',
+        )
+
+
+def message_tag(kind: ActionKind, stage: int, microbatch: int, index: int, schedule: Schedule) -> int:
+    """The tag of tensor `index` of one message: unique per (direction, sending stage, microbatch,
+    tensor) within a step, and computed alike by both ends from the schedule alone. A SEND_F of
+    stage s and the RECV_F of s+1 name the same message (sender s), as do SEND_B of s and RECV_B of
+    s-1 (sender s)."""
+    sender = stage
+    if kind == ActionKind.RECV_F:
+        sender = stage - 1
+    elif kind == ActionKind.RECV_B:
+        sender = stage + 1
+    per_tensor = 2 * schedule.num_stages * schedule.microbatches
+    return (
+        index * per_tensor
+        + (_DIRECTIONS[kind] * schedule.num_stages + sender) * schedule.microbatches
+        + microbatch
+    )
+
+
+class _Step:
+    """The state of one step on one rank: kept activations, pending messages, local passes."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        stages: Mapping[int, StageRunner],
+        group: dist.ProcessGroup | None,
+        loss_scale: float,
+        forward_only: bool,
+        device: torch.device,
+    ) -> None:
+        self.schedule = schedule
+        self.device = device
+        self.rank = rank
+        self.stages = stages
+        self.group = group
+        self.loss_scale = loss_scale
+        self.forward_only = forward_only
+        self.last = schedule.num_stages - 1
+        self.inputs: dict[tuple[int, int], list[torch.Tensor]] = {}  # received, by (stage, mb)
+        self.kept: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.out_grads: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradients of a stage's outputs
+        self.in_grads: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradients of a stage's inputs
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # the tensor stays alive until waited
+        self.loss: torch.Tensor | None = None
+        self.grads: dict[int, list[torch.Tensor | None]] = {
+            s: [None] * len(st.params) for s, st in stages.items()
+        }
+        # A global rank per pp rank: isend / irecv name global ranks.
+        self.global_rank = [
+            dist.get_global_rank(group, r) if group is not None else r for r in range(schedule.pp)
+        ]
+
+    def run(self, actions: Sequence[Action]) -> StepResult:
+        try:
+            for action in actions:
+                self.do(action)
+        finally:
+            for work, _ in self.sends:
+                work.wait()
+        return StepResult(self.loss, {} if self.forward_only else self.grads)
+
+    def do(self, a: Action) -> None:
+        kind = a.kind
+        if kind == ActionKind.FORWARD:
+            self.forward(a.stage, a.microbatch)
+        elif kind == ActionKind.BACKWARD:
+            self.backward(a.stage, a.microbatch)
+        elif kind == ActionKind.SEND_F:
+            self.send(a, self.kept[(a.stage, a.microbatch)][1])
+        elif kind == ActionKind.SEND_B:
+            self.send(a, self.in_grads.pop((a.stage, a.microbatch)))
+        elif kind == ActionKind.RECV_F:
+            specs = self.stages[a.stage].input_specs(a.microbatch)
+            self.inputs[(a.stage, a.microbatch)] = self.recv(a, specs)
+        elif kind == ActionKind.RECV_B:
+            specs = tuple(s for s in self.stages[a.stage].output_specs(a.microbatch) if s.differentiable)
+            self.out_grads[(a.stage, a.microbatch)] = self.recv(a, specs)
+        else:
+            raise UnsupportedScheduleError(f"the pipeline runtime does not run {kind.name} actions ({a})")
+
+    def send(self, a: Action, tensors: Sequence[torch.Tensor]) -> None:
+        assert a.peer is not None
+        for i, t in enumerate(tensors):
+            tag = message_tag(a.kind, a.stage, a.microbatch, i, self.schedule)
+            data = t.detach().contiguous()
+            work = dist.isend(data, self.global_rank[a.peer], group=self.group, tag=tag)
+            if work is not None:
+                self.sends.append((work, data))
+
+    def recv(self, a: Action, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+        assert a.peer is not None
+        out = []
+        for i, spec in enumerate(specs):
+            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            tag = message_tag(a.kind, a.stage, a.microbatch, i, self.schedule)
+            work = dist.irecv(buf, self.global_rank[a.peer], group=self.group, tag=tag)
+            if work is not None:
+                work.wait()
+            out.append(buf)
+        return out
+
+    def forward(self, stage: int, m: int) -> None:
+        runner = self.stages[stage]
+        if stage == 0:
+            received: list[torch.Tensor] = []
+        elif (stage, m) in self.inputs:
+            received = self.inputs.pop((stage, m))
+        else:  # the previous stage is on this rank: its outputs, cut from its graph
+            received = [t.detach() for t in self.kept[(stage - 1, m)][1]]
+        if not self.forward_only:
+            received = [t.requires_grad_(True) if _differentiable(t) else t for t in received]
+        outputs = list(runner.forward(m, received))
+        if stage == self.last:
+            (term,) = outputs
+            value = term.detach()
+            self.loss = value.clone() if self.loss is None else self.loss + value
+        if self.forward_only:
+            if stage != self.last:
+                self.kept[(stage, m)] = ([], outputs)
+            return
+        self.kept[(stage, m)] = (received, outputs)
+
+    def backward(self, stage: int, m: int) -> None:
+        runner = self.stages[stage]
+        received, outputs = self.kept.pop((stage, m))
+        if stage == self.last:
+            grads_out = [torch.full_like(outputs[0], self.loss_scale)]
+        elif (stage, m) in self.out_grads:
+            grads_out = self.out_grads.pop((stage, m))
+        else:  # the next stage is on this rank
+            grads_out = self.in_grads.pop((stage + 1, m))
+        diff_outputs = [t for t in outputs if _differentiable(t)] if stage != self.last else outputs
+        pairs = [(o, g) for o, g in zip(diff_outputs, grads_out, strict=True) if o.requires_grad]
+        wrt = [p for p in runner.params] + [t for t in received if _differentiable(t)]
+        found: tuple[torch.Tensor | None, ...]
+        if pairs and wrt:
+            found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        else:
+            found = tuple(None for _ in wrt)
+        n = len(runner.params)
+        acc = self.grads[stage]
+        for i, g in enumerate(found[:n]):
+            if g is not None:
+                before = acc[i]
+                acc[i] = g if before is None else before + g
+        if stage > 0:
+            inputs = [t for t in received if _differentiable(t)]
+            self.in_grads[(stage, m)] = [
+                torch.zeros_like(t) if g is None else g for t, g in zip(inputs, found[n:], strict=True)
+            ]
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+def run_step(
+    schedule: Schedule,
+    rank: int,
+    stages: Mapping[int, StageRunner],
+    group: dist.ProcessGroup | None,
+    *,
+    loss_scale: float,
+    forward_only: bool = False,
+    device: torch.device | str = "cpu",
+) -> StepResult:
+    """Run rank `rank`'s action list of `schedule` once: every forward and backward of the step.
+
+    `stages` are this rank's stages by index; `group` the pp process group (its rank r is pipeline
+    rank r). Each microbatch's backward starts from `loss_scale` as the gradient of its loss term,
+    so the step's gradients are those of `loss_scale * sum of terms`. `forward_only` runs the
+    forwards and their messages only (no autograd graph is kept). Receive buffers are made on
+    `device` (the mesh's)."""
+    check_supported(schedule)
+    missing = sorted(set(schedule.placement.stages_of(rank)) - set(stages))
+    if missing:
+        raise PipelineRuntimeError(
+            f"rank {rank} runs stages {missing} of the schedule but was not given them"
+        )
+    actions = schedule.actions[rank]
+    if forward_only:
+        keep = {ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F}
+        actions = tuple(a for a in actions if a.kind in keep)
+    step = _Step(schedule, rank, stages, group, loss_scale, forward_only, torch.device(device))
+    if forward_only:
+        with torch.no_grad():
+            return step.run(actions)
+    with torch.enable_grad():
+        return step.run(actions)
+
+
+def broadcast_loss(
+    loss: torch.Tensor | None,
+    src: int,
+    group: dist.ProcessGroup | None,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """The loss from pipeline rank `src` (the last stage's) on every rank of `group`, as a 0-d tensor."""
+    buf = (
+        torch.zeros((), dtype=dtype, device=device)
+        if loss is None
+        else loss.detach().reshape(()).to(dtype).clone()
+    )
+    if group is None or dist.get_world_size(group) == 1:
+        return buf
+    dist.broadcast(buf, src=dist.get_global_rank(group, src), group=group)
+    return buf
+
+
+def sum_shared_grads(
+    shared: Sequence[tuple[torch.Size, torch.dtype, torch.Tensor | None]],
+    group: dist.ProcessGroup | None,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """Sum the gradient copies of parameters held by several stages (a tied embedding and head)
+    over the pp group. Every rank passes every shared parameter in the same order: its gradient
+    where it holds one, else None (it adds zeros). One all-reduce per parameter."""
+    out = []
+    for shape, dtype, grad in shared:
+        buf = torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad.detach().clone()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(buf, group=group)
+        out.append(buf)
+    return out

@@ -1,0 +1,245 @@
+"""The pipeline axis alone (autopar.compiler.pipeline): loss, every gradient and the parameters after
+two SGD-with-momentum steps equal the serial model's, on real gloo ranks; the loss weights and the
+schedules the runtime refuses, in process. See docs/pipeline.md#runtime-pipeline-axis-alone."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from multirank import run_ranks, train_side_by_side
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from autopar.compiler.pipeline import pipeline_parallelize, split_microbatches
+from autopar.compiler.pipeline_split import PipelineLossError, loss_weights, split_stages
+from autopar.core.pipeline_schedule import ActionKind, schedule_by_name
+from autopar.runtime.pipeline_runtime import UnsupportedScheduleError, check_supported, message_tag
+from examples.models import make_gpt, make_mlp
+
+TOL = {"rtol": 1e-4, "atol": 1e-6}
+
+
+def _gpt(n_layer: int, batch: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """A GPT (tied embedding and head) whose targets ignore some tokens, unevenly: part of sample
+    0, all of sample 5 (a microbatch of its own when M = 6 on 8 samples: its count is 0)."""
+    model, (idx, targets) = make_gpt(0, batch_size=batch, n_layer=n_layer)
+    targets = targets.clone()
+    targets[0, :5] = -100
+    targets[5, :] = -100
+    targets[2, 3] = -100
+    return model, (idx, targets)
+
+
+class SkipNet(torch.nn.Module):
+    """A value made by the first stage and read by the last (it passes through the stages between)
+    and a mask made from the input alone, read by every layer (each stage computes it itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mask = (x.sum(-1, keepdim=True) > 0).float()
+        h0 = self.inp(x)
+        h = h0
+        for layer in self.layers:
+            h = torch.tanh(layer(h)) * mask + h
+        return F.mse_loss(self.head(h + h0), y)
+
+
+def _model(case: dict[str, Any]) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    if case.get("model") == "skip":
+        torch.manual_seed(0)
+        return SkipNet(), (torch.randn(8, 8), torch.randn(8, 4))
+    return _gpt(case["layers"], 8)
+
+
+def _compare(rank: int, world: int, case: dict[str, Any]) -> list[str]:
+    """One configuration against serial: 2 steps, losses, last gradients, parameters."""
+    model, batch = _model(case)
+    serial = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    pmodel = autopar.parallelize(  # the public entry: a ("pp",) mesh is a pipeline
+        model,
+        mesh,
+        example_inputs=batch,
+        microbatches=case["M"],
+        schedule=case.get("schedule", "1f1b"),
+        stage_boundaries=case.get("boundaries"),
+        virtual_stages=case.get("v", 1),
+    )
+    if case.get("boundaries") is None:  # the cost model's cut, the same on every rank
+        assert pmodel.stage_cut is not None and pmodel.boundaries == pmodel.stage_cut.boundaries
+    losses = train_side_by_side([(pmodel, batch), (serial, batch)], steps=2)
+    assert len(set(pmodel.stages)) == pmodel.schedule.v
+    for step in range(2):
+        torch.testing.assert_close(losses[2 * step], losses[2 * step + 1], **TOL)
+    ref = dict(serial.named_parameters())
+    names = []
+    for name, p in pmodel.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=f"{case} grad {name}")
+        torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL, msg=f"{case} param {name}")
+        names.append(name)
+    return names
+
+
+def _job(rank: int, world: int, cases: list[dict[str, Any]]) -> list[list[str]]:
+    return [_compare(rank, world, case) for case in cases]
+
+
+def _every_param_somewhere(results: list[list[list[str]]], cases: list[dict[str, Any]]) -> None:
+    for i, case in enumerate(cases):
+        held = {name for rank in results for name in rank[i]}
+        model, _ = _model(case)
+        assert held == {n for n, _ in model.named_parameters()}
+
+
+@pytest.mark.multirank
+def test_pp2_schedules_uneven_depth_and_chosen_cut() -> None:
+    """pp=2: 1F1B and GPipe on 3 layers (an uneven cut), interleaved 1F1B (4 stages on 2 ranks),
+    and the cut chosen by the cost model (no stage_boundaries)."""
+    cases = [
+        {"layers": 3, "M": 4, "schedule": "1f1b", "boundaries": ["blocks.2"]},
+        {"layers": 3, "M": 3, "schedule": "gpipe", "boundaries": ["blocks.1"]},
+        {
+            "layers": 4,
+            "M": 4,
+            "schedule": "interleaved-1f1b",
+            "v": 2,
+            "boundaries": ["blocks.1", "blocks.2", "blocks.3"],
+        },
+        {"layers": 4, "M": 2, "schedule": "1f1b"},
+    ]
+    results = run_ranks(2, _job, cases, timeout=240)
+    _every_param_somewhere(results, cases)
+    # GPT's tied embedding/head weight: on the first and the last stage's rank
+    assert all("wte.weight" in rank[0] for rank in results)
+
+
+@pytest.mark.multirank
+def test_pp4_microbatch_counts() -> None:
+    """pp=4 on a 4-layer GPT: M = pp, M = 6 (not a multiple: microbatches of 2 and 1 samples, one
+    with every target ignored) and M = 2 < pp; a model whose first stage's output skips to the last
+    stage, with a mask every stage recomputes from the input (mean-squared error)."""
+    bounds = ["blocks.1", "blocks.2", "blocks.3"]
+    cases: list[dict[str, Any]] = [{"layers": 4, "M": m, "boundaries": bounds} for m in (4, 6, 2)]
+    cases.append({"model": "skip", "M": 4, "boundaries": ["layers.0", "layers.1", "layers.2"]})
+    results = run_ranks(4, _job, cases, timeout=300)
+    _every_param_somewhere(results, cases)
+
+
+@pytest.mark.multirank
+def test_two_stages_on_one_rank_pass_locally() -> None:
+    """pp=1, v=2: adjacent stages on one rank hand activations and gradients over without a
+    message, and the tied weight's two uses add up on the rank."""
+    case = {"layers": 3, "M": 3, "schedule": "interleaved-1f1b", "v": 2, "boundaries": ["blocks.1"]}
+    (names,) = run_ranks(1, _job, [case], timeout=120)
+    _every_param_somewhere([names], [case])
+
+
+def _accumulate(rank: int, world: int) -> None:
+    """gloo matches a receive to the send with its tag (what the runtime's messages rely on);
+    gradient accumulation over two calls, a scaled loss, and a forward under no_grad."""
+    if rank == 0:
+        works = [dist.isend(torch.tensor([float(tag)]), 1, tag=tag) for tag in (5, 7)]
+        for work in works:
+            work.wait()
+    else:
+        got = {tag: torch.zeros(1) for tag in (7, 5)}
+        for tag, buf in got.items():  # the opposite order to the sends
+            dist.irecv(buf, 0, tag=tag).wait()
+        assert {tag: buf.item() for tag, buf in got.items()} == {7: 7.0, 5: 5.0}
+    model, batch = _gpt(2, 8)
+    serial = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    pmodel = pipeline_parallelize(model, mesh, batch, microbatches=2, stage_boundaries=["blocks.1"])
+    half = tuple(t[:4] for t in batch)
+    for module in (pmodel, serial):
+        (module(*batch) * 2).backward()
+        module(*half).backward()  # another microbatch shape: exported once more
+    ref = dict(serial.named_parameters())
+    for name, p in pmodel.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=name)
+    with torch.no_grad():
+        loss = pmodel(*batch)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, serial(*batch).detach(), **TOL)
+
+
+@pytest.mark.multirank
+def test_gradient_accumulation_scaling_and_no_grad() -> None:
+    run_ranks(2, _accumulate, timeout=180)
+
+
+def test_loss_weights_and_sum_rewrite() -> None:
+    """In process: per-microbatch counts of non-ignored targets, their weights, and the rewritten
+    (summed) loss terms that add up to the serial mean over microbatches of unequal counts."""
+    assert loss_weights([3, 0, 5]) == [3 / 8, 0.0, 5 / 8]
+    model, (x, y) = make_mlp(0, batch_size=6)
+    y = y.clone()
+    y[[0, 1, 2]] = -100  # microbatch 0 (samples 0-1): all ignored; microbatch 1: one of two
+    pieces = split_microbatches((x, y), 3)
+    terms, counts, means = [], [], []
+    for mb in pieces:
+        program = split_stages(model, list(mb), mb, [], 1)
+        counts.append(program.loss.count(list(mb)))
+        (stage,) = program.stages
+        params = [dict(model.named_parameters(remove_duplicate=False))[a] for a in stage.attrs]
+        args = [mb[v] if kind == "input" else params[stage.attrs.index(v)] for kind, v in stage.sources]
+        (term,) = stage.module(*args)
+        terms.append(term)
+        means.append(model(*mb))
+    assert counts == [0, 1, 2]
+    serial = model(x, y)
+    torch.testing.assert_close(sum(terms) / sum(counts), serial)
+    weighted = sum(w * m for w, m in zip(loss_weights(counts), means) if w)  # naive mean of means is wrong
+    torch.testing.assert_close(weighted, serial)
+    assert not torch.allclose(torch.stack(means[1:]).mean(), serial)
+
+
+def test_message_tags_match_and_are_unique() -> None:
+    """Both ends of every message compute its tag alike; no two messages of a step share one."""
+    for name, v, m in [("1f1b", 1, 5), ("interleaved-1f1b", 2, 3), ("gpipe", 1, 2)]:
+        schedule = schedule_by_name(name, 3, v, m)
+        sends: dict[tuple[int, int, int], int] = {}
+        recvs: dict[tuple[int, int, int], int] = {}
+        for actions in schedule.actions:
+            for a in actions:
+                for i in range(3):
+                    if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                        back = a.kind == ActionKind.SEND_B
+                        sends[(back, a.stage, a.microbatch, i)] = message_tag(
+                            a.kind, a.stage, a.microbatch, i, schedule
+                        )
+                    elif a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                        back = a.kind == ActionKind.RECV_B
+                        sender = a.stage + 1 if back else a.stage - 1
+                        recvs[(back, sender, a.microbatch, i)] = message_tag(
+                            a.kind, a.stage, a.microbatch, i, schedule
+                        )
+        assert sends == recvs and len(set(sends.values())) == len(sends)
+
+
+def test_refused_schedules_and_losses() -> None:
+    with pytest.raises(UnsupportedScheduleError, match="zero-bubble"):
+        check_supported(schedule_by_name("zero-bubble", 2, 1, 4))
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(self.fc(x), y, reduction="none")
+
+    x, y = torch.randn(4, 4), torch.randint(3, (4,))
+    with pytest.raises(PipelineLossError, match="not reduced"):
+        split_stages(Logits(), [x, y], (x, y), [], 1)
