@@ -16,7 +16,15 @@ from autopar.cost.calibrate import calibrate
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
-    calibrate(ranks=args.ranks, out=args.out, quick=args.quick, threads=args.threads)
+    groups = tuple(int(g) for g in args.groups.split(",")) if args.groups else ()
+    calibrate(
+        ranks=args.ranks,
+        out=args.out,
+        quick=args.quick,
+        threads=args.threads,
+        groups=groups,
+        busy_s=args.busy_ms / 1e3,
+    )
     return 0
 
 
@@ -34,6 +42,14 @@ def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
         "--threads", type=int, default=1, help="intra-op threads per device for the compute numbers"
     )
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds; for tests)")
+    p.add_argument(
+        "--groups",
+        help="time collectives as a job meets them: every rank busy, on subgroups of these sizes "
+        "(comma-separated, e.g. 2,4,8 with --ranks 8)",
+    )
+    p.add_argument(
+        "--busy-ms", type=float, default=2.0, help="with --groups: compute before each call (default 2 ms)"
+    )
     p.set_defaults(func=_run_calibrate)
 
 

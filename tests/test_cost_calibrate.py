@@ -9,7 +9,7 @@ import pytest
 
 from autopar.__main__ import build_parser, main
 from autopar.cost import Link, collective_time, load_hardware
-from autopar.cost.calibrate import Sample, fit_alpha_beta, fit_error
+from autopar.cost.calibrate import Sample, fit_alpha_beta, fit_error, measure_collectives
 
 
 def _synthetic(link: Link, group: int) -> list[Sample]:
@@ -58,3 +58,20 @@ def test_quick_calibration_writes_a_table(tmp_path: Path, capsys: pytest.Capture
     raw = json.loads(out.read_text())["calibration"]
     assert {row[0] for row in raw} == {"all_reduce", "all_gather"} and all(row[2] == 2 for row in raw)
     assert "measured" in hw.source["all"]
+
+
+def test_in_job_timing_measures_every_group_size_and_writes_how(tmp_path: Path) -> None:
+    """`--groups`: all ranks busy, each call on subgroups of each size; samples per group size, and
+    the table says how it was measured."""
+    samples = measure_collectives(4, sizes=(1, 64), repeats=2, groups=(2, 4), busy_s=0.0005)
+    assert [(s.kind, s.elements, s.group_size) for s in samples] == [
+        (kind, n * g if kind == "all_gather" else n, g)
+        for g in (2, 4)
+        for n in (1, 64)
+        for kind in ("all_reduce", "all_gather")
+    ]
+    assert all(s.seconds >= 0 for s in samples)
+    with pytest.raises(ValueError, match="do not divide"):
+        measure_collectives(4, sizes=(1,), groups=(3,))
+    args = build_parser().parse_args(["calibrate", "--ranks", "8", "--groups", "2,4,8", "--busy-ms", "3"])
+    assert (args.groups, args.busy_ms) == ("2,4,8", 3.0)

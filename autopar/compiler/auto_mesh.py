@@ -17,7 +17,7 @@ from autopar.core.errors import MeshError
 from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.passes import fused
 from autopar.passes.trace import trace
-from autopar.planning.mesh_choice import OVERLAP_CANDIDATES, MeshChoice, rank_meshes
+from autopar.planning.mesh_choice import OVERLAP_CANDIDATES, SEARCHED_CANDIDATES, MeshChoice, rank_meshes
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.runtime.agreement import decided_on_rank0
@@ -36,6 +36,7 @@ def choose_mesh(
     candidates: Sequence[tuple[tuple[int, ...], tuple[str, ...]]] | None = None,
     split_fused: bool | None = None,
     overlap_candidates: int = OVERLAP_CANDIDATES,
+    searched_candidates: int = SEARCHED_CANDIDATES,
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
 ) -> MeshChoice:
@@ -43,7 +44,9 @@ def choose_mesh(
     (`autopar.planning.mesh_choice.rank_meshes`, with `scheduled_step_time` for the overlap step).
 
     `overlap_candidates`: how many candidates at most are lowered and scheduled to rank them by
-    their modeled step with overlap (0: rank by the no-overlap sum alone).
+    their modeled step with overlap (0: rank by the no-overlap sum alone). `searched_candidates`:
+    how many candidates at most are searched when there are more, the best by a cheap plan each
+    (`autopar.planning.mesh_screen`; 0: search every one).
 
     Raises `MemoryLimitError` when no candidate fits (with the leanest candidate's need) and
     `ShardingError`-like `AutoparError`s when no candidate has a plan at all.
@@ -68,6 +71,7 @@ def choose_mesh(
         memory_limit=memory_limit,
         candidates=candidates,
         overlap_candidates=overlap_candidates,
+        searched=searched_candidates,
     )
 
 

@@ -8,6 +8,14 @@ which alpha (s per ring step) and bandwidth are fitted by least squares on relat
 
 Ranks are forked from this process, which has imported torch and torch.distributed already, so
 that starting them costs well under a second instead of an import of torch per rank.
+
+Timed back to back on idle ranks, a collective costs what the wire and gloo cost. In a training
+job each rank computes between its collectives, and with more ranks than cores a rank that reaches
+a collective waits until its peers are scheduled again: on 2 shared cores this put ~1.7 ms on every
+2-rank collective of an 8-rank job, ~5x the idle alpha. `groups` (e.g. 2, 4, 8 on 8 ranks) measures
+that regime: every rank of the job is busy, each in a subgroup of each size as a mesh axis is
+(consecutive ranks), and each call follows `busy_s` of compute; the compute's own time, measured
+alone under the same load, is taken off.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from autopar.cost.hardware import TABLES_DIR, Hardware, Link, hardware_from_dict
 
 DEFAULT_SIZES = tuple(4**k for k in range(12))  # 1 to 4 Mi elements (16 MiB fp32)
 QUICK_SIZES = (1, 64, 4096, 2**18, 2**20)  # a few sizes up to 4 MiB fp32: a clear bandwidth term
+JOB_SIZES = (1, 256, 4096, 2**16, 2**18, 2**20)  # in-job mode: 3 group sizes, every call after compute
 
 
 @dataclass(frozen=True)
@@ -91,35 +100,87 @@ def _iters_for(elements: int) -> int:
     return max(1, min(20, 2_000_000 // max(elements, 1)))
 
 
+def _all_gather_on(group: Any, out: torch.Tensor, x: torch.Tensor) -> None:
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    gather(out, x, group=group)
+
+
+def _busy_work(seconds: float) -> Callable[[], None]:
+    """A compute burst of about `seconds` on an idle core (repeated small matmuls)."""
+    if seconds <= 0:
+        return lambda: None
+    a = torch.randn(96, 96)
+    one = _best_seconds(functools.partial(torch.mm, a, a), 5)
+    reps = max(1, round(seconds / max(one, 1e-7)))
+
+    def work() -> None:
+        for _ in range(reps):
+            torch.mm(a, a)
+
+    return work
+
+
+def _my_group(rank: int, world: int, g: int) -> Any:
+    """This rank's subgroup of `g` consecutive ranks (every rank creates every subgroup, as
+    torch requires); the default group when g is the world."""
+    if g == world:
+        return None
+    mine = None
+    for start in range(0, world, g):
+        group = dist.new_group(list(range(start, start + g)))
+        if start <= rank < start + g:
+            mine = group
+    return mine
+
+
+def _timed(op: Callable[[], Any], work: Callable[[], None], iters: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        work()
+        op()
+    return (time.perf_counter() - t0) / iters
+
+
 def _rank_main(
-    rank: int, world: int, tmp: str, sizes: Sequence[int], repeats: int, conn: Connection, timeout: float
+    rank: int,
+    world: int,
+    tmp: str,
+    sizes: Sequence[int],
+    repeats: int,
+    conn: Connection,
+    timeout: float,
+    groups: Sequence[int] = (),
+    busy_s: float = 0.0,
 ) -> None:
-    """One forked rank: time each collective at each size; send [(kind, n_local, [seconds...])]."""
+    """One forked rank: time each collective at each size (and group size, in the in-job mode);
+    send [(kind, n_local, g, [seconds...])]."""
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(os.path.join(tmp, "store"), world)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
         )
-        out: list[tuple[str, int, list[float]]] = []
-        for n in sizes:
-            x = torch.ones(n)
-            gathered = torch.empty(n * world)
-            ops: dict[str, Callable[[], Any]] = {
-                "all_reduce": functools.partial(dist.all_reduce, x),
-                "all_gather": functools.partial(_all_gather, gathered, x),
-            }
-            for kind, op in ops.items():
-                op()  # warm-up (connection and buffer set-up)
-                times = []
-                iters = _iters_for(n)
-                for _ in range(repeats):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    for _ in range(iters):
-                        op()
-                    times.append((time.perf_counter() - t0) / iters)
-                out.append((kind, n, times))
+        work = _busy_work(busy_s)
+        out: list[tuple[str, int, int, list[float]]] = []
+        for g in groups or (world,):
+            group = _my_group(rank, world, g)
+            for n in sizes:
+                x = torch.ones(n)
+                gathered = torch.empty(n * g)
+                ops: dict[str, Callable[[], Any]] = {
+                    "all_reduce": functools.partial(dist.all_reduce, x, group=group),
+                    "all_gather": functools.partial(_all_gather_on, group, gathered, x),
+                }
+                for kind, op in ops.items():
+                    op()  # warm-up (connection and buffer set-up)
+                    times = []
+                    iters = _iters_for(n)
+                    for _ in range(repeats):
+                        dist.barrier()
+                        alone = _timed(lambda: None, work, iters) if groups else 0.0
+                        dist.barrier()
+                        times.append(max(0.0, _timed(op, work, iters) - alone))
+                    out.append((kind, n, g, times))
         dist.barrier()
         conn.send_bytes(pickle.dumps(("ok", out)))
     except BaseException as e:  # report, never hang the parent
@@ -131,14 +192,24 @@ def _rank_main(
 
 
 def measure_collectives(
-    ranks: int = 4, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5, timeout: float = 120.0
+    ranks: int = 4,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 5,
+    timeout: float = 120.0,
+    groups: Sequence[int] = (),
+    busy_s: float = 0.0,
 ) -> list[Sample]:
     """Time gloo all_reduce / all_gather on `ranks` forked local ranks.
 
-    A trial times up to 20 back-to-back calls (averaged) after a barrier; per trial the slowest
-    rank's time counts (a collective ends when its last rank ends), and the sample is the median
-    over `repeats` trials (the cores are shared, so the best would flatter).
+    A trial times up to 20 calls (averaged) after a barrier; per trial the slowest rank's time
+    counts (a collective ends when its last rank ends), and the sample is the median over
+    `repeats` trials (the cores are shared, so the best would flatter). With `groups`, every rank
+    runs each call on its subgroup of each of those sizes after `busy_s` of compute (the in-job
+    regime; see the module), less that compute's time alone.
     """
+    bad = [g for g in groups if g < 2 or ranks % g]
+    if bad:
+        raise ValueError(f"group sizes {bad} do not divide {ranks} ranks into groups of 2 or more")
     ctx = mp.get_context("fork")
     procs = []
     results: dict[int, tuple[str, Any]] = {}
@@ -148,7 +219,8 @@ def measure_collectives(
             for rank in range(ranks):
                 reader, writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
-                    target=_rank_main, args=(rank, ranks, tmp, tuple(sizes), repeats, writer, timeout)
+                    target=_rank_main,
+                    args=(rank, ranks, tmp, tuple(sizes), repeats, writer, timeout, tuple(groups), busy_s),
                 )
                 proc.start()
                 writer.close()
@@ -176,10 +248,10 @@ def measure_collectives(
     if errors or len(results) < ranks:
         raise RuntimeError("calibration ranks failed: " + ("; ".join(errors) or "timed out"))
     samples = []
-    for i, (kind, n, _) in enumerate(results[0][1]):
-        slowest = [max(results[r][1][i][2][k] for r in range(ranks)) for k in range(repeats)]
-        full = n * ranks if kind == "all_gather" else n
-        samples.append(Sample(kind, full, ranks, statistics.median(slowest)))
+    for i, (kind, n, g, _) in enumerate(results[0][1]):
+        slowest = [max(results[r][1][i][3][k] for r in range(ranks)) for k in range(repeats)]
+        full = n * g if kind == "all_gather" else n
+        samples.append(Sample(kind, full, g, statistics.median(slowest)))
     return samples
 
 
@@ -223,8 +295,13 @@ def calibrate(
     quick: bool = False,
     threads: int = 1,
     log: Callable[[str], None] = print,
+    groups: Sequence[int] = (),
+    busy_s: float = 0.0,
 ) -> Hardware:
-    """Measure, fit, write the `cpu-gloo` table to `out` (default: the checked-in one), return it."""
+    """Measure, fit, write the `cpu-gloo` table to `out` (default: the checked-in one), return it.
+
+    `groups` and `busy_s` time the collectives as a job of `ranks` ranks meets them (see the
+    module): the table then prices a step of such a job, not an idle link."""
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -237,13 +314,25 @@ def calibrate(
         log(f"memory: {mem_bw / 1e9:.2f} GB/s (copy, read + write)")
     finally:
         torch.set_num_threads(old_threads)
-    samples = measure_collectives(ranks, QUICK_SIZES if quick else DEFAULT_SIZES, repeats)
+    sizes = QUICK_SIZES if quick else (JOB_SIZES if groups else DEFAULT_SIZES)
+    timeout = 120.0 * max(1, len(groups))  # each group size is a whole sweep
+    samples = measure_collectives(ranks, sizes, repeats, timeout, groups=groups, busy_s=busy_s)
     alpha, bandwidth = fit_alpha_beta(samples)
     error = fit_error(samples, alpha, bandwidth)
     log(
         f"gloo, {ranks} ranks: alpha {alpha * 1e6:.1f} us per step, bandwidth {bandwidth / 1e9:.3f} GB/s "
         f"(median relative error of the fit {error:.0%})"
     )
+    if groups:
+        how = (
+            f"gloo over loopback, all {ranks} forked ranks busy, each call on a subgroup of "
+            f"{', '.join(map(str, groups))} consecutive ranks after {busy_s * 1e3:g} ms of compute "
+            "(its time alone taken off): all_reduce and all_gather"
+        )
+        command = f"--ranks {ranks} --groups {','.join(map(str, groups))} --busy-ms {busy_s * 1e3:g}"
+    else:
+        how = f"gloo over loopback between {ranks} forked ranks: all_reduce and all_gather"
+        command = f"--ranks {ranks}"
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     stamp = (
         f"{datetime.date.today().isoformat()} on {platform.node() or 'this machine'} (load average {load})"
@@ -263,13 +352,12 @@ def calibrate(
         "intra_node": link,
         "inter_node": dict(link),
         "source": {
-            "all": f"measured by `python -m autopar calibrate --ranks {ranks}` {stamp}, torch {torch.__version__}",
+            "all": f"measured by `python -m autopar calibrate {command}` {stamp}, torch {torch.__version__}",
             "peak_flops": f"best n x n matmul rate, n in {sizes_mm}, best of {repeats}, {threads} thread(s)",
             "memory_bandwidth": "torch copy_ of a large fp32 tensor, bytes read + written, best of repeats",
             "memory_capacity": "physical RAM of the machine (shared by all local ranks)",
             "intra_node": (
-                f"gloo over loopback between {ranks} forked ranks: all_reduce and all_gather, "
-                f"{len(samples) // 2} sizes, slowest rank, median of {repeats} trials of up to 20 back-to-back calls; "
+                f"{how}, {len(samples) // 2} sizes x groups, slowest rank, median of {repeats} trials of up to 20 calls; "
                 f"alpha-beta least-squares fit on relative error, median fit error {error:.0%}"
             ),
             "inter_node": "not measured (one machine): a copy of intra_node",

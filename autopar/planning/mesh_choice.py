@@ -20,7 +20,11 @@ nearly all of it (128.3 ms). So the fitting candidates are then lowered, schedul
 (`autopar.cost.timeline`) as `compile_for_rank` would run them, in order of their sum, up to
 `OVERLAP_CANDIDATES` of them, skipping those whose compute alone (a lower bound: the simulated
 compute stream also runs the buffer copies) is no shorter than the best scheduled step found; those
-modeled rank first, by scheduled step time. The fastest candidate that fits the memory limit wins;
+modeled rank first, by scheduled step time. With more than `SEARCHED_CANDIDATES` candidates, only
+the best few by a cheap plan each are searched (`autopar.planning.mesh_screen`: a heuristic; the
+rest are listed as not searched), and the pairs of placements whose steps the searches price are
+worked out once for every mesh with as many axes (`search_steps.StepCache`). The fastest candidate
+that fits the memory limit wins;
 ties go to the earlier candidate, so the choice is deterministic. Under `parallelize` rank 0
 chooses and broadcasts.
 """
@@ -40,15 +44,21 @@ from autopar.core.mesh import Mesh, default_axis_names
 from autopar.core.plan import Plan
 from autopar.cost.formulas import format_bytes
 from autopar.planning.greedy import choose_layouts
+from autopar.planning.mesh_screen import Estimate, screen
 from autopar.planning.plan_cost import plan_cost_parts
 from autopar.planning.search import SearchPlan, default_memory_limit, fit_memory, search_layouts
 from autopar.planning.search_cost import TimeCost
+from autopar.planning.search_problem import Shared
+from autopar.planning.search_steps import StepCache
 from autopar.rules.base import RuleRegistry
 
 MAX_AXES = 4
 # Candidates modeled with overlap at most, the fastest by the no-overlap sum (each is lowered and
 # scheduled: about a second for a 3-layer h = 4096 GPT).
 OVERLAP_CANDIDATES = 4
+# Candidates searched at most when there are more: the best by the screen's cheap plans
+# (`autopar.planning.mesh_screen`); more are searched only if none of these has a plan that fits.
+SEARCHED_CANDIDATES = 4
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,8 @@ class MeshCandidate:
     roles: tuple[str, ...] = ()
     error: str = ""  # why it has no plan (memory, or a dim no axis split divides)
     scheduled_time: float = math.nan  # s per step lowered, scheduled and simulated; nan: not modeled
+    estimate: float = math.nan  # s per step of the screen's cheapest plan; nan: not screened
+    searched: bool = True  # False: screened out (`estimate` ranked below the searched ones)
 
     @property
     def step_time(self) -> float:
@@ -145,6 +157,8 @@ class MeshChoice:
                 "memory_bytes_per_rank": c.memory if math.isfinite(c.memory) else None,
                 "roles": list(c.roles),
                 "error": c.error,
+                "searched": c.searched,
+                "estimate_seconds": c.estimate if math.isfinite(c.estimate) else None,
             }
             for c in self.candidates
         ]
@@ -188,42 +202,69 @@ def rank_meshes(
     memory_limit: float | None = None,
     candidates: Sequence[tuple[tuple[int, ...], tuple[str, ...]]] | None = None,
     overlap_candidates: int = OVERLAP_CANDIDATES,
+    searched: int = SEARCHED_CANDIDATES,
 ) -> MeshChoice:
     """Plan the traced joint graph `gm` on every candidate mesh of `world_size` ranks and rank them
     (module doc). `step_time(gm, plan, mesh, registry, hardware, memory_limit)` is the modeled step
     with overlap of a plan as the compiler would lower and schedule it (the driver's
     `scheduled_step_time`), asked for at most `overlap_candidates` of the fitting candidates.
+    With more than `searched` candidates (search planner), the `searched` best by the screen's
+    cheap plans are searched, more only while none of those fits (`mesh_screen`; 0: all).
     """
-    evaluated = []
-    plans: list[Plan | None] = []
-    limit = math.inf
+    meshes = []
     for shape, names in candidates if candidates is not None else mesh_candidates(world_size):
         mesh = Mesh.from_shape(tuple(shape), tuple(names))
         if mesh.size != world_size:
             raise MeshError(f"candidate mesh {mesh} does not have {world_size} ranks")
-        cost = TimeCost(hardware, mesh.shape)
-        limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
-        candidate, plan = _evaluate(gm, mesh, registry, cost, planner, limit)
-        evaluated.append(candidate)
-        plans.append(plan)
-    evaluated = _scheduled(
-        gm, evaluated, plans, registry, hardware, overlap_candidates, memory_limit, step_time
-    )
-    order = sorted(
-        range(len(evaluated)),
-        key=lambda i: (
-            0 if evaluated[i].fits else 1 if math.isfinite(evaluated[i].memory) else 2,
-            0 if math.isfinite(evaluated[i].scheduled_time) else 1,
-            evaluated[i].rank_time if evaluated[i].fits else evaluated[i].memory,
-            i,
-        ),
-    )
-    choice = MeshChoice(world_size, hardware, planner, limit, [evaluated[i] for i in order])
+        meshes.append(mesh)
+    steps = StepCache()  # pairs of placements: worked out once per number of axes, not per mesh
+    costs = [TimeCost(hardware, mesh.shape, steps=steps) for mesh in meshes]
+    limit = math.inf
+    if costs:
+        limit = default_memory_limit(costs[0]) if memory_limit is None else float(memory_limit)
+    order, estimates = list(range(len(meshes))), None
+    if planner == "search" and 0 < searched < len(meshes):
+        order, estimates = screen(gm, meshes, registry, costs, searched)
+    evaluated: list[MeshCandidate | None] = [None] * len(meshes)
+    plans: list[Plan | None] = [None] * len(meshes)
+    for done, i in enumerate(order):
+        if estimates is not None and done >= searched and any(c is not None and c.fits for c in evaluated):
+            break
+        shared = estimates[i].shared if estimates is not None else None
+        candidate, plans[i] = _evaluate(gm, meshes[i], registry, costs[i], planner, limit, shared)
+        if estimates is not None:
+            candidate = replace(candidate, estimate=estimates[i].value)
+            estimates[i].shared = None
+        evaluated[i] = candidate
+    ranked = [c if c is not None else _screened_out(meshes[i], estimates, order, i) for i, c in enumerate(evaluated)]
+    ranked = _scheduled(gm, ranked, plans, registry, hardware, overlap_candidates, memory_limit, step_time)
+    order = sorted(range(len(ranked)), key=lambda i: (*_rank_key(ranked[i]), i))
+    choice = MeshChoice(world_size, hardware, planner, limit, [ranked[i] for i in order])
     if not choice.candidates or not choice.chosen.fits:
         raise _no_mesh_error(choice)
     return choice
 
 
+def _rank_key(c: MeshCandidate) -> tuple[int, int, float]:
+    """Fitting candidates first (those modeled with overlap first, by the step they are ranked
+    by), then those that do not fit (by memory), those with no plan, and those not searched."""
+    if c.fits:
+        return 0, 0 if math.isfinite(c.scheduled_time) else 1, c.rank_time
+    if math.isfinite(c.memory):
+        return 1, 1, c.memory
+    return (2, 1, 0.0) if c.searched else (3, 1, c.estimate)
+
+
+def _screened_out(mesh: Mesh, estimates: list[Estimate] | None, order: list[int], i: int) -> MeshCandidate:
+    """Candidate `i`, ranked below the ones searched by the screen (`order`)."""
+    assert estimates is not None  # only a screen leaves candidates unsearched
+    found, where = estimates[i], f"screened {order.index(i) + 1} of {len(order)}"
+    why = (
+        f"not searched: {where}, cheapest seed {found.value * 1e3:.4g} ms ({found.seed})"
+        if math.isfinite(found.value)
+        else f"not searched: {where}, no cheap plan"
+    )
+    return MeshCandidate(mesh.shape, mesh.axis_names, error=why[:160], estimate=found.value, searched=False)
 
 
 def _scheduled(
@@ -260,11 +301,17 @@ def _scheduled(
 
 
 def _evaluate(
-    gm: Any, mesh: Mesh, registry: RuleRegistry, cost: TimeCost, planner: str, limit: float
+    gm: Any,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    cost: TimeCost,
+    planner: str,
+    limit: float,
+    shared: Shared | None = None,
 ) -> tuple[MeshCandidate, Plan | None]:
     try:
         if planner == "search":
-            plan: SearchPlan = search_layouts(gm, mesh, registry, cost=cost, memory_limit=limit)
+            plan: SearchPlan = search_layouts(gm, mesh, registry, cost=cost, memory_limit=limit, shared=shared)
         elif planner == "greedy":
             plan = fit_memory(gm, choose_layouts(gm, mesh, registry), mesh, cost, limit)
         else:

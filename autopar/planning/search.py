@@ -147,15 +147,18 @@ def search_layouts(
     max_sweeps: int = MAX_SWEEPS,
     memory_limit: float | None = None,
     fixed_seeds: bool = True,
+    shared: Shared | None = None,
 ) -> SearchPlan:
     """Best seed (greedy plans over axis-role assignments and, with `fixed_seeds`, the fixed
     schemes' plans on this mesh), then exact chain moves until no gain, within `memory_limit`
-    bytes per rank (None: the default of the cost's hardware; math.inf: none)."""
+    bytes per rank (None: the default of the cost's hardware; math.inf: none). `shared`: the
+    candidate lists and greedy memo of earlier greedy passes on this graph and mesh."""
     cost = cost or ElementCost(mesh.shape)
     limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
     report = SearchReport(memory_limit=limit)
     facts = GraphFacts.of(gm)
-    shared = Shared(work={name: work for name, _, work, _ in facts.calls})
+    if shared is None:  # (the mesh choice hands over what its screen worked out on this mesh)
+        shared = Shared(work={name: work for name, _, work, _ in facts.calls})
     runs = [
         _from_seed(gm, mesh, registry, cost, shared, facts, start, limit, max_sweeps, report)
         for start in _starts(gm, mesh, registry, cost, shared, facts, report, fixed_seeds)

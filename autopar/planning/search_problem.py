@@ -66,7 +66,9 @@ class Shared:
     vectors: dict[Any, Any] = field(default_factory=dict)  # per candidate list: layouts, costs
     positions: dict[int, dict[Strategy, int]] = field(default_factory=dict)
     interned: dict[tuple[Layout, ...], tuple[Layout, ...]] = field(default_factory=dict)
-    pruned: int = 0  # pruned candidate lists so far (each gets its own key)
+    pruned: int = 0  # pruned candidate lists so far
+    # (id of an edge's index array, kept candidates) -> (that array, the pruned one): `_prune`
+    pruned_indices: dict[tuple[int, bytes], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 class Problem:
@@ -275,18 +277,29 @@ class Problem:
             order[-1] = var.current
         order.sort()
         keep = np.array(order)
+        kept = keep.tobytes()
         var.cands = [var.cands[i] for i in order]
         self.shared.pruned += 1
-        var.key = ("pruned", self.shared.pruned)
+        # The same list pruned the same way (a repeated layer) keeps one key and one index array
+        # per edge side, so its blocks keep one signature and their solves stay memoized.
+        var.key = ("pruned", var.key, kept)
         var.base = var.base[keep]
         var.current = order.index(var.current)
         index = self.index[var.name]
         for edge in var.edges:
             if edge.u == index:
-                edge.out_index = edge.out_index[keep]
+                edge.out_index = self._pruned_index(edge.out_index, keep, kept)
             if edge.v == index:
-                edge.in_index = edge.in_index[keep]
+                edge.in_index = self._pruned_index(edge.in_index, keep, kept)
             edge.cached = None
+
+    def _pruned_index(self, index: np.ndarray, keep: np.ndarray, kept: bytes) -> np.ndarray:
+        """`index[keep]`, one array per (index array, kept candidates) (`_prune`)."""
+        key = (id(index), kept)
+        found = self.shared.pruned_indices.get(key)
+        if found is None:
+            found = self.shared.pruned_indices[key] = (index, index[keep])  # keeps `index` alive
+        return found[1]
 
     def _memory(self) -> float:
         """Per saved value: its bytes and its regather cost for each candidate of the variable

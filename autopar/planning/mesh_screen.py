@@ -1,0 +1,93 @@
+"""The mesh choice's screen: a cheap plan per candidate mesh, to pick the few worth searching.
+
+At 512 ranks there are 93 candidate meshes, and the search on one four-axis mesh of a 32-layer
+LLaMA takes tens of seconds (a greedy pass per assignment of axis roles, then the chain moves).
+The screen prices each candidate's cheapest plans instead: the greedy pass with the mesh's default
+roles and the fixed 1-D / 2-D / cube schemes that lay out on it (`search_seeds.fixed_seeds`), which
+are among the search's own seeds. The search starts from its cheapest seed and never ends above
+it, so a candidate's estimate is an upper bound on its searched plan's modeled step (both are
+`plan_cost`, each redistribution counted once); it is not a lower bound, so ranking by it and
+searching only the best few (`mesh_choice.SEARCHED_CANDIDATES`) is a heuristic. The greedy
+passes' candidate lists and answers (`Shared`) are handed to the search of the candidates kept,
+so screening them costs nothing twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from autopar.core.errors import AutoparError
+from autopar.core.mesh import Mesh
+from autopar.planning.greedy import axis_roles, greedy_plan
+from autopar.planning.greedy_scores import GreedyMemo
+from autopar.planning.plan_cost import GraphFacts, plan_cost
+from autopar.planning.search_cost import ElementCost
+from autopar.planning.search_problem import Shared
+from autopar.planning.search_seeds import fixed_seeds
+from autopar.rules.base import RuleRegistry
+
+
+@dataclass
+class Estimate:
+    """The cheapest screened plan of one candidate mesh (`value` inf: none worked)."""
+
+    value: float
+    seed: str
+    shared: Shared | None  # what its greedy passes worked out, for the search of this mesh
+
+
+def estimate(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    cost: ElementCost,
+    facts: GraphFacts,
+    calls: GreedyMemo | None = None,
+) -> Estimate:
+    """The modeled cost (`plan_cost`) of the cheapest of the default-role greedy plan and the
+    fixed schemes' plans on `mesh`: an upper bound on what the search finds there. `calls`: a
+    memo whose nodes' op calls and inputs (the same on every mesh) this mesh's passes share."""
+    shared = Shared(work={name: work for name, _, work, _ in facts.calls}, greedy=graph_memo(calls))
+    best, seed = math.inf, ""
+    roles = axis_roles(mesh)
+    try:
+        plan = greedy_plan(gm, mesh, registry, roles=roles, expand_cache=shared.expand, memo=shared.greedy)
+    except Exception:  # noqa: BLE001 - as in the search: other roles may still split this model
+        pass
+    else:
+        best, seed = plan_cost(gm, plan, mesh, cost, facts), "/".join(roles)
+    for name, found in fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy):
+        if isinstance(found, AutoparError):
+            continue
+        value = plan_cost(gm, found, mesh, cost, facts)
+        if value < best:
+            best, seed = value, name
+    return Estimate(best, seed, shared)
+
+
+def graph_memo(calls: GreedyMemo | None) -> GreedyMemo:
+    """A fresh memo for one mesh sharing `calls`' per-node op calls and inputs (mesh-free)."""
+    return GreedyMemo() if calls is None else GreedyMemo(inputs=calls.inputs, calls=calls.calls)
+
+
+def screen(
+    gm: fx.GraphModule,
+    meshes: Sequence[Mesh],
+    registry: RuleRegistry,
+    costs: Sequence[ElementCost],
+    keep: int,
+) -> tuple[list[int], list[Estimate]]:
+    """Every mesh's `estimate`, and the meshes' indices by estimate (ties: the earlier one). Only
+    the `keep` best so far keep their `Shared` (the rest are searched only if those fail)."""
+    facts, calls = GraphFacts.of(gm), GreedyMemo()
+    estimates: list[Estimate] = []
+    for mesh, cost in zip(meshes, costs):
+        estimates.append(estimate(gm, mesh, registry, cost, facts, calls))
+        ranked = sorted(range(len(estimates)), key=lambda i: (estimates[i].value, i))
+        for i in ranked[keep:]:
+            estimates[i].shared = None
+    return sorted(range(len(estimates)), key=lambda i: (estimates[i].value, i)), estimates

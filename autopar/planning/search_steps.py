@@ -1,0 +1,215 @@
+"""The collectives between two placements, worked out once for every mesh with as many axes.
+
+The search prices every pair of placements a producer can hand a consumer (about a million pairs on
+a four-axis mesh), and the mesh choice searches dozens of meshes. Which collectives a pair needs,
+on which axes and in which order, does not depend on the axis sizes: only which steps are dropped
+(axes of one rank send nothing) and how big each step's block is (the source block times the sizes
+of the axes gathered so far, over those reduce-scattered so far). So a pair's steps are kept as a
+template naming those axes (`coded_template`), shared by every mesh of the same number of axes
+through `StepTemplates`, and each mesh turns a template into numbers once (`instantiate`). The
+numbers are those of `plan_redistribute` on the placements (tests/test_search_tables.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.core.layout import Partial, Placement, Shard
+from autopar.core.redistribute import exchanges_before
+
+REPLICATE, PARTIAL = -2, -1  # per-axis codes of `codes`; a dim d >= 0 is Shard(d)
+
+# A step of `even_steps`: (kind, mesh axis, num, den): its block has `n * num / den` elements
+# when the source block has n.
+Step = tuple[str, int, int, int]
+# A step of a template: (kind, mesh axis, axes whose sizes multiply the block, axes dividing it).
+TemplateStep = tuple[str, int, tuple[int, ...], tuple[int, ...]]
+
+
+def codes(placements: Sequence[Placement]) -> tuple[int, ...]:
+    """Per mesh axis: the dim it splits, `PARTIAL` or `REPLICATE`."""
+    return tuple(
+        p.dim if isinstance(p, Shard) else PARTIAL if isinstance(p, Partial) else REPLICATE for p in placements
+    )
+
+
+@dataclass
+class StepTemplates:
+    """Pairs of placements of one number of mesh axes and the template of each pair's steps,
+    shared by the searches of every mesh with that many axes (`StepCache`)."""
+
+    ndim: int
+    placement_ids: dict[tuple[int, ...], int] = field(default_factory=dict)  # codes -> id
+    coded: list[tuple[int, ...]] = field(default_factory=list)  # per id, its codes
+    program_of: np.ndarray = field(default_factory=lambda: np.full((0, 0), -1, dtype=np.intp))
+    template_ids: dict[tuple[TemplateStep, ...], int] = field(default_factory=dict)
+    templates: list[tuple[TemplateStep, ...]] = field(default_factory=list)
+    canonical: dict[bytes, int] = field(default_factory=dict)  # `canonical` key -> template id
+    code_array: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))  # `coded`
+    pairs: int = 0  # canonical pairs worked out (each once for all meshes of `ndim` axes)
+
+    def ids(self, placements: Sequence[tuple[Placement, ...]]) -> np.ndarray:
+        """Rows / columns of `program_of` for these placements (new ones get the next ids)."""
+        out = np.empty(len(placements), dtype=np.intp)
+        for i, p in enumerate(placements):
+            key = codes(p)
+            found = self.placement_ids.get(key)
+            if found is None:
+                found = self.placement_ids[key] = len(self.coded)
+                self.coded.append(key)
+            out[i] = found
+        size = len(self.program_of)
+        if len(self.coded) > size:  # grow, keeping the pairs found so far
+            grown = np.full((2 * len(self.coded),) * 2, -1, dtype=np.intp)
+            grown[:size, :size] = self.program_of
+            self.program_of = grown
+        if len(self.coded) > len(self.code_array):
+            self.code_array = np.array(self.coded, dtype=np.int64).reshape(len(self.coded), self.ndim)
+        return out
+
+    def programs(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """The template id of every pair (rows x cols), working out the pairs not met before.
+
+        A template names no dims, and the steps depend on the dims only through their order, so
+        pairs whose dims renumber in order to the same codes share it (`canonical`): about a
+        quarter of the pairs of a four-axis mesh are worked out, the rest looked up."""
+        which = self.program_of[np.ix_(rows, cols)]
+        new_i, new_j = np.nonzero(which < 0)
+        if len(new_i):
+            pairs = np.concatenate([self.code_array[rows[new_i]], self.code_array[cols[new_j]]], axis=1)
+            keys = canonical(pairs)
+            distinct, back = np.unique(keys, return_inverse=True)
+            found = np.empty(len(distinct), dtype=np.intp)
+            known, ids, templates, n = self.canonical, self.template_ids, self.templates, self.ndim
+            first = np.zeros(len(distinct), dtype=np.intp)
+            first[back.reshape(-1)] = np.arange(len(keys))  # a pair of each canonical form
+            for u, key in enumerate(distinct.tolist()):
+                k = known.get(key)
+                if k is None:
+                    row = pairs[first[u]].tolist()
+                    steps = coded_template(tuple(row[:n]), tuple(row[n:]))
+                    k = ids.get(steps)
+                    if k is None:
+                        k = ids[steps] = len(templates)
+                        templates.append(steps)
+                    known[key] = k
+                    self.pairs += 1
+                found[u] = k
+            value = found[back.reshape(-1)]
+            which[new_i, new_j] = self.program_of[rows[new_i], cols[new_j]] = value
+        return which
+
+
+def canonical(pairs: np.ndarray) -> np.ndarray:
+    """One key (bytes) per row of codes (source then target, per mesh axis) after renumbering the
+    dims they split in order (0, 1, ... for the dims used): rows with equal keys have the same
+    steps (`coded_template` compares dims only for equality and visits them in order)."""
+    top = int(pairs.max()) + 1
+    used = np.zeros((len(pairs), max(top, 1)), dtype=bool)
+    for d in range(top):
+        used[:, d] = (pairs == d).any(axis=1)
+    renumber = np.cumsum(used, axis=1) - 1
+    shard = pairs >= 0
+    renamed = np.where(shard, np.take_along_axis(renumber, np.where(shard, pairs, 0), axis=1), pairs)
+    digits = np.ascontiguousarray(renamed - REPLICATE, dtype=np.uint8)  # small: dims of one tensor
+    return digits.view(np.dtype((np.void, pairs.shape[1]))).reshape(-1)
+
+
+@dataclass
+class StepCache:
+    """`StepTemplates` per number of mesh axes: one per search by default, one per mesh choice
+    when `autopar.planning.mesh_choice` hands the same cache to every candidate's cost."""
+
+    by_ndim: dict[int, StepTemplates] = field(default_factory=dict)
+
+    def templates(self, ndim: int) -> StepTemplates:
+        found = self.by_ndim.get(ndim)
+        if found is None:
+            found = self.by_ndim[ndim] = StepTemplates(ndim)
+        return found
+
+
+def instantiate(template: Sequence[TemplateStep], mesh_shape: Sequence[int]) -> tuple[Step, ...]:
+    """A template's steps on a mesh of these sizes: steps on axes of one rank dropped."""
+    return tuple(
+        (kind, a, math.prod(mesh_shape[x] for x in num), math.prod(mesh_shape[x] for x in den))
+        for kind, a, num, den in template
+        if mesh_shape[a] > 1
+    )
+
+
+def even_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple[Step, ...]:
+    """The collectives of `plan_redistribute(src, dst)` on placements alone, for even layouts of
+    any tensor, on axes of more than one rank: (kind, axis, num, den), the step's block being the
+    source block times num / den. Even blocks stay even through every step, so every all_to_all
+    moves equal blocks; the three phases are `redistribute_cost`'s."""
+    return instantiate(coded_template(codes(src), codes(dst)), mesh_shape)
+
+
+def coded_template(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[TemplateStep, ...]:
+    """The steps from placements `src` to `dst` (per-axis codes) on a mesh whose axes all have more
+    than one rank, naming the axes that scale each step's block instead of multiplying sizes."""
+    if src == dst:
+        return ()
+    have = {d: list(axes) for d, axes in _by_dim(src).items()}
+    want = _by_dim(dst)
+    num: tuple[int, ...] = ()
+    den: tuple[int, ...] = ()
+    steps: list[TemplateStep] = []
+    if PARTIAL in src:  # 1. pending sums: reduce-scatter into the target split if it nests
+        for a, c in enumerate(src):
+            t = dst[a]
+            if c != PARTIAL or t == PARTIAL:
+                continue
+            if t >= 0:  # move the axes nesting outside `a` there first (even: no shape check)
+                for b, home in exchanges_before(have, a, want.get(t, ()), t):
+                    have[home].pop()
+                    have.setdefault(t, []).append(b)
+                    steps.append(("all_to_all", b, num, den))
+            if t >= 0 and _extends(have.get(t, ()), a, want.get(t, ())):
+                steps.append(("reduce_scatter", a, num, den))
+                have.setdefault(t, []).append(a)
+                den = (*den, a)
+            else:
+                steps.append(("all_reduce", a, num, den))
+    for d in range(1 + max((*have, *want), default=-1)):  # 2. un-shard each dim to its kept prefix
+        axes = have.get(d)
+        if not axes:
+            continue
+        kept = want.get(d, ())
+        keep = 0
+        while keep < len(axes) and keep < len(kept) and axes[keep] == kept[keep]:
+            keep += 1
+        for a in reversed(axes[keep:]):
+            t = dst[a]
+            axes.pop()
+            if t >= 0 and t != d:
+                there = have.get(t, ())
+                if (not there or there[-1] < a) and _extends(there, a, want.get(t, ())):
+                    steps.append(("all_to_all", a, num, den))
+                    have.setdefault(t, []).append(a)
+                    continue
+            steps.append(("all_gather", a, num, den))
+            num = (*num, a)
+    return tuple(steps)  # 3. slicing and zeroing replicas send nothing
+
+
+@functools.lru_cache(maxsize=4096)
+def _by_dim(codes: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """Mesh axes splitting each dim, outermost first (`Layout.shard_axes`). Callers only read it."""
+    out: dict[int, list[int]] = {}
+    for a, c in enumerate(codes):
+        if c >= 0:
+            out.setdefault(c, []).append(a)
+    return {d: tuple(axes) for d, axes in out.items()}
+
+
+def _extends(axes: Sequence[int], a: int, full: Sequence[int]) -> bool:
+    """Whether `axes` then `a` is a prefix of `full` (the split nests as the target's does)."""
+    n = len(axes)
+    return n < len(full) and full[n] == a and all(x == y for x, y in zip(axes, full))

@@ -1,0 +1,129 @@
+"""What makes `autopar.plan(model, "auto")` fast at scale keeps the numbers and plans it had.
+
+- Steps of pairs of placements are worked out once per number of mesh axes and shared by every
+  mesh (`search_steps.StepCache`), and pairs whose dims renumber alike share one template: tables
+  must be those of a private cache, bit for bit, on meshes with and without unit axes.
+- Candidate lists pruned alike keep one key, so repeated layers on big meshes stay memoized.
+- The mesh choice's screen (`mesh_screen`) searches only the best few candidates by a cheap plan;
+  the cheap plan is one of the search's seeds, so it bounds the searched plan from above.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import autopar.planning.search_problem as search_problem
+from autopar.compiler.driver import scheduled_step_time
+from autopar.core.layout import Layout, P, R, Shard
+from autopar.core.mesh import Mesh
+from autopar.core.redistribute import redistribute_cost
+from autopar.passes.trace import trace
+from autopar.planning.mesh_choice import MeshChoice, rank_meshes
+from autopar.planning.search import TimeCost, search_layouts
+from autopar.planning.search_cost import ElementCost
+from autopar.planning.search_steps import REPLICATE, StepCache, canonical, coded_template
+from autopar.rules.registry import default_registry
+from examples.models import GPT, GPTConfig, make_gpt
+
+HW = "h100-nvlink-ib"
+
+
+def _layouts(ndim: int, shape: tuple[int, ...]) -> list[Layout]:
+    options = [R, P, *(Shard(d) for d in range(len(shape)))]
+    return [Layout(p, shape) for p in itertools.product(options, repeat=ndim)]
+
+
+def test_a_shared_cache_gives_every_mesh_its_own_numbers() -> None:
+    shared = StepCache()
+    small, big = _layouts(3, (8, 16, 32)), _layouts(3, (64, 16, 32))
+    for mesh in [(2, 4, 2), (4, 2, 2), (1, 8, 2), (2, 2, 1)]:  # unit axes drop their steps
+        together = ElementCost(mesh, steps=shared)
+        alone = ElementCost(mesh)
+        for layouts in (small, big):
+            table = together.redistribute_table(layouts, layouts)
+            assert table.tolist() == alone.redistribute_table(layouts, layouts).tolist()
+        direct = [[redistribute_cost(s, d, mesh) for d in small[:40]] for s in small[:40]]
+        assert together.redistribute_table(small[:40], small[:40]).tolist() == direct
+    timed = TimeCost(HW, (8, 8), steps=shared)
+    pair = _layouts(2, (64, 64))
+    assert timed.redistribute_table(pair, pair).ravel().tolist() == pytest.approx(
+        [timed.redistribute(s, d) for s in pair for d in pair], rel=1e-12
+    )
+    assert set(shared.by_ndim) == {2, 3}
+
+
+def test_pairs_with_the_same_canonical_key_have_the_same_steps() -> None:
+    codes = [REPLICATE, -1, 0, 1, 2, 3]
+    pairs = np.array(list(itertools.product(codes, repeat=4)), dtype=np.int64)  # 2 axes: src, dst
+    keys = canonical(pairs)
+    by_key: dict[bytes, tuple[object, ...]] = {}
+    for row, key in zip(pairs.tolist(), keys.tolist()):
+        steps = coded_template(tuple(row[:2]), tuple(row[2:]))
+        assert by_key.setdefault(key, steps) == steps
+    assert len(by_key) < len(pairs) / 3  # renumbering dims shares most pairs
+
+
+def test_lists_pruned_alike_share_their_key_and_stay_memoized(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, inputs = make_gpt(0, n_layer=2)
+    gm = trace(model, inputs, decompose=True)
+    pruned: list[str] = []
+    prune = search_problem.Problem._prune
+
+    def counted(self: search_problem.Problem, var: search_problem.Var) -> None:
+        pruned.append(var.name)
+        prune(self, var)
+
+    monkeypatch.setattr(search_problem, "MAX_CANDIDATES", 12)
+    monkeypatch.setattr(search_problem.Problem, "_prune", counted)
+    search_layouts(gm, Mesh.from_shape((2, 2)), default_registry(), fixed_seeds=False)
+    report = gm.meta["autopar_search"]
+    assert len(pruned) > report.chains  # most ops pruned (each once per run)
+    # repeated layers prune their lists alike: their chains share signatures and hit the memo
+    assert report.distinct_chains < report.chains / 2 and report.memo_hits > report.solves / 4
+
+
+CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=8, n_embd=256)
+
+
+@pytest.fixture(scope="module")
+def choices() -> tuple[MeshChoice, MeshChoice]:
+    """(every candidate searched, 1 of 2 searched) on one traced GPT, by the no-overlap sum."""
+    with torch.device("meta"):
+        model = GPT(CFG)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 256, (8, 64), generator=g), torch.randint(0, 256, (8, 64), generator=g))
+    gm = trace(model, batch, decompose=True, split_fused=True)
+    registry = default_registry()
+    every, screened = (
+        rank_meshes(gm, 4, registry, scheduled_step_time, hardware=HW, overlap_candidates=0, searched=k)
+        for k in (0, 1)
+    )
+    return every, screened
+
+
+def test_the_screen_searches_the_best_few_and_bounds_them(choices: tuple[MeshChoice, MeshChoice]) -> None:
+    _, screened = choices
+    searched = [c for c in screened.candidates if c.searched]
+    skipped = [c for c in screened.candidates if not c.searched]
+    assert len(searched) == 1 and len(skipped) == 1 and screened.chosen.searched
+    assert screened.candidates[-len(skipped) :] == skipped  # ranked after every searched one
+    assert all(c.error.startswith("not searched") and not c.fits for c in skipped)
+    # the screen's plan is one of the search's seeds, and the search never ends above a seed
+    for c in searched:
+        assert c.fits and c.step_time <= c.estimate * (1 + 1e-9)
+    # the searched ones are the best by estimate
+    assert max(c.estimate for c in searched) <= min(c.estimate for c in skipped)
+    assert "not searched: screened 2 of 2" in screened.table()
+    assert all("estimate_seconds" in row and "searched" in row for row in screened.to_json())
+
+
+def test_searching_every_candidate_finds_no_better_mesh_here(choices: tuple[MeshChoice, MeshChoice]) -> None:
+    every, screened = choices
+    assert all(c.searched for c in every.candidates) and all(math.isnan(c.estimate) for c in every.candidates)
+    assert screened.chosen.shape == every.chosen.shape
+    assert screened.chosen.step_time == pytest.approx(every.chosen.step_time, rel=1e-12)
