@@ -369,11 +369,14 @@ def _even(layout: Layout, shape: tuple[int, ...]) -> bool:
 
 def _still_ordered(gm: fx.GraphModule, members: list[_Candidate]) -> bool:
     """Whether every member's input (but what it hoists) still comes before the first use of any
-    member's result in the graph as earlier merges of the round left it: a merge that hoists
-    compute can move a user of another bucket's member above that member's inputs (recomputed
-    blocks put forward collectives' copies and their uses close together in backward)."""
+    member's result in the graph as earlier merges of the round left it (a merge that hoists
+    compute can move a user of another bucket's member above that member's inputs), and nothing
+    hoisted reads a member's result (a member that joined after the hoist was planned)."""
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     hoisted = {h for c in members for h in c.hoist}
+    results = {c.wait for c in members} | {v for c in members for v in _uses(c.wait)[1]}
+    if any(_reads(h, results) for h in hoisted):
+        return False  # hoisted above the bucket's wait, it would read a result before it exists
     inputs = [
         i
         for c in members
@@ -382,7 +385,12 @@ def _still_ordered(gm: fx.GraphModule, members: list[_Candidate]) -> bool:
         if i not in hoisted and i not in prep_chain(c.node)
     ]
     uses = [u for c in members for u in _uses(c.wait)[0]]
-    return not inputs or not uses or max(map(position.__getitem__, inputs)) < min(map(position.__getitem__, uses))
+    if not uses:
+        return True
+    first_use = min(map(position.__getitem__, uses))
+    if any(position[h] < first_use for h in hoisted):
+        return False  # already above the first use: moving it "up" to there would move it down
+    return not inputs or max(map(position.__getitem__, inputs)) < first_use
 
 
 # ---- the rewrite ---------------------------------------------------------------------------------
