@@ -27,7 +27,6 @@ weight-chain regathers of `autopar.planning.memory`.
 from __future__ import annotations
 
 import heapq
-import math
 import operator
 import re
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -193,9 +192,7 @@ class RecomputeModel:
         if not new:
             return 0.0, 0.0
         after = recompute | set(new)
-        touched = set(new)
-        for n in new:
-            touched.update(i for i, _ in self.inputs[n])
+        touched = _touched(self, new)
         freed = sum(self.kept_bytes(n, recompute, regather) - self.kept_bytes(n, after, regather) for n in touched)
         return freed, self._seconds(new, after)
 
@@ -298,13 +295,6 @@ def choose_savings(
         recomputing + regathering,
         recomputing,
     )
-
-
-def forced_savings(model: RecomputeModel) -> Savings:
-    """Only the user's checkpoint regions (no memory limit to meet)."""
-    found = choose_savings(model, lambda _: -math.inf, 0.0, (), lambda _: 0.0)
-    assert found is not None  # nothing to fit: the forced regions alone
-    return found
 
 
 def has_checkpoint_regions(gm: fx.GraphModule) -> bool:
