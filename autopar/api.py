@@ -29,15 +29,16 @@ from autopar.core.errors import AutoparError, InputMismatchError, MeshError, Usa
 from autopar.core.mesh import Mesh
 from autopar.core.meta import OutputStructure, signature
 from autopar.core.plan import Plan
-from autopar.core.precision import Autocast, MixedPrecision, compilable_autocast
+from autopar.core.precision import Autocast, AutocastState, MixedPrecision, compilable_autocast
 from autopar.passes import fused
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.runtime.agreement import Fingerprint, decided_on_rank0, fingerprint, first_disagreement
-from autopar.runtime.groups import DEFAULT_TIMEOUT_S, as_timeout, make_groups
+from autopar.runtime.groups import DEFAULT_TIMEOUT_S, Groups, as_timeout, make_groups, make_pipeline_groups
 from autopar.runtime.local_batch import GLOBAL, INPUT_MODES, LOCAL, global_stand_ins
 from autopar.runtime.materialize import InitFn, initialized_blocks, meta_tensor_names
 from autopar.runtime.module import CallMode, ParallelModule, input_names, positional_names
+from autopar.runtime.pipeline_runtime import BoundaryScatter
 from autopar.runtime.program import EmittedProgram
 
 
@@ -126,10 +127,8 @@ def parallelize(
     """
     _check_model(model)
     example_inputs = example_tuple(example_inputs, example_kwargs)
-    if isinstance(mesh, DeviceMesh) and "pp" in (mesh.mesh_dim_names or ()):
-        return _pipeline(model, mesh, example_inputs, example_kwargs, schedule, microbatches, stage_boundaries,
-                         virtual_stages, hardware)
-    if not isinstance(schedule, bool) or microbatches is not None:
+    pipelined = isinstance(mesh, DeviceMesh) and "pp" in (mesh.mesh_dim_names or ())
+    if not pipelined and (not isinstance(schedule, bool) or microbatches is not None):
         raise UsageError(
             f"schedule={schedule!r} / microbatches={microbatches!r} describe a pipeline, but the mesh has no "
             "axis named \"pp\"",
@@ -146,6 +145,33 @@ def parallelize(
         raise UsageError(
             f"inputs must be one of {', '.join(map(repr, INPUT_MODES))}, got {inputs!r}",
             hint='"global": every rank passes the whole batch; "local": each rank its own shard of it',
+        )
+    options = ModuleOptions(
+        registry=registry,
+        planner=planner,
+        schedule=schedule if isinstance(schedule, bool) else True,
+        hardware=hardware,
+        memory_limit=memory_limit,
+        over_decompose=over_decompose,
+        split_fused=split_fused,
+        in_flight_bytes=in_flight_bytes,
+        mixed_precision=mixed_precision,
+        check_inputs=check_inputs,
+        inputs=inputs,
+        dump_dir=dump_dir,
+        init_fn=init_fn,
+        compile=compile,
+    )
+    if pipelined:
+        if mesh_shape is not None:
+            raise UsageError(
+                f"mesh_shape={mesh_shape!r} with a pipeline mesh: the pipeline runs on the mesh given",
+                hint="drop mesh_shape, or pass the world size / a mesh without a \"pp\" axis",
+            )
+        assert isinstance(mesh, DeviceMesh)
+        return _pipeline(
+            model, mesh, example_inputs, example_kwargs, schedule, microbatches, stage_boundaries,
+            virtual_stages, hardware, options, timeout,
         )
     seeded = torch.random.get_rng_state()  # what a meta-device model is initialized from
     traced_inputs, traced_kwargs = example_inputs, example_kwargs
@@ -176,6 +202,54 @@ def parallelize(
     autopar_mesh = _check_mesh(mesh)
     assert autopar_mesh.device_mesh is not None
     groups = make_groups(autopar_mesh.device_mesh, as_timeout(timeout))
+    options = dataclasses.replace(options, hardware=hardware)  # the mesh choice's, when it chose
+    result = _compile_module(
+        model, autopar_mesh, groups, options, example_inputs, example_kwargs, traced_inputs, traced_kwargs,
+        autocast=autocast, seeded=seeded,
+    )
+    result.mesh_choice = choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleOptions:
+    """The options of `parallelize` that shape one compiled module (the whole model's, or one
+    pipeline stage's on its tensor sub-mesh)."""
+
+    registry: RuleRegistry | None = None
+    planner: str = "search"
+    schedule: bool | str = True
+    hardware: str | None = None
+    memory_limit: float | None = None
+    over_decompose: int | str = 1
+    split_fused: bool | None = None
+    in_flight_bytes: int | None = None
+    mixed_precision: MixedPrecision | None = None
+    check_inputs: bool = True
+    inputs: str = GLOBAL
+    dump_dir: str | os.PathLike[str] | None = None
+    init_fn: InitFn | None = None
+    compile: bool = False
+
+
+def _compile_module(
+    model: nn.Module,
+    autopar_mesh: Mesh,
+    groups: Groups,
+    opts: ModuleOptions,
+    example_inputs: Sequence[Any],
+    example_kwargs: dict[str, Any] | None,
+    traced_inputs: Sequence[Any],
+    traced_kwargs: dict[str, Any] | None,
+    *,
+    autocast: AutocastState,
+    seeded: torch.Tensor,
+) -> ParallelModule:
+    """Plan `model` on `autopar_mesh` (whose process groups are `groups`), emit this rank's program
+    and wrap it in the module the user calls. Every rank of `groups.world` calls it together."""
+    mesh = autopar_mesh.device_mesh
+    assert mesh is not None
+    inputs, check_inputs, init_fn = opts.inputs, opts.check_inputs, opts.init_fn
     autopar_mesh = dataclasses.replace(autopar_mesh, group_names=groups.axis_names)
     on_meta = set(meta_tensor_names(model))
     examples: list[tuple[str, torch.Tensor]] = []
@@ -185,24 +259,24 @@ def parallelize(
     if not on_meta:
         _check_weights_agree(model, groups.world, examples=examples)
     options: dict[str, Any] = dict(
-        registry=registry,
+        registry=opts.registry,
         rank=dist.get_rank(),
-        planner=planner,
+        planner=opts.planner,
         agree=functools.partial(_agree_across_ranks, group=groups.world),
-        schedule=schedule,
-        hardware=hardware,
-        memory_limit=memory_limit,
-        over_decompose=over_decompose,
-        split_fused=split_fused,
-        in_flight_bytes=in_flight_bytes,
-        mixed_precision=mixed_precision,
+        schedule=opts.schedule,
+        hardware=opts.hardware,
+        memory_limit=opts.memory_limit,
+        over_decompose=opts.over_decompose,
+        split_fused=opts.split_fused,
+        in_flight_bytes=opts.in_flight_bytes,
+        mixed_precision=opts.mixed_precision,
     )
     compiled = compile_for_rank(
         model,
         autopar_mesh,
         traced_inputs,
         example_kwargs=traced_kwargs,
-        dump_dir=dump_dir,
+        dump_dir=opts.dump_dir,
         autocast=autocast,
         **options,
     )
@@ -216,7 +290,7 @@ def parallelize(
         program = compiled.program
         made = initialized_blocks(
             model, program.source_layouts(), autopar_mesh.shape, program.coords, init_fn,
-            device=mesh.device_type if isinstance(mesh, DeviceMesh) else "cpu",
+            device=mesh.device_type,
         )
         blocks = made.blocks
         _check_weights_agree(model, groups.world, skip=on_meta, prints=made.fingerprints, examples=examples)
@@ -255,9 +329,8 @@ def parallelize(
         local_blocks=blocks,
         local_inputs=inputs == LOCAL,
         autocast=autocast,
-        inductor=compile,
+        inductor=opts.compile,
     )
-    result.mesh_choice = choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
     return result
 
 
@@ -270,7 +343,7 @@ def _agree_across_ranks(
     waiting in a collective.
     """
     mine = graph_fingerprint(gm)
-    everyone: list[Any] = [None] * dist.get_world_size()
+    everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     differing = [r for r, f in enumerate(everyone) if f != mine]
     if differing:
@@ -360,21 +433,18 @@ def _check_model(model: nn.Module) -> None:
 def _pipeline(
     model: nn.Module,
     mesh: DeviceMesh,
-    example_inputs: tuple[Any, ...],
+    example_inputs: Sequence[Any],
     example_kwargs: dict[str, Any] | None,
     schedule: bool | str,
     microbatches: int | None,
     stage_boundaries: Sequence[str] | None,
     virtual_stages: int,
     hardware: str | None,
+    options: ModuleOptions,
+    timeout: float | timedelta,
 ) -> PipelinedModule:
-    """`parallelize` on a mesh with a "pp" axis: the pipeline runtime (`autopar.compiler.pipeline`)."""
-    if mesh.ndim != 1:
-        raise UsageError(
-            f"a pipeline axis \"pp\" beside other axes ({mesh.mesh_dim_names}) is not run yet",
-            hint='use a 1-D mesh_dim_names=("pp",) mesh for a pipeline, or a mesh without "pp" for tensor and '
-            "data parallelism",
-        )
+    """`parallelize` on a mesh with a "pp" axis: the pipeline runtime (`autopar.compiler.pipeline`),
+    each stage compiled on the other axes by `_compile_module` when there are any."""
     if microbatches is None or isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise UsageError(
             f"a pipeline needs microbatches= (a positive int), got {microbatches!r}",
@@ -391,15 +461,43 @@ def _pipeline(
             f"schedule={schedule!r} on a pipeline mesh: name the pipeline schedule",
             hint='schedule="1f1b", "gpipe" or "interleaved-1f1b"',
         )
+    if options.inputs != GLOBAL:
+        raise UsageError(
+            'a pipeline takes the global batch on every rank (inputs="local" is not supported with a "pp" axis)',
+            hint='drop inputs="local"',
+        )
+    build_stage = None
+    pp_group = None
+    scatter = None
+    if mesh.ndim > 1:
+        names = tuple(mesh.mesh_dim_names or ())
+        _check_mesh(mesh)
+        groups = make_pipeline_groups(mesh, names.index("pp"), as_timeout(timeout))
+        stage_mesh = Mesh.from_device_mesh(mesh[tuple(n for n in names if n != "pp")])
+        autocast = compilable_autocast(("cpu", mesh.device_type))
+        seeded = torch.random.get_rng_state()
+        stage_options = dataclasses.replace(options, check_inputs=False)  # stages' inputs are the runtime's
+
+        def build_stage(module: nn.Module, args: tuple[Any, ...]) -> nn.Module:
+            return _compile_module(
+                module, stage_mesh, groups.stage, stage_options, args, None, args, None,
+                autocast=autocast, seeded=seeded,
+            )
+
+        pp_group = groups.pp
+        scatter = BoundaryScatter(groups.stage.world, stage_mesh.size, dist.get_rank(groups.stage.world))
     return pipeline_parallelize(
         model,
         mesh,
-        example_inputs,
+        tuple(example_inputs),
         microbatches=microbatches,
         schedule=name,
         stage_boundaries=stage_boundaries,
         virtual_stages=virtual_stages,
         hardware=hardware or "h100-nvlink-ib",
+        pp_group=pp_group,
+        build_stage=build_stage,
+        scatter=scatter,
     )
 
 

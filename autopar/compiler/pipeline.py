@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.compiler.pipeline_split import (
     PipelineSplitError,
@@ -27,11 +28,13 @@ from autopar.compiler.pipeline_split import (
     get_attr,
     split_stages,
 )
+from autopar.compiler.pipeline_stage import StageBuilder, StageModule, made_here, stage_arguments
 from autopar.core.errors import UsageError
 from autopar.core.pipeline_schedule import Schedule, schedule_by_name
 from autopar.passes.trace import trace
 from autopar.planning.stage_cut import StageCut, cut_stages
 from autopar.runtime.pipeline_runtime import (
+    BoundaryScatter,
     StageRunner,
     TensorSpec,
     broadcast_loss,
@@ -94,19 +97,21 @@ class _DepositGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, None, *(None if g is None else g * grad for g in ctx.grads))
+        scale = grad.item() if any(isinstance(g, DTensor) for g in ctx.grads) else grad
+        return (None, None, *(None if g is None else g * scale for g in ctx.grads))
 
 
 class PipelinedModule(nn.Module):
     """This rank's stages of a pipelined model. `pmodel(*batch)` runs one training step of the
     schedule and returns the batch's loss; under `torch.no_grad()` it runs the forwards only.
 
-    `parameters()` / `named_parameters()` are this rank's stages' parameters: the user's tensors
-    under the model's names (a tied weight held by several stages is one parameter on each rank
-    that holds it; its gradient is the sum over all of them). Attributes: `schedule`, `stages`
-    (this rank's stage indices), `boundaries` (the first module of each later stage), `stage_cut`
-    (the cost model's report when the cut was chosen, else None), `stage_modules` (the units each
-    stage holds)."""
+    `parameters()` / `named_parameters()` are this rank's stages' parameters under the model's
+    names: on a 1-D ("pp",) mesh the user's own tensors; with tensor axes beside "pp", the DTensor
+    blocks of each stage's parallel module (`stage_parallel`). A tied weight held by several stages
+    is one parameter on each rank that holds it; its gradient is the sum over all of them.
+    Attributes: `schedule`, `stages` (this rank's stage indices), `boundaries` (the first module of
+    each later stage), `stage_cut` (the cost model's report when the cut was chosen, else None),
+    `stage_modules` (the units each stage holds)."""
 
     def __init__(
         self,
@@ -115,25 +120,34 @@ class PipelinedModule(nn.Module):
         schedule: Schedule,
         boundaries: Sequence[str],
         stage_cut: StageCut | None,
+        *,
+        pp_group: dist.ProcessGroup | None = None,
+        build_stage: StageBuilder | None = None,
+        scatter: BoundaryScatter | None = None,
     ) -> None:
         super().__init__()
         self.__dict__["_model"] = model  # not a submodule: parameters() is this rank's only
         self.schedule = schedule
         self.boundaries = tuple(boundaries)
         self.stage_cut = stage_cut
-        self.group = mesh.get_group(0)
+        self.group = pp_group if pp_group is not None else mesh.get_group("pp")
         self.device = mesh.device_type
-        self.rank = mesh.get_local_rank(0)
+        self.rank = mesh.get_local_rank("pp")
         self.stages = schedule.placement.stages_of(self.rank)
         self.training = model.training
+        self._build_stage = build_stage
+        self._scatter = scatter
         self._programs: dict[tuple[Any, ...], StageProgram] = {}
         names: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), name)
         self._names = names
-        self._local: list[nn.Parameter] = []
-        self._shared: list[tuple[str, nn.Parameter]] = []
+        self._local: list[tuple[str, nn.Parameter]] = []
+        # shared weights: (name, the user's tensor, this rank's copies of it that stages train)
+        self._shared: list[tuple[str, nn.Parameter, list[nn.Parameter]]] = []
         self.stage_modules: tuple[tuple[str, ...], ...] = ()
+        self.__dict__["_stage_wrappers"] = {}  # stage -> StageModule (holds the user's tensors)
+        self.__dict__["stage_parallel"] = {}  # stage -> its parallel module on the tensor sub-mesh
 
     @property
     def _model(self) -> nn.Module:
@@ -141,9 +155,16 @@ class PipelinedModule(nn.Module):
         model: nn.Module = self.__dict__["_model"]
         return model
 
+    def train(self, mode: bool = True) -> PipelinedModule:
+        self.training = mode
+        for module in self.__dict__["stage_parallel"].values():
+            module.train(mode)
+        return self
+
     # -- parameters ---------------------------------------------------------------------------
 
-    def _stage_params(self, program: StageProgram, stage: int) -> list[nn.Parameter]:
+    def _user_params(self, program: StageProgram, stage: int) -> list[nn.Parameter]:
+        """The user's trainable tensors that stage `stage` reads."""
         found: dict[int, nn.Parameter] = {}
         for attr in program.stages[stage].attrs:
             value = program.constants.get(attr)
@@ -153,25 +174,52 @@ class PipelinedModule(nn.Module):
                 found.setdefault(id(value), value)
         return list(found.values())
 
+    def _stage_params(self, program: StageProgram, stage: int) -> list[nn.Parameter]:
+        """The tensors stage `stage` trains on this rank (its parallel module's, with tensor axes)."""
+        parallel = self.__dict__["stage_parallel"].get(stage)
+        if parallel is None:
+            return self._user_params(program, stage)
+        return [p for p in parallel.parameters() if p.requires_grad]
+
+    def _copies(self) -> tuple[list[tuple[str, nn.Parameter]], dict[int, list[nn.Parameter]]]:
+        """This rank's trained tensors by name, and the copies of each user tensor among them."""
+        local: list[tuple[str, nn.Parameter]] = []
+        copies: dict[int, list[nn.Parameter]] = {}
+        wrappers: dict[int, StageModule] = self.__dict__["_stage_wrappers"]
+        for s in self.stages:
+            parallel = self.__dict__["stage_parallel"].get(s)
+            if parallel is None:
+                continue
+            for name, p in parallel.named_parameters():
+                if p.requires_grad:
+                    user = get_attr(wrappers[s], name)
+                    local.append((self._names.get(id(user), name), p))
+                    copies.setdefault(id(user), []).append(p)
+        return local, copies
+
     def _first_program(self, program: StageProgram) -> None:
         """Which parameters this rank holds and which are held on several ranks (summed)."""
         holders: dict[int, set[int]] = {}
-        by_id: dict[int, nn.Parameter] = {}
         for s in range(self.schedule.num_stages):
-            for p in self._stage_params(program, s):
+            for p in self._user_params(program, s):
                 holders.setdefault(id(p), set()).add(self.schedule.placement.rank_of(s))
-                by_id[id(p)] = p
-        mine = {id(p) for s in self.stages for p in self._stage_params(program, s)}
-        order = [p for p in self._model.parameters() if id(p) in by_id]
-        self._local = [p for p in order if id(p) in mine]
-        self._shared = [(self._names[id(p)], p) for p in order if len(holders[id(p)]) > 1]
+        order = [p for p in self._model.parameters() if id(p) in holders]
+        if self.__dict__["stage_parallel"]:
+            self._local, copies = self._copies()
+        else:
+            mine = {id(p) for s in self.stages for p in self._user_params(program, s)}
+            self._local = [(self._names[id(p)], p) for p in order if id(p) in mine]
+            copies = {id(p): [p] for _, p in self._local}
+        self._shared = [
+            (self._names[id(p)], p, copies.get(id(p), [])) for p in order if len(holders[id(p)]) > 1
+        ]
         self.stage_modules = program.stage_units
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        for p in self._local:
-            yield prefix + self._names[id(p)], p
+        for name, p in self._local:
+            yield prefix + name, p
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -185,12 +233,38 @@ class PipelinedModule(nn.Module):
                 found = split_stages(self._model, flat, args, self.boundaries, self.schedule.num_stages)
             finally:
                 self._model.train(was)
+            if self._build_stage is not None:
+                self._add_stage_programs(found, flat)
             if not self._programs:
                 self._first_program(found)
             self._programs[key] = found
         else:
             self._programs[key] = self._programs.pop(key)  # most recently used last
         return found
+
+    def _add_stage_programs(self, program: StageProgram, flat: Sequence[Any]) -> None:
+        """Give each of this rank's stage modules its program for this microbatch shape; the first
+        time, plan and compile each stage on the tensor sub-mesh (`build_stage`)."""
+        assert self._build_stage is not None
+        wrappers: dict[int, StageModule] = self.__dict__["_stage_wrappers"]
+        parallel: dict[int, nn.Module] = self.__dict__["stage_parallel"]
+        for s in self.stages:
+            graph = program.stages[s]
+            received = [
+                torch.zeros(spec.shape, dtype=spec.dtype, device=self.device).requires_grad_(
+                    spec.differentiable
+                )
+                for spec in graph.input_specs
+            ]
+            args = stage_arguments(graph, flat, received)
+            if s in wrappers:
+                wrappers[s].add(graph, args, self.training)
+                continue
+            wrapper = StageModule(self._model, graph, program.constants)
+            wrapper.train(self.training)
+            wrapper.add(graph, args, self.training)
+            wrappers[s] = wrapper
+            parallel[s] = self._build_stage(wrapper, args)
 
     def forward(self, *args: Any) -> torch.Tensor:
         schedule = self.schedule
@@ -221,6 +295,7 @@ class PipelinedModule(nn.Module):
             loss_scale=1.0 / denominator if denominator else math.inf,
             forward_only=forward_only,
             device=self.device,
+            scatter=self._scatter,
         )
         last_rank = schedule.placement.rank_of(schedule.num_stages - 1)
         total = None if result.loss is None else result.loss / denominator
@@ -232,13 +307,8 @@ class PipelinedModule(nn.Module):
             for p, g in zip(runners[s].params, stage_grads, strict=True):
                 if g is not None:
                     grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
-        summed = sum_shared_grads(
-            [(p.shape, p.dtype, grads.get(id(p))) for _, p in self._shared], self.group, self.device
-        )
-        for (_, p), g in zip(self._shared, summed, strict=True):
-            if any(p is q for q in self._local):
-                grads[id(p)] = g
-        params = list(self._local)
+        self._sum_shared(grads)
+        params = [p for _, p in self._local]
         ordered = [grads.get(id(p)) for p in params]
         if not params:  # a rank without trainable parameters: the loss still takes .backward()
             params = [nn.Parameter(torch.zeros(()))]
@@ -246,7 +316,32 @@ class PipelinedModule(nn.Module):
         out: torch.Tensor = _DepositGradients.apply(loss, ordered, *params)  # type: ignore[no-untyped-call]
         return out
 
+    def _sum_shared(self, grads: dict[int, torch.Tensor]) -> None:
+        """A weight several stages read (a tied embedding and head) gets the sum of their gradients
+        on every copy: whole tensors summed over the pp group, each copy then given its block."""
+        whole = []
+        for _, user, copies in self._shared:
+            total = None
+            for copy in copies:
+                g = grads.get(id(copy))
+                if g is not None:
+                    g = g.full_tensor() if isinstance(g, DTensor) else g
+                    total = g if total is None else total + g
+            whole.append((user.shape, user.dtype, total))
+        summed = sum_shared_grads(whole, self.group, self.device)
+        for (_, _, copies), g in zip(self._shared, summed, strict=True):
+            for copy in copies:
+                if isinstance(copy, DTensor):
+                    grads[id(copy)] = distribute_tensor(
+                        g, copy.device_mesh, copy.placements, src_data_rank=None
+                    )
+                else:
+                    grads[id(copy)] = g
+
     def _stage_forward(self, stage: int, programs: list[StageProgram], flats: list[list[Any]]) -> Any:
+        parallel = self.__dict__["stage_parallel"].get(stage)
+        if parallel is not None:
+            return self._parallel_stage_forward(stage, parallel, programs, flats)
         model = self._model
 
         def run(m: int, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -263,6 +358,25 @@ class PipelinedModule(nn.Module):
                     args.append(values[what])
             outs = graph.module(*args)
             values.update(zip(graph.outputs, outs, strict=True))
+            return [values[name] for name in graph.crossing_out]
+
+        return run
+
+    @staticmethod
+    def _parallel_stage_forward(
+        stage: int, parallel: nn.Module, programs: list[StageProgram], flats: list[list[Any]]
+    ) -> Any:
+        """Stage `stage` run by its parallel module: its outputs come back as DTensors, made whole
+        here (free for a replicated one; a split one is gathered inside the stage's slice, whose
+        links are the fast ones) so that each rank sends its 1/t of them (`BoundaryScatter`)."""
+
+        def run(m: int, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+            graph = programs[m].stages[stage]
+            outs = parallel(*stage_arguments(graph, flats[m], received))
+            outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+            values: dict[str, Any] = dict(zip(graph.crossing_in, received, strict=True))
+            whole = [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
+            values.update(zip(made_here(graph), whole, strict=True))
             return [values[name] for name in graph.crossing_out]
 
         return run
@@ -286,20 +400,29 @@ def pipeline_parallelize(
     stage_boundaries: Sequence[str] | None = None,
     virtual_stages: int = 1,
     hardware: str = "h100-nvlink-ib",
+    pp_group: dist.ProcessGroup | None = None,
+    build_stage: StageBuilder | None = None,
+    scatter: BoundaryScatter | None = None,
 ) -> PipelinedModule:
-    """Cut `model` into `pp * virtual_stages` stages over the 1-D mesh `mesh` (axis "pp") and return
-    this rank's part. Every rank calls it with the same model and example batch.
+    """Cut `model` into `pp * virtual_stages` stages over the axis "pp" of `mesh` and return this
+    rank's part. Every rank calls it with the same model and example batch.
+
+    On a mesh with other axes too, `build_stage` compiles each stage module on the tensor
+    sub-mesh (the caller's `parallelize` with the sub-mesh's groups), `pp_group` is this rank's
+    pipeline group and `scatter` how boundary tensors are split among the slice's ranks.
 
     The cut is the cost model's (`autopar.planning.stage_cut.cut_stages` on the joint trace, priced
     on `hardware`) unless `stage_boundaries` names the first module of every stage after the first.
     `schedule`: "1f1b", "gpipe" or "interleaved-1f1b" (with `virtual_stages` > 1); "zero-bubble"
     raises `UnsupportedScheduleError`."""
-    if mesh.ndim != 1 or tuple(mesh.mesh_dim_names or ()) != ("pp",):
+    names = tuple(mesh.mesh_dim_names or ())
+    if "pp" not in names or (mesh.ndim > 1 and build_stage is None):
         raise UsageError(
-            f"pipeline_parallelize takes a 1-D mesh whose axis is named 'pp', got dims {mesh.mesh_dim_names}",
-            hint='init_device_mesh("cpu", (p,), mesh_dim_names=("pp",))',
+            f"pipeline_parallelize takes a mesh with an axis named 'pp' (and, beside it, a stage builder "
+            f"for the tensor axes), got dims {mesh.mesh_dim_names}",
+            hint='init_device_mesh("cpu", (p,), mesh_dim_names=("pp",)), or autopar.parallelize for more axes',
         )
-    pp = mesh.size(0)
+    pp = mesh.size(names.index("pp"))
     plan = schedule_by_name(schedule, pp, virtual_stages, microbatches)
     check_supported(plan)
     example = tuple(example_inputs)
@@ -319,10 +442,9 @@ def pipeline_parallelize(
             boundaries: list[str] = list(cut.boundaries)
         else:
             boundaries = []
-        # Every rank must cut alike: rank 0's choice is the one used.
+        # Every rank must cut alike: the first rank's choice is the one used.
         box: list[Any] = [boundaries]
-        group = mesh.get_group(0)
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        dist.broadcast_object_list(box, src=int(mesh.mesh.min()))
         boundaries = list(box[0])
     else:
         boundaries = list(stage_boundaries)
@@ -331,7 +453,9 @@ def pipeline_parallelize(
             f"{plan.num_stages} stages need {plan.num_stages - 1} stage boundaries, got {len(boundaries)}",
             hint="name the first module of every stage after the first",
         )
-    pmodel = PipelinedModule(model, mesh, plan, boundaries, cut)
+    pmodel = PipelinedModule(
+        model, mesh, plan, boundaries, cut, pp_group=pp_group, build_stage=build_stage, scatter=scatter
+    )
     pieces = split_microbatches(example, microbatches)
     pmodel._program(pytree.tree_leaves(pieces[0]), pieces[0])  # export and cut now: errors show here
     return pmodel

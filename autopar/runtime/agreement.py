@@ -18,9 +18,10 @@ T = TypeVar("T")
 
 
 def decided_on_rank0(decide: Callable[[], T], what: str, group: dist.ProcessGroup | None = None) -> T:
-    """`decide()` on rank 0, its result (or its error) on every rank (of `group`: all ranks)."""
+    """`decide()` on rank 0 of `group` (default: all ranks), its result (or its error) on every
+    rank of the group."""
     payload: list[Any] = [None]
-    if dist.get_rank() == 0:
+    if dist.get_rank(group) == 0:
         try:
             payload[0] = ("value", decide())
         except Exception as exc:  # every rank must hear about it, whatever it is
@@ -28,7 +29,7 @@ def decided_on_rank0(decide: Callable[[], T], what: str, group: dist.ProcessGrou
                 exc if isinstance(exc, AutoparError) else AutoparError(f"{what} failed on rank 0: {exc!r}")
             )
             payload[0] = ("error", error)
-    dist.broadcast_object_list(payload, src=0, group=group)
+    dist.broadcast_object_list(payload, group=group, group_src=0)
     kind, value = payload[0]
     if kind == "error":
         raise value

@@ -39,7 +39,9 @@ class Groups:
 def as_timeout(value: float | timedelta) -> timedelta:
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if not seconds > 0:
-        raise UsageError(f"timeout must be a positive number of seconds, got {value!r}", hint="for example 300")
+        raise UsageError(
+            f"timeout must be a positive number of seconds, got {value!r}", hint="for example 300"
+        )
     return timedelta(seconds=seconds)
 
 
@@ -55,6 +57,36 @@ def make_groups(device_mesh: DeviceMesh, timeout: timedelta) -> Groups:
         mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
         names.append(mine.group_name)
     return Groups(world, tuple(names), timeout)
+
+
+@dataclass(frozen=True)
+class PipelineGroups:
+    """The groups of a mesh with a pipeline axis: `stage` are a stage's groups on its tensor sub-mesh
+    (its `world` is this rank's slice: the ranks that run the same stages), `pp` this rank's
+    pipeline group (the ranks at its sub-mesh coordinates, one per pipeline rank)."""
+
+    stage: Groups
+    pp: dist.ProcessGroup
+
+
+def make_pipeline_groups(device_mesh: DeviceMesh, pp_axis: int, timeout: timedelta) -> PipelineGroups:
+    """`make_groups` for a mesh with a pipeline axis: every rank meets, then builds every axis's
+    groups and one per pipeline slice (a collective call: every rank runs it in the same order)."""
+    meet_every_rank(timeout)
+    ranks = device_mesh.mesh
+    names = []
+    pp_group = None
+    for axis in range(ranks.ndim):
+        rows = ranks.movedim(axis, -1).reshape(-1, ranks.shape[axis]).tolist()
+        mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
+        if axis == pp_axis:
+            pp_group = mine
+        else:
+            names.append(mine.group_name)
+    slices = ranks.movedim(pp_axis, 0).reshape(ranks.shape[pp_axis], -1).tolist()
+    stage_world, _ = dist.new_subgroups_by_enumeration(slices, timeout=timeout)
+    assert pp_group is not None
+    return PipelineGroups(Groups(stage_world, tuple(names), timeout), pp_group)
 
 
 def meet_every_rank(timeout: timedelta) -> None:
@@ -146,7 +178,8 @@ def is_collective_failure(exc: BaseException) -> bool:
     """A failure of the transport or a wait, as opposed to an error of this rank's own computation."""
     text = f"{type(exc).__name__}: {exc}"
     return isinstance(exc, dist.DistError) or any(
-        mark in text for mark in ("gloo", "Connection closed", "Timed out", "timed out", "NCCL", "DistBackendError")
+        mark in text
+        for mark in ("gloo", "Connection closed", "Timed out", "timed out", "NCCL", "DistBackendError")
     )
 
 

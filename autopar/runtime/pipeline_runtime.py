@@ -11,6 +11,7 @@ one rank pass their values locally, without a message.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -69,6 +70,36 @@ class StepResult:
     grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class BoundaryScatter:
+    """With tensor axes beside "pp", every rank of a stage's slice holds each boundary tensor whole;
+    each sends only its 1/`size` of it (flat chunk `index`, zero-padded) to the rank at its own
+    sub-mesh coordinates in the next stage, and the receiving slice all-gathers the chunks over
+    `group` (PTD-P's scatter/gather: the slow pipeline links carry 1/t of the tensor per rank)."""
+
+    group: dist.ProcessGroup
+    size: int
+    index: int
+
+    def chunk(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of `t` (flattened, padded to a multiple of `size`)."""
+        flat = t.detach().reshape(-1)
+        per = -(-flat.numel() // self.size)
+        piece = flat[self.index * per : (self.index + 1) * per]
+        if piece.numel() < per:
+            piece = torch.cat([piece, piece.new_zeros(per - piece.numel())])
+        return piece.contiguous()
+
+    def chunk_numel(self, spec: TensorSpec) -> int:
+        return -(-math.prod(spec.shape) // self.size)
+
+    def gather(self, piece: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+        """The whole tensor from every rank's chunk (one all-gather over the slice)."""
+        out = piece.new_empty(piece.numel() * self.size)
+        dist.all_gather_single(out, piece, group=self.group)
+        return out[: math.prod(spec.shape)].view(spec.shape).clone()
+
+
 _DIRECTIONS = {ActionKind.SEND_F: 0, ActionKind.RECV_F: 0, ActionKind.SEND_B: 1, ActionKind.RECV_B: 1}
 
 
@@ -113,8 +144,10 @@ class _Step:
         loss_scale: float,
         forward_only: bool,
         device: torch.device,
+        scatter: BoundaryScatter | None = None,
     ) -> None:
         self.schedule = schedule
+        self.scatter = scatter
         self.device = device
         self.rank = rank
         self.stages = stages
@@ -168,7 +201,7 @@ class _Step:
         assert a.peer is not None
         for i, t in enumerate(tensors):
             tag = message_tag(a.kind, a.stage, a.microbatch, i, self.schedule)
-            data = t.detach().contiguous()
+            data = self.scatter.chunk(t) if self.scatter is not None else t.detach().contiguous()
             work = dist.isend(data, self.global_rank[a.peer], group=self.group, tag=tag)
             if work is not None:
                 self.sends.append((work, data))
@@ -177,12 +210,13 @@ class _Step:
         assert a.peer is not None
         out = []
         for i, spec in enumerate(specs):
-            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            shape = (self.scatter.chunk_numel(spec),) if self.scatter is not None else spec.shape
+            buf = torch.empty(shape, dtype=spec.dtype, device=self.device)
             tag = message_tag(a.kind, a.stage, a.microbatch, i, self.schedule)
             work = dist.irecv(buf, self.global_rank[a.peer], group=self.group, tag=tag)
             if work is not None:
                 work.wait()
-            out.append(buf)
+            out.append(self.scatter.gather(buf, spec) if self.scatter is not None else buf)
         return out
 
     def forward(self, stage: int, m: int) -> None:
@@ -249,6 +283,7 @@ def run_step(
     loss_scale: float,
     forward_only: bool = False,
     device: torch.device | str = "cpu",
+    scatter: BoundaryScatter | None = None,
 ) -> StepResult:
     """Run rank `rank`'s action list of `schedule` once: every forward and backward of the step.
 
@@ -256,7 +291,8 @@ def run_step(
     rank r). Each microbatch's backward starts from `loss_scale` as the gradient of its loss term,
     so the step's gradients are those of `loss_scale * sum of terms`. `forward_only` runs the
     forwards and their messages only (no autograd graph is kept). Receive buffers are made on
-    `device` (the mesh's)."""
+    `device` (the mesh's). `scatter`: with tensor axes, each rank sends its chunk of every
+    boundary tensor and the receiving slice gathers them (`BoundaryScatter`)."""
     check_supported(schedule)
     missing = sorted(set(schedule.placement.stages_of(rank)) - set(stages))
     if missing:
@@ -267,7 +303,7 @@ def run_step(
     if forward_only:
         keep = {ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F}
         actions = tuple(a for a in actions if a.kind in keep)
-    step = _Step(schedule, rank, stages, group, loss_scale, forward_only, torch.device(device))
+    step = _Step(schedule, rank, stages, group, loss_scale, forward_only, torch.device(device), scatter)
     if forward_only:
         with torch.no_grad():
             return step.run(actions)

@@ -1,0 +1,113 @@
+"""A pipeline stage as a module of its own, so that the tensor search plans it on the stage's
+sub-mesh like any model (docs/pipeline.md#tensor-axes-inside-each-stage).
+
+`StageModule` holds the parameters and buffers that one stage reads, under their names in the
+user's model (the parallel stage's DTensor parameters keep those names, so checkpoints and
+optimizers see the model's names), and runs the stage's program for its inputs. A stage has one
+program per microbatch shape (export specializes shapes); the module picks the one its inputs fit,
+so later shapes (a smaller last batch) compile through the parallel module's own program cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.compiler.pipeline_split import StageGraph, get_attr
+from autopar.core.errors import AutoparError
+
+# Compiles a stage module on the stage's tensor sub-mesh, given its example arguments, and returns
+# the parallel module this rank runs; every rank of the stage's slice calls it together.
+StageBuilder = Callable[[nn.Module, tuple[Any, ...]], nn.Module]
+
+Signature = tuple[tuple[tuple[int, ...], torch.dtype] | str, ...]
+
+
+def signature_of(args: Sequence[Any]) -> Signature:
+    """What picks a stage program: each argument's shape and dtype (other values by their repr)."""
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a) for a in args)
+
+
+class _Programs:
+    """A stage's programs by argument signature, shared (not copied) by the module's meta copies
+    that later compiles trace."""
+
+    def __init__(self) -> None:
+        self.by_call: dict[tuple[bool, Signature], StageGraph] = {}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Programs:
+        return self
+
+
+class StageModule(nn.Module):
+    """Stage `index` of a pipelined model: `forward(*args)` takes the stage's arguments (the
+    user's inputs it reads and the values it receives, in `StageGraph.sources` order without the
+    attributes) and returns the values it makes that cross the next boundary (the last stage: its
+    microbatch's loss term)."""
+
+    def __init__(self, model: nn.Module, first: StageGraph, constants: dict[str, Any]) -> None:
+        super().__init__()
+        self.index = first.index
+        self.attrs = first.attrs
+        for name in first.attrs:
+            value = constants[name] if name in constants else get_attr(model, name)
+            _place(self, name, value, constant=name in constants)
+        self._programs = _Programs()
+
+    def add(self, graph: StageGraph, args: Sequence[Any], training: bool) -> None:
+        """Run `graph` for calls in mode `training` whose arguments look like `args` (one
+        microbatch shape; eval's program differs from training's, e.g. without dropout)."""
+        if graph.attrs != self.attrs:
+            raise AutoparError(
+                f"stage {self.index} reads other parameters for another input shape "
+                f"({sorted(set(graph.attrs) ^ set(self.attrs))})",
+                hint="the pipeline needs every microbatch shape to run the same modules in each stage",
+            )
+        self._programs.by_call.setdefault((training, signature_of(args)), graph)
+
+    def forward(self, *args: Any) -> tuple[Any, ...]:
+        graph = self._programs.by_call.get((self.training, signature_of(args)))
+        if graph is None:
+            raise AutoparError(
+                f"stage {self.index} has no program for arguments {signature_of(args)}",
+                hint="this is a bug in autopar's pipeline: every microbatch shape is cut before it runs",
+            )
+        given = iter(args)
+        full = [get_attr(self, what) if kind == "attr" else next(given) for kind, what in graph.sources]
+        outs = graph.module(*full)
+        made = dict(zip(graph.outputs, outs, strict=True))
+        return tuple(made[name] for name in graph.crossing_out if name in made)
+
+
+def stage_arguments(graph: StageGraph, flat: Sequence[Any], received: Sequence[Any]) -> tuple[Any, ...]:
+    """The arguments of the stage's module for one microbatch: its flat inputs and what it received."""
+    values = dict(zip(graph.crossing_in, received, strict=True))
+    return tuple(
+        flat[what] if kind == "input" else values[what] for kind, what in graph.sources if kind != "attr"
+    )
+
+
+def made_here(graph: StageGraph) -> list[str]:
+    """The values of `crossing_out` that the stage computes (the others pass through it)."""
+    return [name for name in graph.crossing_out if name in set(graph.outputs)]
+
+
+def _place(root: nn.Module, qualname: str, value: Any, constant: bool) -> None:
+    """Register `value` at `qualname` under `root`, making the plain container modules on its path."""
+    *path, leaf = qualname.split(".")
+    module = root
+    for part in path:
+        child = module._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    if isinstance(value, nn.Parameter):
+        module.register_parameter(leaf, value)
+    elif isinstance(value, torch.Tensor):
+        module.register_buffer(leaf, value, persistent=not constant)
+    else:
+        setattr(module, leaf, value)

@@ -1,0 +1,152 @@
+"""A pipeline axis beside tensor axes (docs/pipeline.md#tensor-axes-inside-each-stage): each stage
+planned by the tensor search on its sub-mesh, boundary tensors moved as 1/t chunks per rank. Loss,
+every gradient and the parameters after two SGD-with-momentum steps equal the serial model's on 8
+real gloo ranks; each rank stores its stages' blocks only and sends only its chunk."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import run_ranks, train_side_by_side
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import autopar
+from autopar.runtime.pipeline_runtime import BoundaryScatter, TensorSpec
+from examples.models import make_gpt
+
+TOL = {"rtol": 1e-4, "atol": 1e-6}
+
+
+def _gpt(n_layer: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """A GPT (tied embedding and head) whose ignored targets differ per microbatch: part of sample
+    0, all of sample 5, one token of sample 2."""
+    model, (idx, targets) = make_gpt(0, batch_size=8, n_layer=n_layer)
+    targets = targets.clone()
+    targets[0, :5] = -100
+    targets[5, :] = -100
+    targets[2, 3] = -100
+    return model, (idx, targets)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _compare(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """One configuration against serial; what this rank stored and sent."""
+    model, batch = _gpt(case["layers"])
+    serial = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", case["shape"], mesh_dim_names=case["names"])
+    pmodel = autopar.parallelize(
+        model,
+        mesh,
+        example_inputs=batch,
+        microbatches=case["M"],
+        schedule=case.get("schedule", "1f1b"),
+        stage_boundaries=case.get("boundaries"),
+        virtual_stages=case.get("v", 1),
+    )
+    sent: list[int] = []
+    isend = dist.isend
+
+    def counting_isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent.append(tensor.numel())
+        return isend(tensor, *args, **kwargs)
+
+    dist.isend = counting_isend  # type: ignore[assignment]  # this rank's process only
+    try:
+        losses = train_side_by_side([(pmodel, batch), (serial, batch)], steps=2)
+    finally:
+        dist.isend = isend  # type: ignore[assignment]
+    for step in range(2):
+        torch.testing.assert_close(losses[2 * step], losses[2 * step + 1], **TOL)
+    ref = dict(serial.named_parameters())
+    stored = 0
+    names = []
+    for name, p in pmodel.named_parameters():
+        assert isinstance(p, DTensor), name
+        torch.testing.assert_close(_whole(p.grad), ref[name].grad, **TOL, msg=f"{case} grad {name}")
+        torch.testing.assert_close(_whole(p.detach()), ref[name].detach(), **TOL, msg=f"{case} param {name}")
+        stored += p.to_local().numel()
+        names.append(name)
+    width = dict(model.named_parameters())["wte.weight"].shape[1]
+    hidden = batch[0].shape[1] * width  # one sample's activation, whole
+    return {"names": names, "stored": stored, "sent": sent, "hidden": hidden}
+
+
+def _job(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [_compare(rank, world, case) for case in cases]
+
+
+def _check_storage_and_messages(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]]) -> None:
+    for i, case in enumerate(cases):
+        model, _ = _gpt(case["layers"])
+        total = sum(p.numel() for p in model.parameters())
+        held = {name for rank in results for name in rank[i]["names"]}
+        assert held == {n for n, _ in model.named_parameters()}
+        stored = sum(rank[i]["stored"] for rank in results)
+        # every weight is stored once per slice-coordinate at most: about total, far below world * total
+        assert stored < 2 * total, (stored, total)
+        t = math.prod(case["shape"]) // case["shape"][case["names"].index("pp")]
+        for rank in results:
+            microbatch = 8 // case["M"]
+            whole = microbatch * rank[i]["hidden"]
+            # a boundary message is one rank's chunk of an activation: 1/t of it, never the whole
+            assert rank[i]["sent"], "a pipeline rank sends"
+            assert max(rank[i]["sent"]) <= -(-(whole + (8 % case["M"] > 0) * rank[i]["hidden"]) // t)
+
+
+@pytest.mark.multirank
+def test_pp2_by_2x2_chosen_cut_and_interleaved() -> None:
+    """pp=2 x (2,2): 1F1B on 3 layers with the cost model's cut (uneven depth), then interleaved
+    1F1B with two virtual stages per rank and M = p."""
+    cases: list[dict[str, Any]] = [
+        {"shape": (2, 2, 2), "names": ("pp", "x", "y"), "layers": 3, "M": 4},
+        {
+            "shape": (2, 2, 2),
+            "names": ("pp", "x", "y"),
+            "layers": 4,
+            "M": 2,
+            "schedule": "interleaved-1f1b",
+            "v": 2,
+            "boundaries": ["blocks.1", "blocks.2", "blocks.3"],
+        },
+    ]
+    results = run_ranks(8, _job, cases, timeout=400)
+    _check_storage_and_messages(results, cases)
+
+
+@pytest.mark.multirank
+def test_pp4_by_2_uneven_microbatches() -> None:
+    """pp=4 x 2 with M = 6 (not a multiple of p; microbatches of 2 and 1 samples, one with every
+    target ignored): two microbatch shapes, so every stage compiles a second program."""
+    cases: list[dict[str, Any]] = [
+        {
+            "shape": (4, 2),
+            "names": ("pp", "tp"),
+            "layers": 4,
+            "M": 6,
+            "boundaries": ["blocks.1", "blocks.2", "blocks.3"],
+        }
+    ]
+    results = run_ranks(8, _job, cases, timeout=400)
+    _check_storage_and_messages(results, cases)
+
+
+def test_boundary_chunks_cover_the_tensor() -> None:
+    """In process: the chunks of every rank, concatenated, are the flattened tensor (zero-padded to a
+    multiple of the slice size), for sizes that do and do not divide."""
+    for numel, size in [(12, 4), (13, 4), (3, 4), (7, 1)]:
+        t = torch.arange(float(numel)).reshape(-1, 1)
+        spec = TensorSpec(tuple(t.shape), t.dtype)
+        pieces = [BoundaryScatter(None, size, i).chunk(t) for i in range(size)]  # type: ignore[arg-type]
+        assert all(p.numel() == BoundaryScatter(None, size, 0).chunk_numel(spec) for p in pieces)  # type: ignore[arg-type]
+        joined = torch.cat(pieces)
+        assert torch.equal(joined[:numel], t.reshape(-1))
+        assert torch.equal(joined[numel:], torch.zeros(joined.numel() - numel))
