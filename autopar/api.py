@@ -73,8 +73,8 @@ def parallelize(
     A mesh whose one axis is named "pp" is a pipeline (docs/pipeline.md): the model is cut into
     stages by the cost model (or at `stage_boundaries`, the first module of each later stage),
     `microbatches` is required, and `schedule` names the pipeline schedule ("1f1b" by default,
-    "gpipe", "interleaved-1f1b" with `virtual_stages` > 1). A "pp" axis beside tensor axes is not
-    run yet.
+    "gpipe", "interleaved-1f1b" with `virtual_stages` > 1). Beside other axes, each stage is
+    planned on them with the tensor search (docs/pipeline.md#tensor-axes-inside-each-stage).
 
     `dump_dir` (or the AUTOPAR_DUMP_DIR environment variable) writes each stage's graph with its
     layouts, local shapes and collectives to `<dir>/rank<r>/`. `schedule=False` skips bucketing and
@@ -498,6 +498,7 @@ def _pipeline(
         pp_group=pp_group,
         build_stage=build_stage,
         scatter=scatter,
+        dump_dir=options.dump_dir,
     )
 
 

@@ -79,6 +79,12 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> list[str]:
         assert pmodel.stage_cut is not None and pmodel.boundaries == pmodel.stage_cut.boundaries
     losses = train_side_by_side([(pmodel, batch), (serial, batch)], steps=2)
     assert len(set(pmodel.stages)) == pmodel.schedule.v
+    report = pmodel.timeline_report  # the modeled step: the cut's when chosen, else unit times
+    assert (report.pp, report.virtual_stages, report.microbatches) == (world, case.get("v", 1), case["M"])
+    assert report.ideal_ratio == pytest.approx((world - 1) / (case.get("v", 1) * case["M"]))
+    if pmodel.stage_cut is not None:
+        assert report.step_time == pytest.approx(pmodel.stage_cut.makespan)
+        assert report.bubble_fraction == pytest.approx(pmodel.stage_cut.bubble)
     for step in range(2):
         torch.testing.assert_close(losses[2 * step], losses[2 * step + 1], **TOL)
     ref = dict(serial.named_parameters())

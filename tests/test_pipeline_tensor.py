@@ -6,7 +6,10 @@ real gloo ranks; each rank stores its stages' blocks only and sends only its chu
 from __future__ import annotations
 
 import copy
+import json
 import math
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,7 +54,14 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         schedule=case.get("schedule", "1f1b"),
         stage_boundaries=case.get("boundaries"),
         virtual_stages=case.get("v", 1),
+        dump_dir=case.get("dump_dir"),
     )
+    if rank == 0 and case.get("dump_dir"):  # the modeled pipeline timeline, beside the stages' dumps
+        written = {p.name for p in (Path(case["dump_dir"]) / "rank0").iterdir()}
+        assert {"pipeline.json", "pipeline.png", "pipeline.txt"} <= written, written
+        trace = json.loads((Path(case["dump_dir"]) / "rank0" / "pipeline.json").read_text())
+        rows = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+        assert len(rows) == case["shape"][0], rows  # one row per pipeline rank
     sent: list[int] = []
     isend = dist.isend
 
@@ -107,7 +117,7 @@ def test_pp2_by_2x2_chosen_cut_and_interleaved() -> None:
     """pp=2 x (2,2): 1F1B on 3 layers with the cost model's cut (uneven depth), then interleaved
     1F1B with two virtual stages per rank and M = p."""
     cases: list[dict[str, Any]] = [
-        {"shape": (2, 2, 2), "names": ("pp", "x", "y"), "layers": 3, "M": 4},
+        {"shape": (2, 2, 2), "names": ("pp", "x", "y"), "layers": 3, "M": 4, "dump_dir": tempfile.mkdtemp()},
         {
             "shape": (2, 2, 2),
             "names": ("pp", "x", "y"),

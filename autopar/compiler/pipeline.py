@@ -12,7 +12,9 @@ wired into `autopar.parallelize` yet.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,8 +33,16 @@ from autopar.compiler.pipeline_split import (
 from autopar.compiler.pipeline_stage import StageBuilder, StageModule, made_here, stage_arguments
 from autopar.core.errors import UsageError
 from autopar.core.pipeline_schedule import Schedule, schedule_by_name
+from autopar.core.pipeline_simulate import Timeline, simulate
 from autopar.passes.trace import trace
 from autopar.planning.stage_cut import StageCut, cut_stages
+from autopar.reporting.dump import dump_dir_from
+from autopar.reporting.pipeline_views import (
+    PipelineTimelineReport,
+    timeline_report,
+    write_pipeline_chrome_trace,
+    write_pipeline_png,
+)
 from autopar.runtime.pipeline_runtime import (
     BoundaryScatter,
     StageRunner,
@@ -160,6 +170,29 @@ class PipelinedModule(nn.Module):
         for module in self.__dict__["stage_parallel"].values():
             module.train(mode)
         return self
+
+    # -- the modeled step ---------------------------------------------------------------------
+
+    def _modeled(self) -> tuple[Timeline, str]:
+        """The stage cut's simulated step (seconds), or the schedule at unit durations when the
+        user forced the cut."""
+        if self.stage_cut is not None:
+            return self.stage_cut.timeline, "s"
+        return simulate(self.schedule), "units"
+
+    @property
+    def timeline_report(self) -> PipelineTimelineReport:
+        """The modeled step's bubble beside (p-1)/(v*m), busy time per stage and rank."""
+        timeline, unit = self._modeled()
+        return timeline_report(timeline, time_unit=unit)
+
+    def write_pipeline_timeline(self, path: str | os.PathLike[str]) -> None:
+        """pipeline.json (Chrome / Perfetto trace), pipeline.png and pipeline.txt in `path`."""
+        where = Path(path)
+        timeline, unit = self._modeled()
+        write_pipeline_chrome_trace(where / "pipeline.json", timeline, time_unit=unit)
+        write_pipeline_png(where / "pipeline.png", timeline, time_unit=unit)
+        (where / "pipeline.txt").write_text(str(timeline_report(timeline, time_unit=unit)) + "\n")
 
     # -- parameters ---------------------------------------------------------------------------
 
@@ -403,6 +436,7 @@ def pipeline_parallelize(
     pp_group: dist.ProcessGroup | None = None,
     build_stage: StageBuilder | None = None,
     scatter: BoundaryScatter | None = None,
+    dump_dir: str | os.PathLike[str] | None = None,
 ) -> PipelinedModule:
     """Cut `model` into `pp * virtual_stages` stages over the axis "pp" of `mesh` and return this
     rank's part. Every rank calls it with the same model and example batch.
@@ -410,6 +444,7 @@ def pipeline_parallelize(
     On a mesh with other axes too, `build_stage` compiles each stage module on the tensor
     sub-mesh (the caller's `parallelize` with the sub-mesh's groups), `pp_group` is this rank's
     pipeline group and `scatter` how boundary tensors are split among the slice's ranks.
+    `dump_dir` (or AUTOPAR_DUMP_DIR): rank 0 writes the modeled pipeline timeline there.
 
     The cut is the cost model's (`autopar.planning.stage_cut.cut_stages` on the joint trace, priced
     on `hardware`) unless `stage_boundaries` names the first module of every stage after the first.
@@ -458,4 +493,8 @@ def pipeline_parallelize(
     )
     pieces = split_microbatches(example, microbatches)
     pmodel._program(pytree.tree_leaves(pieces[0]), pieces[0])  # export and cut now: errors show here
+    if dist.get_rank() == 0:
+        path = dump_dir_from(dump_dir, 0)
+        if path is not None:
+            pmodel.write_pipeline_timeline(path)
     return pmodel
