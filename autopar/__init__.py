@@ -21,10 +21,10 @@ from autopar.core.layout import Layout, Partial, Replicate, Shard
 from autopar.core.mesh import Mesh
 
 if TYPE_CHECKING:
-    from autopar.api import parallelize, plan
+    from autopar.api import load_checkpoint, parallelize, plan
     from autopar.compiler.driver import compile_for_rank
     from autopar.compiler.pricing import PlanResult
-    from autopar.runtime.checkpoint import LoadResult, load_checkpoint
+    from autopar.runtime.checkpoint import LoadResult
 
 __all__ = [
     "AutoparError",
@@ -59,7 +59,7 @@ _LOADED_ON_USE = {
     "plan": "autopar.api",
     "compile_for_rank": "autopar.compiler.driver",
     "PlanResult": "autopar.compiler.pricing",
-    "load_checkpoint": "autopar.runtime.checkpoint",
+    "load_checkpoint": "autopar.api",
     "LoadResult": "autopar.runtime.checkpoint",
 }
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import os
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -15,31 +14,32 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autopar.compiler import driver
 from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh
-from autopar.compiler.driver import compile_for_rank, example_tuple, graph_fingerprint, structure_copy
+from autopar.compiler.build import ModuleOptions, compile_module
+from autopar.compiler.driver import compile_for_rank, example_tuple
 from autopar.compiler.fixed import compare_fixed
 from autopar.compiler.pipeline import PipelinedModule, pipeline_parallelize
+from autopar.compiler.pipeline_checkpoint import load_pipelined_checkpoint
 from autopar.compiler.pricing import Compared, PlanResult, price
-from autopar.core.errors import AutoparError, InputMismatchError, MeshError, UsageError
+from autopar.core.errors import AutoparError, MeshError, UsageError
 from autopar.core.mesh import Mesh
-from autopar.core.meta import OutputStructure, signature
 from autopar.core.plan import Plan
-from autopar.core.precision import Autocast, AutocastState, MixedPrecision, compilable_autocast
+from autopar.core.precision import Autocast, MixedPrecision, compilable_autocast
 from autopar.passes import fused
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
-from autopar.runtime.agreement import Fingerprint, decided_on_rank0, fingerprint, first_disagreement
-from autopar.runtime.groups import DEFAULT_TIMEOUT_S, Groups, as_timeout, make_groups, make_pipeline_groups
+from autopar.runtime.checkpoint import LoadResult
+from autopar.runtime.checkpoint import load_checkpoint as load_parallel_checkpoint
+from autopar.runtime.groups import DEFAULT_TIMEOUT_S, as_timeout, make_groups, make_pipeline_groups
 from autopar.runtime.local_batch import GLOBAL, INPUT_MODES, LOCAL, global_stand_ins
-from autopar.runtime.materialize import InitFn, initialized_blocks, meta_tensor_names
-from autopar.runtime.module import CallMode, ParallelModule, input_names, positional_names
+from autopar.runtime.materialize import InitFn
+from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_runtime import BoundaryScatter
-from autopar.runtime.program import EmittedProgram
 
 
 def parallelize(
@@ -73,8 +73,10 @@ def parallelize(
     A mesh whose one axis is named "pp" is a pipeline (docs/pipeline.md): the model is cut into
     stages by the cost model (or at `stage_boundaries`, the first module of each later stage),
     `microbatches` is required, and `schedule` names the pipeline schedule ("1f1b" by default,
-    "gpipe", "interleaved-1f1b" with `virtual_stages` > 1). Beside other axes, each stage is
-    planned on them with the tensor search (docs/pipeline.md#tensor-axes-inside-each-stage).
+    "gpipe", "interleaved-1f1b" with `virtual_stages` > 1, "zero-bubble" with 1 or 2). Beside
+    other axes, each stage is planned on them with the tensor search
+    (docs/pipeline.md#tensor-axes-inside-each-stage); `pmodel.state_dict()` and
+    `autopar.load_checkpoint` use the tensor-only module's checkpoint format.
 
     `dump_dir` (or the AUTOPAR_DUMP_DIR environment variable) writes each stage's graph with its
     layouts, local shapes and collectives to `<dir>/rank<r>/`. `schedule=False` skips bucketing and
@@ -203,155 +205,12 @@ def parallelize(
     assert autopar_mesh.device_mesh is not None
     groups = make_groups(autopar_mesh.device_mesh, as_timeout(timeout))
     options = dataclasses.replace(options, hardware=hardware)  # the mesh choice's, when it chose
-    result = _compile_module(
+    result = compile_module(
         model, autopar_mesh, groups, options, example_inputs, example_kwargs, traced_inputs, traced_kwargs,
         autocast=autocast, seeded=seeded,
     )
     result.mesh_choice = choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
     return result
-
-
-@dataclasses.dataclass(frozen=True)
-class ModuleOptions:
-    """The options of `parallelize` that shape one compiled module (the whole model's, or one
-    pipeline stage's on its tensor sub-mesh)."""
-
-    registry: RuleRegistry | None = None
-    planner: str = "search"
-    schedule: bool | str = True
-    hardware: str | None = None
-    memory_limit: float | None = None
-    over_decompose: int | str = 1
-    split_fused: bool | None = None
-    in_flight_bytes: int | None = None
-    mixed_precision: MixedPrecision | None = None
-    check_inputs: bool = True
-    inputs: str = GLOBAL
-    dump_dir: str | os.PathLike[str] | None = None
-    init_fn: InitFn | None = None
-    compile: bool = False
-
-
-def _compile_module(
-    model: nn.Module,
-    autopar_mesh: Mesh,
-    groups: Groups,
-    opts: ModuleOptions,
-    example_inputs: Sequence[Any],
-    example_kwargs: dict[str, Any] | None,
-    traced_inputs: Sequence[Any],
-    traced_kwargs: dict[str, Any] | None,
-    *,
-    autocast: AutocastState,
-    seeded: torch.Tensor,
-) -> ParallelModule:
-    """Plan `model` on `autopar_mesh` (whose process groups are `groups`), emit this rank's program
-    and wrap it in the module the user calls. Every rank of `groups.world` calls it together."""
-    mesh = autopar_mesh.device_mesh
-    assert mesh is not None
-    inputs, check_inputs, init_fn = opts.inputs, opts.check_inputs, opts.init_fn
-    autopar_mesh = dataclasses.replace(autopar_mesh, group_names=groups.axis_names)
-    on_meta = set(meta_tensor_names(model))
-    examples: list[tuple[str, torch.Tensor]] = []
-    if check_inputs and inputs == GLOBAL:  # local shards differ by design
-        tensors = [x for x in pytree.tree_leaves((example_inputs, example_kwargs)) if isinstance(x, torch.Tensor)]
-        examples = list(zip(input_names(tuple(example_inputs), example_kwargs or {}, positional_names(model)), tensors))
-    if not on_meta:
-        _check_weights_agree(model, groups.world, examples=examples)
-    options: dict[str, Any] = dict(
-        registry=opts.registry,
-        rank=dist.get_rank(),
-        planner=opts.planner,
-        agree=functools.partial(_agree_across_ranks, group=groups.world),
-        schedule=opts.schedule,
-        hardware=opts.hardware,
-        memory_limit=opts.memory_limit,
-        over_decompose=opts.over_decompose,
-        split_fused=opts.split_fused,
-        in_flight_bytes=opts.in_flight_bytes,
-        mixed_precision=opts.mixed_precision,
-    )
-    compiled = compile_for_rank(
-        model,
-        autopar_mesh,
-        traced_inputs,
-        example_kwargs=traced_kwargs,
-        dump_dir=opts.dump_dir,
-        autocast=autocast,
-        **options,
-    )
-    sig = signature(compiled.graph)
-    flat, _ = pytree.tree_flatten((example_inputs, example_kwargs or {}))
-    specs = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in flat]
-    structure = structure_copy(model)
-    blocks: dict[str, torch.Tensor] = {}
-    if on_meta:
-        torch.random.set_rng_state(seeded)
-        program = compiled.program
-        made = initialized_blocks(
-            model, program.source_layouts(), autopar_mesh.shape, program.coords, init_fn,
-            device=mesh.device_type,
-        )
-        blocks = made.blocks
-        _check_weights_agree(model, groups.world, skip=on_meta, prints=made.fingerprints, examples=examples)
-
-    def compile_call(
-        args: tuple[Any, ...], kwargs: dict[str, Any], mode: CallMode
-    ) -> tuple[EmittedProgram, OutputStructure | None]:
-        """Another program of the same model, for a call the first does not fit (new shapes, eval,
-        autocast, weights cast to another dtype)."""
-        structure.train(mode.training)
-        _cast_like(structure, mode.dtypes)
-        again = compile_for_rank(
-            structure,
-            autopar_mesh,
-            args,
-            example_kwargs=kwargs,
-            forward_only=mode.forward_only,
-            autocast=mode.autocast,
-            **options,
-        )
-        return again.program, signature(again.graph).outputs
-
-    result = ParallelModule(
-        compiled.program,
-        autopar_mesh,
-        model,
-        sig.aliases,
-        sig.in_spec,
-        specs,
-        compiled.report,
-        sig.outputs,
-        compile=compile_call,
-        example_flat=flat,
-        check_inputs=check_inputs,
-        groups=groups,
-        local_blocks=blocks,
-        local_inputs=inputs == LOCAL,
-        autocast=autocast,
-        inductor=opts.compile,
-    )
-    return result
-
-
-def _agree_across_ranks(
-    gm: fx.GraphModule, make_plan: Callable[[], Plan], group: dist.ProcessGroup | None = None
-) -> Plan:
-    """Rank 0 plans and broadcasts; every rank first checks that all traced the same graph.
-
-    Failures travel with the broadcast, so a rank whose planning raised never leaves the others
-    waiting in a collective.
-    """
-    mine = graph_fingerprint(gm)
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    differing = [r for r, f in enumerate(everyone) if f != mine]
-    if differing:
-        raise AutoparError(
-            f"ranks traced different graphs (this rank differs from ranks {differing})",
-            hint="every rank must call parallelize with the same model code, shapes and dtypes",
-        )
-    return decided_on_rank0(make_plan, "planning", group)
 
 
 def _check_mesh(mesh: Any) -> Mesh:
@@ -373,53 +232,6 @@ def _check_mesh(mesh: Any) -> Mesh:
     if not 1 <= mesh.ndim <= 4:
         raise MeshError(f"meshes of 1 to 4 axes are supported, got {mesh.ndim}", hint="merge or drop axes")
     return Mesh.from_device_mesh(mesh)
-
-
-def _cast_like(structure: nn.Module, dtypes: Sequence[tuple[str, torch.dtype]]) -> None:
-    """Give the meta copy that later programs trace the parallel module's tensor dtypes (a
-    `pmodel.to(torch.bfloat16)` after parallelize)."""
-    for name, dtype in dtypes:
-        path, _, leaf = name.rpartition(".")
-        module = structure.get_submodule(path)
-        if leaf in module._parameters:
-            param = module._parameters[leaf]
-            if param is not None and param.dtype != dtype:
-                param.data = param.data.to(dtype)
-        elif leaf in module._buffers:
-            buffer = module._buffers[leaf]
-            if buffer is not None and buffer.dtype != dtype:
-                module._buffers[leaf] = buffer.to(dtype)
-
-
-def _check_weights_agree(
-    model: nn.Module,
-    group: dist.ProcessGroup | None = None,
-    skip: Collection[str] = (),
-    prints: Sequence[tuple[str, Fingerprint]] = (),
-    examples: Sequence[tuple[str, torch.Tensor]] = (),
-) -> None:
-    """Every rank must start from the same weights; otherwise each stores its block of its own
-    weights and the result mixes them. One all-gather of four numbers per tensor finds out (for
-    the tensors of a meta-device model, `prints` of the whole tensors its initialization made),
-    and of the example inputs (`examples`, by name) in the same all-gather."""
-    named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if n not in skip]
-    inputs = [(f"example input {n}", fingerprint(t)) for n, t in examples]
-    differing = first_disagreement([*[(n, fingerprint(t)) for n, t in named], *prints, *inputs], group)
-    if differing is not None and differing[0].startswith("example input "):
-        name, rank = differing
-        raise InputMismatchError(
-            f"{name.removeprefix('example input ')} of example_inputs differs between rank 0 and rank "
-            f"{rank}: every rank must pass the same example inputs (the global batch)",
-            hint='give every rank the same example batch, or pass inputs="local" if each rank '
-            "passes its own shard of the batch",
-        )
-    if differing is not None:
-        name, rank = differing
-        raise AutoparError(
-            f"{name} differs between rank 0 and rank {rank}: every rank must pass the same weights",
-            hint="seed every rank alike before building the model (torch.manual_seed), or load the "
-            "same checkpoint on every rank",
-        )
 
 
 def _check_model(model: nn.Module) -> None:
@@ -444,7 +256,7 @@ def _pipeline(
     timeout: float | timedelta,
 ) -> PipelinedModule:
     """`parallelize` on a mesh with a "pp" axis: the pipeline runtime (`autopar.compiler.pipeline`),
-    each stage compiled on the other axes by `_compile_module` when there are any."""
+    each stage compiled on the other axes by `compile_module` when there are any."""
     if microbatches is None or isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise UsageError(
             f"a pipeline needs microbatches= (a positive int), got {microbatches!r}",
@@ -459,7 +271,7 @@ def _pipeline(
     if not isinstance(name, str):
         raise UsageError(
             f"schedule={schedule!r} on a pipeline mesh: name the pipeline schedule",
-            hint='schedule="1f1b", "gpipe" or "interleaved-1f1b"',
+            hint='schedule="1f1b", "gpipe", "interleaved-1f1b" or "zero-bubble"',
         )
     if options.inputs != GLOBAL:
         raise UsageError(
@@ -469,6 +281,9 @@ def _pipeline(
     build_stage = None
     pp_group = None
     scatter = None
+    if mesh.ndim == 1 and name == "zero-bubble":
+        # zero-bubble splits each stage's backward program: every stage is compiled, on one rank
+        mesh = init_device_mesh(mesh.device_type, (mesh.size(), 1), mesh_dim_names=("pp", "stage"))
     if mesh.ndim > 1:
         names = tuple(mesh.mesh_dim_names or ())
         _check_mesh(mesh)
@@ -478,8 +293,8 @@ def _pipeline(
         seeded = torch.random.get_rng_state()
         stage_options = dataclasses.replace(options, check_inputs=False)  # stages' inputs are the runtime's
 
-        def build_stage(module: nn.Module, args: tuple[Any, ...]) -> nn.Module:
-            return _compile_module(
+        def build_stage(module: nn.Module, args: tuple[Any, ...]) -> ParallelModule:
+            return compile_module(
                 module, stage_mesh, groups.stage, stage_options, args, None, args, None,
                 autocast=autocast, seeded=seeded,
             )
@@ -598,6 +413,17 @@ def plan(
 
 
 # Names that lived here before the compiler driver had its own package; kept one release.
+def load_checkpoint(
+    pmodel: ParallelModule | PipelinedModule, path: str | os.PathLike[str], *, strict: bool = True
+) -> LoadResult:
+    """Real weights into the module `parallelize` returned, pipelined or not: each rank reads only
+    its own blocks from a DCP directory or a transformers `save_pretrained` directory (see
+    `autopar.runtime.checkpoint` and docs/pipeline.md#checkpoints). Every rank calls it."""
+    if isinstance(pmodel, PipelinedModule):
+        return load_pipelined_checkpoint(pmodel, path, strict=strict)
+    return load_parallel_checkpoint(pmodel, path, strict=strict)
+
+
 _MOVED_TO_DRIVER = ("Compiled", "in_flight_budget", "scheduled_step_time")
 
 

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
+from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_runtime import BoundaryScatter, TensorSpec
 from examples.models import make_gpt
 
@@ -63,17 +64,28 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         rows = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
         assert len(rows) == case["shape"][0], rows  # one row per pipeline rank
     sent: list[int] = []
-    isend = dist.isend
+    deferred: list[int] = []
+    isend, weight_gradients = dist.isend, ParallelModule.weight_gradients
 
     def counting_isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         sent.append(tensor.numel())
         return isend(tensor, *args, **kwargs)
 
+    def counting_weights(module: ParallelModule, deferral: Any, params: Any) -> Any:
+        deferred.append(len(deferral.pending))  # weight parts kept since their input parts ran
+        return weight_gradients(module, deferral, params)
+
     dist.isend = counting_isend  # type: ignore[assignment]  # this rank's process only
+    ParallelModule.weight_gradients = counting_weights  # type: ignore[method-assign]
     try:
         losses = train_side_by_side([(pmodel, batch), (serial, batch)], steps=2)
     finally:
         dist.isend = isend  # type: ignore[assignment]
+        ParallelModule.weight_gradients = weight_gradients  # type: ignore[method-assign]
+    if pmodel.schedule.split_backward:  # every backward ran as I, then W from what I kept
+        assert deferred == [1] * (2 * case["M"] * len(pmodel.stages)), deferred
+    else:
+        assert not deferred
     for step in range(2):
         torch.testing.assert_close(losses[2 * step], losses[2 * step + 1], **TOL)
     ref = dict(serial.named_parameters())
@@ -112,40 +124,35 @@ def _check_storage_and_messages(results: list[list[dict[str, Any]]], cases: list
             assert max(rank[i]["sent"]) <= -(-(whole + (8 % case["M"] > 0) * rank[i]["hidden"]) // t)
 
 
+FOUR = ["blocks.1", "blocks.2", "blocks.3"]
+
+
 @pytest.mark.multirank
-def test_pp2_by_2x2_chosen_cut_and_interleaved() -> None:
-    """pp=2 x (2,2): 1F1B on 3 layers with the cost model's cut (uneven depth), then interleaved
-    1F1B with two virtual stages per rank and M = p."""
+def test_pp2_by_2x2_chosen_cut_interleaved_and_zero_bubble_v() -> None:
+    """pp=2 x (2,2): 1F1B on 3 layers with the cost model's cut (uneven depth); interleaved 1F1B
+    with two virtual stages per rank and M = p; zero-bubble ZB-V (v=2: the first and last stage on
+    rank 0, so the tied embedding and head are two copies on one rank)."""
+    mesh = {"shape": (2, 2, 2), "names": ("pp", "x", "y")}
     cases: list[dict[str, Any]] = [
-        {"shape": (2, 2, 2), "names": ("pp", "x", "y"), "layers": 3, "M": 4, "dump_dir": tempfile.mkdtemp()},
-        {
-            "shape": (2, 2, 2),
-            "names": ("pp", "x", "y"),
-            "layers": 4,
-            "M": 2,
-            "schedule": "interleaved-1f1b",
-            "v": 2,
-            "boundaries": ["blocks.1", "blocks.2", "blocks.3"],
-        },
+        {**mesh, "layers": 3, "M": 4, "dump_dir": tempfile.mkdtemp()},
+        {**mesh, "layers": 4, "M": 2, "schedule": "interleaved-1f1b", "v": 2, "boundaries": FOUR},
+        {**mesh, "layers": 4, "M": 4, "schedule": "zero-bubble", "v": 2, "boundaries": FOUR},
     ]
-    results = run_ranks(8, _job, cases, timeout=400)
+    results = run_ranks(8, _job, cases, timeout=500)
     _check_storage_and_messages(results, cases)
 
 
 @pytest.mark.multirank
-def test_pp4_by_2_uneven_microbatches() -> None:
-    """pp=4 x 2 with M = 6 (not a multiple of p; microbatches of 2 and 1 samples, one with every
-    target ignored): two microbatch shapes, so every stage compiles a second program."""
+def test_pp4_by_2_uneven_microbatches_and_zero_bubble() -> None:
+    """pp=4 x 2: 1F1B with M = 6 (not a multiple of p; microbatches of 2 and 1 samples, one with
+    every target ignored: two microbatch shapes, so every stage compiles a second program), and
+    zero-bubble ZB-H1 with M = p."""
+    mesh = {"shape": (4, 2), "names": ("pp", "tp")}
     cases: list[dict[str, Any]] = [
-        {
-            "shape": (4, 2),
-            "names": ("pp", "tp"),
-            "layers": 4,
-            "M": 6,
-            "boundaries": ["blocks.1", "blocks.2", "blocks.3"],
-        }
+        {**mesh, "layers": 4, "M": 6, "boundaries": FOUR},
+        {**mesh, "layers": 4, "M": 4, "schedule": "zero-bubble", "boundaries": FOUR},
     ]
-    results = run_ranks(8, _job, cases, timeout=400)
+    results = run_ranks(8, _job, cases, timeout=500)
     _check_storage_and_messages(results, cases)
 
 

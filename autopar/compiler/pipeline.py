@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.compiler.pipeline_checkpoint import pipelined_state_dict
 from autopar.compiler.pipeline_split import (
     PipelineSplitError,
     StageProgram,
@@ -43,6 +44,7 @@ from autopar.reporting.pipeline_views import (
     write_pipeline_chrome_trace,
     write_pipeline_png,
 )
+from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_runtime import (
     BoundaryScatter,
     StageRunner,
@@ -52,6 +54,7 @@ from autopar.runtime.pipeline_runtime import (
     run_step,
     sum_shared_grads,
 )
+from autopar.runtime.run_program import WeightDeferral
 
 __all__ = ["MAX_PROGRAMS", "PipelinedModule", "pipeline_parallelize", "split_microbatches"]
 
@@ -194,6 +197,11 @@ class PipelinedModule(nn.Module):
         write_pipeline_png(where / "pipeline.png", timeline, time_unit=unit)
         (where / "pipeline.txt").write_text(str(timeline_report(timeline, time_unit=unit)) + "\n")
 
+    def state_dict(self, *args: Any, keep_vars: bool = False, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The tensor-only module's state dict for this rank's stages (docs/pipeline.md#checkpoints):
+        the model's names and global shapes, for `torch.distributed.checkpoint.save`."""
+        return pipelined_state_dict(self, keep_vars=keep_vars)
+
     # -- parameters ---------------------------------------------------------------------------
 
     def _user_params(self, program: StageProgram, stage: int) -> list[nn.Parameter]:
@@ -231,11 +239,12 @@ class PipelinedModule(nn.Module):
         return local, copies
 
     def _first_program(self, program: StageProgram) -> None:
-        """Which parameters this rank holds and which are held on several ranks (summed)."""
+        """Which parameters this rank holds and which several stages read (their gradients summed:
+        over ranks, and over a rank's own copies when its stages are parallel modules)."""
         holders: dict[int, set[int]] = {}
         for s in range(self.schedule.num_stages):
             for p in self._user_params(program, s):
-                holders.setdefault(id(p), set()).add(self.schedule.placement.rank_of(s))
+                holders.setdefault(id(p), set()).add(s)
         order = [p for p in self._model.parameters() if id(p) in holders]
         if self.__dict__["stage_parallel"]:
             self._local, copies = self._copies()
@@ -310,16 +319,7 @@ class PipelinedModule(nn.Module):
         counts = [p.loss.count(f) for p, f in zip(programs, flats, strict=True)]
         denominator = 1 if rule.kind == "one" else sum(counts)
         forward_only = not torch.is_grad_enabled()
-        runners = {
-            s: StageRunner(
-                index=s,
-                forward=self._stage_forward(s, programs, flats),
-                params=tuple(self._stage_params(programs[0], s)),
-                input_specs=self._specs(programs, s, "in"),
-                output_specs=self._specs(programs, s, "out"),
-            )
-            for s in self.stages
-        }
+        runners = {s: self._runner(s, programs, flats, forward_only) for s in self.stages}
         result = run_step(
             schedule,
             self.rank,
@@ -371,10 +371,36 @@ class PipelinedModule(nn.Module):
                 else:
                     grads[id(copy)] = g
 
-    def _stage_forward(self, stage: int, programs: list[StageProgram], flats: list[list[Any]]) -> Any:
+    def _runner(
+        self, stage: int, programs: list[StageProgram], flats: list[list[Any]], forward_only: bool
+    ) -> StageRunner:
+        """Stage `stage` as the runtime calls it for this step's microbatches."""
+        params = tuple(self._stage_params(programs[0], stage))
         parallel = self.__dict__["stage_parallel"].get(stage)
-        if parallel is not None:
-            return self._parallel_stage_forward(stage, parallel, programs, flats)
+        backward_weight = None
+        if parallel is None:
+            forward = self._stage_forward(stage, programs, flats)
+        else:
+            # zero-bubble: each microbatch's backward leaves its weight part here until its W action
+            deferrals: dict[int, WeightDeferral] | None = None
+            if self.schedule.split_backward and not forward_only:
+                deferrals = {}
+
+                def backward_weight(m: int) -> list[torch.Tensor | None]:
+                    assert deferrals is not None
+                    return parallel.weight_gradients(deferrals.pop(m), params)
+
+            forward = self._parallel_stage_forward(stage, parallel, programs, flats, deferrals)
+        return StageRunner(
+            index=stage,
+            forward=forward,
+            params=params,
+            input_specs=self._specs(programs, stage, "in"),
+            output_specs=self._specs(programs, stage, "out"),
+            backward_weight=backward_weight,
+        )
+
+    def _stage_forward(self, stage: int, programs: list[StageProgram], flats: list[list[Any]]) -> Any:
         model = self._model
 
         def run(m: int, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -397,15 +423,26 @@ class PipelinedModule(nn.Module):
 
     @staticmethod
     def _parallel_stage_forward(
-        stage: int, parallel: nn.Module, programs: list[StageProgram], flats: list[list[Any]]
+        stage: int,
+        parallel: ParallelModule,
+        programs: list[StageProgram],
+        flats: list[list[Any]],
+        deferrals: dict[int, WeightDeferral] | None,
     ) -> Any:
         """Stage `stage` run by its parallel module: its outputs come back as DTensors, made whole
         here (free for a replicated one; a split one is gathered inside the stage's slice, whose
-        links are the fast ones) so that each rank sends its 1/t of them (`BoundaryScatter`)."""
+        links are the fast ones) so that each rank sends its 1/t of them (`BoundaryScatter`).
+        With `deferrals`, microbatch m's backward runs its input part only and leaves the weight
+        part in `deferrals[m]`."""
 
         def run(m: int, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             graph = programs[m].stages[stage]
-            outs = parallel(*stage_arguments(graph, flats[m], received))
+            if deferrals is not None:
+                deferrals[m] = WeightDeferral()
+                with parallel.deferring_weights(deferrals[m]):
+                    outs = parallel(*stage_arguments(graph, flats[m], received))
+            else:
+                outs = parallel(*stage_arguments(graph, flats[m], received))
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)
             values: dict[str, Any] = dict(zip(graph.crossing_in, received, strict=True))
             whole = [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
@@ -459,7 +496,8 @@ def pipeline_parallelize(
         )
     pp = mesh.size(names.index("pp"))
     plan = schedule_by_name(schedule, pp, virtual_stages, microbatches)
-    check_supported(plan)
+    if build_stage is None:  # stages run by parallel modules split their backward (zero-bubble)
+        check_supported(plan)
     example = tuple(example_inputs)
     cut = None
     if stage_boundaries is None:

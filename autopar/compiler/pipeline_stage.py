@@ -18,10 +18,11 @@ from torch import nn
 
 from autopar.compiler.pipeline_split import StageGraph, get_attr
 from autopar.core.errors import AutoparError
+from autopar.runtime.module import ParallelModule
 
 # Compiles a stage module on the stage's tensor sub-mesh, given its example arguments, and returns
 # the parallel module this rank runs; every rank of the stage's slice calls it together.
-StageBuilder = Callable[[nn.Module, tuple[Any, ...]], nn.Module]
+StageBuilder = Callable[[nn.Module, tuple[Any, ...]], ParallelModule]
 
 Signature = tuple[tuple[tuple[int, ...], torch.dtype] | str, ...]
 

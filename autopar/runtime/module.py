@@ -8,12 +8,12 @@ graph; the local gradients it returns flow through `DTensor.to_local` into DTens
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from datetime import timedelta
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,10 +23,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor.placement_types import Partial as DPartial
-from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
-from autopar.core.errors import IndexOutOfRangeError, InputMismatchError
+from autopar.core.errors import IndexOutOfRangeError, InputMismatchError, UsageError
 from autopar.core.layout import Layout, Partial, Shard
 from autopar.core.mesh import Mesh
 from autopar.core.meta import IndexCheck, OutputStructure
@@ -35,6 +34,8 @@ from autopar.runtime.agreement import first_disagreement
 from autopar.runtime.groups import Groups, failures_named
 from autopar.runtime.local_batch import batch_tensor, global_stand_ins, index_extremes, shard_rows
 from autopar.runtime.program import EmittedProgram, local_value
+from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
+from autopar.runtime.split_backward import SplitBackward
 
 
 def to_dtensor_placements(layout: Layout) -> list[Any]:
@@ -47,65 +48,6 @@ def to_dtensor_placements(layout: Layout) -> list[Any]:
         else:
             result.append(DReplicate())
     return result
-
-
-class _RunProgram(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, program: EmittedProgram, num_outputs: int, timeout: timedelta | None, *flat: torch.Tensor
-    ) -> Any:
-        program_inputs = flat[: len(flat) - len(program.input_grads)]  # then the whole inputs wanting grads
-        with failures_named(timeout), autocast_off():  # the graph holds the casts autocast made
-            results = program.forward(*program_inputs)
-        ctx.timeout = timeout
-        outputs, saved = results[:num_outputs], results[num_outputs:]
-        ctx.program = program
-        ctx.save_for_backward(*saved)
-        ctx.num_params = len(program.param_names)
-        ctx.num_inputs = len(program.input_layouts)
-        has_tangent = set(program.tangent_outputs)  # the others get no gradient: buffers' new values,
-        ctx.mark_non_differentiable(  # integer outputs, every output of a forward-only program
-            *[o for i, o in enumerate(outputs) if i not in has_tangent or not o.is_floating_point()]
-        )
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        program: EmittedProgram = ctx.program
-        tangents = []
-        for index in program.tangent_outputs:
-            grad = grads[index]
-            if grad is None:
-                layout = program.output_layouts[index]
-                grad = torch.zeros(
-                    layout.local_shape(_mesh_shape_of(program), program.coords),
-                    dtype=layout.dtype,
-                    device=program.device_type,
-                )
-            tangents.append(grad.contiguous())
-        with failures_named(ctx.timeout), autocast_off():
-            grads_out = program.backward(*ctx.saved_tensors, *tangents)
-        param_grads, input_grads = grads_out[: ctx.num_params], grads_out[ctx.num_params :]
-        # the local blocks of the inputs get none: the whole inputs after them get theirs
-        return (None, None, None, *param_grads, *[None] * ctx.num_inputs, *input_grads)
-
-
-def compiled_by_inductor(program: EmittedProgram) -> EmittedProgram:
-    """`program` whose forward and backward graphs run through `torch.compile` with Inductor:
-    whole graphs (`fullgraph`: a graph break would be a bug here), static shapes (a program is
-    for one input signature), each compiled on its first call. The graphs are plain ATen plus
-    functional collectives, so nothing needs dynamo's guards beyond the inputs' metadata; torch's
-    FX graph cache lets ranks (and later runs) with an identical local graph reuse one compile."""
-    graphs = []
-    for gm in (program.forward, program.backward):
-        if isinstance(gm, _LazyGraphModule):
-            gm.real_recompile()  # dynamo must see the real code, not the lazy stub (a graph break)
-        graphs.append(torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False))
-    return replace(program, forward=graphs[0], backward=graphs[1])  # type: ignore[arg-type]
-
-
-def _mesh_shape_of(program: EmittedProgram) -> tuple[int, ...]:
-    return tuple(program.forward.meta.get("autopar_mesh_shape", ()))
 
 
 @dataclass(frozen=True)
@@ -122,7 +64,9 @@ class CallMode:
 
 # Compiles `(args, kwargs, mode)` into this rank's program and its output structure; every rank
 # calls it together (it plans on rank 0 and broadcasts).
-Compile = Callable[[tuple[Any, ...], dict[str, Any], CallMode], tuple[EmittedProgram, "OutputStructure | None"]]
+Compile = Callable[
+    [tuple[Any, ...], dict[str, Any], CallMode], tuple[EmittedProgram, "OutputStructure | None"]
+]
 MAX_PROGRAMS = 8  # programs kept per module (input signatures x modes), least recently used dropped
 _LOG = logging.getLogger("autopar")
 
@@ -176,6 +120,8 @@ class ParallelModule(nn.Module):
         self._local_inputs = local_inputs  # each rank passes its own shard of the batch (`local_batch`)
         self._inductor = inductor  # run each program's graphs compiled by Inductor
         self._groups = groups
+        self._deferral: WeightDeferral | None = None  # set around a zero-bubble call (deferring_weights)
+        self._splits: dict[int, SplitBackward] = {}  # each program's backward cut in two, once
         self._positional_names = positional_names(source)  # to name inputs in errors
         self.report = report
         self.training = source.training
@@ -194,7 +140,9 @@ class ParallelModule(nn.Module):
         # register in the source model's order so named_parameters()/state_dict() read the same
         for name in [*dict(source.named_parameters(remove_duplicate=False)), *buffers]:
             if name in aliases:
-                _register(self, name, _lookup(self, aliases[name]), buffer=name in buffers, persistent=name in saved)
+                _register(
+                    self, name, _lookup(self, aliases[name]), buffer=name in buffers, persistent=name in saved
+                )
                 continue
             if name not in layouts:
                 self.not_stored.append(name)
@@ -222,6 +170,44 @@ class ParallelModule(nn.Module):
         if example_flat is not None:
             mode = CallMode(self.training, False, autocast, self._tensor_dtypes())
             self._programs[_call_key(in_spec, example_flat, mode)] = first
+
+    @contextlib.contextmanager
+    def deferring_weights(self, deferral: WeightDeferral) -> Iterator[None]:
+        """Calls inside run their backward's input-gradient part only and leave the weight-gradient
+        part in `deferral` (zero-bubble pipelines); `weight_gradients` runs it."""
+        deferral.splits = self._splits
+        self._deferral = deferral
+        try:
+            yield
+        finally:
+            self._deferral = None
+
+    def weight_gradients(
+        self, deferral: WeightDeferral, params: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor | None]:
+        """Run the weight-gradient parts `deferral` holds (after their input-gradient parts ran) and
+        return the gradients of `params` (this module's parameters: DTensors), summed over them."""
+        totals: list[torch.Tensor | None] = [None] * len(params)
+        for job in deferral.pending:
+            with failures_named(job.timeout), autocast_off():
+                local_grads = job.split.run_weight(job.saved, job.tangents, job.carried)
+            pairs = [
+                (view, g)
+                for view, g in zip(job.local_params, local_grads, strict=True)
+                if g is not None and view.requires_grad
+            ]
+            if not pairs:
+                continue
+            # through the views the program read (to_local, a fused part, a cast) to the DTensors
+            found = torch.autograd.grad(
+                [v for v, _ in pairs], list(params), [g for _, g in pairs], allow_unused=True
+            )
+            for i, g in enumerate(found):
+                if g is not None:
+                    before = totals[i]
+                    totals[i] = g if before is None else before + g
+        deferral.pending.clear()
+        return totals
 
     @property
     def program(self) -> EmittedProgram:
@@ -276,7 +262,16 @@ class ParallelModule(nn.Module):
         if self._local_inputs:
             assert self._mesh.device_mesh is not None
             wanting = [batch_tensor(x, self._mesh.device_mesh).full_tensor() for x in wanting]
-        outputs = _RunProgram.apply(program, num_outputs, timeout, *local_params, *local_inputs, *wanting)
+        deferral = self._deferral
+        if deferral is not None and self._inductor:
+            raise UsageError(
+                "a zero-bubble pipeline splits each stage's backward program in two, which compile=True "
+                "(Inductor) does not do yet",
+                hint='drop compile=True, or use schedule="1f1b" / "interleaved-1f1b"',
+            )
+        outputs = RunProgram.apply(
+            program, num_outputs, timeout, deferral, *local_params, *local_inputs, *wanting
+        )
         user = num_outputs - len(program.buffer_updates)
         with torch.no_grad():  # the forward's updates of its buffers (BatchNorm running stats)
             for name, value in zip(program.buffer_updates, outputs[user:]):
@@ -286,12 +281,17 @@ class ParallelModule(nn.Module):
             return run.outputs.rebuild(results)
         return results[0] if len(results) == 1 else tuple(results)
 
-    def _local_inputs_of(self, tensors: Sequence[torch.Tensor], program: EmittedProgram) -> list[torch.Tensor]:
+    def _local_inputs_of(
+        self, tensors: Sequence[torch.Tensor], program: EmittedProgram
+    ) -> list[torch.Tensor]:
         """This rank's block of every input in the layout the program reads it in: cut from the
         global input, or (local batches) redistributed from the shards of all ranks."""
         if not self._local_inputs:
             shape = tuple(self._mesh.shape)
-            return [local_value(x.detach(), lay, shape, program.coords) for x, lay in zip(tensors, program.input_layouts)]
+            return [
+                local_value(x.detach(), lay, shape, program.coords)
+                for x, lay in zip(tensors, program.input_layouts)
+            ]
         mesh = self._mesh.device_mesh
         assert mesh is not None
         return [
@@ -299,13 +299,17 @@ class ParallelModule(nn.Module):
             for x, lay in zip(tensors, program.input_layouts)
         ]
 
-    def _program_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], spec: Any) -> _Program:
+    def _program_for(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], spec: Any
+    ) -> _Program:
         """The compiled program for this call, compiling one if none fits (see the class doc)."""
         grad = torch.is_grad_enabled()
         if self._compile is None:  # a module built around one program: it takes only that call
             self._check_inputs(flat, spec)
             return self._first
-        mode = CallMode(self.training, not grad, compilable_autocast(self._autocast_devices), self._tensor_dtypes())
+        mode = CallMode(
+            self.training, not grad, compilable_autocast(self._autocast_devices), self._tensor_dtypes()
+        )
         key = _call_key(spec, flat, mode)
         found = self._programs.get(key)
         if found is not None:
@@ -346,8 +350,10 @@ class ParallelModule(nn.Module):
             changes.append(describe(mode.autocast))
         changed = [name for (name, new), (_, old) in zip(mode.dtypes, last.dtypes) if new != old]
         if changed:
-            changes.append(f"{changed[0]} is {str(dict(mode.dtypes)[changed[0]]).removeprefix('torch.')}"
-                           + (f" (and {len(changed) - 1} more tensors)" if len(changed) > 1 else ""))
+            changes.append(
+                f"{changed[0]} is {str(dict(mode.dtypes)[changed[0]]).removeprefix('torch.')}"
+                + (f" (and {len(changed) - 1} more tensors)" if len(changed) > 1 else "")
+            )
         return "; ".join(changes) or "a call seen before, compiled again"
 
     @property
@@ -421,7 +427,9 @@ class ParallelModule(nn.Module):
         return str(self.report) if self.report is not None else ""
 
 
-def _refuse_input_gradients(tensors: Sequence[torch.Tensor], names: Sequence[str], computed: Sequence[int]) -> None:
+def _refuse_input_gradients(
+    tensors: Sequence[torch.Tensor], names: Sequence[str], computed: Sequence[int]
+) -> None:
     """An input that wants a gradient the program does not compute would silently get none: a
     module built around one program (no compiler) refuses such a call."""
     if not torch.is_grad_enabled():
@@ -493,7 +501,9 @@ def positional_names(model: nn.Module) -> list[str]:
     return [p.name for p in parameters if p.kind in kinds]
 
 
-def _refuse_differing_inputs(flat: Sequence[Any], names: Sequence[str], group: dist.ProcessGroup | None) -> None:
+def _refuse_differing_inputs(
+    flat: Sequence[Any], names: Sequence[str], group: dist.ProcessGroup | None
+) -> None:
     """Every rank must pass the same global batch; ranks that pass their own shards (as with a
     DistributedSampler) would train on a mixture, so the call is refused on every rank alike."""
     tensors = list(zip(names, [x for x in flat if isinstance(x, torch.Tensor)]))

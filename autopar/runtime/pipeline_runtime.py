@@ -51,13 +51,16 @@ class StageRunner:
     boundary into it (empty for the first stage), and returns what crosses the next boundary (the
     last stage: a 1-tuple, its microbatch's loss term). `params` are the trainable tensors it reads;
     `input_specs(m)` / `output_specs(m)` the boundary tensors of microbatch m (they differ when the
-    microbatches do)."""
+    microbatches do). `backward_weight(m)`, for zero-bubble schedules: the gradients of `params`
+    from microbatch m's weight-gradient part, whose input-gradient part autograd ran earlier (a
+    stage whose forward defers that part; None: the stage cannot split its backward)."""
 
     index: int
     forward: Callable[[int, Sequence[torch.Tensor]], Sequence[torch.Tensor]]
     params: tuple[torch.Tensor, ...]
     input_specs: Callable[[int], tuple[TensorSpec, ...]]
     output_specs: Callable[[int], tuple[TensorSpec, ...]]
+    backward_weight: Callable[[int], Sequence[torch.Tensor | None]] | None = None
 
 
 @dataclass
@@ -103,14 +106,17 @@ class BoundaryScatter:
 _DIRECTIONS = {ActionKind.SEND_F: 0, ActionKind.RECV_F: 0, ActionKind.SEND_B: 1, ActionKind.RECV_B: 1}
 
 
-def check_supported(schedule: Schedule) -> None:
-    """Refuse schedules this runtime does not run, before any work or message."""
-    if schedule.split_backward:
+def check_supported(schedule: Schedule, stages: Mapping[int, StageRunner] | None = None) -> None:
+    """Refuse, before any work or message, a split-backward (zero-bubble) schedule for stages that
+    cannot split their backward (`StageRunner.backward_weight` missing; `stages` None: none can)."""
+    if schedule.split_backward and (
+        stages is None or any(st.backward_weight is None for st in stages.values())
+    ):
         raise UnsupportedScheduleError(
-            f"the pipeline runtime does not run the {schedule.name!r} schedule yet: it splits every "
-            "backward into an input-gradient and a weight-gradient half (zero-bubble), which needs "
-            "each stage's backward emitted as two programs",
-            hint='use schedule="1f1b", "gpipe" or "interleaved-1f1b"',
+            f"the {schedule.name!r} schedule splits every backward into an input-gradient and a "
+            "weight-gradient half (zero-bubble), which these stages do not",
+            hint='use schedule="1f1b", "gpipe" or "interleaved-1f1b"; parallelize runs zero-bubble '
+            "stages as compiled programs whose backward it splits",
         )
 
 
@@ -184,6 +190,10 @@ class _Step:
             self.forward(a.stage, a.microbatch)
         elif kind == ActionKind.BACKWARD:
             self.backward(a.stage, a.microbatch)
+        elif kind == ActionKind.BACKWARD_INPUT:
+            self.backward(a.stage, a.microbatch, weights=False)
+        elif kind == ActionKind.BACKWARD_WEIGHT:
+            self.backward_weight(a.stage, a.microbatch)
         elif kind == ActionKind.SEND_F:
             self.send(a, self.kept[(a.stage, a.microbatch)][1])
         elif kind == ActionKind.SEND_B:
@@ -240,7 +250,10 @@ class _Step:
             return
         self.kept[(stage, m)] = (received, outputs)
 
-    def backward(self, stage: int, m: int) -> None:
+    def backward(self, stage: int, m: int, weights: bool = True) -> None:
+        """Microbatch m's backward through stage `stage`: the gradients of its inputs (kept for the
+        send) and, with `weights`, of its parameters; without, the stage keeps its weight part for
+        `backward_weight`."""
         runner = self.stages[stage]
         received, outputs = self.kept.pop((stage, m))
         if stage == self.last:
@@ -251,13 +264,17 @@ class _Step:
             grads_out = self.in_grads.pop((stage + 1, m))
         diff_outputs = [t for t in outputs if _differentiable(t)] if stage != self.last else outputs
         pairs = [(o, g) for o, g in zip(diff_outputs, grads_out, strict=True) if o.requires_grad]
-        wrt = [p for p in runner.params] + [t for t in received if _differentiable(t)]
+        params = list(runner.params) if weights else []
+        wrt = params + [t for t in received if _differentiable(t)]
         found: tuple[torch.Tensor | None, ...]
         if pairs and wrt:
             found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        elif pairs and not weights:  # nothing to return, but the input part must run (it keeps W's inputs)
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            found = ()
         else:
             found = tuple(None for _ in wrt)
-        n = len(runner.params)
+        n = len(params)
         acc = self.grads[stage]
         for i, g in enumerate(found[:n]):
             if g is not None:
@@ -265,9 +282,20 @@ class _Step:
                 acc[i] = g if before is None else before + g
         if stage > 0:
             inputs = [t for t in received if _differentiable(t)]
+            found = found if found else tuple(None for _ in inputs)
             self.in_grads[(stage, m)] = [
                 torch.zeros_like(t) if g is None else g for t, g in zip(inputs, found[n:], strict=True)
             ]
+
+    def backward_weight(self, stage: int, m: int) -> None:
+        """Microbatch m's weight-gradient part of stage `stage` (after its input part)."""
+        runner = self.stages[stage]
+        assert runner.backward_weight is not None
+        acc = self.grads[stage]
+        for i, g in enumerate(runner.backward_weight(m)):
+            if g is not None:
+                before = acc[i]
+                acc[i] = g if before is None else before + g
 
 
 def _differentiable(t: torch.Tensor) -> bool:
@@ -293,7 +321,7 @@ def run_step(
     forwards and their messages only (no autograd graph is kept). Receive buffers are made on
     `device` (the mesh's). `scatter`: with tensor axes, each rank sends its chunk of every
     boundary tensor and the receiving slice gathers them (`BoundaryScatter`)."""
-    check_supported(schedule)
+    check_supported(schedule, stages)
     missing = sorted(set(schedule.placement.stages_of(rank)) - set(stages))
     if missing:
         raise PipelineRuntimeError(

@@ -1,0 +1,261 @@
+"""Checkpoints of a pipelined module, the same as the tensor-only module's
+(docs/pipeline.md#checkpoints), so that a job can move between pipelined and non-pipelined meshes.
+
+`pipelined_state_dict` is this rank's share of the model's state dict: the model's own keys (a
+tied weight under each of its names, as `ParallelModule.state_dict()` gives it) and global shapes
+(DTensors with tensor axes beside "pp", the user's tensors on a 1-D pipeline mesh). A tensor that
+several stages read (a tied embedding and head) has a copy in each; only the copy of the lowest
+stage index that reads it is written, so `torch.distributed.checkpoint.save` on every rank sees one
+placement per key. `load_pipelined_checkpoint` fills every copy on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+
+from autopar.compiler.pipeline_split import StageProgram, get_attr
+from autopar.core.errors import CheckpointError
+from autopar.runtime.checkpoint import (
+    DCP_METADATA,
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX,
+    LoadResult,
+    _candidates,
+    _opened,
+    _safetensors_files,
+)
+from autopar.runtime.module import ParallelModule
+
+__all__ = ["load_pipelined_checkpoint", "pipelined_state_dict"]
+
+
+class Pipelined(Protocol):
+    """What this module reads of a `PipelinedModule` (not imported: pipeline.py imports this one)."""
+
+    stages: tuple[int, ...]
+    _programs: dict[Any, StageProgram]
+
+    @property
+    def _model(self) -> nn.Module: ...
+
+
+@dataclass(frozen=True)
+class _Held:
+    """One tensor this rank stores for one of its stages: `name` in the stage, `user` the id of the
+    user's tensor it is a copy of, `parallel` the stage's parallel module (None on a 1-D mesh)."""
+
+    stage: int
+    name: str
+    user: int
+    tensor: torch.Tensor
+    parallel: ParallelModule | None
+
+
+def _names(model: nn.Module) -> dict[int, list[str]]:
+    """Each of the model's saved tensors (by id) -> its state-dict names, in state-dict order."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    return names
+
+
+def _program(pmodel: Pipelined) -> StageProgram:
+    # every program reads the same attributes per stage (StageModule.add checks it with tensor axes)
+    return next(iter(pmodel._programs.values()))
+
+
+def _owners(pmodel: Pipelined, names: dict[int, list[str]]) -> dict[int, int]:
+    """Each saved tensor some stage reads (by id) -> the lowest stage index that reads it: the one
+    whose copy is written. Every rank computes the same from the whole model's program."""
+    program = _program(pmodel)
+    owners: dict[int, int] = {}
+    for stage in program.stages:
+        for attr in stage.attrs:
+            if attr in program.constants:
+                continue
+            user = id(get_attr(pmodel._model, attr))
+            if user in names:
+                owners.setdefault(user, stage.index)
+    return owners
+
+
+def _held(pmodel: Pipelined, names: dict[int, list[str]]) -> list[_Held]:
+    """The saved tensors of this rank's stages: each parallel stage's DTensors, else the user's."""
+    program = _program(pmodel)
+    parallel: dict[int, ParallelModule] = pmodel.__dict__["stage_parallel"]
+    wrappers: dict[int, nn.Module] = pmodel.__dict__["_stage_wrappers"]
+    held: dict[int, _Held] = {}  # by id of the stored tensor: a tied name in a stage is one tensor
+    for s in pmodel.stages:
+        module = parallel.get(s)
+        if module is not None:
+            stored = module.state_dict(keep_vars=True).items()
+            pairs = [(name, id(get_attr(wrappers[s], name)), t) for name, t in stored]
+        else:
+            attrs = [a for a in program.stages[s].attrs if a not in program.constants]
+            pairs = [(a, id(t), t) for a in attrs for t in [get_attr(pmodel._model, a)]]
+        for name, user, tensor in pairs:
+            if user in names and isinstance(tensor, torch.Tensor):
+                held.setdefault(id(tensor), _Held(s, name, user, tensor, module))
+    return list(held.values())
+
+
+def pipelined_state_dict(pmodel: Pipelined, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's part of the model's state dict, for `dcp.save` on every rank: the checkpoint it
+    writes equals the tensor-only module's, so either kind of module loads it. Each tensor is
+    written by the ranks of the lowest stage that reads it; its copies elsewhere are left out
+    (DCP refuses overlapping blocks of one key laid out differently). `keep_vars` as in torch."""
+    model = pmodel._model
+    names = _names(model)
+    owners = _owners(pmodel, names)
+    mine = {h.user: h.tensor for h in _held(pmodel, names) if owners.get(h.user) == h.stage}
+    state: dict[str, torch.Tensor] = {}
+    for name, user_tensor in model.state_dict(keep_vars=True).items():  # the model's order
+        tensor = mine.get(id(user_tensor))
+        if tensor is not None:
+            state[name] = tensor if keep_vars else tensor.detach()
+    return state
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+
+def _checkpoint(where: Path) -> tuple[str, dict[str, Any], dict[str, Path]]:
+    """The format, each key's stored metadata (DCP) or shape (safetensors), and each key's file."""
+    if where.is_dir() and (where / DCP_METADATA).is_file():
+        try:
+            metadata = dcp.FileSystemReader(str(where)).read_metadata()
+        except Exception as exc:  # a truncated or foreign .metadata: torch raises several kinds
+            raise CheckpointError(
+                f"{where / DCP_METADATA} is not readable checkpoint metadata: {type(exc).__name__}: {exc}",
+                hint="the checkpoint may be truncated: save it again with torch.distributed.checkpoint",
+            ) from exc
+        sizes = {k: tuple(getattr(m, "size", ())) for k, m in metadata.state_dict_metadata.items()}
+        return "DCP", sizes, {}
+    if where.is_dir() and ((where / SAFETENSORS_INDEX).is_file() or (where / SAFETENSORS_FILE).is_file()):
+        files = _safetensors_files(where)
+    elif where.is_file() and where.suffix == ".safetensors":
+        files = {None: where}
+    else:
+        found = "does not exist" if not where.exists() else "is no safetensors checkpoint nor a DCP directory"
+        raise CheckpointError(
+            f"checkpoint {where} {found}",
+            hint="pass the directory save_pretrained wrote, a .safetensors file, or a DCP directory",
+        )
+    by_file: dict[Path, list[str | None]] = {}
+    for key, file in files.items():
+        by_file.setdefault(file, []).append(key)
+    file_of: dict[str, Path] = {}
+    shapes: dict[str, Any] = {}
+    for file, keys in by_file.items():
+        with _opened(file) as handle:
+            for k in handle.keys() if keys == [None] else [k for k in keys if k is not None]:
+                file_of[k] = file
+                shapes[k] = tuple(handle.get_slice(k).get_shape())
+    return "safetensors", shapes, file_of
+
+
+def load_pipelined_checkpoint(
+    pmodel: Pipelined, path: str | os.PathLike[str], *, strict: bool = True
+) -> LoadResult:
+    """Load the weights at `path` (a DCP directory, e.g. a tensor-only module's or a pipelined
+    one's, or a transformers safetensors checkpoint) into every rank's stages, every copy of a tied
+    weight included; each rank reads only its blocks. Every rank calls it with the same path.
+
+    Keys are matched against the whole model on every rank, so the result's `unexpected` (keys
+    naming none of the model's tensors) and the strict check agree on all ranks: `strict` raises
+    `CheckpointError` on every rank, before reading any tensor, when a tensor that any stage holds
+    is missing or a key is unexpected. `missing` lists this rank's stages' missing tensors."""
+    where = Path(path)
+    kind, shapes, file_of = _checkpoint(where)
+    model = pmodel._model
+    names = _names(model)
+    prefix: str = getattr(model, "base_model_prefix", "") or ""
+    owners = _owners(pmodel, names)
+    key_of = {}
+    for user in owners:
+        key = next((k for k in _candidates(names[user], prefix) if k in shapes), None)
+        if key is not None:
+            key_of[user] = key
+    known = {k for all_names in names.values() for n in all_names for k in _candidates([n], prefix)}
+    result = LoadResult(format=kind, unexpected=sorted(k for k in shapes if k not in known))
+    absent = [names[user][0] for user in owners if user not in key_of]
+    if not key_of:
+        raise CheckpointError(
+            f"the {kind} checkpoint holds none of the model's tensors (it has {len(shapes)}: "
+            f"{', '.join(sorted(shapes)[:3])}...)",
+            hint="load a checkpoint of this model's architecture",
+        )
+    if strict and (absent or result.unexpected):
+        parts = [f"lacks {len(absent)} of the model's tensors ({', '.join(absent[:3])})"] if absent else []
+        if result.unexpected:
+            parts.append(
+                f"has {len(result.unexpected)} the model does not ({', '.join(result.unexpected[:3])})"
+            )
+        raise CheckpointError(
+            f"the {kind} checkpoint " + " and ".join(parts),
+            hint="load a checkpoint of this model's architecture, or pass strict=False to load what matches",
+        )
+    shape_of = {id(t): tuple(t.shape) for t in model.state_dict(keep_vars=True).values()}
+    for user, key in key_of.items():  # the whole model's shapes: every rank raises alike
+        if tuple(shapes[key]) != shape_of[user]:
+            raise CheckpointError(
+                f"{key} has shape {list(shapes[key])} in the checkpoint, but the model's "
+                f"{names[user][0]} is {list(shape_of[user])}",
+                hint="load a checkpoint of this model's configuration (sizes, vocabulary)",
+            )
+    held = _held(pmodel, names)
+    present = [h for h in held if h.user in key_of]
+    if kind == "DCP":
+        _read_dcp(where, [(key_of[h.user], h) for h in present])
+    else:
+        _read_safetensors(file_of, [(key_of[h.user], h) for h in present])
+    result.loaded = list(dict.fromkeys(names[h.user][0] for h in present))
+    result.missing = list(dict.fromkeys(names[h.user][0] for h in held if h.user not in key_of))
+    return result
+
+
+def _rounds(pairs: list[tuple[str, _Held]]) -> Iterator[dict[str, torch.Tensor]]:
+    """DCP requests holding each key once: a second copy of a weight (another stage's) goes in a
+    second request."""
+    rounds: list[dict[str, torch.Tensor]] = []
+    for key, h in pairs:
+        request = next((r for r in rounds if key not in r), None)
+        if request is None:
+            request = {}
+            rounds.append(request)
+        request[key] = h.tensor.detach()
+    yield from rounds
+
+
+def _read_dcp(where: Path, pairs: list[tuple[str, _Held]]) -> None:
+    # no_dist: each rank reads its own blocks; the ranks of different stages hold different keys
+    for request in _rounds(pairs):
+        try:
+            dcp.load(request, checkpoint_id=str(where), no_dist=True)
+        except (Exception, CheckpointException) as exc:  # a data file missing or cut short
+            lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+            raise CheckpointError(
+                f"reading the torch.distributed.checkpoint {where} failed: {lines[-1] if lines else type(exc).__name__}",
+                hint="the checkpoint may be truncated (a data file missing or cut short): save it again",
+            ) from exc
+
+
+def _read_safetensors(file_of: dict[str, Path], pairs: list[tuple[str, _Held]]) -> None:
+    for key, h in pairs:
+        local = h.tensor.to_local() if isinstance(h.tensor, DTensor) else h.tensor
+        with _opened(file_of[key]) as handle:
+            piece = handle.get_slice(key)
+            whole = h.parallel is None or not h.tensor.dim()
+            block = piece[...] if whole else piece[h.parallel.stored_block(h.name)]  # type: ignore[union-attr]
+            with torch.no_grad():
+                local.copy_(block.to(local.dtype).reshape(local.shape))
