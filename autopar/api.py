@@ -25,6 +25,7 @@ from autopar.compiler.driver import compile_for_rank, example_tuple
 from autopar.compiler.fixed import compare_fixed
 from autopar.compiler.pipeline import PipelinedModule, pipeline_parallelize
 from autopar.compiler.pipeline_checkpoint import load_pipelined_checkpoint
+from autopar.compiler.pipeline_choice import decide_pipeline
 from autopar.compiler.pricing import Compared, PlanResult, price
 from autopar.core.errors import AutoparError, MeshError, UsageError
 from autopar.core.mesh import Mesh
@@ -271,17 +272,32 @@ def _pipeline(
     if not isinstance(name, str):
         raise UsageError(
             f"schedule={schedule!r} on a pipeline mesh: name the pipeline schedule",
-            hint='schedule="1f1b", "gpipe", "interleaved-1f1b" or "zero-bubble"',
+            hint='schedule="1f1b", "gpipe", "interleaved-1f1b", "zero-bubble" or "auto"',
         )
     if options.inputs != GLOBAL:
         raise UsageError(
             'a pipeline takes the global batch on every rank (inputs="local" is not supported with a "pp" axis)',
             hint='drop inputs="local"',
         )
+    names = tuple(mesh.mesh_dim_names or ())
+    pp = mesh.size(names.index("pp"))
+    decision = decide_pipeline(
+        model,
+        tuple(example_inputs),
+        pp=pp,
+        microbatches=microbatches,
+        schedule=name,
+        virtual_stages=virtual_stages,
+        hardware=hardware or "h100-nvlink-ib",
+        tensor_size=mesh.size() // pp,
+        stage_boundaries=stage_boundaries,
+        memory_limit=options.memory_limit,
+        split_backward=not options.compile,  # Inductor-compiled stages do not split their backward
+    )
     build_stage = None
     pp_group = None
     scatter = None
-    if mesh.ndim == 1 and name == "zero-bubble":
+    if mesh.ndim == 1 and decision.schedule.split_backward:
         # zero-bubble splits each stage's backward program: every stage is compiled, on one rank
         mesh = init_device_mesh(mesh.device_type, (mesh.size(), 1), mesh_dim_names=("pp", "stage"))
     if mesh.ndim > 1:
@@ -314,6 +330,7 @@ def _pipeline(
         build_stage=build_stage,
         scatter=scatter,
         dump_dir=options.dump_dir,
+        decision=decision,
     )
 
 

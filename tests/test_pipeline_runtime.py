@@ -80,6 +80,15 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> list[str]:
         assert pmodel.stage_cut is not None and pmodel.boundaries == pmodel.stage_cut.boundaries
     losses = train_side_by_side([(pmodel, batch), (serial, batch)], steps=2)
     assert len(set(pmodel.stages)) == pmodel.schedule.v
+    if case.get("schedule") == "auto":  # the fastest modeled candidate that fits was run
+        choice = pmodel.schedule_choice
+        assert choice is not None and len(choice.candidates) == 5, choice
+        fitting = [c.step_time for c in choice.candidates if c.fits and not c.skipped]
+        assert choice.chosen.step_time == min(fitting)
+        assert (choice.chosen.v, pmodel.stage_cut.makespan) == (pmodel.schedule.v, choice.chosen.step_time)
+        assert pmodel.schedule.name.startswith(choice.chosen.schedule)
+    else:
+        assert pmodel.schedule_choice is None
     report = pmodel.timeline_report  # the modeled step: the cut's when chosen, else unit times
     assert (report.pp, report.virtual_stages, report.microbatches) == (world, case.get("v", 1), case["M"])
     assert report.ideal_ratio == pytest.approx((world - 1) / (case.get("v", 1) * case["M"]))
@@ -93,7 +102,7 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> list[str]:
     for name, p in pmodel.named_parameters():
         assert p.grad is not None, name
         # zero-bubble compiles every stage (on a 1-rank sub-mesh): its parameters are DTensors
-        assert isinstance(p, DTensor) == (case.get("schedule") == "zero-bubble"), name
+        assert isinstance(p, DTensor) == pmodel.schedule.split_backward, name
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         value = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
         torch.testing.assert_close(grad, ref[name].grad, **TOL, msg=f"{case} grad {name}")
@@ -116,7 +125,7 @@ def _every_param_somewhere(results: list[list[list[str]]], cases: list[dict[str,
 @pytest.mark.multirank
 def test_pp2_schedules_uneven_depth_and_chosen_cut() -> None:
     """pp=2: 1F1B and GPipe on 3 layers (an uneven cut), interleaved 1F1B (4 stages on 2 ranks),
-    and the cut chosen by the cost model (no stage_boundaries)."""
+    the cut chosen by the cost model (no stage_boundaries), and schedule="auto"."""
     cases = [
         {"layers": 3, "M": 4, "schedule": "1f1b", "boundaries": ["blocks.2"]},
         {"layers": 3, "M": 3, "schedule": "gpipe", "boundaries": ["blocks.1"]},
@@ -128,6 +137,7 @@ def test_pp2_schedules_uneven_depth_and_chosen_cut() -> None:
             "boundaries": ["blocks.1", "blocks.2", "blocks.3"],
         },
         {"layers": 4, "M": 2, "schedule": "1f1b"},
+        {"layers": 4, "M": 4, "schedule": "auto"},
     ]
     results = run_ranks(2, _job, cases, timeout=240)
     _every_param_somewhere(results, cases)

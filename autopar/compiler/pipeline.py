@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.compiler.pipeline_checkpoint import pipelined_state_dict
+from autopar.compiler.pipeline_choice import PipelineDecision, ScheduleChoice, decide_pipeline
 from autopar.compiler.pipeline_split import (
     PipelineSplitError,
     StageProgram,
@@ -33,10 +34,9 @@ from autopar.compiler.pipeline_split import (
 )
 from autopar.compiler.pipeline_stage import StageBuilder, StageModule, made_here, stage_arguments
 from autopar.core.errors import UsageError
-from autopar.core.pipeline_schedule import Schedule, schedule_by_name
+from autopar.core.pipeline_schedule import Schedule
 from autopar.core.pipeline_simulate import Timeline, simulate
-from autopar.passes.trace import trace
-from autopar.planning.stage_cut import StageCut, cut_stages
+from autopar.planning.stage_cut import StageCut
 from autopar.reporting.dump import dump_dir_from
 from autopar.reporting.pipeline_views import (
     PipelineTimelineReport,
@@ -143,6 +143,7 @@ class PipelinedModule(nn.Module):
         self.schedule = schedule
         self.boundaries = tuple(boundaries)
         self.stage_cut = stage_cut
+        self.schedule_choice: ScheduleChoice | None = None  # what schedule="auto" compared
         self.group = pp_group if pp_group is not None else mesh.get_group("pp")
         self.device = mesh.device_type
         self.rank = mesh.get_local_rank("pp")
@@ -474,6 +475,7 @@ def pipeline_parallelize(
     build_stage: StageBuilder | None = None,
     scatter: BoundaryScatter | None = None,
     dump_dir: str | os.PathLike[str] | None = None,
+    decision: PipelineDecision | None = None,
 ) -> PipelinedModule:
     """Cut `model` into `pp * virtual_stages` stages over the axis "pp" of `mesh` and return this
     rank's part. Every rank calls it with the same model and example batch.
@@ -485,8 +487,9 @@ def pipeline_parallelize(
 
     The cut is the cost model's (`autopar.planning.stage_cut.cut_stages` on the joint trace, priced
     on `hardware`) unless `stage_boundaries` names the first module of every stage after the first.
-    `schedule`: "1f1b", "gpipe" or "interleaved-1f1b" (with `virtual_stages` > 1); "zero-bubble"
-    raises `UnsupportedScheduleError`."""
+    `schedule`: "1f1b", "gpipe", "interleaved-1f1b" (with `virtual_stages` > 1), "zero-bubble"
+    (stages built by `build_stage` only) or "auto" (`decide_pipeline`); `decision`: one the caller
+    made already (every rank the same)."""
     names = tuple(mesh.mesh_dim_names or ())
     if "pp" not in names or (mesh.ndim > 1 and build_stage is None):
         raise UsageError(
@@ -495,32 +498,22 @@ def pipeline_parallelize(
             hint='init_device_mesh("cpu", (p,), mesh_dim_names=("pp",)), or autopar.parallelize for more axes',
         )
     pp = mesh.size(names.index("pp"))
-    plan = schedule_by_name(schedule, pp, virtual_stages, microbatches)
+    if decision is None:
+        decision = decide_pipeline(
+            model,
+            tuple(example_inputs),
+            pp=pp,
+            microbatches=microbatches,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            hardware=hardware,
+            stage_boundaries=stage_boundaries,
+            split_backward=build_stage is not None,
+        )
+    plan, boundaries, cut = decision.schedule, list(decision.boundaries), decision.cut
     if build_stage is None:  # stages run by parallel modules split their backward (zero-bubble)
         check_supported(plan)
     example = tuple(example_inputs)
-    cut = None
-    if stage_boundaries is None:
-        if plan.num_stages > 1:
-            gm = trace(model, example, decompose=True)
-            cut = cut_stages(
-                gm,
-                pp=pp,
-                microbatches=microbatches,
-                v=virtual_stages,
-                schedule=schedule,
-                hardware=hardware,
-                memory_limit=math.inf,
-            )
-            boundaries: list[str] = list(cut.boundaries)
-        else:
-            boundaries = []
-        # Every rank must cut alike: the first rank's choice is the one used.
-        box: list[Any] = [boundaries]
-        dist.broadcast_object_list(box, src=int(mesh.mesh.min()))
-        boundaries = list(box[0])
-    else:
-        boundaries = list(stage_boundaries)
     if len(boundaries) != plan.num_stages - 1:
         raise PipelineSplitError(
             f"{plan.num_stages} stages need {plan.num_stages - 1} stage boundaries, got {len(boundaries)}",
@@ -529,6 +522,7 @@ def pipeline_parallelize(
     pmodel = PipelinedModule(
         model, mesh, plan, boundaries, cut, pp_group=pp_group, build_stage=build_stage, scatter=scatter
     )
+    pmodel.schedule_choice = decision.choice
     pieces = split_microbatches(example, microbatches)
     pmodel._program(pytree.tree_leaves(pieces[0]), pieces[0])  # export and cut now: errors show here
     if dist.get_rank() == 0:
