@@ -26,6 +26,7 @@ from autopar.compiler.fixed import compare_fixed
 from autopar.compiler.pipeline import PipelinedModule, pipeline_parallelize
 from autopar.compiler.pipeline_checkpoint import load_pipelined_checkpoint
 from autopar.compiler.pipeline_choice import decide_pipeline
+from autopar.compiler.pipeline_mesh import auto_pipeline_mesh
 from autopar.compiler.pricing import Compared, PlanResult, price
 from autopar.core.errors import AutoparError, MeshError, UsageError
 from autopar.core.mesh import Mesh
@@ -85,7 +86,8 @@ def parallelize(
     `mesh_shape="auto"` (with the job's DeviceMesh or its world size as `mesh`) plans every
     factorization of the world size on `hardware` (default: cpu-gloo for CPU, else h100-nvlink-ib)
     and runs on the fastest that fits `memory_limit`; rank 0 chooses for all, and the ranked table
-    is `result.mesh_choice`. `memory_limit` (bytes per rank) bounds the plan's modeled memory.
+    is `result.mesh_choice`; with `microbatches` too, pipeline depths and their schedules compete
+    (docs/pipeline.md#pipeline-depths-in-the-mesh-choice). `memory_limit` (bytes per rank) bounds the plan's modeled memory.
     `over_decompose` splits each rank's batch into chunks whose collectives overlap each other's
     compute: an int, or "auto" to let the modeled step time choose (see `compile_for_rank`).
     `split_fused=True` plans fused projections (qkv) as one linear per piece; None: with the search
@@ -131,7 +133,8 @@ def parallelize(
     _check_model(model)
     example_inputs = example_tuple(example_inputs, example_kwargs)
     pipelined = isinstance(mesh, DeviceMesh) and "pp" in (mesh.mesh_dim_names or ())
-    if not pipelined and (not isinstance(schedule, bool) or microbatches is not None):
+    depths_wanted = mesh_shape == "auto" and microbatches is not None  # pipeline depths compete too
+    if not pipelined and not depths_wanted and (not isinstance(schedule, bool) or microbatches is not None):
         raise UsageError(
             f"schedule={schedule!r} / microbatches={microbatches!r} describe a pipeline, but the mesh has no "
             "axis named \"pp\"",
@@ -165,6 +168,19 @@ def parallelize(
         init_fn=init_fn,
         compile=compile,
     )
+    depth_choice = None
+    if depths_wanted and not pipelined:
+        assert microbatches is not None
+        mesh, depth_choice = auto_pipeline_mesh(
+            model, mesh, example_inputs, microbatches=microbatches, hardware=hardware,
+            memory_limit=memory_limit, registry=registry,
+        )  # fmt: skip
+        mesh_shape, hardware = None, depth_choice.hardware
+        pipelined = "pp" in (mesh.mesh_dim_names or ())
+        if pipelined and isinstance(schedule, bool):  # the schedule the choice priced best
+            schedule, virtual_stages = depth_choice.chosen.schedule, depth_choice.chosen.v
+        elif not pipelined:  # the tensor-only mesh won: no microbatches
+            schedule, microbatches = schedule if isinstance(schedule, bool) else True, None
     if pipelined:
         if mesh_shape is not None:
             raise UsageError(
@@ -172,10 +188,13 @@ def parallelize(
                 hint="drop mesh_shape, or pass the world size / a mesh without a \"pp\" axis",
             )
         assert isinstance(mesh, DeviceMesh)
-        return _pipeline(
+        options = dataclasses.replace(options, hardware=hardware)
+        pipelined_module = _pipeline(
             model, mesh, example_inputs, example_kwargs, schedule, microbatches, stage_boundaries,
             virtual_stages, hardware, options, timeout,
         )
+        pipelined_module.mesh_choice = depth_choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
+        return pipelined_module
     seeded = torch.random.get_rng_state()  # what a meta-device model is initialized from
     traced_inputs, traced_kwargs = example_inputs, example_kwargs
     if inputs == LOCAL and dist.is_initialized():  # programs are for the batch the shards make together
@@ -210,7 +229,7 @@ def parallelize(
         model, autopar_mesh, groups, options, example_inputs, example_kwargs, traced_inputs, traced_kwargs,
         autocast=autocast, seeded=seeded,
     )
-    result.mesh_choice = choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
+    result.mesh_choice = depth_choice if depth_choice is not None else choice  # type: ignore[assignment]
     return result
 
 

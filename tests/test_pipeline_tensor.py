@@ -167,3 +167,43 @@ def test_boundary_chunks_cover_the_tensor() -> None:
         joined = torch.cat(pieces)
         assert torch.equal(joined[:numel], t.reshape(-1))
         assert torch.equal(joined[numel:], torch.zeros(joined.numel() - numel))
+
+
+def _auto_depth(rank: int, world: int) -> dict[str, Any]:
+    """mesh_shape="auto" with microbatches: pipeline depths compete with the tensor-only meshes."""
+    model, batch = _gpt(4)
+    serial = copy.deepcopy(model)
+    pmodel = autopar.parallelize(
+        model, world, example_inputs=batch, microbatches=4, mesh_shape="auto", hardware="h100-nvlink-ib"
+    )
+    choice = pmodel.mesh_choice
+    losses = train_side_by_side([(pmodel, batch), (serial, batch)], steps=2)
+    for step in range(2):
+        torch.testing.assert_close(losses[2 * step], losses[2 * step + 1], **TOL)
+    ref = dict(serial.named_parameters())
+    for name, p in pmodel.named_parameters():
+        torch.testing.assert_close(_whole(p.grad), ref[name].grad, **TOL, msg=f"grad {name}")
+    return {
+        "pipelined": isinstance(pmodel, autopar.api.PipelinedModule),
+        "schedule": getattr(pmodel, "schedule", None) and pmodel.schedule.name,
+        "choice": choice,
+    }
+
+
+@pytest.mark.multirank
+def test_mesh_shape_auto_weighs_pipeline_depths() -> None:
+    """The chosen candidate is the fastest modeled one that fits (a toy GPT on the H100 table: a
+    pipeline of one rank per stage, whose sends cost less than the tensor mesh's collectives), every
+    depth dividing the world and every schedule is in the table, and the module built on the chosen
+    mesh trains equal to serial."""
+    results = run_ranks(4, _auto_depth, timeout=500)
+    choice = results[0]["choice"]
+    priced = [c for c in choice.candidates if not c.error]
+    assert {c.pp for c in priced} == {1, 2, 4}
+    assert choice.chosen.step_time == min(c.step_time for c in priced if c.fits)
+    assert {(c.schedule, c.v) for c in priced if c.pp == 2} >= {("1f1b", 1), ("zero-bubble", 1), ("gpipe", 1)}
+    best = choice.chosen
+    assert all(r["pipelined"] == (best.pp > 1) for r in results)
+    if best.pp > 1:
+        assert all(r["schedule"].startswith(best.schedule) for r in results)
+    print(choice.table())

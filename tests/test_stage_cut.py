@@ -378,3 +378,23 @@ def test_unsplit_batch_dimension_assumption_scales_activations() -> None:
     for a, b in zip(two.stages, four.stages, strict=True):
         assert b.activation_bytes == pytest.approx(a.activation_bytes / 2)
         assert b.time == pytest.approx(a.time)  # per step: all microbatches
+
+
+def test_slowed_cut_spreads_extra_time_by_compute_and_simulates_again() -> None:
+    """A stage sub-mesh's extra time per step (`StageCut.slowed`, what the mesh choice with pipeline
+    depths adds for the sub-mesh's collectives): spread over the stages in proportion to their
+    compute, I/W parts alike, the step simulated again; no extra time leaves the cut as it is."""
+    for schedule, v in (("1f1b", 1), ("zero-bubble", 1), ("interleaved-1f1b", 2)):
+        cut = cut_graph(analysed(7, vocab_size=2048), pp=2, v=v, microbatches=4, schedule=schedule)
+        assert cut.slowed(0.0) is cut
+        extra = cut.total_time  # the sub-mesh doubles every stage's work
+        slow = cut.slowed(extra)
+        assert slow.total_time == pytest.approx(2 * cut.total_time)
+        for before, after in zip(cut.stages, slow.stages, strict=True):
+            assert (after.forward, after.backward, after.backward_input) == pytest.approx(
+                (2 * before.forward, 2 * before.backward, 2 * before.backward_input)
+            )
+            assert (after.units, after.memory) == (before.units, before.memory)
+        assert slow.boundaries == cut.boundaries and slow.rank_memory == cut.rank_memory
+        # twice the compute, the same transfers: longer, but at most twice as long
+        assert cut.makespan < slow.makespan <= 2 * cut.makespan * (1 + 1e-9)

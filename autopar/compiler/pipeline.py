@@ -123,8 +123,9 @@ class PipelinedModule(nn.Module):
     blocks of each stage's parallel module (`stage_parallel`). A tied weight held by several stages
     is one parameter on each rank that holds it; its gradient is the sum over all of them.
     Attributes: `schedule`, `stages` (this rank's stage indices), `boundaries` (the first module of
-    each later stage), `stage_cut` (the cost model's report when the cut was chosen, else None),
-    `stage_modules` (the units each stage holds)."""
+    each later stage), `stage_cut` (the cost model's report of the cut, chosen or forced; None for
+    one stage), `schedule_choice` (what schedule="auto" compared), `stage_modules` (the units each
+    stage holds)."""
 
     def __init__(
         self,

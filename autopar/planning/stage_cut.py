@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
@@ -26,7 +26,7 @@ from autopar.core.errors import AutoparError, MemoryLimitError
 from autopar.core.pipeline_schedule import ActionKind, Schedule, schedule_by_name
 from autopar.core.pipeline_simulate import Durations, Timeline, bubble_fraction, bubble_ratio, simulate
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, format_bytes, memory_per_rank
-from autopar.cost.hardware import Hardware, axis_links
+from autopar.cost.hardware import Hardware, axis_links, load_hardware
 from autopar.planning.memory import MEMORY_HEADROOM
 from autopar.planning.stage_units import BoundaryTensor, StageGraph, compact, stage_graph
 
@@ -210,6 +210,31 @@ class StageCut:
     def bubble_ratio(self) -> float:
         """Idle over busy time: the form of Megatron's (p-1)/(v*m), printed beside it."""
         return bubble_ratio(self.timeline)
+
+    def slowed(self, overhead: float) -> StageCut:
+        """This cut with `overhead` more seconds per step of each tensor rank's work (a stage
+        sub-mesh plan's collectives and imbalance beyond the ideal division by t), spread over the
+        stages in proportion to their compute, and simulated again."""
+        total = sum(st.time for st in self.stages)
+        if overhead <= 0 or total <= 0:
+            return self
+        scale = 1.0 + overhead / total
+        stages = tuple(
+            replace(
+                st,
+                forward=st.forward * scale,
+                backward=st.backward * scale,
+                backward_input=st.backward_input * scale,
+            )
+            for st in self.stages
+        )
+        schedule = self.timeline.schedule
+        durations = stage_durations(
+            stages, self.pp, self.microbatches, self.tensor_size, load_hardware(self.hardware)
+        )
+        return replace(
+            self, stages=stages, total_time=self.total_time + overhead, timeline=simulate(schedule, durations)
+        )
 
     def __str__(self) -> str:
         head = (
@@ -504,25 +529,29 @@ class _StageModel:
         )
 
     def durations(self, stages: Sequence[Stage]) -> Durations:
-        """Per microbatch: each stage's forward, backward and its I/W parts; a receive takes the
-        transfer of the larger of the stage's boundary tensors (in or out) over the pp axis's link,
-        each tensor rank sending its 1/t block."""
-        m = self.m
-        pp = self.schedule.pp
-        link = axis_links((pp, self.t), self.graph.hardware)[0]
+        return stage_durations(stages, self.schedule.pp, self.m, self.t, self.graph.hardware)
 
-        def transfer(nbytes: float) -> float:
-            return link.alpha + nbytes / link.bandwidth if nbytes > 0 else 0.0
 
-        recv = tuple(
-            transfer(max(st.send_bytes, stages[st.index - 1].send_bytes if st.index else 0.0))
-            for st in stages
-        )
-        return Durations(
-            forward=tuple(st.forward / m for st in stages),
-            backward=tuple(st.backward / m for st in stages),
-            backward_input=tuple(st.backward_input / m for st in stages),
-            backward_weight=tuple((st.backward - st.backward_input) / m for st in stages),
-            send=0.0,
-            recv=recv if pp > 1 else 0.0,
-        )
+def stage_durations(
+    stages: Sequence[Stage], pp: int, microbatches: int, tensor_size: int, hardware: Hardware
+) -> Durations:
+    """Per microbatch: each stage's forward, backward and its I/W parts; a receive takes the
+    transfer of the larger of the stage's boundary tensors (in or out) over the pp axis's link,
+    each tensor rank sending its 1/t block."""
+    m = microbatches
+    link = axis_links((pp, tensor_size), hardware)[0]
+
+    def transfer(nbytes: float) -> float:
+        return link.alpha + nbytes / link.bandwidth if nbytes > 0 else 0.0
+
+    recv = tuple(
+        transfer(max(st.send_bytes, stages[st.index - 1].send_bytes if st.index else 0.0)) for st in stages
+    )
+    return Durations(
+        forward=tuple(st.forward / m for st in stages),
+        backward=tuple(st.backward / m for st in stages),
+        backward_input=tuple(st.backward_input / m for st in stages),
+        backward_weight=tuple((st.backward - st.backward_input) / m for st in stages),
+        send=0.0,
+        recv=recv if pp > 1 else 0.0,
+    )

@@ -1,0 +1,229 @@
+"""Pipeline depths in the mesh choice (docs/pipeline.md#pipeline-depths-in-the-mesh-choice).
+
+For a world of N ranks and M microbatches, every pipeline depth pp dividing N is a candidate
+beside the tensor-only meshes: its stages run on sub-meshes of t = N / pp ranks. A candidate is
+priced in two parts that already exist:
+
+- the stage sub-mesh: the tensor mesh choice (`choose_mesh`) for t ranks on one microbatch, whose
+  best plan's modeled step over the ideal compute of that microbatch on t ranks is the sub-mesh's
+  *efficiency factor* (its collectives and imbalance; 1 for t = 1);
+- the pipeline: for each schedule of `AUTO_CANDIDATES`, the stage cut priced by `cut_stages` with
+  work divided ideally by t, then the sub-mesh's extra time per microbatch (its modeled step less
+  the ideal) spread over the stages by compute (`StageCut.slowed`) and the schedule simulated again.
+
+The product is a model of a model: the sub-mesh plan is of the whole model, so its per-step
+collectives (a data axis's gradient reduction) are counted once per microbatch, which
+overstates them for a pipeline that reduces once per step; the memory is the cut's (weights and
+optimizer states of a rank's stages over t, activations the schedule keeps in flight).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.compiler.auto_mesh import choose_mesh, default_hardware
+from autopar.compiler.pipeline import split_microbatches
+from autopar.compiler.pipeline_choice import AUTO_CANDIDATES
+from autopar.core.errors import AutoparError, MeshError
+from autopar.passes.trace import trace
+from autopar.planning.mesh_choice import MeshChoice
+from autopar.planning.stage_cut import cut_stages, format_seconds
+from autopar.rules.base import RuleRegistry
+from autopar.runtime.agreement import decided_on_rank0
+
+
+@dataclass(frozen=True)
+class PipelineCandidate:
+    """One (pipeline depth, schedule) priced; pp = 1 is the tensor-only mesh choice's best."""
+
+    pp: int
+    stage_mesh: str  # the stage sub-mesh the tensor choice picked, e.g. "2x4 (x,y)"
+    schedule: str
+    v: int
+    step_time: float = math.inf
+    memory: float = math.inf
+    fits: bool = False
+    bubble: float = 0.0  # idle share of the modeled step, averaged over ranks
+    factor: float = 1.0  # the sub-mesh's modeled step over its ideal compute
+    error: str = ""  # why it has no price
+    stage_shape: tuple[int, ...] = ()  # the sub-mesh (pp = 1: the whole mesh)
+    stage_names: tuple[str, ...] = ()
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The DeviceMesh this candidate runs on: ("pp", *stage_names) unless pp = 1."""
+        return self.stage_shape if self.pp == 1 else (self.pp, *self.stage_shape)
+
+    @property
+    def mesh_names(self) -> tuple[str, ...]:
+        return self.stage_names if self.pp == 1 else ("pp", *self.stage_names)
+
+
+@dataclass
+class PipelineMeshChoice:
+    """Every depth priced, fastest that fits first; `tensor_only` is the pp = 1 choice's table."""
+
+    world_size: int
+    microbatches: int
+    hardware: str
+    candidates: list[PipelineCandidate]
+    tensor_only: MeshChoice | None
+
+    @property
+    def chosen(self) -> PipelineCandidate:
+        return self.candidates[0]
+
+    def table(self) -> str:
+        lines = [
+            f"mesh choice with pipeline depths: {self.world_size} ranks, {self.microbatches} microbatches, "
+            f"on {self.hardware}",
+            "  pp  stage mesh            schedule          v  modeled step  bubble  factor  memory/rank  fits",
+        ]
+        for c in self.candidates:
+            if c.error:
+                lines.append(f"{c.pp:>4}  {c.stage_mesh:<20}  {c.schedule:<16} {c.v}  {c.error}")
+                continue
+            lines.append(
+                f"{c.pp:>4}  {c.stage_mesh:<20}  {c.schedule:<16} {c.v}  {format_seconds(c.step_time):>12}  "
+                f"{c.bubble:>6.3f}  {c.factor:>6.2f}  {c.memory / 1e9:>8.2f} GB  {'yes' if c.fits else 'no'}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def choose_pipeline_mesh(
+    model: nn.Module,
+    world_size: int,
+    example_inputs: Sequence[Any],
+    *,
+    microbatches: int,
+    hardware: str = "h100-nvlink-ib",
+    memory_limit: float | None = None,
+    registry: RuleRegistry | None = None,
+    depths: Sequence[int] | None = None,
+) -> PipelineMeshChoice:
+    """Rank the tensor-only mesh choice's best beside every pipeline depth of `depths` (default:
+    every divisor of `world_size` above 1 that the model has modules enough for) and schedule."""
+    example = tuple(example_inputs)
+    candidates: list[PipelineCandidate] = []
+    tensor_only: MeshChoice | None = None
+    try:
+        tensor_only = choose_mesh(model, world_size, example, hardware=hardware, memory_limit=memory_limit,
+                                  registry=registry)  # fmt: skip
+        best = tensor_only.chosen
+        candidates.append(
+            PipelineCandidate(
+                1,
+                best.label,
+                "-",
+                1,
+                best.rank_time,
+                best.memory,
+                best.fits,
+                stage_shape=best.shape,
+                stage_names=best.names,
+            )  # fmt: skip
+        )
+    except AutoparError as exc:
+        candidates.append(PipelineCandidate(1, "-", "-", 1, error=str(exc).splitlines()[0]))
+    gm = trace(model, example, decompose=True)
+    piece = split_microbatches(example, microbatches)[0]
+    wanted = depths if depths is not None else [p for p in range(2, world_size + 1) if world_size % p == 0]
+    limit = math.inf if memory_limit is None else memory_limit
+    for pp in wanted:
+        t = world_size // pp
+        factor, label = 1.0, "1 rank"
+        shape: tuple[int, ...] = (1,)
+        names: tuple[str, ...] = ("stage",)
+        if t > 1:
+            try:
+                sub = choose_mesh(model, t, piece, hardware=hardware, registry=registry)
+            except AutoparError as exc:
+                candidates.append(PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0]))
+                continue
+            label, shape, names = sub.chosen.label, sub.chosen.shape, sub.chosen.names
+            sub_time = sub.chosen.rank_time
+        for name, v in AUTO_CANDIDATES:
+            try:
+                cut = cut_stages(
+                    gm, pp=pp, microbatches=microbatches, v=v, schedule=name, hardware=hardware,
+                    tensor_size=t, memory_limit=limit,
+                )  # fmt: skip
+            except AutoparError as exc:
+                candidates.append(PipelineCandidate(pp, label, name, v, error=str(exc).splitlines()[0]))
+                continue
+            if t > 1:  # the sub-mesh's collectives and imbalance, per microbatch, added to the stages
+                ideal = cut.total_time / microbatches
+                factor = sub_time / ideal if ideal > 0 else 1.0
+                cut = cut.slowed(max(0.0, sub_time - ideal) * microbatches)
+            memory = max(cut.rank_memory)
+            candidates.append(
+                PipelineCandidate(
+                    pp,
+                    label,
+                    name,
+                    v,
+                    cut.makespan,
+                    memory,
+                    memory <= limit,
+                    cut.bubble,
+                    factor,
+                    stage_shape=shape,
+                    stage_names=names,
+                )  # fmt: skip
+            )
+    candidates.sort(key=lambda c: (bool(c.error), not c.fits, c.step_time))
+    return PipelineMeshChoice(world_size, microbatches, hardware, candidates, tensor_only)
+
+
+def auto_pipeline_mesh(
+    model: nn.Module,
+    mesh: DeviceMesh | int,
+    example_inputs: Sequence[Any],
+    *,
+    microbatches: int,
+    hardware: str | None = None,
+    memory_limit: float | None = None,
+    registry: RuleRegistry | None = None,
+) -> tuple[DeviceMesh, PipelineMeshChoice]:
+    """`parallelize(..., mesh_shape="auto", microbatches=M)`: rank 0 ranks every pipeline depth
+    beside the tensor-only meshes, every rank builds the chosen DeviceMesh (with a "pp" axis when
+    a pipeline won). `mesh`: the job's DeviceMesh or its world size."""
+    if not dist.is_initialized():
+        raise MeshError(
+            "torch.distributed is not initialized", hint="run under torchrun or init_process_group first"
+        )
+    world = dist.get_world_size()
+    size = mesh.size() if isinstance(mesh, DeviceMesh) else int(mesh)
+    if size != world:
+        raise MeshError(
+            f"asked for {size} ranks but the job has {world}", hint=f"pass {world} or the job's DeviceMesh"
+        )
+    device_type = (
+        mesh.device_type if isinstance(mesh, DeviceMesh) else "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    choice = decided_on_rank0(
+        lambda: choose_pipeline_mesh(
+            model, world, example_inputs, microbatches=microbatches,
+            hardware=hardware or default_hardware(device_type), memory_limit=memory_limit, registry=registry,
+        ),
+        "choosing the mesh with pipeline depths",
+    )  # fmt: skip
+    best = choice.chosen
+    if best.error or not best.fits:
+        raise MeshError(
+            f"no mesh of {world} ranks, with or without a pipeline, fits: {best.error or 'over the memory limit'}",
+            hint="raise memory_limit, or use more ranks",
+        )
+    chosen = init_device_mesh(device_type, best.mesh_shape, mesh_dim_names=best.mesh_names)
+    return chosen, choice
