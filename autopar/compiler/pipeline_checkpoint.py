@@ -30,9 +30,9 @@ from autopar.runtime.checkpoint import (
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX,
     LoadResult,
-    _candidates,
-    _opened,
-    _safetensors_files,
+    checkpoint_names,
+    opened_safetensors,
+    safetensors_files,
 )
 from autopar.runtime.module import ParallelModule
 
@@ -142,7 +142,7 @@ def _checkpoint(where: Path) -> tuple[str, dict[str, Any], dict[str, Path]]:
         sizes = {k: tuple(getattr(m, "size", ())) for k, m in metadata.state_dict_metadata.items()}
         return "DCP", sizes, {}
     if where.is_dir() and ((where / SAFETENSORS_INDEX).is_file() or (where / SAFETENSORS_FILE).is_file()):
-        files = _safetensors_files(where)
+        files = safetensors_files(where)
     elif where.is_file() and where.suffix == ".safetensors":
         files = {None: where}
     else:
@@ -157,7 +157,7 @@ def _checkpoint(where: Path) -> tuple[str, dict[str, Any], dict[str, Path]]:
     file_of: dict[str, Path] = {}
     shapes: dict[str, Any] = {}
     for file, keys in by_file.items():
-        with _opened(file) as handle:
+        with opened_safetensors(file) as handle:
             for k in handle.keys() if keys == [None] else [k for k in keys if k is not None]:
                 file_of[k] = file
                 shapes[k] = tuple(handle.get_slice(k).get_shape())
@@ -183,10 +183,10 @@ def load_pipelined_checkpoint(
     owners = _owners(pmodel, names)
     key_of = {}
     for user in owners:
-        key = next((k for k in _candidates(names[user], prefix) if k in shapes), None)
+        key = next((k for k in checkpoint_names(names[user], prefix) if k in shapes), None)
         if key is not None:
             key_of[user] = key
-    known = {k for all_names in names.values() for n in all_names for k in _candidates([n], prefix)}
+    known = {k for all_names in names.values() for n in all_names for k in checkpoint_names([n], prefix)}
     result = LoadResult(format=kind, unexpected=sorted(k for k in shapes if k not in known))
     absent = [names[user][0] for user in owners if user not in key_of]
     if not key_of:
@@ -253,7 +253,7 @@ def _read_dcp(where: Path, pairs: list[tuple[str, _Held]]) -> None:
 def _read_safetensors(file_of: dict[str, Path], pairs: list[tuple[str, _Held]]) -> None:
     for key, h in pairs:
         local = h.tensor.to_local() if isinstance(h.tensor, DTensor) else h.tensor
-        with _opened(file_of[key]) as handle:
+        with opened_safetensors(file_of[key]) as handle:
             piece = handle.get_slice(key)
             whole = h.parallel is None or not h.tensor.dim()
             block = piece[...] if whole else piece[h.parallel.stored_block(h.name)]  # type: ignore[union-attr]

@@ -60,7 +60,7 @@ def load_checkpoint(pmodel: ParallelModule, path: str | os.PathLike[str], *, str
     if where.is_dir() and (where / DCP_METADATA).is_file():
         result = _load_dcp(pmodel, where, strict)
     elif where.is_dir() and ((where / SAFETENSORS_INDEX).is_file() or (where / SAFETENSORS_FILE).is_file()):
-        result = _load_safetensors(pmodel, _safetensors_files(where), strict)
+        result = _load_safetensors(pmodel, safetensors_files(where), strict)
     elif where.is_file() and where.suffix == ".safetensors":
         result = _load_safetensors(pmodel, {None: where}, strict)
     else:
@@ -92,7 +92,7 @@ def _stored(pmodel: ParallelModule) -> dict[str, list[str]]:
     return names
 
 
-def _candidates(names: list[str], prefix: str) -> Iterator[str]:
+def checkpoint_names(names: list[str], prefix: str) -> Iterator[str]:
     """Keys a checkpoint may hold a tensor under: its names, then with the base-model prefix
     dropped or added (a base model's checkpoint for a task model, or the other way round)."""
     yield from names
@@ -112,14 +112,14 @@ def _match(
     result = LoadResult(format=kind)
     chosen: dict[str, str] = {}
     for canonical, names in _stored(pmodel).items():
-        key = next((k for k in _candidates(names, pmodel.base_model_prefix) if k in keys), None)
+        key = next((k for k in checkpoint_names(names, pmodel.base_model_prefix) if k in keys), None)
         if key is None:
             result.missing.append(canonical)
         else:
             chosen[canonical] = key
     used = set(chosen.values())
-    aliases = {k for names in _stored(pmodel).values() for n in names for k in _candidates([n], pmodel.base_model_prefix)}
-    ignorable = {k for n in pmodel.not_stored for k in _candidates([n], pmodel.base_model_prefix)}
+    aliases = {k for names in _stored(pmodel).values() for n in names for k in checkpoint_names([n], pmodel.base_model_prefix)}
+    ignorable = {k for n in pmodel.not_stored for k in checkpoint_names([n], pmodel.base_model_prefix)}
     result.unexpected = sorted(k for k in keys if k not in used and k not in aliases and k not in ignorable)
     if not chosen:
         raise CheckpointError(
@@ -143,7 +143,7 @@ def _match(
 # ---- safetensors --------------------------------------------------------------------------------
 
 
-def _safetensors_files(directory: Path) -> dict[str | None, Path]:
+def safetensors_files(directory: Path) -> dict[str | None, Path]:
     """Key -> file for a sharded checkpoint (from its index); {None: file} for a single file."""
     index = directory / SAFETENSORS_INDEX
     if not index.is_file():
@@ -168,7 +168,7 @@ def _safetensors_files(directory: Path) -> dict[str | None, Path]:
 def _load_safetensors(pmodel: ParallelModule, files: dict[str | None, Path], strict: bool) -> LoadResult:
     single = files.get(None)
     if single is not None:
-        with _opened(single) as handle:
+        with opened_safetensors(single) as handle:
             keys = set(handle.keys())
         file_of = dict.fromkeys(keys, single)
     else:
@@ -181,7 +181,7 @@ def _load_safetensors(pmodel: ParallelModule, files: dict[str | None, Path], str
         local = target.to_local() if isinstance(target, DTensor) else target
         # opened per tensor: the file is memory-mapped, and the pages a slice touches (a column
         # block touches every row) stay in this process's RSS until it is closed
-        with _opened(file_of[key]) as handle:
+        with opened_safetensors(file_of[key]) as handle:
             piece = handle.get_slice(key)
             shape = tuple(piece.get_shape())
             if shape != tuple(target.shape):
@@ -197,7 +197,7 @@ def _load_safetensors(pmodel: ParallelModule, files: dict[str | None, Path], str
 
 
 @contextmanager
-def _opened(file: Path) -> Iterator[Any]:
+def opened_safetensors(file: Path) -> Iterator[Any]:
     try:
         handle = safe_open(str(file), framework="pt", device="cpu")
     except (SafetensorError, OSError) as exc:
