@@ -159,6 +159,15 @@ def test_pp4_microbatch_counts() -> None:
 
 
 @pytest.mark.multirank
+def test_pp8_alone_cost_model_cut() -> None:
+    """pp=8 on a 6-layer GPT: eight stages cut by the cost model over its eight units (embeddings,
+    blocks, final norm and head priced like the blocks), M = 8."""
+    case = {"layers": 6, "M": 8}
+    results = run_ranks(8, _job, [case], timeout=300)
+    _every_param_somewhere(results, [case])
+
+
+@pytest.mark.multirank
 def test_two_stages_on_one_rank_pass_locally() -> None:
     """pp=1, v=2: adjacent stages on one rank hand activations and gradients over without a
     message, and the tied weight's two uses add up on the rank."""
