@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -143,3 +144,16 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells[1:]]
     return "\n".join(lines)
+
+
+def git_state() -> dict[str, Any]:
+    """The commit measured and the autopar files that differed from it (read-only git calls)."""
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return run.stdout.rstrip("\n")
+
+    return {
+        "head": git("rev-parse", "HEAD"),
+        "autopar_changed": git("status", "--porcelain", "autopar").splitlines(),
+    }

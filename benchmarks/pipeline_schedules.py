@@ -43,7 +43,6 @@ import argparse
 import copy
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -51,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, table, write_result  # noqa: E402
+from _common import ROOT, git_state, table, write_result  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -376,19 +375,6 @@ def print_table(summary: dict[str, Any]) -> str:
             ]
         )
     return table(headers, rows)
-
-
-def git_state() -> dict[str, Any]:
-    """The commit measured and the autopar files that differed from it (read-only git calls)."""
-
-    def git(*args: str) -> str:
-        run = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-        return run.stdout.rstrip("\n")
-
-    return {
-        "head": git("rev-parse", "HEAD"),
-        "autopar_changed": git("status", "--porcelain", "autopar").splitlines(),
-    }
 
 
 def main() -> int:
