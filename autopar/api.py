@@ -23,10 +23,10 @@ from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh
 from autopar.compiler.build import ModuleOptions, compile_module
 from autopar.compiler.driver import compile_for_rank, example_tuple
 from autopar.compiler.fixed import compare_fixed
-from autopar.compiler.pipeline import PipelinedModule, pipeline_parallelize
+from autopar.compiler.pipeline import PipelinedModule, pipeline_parallelize, split_microbatches
 from autopar.compiler.pipeline_checkpoint import load_pipelined_checkpoint
 from autopar.compiler.pipeline_choice import decide_pipeline
-from autopar.compiler.pipeline_mesh import auto_pipeline_mesh
+from autopar.compiler.pipeline_mesh import auto_pipeline_mesh, choose_pipeline_mesh
 from autopar.compiler.pricing import Compared, PlanResult, price
 from autopar.core.errors import AutoparError, MeshError, UsageError
 from autopar.core.mesh import Mesh
@@ -371,6 +371,7 @@ def plan(
     in_flight_bytes: int | None = None,
     autocast: torch.dtype | None = None,
     mp_policy: Any = None,
+    microbatches: int | None = None,
 ) -> PlanResult:
     """Plan `model` for a mesh of `mesh_shape` ranks on `hardware`, in this process, allocating no weights.
 
@@ -387,6 +388,9 @@ def plan(
     its matmuls, activations and collectives in that dtype are priced at that dtype's rates and
     bytes (the hardware table's peak per dtype), the weights and their optimizer state in theirs.
     `mp_policy`: torch's `MixedPrecisionPolicy`, planned as `parallelize` compiles it.
+    `mesh_shape="auto"` with `microbatches=M` ranks pipeline depths too
+    (docs/pipeline.md#pipeline-depths-in-the-mesh-choice), in `result.pipeline_choice`; when a
+    pipeline wins, the plan compiled is its stage sub-mesh's plan for one microbatch.
     """
     mixed_precision = MixedPrecision.of(mp_policy)
     example_inputs = example_tuple(example_inputs, example_kwargs)
@@ -394,7 +398,22 @@ def plan(
     registry = registry if registry is not None else default_registry()
     split_fused = fused.wanted(split_fused, planner)
     choice = None
-    if isinstance(mesh_shape, str):
+    depth_choice = None
+    if isinstance(mesh_shape, str) and microbatches is not None:
+        if mesh_shape != "auto" or world_size is None:
+            raise AutoparError(f"mesh_shape {mesh_shape!r}", hint='give "auto" with world_size=N and microbatches=M')
+        depth_choice = choose_pipeline_mesh(
+            model, world_size, example_inputs, microbatches=microbatches, hardware=hardware,
+            memory_limit=memory_limit, registry=registry,
+        )  # fmt: skip
+        best = depth_choice.chosen
+        if best.error:
+            raise AutoparError(f"no mesh of {world_size} ranks has a plan: {best.error}")
+        choice = depth_choice.tensor_only if best.pp == 1 else None
+        mesh_shape, mesh_names = best.stage_shape, best.stage_names
+        if best.pp > 1:  # the stage sub-mesh's plan, for one microbatch
+            example_inputs = split_microbatches(tuple(example_inputs), microbatches)[0]
+    elif isinstance(mesh_shape, str):
         if mesh_shape != "auto" or world_size is None:
             raise AutoparError(f"mesh_shape {mesh_shape!r}", hint='give a shape, or "auto" with world_size=N')
         choice = choose_mesh(
@@ -438,6 +457,7 @@ def plan(
     )
     result = price(compiled, mesh, hardware, planner)
     result.mesh_choice = choice
+    result.pipeline_choice = depth_choice
     if compare:
         chosen = Compared(f"chosen ({planner})", mesh.shape, "", result)
         fixed = compare_fixed(

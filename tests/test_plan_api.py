@@ -118,3 +118,23 @@ def test_compare_reports_an_infeasible_scheme(batch: tuple[torch.Tensor, torch.T
     data = result.to_json()["comparison"]
     assert {d["name"]: d["feasible"] for d in data}["1-D Megatron"] is False
     assert "infeasible" in result.compare_text()
+
+
+def test_auto_with_microbatches_ranks_pipeline_depths() -> None:
+    """plan(model, "auto", world_size=N, microbatches=M): the tensor-only meshes and every
+    pipeline depth with every schedule in one ranking; the plan compiled is the winner's (its
+    stage sub-mesh's for one microbatch when a pipeline wins) and the report prints the ranking."""
+    from examples.models import make_gpt
+
+    model, batch = make_gpt(0, batch_size=8, n_layer=2)
+    result = autopar.plan(model, "auto", batch, world_size=2, microbatches=4)
+    choice = result.pipeline_choice
+    assert choice is not None and choice.microbatches == 4
+    priced = [c for c in choice.candidates if not c.error]
+    assert {c.pp for c in priced} == {1, 2}
+    assert {c.schedule for c in priced if c.pp == 2} >= {"1f1b", "zero-bubble", "gpipe"}
+    best = choice.chosen
+    assert best.step_time == min(c.step_time for c in priced if c.fits)
+    assert result.mesh.shape == best.stage_shape
+    assert (result.mesh_choice is not None) == (best.pp == 1)
+    assert choice.table() in str(result)

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from autopar.compiler.driver import Compiled
+from autopar.compiler.pipeline_mesh import PipelineMeshChoice
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_per_rank
@@ -37,6 +38,8 @@ class PlanResult:
     comparison: list[Compared] = field(default_factory=list)
     # plan(model, "auto", ..., world_size=N): every candidate mesh, ranked (autopar.planning.mesh_choice)
     mesh_choice: MeshChoice | None = None
+    # plan(model, "auto", ..., world_size=N, microbatches=M): pipeline depths beside the meshes
+    pipeline_choice: PipelineMeshChoice | None = None
 
     @property
     def comm_elements(self) -> float:
@@ -144,6 +147,8 @@ class PlanResult:
             lines.append(self.compare_text())
         if self.mesh_choice is not None:
             lines.append(self.mesh_choice.table())
+        if self.pipeline_choice is not None:
+            lines.append(self.pipeline_choice.table())
         return "\n".join(lines)
 
     def compare_text(self) -> str:
