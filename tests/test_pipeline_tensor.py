@@ -207,3 +207,34 @@ def test_mesh_shape_auto_weighs_pipeline_depths() -> None:
     if best.pp > 1:
         assert all(r["schedule"].startswith(best.schedule) for r in results)
     print(choice.table())
+
+
+def _hf(rank: int, world: int, which: str, shape: tuple[int, ...], names: tuple[str, ...]) -> list[float]:
+    """A transformers model called as its docs call it (`model(input_ids, labels=...)`, its
+    default config: the loss, logits slice and caches computed inside `*ForCausalLM.forward`)."""
+    from examples.hf_models import MAKERS
+
+    model, batch = MAKERS[which](0, n_layer=2)
+    serial = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, microbatches=2)
+    losses = train_side_by_side([(pmodel, batch), (serial, batch)], steps=2)
+    ref = dict(serial.named_parameters())
+    for name, p in pmodel.named_parameters():
+        torch.testing.assert_close(_whole(p.grad), ref[name].grad, **TOL, msg=f"{which} grad {name}")
+        torch.testing.assert_close(_whole(p.detach()), ref[name].detach(), **TOL, msg=f"{which} param {name}")
+    return losses
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    ("which", "shape", "names"),
+    [("hf_gpt2", (2, 2), ("pp", "tp")), ("hf_llama", (2,), ("pp",))],
+)
+def test_transformers_models_in_a_pipeline(which: str, shape: tuple[int, ...], names: tuple[str, ...]) -> None:
+    """GPT2LMHeadModel (tied head; its own ops around the blocks: the logits slice and the loss)
+    and LlamaForCausalLM (rotary tables and causal mask at the model level, recomputed per stage)."""
+    pytest.importorskip("transformers")
+    for losses in run_ranks(math.prod(shape), _hf, which, shape, names, timeout=300):
+        for step in range(2):
+            torch.testing.assert_close(losses[2 * step], losses[2 * step + 1], **TOL)

@@ -87,6 +87,11 @@ def test_unit_names_follow_blocks_and_top_level_modules() -> None:
         "0": "0",
         "1.linear": "1",
     }
+    # a container's own ops around its blocks (a transformers *ForCausalLM's logits slice and
+    # loss, LlamaModel's causal mask) are glue, placed like the root module's: no unit
+    hf = unit_names(["model", "model.model", "model.model.layers.0.mlp", "model.lm_head"])
+    assert hf == {"model": "", "model.model": "", "model.model.layers.0.mlp": "model.model.layers.0",
+                  "model.lm_head": "model.lm_head"}  # fmt: skip
     assert compact(["wte", "wpe", "blocks.0", "blocks.1", "blocks.2", "ln_f", "blocks.4"]) == (
         "wte, wpe, blocks.0-2, ln_f, blocks.4"
     )

@@ -250,7 +250,7 @@ def unit_order(gm: fx.GraphModule) -> tuple[list[str], dict[str, str]]:
     names = unit_names(sorted(set(paths)))
     order: list[str] = []
     for p in paths:
-        if names[p] not in order:
+        if names[p] and names[p] not in order:  # "": a container's own ops, placed like the root's
             order.append(names[p])
     return order, names
 
@@ -281,7 +281,7 @@ def assign_stages(gm: fx.GraphModule, boundaries: Sequence[str], num_stages: int
             continue
         producers = [stage[i] for i in n.all_input_nodes if i in stage]
         path = _module_path(n)
-        if path:
+        if path and unit_of_path[path]:
             s = stage_of_unit[unit_of_path[path]]
             if producers and max(producers) > s:
                 raise PipelineSplitError(

@@ -7,8 +7,9 @@ component that is a number ends a block's name, and otherwise the shortest prefi
 is not a container of blocks names the unit. A stage is a run of consecutive units
 (`autopar.planning.stage_cut`). Every node of the joint graph goes to one unit:
 
-- forward ops by their module path; ops of the root module (the loss, `x = tok + pos`) go with
-  their latest producer, those without a producer in a unit with their first consumer;
+- forward ops by their module path; ops of the root module (the loss, `x = tok + pos`), and a
+  container's own ops around its blocks (a transformers `*ForCausalLM`'s logits slice and loss),
+  go with their latest producer, those without a producer in a unit with their first consumer;
 - backward ops by their module path, which the trace copies from the forward op they
   differentiate (`fwd_nn_module_stack`); root backward ops by the forward op of their autograd
   sequence number, and those without one (gradient sums of a residual stream) with their earliest
@@ -129,6 +130,9 @@ def unit_names(paths: Sequence[str]) -> dict[str, str]:
     containers = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
     out: dict[str, str] = {}
     for path in paths:
+        if path in containers:  # a model's own ops around its blocks (transformers' loss): glue
+            out[path] = ""
+            continue
         comps = path.split(".")
         name = path
         for i in range(1, len(comps) + 1):
@@ -182,16 +186,22 @@ def stage_graph(
 
     paths = sorted({_path(n) for n in computes if _path(n) not in ROOT_PATHS})
     unit_of_path = unit_names(paths)
+
+    def unit_name(n: fx.Node) -> str:
+        """The node's unit, "" for the root module's ops and a container's own (glue)."""
+        path = _path(n)
+        return "" if path in ROOT_PATHS else unit_of_path[path]
+
     order: dict[str, int] = {}
     for n in forward:  # units in forward order of their first op
-        if _path(n) not in ROOT_PATHS:
-            order.setdefault(unit_of_path[_path(n)], len(order))
+        if unit_name(n):
+            order.setdefault(unit_name(n), len(order))
     if not order:
         order["<root>"] = 0
     unit: dict[fx.Node, int] = {}
     for n in forward:
-        if _path(n) not in ROOT_PATHS:
-            unit[n] = order[unit_of_path[_path(n)]]
+        if unit_name(n):
+            unit[n] = order[unit_name(n)]
         else:
             made = [unit[i] for i in n.all_input_nodes if i in unit and i not in recomputed]
             if made and n not in recomputed:
@@ -207,9 +217,8 @@ def stage_graph(
         if isinstance(n.meta.get("seq_nr"), int) and n not in recomputed:
             of_seq.setdefault(n.meta["seq_nr"], unit[n])
     for n in backward:
-        path = _path(n)
-        if path not in ROOT_PATHS and unit_of_path[path] in order:
-            unit[n] = order[unit_of_path[path]]
+        if unit_name(n) in order:
+            unit[n] = order[unit_name(n)]
             continue
         seq = n.meta.get("seq_nr")
         if not n.meta.get("is_gradient_acc") and isinstance(seq, int) and seq in of_seq:
