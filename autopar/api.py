@@ -282,11 +282,6 @@ def _pipeline(
             f"a pipeline needs microbatches= (a positive int), got {microbatches!r}",
             hint="parallelize(model, mesh, example_inputs=..., microbatches=8)",
         )
-    if example_kwargs:
-        raise UsageError(
-            "a pipeline takes positional inputs only (keyword inputs are not cut into microbatches yet)",
-            hint="pass the batch as example_inputs=(...) and call pmodel(*batch)",
-        )
     name = "1f1b" if schedule is True else schedule
     if not isinstance(name, str):
         raise UsageError(
@@ -312,6 +307,7 @@ def _pipeline(
         stage_boundaries=stage_boundaries,
         memory_limit=options.memory_limit,
         split_backward=not options.compile,  # Inductor-compiled stages do not split their backward
+        example_kwargs=example_kwargs,
     )
     build_stage = None
     pp_group = None
@@ -350,6 +346,7 @@ def _pipeline(
         scatter=scatter,
         dump_dir=options.dump_dir,
         decision=decision,
+        example_kwargs=example_kwargs,
     )
 
 
@@ -468,7 +465,6 @@ def plan(
     return result
 
 
-# Names that lived here before the compiler driver had its own package; kept one release.
 def load_checkpoint(
     pmodel: ParallelModule | PipelinedModule, path: str | os.PathLike[str], *, strict: bool = True
 ) -> LoadResult:
@@ -480,6 +476,7 @@ def load_checkpoint(
     return load_parallel_checkpoint(pmodel, path, strict=strict)
 
 
+# Names that lived here before the compiler driver had its own package; kept one release.
 _MOVED_TO_DRIVER = ("Compiled", "in_flight_budget", "scheduled_step_time")
 
 

@@ -62,9 +62,10 @@ __all__ = ["MAX_PROGRAMS", "PipelinedModule", "pipeline_parallelize", "split_mic
 MAX_PROGRAMS = 8
 
 
-def split_microbatches(args: tuple[Any, ...], microbatches: int) -> list[tuple[Any, ...]]:
-    """The batch cut on dim 0 into `microbatches` pieces (`torch.tensor_split`: sizes differ by at
-    most one when M does not divide the batch); other arguments are passed to every piece."""
+def split_microbatches(args: Any, microbatches: int) -> list[Any]:
+    """The batch (a tuple of arguments, or `(args, kwargs)`) cut on dim 0 into `microbatches`
+    pieces of the same structure (`torch.tensor_split`: sizes differ by at most one when M does not
+    divide the batch); other arguments are passed to every piece."""
     leaves, spec = pytree.tree_flatten(args)
     sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
     if len(sizes) != 1:
@@ -85,16 +86,24 @@ def split_microbatches(args: tuple[Any, ...], microbatches: int) -> list[tuple[A
     out = []
     for m in range(microbatches):
         mb = [p[m] if p is not None else leaf for p, leaf in zip(pieces, leaves, strict=True)]
-        out.append(tuple(pytree.tree_unflatten(mb, spec)))
+        out.append(pytree.tree_unflatten(mb, spec))
     return out
 
 
-def _key(flat: Sequence[Any], training: bool) -> tuple[Any, ...]:
+def _key(flat: Sequence[Any], training: bool, structure: Any = None) -> tuple[Any, ...]:
     """What a stage program is exported for: each input's shape and dtype (other values as they are)."""
-    return (training,) + tuple(
+    return (training, str(structure)) + tuple(
         (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x).__name__, repr(x))
         for x in flat
     )
+
+
+def _as_output(loss: torch.Tensor, output_type: type | None) -> Any:
+    """The loss as the model returns it: alone, or the only field set of its `ModelOutput` (the
+    logits and caches stay on the last stage)."""
+    if output_type is None:
+        return loss
+    return output_type({"loss": loss}) if output_type is dict else output_type(loss=loss)
 
 
 class _DepositGradients(torch.autograd.Function):
@@ -267,14 +276,18 @@ class PipelinedModule(nn.Module):
 
     # -- one step -----------------------------------------------------------------------------
 
-    def _program(self, flat: Sequence[Any], args: tuple[Any, ...]) -> StageProgram:
-        key = _key(flat, self.training)
+    def _program(self, flat: Sequence[Any], call: tuple[tuple[Any, ...], dict[str, Any]]) -> StageProgram:
+        """The stage programs for one microbatch's call `(args, kwargs)`, exported once per shape."""
+        args, kwargs = call
+        key = _key(flat, self.training, pytree.tree_structure(call))
         found = self._programs.get(key)
         if found is None:
             was = self._model.training
             self._model.train(self.training)
             try:
-                found = split_stages(self._model, flat, args, self.boundaries, self.schedule.num_stages)
+                found = split_stages(
+                    self._model, flat, args, self.boundaries, self.schedule.num_stages, example_kwargs=kwargs
+                )
             finally:
                 self._model.train(was)
             if self._build_stage is not None:
@@ -310,9 +323,9 @@ class PipelinedModule(nn.Module):
             wrappers[s] = wrapper
             parallel[s] = self._build_stage(wrapper, args)
 
-    def forward(self, *args: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         schedule = self.schedule
-        pieces = split_microbatches(args, schedule.microbatches)
+        pieces = split_microbatches((args, kwargs), schedule.microbatches)
         flats = [pytree.tree_leaves(mb) for mb in pieces]
         programs = [self._program(f, mb) for f, mb in zip(flats, pieces, strict=True)]
         while len(self._programs) > MAX_PROGRAMS:  # this call's programs were used last: kept
@@ -336,7 +349,7 @@ class PipelinedModule(nn.Module):
         total = None if result.loss is None else result.loss / denominator
         loss = broadcast_loss(total, last_rank, self.group, programs[0].loss_dtype, self.device)
         if forward_only:
-            return loss
+            return _as_output(loss, programs[0].output_type)
         grads: dict[int, torch.Tensor] = {}
         for s, stage_grads in result.grads.items():
             for p, g in zip(runners[s].params, stage_grads, strict=True):
@@ -349,7 +362,7 @@ class PipelinedModule(nn.Module):
             params = [nn.Parameter(torch.zeros(()))]
             ordered = [None]
         out: torch.Tensor = _DepositGradients.apply(loss, ordered, *params)  # type: ignore[no-untyped-call]
-        return out
+        return _as_output(out, programs[0].output_type)
 
     def _sum_shared(self, grads: dict[int, torch.Tensor]) -> None:
         """A weight several stages read (a tied embedding and head) gets the sum of their gradients
@@ -477,6 +490,7 @@ def pipeline_parallelize(
     scatter: BoundaryScatter | None = None,
     dump_dir: str | os.PathLike[str] | None = None,
     decision: PipelineDecision | None = None,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> PipelinedModule:
     """Cut `model` into `pp * virtual_stages` stages over the axis "pp" of `mesh` and return this
     rank's part. Every rank calls it with the same model and example batch.
@@ -510,6 +524,7 @@ def pipeline_parallelize(
             hardware=hardware,
             stage_boundaries=stage_boundaries,
             split_backward=build_stage is not None,
+            example_kwargs=example_kwargs,
         )
     plan, boundaries, cut = decision.schedule, list(decision.boundaries), decision.cut
     if build_stage is None:  # stages run by parallel modules split their backward (zero-bubble)
@@ -524,7 +539,7 @@ def pipeline_parallelize(
         model, mesh, plan, boundaries, cut, pp_group=pp_group, build_stage=build_stage, scatter=scatter
     )
     pmodel.schedule_choice = decision.choice
-    pieces = split_microbatches(example, microbatches)
+    pieces = split_microbatches((example, dict(example_kwargs or {})), microbatches)
     pmodel._program(pytree.tree_leaves(pieces[0]), pieces[0])  # export and cut now: errors show here
     if dist.get_rank() == 0:
         path = dump_dir_from(dump_dir, 0)

@@ -81,6 +81,7 @@ def decide_pipeline(
     stage_boundaries: Sequence[str] | None = None,
     memory_limit: float | None = None,
     split_backward: bool = True,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> PipelineDecision:
     """Rank 0 decides and every rank gets the same decision (a collective over all ranks).
 
@@ -93,12 +94,14 @@ def decide_pipeline(
     def decide() -> PipelineDecision:
         if schedule != "auto":
             plan = schedule_by_name(schedule, pp, virtual_stages, microbatches)
-            cut = _priced(model, example, schedule, plan, hardware, tensor_size, stage_boundaries, memory_limit)
+            cut = _priced(
+                model, example, example_kwargs, schedule, plan, hardware, tensor_size, stage_boundaries, memory_limit
+            )
             bounds = cut.boundaries if cut is not None else tuple(stage_boundaries or ())
             return PipelineDecision(plan, tuple(bounds), cut)
         return _auto(
-            model, example, pp, microbatches, virtual_stages, hardware, tensor_size, stage_boundaries,
-            memory_limit, split_backward,
+            model, example, example_kwargs, pp, microbatches, virtual_stages, hardware, tensor_size,
+            stage_boundaries, memory_limit, split_backward,
         )  # fmt: skip
 
     return decided_on_rank0(decide, "choosing the pipeline's schedule and cut")
@@ -107,6 +110,7 @@ def decide_pipeline(
 def _priced(
     model: nn.Module,
     example: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None,
     name: str,
     plan: Schedule,
     hardware: str,
@@ -116,7 +120,7 @@ def _priced(
 ) -> StageCut | None:
     if plan.num_stages == 1:
         return None
-    gm = trace(model, example, decompose=True)
+    gm = trace(model, example, decompose=True, example_kwargs=example_kwargs)
     return cut_stages(
         gm,
         pp=plan.pp,
@@ -133,6 +137,7 @@ def _priced(
 def _auto(
     model: nn.Module,
     example: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None,
     pp: int,
     microbatches: int,
     virtual_stages: int,
@@ -142,7 +147,7 @@ def _auto(
     memory_limit: float | None,
     split_backward: bool,
 ) -> PipelineDecision:
-    gm = trace(model, example, decompose=True)
+    gm = trace(model, example, decompose=True, example_kwargs=example_kwargs)
     rows: list[tuple[Candidate, PipelineDecision | None]] = []
     for name, v in AUTO_CANDIDATES:
         if virtual_stages > 1 and v != virtual_stages:

@@ -16,7 +16,7 @@ count (`LossRule`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,11 +119,42 @@ class StageProgram:
     units: tuple[str, ...]  # the module units in forward order (what stage boundaries name)
     stage_units: tuple[tuple[str, ...], ...]  # the units each stage holds
     constants: dict[str, Any]  # attributes the export made that the model lacks (lifted constants)
+    output_type: type | None = None  # the mapping the model returns its loss in (a ModelOutput)
 
 
 def get_attr(root: nn.Module, qualname: str) -> Any:
     """The attribute a graph's get_attr names (a parameter, buffer or constant of the model)."""
     return functools.reduce(getattr, qualname.split("."), root)
+
+
+def _export_loss(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> tuple[Any, type | None]:
+    """torch.export of `model`, keeping only the "loss" of an output mapping (a transformers
+    `ModelOutput` with logits and a cache object, a dict): the last stage returns its loss term. The
+    instance's forward is wrapped for the export and restored after it, as the tensor trace does
+    on its copy. Also returns the mapping's type (None: the model returns its loss itself)."""
+    found: list[type | None] = [None]
+    had_own = "forward" in model.__dict__
+    original = model.forward
+
+    @functools.wraps(original)
+    def loss_only(*a: Any, **k: Any) -> Any:
+        result = original(*a, **k)
+        if isinstance(result, Mapping) and "loss" in result:
+            found[0] = type(result)
+            return result["loss"]
+        return result
+
+    model.forward = loss_only  # type: ignore[method-assign]
+    try:
+        ep = torch.export.export(model, args, kwargs=kwargs or None, strict=False)
+    finally:
+        if had_own:
+            model.forward = original  # type: ignore[method-assign]
+        else:
+            del model.forward
+    return ep, found[0]
 
 
 def _module_path(node: fx.Node) -> str:
@@ -320,9 +351,12 @@ def split_stages(
     example_args: tuple[Any, ...],
     boundaries: Sequence[str],
     num_stages: int,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> StageProgram:
-    """Export `model` on one microbatch and cut it into `num_stages` stage programs."""
-    ep = torch.export.export(model, example_args, strict=False)
+    """Export `model` on one microbatch (positional and keyword inputs) and cut it into
+    `num_stages` stage programs. A model returning a `ModelOutput` (or a dict) with a "loss" runs
+    its loss only: the other fields (logits, caches) stay on the last stage."""
+    ep, output_type = _export_loss(model, tuple(example_args), example_kwargs)
     gm = ep.module()
     assert isinstance(gm, fx.GraphModule)
     for n in list(gm.graph.nodes):
@@ -452,7 +486,7 @@ def split_stages(
             except AttributeError:
                 constants[attr] = get_attr(gm, attr)
     loss_val = loss_node.meta["val"]
-    return StageProgram(stages, rule, loss_val.dtype, tuple(order_units), stage_units, constants)
+    return StageProgram(stages, rule, loss_val.dtype, tuple(order_units), stage_units, constants, output_type)
 
 
 def loss_node_name(outputs: list[str]) -> str:
