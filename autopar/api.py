@@ -425,15 +425,20 @@ def plan(
             split_fused=split_fused,
             autocast=regions,
             mixed_precision=mixed_precision,
+            keep_plan=True,
         )
         mesh_shape, mesh_names = choice.chosen.shape, choice.chosen.names
     mesh = Mesh.from_shape(tuple(mesh_shape), tuple(mesh_names) if mesh_names else None)
     traced: list[fx.GraphModule] = []
+    kept = choice.chosen_plan if choice is not None else None  # the choice's trace and search, reused
 
     def keep_traced(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Plan:
         if compare:  # the joint graph as traced, before planning annotates it
             traced.append(copy.deepcopy(gm))
-        return make_plan()
+        if kept is None:
+            return make_plan()
+        gm.meta["autopar_search"] = kept.report
+        return kept.plan
 
     compiled = compile_for_rank(
         model,
@@ -449,6 +454,7 @@ def plan(
         over_decompose=over_decompose,
         split_fused=split_fused,
         in_flight_bytes=in_flight_bytes,
+        traced=kept.graph if kept is not None else None,
         autocast=regions,
         mixed_precision=mixed_precision,
     )

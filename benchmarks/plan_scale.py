@@ -3,7 +3,8 @@
 The model (vocab 32000, d = 4096, 32 heads, SwiGLU 11008, sequence 2048, batch 16) is built on the
 meta device and `autopar.plan(model, "auto", (idx, idx), world_size=N)` is run on the H100 table:
 trace, the mesh choice (`autopar.planning.mesh_choice`: a cheap plan per candidate mesh, the search
-on the best few, the best of those lowered and scheduled), then the chosen mesh compiled and priced.
+on the best few, the best of those lowered and scheduled), then the chosen mesh's plan compiled (from
+the choice's trace and searched plan: neither is done again) and priced.
 Each configuration runs in a fresh process, one at a time; wall and CPU seconds are both reported
 (the machine may be shared: CPU seconds are what the planning itself spent). "scheduled ms" is the
 chosen mesh's modeled step with overlap, "step ms" its no-overlap sum of the compiled plan.
@@ -43,7 +44,12 @@ def measure(ranks: int, layers: int, hardware: str, searched: int | None) -> dic
     import autopar.api as api
     from examples.zoo import Llama, LlamaConfig
 
-    out: dict[str, Any] = {"ranks": ranks, "layers": layers, "hardware": hardware, "searched_at_most": searched}
+    out: dict[str, Any] = {
+        "ranks": ranks,
+        "layers": layers,
+        "hardware": hardware,
+        "searched_at_most": searched,
+    }
     cfg = LlamaConfig(
         vocab_size=32000, seq_len=SEQ, dim=4096, n_layer=layers, n_head=32, n_kv_head=32, hidden=11008
     )
@@ -94,12 +100,17 @@ def measure(ranks: int, layers: int, hardware: str, searched: int | None) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ranks", type=int, nargs="*", default=[8, 64, 512])
     parser.add_argument("--layers", type=int, nargs="*", default=[32])
     parser.add_argument("--hardware", default="h100-nvlink-ib")
     parser.add_argument(
-        "--searched", type=int, default=None, help="candidates searched at most (default: the library's; 0: all)"
+        "--searched",
+        type=int,
+        default=None,
+        help="candidates searched at most (default: the library's; 0: all)",
     )
     parser.add_argument("--name", default="plan_scale", help="result file name under benchmarks/results")
     parser.add_argument("--notes", default="")
@@ -137,7 +148,9 @@ def main() -> None:
                 f"{r['memory_gib']:.2f}",
             ]
         )
-    print(f'\nautopar.plan(model, "auto", world_size=N) for the LLaMA-7B shape, batch {BATCH} x {SEQ}, {args.hardware}')
+    print(
+        f'\nautopar.plan(model, "auto", world_size=N) for the LLaMA-7B shape, batch {BATCH} x {SEQ}, {args.hardware}'
+    )
     print(
         table(
             [

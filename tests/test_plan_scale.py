@@ -6,6 +6,10 @@
 - Candidate lists pruned alike keep one key, so repeated layers on big meshes stay memoized.
 - The mesh choice's screen (`mesh_screen`) searches only the best few candidates by a cheap plan;
   the cheap plan is one of the search's seeds, so it bounds the searched plan from above.
+- `expand` walks the product of per-axis strategies pruning prefixes: the list is the filtered
+  product's, in its order, on meshes with odd, unit and uneven axes.
+- `plan(model, "auto")` compiles the mesh choice's trace and plan of the chosen mesh instead of
+  tracing and searching it again: the result is that of planning the chosen shape directly.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import numpy as np
 import pytest
 import torch
 
+import autopar
+import autopar.compiler.driver as driver
 import autopar.planning.search_problem as search_problem
 from autopar.compiler.driver import scheduled_step_time
 from autopar.core.layout import Layout, P, R, Shard
@@ -27,6 +33,8 @@ from autopar.planning.mesh_choice import MeshChoice, rank_meshes
 from autopar.planning.search import TimeCost, search_layouts
 from autopar.planning.search_cost import ElementCost
 from autopar.planning.search_steps import REPLICATE, StepCache, canonical, coded_template
+from autopar.rules.base import admissible, all_replicated, combine, expand
+from autopar.rules.calls import call_key, op_call
 from autopar.rules.registry import default_registry
 from examples.models import GPT, GPTConfig, make_gpt
 
@@ -111,6 +119,7 @@ def test_the_screen_searches_the_best_few_and_bounds_them(choices: tuple[MeshCho
     searched = [c for c in screened.candidates if c.searched]
     skipped = [c for c in screened.candidates if not c.searched]
     assert len(searched) == 1 and len(skipped) == 1 and screened.chosen.searched
+    assert screened.chosen_plan is None  # kept only when asked (`choose_mesh(..., keep_plan=True)`)
     assert screened.candidates[-len(skipped) :] == skipped  # ranked after every searched one
     assert all(c.error.startswith("not searched") and not c.fits for c in skipped)
     # the screen's plan is one of the search's seeds, and the search never ends above a seed
@@ -127,3 +136,60 @@ def test_searching_every_candidate_finds_no_better_mesh_here(choices: tuple[Mesh
     assert all(c.searched for c in every.candidates) and all(math.isnan(c.estimate) for c in every.candidates)
     assert screened.chosen.shape == every.chosen.shape
     assert screened.chosen.step_time == pytest.approx(every.chosen.step_time, rel=1e-12)
+
+
+def test_expand_is_the_filtered_product_in_order() -> None:
+    model, inputs = make_gpt(0, n_layer=1)
+    gm = trace(model, inputs, decompose=True)
+    registry = default_registry()
+    calls = [op_call(n) for n in gm.graph.nodes if n.op == "call_function" and registry.get(n.target)]
+    distinct = list({(call.op, call_key(call)): call for call in calls}.values())
+    for shape in [(2, 3, 2), (3, 1, 4, 1), (4, 2, 2, 2), (5, 2), (1, 1)]:
+        for call in distinct if len(shape) < 4 or 1 in shape else distinct[::4]:
+            rule = registry.get(call.op)
+            assert rule is not None
+            options = rule.strategies(call)
+            for uneven in (rule.uneven, False):
+                axes = [[all_replicated(call)] if g == 1 else options for g in shape]
+                every = [combine(call, c) for c in itertools.product(*axes)]
+                want = [s for s in every if admissible(s, shape, uneven)]
+                assert expand(call, options, shape, uneven) == want
+
+
+def test_auto_compiles_the_chosen_plan_without_tracing_or_searching_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with torch.device("meta"):
+        model = GPT(CFG)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 256, (8, 64), generator=g), torch.randint(0, 256, (8, 64), generator=g))
+    direct = []
+    for name in ("trace_for", "search_layouts"):
+        original = getattr(driver, name)
+
+        def counted(
+            *args: object, _original: object = original, _name: str = name, **kwargs: object
+        ) -> object:
+            direct.append(_name)
+            return _original(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(driver, name, counted)
+    auto = autopar.plan(model, "auto", batch, world_size=4, hardware=HW)
+    assert direct == []  # compiled from the choice's trace and plan
+    choice = auto.mesh_choice
+    assert choice is not None and choice.chosen_plan is not None and choice.chosen_plan.graph is not None
+    chosen = choice.chosen
+    again = autopar.plan(model, chosen.shape, batch, mesh_names=chosen.names, hardware=HW)
+    assert direct == ["trace_for", "search_layouts"]
+    assert auto.mesh.shape == again.mesh.shape
+    assert auto.comm_time == again.comm_time and auto.compute_time == again.compute_time
+    assert auto.memory.total == again.memory.total
+    report, fresh = (r.compiled.graph.meta["autopar_search"] for r in (auto, again))
+    assert (report.chosen_seed, report.final_cost, report.memory) == (
+        fresh.chosen_seed,
+        fresh.final_cost,
+        fresh.memory,
+    )
+    assert [str(c) for c in auto.compiled.report.collectives] == [
+        str(c) for c in again.compiled.report.collectives
+    ]

@@ -39,6 +39,7 @@ def choose_mesh(
     searched_candidates: int = SEARCHED_CANDIDATES,
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
+    keep_plan: bool = False,
 ) -> MeshChoice:
     """Trace `model` once and rank every candidate mesh of `world_size` ranks on it
     (`autopar.planning.mesh_choice.rank_meshes`, with `scheduled_step_time` for the overlap step).
@@ -46,7 +47,9 @@ def choose_mesh(
     `overlap_candidates`: how many candidates at most are lowered and scheduled to rank them by
     their modeled step with overlap (0: rank by the no-overlap sum alone). `searched_candidates`:
     how many candidates at most are searched when there are more, the best by a cheap plan each
-    (`autopar.planning.mesh_screen`; 0: search every one).
+    (`autopar.planning.mesh_screen`; 0: search every one). `keep_plan`: keep the chosen mesh's
+    searched plan and the traced graph in `choice.chosen_plan`, for `autopar.plan` to compile
+    (otherwise None: a choice broadcast under `parallelize` carries the table only).
 
     Raises `MemoryLimitError` when no candidate fits (with the leanest candidate's need) and
     `ShardingError`-like `AutoparError`s when no candidate has a plan at all.
@@ -61,7 +64,7 @@ def choose_mesh(
         autocast=autocast,
         mixed_precision=mixed_precision,
     )
-    return rank_meshes(
+    choice = rank_meshes(
         gm,
         world_size,
         registry,
@@ -72,7 +75,12 @@ def choose_mesh(
         candidates=candidates,
         overlap_candidates=overlap_candidates,
         searched=searched_candidates,
+        keep_plan=keep_plan,
     )
+    if choice.chosen_plan is not None:
+        gm.meta.pop("autopar_search", None)  # (the last search's report: not the chosen mesh's)
+        choice.chosen_plan.graph = gm
+    return choice
 
 
 def default_hardware(device_type: str) -> str:

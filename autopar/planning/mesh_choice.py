@@ -93,6 +93,17 @@ class MeshCandidate:
 
 
 @dataclass
+class ChosenPlan:
+    """The chosen candidate's plan as the choice searched it, and the search's report
+    (`gm.meta["autopar_search"]`): `autopar.plan` compiles it instead of tracing and searching that
+    mesh again (the search planner only: the same search, on the same graph, gives the same plan)."""
+
+    plan: Plan
+    report: Any = None
+    graph: fx.GraphModule | None = None  # the traced graph it is a plan of, when kept (`choose_mesh`)
+
+
+@dataclass
 class MeshChoice:
     """The ranked candidates: those that fit by step time, then the others."""
 
@@ -101,6 +112,8 @@ class MeshChoice:
     planner: str
     memory_limit: float
     candidates: list[MeshCandidate] = field(default_factory=list)
+    # the chosen candidate's searched plan (search planner), for `autopar.plan` to compile as it is
+    chosen_plan: ChosenPlan | None = field(default=None, repr=False, compare=False)
 
     @property
     def chosen(self) -> MeshCandidate:
@@ -203,6 +216,7 @@ def rank_meshes(
     candidates: Sequence[tuple[tuple[int, ...], tuple[str, ...]]] | None = None,
     overlap_candidates: int = OVERLAP_CANDIDATES,
     searched: int = SEARCHED_CANDIDATES,
+    keep_plan: bool = False,
 ) -> MeshChoice:
     """Plan the traced joint graph `gm` on every candidate mesh of `world_size` ranks and rank them
     (module doc). `step_time(gm, plan, mesh, registry, hardware, memory_limit)` is the modeled step
@@ -210,6 +224,7 @@ def rank_meshes(
     `scheduled_step_time`), asked for at most `overlap_candidates` of the fitting candidates.
     With more than `searched` candidates (search planner), the `searched` best by the screen's
     cheap plans are searched, more only while none of those fits (`mesh_screen`; 0: all).
+    `keep_plan`: keep the chosen candidate's searched plan in `choice.chosen_plan`.
     """
     meshes = []
     for shape, names in candidates if candidates is not None else mesh_candidates(world_size):
@@ -227,21 +242,29 @@ def rank_meshes(
         order, estimates = screen(gm, meshes, registry, costs, searched)
     evaluated: list[MeshCandidate | None] = [None] * len(meshes)
     plans: list[Plan | None] = [None] * len(meshes)
+    reports: list[Any] = [None] * len(meshes)
     for done, i in enumerate(order):
         if estimates is not None and done >= searched and any(c is not None and c.fits for c in evaluated):
             break
         shared = estimates[i].shared if estimates is not None else None
+        gm.meta.pop("autopar_search", None)
         candidate, plans[i] = _evaluate(gm, meshes[i], registry, costs[i], planner, limit, shared)
+        reports[i] = gm.meta.get("autopar_search")
         if estimates is not None:
             candidate = replace(candidate, estimate=estimates[i].value)
             estimates[i].shared = None
         evaluated[i] = candidate
-    ranked = [c if c is not None else _screened_out(meshes[i], estimates, order, i) for i, c in enumerate(evaluated)]
+    ranked = [
+        c if c is not None else _screened_out(meshes[i], estimates, order, i) for i, c in enumerate(evaluated)
+    ]
     ranked = _scheduled(gm, ranked, plans, registry, hardware, overlap_candidates, memory_limit, step_time)
     order = sorted(range(len(ranked)), key=lambda i: (*_rank_key(ranked[i]), i))
     choice = MeshChoice(world_size, hardware, planner, limit, [ranked[i] for i in order])
     if not choice.candidates or not choice.chosen.fits:
         raise _no_mesh_error(choice)
+    kept = plans[order[0]]
+    if keep_plan and planner == "search" and kept is not None:  # (greedy: fitted to the limit here only)
+        choice.chosen_plan = ChosenPlan(kept, reports[order[0]])
     return choice
 
 
@@ -311,7 +334,9 @@ def _evaluate(
 ) -> tuple[MeshCandidate, Plan | None]:
     try:
         if planner == "search":
-            plan: SearchPlan = search_layouts(gm, mesh, registry, cost=cost, memory_limit=limit, shared=shared)
+            plan: SearchPlan = search_layouts(
+                gm, mesh, registry, cost=cost, memory_limit=limit, shared=shared
+            )
         elif planner == "greedy":
             plan = fit_memory(gm, choose_layouts(gm, mesh, registry), mesh, cost, limit)
         else:
@@ -344,5 +369,3 @@ def _no_mesh_error(choice: MeshChoice) -> AutoparError:
         f"no mesh of {choice.world_size} ranks has a plan for this model\n{table}",
         hint="use a world size whose factors divide the model's batch and hidden dims",
     )
-
-

@@ -68,7 +68,7 @@ class ElementCost:
         )
         # each (block size, program) once: a table has few of either
         blocks, block_of = np.unique(n, return_inverse=True)
-        used, program_of = np.unique(which, return_inverse=True)
+        used, program_of = _distinct(which)
         if used[-1] >= len(self._programs):
             self._add_programs(len(templates.templates))
         programs = self._programs[used]  # programs x steps x fields
@@ -140,6 +140,16 @@ class TimeCost(ElementCost):
     def _step_cost(self, elements: np.ndarray, step: np.ndarray, layout: Layout) -> np.ndarray:
         # `formulas.step_time`: bytes sent / bandwidth + latency steps * alpha
         return elements * itemsize(layout.dtype) / step[..., 3] + step[..., 4]
+
+
+def _distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.unique(ids, return_inverse=True)` of small non-negative ids (template ids), without the
+    sort: a table of a four-axis mesh has ~10^5 pairs and a few hundred programs."""
+    if ids.size == 0:
+        return np.unique(ids, return_inverse=True)
+    present = np.zeros(int(ids.max()) + 1, dtype=bool)
+    present[ids.ravel()] = True
+    return np.flatnonzero(present), (np.cumsum(present) - 1)[ids]
 
 
 def even_factor(src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int]) -> float:

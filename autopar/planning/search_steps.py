@@ -34,7 +34,8 @@ TemplateStep = tuple[str, int, tuple[int, ...], tuple[int, ...]]
 def codes(placements: Sequence[Placement]) -> tuple[int, ...]:
     """Per mesh axis: the dim it splits, `PARTIAL` or `REPLICATE`."""
     return tuple(
-        p.dim if isinstance(p, Shard) else PARTIAL if isinstance(p, Partial) else REPLICATE for p in placements
+        p.dim if isinstance(p, Shard) else PARTIAL if isinstance(p, Partial) else REPLICATE
+        for p in placements
     )
 
 
@@ -88,10 +89,11 @@ class StepTemplates:
             known, ids, templates, n = self.canonical, self.template_ids, self.templates, self.ndim
             first = np.zeros(len(distinct), dtype=np.intp)
             first[back.reshape(-1)] = np.arange(len(keys))  # a pair of each canonical form
+            rows_of = pairs[first].tolist()  # (one conversion for all: most keys are new)
             for u, key in enumerate(distinct.tolist()):
                 k = known.get(key)
                 if k is None:
-                    row = pairs[first[u]].tolist()
+                    row = rows_of[u]
                     steps = coded_template(tuple(row[:n]), tuple(row[n:]))
                     k = ids.get(steps)
                     if k is None:
@@ -143,7 +145,9 @@ def instantiate(template: Sequence[TemplateStep], mesh_shape: Sequence[int]) -> 
     )
 
 
-def even_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple[Step, ...]:
+def even_steps(
+    src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int]
+) -> tuple[Step, ...]:
     """The collectives of `plan_redistribute(src, dst)` on placements alone, for even layouts of
     any tensor, on axes of more than one rank: (kind, axis, num, den), the step's block being the
     source block times num / den. Even blocks stay even through every step, so every all_to_all

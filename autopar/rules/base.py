@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.core.layout import Layout, Partial, Placement, Replicate, Shard
+from autopar.core.layout import Layout, Partial, Placement, Replicate, Shard, chunks_nonempty
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy, TensorSpec
 
 R = Replicate()
@@ -174,15 +174,110 @@ def expand(
 ) -> list[Strategy]:
     """Product of the single-axis strategies over the mesh, keeping the admissible ones.
 
-    Axes of size 1 only get all-replicated (any placement there is equivalent).
+    Axes of size 1 only get all-replicated (any placement there is equivalent). On big meshes the
+    product is most of the mesh choice's screen, so it is walked axis by axis (`_Walk`): a prefix
+    that no later axis can make admissible is dropped whole, and each tensor's layout is built
+    once per placements; the list is `admissible` filtering the whole product, in its order.
     """
     options = [[all_replicated(call)] if size == 1 else list(axis_strategies) for size in mesh_shape]
-    result = []
-    for combo in itertools.product(*options):
-        strategy = combine(call, combo)
-        if admissible(strategy, mesh_shape, uneven):
-            result.append(strategy)
-    return result
+    walk = _Walk.of(call, options, tuple(mesh_shape), uneven)
+    if walk is None:  # a rule's strategy of the wrong arity: fail as `combine` does
+        every = (combine(call, combo) for combo in itertools.product(*options))
+        return [strategy for strategy in every if admissible(strategy, mesh_shape, uneven)]
+    walk.run(0, [], [[1] * len(spec.shape) for spec in walk.specs], (0,) * len(walk.specs))
+    return walk.result
+
+
+@dataclass
+class _Walk:
+    """`expand`'s depth-first product. A dim split by axes whose sizes do not divide it stays
+    uneven whatever later axes do, so the checks of `admissible` are made at the axis that splits
+    the dim: an uneven dim must be split by that axis alone (a later split of it fails), into
+    non-empty `torch.chunk` blocks, of a rule that allows it, and every tensor that axis splits
+    must split a dim of the same size. Each tensor's placements so far are one int (`codes`), the
+    key of its layouts."""
+
+    call: OpCall
+    specs: tuple[TensorSpec, ...]
+    options: list[list[tuple[Placement, ...]]]  # per axis, per option: one placement per tensor
+    codes: list[list[tuple[int, ...]]]  # the same, each placement as a digit (1 + its index)
+    radix: int
+    mesh_shape: tuple[int, ...]
+    uneven: bool
+    layouts: list[dict[int, Layout]]  # per tensor: placements (as digits) -> layout
+    result: list[Strategy]
+
+    @staticmethod
+    def of(
+        call: OpCall, options: list[list[AxisStrategy]], mesh_shape: tuple[int, ...], uneven: bool
+    ) -> _Walk | None:
+        specs = (*call.inputs, *call.outputs)
+        digits: dict[Placement, int] = {}
+        flat: list[list[tuple[Placement, ...]]] = []
+        for axis in options:
+            row = []
+            for s in axis:
+                if len(s.inputs) != len(call.inputs) or len(s.outputs) != len(call.outputs):
+                    return None
+                placements = (*s.inputs, *s.outputs)
+                for p, spec in zip(placements, specs):
+                    if isinstance(p, Shard) and not 0 <= p.dim < len(spec.shape):
+                        Layout((p,), spec.shape, spec.dtype)  # raises as `combine` would
+                    digits.setdefault(p, len(digits) + 1)
+                row.append(placements)
+            flat.append(row)
+        codes = [[tuple(digits[p] for p in placements) for placements in row] for row in flat]
+        return _Walk(call, specs, flat, codes, len(digits) + 1, mesh_shape, uneven, [{} for _ in specs], [])
+
+    def run(self, a: int, chosen: list[int], factors: list[list[int]], keys: tuple[int, ...]) -> None:
+        """Extend the prefix `chosen` (option per axis before `a`; `factors`: per tensor and dim,
+        the product of the sizes of the axes splitting it so far; `keys`: per tensor, its
+        placements so far as digits)."""
+        if a == len(self.mesh_shape):
+            self.result.append(self._strategy(chosen, keys))
+            return
+        g, radix = self.mesh_shape[a], self.radix
+        for k, placements in enumerate(self.options[a]):
+            grown = self._split(placements, g, factors)
+            if grown is not None:
+                chosen.append(k)
+                self.run(
+                    a + 1, chosen, grown, tuple(key * radix + c for key, c in zip(keys, self.codes[a][k]))
+                )
+                chosen.pop()
+
+    def _split(
+        self, placements: tuple[Placement, ...], g: int, factors: list[list[int]]
+    ) -> list[list[int]] | None:
+        """`factors` after this axis (of `g` ranks) splits the dims `placements` name; None: no
+        extension is admissible."""
+        grown = factors
+        sizes = set()
+        odd = False
+        for t, p in enumerate(placements):
+            if not isinstance(p, Shard):
+                continue
+            size, before = self.specs[t].shape[p.dim], factors[t][p.dim]
+            if size % (before * g):
+                if not self.uneven or before != 1 or not chunks_nonempty(size, g):
+                    return None
+                odd = True
+            sizes.add(size)
+            if grown is factors:
+                grown = [list(f) for f in factors]
+            grown[t][p.dim] = before * g
+        return None if odd and len(sizes) > 1 else grown
+
+    def _strategy(self, chosen: list[int], keys: tuple[int, ...]) -> Strategy:
+        layouts = []
+        for t, (spec, key, known) in enumerate(zip(self.specs, keys, self.layouts)):
+            found = known.get(key)
+            if found is None:
+                placements = tuple(self.options[a][k][t] for a, k in enumerate(chosen))
+                found = known[key] = Layout(placements, spec.shape, spec.dtype)
+            layouts.append(found)
+        n_in = len(self.call.inputs)
+        return Strategy(tuple(layouts[:n_in]), tuple(layouts[n_in:]))
 
 
 def spec_of(value: Any) -> TensorSpec | None:
