@@ -173,7 +173,7 @@ def parallelize(
         assert microbatches is not None
         mesh, depth_choice = auto_pipeline_mesh(
             model, mesh, example_inputs, microbatches=microbatches, hardware=hardware,
-            memory_limit=memory_limit, registry=registry,
+            memory_limit=memory_limit, registry=registry, example_kwargs=example_kwargs,
         )  # fmt: skip
         mesh_shape, hardware = None, depth_choice.hardware
         pipelined = "pp" in (mesh.mesh_dim_names or ())
@@ -401,7 +401,7 @@ def plan(
             raise AutoparError(f"mesh_shape {mesh_shape!r}", hint='give "auto" with world_size=N and microbatches=M')
         depth_choice = choose_pipeline_mesh(
             model, world_size, example_inputs, microbatches=microbatches, hardware=hardware,
-            memory_limit=memory_limit, registry=registry,
+            memory_limit=memory_limit, registry=registry, example_kwargs=example_kwargs,
         )  # fmt: skip
         best = depth_choice.chosen
         if best.error:
@@ -409,7 +409,9 @@ def plan(
         choice = depth_choice.tensor_only if best.pp == 1 else None
         mesh_shape, mesh_names = best.stage_shape, best.stage_names
         if best.pp > 1:  # the stage sub-mesh's plan, for one microbatch
-            example_inputs = split_microbatches(tuple(example_inputs), microbatches)[0]
+            example_inputs, example_kwargs = split_microbatches(
+                (tuple(example_inputs), dict(example_kwargs or {})), microbatches
+            )[0]
     elif isinstance(mesh_shape, str):
         if mesh_shape != "auto" or world_size is None:
             raise AutoparError(f"mesh_shape {mesh_shape!r}", hint='give a shape, or "auto" with world_size=N')

@@ -108,6 +108,12 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> list[str]:
         torch.testing.assert_close(grad, ref[name].grad, **TOL, msg=f"{case} grad {name}")
         torch.testing.assert_close(value, ref[name].detach(), **TOL, msg=f"{case} param {name}")
         names.append(name)
+    # the whole model's gradient norm (torch's own would clip each stage by its stage's norm)
+    total = pmodel.clip_grad_norm_(0.01)
+    torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.01), **TOL)
+    for name, p in pmodel.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(grad, ref[name].grad, **TOL, msg=f"{case} clipped grad {name}")
     return names
 
 

@@ -97,6 +97,8 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         torch.testing.assert_close(_whole(p.detach()), ref[name].detach(), **TOL, msg=f"{case} param {name}")
         stored += p.to_local().numel()
         names.append(name)
+    total = pmodel.clip_grad_norm_(1e9)  # the serial model's norm, a tied weight counted once
+    torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(serial.parameters(), 1e9), **TOL)
     width = dict(model.named_parameters())["wte.weight"].shape[1]
     hidden = batch[0].shape[1] * width  # one sample's activation, whole
     return {"names": names, "stored": stored, "sent": sent, "hidden": hidden}
@@ -250,3 +252,42 @@ def test_transformers_models_in_a_pipeline(which: str, shape: tuple[int, ...], n
     for losses in run_ranks(math.prod(shape), _hf, which, shape, names, timeout=300):
         for step in range(2):
             torch.testing.assert_close(losses[2 * step], losses[2 * step + 1], **TOL)
+
+
+class OptionalShift(torch.nn.Module):
+    """Reads its `default_shift` buffer only when the `shift` argument is missing (as BERT reads its
+    `token_type_ids` buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.register_buffer("default_shift", torch.ones(8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.layers[0](x + (self.default_shift if shift is None else shift))
+        return torch.nn.functional.mse_loss(self.layers[1](torch.tanh(h)), y)
+
+
+def _other_arguments(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = OptionalShift()
+    x, y, shift = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pmodel = autopar.parallelize(
+        model, mesh, example_inputs=(x, y), example_kwargs={"shift": shift}, microbatches=2,
+        stage_boundaries=["layers.1"],
+    )  # fmt: skip
+    pmodel(x, y, shift=shift).backward()
+    try:
+        pmodel(x, y)  # now stage 0 reads the buffer its parallel module does not hold
+    except autopar.AutoparError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_a_call_reading_other_tensors_is_refused_on_every_rank() -> None:
+    """Every rank raises the same `PipelineSplitError` before any message (none waits for another),
+    naming the stage and the tensor."""
+    results = run_ranks(4, _other_arguments, timeout=200)
+    assert all(r.startswith("PipelineSplitError: stage 0 reads ['default_shift']") for r in results), results

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.compiler.pipeline_batch import (
+    DepositGradients,
+    as_output,
+    draws_random,
+    program_key,
+    split_microbatches,
+)
 from autopar.compiler.pipeline_checkpoint import pipelined_state_dict
 from autopar.compiler.pipeline_choice import PipelineDecision, ScheduleChoice, decide_pipeline
 from autopar.compiler.pipeline_split import (
@@ -60,67 +68,6 @@ __all__ = ["MAX_PROGRAMS", "PipelinedModule", "pipeline_parallelize", "split_mic
 
 # Exported stage programs kept per module (one per microbatch shape and mode), the oldest dropped.
 MAX_PROGRAMS = 8
-
-
-def split_microbatches(args: Any, microbatches: int) -> list[Any]:
-    """The batch (a tuple of arguments, or `(args, kwargs)`) cut on dim 0 into `microbatches`
-    pieces of the same structure (`torch.tensor_split`: sizes differ by at most one when M does not
-    divide the batch); other arguments are passed to every piece."""
-    leaves, spec = pytree.tree_flatten(args)
-    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if len(sizes) != 1:
-        raise UsageError(
-            f"the pipeline cuts every tensor input on dim 0 into microbatches, but their sizes there are {sorted(sizes)}",
-            hint="pass inputs that share the batch dimension first",
-        )
-    (batch,) = sizes
-    if batch < microbatches:
-        raise UsageError(
-            f"a batch of {batch} cannot be cut into {microbatches} microbatches",
-            hint="use at most as many microbatches as the batch has samples",
-        )
-    pieces = [
-        torch.tensor_split(t, microbatches, dim=0) if isinstance(t, torch.Tensor) and t.dim() > 0 else None
-        for t in leaves
-    ]
-    out = []
-    for m in range(microbatches):
-        mb = [p[m] if p is not None else leaf for p, leaf in zip(pieces, leaves, strict=True)]
-        out.append(pytree.tree_unflatten(mb, spec))
-    return out
-
-
-def _key(flat: Sequence[Any], training: bool, structure: Any = None) -> tuple[Any, ...]:
-    """What a stage program is exported for: each input's shape and dtype (other values as they are)."""
-    return (training, str(structure)) + tuple(
-        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x).__name__, repr(x))
-        for x in flat
-    )
-
-
-def _as_output(loss: torch.Tensor, output_type: type | None) -> Any:
-    """The loss as the model returns it: alone, or the only field set of its `ModelOutput` (the
-    logits and caches stay on the last stage)."""
-    if output_type is None:
-        return loss
-    return output_type({"loss": loss}) if output_type is dict else output_type(loss=loss)
-
-
-class _DepositGradients(torch.autograd.Function):
-    """The returned loss's backward: hands the gradients the step computed to autograd, times the
-    incoming gradient, so they accumulate into `.grad` as torch's own would."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, loss: torch.Tensor, grads: list[torch.Tensor | None], *params: torch.Tensor
-    ) -> torch.Tensor:
-        ctx.grads = grads
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        scale = grad.item() if any(isinstance(g, DTensor) for g in ctx.grads) else grad
-        return (None, None, *(None if g is None else g * scale for g in ctx.grads))
 
 
 class PipelinedModule(nn.Module):
@@ -208,6 +155,28 @@ class PipelinedModule(nn.Module):
         write_pipeline_png(where / "pipeline.png", timeline, time_unit=unit)
         (where / "pipeline.txt").write_text(str(timeline_report(timeline, time_unit=unit)) + "\n")
 
+    def plan_summary(self) -> str:
+        """The schedule, the stage cut and the modeled timeline, then each of this rank's stages'
+        own plan summary when tensor axes run inside them."""
+        parts = [str(self.schedule).splitlines()[0]]
+        if self.stage_cut is not None:
+            parts.append(str(self.stage_cut))
+        parts.append(str(self.timeline_report))
+        for s, parallel in sorted(self.__dict__["stage_parallel"].items()):
+            summary = getattr(parallel, "plan_summary", None)
+            if callable(summary):
+                parts.append(f"stage {s} on its sub-mesh:\n{summary()}")
+        return "\n\n".join(parts)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Refused: a rank holds only its stages' tensors; `autopar.load_checkpoint` loads a
+        checkpoint (DCP or safetensors) into them, and `dcp.load(pmodel.state_dict(), ...)` in place."""
+        raise PipelineSplitError(
+            "load_state_dict on a pipelined module: each rank holds only its stages' tensors",
+            hint="use autopar.load_checkpoint(pmodel, path), or torch.distributed.checkpoint.load("
+            "pmodel.state_dict(), checkpoint_id=path)",
+        )
+
     def state_dict(self, *args: Any, keep_vars: bool = False, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The tensor-only module's state dict for this rank's stages (docs/pipeline.md#checkpoints):
         the model's names and global shapes, for `torch.distributed.checkpoint.save`."""
@@ -233,8 +202,11 @@ class PipelinedModule(nn.Module):
             return self._user_params(program, stage)
         return [p for p in parallel.parameters() if p.requires_grad]
 
-    def _copies(self) -> tuple[list[tuple[str, nn.Parameter]], dict[int, list[nn.Parameter]]]:
-        """This rank's trained tensors by name, and the copies of each user tensor among them."""
+    def _copies(
+        self, owner: dict[int, int]
+    ) -> tuple[list[tuple[str, nn.Parameter]], dict[int, list[nn.Parameter]]]:
+        """This rank's trained tensors by name, and the copies of each user tensor among them;
+        `owner` (user tensor -> the first stage reading it) marks the copies a norm counts."""
         local: list[tuple[str, nn.Parameter]] = []
         copies: dict[int, list[nn.Parameter]] = {}
         wrappers: dict[int, StageModule] = self.__dict__["_stage_wrappers"]
@@ -247,6 +219,8 @@ class PipelinedModule(nn.Module):
                     user = get_attr(wrappers[s], name)
                     local.append((self._names.get(id(user), name), p))
                     copies.setdefault(id(user), []).append(p)
+                    if owner.get(id(user)) == s:
+                        self._in_norm.add(id(p))
         return local, copies
 
     def _first_program(self, program: StageProgram) -> None:
@@ -257,16 +231,45 @@ class PipelinedModule(nn.Module):
             for p in self._user_params(program, s):
                 holders.setdefault(id(p), set()).add(s)
         order = [p for p in self._model.parameters() if id(p) in holders]
+        owner = {key: min(stages) for key, stages in holders.items()}
+        self._in_norm: set[int] = set()  # the tensors whose gradient this rank counts in a norm
         if self.__dict__["stage_parallel"]:
-            self._local, copies = self._copies()
+            self._local, copies = self._copies(owner)
         else:
             mine = {id(p) for s in self.stages for p in self._user_params(program, s)}
             self._local = [(self._names[id(p)], p) for p in order if id(p) in mine]
             copies = {id(p): [p] for _, p in self._local}
+            self._in_norm = {id(p) for _, p in self._local if owner[id(p)] in self.stages}
         self._shared = [
             (self._names[id(p)], p, copies.get(id(p), [])) for p in order if len(holders[id(p)]) > 1
         ]
         self.stage_modules = program.stage_units
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the whole model: every rank holds only its stages'
+        gradients, so torch's function would clip each stage by its own norm. Each stage's norm is
+        taken on its sub-mesh (DTensor gradients), a tied weight counted once (its first stage's
+        copy), the total reduced over the pp group; every gradient is scaled by the same factor.
+        Returns the total norm (the serial model's), on every rank."""
+        p = float(norm_type)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for _, param in self._local:
+            grad = param.grad
+            if grad is None or id(param) not in self._in_norm:
+                continue
+            norm = torch.linalg.vector_norm(grad, p)
+            value = (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(torch.float64)
+            total = torch.maximum(total, value) if math.isinf(p) else total + value**p
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+            dist.all_reduce(total, op=op, group=self.group)
+        norm_all = total if math.isinf(p) else total ** (1.0 / p)
+        scale = min(1.0, max_norm / (float(norm_all) + 1e-6))
+        if scale < 1.0:
+            for _, param in self._local:
+                if param.grad is not None:
+                    param.grad.mul_(scale)
+        return norm_all.to(torch.float32)
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -279,7 +282,7 @@ class PipelinedModule(nn.Module):
     def _program(self, flat: Sequence[Any], call: tuple[tuple[Any, ...], dict[str, Any]]) -> StageProgram:
         """The stage programs for one microbatch's call `(args, kwargs)`, exported once per shape."""
         args, kwargs = call
-        key = _key(flat, self.training, pytree.tree_structure(call))
+        key = program_key(flat, self.training, pytree.tree_structure(call))
         found = self._programs.get(key)
         if found is None:
             was = self._model.training
@@ -290,7 +293,15 @@ class PipelinedModule(nn.Module):
                 )
             finally:
                 self._model.train(was)
+            if self.training and not self._programs and draws_random(found):
+                warnings.warn(
+                    "autopar pipeline: the model draws random numbers in training (dropout): each "
+                    "microbatch draws its own, so the loss and gradients equal the serial model's in "
+                    "distribution, not in value (eval() and dropout-free models are exact)",
+                    stacklevel=3,
+                )
             if self._build_stage is not None:
+                self._check_same_tensors(found)
                 self._add_stage_programs(found, flat)
             if not self._programs:
                 self._first_program(found)
@@ -298,6 +309,22 @@ class PipelinedModule(nn.Module):
         else:
             self._programs[key] = self._programs.pop(key)  # most recently used last
         return found
+
+    def _check_same_tensors(self, program: StageProgram) -> None:
+        """Each stage's parallel module holds the tensors its first program read: a later call whose
+        stage reads another (BERT reads its `token_type_ids` buffer only when that argument is
+        missing) is refused, on every rank alike (every rank exports every stage) and before any
+        message, so no rank waits for another."""
+        first = self.__dict__.setdefault("_first_attrs", [set(st.attrs) for st in program.stages])
+        for stage, before in zip(program.stages, first, strict=True):
+            extra = sorted(set(stage.attrs) - before)
+            if extra:
+                raise PipelineSplitError(
+                    f"stage {stage.index} reads {extra} in this call but not in the first: its parallel "
+                    "module holds only what the first call's program read (the call's arguments differ: a "
+                    "model may read a buffer only when an argument is missing)",
+                    hint="pass the same set of arguments on every call as in example_inputs / example_kwargs",
+                )
 
     def _add_stage_programs(self, program: StageProgram, flat: Sequence[Any]) -> None:
         """Give each of this rank's stage modules its program for this microbatch shape; the first
@@ -349,7 +376,7 @@ class PipelinedModule(nn.Module):
         total = None if result.loss is None else result.loss / denominator
         loss = broadcast_loss(total, last_rank, self.group, programs[0].loss_dtype, self.device)
         if forward_only:
-            return _as_output(loss, programs[0].output_type)
+            return as_output(loss, programs[0].output_type)
         grads: dict[int, torch.Tensor] = {}
         for s, stage_grads in result.grads.items():
             for p, g in zip(runners[s].params, stage_grads, strict=True):
@@ -361,8 +388,8 @@ class PipelinedModule(nn.Module):
         if not params:  # a rank without trainable parameters: the loss still takes .backward()
             params = [nn.Parameter(torch.zeros(()))]
             ordered = [None]
-        out: torch.Tensor = _DepositGradients.apply(loss, ordered, *params)  # type: ignore[no-untyped-call]
-        return _as_output(out, programs[0].output_type)
+        out: torch.Tensor = DepositGradients.apply(loss, ordered, *params)  # type: ignore[no-untyped-call]
+        return as_output(out, programs[0].output_type)
 
     def _sum_shared(self, grads: dict[int, torch.Tensor]) -> None:
         """A weight several stages read (a tied embedding and head) gets the sum of their gradients

@@ -111,6 +111,7 @@ def choose_pipeline_mesh(
     memory_limit: float | None = None,
     registry: RuleRegistry | None = None,
     depths: Sequence[int] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> PipelineMeshChoice:
     """Rank the tensor-only mesh choice's best beside every pipeline depth of `depths` (default:
     every divisor of `world_size` above 1 that the model has modules enough for) and schedule."""
@@ -119,6 +120,7 @@ def choose_pipeline_mesh(
     tensor_only: MeshChoice | None = None
     try:
         tensor_only = choose_mesh(model, world_size, example, hardware=hardware, memory_limit=memory_limit,
+                                  example_kwargs=example_kwargs,
                                   registry=registry)  # fmt: skip
         best = tensor_only.chosen
         candidates.append(
@@ -136,8 +138,8 @@ def choose_pipeline_mesh(
         )
     except AutoparError as exc:
         candidates.append(PipelineCandidate(1, "-", "-", 1, error=str(exc).splitlines()[0]))
-    gm = trace(model, example, decompose=True)
-    piece = split_microbatches(example, microbatches)[0]
+    gm = trace(model, example, decompose=True, example_kwargs=example_kwargs)
+    piece_args, piece_kwargs = split_microbatches((example, dict(example_kwargs or {})), microbatches)[0]
     wanted = depths if depths is not None else [p for p in range(2, world_size + 1) if world_size % p == 0]
     limit = math.inf if memory_limit is None else memory_limit
     for pp in wanted:
@@ -147,7 +149,9 @@ def choose_pipeline_mesh(
         names: tuple[str, ...] = ("stage",)
         if t > 1:
             try:
-                sub = choose_mesh(model, t, piece, hardware=hardware, registry=registry)
+                sub = choose_mesh(
+                    model, t, piece_args, hardware=hardware, registry=registry, example_kwargs=piece_kwargs
+                )
             except AutoparError as exc:
                 candidates.append(PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0]))
                 continue
@@ -195,6 +199,7 @@ def auto_pipeline_mesh(
     hardware: str | None = None,
     memory_limit: float | None = None,
     registry: RuleRegistry | None = None,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> tuple[DeviceMesh, PipelineMeshChoice]:
     """`parallelize(..., mesh_shape="auto", microbatches=M)`: rank 0 ranks every pipeline depth
     beside the tensor-only meshes, every rank builds the chosen DeviceMesh (with a "pp" axis when
@@ -216,6 +221,7 @@ def auto_pipeline_mesh(
         lambda: choose_pipeline_mesh(
             model, world, example_inputs, microbatches=microbatches,
             hardware=hardware or default_hardware(device_type), memory_limit=memory_limit, registry=registry,
+            example_kwargs=example_kwargs,
         ),
         "choosing the mesh with pipeline depths",
     )  # fmt: skip

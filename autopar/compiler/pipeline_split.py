@@ -149,6 +149,15 @@ def _export_loss(
     model.forward = loss_only  # type: ignore[method-assign]
     try:
         ep = torch.export.export(model, args, kwargs=kwargs or None, strict=False)
+    except AutoparError:
+        raise
+    except Exception as exc:  # torch raises many types; the user needs the cause and what to do
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PipelineSplitError(
+            f"torch.export could not trace {type(model).__name__} for the pipeline: {type(exc).__name__}: {first}",
+            hint="a pipelined model is trained: its forward must return its loss (pass the labels or "
+            "targets as its documentation does); inference without a loss runs on a mesh without 'pp'",
+        ) from exc
     finally:
         if had_own:
             model.forward = original  # type: ignore[method-assign]
@@ -170,15 +179,16 @@ def _find_loss(gm: fx.GraphModule) -> tuple[fx.Node, LossRule]:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
     hint = (
-        "the pipeline runs models whose forward returns one loss: F.cross_entropy / nll_loss / mse_loss "
-        "/ l1_loss / binary cross entropy (mean or sum) or .mean() / .sum() of a tensor, computed last"
+        "a pipelined model is trained: compute the loss inside forward (a transformers model: pass its "
+        "labels) and return it, or a ModelOutput / dict with a 'loss'; the pipeline runs F.cross_entropy / "
+        "nll_loss / mse_loss / l1_loss / binary cross entropy (mean or sum) or .mean() / .sum() of a tensor"
     )
     if len(flat) != 1 or not isinstance(flat[0], fx.Node):
         raise PipelineLossError(f"the model returns {len(flat)} values, not one loss", hint=hint)
     node = flat[0]
     target = node.target
     if target in _REDUCED_LOSSES:
-        kwargs = _all_arguments(node)
+        kwargs = all_arguments(node)
         reduction = int(kwargs.get("reduction", _MEAN))
         if reduction == _SUM:
             return node, LossRule(str(target), "one")
@@ -211,7 +221,7 @@ def _find_loss(gm: fx.GraphModule) -> tuple[fx.Node, LossRule]:
     )
 
 
-def _all_arguments(node: fx.Node) -> dict[str, Any]:
+def all_arguments(node: fx.Node) -> dict[str, Any]:
     """Every argument of an ATen call by its schema name, defaults filled in, in schema order."""
     schema = node.target._schema  # type: ignore[union-attr]
     out: dict[str, Any] = {}

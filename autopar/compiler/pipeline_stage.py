@@ -61,7 +61,7 @@ class StageModule(nn.Module):
     def add(self, graph: StageGraph, args: Sequence[Any], training: bool) -> None:
         """Run `graph` for calls in mode `training` whose arguments look like `args` (one
         microbatch shape; eval's program differs from training's, e.g. without dropout)."""
-        if graph.attrs != self.attrs:
+        if not set(graph.attrs) <= set(self.attrs):
             raise AutoparError(
                 f"stage {self.index} reads other parameters for another input shape "
                 f"({sorted(set(graph.attrs) ^ set(self.attrs))})",
