@@ -88,6 +88,25 @@ def default_hardware(device_type: str) -> str:
     return "cpu-gloo" if device_type == "cpu" else "h100-nvlink-ib"
 
 
+def job_world(mesh: DeviceMesh | int) -> tuple[int, str]:
+    """The job's world size and device type, for `mesh_shape="auto"` given the job's DeviceMesh
+    (its device type and size are kept, its shape is not) or its world size."""
+    if not dist.is_initialized():
+        raise MeshError(
+            "torch.distributed is not initialized", hint="run under torchrun or init_process_group first"
+        )
+    world = dist.get_world_size()
+    size = mesh.size() if isinstance(mesh, DeviceMesh) else int(mesh)
+    if size != world:
+        raise MeshError(
+            f"asked for {size} ranks but the job has {world}", hint=f"pass {world} or the job's DeviceMesh"
+        )
+    device_type = (
+        mesh.device_type if isinstance(mesh, DeviceMesh) else "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    return world, device_type
+
+
 def auto_device_mesh(
     model: nn.Module,
     mesh: DeviceMesh | int,
@@ -107,19 +126,7 @@ def auto_device_mesh(
     `mesh` is the job's DeviceMesh (its device type and size are kept, its shape is not) or the
     world size. A failure on rank 0 is raised on every rank, so none waits in a collective.
     """
-    if not dist.is_initialized():
-        raise MeshError(
-            "torch.distributed is not initialized", hint="run under torchrun or init_process_group first"
-        )
-    world = dist.get_world_size()
-    size = mesh.size() if isinstance(mesh, DeviceMesh) else int(mesh)
-    if size != world:
-        raise MeshError(
-            f"asked for {size} ranks but the job has {world}", hint=f"pass {world} or the job's DeviceMesh"
-        )
-    device_type = (
-        mesh.device_type if isinstance(mesh, DeviceMesh) else "cuda" if torch.cuda.is_available() else "cpu"
-    )
+    world, device_type = job_world(mesh)
     value = decided_on_rank0(
         lambda: choose_mesh(
             model,

@@ -24,12 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autopar.compiler.auto_mesh import choose_mesh, default_hardware
+from autopar.compiler.auto_mesh import choose_mesh, default_hardware, job_world
 from autopar.compiler.pipeline import split_microbatches
 from autopar.compiler.pipeline_choice import AUTO_CANDIDATES
 from autopar.core.errors import AutoparError, MeshError
@@ -204,19 +202,7 @@ def auto_pipeline_mesh(
     """`parallelize(..., mesh_shape="auto", microbatches=M)`: rank 0 ranks every pipeline depth
     beside the tensor-only meshes, every rank builds the chosen DeviceMesh (with a "pp" axis when
     a pipeline won). `mesh`: the job's DeviceMesh or its world size."""
-    if not dist.is_initialized():
-        raise MeshError(
-            "torch.distributed is not initialized", hint="run under torchrun or init_process_group first"
-        )
-    world = dist.get_world_size()
-    size = mesh.size() if isinstance(mesh, DeviceMesh) else int(mesh)
-    if size != world:
-        raise MeshError(
-            f"asked for {size} ranks but the job has {world}", hint=f"pass {world} or the job's DeviceMesh"
-        )
-    device_type = (
-        mesh.device_type if isinstance(mesh, DeviceMesh) else "cuda" if torch.cuda.is_available() else "cpu"
-    )
+    world, device_type = job_world(mesh)
     choice = decided_on_rank0(
         lambda: choose_pipeline_mesh(
             model, world, example_inputs, microbatches=microbatches,
