@@ -147,9 +147,11 @@ def choose_pipeline_mesh(
         names: tuple[str, ...] = ("stage",)
         if t > 1:
             try:
+                # the whole model on t ranks need not fit: a stage holds 1/pp of it (the cut's memory)
                 sub = choose_mesh(
-                    model, t, piece_args, hardware=hardware, registry=registry, example_kwargs=piece_kwargs
-                )
+                    model, t, piece_args, hardware=hardware, registry=registry, example_kwargs=piece_kwargs,
+                    memory_limit=math.inf,
+                )  # fmt: skip
             except AutoparError as exc:
                 candidates.append(PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0]))
                 continue
