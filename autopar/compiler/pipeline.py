@@ -107,6 +107,7 @@ class PipelinedModule(nn.Module):
         self.stages = schedule.placement.stages_of(self.rank)
         self.training = model.training
         self._build_stage = build_stage
+        self._first_attrs: list[set[str]] | None = None  # what each stage read in the first program
         self._scatter = scatter
         self._programs: dict[tuple[Any, ...], StageProgram] = {}
         names: dict[int, str] = {}
@@ -315,8 +316,9 @@ class PipelinedModule(nn.Module):
         stage reads another (BERT reads its `token_type_ids` buffer only when that argument is
         missing) is refused, on every rank alike (every rank exports every stage) and before any
         message, so no rank waits for another."""
-        first = self.__dict__.setdefault("_first_attrs", [set(st.attrs) for st in program.stages])
-        for stage, before in zip(program.stages, first, strict=True):
+        if self._first_attrs is None:
+            self._first_attrs = [set(st.attrs) for st in program.stages]
+        for stage, before in zip(program.stages, self._first_attrs, strict=True):
             extra = sorted(set(stage.attrs) - before)
             if extra:
                 raise PipelineSplitError(

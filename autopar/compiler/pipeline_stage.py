@@ -60,13 +60,8 @@ class StageModule(nn.Module):
 
     def add(self, graph: StageGraph, args: Sequence[Any], training: bool) -> None:
         """Run `graph` for calls in mode `training` whose arguments look like `args` (one
-        microbatch shape; eval's program differs from training's, e.g. without dropout)."""
-        if not set(graph.attrs) <= set(self.attrs):
-            raise AutoparError(
-                f"stage {self.index} reads other parameters for another input shape "
-                f"({sorted(set(graph.attrs) ^ set(self.attrs))})",
-                hint="the pipeline needs every microbatch shape to run the same modules in each stage",
-            )
+        microbatch shape; eval's program differs from training's, e.g. without dropout). The
+        caller has checked that it reads no tensor this module lacks (`_check_same_tensors`)."""
         self._programs.by_call.setdefault((training, signature_of(args)), graph)
 
     def forward(self, *args: Any) -> tuple[Any, ...]:
