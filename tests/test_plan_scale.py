@@ -69,7 +69,7 @@ def test_pairs_with_the_same_canonical_key_have_the_same_steps() -> None:
     codes = [REPLICATE, -1, 0, 1, 2, 3]
     pairs = np.array(list(itertools.product(codes, repeat=4)), dtype=np.int64)  # 2 axes: src, dst
     keys = canonical(pairs)
-    by_key: dict[bytes, tuple[object, ...]] = {}
+    by_key: dict[int, tuple[object, ...]] = {}
     for row, key in zip(pairs.tolist(), keys.tolist()):
         steps = coded_template(tuple(row[:2]), tuple(row[2:]))
         assert by_key.setdefault(key, steps) == steps

@@ -4,6 +4,7 @@ tensors with the same placements must share the factors without changing any ent
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from autopar.core.layout import Layout, P, R, Shard
 from autopar.core.redistribute import redistribute_cost
 from autopar.planning.search import ElementCost, TimeCost, even_factor
+from autopar.planning.search_steps import even_redistribute_cost
 from autopar.testing.strategies import layout_pairs
 
 
@@ -90,3 +92,31 @@ def test_time_tables_scale_the_bandwidth_term_with_the_tensor() -> None:
     # all-gather over x: same latency, 64x the bytes
     latency = first[0, 1] - (second[0, 1] - first[0, 1]) / 63
     assert latency > 0 and second[0, 1] > first[0, 1]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout_pairs(uneven=False))
+def test_the_greedy_pass_prices_even_pairs_as_the_tables_do(case: tuple[tuple[int, ...], Layout, Layout]) -> None:
+    """`search_steps.even_redistribute_cost` (the greedy pass's price of even pairs) is the table's
+    number, and `redistribute_cost`'s."""
+    mesh, src, dst = case
+    dst = Layout(dst.placements, src.shape, dst.dtype)
+    if not (src.is_even(mesh) and dst.is_even(mesh)):
+        return
+    alone = even_redistribute_cost(src, dst, tuple(mesh))
+    assert alone == ElementCost(mesh).redistribute_table([src], [dst])[0, 0]
+    assert alone == pytest.approx(redistribute_cost(src, dst, mesh), rel=1e-12)
+
+
+def test_a_table_priced_piece_by_piece_is_the_whole_table() -> None:
+    """The search prices only the cells its kept candidates read (`Problem._fill`): any rows and
+    columns give the whole table's numbers, on even lists and on lists with an uneven layout."""
+    mesh = (2, 3, 2)
+    options = [R, P, Shard(0), Shard(1)]
+    for shape in [(12, 24), (12, 7)]:  # 7 % 3: uneven where the 3-rank axis splits dim 1
+        layouts = [Layout((a, b, c), shape) for a in options for b in options for c in options]
+        cost = TimeCost("h100-nvlink-ib", mesh)
+        whole = cost.redistribute_table(layouts, layouts)
+        rows, cols = np.array([0, 5, 17, 40]), np.array([3, 9, 33, 63])
+        piece = cost.redistribute_table(layouts, layouts, rows, cols)
+        assert piece.tolist() == whole[np.ix_(rows, cols)].tolist()

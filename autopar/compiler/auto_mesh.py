@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autopar.compiler.driver import scheduled_step_time
+from autopar.compiler.driver import compile_conditions, scheduled_step_time
 from autopar.core.errors import MeshError
 from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.passes import fused
@@ -23,6 +23,7 @@ from autopar.rules.registry import default_registry
 from autopar.runtime.agreement import decided_on_rank0
 
 
+@compile_conditions
 def choose_mesh(
     model: nn.Module,
     world_size: int,

@@ -76,13 +76,14 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _compile_conditions(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+def compile_conditions(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """Run `fn` with the cyclic garbage collector off (its previous state restored after) and
-    autocast off.
+    autocast off: every compile, and every plan choice (`choose_mesh`, the pipeline's).
 
-    A compile builds ~10^6 long-lived objects (graph nodes, metadata, fake tensors) and little
-    cyclic garbage: the collector's repeated full passes over them cost 15-20% of a compile
-    (benchmarks/compile_time.py), for a few percent more peak memory. A compile runs inside the
+    A compile builds ~10^6 long-lived objects (graph nodes, metadata, fake tensors, layouts and
+    candidate lists) and little cyclic garbage: the collector's repeated full passes over them
+    cost 15-20% of a compile (benchmarks/compile_time.py) and ~30% of the mesh choice of a
+    32-layer LLaMA on 64 ranks (benchmarks/plan_scale.py), for a few percent more peak memory. A compile runs inside the
     user's call, perhaps in an autocast region: the precision it compiles for is its `autocast`
     argument, and no stage's fake-tensor runs may be cast by the region around it.
     """
@@ -101,7 +102,7 @@ def _compile_conditions(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     return wrapper
 
 
-@_compile_conditions
+@compile_conditions
 def compile_for_rank(
     model: nn.Module,
     mesh: Mesh,

@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from autopar.compiler.driver import compile_conditions
 from autopar.core.errors import AutoparError, UsageError
 from autopar.core.pipeline_schedule import Schedule, schedule_by_name
 from autopar.passes.trace import trace
@@ -68,6 +69,7 @@ class PipelineDecision:
     choice: ScheduleChoice | None = None
 
 
+@compile_conditions
 def decide_pipeline(
     model: nn.Module,
     example: tuple[Any, ...],

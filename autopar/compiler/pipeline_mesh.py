@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.compiler.auto_mesh import choose_mesh, default_hardware, job_world
+from autopar.compiler.driver import compile_conditions
 from autopar.compiler.pipeline import split_microbatches
 from autopar.compiler.pipeline_choice import AUTO_CANDIDATES
 from autopar.core.errors import AutoparError, MeshError
@@ -99,6 +100,7 @@ class PipelineMeshChoice:
         return self.table()
 
 
+@compile_conditions
 def choose_pipeline_mesh(
     model: nn.Module,
     world_size: int,

@@ -16,6 +16,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ class _Placement:
 
 
 class Shard(_Placement):
-    __slots__ = ("dim",)
+    __slots__ = ("dim", "_hash")
     _kind = 2
     dim: int
     _instances: dict[int, Shard] = {}  # intern table of immutable values
@@ -46,6 +47,7 @@ class Shard(_Placement):
         if instance is None:
             instance = super().__new__(cls)
             object.__setattr__(instance, "dim", int(dim))
+            object.__setattr__(instance, "_hash", hash(("Shard", int(dim))))  # placements key dicts
             cls._instances[dim] = instance
         return instance
 
@@ -56,7 +58,7 @@ class Shard(_Placement):
         return self is other or (isinstance(other, Shard) and other.dim == self.dim)
 
     def __hash__(self) -> int:
-        return hash(("Shard", self.dim))
+        return self._hash  # type: ignore[attr-defined, no-any-return]
 
     def __repr__(self) -> str:
         return f"Shard(dim={self.dim})"
@@ -189,7 +191,22 @@ class Layout:
         return math.prod(mesh_shape[a] for a in self.shard_axes(dim))
 
     def is_even(self, mesh_shape: Sequence[int]) -> bool:
-        return all(self.shape[d] % self.split_factor(d, mesh_shape) == 0 for d in range(len(self.shape)))
+        key = ("even", *mesh_shape)  # planning asks about the same layouts on one mesh millions of times
+        memo = self._memo()
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = all(
+                self.shape[d] % self.split_factor(d, mesh_shape) == 0 for d in range(len(self.shape))
+            )
+        return found  # type: ignore[no-any-return]
+
+    def _memo(self) -> dict[tuple[Any, ...], Any]:
+        """Per layout: answers that depend only on it and the mesh's sizes (not pickled, not compared)."""
+        memo = self.__dict__.get("_answers")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_answers", memo)
+        return memo
 
     def uneven_dims(self, mesh_shape: Sequence[int]) -> list[int]:
         return [d for d in range(len(self.shape)) if self.shape[d] % self.split_factor(d, mesh_shape)]
@@ -216,7 +233,12 @@ class Layout:
         )
 
     def local_numel(self, mesh_shape: Sequence[int]) -> int:
-        return math.prod(self.local_shape(mesh_shape))
+        key = ("numel", *mesh_shape)
+        memo = self._memo()
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = math.prod(self.local_shape(mesh_shape))
+        return found  # type: ignore[no-any-return]
 
     def local_bytes(self, mesh_shape: Sequence[int]) -> int:
         return self.local_numel(mesh_shape) * _itemsize(self.dtype)

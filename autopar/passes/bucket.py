@@ -372,7 +372,6 @@ def _still_ordered(gm: fx.GraphModule, members: list[_Candidate]) -> bool:
     member's result in the graph as earlier merges of the round left it (a merge that hoists
     compute can move a user of another bucket's member above that member's inputs), and nothing
     hoisted reads a member's result (a member that joined after the hoist was planned)."""
-    position = {n: i for i, n in enumerate(gm.graph.nodes)}
     hoisted = {h for c in members for h in c.hoist}
     results = {c.wait for c in members} | {v for c in members for v in _uses(c.wait)[1]}
     if any(_reads(h, results) for h in hoisted):
@@ -387,10 +386,10 @@ def _still_ordered(gm: fx.GraphModule, members: list[_Candidate]) -> bool:
     uses = [u for c in members for u in _uses(c.wait)[0]]
     if not uses:
         return True
-    first_use = min(map(position.__getitem__, uses))
-    if any(position[h] < first_use for h in hoisted):
+    first_use = min(uses)  # (nodes compare by their place in the graph, kept as nodes move)
+    if any(h < first_use for h in hoisted):
         return False  # already above the first use: moving it "up" to there would move it down
-    return not inputs or max(map(position.__getitem__, inputs)) < first_use
+    return not inputs or max(inputs) < first_use
 
 
 # ---- the rewrite ---------------------------------------------------------------------------------
@@ -402,13 +401,11 @@ def _merge(gm: fx.GraphModule, members: list[_Candidate], shape: tuple[int, ...]
     """
     graph = gm.graph
     hoisted = [h for c in members for h in c.hoist]
+    # (nodes compare by their place in the graph, kept up to date as nodes move: no renumbering)
     if hoisted:  # up before the first use of any member's result, in their order
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        first_use = min((u for c in members for u in _uses(c.wait)[0]), key=position.__getitem__)
-        for node in sorted(hoisted, key=position.__getitem__):
+        first_use = min(u for c in members for u in _uses(c.wait)[0])
+        for node in sorted(hoisted):
             first_use.prepend(node)
-    nodes = list(graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
     first = members[0].node
     kind = BUCKETABLE[first.target]  # type: ignore[index]
     steps = [info(c.node).comm for c in members]
@@ -421,13 +418,13 @@ def _merge(gm: fx.GraphModule, members: list[_Candidate], shape: tuple[int, ...]
     chunk = chunks.pop() if len(chunks) == 1 else None
     base = replace(info(first), comm=None, comm_group=None, layouts=(), strategy=None, note="bucket", chunk=chunk)
 
-    chains = [sorted(prep_chain(c.node), key=position.__getitem__) for c in members]
+    chains = [sorted(prep_chain(c.node)) for c in members]
     inputs = [i for chain in chains for m in chain for i in m.all_input_nodes if i not in chain]
-    anchor = max(inputs, key=position.__getitem__)
+    anchor = max(inputs)
     if anchor.op == "placeholder":  # keep the placeholders together at the top
-        anchor = max((n for n in nodes if n.op == "placeholder"), key=position.__getitem__)
-    need = min((u for c in members for u in _uses(c.wait)[0]), key=position.__getitem__)
-    views = {c.node: sorted(_uses(c.wait)[1], key=position.__getitem__) for c in members}
+        anchor = max(graph.find_nodes(op="placeholder"))
+    need = min(u for c in members for u in _uses(c.wait)[0])
+    views = {c.node: sorted(_uses(c.wait)[1]) for c in members}
 
     in_shapes = [_buffer_shape(s, shape, "in") for s in steps]  # type: ignore[arg-type]
     out_shapes = [_buffer_shape(s, shape, "out") for s in steps]  # type: ignore[arg-type]

@@ -33,6 +33,7 @@ from autopar.core.redistribute import redistribute_cost
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
 from autopar.cost.work import global_work, work_split
 from autopar.planning.greedy_scores import GreedyMemo, ListFacts, best, scores
+from autopar.planning.search_steps import even_redistribute_cost
 from autopar.planning.storage import (
     gather_from_storage,
     part_dims,
@@ -86,7 +87,17 @@ def greedy_plan(
 
 @functools.lru_cache(maxsize=200_000)
 def _redist(src: Layout, dst: Layout, mesh_shape: tuple[int, ...]) -> float:
+    """`redistribute_cost`; between even layouts from the steps of their placements alone."""
+    if src == dst:
+        return 0.0
+    if src.shape == dst.shape and _is_even(src, mesh_shape) and _is_even(dst, mesh_shape):
+        return even_redistribute_cost(src, dst, mesh_shape)
     return redistribute_cost(src, dst, mesh_shape)
+
+
+@functools.lru_cache(maxsize=200_000)
+def _is_even(layout: Layout, mesh_shape: tuple[int, ...]) -> bool:
+    return layout.is_even(mesh_shape)
 
 
 @functools.lru_cache(maxsize=200_000)

@@ -23,7 +23,7 @@ from autopar.cost.formulas import MeshCost, latency_steps
 from autopar.cost.hardware import load_hardware
 from autopar.planning.greedy import FLOP_WEIGHT, _redist
 from autopar.planning.search_problem import settled
-from autopar.planning.search_steps import StepCache, even_steps, instantiate
+from autopar.planning.search_steps import StepCache, element_factor, even_steps, instantiate
 from autopar.planning.storage import gather_from_storage, storage_layout
 
 _FIELDS = 5  # per step of a program: elements per block element, num, den, bandwidth, latency
@@ -53,12 +53,25 @@ class ElementCost:
     def compute(self, work: float, split: int, dtype: torch.dtype = torch.float32) -> float:
         return FLOP_WEIGHT * work / split  # element counts: every dtype alike
 
-    def redistribute_table(self, outs: Sequence[Layout], ins: Sequence[Layout]) -> np.ndarray:
-        """`redistribute` between every pair (rows: `outs`, columns: `ins`, one tensor's layouts):
-        from the steps of each pair of placements (`search_steps`) between even layouts, pair by
-        pair otherwise (uneven blocks are recounted at every step)."""
+    def redistribute_table(
+        self,
+        outs: Sequence[Layout],
+        ins: Sequence[Layout],
+        rows: np.ndarray | None = None,
+        cols: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """`redistribute` between every pair (rows: `outs`, columns: `ins`, one tensor's layouts),
+        or only between `outs[rows]` and `ins[cols]`: from the steps of each pair of placements
+        (`search_steps`) where all of `outs` and `ins` are even, pair by pair otherwise (uneven
+        blocks are recounted at every step). A cell's number does not depend on which others are
+        asked for, so a table may be filled piece by piece."""
         n, even_outs = self._blocks(outs)
-        if not (even_outs and n.all() and self._blocks(ins)[1]):
+        even = even_outs and n.all() and self._blocks(ins)[1]
+        if rows is not None:
+            outs, n = [outs[i] for i in rows.tolist()], n[rows]
+        if cols is not None:
+            ins = [ins[j] for j in cols.tolist()]
+        if not even:
             return np.array([[self.redistribute(o, w) for w in ins] for o in outs], dtype=float).reshape(
                 len(outs), len(ins)
             )
@@ -105,7 +118,7 @@ class ElementCost:
             for k, (kind, a, num, den) in enumerate(instantiate(template, self.shape)):
                 g = self.shape[a]
                 bandwidth, alpha = self._link(a)
-                rows[i, k] = (_element_factor(kind, g), num, den, bandwidth, latency_steps(kind, g) * alpha)
+                rows[i, k] = (element_factor(kind, g), num, den, bandwidth, latency_steps(kind, g) * alpha)
         self._programs = np.concatenate([self._programs, rows])
 
 
@@ -156,12 +169,5 @@ def even_factor(src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: 
     """Elements `redistribute_cost(src, dst)` sends per element of the source block (even layouts)."""
     total = 0.0
     for kind, a, num, den in even_steps(src, dst, mesh_shape):
-        total += _element_factor(kind, mesh_shape[a]) * (num / den)
+        total += element_factor(kind, mesh_shape[a]) * (num / den)
     return total
-
-
-def _element_factor(kind: str, g: int) -> float:
-    """Elements a rank sends per element of its block (`CommStep.elements_sent`)."""
-    if kind == "all_gather":
-        return float(g - 1)
-    return 2 * (g - 1) / g if kind == "all_reduce" else (g - 1) / g

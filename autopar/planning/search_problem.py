@@ -50,7 +50,13 @@ class Cost(Protocol):
 
     def compute(self, work: float, split: int, dtype: torch.dtype = ...) -> float: ...
 
-    def redistribute_table(self, outs: Sequence[Layout], ins: Sequence[Layout]) -> np.ndarray: ...
+    def redistribute_table(
+        self,
+        outs: Sequence[Layout],
+        ins: Sequence[Layout],
+        rows: np.ndarray | None = ...,
+        cols: np.ndarray | None = ...,
+    ) -> np.ndarray: ...
 
 
 @dataclass
@@ -62,7 +68,9 @@ class Shared:
     expand: dict[Any, list[Strategy]] = field(default_factory=dict)
     work: dict[str, float] = field(default_factory=dict)  # node -> `global_work`, where known
     greedy: GreedyMemo = field(default_factory=GreedyMemo)
+    # edge tables by their two layout lists, filled where a kept candidate reads them (`_fill`)
     tables: dict[Any, np.ndarray] = field(default_factory=dict)
+    filled: dict[Any, tuple[tuple[Layout, ...], tuple[Layout, ...], np.ndarray]] = field(default_factory=dict)
     vectors: dict[Any, Any] = field(default_factory=dict)  # per candidate list: layouts, costs
     positions: dict[int, dict[Strategy, int]] = field(default_factory=dict)
     interned: dict[tuple[Layout, ...], tuple[Layout, ...]] = field(default_factory=dict)
@@ -96,6 +104,7 @@ class Problem:
         self._positions = shared.positions
         self._interned = shared.interned
         self._memo: dict[tuple[int, bytes], np.ndarray] = {}
+        self._table_keys: dict[int, Any] = {}  # id of an edge table -> its key in `shared.tables`
         for name in seed.decided:
             node = nodes[name]
             rule = registry.get(node.target)
@@ -120,6 +129,7 @@ class Problem:
         for var in self.vars:
             if len(var.cands) > MAX_CANDIDATES:
                 self._prune(var)
+        self._fill()
         for var in self.vars:
             var.unary = var.base.copy()
         self._gm = gm
@@ -263,12 +273,32 @@ class Problem:
         (out_keys, out_index), (in_keys, in_index) = outs, ins
         key = (id(out_keys), id(in_keys))
         table = self._tables.get(key)
-        if table is None:  # edges between the same candidate lists share one table
-            table = self._tables[key] = self.cost.redistribute_table(out_keys, in_keys)
+        if table is None:  # edges between the same layout lists share one table, filled by `_fill`
+            table = self._tables[key] = np.full((len(out_keys), len(in_keys)), np.nan)
+            self.shared.filled[key] = (out_keys, in_keys, np.zeros(table.shape, dtype=bool))
+        self._table_keys[id(table)] = key
         edge = Edge(u, v, table, out_index, in_index)
         self.edges.append(edge)
         self.vars[u].edges.append(edge)
         self.vars[v].edges.append(edge)
+
+    def _fill(self) -> None:
+        """Price the cells of the edge tables that the candidates kept after `_prune` read (most
+        of a four-axis mesh's pairs belong to candidates pruned away), each cell once per search."""
+        needed: dict[int, tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]] = {}
+        for edge in self.edges:
+            found = needed.setdefault(id(edge.table), (edge.table, [], []))
+            found[1].append(edge.out_index)
+            found[2].append(edge.in_index)
+        for table, out_indices, in_indices in needed.values():
+            outs, ins, done = self.shared.filled[self._table_keys[id(table)]]
+            rows, cols = np.unique(np.concatenate(out_indices)), np.unique(np.concatenate(in_indices))
+            have = done[np.ix_(rows, cols)]
+            if have.all():
+                continue
+            rows, cols = rows[~have.all(axis=1)], cols[~have.all(axis=0)]
+            table[np.ix_(rows, cols)] = self.cost.redistribute_table(outs, ins, rows, cols)
+            done[np.ix_(rows, cols)] = True
 
     def _prune(self, var: Var) -> None:
         """Keep the candidates that are cheapest on their own (and the current one)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.core.layout import Partial, Placement, Shard
+from autopar.core.layout import Layout, Partial, Placement, Shard
 from autopar.core.redistribute import exchanges_before
 
 REPLICATE, PARTIAL = -2, -1  # per-axis codes of `codes`; a dim d >= 0 is Shard(d)
@@ -50,7 +50,8 @@ class StepTemplates:
     program_of: np.ndarray = field(default_factory=lambda: np.full((0, 0), -1, dtype=np.intp))
     template_ids: dict[tuple[TemplateStep, ...], int] = field(default_factory=dict)
     templates: list[tuple[TemplateStep, ...]] = field(default_factory=list)
-    canonical: dict[bytes, int] = field(default_factory=dict)  # `canonical` key -> template id
+    known_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # `canonical`
+    known_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))  # their templates
     code_array: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))  # `coded`
     pairs: int = 0  # canonical pairs worked out (each once for all meshes of `ndim` axes)
 
@@ -78,39 +79,45 @@ class StepTemplates:
 
         A template names no dims, and the steps depend on the dims only through their order, so
         pairs whose dims renumber in order to the same codes share it (`canonical`): about a
-        quarter of the pairs of a four-axis mesh are worked out, the rest looked up."""
+        quarter of the pairs of a four-axis mesh are worked out, the rest looked up, in arrays
+        (`known_keys` sorted, `known_ids` beside it: a four-axis mesh meets ~10^6 canonical keys)."""
         which = self.program_of[np.ix_(rows, cols)]
         new_i, new_j = np.nonzero(which < 0)
         if len(new_i):
             pairs = np.concatenate([self.code_array[rows[new_i]], self.code_array[cols[new_j]]], axis=1)
-            keys = canonical(pairs)
-            distinct, back = np.unique(keys, return_inverse=True)
-            found = np.empty(len(distinct), dtype=np.intp)
-            known, ids, templates, n = self.canonical, self.template_ids, self.templates, self.ndim
-            first = np.zeros(len(distinct), dtype=np.intp)
-            first[back.reshape(-1)] = np.arange(len(keys))  # a pair of each canonical form
-            rows_of = pairs[first].tolist()  # (one conversion for all: most keys are new)
-            for u, key in enumerate(distinct.tolist()):
-                k = known.get(key)
-                if k is None:
-                    row = rows_of[u]
+            distinct, back = np.unique(canonical(pairs), return_inverse=True)
+            at = np.minimum(np.searchsorted(self.known_keys, distinct), max(len(self.known_keys) - 1, 0))
+            hit = self.known_keys[at] == distinct if len(self.known_keys) else np.zeros(len(distinct), bool)
+            found = np.where(hit, self.known_ids[at] if len(self.known_ids) else 0, -1)
+            fresh = np.flatnonzero(~hit)
+            if len(fresh):
+                first = np.zeros(len(distinct), dtype=np.intp)
+                first[back.reshape(-1)] = np.arange(len(pairs))  # a pair of each canonical form
+                ids, templates, n = self.template_ids, self.templates, self.ndim
+                for u, row in zip(fresh.tolist(), pairs[first[fresh]].tolist()):
                     steps = coded_template(tuple(row[:n]), tuple(row[n:]))
                     k = ids.get(steps)
                     if k is None:
                         k = ids[steps] = len(templates)
                         templates.append(steps)
-                    known[key] = k
-                    self.pairs += 1
-                found[u] = k
+                    found[u] = k
+                self.pairs += len(fresh)
+                keys = np.concatenate([self.known_keys, distinct[fresh]])
+                order = np.argsort(keys, kind="stable")
+                self.known_keys = keys[order]
+                self.known_ids = np.concatenate([self.known_ids, found[fresh]])[order]
             value = found[back.reshape(-1)]
             which[new_i, new_j] = self.program_of[rows[new_i], cols[new_j]] = value
         return which
 
 
 def canonical(pairs: np.ndarray) -> np.ndarray:
-    """One key (bytes) per row of codes (source then target, per mesh axis) after renumbering the
+    """One key (int64) per row of codes (source then target, per mesh axis) after renumbering the
     dims they split in order (0, 1, ... for the dims used): rows with equal keys have the same
-    steps (`coded_template` compares dims only for equality and visits them in order)."""
+    steps (`coded_template` compares dims only for equality and visits them in order). Each code
+    takes 4 bits: up to 15 per row, meshes of up to 7 axes."""
+    if pairs.shape[1] > 15:
+        raise ValueError(f"canonical keys hold 15 codes per pair, not {pairs.shape[1]} (mesh of > 7 axes)")
     top = int(pairs.max()) + 1
     used = np.zeros((len(pairs), max(top, 1)), dtype=bool)
     for d in range(top):
@@ -118,8 +125,8 @@ def canonical(pairs: np.ndarray) -> np.ndarray:
     renumber = np.cumsum(used, axis=1) - 1
     shard = pairs >= 0
     renamed = np.where(shard, np.take_along_axis(renumber, np.where(shard, pairs, 0), axis=1), pairs)
-    digits = np.ascontiguousarray(renamed - REPLICATE, dtype=np.uint8)  # small: dims of one tensor
-    return digits.view(np.dtype((np.void, pairs.shape[1]))).reshape(-1)
+    digits = (renamed - REPLICATE).astype(np.int64)  # 0 .. 2 + renumbered dims (< 16)
+    return digits @ (np.int64(16) ** np.arange(pairs.shape[1], dtype=np.int64))
 
 
 @dataclass
@@ -153,6 +160,34 @@ def even_steps(
     source block times num / den. Even blocks stay even through every step, so every all_to_all
     moves equal blocks; the three phases are `redistribute_cost`'s."""
     return instantiate(coded_template(codes(src), codes(dst)), mesh_shape)
+
+
+def element_factor(kind: str, g: int) -> float:
+    """Elements a rank sends per element of its block (`CommStep.elements_sent`)."""
+    if kind == "all_gather":
+        return float(g - 1)
+    return 2 * (g - 1) / g if kind == "all_reduce" else (g - 1) / g
+
+
+@functools.lru_cache(maxsize=65536)
+def _even_scales(
+    src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh_shape: tuple[int, ...]
+) -> tuple[tuple[float, float, float], ...]:
+    return tuple(
+        (element_factor(kind, mesh_shape[a]), float(num), float(den))
+        for kind, a, num, den in even_steps(src, dst, mesh_shape)
+    )
+
+
+def even_redistribute_cost(src: Layout, dst: Layout, mesh_shape: tuple[int, ...]) -> float:
+    """`redistribute_cost` of two even layouts from their placements' steps (worked out once per
+    pair of placements and mesh, whatever the tensor), with the arithmetic of
+    `search_cost.ElementCost.redistribute_table`, so the greedy pass and the search price alike."""
+    n = float(src.local_numel(mesh_shape))
+    total = 0.0
+    for factor, num, den in _even_scales(src.placements, dst.placements, mesh_shape):
+        total = total + factor * (n * num / den)
+    return total
 
 
 def coded_template(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[TemplateStep, ...]:
