@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.compiler.driver import Compiled
+from autopar.compiler.driver import Compiled, compile_conditions
 from autopar.compiler.pipeline_mesh import PipelineMeshChoice
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
@@ -212,6 +212,7 @@ class Compared:
         }
 
 
+@compile_conditions
 def price(compiled: Compiled, mesh: Mesh, hardware: str, planner: str) -> PlanResult:
     """Model one compiled rank program on `hardware`: communication, compute, memory per rank."""
     work = compiled.graph_mesh or mesh  # over-decomposed: layouts carry the in-process chunk axis
