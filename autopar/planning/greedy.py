@@ -90,14 +90,9 @@ def _redist(src: Layout, dst: Layout, mesh_shape: tuple[int, ...]) -> float:
     """`redistribute_cost`; between even layouts from the steps of their placements alone."""
     if src == dst:
         return 0.0
-    if src.shape == dst.shape and _is_even(src, mesh_shape) and _is_even(dst, mesh_shape):
+    if src.shape == dst.shape and src.is_even(mesh_shape) and dst.is_even(mesh_shape):
         return even_redistribute_cost(src, dst, mesh_shape)
     return redistribute_cost(src, dst, mesh_shape)
-
-
-@functools.lru_cache(maxsize=200_000)
-def _is_even(layout: Layout, mesh_shape: tuple[int, ...]) -> bool:
-    return layout.is_even(mesh_shape)
 
 
 @functools.lru_cache(maxsize=200_000)
