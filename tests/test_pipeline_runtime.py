@@ -108,6 +108,8 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> list[str]:
         torch.testing.assert_close(grad, ref[name].grad, **TOL, msg=f"{case} grad {name}")
         torch.testing.assert_close(value, ref[name].detach(), **TOL, msg=f"{case} param {name}")
         names.append(name)
+    with torch.no_grad():  # forwards only, on every schedule (zero-bubble's split has no backward here)
+        torch.testing.assert_close(pmodel(*batch), serial(*batch), **TOL, msg=f"{case} no_grad")
     # the whole model's gradient norm (torch's own would clip each stage by its stage's norm)
     total = pmodel.clip_grad_norm_(0.01)
     torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.01), **TOL)

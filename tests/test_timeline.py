@@ -256,3 +256,24 @@ def test_step_clock_advances_like_the_simulation() -> None:
         (T1, T1 + T2, T1 + T_AR), rel=1e-12
     )
     assert clock.finished(ar) and clock.duration(ar) == pytest.approx(T_AR, rel=1e-12)
+
+
+def test_a_collectives_own_time_on_its_rank_is_not_overlapped() -> None:
+    """`Link.call` (gloo on a CPU: the issuing rank's own time per collective) sits on the compute
+    stream at the issue point; the transfer after it overlaps mm2 as before."""
+    call = 3e-6
+    table = HW.to_json()
+    table["intra_node"] = {"alpha": ALPHA, "bandwidth": BW, "call": call}
+    calling = hardware_from_dict(table)
+    assert calling.intra_node.call == call and hardware_from_dict(calling.to_json()) == calling
+    assert collective_time("all_reduce", M * N1, 4, 2, calling.intra_node) == pytest.approx(T_AR + call)
+    mesh = Mesh.from_shape((2,))
+    after = simulate(schedule(_two_matmuls()), mesh, calling)
+    (ar,) = after.collectives
+    assert [s.name for s in after.compute] == ["mm1", "ar", "mm2"]
+    assert (ar.issue, ar.start, ar.end) == pytest.approx((T1 + call, T1 + call, T1 + call + T_AR), rel=1e-12)
+    assert after.step_time == pytest.approx(T1 + call + T_AR, rel=1e-12)
+    clock = StepClock(mesh, calling)
+    for node in schedule(_two_matmuls()).graph.nodes:
+        clock.place(node)
+    assert clock.now == pytest.approx(after.step_time, rel=1e-12)

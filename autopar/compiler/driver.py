@@ -16,7 +16,7 @@ import hashlib
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ParamSpec, TypeVar
 
 import torch
@@ -28,6 +28,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, where_of
 from autopar.core.plan import Plan
 from autopar.core.precision import AutocastState, MixedPrecision, autocast_off
+from autopar.cost.formulas import MeshCost
 from autopar.cost.hardware import load_hardware
 from autopar.cost.timeline import Timeline, default_hardware, simulate
 from autopar.passes import fused
@@ -179,7 +180,10 @@ def compile_for_rank(
                     return greedy
                 limit = math.inf if memory_limit is None else memory_limit
                 return fit_memory(gm, greedy, mesh, cost, limit)
-            return search_layouts(gm, mesh, registry, cost=cost, memory_limit=memory_limit)
+            searched = search_layouts(gm, mesh, registry, cost=cost, memory_limit=memory_limit)
+            if hardware is None or not schedule:
+                return searched
+            return prefer_scheduled(gm, searched, mesh, registry, hardware, memory_limit)
 
     plan = agree(gm, make_plan) if agree is not None else make_plan()
     with stage("plan"):
@@ -398,6 +402,37 @@ def scheduled_step_time(
     plan = unify_part_storage(gm, plan, mesh.shape)
     cap = in_flight_budget(gm, plan, mesh, hardware, memory_limit)
     return _chunk_step_times(gm, plan, mesh, registry, (0,) * mesh.ndim, [1], hardware, True, cap)[1]
+
+
+def prefer_scheduled(
+    gm: fx.GraphModule,
+    plan: SearchPlan,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    hardware: str,
+    memory_limit: float | None = None,
+) -> SearchPlan:
+    """The searched plan or the search's cheapest start (`SearchPlan.start`), whichever models
+    faster lowered and scheduled on `hardware`: the search's objective prices every edge as its
+    own collective, and bucketing can make a start's many small parameter collectives a few (on
+    `cpu-gloo`, where a collective's own time on its rank is ~1 ms, FSDP's pattern on one axis
+    beats the plan the chain moves found from it). Only on tables whose links give a collective
+    such a time (`counts_calls`): elsewhere a collective's count weighs little against its bytes,
+    and the two extra lowerings would cost a large model's compile seconds for nothing."""
+    if plan.start is None or not counts_calls(hardware, mesh):
+        return plan
+    searched = scheduled_step_time(gm, plan, mesh, registry, hardware, memory_limit)
+    start = scheduled_step_time(gm, plan.start, mesh, registry, hardware, memory_limit)
+    if start >= searched:
+        return plan
+    why = f"; kept its start, {start * 1e3:.4g} ms scheduled against {searched * 1e3:.4g} ms"
+    return replace(plan.start, notes={**plan.start.notes, "__search__": plan.notes.get("__search__", "") + why})
+
+
+def counts_calls(hardware: str, mesh: Mesh) -> bool:
+    """Whether `hardware` prices a collective's own time on its rank (`Link.call`) on a link of
+    `mesh`: then how many collectives a plan issues matters, which bucketing changes."""
+    return any(link.call > 0 for link in MeshCost.build(load_hardware(hardware), mesh.shape).links)
 
 
 def in_flight_budget(

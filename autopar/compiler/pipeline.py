@@ -541,6 +541,14 @@ def pipeline_parallelize(
             f"for the tensor axes), got dims {mesh.mesh_dim_names}",
             hint='init_device_mesh("cpu", (p,), mesh_dim_names=("pp",)), or autopar.parallelize for more axes',
         )
+    on_meta = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise UsageError(
+            f"{type(model).__name__} has {len(on_meta)} tensors on the meta device ({on_meta[0]}, ...): "
+            "a pipeline runs the model's own modules on every rank, so its weights must exist",
+            hint="build the model on the CPU (or load it with from_pretrained) before pipelining it; a mesh "
+            "without 'pp' takes a model on meta and loads its shards (autopar.load_checkpoint)",
+        )
     pp = mesh.size(names.index("pp"))
     if decision is None:
         decision = decide_pipeline(

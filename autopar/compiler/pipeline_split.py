@@ -153,10 +153,19 @@ def _export_loss(
         raise
     except Exception as exc:  # torch raises many types; the user needs the cause and what to do
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = (
+            "a pipelined model is trained: its forward must return its loss (pass the labels or "
+            "targets as its documentation does); inference without a loss runs on a mesh without 'pp'"
+        )
+        if "in output" in first and "pytree" in str(exc):
+            hint = (
+                "the model returns an object torch.export cannot hand back in a tuple (a transformers "
+                "model called with return_dict=False returns its cache there): call it with its default "
+                "return_dict, whose ModelOutput's loss the pipeline keeps"
+            )
         raise PipelineSplitError(
             f"torch.export could not trace {type(model).__name__} for the pipeline: {type(exc).__name__}: {first}",
-            hint="a pipelined model is trained: its forward must return its loss (pass the labels or "
-            "targets as its documentation does); inference without a loss runs on a mesh without 'pp'",
+            hint=hint,
         ) from exc
     finally:
         if had_own:
@@ -164,6 +173,27 @@ def _export_loss(
         else:
             del model.forward
     return ep, found[0]
+
+
+def _check_batch_statistics(model: nn.Module) -> None:
+    """Refuse norms that use or update statistics of the whole batch in training (BatchNorm, and
+    InstanceNorm with running stats): a pipeline runs each microbatch apart, so their numbers would
+    not be the serial model's (and running statistics would not reach the model's buffers)."""
+    found = [
+        name or type(m).__name__
+        for name, m in model.named_modules()
+        if m.training
+        and isinstance(m, nn.modules.batchnorm._NormBase)
+        and (isinstance(m, nn.modules.batchnorm._BatchNorm) or m.track_running_stats)
+    ]
+    if found:
+        raise PipelineSplitError(
+            f"{type(model).__name__} normalizes with batch statistics in training ({', '.join(found[:3])}"
+            f"{', ...' if len(found) > 3 else ''}): a pipeline runs each microbatch apart, so its "
+            "statistics and running averages would not be the serial model's",
+            hint="train it on a mesh without 'pp' (tensor and data axes normalize over the whole batch), or "
+            "with a normalization without batch statistics (LayerNorm, GroupNorm); in eval() it pipelines",
+        )
 
 
 def _module_path(node: fx.Node) -> str:
@@ -184,7 +214,10 @@ def _find_loss(gm: fx.GraphModule) -> tuple[fx.Node, LossRule]:
         "nll_loss / mse_loss / l1_loss / binary cross entropy (mean or sum) or .mean() / .sum() of a tensor"
     )
     if len(flat) != 1 or not isinstance(flat[0], fx.Node):
-        raise PipelineLossError(f"the model returns {len(flat)} values, not one loss", hint=hint)
+        raise PipelineLossError(
+            f"the model returns {len(flat)} values, not one loss",
+            hint=hint + " (a transformers model called with return_dict=False: call it with its default)",
+        )
     node = flat[0]
     target = node.target
     if target in _REDUCED_LOSSES:
@@ -366,6 +399,7 @@ def split_stages(
     """Export `model` on one microbatch (positional and keyword inputs) and cut it into
     `num_stages` stage programs. A model returning a `ModelOutput` (or a dict) with a "loss" runs
     its loss only: the other fields (logits, caches) stay on the last stage."""
+    _check_batch_statistics(model)
     ep, output_type = _export_loss(model, tuple(example_args), example_kwargs)
     gm = ep.module()
     assert isinstance(gm, fx.GraphModule)

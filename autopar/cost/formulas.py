@@ -65,7 +65,7 @@ def collective_time(
     g = group_size
     steps = latency_steps(kind, g)
     sent = VOLUME_FACTOR[kind] * (g - 1) / g * elements * _bytes_per_element(dtype)
-    return sent / link.bandwidth + steps * link.alpha
+    return sent / link.bandwidth + steps * link.alpha + link.call
 
 
 def step_time(step: CommStep, mesh_shape: Sequence[int], links: Sequence[Link]) -> float:
@@ -81,7 +81,7 @@ def step_time(step: CommStep, mesh_shape: Sequence[int], links: Sequence[Link]) 
     if g <= 1:
         return 0.0
     link = links[step.axis]
-    return step.bytes_sent(mesh_shape) / link.bandwidth + latency_steps(step.kind, g) * link.alpha
+    return step.bytes_sent(mesh_shape) / link.bandwidth + latency_steps(step.kind, g) * link.alpha + link.call
 
 
 def redistribute_time(src: Layout, dst: Layout, mesh_shape: Sequence[int], links: Sequence[Link]) -> float:

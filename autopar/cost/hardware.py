@@ -36,11 +36,14 @@ _REQUIRED = (
 
 @dataclass(frozen=True)
 class Link:
-    """Alpha-beta constants of one kind of link: `alpha` s per message step, `bandwidth` bytes/s."""
+    """Alpha-beta constants of one kind of link: `alpha` s per message step, `bandwidth` bytes/s,
+    and `call` s per collective that the issuing rank spends itself (gloo on a CPU: copying and
+    queueing on the rank's own cores, which compute cannot overlap; 0 where not measured)."""
 
     alpha: float
     bandwidth: float
     name: str = field(default="", compare=False)  # "intra_node" / "inter_node", for explanations
+    call: float = 0.0
 
     @property
     def beta(self) -> float:
@@ -82,10 +85,14 @@ class Hardware:
             "peak_flops": dict(self.peak_flops),
             "memory_bandwidth": self.memory_bandwidth,
             "memory_capacity": self.memory_capacity,
-            "intra_node": {"alpha": self.intra_node.alpha, "bandwidth": self.intra_node.bandwidth},
-            "inter_node": {"alpha": self.inter_node.alpha, "bandwidth": self.inter_node.bandwidth},
+            "intra_node": _link_json(self.intra_node),
+            "inter_node": _link_json(self.inter_node),
             "source": dict(self.source),
         }
+
+
+def _link_json(link: Link) -> dict[str, float]:
+    return {"alpha": link.alpha, "bandwidth": link.bandwidth, **({"call": link.call} if link.call else {})}
 
 
 def dtype_key(dtype: torch.dtype | str) -> str:
@@ -108,7 +115,7 @@ def hardware_from_dict(data: Mapping[str, Any]) -> Hardware:
 
     def link(key: str) -> Link:
         entry = data[key]
-        return Link(float(entry["alpha"]), float(entry["bandwidth"]), key)
+        return Link(float(entry["alpha"]), float(entry["bandwidth"]), key, float(entry.get("call", 0.0)))
 
     return Hardware(
         name=str(data["name"]),

@@ -26,6 +26,7 @@ import torch.fx as fx
 from autopar.core.collectives import BYTES_KEY, COLLECTIVES, bucket_members
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
+from autopar.core.redistribute import CommStep
 from autopar.cost.formulas import MeshCost
 from autopar.cost.hardware import Hardware, load_hardware
 from autopar.cost.work import global_work, work_split
@@ -129,6 +130,11 @@ def simulate(
         if node.target in COLLECTIVES:
             step = info(node).comm
             duration = cost.step(step) if step is not None else 0.0
+            issuing = _issuing(step, cost)  # the rank's own share: on the compute stream
+            if issuing > 0:
+                timeline.compute.append(Span(node.name, now, now + issuing, info(node).phase))
+                now += issuing
+                duration -= issuing
             stream = "comm"
             if streams == "link" and step is not None:
                 stream = f"comm {cost.links[step.axis].name or step.axis}"
@@ -215,7 +221,9 @@ class StepClock:
         if node.op != "call_function" or not has_info(node):
             return
         if node.target in COLLECTIVES:
-            self.comm_free = max(self.now, self.comm_free) + self.duration(node)
+            issuing = _issuing(info(node).comm, self.cost)
+            self.now += issuing
+            self.comm_free = max(self.now, self.comm_free) + self.duration(node) - issuing
             self.ends[node] = self.comm_free
         elif node.target is c10d.wait_tensor.default:
             coll = node.args[0]
@@ -227,6 +235,14 @@ class StepClock:
     def finished(self, collective: fx.Node) -> bool:
         end = self.ends.get(collective)
         return end is not None and end <= self.now
+
+
+def _issuing(step: CommStep | None, cost: MeshCost) -> float:
+    """Seconds of a collective that its rank spends itself (`Link.call`), which its compute
+    cannot overlap; the rest of `cost.step` is the transfer on the communication stream."""
+    if step is None or not step.is_collective or cost.mesh_shape[step.axis] <= 1:
+        return 0.0
+    return cost.links[step.axis].call
 
 
 def _mesh_cost(hardware: str | Hardware | MeshCost, mesh: Mesh) -> MeshCost:

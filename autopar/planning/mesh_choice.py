@@ -257,7 +257,7 @@ def rank_meshes(
     ranked = [
         c if c is not None else _screened_out(meshes[i], estimates, order, i) for i, c in enumerate(evaluated)
     ]
-    ranked = _scheduled(gm, ranked, plans, registry, hardware, overlap_candidates, memory_limit, step_time)
+    ranked = _scheduled(gm, ranked, plans, costs, registry, hardware, overlap_candidates, memory_limit, step_time)
     order = sorted(range(len(ranked)), key=lambda i: (*_rank_key(ranked[i]), i))
     choice = MeshChoice(world_size, hardware, planner, limit, [ranked[i] for i in order])
     if not choice.candidates or not choice.chosen.fits:
@@ -293,14 +293,18 @@ def _screened_out(mesh: Mesh, estimates: list[Estimate] | None, order: list[int]
 def _scheduled(
     gm: fx.GraphModule,
     evaluated: list[MeshCandidate],
-    plans: Sequence[Plan | None],
+    plans: list[Plan | None],
+    costs: Sequence[TimeCost],
     registry: RuleRegistry,
     hardware: str,
     at_most: int,
     memory_limit: float | None,
     step_time: StepTime,
 ) -> list[MeshCandidate]:
-    """The candidates with `scheduled_time` set on those worth modeling with overlap (module doc)."""
+    """The candidates with `scheduled_time` set on those worth modeling with overlap (module doc).
+    On tables that price a collective's own time on its rank (`Link.call`), a searched plan's start
+    (`SearchPlan.start`) is scheduled too, and replaces it in `plans` and in the candidate where it
+    models faster (the choice then compiles it; `compiler.driver.prefer_scheduled` decides alike)."""
 
     out = list(evaluated)
     best = math.inf
@@ -319,6 +323,17 @@ def _scheduled(
         mesh = Mesh.from_shape(candidate.shape, candidate.names)
         scheduled = step_time(gm, plan, mesh, registry, hardware, memory_limit)
         out[i] = replace(candidate, scheduled_time=scheduled)
+        start = plan.start if isinstance(plan, SearchPlan) else None
+        if start is not None and any(link.call > 0 for link in costs[i].mesh.links):  # (`counts_calls`)
+            from_start = step_time(gm, start, mesh, registry, hardware, memory_limit)
+            if from_start < scheduled:
+                comm, compute = plan_cost_parts(gm, start, mesh, costs[i], once=True)
+                memory = start.memory.total if start.memory is not None else math.nan
+                out[i] = replace(
+                    candidate, comm_time=comm, compute_time=compute, memory=memory, roles=start.roles,
+                    scheduled_time=from_start,
+                )  # fmt: skip
+                plans[i] = start
         best = min(best, out[i].scheduled_time)
     return out
 

@@ -86,6 +86,10 @@ class SearchPlan(Plan):
     recompute: tuple[str, ...] = ()
     savings: Savings | None = None
     memory: MemoryBreakdown | None = None
+    # the cheapest start, fitted, when the chain moves left it: the search's objective prices
+    # every edge as its own collective and sees neither buckets nor overlap, so the schedule stage
+    # compares the two (`compiler.driver.prefer_scheduled`, the mesh choice's schedule stage)
+    start: SearchPlan | None = None
 
 
 @dataclass
@@ -170,6 +174,11 @@ def search_layouts(
     # never worse than a start (its seed is an option); ties keep the earlier start
     best, run = min(fitting, key=lambda t: (t[0].cost, t[0].bytes))
     final = best.search_plan(gm, mesh)
+    starts = [r.start for r in runs if r.start is not None]
+    if starts:
+        start = min(starts, key=lambda f: (f.cost, f.bytes))
+        if start.plan.strategies != best.plan.strategies or start.regather != best.regather:
+            final.start = start.search_plan(gm, mesh)
     problem = run.problem
     report.chosen_seed, report.chosen_roles, report.sweeps = run.name, run.seed.roles, run.sweeps
     report.variables, report.chains = len(problem.vars), len(problem.chains)
@@ -270,6 +279,7 @@ class _Run:
     problem: Problem
     sweeps: int
     options: list[_Fitted]
+    start: _Fitted | None  # the seed itself, fitted (None: it does not fit)
     first: Plan  # the plan of the unpriced optimum
     lean: PlanMemory | None  # the leanest plan's memory seen while pricing memory, if priced
 
@@ -309,13 +319,14 @@ def _from_seed(
     # nothing moved: the greedy pass with every decided strategy forced to the seed's is the seed
     first = materialize() if problem.snapshot() != unmoved else seed
     options = [_fit(gm, seed, mesh, cost, limit, facts=facts, known=seed_cost)]
+    fitted_seed = options[0]
     if first is not seed:
         options.insert(0, _fit(gm, first, mesh, cost, limit, facts=facts))
     lean = None
     if (options[0] is None or options[0].savings.traded) and math.isfinite(limit):
         priced, lean = _price_memory(gm, mesh, cost, facts, limit, problem, max_sweeps, materialize, report)
         options += priced
-    return _Run(name, seed, problem, sweeps, [o for o in options if o is not None], first, lean)
+    return _Run(name, seed, problem, sweeps, [o for o in options if o is not None], fitted_seed, first, lean)
 
 
 def _leanest_need(memory: PlanMemory) -> float:

@@ -104,9 +104,9 @@ class ElementCost:
             found = self._lists[key] = (n, all(lay.is_even(self.shape) for lay in layouts))
         return found
 
-    def _link(self, axis: int) -> tuple[float, float]:
-        """(bandwidth, alpha) of a collective step on `axis`: none for element counts."""
-        return 1.0, 0.0
+    def _link(self, axis: int) -> tuple[float, float, float]:
+        """(bandwidth, alpha, call) of a collective step on `axis`: none for element counts."""
+        return 1.0, 0.0, 0.0
 
     def _add_programs(self, upto: int) -> None:
         """Numbers for templates up to `upto`: per step its element factor (the arithmetic of
@@ -117,8 +117,8 @@ class ElementCost:
         for i, template in enumerate(self._templates.templates[start:upto]):
             for k, (kind, a, num, den) in enumerate(instantiate(template, self.shape)):
                 g = self.shape[a]
-                bandwidth, alpha = self._link(a)
-                rows[i, k] = (element_factor(kind, g), num, den, bandwidth, latency_steps(kind, g) * alpha)
+                bandwidth, alpha, call = self._link(a)
+                rows[i, k] = (element_factor(kind, g), num, den, bandwidth, latency_steps(kind, g) * alpha + call)
         self._programs = np.concatenate([self._programs, rows])
 
 
@@ -146,12 +146,12 @@ class TimeCost(ElementCost):
         the tensor-core rate, float32 at the vector rate."""
         return self.mesh.compute(work / split, 0.0, dtype)
 
-    def _link(self, axis: int) -> tuple[float, float]:
+    def _link(self, axis: int) -> tuple[float, float, float]:
         link = self.mesh.links[axis]
-        return link.bandwidth, link.alpha
+        return link.bandwidth, link.alpha, link.call
 
     def _step_cost(self, elements: np.ndarray, step: np.ndarray, layout: Layout) -> np.ndarray:
-        # `formulas.step_time`: bytes sent / bandwidth + latency steps * alpha
+        # `formulas.step_time`: bytes sent / bandwidth + latency steps * alpha + the call's own time
         return elements * itemsize(layout.dtype) / step[..., 3] + step[..., 4]
 
 

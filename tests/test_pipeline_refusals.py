@@ -1,0 +1,66 @@
+"""What a pipeline refuses, before any work, with the reason and what to do instead (in process).
+
+A pipeline runs each microbatch apart and every rank runs the model's own modules: norms with batch
+statistics in training, a model on the meta device, and a transformers model's tuple output (its
+cache object inside) cannot give the serial model's numbers or cannot be exported, and say so."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.compiler.pipeline import pipeline_parallelize
+from autopar.compiler.pipeline_split import PipelineSplitError, split_stages
+from autopar.core.errors import UsageError
+
+
+class _BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc2(torch.relu(self.bn(self.fc1(x)))), y)
+
+
+def test_batch_statistics_in_training_are_refused_and_eval_pipelines() -> None:
+    model = _BatchNormNet()
+    batch = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    with pytest.raises(PipelineSplitError, match="batch statistics in training \\(bn\\)") as info:
+        split_stages(model, list(batch), batch, ["fc2"], 2)
+    assert "mesh without 'pp'" in (info.value.hint or "")
+    model.eval()
+    program = split_stages(model, list(batch), batch, ["fc2"], 2)
+    assert len(program.stages) == 2
+    model.train()
+    model.bn = nn.LayerNorm(16)  # per-sample statistics: exact per microbatch
+    assert len(split_stages(model, list(batch), batch, ["fc2"], 2).stages) == 2
+
+
+def test_a_model_on_meta_is_refused_with_what_to_do() -> None:
+    with torch.device("meta"):
+        model = _BatchNormNet()
+    mesh = SimpleNamespace(mesh_dim_names=("pp",), ndim=1)  # refused before the mesh is used
+    with pytest.raises(UsageError, match="on the meta device") as info:
+        pipeline_parallelize(model, mesh, (torch.randn(4, 8), torch.randint(0, 4, (4,))), microbatches=2)  # type: ignore[arg-type]
+    assert "from_pretrained" in (info.value.hint or "")
+
+
+def test_a_transformers_tuple_output_names_the_default_call() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 8))
+    kwargs = {"labels": ids, "return_dict": False}
+    with pytest.raises(PipelineSplitError, match="could not trace") as info:
+        split_stages(model, [ids, ids], (ids,), ["model.layers.1"], 2, example_kwargs=kwargs)
+    assert "return_dict" in (info.value.hint or "")
+    program = split_stages(model, [ids, ids], (ids,), ["model.layers.1"], 2, example_kwargs={"labels": ids})
+    assert program.output_type is not None and len(program.stages) == 2  # the default call: a ModelOutput
