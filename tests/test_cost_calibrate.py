@@ -58,6 +58,14 @@ def test_quick_calibration_writes_a_table(tmp_path: Path, capsys: pytest.Capture
     raw = json.loads(out.read_text())["calibration"]
     assert {row[0] for row in raw} == {"all_reduce", "all_gather"} and all(row[2] == 2 for row in raw)
     assert "measured" in hw.source["all"]
+    assert hw.intra_node.call == 0.0  # nothing to keep: a new file
+    table = json.loads(out.read_text())
+    table["intra_node"]["call"] = 0.002
+    table["source"]["call"] = "read off a profile"
+    out.write_text(json.dumps(table))
+    assert main(["calibrate", "--quick", "--ranks", "2", "--out", str(out)]) == 0  # measured again
+    again = load_hardware(out)
+    assert (again.intra_node.call, again.inter_node.call, again.source["call"]) == (0.002, 0.002, "read off a profile")
 
 
 def test_in_job_timing_measures_every_group_size_and_writes_how(tmp_path: Path) -> None:
