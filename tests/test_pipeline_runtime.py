@@ -282,3 +282,7 @@ def test_refused_schedules_and_losses() -> None:
     x, y = torch.randn(4, 4), torch.randint(3, (4,))
     with pytest.raises(PipelineLossError, match="not reduced"):
         split_stages(Logits(), [x, y], (x, y), [], 1)
+    head = torch.nn.Linear(4, 3)  # logits only: the hint says where inference runs
+    with pytest.raises(PipelineLossError, match="not a loss") as info:
+        split_stages(head, [x], (x,), [], 1)
+    assert "mesh without 'pp'" in (info.value.hint or "")

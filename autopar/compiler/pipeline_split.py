@@ -211,7 +211,8 @@ def _find_loss(gm: fx.GraphModule) -> tuple[fx.Node, LossRule]:
     hint = (
         "a pipelined model is trained: compute the loss inside forward (a transformers model: pass its "
         "labels) and return it, or a ModelOutput / dict with a 'loss'; the pipeline runs F.cross_entropy / "
-        "nll_loss / mse_loss / l1_loss / binary cross entropy (mean or sum) or .mean() / .sum() of a tensor"
+        "nll_loss / mse_loss / l1_loss / binary cross entropy (mean or sum) or .mean() / .sum() of a tensor; "
+        "inference without a loss (logits only) runs on a mesh without 'pp'"
     )
     if len(flat) != 1 or not isinstance(flat[0], fx.Node):
         raise PipelineLossError(
