@@ -128,6 +128,21 @@ def environment() -> dict[str, Any]:
     }
 
 
+class RunClock:
+    """When a benchmark run started and the machine's load then; `record()` is what the JSON keeps
+    of both at the end (the machine is shared: the load says how much to trust wall times)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.load_before = os.getloadavg()
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "load_average_before_after": [self.load_before, os.getloadavg()],
+            "elapsed_s": time.perf_counter() - self.started,
+        }
+
+
 def write_result(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import multiprocessing
-import os
 import sys
 import time
 import traceback
@@ -31,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import import_lazy_modules, on_meta, table, write_result  # noqa: E402
+from _common import RunClock, import_lazy_modules, on_meta, table, write_result  # noqa: E402
 
 BATCH, SEQ = 16, 2048
 
@@ -115,8 +114,7 @@ def main() -> None:
     parser.add_argument("--name", default="plan_scale", help="result file name under benchmarks/results")
     parser.add_argument("--notes", default="")
     args = parser.parse_args()
-    started = time.perf_counter()
-    load_before = os.getloadavg()
+    clock = RunClock()
     ctx = multiprocessing.get_context("spawn")
     runs = []
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
@@ -175,8 +173,7 @@ def main() -> None:
             "hardware": args.hardware,
             "batch": BATCH,
             "seq": SEQ,
-            "load_average_before_after": [load_before, os.getloadavg()],
-            "elapsed_s": time.perf_counter() - started,
+            **clock.record(),
             "runs": runs,
         },
     )

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing
-import os
 import queue
 import sys
 import time
@@ -49,7 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import import_lazy_modules, on_meta, table, write_result  # noqa: E402
+from _common import RunClock, import_lazy_modules, on_meta, table, write_result  # noqa: E402
 
 HARDWARE = "a100-cluster"
 PEAK = 312e12  # the table's bfloat16 peak, the A100's dense tensor-core half-precision peak
@@ -366,7 +365,7 @@ def main() -> None:
     plan = [("175B", (12, 16))] if args.quick else [(k, CONFIGS[k].depths) for k in args.configs]
     if args.quick and args.max_axes is None:
         args.max_axes, args.sub_axes = 2, True
-    started, load_before = time.perf_counter(), os.getloadavg()
+    clock = RunClock()
     runs = run_isolated(plan, args.max_axes, args.sub_axes, args.timeout, args.jobs)
     headers = ["configuration", "row", "pp x stage sub-mesh", "schedule", "M", "step s", "TFLOP/s/GPU",
                "% of 312", "idle/busy vs (p-1)/(v*m)", "GB/rank", "plan s CPU (wall)"]  # fmt: skip
@@ -383,8 +382,7 @@ def main() -> None:
             "quick": args.quick,
             "tensor_only_max_axes": args.max_axes,
             "sub_mesh_max_axes": args.max_axes if args.sub_axes else None,
-            "load_average_before_after": [load_before, os.getloadavg()],
-            "elapsed_s": time.perf_counter() - started,
+            **clock.record(),
             "runs": runs,
         },
     )

@@ -417,9 +417,9 @@ def prefer_scheduled(
     own collective, and bucketing can make a start's many small parameter collectives a few (on
     `cpu-gloo`, where a collective's own time on its rank is ~1 ms, FSDP's pattern on one axis
     beats the plan the chain moves found from it). Only on tables whose links give a collective
-    such a time (`counts_calls`): elsewhere a collective's count weighs little against its bytes,
+    such a time (`MeshCost.counts_calls`): elsewhere a collective's count weighs little against its bytes,
     and the two extra lowerings would cost a large model's compile seconds for nothing."""
-    if plan.start is None or not counts_calls(hardware, mesh):
+    if plan.start is None or not MeshCost.build(load_hardware(hardware), mesh.shape).counts_calls:
         return plan
     searched = scheduled_step_time(gm, plan, mesh, registry, hardware, memory_limit)
     start = scheduled_step_time(gm, plan.start, mesh, registry, hardware, memory_limit)
@@ -427,12 +427,6 @@ def prefer_scheduled(
         return plan
     why = f"; kept its start, {start * 1e3:.4g} ms scheduled against {searched * 1e3:.4g} ms"
     return replace(plan.start, notes={**plan.start.notes, "__search__": plan.notes.get("__search__", "") + why})
-
-
-def counts_calls(hardware: str, mesh: Mesh) -> bool:
-    """Whether `hardware` prices a collective's own time on its rank (`Link.call`) on a link of
-    `mesh`: then how many collectives a plan issues matters, which bucketing changes."""
-    return any(link.call > 0 for link in MeshCost.build(load_hardware(hardware), mesh.shape).links)
 
 
 def in_flight_budget(

@@ -179,6 +179,12 @@ class MeshCost:
     def step(self, step: CommStep) -> float:
         return step_time(step, self.mesh_shape, self.links)
 
+    @property
+    def counts_calls(self) -> bool:
+        """Whether a link of this mesh prices a collective's own time on its rank (`Link.call`):
+        then how many collectives a plan issues matters, which bucketing changes."""
+        return any(link.call > 0 for link in self.links)
+
     def redistribute(self, src: Layout, dst: Layout) -> float:
         return redistribute_time(src, dst, self.mesh_shape, self.links)
 

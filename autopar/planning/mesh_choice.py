@@ -324,7 +324,7 @@ def _scheduled(
         scheduled = step_time(gm, plan, mesh, registry, hardware, memory_limit)
         out[i] = replace(candidate, scheduled_time=scheduled)
         start = plan.start if isinstance(plan, SearchPlan) else None
-        if start is not None and any(link.call > 0 for link in costs[i].mesh.links):  # (`counts_calls`)
+        if start is not None and costs[i].mesh.counts_calls:
             from_start = step_time(gm, start, mesh, registry, hardware, memory_limit)
             if from_start < scheduled:
                 comm, compute = plan_cost_parts(gm, start, mesh, costs[i], once=True)

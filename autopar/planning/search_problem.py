@@ -70,7 +70,8 @@ class Shared:
     greedy: GreedyMemo = field(default_factory=GreedyMemo)
     # edge tables by their two layout lists, filled where a kept candidate reads them (`_fill`)
     tables: dict[Any, np.ndarray] = field(default_factory=dict)
-    filled: dict[Any, tuple[tuple[Layout, ...], tuple[Layout, ...], np.ndarray]] = field(default_factory=dict)
+    # per table (by id: `tables` keeps it alive): its layout lists and which cells are priced
+    filled: dict[int, tuple[tuple[Layout, ...], tuple[Layout, ...], np.ndarray]] = field(default_factory=dict)
     vectors: dict[Any, Any] = field(default_factory=dict)  # per candidate list: layouts, costs
     positions: dict[int, dict[Strategy, int]] = field(default_factory=dict)
     interned: dict[tuple[Layout, ...], tuple[Layout, ...]] = field(default_factory=dict)
@@ -104,7 +105,6 @@ class Problem:
         self._positions = shared.positions
         self._interned = shared.interned
         self._memo: dict[tuple[int, bytes], np.ndarray] = {}
-        self._table_keys: dict[int, Any] = {}  # id of an edge table -> its key in `shared.tables`
         for name in seed.decided:
             node = nodes[name]
             rule = registry.get(node.target)
@@ -275,8 +275,7 @@ class Problem:
         table = self._tables.get(key)
         if table is None:  # edges between the same layout lists share one table, filled by `_fill`
             table = self._tables[key] = np.full((len(out_keys), len(in_keys)), np.nan)
-            self.shared.filled[key] = (out_keys, in_keys, np.zeros(table.shape, dtype=bool))
-        self._table_keys[id(table)] = key
+            self.shared.filled[id(table)] = (out_keys, in_keys, np.zeros(table.shape, dtype=bool))
         edge = Edge(u, v, table, out_index, in_index)
         self.edges.append(edge)
         self.vars[u].edges.append(edge)
@@ -291,7 +290,7 @@ class Problem:
             found[1].append(edge.out_index)
             found[2].append(edge.in_index)
         for table, out_indices, in_indices in needed.values():
-            outs, ins, done = self.shared.filled[self._table_keys[id(table)]]
+            outs, ins, done = self.shared.filled[id(table)]
             rows, cols = np.unique(np.concatenate(out_indices)), np.unique(np.concatenate(in_indices))
             have = done[np.ix_(rows, cols)]
             if have.all():
