@@ -130,10 +130,10 @@ class Llama(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
-        angles = torch.outer(torch.arange(T, dtype=torch.float32), self.inv_freq)
+        angles = torch.outer(torch.arange(T, dtype=torch.float32, device=self.inv_freq.device), self.inv_freq)
         angles = torch.cat((angles, angles), dim=-1)  # (T, head_dim), as in rotate_half's halves
-        cos, sin = angles.cos(), angles.sin()
         x = self.embed(idx)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # a bfloat16 model stays bfloat16
         for block in self.blocks:
             x = block(x, cos, sin)
         logits = self.head(self.norm(x))

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from autopar.compiler.driver import compile_for_rank
@@ -103,3 +104,18 @@ def test_a_cpu_mesh_keeps_its_programs_on_the_cpu() -> None:
     assert program.device_type == "cpu"
     assert {device.type for _, device in _devices_named(program.forward)} == {"cpu"}
     assert _value_devices(program.forward) == {"cpu"}  # emit's shape check ran it on the CPU
+
+
+def test_a_batch_already_on_the_gpu_is_traced_like_the_weights() -> None:
+    """What a GPU user passes: `idx.cuda()` beside a model on the GPU. The trace runs on CPU fake
+    tensors whatever device the batch is on; the first GPU run of benchmarks/gpu_check.py found
+    torch.export refusing the mix (an embedding of cuda ids with CPU fake weights). The batch here
+    is a fake cuda tensor, which needs no GPU."""
+    model, batch = CASES["llama"]()
+    with FakeTensorMode():
+        on_gpu = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda") for t in batch)
+    assert all(t.device.type == "cuda" for t in on_gpu)
+    mesh = Mesh.from_shape((2, 2, 2), device_type="cuda")
+    program = compile_for_rank(model, mesh, on_gpu, coords=(0, 1, 0)).program
+    assert program.device_type == "cuda"
+    assert all(device.type == "cuda" for _, device in _devices_named(program.forward))

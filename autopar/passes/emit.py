@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.errors import AutoparError, ShardingError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import MEMORY_ORDER_KEY, has_info, info, signature
+from autopar.rules import device_attention
 from autopar.rules.base import LocalContext, RuleRegistry
 from autopar.rules.calls import op_call
 from autopar.rules.localize import localize_sizes
@@ -127,6 +128,9 @@ def _place_on(program: EmittedProgram, device: torch.device) -> None:
         for node in gm.graph.nodes:
             node.args = pytree.tree_map(placed, node.args)
             node.kwargs = pytree.tree_map(placed, node.kwargs)
+            if node.op == "call_function" and node.target in device_attention.ON_DEVICE:
+                # the CPU kernel exists on the CPU alone
+                node.target = device_attention.ON_DEVICE[node.target]
         gm.recompile()
 
 

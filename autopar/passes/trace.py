@@ -277,8 +277,10 @@ def _fakeify(value: Any, fake_mode: FakeTensorMode, frozen: bool = False) -> Any
     computes its gradient), except in a forward-only trace (`frozen`)."""
     if not isinstance(value, torch.Tensor):
         return value
-    if value.device.type == "meta":
-        value = value.detach().to("cpu").requires_grad_(value.requires_grad)
+    if value.device.type != "cpu":  # a batch on a GPU or on meta: the trace runs on CPU fakes, as the weights do
+        with fake_mode:
+            fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
+        return fake.requires_grad_(value.requires_grad and not frozen)
     if frozen:
         value = value.detach()
     return fake_mode.from_tensor(value)

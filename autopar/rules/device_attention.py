@@ -1,0 +1,180 @@
+"""Attention kernels for programs that run on another device than the trace.
+
+The trace runs on CPU fake tensors, so `F.scaled_dot_product_attention` is recorded as the CPU
+flash kernel pair `aten._scaled_dot_product_flash_attention_for_cpu(_backward)`, which exists for
+the CPU alone: a program emitted for a CUDA mesh must call something else. These two functions
+keep that pair's contract (forward returns `(output, logsumexp)`, output laid out like the query,
+logsumexp `(B, H, L)` in the accumulation dtype; backward takes them back) on every device, so the
+layouts, saved tensors and collectives planned around the CPU pair stay valid unchanged:
+
+- on the CPU they are the CPU kernels themselves;
+- on CUDA, where flash attention fits (half precision, no mask, no dropout, equal head dims that
+  are a multiple of 8 up to 256, a square causal mask), they are the CUDA flash kernels, whose
+  logsumexp has the same shape and dtype;
+- elsewhere they compute attention from its definition (scores, logsumexp, softmax) and its
+  backward from the saved logsumexp: exact, with the memory of the scores.
+
+Attention with dropout is traced as its math decomposition (`native_dropout` between the softmax
+and the product), which runs anywhere: the CPU pair is only ever recorded with `dropout_p=0`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+aten = torch.ops.aten
+CPU_FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def flash_fits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    attn_mask: torch.Tensor | None,
+) -> bool:
+    """Whether the CUDA flash kernels take these arguments (forward and backward decide alike)."""
+    head_dim = q.shape[-1]
+    return (
+        q.device.type == "cuda"
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and attn_mask is None
+        and dropout_p == 0.0
+        and q.dim() == 4
+        and k.shape[1] == q.shape[1]
+        and head_dim == k.shape[-1] == v.shape[-1]
+        and head_dim % 8 == 0
+        and head_dim <= 256
+        and not (is_causal and q.shape[2] != k.shape[2])
+    )
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_scaled_dot_product_flash_attention_for_cpu` on the device of `q`: (output, logsumexp)."""
+    if q.device.type == "cpu":
+        return CPU_FORWARD(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    if flash_fits(q, k, v, dropout_p, is_causal, attn_mask):
+        results = aten._scaled_dot_product_flash_attention.default(
+            q, k, v, 0.0, is_causal, False, scale=scale
+        )
+        return results[0], results[1]
+    return math_forward(q, k, v, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_scaled_dot_product_flash_attention_for_cpu_backward` on the device of `q`."""
+    if q.device.type == "cpu":
+        return CPU_BACKWARD(
+            grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
+    if flash_fits(q, k, v, dropout_p, is_causal, attn_mask):
+        # Dense attention has no cumulative sequence lengths, and without dropout the kernel never
+        # reads the random state: empty placeholders of the types the forward would have returned.
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward.default(
+            grad_out.contiguous(), q, k, v, out, logsumexp, None, None, q.shape[2], k.shape[2], 0.0, is_causal,
+            seed, offset, scale=scale,
+        )  # fmt: skip
+        return dq, dk, dv
+    return math_backward(grad_out, q, k, v, out, logsumexp, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, is_causal: bool, attn_mask: torch.Tensor | None, scale: float | None
+) -> tuple[torch.Tensor, float]:
+    """Scaled, masked scores in the accumulation dtype, and the scale used."""
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    factor = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * factor
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = (
+            scores.masked_fill(~attn_mask, float("-inf"))
+            if attn_mask.dtype == torch.bool
+            else scores + attn_mask
+        )
+    return scores, factor
+
+
+def _laid_out_like(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The output in the query's memory layout, as the flash kernels return it."""
+    if not q.is_contiguous() and q.transpose(1, 2).is_contiguous():
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+    return out.contiguous()
+
+
+def math_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention from its definition: (output, logsumexp) with the flash pair's shapes and dtypes.
+    A row whose every key is masked gets a zero output, as the CPU kernel gives."""
+    scores, _ = _scores(q, k, is_causal, attn_mask, scale)
+    logsumexp = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - logsumexp.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.matmul(probs, v.to(probs.dtype)).to(q.dtype)
+    return _laid_out_like(out, q), logsumexp
+
+
+def math_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `math_forward` from the saved logsumexp (the softmax is recomputed)."""
+    scores, factor = _scores(q, k, is_causal, attn_mask, scale)
+    acc = scores.dtype
+    probs = torch.exp(scores - logsumexp.to(acc).unsqueeze(-1)).nan_to_num(0.0)
+    grad = grad_out.to(acc)
+    grad_v = torch.matmul(probs.transpose(-2, -1), grad)
+    grad_probs = torch.matmul(grad, v.to(acc).transpose(-2, -1))
+    row = (grad * out.to(acc)).sum(-1, keepdim=True)
+    grad_scores = probs * (grad_probs - row) * factor
+    grad_q = torch.matmul(grad_scores, k.to(acc))
+    grad_k = torch.matmul(grad_scores.transpose(-2, -1), q.to(acc))
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
+# The CPU pair, by what a program on another device calls instead.
+ON_DEVICE = {CPU_FORWARD: attention_forward, CPU_BACKWARD: attention_backward}
+
