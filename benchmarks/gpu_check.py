@@ -14,8 +14,9 @@ steps of forward, backward and AdamW (foreach, the default). Reported per varian
 tokens/s, MFU (model FLOPs over the step time and the device's dense bf16 peak; model FLOPs are
 6 N per token for the N matmul weights plus 12 L T d per token for attention, Megatron's count),
 peak memory allocated, and the last loss (the variants share seed and batch, so losses agree to
-bf16 noise). The prediction is `autopar.plan` for the same model, batch and 1-rank mesh on the
-hardware table, planned on the meta device.
+bf16 noise). The predictions are `autopar.plan` for the same model, batch and 1-rank mesh on the
+spec-sheet table and (on a GPU) on `h100-calibrated`, whose kernel rates `benchmarks/gpu_kernels.py`
+measured, planned on the meta device.
 
     python benchmarks/gpu_check.py                       # on a CUDA machine, ~4 min on one H100
     python benchmarks/gpu_check.py --tiny --device cpu   # seconds: what CI runs so it never rots
@@ -244,11 +245,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}), flush=True)
     report["attention_pair_max_error"] = attention_pair_errors(device)
     print("attention pair", json.dumps(report["attention_pair_max_error"]), flush=True)
-    try:
-        report["modeled"] = modeled(cfg, args.batch, hardware, dtype)
-    except Exception as exc:  # a measurement: keep going and say what failed
-        report["modeled"] = {"error": f"{type(exc).__name__}: {exc}"}
-    print("modeled", json.dumps(report["modeled"]), flush=True)
+    report["modeled"] = []
+    for name in [hardware, *(["h100-calibrated"] if device.type == "cuda" and args.hardware is None else [])]:
+        try:
+            report["modeled"].append(modeled(cfg, args.batch, name, dtype))
+        except Exception as exc:  # a measurement: keep going and say what failed
+            report["modeled"].append({"hardware": name, "error": f"{type(exc).__name__}: {exc}"})
+        print("modeled", json.dumps(report["modeled"][-1]), flush=True)
     for name in args.variants:
         try:
             row = measure_variant(name, cfg, inputs, mesh, args)
@@ -279,11 +282,11 @@ def render(report: dict[str, Any]) -> str:
             f"{r['tokens_per_s']:.0f} | {100 * r['mfu']:.1f} % | {memory} | {r['first_step_s']:.1f} | "
             f"{r['wrap_s']:.1f} | {r['loss']:.4f} |"
         )
-    m = report.get("modeled", {})
-    if "step_ms" in m:
-        lines.append(
-            f"| step model ({m['hardware']}) | {m['step_ms']:.1f} | | | {m['memory_gib']:.1f} | | plan {m['plan_s']:.1f} | |"
-        )
+    for m in report.get("modeled", []):
+        if "step_ms" in m:
+            lines.append(
+                f"| step model ({m['hardware']}) | {m['step_ms']:.1f} | | | {m['memory_gib']:.1f} | | plan {m['plan_s']:.1f} | |"
+            )
     return "\n".join(lines)
 
 

@@ -25,6 +25,6 @@ def test_gpu_check_runs_on_the_cpu_and_its_variants_agree(tmp_path: Path) -> Non
     assert set(rows) == {"torch eager", "autopar eager"}
     assert all("error" not in row for row in rows.values()), rows
     assert abs(rows["autopar eager"]["loss"] - rows["torch eager"]["loss"]) < 1e-5
-    assert report["modeled"]["step_ms"] > 0
+    assert [m["hardware"] for m in report["modeled"]] == ["cpu-gloo"] and report["modeled"][0]["step_ms"] > 0
     assert max(report["attention_pair_max_error"].values()) < 1e-1  # bf16 on the CPU kernel
     assert "| autopar eager |" in run.stdout

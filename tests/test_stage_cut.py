@@ -20,7 +20,7 @@ from autopar.core.pipeline_schedule import schedule_by_name
 from autopar.core.pipeline_simulate import simulate
 from autopar.cost.formulas import compute_time
 from autopar.cost.hardware import load_hardware
-from autopar.cost.work import compute_dtype, global_work
+from autopar.cost.work import compute_rate, global_work
 from autopar.passes.trace import trace
 from autopar.planning.stage_cut import (
     StageCut,
@@ -127,7 +127,7 @@ def test_backward_ops_go_to_the_unit_of_the_op_they_differentiate() -> None:
             and info(n).phase == "backward"
             and info(n).module_path.startswith(f"blocks.{i}.")
         ]
-        priced = sum(compute_time(global_work(n), 0.0, compute_dtype(n), hw) for n in mine)
+        priced = sum(compute_time(global_work(n), 0.0, compute_rate(n), hw) for n in mine)
         unit = g.units[2 + i]
         assert unit.backward >= priced > 0
         assert 1.5 < unit.backward / unit.forward < 2.5  # backward ~ 2x forward, from the ops
@@ -248,7 +248,7 @@ def test_report_adds_up() -> None:
     gm = gpt_graph(7, 2048)
     hw = load_hardware(HW)
     priced = sum(
-        compute_time(global_work(n), 0.0, compute_dtype(n), hw)
+        compute_time(global_work(n), 0.0, compute_rate(n), hw)
         for n in gm.graph.nodes
         if n.op == "call_function"
     )

@@ -20,7 +20,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_per_rank
 from autopar.cost.timeline import overlap_summary
-from autopar.cost.work import compute_dtype, global_work, work_split
+from autopar.cost.work import compute_rate, global_work, work_split
 from autopar.planning.mesh_choice import MeshChoice
 from autopar.planning.search_cost import TimeCost
 
@@ -238,7 +238,7 @@ def _node_compute(node: fx.Node, cost: TimeCost, shape: tuple[int, ...]) -> floa
         return 0.0
     strategy = info(node).strategy
     assert strategy is not None
-    return cost.compute(global_work(node), work_split(strategy, shape), compute_dtype(node))
+    return cost.compute(global_work(node), work_split(strategy, shape), compute_rate(node))
 
 
 def _bytes(node: fx.Node) -> int:

@@ -409,3 +409,50 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _binned(points: Sequence[tuple[float, float]]) -> list[list[float]]:
+    """Median fraction per factor-of-two bin of sizes, at the bin's geometric-mean size: a curve
+    by size that no single odd shape bends."""
+    bins: dict[int, list[tuple[float, float]]] = {}
+    for size, fraction in points:
+        if size > 0 and fraction > 0:
+            bins.setdefault(int(np.floor(np.log2(size))), []).append((size, fraction))
+    curve = []
+    for _, members in sorted(bins.items()):
+        size = float(np.exp(np.mean([np.log(s) for s, _ in members])))
+        curve.append([_sig(size), _sig(min(1.0, statistics.median(f for _, f in members)))])
+    return curve
+
+
+def kernel_rates(measured: dict[str, Any]) -> dict[str, Any]:
+    """The `kernels` entry of a hardware table from `benchmarks/gpu_kernels.py`'s report: per
+    dtype, the fraction of peak matmuls reach by flops; the fraction of bandwidth element-wise
+    ops reach by bytes moved; the launch floor."""
+    matmul: dict[str, list[tuple[float, float]]] = {}
+    for row in measured["matmul"]:
+        flops = 2.0 * row["m"] * row["k"] * row["n"]
+        matmul.setdefault(row["dtype"], []).append((flops, row["of_peak"]))
+    memory = [(row["bytes_per_s"] * row["seconds"], row["of_bandwidth"]) for row in measured["elementwise"]]
+    return {
+        "matmul": {dtype: _binned(points) for dtype, points in sorted(matmul.items())},
+        "memory": _binned(memory),
+        "launch": _sig(measured["launch_s"]),
+    }
+
+
+def calibrated_table(base: Hardware, measured: dict[str, Any], name: str, when: str) -> dict[str, Any]:
+    """`base` (a spec-sheet table) with the measured kernel rates, named `name`; sources say
+    where the new numbers came from."""
+    table = base.to_json()
+    table["name"] = name
+    table["description"] = f"{base.description} Kernel rates measured on {measured['device']}."
+    table["kernels"] = kernel_rates(measured)
+    origin = f"benchmarks/gpu_kernels.py on one {measured['device']} (torch {measured['torch']}), {when}"
+    table["source"] = {
+        **table["source"],
+        "kernels.matmul": f"{origin}: torch.mm at transformer-layer shapes and squares, median fraction of peak_flops per factor-of-two bin of flops",
+        "kernels.memory": f"{origin}: copy, add, mul and SiLU on bf16 tensors of 2^18 to 2^28 elements, median fraction of memory_bandwidth per factor-of-two bin of bytes moved",
+        "kernels.launch": f"{origin}: 1000 one-element adds issued back to back, seconds per op",
+    }
+    return table

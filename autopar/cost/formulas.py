@@ -26,7 +26,7 @@ import torch
 
 from autopar.core.layout import Layout, itemsize
 from autopar.core.redistribute import CommStep, plan_redistribute
-from autopar.cost.hardware import Hardware, Link, axis_links
+from autopar.cost.hardware import Elementwise, Hardware, Link, Rate, axis_links, dtype_key
 
 # Message steps of a ring algorithm over g ranks, each paying the link latency alpha once.
 LATENCY_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
@@ -41,9 +41,28 @@ def _bytes_per_element(dtype: torch.dtype | int) -> int:
     return dtype if isinstance(dtype, int) else itemsize(dtype)
 
 
-def compute_time(flops: float, bytes_moved: float, dtype: torch.dtype | str, hw: Hardware) -> float:
-    """Roofline time of one op on one rank: limited by either peak FLOP/s or memory bandwidth."""
-    return max(flops / hw.peak(dtype), bytes_moved / hw.memory_bandwidth)
+def compute_time(flops: float, bytes_moved: float, rate: Rate, hw: Hardware) -> float:
+    """Time of one op on one rank. `rate` is the op's dtype for matmuls and attention, or
+    `Elementwise(dtype)` for an op whose `flops` counts the elements it produces.
+
+    A table without measured kernel rates prices the roofline at the spec sheet: the larger of
+    flops at peak and bytes at full bandwidth. With `hw.kernels` (a calibrated table), a matmul
+    runs at the fraction of the peak its size reaches, an element-wise op moves its bytes (when
+    not given: two operands read and one result written) at the fraction of the bandwidth its
+    size reaches, and no kernel takes less than a launch."""
+    kernels = hw.kernels
+    if isinstance(rate, Elementwise):
+        if kernels is None:
+            return max(flops / hw.peak(rate.dtype), bytes_moved / hw.memory_bandwidth)
+        if not rate.runs:
+            return 0.0
+        moved = bytes_moved if bytes_moved > 0 else 3.0 * flops * _bytes_per_element(rate.dtype)
+        return max(moved / (hw.memory_bandwidth * kernels.memory_fraction(moved)), kernels.launch)
+    if kernels is None:
+        return max(flops / hw.peak(rate), bytes_moved / hw.memory_bandwidth)
+    key = dtype_key(rate)
+    seconds = flops / (hw.peak(rate) * kernels.matmul_fraction(key, flops))
+    return max(seconds, bytes_moved / (hw.memory_bandwidth * kernels.memory_fraction(bytes_moved)), kernels.launch)
 
 
 def latency_steps(kind: str, group_size: int) -> int:
@@ -169,8 +188,8 @@ class MeshCost:
         local = Link(alpha=0.0, bandwidth=hw.memory_bandwidth / 2, name="in_process")
         return MeshCost(hw, tuple(mesh_shape), axis_links(devices, hw) + (local,) * in_process)
 
-    def compute(self, flops: float, bytes_moved: float, dtype: torch.dtype | str) -> float:
-        return compute_time(flops, bytes_moved, dtype, self.hw)
+    def compute(self, flops: float, bytes_moved: float, rate: Rate) -> float:
+        return compute_time(flops, bytes_moved, rate, self.hw)
 
     def collective(self, kind: str, elements: float, dtype: torch.dtype | int, axis: int) -> float:
         """`collective_time` over mesh axis `axis` (its size and link)."""

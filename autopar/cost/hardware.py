@@ -52,6 +52,52 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Elementwise:
+    """The rate key of an op priced by the bytes it moves rather than its flops: its `work`
+    counts the elements it produces (`autopar.cost.work.global_work`). Matmuls and attention are
+    keyed by their plain dtype."""
+
+    dtype: torch.dtype
+    runs: bool = True  # False: a view (no kernel, no bytes), free where kernel rates are measured
+
+
+Rate = torch.dtype | str | Elementwise
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise linear in log(x) through `points` (sorted by x), flat beyond both ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return points[-1][1]
+
+
+@dataclass(frozen=True)
+class KernelRates:
+    """What a device's kernels reach, measured (`benchmarks/gpu_kernels.py`): the fraction of the
+    peak a matmul of a given size reaches per dtype, the fraction of the memory bandwidth an
+    element-wise op of a given size reaches, and the least time any kernel takes (its launch).
+    Small kernels are far below the spec sheet: a 2048 x 2048 x 512 bf16 product reaches 12 % of
+    an H100's peak, a 1 MiB add 8 % of its bandwidth."""
+
+    matmul: Mapping[str, tuple[tuple[float, float], ...]]  # dtype -> ((flops, fraction of peak), ...)
+    memory: tuple[tuple[float, float], ...]  # ((bytes moved, fraction of bandwidth), ...)
+    launch: float  # seconds, the floor of every kernel
+
+    def matmul_fraction(self, dtype: str, flops: float) -> float:
+        points = self.matmul.get(dtype) or self.matmul.get("float32")
+        return _interpolate(points, flops) if points else 1.0
+
+    def memory_fraction(self, nbytes: float) -> float:
+        return _interpolate(self.memory, nbytes) if self.memory else 1.0
+
+
+@dataclass(frozen=True)
 class Hardware:
     """One device kind and its node: peak rates per dtype, memory, and intra/inter-node links.
 
@@ -68,6 +114,7 @@ class Hardware:
     intra_node: Link
     inter_node: Link
     source: Mapping[str, str] = field(default_factory=dict, compare=False)
+    kernels: KernelRates | None = None  # measured kernel rates; None: every op at the peaks above
 
     def peak(self, dtype: torch.dtype | str) -> float:
         """FLOP/s for `dtype`; the float32 rate when the table has no entry for it."""
@@ -88,7 +135,33 @@ class Hardware:
             "intra_node": _link_json(self.intra_node),
             "inter_node": _link_json(self.inter_node),
             "source": dict(self.source),
+            **({"kernels": _kernels_json(self.kernels)} if self.kernels is not None else {}),
         }
+
+
+def _kernels_json(kernels: KernelRates) -> dict[str, Any]:
+    return {
+        "matmul": {k: [list(p) for p in v] for k, v in kernels.matmul.items()},
+        "memory": [list(p) for p in kernels.memory],
+        "launch": kernels.launch,
+    }
+
+
+def _kernels(entry: Mapping[str, Any] | None) -> KernelRates | None:
+    if entry is None:
+        return None
+
+    def points(rows: Sequence[Sequence[float]]) -> tuple[tuple[float, float], ...]:
+        pairs = sorted((float(x), float(y)) for x, y in rows)
+        if any(not 0.0 < y <= 1.0 for _, y in pairs):
+            raise ValueError("kernel rates are fractions of a peak, in (0, 1]")
+        return tuple(pairs)
+
+    return KernelRates(
+        matmul={str(k): points(v) for k, v in entry.get("matmul", {}).items()},
+        memory=points(entry.get("memory", [])),
+        launch=float(entry.get("launch", 0.0)),
+    )
 
 
 def _link_json(link: Link) -> dict[str, float]:
@@ -127,6 +200,7 @@ def hardware_from_dict(data: Mapping[str, Any]) -> Hardware:
         intra_node=link("intra_node"),
         inter_node=link("inter_node"),
         source={str(k): str(v) for k, v in data["source"].items()},
+        kernels=_kernels(data.get("kernels")),
     )
 
 

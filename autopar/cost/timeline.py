@@ -17,7 +17,6 @@ different hardware, so they can overlap each other. Collectives on one link stil
 from __future__ import annotations
 
 import bisect
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -29,12 +28,9 @@ from autopar.core.meta import has_info, info
 from autopar.core.redistribute import CommStep
 from autopar.cost.formulas import MeshCost
 from autopar.cost.hardware import Hardware, load_hardware
-from autopar.cost.work import global_work, work_split
+from autopar.cost.work import compute_rate, global_work, is_view, work_split
 
 c10d = torch.ops._c10d_functional
-_VIEWS = {torch.ops.aten._unsafe_view.default, operator.getitem}
-
-
 @dataclass(frozen=True)
 class Span:
     """A busy interval of the compute stream: a node, or a wait that blocked it (`collective` set)."""
@@ -252,16 +248,6 @@ def _mesh_cost(hardware: str | Hardware | MeshCost, mesh: Mesh) -> MeshCost:
     return MeshCost.build(hw, mesh.shape, mesh.in_process)
 
 
-def is_view(node: fx.Node) -> bool:
-    """Whether the op only makes a view (no memory traffic): its schema returns aliases."""
-    if node.target in _VIEWS:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-
-
 def node_time(node: fx.Node, cost: MeshCost, shape: tuple[int, ...], sizes: dict[fx.Node, float]) -> float:
     """Roofline seconds of one non-collective node on this rank (0 for views and bookkeeping)."""
     if is_view(node):
@@ -276,8 +262,7 @@ def node_time(node: fx.Node, cost: MeshCost, shape: tuple[int, ...], sizes: dict
     moved = sum(lay.local_bytes(shape) for lay in strategy.inputs) + sum(
         lay.local_bytes(shape) for lay in node_info.layouts
     )
-    dtype = node_info.layouts[0].dtype if node_info.layouts else torch.float32
-    return cost.compute(flops, moved, dtype)
+    return cost.compute(flops, moved, compute_rate(node))
 
 
 def local_bytes(node: fx.Node, shape: tuple[int, ...], sizes: dict[fx.Node, float]) -> float:

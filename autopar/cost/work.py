@@ -6,6 +6,7 @@ The simulated timeline and every planner price compute from these two numbers.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -15,6 +16,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autopar.core.layout import Replicate
 from autopar.core.strategy import Strategy
+from autopar.cost.hardware import Elementwise, Rate
 
 
 def work_split(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
@@ -26,13 +28,32 @@ def work_split(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
     )
 
 
-def compute_dtype(node: fx.Node) -> torch.dtype:
-    """The dtype an op computes in, for its peak rate: its first floating-point result's (under
-    autocast a matmul's result is bfloat16, a cast's the dtype it casts to); float32 otherwise."""
+_VIEWS = {torch.ops.aten._unsafe_view.default, operator.getitem}
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether the op only makes a view (no memory traffic): its schema returns aliases."""
+    if node.target in _VIEWS:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def compute_rate(node: fx.Node) -> Rate:
+    """How an op is priced (`autopar.cost.formulas.compute_time`): matmuls and attention by their
+    flops at their dtype's rate, every other op as `Elementwise`, by the bytes it moves. The dtype
+    is the op's first floating-point result's (under autocast a matmul's result is bfloat16, a
+    cast's the dtype it casts to); float32 otherwise."""
+    dtype = torch.float32
     for value in pytree.tree_leaves(node.meta.get("val")):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.dtype
-    return torch.float32
+            dtype = value.dtype
+            break
+    if getattr(node.target, "overloadpacket", None) in flop_registry or "scaled_dot_product" in str(node.target):
+        return dtype
+    return Elementwise(dtype, runs=not is_view(node))
 
 
 def global_work(node: fx.Node) -> float:

@@ -38,7 +38,8 @@ from autopar.core.collectives import BUCKET_KEY, BYTES_KEY, COLLECTIVES, BucketM
 from autopar.core.layout import Layout, Partial, Replicate, Shard, itemsize
 from autopar.core.meta import has_info, info, set_info
 from autopar.core.redistribute import CommStep
-from autopar.cost.timeline import StepClock, is_view
+from autopar.cost.timeline import StepClock
+from autopar.cost.work import is_view
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

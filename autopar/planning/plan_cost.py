@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from autopar.core.layout import Layout
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
-from autopar.cost.work import compute_dtype, global_work, work_split
+from autopar.cost.hardware import Rate
+from autopar.cost.work import compute_rate, global_work, work_split
 from autopar.planning.search_cost import ElementCost
 from autopar.rules.calls import tensor_inputs
 
@@ -25,7 +25,7 @@ class GraphFacts:
     """What pricing a plan reads of the graph, gathered once for the many plans of one search:
     per call node in graph order its tensor inputs and global work, and the output's values."""
 
-    calls: tuple[tuple[str, tuple[str, ...], float, torch.dtype], ...]
+    calls: tuple[tuple[str, tuple[str, ...], float, Rate], ...]
     outputs: tuple[str | None, ...]
 
     @staticmethod
@@ -35,7 +35,7 @@ class GraphFacts:
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 inputs = tuple(src.name for src in tensor_inputs(node))
-                calls.append((node.name, inputs, global_work(node), compute_dtype(node)))
+                calls.append((node.name, inputs, global_work(node), compute_rate(node)))
             elif node.op == "output":
                 outputs = tuple(src.name if isinstance(src, fx.Node) else None for src in node.args[0])
         return GraphFacts(tuple(calls), outputs)

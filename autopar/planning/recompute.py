@@ -39,7 +39,7 @@ from torch.utils.flop_counter import flop_registry
 from autopar.core.layout import Layout
 from autopar.core.meta import has_info, info, is_backward, signature
 from autopar.core.plan import Plan
-from autopar.cost.work import compute_dtype, global_work, work_split
+from autopar.cost.work import compute_rate, global_work, work_split
 from autopar.planning.memory import SavedValue, weight_chain
 from autopar.planning.search_cost import ElementCost
 from autopar.rules.calls import tensor_inputs
@@ -359,6 +359,6 @@ def compute_seconds(cost: ElementCost, mesh_shape: Sequence[int], plan: Plan) ->
         strategy = plan.strategies.get(node.name)
         if strategy is None:
             return 0.0
-        return float(cost.compute(global_work(node), work_split(strategy, shape), compute_dtype(node)))
+        return float(cost.compute(global_work(node), work_split(strategy, shape), compute_rate(node)))
 
     return seconds

@@ -20,7 +20,7 @@ import torch
 
 from autopar.core.layout import Layout, Placement, itemsize
 from autopar.cost.formulas import MeshCost, latency_steps
-from autopar.cost.hardware import load_hardware
+from autopar.cost.hardware import Rate, load_hardware
 from autopar.planning.greedy import FLOP_WEIGHT, _redist
 from autopar.planning.search_problem import settled
 from autopar.planning.search_steps import StepCache, element_factor, even_steps, instantiate
@@ -50,7 +50,7 @@ class ElementCost:
     def gather_from_storage(self, want: Layout) -> float:
         return gather_from_storage(want, self.shape)
 
-    def compute(self, work: float, split: int, dtype: torch.dtype = torch.float32) -> float:
+    def compute(self, work: float, split: int, rate: Rate = torch.float32) -> float:
         return FLOP_WEIGHT * work / split  # element counts: every dtype alike
 
     def redistribute_table(
@@ -141,10 +141,11 @@ class TimeCost(ElementCost):
     def gather_from_storage(self, want: Layout) -> float:
         return self.redistribute(storage_layout(want, self.shape), settled(want))
 
-    def compute(self, work: float, split: int, dtype: torch.dtype = torch.float32) -> float:
-        """At the table's peak for `dtype` (`cost.work.compute_dtype`): bfloat16 matmuls run at
-        the tensor-core rate, float32 at the vector rate."""
-        return self.mesh.compute(work / split, 0.0, dtype)
+    def compute(self, work: float, split: int, rate: Rate = torch.float32) -> float:
+        """`work` divided over `split` ranks at its rate (`cost.work.compute_rate`): bfloat16
+        matmuls at the tensor-core rate, float32 at the vector rate, element-wise ops by their
+        bytes where the table has measured kernel rates."""
+        return self.mesh.compute(work / split, 0.0, rate)
 
     def _link(self, axis: int) -> tuple[float, float, float]:
         link = self.mesh.links[axis]

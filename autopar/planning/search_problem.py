@@ -28,7 +28,8 @@ from autopar.core.mesh import Mesh
 from autopar.core.meta import signature
 from autopar.core.plan import Plan
 from autopar.core.strategy import OpCall, Strategy
-from autopar.cost.work import compute_dtype, global_work, work_split
+from autopar.cost.hardware import Rate
+from autopar.cost.work import compute_rate, global_work, work_split
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.memory import SavedValue, plan_memory, saved_nodes, weight_chain
 from autopar.planning.search_blocks import Clock, chains, make_blocks, sweep, trees
@@ -48,7 +49,7 @@ class Cost(Protocol):
 
     def gather_from_storage(self, want: Layout) -> float: ...
 
-    def compute(self, work: float, split: int, dtype: torch.dtype = ...) -> float: ...
+    def compute(self, work: float, split: int, rate: Rate = ...) -> float: ...
 
     def redistribute_table(
         self,
@@ -117,7 +118,7 @@ class Problem:
             if at is None:
                 cands, key, at = [*listed, chosen], (id(listed), chosen), len(listed)
             work = shared.work[name] if name in shared.work else global_work(node)
-            dtype = compute_dtype(node)
+            dtype = compute_rate(node)
             base = self._cached(
                 ("compute", key, work, dtype), lambda c=cands, w=work, d=dtype: self._compute(c, w, d)  # type: ignore[misc]
             )

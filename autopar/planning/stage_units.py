@@ -35,7 +35,7 @@ from autopar.core.layout import itemsize
 from autopar.core.meta import has_info, info, signature
 from autopar.cost.formulas import compute_time
 from autopar.cost.hardware import Hardware, load_hardware
-from autopar.cost.work import compute_dtype, global_work
+from autopar.cost.work import compute_rate, global_work
 from autopar.planning.memory import saved_nodes
 
 ROOT_PATHS = ("", "<root>")
@@ -251,7 +251,7 @@ def stage_graph(
     inp_time = [0.0] * n_units
     count = [0] * n_units
     for n in computes:
-        seconds = compute_time(global_work(n) / t, 0.0, compute_dtype(n), hw)
+        seconds = compute_time(global_work(n) / t, 0.0, compute_rate(n), hw)
         u = unit[n]
         count[u] += 1
         if info(n).phase == "forward":
