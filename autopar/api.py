@@ -8,6 +8,7 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from autopar.compiler.pipeline_checkpoint import load_pipelined_checkpoint
 from autopar.compiler.pipeline_choice import decide_pipeline
 from autopar.compiler.pipeline_mesh import auto_pipeline_mesh, choose_pipeline_mesh
 from autopar.compiler.pricing import Compared, PlanResult, price
-from autopar.core.errors import AutoparError, MeshError, UsageError
+from autopar.core.errors import AutoparError, CheckpointError, MeshError, UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.precision import Autocast, MixedPrecision, compilable_autocast
@@ -37,6 +38,7 @@ from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.runtime.checkpoint import LoadResult
 from autopar.runtime.checkpoint import load_checkpoint as load_parallel_checkpoint
+from autopar.runtime.checkpoint_save import save_dcp
 from autopar.runtime.groups import DEFAULT_TIMEOUT_S, as_timeout, make_groups, make_pipeline_groups
 from autopar.runtime.local_batch import GLOBAL, INPUT_MODES, LOCAL, global_stand_ins
 from autopar.runtime.materialize import InitFn
@@ -482,6 +484,25 @@ def load_checkpoint(
     if isinstance(pmodel, PipelinedModule):
         return load_pipelined_checkpoint(pmodel, path, strict=strict)
     return load_parallel_checkpoint(pmodel, path, strict=strict)
+
+
+def save_checkpoint(pmodel: ParallelModule | PipelinedModule, path: str | os.PathLike[str]) -> None:
+    """Save the module `parallelize` returned as a torch.distributed.checkpoint directory at
+    `path`; every rank calls it with the same path, on a filesystem all ranks share. Each rank
+    writes only its own blocks (no rank gathers the model). The directory replaces what was at
+    `path` in one step once every rank has written: a save killed at any point leaves the previous
+    checkpoint there, complete. `autopar.load_checkpoint` loads it on any mesh, pipelined or not,
+    and `torch.distributed.checkpoint.load` into a serial model's state dict does too."""
+    if isinstance(pmodel, PipelinedModule):
+        group = None  # the stages' ranks hold different keys: DCP's collectives on every rank
+    elif isinstance(pmodel, ParallelModule):
+        group = pmodel.world_group
+    else:
+        raise CheckpointError(
+            f"save_checkpoint takes the module autopar.parallelize returned, got {type(pmodel).__name__}",
+            hint="for a serial model use torch.save(model.state_dict(), path) or save_pretrained",
+        )
+    save_dcp(pmodel.state_dict(), Path(path), group)
 
 
 # Names that lived here before the compiler driver had its own package; kept one release.

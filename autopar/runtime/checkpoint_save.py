@@ -1,0 +1,117 @@
+"""`save_checkpoint`: a torch.distributed.checkpoint directory, every rank writing its own blocks,
+replaced atomically.
+
+DCP writes its data files first and `.metadata` last, into the directory it is given: saving over
+an existing checkpoint and being killed half-way leaves the old `.metadata` beside some new data
+files, which then loads "successfully" as a mix of two steps. Here the save goes into a sibling
+`.<name>.saving`; once every rank has written (a barrier) rank 0 swaps it into place with one
+`renameat2(RENAME_EXCHANGE)` and deletes what was there. A save killed at any point leaves the
+previous checkpoint at `path`, complete. Where the kernel or filesystem cannot exchange (not
+Linux, some network filesystems) it falls back to two renames: killed between them, the
+previous checkpoint is at `.<name>.previous` and the new one at `.<name>.saving`, both complete.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from autopar.core.errors import CheckpointError
+from autopar.runtime.checkpoint_safety import DCP_METADATA
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def saving_dir(path: Path) -> Path:
+    """Where a save of `path` is written before it replaces `path`."""
+    return path.parent / f".{path.name}.saving"
+
+
+def previous_dir(path: Path) -> Path:
+    """Where the two-rename fallback parks the previous checkpoint for a moment."""
+    return path.parent / f".{path.name}.previous"
+
+
+def _check_target(path: Path) -> None:
+    """`path` may be replaced only when it is absent, an empty directory or a DCP checkpoint:
+    anything else is the user's, and replacing it would delete it."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_symlink() or not path.is_dir():
+        raise CheckpointError(
+            f"cannot save a checkpoint to {path}: it exists and is not a directory",
+            hint="give a path that does not exist yet, or a checkpoint directory to replace",
+        )
+    if any(path.iterdir()) and not (path / DCP_METADATA).is_file():
+        raise CheckpointError(
+            f"cannot save a checkpoint to {path}: it is a directory that holds other files, not a "
+            "torch.distributed.checkpoint (no .metadata); saving would replace them",
+            hint="give a path that does not exist yet, or a checkpoint directory to replace",
+        )
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux renameat2); False where that is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(a))
+
+
+def publish(written: Path, path: Path) -> None:
+    """Put the checkpoint in `written` at `path`, atomically where the system allows; remove what
+    `path` held."""
+    if not path.exists():
+        os.rename(written, path)
+        return
+    if _exchange(written, path):
+        shutil.rmtree(written)  # now the previous checkpoint
+        return
+    old = previous_dir(path)
+    os.rename(path, old)
+    os.rename(written, path)
+    shutil.rmtree(old)
+
+
+def save_dcp(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
+    """Every rank of `group` writes its blocks of `state` (DTensors: each block once) into a
+    fresh sibling of `path`, which then replaces `path`. Every rank calls it."""
+    _check_target(path)
+    rank = dist.get_rank()
+    written = saving_dir(path)
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in (written, previous_dir(path)):  # a save killed before: never published
+            if stale.exists():
+                shutil.rmtree(stale)
+        written.mkdir()
+    dist.barrier(group=group)
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(written)), process_group=group)
+    except (Exception, CheckpointException) as exc:
+        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+        raise CheckpointError(
+            f"saving the checkpoint {path} failed: {lines[-1] if lines else type(exc).__name__}; "
+            "the previous checkpoint there is untouched",
+            hint=f"free disk space or fix the permission, then save again (the partial save is in {written})",
+        ) from exc
+    dist.barrier(group=group)  # every rank's files and the metadata are written
+    if rank == 0:
+        publish(written, path)
+    dist.barrier(group=group)  # no rank returns before the checkpoint is at `path`

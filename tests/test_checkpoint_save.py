@@ -1,0 +1,120 @@
+"""`autopar.save_checkpoint` on real gloo ranks: each rank writes its own blocks, and a save killed
+part-way (every rank dying while writing its data files, or rank 0 dying right after writing the
+metadata) leaves the previous checkpoint loadable and complete: the next load gives the earlier
+step's values exactly, never a mix. A completed save replaces it; the serial model loads it with
+`torch.distributed.checkpoint.load`; a directory that is not a checkpoint is never replaced."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from multirank import run_ranks, run_ranks_with_faults
+from torch.distributed.checkpoint import FileSystemWriter
+
+import autopar
+from examples.models import make_mlp
+
+
+def _pmodel(world_size: int, seed: int) -> tuple[Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("x",))
+    model, batch = make_mlp(seed)
+    return autopar.parallelize(model, mesh, example_inputs=batch, timeout=20), batch
+
+
+def _step(pmodel: Any, batch: Any) -> None:
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.5)
+    pmodel(*batch).backward()
+    opt.step()
+
+
+def _values(pmodel: Any) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() for k, v in pmodel.state_dict().items()}
+
+
+def _die_after(method: str, ranks: tuple[int, ...]) -> None:
+    """The save of this rank ends here, the process killed (as by SIGKILL: no cleanup runs)."""
+    original = getattr(FileSystemWriter, method)
+
+    def dying(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if method == "write_data":
+            result.wait()  # this rank's data files are on disk
+        if int(os.environ["RANK"]) in ranks:
+            os._exit(9)
+        return result
+
+    setattr(FileSystemWriter, method, dying)
+
+
+def _save_then_die(rank: int, world_size: int, root: str, method: str, ranks: tuple[int, ...]) -> None:
+    pmodel, batch = _pmodel(world_size, 0)
+    if not Path(root, "ckpt").exists():  # the first job: step 1 is the checkpoint to keep
+        _step(pmodel, batch)
+        autopar.save_checkpoint(pmodel, f"{root}/ckpt")
+        kept = _values(pmodel)  # a collective: on every rank
+        if rank == 0:
+            torch.save(kept, f"{root}/kept.pt")
+    autopar.load_checkpoint(pmodel, f"{root}/ckpt")
+    _step(pmodel, batch)  # the step whose save is killed
+    _die_after(method, ranks)
+    autopar.save_checkpoint(pmodel, f"{root}/ckpt")
+
+
+def _load(rank: int, world_size: int, root: str, save: bool) -> dict[str, Any]:
+    pmodel, batch = _pmodel(world_size, 1)  # other initial values: the load must replace them all
+    autopar.load_checkpoint(pmodel, f"{root}/ckpt")
+    kept = torch.load(f"{root}/kept.pt", weights_only=True)
+    loaded = _values(pmodel)
+    found: dict[str, Any] = {"kept": max(float((loaded[k] - kept[k]).abs().max()) for k in kept)}
+    if save:
+        _step(pmodel, batch)
+        autopar.save_checkpoint(pmodel, f"{root}/ckpt")
+        stepped = _values(pmodel)
+        again, _ = _pmodel(world_size, 2)
+        autopar.load_checkpoint(again, f"{root}/ckpt")
+        found["new"] = max(float((v - stepped[k]).abs().max()) for k, v in _values(again).items())
+        found["moved"] = max(float((stepped[k] - kept[k]).abs().max()) for k in kept)
+        if rank == 0:
+            torch.save(stepped, f"{root}/stepped.pt")
+        (Path(root) / "mine").mkdir(exist_ok=True)
+        (Path(root) / "mine" / "notes.txt").write_text("keep me")
+        try:
+            autopar.save_checkpoint(pmodel, f"{root}/mine")
+            found["over-user-dir"] = "saved"
+        except autopar.CheckpointError as exc:
+            found["over-user-dir"] = str(exc)
+    return found
+
+
+@pytest.mark.multirank
+def test_a_killed_save_leaves_the_previous_checkpoint_and_a_completed_one_replaces_it(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    for method, ranks in (("write_data", (0, 1)), ("finish", (0,))):  # data files written; metadata too
+        ended = run_ranks_with_faults(2, _save_then_die, root, method, ranks, timeout=120)
+        assert ended[0][0] == "died", ended
+        assert (tmp_path / ".ckpt.saving").is_dir()  # the killed save's files, never published
+        for found in run_ranks(2, _load, root, False, timeout=120):
+            assert found == {"kept": 0.0}, (method, found)
+    for found in run_ranks(2, _load, root, True, timeout=120):
+        assert found["kept"] == 0.0 and found["new"] == 0.0 and found["moved"] > 1e-3, found
+        assert "it is a directory that holds other files" in found["over-user-dir"], found
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    serial, _ = make_mlp(3)
+    state = serial.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)  # the serial model loads it
+    stepped = torch.load(tmp_path / "stepped.pt", weights_only=True)
+    assert max(float((state[k] - stepped[k]).abs().max()) for k in stepped) == 0.0
+
+
+def test_save_checkpoint_is_a_public_name() -> None:
+    assert autopar.save_checkpoint.__module__ == "autopar.api"
+    with pytest.raises(autopar.CheckpointError, match="takes the module autopar.parallelize returned"):
+        autopar.save_checkpoint(torch.nn.Linear(2, 2), "unused")  # type: ignore[arg-type]
