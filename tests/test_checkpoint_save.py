@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from multirank import run_ranks, run_ranks_with_faults
+from multirank import run_ranks, run_ranks_with_faults, train_side_by_side
 from torch.distributed.checkpoint import FileSystemWriter
 
 import autopar
@@ -118,3 +118,55 @@ def test_save_checkpoint_is_a_public_name() -> None:
     assert autopar.save_checkpoint.__module__ == "autopar.api"
     with pytest.raises(autopar.CheckpointError, match="takes the module autopar.parallelize returned"):
         autopar.save_checkpoint(torch.nn.Linear(2, 2), "unused")  # type: ignore[arg-type]
+
+
+def _state_moves(rank: int, world_size: int) -> dict[str, Any]:
+    import copy
+    import io
+    import pickle
+
+    from torch.distributed.tensor import Shard
+
+    pmodel, batch = _pmodel(world_size, 0)
+    serial, _ = make_mlp(5)  # other values: the load must replace every block
+    found: dict[str, Any] = {
+        "sharded": sorted(k for k, v in pmodel.state_dict().items() if any(isinstance(p, Shard) for p in v.placements)),
+    }
+    for name, move in (
+        ("pickle", lambda: pickle.dumps(pmodel)),
+        ("torch.save", lambda: torch.save(pmodel, io.BytesIO())),
+        ("deepcopy", lambda: copy.deepcopy(pmodel)),
+        ("assign", lambda: pmodel.load_state_dict(serial.state_dict(), assign=True)),
+        ("wrong-shape", lambda: pmodel.load_state_dict({**serial.state_dict(), "fc1.weight": torch.zeros(3, 3)})),
+        ("missing-key", lambda: pmodel.load_state_dict({k: v for k, v in serial.state_dict().items() if k != "fc2.bias"})),
+    ):
+        try:
+            move()
+            found[name] = "no error"
+        except autopar.AutoparError as exc:
+            found[name] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a raw error reaching the user: the test fails on it
+            found[name] = f"raw {type(exc).__name__}: {exc}"
+    result = pmodel.load_state_dict(serial.state_dict())
+    found["keys"] = (list(result.missing_keys), list(result.unexpected_keys))
+    found["loaded"] = max(float((v - serial.state_dict()[k]).abs().max()) for k, v in _values(pmodel).items())
+    losses = train_side_by_side([(pmodel, batch), (serial, batch)], steps=2)
+    found["losses"] = losses
+    found["params"] = max(float((p.full_tensor() - q).abs().max()) for p, q in zip(pmodel.parameters(), serial.parameters()))
+    pmodel.load_state_dict(pmodel.state_dict())  # its own state dict still loads
+    return found
+
+
+@pytest.mark.multirank
+def test_a_serial_state_dict_loads_and_copies_are_refused_with_what_to_do() -> None:
+    for found in run_ranks(2, _state_moves, timeout=120):
+        assert found["sharded"], "the test needs a sharded parameter"
+        for name in ("pickle", "torch.save", "deepcopy"):
+            assert found[name].startswith("UsageError") and "autopar.save_checkpoint" in found[name], found[name]
+        assert found["assign"].startswith("UsageError: load_state_dict(assign=True)"), found["assign"]
+        assert found["wrong-shape"].startswith("CheckpointError: load_state_dict: fc1.weight has shape [3, 3]"), found["wrong-shape"]
+        assert found["missing-key"].startswith("CheckpointError") and "fc2.bias" in found["missing-key"], found["missing-key"]
+        assert found["keys"] == ([], []) and found["loaded"] == 0.0, found
+        first, first_serial, second, second_serial = found["losses"]
+        assert abs(first - first_serial) < 1e-6 and abs(second - second_serial) < 1e-5, found["losses"]
+        assert found["params"] < 1e-5, found["params"]
