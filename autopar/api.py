@@ -38,7 +38,7 @@ from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.runtime.checkpoint import LoadResult
 from autopar.runtime.checkpoint import load_checkpoint as load_parallel_checkpoint
-from autopar.runtime.checkpoint_save import save_dcp
+from autopar.runtime.checkpoint_save import save_dcp, save_safetensors
 from autopar.runtime.groups import DEFAULT_TIMEOUT_S, as_timeout, make_groups, make_pipeline_groups
 from autopar.runtime.local_batch import GLOBAL, INPUT_MODES, LOCAL, global_stand_ins
 from autopar.runtime.materialize import InitFn
@@ -486,22 +486,39 @@ def load_checkpoint(
     return load_parallel_checkpoint(pmodel, path, strict=strict)
 
 
-def save_checkpoint(pmodel: ParallelModule | PipelinedModule, path: str | os.PathLike[str]) -> None:
-    """Save the module `parallelize` returned as a torch.distributed.checkpoint directory at
-    `path`; every rank calls it with the same path, on a filesystem all ranks share. Each rank
-    writes only its own blocks (no rank gathers the model). The directory replaces what was at
-    `path` in one step once every rank has written: a save killed at any point leaves the previous
-    checkpoint there, complete. `autopar.load_checkpoint` loads it on any mesh, pipelined or not,
-    and `torch.distributed.checkpoint.load` into a serial model's state dict does too."""
-    if isinstance(pmodel, PipelinedModule):
-        group = None  # the stages' ranks hold different keys: DCP's collectives on every rank
-    elif isinstance(pmodel, ParallelModule):
-        group = pmodel.world_group
-    else:
+def save_checkpoint(
+    pmodel: ParallelModule | PipelinedModule, path: str | os.PathLike[str], *, format: str = "dcp"
+) -> None:
+    """Save the module `parallelize` returned at `path`; every rank calls it with the same path,
+    on a filesystem all ranks share. The directory replaces what was at `path` in one step once
+    every rank has written: a save killed at any point leaves the previous checkpoint there,
+    complete (docs/large-models.md#save-a-checkpoint).
+
+    `format="dcp"`: a torch.distributed.checkpoint directory, each rank writing only its own
+    blocks; `autopar.load_checkpoint` loads it on any mesh, pipelined or not, and
+    `torch.distributed.checkpoint.load` into a serial model's state dict does too.
+    `format="safetensors"` (a tensor-only module): a transformers `save_pretrained` directory
+    (`config.json` when the model has one, safetensors shards and their index) that
+    `from_pretrained` loads; each tensor is made whole one at a time and written by one rank, so
+    no rank holds more than its share of the model."""
+    if not isinstance(pmodel, (ParallelModule, PipelinedModule)):
         raise CheckpointError(
             f"save_checkpoint takes the module autopar.parallelize returned, got {type(pmodel).__name__}",
             hint="for a serial model use torch.save(model.state_dict(), path) or save_pretrained",
         )
+    if format not in ("dcp", "safetensors"):
+        raise UsageError(f"save_checkpoint: format must be 'dcp' or 'safetensors', got {format!r}", hint="pass format='dcp' (default) or format='safetensors'")
+    if format == "safetensors":
+        if isinstance(pmodel, PipelinedModule):
+            raise CheckpointError(
+                "save_checkpoint(format='safetensors') of a pipelined module: not written yet",
+                hint="save format='dcp', load it into a tensor-only module (autopar.load_checkpoint) "
+                "and export that, or load the DCP directory into the serial model",
+            )
+        save_safetensors(pmodel.state_dict(), pmodel.aliases, pmodel.source_config, Path(path), pmodel.world_group)
+        return
+    # a pipelined module's stages' ranks hold different keys: DCP's collectives on every rank
+    group = pmodel.world_group if isinstance(pmodel, ParallelModule) else None
     save_dcp(pmodel.state_dict(), Path(path), group)
 
 

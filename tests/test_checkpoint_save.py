@@ -6,6 +6,7 @@ step's values exactly, never a mix. A completed save replaces it; the serial mod
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -170,3 +171,55 @@ def test_a_serial_state_dict_loads_and_copies_are_refused_with_what_to_do() -> N
         first, first_serial, second, second_serial = found["losses"]
         assert abs(first - first_serial) < 1e-6 and abs(second - second_serial) < 1e-5, found["losses"]
         assert found["params"] < 1e-5, found["params"]
+
+
+GPT2 = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+
+
+def _export(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(3))
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("x",))
+    pmodel = autopar.parallelize(model, mesh, example_inputs=(), example_kwargs={"input_ids": ids, "labels": ids})
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.5)
+    pmodel(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    autopar.save_checkpoint(pmodel, f"{root}/hf", format="safetensors")
+    values = _values(pmodel)
+    if rank == 0:
+        torch.save(values, f"{root}/exported.pt")
+    with torch.no_grad():
+        for p in pmodel.parameters():
+            p.to_local().zero_()  # the load must fill every tensor
+    loaded = autopar.load_checkpoint(pmodel, f"{root}/hf")
+    return {
+        "sharded": any(v.placements[0].is_shard() for v in pmodel.state_dict().values()),
+        "reloaded": (loaded.missing, loaded.unexpected, max(float((v - values[k]).abs().max()) for k, v in _values(pmodel).items())),
+    }
+
+
+@pytest.mark.multirank
+def test_a_safetensors_export_loads_with_from_pretrained(tmp_path: Path) -> None:
+    import transformers
+    from safetensors import safe_open
+
+    for found in run_ranks(2, _export, str(tmp_path), timeout=180):
+        assert found["sharded"] and found["reloaded"] == ([], [], 0.0), found
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], files
+    per_file = []
+    for name in files:
+        with safe_open(str(tmp_path / "hf" / name), framework="pt") as handle:
+            per_file.append(len(list(handle.keys())))
+    assert all(0 < n < len(index["weight_map"]) for n in per_file), per_file  # no rank wrote it all
+    serial, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info  # nothing missing, unexpected or mismatched
+    exported = torch.load(tmp_path / "exported.pt", weights_only=True)
+    state = serial.state_dict()
+    assert max(float((state[k] - v).abs().max()) for k, v in exported.items()) == 0.0
+    assert serial.lm_head.weight is serial.transformer.wte.weight  # tied again

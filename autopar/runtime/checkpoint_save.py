@@ -1,5 +1,5 @@
 """`save_checkpoint`: a torch.distributed.checkpoint directory, every rank writing its own blocks,
-replaced atomically.
+or a transformers `save_pretrained` directory (safetensors shards), replaced atomically.
 
 DCP writes its data files first and `.metadata` last, into the directory it is given: saving over
 an existing checkpoint and being killed half-way leaves the old `.metadata` beside some new data
@@ -9,22 +9,31 @@ files, which then loads "successfully" as a mix of two steps. Here the save goes
 previous checkpoint at `path`, complete. Where the kernel or filesystem cannot exchange (not
 Linux, some network filesystems) it falls back to two renames: killed between them, the
 previous checkpoint is at `.<name>.previous` and the new one at `.<name>.saving`, both complete.
+
+The safetensors export gives each tensor to one rank (the least loaded so far, by bytes, the same
+choice on every rank); tensors are made whole one at a time and each rank keeps only its own
+until it writes its shard, so no rank holds more than its share of the model plus one tensor.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import CheckpointError
+from autopar.runtime.checkpoint import SAFETENSORS_FILE, SAFETENSORS_INDEX
 from autopar.runtime.checkpoint_safety import DCP_METADATA
 
 _AT_FDCWD = -100
@@ -51,10 +60,11 @@ def _check_target(path: Path) -> None:
             f"cannot save a checkpoint to {path}: it exists and is not a directory",
             hint="give a path that does not exist yet, or a checkpoint directory to replace",
         )
-    if any(path.iterdir()) and not (path / DCP_METADATA).is_file():
+    marks = (DCP_METADATA, SAFETENSORS_INDEX, SAFETENSORS_FILE)
+    if any(path.iterdir()) and not any((path / mark).is_file() for mark in marks):
         raise CheckpointError(
             f"cannot save a checkpoint to {path}: it is a directory that holds other files, not a "
-            "torch.distributed.checkpoint (no .metadata); saving would replace them",
+            "checkpoint (no .metadata, model.safetensors or its index); saving would replace them",
             hint="give a path that does not exist yet, or a checkpoint directory to replace",
         )
 
@@ -89,9 +99,9 @@ def publish(written: Path, path: Path) -> None:
     shutil.rmtree(old)
 
 
-def save_dcp(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
-    """Every rank of `group` writes its blocks of `state` (DTensors: each block once) into a
-    fresh sibling of `path`, which then replaces `path`. Every rank calls it."""
+def save_atomically(path: Path, group: dist.ProcessGroup | None, write: Any) -> None:
+    """`write(directory)` on every rank into a fresh sibling of `path`, which then replaces `path`.
+    Every rank calls it."""
     _check_target(path)
     rank = dist.get_rank()
     written = saving_dir(path)
@@ -103,7 +113,7 @@ def save_dcp(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None)
         written.mkdir()
     dist.barrier(group=group)
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(written)), process_group=group)
+        write(written)
     except (Exception, CheckpointException) as exc:
         lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
         raise CheckpointError(
@@ -111,7 +121,64 @@ def save_dcp(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None)
             "the previous checkpoint there is untouched",
             hint=f"free disk space or fix the permission, then save again (the partial save is in {written})",
         ) from exc
-    dist.barrier(group=group)  # every rank's files and the metadata are written
+    dist.barrier(group=group)  # every rank's files are written
     if rank == 0:
         publish(written, path)
     dist.barrier(group=group)  # no rank returns before the checkpoint is at `path`
+
+
+def save_dcp(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
+    """Every rank of `group` writes its blocks of `state` (DTensors: each block once); DCP's
+    coordinator writes the metadata."""
+
+    def write(directory: Path) -> None:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory)), process_group=group)
+
+    save_atomically(path, group, write)
+
+
+def owners(sizes: list[tuple[str, int]], world: int) -> dict[str, int]:
+    """Each key -> the rank that writes it: the least loaded so far (by bytes), lowest rank on a
+    tie; the same answer on every rank."""
+    load = [0] * world
+    owner: dict[str, int] = {}
+    for key, size in sizes:
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[key] = rank
+        load[rank] += size
+    return owner
+
+
+def save_safetensors(
+    state: dict[str, Any], aliases: dict[str, str], config: Any, path: Path, group: dist.ProcessGroup | None
+) -> None:
+    """A `save_pretrained` directory: safetensors shards (one per rank that owns a tensor), their
+    index, and the model's `config.json` when it has one. A tied weight is written once, under
+    its stored name, as `save_pretrained` does; `from_pretrained` ties it again."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keys = [k for k in state if k not in aliases]  # the same order on every rank
+    owner = owners([(k, state[k].numel() * state[k].element_size()) for k in keys], world)
+    holders = sorted(set(owner.values()))
+    names = {
+        r: SAFETENSORS_FILE if len(holders) == 1 else f"model-{i + 1:05d}-of-{len(holders):05d}.safetensors"
+        for i, r in enumerate(holders)
+    }
+
+    def write(directory: Path) -> None:
+        mine: dict[str, torch.Tensor] = {}
+        for key in keys:
+            value = state[key]
+            whole = value.full_tensor() if isinstance(value, DTensor) else value  # a collective
+            if owner[key] == rank:
+                mine[key] = whole.detach().contiguous()
+        if mine:
+            save_file(mine, str(directory / names[rank]), metadata={"format": "pt"})
+        if rank == 0:
+            if len(holders) > 1:
+                total = sum(state[k].numel() * state[k].element_size() for k in keys)
+                index = {"metadata": {"total_size": total}, "weight_map": {k: names[owner[k]] for k in keys}}
+                (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            if config is not None and hasattr(config, "to_json_file"):
+                config.to_json_file(str(directory / "config.json"))
+
+    save_atomically(path, group, write)

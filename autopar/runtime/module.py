@@ -138,6 +138,7 @@ class ParallelModule(NotCopyable, nn.Module):
         self.aliases = dict(aliases)  # tied name -> the name it is stored under
         self.not_stored: list[str] = []  # the source's tensors that no program reads
         self.base_model_prefix: str = getattr(source, "base_model_prefix", "") or ""
+        self.source_config = getattr(source, "config", None)  # a transformers model's: export writes it
         # register in the source model's order so named_parameters()/state_dict() read the same
         for name in [*dict(source.named_parameters(remove_duplicate=False)), *buffers]:
             if name in aliases:
