@@ -72,6 +72,10 @@ def _crafted(root: Path) -> dict[str, Path]:
     for info in outside.storage_data.values():
         info.relative_path = f"../real/{info.relative_path}"
     metadata("data-file-outside", pickle.dumps(outside))
+    _dcp(root / "metadata-link-out", state)
+    (root / "metadata-link-out" / ".metadata").unlink()
+    (root / "metadata-link-out" / ".metadata").symlink_to(root / "real" / ".metadata")
+    rows["metadata-link-out"] = root / "metadata-link-out"
     # a weight stored as a pickled object: DCP would read it with torch.load(weights_only=False)
     _dcp(root / "weight-as-object", {**state, "fc1.weight": RunsACommand(root / "markers" / "bytes-entry")})
     rows["weight-as-object"] = root / "weight-as-object"
@@ -94,6 +98,9 @@ def _safetensors(root: Path) -> dict[str, Path]:
     index("index-absolute", str(root / "elsewhere" / "model.safetensors"))
     index("index-symlink-out", "model-00001-of-00001.safetensors")
     (root / "index-symlink-out" / "model-00001-of-00001.safetensors").symlink_to(root / "elsewhere" / "model.safetensors")
+    (root / "single-file-link-out").mkdir()
+    (root / "single-file-link-out" / "model.safetensors").symlink_to(root / "elsewhere" / "model.safetensors")
+    rows["single-file-link-out"] = root / "single-file-link-out"
     # a Hugging Face cache snapshot: its files link to the repository's blobs (allowed)
     snapshot = root / "models--org--tiny" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
@@ -147,6 +154,8 @@ REFUSED = {
     "index-parent": "'../elsewhere/model.safetensors', which lies outside",
     "index-absolute": "which lies outside the checkpoint directory",
     "index-symlink-out": "which lies outside the checkpoint directory",
+    "metadata-link-out": "names '.metadata', which lies outside",
+    "single-file-link-out": "names 'model.safetensors', which lies outside",
     "integer-weight": "fc1.weight is stored as I64 in the checkpoint, but the model's fc1.weight is torch.float32",
 }
 

@@ -157,7 +157,8 @@ def safetensors_files(directory: Path) -> dict[str | None, Path]:
     """Key -> file for a sharded checkpoint (from its index); {None: file} for a single file."""
     index = directory / SAFETENSORS_INDEX
     if not index.is_file():
-        return {None: directory / SAFETENSORS_FILE}
+        return {None: inside(directory, SAFETENSORS_FILE, str(directory))}
+    inside(directory, SAFETENSORS_INDEX, str(directory))
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (ValueError, KeyError, TypeError) as exc:

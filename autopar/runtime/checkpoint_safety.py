@@ -106,7 +106,7 @@ def read_dcp_metadata(directory: Path, rank: int | None = None) -> Metadata:
     """The `.metadata` of a DCP directory, unpickled through the allow-list; a file that asks for
     anything else, or is not DCP metadata, raises `CheckpointError`."""
     name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
-    path = directory / name
+    path = inside(directory, name, str(directory))
     try:
         with open(path, "rb") as handle:
             metadata = _AllowListUnpickler(handle, path).load()  # type: ignore[arg-type]
@@ -117,7 +117,14 @@ def read_dcp_metadata(directory: Path, rank: int | None = None) -> Metadata:
             f"{path} is not readable checkpoint metadata: {type(exc).__name__}: {exc}",
             hint="the checkpoint may be truncated: save it again with autopar.save_checkpoint",
         ) from exc
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if (
+        not isinstance(metadata, Metadata)
+        or not isinstance(entries, dict)
+        or not all(isinstance(k, str) for k in entries)
+        or not all(isinstance(e, (TensorStorageMetadata, BytesStorageMetadata)) for e in entries.values())
+        or not isinstance(metadata.storage_data, dict)
+    ):
         raise CheckpointError(
             f"{path} holds a {type(metadata).__name__}, not torch.distributed.checkpoint metadata",
             hint="pass the directory torch.distributed.checkpoint or autopar.save_checkpoint wrote",
