@@ -91,6 +91,12 @@ def _load(rank: int, world_size: int, root: str, save: bool) -> dict[str, Any]:
             found["over-user-dir"] = "saved"
         except autopar.CheckpointError as exc:
             found["over-user-dir"] = str(exc)
+        Path(root, "a-file").write_text("")
+        try:  # rank 0 cannot make the directory: every rank raises, none waits
+            autopar.save_checkpoint(pmodel, f"{root}/a-file/ckpt")
+            found["under-a-file"] = "saved"
+        except autopar.CheckpointError as exc:
+            found["under-a-file"] = str(exc)
     return found
 
 
@@ -106,6 +112,7 @@ def test_a_killed_save_leaves_the_previous_checkpoint_and_a_completed_one_replac
     for found in run_ranks(2, _load, root, True, timeout=120):
         assert found["kept"] == 0.0 and found["new"] == 0.0 and found["moved"] > 1e-3, found
         assert "it is a directory that holds other files" in found["over-user-dir"], found
+        assert "failed: rank 0: cannot create" in found["under-a-file"], found  # on every rank
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     serial, _ = make_mlp(3)

@@ -126,7 +126,8 @@ def read_dcp_metadata(directory: Path, rank: int | None = None) -> Metadata:
         or not isinstance(metadata.storage_data, dict)
     ):
         raise CheckpointError(
-            f"{path} holds a {type(metadata).__name__}, not torch.distributed.checkpoint metadata",
+            f"{path} holds a {type(metadata).__name__} that is not torch.distributed.checkpoint metadata "
+            "(a Metadata of tensor and object entries by name)",
             hint="pass the directory torch.distributed.checkpoint or autopar.save_checkpoint wrote",
         )
     _check_files(directory, metadata)
@@ -137,13 +138,15 @@ def read_dcp_metadata(directory: Path, rank: int | None = None) -> Metadata:
 
 def _check_files(directory: Path, metadata: Metadata) -> None:
     """Every data file the metadata names lies inside `directory` (no `..`, absolute path or link out)."""
-    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    for info in storage.values():
+    names: set[str] = set()  # one entry per block, but a few files
+    for info in metadata.storage_data.values():
         relative = getattr(info, "relative_path", None)
         if not isinstance(relative, str):
             raise CheckpointError(
                 f"{directory / DCP_METADATA} names a data file that is not a path ({relative!r})", hint=_UNSAFE_HINT
             )
+        names.add(relative)
+    for relative in sorted(names):
         inside(directory, relative, f"{directory / DCP_METADATA}")
 
 

@@ -91,40 +91,60 @@ def publish(written: Path, path: Path) -> None:
         os.rename(written, path)
         return
     if _exchange(written, path):
-        shutil.rmtree(written)  # now the previous checkpoint
+        shutil.rmtree(written, ignore_errors=True)  # now the previous one; else the next save removes it
         return
     old = previous_dir(path)
     os.rename(path, old)
     os.rename(written, path)
-    shutil.rmtree(old)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _agreed(failure: str, group: dist.ProcessGroup | None) -> str:
+    """Every rank's failure so far ('' for none), met in place of a barrier, so that one rank's
+    failure raises on every rank instead of leaving the others waiting: the first, by rank."""
+    failures: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(failures, failure, group=group)
+    return next((f"rank {r}: {f}" for r, f in enumerate(failures) if f), "")
 
 
 def save_atomically(path: Path, group: dist.ProcessGroup | None, write: Any) -> None:
     """`write(directory)` on every rank into a fresh sibling of `path`, which then replaces `path`.
-    Every rank calls it."""
+    Every rank calls it; a failure on any rank raises `CheckpointError` on all of them and leaves
+    `path` as it was."""
     _check_target(path)
     rank = dist.get_rank()
     written = saving_dir(path)
+    failure = ""
     if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in (written, previous_dir(path)):  # a save killed before: never published
-            if stale.exists():
-                shutil.rmtree(stale)
-        written.mkdir()
-    dist.barrier(group=group)
-    try:
-        write(written)
-    except (Exception, CheckpointException) as exc:
-        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for stale in (written, previous_dir(path)):  # a save killed before: never published
+                if stale.exists():
+                    shutil.rmtree(stale)
+            written.mkdir()
+        except OSError as exc:
+            failure = f"cannot create {written}: {exc.strerror or exc}"
+    failure = _agreed(failure, group)
+    if not failure:
+        try:
+            write(written)
+        except (Exception, CheckpointException) as exc:
+            lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+            failure = lines[-1] if lines else type(exc).__name__
+        failure = _agreed(failure, group)  # every rank's files are written, or none publishes
+    if not failure:  # the same on every rank, once agreed
+        moved = ""
+        if rank == 0:
+            try:
+                publish(written, path)
+            except OSError as exc:
+                moved = f"cannot move {written} to {path}: {exc.strerror or exc}"
+        failure = _agreed(moved, group)  # no rank returns before the checkpoint is at `path`
+    if failure:
         raise CheckpointError(
-            f"saving the checkpoint {path} failed: {lines[-1] if lines else type(exc).__name__}; "
-            "the previous checkpoint there is untouched",
-            hint=f"free disk space or fix the permission, then save again (the partial save is in {written})",
-        ) from exc
-    dist.barrier(group=group)  # every rank's files are written
-    if rank == 0:
-        publish(written, path)
-    dist.barrier(group=group)  # no rank returns before the checkpoint is at `path`
+            f"saving the checkpoint {path} failed: {failure}; the previous checkpoint there is untouched",
+            hint="free disk space or fix the permission, then save again",
+        )
 
 
 def save_dcp(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
