@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from multirank import run_ranks
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 import autopar
 from autopar.api import compile_for_rank
@@ -191,3 +192,18 @@ def test_a_dump_directory_holding_a_link_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="is a symbolic link"):
         compile_for_rank(model, Mesh.from_shape((2,)), batch, coords=(0,), dump_dir=tmp_path / "linked")
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_dcp_own_load_through_the_safe_reader_and_planner_unpickles_nothing(tmp_path: Path) -> None:
+    """The second line of defence: even asked for a key DCP stored as a pickled object, the
+    planner autopar gives `dcp.load` refuses to unpickle it."""
+    from autopar.runtime.checkpoint_safety import SafePlanner, SafeReader
+
+    (tmp_path / "markers").mkdir()
+    _dcp(tmp_path / "ckpt", {**_state(), "fc1.weight": RunsACommand(tmp_path / "markers" / "ran")})
+    with pytest.raises(CheckpointException) as caught, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"fc1.weight": torch.zeros(128, 32)}, storage_reader=SafeReader(tmp_path / "ckpt"), planner=SafePlanner(), no_dist=True)
+    (failure,) = caught.value.failures.values()  # DCP wraps each rank's error
+    assert "stores fc1.weight as a pickled object" in str(failure), failure
+    assert not (tmp_path / "markers" / "ran").exists()

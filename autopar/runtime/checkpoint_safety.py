@@ -158,7 +158,8 @@ def inside(directory: Path, name: str, named_by: str) -> Path:
     parts = Path(name).parts
     lexical_out = os.path.isabs(name) or ".." in parts or not parts
     root = directory.resolve()
-    bound = root.parent.parent if root.parent.name == "snapshots" else root
+    hub = root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--", "spaces--"))
+    bound = root.parent.parent if hub else root
     target = (directory / name).resolve()
     if lexical_out or not target.is_relative_to(bound):
         raise CheckpointError(
