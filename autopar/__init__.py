@@ -21,7 +21,7 @@ from autopar.core.layout import Layout, Partial, Replicate, Shard
 from autopar.core.mesh import Mesh
 
 if TYPE_CHECKING:
-    from autopar.api import load_checkpoint, parallelize, plan
+    from autopar.api import load_checkpoint, parallelize, plan, save_checkpoint
     from autopar.compiler.driver import compile_for_rank
     from autopar.compiler.pricing import PlanResult
     from autopar.runtime.checkpoint import LoadResult
@@ -50,6 +50,7 @@ __all__ = [
     "load_checkpoint",
     "parallelize",
     "plan",
+    "save_checkpoint",
 ]
 
 # The compiler (torch.distributed, the stages, the planners) loads on first use of these names, so
@@ -60,6 +61,7 @@ _LOADED_ON_USE = {
     "compile_for_rank": "autopar.compiler.driver",
     "PlanResult": "autopar.compiler.pricing",
     "load_checkpoint": "autopar.api",
+    "save_checkpoint": "autopar.api",
     "LoadResult": "autopar.runtime.checkpoint",
 }
 

@@ -8,6 +8,7 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from autopar.compiler.pipeline_checkpoint import load_pipelined_checkpoint
 from autopar.compiler.pipeline_choice import decide_pipeline
 from autopar.compiler.pipeline_mesh import auto_pipeline_mesh, choose_pipeline_mesh
 from autopar.compiler.pricing import Compared, PlanResult, price
-from autopar.core.errors import AutoparError, MeshError, UsageError
+from autopar.core.errors import AutoparError, CheckpointError, MeshError, UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.precision import Autocast, MixedPrecision, compilable_autocast
@@ -37,6 +38,7 @@ from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.runtime.checkpoint import LoadResult
 from autopar.runtime.checkpoint import load_checkpoint as load_parallel_checkpoint
+from autopar.runtime.checkpoint_save import save_dcp, save_safetensors
 from autopar.runtime.groups import DEFAULT_TIMEOUT_S, as_timeout, make_groups, make_pipeline_groups
 from autopar.runtime.local_batch import GLOBAL, INPUT_MODES, LOCAL, global_stand_ins
 from autopar.runtime.materialize import InitFn
@@ -482,6 +484,42 @@ def load_checkpoint(
     if isinstance(pmodel, PipelinedModule):
         return load_pipelined_checkpoint(pmodel, path, strict=strict)
     return load_parallel_checkpoint(pmodel, path, strict=strict)
+
+
+def save_checkpoint(
+    pmodel: ParallelModule | PipelinedModule, path: str | os.PathLike[str], *, format: str = "dcp"
+) -> None:
+    """Save the module `parallelize` returned at `path`; every rank calls it with the same path,
+    on a filesystem all ranks share. The directory replaces what was at `path` in one step once
+    every rank has written: a save killed at any point leaves the previous checkpoint there,
+    complete (docs/large-models.md#save-a-checkpoint).
+
+    `format="dcp"`: a torch.distributed.checkpoint directory, each rank writing only its own
+    blocks; `autopar.load_checkpoint` loads it on any mesh, pipelined or not, and
+    `torch.distributed.checkpoint.load` into a serial model's state dict does too.
+    `format="safetensors"` (a tensor-only module): a transformers `save_pretrained` directory
+    (`config.json` when the model has one, safetensors shards and their index) that
+    `from_pretrained` loads; each tensor is made whole one at a time and written by one rank, so
+    no rank holds more than its share of the model."""
+    if not isinstance(pmodel, (ParallelModule, PipelinedModule)):
+        raise CheckpointError(
+            f"save_checkpoint takes the module autopar.parallelize returned, got {type(pmodel).__name__}",
+            hint="for a serial model use torch.save(model.state_dict(), path) or save_pretrained",
+        )
+    if format not in ("dcp", "safetensors"):
+        raise UsageError(f"save_checkpoint: format must be 'dcp' or 'safetensors', got {format!r}", hint="pass format='dcp' (default) or format='safetensors'")
+    if format == "safetensors":
+        if isinstance(pmodel, PipelinedModule):
+            raise CheckpointError(
+                "save_checkpoint(format='safetensors') of a pipelined module: not written yet",
+                hint="save format='dcp', load it into a tensor-only module (autopar.load_checkpoint) "
+                "and export that, or load the DCP directory into the serial model",
+            )
+        save_safetensors(pmodel.state_dict(), pmodel.aliases, pmodel.source_config, Path(path), pmodel.world_group)
+        return
+    # a pipelined module's stages' ranks hold different keys: DCP's collectives on every rank
+    group = pmodel.world_group if isinstance(pmodel, ParallelModule) else None
+    save_dcp(pmodel.state_dict(), Path(path), group)
 
 
 # Names that lived here before the compiler driver had its own package; kept one release.

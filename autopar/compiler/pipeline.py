@@ -53,6 +53,7 @@ from autopar.reporting.pipeline_views import (
     write_pipeline_png,
 )
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.module_state import NotCopyable
 from autopar.runtime.pipeline_runtime import (
     BoundaryScatter,
     StageRunner,
@@ -70,7 +71,7 @@ __all__ = ["MAX_PROGRAMS", "PipelinedModule", "pipeline_parallelize", "split_mic
 MAX_PROGRAMS = 8
 
 
-class PipelinedModule(nn.Module):
+class PipelinedModule(NotCopyable, nn.Module):
     """This rank's stages of a pipelined model. `pmodel(*batch)` runs one training step of the
     schedule and returns the batch's loss; under `torch.no_grad()` it runs the forwards only.
 

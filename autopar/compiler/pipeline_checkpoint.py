@@ -26,13 +26,22 @@ from torch.distributed.tensor import DTensor
 from autopar.compiler.pipeline_split import StageProgram, get_attr
 from autopar.core.errors import CheckpointError
 from autopar.runtime.checkpoint import (
-    DCP_METADATA,
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX,
     LoadResult,
     checkpoint_names,
     opened_safetensors,
     safetensors_files,
+)
+from autopar.runtime.checkpoint_safety import (
+    DCP_METADATA,
+    SafePlanner,
+    SafeReader,
+    check_dtype,
+    check_tensor_entries,
+    read_dcp_metadata,
+    safetensors_is_floating,
+    warn_non_finite,
 )
 from autopar.runtime.module import ParallelModule
 
@@ -129,39 +138,50 @@ def pipelined_state_dict(pmodel: Pipelined, *, keep_vars: bool = False) -> dict[
 # ---- loading ------------------------------------------------------------------------------------
 
 
-def _checkpoint(where: Path) -> tuple[str, dict[str, Any], dict[str, Path]]:
-    """The format, each key's stored metadata (DCP) or shape (safetensors), and each key's file."""
+@dataclass
+class _Found:
+    """A checkpoint's format, each key's global shape and stored dtype (its name, whether
+    floating), each key's file (safetensors) and the DCP metadata."""
+
+    kind: str
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, tuple[str, bool]]
+    file_of: dict[str, Path]
+    metadata: Any = None
+
+
+def _checkpoint(where: Path) -> _Found:
     if where.is_dir() and (where / DCP_METADATA).is_file():
-        try:
-            metadata = dcp.FileSystemReader(str(where)).read_metadata()
-        except Exception as exc:  # a truncated or foreign .metadata: torch raises several kinds
-            raise CheckpointError(
-                f"{where / DCP_METADATA} is not readable checkpoint metadata: {type(exc).__name__}: {exc}",
-                hint="the checkpoint may be truncated: save it again with torch.distributed.checkpoint",
-            ) from exc
-        sizes = {k: tuple(getattr(m, "size", ())) for k, m in metadata.state_dict_metadata.items()}
-        return "DCP", sizes, {}
+        metadata = read_dcp_metadata(where)
+        found = _Found("DCP", {}, {}, {}, metadata)
+        for k, m in metadata.state_dict_metadata.items():
+            found.shapes[k] = tuple(getattr(m, "size", ()))
+            dtype = getattr(getattr(m, "properties", None), "dtype", None)
+            if isinstance(dtype, torch.dtype):
+                found.dtypes[k] = (str(dtype), dtype.is_floating_point or dtype.is_complex)
+        return found
     if where.is_dir() and ((where / SAFETENSORS_INDEX).is_file() or (where / SAFETENSORS_FILE).is_file()):
         files = safetensors_files(where)
     elif where.is_file() and where.suffix == ".safetensors":
         files = {None: where}
     else:
-        found = "does not exist" if not where.exists() else "is no safetensors checkpoint nor a DCP directory"
+        missing = "does not exist" if not where.exists() else "is no safetensors checkpoint nor a DCP directory"
         raise CheckpointError(
-            f"checkpoint {where} {found}",
+            f"checkpoint {where} {missing}",
             hint="pass the directory save_pretrained wrote, a .safetensors file, or a DCP directory",
         )
     by_file: dict[Path, list[str | None]] = {}
     for key, file in files.items():
         by_file.setdefault(file, []).append(key)
-    file_of: dict[str, Path] = {}
-    shapes: dict[str, Any] = {}
+    found = _Found("safetensors", {}, {}, {})
     for file, keys in by_file.items():
         with opened_safetensors(file) as handle:
             for k in handle.keys() if keys == [None] else [k for k in keys if k is not None]:
-                file_of[k] = file
-                shapes[k] = tuple(handle.get_slice(k).get_shape())
-    return "safetensors", shapes, file_of
+                found.file_of[k] = file
+                piece = handle.get_slice(k)
+                found.shapes[k] = tuple(piece.get_shape())
+                found.dtypes[k] = (piece.get_dtype(), safetensors_is_floating(piece.get_dtype()))
+    return found
 
 
 def load_pipelined_checkpoint(
@@ -176,7 +196,8 @@ def load_pipelined_checkpoint(
     `CheckpointError` on every rank, before reading any tensor, when a tensor that any stage holds
     is missing or a key is unexpected. `missing` lists this rank's stages' missing tensors."""
     where = Path(path)
-    kind, shapes, file_of = _checkpoint(where)
+    found = _checkpoint(where)
+    kind, shapes = found.kind, found.shapes
     model = pmodel._model
     names = _names(model)
     prefix: str = getattr(model, "base_model_prefix", "") or ""
@@ -205,8 +226,13 @@ def load_pipelined_checkpoint(
             f"the {kind} checkpoint " + " and ".join(parts),
             hint="load a checkpoint of this model's architecture, or pass strict=False to load what matches",
         )
-    shape_of = {id(t): tuple(t.shape) for t in model.state_dict(keep_vars=True).values()}
-    for user, key in key_of.items():  # the whole model's shapes: every rank raises alike
+    if found.metadata is not None:
+        check_tensor_entries(where, found.metadata, list(key_of.values()))
+    user_tensor = {id(t): t for t in model.state_dict(keep_vars=True).values()}
+    shape_of = {user: tuple(t.shape) for user, t in user_tensor.items()}
+    for user, key in key_of.items():  # the whole model's shapes and dtypes: every rank raises alike
+        if key in found.dtypes:
+            check_dtype(names[user][0], key, *found.dtypes[key], user_tensor[user])
         if tuple(shapes[key]) != shape_of[user]:
             raise CheckpointError(
                 f"{key} has shape {list(shapes[key])} in the checkpoint, but the model's "
@@ -218,7 +244,9 @@ def load_pipelined_checkpoint(
     if kind == "DCP":
         _read_dcp(where, [(key_of[h.user], h) for h in present])
     else:
-        _read_safetensors(file_of, [(key_of[h.user], h) for h in present])
+        _read_safetensors(found.file_of, [(key_of[h.user], h) for h in present])
+    for h in present:
+        warn_non_finite(h.name, key_of[h.user], h.tensor)
     result.loaded = list(dict.fromkeys(names[h.user][0] for h in present))
     result.missing = list(dict.fromkeys(names[h.user][0] for h in held if h.user not in key_of))
     return result
@@ -241,7 +269,9 @@ def _read_dcp(where: Path, pairs: list[tuple[str, _Held]]) -> None:
     # no_dist: each rank reads its own blocks; the ranks of different stages hold different keys
     for request in _rounds(pairs):
         try:
-            dcp.load(request, checkpoint_id=str(where), no_dist=True)
+            dcp.load(request, storage_reader=SafeReader(where), planner=SafePlanner(), no_dist=True)
+        except CheckpointError:
+            raise
         except (Exception, CheckpointException) as exc:  # a data file missing or cut short
             lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
             raise CheckpointError(

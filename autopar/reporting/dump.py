@@ -25,13 +25,35 @@ def dump_dir_from(explicit: str | os.PathLike[str] | None, rank: int) -> Path | 
         return None
     path = Path(base) / f"rank{rank}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if not path.is_symlink():
+            path.mkdir(parents=True, exist_ok=True)
+        links = [path] if path.is_symlink() else [p for p in path.iterdir() if p.is_symlink()]
     except OSError as exc:
         raise UsageError(
             f"cannot write debug dumps to {base}: {exc.strerror or exc}",
             hint=f"give a writable directory as dump_dir (or {DUMP_ENV})",
         ) from exc
+    if links:
+        # a dump would write through the link: someone else's file overwritten (in a shared /tmp)
+        raise UsageError(
+            f"cannot write debug dumps to {base}: {links[0]} is a symbolic link (to {os.readlink(links[0])}), "
+            "and dumps never write through links",
+            hint=f"remove the link, or give a fresh directory of your own as dump_dir (or {DUMP_ENV})",
+        )
     return path
+
+
+def _write(file: Path, text: str) -> None:
+    """Write `text` to `file`, refusing a link planted there since the directory was checked."""
+    try:
+        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot write the debug dump {file}: {exc.strerror or exc} (a symbolic link there is refused)",
+            hint=f"give a fresh directory of your own as dump_dir (or {DUMP_ENV})",
+        ) from exc
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
 
 
 def _arg(x: Any) -> str:
@@ -86,7 +108,7 @@ def graph_text(gm: fx.GraphModule, mesh: Mesh, *, local: bool) -> str:
 def write_stage(path: Path | None, name: str, gm: fx.GraphModule, mesh: Mesh, *, local: bool = False) -> None:
     if path is None:
         return
-    (path / f"{name}.txt").write_text(graph_text(gm, mesh, local=local))
+    _write(path / f"{name}.txt", graph_text(gm, mesh, local=local))
 
 
 def write_collectives(path: Path | None, report: Any) -> None:
@@ -104,8 +126,8 @@ def write_collectives(path: Path | None, report: Any) -> None:
     rows.append(
         f"total {report.bytes_per_step():.0f} bytes per rank per step in {len(report.collectives)} collectives"
     )
-    (path / "collectives.txt").write_text("\n".join(rows) + "\n")
-    (path / "summary.txt").write_text(str(report) + "\n")
+    _write(path / "collectives.txt", "\n".join(rows) + "\n")
+    _write(path / "summary.txt", str(report) + "\n")
 
 
 def write_timeline(path: Path | None, timelines: tuple[Timeline, Timeline], rank: int) -> None:
@@ -116,4 +138,4 @@ def write_timeline(path: Path | None, timelines: tuple[Timeline, Timeline], rank
     before, after = timelines
     write_chrome_trace(after, path / "timeline.json", rank)
     write_png(path / "timeline.png", after, before)
-    (path / "overlap.txt").write_text(overlap_text(before, after))
+    _write(path / "overlap.txt", overlap_text(before, after))

@@ -25,11 +25,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import CheckpointError
+from autopar.runtime.checkpoint_safety import (
+    DCP_METADATA,
+    SafePlanner,
+    SafeReader,
+    check_dtype,
+    check_tensor_entries,
+    inside,
+    read_dcp_metadata,
+    safetensors_is_floating,
+    warn_non_finite,
+)
 from autopar.runtime.module import ParallelModule
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
-DCP_METADATA = ".metadata"
 
 
 @dataclass
@@ -147,7 +157,8 @@ def safetensors_files(directory: Path) -> dict[str | None, Path]:
     """Key -> file for a sharded checkpoint (from its index); {None: file} for a single file."""
     index = directory / SAFETENSORS_INDEX
     if not index.is_file():
-        return {None: directory / SAFETENSORS_FILE}
+        return {None: inside(directory, SAFETENSORS_FILE, str(directory))}
+    inside(directory, SAFETENSORS_INDEX, str(directory))
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (ValueError, KeyError, TypeError) as exc:
@@ -155,7 +166,12 @@ def safetensors_files(directory: Path) -> dict[str | None, Path]:
             f"{index} is not a safetensors index (a JSON object with a weight_map): {exc}",
             hint="write the checkpoint again with save_pretrained",
         ) from exc
-    files = {key: directory / name for key, name in weight_map.items()}
+    if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+        raise CheckpointError(
+            f"{index}'s weight_map is not a mapping of tensor names to file names",
+            hint="write the checkpoint again with save_pretrained",
+        )
+    files = {key: inside(directory, name, str(index)) for key, name in weight_map.items()}
     absent = sorted({str(f) for f in files.values() if not f.is_file()})
     if absent:
         raise CheckpointError(
@@ -189,9 +205,12 @@ def _load_safetensors(pmodel: ParallelModule, files: dict[str | None, Path], str
                     f"{key} has shape {list(shape)} in the checkpoint, but the model's {name} is {list(target.shape)}",
                     hint="load a checkpoint of this model's configuration (sizes, vocabulary)",
                 )
+            stored = piece.get_dtype()
+            check_dtype(name, key, stored, safetensors_is_floating(stored), target)
             block = piece[pmodel.stored_block(name)] if shape else piece[...]
             with torch.no_grad():
                 local.copy_(block.to(local.dtype).reshape(local.shape))
+            warn_non_finite(name, key, block)
         result.loaded.append(name)
     return result
 
@@ -213,19 +232,17 @@ def opened_safetensors(file: Path) -> Iterator[Any]:
 
 
 def _load_dcp(pmodel: ParallelModule, directory: Path, strict: bool) -> LoadResult:
-    try:
-        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
-    except Exception as exc:  # a truncated or foreign .metadata: torch raises several kinds
-        raise CheckpointError(
-            f"{directory / DCP_METADATA} is not readable checkpoint metadata: {type(exc).__name__}: {exc}",
-            hint="the checkpoint may be truncated: save it again with torch.distributed.checkpoint",
-        ) from exc
+    metadata = read_dcp_metadata(directory)
     keys = set(metadata.state_dict_metadata)
     chosen, result = _match(pmodel, keys, strict, "DCP")
+    check_tensor_entries(directory, metadata, list(chosen.values()))
     state = pmodel.state_dict(keep_vars=True)
     for name, key in chosen.items():
+        entry = metadata.state_dict_metadata[key]
+        stored = entry.properties.dtype  # type: ignore[union-attr]
+        check_dtype(name, key, str(stored), stored.is_floating_point or stored.is_complex, state[name])
         want = tuple(state[name].shape)
-        have = tuple(getattr(metadata.state_dict_metadata[key], "size", want))
+        have = tuple(entry.size)  # type: ignore[union-attr]
         if have != want:
             raise CheckpointError(
                 f"{key} has shape {list(have)} in the checkpoint, but the model's {name} is {list(want)}",
@@ -233,7 +250,9 @@ def _load_dcp(pmodel: ParallelModule, directory: Path, strict: bool) -> LoadResu
             )
     request = {key: state[name].detach() for name, key in chosen.items()}
     try:
-        dcp.load(request, checkpoint_id=str(directory), process_group=pmodel.world_group)
+        dcp.load(request, storage_reader=SafeReader(directory), planner=SafePlanner(), process_group=pmodel.world_group)
+    except CheckpointError:
+        raise
     except (Exception, CheckpointException) as exc:  # a data file missing or cut short
         lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
         cause = lines[-1] if lines else type(exc).__name__  # the innermost error of the ranks' tracebacks
@@ -241,5 +260,7 @@ def _load_dcp(pmodel: ParallelModule, directory: Path, strict: bool) -> LoadResu
             f"reading the torch.distributed.checkpoint {directory} failed: {cause}",
             hint="the checkpoint may be truncated (a data file missing or cut short): save it again",
         ) from exc
+    for name, key in chosen.items():
+        warn_non_finite(name, key, state[name])
     result.loaded = list(chosen)
     return result

@@ -33,6 +33,7 @@ from autopar.core.precision import AutocastState, autocast_off, compilable_autoc
 from autopar.runtime.agreement import first_disagreement
 from autopar.runtime.groups import Groups, failures_named
 from autopar.runtime.local_batch import batch_tensor, global_stand_ins, index_extremes, shard_rows
+from autopar.runtime.module_state import NotCopyable, load_serial_state
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
 from autopar.runtime.split_backward import SplitBackward
@@ -82,7 +83,7 @@ class _Program:
     why: str = ""
 
 
-class ParallelModule(nn.Module):
+class ParallelModule(NotCopyable, nn.Module):
     """This rank's share of the model; call it with the same global inputs on every rank.
 
     A call whose input shapes, dtypes or non-tensor arguments differ from every compiled one, or in
@@ -137,6 +138,7 @@ class ParallelModule(nn.Module):
         self.aliases = dict(aliases)  # tied name -> the name it is stored under
         self.not_stored: list[str] = []  # the source's tensors that no program reads
         self.base_model_prefix: str = getattr(source, "base_model_prefix", "") or ""
+        self.source_config = getattr(source, "config", None)  # a transformers model's: export writes it
         # register in the source model's order so named_parameters()/state_dict() read the same
         for name in [*dict(source.named_parameters(remove_duplicate=False)), *buffers]:
             if name in aliases:
@@ -422,6 +424,11 @@ class ParallelModule(nn.Module):
                     hint="shapes are compiled into the plan: pass inputs shaped like example_inputs, "
                     "or call autopar.parallelize again with the new shapes",
                 )
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Takes this module's state dict or the serial model's (plain whole tensors: each rank
+        copies in its block of each)."""
+        return load_serial_state(self, super().load_state_dict, state_dict, strict, assign)
 
     def plan_summary(self) -> str:
         return str(self.report) if self.report is not None else ""

@@ -1,0 +1,83 @@
+"""What a parallel module does with the ways users move a model's state: a serial state dict
+loads into it (each rank keeping its block of each full tensor), and pickling or deep-copying it,
+which cannot give a working module (each rank holds only its blocks, bound to process groups),
+is refused with what to do instead."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import _IncompatibleKeys
+
+from autopar.core.errors import CheckpointError, UsageError
+
+
+class NotCopyable:
+    """`pickle.dumps`, `torch.save` and `copy.deepcopy` of the module raise `UsageError`."""
+
+    def _refuse(self, how: str) -> NoReturn:
+        kind = type(self).__name__
+        raise UsageError(
+            f"{how} a {kind}: each rank holds only its blocks of the model, bound to this job's "
+            "process groups, so a copy could not run anywhere",
+            hint="save with autopar.save_checkpoint(pmodel, path) on every rank (load it with "
+            "autopar.load_checkpoint), or take pmodel.state_dict(); to copy the model, copy the "
+            "serial model before parallelize",
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        self._refuse("cannot pickle (pickle.dumps, torch.save)")
+
+    def __deepcopy__(self, memo: Any) -> NoReturn:
+        self._refuse("cannot deep-copy")
+
+
+def serial_to_blocks(module: Any, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """`state_dict` with each plain tensor whose key names one of `module`'s DTensors replaced by
+    a DTensor of this rank's block of it (`module.stored_block`), laid out as the module's; the
+    whole tensor must have the module's global shape."""
+    own = module.state_dict(keep_vars=True)
+    converted: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        target = own.get(key)
+        if not isinstance(target, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            converted[key] = value
+            continue
+        if tuple(value.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"load_state_dict: {key} has shape {list(value.shape)}, but the model's is {list(target.shape)}",
+                hint="load the state dict of this model's configuration (sizes, vocabulary)",
+            )
+        block = value[module.stored_block(key)] if value.dim() else value
+        converted[key] = DTensor.from_local(
+            block.detach().to(target.dtype).contiguous(),
+            target.device_mesh,
+            target.placements,
+            run_check=False,
+            shape=target.shape,
+            stride=target.stride(),
+        )
+    return converted
+
+
+def load_serial_state(module: Any, load: Any, state_dict: Mapping[str, Any], strict: bool, assign: bool) -> _IncompatibleKeys:
+    """`nn.Module.load_state_dict` (`load`) on `module`, taking a serial state dict; torch's
+    errors (a missing or unexpected key) as `CheckpointError`."""
+    if assign:
+        raise UsageError(
+            "load_state_dict(assign=True) on a parallel module would replace its distributed tensors",
+            hint="call load_state_dict(state_dict) without assign: each rank copies its blocks in",
+        )
+    converted = serial_to_blocks(module, state_dict)
+    try:
+        result: _IncompatibleKeys = load(converted, strict=strict)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"load_state_dict: {' '.join(str(exc).split())[:400]}",
+            hint="load the state dict of this model (pmodel.state_dict() or the serial model's), or "
+            "pass strict=False; for files, autopar.load_checkpoint(pmodel, path)",
+        ) from exc
+    return result
