@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="the CI configuration: a 2-layer toy")
     parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument(
+        "--shape", nargs="*", default=[], metavar="KEY=N", help="other LlamaConfig fields, e.g. dim=4096 seq_len=4096"
+    )
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
@@ -228,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shape = dict(TINY if args.tiny else FULL)
     if args.layers is not None:
         shape["n_layer"] = args.layers
+    shape.update({key: int(value) for key, value in (item.split("=", 1) for item in args.shape)})
     cfg = LlamaConfig(**shape)
     hardware = args.hardware or ("h100-nvlink-ib" if device.type == "cuda" else "cpu-gloo")
     table = load_hardware(hardware)
