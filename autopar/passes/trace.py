@@ -496,9 +496,40 @@ VALUE_DEPENDENT_HINT = (
 )
 
 
+CAUSAL_MASK_HINT = (
+    "torch's nn.Transformer / TransformerEncoder / TransformerDecoder compare the mask you pass with a "
+    "causal mask to detect causality (torch.nn.modules.transformer._detect_is_causal_mask), which reads "
+    "the mask's values; say it instead: pass tgt_is_causal=True (nn.Transformer, TransformerDecoder) or "
+    "is_causal=True / src_is_causal=True (TransformerEncoder, nn.Transformer's encoder) with the causal "
+    "mask, and torch skips the comparison"
+)
+CTC_HINT = (
+    "F.ctc_loss sizes its alignment table by the longest target, a value the plan cannot know ahead; "
+    "compute the CTC loss outside the parallel module on its output (loss = F.ctc_loss(pmodel(x), "
+    "...)), which runs on the output's values like the serial model"
+)
+
+
+def _frames_of(exc: BaseException) -> list[str]:
+    """Function names of every frame in `exc`'s traceback and those of its causes."""
+    names: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        names += [frame.name for frame in traceback.extract_tb(current.__traceback__)]
+        current = current.__cause__ or current.__context__
+    return names
+
+
 def _trace_hint(exc: BaseException, otherwise: str) -> str:
-    """The value-dependent or data-dependent-shape hint when that is what failed, else `otherwise`."""
+    """The hint for what failed: torch's causal-mask detection, CTC's alignment table, a value read
+    by Python, a data-dependent shape; else `otherwise`."""
     text = f"{type(exc).__name__}: {exc}"
+    if "_detect_is_causal_mask" in _frames_of(exc):
+        return CAUSAL_MASK_HINT
+    if "_ctc_loss" in text:
+        return CTC_HINT
     if _VALUE_GUARD.search(text):
         return VALUE_DEPENDENT_HINT
     return DATA_DEPENDENT_HINT if _DATA_DEPENDENT.search(text) else otherwise

@@ -194,6 +194,30 @@ def _batch_norm_backward(
     return grad_x, grad_w, grad_b
 
 
+def _weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w = g * v / ||v||`, the norm over every dim but `dim` (kept as size 1; float32 for a
+    bfloat16 `g`, as the kernels keep it). torch's own decomposition takes the norm over every dim
+    when `v` has no other dim (a 1-D weight), where the kernel takes each element's magnitude."""
+    dims = [d for d in range(v.dim()) if d != dim]
+    norm_dtype = torch.float32 if g.dtype == torch.bfloat16 else None
+    norm = v.norm(2, dims, keepdim=True, dtype=norm_dtype) if dims else v.abs().to(norm_dtype or v.dtype)
+    return v * (g / norm.to(g.dtype)), norm
+
+
+def _weight_norm_backward(
+    grad_w: torch.Tensor, v: torch.Tensor, g: torch.Tensor, norms: torch.Tensor, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of `w = g * v / ||v||` (the norm over every dim but `dim`, all dims for -1, kept
+    as size 1; `norms` is the forward's): torch has no decomposition for this backward, and its
+    fused kernel has no sharding rule, while its pieces (products, sums over dims) have."""
+    dims = [d for d in range(v.dim()) if d != dim]
+    along = (grad_w * v).sum(dims, keepdim=True) if dims else grad_w * v  # sum over [] sums every dim
+    norms = norms.to(g.dtype)
+    grad_g = along / norms
+    grad_v = (g / norms) * (grad_w - v * (along / (norms * norms)))
+    return grad_v, grad_g
+
+
 def sharding_decompositions() -> dict[Any, Callable[..., Any]]:
     from torch._decomp import decomposition_table
 
@@ -204,10 +228,14 @@ def sharding_decompositions() -> dict[Any, Callable[..., Any]]:
         aten._native_batch_norm_legit_no_training.default: _batch_norm_inference,
         aten._native_batch_norm_legit.no_stats: _batch_norm_no_stats,
         aten.native_batch_norm_backward.default: _batch_norm_backward,
+        aten._weight_norm_interface.default: _weight_norm,  # wav2vec2's positional convolution
+        aten._weight_norm_interface_backward.default: _weight_norm_backward,
     }
     for op in (
         aten.nll_loss_forward.default,
         aten.nll_loss_backward.default,
+        aten.nll_loss2d_forward.default,  # segmentation: cross entropy over (N, C, H, W) logits
+        aten.nll_loss2d_backward.default,
         aten.mse_loss.default,
         aten.mse_loss_backward.default,
     ):
