@@ -9,7 +9,6 @@ graph; the local gradients it returns flow through `DTensor.to_local` into DTens
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -25,14 +24,22 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor.placement_types import Partial as DPartial
 from torch.utils import _pytree as pytree
 
-from autopar.core.errors import IndexOutOfRangeError, InputMismatchError, UsageError
+from autopar.core.errors import AutoparError, InputMismatchError, UsageError
 from autopar.core.layout import Layout, Partial, Shard
 from autopar.core.mesh import Mesh
-from autopar.core.meta import IndexCheck, OutputStructure
+from autopar.core.meta import OutputStructure
 from autopar.core.precision import AutocastState, autocast_off, compilable_autocast, describe
-from autopar.runtime.agreement import first_disagreement
+from autopar.runtime.agreement import Fingerprint, fingerprint, stored_disagreement
+from autopar.runtime.call_checks import (
+    CallHistory,
+    check_indices,
+    input_names,
+    positional_names,
+    refuse_differing_inputs,
+    refuse_input_gradients,
+)
 from autopar.runtime.groups import Groups, failures_named
-from autopar.runtime.local_batch import batch_tensor, global_stand_ins, index_extremes, shard_rows
+from autopar.runtime.local_batch import batch_tensor, global_stand_ins, shard_rows
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
 from autopar.runtime.split_backward import SplitBackward
@@ -123,6 +130,7 @@ class ParallelModule(nn.Module):
         self._deferral: WeightDeferral | None = None  # set around a zero-bubble call (deferring_weights)
         self._splits: dict[int, SplitBackward] = {}  # each program's backward cut in two, once
         self._positional_names = positional_names(source)  # to name inputs in errors
+        self._history = CallHistory()  # ranks a call apart are named as such (call_checks)
         self.report = report
         self.training = source.training
         self._programs: OrderedDict[Any, _Program] = OrderedDict()
@@ -167,6 +175,10 @@ class ParallelModule(nn.Module):
                 _register(self, name, dt, buffer=True, persistent=name in saved)
             else:
                 _register(self, name, nn.Parameter(dt, requires_grad=full[name].requires_grad))
+        # a state dict loaded on some ranks only, or a different one on each, would train a mixture
+        self._loading: list[tuple[str, Fingerprint]] = []  # a state dict's whole tensors, while it loads
+        self.register_load_state_dict_pre_hook(_fingerprint_loading)
+        self.register_load_state_dict_post_hook(_check_after_load)
         if example_flat is not None:
             mode = CallMode(self.training, False, autocast, self._tensor_dtypes())
             self._programs[_call_key(in_spec, example_flat, mode)] = first
@@ -209,6 +221,24 @@ class ParallelModule(nn.Module):
         deferral.pending.clear()
         return totals
 
+    def check_stored_agree(self, after: str, whole: Sequence[tuple[str, torch.Tensor | Fingerprint]] = ()) -> None:
+        """Refuse, on every rank alike, stored blocks whose copies differ between the ranks that
+        hold the same block, and `whole` tensors (what the load read: every rank the same whole
+        value) that differ between any ranks: one all-reduce of fingerprints. `after` names the
+        load for the error. Every rank calls it together, as it calls what loads."""
+        named = [*whole, *self.named_parameters(), *self.named_buffers()]
+        timeout = self._groups.timeout if self._groups is not None else None
+        with failures_named(timeout):
+            differing = stored_disagreement(named, self.world_group)
+        if differing is not None:
+            block = "" if differing.name in dict(whole) else ", which hold the same block of it"
+            raise AutoparError(
+                f"after {after}, {differing.name} differs between rank {differing.first} and rank "
+                f"{differing.rank}{block}: the ranks loaded different weights",
+                hint="load the same checkpoint or state dict on every rank (the same path, the same "
+                "step), and call the load on every rank together",
+            )
+
     @property
     def program(self) -> EmittedProgram:
         return self._program
@@ -228,6 +258,7 @@ class ParallelModule(nn.Module):
         return self._groups.world if self._groups is not None else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._history.calls += 1  # first: a call that fails on this rank alone still counts
         # a DTensor input (another parallel module's output) is its global value to the program;
         # its gradient comes back laid out as it is, through full_tensor's backward
         if self._local_inputs and any(isinstance(x, DTensor) for x in pytree.tree_leaves((args, kwargs))):
@@ -244,16 +275,16 @@ class ParallelModule(nn.Module):
         world = self._groups.world if self._groups else None
         with failures_named(timeout):  # the input checks and a compile's agreement are collectives
             if self._local_inputs:  # the program is traced for the batch the shards make together
-                shard_rows(tensors, names, world)
+                shard_rows(tensors, names, world, self._history.calls)
                 program_args, program_kwargs = global_stand_ins((args, kwargs), self._mesh.size)
             else:
                 if self._check_inputs_agree:
-                    _refuse_differing_inputs(flat, names, world)
+                    refuse_differing_inputs(flat, names, self._history, world)
                 program_args, program_kwargs = args, kwargs
             run = self._program_for(program_args, program_kwargs, flat, spec)
             program = run.program
-            _refuse_input_gradients(tensors, names, program.input_grads)
-            _check_indices(program.index_checks, tensors, names, world, across_ranks=self._local_inputs)
+            refuse_input_gradients(tensors, names, program.input_grads)
+            check_indices(program.index_checks, tensors, names, world, across_ranks=self._local_inputs)
         local_inputs = self._local_inputs_of(tensors, program)
         local_params = [self._local_param(run, name) for name in program.param_names]
         num_outputs = len(program.output_layouts)
@@ -427,96 +458,6 @@ class ParallelModule(nn.Module):
         return str(self.report) if self.report is not None else ""
 
 
-def _refuse_input_gradients(
-    tensors: Sequence[torch.Tensor], names: Sequence[str], computed: Sequence[int]
-) -> None:
-    """An input that wants a gradient the program does not compute would silently get none: a
-    module built around one program (no compiler) refuses such a call."""
-    if not torch.is_grad_enabled():
-        return
-    covered = {id(tensors[i]) for i in computed}  # a tensor passed twice is one input of the trace
-    wanting = [name for name, x in zip(names, tensors) if x.requires_grad and id(x) not in covered]
-    if wanting:
-        raise InputMismatchError(
-            f"{wanting[0]} requires a gradient, but the program was compiled for inputs that do not",
-            hint="pass example_inputs that require grad as the call's do, or detach() the input",
-        )
-
-
-def _check_indices(
-    checks: Sequence[IndexCheck],
-    tensors: Sequence[torch.Tensor],
-    names: Sequence[str],
-    group: dist.ProcessGroup | None = None,
-    across_ranks: bool = False,
-) -> None:
-    """Refuse, on every rank alike and before the program's first collective, an input value that
-    an op would index out of range with (`IndexCheck`): the IndexError the serial model raises.
-    Global inputs are the same on every rank; local shards are checked together (`across_ranks`)."""
-    if not checks:
-        return
-    for check, extremes in zip(checks, index_extremes(checks, tensors, across_ranks, group)):
-        if extremes is None:
-            continue
-        low, high = extremes
-        if low >= 0 and high < check.bound:
-            continue
-        also = f" (or {', '.join(map(str, check.ignored))}, which the model ignores)" if check.ignored else ""
-        raise IndexOutOfRangeError(
-            f"index out of range: {names[check.input_index]} holds "
-            f"{low if low < 0 else high}, but {check.op} takes 0 to {check.bound - 1}{also}",
-            op=check.op,
-            where=check.where,
-            hint="the serial model raises IndexError on this batch too, and no rank has run any of "
-            "it: check the data (token ids below the vocabulary size, targets below the number of "
-            "classes) or skip the batch",
-        )
-
-
-def input_names(args: tuple[Any, ...], kwargs: dict[str, Any], positional: Sequence[str] = ()) -> list[str]:
-    """The name of every tensor input as the user knows it: a keyword (`labels`), the forward's
-    parameter a positional argument binds to (`positional`), else `argument 0`; `[1]`, `['a']`
-    below that for a leaf inside a list or dict."""
-    names = []
-    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        top, rest = path[1], path[2:]
-        if isinstance(top, pytree.MappingKey):
-            head = str(top.key)
-        else:
-            index = top.idx  # type: ignore[attr-defined]
-            head = positional[index] if index < len(positional) else f"argument {index}"
-        names.append(head + pytree.keystr(rest))
-    return names
-
-
-def positional_names(model: nn.Module) -> list[str]:
-    """The names of the forward's parameters that a positional argument can bind to."""
-    try:
-        parameters = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in parameters if p.kind in kinds]
-
-
-def _refuse_differing_inputs(
-    flat: Sequence[Any], names: Sequence[str], group: dist.ProcessGroup | None
-) -> None:
-    """Every rank must pass the same global batch; ranks that pass their own shards (as with a
-    DistributedSampler) would train on a mixture, so the call is refused on every rank alike."""
-    tensors = list(zip(names, [x for x in flat if isinstance(x, torch.Tensor)]))
-    differing = first_disagreement(tensors, group)
-    if differing is not None:
-        name, rank = differing
-        raise InputMismatchError(
-            f"{name} differs between rank 0 and rank {rank}: every rank must pass the same global batch",
-            hint="give every rank the whole batch (the same sampler seed on every rank, no "
-            "DistributedSampler); parallelize(..., check_inputs=False) skips this check",
-        )
-
-
 def _call_key(spec: Any, flat: Sequence[Any], mode: CallMode) -> tuple[Any, ...]:
     """What selects a program: the arguments' structure, each tensor's shape, dtype and (with
     gradients on) whether it requires grad, which arguments are one tensor passed twice (the
@@ -569,6 +510,21 @@ def _describe(spec: tuple[tuple[int, ...], torch.dtype] | None) -> str:
 
 def _local(value: Any) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _fingerprint_loading(module: ParallelModule, state_dict: Mapping[str, Any], prefix: str, *_: Any) -> None:
+    """The whole (plain) tensors of a state dict being loaded: every rank must pass the same."""
+    if prefix == "":
+        module._loading = [
+            (f"{name} of the state dict", fingerprint(value))
+            for name, value in state_dict.items()
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+        ]
+
+
+def _check_after_load(module: ParallelModule, incompatible: Any) -> None:
+    whole, module._loading = module._loading, []
+    module.check_stored_agree("load_state_dict", whole)
 
 
 def _register(root: nn.Module, name: str, value: Any, buffer: bool = False, persistent: bool = True) -> None:
