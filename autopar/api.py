@@ -42,6 +42,7 @@ from autopar.runtime.local_batch import GLOBAL, INPUT_MODES, LOCAL, global_stand
 from autopar.runtime.materialize import InitFn
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_runtime import BoundaryScatter
+from autopar.runtime.slips import watch_optimizers
 
 
 def parallelize(
@@ -194,6 +195,7 @@ def parallelize(
             virtual_stages, hardware, options, timeout,
         )
         pipelined_module.mesh_choice = depth_choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
+        watch_optimizers(model, pipelined_module)
         return pipelined_module
     seeded = torch.random.get_rng_state()  # what a meta-device model is initialized from
     traced_inputs, traced_kwargs = example_inputs, example_kwargs
@@ -230,6 +232,7 @@ def parallelize(
         autocast=autocast, seeded=seeded,
     )
     result.mesh_choice = depth_choice if depth_choice is not None else choice  # type: ignore[assignment]
+    watch_optimizers(model, result)  # an optimizer over model.parameters() is refused at its step
     return result
 
 

@@ -130,6 +130,8 @@ def compile_module(
         """Another program of the same model, for a call the first does not fit (new shapes, eval,
         autocast, weights cast to another dtype)."""
         structure.train(mode.training)
+        for path, training in mode.flags:  # each submodule's own flag, as the user set it
+            structure.get_submodule(path).training = training
         cast_like(structure, mode.dtypes)
         again = compile_for_rank(
             structure,

@@ -60,13 +60,16 @@ def to_dtensor_placements(layout: Layout) -> list[Any]:
 @dataclass(frozen=True)
 class CallMode:
     """What a program depends on besides its inputs: the module's mode, whether gradients are on,
-    the autocast regions of the call, and the dtype of every parameter and buffer (after
-    `pmodel.to(torch.bfloat16)` the programs compiled for float32 weights no longer fit)."""
+    the autocast regions of the call, the dtype of every parameter and buffer (after
+    `pmodel.to(torch.bfloat16)` the programs compiled for float32 weights no longer fit), and the
+    training flag of every submodule (`flags`, by path: a dropout the user keeps in eval inside a
+    training model)."""
 
     training: bool
     forward_only: bool
     autocast: AutocastState = ()
     dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+    flags: tuple[tuple[str, bool], ...] = ()
 
 
 # Compiles `(args, kwargs, mode)` into this rank's program and its output structure; every rank
@@ -175,12 +178,15 @@ class ParallelModule(nn.Module):
                 _register(self, name, dt, buffer=True, persistent=name in saved)
             else:
                 _register(self, name, nn.Parameter(dt, requires_grad=full[name].requires_grad))
+        # every submodule of the source, as a container whose training flag the user sets as on the
+        # source (`pmodel.drop.eval()`); each call's program is for the flags at call time
+        self._flagged = _flag_containers(self, source)
         # a state dict loaded on some ranks only, or a different one on each, would train a mixture
         self._loading: list[tuple[str, Fingerprint]] = []  # a state dict's whole tensors, while it loads
         self.register_load_state_dict_pre_hook(_fingerprint_loading)
         self.register_load_state_dict_post_hook(_check_after_load)
         if example_flat is not None:
-            mode = CallMode(self.training, False, autocast, self._tensor_dtypes())
+            mode = CallMode(self.training, False, autocast, self._tensor_dtypes(), self.module_flags())
             self._programs[_call_key(in_spec, example_flat, mode)] = first
 
     @contextlib.contextmanager
@@ -339,7 +345,11 @@ class ParallelModule(nn.Module):
             self._check_inputs(flat, spec)
             return self._first
         mode = CallMode(
-            self.training, not grad, compilable_autocast(self._autocast_devices), self._tensor_dtypes()
+            self.training,
+            not grad,
+            compilable_autocast(self._autocast_devices),
+            self._tensor_dtypes(),
+            self.module_flags(),
         )
         key = _call_key(spec, flat, mode)
         found = self._programs.get(key)
@@ -354,6 +364,10 @@ class ParallelModule(nn.Module):
         if len(self._programs) > MAX_PROGRAMS:
             self._programs.popitem(last=False)
         return found
+
+    def module_flags(self) -> tuple[tuple[str, bool], ...]:
+        """The training flag of every submodule of the source model (by path) at this call."""
+        return tuple((path, module.training) for path, module in self._flagged)
 
     def _tensor_dtypes(self) -> tuple[tuple[str, torch.dtype], ...]:
         return tuple((name, t.dtype) for name, t in [*self.named_parameters(), *self.named_buffers()])
@@ -375,6 +389,11 @@ class ParallelModule(nn.Module):
             ]
         if mode.training != last.training:
             changes.append("train() mode" if mode.training else "eval() mode")
+        flipped = [path for (path, new), (_, old) in zip(mode.flags, last.flags) if new != old]
+        if flipped and mode.training == last.training:
+            now = "train()" if dict(mode.flags)[flipped[0]] else "eval()"
+            more = f" (and {len(flipped) - 1} more submodules)" if len(flipped) > 1 else ""
+            changes.append(f"submodule {flipped[0]} in {now}{more}")
         if mode.forward_only != last.forward_only:
             changes.append("torch.no_grad(): forward only" if mode.forward_only else "gradients on")
         if mode.autocast != last.autocast:
@@ -520,6 +539,29 @@ def _fingerprint_loading(module: ParallelModule, state_dict: Mapping[str, Any], 
             for name, value in state_dict.items()
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
         ]
+
+
+def _flag_containers(root: nn.Module, source: nn.Module) -> list[tuple[str, nn.Module]]:
+    """For every submodule path of `source`: the module under `root` at that path (made empty
+    where no tensor made one), holding the source module's training flag. A path whose name the
+    parallel module uses for something else keeps no container and its flag is fixed."""
+    found = []
+    for path, module in source.named_modules():
+        if not path:
+            continue
+        parent, _, leaf = path.rpartition(".")
+        holder: Any = root
+        for part in parent.split(".") if parent else ():
+            holder = getattr(holder, part, None)
+        if not isinstance(holder, nn.Module):
+            continue
+        if not hasattr(holder, leaf):
+            holder.add_module(leaf, nn.Module())
+        container = getattr(holder, leaf)
+        if isinstance(container, nn.Module):
+            container.training = module.training
+            found.append((path, container))
+    return found
 
 
 def _check_after_load(module: ParallelModule, incompatible: Any) -> None:
