@@ -100,7 +100,8 @@ def parallelize(
     region, or weights cast with `pmodel.to(dtype)`; see
     docs/architecture.md, "Calls, modes and programs". Every rank must start from the same weights
     (checked here) and pass the same inputs (checked on each call with a small all-reduce of
-    fingerprints; `check_inputs=False` skips that).
+    fingerprints that see reordered rows and tokens too; `check_inputs=False` skips that); see
+    docs/debugging.md, "What is checked, and what is refused".
 
     A model built on the meta device (`with torch.device("meta"): model = Model()`) is never
     materialized whole: every rank runs the model's initialization (each module's

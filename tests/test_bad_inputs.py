@@ -2,8 +2,10 @@
 inputs, models, options, dump paths, hardware tables, memory limits), each asserting the
 AutoparError subclass and that the message names the offending thing. Rows that need a process
 group run together in one forked single-rank job. Faults of other ranks (killed, raising, absent)
-are in tests/test_rank_failures.py; inputs that must give the serial result (NaN, frozen weights,
-uneven dims) in the lockstep and gloo tests."""
+are in tests/test_rank_failures.py; ranks whose weights, batches or loads disagree (reordered
+rows, samples, tokens; a rank a call out of step) in tests/test_agreement.py; inputs that must
+give the serial result (NaN, frozen weights, uneven dims, a frozen dropout, hooks on the parallel
+module's parameters) in the lockstep and gloo tests (tests/test_hooks_and_flags.py)."""
 
 from __future__ import annotations
 
