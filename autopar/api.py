@@ -44,6 +44,7 @@ from autopar.runtime.local_batch import GLOBAL, INPUT_MODES, LOCAL, global_stand
 from autopar.runtime.materialize import InitFn
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_runtime import BoundaryScatter
+from autopar.runtime.slips import watch_optimizers
 
 
 def parallelize(
@@ -101,7 +102,8 @@ def parallelize(
     region, or weights cast with `pmodel.to(dtype)`; see
     docs/architecture.md, "Calls, modes and programs". Every rank must start from the same weights
     (checked here) and pass the same inputs (checked on each call with a small all-reduce of
-    fingerprints; `check_inputs=False` skips that).
+    fingerprints that see reordered rows and tokens too; `check_inputs=False` skips that); see
+    docs/debugging.md, "What is checked, and what is refused".
 
     A model built on the meta device (`with torch.device("meta"): model = Model()`) is never
     materialized whole: every rank runs the model's initialization (each module's
@@ -196,6 +198,7 @@ def parallelize(
             virtual_stages, hardware, options, timeout,
         )
         pipelined_module.mesh_choice = depth_choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
+        watch_optimizers(model, pipelined_module)
         return pipelined_module
     seeded = torch.random.get_rng_state()  # what a meta-device model is initialized from
     traced_inputs, traced_kwargs = example_inputs, example_kwargs
@@ -232,6 +235,7 @@ def parallelize(
         autocast=autocast, seeded=seeded,
     )
     result.mesh_choice = depth_choice if depth_choice is not None else choice  # type: ignore[assignment]
+    watch_optimizers(model, result)  # an optimizer over model.parameters() is refused at its step
     return result
 
 

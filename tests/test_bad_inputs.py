@@ -2,8 +2,10 @@
 inputs, models, options, dump paths, hardware tables, memory limits), each asserting the
 AutoparError subclass and that the message names the offending thing. Rows that need a process
 group run together in one forked single-rank job. Faults of other ranks (killed, raising, absent)
-are in tests/test_rank_failures.py; inputs that must give the serial result (NaN, frozen weights,
-uneven dims) in the lockstep and gloo tests."""
+are in tests/test_rank_failures.py; ranks whose weights, batches or loads disagree (reordered
+rows, samples, tokens; a rank a call out of step) in tests/test_agreement.py; inputs that must
+give the serial result (NaN, frozen weights, uneven dims, a frozen dropout, hooks on the parallel
+module's parameters) in the lockstep and gloo tests (tests/test_hooks_and_flags.py)."""
 
 from __future__ import annotations
 
@@ -76,6 +78,36 @@ MLP, BATCH = make_mlp(0)
 MESH2 = Mesh.from_shape((2,))
 
 
+def _clip_gradient(g: torch.Tensor) -> torch.Tensor:
+    return g.clamp(-0.01, 0.01)
+
+
+def _log_gradients(*args: Any) -> None:
+    return None
+
+
+def _hooked(kind: str) -> nn.Module:
+    """A fresh MLP with the user's hook of `kind` on fc1 or its weight."""
+    model, _ = make_mlp(0)
+    register = {
+        "register_hook": lambda: model.fc1.weight.register_hook(_clip_gradient),
+        "post_accumulate": lambda: model.fc1.weight.register_post_accumulate_grad_hook(_log_gradients),
+        "full_backward": lambda: model.fc1.register_full_backward_hook(_log_gradients),
+        "full_backward_pre": lambda: model.fc1.register_full_backward_pre_hook(_log_gradients),
+        "old_backward": lambda: model.fc1.register_backward_hook(_log_gradients),
+    }
+    register[kind]()
+    return model
+
+
+def _with_global_backward_hook() -> Any:
+    handle = nn.modules.module.register_module_full_backward_hook(_log_gradients)
+    try:
+        return _compile()
+    finally:
+        handle.remove()
+
+
 def _compile(model: Any = MLP, inputs: Any = BATCH, mesh: Mesh = MESH2, **options: Any) -> Any:
     return compile_for_rank(model, mesh, inputs, coords=options.pop("coords", (0,)), **options)
 
@@ -111,6 +143,12 @@ IN_PROCESS: list[tuple[str, Callable[[], Any], type, str]] = [
     ("custom-autograd-function", lambda: _compile(QuantizedMLP(RoundStraightThrough), _mlp_batch()), TraceError, "RoundStraightThrough"),
     ("reentrant-checkpoint", lambda: _compile(Checkpointed(True), _grad_batch()), TraceError, "CheckpointFunction"),
     ("random-op-without-rule", lambda: _compile(model=Poisson()), MissingRuleError, "aten.poisson"),
+    ("hook-on-parameter", lambda: _compile(model=_hooked("register_hook")), UsageError, "fc1.weight has a gradient hook, test_bad_inputs._clip_gradient (register_hook)"),
+    ("hook-post-accumulate-grad", lambda: _compile(model=_hooked("post_accumulate")), UsageError, "_log_gradients (register_post_accumulate_grad_hook)"),
+    ("hook-module-full-backward", lambda: _compile(model=_hooked("full_backward")), UsageError, "module fc1 (Linear) has a backward hook, test_bad_inputs._log_gradients (register_full_backward_hook)"),
+    ("hook-module-backward-pre", lambda: _compile(model=_hooked("full_backward_pre")), UsageError, "_log_gradients (register_full_backward_pre_hook)"),
+    ("hook-module-old-backward", lambda: _compile(model=_hooked("old_backward")), UsageError, "_log_gradients (register_backward_hook)"),
+    ("hook-global-module-backward", _with_global_backward_hook, UsageError, "a global module backward hook, test_bad_inputs._log_gradients"),
     ("weight-too-small-to-split", lambda: _compile(model=TinyWeight(), mesh=Mesh.from_shape((2, 2)), coords=(0, 0), memory_limit=1e9, planner="greedy"), ShardingError, "scale"),
 ]
 
@@ -188,6 +226,17 @@ def _checkpoint_rows(pmodel: nn.Module, model: nn.Module) -> dict[str, Callable[
     }
 
 
+def _optimizer_slip(model: nn.Module, pmodel: nn.Module, batch: tuple[torch.Tensor, ...]) -> None:
+    """The serial model trained beside the parallel one steps as ever; an optimizer over its
+    parameters stepping after the parallel module's backward is the slip."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(*batch).backward()
+    opt.step()  # serial, beside: its parameters have gradients
+    opt.zero_grad()
+    pmodel(*batch).backward()
+    opt.step()
+
+
 def _parallelize_rows(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     """Every row that needs a process group, in one single-rank job: row -> (error type, text)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -216,6 +265,7 @@ def _parallelize_rows(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
             "call-keyword-unknown": lambda: pmodel(x, y, labels=y),
         }
     )
+    rows["optimizer-over-the-original-parameters"] = lambda: _optimizer_slip(model, pmodel, (x, y))
     rows.update(_checkpoint_rows(pmodel, model))
     found = {}
     for name, row in rows.items():
@@ -248,6 +298,7 @@ WITH_PROCESS_GROUP = {
     "call-target-out-of-range": (IndexOutOfRangeError, "y holds 99"),
     "call-negative-target": (IndexOutOfRangeError, "y holds -"),
     "call-keyword-unknown": (TraceError, "labels"),
+    "optimizer-over-the-original-parameters": (UsageError, "build the optimizer over the parallel module's parameters: torch.optim.SGD(pmodel.parameters()"),
 }
 
 

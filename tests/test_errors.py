@@ -263,15 +263,31 @@ def _fingerprints_of(rank: int, world_size: int) -> list[Any]:
     nan_inf = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")])
     moved = nan_inf.clone() if rank == 0 else nan_inf[[1, 0, 2, 3]].clone()  # the NaN elsewhere
     tiny = torch.tensor([1.0, 2.0]) + (2.0**-20 if rank == 1 else 0.0)  # one float32 step above 1
-    return [
+    found = [
         first_disagreement([("same", nan_inf), ("also same", torch.arange(5))]),
         first_disagreement([("same", nan_inf), ("moved", moved)]),
         first_disagreement([("tiny", tiny)]),
         first_disagreement([]),
     ]
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from autopar.runtime.agreement import stored_disagreement
+
+    mesh = init_device_mesh("cpu", (2,))
+    block = torch.arange(6.0).reshape(3, 2) + rank  # each rank's own block: never compared
+    base = torch.tensor([[1.0, 2.0], [1.0, 3.0], [0.0, 3.0]])
+    row_swapped = base[[1, 0, 2]] if rank == 1 else base  # sums, first and last element agree
+    sharded = DTensor.from_local(block, mesh, [Shard(0)], run_check=False)
+    replicated = DTensor.from_local(row_swapped, mesh, [Replicate()], run_check=False)
+    found += [
+        stored_disagreement([("sharded", sharded)]),
+        stored_disagreement([("sharded", sharded), ("replicated", replicated)]),
+    ]
+    return [None if d is None else (d.name, d.rank) for d in found]
 
 
 @pytest.mark.multirank
 def test_fingerprints_agree_on_equal_values_with_nan_and_inf_and_name_the_first_difference() -> None:
     for result in run_ranks(2, _fingerprints_of, timeout=120):
-        assert result == [None, ("moved", 1), ("tiny", 1), None], result
+        assert result == [None, ("moved", 1), ("tiny", 1), None, None, ("replicated", 1)], result

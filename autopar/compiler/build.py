@@ -24,10 +24,11 @@ from autopar.core.plan import Plan
 from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.rules.base import RuleRegistry
 from autopar.runtime.agreement import Fingerprint, decided_on_rank0, fingerprint, first_disagreement
+from autopar.runtime.call_checks import input_names, positional_names
 from autopar.runtime.groups import Groups
 from autopar.runtime.local_batch import GLOBAL, LOCAL
 from autopar.runtime.materialize import InitFn, initialized_blocks, meta_tensor_names
-from autopar.runtime.module import CallMode, ParallelModule, input_names, positional_names
+from autopar.runtime.module import CallMode, ParallelModule
 from autopar.runtime.program import EmittedProgram
 
 
@@ -129,6 +130,8 @@ def compile_module(
         """Another program of the same model, for a call the first does not fit (new shapes, eval,
         autocast, weights cast to another dtype)."""
         structure.train(mode.training)
+        for path, training in mode.flags:  # each submodule's own flag, as the user set it
+            structure.get_submodule(path).training = training
         cast_like(structure, mode.dtypes)
         again = compile_for_rank(
             structure,
@@ -206,14 +209,15 @@ def check_weights_agree(
     examples: Sequence[tuple[str, torch.Tensor]] = (),
 ) -> None:
     """Every rank must start from the same weights; otherwise each stores its block of its own
-    weights and the result mixes them. One all-gather of four numbers per tensor finds out (for
+    weights and the result mixes them. One all-reduce of six numbers per tensor (`fingerprint`: sums weighted by position too, so a
+    swapped row shows) finds out (for
     the tensors of a meta-device model, `prints` of the whole tensors its initialization made),
     and of the example inputs (`examples`, by name) in the same all-gather."""
     named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if n not in skip]
     inputs = [(f"example input {n}", fingerprint(t)) for n, t in examples]
     differing = first_disagreement([*[(n, fingerprint(t)) for n, t in named], *prints, *inputs], group)
-    if differing is not None and differing[0].startswith("example input "):
-        name, rank = differing
+    if differing is not None and differing.name.startswith("example input "):
+        name, rank = differing.name, differing.rank
         raise InputMismatchError(
             f"{name.removeprefix('example input ')} of example_inputs differs between rank 0 and rank "
             f"{rank}: every rank must pass the same example inputs (the global batch)",
@@ -221,7 +225,7 @@ def check_weights_agree(
             "passes its own shard of the batch",
         )
     if differing is not None:
-        name, rank = differing
+        name, rank = differing.name, differing.rank
         raise AutoparError(
             f"{name} differs between rank 0 and rank {rank}: every rank must pass the same weights",
             hint="seed every rank alike before building the model (torch.manual_seed), or load the "

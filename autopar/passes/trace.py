@@ -46,6 +46,7 @@ from autopar.core.precision import AutocastState, MixedPrecision, autocast_as, a
 from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
 from autopar.passes.checkpoint_regions import CheckpointWatch, mark_checkpoint_regions
 from autopar.passes.fused import split_fused_linears
+from autopar.passes.hooks import refuse_gradient_hooks
 from autopar.passes.index_checks import find_index_checks
 from autopar.passes.joint_rewrites import (
     drop_identities,
@@ -107,6 +108,8 @@ def _trace(
     mixed_precision: MixedPrecision | None,
 ) -> fx.GraphModule:
     example_kwargs = example_kwargs or {}
+    if not forward_only:  # hooks on gradients would be dropped: refused by name (passes/hooks.py)
+        refuse_gradient_hooks(model)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_model = fake_clone(model, fake_mode, frozen=forward_only)
     outputs = _OutputRecord()

@@ -7,10 +7,12 @@ in a collective; every rank raises the same error instead.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import AutoparError
 
@@ -36,14 +38,47 @@ def decided_on_rank0(decide: Callable[[], T], what: str, group: dist.ProcessGrou
     return value  # type: ignore[no-any-return]
 
 
-Fingerprint = tuple[float, float, float, float]
+Fingerprint = tuple[float, ...]
+# Position weights: element i = r * _ROW + j of a flattened tensor counts u_k(j) * v_k(r) times in
+# sum k, u and v being Weyl sequences (multiples of the golden ratio's and sqrt 2's fractional
+# parts, plus 1/2: the same on every rank, never zero, never a pattern that a row swap or a
+# transposition keeps), so moving a value changes these sums where the plain sums do not see it.
+# As a product, the sums are one matrix-vector pass over the tensor viewed as rows of _ROW.
+_WEIGHTS = (0.6180339887498949, 0.41421356237309515)
+_ROW = 1024
+_ROWS_AT_ONCE = 1024  # a float64 copy of this many rows at a time: 8 MB
+
+
+def _weights(positions: torch.Tensor, shift: int) -> torch.Tensor:
+    """Weights (len(positions), 2) for 1-based positions: frac(p * a) + 1/2, a from `_WEIGHTS`
+    rotated by `shift` (rows and columns use the two constants in opposite order)."""
+    consts = torch.tensor(_WEIGHTS[shift:] + _WEIGHTS[:shift], dtype=torch.float64, device=positions.device)
+    return torch.frac(positions.to(torch.float64)[:, None] * consts) + 0.5
+
+
+def _position_sums(flat: torch.Tensor) -> list[float]:
+    full = flat.numel() // _ROW
+    device = flat.device
+    columns = _weights(torch.arange(1, _ROW + 1, device=device), 0)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for start in range(0, full, _ROWS_AT_ONCE):
+        stop = min(full, start + _ROWS_AT_ONCE)
+        rows = flat[start * _ROW : stop * _ROW].view(stop - start, _ROW).to(torch.float64)
+        sums += ((rows @ columns) * _weights(torch.arange(start + 1, stop + 1, device=device), 1)).sum(0)
+    tail = flat[full * _ROW :].to(torch.float64)
+    if tail.numel():
+        row = _weights(torch.tensor([full + 1], device=device), 1)
+        sums += (tail[:, None] * columns[: tail.numel()]).sum(0) * row[0]
+    return [float(v) for v in sums]
 
 
 def fingerprint(tensor: torch.Tensor) -> Fingerprint:
-    """Four numbers that differ between tensors made from different seeds or data: the sum, the
-    sum of magnitudes, and the first and last element (float64; one pass, no copy of the tensor)."""
+    """Six float64 numbers that change with any single value and with any reordering of values:
+    the sum, the sum of magnitudes, the first and last element, and two sums of each element times
+    a weight of its position (`_WEIGHTS`). Integer inputs (token ids) are read as float64, exact
+    below 2**53."""
     if tensor.numel() == 0:
-        return (0.0, 0.0, 0.0, 0.0)
+        return (0.0,) * 6
     flat = tensor.detach().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
@@ -52,28 +87,84 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
         float(flat.abs().sum(dtype=torch.float64)),
         float(flat[0]),
         float(flat[-1]),
+        *_position_sums(flat),
     )
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """A tensor (or count) whose value differs between ranks: its name, a rank that differs from
+    the first rank holding it, and every rank's fingerprint of it (None where a rank holds no
+    copy of that block)."""
+
+    name: str
+    rank: int
+    values: list[Fingerprint | None]
+    first: int = 0  # the rank `rank` differs from
 
 
 def first_disagreement(
     named: Sequence[tuple[str, torch.Tensor | Fingerprint]], group: dist.ProcessGroup | None = None
-) -> tuple[str, int] | None:
+) -> Disagreement | None:
     """The first of `named` (tensors, or their fingerprints) whose value differs between ranks,
     and a rank that differs from rank 0; None when all agree. Every rank gets the same answer.
 
     One all-reduce of the fingerprints (the largest of each number and of its negation: all ranks
     agree exactly when both give the same value) decides; only when some differ does an
     all-gather find which and where."""
-    mine = [fingerprint(t) if isinstance(t, torch.Tensor) else t for _, t in named]
-    if _all_agree(mine, group):
+    return first_disagreement_among_holders([(n, t, 0, 1) for n, t in named], group)
+
+
+def first_disagreement_among_holders(
+    named: Sequence[tuple[str, torch.Tensor | Fingerprint, int, int]], group: dist.ProcessGroup | None = None
+) -> Disagreement | None:
+    """Like `first_disagreement` for tensors of which each rank holds one block: `(name, this
+    rank's block or its fingerprint, which block it is, how many blocks there are)`; ranks that
+    hold the same block must agree on it, and blocks are never compared with each other. Still
+    one all-reduce for all of them together."""
+    mine = [fingerprint(t) if isinstance(t, torch.Tensor) else t for _, t, _, _ in named]
+    slots = [(slot, count) for _, _, slot, count in named]
+    if _all_agree(mine, slots, group):
         return None
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    for index, (name, _) in enumerate(named):
-        for rank, theirs in enumerate(everyone):
-            if not _same(theirs[index], everyone[0][index]):
-                return name, rank
+    dist.all_gather_object(everyone, (mine, [slot for slot, _ in slots]), group=group)
+    for index, (name, _, _, count) in enumerate(named):
+        held = [(rank, prints[index], where[index]) for rank, (prints, where) in enumerate(everyone)]
+        for block in range(count):
+            holders = [(rank, value) for rank, value, at in held if at == block]
+            for rank, value in holders[1:]:
+                if not _same(value, holders[0][1]):
+                    values = [value if at == block else None for _, value, at in held]
+                    return Disagreement(name, rank, values, holders[0][0])
     return None
+
+
+def stored_disagreement(
+    named: Sequence[tuple[str, torch.Tensor | Fingerprint]], group: dist.ProcessGroup | None = None
+) -> Disagreement | None:
+    """The first of a parallel module's stored tensors (DTensors: each rank holds a block) whose
+    copies differ between the ranks that hold the same block (replicas along the mesh axes it is
+    not split on): what loading different checkpoints, or different state dicts, on different
+    ranks leaves. A block held by one rank only has nothing to be compared with. A tensor with a
+    partial placement (partial sums differ by design) is skipped; a plain tensor (or its
+    fingerprint) is one whole value that every rank must agree on."""
+    entries: list[tuple[str, torch.Tensor | Fingerprint, int, int]] = []
+    for name, value in named:
+        if not isinstance(value, DTensor):
+            entries.append((name, value, 0, 1))
+            continue
+        if any(p.is_partial() for p in value.placements):
+            continue
+        coords = value.device_mesh.get_coordinate()
+        if coords is None:  # this rank is outside the tensor's mesh
+            continue
+        slot, count = 0, 1
+        for axis, placement in enumerate(value.placements):
+            if placement.is_shard():
+                size = value.device_mesh.size(axis)
+                slot, count = slot * size + coords[axis], count * size
+        entries.append((name, value.to_local(), slot, count))
+    return first_disagreement_among_holders(entries, group)
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -84,14 +175,31 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_agree(prints: Sequence[Fingerprint], group: dist.ProcessGroup | None) -> bool:
-    values = torch.tensor(prints, dtype=torch.float64, device=collective_device(group)).reshape(-1)
-    nan = torch.isnan(values)
-    numbers = torch.where(nan, 0.0, values)  # NaN equals NaN here, as in `_same`
+def _all_agree(
+    prints: Sequence[Fingerprint], slots: Sequence[tuple[int, int]], group: dist.ProcessGroup | None
+) -> bool:
+    """One all-reduce: each fingerprint goes in its block's place among its tensor's blocks; the
+    places of blocks this rank does not hold read -inf, so the largest of each number and of its
+    negation come from the ranks holding that block only."""
+    values: list[float] = []
+    present: list[bool] = []
+    for fp, (slot, count) in zip(prints, slots, strict=True):
+        for block in range(count):
+            values += fp if block == slot else [0.0] * len(fp)
+            present += [block == slot] * len(fp)
+    device = collective_device(group)
+    numbers = torch.tensor(values, dtype=torch.float64, device=device)
+    held = torch.tensor(present, dtype=torch.bool, device=device).repeat(4)
+    nan = torch.isnan(numbers)
+    numbers = torch.where(nan, 0.0, numbers)  # NaN equals NaN here, as in `_same`
     both = torch.cat([numbers, -numbers, nan.double(), -nan.double()])
+    both = torch.where(held, both, -torch.inf)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     largest, smallest = both[: 2 * len(values)].chunk(2), both[2 * len(values) :].chunk(2)
-    return bool(torch.equal(largest[0], -largest[1]) and torch.equal(smallest[0], -smallest[1]))
+    unheld = largest[0] == -torch.inf  # no rank holds that block: nothing to compare
+    return bool(
+        ((largest[0] == -largest[1]) | unheld).all() and ((smallest[0] == -smallest[1]) | unheld).all()
+    )
 
 
 def _same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:

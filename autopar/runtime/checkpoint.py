@@ -40,6 +40,7 @@ from autopar.runtime.module import ParallelModule
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
+SAMPLE_BYTES = 1 << 16  # read from each end of each file to compare checkpoints across ranks
 
 
 @dataclass
@@ -84,7 +85,31 @@ def load_checkpoint(pmodel: ParallelModule, path: str | os.PathLike[str], *, str
             hint="pass the directory save_pretrained wrote, a .safetensors file, or a "
             "torch.distributed.checkpoint directory",
         )
+    # ranks that read different files (another step's, a path that differs) would train a mixture
+    pmodel.check_stored_agree("load_checkpoint", [("a sample of the checkpoint's files", files_sample(where))])
     return result
+
+
+def files_sample(where: Path) -> torch.Tensor:
+    """Bytes that differ between two checkpoints of one model (another step's weights): each
+    checkpoint file's name and size, its first and its last `SAMPLE_BYTES`. Every rank reads the
+    same sample of the same files, so ranks compare it whole, whatever blocks they load; a few
+    hundred KiB per file, against the blocks a rank reads."""
+    files = [where] if where.is_file() else sorted(p for p in where.iterdir() if p.is_file() and _is_checkpoint_file(p))
+    parts = []
+    for file in files:
+        size = file.stat().st_size
+        parts.append(file.name.encode() + size.to_bytes(8, "little"))
+        with file.open("rb") as handle:
+            parts.append(handle.read(SAMPLE_BYTES))
+            if size > SAMPLE_BYTES:
+                handle.seek(max(SAMPLE_BYTES, size - SAMPLE_BYTES))
+                parts.append(handle.read(SAMPLE_BYTES))
+    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+
+
+def _is_checkpoint_file(path: Path) -> bool:
+    return path.name in (DCP_METADATA, SAFETENSORS_INDEX) or path.suffix in (".safetensors", ".distcp")
 
 
 # ---- names ---------------------------------------------------------------------------------------

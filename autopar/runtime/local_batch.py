@@ -30,18 +30,33 @@ GLOBAL = "global"
 INPUT_MODES = (GLOBAL, LOCAL)
 
 
-def shard_rows(tensors: Sequence[torch.Tensor], names: Sequence[str], group: dist.ProcessGroup | None) -> list[int]:
+def shard_rows(
+    tensors: Sequence[torch.Tensor], names: Sequence[str], group: dist.ProcessGroup | None, calls: int = 0
+) -> list[int]:
     """Every tensor's dim-0 size on this rank, checked equal on every rank (one all-gather): a
-    shard of another size would make the ranks' programs disagree."""
+    shard of another size would make the ranks' programs disagree. The count of this rank's calls
+    of the module (`calls`) goes in the same all-gather: a rank a call out of step is named."""
     scalars = [name for name, x in zip(names, tensors) if x.dim() == 0]
     if scalars:
         raise InputMismatchError(
             f"{scalars[0]} is a 0-d tensor, but with inputs=\"local\" every tensor argument is a shard of the batch along dim 0",
             hint='pass it with a batch dim, or use parallelize(..., inputs="global") with the whole batch on every rank',
         )
-    mine = torch.tensor([int(x.shape[0]) for x in tensors], dtype=torch.int64, device=collective_device(group))
+    rows = [int(x.shape[0]) for x in tensors]
+    mine = torch.tensor([calls, *rows], dtype=torch.int64, device=collective_device(group))
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
+    counts = [int(theirs[0]) for theirs in everyone]
+    if len(set(counts)) > 1:
+        ahead = max(counts)
+        behind = [f"rank {r} is {ahead - c} call(s) behind" for r, c in enumerate(counts) if c < ahead]
+        raise InputMismatchError(
+            f"{', '.join(behind)} the others: this is call {ahead} of the module on the ranks ahead, "
+            "so the ranks would train on different steps' batches",
+            hint="every rank must call the module the same number of times: a rank whose call "
+            "failed alone must be brought back in step",
+        )
+    everyone = [theirs[1:] for theirs in everyone]
     for rank, theirs in enumerate(everyone):
         if not torch.equal(theirs, everyone[0]):
             index = int((theirs != everyone[0]).nonzero()[0])
@@ -50,7 +65,7 @@ def shard_rows(tensors: Sequence[torch.Tensor], names: Sequence[str], group: dis
                 f"rank {rank}: with inputs=\"local\" every rank passes a shard of the same size",
                 hint="use a DistributedSampler (it pads to equal shards) or drop the last, uneven batch",
             )
-    return [int(n) for n in mine]
+    return rows
 
 
 def global_stand_ins(args: Any, world: int) -> Any:

@@ -9,7 +9,6 @@ graph; the local gradients it returns flow through `DTensor.to_local` into DTens
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -25,14 +24,22 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor.placement_types import Partial as DPartial
 from torch.utils import _pytree as pytree
 
-from autopar.core.errors import IndexOutOfRangeError, InputMismatchError, UsageError
+from autopar.core.errors import AutoparError, InputMismatchError, UsageError
 from autopar.core.layout import Layout, Partial, Shard
 from autopar.core.mesh import Mesh
-from autopar.core.meta import IndexCheck, OutputStructure
+from autopar.core.meta import OutputStructure
 from autopar.core.precision import AutocastState, autocast_off, compilable_autocast, describe
-from autopar.runtime.agreement import first_disagreement
+from autopar.runtime.agreement import Fingerprint, fingerprint, stored_disagreement
+from autopar.runtime.call_checks import (
+    CallHistory,
+    check_indices,
+    input_names,
+    positional_names,
+    refuse_differing_inputs,
+    refuse_input_gradients,
+)
 from autopar.runtime.groups import Groups, failures_named
-from autopar.runtime.local_batch import batch_tensor, global_stand_ins, index_extremes, shard_rows
+from autopar.runtime.local_batch import batch_tensor, global_stand_ins, shard_rows
 from autopar.runtime.module_state import NotCopyable, load_serial_state
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
@@ -54,13 +61,16 @@ def to_dtensor_placements(layout: Layout) -> list[Any]:
 @dataclass(frozen=True)
 class CallMode:
     """What a program depends on besides its inputs: the module's mode, whether gradients are on,
-    the autocast regions of the call, and the dtype of every parameter and buffer (after
-    `pmodel.to(torch.bfloat16)` the programs compiled for float32 weights no longer fit)."""
+    the autocast regions of the call, the dtype of every parameter and buffer (after
+    `pmodel.to(torch.bfloat16)` the programs compiled for float32 weights no longer fit), and the
+    training flag of every submodule (`flags`, by path: a dropout the user keeps in eval inside a
+    training model)."""
 
     training: bool
     forward_only: bool
     autocast: AutocastState = ()
     dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+    flags: tuple[tuple[str, bool], ...] = ()
 
 
 # Compiles `(args, kwargs, mode)` into this rank's program and its output structure; every rank
@@ -124,6 +134,7 @@ class ParallelModule(NotCopyable, nn.Module):
         self._deferral: WeightDeferral | None = None  # set around a zero-bubble call (deferring_weights)
         self._splits: dict[int, SplitBackward] = {}  # each program's backward cut in two, once
         self._positional_names = positional_names(source)  # to name inputs in errors
+        self._history = CallHistory()  # ranks a call apart are named as such (call_checks)
         self.report = report
         self.training = source.training
         self._programs: OrderedDict[Any, _Program] = OrderedDict()
@@ -169,8 +180,14 @@ class ParallelModule(NotCopyable, nn.Module):
                 _register(self, name, dt, buffer=True, persistent=name in saved)
             else:
                 _register(self, name, nn.Parameter(dt, requires_grad=full[name].requires_grad))
+        # every submodule of the source, as a container whose training flag the user sets as on the
+        # source (`pmodel.drop.eval()`); each call's program is for the flags at call time
+        self._flagged = _flag_containers(self, source)
+        # a state dict loaded on some ranks only, or a different one on each, would train a mixture
+        self._loading: list[tuple[str, Fingerprint]] = []  # a state dict's whole tensors, while it loads
+        self.register_load_state_dict_post_hook(_check_after_load)
         if example_flat is not None:
-            mode = CallMode(self.training, False, autocast, self._tensor_dtypes())
+            mode = CallMode(self.training, False, autocast, self._tensor_dtypes(), self.module_flags())
             self._programs[_call_key(in_spec, example_flat, mode)] = first
 
     @contextlib.contextmanager
@@ -211,6 +228,24 @@ class ParallelModule(NotCopyable, nn.Module):
         deferral.pending.clear()
         return totals
 
+    def check_stored_agree(self, after: str, whole: Sequence[tuple[str, torch.Tensor | Fingerprint]] = ()) -> None:
+        """Refuse, on every rank alike, stored blocks whose copies differ between the ranks that
+        hold the same block, and `whole` tensors (what the load read: every rank the same whole
+        value) that differ between any ranks: one all-reduce of fingerprints. `after` names the
+        load for the error. Every rank calls it together, as it calls what loads."""
+        named = [*whole, *self.named_parameters(), *self.named_buffers()]
+        timeout = self._groups.timeout if self._groups is not None else None
+        with failures_named(timeout):
+            differing = stored_disagreement(named, self.world_group)
+        if differing is not None:
+            block = "" if differing.name in dict(whole) else ", which hold the same block of it"
+            raise AutoparError(
+                f"after {after}, {differing.name} differs between rank {differing.first} and rank "
+                f"{differing.rank}{block}: the ranks loaded different weights",
+                hint="load the same checkpoint or state dict on every rank (the same path, the same "
+                "step), and call the load on every rank together",
+            )
+
     @property
     def program(self) -> EmittedProgram:
         return self._program
@@ -230,6 +265,7 @@ class ParallelModule(NotCopyable, nn.Module):
         return self._groups.world if self._groups is not None else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._history.calls += 1  # first: a call that fails on this rank alone still counts
         # a DTensor input (another parallel module's output) is its global value to the program;
         # its gradient comes back laid out as it is, through full_tensor's backward
         if self._local_inputs and any(isinstance(x, DTensor) for x in pytree.tree_leaves((args, kwargs))):
@@ -246,16 +282,16 @@ class ParallelModule(NotCopyable, nn.Module):
         world = self._groups.world if self._groups else None
         with failures_named(timeout):  # the input checks and a compile's agreement are collectives
             if self._local_inputs:  # the program is traced for the batch the shards make together
-                shard_rows(tensors, names, world)
+                shard_rows(tensors, names, world, self._history.calls)
                 program_args, program_kwargs = global_stand_ins((args, kwargs), self._mesh.size)
             else:
                 if self._check_inputs_agree:
-                    _refuse_differing_inputs(flat, names, world)
+                    refuse_differing_inputs(flat, names, self._history, world)
                 program_args, program_kwargs = args, kwargs
             run = self._program_for(program_args, program_kwargs, flat, spec)
             program = run.program
-            _refuse_input_gradients(tensors, names, program.input_grads)
-            _check_indices(program.index_checks, tensors, names, world, across_ranks=self._local_inputs)
+            refuse_input_gradients(tensors, names, program.input_grads)
+            check_indices(program.index_checks, tensors, names, world, across_ranks=self._local_inputs)
         local_inputs = self._local_inputs_of(tensors, program)
         local_params = [self._local_param(run, name) for name in program.param_names]
         num_outputs = len(program.output_layouts)
@@ -310,7 +346,11 @@ class ParallelModule(NotCopyable, nn.Module):
             self._check_inputs(flat, spec)
             return self._first
         mode = CallMode(
-            self.training, not grad, compilable_autocast(self._autocast_devices), self._tensor_dtypes()
+            self.training,
+            not grad,
+            compilable_autocast(self._autocast_devices),
+            self._tensor_dtypes(),
+            self.module_flags(),
         )
         key = _call_key(spec, flat, mode)
         found = self._programs.get(key)
@@ -325,6 +365,10 @@ class ParallelModule(NotCopyable, nn.Module):
         if len(self._programs) > MAX_PROGRAMS:
             self._programs.popitem(last=False)
         return found
+
+    def module_flags(self) -> tuple[tuple[str, bool], ...]:
+        """The training flag of every submodule of the source model (by path) at this call."""
+        return tuple((path, module.training) for path, module in self._flagged)
 
     def _tensor_dtypes(self) -> tuple[tuple[str, torch.dtype], ...]:
         return tuple((name, t.dtype) for name, t in [*self.named_parameters(), *self.named_buffers()])
@@ -346,6 +390,11 @@ class ParallelModule(NotCopyable, nn.Module):
             ]
         if mode.training != last.training:
             changes.append("train() mode" if mode.training else "eval() mode")
+        flipped = [path for (path, new), (_, old) in zip(mode.flags, last.flags) if new != old]
+        if flipped and mode.training == last.training:
+            now = "train()" if dict(mode.flags)[flipped[0]] else "eval()"
+            more = f" (and {len(flipped) - 1} more submodules)" if len(flipped) > 1 else ""
+            changes.append(f"submodule {flipped[0]} in {now}{more}")
         if mode.forward_only != last.forward_only:
             changes.append("torch.no_grad(): forward only" if mode.forward_only else "gradients on")
         if mode.autocast != last.autocast:
@@ -427,101 +476,13 @@ class ParallelModule(NotCopyable, nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Takes this module's state dict or the serial model's (plain whole tensors: each rank
-        copies in its block of each)."""
+        copies in its block of each). Every rank must pass the same whole tensors, and ranks that
+        hold the same block must agree after (checked when loaded, `check_stored_agree`)."""
+        _fingerprint_loading(self, state_dict, "")  # the whole tensors, before they become blocks
         return load_serial_state(self, super().load_state_dict, state_dict, strict, assign)
 
     def plan_summary(self) -> str:
         return str(self.report) if self.report is not None else ""
-
-
-def _refuse_input_gradients(
-    tensors: Sequence[torch.Tensor], names: Sequence[str], computed: Sequence[int]
-) -> None:
-    """An input that wants a gradient the program does not compute would silently get none: a
-    module built around one program (no compiler) refuses such a call."""
-    if not torch.is_grad_enabled():
-        return
-    covered = {id(tensors[i]) for i in computed}  # a tensor passed twice is one input of the trace
-    wanting = [name for name, x in zip(names, tensors) if x.requires_grad and id(x) not in covered]
-    if wanting:
-        raise InputMismatchError(
-            f"{wanting[0]} requires a gradient, but the program was compiled for inputs that do not",
-            hint="pass example_inputs that require grad as the call's do, or detach() the input",
-        )
-
-
-def _check_indices(
-    checks: Sequence[IndexCheck],
-    tensors: Sequence[torch.Tensor],
-    names: Sequence[str],
-    group: dist.ProcessGroup | None = None,
-    across_ranks: bool = False,
-) -> None:
-    """Refuse, on every rank alike and before the program's first collective, an input value that
-    an op would index out of range with (`IndexCheck`): the IndexError the serial model raises.
-    Global inputs are the same on every rank; local shards are checked together (`across_ranks`)."""
-    if not checks:
-        return
-    for check, extremes in zip(checks, index_extremes(checks, tensors, across_ranks, group)):
-        if extremes is None:
-            continue
-        low, high = extremes
-        if low >= 0 and high < check.bound:
-            continue
-        also = f" (or {', '.join(map(str, check.ignored))}, which the model ignores)" if check.ignored else ""
-        raise IndexOutOfRangeError(
-            f"index out of range: {names[check.input_index]} holds "
-            f"{low if low < 0 else high}, but {check.op} takes 0 to {check.bound - 1}{also}",
-            op=check.op,
-            where=check.where,
-            hint="the serial model raises IndexError on this batch too, and no rank has run any of "
-            "it: check the data (token ids below the vocabulary size, targets below the number of "
-            "classes) or skip the batch",
-        )
-
-
-def input_names(args: tuple[Any, ...], kwargs: dict[str, Any], positional: Sequence[str] = ()) -> list[str]:
-    """The name of every tensor input as the user knows it: a keyword (`labels`), the forward's
-    parameter a positional argument binds to (`positional`), else `argument 0`; `[1]`, `['a']`
-    below that for a leaf inside a list or dict."""
-    names = []
-    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        top, rest = path[1], path[2:]
-        if isinstance(top, pytree.MappingKey):
-            head = str(top.key)
-        else:
-            index = top.idx  # type: ignore[attr-defined]
-            head = positional[index] if index < len(positional) else f"argument {index}"
-        names.append(head + pytree.keystr(rest))
-    return names
-
-
-def positional_names(model: nn.Module) -> list[str]:
-    """The names of the forward's parameters that a positional argument can bind to."""
-    try:
-        parameters = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in parameters if p.kind in kinds]
-
-
-def _refuse_differing_inputs(
-    flat: Sequence[Any], names: Sequence[str], group: dist.ProcessGroup | None
-) -> None:
-    """Every rank must pass the same global batch; ranks that pass their own shards (as with a
-    DistributedSampler) would train on a mixture, so the call is refused on every rank alike."""
-    tensors = list(zip(names, [x for x in flat if isinstance(x, torch.Tensor)]))
-    differing = first_disagreement(tensors, group)
-    if differing is not None:
-        name, rank = differing
-        raise InputMismatchError(
-            f"{name} differs between rank 0 and rank {rank}: every rank must pass the same global batch",
-            hint="give every rank the whole batch (the same sampler seed on every rank, no "
-            "DistributedSampler); parallelize(..., check_inputs=False) skips this check",
-        )
 
 
 def _call_key(spec: Any, flat: Sequence[Any], mode: CallMode) -> tuple[Any, ...]:
@@ -576,6 +537,44 @@ def _describe(spec: tuple[tuple[int, ...], torch.dtype] | None) -> str:
 
 def _local(value: Any) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _fingerprint_loading(module: ParallelModule, state_dict: Mapping[str, Any], prefix: str, *_: Any) -> None:
+    """The whole (plain) tensors of a state dict being loaded: every rank must pass the same."""
+    if prefix == "":
+        module._loading = [
+            (f"{name} of the state dict", fingerprint(value))
+            for name, value in state_dict.items()
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+        ]
+
+
+def _flag_containers(root: nn.Module, source: nn.Module) -> list[tuple[str, nn.Module]]:
+    """For every submodule path of `source`: the module under `root` at that path (made empty
+    where no tensor made one), holding the source module's training flag. A path whose name the
+    parallel module uses for something else keeps no container and its flag is fixed."""
+    found = []
+    for path, module in source.named_modules():
+        if not path:
+            continue
+        parent, _, leaf = path.rpartition(".")
+        holder: Any = root
+        for part in parent.split(".") if parent else ():
+            holder = getattr(holder, part, None)
+        if not isinstance(holder, nn.Module):
+            continue
+        if not hasattr(holder, leaf):
+            holder.add_module(leaf, nn.Module())
+        container = getattr(holder, leaf)
+        if isinstance(container, nn.Module):
+            container.training = module.training
+            found.append((path, container))
+    return found
+
+
+def _check_after_load(module: ParallelModule, incompatible: Any) -> None:
+    whole, module._loading = module._loading, []
+    module.check_stored_agree("load_state_dict", whole)
 
 
 def _register(root: nn.Module, name: str, value: Any, buffer: bool = False, persistent: bool = True) -> None:

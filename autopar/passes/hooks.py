@@ -1,0 +1,85 @@
+"""Gradient hooks the user put on the model: refused by name, before the trace drops them.
+
+autopar traces the model's forward and backward into one graph with torch.export, which runs no
+backward: a hook on a parameter's gradient (`p.register_hook`,
+`p.register_post_accumulate_grad_hook`) never fires, so training would go on without it (a
+clipping hook dropped: gradients 100x the serial model's), and a module's backward hooks
+(`register_full_backward_hook`, `register_full_backward_pre_hook`, the old `register_backward_hook`
+and torch's global module backward hooks) wrap the module's call in torch's internal
+`BackwardHookFunction`, which the trace would refuse under that name. Both are refused here, naming
+the user's hook and the parameter or module it is on, with what works instead: the parallel
+module's parameters are leaves that autograd accumulates into, so hooks registered on them
+after `parallelize` run as in serial, on the whole gradient (a DTensor). Forward hooks are part of
+the forward and traced like it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch.nn as nn
+import torch.nn.modules.module as module_hooks
+
+from autopar.core.errors import UsageError
+
+PARAMETER_HINT = (
+    "register it on the parallel module's parameter after parallelize, where it runs as in serial on "
+    "the whole gradient (a DTensor): pmodel.get_parameter({name!r}).{method}(fn)"
+)
+MODULE_HINT = (
+    "autopar runs the model's backward as one compiled graph, where module backward hooks have no "
+    "module call to wrap: hook the gradients of the parallel module's parameters instead "
+    "(pmodel.get_parameter(name).register_hook(fn), or register_post_accumulate_grad_hook), or "
+    "remove the hook before parallelize"
+)
+
+
+def refuse_gradient_hooks(model: nn.Module) -> None:
+    """Raise `UsageError` for the first gradient hook on `model` (see the module doc), naming it."""
+    for name, param in model.named_parameters(remove_duplicate=False):
+        for method, hooks in (
+            ("register_hook", param._backward_hooks),
+            ("register_post_accumulate_grad_hook", param._post_accumulate_grad_hooks),
+        ):
+            for hook in _hooks(hooks):
+                raise UsageError(
+                    f"{name} has a gradient hook, {hook_name(hook)} ({method}): the trace runs no "
+                    "backward, so it would never run and training would differ from serial",
+                    where=name,
+                    hint=PARAMETER_HINT.format(name=name, method=method),
+                )
+    for path, module in model.named_modules():
+        kind = "register_full_backward_hook" if module._is_full_backward_hook else "register_backward_hook"
+        for what, hooks in ((kind, module._backward_hooks), ("register_full_backward_pre_hook", module._backward_pre_hooks)):
+            for hook in _hooks(hooks):
+                raise UsageError(
+                    f"module {path or type(model).__name__} ({type(module).__name__}) has a backward "
+                    f"hook, {hook_name(hook)} ({what})",
+                    where=path or type(model).__name__,
+                    hint=MODULE_HINT,
+                )
+    for what, hooks in (
+        ("register_module_full_backward_hook", module_hooks._global_backward_hooks),
+        ("register_module_full_backward_pre_hook", module_hooks._global_backward_pre_hooks),
+    ):
+        for hook in _hooks(hooks):
+            raise UsageError(
+                f"a global module backward hook, {hook_name(hook)} ({what}), is registered: it would "
+                "run on every module of the model",
+                hint=MODULE_HINT.replace("remove the hook", "remove it (handle.remove())"),
+            )
+
+
+def hook_name(hook: Callable[..., Any]) -> str:
+    """A hook as its author knows it: `module.qualname`, through functools.partial."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    qualname = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+    module = getattr(hook, "__module__", None)
+    return f"{module}.{qualname}" if module and module != "builtins" else qualname
+
+
+def _hooks(hooks: Mapping[Any, Callable[..., Any]] | None) -> Iterator[Callable[..., Any]]:
+    yield from (hooks or {}).values()

@@ -1,0 +1,166 @@
+"""Checks of a call's inputs before its program runs: the same batch on every rank in the same
+call, indices in range, gradients the program computes; and the names users know inputs by,
+for those checks' errors. Each check that needs other ranks is one small collective that every
+rank runs alike, so all raise together and none is left waiting in the program's collectives."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from autopar.core.errors import IndexOutOfRangeError, InputMismatchError
+from autopar.core.meta import IndexCheck
+from autopar.runtime.agreement import Fingerprint, fingerprint, first_disagreement
+from autopar.runtime.local_batch import index_extremes
+
+CALLS = "the count of calls"  # the name of the call counter among the fingerprints
+
+
+def refuse_input_gradients(
+    tensors: Sequence[torch.Tensor], names: Sequence[str], computed: Sequence[int]
+) -> None:
+    """An input that wants a gradient the program does not compute would silently get none: a
+    module built around one program (no compiler) refuses such a call."""
+    if not torch.is_grad_enabled():
+        return
+    covered = {id(tensors[i]) for i in computed}  # a tensor passed twice is one input of the trace
+    wanting = [name for name, x in zip(names, tensors) if x.requires_grad and id(x) not in covered]
+    if wanting:
+        raise InputMismatchError(
+            f"{wanting[0]} requires a gradient, but the program was compiled for inputs that do not",
+            hint="pass example_inputs that require grad as the call's do, or detach() the input",
+        )
+
+
+def check_indices(
+    checks: Sequence[IndexCheck],
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str],
+    group: dist.ProcessGroup | None = None,
+    across_ranks: bool = False,
+) -> None:
+    """Refuse, on every rank alike and before the program's first collective, an input value that
+    an op would index out of range with (`IndexCheck`): the IndexError the serial model raises.
+    Global inputs are the same on every rank; local shards are checked together (`across_ranks`)."""
+    if not checks:
+        return
+    for check, extremes in zip(checks, index_extremes(checks, tensors, across_ranks, group)):
+        if extremes is None:
+            continue
+        low, high = extremes
+        if low >= 0 and high < check.bound:
+            continue
+        also = f" (or {', '.join(map(str, check.ignored))}, which the model ignores)" if check.ignored else ""
+        raise IndexOutOfRangeError(
+            f"index out of range: {names[check.input_index]} holds "
+            f"{low if low < 0 else high}, but {check.op} takes 0 to {check.bound - 1}{also}",
+            op=check.op,
+            where=check.where,
+            hint="the serial model raises IndexError on this batch too, and no rank has run any of "
+            "it: check the data (token ids below the vocabulary size, targets below the number of "
+            "classes) or skip the batch",
+        )
+
+
+def input_names(args: tuple[Any, ...], kwargs: dict[str, Any], positional: Sequence[str] = ()) -> list[str]:
+    """The name of every tensor input as the user knows it: a keyword (`labels`), the forward's
+    parameter a positional argument binds to (`positional`), else `argument 0`; `[1]`, `['a']`
+    below that for a leaf inside a list or dict."""
+    names = []
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        top, rest = path[1], path[2:]
+        if isinstance(top, pytree.MappingKey):
+            head = str(top.key)
+        else:
+            index = top.idx  # type: ignore[attr-defined]
+            head = positional[index] if index < len(positional) else f"argument {index}"
+        names.append(head + pytree.keystr(rest))
+    return names
+
+
+def positional_names(model: nn.Module) -> list[str]:
+    """The names of the forward's parameters that a positional argument can bind to."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in kinds]
+
+
+@dataclass
+class CallHistory:
+    """What a rank remembers of its calls of a module to name a rank out of step: how many it
+    made, and the fingerprints of the inputs of the last one that was checked."""
+
+    calls: int = 0
+    previous: list[Fingerprint] = field(default_factory=list)
+
+
+def refuse_differing_inputs(
+    flat: Sequence[Any], names: Sequence[str], history: CallHistory, group: dist.ProcessGroup | None
+) -> None:
+    """Every rank must pass the same global batch, in the same call: ranks that pass their own
+    shards (as with a DistributedSampler) would train on a mixture, and so would a rank a call out
+    of step (a batch repeated or a call that failed on it alone). The count of calls goes into the
+    same all-reduce as the inputs' fingerprints; the call is refused on every rank alike, naming a
+    rank whose count differs, or whose inputs are the ones the others passed a call before, as a
+    call behind."""
+    prints = [fingerprint(x) for x in flat if isinstance(x, torch.Tensor)]
+    previous, history.previous = history.previous, prints
+    differing = first_disagreement([(CALLS, (float(history.calls),)), *zip(names, prints)], group)
+    if differing is None:
+        return
+    hint = (
+        "every rank must call the module the same number of times, with the same batches in the "
+        "same order: a rank that repeated a batch, or whose call failed alone, must be brought back in step"
+    )
+    if differing.name == CALLS:
+        counts = [int(v[0]) for v in differing.values if v is not None]
+        ahead = max(counts)
+        behind = [f"rank {r} is {_calls(ahead - c)} behind" for r, c in enumerate(counts) if c < ahead]
+        raise InputMismatchError(
+            f"{', '.join(behind)} the others: this is call {ahead} of the module on the ranks ahead, "
+            "so the ranks would train on different steps' batches",
+            hint=hint,
+        )
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (prints, previous), group=group)  # every rank is here alike
+    for ahead in (False, True):  # a rank behind the others is its peers ahead of it: name it so
+        for rank, (mine, before) in enumerate(everyone):
+            others = [e for r, e in enumerate(everyone) if r != rank]
+            if not others or any(o != others[0] for o in others):
+                continue
+            if not ahead and mine == others[0][1]:
+                raise InputMismatchError(
+                    f"rank {rank} is 1 call behind the others: it passes the inputs the others passed "
+                    f"in their previous call ({differing.name} differs between rank {differing.first} "
+                    f"and rank {differing.rank})",
+                    hint=hint,
+                )
+            if ahead and before == others[0][0]:
+                raise InputMismatchError(
+                    f"rank {rank} is 1 call ahead of the others: it passed in its previous call the "
+                    f"inputs the others pass now ({differing.name} differs between rank "
+                    f"{differing.first} and rank {differing.rank})",
+                    hint=hint,
+                )
+    raise InputMismatchError(
+        f"{differing.name} differs between rank {differing.first} and rank {differing.rank}: "
+        "every rank must pass the same global batch",
+        hint="give every rank the whole batch (the same sampler seed on every rank, no "
+        "DistributedSampler); parallelize(..., check_inputs=False) skips this check",
+    )
+
+
+def _calls(n: int) -> str:
+    return f"{n} call{'s' if n > 1 else ''}"
