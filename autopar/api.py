@@ -476,14 +476,21 @@ def plan(
 
 
 def load_checkpoint(
-    pmodel: ParallelModule | PipelinedModule, path: str | os.PathLike[str], *, strict: bool = True
+    pmodel: ParallelModule | PipelinedModule,
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    prefix: str | None = None,
 ) -> LoadResult:
     """Real weights into the module `parallelize` returned, pipelined or not: each rank reads only
     its own blocks from a DCP directory or a transformers `save_pretrained` directory (see
-    `autopar.runtime.checkpoint` and docs/pipeline.md#checkpoints). Every rank calls it."""
+    `autopar.runtime.checkpoint` and docs/pipeline.md#checkpoints). Every rank calls it.
+
+    A checkpoint of a model the user's module holds (`self.m = LlamaForCausalLM(...)`) loads
+    into that submodule, found by its names; `prefix="m"` names it where several would match."""
     if isinstance(pmodel, PipelinedModule):
-        return load_pipelined_checkpoint(pmodel, path, strict=strict)
-    return load_parallel_checkpoint(pmodel, path, strict=strict)
+        return load_pipelined_checkpoint(pmodel, path, strict=strict, prefix=prefix)
+    return load_parallel_checkpoint(pmodel, path, strict=strict, prefix=prefix)
 
 
 def save_checkpoint(

@@ -31,6 +31,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.meta import IndexCheck, OutputStructure
 from autopar.core.precision import AutocastState, autocast_off, compilable_autocast, describe
 from autopar.runtime.agreement import first_disagreement
+from autopar.runtime.checkpoint_prefix import model_prefixes
 from autopar.runtime.groups import Groups, failures_named
 from autopar.runtime.local_batch import batch_tensor, global_stand_ins, index_extremes, shard_rows
 from autopar.runtime.module_state import NotCopyable, load_serial_state
@@ -137,7 +138,7 @@ class ParallelModule(NotCopyable, nn.Module):
         saved = set(source.state_dict(keep_vars=True))  # buffers outside it are not persistent
         self.aliases = dict(aliases)  # tied name -> the name it is stored under
         self.not_stored: list[str] = []  # the source's tensors that no program reads
-        self.base_model_prefix: str = getattr(source, "base_model_prefix", "") or ""
+        self.model_prefixes = model_prefixes(source)  # submodule -> base_model_prefix, for loading
         self.source_config = getattr(source, "config", None)  # a transformers model's: export writes it
         # register in the source model's order so named_parameters()/state_dict() read the same
         for name in [*dict(source.named_parameters(remove_duplicate=False)), *buffers]:
