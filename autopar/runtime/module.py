@@ -34,7 +34,7 @@ from autopar.runtime.agreement import first_disagreement
 from autopar.runtime.checkpoint_prefix import model_prefixes
 from autopar.runtime.groups import Groups, failures_named
 from autopar.runtime.local_batch import batch_tensor, global_stand_ins, index_extremes, shard_rows
-from autopar.runtime.module_state import NotCopyable, load_serial_state
+from autopar.runtime.module_state import FullState, load_serial_state
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
 from autopar.runtime.split_backward import SplitBackward
@@ -84,7 +84,7 @@ class _Program:
     why: str = ""
 
 
-class ParallelModule(NotCopyable, nn.Module):
+class ParallelModule(FullState, nn.Module):
     """This rank's share of the model; call it with the same global inputs on every rank.
 
     A call whose input shapes, dtypes or non-tensor arguments differ from every compiled one, or in
