@@ -39,13 +39,20 @@ from autopar.rules.registry import default_registry
 from autopar.runtime.checkpoint import LoadResult
 from autopar.runtime.checkpoint import load_checkpoint as load_parallel_checkpoint
 from autopar.runtime.checkpoint_save import save_dcp, save_safetensors
-from autopar.runtime.groups import DEFAULT_TIMEOUT_S, as_timeout, make_groups, make_pipeline_groups
+from autopar.runtime.groups import (
+    DEFAULT_TIMEOUT_S,
+    as_timeout,
+    make_groups,
+    make_pipeline_groups,
+    names_parallelize_failures,
+)
 from autopar.runtime.local_batch import GLOBAL, INPUT_MODES, LOCAL, global_stand_ins
 from autopar.runtime.materialize import InitFn
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_runtime import BoundaryScatter
 
 
+@names_parallelize_failures
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh | int,
