@@ -71,10 +71,16 @@ def _load_wrapped(rank: int, world_size: int, root: str) -> dict[str, Any]:
             losses.append(float(loss))
     out["losses"] = losses
     out["trained"] = _error(pmodel, params, serial)
-    # the base model's directory (keys without "model."): only m.model matches all of it
-    loaded = autopar.load_checkpoint(pmodel, f"{root}/base")
+    # the base model's directory (keys without "model."): into m as into the task model itself,
+    # where strict names the head the checkpoint lacks; prefix="m.model" takes the base model alone
+    try:
+        autopar.load_checkpoint(pmodel, f"{root}/base")
+    except autopar.CheckpointError as exc:
+        out["base strict"] = str(exc)
+    loaded = autopar.load_checkpoint(pmodel, f"{root}/base", strict=False)
     serial.m.model.load_state_dict(transformers.LlamaModel.from_pretrained(f"{root}/base").state_dict())
     out["base"] = (loaded.prefix, loaded.missing, loaded.unexpected, _error(pmodel, params, serial))
+    out["base alone"] = autopar.load_checkpoint(pmodel, f"{root}/base", prefix="m.model").missing
     out["explicit"] = autopar.load_checkpoint(pmodel, f"{root}/task", prefix="m").prefix
     try:
         autopar.load_checkpoint(pmodel, f"{root}/task", prefix="n")
@@ -95,7 +101,9 @@ def test_a_wrapped_transformers_model_loads_its_save_pretrained_directory_equal_
         first, first_serial, second, second_serial = out["losses"]
         assert abs(first - first_serial) < 1e-6 and abs(second - second_serial) < 1e-5, out["losses"]
         assert out["trained"] < 1e-5, out["trained"]
-        assert out["base"][:3] == ("m.model", [], []) and out["base"][3] < 1e-5, out["base"]
+        assert "lacks 1 of the model's tensors (m.lm_head.weight)" in out["base strict"], out["base strict"]
+        assert out["base"][:3] == ("m", ["m.lm_head.weight"], []) and out["base"][3] < 1e-5, out["base"]
+        assert out["base alone"] == [], out["base alone"]
         assert out["explicit"] == "m"
         assert "no submodule 'n'" in out["wrong prefix"] and "e.g. m" in out["wrong prefix"], out["wrong prefix"]
 
@@ -111,17 +119,24 @@ def _model(*subs: str) -> list[list[str]]:
 
 
 def test_find_scope_picks_the_one_matching_submodule_the_outermost_of_nested_ones() -> None:
+    """A task model inside the user's module takes its own checkpoint and its base model's, as it
+    would outside it; an exact match wins over a partial one of the same size."""
     one = {k: v for k, v in PREFIXES.items() if not k.startswith("b")}
     tensors = _model("a")
     known = [n[0] for n in tensors]
     assert find_scope(tensors, known, set(LLAMA), one) == Scope("a", "model")
-    # the base model's checkpoint: a.model matches all of it, a lacks lm_head
+    # the base model's checkpoint: a and a.model match as much of it; a holds a.model
     base = {k.removeprefix("model.") for k in LLAMA if k.startswith("model.")}
-    assert find_scope(tensors, known, base, one) == Scope("a.model", "model")
+    assert find_scope(tensors, known, base, one) == Scope("a", "model")
     # tied embeddings: lm_head is an alias, so a and a.model both match fully; a wraps a.model
     tied = [["a.model.embed_tokens.weight", "a.lm_head.weight"], ["a.model.layers.0.w"], ["a.model.norm.weight"]]
     flat = [n for names in tied for n in names]
     assert find_scope(tied, flat, {k for k in LLAMA if k != "lm_head.weight"}, one) == Scope("a", "model")
+    # a base model beside a task model: the base model's checkpoint fits the base model exactly
+    side = {"": "", "a": "model", "a.model": "model", "c": "model"}
+    beside = [*tensors, *[[f"c.{k}"] for k in base]]
+    flat = [n[0] for n in beside]
+    assert find_scope(beside, flat, base, side) == Scope("c", "model")
     # the whole model's own checkpoint stays the whole model's
     assert find_scope(tensors, known, set(known), one) == Scope("", "")
 

@@ -100,9 +100,12 @@ def find_scope(
     stores, by all its names; `known`: every name the module has (tied aliases, tensors no program
     reads); `prefixes`: `model_prefixes` of the source module; `prefix`: the user's choice.
 
-    The whole module when its names match; else the one submodule under which they all match
-    (every tensor found, every key explained), the outermost of nested ones; else the submodule
-    matching the most tensors. Raises `CheckpointError` naming the candidates when that is not
+    The whole module when its names match, even in part (as before: a task model and its base
+    model's checkpoint, the strict check naming what is missing); else the submodule matching the
+    most of the checkpoint's tensors: of equal ones, the outermost of nested ones (a task model,
+    not its base model inside, so that a base model's checkpoint loads into a wrapped task model
+    as it would into the task model itself), then the one matching completely (every tensor
+    found, every key explained). Raises `CheckpointError` naming the candidates when that is not
     one submodule, or when none matches."""
     if prefix is not None:
         path = prefix.strip(".")
@@ -114,19 +117,13 @@ def find_scope(
             )
         return Scope(path, prefixes[path])
     root = _fit(Scope("", prefixes.get("", "")), required, known, keys)
-    if root is not None and root.complete:
+    if root is not None:  # the whole module's names match (in part: the strict check says what differs)
         return root.scope
     fits = [f for path, base in prefixes.items() if path for f in [_fit(Scope(path, base), required, known, keys)] if f]
-    complete = _outermost([f for f in fits if f.complete])
-    if len(complete) == 1:
-        return complete[0].scope
-    if len(complete) > 1:
-        raise _ambiguous(kind, complete)
-    if root is not None:  # a partial match of the whole module: the strict check says what differs
-        return root.scope
     if fits:
         best = max(f.matched for f in fits)
         top = _outermost([f for f in fits if f.matched == best])
+        top = [f for f in top if f.complete] if sum(f.complete for f in top) == 1 else top
         if len(top) == 1:
             return top[0].scope
         raise _ambiguous(kind, top)
