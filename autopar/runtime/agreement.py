@@ -20,8 +20,9 @@ T = TypeVar("T")
 def decided_on_rank0(decide: Callable[[], T], what: str, group: dist.ProcessGroup | None = None) -> T:
     """`decide()` on rank 0 of `group` (default: all ranks), its result (or its error) on every
     rank of the group. An AutoparError (a plan that cannot fit, an op without a rule) is raised
-    alike on every rank; any other failure of rank 0 (an InternalError too) is its own (raised there, with its traceback)
-    and a `RankFailureError` naming rank 0 and the error on the others."""
+    alike on every rank; any other failure of rank 0 (an InternalError too) is rank 0's own,
+    raised there with its traceback, and a `RankFailureError` naming rank 0 and the error on the
+    others."""
     payload: list[Any] = [None]
     own: BaseException | None = None
     if dist.get_rank(group) == 0:
