@@ -39,7 +39,13 @@ from autopar.rules.registry import default_registry
 from autopar.runtime.checkpoint import LoadResult
 from autopar.runtime.checkpoint import load_checkpoint as load_parallel_checkpoint
 from autopar.runtime.checkpoint_save import save_dcp, save_safetensors
-from autopar.runtime.groups import DEFAULT_TIMEOUT_S, as_timeout, make_groups, make_pipeline_groups
+from autopar.runtime.groups import (
+    DEFAULT_TIMEOUT_S,
+    as_timeout,
+    make_groups,
+    make_pipeline_groups,
+    names_parallelize_failures,
+)
 from autopar.runtime.local_batch import GLOBAL, INPUT_MODES, LOCAL, global_stand_ins
 from autopar.runtime.materialize import InitFn
 from autopar.runtime.module import ParallelModule
@@ -47,6 +53,7 @@ from autopar.runtime.pipeline_runtime import BoundaryScatter
 from autopar.runtime.slips import watch_optimizers
 
 
+@names_parallelize_failures
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh | int,
@@ -480,14 +487,21 @@ def plan(
 
 
 def load_checkpoint(
-    pmodel: ParallelModule | PipelinedModule, path: str | os.PathLike[str], *, strict: bool = True
+    pmodel: ParallelModule | PipelinedModule,
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    prefix: str | None = None,
 ) -> LoadResult:
     """Real weights into the module `parallelize` returned, pipelined or not: each rank reads only
     its own blocks from a DCP directory or a transformers `save_pretrained` directory (see
-    `autopar.runtime.checkpoint` and docs/pipeline.md#checkpoints). Every rank calls it."""
+    `autopar.runtime.checkpoint` and docs/pipeline.md#checkpoints). Every rank calls it.
+
+    A checkpoint of a model the user's module holds (`self.m = LlamaForCausalLM(...)`) loads
+    into that submodule, found by its names; `prefix="m"` names it where several would match."""
     if isinstance(pmodel, PipelinedModule):
-        return load_pipelined_checkpoint(pmodel, path, strict=strict)
-    return load_parallel_checkpoint(pmodel, path, strict=strict)
+        return load_pipelined_checkpoint(pmodel, path, strict=strict, prefix=prefix)
+    return load_parallel_checkpoint(pmodel, path, strict=strict, prefix=prefix)
 
 
 def save_checkpoint(

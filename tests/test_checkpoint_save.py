@@ -162,12 +162,18 @@ def _state_moves(rank: int, world_size: int) -> dict[str, Any]:
     found["losses"] = losses
     found["params"] = max(float((p.full_tensor() - q).abs().max()) for p, q in zip(pmodel.parameters(), serial.parameters()))
     pmodel.load_state_dict(pmodel.state_dict())  # its own state dict still loads
+    fresh, _ = make_mlp(9)  # the serial model takes the parallel one's trained state, made whole
+    found["full before"] = max(float((p - q).abs().max()) for p, q in zip(fresh.parameters(), serial.parameters()))
+    fresh.load_state_dict(pmodel.full_state_dict())
+    found["full"] = max(float((p - q).abs().max()) for p, q in zip(fresh.parameters(), serial.parameters()))
+    found["rank0_only"] = len(pmodel.full_state_dict(rank0_only=True))
     return found
 
 
 @pytest.mark.multirank
 def test_a_serial_state_dict_loads_and_copies_are_refused_with_what_to_do() -> None:
-    for found in run_ranks(2, _state_moves, timeout=120):
+    results = run_ranks(2, _state_moves, timeout=120)
+    for found in results:
         assert found["sharded"], "the test needs a sharded parameter"
         for name in ("pickle", "torch.save", "deepcopy"):
             assert found[name].startswith("UsageError") and "autopar.save_checkpoint" in found[name], found[name]
@@ -178,6 +184,8 @@ def test_a_serial_state_dict_loads_and_copies_are_refused_with_what_to_do() -> N
         first, first_serial, second, second_serial = found["losses"]
         assert abs(first - first_serial) < 1e-6 and abs(second - second_serial) < 1e-5, found["losses"]
         assert found["params"] < 1e-5, found["params"]
+        assert found["full before"] > 0.01 and found["full"] < 1e-5, found
+    assert [found["rank0_only"] > 0 for found in results] == [True, False]
 
 
 GPT2 = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)

@@ -15,6 +15,7 @@ import torch
 from multirank import run_ranks_with_faults
 
 import autopar
+import autopar.compiler.driver as driver
 from examples.models import make_mlp
 
 TIMEOUT_S = 10.0  # parallelize's bound in these jobs
@@ -65,3 +66,81 @@ def test_parallelize_on_three_of_four_ranks_names_the_absent_rank() -> None:
         assert status == "raised" and "not every rank called parallelize within 10 s" in value, value
         assert seconds < ENDED_WITHIN_S, (rank, seconds)
     assert "3" in results[0][1].split("not every rank called parallelize")[1], results[0][1]
+
+
+# ---- failures inside parallelize (issue 30 item 6) ----------------------------------------------
+
+
+class _Faulty(torch.nn.Module):
+    """The user's model, whose forward fails on one rank while parallelize traces it."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__()
+        self.inner, _ = make_mlp(0)
+        self.fault = fault
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.fault == "raise":
+            raise ValueError("the model's forward failed on this rank")
+        if self.fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner(x, y)
+
+
+def _parallelize_with_fault(rank: int, world_size: int, where: str, failing: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+    _, batch = make_mlp(0)
+    kind, _, how = where.partition("_")
+    mine = rank == failing
+    model = _Faulty(how if kind == "trace" and mine else "")
+    init_fn = None
+    if kind == "plan" and mine:  # a failure (a bug, a kill) inside the planner, on the rank that plans
+
+        def failing_search(*args: Any, **kwargs: Any) -> Any:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("the planner failed on this rank")
+
+        driver.search_layouts = failing_search
+    if kind == "init":  # materialization: the model on the meta device, the user's init fails on one rank
+        with torch.device("meta"):
+            model = _Faulty("")
+
+        def init_fn(module: torch.nn.Module) -> None:
+            if mine:
+                raise ValueError("the user's init_fn failed on this rank")
+            if isinstance(module, torch.nn.Linear):
+                torch.nn.init.normal_(module.weight)
+                torch.nn.init.zeros_(module.bias)
+
+    inputs = "every rank's own" if kind == "args" and mine else "global"  # refused before the meeting
+    autopar.parallelize(model, mesh, example_inputs=batch, timeout=TIMEOUT_S, init_fn=init_fn, inputs=inputs)
+    return "parallelized"
+
+
+# what the failing rank's peers must say: the rank, and its error where it lived to record it
+PARALLELIZE_FAULTS = {
+    "trace_raise": (1, r"first failure recorded in the job: rank 1: .*the model's forward failed on this rank"),
+    "trace_kill": (1, r"still waiting\): \[1\]"),
+    "plan_raise": (0, r"rank 0 failed in planning, inside parallelize: InternalError: .*RuntimeError: the planner failed on this rank"),
+    "plan_kill": (0, r"still waiting\): \[0\]"),
+    "args_raise": (1, r"not every rank called parallelize within 10 s: .*first failure recorded in the job: "
+                   r"rank 1: UsageError: inputs must be one of"),
+    "init_raise": (1, r"first failure recorded in the job: rank 1: .*the user's init_fn failed on this rank"),
+}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("where", list(PARALLELIZE_FAULTS))
+def test_a_rank_that_fails_inside_parallelize_is_named_on_every_other_rank(where: str) -> None:
+    failing, said = PARALLELIZE_FAULTS[where]
+    results = run_ranks_with_faults(2, _parallelize_with_fault, where, failing, timeout=120)
+    status, value, _ = results[failing]
+    assert status == ("died" if where.endswith("kill") else "raised"), results[failing]
+    other = 1 - failing
+    status, value, seconds = results[other]
+    assert status == "raised" and "RankFailureError" in value, value
+    assert re.search(said, value), value
+    assert seconds < ENDED_WITHIN_S, seconds

@@ -25,7 +25,7 @@ from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.rules.base import RuleRegistry
 from autopar.runtime.agreement import Fingerprint, decided_on_rank0, fingerprint, first_disagreement
 from autopar.runtime.call_checks import input_names, positional_names
-from autopar.runtime.groups import Groups
+from autopar.runtime.groups import Groups, parallelize_failures_named
 from autopar.runtime.local_batch import GLOBAL, LOCAL
 from autopar.runtime.materialize import InitFn, initialized_blocks, meta_tensor_names
 from autopar.runtime.module import CallMode, ParallelModule
@@ -67,7 +67,30 @@ def compile_module(
     seeded: torch.Tensor,
 ) -> ParallelModule:
     """Plan `model` on `autopar_mesh` (whose process groups are `groups`), emit this rank's program
-    and wrap it in the module the user calls. Every rank of `groups.world` calls it together."""
+    and wrap it in the module the user calls. Every rank of `groups.world` calls it together.
+
+    A rank that fails or dies in here (trace, plan, materialization) ends the others' waits with a
+    `RankFailureError` naming it and its error (`parallelize_failures_named`)."""
+    with parallelize_failures_named(groups.timeout):
+        return _compile_module(
+            model, autopar_mesh, groups, opts, example_inputs, example_kwargs, traced_inputs,
+            traced_kwargs, autocast=autocast, seeded=seeded,
+        )
+
+
+def _compile_module(
+    model: nn.Module,
+    autopar_mesh: Mesh,
+    groups: Groups,
+    opts: ModuleOptions,
+    example_inputs: Sequence[Any],
+    example_kwargs: dict[str, Any] | None,
+    traced_inputs: Sequence[Any],
+    traced_kwargs: dict[str, Any] | None,
+    *,
+    autocast: AutocastState,
+    seeded: torch.Tensor,
+) -> ParallelModule:
     mesh = autopar_mesh.device_mesh
     assert mesh is not None
     inputs, check_inputs, init_fn = opts.inputs, opts.check_inputs, opts.init_fn

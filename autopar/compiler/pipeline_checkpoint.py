@@ -29,10 +29,10 @@ from autopar.runtime.checkpoint import (
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX,
     LoadResult,
-    checkpoint_names,
     opened_safetensors,
     safetensors_files,
 )
+from autopar.runtime.checkpoint_prefix import find_scope, model_prefixes
 from autopar.runtime.checkpoint_safety import (
     DCP_METADATA,
     SafePlanner,
@@ -185,7 +185,7 @@ def _checkpoint(where: Path) -> _Found:
 
 
 def load_pipelined_checkpoint(
-    pmodel: Pipelined, path: str | os.PathLike[str], *, strict: bool = True
+    pmodel: Pipelined, path: str | os.PathLike[str], *, strict: bool = True, prefix: str | None = None
 ) -> LoadResult:
     """Load the weights at `path` (a DCP directory, e.g. a tensor-only module's or a pipelined
     one's, or a transformers safetensors checkpoint) into every rank's stages, every copy of a tied
@@ -194,21 +194,24 @@ def load_pipelined_checkpoint(
     Keys are matched against the whole model on every rank, so the result's `unexpected` (keys
     naming none of the model's tensors) and the strict check agree on all ranks: `strict` raises
     `CheckpointError` on every rank, before reading any tensor, when a tensor that any stage holds
-    is missing or a key is unexpected. `missing` lists this rank's stages' missing tensors."""
+    is missing or a key is unexpected. `missing` lists this rank's stages' missing tensors. A
+    checkpoint of a submodule (a wrapped transformers model) loads into it, as for a tensor-only
+    module (`checkpoint_prefix.find_scope`; `prefix=` chooses)."""
     where = Path(path)
     found = _checkpoint(where)
     kind, shapes = found.kind, found.shapes
     model = pmodel._model
     names = _names(model)
-    prefix: str = getattr(model, "base_model_prefix", "") or ""
-    owners = _owners(pmodel, names)
+    every_name = [n for all_names in names.values() for n in all_names]
+    scope = find_scope(list(names.values()), every_name, set(shapes), model_prefixes(model), prefix, kind)
+    owners = {user: s for user, s in _owners(pmodel, names).items() if scope.inner(names[user])}
     key_of = {}
     for user in owners:
-        key = next((k for k in checkpoint_names(names[user], prefix) if k in shapes), None)
+        key = next((k for k in scope.keys(names[user]) if k in shapes), None)
         if key is not None:
             key_of[user] = key
-    known = {k for all_names in names.values() for n in all_names for k in checkpoint_names([n], prefix)}
-    result = LoadResult(format=kind, unexpected=sorted(k for k in shapes if k not in known))
+    known = {k for n in every_name for k in scope.keys([n])}
+    result = LoadResult(format=kind, unexpected=sorted(k for k in shapes if k not in known), prefix=scope.path)
     absent = [names[user][0] for user in owners if user not in key_of]
     if not key_of:
         raise CheckpointError(

@@ -14,28 +14,40 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from autopar.core.errors import AutoparError
+from autopar.core.errors import AutoparError, InternalError, RankFailureError
 
 T = TypeVar("T")
 
 
 def decided_on_rank0(decide: Callable[[], T], what: str, group: dist.ProcessGroup | None = None) -> T:
     """`decide()` on rank 0 of `group` (default: all ranks), its result (or its error) on every
-    rank of the group."""
+    rank of the group. An AutoparError (a plan that cannot fit, an op without a rule) is raised
+    alike on every rank; any other failure of rank 0 (an InternalError too) is rank 0's own,
+    raised there with its traceback, and a `RankFailureError` naming rank 0 and the error on the
+    others."""
     payload: list[Any] = [None]
+    own: BaseException | None = None
     if dist.get_rank(group) == 0:
         try:
             payload[0] = ("value", decide())
         except Exception as exc:  # every rank must hear about it, whatever it is
-            error = (
-                exc if isinstance(exc, AutoparError) else AutoparError(f"{what} failed on rank 0: {exc!r}")
-            )
-            payload[0] = ("error", error)
+            own = exc
+            same_everywhere = isinstance(exc, AutoparError) and not isinstance(exc, InternalError)
+            payload[0] = ("error", exc if same_everywhere else f"{type(exc).__name__}: {exc}")
     dist.broadcast_object_list(payload, group=group, group_src=0)
     kind, value = payload[0]
-    if kind == "error":
+    if kind == "value":
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, AutoparError):
         raise value
-    return value  # type: ignore[no-any-return]
+    if own is not None:
+        if isinstance(own, AutoparError):
+            raise own
+        raise AutoparError(f"{what} failed on rank 0: {value}") from own
+    raise RankFailureError(
+        f"rank 0 failed in {what}, inside parallelize: {value}",
+        hint="the error and its traceback are in rank 0's log",
+    )
 
 
 Fingerprint = tuple[float, ...]

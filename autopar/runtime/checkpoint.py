@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import CheckpointError
+from autopar.runtime.checkpoint_prefix import find_scope
 from autopar.runtime.checkpoint_safety import (
     DCP_METADATA,
     SafePlanner,
@@ -52,16 +53,24 @@ class LoadResult:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     format: str = ""
+    prefix: str = ""  # the submodule the checkpoint was loaded into ("" the whole module)
 
 
-def load_checkpoint(pmodel: ParallelModule, path: str | os.PathLike[str], *, strict: bool = True) -> LoadResult:
+def load_checkpoint(
+    pmodel: ParallelModule, path: str | os.PathLike[str], *, strict: bool = True, prefix: str | None = None
+) -> LoadResult:
     """Load the weights at `path` into `pmodel`; every rank calls it with the same path.
 
     `path`: a directory written by transformers' `save_pretrained` (safetensors, one file or
     sharded), a `.safetensors` file, or a torch.distributed.checkpoint directory. Each rank reads
     only the blocks it stores, so no rank holds a whole model. `strict` (default) raises
     `CheckpointError` when a tensor of the module is missing from the checkpoint or the
-    checkpoint has tensors the module does not; with `strict=False` the result lists them."""
+    checkpoint has tensors the module does not; with `strict=False` the result lists them.
+
+    The checkpoint may be of a model inside `pmodel`'s module (a transformers model the user's
+    module holds as `self.m`): loading finds the one submodule whose names match it
+    (`checkpoint_prefix.find_scope`) and raises naming the candidates when several do;
+    `prefix="m"` chooses. Then only that submodule's tensors are loaded and checked."""
     if not isinstance(pmodel, ParallelModule):
         raise CheckpointError(
             f"load_checkpoint takes the module autopar.parallelize returned, got {type(pmodel).__name__}",
@@ -69,11 +78,11 @@ def load_checkpoint(pmodel: ParallelModule, path: str | os.PathLike[str], *, str
         )
     where = Path(path)
     if where.is_dir() and (where / DCP_METADATA).is_file():
-        result = _load_dcp(pmodel, where, strict)
+        result = _load_dcp(pmodel, where, strict, prefix)
     elif where.is_dir() and ((where / SAFETENSORS_INDEX).is_file() or (where / SAFETENSORS_FILE).is_file()):
-        result = _load_safetensors(pmodel, safetensors_files(where), strict)
+        result = _load_safetensors(pmodel, safetensors_files(where), strict, prefix)
     elif where.is_file() and where.suffix == ".safetensors":
-        result = _load_safetensors(pmodel, {None: where}, strict)
+        result = _load_safetensors(pmodel, {None: where}, strict, prefix)
     else:
         found = "does not exist" if not where.exists() else (
             "is a directory without model.safetensors, its index or a .metadata file"
@@ -127,40 +136,32 @@ def _stored(pmodel: ParallelModule) -> dict[str, list[str]]:
     return names
 
 
-def checkpoint_names(names: list[str], prefix: str) -> Iterator[str]:
-    """Keys a checkpoint may hold a tensor under: its names, then with the base-model prefix
-    dropped or added (a base model's checkpoint for a task model, or the other way round)."""
-    yield from names
-    if not prefix:
-        return
-    for name in names:
-        if name.startswith(prefix + "."):
-            yield name[len(prefix) + 1 :]
-        else:
-            yield f"{prefix}.{name}"
-
-
 def _match(
-    pmodel: ParallelModule, keys: set[str], strict: bool, kind: str
+    pmodel: ParallelModule, keys: set[str], strict: bool, kind: str, prefix: str | None
 ) -> tuple[dict[str, str], LoadResult]:
-    """Stored name -> checkpoint key; what is missing and unexpected (raised when `strict`)."""
-    result = LoadResult(format=kind)
+    """Stored name -> checkpoint key; what is missing and unexpected (raised when `strict`). The
+    checkpoint may be of a submodule (`find_scope`): then only that submodule's tensors count."""
+    stored = _stored(pmodel)
+    known = [n for names in stored.values() for n in names] + pmodel.not_stored
+    scope = find_scope(list(stored.values()), known, keys, pmodel.model_prefixes, prefix, kind)
+    result = LoadResult(format=kind, prefix=scope.path)
     chosen: dict[str, str] = {}
-    for canonical, names in _stored(pmodel).items():
-        key = next((k for k in checkpoint_names(names, pmodel.base_model_prefix) if k in keys), None)
+    for canonical, names in stored.items():
+        if not scope.inner(names):
+            continue  # outside the submodule the checkpoint is of
+        key = next((k for k in scope.keys(names) if k in keys), None)
         if key is None:
             result.missing.append(canonical)
         else:
             chosen[canonical] = key
     used = set(chosen.values())
-    aliases = {k for names in _stored(pmodel).values() for n in names for k in checkpoint_names([n], pmodel.base_model_prefix)}
-    ignorable = {k for n in pmodel.not_stored for k in checkpoint_names([n], pmodel.base_model_prefix)}
-    result.unexpected = sorted(k for k in keys if k not in used and k not in aliases and k not in ignorable)
+    explained = {k for n in known for k in scope.keys([n])}
+    result.unexpected = sorted(k for k in keys if k not in used and k not in explained)
     if not chosen:
         raise CheckpointError(
-            f"the {kind} checkpoint holds none of the model's tensors (it has {len(keys)}: "
-            f"{', '.join(sorted(keys)[:3])}...; the model wants {', '.join(list(_stored(pmodel))[:3])}...)",
-            hint="load a checkpoint of this model's architecture",
+            f"the {kind} checkpoint holds none of the tensors of {scope.path or 'the model'} (it has "
+            f"{len(keys)}: {', '.join(sorted(keys)[:3])}...; the model wants {', '.join(list(stored)[:3])}...)",
+            hint="load a checkpoint of this model's architecture, or pass prefix= naming the submodule it is of",
         )
     if strict and (result.missing or result.unexpected):
         parts = []
@@ -169,7 +170,8 @@ def _match(
         if result.unexpected:
             parts.append(f"has {len(result.unexpected)} the model does not ({', '.join(result.unexpected[:3])})")
         raise CheckpointError(
-            f"the {kind} checkpoint " + " and ".join(parts),
+            f"the {kind} checkpoint " + " and ".join(parts)
+            + (f" (loading it into the submodule {scope.path!r})" if scope.path else ""),
             hint="load a checkpoint of this model's architecture, or pass strict=False to load what matches",
         )
     return chosen, result
@@ -206,7 +208,9 @@ def safetensors_files(directory: Path) -> dict[str | None, Path]:
     return files
 
 
-def _load_safetensors(pmodel: ParallelModule, files: dict[str | None, Path], strict: bool) -> LoadResult:
+def _load_safetensors(
+    pmodel: ParallelModule, files: dict[str | None, Path], strict: bool, prefix: str | None
+) -> LoadResult:
     single = files.get(None)
     if single is not None:
         with opened_safetensors(single) as handle:
@@ -215,7 +219,7 @@ def _load_safetensors(pmodel: ParallelModule, files: dict[str | None, Path], str
     else:
         file_of = {k: f for k, f in files.items() if k is not None}
         keys = set(file_of)
-    chosen, result = _match(pmodel, keys, strict, "safetensors")
+    chosen, result = _match(pmodel, keys, strict, "safetensors", prefix)
     state = pmodel.state_dict(keep_vars=True)
     for name, key in chosen.items():
         target = state[name]
@@ -256,10 +260,10 @@ def opened_safetensors(file: Path) -> Iterator[Any]:
 # ---- torch.distributed.checkpoint ---------------------------------------------------------------
 
 
-def _load_dcp(pmodel: ParallelModule, directory: Path, strict: bool) -> LoadResult:
+def _load_dcp(pmodel: ParallelModule, directory: Path, strict: bool, prefix: str | None) -> LoadResult:
     metadata = read_dcp_metadata(directory)
     keys = set(metadata.state_dict_metadata)
-    chosen, result = _match(pmodel, keys, strict, "DCP")
+    chosen, result = _match(pmodel, keys, strict, "DCP", prefix)
     check_tensor_entries(directory, metadata, list(chosen.values()))
     state = pmodel.state_dict(keep_vars=True)
     for name, key in chosen.items():

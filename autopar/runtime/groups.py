@@ -11,10 +11,12 @@ in the job's store, so that a rank whose collective broke can say which rank fai
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import ParamSpec, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -97,8 +99,10 @@ def meet_every_rank(timeout: timedelta) -> None:
     try:
         dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
     except RuntimeError as exc:
+        first = first_failure()
+        told = f"; first failure recorded in the job: {first}" if first else ""
         raise RankFailureError(
-            f"not every rank called parallelize within {timeout.total_seconds():g} s: {_first_line(exc)}",
+            f"not every rank called parallelize within {timeout.total_seconds():g} s: {_first_line(exc)}{told}",
             hint="every rank of the job must call parallelize (the same model and inputs); a rank that "
             "raised before it says why in its own log; parallelize(..., timeout=) sets the bound",
         ) from exc
@@ -120,10 +124,11 @@ def first_failure() -> str | None:
     return None
 
 
-def failure_error(rank: int, exc: BaseException, timeout: timedelta | None) -> RankFailureError:
-    """The error a rank raises when a collective of its step broke: what it saw, the first failure
-    of a rank's own computation recorded in the job, and the ranks that did not report a broken
-    collective themselves (the one that failed or was killed, or one still waiting)."""
+def failure_error(rank: int, exc: BaseException, timeout: timedelta | None, during: str = "") -> RankFailureError:
+    """The error a rank raises when a collective of its step (or of `parallelize`, `during`)
+    broke: what it saw, the first failure of a rank's own computation recorded in the job, and the
+    ranks that did not report a broken collective themselves (the one that failed or was killed,
+    or one still waiting)."""
     first = first_failure()
     silent = _silent_ranks(rank, REPORT_WAIT_S)
     bound = f" (waits end after {timeout.total_seconds():g} s)" if timeout is not None else ""
@@ -133,10 +138,18 @@ def failure_error(rank: int, exc: BaseException, timeout: timedelta | None) -> R
             f"; ranks that did not report a broken collective within {REPORT_WAIT_S:g} s (failed "
             f"first, killed, or still waiting): {silent}"
         )
+    if not first and silent is None:
+        told += "; the job's store does not answer either: its host (rank 0, unless torchrun's agent holds it) is gone"
+    where = f" {during}" if during else ""
     return RankFailureError(
-        f"a collective failed on rank {rank}{bound}: {_first_line(exc)}{told}",
-        hint="another rank failed, was killed or stopped calling the module: look at the first "
-        "failing rank's error; every rank must run the same steps",
+        f"a collective{where} failed on rank {rank}{bound}: {_first_line(exc)}{told}",
+        hint=(
+            "another rank failed or was killed inside parallelize: look at the first failing rank's "
+            "error; every rank must call parallelize with the same model and inputs"
+            if during
+            else "another rank failed, was killed or stopped calling the module: look at the first "
+            "failing rank's error; every rank must run the same steps"
+        ),
     )
 
 
@@ -157,9 +170,59 @@ def failures_named(timeout: timedelta | None) -> Iterator[None]:
         raise
 
 
-def _silent_ranks(rank: int, wait_s: float) -> list[int]:
+@contextlib.contextmanager
+def parallelize_failures_named(timeout: timedelta | None) -> Iterator[None]:
+    """Around `parallelize`'s work after the ranks met (checks, trace, plan agreement,
+    materialization): as `failures_named`, but an AutoparError of this rank is recorded too (a
+    trace or an init that fails on one rank only leaves the others in a collective), and a broken
+    collective wrapped in another error (a trace's, a broadcast's) is still the others' failure."""
+    try:
+        yield
+    except RankFailureError:
+        raise
+    except Exception as exc:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if _broken_collective(exc):
+            raise failure_error(rank, exc, timeout, "inside parallelize") from exc
+        record_failure(rank, exc)
+        raise
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def names_parallelize_failures(fn: Callable[P, R]) -> Callable[P, R]:
+    """`parallelize` as a whole under `parallelize_failures_named`: a rank that fails before the
+    meeting (its own arguments, the mesh choice) is named in the others' meeting error, and a
+    collective outside the compile (a pipeline's) that breaks is named like the compile's."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            timeout: timedelta | None = as_timeout(kwargs.get("timeout", DEFAULT_TIMEOUT_S))  # type: ignore[arg-type]
+        except (AutoparError, TypeError, ValueError):  # parallelize itself says what is wrong with it
+            timeout = None
+        with parallelize_failures_named(timeout):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _broken_collective(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if not isinstance(cause, AutoparError) and is_collective_failure(cause):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def _silent_ranks(rank: int, wait_s: float) -> list[int] | None:
     """Say in the store that this rank saw a broken collective, and wait up to `wait_s` for the
-    others to say it too: those that never do are the likely cause. [] without a store."""
+    others to say it too: those that never do are the likely cause. None without a store."""
     try:
         store = dist.distributed_c10d._get_default_store()
         world = dist.get_world_size()
@@ -171,7 +234,7 @@ def _silent_ranks(rank: int, wait_s: float) -> list[int]:
                 return silent
             time.sleep(0.1)
     except Exception:  # the store's host is gone: nothing more to learn
-        return []
+        return None
 
 
 def is_collective_failure(exc: BaseException) -> bool:

@@ -38,9 +38,10 @@ from autopar.runtime.call_checks import (
     refuse_differing_inputs,
     refuse_input_gradients,
 )
+from autopar.runtime.checkpoint_prefix import model_prefixes
 from autopar.runtime.groups import Groups, failures_named
 from autopar.runtime.local_batch import batch_tensor, global_stand_ins, shard_rows
-from autopar.runtime.module_state import NotCopyable, load_serial_state
+from autopar.runtime.module_state import FullState, load_serial_state
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
 from autopar.runtime.split_backward import SplitBackward
@@ -93,7 +94,7 @@ class _Program:
     why: str = ""
 
 
-class ParallelModule(NotCopyable, nn.Module):
+class ParallelModule(FullState, nn.Module):
     """This rank's share of the model; call it with the same global inputs on every rank.
 
     A call whose input shapes, dtypes or non-tensor arguments differ from every compiled one, or in
@@ -148,7 +149,7 @@ class ParallelModule(NotCopyable, nn.Module):
         saved = set(source.state_dict(keep_vars=True))  # buffers outside it are not persistent
         self.aliases = dict(aliases)  # tied name -> the name it is stored under
         self.not_stored: list[str] = []  # the source's tensors that no program reads
-        self.base_model_prefix: str = getattr(source, "base_model_prefix", "") or ""
+        self.model_prefixes = model_prefixes(source)  # submodule -> base_model_prefix, for loading
         self.source_config = getattr(source, "config", None)  # a transformers model's: export writes it
         # register in the source model's order so named_parameters()/state_dict() read the same
         for name in [*dict(source.named_parameters(remove_duplicate=False)), *buffers]:

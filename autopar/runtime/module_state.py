@@ -1,7 +1,8 @@
 """What a parallel module does with the ways users move a model's state: a serial state dict
-loads into it (each rank keeping its block of each full tensor), and pickling or deep-copying it,
-which cannot give a working module (each rank holds only its blocks, bound to process groups),
-is refused with what to do instead."""
+loads into it (each rank keeping its block of each full tensor), `full_state_dict()` gives the
+serial model's (plain whole tensors), and pickling or deep-copying it, which cannot give a
+working module (each rank holds only its blocks, bound to process groups), is refused with what
+to do instead."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from collections.abc import Mapping
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from autopar.core.errors import CheckpointError, UsageError
+from autopar.runtime.groups import failures_named
 
 
 class NotCopyable:
@@ -33,6 +36,29 @@ class NotCopyable:
 
     def __deepcopy__(self, memo: Any) -> NoReturn:
         self._refuse("cannot deep-copy")
+
+
+class FullState(NotCopyable):
+    """`full_state_dict()`: what `serial_model.load_state_dict` takes. `state_dict()` stays the
+    distributed one (DTensors, each rank's blocks) that torch.distributed.checkpoint saves; torch
+    refuses to copy those into a plain model ("mixed torch.Tensor and DTensor"), which autopar
+    cannot intercept from inside the serial model, so the docs name this method instead."""
+
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The module's state dict with every distributed tensor made whole (plain tensors, the
+        serial model's names and shapes): `serial.load_state_dict(pmodel.full_state_dict())`.
+        Every rank must call it (each tensor is gathered, one at a time). With `rank0_only`, ranks
+        other than 0 keep nothing and get `{}`; the whole model is held by rank 0 only."""
+        keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+        full: dict[str, torch.Tensor] = {}
+        groups = getattr(self, "_groups", None)
+        state = self.state_dict()  # type: ignore[attr-defined]
+        with failures_named(groups.timeout if groups is not None else None):  # a rank gone: named
+            for name, value in state.items():
+                whole = value.full_tensor() if isinstance(value, DTensor) else value  # a collective
+                if keep:
+                    full[name] = whole.detach()
+        return full
 
 
 def serial_to_blocks(module: Any, state_dict: Mapping[str, Any]) -> dict[str, Any]:
