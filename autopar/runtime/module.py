@@ -33,6 +33,7 @@ from autopar.core.precision import AutocastState, autocast_off, compilable_autoc
 from autopar.runtime.agreement import first_disagreement
 from autopar.runtime.groups import Groups, failures_named
 from autopar.runtime.local_batch import batch_tensor, global_stand_ins, index_extremes, shard_rows
+from autopar.runtime.outputs import as_output
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
 from autopar.runtime.split_backward import SplitBackward
@@ -396,7 +397,7 @@ class ParallelModule(nn.Module):
         if layout.is_replicated and len(layout.shape) == 0:
             return local
         assert self._mesh.device_mesh is not None
-        return DTensor.from_local(
+        value = DTensor.from_local(
             local,
             self._mesh.device_mesh,
             to_dtensor_placements(layout),
@@ -404,6 +405,9 @@ class ParallelModule(nn.Module):
             shape=torch.Size(layout.shape),
             stride=_contiguous_strides(layout.shape),
         )
+        # with global inputs, a plain tensor the user mixes in (a target) is the whole value on
+        # every rank: the output treats it as replicated (autopar/runtime/outputs.py)
+        return value if self._local_inputs else as_output(value)
 
     def _check_inputs(self, flat: list[Any], spec: Any) -> None:
         """For a module without a compiler: the call must be the example's."""
