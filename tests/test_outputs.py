@@ -43,6 +43,16 @@ LOSSES: dict[str, Loss] = {
     "kl_div": lambda d, y, yf: F.kl_div(F.log_softmax(d, -1), yf.softmax(-1), reduction="batchmean"),
     "cosine_embedding": lambda d, y, yf: F.cosine_embedding_loss(d, yf, torch.ones(4)),
     "gather": lambda d, y, yf: d[torch.arange(4), y].sum(),
+    "weights_ignore_smoothing": lambda d, y, yf: F.cross_entropy(
+        d, torch.where(y == 0, -100, y), weight=torch.arange(1.0, 7.0), label_smoothing=0.2
+    ),
+    "segmentation": lambda d, y, yf: F.cross_entropy(  # nll_loss2d: [N, C, H, W] and [N, H, W]
+        d.reshape(2, 2, 6).permute(0, 2, 1)[..., None],
+        torch.where(y == 0, -100, y).view(2, 2, 1),
+        weight=torch.arange(1.0, 7.0),
+    ),
+    "nll_sum": lambda d, y, yf: F.nll_loss(d.log_softmax(-1), y, reduction="sum"),
+    "all_ignored": lambda d, y, yf: F.cross_entropy(d, torch.full((4,), -100)).nan_to_num(7.0),
     "norms": lambda d, y, yf: d.norm(dim=-1).mean() + d.var() + d.std(-1).sum(),
     "accuracy": lambda d, y, yf: (d.argmax(-1) == y).float().mean().item(),
     "top2": lambda d, y, yf: (d.topk(2, -1).indices == y[:, None]).any(-1).sum().item(),
@@ -88,6 +98,33 @@ def _loss_table(mesh: Any) -> dict[str, dict[str, Any]]:
             loss_ok = type(value) is torch.Tensor and abs(value.item() - expected.item()) < 1e-5
             row[name] = (loss_ok, bool(torch.allclose(leaf.grad.full_tensor(), serial.grad, atol=1e-6)))
     return table
+
+
+def _collectives_on_batch_split(mesh: Any) -> dict[str, dict[str, int]]:
+    """The collectives of each loss (forward and backward) on logits split on the batch: the
+    logits stay split, so a scalar all-reduce and no gather."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from autopar.runtime.outputs import as_output
+
+    x, y, yf = torch.randn(8, 6), torch.randint(0, 6, (8,)), torch.randn(8, 6)
+    counts = {}
+    for name in (
+        "cross_entropy",
+        "weights_ignore_smoothing",
+        "mse",
+        "smooth_l1",
+        "bce_with_logits",
+        "accuracy",
+    ):
+        leaf = distribute_tensor(x, mesh, [Shard(0)] + [Shard(1)] * (mesh.ndim - 1)).requires_grad_()
+        with CommDebugMode() as comm:
+            value = LOSSES[name](as_output(leaf * 1), y, yf)
+            if isinstance(value, torch.Tensor):
+                value.backward()
+        counts[name] = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    return counts
 
 
 class Classifier(nn.Module):
@@ -136,6 +173,7 @@ def _side_by_side(
     sopt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     metrics = []
+    layouts: set[tuple[str, ...]] = set()
     for _ in range(2):
         losses = []
         for module, opt in ((pmodel, popt), (serial, sopt)):
@@ -144,6 +182,8 @@ def _side_by_side(
             loss = loss_fn(out, target)
             loss.backward()
             losses.append(loss)
+            if module is pmodel:
+                layouts.add(tuple(str(p) for p in out.placements))
             if isinstance(target, torch.Tensor) and target.dtype == torch.long:
                 metrics.append((out.argmax(-1) == target).float().mean().item())
         worst["loss"] = max(worst["loss"], abs(losses[0].item() - losses[1].item()))
@@ -155,7 +195,7 @@ def _side_by_side(
         sopt.step()
     for p, q in zip(pmodel.parameters(), serial.parameters()):
         worst["param"] = max(worst["param"], float((p.full_tensor() - q).abs().max()))
-    return {"worst": worst, "metrics": metrics}
+    return {"worst": worst, "metrics": metrics, "layouts": layouts}
 
 
 class PerSample(nn.Module):
@@ -173,6 +213,8 @@ def _body(rank: int, world_size: int, shape: tuple[int, ...]) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     mesh = init_device_mesh("cpu", shape)
     result: dict[str, Any] = {"losses": _loss_table(mesh)}
+    if mesh.ndim == 1:
+        result["collectives"] = _collectives_on_batch_split(mesh)
     gen = torch.Generator().manual_seed(1)
     torch.manual_seed(0)
     images, labels = torch.randn(8, 3, 8, 8, generator=gen), torch.randint(0, 10, (8,), generator=gen)
@@ -210,9 +252,14 @@ def test_losses_and_metrics_outside_the_model_equal_serial_on_every_rank(shape: 
         for placements, row in result["losses"].items():
             wrong = {name: v for name, v in row.items() if v not in (True, (True, True))}
             assert not wrong, (placements, wrong)
+        for name, counts in result.get("collectives", {}).items():
+            assert counts == {"all_reduce": 1}, (name, counts)
         for name in ("classifier", "regression", "diffusion"):
             worst = result[name]["worst"]
-            assert worst["loss"] < 1e-5 and worst["grad"] < 1e-5 and worst["param"] < 1e-5, (name, worst)
+            assert worst["loss"] < 1e-5 and worst["grad"] < 1e-5 and worst["param"] < 1e-5, (
+                name,
+                result[name],
+            )
         metrics = result["classifier"]["metrics"]
         assert metrics[0::2] == metrics[1::2], metrics  # accuracy from argmax, parallel vs serial
         for name, (value, expected) in result["reads"].items():

@@ -18,9 +18,10 @@ subclass instances), goes through `OutputTensor.__torch_dispatch__`, which
 - splits a loss op with a mean or sum reduction (mse, smooth-l1, huber, BCE, ...) into its
   elementwise form and a reduction, forward and backward: DTensor treats these ops as pointwise
   and divides by the local element count, which is silently wrong on split inputs (torch 2.13);
-- runs every other op (nll_loss, whose mean divides by a count of the rows the rank holds; index,
-  topk, sort, `.item()`, ...) on replicated inputs: the serial op on the whole value, correct
-  whatever DTensor's rule says, at the price of a gather for that op only.
+- splits nll_loss (cross entropy) into per-row losses and a sum divided by the weight of the
+  targets counted on the whole target: DTensor's mean divides by the rows the rank holds;
+- runs every other op (index, topk, sort, `.item()`, ...) on replicated inputs: the serial op on
+  the whole value, correct whatever DTensor's rule says, at the price of a gather for that op.
 
 `__torch_function__` adds what leaves the tensor world: a 0-d result (a loss, an accuracy) comes
 back as a plain replicated tensor (its `.item()` needs no collective, so `if rank == 0:
@@ -65,6 +66,9 @@ _ELEMENTWISE_LOSS_GRADS = {
     aten.soft_margin_loss_backward.default,
 }  # fmt: skip
 
+_NLL = {aten.nll_loss_forward.default, aten.nll_loss2d_forward.default}
+_NLL_GRADS = {aten.nll_loss_backward.default, aten.nll_loss2d_backward.default}
+
 # Tensor methods whose result leaves the tensor world: they read the whole (serial) value.
 _VALUE_READS: set[Callable[..., Any]] = {
     torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__,
@@ -106,6 +110,8 @@ class OutputTensor(DTensor):
         )
         if func in _ELEMENTWISE_LOSSES or func in _ELEMENTWISE_LOSS_GRADS:
             result = _reduced_loss(func, bases, base_kwargs)
+        elif func in _NLL or func in _NLL_GRADS:
+            result = _reduced_nll(func, bases, base_kwargs, mesh)
         elif _runs_split(func) and not (func._schema.is_mutable and _partial_among(bases)):
             result = func(*bases, **base_kwargs)
         else:
@@ -230,6 +236,44 @@ def _reduced_loss(func: Any, args: Any, kwargs: Any) -> Any:
     if func in _ELEMENTWISE_LOSS_GRADS or reduction == 0:
         return result
     return aten.mean.default(result) if reduction == 1 else aten.sum.default(result)
+
+
+def _reduced_nll(func: Any, args: Any, kwargs: Any, mesh: Any) -> Any:
+    """nll_loss (cross entropy's second half) with a mean or sum reduction, as the per-row losses
+    (exact on split rows) and a sum divided by the weight of the targets counted on the whole
+    target: DTensor's mean divides by the weight of the rows a rank holds."""
+    names = [a.name for a in func._schema.arguments]
+    values = dict(zip(names, args)) | dict(kwargs)
+    reduction = int(values["reduction"])
+    if reduction == 0:
+        return _split_or_replicated(func, args, kwargs)
+    target = _replicated(values["target"])._local_tensor
+    counted = target != values["ignore_index"]
+    weight = values.get("weight")
+    if weight is None:
+        weights = counted.to(values["self"].dtype)
+    else:
+        weights = _replicated(weight)._local_tensor[torch.where(counted, target, 0)] * counted
+    total = _as_dtensor(weights.sum().to(values["self"].dtype), mesh)
+    values["reduction"] = 0
+    if func in _NLL:
+        try:
+            rows, _ = func(**values)
+        except NotImplementedError:  # DTensor has no rule for the op
+            return _on_replicated(func, args, kwargs)
+        loss = aten.sum.default(rows)
+        return (aten.div.Tensor(loss, total) if reduction == 1 else loss), total
+    grad = values["grad_output"]
+    grad = aten.div.Tensor(grad, total) if reduction == 1 else grad
+    values["grad_output"] = aten.expand.default(grad, list(target.shape))
+    return _split_or_replicated(func, (), values)
+
+
+def _split_or_replicated(func: Any, args: Any, kwargs: Any) -> Any:
+    try:
+        return func(*args, **kwargs)
+    except NotImplementedError:  # DTensor has no rule for the op
+        return _on_replicated(func, args, kwargs)
 
 
 def _whole(value: Any) -> torch.Tensor:
