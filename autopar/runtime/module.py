@@ -534,7 +534,7 @@ def _call_key(spec: Any, flat: Sequence[Any], mode: CallMode) -> tuple[Any, ...]
     leaves = tuple(
         ("tensor", tuple(x.shape), x.dtype, grad and x.requires_grad, first_of[id(x)])
         if isinstance(x, torch.Tensor)
-        else ("value", _hashable(x))
+        else ("value", type(x), _hashable(x))  # the type too: a flag True is not the number 1
         for x in flat
     )
     return (spec, leaves, mode)
@@ -552,7 +552,7 @@ def _leaf_text(leaf: tuple[Any, ...], index: int) -> str:
     if leaf[0] == "tensor":
         same = f", the tensor of input {leaf[4]}" if leaf[4] != index else ""
         return _describe((leaf[1], leaf[2])) + (" requiring grad" if leaf[3] else "") + same
-    return repr(leaf[1])
+    return repr(leaf[2])
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
