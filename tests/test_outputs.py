@@ -241,7 +241,34 @@ def _body(rank: int, world_size: int, shape: tuple[int, ...]) -> dict[str, Any]:
         "max_float": (float(out.max()), float(expected.max())),
         "compare": (bool((out > 1.0).all()), bool((expected > 1.0).all())),
     }
+    if mesh.ndim == 1:
+        result["local"] = _local_inputs(mesh, rank, x, labels)
     return result
+
+
+def _local_inputs(mesh: Any, rank: int, x: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+    """With inputs="local" a plain tensor is this rank's shard: mixing one with an output is
+    refused with what to do; DTensor targets and the values read out equal serial."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    model, serial = PerSample(), PerSample()
+    serial.load_state_dict(model.state_dict())
+    xs, ys = x.chunk(mesh.size())[rank], labels.chunk(mesh.size())[rank]
+    out = autopar.parallelize(model, mesh, example_inputs=(xs, ys), inputs="local")(xs, ys)
+    expected = serial(x, labels)
+    weights = torch.linspace(0.5, 2.0, 8)
+    try:
+        (out * weights.chunk(mesh.size())[rank]).sum()
+        refused = "no error"
+    except autopar.AutoparError as exc:
+        refused = f"{type(exc).__name__}: {exc}"
+    weighted = (out * DTensor.from_local(weights.chunk(mesh.size())[rank], mesh, [Shard(0)])).sum()
+    return {
+        "refused": refused,
+        "weighted": (weighted.item(), (expected * weights).sum().item()),
+        "sum_item": (out.sum().item(), expected.sum().item()),
+        "tolist": (out.tolist(), expected.tolist()),
+    }
 
 
 @pytest.mark.multirank
@@ -269,3 +296,10 @@ def test_losses_and_metrics_outside_the_model_equal_serial_on_every_rank(shape: 
                 expected,
             )
     assert all(r["reads"] == results[0]["reads"] for r in results), "ranks read different values"
+    for result in results:
+        if "local" in result:
+            local = result.pop("local")
+            refused = local.pop("refused")
+            assert refused.startswith("UsageError") and 'inputs="local"' in refused, refused
+            for name, (value, expected) in local.items():
+                assert torch.allclose(torch.tensor(value), torch.tensor(expected), atol=1e-5), (name, local)

@@ -406,8 +406,9 @@ class ParallelModule(nn.Module):
             stride=_contiguous_strides(layout.shape),
         )
         # with global inputs, a plain tensor the user mixes in (a target) is the whole value on
-        # every rank: the output treats it as replicated (autopar/runtime/outputs.py)
-        return value if self._local_inputs else as_output(value)
+        # every rank: the output treats it as replicated; with local ones it is this rank's
+        # shard, and the output refuses it (autopar/runtime/outputs.py)
+        return as_output(value, self._local_inputs)
 
     def _check_inputs(self, flat: list[Any], spec: Any) -> None:
         """For a module without a compiler: the call must be the example's."""

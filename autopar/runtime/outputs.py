@@ -39,6 +39,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils import _pytree as pytree
 
+from autopar.core.errors import UsageError
+
 aten = torch.ops.aten
 
 # Ops whose DTensor rule is exact for every input layout (Partial included): besides every
@@ -104,7 +106,11 @@ class OutputTensor(DTensor):
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        mesh = next(a.device_mesh for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor))
+        leaves = pytree.tree_leaves((args, kwargs))
+        mesh = next(a.device_mesh for a in leaves if isinstance(a, DTensor))
+        local = any(isinstance(a, LocalBatchOutput) for a in leaves)
+        if local:
+            _refuse_plain(func, leaves)
         bases, base_kwargs = pytree.tree_map_only(
             torch.Tensor, lambda t: _as_dtensor(t, mesh), (args, kwargs)
         )
@@ -122,7 +128,27 @@ class OutputTensor(DTensor):
                 for a, b in zip(pytree.tree_leaves((args, kwargs)), pytree.tree_leaves((bases, base_kwargs)))
             }
             result = pytree.tree_map_only(DTensor, lambda r: originals.get(id(r), r), result)
-        return pytree.tree_map_only(DTensor, _as_output, result)
+        return pytree.tree_map_only(DTensor, _as_local_output if local else _as_output, result)
+
+
+class LocalBatchOutput(OutputTensor):
+    """An output of a module called with `inputs="local"`: there a plain tensor is one rank's
+    shard of the batch, not the whole value, so mixing one in is refused (not silently
+    replicated); values read out whole as OutputTensor's do."""
+
+
+def _refuse_plain(func: Any, leaves: list[Any]) -> None:
+    for value in leaves:
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.numel() > 1:
+            raise UsageError(
+                f'{func} mixes an output of a module called with inputs="local" with a plain '
+                f"tensor of shape {list(value.shape)}: there a plain tensor is this rank's shard of "
+                "the batch, and its global value is not known",
+                op=str(func),
+                hint="make it a DTensor: DTensor.from_local(y, mesh, [Shard(0)] * mesh.ndim) for this "
+                "rank's shard of the targets, distribute_tensor(w, mesh, [Replicate()] * mesh.ndim) for a "
+                "value every rank holds whole",
+            )
 
 
 def _partial_among(args: Any) -> bool:
@@ -132,19 +158,20 @@ def _partial_among(args: Any) -> bool:
     )
 
 
-def as_output(value: DTensor) -> OutputTensor:
-    """`value` as an OutputTensor, through autograd (gradients flow back unchanged)."""
-    return _AsOutput.apply(value)  # type: ignore[no-any-return]
+def as_output(value: DTensor, local_inputs: bool = False) -> OutputTensor:
+    """`value` as an OutputTensor (a LocalBatchOutput for a module called with local batches),
+    through autograd (gradients flow back unchanged)."""
+    return _AsOutput.apply(value, local_inputs)  # type: ignore[no-any-return]
 
 
 class _AsOutput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, value: DTensor) -> OutputTensor:  # type: ignore[override]
-        return _as_output(value)
+    def forward(ctx: Any, value: DTensor, local_inputs: bool) -> OutputTensor:  # type: ignore[override]
+        return _as_local_output(value) if local_inputs else _as_output(value)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return grad
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
 
 
 def _as_output(value: DTensor) -> OutputTensor:
@@ -152,6 +179,12 @@ def _as_output(value: DTensor) -> OutputTensor:
     if isinstance(value, OutputTensor):
         return value
     return OutputTensor(value._local_tensor, value._spec, requires_grad=False)  # type: ignore[call-arg]
+
+
+def _as_local_output(value: DTensor) -> OutputTensor:
+    if isinstance(value, LocalBatchOutput):
+        return value
+    return LocalBatchOutput(value._local_tensor, value._spec, requires_grad=False)  # type: ignore[call-arg]
 
 
 def _as_dtensor(value: torch.Tensor, mesh: Any) -> DTensor:
