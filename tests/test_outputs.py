@@ -61,6 +61,11 @@ LOSSES: dict[str, Loss] = {
     "numpy": lambda d, y, yf: d.detach().numpy().round(4).tolist(),
     "bool": lambda d, y, yf: bool((d > 2.0).any()),
     "in_place": lambda d, y, yf: d.mul(1).clamp_(max=0.5).masked_fill_(yf > 1, 0).sum(),
+    "sort_median": lambda d, y, yf: d.sort(-1).values[:, :2].sum() + d.median(-1).values.sum(),
+    "cdist_einsum": lambda d, y, yf: torch.cdist(d, yf).sum() + torch.einsum("ij,ij->i", d, yf).sum(),
+    "multi_margin": lambda d, y, yf: F.multi_margin_loss(d, y),
+    "gaussian_nll": lambda d, y, yf: F.gaussian_nll_loss(d, yf, torch.ones(4, 6)),
+    "equal_allclose": lambda d, y, yf: torch.equal(d, d * 1) and torch.allclose(d, d + 1e-9),
 }
 
 
@@ -97,6 +102,13 @@ def _loss_table(mesh: Any) -> dict[str, dict[str, Any]]:
             assert leaf.grad is not None and serial.grad is not None
             loss_ok = type(value) is torch.Tensor and abs(value.item() - expected.item()) < 1e-5
             row[name] = (loss_ok, bool(torch.allclose(leaf.grad.full_tensor(), serial.grad, atol=1e-6)))
+    # a slice across a split dim is a gathered copy: writing into it is refused, not lost
+    split = as_output(distribute_tensor(x, mesh, [Shard(1)] * mesh.ndim) * 1)
+    try:
+        split[:, 0] = 0.0
+        table["write-into-gathered-view"] = {"refused": "no error"}
+    except autopar.AutoparError as exc:
+        table["write-into-gathered-view"] = {"refused": "gathered" in str(exc)}
     return table
 
 

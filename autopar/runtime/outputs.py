@@ -87,6 +87,8 @@ class OutputTensor(DTensor):
     """A parallel module's output: a DTensor whose ops with plain tensors, and whose values read
     out, equal the serial model's (see the module doc)."""
 
+    _gathered_view: bool = False  # set on a view that DTensor had to gather to cut (a copy)
+
     @classmethod
     def __torch_function__(
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -106,6 +108,7 @@ class OutputTensor(DTensor):
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        _refuse_writing_a_gathered_view(func, args)
         leaves = pytree.tree_leaves((args, kwargs))
         mesh = next(a.device_mesh for a in leaves if isinstance(a, DTensor))
         local = any(isinstance(a, LocalBatchOutput) for a in leaves)
@@ -128,7 +131,34 @@ class OutputTensor(DTensor):
                 for a, b in zip(pytree.tree_leaves((args, kwargs)), pytree.tree_leaves((bases, base_kwargs)))
             }
             result = pytree.tree_map_only(DTensor, lambda r: originals.get(id(r), r), result)
-        return pytree.tree_map_only(DTensor, _as_local_output if local else _as_output, result)
+        outputs = pytree.tree_map_only(DTensor, _as_local_output if local else _as_output, result)
+        if func.is_view and isinstance(outputs, OutputTensor) and not _aliases(result, bases[0]):
+            outputs._gathered_view = True  # DTensor gathered to make this view: a copy, not a view
+        return outputs
+
+
+def _aliases(view: Any, base: Any) -> bool:
+    if not isinstance(view, DTensor) or not isinstance(base, DTensor):
+        return True
+    return bool(
+        view._local_tensor.untyped_storage().data_ptr() == base._local_tensor.untyped_storage().data_ptr()
+    )
+
+
+def _refuse_writing_a_gathered_view(func: Any, args: tuple[Any, ...]) -> None:
+    """A view DTensor had to gather (a slice across a split dim) is a copy: an in-place op on it
+    would leave the output it was cut from unchanged, which serial would change."""
+    if not func._schema.is_mutable:
+        return
+    for argument, value in zip(func._schema.arguments, args):
+        written = argument.alias_info is not None and argument.alias_info.is_write
+        if written and getattr(value, "_gathered_view", False):
+            raise UsageError(
+                f"{func} writes into a view of a split autopar output that had to be gathered to be "
+                "cut, so the output itself would not change as it does in serial",
+                op=str(func),
+                hint="compute out of place (torch.where, index_put, cat), or write into out.full_tensor()",
+            )
 
 
 class LocalBatchOutput(OutputTensor):
@@ -208,26 +238,21 @@ def _replicated(value: Any) -> Any:
 
 
 def _on_replicated(func: Any, args: Any, kwargs: Any) -> Any:
-    """The op on whole values: exact whatever its DTensor rule (or lack of one). An in-place op
-    changes the whole copy, which is then laid out back into the tensor it was meant to change."""
+    """The op on whole values: torch's own op on the replicated local tensors, which are the whole
+    values, so exact whatever DTensor's rule (or lack of one) says. An in-place op changes the
+    whole copy, which is then laid out back into the tensor it was meant to change."""
     leaves = pytree.tree_leaves((args, kwargs))
+    mesh = next(a.device_mesh for a in leaves if isinstance(a, DTensor))
     whole_args, whole_kwargs = pytree.tree_map_only(DTensor, _replicated, (args, kwargs))
-    try:
-        result = func(*whole_args, **whole_kwargs)
-    except NotImplementedError:  # DTensor has no rule: run torch's op on the whole local values
-        mesh = next(a.device_mesh for a in leaves if isinstance(a, DTensor))
-        local_args, local_kwargs = pytree.tree_map_only(
-            DTensor, lambda d: d._local_tensor, (whole_args, whole_kwargs)
-        )
-        result = func(*local_args, **local_kwargs)
-        by_local = {
-            id(d._local_tensor): d
-            for d in pytree.tree_leaves((whole_args, whole_kwargs))
-            if isinstance(d, DTensor)
-        }
-        result = pytree.tree_map_only(
-            torch.Tensor, lambda t: by_local.get(id(t)) or _as_dtensor(t, mesh), result
-        )
+    wholes = [d for d in pytree.tree_leaves((whole_args, whole_kwargs)) if isinstance(d, DTensor)]
+    local_args, local_kwargs = pytree.tree_map_only(
+        DTensor, lambda d: d._local_tensor, (whole_args, whole_kwargs)
+    )
+    result = func(*local_args, **local_kwargs)
+    by_local = {id(d._local_tensor): d for d in wholes}  # an in-place op hands back its argument
+    result = pytree.tree_map_only(
+        torch.Tensor, lambda t: by_local[id(t)] if id(t) in by_local else _as_dtensor(t, mesh), result
+    )
     if not func._schema.is_mutable:
         return result
     written = {id(w): a for a, w in zip(leaves, pytree.tree_leaves((whole_args, whole_kwargs))) if w is not a}
