@@ -66,6 +66,7 @@ LOSSES: dict[str, Loss] = {
     "multi_margin": lambda d, y, yf: F.multi_margin_loss(d, y),
     "gaussian_nll": lambda d, y, yf: F.gaussian_nll_loss(d, yf, torch.ones(4, 6)),
     "equal_allclose": lambda d, y, yf: torch.equal(d, d * 1) and torch.allclose(d, d + 1e-9),
+    "iterate": lambda d, y, yf: [round(float(v), 4) for v in d[:, 0]],
 }
 
 
@@ -102,6 +103,11 @@ def _loss_table(mesh: Any) -> dict[str, dict[str, Any]]:
             assert leaf.grad is not None and serial.grad is not None
             loss_ok = type(value) is torch.Tensor and abs(value.item() - expected.item()) < 1e-5
             row[name] = (loss_ok, bool(torch.allclose(leaf.grad.full_tensor(), serial.grad, atol=1e-6)))
+    # a plain gradient given to backward() is the whole gradient, as in serial
+    leaf = distribute_tensor(x, mesh, [Shard(0)] * mesh.ndim).requires_grad_()
+    as_output(leaf * 2).backward(yf)
+    assert leaf.grad is not None
+    table["plain-gradient"] = {"equal": bool(torch.allclose(leaf.grad.full_tensor(), 2 * yf))}
     # a slice across a split dim is a gathered copy: writing into it is refused, not lost
     split = as_output(distribute_tensor(x, mesh, [Shard(1)] * mesh.ndim) * 1)
     try:

@@ -122,7 +122,10 @@ class OutputTensor(DTensor):
         elif func in _NLL or func in _NLL_GRADS:
             result = _reduced_nll(func, bases, base_kwargs, mesh)
         elif _runs_split(func) and not (func._schema.is_mutable and _partial_among(bases)):
-            result = func(*bases, **base_kwargs)
+            try:
+                result = func(*bases, **base_kwargs)
+            except RuntimeError:  # DTensor refuses the layout (unbind along a split dim): whole values
+                result = _on_replicated(func, bases, base_kwargs)
         else:
             result = _on_replicated(func, bases, base_kwargs)
         if func._schema.is_mutable:  # an in-place op hands back the tensor it changed, itself
@@ -197,11 +200,13 @@ def as_output(value: DTensor, local_inputs: bool = False) -> OutputTensor:
 class _AsOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, value: DTensor, local_inputs: bool) -> OutputTensor:  # type: ignore[override]
+        ctx.mesh = value.device_mesh
         return _as_local_output(value) if local_inputs else _as_output(value)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad, None
+        # a plain gradient the user passed (`out.backward(torch.ones(...))`) is the whole value
+        return (grad if isinstance(grad, DTensor) else _as_dtensor(grad, ctx.mesh)), None
 
 
 def _as_output(value: DTensor) -> OutputTensor:
