@@ -263,6 +263,11 @@ def _parallelize_rows(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
             "call-target-out-of-range": lambda: pmodel(x, bad_y),
             "call-negative-target": lambda: pmodel(x, y - 20),
             "call-keyword-unknown": lambda: pmodel(x, y, labels=y),
+            # with local batches a plain target is one rank's shard: refused, never replicated
+            "output-local-plain-target": lambda: F.mse_loss(
+                autopar.parallelize(nn.Linear(32, 3), mesh, example_inputs=(x,), inputs="local")(x),
+                torch.zeros(len(x), 3),
+            ),
         }
     )
     rows["optimizer-over-the-original-parameters"] = lambda: _optimizer_slip(model, pmodel, (x, y))
@@ -299,6 +304,7 @@ WITH_PROCESS_GROUP = {
     "call-negative-target": (IndexOutOfRangeError, "y holds -"),
     "call-keyword-unknown": (TraceError, "labels"),
     "optimizer-over-the-original-parameters": (UsageError, "build the optimizer over the parallel module's parameters: torch.optim.SGD(pmodel.parameters()"),
+    "output-local-plain-target": (UsageError, 'called with inputs="local" with a plain tensor of shape [8, 3]'),
 }
 
 

@@ -46,7 +46,8 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
         out = pmodel(input_ids=ids, labels=ids)
         torch.manual_seed(step)
         want = serial(input_ids=ids, labels=ids)
-        result["types"] = (type(out).__name__, type(out.logits).__name__, out.past_key_values)
+        logits_type = "DTensor" if isinstance(out.logits, DTensor) else type(out.logits).__name__
+        result["types"] = (type(out).__name__, logits_type, out.past_key_values)
         out.loss.backward()
         want.loss.backward()
         result["losses"].append((float(out.loss), float(want.loss)))

@@ -304,6 +304,7 @@ def _annotate(
     buffers: list[str] = []
     num_inputs = 0
     num_tangents = 0
+    flags: list[fx.Node] = []
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
     requires_grad.update({name: requires_grad[part.source] for name, part in parts.items()})
     for node in gm.graph.nodes:
@@ -318,6 +319,9 @@ def _annotate(
         elif kind == "BufferAOTInput":
             role, name, index = "buffer", desc.target, None
             buffers.append(name)
+        elif kind == "PlainAOTInput" and not isinstance(node.meta.get("val"), torch.Tensor):
+            flags.append(node)  # a flag (bool, number, string, None, enum): a constant of this program
+            continue
         elif kind == "PlainAOTInput":
             role, name, index = "input", None, num_inputs
             num_inputs += 1
@@ -332,6 +336,16 @@ def _annotate(
             )
         phase: Phase = "backward" if role == "tangent" else "forward"
         set_info(node, NodeInfo(role=role, phase=phase, param_name=name, input_index=index))
+    # torch.export specializes the program on each non-tensor argument's value, so the graph reads
+    # none of them: the program takes tensors only, and another value compiles another program
+    # (the call key holds every non-tensor argument's value)
+    for node in flags:
+        if node.users:
+            raise TraceError(
+                f"the traced graph reads the non-tensor argument {node.name} as a value",
+                hint="pass numbers the model computes with as tensors, or as constants of the model",
+            )
+        gm.graph.erase_node(node)
 
     output = next(n for n in gm.graph.nodes if n.op == "output")
     descs = output.meta.get("desc") or []

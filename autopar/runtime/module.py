@@ -42,6 +42,8 @@ from autopar.runtime.checkpoint_prefix import model_prefixes
 from autopar.runtime.groups import Groups, failures_named
 from autopar.runtime.local_batch import batch_tensor, global_stand_ins, shard_rows
 from autopar.runtime.module_state import FullState, load_serial_state
+from autopar.runtime.module_tree import flag_containers, lookup, register_at
+from autopar.runtime.outputs import as_output
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
 from autopar.runtime.split_backward import SplitBackward
@@ -154,8 +156,8 @@ class ParallelModule(FullState, nn.Module):
         # register in the source model's order so named_parameters()/state_dict() read the same
         for name in [*dict(source.named_parameters(remove_duplicate=False)), *buffers]:
             if name in aliases:
-                _register(
-                    self, name, _lookup(self, aliases[name]), buffer=name in buffers, persistent=name in saved
+                register_at(
+                    self, name, lookup(self, aliases[name]), buffer=name in buffers, persistent=name in saved
                 )
                 continue
             if name not in layouts:
@@ -178,12 +180,12 @@ class ParallelModule(FullState, nn.Module):
                 stride=tensor.stride() if tensor.is_contiguous() else None,
             )
             if name in buffers:
-                _register(self, name, dt, buffer=True, persistent=name in saved)
+                register_at(self, name, dt, buffer=True, persistent=name in saved)
             else:
-                _register(self, name, nn.Parameter(dt, requires_grad=full[name].requires_grad))
+                register_at(self, name, nn.Parameter(dt, requires_grad=full[name].requires_grad))
         # every submodule of the source, as a container whose training flag the user sets as on the
         # source (`pmodel.drop.eval()`); each call's program is for the flags at call time
-        self._flagged = _flag_containers(self, source)
+        self._flagged = flag_containers(self, source)
         # a state dict loaded on some ranks only, or a different one on each, would train a mixture
         self._loading: list[tuple[str, Fingerprint]] = []  # a state dict's whole tensors, while it loads
         self.register_load_state_dict_post_hook(_check_after_load)
@@ -314,7 +316,7 @@ class ParallelModule(FullState, nn.Module):
         user = num_outputs - len(program.buffer_updates)
         with torch.no_grad():  # the forward's updates of its buffers (BatchNorm running stats)
             for name, value in zip(program.buffer_updates, outputs[user:]):
-                _local(_lookup(self, name)).copy_(value)
+                _local(lookup(self, name)).copy_(value)
         results = [self._wrap(o, lay) for o, lay in zip(outputs[:user], program.output_layouts)]
         if run.outputs is not None:  # the structure the model returned (a dict, a ModelOutput)
             return run.outputs.rebuild(results)
@@ -433,7 +435,7 @@ class ParallelModule(FullState, nn.Module):
             return constant
         part = run.program.param_parts.get(name)
         source = part.source if part is not None else name
-        local = self._local_as(_lookup(self, source), run.source_layouts[source])
+        local = self._local_as(lookup(self, source), run.source_layouts[source])
         return part.of(local) if part is not None else local
 
     def _local_as(self, value: Any, layout: Layout) -> torch.Tensor:
@@ -448,7 +450,7 @@ class ParallelModule(FullState, nn.Module):
         if layout.is_replicated and len(layout.shape) == 0:
             return local
         assert self._mesh.device_mesh is not None
-        return DTensor.from_local(
+        value = DTensor.from_local(
             local,
             self._mesh.device_mesh,
             to_dtensor_placements(layout),
@@ -456,6 +458,10 @@ class ParallelModule(FullState, nn.Module):
             shape=torch.Size(layout.shape),
             stride=_contiguous_strides(layout.shape),
         )
+        # with global inputs, a plain tensor the user mixes in (a target) is the whole value on
+        # every rank: the output treats it as replicated; with local ones it is this rank's
+        # shard, and the output refuses it (autopar/runtime/outputs.py)
+        return as_output(value, self._local_inputs)
 
     def _check_inputs(self, flat: list[Any], spec: Any) -> None:
         """For a module without a compiler: the call must be the example's."""
@@ -499,7 +505,7 @@ def _call_key(spec: Any, flat: Sequence[Any], mode: CallMode) -> tuple[Any, ...]
     leaves = tuple(
         ("tensor", tuple(x.shape), x.dtype, grad and x.requires_grad, first_of[id(x)])
         if isinstance(x, torch.Tensor)
-        else ("value", _hashable(x))
+        else ("value", type(x), _hashable(x))  # the type too: a flag True is not the number 1
         for x in flat
     )
     return (spec, leaves, mode)
@@ -517,7 +523,7 @@ def _leaf_text(leaf: tuple[Any, ...], index: int) -> str:
     if leaf[0] == "tensor":
         same = f", the tensor of input {leaf[4]}" if leaf[4] != index else ""
         return _describe((leaf[1], leaf[2])) + (" requiring grad" if leaf[3] else "") + same
-    return repr(leaf[1])
+    return repr(leaf[2])
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -550,49 +556,6 @@ def _fingerprint_loading(module: ParallelModule, state_dict: Mapping[str, Any], 
         ]
 
 
-def _flag_containers(root: nn.Module, source: nn.Module) -> list[tuple[str, nn.Module]]:
-    """For every submodule path of `source`: the module under `root` at that path (made empty
-    where no tensor made one), holding the source module's training flag. A path whose name the
-    parallel module uses for something else keeps no container and its flag is fixed."""
-    found = []
-    for path, module in source.named_modules():
-        if not path:
-            continue
-        parent, _, leaf = path.rpartition(".")
-        holder: Any = root
-        for part in parent.split(".") if parent else ():
-            holder = getattr(holder, part, None)
-        if not isinstance(holder, nn.Module):
-            continue
-        if not hasattr(holder, leaf):
-            holder.add_module(leaf, nn.Module())
-        container = getattr(holder, leaf)
-        if isinstance(container, nn.Module):
-            container.training = module.training
-            found.append((path, container))
-    return found
-
-
 def _check_after_load(module: ParallelModule, incompatible: Any) -> None:
     whole, module._loading = module._loading, []
     module.check_stored_agree("load_state_dict", whole)
-
-
-def _register(root: nn.Module, name: str, value: Any, buffer: bool = False, persistent: bool = True) -> None:
-    *path, leaf = name.split(".")
-    module = root
-    for part in path:
-        if not hasattr(module, part) or not isinstance(getattr(module, part), nn.Module):
-            module.add_module(part, nn.Module())
-        module = getattr(module, part)
-    if buffer:
-        module.register_buffer(leaf, value, persistent=persistent)
-    else:
-        module.register_parameter(leaf, value)
-
-
-def _lookup(root: nn.Module, name: str) -> Any:
-    module: Any = root
-    for part in name.split("."):
-        module = getattr(module, part)
-    return module
