@@ -164,3 +164,76 @@ def random_block(
     for d, (offset, size) in enumerate(zip(offsets, lengths)):
         block = block.narrow(d, offset, size)
     return block.clone()
+
+
+def group_norm_block(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n: int,
+    channels: int,
+    hxw: int,
+    groups: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`native_group_norm` on a rank's block, whatever its strides.
+
+    The CPU kernel requires `x` contiguous in the memory format its strides suggest ("Expected
+    X.is_contiguous(memory_format)"); `F.group_norm` makes it so before calling it, and a serial
+    trace drops that call where it was a no-op. A rank's block may arrive with other strides (a
+    redistribution's copy, a transposed or sliced view, a batch block of a channels-last tensor
+    whose size-1 batch dim keeps a stride the kernel does not expect), so it is made dense first."""
+    x = _canonical(x)
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    return aten.native_group_norm.default(x, weight, bias, n, channels, hxw, groups, eps)
+
+
+def group_norm_backward_block(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    n: int,
+    channels: int,
+    hxw: int,
+    groups: int,
+    mask: list[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`native_group_norm_backward` on a rank's block, whatever the strides of its tensors.
+
+    The CPU kernel reads `grad`, `x`, `mean` and `rstd` as raw memory in the layout `x`'s strides
+    suggest, and checks none of it: given a contiguous `grad` and a channels-last `x` it returns
+    wrong gradients without an error. Autograd's formula (derivatives.yaml) calls
+    `.contiguous(x.suggest_memory_format())` on `grad` and `x`, which the serial trace drops where
+    the serial strides already agreed; a rank's blocks need not agree (a redistribution hands over
+    a contiguous copy of a channels-last activation), so they are made to agree here again."""
+    x = _canonical(x)
+    if grad.stride() != x.stride():
+        grad = torch.empty_like(x).copy_(grad)  # x is dense: empty_like keeps its strides
+    mean, rstd = mean.contiguous(), rstd.contiguous()
+    weight = weight.contiguous() if weight is not None else None
+    return aten.native_group_norm_backward.default(grad, x, mean, rstd, weight, n, channels, hxw, groups, mask)
+
+
+def _canonical(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself if its strides are exactly those of a contiguous or channels-last tensor of its
+    shape (no copy: a channels-last activation stays so), else a contiguous copy. Exact, not
+    `is_contiguous`: that ignores the strides of size-1 dims, which the kernels' memory-format
+    guess does not."""
+    if x.stride() == _strides(x.shape, list(range(x.ndim))):
+        return x
+    if x.ndim in (4, 5) and x.stride() == _strides(x.shape, [0, *range(2, x.ndim), 1]):  # channels-last (3d)
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a dense tensor of `shape` whose dims lie in memory in `order`, outermost first."""
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= shape[d]
+    return tuple(strides)

@@ -305,11 +305,16 @@ def group_norm_rule(call: OpCall) -> list[AxisStrategy]:
 
 
 def localize_group_norm(ctx: LocalContext) -> LocalCall:
-    """The op takes the batch size N as a number: a rank with a block of the batch passes its own."""
-    at = 5 if ctx.call.op == aten.native_group_norm_backward.default else 3
+    """The op takes the batch size N as a number: a rank with a block of the batch passes its own.
+    Its CPU kernels read their tensors in the input's memory format (the backward without checking
+    that the gradient is laid out alike), which a rank's blocks need not share with the serial
+    trace's: the local call makes them contiguous in it first, as eager autograd does."""
+    backward = ctx.call.op == aten.native_group_norm_backward.default
+    at = 5 if backward else 3
     args = list(ctx.args)
     args[at] = ctx.strategy.inputs[0].local_shape(ctx.mesh_shape, ctx.coords)[0]  # x, or grad (x's shape)
-    return LocalCall(ctx.call.op, tuple(args), ctx.kwargs)
+    target = local_ops.group_norm_backward_block if backward else local_ops.group_norm_block
+    return LocalCall(target, tuple(args), ctx.kwargs)
 
 
 # ---------------------------------------------------------------- convolution

@@ -3,9 +3,11 @@ here) and hypothesis strategies for meshes, shapes and layouts (`autopar.testing
 imported on its own: hypothesis is a test dependency)."""
 
 from autopar.testing.oracle import (
+    MEMORY_LAYOUTS,
     all_coords,
     assemble,
     check_strategy,
+    in_memory_layout,
     local_block,
     mesh_size,
     placements_on_axis,
@@ -15,9 +17,11 @@ from autopar.testing.oracle import (
 )
 
 __all__ = [
+    "MEMORY_LAYOUTS",
     "all_coords",
     "assemble",
     "check_strategy",
+    "in_memory_layout",
     "local_block",
     "mesh_size",
     "placements_on_axis",

@@ -3,6 +3,14 @@
 Shard random global tensors into one local piece per mesh coordinate, run the op each rank would
 run, assemble the results by the output layouts (summing Partial axes, checking that replicas
 agree) and compare with the op on the full tensors.
+
+A rank's local tensors need not have the serial tensor's strides: a redistribution hands over
+contiguous copies where the serial model held a channels-last activation (a conv after attention's
+reshape of a transpose), a slice step hands over a view. Kernels whose result depends on strides
+(native_group_norm_backward reads its gradient in its input's memory format) were right in the
+serial trace only because autograd's `.contiguous(format)` calls were no-ops there, and the trace
+drops them. So the oracle can hand each input's pieces over in another memory layout
+(`MEMORY_LAYOUTS`): the op must give the same values whatever the strides.
 """
 
 from __future__ import annotations
@@ -23,6 +31,11 @@ from autopar.rules.localize import localize_sizes
 
 Coords = tuple[int, ...]
 Pieces = dict[Coords, torch.Tensor]
+
+# How a rank's piece of an input may be laid out in memory: as sharded (contiguous), dense with the
+# channel dim (1) innermost (channels-last), dense with the dims reversed (a transpose's strides),
+# or not dense (a view of every other element of a larger buffer, as a slice hands over).
+MEMORY_LAYOUTS = ("contiguous", "channels_last", "reversed", "strided")
 
 
 def all_coords(mesh_shape: Sequence[int]) -> list[Coords]:
@@ -84,6 +97,27 @@ def shard_tensor(
     return pieces
 
 
+def in_memory_layout(piece: torch.Tensor, memory_layout: str) -> torch.Tensor:
+    """The same values as `piece`, with the strides `memory_layout` (one of MEMORY_LAYOUTS) names."""
+    if memory_layout == "contiguous" or piece.ndim == 0 or piece.numel() == 0:
+        return piece
+    if memory_layout == "strided":
+        wide = torch.zeros((*piece.shape[:-1], 2 * piece.shape[-1]), dtype=piece.dtype)
+        out = wide[..., ::2]
+        out.copy_(piece)
+        return out
+    if memory_layout == "channels_last":
+        order = [0, *range(2, piece.ndim), 1]  # outermost first: dim 1 innermost
+    elif memory_layout == "reversed":
+        order = list(range(piece.ndim))[::-1]
+    else:
+        raise ValueError(f"unknown memory layout {memory_layout!r}; one of {MEMORY_LAYOUTS}")
+    if piece.ndim < 2:  # one dim: dense is contiguous
+        return piece
+    inverse = [order.index(d) for d in range(piece.ndim)]
+    return piece.permute(order).contiguous().permute(inverse)
+
+
 def _with_coords(coords: Coords, axes: Sequence[int], values: Sequence[int]) -> Coords:
     out = list(coords)
     for a, v in zip(axes, values):
@@ -131,14 +165,25 @@ def run_local(
     mesh_shape: Sequence[int],
     registry: RuleRegistry,
     generator: torch.Generator | None = None,
+    memory_layouts: Sequence[str] | None = None,
 ) -> tuple[dict[Coords, list[torch.Tensor]], list[Pieces]]:
-    """Run the op on every rank's pieces. Returns outputs per rank and the input pieces."""
+    """Run the op on every rank's pieces. Returns outputs per rank and the input pieces.
+
+    `memory_layouts`, one per tensor input (MEMORY_LAYOUTS), lays each input's pieces out so in
+    memory; by default they are contiguous."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     tensor_positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
     input_pieces = [
         shard_tensor(flat[i], strategy.inputs[k], mesh_shape, generator)
         for k, i in enumerate(tensor_positions)
     ]
+    if memory_layouts is not None:
+        if len(memory_layouts) != len(input_pieces):
+            raise ValueError(f"{len(memory_layouts)} memory layouts for {len(input_pieces)} tensor inputs")
+        input_pieces = [
+            {c: in_memory_layout(piece, how) for c, piece in pieces.items()}
+            for pieces, how in zip(input_pieces, memory_layouts)
+        ]
     rule = registry.get(call.op)
     localize = rule.localize if rule is not None and rule.localize is not None else localize_sizes
     outputs: dict[Coords, list[torch.Tensor]] = {}
@@ -165,11 +210,13 @@ def check_strategy(
     atol: float = 1e-4,
     rtol: float = 1e-4,
     generator: torch.Generator | None = None,
+    memory_layouts: Sequence[str] | None = None,
 ) -> None:
-    """Assert that running `op` sharded by `strategy` and assembling equals the full op."""
+    """Assert that running `op` sharded by `strategy` and assembling equals the full op (run on
+    contiguous tensors); `memory_layouts` as in `run_local`."""
     expected = op(*args, **kwargs)
     call = make_call(op, args, kwargs, expected)
-    outputs, _ = run_local(call, strategy, args, kwargs, mesh_shape, registry, generator)
+    outputs, _ = run_local(call, strategy, args, kwargs, mesh_shape, registry, generator, memory_layouts)
     expected_flat = [x for x in pytree.tree_leaves(expected) if isinstance(x, torch.Tensor)]
     for index, (want, layout) in enumerate(zip(expected_flat, strategy.outputs)):
         pieces = {c: outs[index] for c, outs in outputs.items()}

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from hypothesis import strategies as st
+from torch.utils import _pytree as pytree
 
 from autopar.core.layout import Layout, Partial, Placement, Replicate, Shard
 from autopar.core.strategy import Strategy
@@ -185,9 +186,16 @@ def check_random_strategies(
     count: int = 4,
     atol: float = 1e-4,
     rtol: float = 1e-4,
+    memory_layouts: Sequence[str] = ("contiguous",),
 ) -> list[Strategy]:
     """Check `count` of the rule's non-trivial strategies for this call (all when there are no
-    more than that) against the full op; returns the strategies checked."""
+    more than that) against the full op; returns the strategies checked.
+
+    Each tensor input's local pieces come in a memory layout drawn from `memory_layouts` (pass
+    `MEMORY_LAYOUTS`: contiguous, channels-last, reversed dims, not dense), as a compiled program
+    may hand them over: a rule whose local call depends on its inputs' strides fails then. Opt-in
+    for now: the CPU flash-attention kernel also misreads inputs whose last dim is not dense, and
+    not every rule has been made stride-proof yet (docs/layouts-and-rules.md)."""
     options = candidate_strategies(op, args, kwargs, mesh_shape, registry)
     if not options:
         raise AssertionError(f"{op}: no strategy at all on mesh {tuple(mesh_shape)}")
@@ -197,6 +205,8 @@ def check_random_strategies(
     # The replicated fallback is just the op itself: draw from the interesting ones when any.
     pool = [s for s in options if s not in trivial] or trivial
     seed = data.draw(seeds(), label="noise seed")
+    tensors = sum(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args, kwargs)))
+    memory = [data.draw(st.sampled_from(list(memory_layouts)), label="memory layout") for _ in range(tensors)]
     if len(pool) <= count:
         chosen = list(pool)
     else:
@@ -204,6 +214,7 @@ def check_random_strategies(
     for strategy in chosen:
         generator = torch.Generator().manual_seed(seed)
         check_strategy(
-            op, args, kwargs, strategy, mesh_shape, registry, atol=atol, rtol=rtol, generator=generator
+            op, args, kwargs, strategy, mesh_shape, registry, atol=atol, rtol=rtol, generator=generator,
+            memory_layouts=memory,
         )
     return chosen
