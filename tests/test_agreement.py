@@ -82,6 +82,8 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
     found["sample swap"] = _refused(lambda: pmodel(*sample))
     tokens = (_swapped(ids, 1, 2, dim=1), labels) if rank == 1 else (ids, labels)
     found["token swap"] = _refused(lambda: pmodel(*tokens))
+    # rank 1 passes the labels by keyword where rank 0 passes them by position (was a timeout naming nobody)
+    found["keyword call"] = _refused(lambda: pmodel(ids, labels=labels) if rank == 1 else pmodel(ids, labels))
     pmodel(ids, labels)  # in step again: agreed
     # rank 1 repeats the batch of the previous call while the others go on to the next
     found["a call behind"] = _refused(lambda: pmodel(*((ids, labels) if rank == 1 else second)))
@@ -113,6 +115,7 @@ def test_reorderings_and_ranks_out_of_step_are_named() -> None:
         assert "emb.weight differs between rank 0 and rank 1" in found["weight row"], found["weight row"]
         assert "InputMismatchError: ids differs between rank 0 and rank 1" in found["sample swap"], found
         assert "InputMismatchError: ids differs between rank 0 and rank 1" in found["token swap"], found
+        assert "rank 1 calls the module differently from rank 0" in found["keyword call"], found["keyword call"]
         assert "rank 1 is 1 call behind the others" in found["a call behind"], found["a call behind"]
         assert "after load_state_dict, emb.weight of the state dict differs between rank 0 and rank 1" in found["load_state_dict"], found
         assert "after load_checkpoint, a sample of the checkpoint's files differs between rank 0 and rank 1" in found["load_checkpoint"], found

@@ -8,6 +8,7 @@ batch norm too, so a batch split across ranks gets the global batch's statistics
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -218,6 +219,22 @@ def _weight_norm_backward(
     return grad_v, grad_g
 
 
+def _target_dtype_checked(decomposition: Callable[..., Any]) -> Callable[..., Any]:
+    """`nll_loss` as decomposed, refusing the targets the kernel refuses (int32: "expected target
+    dtype to be Long or Byte"): the decomposition would index with any integer dtype, and the
+    fake-tensor trace never runs the kernel's check, so a model serial training rejects would
+    train."""
+
+    @functools.wraps(decomposition)
+    def checked(x: torch.Tensor, target: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if target.dtype not in (torch.long, torch.uint8):
+            dtype = {torch.int32: "Int", torch.int16: "Short", torch.int8: "Char"}.get(target.dtype, str(target.dtype))
+            raise RuntimeError(f"expected target dtype to be Long or Byte, but got {dtype}")
+        return decomposition(x, target, *args, **kwargs)
+
+    return checked
+
+
 def sharding_decompositions() -> dict[Any, Callable[..., Any]]:
     from torch._decomp import decomposition_table
 
@@ -240,4 +257,6 @@ def sharding_decompositions() -> dict[Any, Callable[..., Any]]:
         aten.mse_loss_backward.default,
     ):
         table[op] = decomposition_table[op]
+    for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default):
+        table[op] = _target_dtype_checked(table[op])
     return table

@@ -5,7 +5,9 @@ rank runs alike, so all raise together and none is left waiting in the program's
 
 from __future__ import annotations
 
+import enum
 import inspect
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +23,7 @@ from autopar.runtime.agreement import Fingerprint, fingerprint, first_disagreeme
 from autopar.runtime.local_batch import index_extremes
 
 CALLS = "the count of calls"  # the name of the call counter among the fingerprints
+STRUCTURE = "the call's structure"  # arguments' nesting, keywords, shapes, dtypes, flag values
 
 
 def refuse_input_gradients(
@@ -106,8 +109,27 @@ class CallHistory:
     previous: list[Fingerprint] = field(default_factory=list)
 
 
+def structure_digest(flat: Sequence[Any], spec: pytree.TreeSpec) -> float:
+    """A number every rank computes alike for the same kind of call: the arguments' nesting and
+    keywords, each tensor's shape and dtype, each plain value (flags) by type and value, other
+    objects by type alone (their repr may hold an address that differs between processes)."""
+    leaves: list[tuple[Any, ...]] = []
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            leaves.append(("tensor", tuple(x.shape), str(x.dtype)))
+        elif x is None or isinstance(x, (bool, int, float, str, enum.Enum)):
+            leaves.append((type(x).__name__, repr(x)))
+        else:
+            leaves.append((type(x).__qualname__,))
+    return float(zlib.crc32(repr((str(spec), leaves)).encode()))
+
+
 def refuse_differing_inputs(
-    flat: Sequence[Any], names: Sequence[str], history: CallHistory, group: dist.ProcessGroup | None
+    flat: Sequence[Any],
+    names: Sequence[str],
+    history: CallHistory,
+    group: dist.ProcessGroup | None,
+    structure: float = 0.0,
 ) -> None:
     """Every rank must pass the same global batch, in the same call: ranks that pass their own
     shards (as with a DistributedSampler) would train on a mixture, and so would a rank a call out
@@ -117,7 +139,9 @@ def refuse_differing_inputs(
     call behind."""
     prints = [fingerprint(x) for x in flat if isinstance(x, torch.Tensor)]
     previous, history.previous = history.previous, prints
-    differing = first_disagreement([(CALLS, (float(history.calls),)), *zip(names, prints)], group)
+    differing = first_disagreement(
+        [(CALLS, (float(history.calls),)), (STRUCTURE, (structure,)), *zip(names, prints)], group
+    )
     if differing is None:
         return
     hint = (
@@ -132,6 +156,13 @@ def refuse_differing_inputs(
             f"{', '.join(behind)} the others: this is call {ahead} of the module on the ranks ahead, "
             "so the ranks would train on different steps' batches",
             hint=hint,
+        )
+    if differing.name == STRUCTURE:
+        raise InputMismatchError(
+            f"rank {differing.rank} calls the module differently from rank {differing.first}: the "
+            "arguments' structure (keywords where the others pass positions, or the reverse), a "
+            "tensor's shape or dtype, or a flag's value differ, so the ranks would run different programs",
+            hint="call the module the same way on every rank, with the same arguments by position or keyword",
         )
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (prints, previous), group=group)  # every rank is here alike

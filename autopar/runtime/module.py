@@ -37,6 +37,7 @@ from autopar.runtime.call_checks import (
     positional_names,
     refuse_differing_inputs,
     refuse_input_gradients,
+    structure_digest,
 )
 from autopar.runtime.checkpoint_prefix import model_prefixes
 from autopar.runtime.groups import Groups, failures_named
@@ -289,7 +290,7 @@ class ParallelModule(FullState, nn.Module):
                 program_args, program_kwargs = global_stand_ins((args, kwargs), self._mesh.size)
             else:
                 if self._check_inputs_agree:
-                    refuse_differing_inputs(flat, names, self._history, world)
+                    refuse_differing_inputs(flat, names, self._history, world, structure_digest(flat, spec))
                 program_args, program_kwargs = args, kwargs
             run = self._program_for(program_args, program_kwargs, flat, spec)
             program = run.program
