@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from autopar.api import load_checkpoint, parallelize, plan, save_checkpoint
     from autopar.compiler.driver import compile_for_rank
     from autopar.compiler.pricing import PlanResult
+    from autopar.options import DebugOptions, PipelineOptions, PlanOptions
     from autopar.runtime.checkpoint import LoadResult
 
 __all__ = [
@@ -46,6 +47,9 @@ __all__ = [
     "TraceError",
     "PlanResult",
     "LoadResult",
+    "PlanOptions",
+    "PipelineOptions",
+    "DebugOptions",
     "compile_for_rank",
     "load_checkpoint",
     "parallelize",
@@ -60,6 +64,9 @@ _LOADED_ON_USE = {
     "plan": "autopar.api",
     "compile_for_rank": "autopar.compiler.driver",
     "PlanResult": "autopar.compiler.pricing",
+    "PlanOptions": "autopar.options",
+    "PipelineOptions": "autopar.options",
+    "DebugOptions": "autopar.options",
     "load_checkpoint": "autopar.api",
     "save_checkpoint": "autopar.api",
     "LoadResult": "autopar.runtime.checkpoint",

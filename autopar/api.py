@@ -33,8 +33,8 @@ from autopar.core.errors import AutoparError, CheckpointError, MeshError, UsageE
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.precision import Autocast, MixedPrecision, compilable_autocast
+from autopar.options import PLAN_FIELDS, DebugOptions, PipelineOptions, PlanOptions, from_keywords
 from autopar.passes import fused
-from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.runtime.checkpoint import LoadResult
 from autopar.runtime.checkpoint import load_checkpoint as load_parallel_checkpoint
@@ -60,96 +60,60 @@ def parallelize(
     *,
     example_inputs: Sequence[Any],
     example_kwargs: dict[str, Any] | None = None,
-    dump_dir: str | os.PathLike[str] | None = None,
-    registry: RuleRegistry | None = None,
-    planner: str = "search",
-    schedule: bool | str = True,
     mesh_shape: str | None = None,
-    hardware: str | None = None,
     memory_limit: float | None = None,
-    over_decompose: int | str = 1,
-    split_fused: bool | None = None,
-    in_flight_bytes: int | None = None,
-    check_inputs: bool = True,
-    timeout: float | timedelta = DEFAULT_TIMEOUT_S,
-    init_fn: InitFn | None = None,
-    inputs: str = GLOBAL,
-    compile: bool = False,
     mp_policy: Any = None,
-    microbatches: int | None = None,
-    stage_boundaries: Sequence[str] | None = None,
-    virtual_stages: int = 1,
+    compile: bool = False,
+    timeout: float | timedelta = DEFAULT_TIMEOUT_S,
+    inputs: str = GLOBAL,
+    init_fn: InitFn | None = None,
+    planning: PlanOptions | None = None,
+    pipeline: PipelineOptions | None = None,
+    debug: DebugOptions | None = None,
+    **deprecated: Any,
 ) -> ParallelModule | PipelinedModule:
-    """Compile `model` for `mesh`; every rank calls this with the same model weights and inputs.
+    """Compile `model` for `mesh`; every rank calls this with the same weights and inputs.
 
-    A mesh whose one axis is named "pp" is a pipeline (docs/pipeline.md): the model is cut into
-    stages by the cost model (or at `stage_boundaries`, the first module of each later stage),
-    `microbatches` is required, and `schedule` names the pipeline schedule ("1f1b" by default,
-    "gpipe", "interleaved-1f1b" with `virtual_stages` > 1, "zero-bubble" with 1 or 2). Beside
-    other axes, each stage is planned on them with the tensor search
-    (docs/pipeline.md#tensor-axes-inside-each-stage); `pmodel.state_dict()` and
-    `autopar.load_checkpoint` use the tensor-only module's checkpoint format.
+    Returns a module every rank calls as it would call `model` (numerically serial training).
 
-    `dump_dir` (or the AUTOPAR_DUMP_DIR environment variable) writes each stage's graph with its
-    layouts, local shapes and collectives to `<dir>/rank<r>/`. `schedule=False` skips bucketing and
-    keeps every collective's wait right after its issue (no communication/compute overlap).
-    `mesh_shape="auto"` (with the job's DeviceMesh or its world size as `mesh`) plans every
-    factorization of the world size on `hardware` (default: cpu-gloo for CPU, else h100-nvlink-ib)
-    and runs on the fastest that fits `memory_limit`; rank 0 chooses for all, and the ranked table
-    is `result.mesh_choice`; with `microbatches` too, pipeline depths and their schedules compete
-    (docs/pipeline.md#pipeline-depths-in-the-mesh-choice). `memory_limit` (bytes per rank) bounds the plan's modeled memory.
-    `over_decompose` splits each rank's batch into chunks whose collectives overlap each other's
-    compute: an int, or "auto" to let the modeled step time choose (see `compile_for_rank`).
-    `split_fused=True` plans fused projections (qkv) as one linear per piece; None: with the search
-    planner (`compile_for_rank`). `in_flight_bytes` caps the buffers of collectives in flight
-    (default: the memory limit's headroom over the plan, `in_flight_budget`).
+    example_inputs, example_kwargs: a batch as the model's calls pass it (positions, keywords).
+    mesh_shape: "auto" with the job's DeviceMesh or world size as `mesh`: every factorization is
+        planned and the fastest that fits runs; the ranked table is `result.mesh_choice`.
+    memory_limit: bytes per rank the plan's modeled memory must fit (default: none).
+    mp_policy: torch's `MixedPrecisionPolicy(param_dtype=...)`: float32 master weights, compute in
+        `param_dtype` (docs/architecture.md).
+    compile: True runs every program's graphs through `torch.compile` (Inductor).
+    timeout: seconds (default 300) any wait of autopar's collectives may take before every rank
+        fails with a `RankFailureError` naming the first failure (docs/debugging.md).
+    inputs: "global" (default): every rank passes the whole batch; "local": each rank its own
+        shard (what a `DistributedSampler` yields), results as serial on the shards concatenated.
+    init_fn: for a model built on the meta device, `init_fn(module)` initializes each module
+        (default: `reset_parameters()` / `_init_weights`), one tensor at a time on each rank.
+    planning: `autopar.PlanOptions` (planner, hardware, over_decompose, split_fused,
+        in_flight_bytes, overlap, registry); the same object makes the same plan in `autopar.plan`.
+    pipeline: `autopar.PipelineOptions` (microbatches, schedule, stage_boundaries,
+        virtual_stages) for a mesh with a "pp" axis (docs/pipeline.md).
+    debug: `autopar.DebugOptions` (dump_dir, check_inputs), docs/debugging.md.
 
-    The module compiles another program, once, for a call that the first does not fit: other input
-    shapes or arguments, `eval()` mode, `torch.no_grad()` (forward only), a `torch.autocast`
-    region, or weights cast with `pmodel.to(dtype)`; see
-    docs/architecture.md, "Calls, modes and programs". Every rank must start from the same weights
-    (checked here) and pass the same inputs (checked on each call with a small all-reduce of
-    fingerprints that see reordered rows and tokens too; `check_inputs=False` skips that); see
-    docs/debugging.md, "What is checked, and what is refused".
-
-    A model built on the meta device (`with torch.device("meta"): model = Model()`) is never
-    materialized whole: every rank runs the model's initialization (each module's
-    `reset_parameters()`, a transformers model's `_init_weights`, or `init_fn(module)` for every
-    module in `model.apply` order) one tensor at a time from the random state seeded before this
-    call, keeping only its blocks, so the weights are those of `model.to_empty(device="cpu")`
-    initialized serially with the same seed; `autopar.load_checkpoint` then loads real weights.
-
-    `inputs="local"`: every rank passes only its own shard of the batch (what a
-    `DistributedSampler` yields: every tensor argument split along dim 0, equal sizes on every
-    rank, `example_inputs` too) and the results are those of the serial model on the shards
-    concatenated in rank order; no rank assembles the global batch. The default, "global", takes
-    the whole batch on every rank.
-
-    `mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)` (torch's FSDP2 policy) keeps the
-    parameters as they are (float32 master weights for the optimizer) and computes with
-    `param_dtype` copies: every parameter read in the forward is cast where it is read, floating
-    inputs are cast too (`cast_forward_inputs`), outputs to `output_dtype` when given; gradients
-    come back in the parameters' dtype. `reduce_dtype` other than `param_dtype` is refused.
-
-    `compile=True` runs every program's forward and backward graphs through `torch.compile` with
-    Inductor (compiled on each program's first call; results equal the eager programs to float
-    tolerance); `torch.compile(pmodel)` itself is not needed.
-
-    `timeout` (seconds, default 300) bounds every wait of autopar's collectives: the meeting of all
-    ranks here (a rank that never calls parallelize is named), the plan agreement and each step's
-    collectives, which run on process groups autopar makes with this timeout. A rank that fails,
-    exits or is killed ends the others within it, each with a `RankFailureError` naming the first
-    failure recorded in the job (docs/debugging.md, "When a rank fails").
+    Other calls (input shapes, `eval()`, `no_grad()`, autocast, `pmodel.to(dtype)`) compile their
+    own program once (docs/architecture.md, "Calls, modes and programs"). The keywords the groups
+    replaced (`planner=`, `schedule=`, `dump_dir=`, ...) still work, with a DeprecationWarning,
+    for one release (docs/api.md).
     """
+    planning, pipeline, debug = from_keywords("parallelize", deprecated, planning, pipeline, debug, stacklevel=4)
+    registry, planner, hardware = planning.registry, planning.planner, planning.hardware
+    over_decompose, split_fused, in_flight_bytes = planning.over_decompose, planning.split_fused, planning.in_flight_bytes
+    microbatches, schedule = pipeline.microbatches, pipeline.schedule
+    stage_boundaries, virtual_stages = pipeline.stage_boundaries, pipeline.virtual_stages
     _check_model(model)
     example_inputs = example_tuple(example_inputs, example_kwargs)
     pipelined = isinstance(mesh, DeviceMesh) and "pp" in (mesh.mesh_dim_names or ())
     depths_wanted = mesh_shape == "auto" and microbatches is not None  # pipeline depths compete too
-    if not pipelined and not depths_wanted and (not isinstance(schedule, bool) or microbatches is not None):
+    if not pipelined and not depths_wanted and (schedule is not None or microbatches is not None):
         raise UsageError(
-            f"schedule={schedule!r} / microbatches={microbatches!r} describe a pipeline, but the mesh has no "
-            "axis named \"pp\"",
-            hint='schedule=True/False turns collective scheduling on or off; for a pipeline use a ("pp",) mesh',
+            f"PipelineOptions(schedule={schedule!r}, microbatches={microbatches!r}) describe a pipeline, but "
+            "the mesh has no axis named \"pp\"",
+            hint='PlanOptions(overlap=True/False) turns collective scheduling on or off; for a pipeline use a ("pp",) mesh',
         )
     # a DTensor example (another parallel module's output) stands for its global value, as in calls
     example_inputs, example_kwargs = pytree.tree_map_only(
@@ -166,16 +130,16 @@ def parallelize(
     options = ModuleOptions(
         registry=registry,
         planner=planner,
-        schedule=schedule if isinstance(schedule, bool) else True,
+        schedule=planning.overlap,
         hardware=hardware,
         memory_limit=memory_limit,
         over_decompose=over_decompose,
         split_fused=split_fused,
         in_flight_bytes=in_flight_bytes,
         mixed_precision=mixed_precision,
-        check_inputs=check_inputs,
+        check_inputs=debug.check_inputs,
         inputs=inputs,
-        dump_dir=dump_dir,
+        dump_dir=debug.dump_dir,
         init_fn=init_fn,
         compile=compile,
     )
@@ -188,10 +152,10 @@ def parallelize(
         )  # fmt: skip
         mesh_shape, hardware = None, depth_choice.hardware
         pipelined = "pp" in (mesh.mesh_dim_names or ())
-        if pipelined and isinstance(schedule, bool):  # the schedule the choice priced best
+        if pipelined and schedule is None:  # the schedule the choice priced best
             schedule, virtual_stages = depth_choice.chosen.schedule, depth_choice.chosen.v
         elif not pipelined:  # the tensor-only mesh won: no microbatches
-            schedule, microbatches = schedule if isinstance(schedule, bool) else True, None
+            schedule, microbatches = None, None
     if pipelined:
         if mesh_shape is not None:
             raise UsageError(
@@ -280,7 +244,7 @@ def _pipeline(
     mesh: DeviceMesh,
     example_inputs: Sequence[Any],
     example_kwargs: dict[str, Any] | None,
-    schedule: bool | str,
+    schedule: str | None,
     microbatches: int | None,
     stage_boundaries: Sequence[str] | None,
     virtual_stages: int,
@@ -293,12 +257,12 @@ def _pipeline(
     if microbatches is None or isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise UsageError(
             f"a pipeline needs microbatches= (a positive int), got {microbatches!r}",
-            hint="parallelize(model, mesh, example_inputs=..., microbatches=8)",
+            hint="parallelize(model, mesh, example_inputs=..., pipeline=autopar.PipelineOptions(microbatches=8))",
         )
-    name = "1f1b" if schedule is True else schedule
+    name = "1f1b" if schedule is None else schedule
     if not isinstance(name, str):
         raise UsageError(
-            f"schedule={schedule!r} on a pipeline mesh: name the pipeline schedule",
+            f"PipelineOptions(schedule={schedule!r}) on a pipeline mesh: name the pipeline schedule",
             hint='schedule="1f1b", "gpipe", "interleaved-1f1b", "zero-bubble" or "auto"',
         )
     if options.inputs != GLOBAL:
@@ -368,40 +332,45 @@ def plan(
     mesh_shape: Sequence[int] | str,
     example_inputs: Sequence[Any],
     *,
-    hardware: str = "h100-nvlink-ib",
-    planner: str = "search",
-    mesh_names: Sequence[str] | None = None,
     example_kwargs: dict[str, Any] | None = None,
-    registry: RuleRegistry | None = None,
-    compare: bool = False,
+    mesh_names: Sequence[str] | None = None,
     world_size: int | None = None,
     memory_limit: float | None = None,
-    over_decompose: int | str = 1,
-    split_fused: bool | None = None,
-    in_flight_bytes: int | None = None,
-    autocast: torch.dtype | None = None,
     mp_policy: Any = None,
-    microbatches: int | None = None,
+    autocast: torch.dtype | None = None,
+    compare: bool = False,
+    planning: PlanOptions | None = None,
+    pipeline: PipelineOptions | None = None,
+    debug: DebugOptions | None = None,
+    **deprecated: Any,
 ) -> PlanResult:
-    """Plan `model` for a mesh of `mesh_shape` ranks on `hardware`, in this process, allocating no weights.
+    """Plan `model` for a mesh of `mesh_shape` ranks, in this process, allocating no weights.
 
-    `compare=True` also plans the fixed 1-D Megatron, 2-D SUMMA and 3-D cube schemes of the same
-    traced graph on as many ranks (`autopar.planning.fixed`) and prices them the same way:
-    `result.comparison`, `result.compare_text()`, and "comparison" in `to_json()`.
-    `mesh_shape="auto"` with `world_size=N` plans every factorization of N (`autopar.planning.mesh_choice`)
-    and compiles the fastest that fits; the ranked table is `result.mesh_choice`. `memory_limit`
-    (bytes per rank, default 90% of the table's device memory) bounds the plan's modeled memory.
-    `over_decompose`: batch chunks per rank, or "auto"; `split_fused`: one linear per piece of a
-    fused projection, None: with the search planner; `in_flight_bytes`: the schedule's cap on
-    collective buffers in flight, default the memory limit's headroom (all `autopar.compile_for_rank`).
-    `autocast=torch.bfloat16` plans the step as run inside `torch.autocast(dtype=torch.bfloat16)`:
-    its matmuls, activations and collectives in that dtype are priced at that dtype's rates and
-    bytes (the hardware table's peak per dtype), the weights and their optimizer state in theirs.
-    `mp_policy`: torch's `MixedPrecisionPolicy`, planned as `parallelize` compiles it.
-    `mesh_shape="auto"` with `microbatches=M` ranks pipeline depths too
-    (docs/pipeline.md#pipeline-depths-in-the-mesh-choice), in `result.pipeline_choice`; when a
-    pipeline wins, the plan compiled is its stage sub-mesh's plan for one microbatch.
+    `planning` (`autopar.PlanOptions`) and the plain keywords mean what they mean in
+    `parallelize`, with the same defaults, so the same objects plan what `parallelize` compiles;
+    `PlanOptions.hardware=None` is "h100-nvlink-ib" here (no devices to look at).
+    `mesh_shape="auto"` with `world_size=N` plans every factorization of N and compiles the fastest
+    that fits `memory_limit` (bytes per rank, default 90% of the table's device memory); the ranked
+    table is `result.mesh_choice`. With `pipeline=PipelineOptions(microbatches=M)` too, pipeline
+    depths compete (`result.pipeline_choice`); when one wins, the plan compiled is its stage
+    sub-mesh's plan for one microbatch. `compare=True` also prices the fixed 1-D Megatron, 2-D
+    SUMMA and 3-D cube schemes (`result.comparison`, `result.compare_text()`).
+    `autocast=torch.bfloat16` plans the step as run inside `torch.autocast(dtype=torch.bfloat16)`.
+    `debug=DebugOptions(dump_dir=...)` writes the planned rank's dump (`check_inputs` has no calls
+    to check here). The keywords `PlanOptions` replaced (`planner=`, `hardware=`, ...) and `microbatches=` still
+    work, with a DeprecationWarning, for one release (docs/api.md).
     """
+    planning, pipeline, debug = from_keywords(
+        "plan", deprecated, planning, pipeline, debug, allowed=(*PLAN_FIELDS, "microbatches")
+    )
+    if pipeline.schedule is not None or pipeline.stage_boundaries is not None or pipeline.virtual_stages != 1:
+        raise UsageError(
+            f"plan() takes PipelineOptions(microbatches=...) only, got {pipeline}",
+            hint='pass mesh_shape="auto", world_size=N and PipelineOptions(microbatches=M) to rank pipeline depths',
+        )
+    hardware = planning.hardware if planning.hardware is not None else "h100-nvlink-ib"
+    planner, registry, microbatches = planning.planner, planning.registry, pipeline.microbatches
+    over_decompose, split_fused, in_flight_bytes = planning.over_decompose, planning.split_fused, planning.in_flight_bytes
     mixed_precision = MixedPrecision.of(mp_policy)
     example_inputs = example_tuple(example_inputs, example_kwargs)
     regions = (Autocast("cpu", autocast),) if autocast is not None else ()  # the trace runs on the CPU
@@ -470,6 +439,8 @@ def plan(
         split_fused=split_fused,
         in_flight_bytes=in_flight_bytes,
         traced=kept.graph if kept is not None else None,
+        schedule=planning.overlap,
+        dump_dir=debug.dump_dir,
         autocast=regions,
         mixed_precision=mixed_precision,
     )

@@ -158,7 +158,7 @@ def modeled(cfg: LlamaConfig, batch_size: int, hardware: str, dtype: torch.dtype
         model = Llama(cfg).to(dtype)
     idx = torch.zeros(batch_size, cfg.seq_len, dtype=torch.long)
     start = time.perf_counter()
-    result = autopar.plan(model, (1,), (idx, idx), hardware=hardware)
+    result = autopar.plan(model, (1,), (idx, idx), planning=autopar.PlanOptions(hardware=hardware))
     return {
         "hardware": hardware,
         "step_ms": 1e3 * result.step_time,

@@ -70,7 +70,7 @@ def measure(mesh_shape: tuple[int, ...]) -> dict[str, Any]:
     model = on_meta(lambda: GPT(cfg))
     idx = torch.zeros(BATCH, SEQ, dtype=torch.long)
     start = time.perf_counter()
-    result = autopar.plan(model, mesh_shape, (idx, idx), hardware=HARDWARE, planner="search")
+    result = autopar.plan(model, mesh_shape, (idx, idx), planning=autopar.PlanOptions(hardware=HARDWARE))
     assert result.compiled.timelines is not None
     before, after = result.compiled.timelines
     mesh = result.mesh
@@ -136,7 +136,9 @@ def measure_auto(p: int) -> dict[str, Any]:
     model = on_meta(lambda: GPT(cfg))
     idx = torch.zeros(BATCH, SEQ, dtype=torch.long)
     start = time.perf_counter()
-    result = autopar.plan(model, "auto", (idx, idx), world_size=p, hardware=HARDWARE, planner="search")
+    result = autopar.plan(
+        model, "auto", (idx, idx), world_size=p, planning=autopar.PlanOptions(hardware=HARDWARE, planner="search")
+    )
     assert result.compiled.timelines is not None and result.mesh_choice is not None
     before, after = result.compiled.timelines
     floor = max(0.0, after.comm_time - after.compute_time) / after.comm_time if after.comm_time else 0.0

@@ -204,7 +204,7 @@ def build(name: str, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Built
         return Built(pmodel, batch, "auto: " + "x".join(map(str, chosen)))
     if name == "autopar 8 dp greedy":  # FSDP's pattern: every axis splits the batch (a "dp" name)
         mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
-        pmodel = autopar.parallelize(model, mesh, example_inputs=batch, planner="greedy")
+        pmodel = autopar.parallelize(model, mesh, example_inputs=batch, planning=autopar.PlanOptions(planner="greedy"))
         return Built(pmodel, batch, "8 (dp), greedy")
     if name.startswith("autopar "):
         shape = tuple(int(s) for s in name.split()[1].split("x"))

@@ -191,10 +191,12 @@ def _job(
                 copy.deepcopy(model),
                 mesh,
                 example_inputs=batch,
-                microbatches=m,
-                schedule=variant.schedule,
-                virtual_stages=variant.v,
-                stage_boundaries=list(variant.boundaries),
+                pipeline=autopar.PipelineOptions(
+                    microbatches=m,
+                    schedule=variant.schedule,
+                    virtual_stages=variant.v,
+                    stage_boundaries=list(variant.boundaries),
+                ),
             )
             setup_s[key] = time.perf_counter() - t0
             assert isinstance(pmodel, PipelinedModule), type(pmodel)

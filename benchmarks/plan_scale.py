@@ -70,7 +70,7 @@ def measure(ranks: int, layers: int, hardware: str, searched: int | None) -> dic
     api.choose_mesh = timed_choice  # type: ignore[assignment]  # (as plan() calls it)
     try:
         wall, cpu = time.perf_counter(), time.process_time()
-        result = autopar.plan(model, "auto", (idx, idx), world_size=ranks, hardware=hardware)
+        result = autopar.plan(model, "auto", (idx, idx), world_size=ranks, planning=autopar.PlanOptions(hardware=hardware))
         out["wall_s"], out["cpu_s"] = time.perf_counter() - wall, time.process_time() - cpu
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"

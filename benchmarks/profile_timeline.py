@@ -141,7 +141,8 @@ def _job(
     model, batch = make_gpt(0, batch_size, **cfg)
     models = {
         name: autopar.parallelize(
-            copy.deepcopy(model), mesh, example_inputs=batch, schedule=name == "scheduled"
+            copy.deepcopy(model), mesh, example_inputs=batch,
+            planning=autopar.PlanOptions(overlap=name == "scheduled"),
         )
         for name in VARIANTS
     }

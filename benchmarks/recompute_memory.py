@@ -43,7 +43,7 @@ def measure(mesh: tuple[int, ...], limit_gb: float | None) -> dict[str, Any]:
     idx = torch.zeros(BATCH, CONFIG.seq_len, dtype=torch.long)
     wall, cpu = time.perf_counter(), time.process_time()
     result = autopar.plan(
-        model, mesh, (idx, idx), hardware=HARDWARE, memory_limit=None if limit_gb is None else limit_gb * GB
+        model, mesh, (idx, idx), planning=autopar.PlanOptions(hardware=HARDWARE), memory_limit=None if limit_gb is None else limit_gb * GB
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     saved = result.compiled.report.activations

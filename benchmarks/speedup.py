@@ -8,7 +8,7 @@ a layer dominates it; embedding and head are tiny at this vocabulary). For each 
 - the fixed plans of `autopar.planning.fixed` on the same traced graph and the same table: 1-D
   Megatron on (p,), 2-D SUMMA on its best grid and axis order, 3-D cube on (q, q, q); linears forced
   to the scheme, everything else laid out by the greedy planner, compiled and priced the same way;
-- "search": `autopar.plan(..., planner="search", hardware=table)` on a few 3-axis meshes (the best
+- "search": `autopar.plan(..., planning=PlanOptions(planner="search", hardware=table))` on a few 3-axis meshes (the best
   of plan_quality.py's meshes per p) and on the mesh of every fixed plan not already among them
   (a unit axis aside: 1x8x8 is the 8x8 grid), so the search sees every mesh a fixed plan uses. On
   each mesh the search is seeded by the fixed schemes' plans that lay out on it (as well as the
@@ -146,7 +146,9 @@ def measure(hardware: str, p: int, meshes: list[tuple[int, ...]], auto: bool = F
     for shape in searched:
         t0 = time.perf_counter()
         try:
-            result = autopar.plan(model, shape, (idx, idx), hardware=hardware, planner="search")
+            result = autopar.plan(
+                model, shape, (idx, idx), planning=autopar.PlanOptions(hardware=hardware, planner="search")
+            )
             report = result.compiled.graph.meta.get("autopar_search")
             seed = {"seed": report.chosen_seed, "seeds": report.seeds} if report is not None else {}
             out["search"].append({**_priced(result), **seed, "seconds": time.perf_counter() - t0})
@@ -154,7 +156,9 @@ def measure(hardware: str, p: int, meshes: list[tuple[int, ...]], auto: bool = F
             out["search"].append({"mesh": list(shape), "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
     if auto:
         t0 = time.perf_counter()
-        result = autopar.plan(model, "auto", (idx, idx), world_size=p, hardware=hardware, planner="search")
+        result = autopar.plan(
+            model, "auto", (idx, idx), world_size=p, planning=autopar.PlanOptions(hardware=hardware, planner="search")
+        )
         assert result.mesh_choice is not None
         ranked = [
             {"mesh": list(c.shape), "modeled_step_s": c.step_time if c.fits else None, "error": c.error}

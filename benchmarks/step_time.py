@@ -2,11 +2,11 @@
 
 Each 8-rank job (forked by tests/multirank.py, one torch thread per rank, as examples/train_gpt.py
 runs) builds the example GPT (examples/models.make_gpt, the model and batch of train_gpt.py) and
-parallelizes it twice from the same weights: `schedule=True` (the schedule stage: small collectives
-bucketed, collectives issued early and waited on late) and `schedule=False` (insert_comm's order:
+parallelizes it twice from the same weights: `PlanOptions(overlap=True)` (the schedule stage: small collectives
+bucketed, collectives issued early and waited on late) and `overlap=False` (insert_comm's order:
 every collective waited on right after it is issued). `--reorder-only` adds a variant, the
 schedule stage with bucketing off, to tell the two effects apart; `--chunks K` adds one with the
-batch over-decomposed into K chunks (`over_decompose=K`, scheduled), whose collectives can overlap
+batch over-decomposed into K chunks (`PlanOptions(over_decompose=K)`, scheduled), whose collectives can overlap
 the other chunks' compute. After warm-up, repetitions time
 `--steps` forward+backward steps of each variant, the order rotating from one repetition to the
 next, so that drifts in machine load hit all alike. A block's time is the slowest rank's; we report
@@ -165,9 +165,10 @@ def _alternate(
 def _compile(model: torch.nn.Module, mesh: Any, batch: Any, variant: str) -> ParallelModule:
     if variant.endswith(" chunks"):  # scheduled, the batch over-decomposed into k chunks
         k = int(variant.split()[0])
-        return autopar.parallelize(model, mesh, example_inputs=batch, over_decompose=k)
+        return autopar.parallelize(model, mesh, example_inputs=batch, planning=autopar.PlanOptions(over_decompose=k))
     if variant != "reorder-only":
-        return autopar.parallelize(model, mesh, example_inputs=batch, schedule=variant == "scheduled")
+        overlap = autopar.PlanOptions(overlap=variant == "scheduled")
+        return autopar.parallelize(model, mesh, example_inputs=batch, planning=overlap)
     # the schedule stage without its bucketing (bucket_bytes=0), to tell the two apart; opt-in
     no_buckets = functools.partial(schedule_stage, bucket_bytes=0)
     with mock.patch.object(autopar.compiler.driver, "schedule_pass", no_buckets):

@@ -1,4 +1,4 @@
-"""Your own op, its sharding rules, and parallelize(..., registry=...).
+"""Your own op, its sharding rules, and parallelize(..., planning=PlanOptions(registry=...)).
 
     torchrun --nproc-per-node 8 examples/custom_op.py   # parallelize on (2, 2, 2), train beside serial
     python examples/custom_op.py                          # no launcher: op coverage and the plan, in process
@@ -190,7 +190,9 @@ def train(steps: int = 3) -> None:
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("x", "y", "z"))
     model, batch = make_model(0)
     serial = copy.deepcopy(model)
-    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, registry=custom_registry())
+    pmodel = autopar.parallelize(
+        model, mesh, example_inputs=batch, planning=autopar.PlanOptions(registry=custom_registry())
+    )
     opt, serial_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pmodel, serial))
     for step in range(steps):
         losses = []
@@ -219,7 +221,8 @@ def main() -> int:
     registry = custom_registry()
     rows = op_coverage(model, batch, mesh_shape=(2, 2, 2), registry=registry)
     print(format_rows(rows))
-    print(autopar.plan(model, (2, 2, 2), batch, hardware="cpu-gloo", planner="greedy", registry=registry))
+    planning = autopar.PlanOptions(hardware="cpu-gloo", planner="greedy", registry=registry)
+    print(autopar.plan(model, (2, 2, 2), batch, planning=planning))
     return 1 if any(r.missing for r in rows) else 0
 
 

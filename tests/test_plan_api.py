@@ -24,7 +24,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 def plans(batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, autopar.PlanResult]:
     with torch.device("meta"):
         model = GPT(CFG)  # no weights anywhere: planning needs shapes only
-    return {p: autopar.plan(model, (2, 2, 2), batch, planner=p) for p in ("greedy", "search")}
+    return {p: autopar.plan(model, (2, 2, 2), batch, planning=autopar.PlanOptions(planner=p)) for p in ("greedy", "search")}
 
 
 def test_search_is_never_modeled_slower_than_the_greedy_plan(plans: dict[str, autopar.PlanResult]) -> None:
@@ -67,7 +67,9 @@ def test_report_json_and_explain(plans: dict[str, autopar.PlanResult]) -> None:
 def compared(batch: tuple[torch.Tensor, torch.Tensor]) -> autopar.PlanResult:
     with torch.device("meta"):
         model = GPT(CFG)
-    return autopar.plan(model, (2, 2, 2), batch, planner="search", hardware="v100-cluster", compare=True)
+    return autopar.plan(
+        model, (2, 2, 2), batch, planning=autopar.PlanOptions(hardware="v100-cluster"), compare=True
+    )
 
 
 def test_compare_prices_the_fixed_plans_of_the_same_graph(compared: autopar.PlanResult) -> None:
@@ -110,7 +112,7 @@ def test_compare_report_text_and_json(compared: autopar.PlanResult) -> None:
 def test_compare_reports_an_infeasible_scheme(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
     with torch.device("meta"):
         model = GPT(CFG)  # 8 heads: no 1-D Megatron over 16 ranks; 16 is not a cube
-    result = autopar.plan(model, (2, 8), batch, planner="greedy", compare=True)
+    result = autopar.plan(model, (2, 8), batch, planning=autopar.PlanOptions(planner="greedy"), compare=True)
     rows = {c.name: c for c in result.comparison}
     assert rows["1-D Megatron"].result is None and "heads 8 % 16 != 0" in rows["1-D Megatron"].note
     assert rows["3-D cube"].result is None and "q^3" in rows["3-D cube"].note
@@ -127,7 +129,7 @@ def test_auto_with_microbatches_ranks_pipeline_depths() -> None:
     from examples.models import make_gpt
 
     model, batch = make_gpt(0, batch_size=8, n_layer=2)
-    result = autopar.plan(model, "auto", batch, world_size=2, microbatches=4)
+    result = autopar.plan(model, "auto", batch, world_size=2, pipeline=autopar.PipelineOptions(microbatches=4))
     choice = result.pipeline_choice
     assert choice is not None and choice.microbatches == 4
     priced = [c for c in choice.candidates if not c.error]

@@ -72,7 +72,7 @@ def _compare_job(rank: int, world_size: int) -> dict[str, Any]:
     model, batch = make_gpt(0, n_layer=1)
     serial = copy.deepcopy(model)
     variants = {
-        flag: autopar.parallelize(copy.deepcopy(model), mesh, example_inputs=batch, schedule=flag)
+        flag: autopar.parallelize(copy.deepcopy(model), mesh, example_inputs=batch, planning=autopar.PlanOptions(overlap=flag))
         for flag in (True, False)
     }
     losses, grads = {}, {}

@@ -189,7 +189,7 @@ def refuse_differing_inputs(
         f"{differing.name} differs between rank {differing.first} and rank {differing.rank}: "
         "every rank must pass the same global batch",
         hint="give every rank the whole batch (the same sampler seed on every rank, no "
-        "DistributedSampler); parallelize(..., check_inputs=False) skips this check",
+        "DistributedSampler); parallelize(..., debug=DebugOptions(check_inputs=False)) skips this check",
     )
 
 

@@ -1,0 +1,154 @@
+"""The option groups of `autopar.parallelize` and `autopar.plan`, and the old keywords' mapping.
+
+The common options are plain keywords of both calls; the rest are grouped by concern in frozen
+dataclasses, so that one object describes one concern wherever it is passed, `plan` and
+`parallelize` read the same defaults from the same place, and every name has one meaning
+(`PlanOptions.overlap` turns the overlap pass on or off; `PipelineOptions.schedule` names a
+pipeline schedule). The keywords these groups replaced are accepted for one release with a
+`DeprecationWarning` naming the new spelling (`from_keywords`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from autopar.core.errors import UsageError
+from autopar.rules.base import RuleRegistry
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """How the layouts and the step are planned; `plan` and `parallelize` read the same defaults.
+
+    Fields (default in brackets):
+      planner (str) ["search"]: "search", the whole-graph search over every op's strategy, or
+          "greedy", each op's cheapest strategy in graph order (docs/planning.md).
+      hardware (str | None) [None]: the hardware table the cost model prices with, e.g.
+          "h100-nvlink-ib", "cpu-gloo". None: `parallelize` on a given mesh plans by element
+          counts; its mesh choice prices on cpu-gloo for a CPU mesh, else h100-nvlink-ib;
+          a pipeline's stage cut on h100-nvlink-ib; `plan`, which sees no devices, on h100-nvlink-ib. Name a table for
+          `plan` and `parallelize` to make the same plan.
+      over_decompose (int | "auto") [1]: batch chunks per rank whose collectives overlap each
+          other's compute; "auto" lets the modeled step time choose.
+      split_fused (bool | None) [None]: plan a fused projection (qkv) as one linear per piece;
+          None: yes with the search planner.
+      in_flight_bytes (int | None) [None]: bytes per rank of collective buffers in flight at
+          once; None: the memory limit's headroom over the plan.
+      overlap (bool) [True]: run the overlap scheduling pass (bucketing, collectives' waits
+          moved after independent compute); False keeps each wait right after its issue.
+      registry (RuleRegistry | None) [None]: the sharding rules; None: the default registry
+          (docs/layouts-and-rules.md to add rules for your own ops).
+    """
+
+    planner: str = "search"
+    hardware: str | None = None
+    over_decompose: int | str = 1
+    split_fused: bool | None = None
+    in_flight_bytes: int | None = None
+    overlap: bool = True
+    registry: RuleRegistry | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """A pipeline over a mesh axis named "pp" (docs/pipeline.md).
+
+    Fields (default in brackets):
+      microbatches (int | None) [None]: microbatches per step; required on a "pp" mesh, and with
+          `mesh_shape="auto"` it lets pipeline depths compete in the mesh choice.
+      schedule (str | None) [None]: the pipeline schedule, "1f1b", "gpipe", "interleaved-1f1b"
+          (with virtual_stages > 1), "zero-bubble" (virtual_stages 1 or 2) or "auto"; None:
+          "1f1b" on a given "pp" mesh, the schedule the depth choice priced best under
+          `mesh_shape="auto"`.
+      stage_boundaries (sequence of str | None) [None]: the first module of each later stage,
+          by qualified name; None: the cost model cuts the stages.
+      virtual_stages (int) [1]: model chunks per pipeline rank (interleaved schedules).
+    """
+
+    microbatches: int | None = None
+    schedule: str | None = None
+    stage_boundaries: Sequence[str] | None = None
+    virtual_stages: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugOptions:
+    """What `parallelize` writes and checks to find a problem (docs/debugging.md).
+
+    Fields (default in brackets):
+      dump_dir (path | None) [None]: write each program's graph with its layouts, local shapes
+          and collectives to `<dir>/rank<r>/`; None: the AUTOPAR_DUMP_DIR environment variable.
+      check_inputs (bool) [True]: check on each call, with a small all-reduce of fingerprints,
+          that every rank passes the same inputs; False skips it.
+    """
+
+    dump_dir: str | os.PathLike[str] | None = None
+    check_inputs: bool = True
+
+
+# old keyword -> (group, field); `schedule` is mapped by its value's type, see `from_keywords`
+PLAN_FIELDS = ("planner", "hardware", "over_decompose", "split_fused", "in_flight_bytes", "registry")
+_PIPELINE_FIELDS = ("microbatches", "stage_boundaries", "virtual_stages")
+_DEBUG_FIELDS = ("dump_dir", "check_inputs")
+OLD_KEYWORDS = (*PLAN_FIELDS, "schedule", *_PIPELINE_FIELDS, *_DEBUG_FIELDS)
+
+
+def from_keywords(
+    function: str,
+    old: dict[str, Any],
+    planning: PlanOptions | None,
+    pipeline: PipelineOptions | None,
+    debug: DebugOptions | None,
+    *,
+    allowed: Sequence[str] = OLD_KEYWORDS,
+    stacklevel: int = 3,
+) -> tuple[PlanOptions, PipelineOptions, DebugOptions]:
+    """The groups, with the deprecated keywords in `old` moved into them (one warning each).
+
+    An old keyword given beside the group that now holds it is refused (two spellings of one
+    option could disagree); a keyword that was never `function`'s is a TypeError, as Python's own."""
+    planning = planning if planning is not None else PlanOptions()
+    pipeline = pipeline if pipeline is not None else PipelineOptions()
+    debug = debug if debug is not None else DebugOptions()
+    given = {"planning": planning, "pipeline": pipeline, "debug": debug}
+    for group, value in given.items():
+        expected = {"planning": PlanOptions, "pipeline": PipelineOptions, "debug": DebugOptions}[group]
+        if not isinstance(value, expected):
+            raise UsageError(
+                f"{function}(): {group}= takes an autopar.{expected.__name__}, got {type(value).__name__}",
+                hint=f"{group}=autopar.{expected.__name__}(...)",
+            )
+    moved: dict[str, dict[str, Any]] = {"planning": {}, "pipeline": {}, "debug": {}}
+    for name, value in old.items():
+        if name not in allowed:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+        if name == "schedule":  # True/False was the overlap pass; a string, the pipeline schedule
+            group, field = ("planning", "overlap") if isinstance(value, bool) else ("pipeline", "schedule")
+        elif name in PLAN_FIELDS:
+            group, field = "planning", name
+        elif name in _PIPELINE_FIELDS:
+            group, field = "pipeline", name
+        else:
+            group, field = "debug", name
+        cls = type(given[group]).__name__
+        warnings.warn(
+            f"{function}({name}=...) is deprecated: pass {group}={cls}({field}=...)",
+            DeprecationWarning,
+            stacklevel=stacklevel,
+        )
+        moved[group][field] = value
+    for group, fields in moved.items():
+        if fields and given[group] != type(given[group])():
+            raise UsageError(
+                f"{function}() got {', '.join(fields)} as old keywords beside {group}=",
+                hint=f"pass them in {group}= only",
+            )
+    return (
+        dataclasses.replace(planning, **moved["planning"]),
+        dataclasses.replace(pipeline, **moved["pipeline"]),
+        dataclasses.replace(debug, **moved["debug"]),
+    )
