@@ -36,6 +36,7 @@ import sys
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -128,11 +129,14 @@ def _as_float64(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
 
 
-def run_arch(arch: hf_zoo.Arch, budget_s: float) -> dict[str, Any]:
-    """One architecture in a forked child, killed after `budget_s` seconds."""
+def run_forked(target: Callable[..., None], args: tuple[Any, ...], budget_s: float) -> dict[str, Any]:
+    """`target(*args, conn)` in a forked child, killed after `budget_s` seconds: the last row it
+    sent, with `result` and `reason` filled in where the child died or ran out of time, and
+    `seconds`. The child sends `{"phase": ...}` rows as it goes and a row with `result` at the end
+    (shared by the diffusers sweep)."""
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_run_one, args=(arch, child), daemon=True)
+    proc = ctx.Process(target=target, args=(*args, child), daemon=True)
     start = time.perf_counter()
     proc.start()
     child.close()
@@ -163,13 +167,13 @@ def run_arch(arch: hf_zoo.Arch, budget_s: float) -> dict[str, Any]:
         else:
             row.update(result="fail", reason=f"INTERNAL crash: {what}")
     row.pop("phase", None)
-    return {
-        "task": arch.task,
-        "model_type": arch.model_type,
-        "architecture": arch.model_class,
-        **row,
-        "seconds": round(seconds, 1),
-    }
+    return {**row, "seconds": round(seconds, 1)}
+
+
+def run_arch(arch: hf_zoo.Arch, budget_s: float) -> dict[str, Any]:
+    """One architecture in a forked child, killed after `budget_s` seconds."""
+    row = run_forked(_run_one, (arch,), budget_s)
+    return {"task": arch.task, "model_type": arch.model_type, "architecture": arch.model_class, **row}
 
 
 def interleaved(archs: list[hf_zoo.Arch]) -> list[hf_zoo.Arch]:
