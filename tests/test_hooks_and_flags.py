@@ -4,7 +4,10 @@ Hooks on the original model's parameters are refused at parallelize (tests/test_
 what the refusal's hint says to do instead (the same hooks on the parallel module's parameters,
 which see the whole gradient as a DTensor) trains equal to serial here. A dropout the user keeps
 in eval() inside a training model stays in eval in every program: the first, the one a smaller
-last batch compiles, and after `pmodel.train()` and the user's own re-freeze, as in serial."""
+last batch compiles, and after `pmodel.train()` and the user's own re-freeze, as in serial. The
+parallel module's submodules have the model's classes, so batch norm frozen by type
+(`isinstance(m, nn.BatchNorm2d)`) stays frozen (it silently trained before), in a channels_last
+model."""
 
 from __future__ import annotations
 
@@ -47,6 +50,32 @@ def _hook(module: nn.Module) -> None:
     module.get_parameter("fc1.weight").register_hook(_clamp)
     module.get_parameter("fc1.bias").register_hook(_unit)
     module.get_parameter("fc2.weight").register_post_accumulate_grad_hook(_halve)
+
+
+class BatchNormNet(nn.Module):
+    """A CNN whose batch norm a fine-tuning recipe freezes by type, built in channels_last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+        return F.cross_entropy(self.head(h), y)
+
+
+def _freeze_batch_norm(model: nn.Module) -> None:
+    """timm's and detectron's idiom: every module of a batch norm type to eval."""
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.eval()
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return BatchNormNet().to(memory_format=torch.channels_last)
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -106,6 +135,14 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
 
     found["flags"] = _side_by_side(serial, pmodel, batches * 2, epoch_start)
     found["programs"] = [why for why, _ in pmodel.programs]
+    # a channels_last model (a raw stride error at parallelize before), batch norm frozen by type
+    gen = torch.Generator().manual_seed(2)
+    images = [(torch.randn(4, 3, 6, 6, generator=gen), torch.randint(0, 8, (4,), generator=gen)) for _ in range(2)]
+    serial, pmodel = _bn_net(), autopar.parallelize(_bn_net(), mesh, example_inputs=images[0])
+    for module in (serial, pmodel):
+        _freeze_batch_norm(module)
+    found["frozen bn"] = (_side_by_side(serial, pmodel, images), pmodel.get_submodule("bn").training)
+    found["repr"] = repr(pmodel)
     return found
 
 
@@ -116,3 +153,5 @@ def test_hooks_on_the_parallel_parameters_and_frozen_dropout_train_as_serial() -
         assert found["dropout flag"] is False, found
         assert found["flags"] < 1e-5, found
         assert len(found["programs"]) == 2, found  # the last batch's shape; the re-freeze reuses both
+        assert found["frozen bn"][0] < 1e-5 and found["frozen bn"][1] is False, found["frozen bn"]
+        assert "(bn): BatchNorm2d(8, eps=1e-05" in found["repr"] and "bias=False" in found["repr"], found["repr"]

@@ -178,7 +178,8 @@ class ParallelModule(FullState, nn.Module):
                 to_dtensor_placements(layout),
                 run_check=False,
                 shape=tensor.shape,
-                stride=tensor.stride() if tensor.is_contiguous() else None,
+                # the blocks are contiguous whatever the model's memory format (channels_last)
+                stride=torch.empty(tensor.shape, device="meta").stride(),
             )
             if name in buffers:
                 register_at(self, name, dt, buffer=True, persistent=name in saved)

@@ -27,8 +27,30 @@ def flag_containers(root: nn.Module, source: nn.Module) -> list[tuple[str, nn.Mo
         container = getattr(holder, leaf)
         if isinstance(container, nn.Module):
             container.training = module.training
+            if type(container) is nn.Module:
+                mirror_class(container, module)
             found.append((path, container))
     return found
+
+
+def mirror_class(container: nn.Module, module: nn.Module) -> None:
+    """Give `container` the class of the `module` it stands for, with its plain attributes (sizes,
+    eps, momentum) and its absent tensors (a Linear's `bias=None`), so the idioms users apply to a
+    model's modules work on the parallel module alike: `isinstance(m, nn.BatchNorm2d)` to freeze
+    batch norm, `repr`, a module's own `train()`. The container is never called: its tensors are
+    the parallel module's blocks and its program runs from the root."""
+    try:
+        container.__class__ = type(module)
+    except TypeError:  # a class whose instance layout differs (slots): keep the plain container
+        return
+    own = vars(container)
+    for key, value in vars(module).items():
+        if not key.startswith("_") and key not in own and key != "training":
+            own[key] = value
+    for kind in ("_parameters", "_buffers"):
+        for name, value in getattr(module, kind).items():
+            if value is None and name not in getattr(container, kind):
+                getattr(container, kind)[name] = None
 
 
 def register_at(root: nn.Module, name: str, value: Any, buffer: bool = False, persistent: bool = True) -> None:

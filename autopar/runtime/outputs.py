@@ -209,17 +209,23 @@ class _AsOutput(torch.autograd.Function):
         return (grad if isinstance(grad, DTensor) else _as_dtensor(grad, ctx.mesh)), None
 
 
+def _below(local: torch.Tensor) -> torch.Tensor:
+    """A local block to wrap below autograd, where its requires_grad flag means nothing: detached,
+    as torch asks (else it warns on every output, "To construct DTensor from torch.Tensor...")."""
+    return local.detach() if local.requires_grad else local
+
+
 def _as_output(value: DTensor) -> OutputTensor:
     """Below autograd: the same local block and layout, as the subclass."""
     if isinstance(value, OutputTensor):
         return value
-    return OutputTensor(value._local_tensor, value._spec, requires_grad=False)  # type: ignore[call-arg]
+    return OutputTensor(_below(value._local_tensor), value._spec, requires_grad=False)  # type: ignore[call-arg]
 
 
 def _as_local_output(value: DTensor) -> OutputTensor:
     if isinstance(value, LocalBatchOutput):
         return value
-    return LocalBatchOutput(value._local_tensor, value._spec, requires_grad=False)  # type: ignore[call-arg]
+    return LocalBatchOutput(_below(value._local_tensor), value._spec, requires_grad=False)  # type: ignore[call-arg]
 
 
 def _as_dtensor(value: torch.Tensor, mesh: Any) -> DTensor:
@@ -228,10 +234,10 @@ def _as_dtensor(value: torch.Tensor, mesh: Any) -> DTensor:
     if isinstance(value, DTensor):
         if type(value) is DTensor:
             return value
-        return DTensor(value._local_tensor, value._spec, requires_grad=False)  # type: ignore[call-arg]
+        return DTensor(_below(value._local_tensor), value._spec, requires_grad=False)  # type: ignore[call-arg]
     meta = TensorMeta(shape=value.shape, stride=value.stride(), dtype=value.dtype)
     spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=meta)
-    return DTensor(value, spec, requires_grad=False)  # type: ignore[call-arg]
+    return DTensor(_below(value), spec, requires_grad=False)  # type: ignore[call-arg]
 
 
 def _replicated(value: Any) -> Any:
@@ -370,4 +376,4 @@ class _PlainScalar(torch.autograd.Function):
         mesh = spec.mesh
         meta = TensorMeta(shape=grad.shape, stride=grad.stride(), dtype=grad.dtype)
         replicated = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=meta)
-        return OutputTensor(grad, replicated, requires_grad=False)  # type: ignore[call-arg]
+        return OutputTensor(_below(grad), replicated, requires_grad=False)  # type: ignore[call-arg]
