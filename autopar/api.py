@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autopar.compiler import driver
-from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh
+from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh, default_hardware, job_world
 from autopar.compiler.build import ModuleOptions, compile_module
 from autopar.compiler.driver import compile_for_rank, example_tuple
 from autopar.compiler.fixed import compare_fixed
@@ -101,7 +101,7 @@ def parallelize(
     for one release (docs/api.md).
     """
     planning, pipeline, debug = from_keywords("parallelize", deprecated, planning, pipeline, debug, stacklevel=4)
-    registry, planner, hardware = planning.registry, planning.planner, planning.hardware
+    registry, planner = planning.registry, planning.planner
     over_decompose, split_fused, in_flight_bytes = planning.over_decompose, planning.split_fused, planning.in_flight_bytes
     microbatches, schedule = pipeline.microbatches, pipeline.schedule
     stage_boundaries, virtual_stages = pipeline.stage_boundaries, pipeline.virtual_stages
@@ -127,6 +127,8 @@ def parallelize(
             f"inputs must be one of {', '.join(map(repr, INPUT_MODES))}, got {inputs!r}",
             hint='"global": every rank passes the whole batch; "local": each rank its own shard of it',
         )
+    # hardware=None: the table of the mesh's device type, as `plan(device_type=...)` resolves it
+    hardware = planning.hardware if planning.hardware is not None else default_hardware(_device_type(mesh))
     options = ModuleOptions(
         registry=registry,
         planner=planner,
@@ -231,6 +233,15 @@ def _check_mesh(mesh: Any) -> Mesh:
     return Mesh.from_device_mesh(mesh)
 
 
+def _device_type(mesh: DeviceMesh | int) -> str:
+    """The device type `parallelize` plans for: the mesh's, or for a world size the job's."""
+    if isinstance(mesh, DeviceMesh):
+        return mesh.device_type
+    if isinstance(mesh, bool) or not isinstance(mesh, int):
+        _check_mesh(mesh)  # raises: not a DeviceMesh
+    return job_world(mesh)[1]
+
+
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise UsageError(
@@ -248,7 +259,7 @@ def _pipeline(
     microbatches: int | None,
     stage_boundaries: Sequence[str] | None,
     virtual_stages: int,
-    hardware: str | None,
+    hardware: str,
     options: ModuleOptions,
     timeout: float | timedelta,
 ) -> PipelinedModule:
@@ -279,7 +290,7 @@ def _pipeline(
         microbatches=microbatches,
         schedule=name,
         virtual_stages=virtual_stages,
-        hardware=hardware or "h100-nvlink-ib",
+        hardware=hardware,
         tensor_size=mesh.size() // pp,
         stage_boundaries=stage_boundaries,
         memory_limit=options.memory_limit,
@@ -317,7 +328,7 @@ def _pipeline(
         schedule=name,
         stage_boundaries=stage_boundaries,
         virtual_stages=virtual_stages,
-        hardware=hardware or "h100-nvlink-ib",
+        hardware=hardware,
         pp_group=pp_group,
         build_stage=build_stage,
         scatter=scatter,
@@ -339,6 +350,7 @@ def plan(
     mp_policy: Any = None,
     autocast: torch.dtype | None = None,
     compare: bool = False,
+    device_type: str = "cuda",
     planning: PlanOptions | None = None,
     pipeline: PipelineOptions | None = None,
     debug: DebugOptions | None = None,
@@ -348,7 +360,8 @@ def plan(
 
     `planning` (`autopar.PlanOptions`) and the plain keywords mean what they mean in
     `parallelize`, with the same defaults, so the same objects plan what `parallelize` compiles;
-    `PlanOptions.hardware=None` is "h100-nvlink-ib" here (no devices to look at).
+    `device_type` ("cuda", default, or "cpu") stands for the mesh's device type, which picks the
+    table when `PlanOptions.hardware` is None ("h100-nvlink-ib"; "cpu-gloo" for "cpu").
     `mesh_shape="auto"` with `world_size=N` plans every factorization of N and compiles the fastest
     that fits `memory_limit` (bytes per rank, default 90% of the table's device memory); the ranked
     table is `result.mesh_choice`. With `pipeline=PipelineOptions(microbatches=M)` too, pipeline
@@ -368,7 +381,9 @@ def plan(
             f"plan() takes PipelineOptions(microbatches=...) only, got {pipeline}",
             hint='pass mesh_shape="auto", world_size=N and PipelineOptions(microbatches=M) to rank pipeline depths',
         )
-    hardware = planning.hardware if planning.hardware is not None else "h100-nvlink-ib"
+    if not isinstance(device_type, str):
+        raise UsageError(f"plan(): device_type must be a str, got {device_type!r}", hint='device_type="cuda" or "cpu"')
+    hardware = planning.hardware if planning.hardware is not None else default_hardware(device_type)
     planner, registry, microbatches = planning.planner, planning.registry, pipeline.microbatches
     over_decompose, split_fused, in_flight_bytes = planning.over_decompose, planning.split_fused, planning.in_flight_bytes
     mixed_precision = MixedPrecision.of(mp_policy)

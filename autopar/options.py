@@ -28,10 +28,9 @@ class PlanOptions:
       planner (str) ["search"]: "search", the whole-graph search over every op's strategy, or
           "greedy", each op's cheapest strategy in graph order (docs/planning.md).
       hardware (str | None) [None]: the hardware table the cost model prices with, e.g.
-          "h100-nvlink-ib", "cpu-gloo". None: `parallelize` on a given mesh plans by element
-          counts; its mesh choice prices on cpu-gloo for a CPU mesh, else h100-nvlink-ib;
-          a pipeline's stage cut on h100-nvlink-ib; `plan`, which sees no devices, on h100-nvlink-ib. Name a table for
-          `plan` and `parallelize` to make the same plan.
+          "h100-nvlink-ib", "cpu-gloo". None: the table of the mesh's device type, "cpu-gloo"
+          for "cpu", else "h100-nvlink-ib", for every choice (layouts, mesh shape, pipeline
+          stages); `plan`, which has no mesh, takes the device type as `device_type=` ["cuda"].
       over_decompose (int | "auto") [1]: batch chunks per rank whose collectives overlap each
           other's compute; "auto" lets the modeled step time choose.
       split_fused (bool | None) [None]: plan a fused projection (qkv) as one linear per piece;

@@ -171,7 +171,7 @@ def test_plan_auto_compiles_the_chosen_mesh(
     model_and_batch: tuple[GPT, tuple[torch.Tensor, torch.Tensor]], choice: MeshChoice
 ) -> None:
     model, batch = model_and_batch
-    result = autopar.plan(model, "auto", batch, world_size=8, hardware=HW)
+    result = autopar.plan(model, "auto", batch, world_size=8, planning=autopar.PlanOptions(hardware=HW))
     assert result.mesh_choice is not None and result.mesh_choice.candidates == choice.candidates
     assert result.mesh.shape == choice.chosen.shape and result.mesh.axis_names == choice.chosen.names
     assert "mesh choice for 8 ranks" in str(result)
@@ -182,7 +182,7 @@ def test_plan_auto_compiles_the_chosen_mesh(
 def _auto_job(rank: int, world_size: int) -> dict[str, Any]:
     model, batch = make_gpt(0)
     serial = copy.deepcopy(model)
-    pmodel = autopar.parallelize(model, world_size, example_inputs=batch, planner="search", mesh_shape="auto")
+    pmodel = autopar.parallelize(model, world_size, example_inputs=batch, mesh_shape="auto")
     loss, serial_loss = pmodel(*batch), serial(*batch)
     loss.backward()
     serial_loss.backward()
@@ -228,6 +228,6 @@ def test_the_schedule_stage_keeps_the_searchs_start_where_it_runs_faster() -> No
     choice = choose_mesh(model, 8, batch, hardware="cpu-gloo", keep_plan=True)
     assert choice.chosen.shape == (8,) and choice.chosen.scheduled_time == pytest.approx(times[1])
     assert choice.chosen_plan is not None and choice.chosen_plan.plan.strategies == kept.strategies
-    planned = autopar.plan(model, (8,), batch, hardware="cpu-gloo")
+    planned = autopar.plan(model, (8,), batch, planning=autopar.PlanOptions(hardware="cpu-gloo"))
     assert planned.compiled.timelines is not None
     assert planned.compiled.timelines[1].step_time == pytest.approx(times[1])

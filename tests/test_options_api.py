@@ -4,6 +4,7 @@ keywords the groups replaced still work for one release, warning with the new sp
 from __future__ import annotations
 
 import dataclasses
+import pydoc
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,13 +43,17 @@ def _parallelize_job(rank: int, world_size: int, old: bool, dump: str) -> dict[s
                 model, mesh, example_inputs=batch, planning=PLANNING, debug=autopar.DebugOptions(dump_dir=dump)
             )
     loss = pmodel(*batch)
-    return {
+    got = {
         "collectives": _collectives(pmodel.report),
         "summary": pmodel.plan_summary(),
         "placements": {n: str(p.placements) for n, p in pmodel.named_parameters()},
         "loss": float(loss),
         "warned": sorted(str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)),
     }
+    if not old:  # the default call, no options at all: the CPU mesh's table
+        default = autopar.parallelize(model, mesh, example_inputs=batch)
+        got["default"] = {"collectives": _collectives(default.report), "summary": default.plan_summary()}
+    return got
 
 
 @pytest.mark.multirank
@@ -60,6 +65,10 @@ def test_plan_is_the_plan_parallelize_compiles_and_old_keywords_compile_the_same
     # the plan made without a cluster is rank 0's compiled plan: the same collectives, layouts and all
     assert new[0]["collectives"] == _collectives(planned.compiled.report) != []
     assert new[0]["summary"] == str(planned.compiled.report)
+    # the default call: parallelize on a CPU mesh plans what plan(device_type="cpu") plans
+    planned_default = autopar.plan(model, MESH, batch, mesh_names=("x",), device_type="cpu")
+    assert new[0]["default"]["collectives"] == _collectives(planned_default.compiled.report) != []
+    assert new[0]["default"]["summary"] == str(planned_default.compiled.report)
     for key in ("collectives", "summary", "placements", "loss"):
         assert old[0][key] == new[0][key], key
     assert new[0]["warned"] == []
@@ -121,6 +130,18 @@ def test_plan_old_keywords_plan_the_same_and_warn() -> None:
     assert old.step_time == new.step_time
 
 
+def test_plan_default_table_is_the_device_types_as_in_parallelize() -> None:
+    """hardware=None is the mesh's device type's table: plan's device_type="cuda" (default) is
+    h100-nvlink-ib, "cpu" is cpu-gloo (what parallelize on a gloo CPU mesh uses)."""
+    model, batch = make_gpt(0, n_layer=1)
+    for device_type, table in (("cuda", "h100-nvlink-ib"), ("cpu", "cpu-gloo")):
+        kw: dict[str, Any] = {} if device_type == "cuda" else {"device_type": device_type}
+        default = autopar.plan(model, MESH, batch, mesh_names=("x",), **kw)
+        named = autopar.plan(model, MESH, batch, mesh_names=("x",), planning=autopar.PlanOptions(hardware=table))
+        assert _collectives(default.compiled.report) == _collectives(named.compiled.report)
+        assert default.hardware == table and default.step_time == named.step_time > 0
+
+
 def test_misspelt_mixed_or_mistyped_options_are_refused() -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'shedule'"):
         from_keywords("parallelize", {"shedule": True}, None, None, None)
@@ -144,3 +165,6 @@ def test_groups_are_frozen_and_document_every_field() -> None:
         with pytest.raises(dataclasses.FrozenInstanceError):
             cls().x = 1  # type: ignore[attr-defined]
     assert len((autopar.parallelize.__doc__ or "").splitlines()) < 45
+    # help(autopar.parallelize) fits one screen: the signature and docstring wrapped at 100 columns
+    rendered = pydoc.render_doc(autopar.parallelize, renderer=pydoc.plaintext)
+    assert sum(1 + len(line) // 100 for line in rendered.splitlines()) <= 50

@@ -34,7 +34,10 @@ def _train(
     model, batch = MAKERS[model_name](0)
     serial = copy.deepcopy(model)
     pmodel = autopar.parallelize(
-        model, mesh, example_inputs=batch, planner=planner, over_decompose=chunks, split_fused=split_fused
+        model,
+        mesh,
+        example_inputs=batch,
+        planning=autopar.PlanOptions(planner=planner, over_decompose=chunks, split_fused=split_fused),
     )
     result_parts = len(pmodel.program.param_parts)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)

@@ -51,7 +51,7 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     serial = copy.deepcopy(model)
     initial = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, microbatches=2)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, pipeline=autopar.PipelineOptions(microbatches=2))
     assert isinstance(pmodel, PipelinedModule)
     first, _ = train_side_by_side([(pmodel, batch), (serial, batch)], steps=1)
     _same_as(pmodel, serial)
@@ -108,8 +108,7 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
         fresh,
         init_device_mesh("cpu", (4,), mesh_dim_names=("pp",)),
         example_inputs=batch,
-        microbatches=4,
-        stage_boundaries=["blocks.0", "blocks.1", "ln_f"],
+        pipeline=autopar.PipelineOptions(microbatches=4, stage_boundaries=["blocks.0", "blocks.1", "ln_f"]),
     )
     assert isinstance(pp4, PipelinedModule)
     result = load_pipelined_checkpoint(pp4, f"{root}/tp")

@@ -71,10 +71,12 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> list[str]:
         model,
         mesh,
         example_inputs=batch,
-        microbatches=case["M"],
-        schedule=case.get("schedule", "1f1b"),
-        stage_boundaries=case.get("boundaries"),
-        virtual_stages=case.get("v", 1),
+        pipeline=autopar.PipelineOptions(
+            microbatches=case["M"],
+            schedule=case.get("schedule", "1f1b"),
+            stage_boundaries=case.get("boundaries"),
+            virtual_stages=case.get("v", 1),
+        ),
     )
     if case.get("boundaries") is None:  # the cost model's cut, the same on every rank
         assert pmodel.stage_cut is not None and pmodel.boundaries == pmodel.stage_cut.boundaries

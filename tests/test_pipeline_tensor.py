@@ -51,11 +51,13 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         model,
         mesh,
         example_inputs=batch,
-        microbatches=case["M"],
-        schedule=case.get("schedule", "1f1b"),
-        stage_boundaries=case.get("boundaries"),
-        virtual_stages=case.get("v", 1),
-        dump_dir=case.get("dump_dir"),
+        pipeline=autopar.PipelineOptions(
+            microbatches=case["M"],
+            schedule=case.get("schedule", "1f1b"),
+            stage_boundaries=case.get("boundaries"),
+            virtual_stages=case.get("v", 1),
+        ),
+        debug=autopar.DebugOptions(dump_dir=case.get("dump_dir")),
     )
     if rank == 0 and case.get("dump_dir"):  # the modeled pipeline timeline, beside the stages' dumps
         written = {p.name for p in (Path(case["dump_dir"]) / "rank0").iterdir()}
@@ -176,7 +178,12 @@ def _auto_depth(rank: int, world: int) -> dict[str, Any]:
     model, batch = _gpt(4)
     serial = copy.deepcopy(model)
     pmodel = autopar.parallelize(
-        model, world, example_inputs=batch, microbatches=4, mesh_shape="auto", hardware="h100-nvlink-ib"
+        model,
+        world,
+        example_inputs=batch,
+        mesh_shape="auto",
+        planning=autopar.PlanOptions(hardware="h100-nvlink-ib"),
+        pipeline=autopar.PipelineOptions(microbatches=4),
     )
     choice = pmodel.mesh_choice
     losses = train_side_by_side([(pmodel, batch), (serial, batch)], steps=2)
@@ -221,7 +228,8 @@ def _hf(rank: int, world: int, which: str, shape: tuple[int, ...], names: tuple[
     serial = copy.deepcopy(model)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    pmodel = autopar.parallelize(model, mesh, example_inputs=(), example_kwargs=batch, microbatches=2)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=(), example_kwargs=batch, pipeline=autopar.PipelineOptions(microbatches=2)
+    )  # fmt: skip
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (pmodel, serial)]
     losses = []
     for _ in range(2):
@@ -274,8 +282,8 @@ def _other_arguments(rank: int, world: int) -> str:
     x, y, shift = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pmodel = autopar.parallelize(
-        model, mesh, example_inputs=(x, y), example_kwargs={"shift": shift}, microbatches=2,
-        stage_boundaries=["layers.1"],
+        model, mesh, example_inputs=(x, y), example_kwargs={"shift": shift},
+        pipeline=autopar.PipelineOptions(microbatches=2, stage_boundaries=["layers.1"]),
     )  # fmt: skip
     pmodel(x, y, shift=shift).backward()
     try:

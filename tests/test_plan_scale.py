@@ -174,12 +174,12 @@ def test_auto_compiles_the_chosen_plan_without_tracing_or_searching_again(
             return _original(*args, **kwargs)  # type: ignore[operator]
 
         monkeypatch.setattr(driver, name, counted)
-    auto = autopar.plan(model, "auto", batch, world_size=4, hardware=HW)
+    auto = autopar.plan(model, "auto", batch, world_size=4, planning=autopar.PlanOptions(hardware=HW))
     assert direct == []  # compiled from the choice's trace and plan
     choice = auto.mesh_choice
     assert choice is not None and choice.chosen_plan is not None and choice.chosen_plan.graph is not None
     chosen = choice.chosen
-    again = autopar.plan(model, chosen.shape, batch, mesh_names=chosen.names, hardware=HW)
+    again = autopar.plan(model, chosen.shape, batch, mesh_names=chosen.names, planning=autopar.PlanOptions(hardware=HW))
     assert direct == ["trace_for", "search_layouts"]
     assert auto.mesh.shape == again.mesh.shape
     assert auto.comm_time == again.comm_time and auto.compute_time == again.compute_time

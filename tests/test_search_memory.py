@@ -117,8 +117,8 @@ def test_compiled_program_saves_less_and_gathers_in_backward(setup: dict[str, An
     # a tight limit: recomputing both blocks is not enough (on the H100 table recomputation is the
     # cheaper per byte, so it goes first), gathered weights must be gathered again as well
     limit = _limit(setup, 0.2)
-    free = autopar.plan(setup["model"], SHAPE, setup["batch"], hardware=HW, memory_limit=math.inf)
-    lean = autopar.plan(setup["model"], SHAPE, setup["batch"], hardware=HW, memory_limit=limit)
+    free = autopar.plan(setup["model"], SHAPE, setup["batch"], planning=autopar.PlanOptions(hardware=HW), memory_limit=math.inf)
+    lean = autopar.plan(setup["model"], SHAPE, setup["batch"], planning=autopar.PlanOptions(hardware=HW), memory_limit=limit)
     regathered = lean.compiled.graph.meta["autopar_search"].regathered
     assert regathered
     # the emitted program's own memory (what autopar.plan reports) is under the limit
@@ -194,7 +194,7 @@ def _train_under_limit(rank: int, world_size: int, limit: float) -> dict[str, fl
     mesh = init_device_mesh("cpu", SHAPE, mesh_dim_names=("x", "y", "z"))
     model, batch = make_gpt(0)
     serial = copy.deepcopy(model)
-    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, planner="search", memory_limit=limit)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, memory_limit=limit)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
     serial_opt = torch.optim.AdamW(serial.parameters(), lr=1e-3)
     serial_params = dict(serial.named_parameters())
