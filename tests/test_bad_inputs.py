@@ -150,6 +150,8 @@ IN_PROCESS: list[tuple[str, Callable[[], Any], type, str]] = [
     ("hook-module-old-backward", lambda: _compile(model=_hooked("old_backward")), UsageError, "_log_gradients (register_backward_hook)"),
     ("hook-global-module-backward", _with_global_backward_hook, UsageError, "a global module backward hook, test_bad_inputs._log_gradients"),
     ("int32-class-targets", lambda: _compile(inputs=(BATCH[0], BATCH[1].int())), TraceError, "expected target dtype to be Long or Byte, but got Int"),
+    ("int32-class-targets-one-rank", lambda: _compile(inputs=(BATCH[0], BATCH[1].int()), mesh=Mesh.from_shape((1,))), TraceError, "but got Int (the class-index targets of the loss at <root> @"),
+    ("int32-class-targets-one-rank-eval", lambda: _compile(inputs=(BATCH[0], BATCH[1].int()), mesh=Mesh.from_shape((1,)), forward_only=True), TraceError, "but got Int"),
     ("weight-too-small-to-split", lambda: _compile(model=TinyWeight(), mesh=Mesh.from_shape((2, 2)), coords=(0, 0), memory_limit=1e9, planner="greedy"), ShardingError, "scale"),
 ]
 

@@ -4,6 +4,7 @@ and the first failure recorded in the job; never torch's 30-minute default wait.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -144,3 +145,32 @@ def test_a_rank_that_fails_inside_parallelize_is_named_on_every_other_rank(where
     assert status == "raised" and "RankFailureError" in value, value
     assert re.search(said, value), value
     assert seconds < ENDED_WITHIN_S, seconds
+
+
+def _retry_after_a_caught_failure(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.runtime.groups import first_failure, record_failure
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+    model, batch = make_mlp(0)
+    with contextlib.suppress(autopar.AutoparError):  # every rank's mistake, caught: the user retries
+        autopar.parallelize(model, mesh, example_inputs=batch, inputs="everything", timeout=TIMEOUT_S)
+    caught = first_failure()
+    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, timeout=TIMEOUT_S)
+    after = first_failure()  # the retry's steps start with no failure on record
+    pmodel(*batch).backward()
+    if rank == 1:
+        record_failure(rank, RuntimeError("a later step failed"))
+    torch.distributed.barrier()
+    return {"caught": caught, "after": after, "later": first_failure()}
+
+
+@pytest.mark.multirank
+def test_a_failure_caught_in_one_parallelize_is_not_the_next_ones_first_failure() -> None:
+    from multirank import run_ranks
+
+    for result in run_ranks(2, _retry_after_a_caught_failure, timeout=120):
+        assert result["caught"] is not None and "UsageError: inputs must be one of" in result["caught"]
+        assert result["after"] is None, result
+        assert result["later"] == "rank 1: RuntimeError: a later step failed", result

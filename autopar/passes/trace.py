@@ -58,7 +58,7 @@ from autopar.passes.joint_rewrites import (
 from autopar.passes.mixed_precision import cast_inputs, cast_outputs, cast_parameters_on_read
 from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
 from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
-from autopar.rules.decompositions import sharding_decompositions
+from autopar.rules.decompositions import refuse_target_dtypes, sharding_decompositions
 
 _TORCH_FRAME = re.compile(r"/(torch|torchvision)/")
 _LIBRARY_FRAME = re.compile(r"/(site-packages|dist-packages)/")  # a library model's own code
@@ -140,6 +140,8 @@ def _trace(
         groups = []
         gm = joint.export(_export(model, fake_model, fake_args, fake_kwargs).module(), [])
     restore()
+    if not decompose:  # the decomposed nll_loss checks its targets' dtype; the kernel's fake does not
+        refuse_target_dtypes(gm, type(model).__name__)
     mark_checkpoint_regions(gm, watch.regions(), groups)
     merge_tied(gm, tied)
     drop_identities(gm)

@@ -13,6 +13,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.fx
+
+from autopar.core.errors import TraceError
+from autopar.core.meta import where_of
 
 aten = torch.ops.aten
 
@@ -227,12 +231,37 @@ def _target_dtype_checked(decomposition: Callable[..., Any]) -> Callable[..., An
 
     @functools.wraps(decomposition)
     def checked(x: torch.Tensor, target: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if target.dtype not in (torch.long, torch.uint8):
-            dtype = {torch.int32: "Int", torch.int16: "Short", torch.int8: "Char"}.get(target.dtype, str(target.dtype))
-            raise RuntimeError(f"expected target dtype to be Long or Byte, but got {dtype}")
+        if target.dtype not in TARGET_DTYPES:
+            raise RuntimeError(_target_dtype_message(target.dtype))
         return decomposition(x, target, *args, **kwargs)
 
     return checked
+
+
+TARGET_DTYPES = (torch.long, torch.uint8)  # the class-index targets torch's nll_loss kernels take
+_NLL_FORWARDS = (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)
+
+
+def _target_dtype_message(dtype: torch.dtype) -> str:
+    name = {torch.int32: "Int", torch.int16: "Short", torch.int8: "Char"}.get(dtype, str(dtype))
+    return f"expected target dtype to be Long or Byte, but got {name}"
+
+
+def refuse_target_dtypes(gm: torch.fx.GraphModule, model_name: str) -> None:
+    """On a 1-rank mesh nothing is decomposed, and the fake-tensor trace of `nll_loss` checks no
+    target dtype: refuse at compile time the targets the kernel refuses at the call (int32), as
+    the decomposed trace does on more ranks, instead of torch's error from inside the program."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _NLL_FORWARDS:
+            continue
+        target = node.args[1]
+        value = target.meta.get("val") if isinstance(target, torch.fx.Node) else None
+        if isinstance(value, torch.Tensor) and value.dtype not in TARGET_DTYPES:
+            raise TraceError(
+                f"building the joint forward+backward graph of {model_name} failed: RuntimeError: "
+                f"{_target_dtype_message(value.dtype)} (the class-index targets of the loss at {where_of(node)})",
+                hint="pass class-index targets as torch.long, e.g. y.long(), as serial torch requires",
+            )
 
 
 def sharding_decompositions() -> dict[Any, Callable[..., Any]]:

@@ -24,8 +24,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.core.errors import AutoparError, RankFailureError, UsageError
 
 DEFAULT_TIMEOUT_S = 300.0  # a step of a large model on slow links stays well under this
-FIRST_FAILURE_KEY = "autopar/first_failure"
-REPORTED_PREFIX = "autopar/saw_broken_collective/"
+# The store's failure records are kept per `parallelize` call of the job ("generation"): a failure
+# caught in one (every rank raised, the user retried with other options) is not the "first
+# failure" of the next one's steps. Every rank calls parallelize the same number of times, so
+# each rank's own count, kept in the store (no process state), names the same generation.
+GENERATION_PREFIX = "autopar/parallelize_calls/"
+FIRST_FAILURE_KEY = "first_failure"
+REPORTED_PREFIX = "saw_broken_collective/"
 REPORT_WAIT_S = 5.0  # how long a rank waits for the others to report a broken collective too
 
 
@@ -108,17 +113,34 @@ def meet_every_rank(timeout: timedelta) -> None:
         ) from exc
 
 
+def start_generation() -> None:
+    """Count this rank's `parallelize` call in the store: the failure records that follow belong
+    to it (see GENERATION_PREFIX). Without a process group there is nothing to count."""
+    if not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):  # no store, or its host is gone: the meeting will say
+        dist.distributed_c10d._get_default_store().add(f"{GENERATION_PREFIX}{dist.get_rank()}", 1)
+
+
+def _failure_store() -> dist.Store:
+    """The job's store under this rank's current generation's prefix (raises without a store)."""
+    store = dist.distributed_c10d._get_default_store()
+    generation = store.add(f"{GENERATION_PREFIX}{dist.get_rank()}", 0)
+    return dist.PrefixStore(f"autopar/{generation}/", store)
+
+
 def record_failure(rank: int, exc: BaseException) -> None:
-    """Keep the job's first failure in its store (later ones leave it), for the other ranks' errors."""
+    """Keep the first failure of this generation in the job's store (later ones leave it), for the
+    other ranks' errors."""
     with contextlib.suppress(Exception):  # no store, or its host is gone: nothing to keep
-        store = dist.distributed_c10d._get_default_store()
-        store.compare_set(FIRST_FAILURE_KEY, "", f"rank {rank}: {type(exc).__name__}: {_first_line(exc)}")
+        _failure_store().compare_set(FIRST_FAILURE_KEY, "", f"rank {rank}: {type(exc).__name__}: {_first_line(exc)}")
 
 
 def first_failure() -> str | None:
-    """The first failure a rank recorded in this job, if any rank did and the store answers."""
+    """The first failure a rank recorded since the last `parallelize` began, if any rank did and the
+    store answers."""
     with contextlib.suppress(Exception):
-        store = dist.distributed_c10d._get_default_store()
+        store = _failure_store()
         if store.check([FIRST_FAILURE_KEY]):
             return store.get(FIRST_FAILURE_KEY).decode()
     return None
@@ -203,6 +225,7 @@ def names_parallelize_failures(fn: Callable[P, R]) -> Callable[P, R]:
             timeout: timedelta | None = as_timeout(kwargs.get("timeout", DEFAULT_TIMEOUT_S))  # type: ignore[arg-type]
         except (AutoparError, TypeError, ValueError):  # parallelize itself says what is wrong with it
             timeout = None
+        start_generation()
         with parallelize_failures_named(timeout):
             return fn(*args, **kwargs)
 
@@ -224,7 +247,7 @@ def _silent_ranks(rank: int, wait_s: float) -> list[int] | None:
     """Say in the store that this rank saw a broken collective, and wait up to `wait_s` for the
     others to say it too: those that never do are the likely cause. None without a store."""
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = _failure_store()
         world = dist.get_world_size()
         store.set(f"{REPORTED_PREFIX}{rank}", "1")
         deadline = time.monotonic() + wait_s
