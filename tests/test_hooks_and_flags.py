@@ -11,6 +11,7 @@ model."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -119,11 +120,26 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
     batches = _batches()
     found: dict[str, Any] = {}
-    serial, pmodel = _model(), autopar.parallelize(_model(), mesh, example_inputs=batches[0])
+    original = _model()
+    serial, pmodel = _model(), autopar.parallelize(original, mesh, example_inputs=batches[0])
     _hook(serial)
     _hook(pmodel)
-    found["hooks"] = _side_by_side(serial, pmodel, batches)
-    found["dropout flag"] = pmodel.drop.training
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found["hooks"] = _side_by_side(serial, pmodel, batches)
+        found["dropout flag"] = pmodel.drop.training
+        # the original model changed after parallelize: each change is said once, at the next call
+        original.drop.train()
+        pmodel(*batches[0])
+        pmodel(*batches[0])  # the same change: not said again
+        original.drop.eval()  # back as at parallelize: nothing to say
+        pmodel(*batches[0])
+        handle = original.fc1.register_forward_hook(lambda m, i, o: o * 2)
+        pmodel(*batches[0])
+        handle.remove()
+        original.fc2.weight.register_hook(_clamp)
+        pmodel(*batches[0])
+    found["original changed"] = [str(w.message) for w in caught if w.category is autopar.OriginalModelWarning]
     serial, pmodel = _model(), autopar.parallelize(_model(), mesh, example_inputs=batches[0])
 
     def epoch_start(step: int) -> None:  # an evaluation pass, then train() and the re-freeze
@@ -151,6 +167,11 @@ def test_hooks_on_the_parallel_parameters_and_frozen_dropout_train_as_serial() -
     for found in run_ranks(2, _job, timeout=180):
         assert found["hooks"] < 1e-5, found
         assert found["dropout flag"] is False, found
+        said = found["original changed"]
+        assert len(said) == 3, said
+        assert "model.drop.train() was called" in said[0] and "call pmodel.get_submodule('drop').train()" in said[0]
+        assert "a forward hook was added to or removed from model.fc1" in said[1] and "before parallelize" in said[1]
+        assert "model's parameter fc2.weight" in said[2] and "pmodel.get_parameter('fc2.weight').register_hook" in said[2]
         assert found["flags"] < 1e-5, found
         assert len(found["programs"]) == 2, found  # the last batch's shape; the re-freeze reuses both
         assert found["frozen bn"][0] < 1e-5 and found["frozen bn"][1] is False, found["frozen bn"]

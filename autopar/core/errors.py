@@ -94,3 +94,10 @@ class CheckpointError(AutoparError):
 class InternalError(AutoparError):
     """A bug in autopar: an exception inside a compiler stage that is not one of the errors above.
     It names the stage and the graph node being worked on; the original is its `__cause__`."""
+
+
+class OriginalModelWarning(UserWarning):
+    """The model given to `parallelize` was changed afterwards (`model.eval()`, a hook registered on
+    it): the parallel module, which holds its own flags and traced the hooks it had then, does not
+    see the change (`autopar.runtime.source_watch`). Filter it where the original model is kept as
+    a serial reference on purpose."""

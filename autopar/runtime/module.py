@@ -47,6 +47,7 @@ from autopar.runtime.module_tree import flag_containers, lookup, register_at
 from autopar.runtime.outputs import as_output
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
+from autopar.runtime.source_watch import SourceWatch
 from autopar.runtime.split_backward import SplitBackward
 
 
@@ -191,6 +192,7 @@ class ParallelModule(FullState, nn.Module):
         # a state dict loaded on some ranks only, or a different one on each, would train a mixture
         self._loading: list[tuple[str, Fingerprint]] = []  # a state dict's whole tensors, while it loads
         self.register_load_state_dict_post_hook(_check_after_load)
+        self._source_watch = SourceWatch(source)  # the original model's later eval()/hooks: said at calls
         if example_flat is not None:
             mode = CallMode(self.training, False, autocast, self._tensor_dtypes(), self.module_flags())
             self._programs[_call_key(in_spec, example_flat, mode)] = first
@@ -271,6 +273,7 @@ class ParallelModule(FullState, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._history.calls += 1  # first: a call that fails on this rank alone still counts
+        self._source_watch.check()
         # a DTensor input (another parallel module's output) is its global value to the program;
         # its gradient comes back laid out as it is, through full_tensor's backward
         if self._local_inputs and any(isinstance(x, DTensor) for x in pytree.tree_leaves((args, kwargs))):
