@@ -3,6 +3,7 @@ keywords the groups replaced still work for one release, warning with the new sp
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import pydoc
 import warnings
@@ -168,3 +169,20 @@ def test_groups_are_frozen_and_document_every_field() -> None:
     # help(autopar.parallelize) fits one screen: the signature and docstring wrapped at 100 columns
     rendered = pydoc.render_doc(autopar.parallelize, renderer=pydoc.plaintext)
     assert sum(1 + len(line) // 100 for line in rendered.splitlines()) <= 50
+
+
+def test_autopar_examples_and_benchmarks_use_only_the_new_spelling() -> None:
+    """A `-W error::DeprecationWarning` run must not trip on autopar's own calls: no call of
+    `parallelize` or `plan` in the package, the examples or the benchmarks passes an old keyword."""
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for folder in ("autopar", "examples", "benchmarks"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, ast.Call):
+                    continue
+                name = getattr(node.func, "attr", getattr(node.func, "id", None))
+                old = [k.arg for k in node.keywords if k.arg in OLD_KEYWORDS]
+                if name in ("parallelize", "plan") and old:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {name}({', '.join(map(str, old))}=...)")
+    assert found == []
