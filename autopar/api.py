@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autopar.compiler import driver
-from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh, default_hardware, job_world
+from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh, job_world
 from autopar.compiler.build import ModuleOptions, compile_module
 from autopar.compiler.driver import compile_for_rank, example_tuple
 from autopar.compiler.fixed import compare_fixed
@@ -33,7 +33,14 @@ from autopar.core.errors import AutoparError, CheckpointError, MeshError, UsageE
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.precision import Autocast, MixedPrecision, compilable_autocast
-from autopar.options import PLAN_FIELDS, DebugOptions, PipelineOptions, PlanOptions, from_keywords
+from autopar.options import (
+    PLAN_FIELDS,
+    DebugOptions,
+    PipelineOptions,
+    PlanOptions,
+    default_tables,
+    from_keywords,
+)
 from autopar.passes import fused
 from autopar.rules.registry import default_registry
 from autopar.runtime.checkpoint import LoadResult
@@ -127,13 +134,13 @@ def parallelize(
             f"inputs must be one of {', '.join(map(repr, INPUT_MODES))}, got {inputs!r}",
             hint='"global": every rank passes the whole batch; "local": each rank its own shard of it',
         )
-    # hardware=None: the table of the mesh's device type, as `plan(device_type=...)` resolves it
-    hardware = planning.hardware if planning.hardware is not None else default_hardware(_device_type(mesh))
+    # hardware=None: by the mesh's device type, as `plan(device_type=...)` resolves it
+    hardware, layout_hardware = default_tables(planning.hardware, _device_type(mesh))
     options = ModuleOptions(
         registry=registry,
         planner=planner,
         schedule=planning.overlap,
-        hardware=hardware,
+        hardware=layout_hardware,
         memory_limit=memory_limit,
         over_decompose=over_decompose,
         split_fused=split_fused,
@@ -153,6 +160,7 @@ def parallelize(
             memory_limit=memory_limit, registry=registry, example_kwargs=example_kwargs,
         )  # fmt: skip
         mesh_shape, hardware = None, depth_choice.hardware
+        options = dataclasses.replace(options, hardware=hardware)  # the layouts the choice priced
         pipelined = "pp" in (mesh.mesh_dim_names or ())
         if pipelined and schedule is None:  # the schedule the choice priced best
             schedule, virtual_stages = depth_choice.chosen.schedule, depth_choice.chosen.v
@@ -165,7 +173,6 @@ def parallelize(
                 hint="drop mesh_shape, or pass the world size / a mesh without a \"pp\" axis",
             )
         assert isinstance(mesh, DeviceMesh)
-        options = dataclasses.replace(options, hardware=hardware)
         pipelined_module = _pipeline(
             model, mesh, example_inputs, example_kwargs, schedule, microbatches, stage_boundaries,
             virtual_stages, hardware, options, timeout,
@@ -198,11 +205,10 @@ def parallelize(
             autocast=autocast,
             mixed_precision=mixed_precision,
         )
-        hardware = choice.hardware
+        options = dataclasses.replace(options, hardware=choice.hardware)  # the layouts the choice priced
     autopar_mesh = _check_mesh(mesh)
     assert autopar_mesh.device_mesh is not None
     groups = make_groups(autopar_mesh.device_mesh, as_timeout(timeout))
-    options = dataclasses.replace(options, hardware=hardware)  # the mesh choice's, when it chose
     result = compile_module(
         model, autopar_mesh, groups, options, example_inputs, example_kwargs, traced_inputs, traced_kwargs,
         autocast=autocast, seeded=seeded,
@@ -360,8 +366,8 @@ def plan(
 
     `planning` (`autopar.PlanOptions`) and the plain keywords mean what they mean in
     `parallelize`, with the same defaults, so the same objects plan what `parallelize` compiles;
-    `device_type` ("cuda", default, or "cpu") stands for the mesh's device type, which picks the
-    table when `PlanOptions.hardware` is None ("h100-nvlink-ib"; "cpu-gloo" for "cpu").
+    `device_type` ("cuda", default, or "cpu") stands for the mesh's device type, which decides
+    what `PlanOptions.hardware=None` means, as in `parallelize` (`autopar.options.default_tables`).
     `mesh_shape="auto"` with `world_size=N` plans every factorization of N and compiles the fastest
     that fits `memory_limit` (bytes per rank, default 90% of the table's device memory); the ranked
     table is `result.mesh_choice`. With `pipeline=PipelineOptions(microbatches=M)` too, pipeline
@@ -383,7 +389,7 @@ def plan(
         )
     if not isinstance(device_type, str):
         raise UsageError(f"plan(): device_type must be a str, got {device_type!r}", hint='device_type="cuda" or "cpu"')
-    hardware = planning.hardware if planning.hardware is not None else default_hardware(device_type)
+    hardware, layout_hardware = default_tables(planning.hardware, device_type)
     planner, registry, microbatches = planning.planner, planning.registry, pipeline.microbatches
     over_decompose, split_fused, in_flight_bytes = planning.over_decompose, planning.split_fused, planning.in_flight_bytes
     mixed_precision = MixedPrecision.of(mp_policy)
@@ -447,7 +453,8 @@ def plan(
         example_kwargs=example_kwargs,
         registry=registry,
         planner=planner,
-        hardware=hardware,
+        hardware=hardware if choice is not None or depth_choice is not None else layout_hardware,
+        table=hardware,  # what the schedule models on, as the job's mesh of `device_type` gives it
         agree=keep_traced,
         memory_limit=memory_limit,
         over_decompose=over_decompose,

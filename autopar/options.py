@@ -28,9 +28,10 @@ class PlanOptions:
       planner (str) ["search"]: "search", the whole-graph search over every op's strategy, or
           "greedy", each op's cheapest strategy in graph order (docs/planning.md).
       hardware (str | None) [None]: the hardware table the cost model prices with, e.g.
-          "h100-nvlink-ib", "cpu-gloo". None: the table of the mesh's device type, "cpu-gloo"
-          for "cpu", else "h100-nvlink-ib", for every choice (layouts, mesh shape, pipeline
-          stages); `plan`, which has no mesh, takes the device type as `device_type=` ["cuda"].
+          "h100-nvlink-ib", "cpu-gloo". None: by the mesh's device type (`default_tables`):
+          a CUDA mesh plans and prices on "h100-nvlink-ib"; a CPU mesh plans a given mesh's
+          layouts by element counts and prices on "cpu-gloo" (mesh shape, pipeline stages).
+          `plan`, which has no mesh, takes the device type as `device_type=` ["cuda"].
       over_decompose (int | "auto") [1]: batch chunks per rank whose collectives overlap each
           other's compute; "auto" lets the modeled step time choose.
       split_fused (bool | None) [None]: plan a fused projection (qkv) as one linear per piece;
@@ -87,6 +88,21 @@ class DebugOptions:
 
     dump_dir: str | os.PathLike[str] | None = None
     check_inputs: bool = True
+
+
+def default_tables(hardware: str | None, device_type: str) -> tuple[str, str | None]:
+    """What `PlanOptions.hardware` means on a mesh of `device_type`, in `parallelize` and `plan`
+    alike: (the table that prices what must be priced in seconds: the mesh choice, a pipeline's
+    stage cut, `plan`'s report; the table a given mesh's layouts are planned on, None: element
+    counts). A named table is both. None on a CPU mesh plans layouts by element counts: measured on
+    this repository's CPU machine, plans priced on the cpu-gloo table ran slower than element-count
+    plans in 7 of 7 runs (docs/benchmarks.md, "Where the ~60 collectives per block came from");
+    any other device plans on the H100 table, whose per-axis links an element count cannot see."""
+    if hardware is not None:
+        return hardware, hardware
+    if device_type == "cpu":
+        return "cpu-gloo", None
+    return "h100-nvlink-ib", "h100-nvlink-ib"
 
 
 # old keyword -> (group, field); `schedule` is mapped by its value's type, see `from_keywords`

@@ -15,8 +15,10 @@ from multirank import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
+from autopar.compiler.driver import compile_for_rank
 from autopar.core.errors import UsageError
-from autopar.options import OLD_KEYWORDS, from_keywords
+from autopar.core.mesh import Mesh
+from autopar.options import OLD_KEYWORDS, default_tables, from_keywords
 from autopar.rules.registry import default_registry
 from examples.models import make_gpt
 
@@ -132,15 +134,21 @@ def test_plan_old_keywords_plan_the_same_and_warn() -> None:
 
 
 def test_plan_default_table_is_the_device_types_as_in_parallelize() -> None:
-    """hardware=None is the mesh's device type's table: plan's device_type="cuda" (default) is
-    h100-nvlink-ib, "cpu" is cpu-gloo (what parallelize on a gloo CPU mesh uses)."""
+    """hardware=None means what `default_tables` says for the device type, in plan as in
+    parallelize: "cuda" (plan's default) plans and prices on h100-nvlink-ib; "cpu" plans the
+    layouts by element counts and prices on cpu-gloo."""
+    assert default_tables(None, "cuda") == ("h100-nvlink-ib", "h100-nvlink-ib")
+    assert default_tables(None, "cpu") == ("cpu-gloo", None)
+    assert default_tables("a100-cluster", "cpu") == ("a100-cluster", "a100-cluster")
     model, batch = make_gpt(0, n_layer=1)
-    for device_type, table in (("cuda", "h100-nvlink-ib"), ("cpu", "cpu-gloo")):
-        kw: dict[str, Any] = {} if device_type == "cuda" else {"device_type": device_type}
-        default = autopar.plan(model, MESH, batch, mesh_names=("x",), **kw)
-        named = autopar.plan(model, MESH, batch, mesh_names=("x",), planning=autopar.PlanOptions(hardware=table))
-        assert _collectives(default.compiled.report) == _collectives(named.compiled.report)
-        assert default.hardware == table and default.step_time == named.step_time > 0
+    default = autopar.plan(model, MESH, batch, mesh_names=("x",))
+    named = autopar.plan(model, MESH, batch, mesh_names=("x",), planning=autopar.PlanOptions(hardware="h100-nvlink-ib"))
+    assert _collectives(default.compiled.report) == _collectives(named.compiled.report)
+    assert default.hardware == "h100-nvlink-ib" and default.step_time == named.step_time > 0
+    on_cpu = autopar.plan(model, MESH, batch, mesh_names=("x",), device_type="cpu")
+    by_elements = compile_for_rank(model, Mesh.from_shape(MESH, ("x",)), batch, coords=(0,))
+    assert on_cpu.hardware == "cpu-gloo" and on_cpu.step_time > 0
+    assert _collectives(on_cpu.compiled.report) == _collectives(by_elements.report)
 
 
 def test_misspelt_mixed_or_mistyped_options_are_refused() -> None:

@@ -117,6 +117,7 @@ def compile_for_rank(
     planner: str = "search",
     agree: Callable[[fx.GraphModule, Callable[[], Plan]], Plan] | None = None,
     hardware: str | None = None,
+    table: str | None = None,
     schedule: bool = True,
     memory_limit: float | None = None,
     over_decompose: int | str = 1,
@@ -139,6 +140,9 @@ def compile_for_rank(
     or by element counts without one) or "greedy" (op by op, the first heuristic: faster to plan,
     more communication). `agree`,
     when given, decides how ranks settle on one plan (parallelize: rank 0 plans, all check).
+    `table` names the table the schedule stage and the in-flight budget model on when `hardware`
+    is None (layouts by element counts; default: cpu-gloo for a CPU DeviceMesh, else
+    h100-nvlink-ib): `plan(device_type="cpu")` passes cpu-gloo, as a CPU job's mesh gives it.
     `schedule=False` skips the schedule stage (bucketing and reordering): insert_comm's order stays,
     each collective waited on right after it is issued (no overlap), for measuring what it buys.
     `memory_limit` (bytes per rank) bounds the plan's modeled memory: the search trades time for
@@ -189,7 +193,7 @@ def compile_for_rank(
     with stage("plan"):
         plan = unify_part_storage(gm, plan, mesh.shape)
     base = tuple(coords) if coords is not None else mesh.my_coords()
-    table = default_hardware(mesh, hardware)
+    table = default_hardware(mesh, hardware if hardware is not None else table)
     if in_flight_bytes is None:
         in_flight_bytes = in_flight_budget(gm, plan, mesh, table, memory_limit)
     step_times: dict[int, float] | None = None
