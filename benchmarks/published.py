@@ -35,8 +35,10 @@ a full node's power, kernels between the measured shapes) and phi per framework 
 unfused element-wise time after the framework's fused kernels). torchtitan (eager, unfused) takes
 phi = 1 and the H100's eta: none of its constants come from its own rows.
 
-    python benchmarks/published.py            # every row, ~15 min on 2 shared cores (tracing dominates)
-    python benchmarks/published.py --quick    # 9 rows up to 32B, ~3 min
+    python benchmarks/published.py            # 21 rows: 36 min wall on 2 cores shared at load 15-20
+                                              # (tracing, the two stage graphs, the 1T cut, the fit's simulations)
+    python benchmarks/published.py --quick    # 9 rows up to 32B, 4 min wall at the same load; its fit
+                                              # has 2 rows per family, so its constants differ from the full run's
 
 Writes benchmarks/results/published.json (`--name` to change).
 """
@@ -44,6 +46,7 @@ Writes benchmarks/results/published.json (`--name` to change).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
@@ -60,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import RunClock, on_meta, table, write_result  # noqa: E402
 from published_rows import QUICK, ROWS, Row, figure, published_step  # noqa: E402
 
-from autopar.core.pipeline_schedule import schedule_by_name  # noqa: E402
+from autopar.core.pipeline_schedule import Schedule, schedule_by_name  # noqa: E402
 from autopar.core.pipeline_simulate import simulate  # noqa: E402
 from autopar.cost.formulas import collective_time  # noqa: E402
 from autopar.cost.hardware import Hardware, load_hardware, span_link  # noqa: E402
@@ -185,6 +188,11 @@ def tp_layer_time(row: Row, hw: Hardware) -> float:
     return collective_time("all_reduce", row.microbatch * row.seq * row.hidden, 2, row.t, link)
 
 
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, pp: int, v: int, microbatches: int) -> Schedule:
+    return schedule_by_name(name, pp, v, microbatches)
+
+
 def price(comp: Components, consts: Constants = UNFITTED) -> Priced:
     """The step model of the module docstring for one row under `consts`."""
     row, hw = comp.row, comp.hw
@@ -203,7 +211,7 @@ def price(comp: Components, consts: Constants = UNFITTED) -> Priced:
             bwd, bwd_in = bwd + again, bwd_in + again
         stages.append(replace(sp.stage, forward=fwd + tp_f, backward=bwd + tp_b, backward_input=bwd_in + tp_b))
     durations = stage_durations(stages, row.p, 1, row.t, hw)
-    timeline = simulate(schedule_by_name(row.schedule, row.p, row.v, row.microbatches), durations)
+    timeline = simulate(_schedule(row.schedule, row.p, row.v, row.microbatches), durations)
     pipeline = timeline.makespan
     busy = max(timeline.busy(r) for r in range(row.p))
 
@@ -243,8 +251,9 @@ def ratio(comp: Components, consts: Constants) -> float:
 
 
 def fit(comps: list[Components]) -> Constants:
-    """eta per GPU and phi per framework from the fit rows only: for each phi on a grid, eta by
-    fixed-point on the median ratio; the pair with the least mean |log ratio| wins."""
+    """eta per GPU and phi per framework from the fit rows only: for each phi in 0, 0.05, ..., 1,
+    eta by four fixed-point steps on the median ratio (a step's time goes nearly as 1/eta); the
+    pair with the least mean |log ratio| wins."""
     eta: dict[str, float] = {}
     phi: dict[str, float] = {}
     fit_rows = [c for c in comps if c.row.split == "fit"]
