@@ -43,7 +43,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT), str(ROOT / "tes
 from _common import environment, table  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from pass_fixtures import assert_call_matches_serial  # noqa: E402
-from zoo_sweep import _cell, _joint_ops, first_line, reason_of, run_forked  # noqa: E402
+from zoo_sweep import _cell, check_float32_then_float64, reason_of, run_forked  # noqa: E402
 
 import autopar  # noqa: E402
 from examples import diffusers_zoo  # noqa: E402
@@ -68,23 +68,16 @@ def _lockstep(name: str, conn: Connection) -> None:
     model, batch = case.build(torch.float32)
     row: dict[str, Any] = {"phase": "check", "params": sum(p.numel() for p in model.parameters())}
     conn.send(row)
-    try:
-        compiled = assert_call_matches_serial(diffusers_zoo.LossInside(model, case), MESH, batch)
-    except AssertionError as exc:
-        row.update(result="fail", reason=reason_of(exc), traceback=traceback.format_exc(limit=-4))
-        model, batch = case.build(torch.float64)
-        try:
-            compiled = assert_call_matches_serial(
-                diffusers_zoo.LossInside(model, case), MESH, batch, atol=1e-9, rtol=1e-9
-            )
-        except Exception as again:
-            row.update(reason=f"{reason_of(exc)}; in float64: {reason_of(again)}")
-        else:
-            row.update(result="pass", reason=f"in float64 (float32: {first_line(exc)})", ops=_joint_ops(compiled))
-    except Exception as exc:
-        row.update(result="fail", reason=reason_of(exc), traceback=traceback.format_exc(limit=-4))
-    else:
-        row.update(result="pass", reason="", ops=_joint_ops(compiled))
+
+    def in_float64() -> Any:
+        model64, batch64 = case.build(torch.float64)
+        return assert_call_matches_serial(
+            diffusers_zoo.LossInside(model64, case), MESH, batch64, atol=1e-9, rtol=1e-9
+        )
+
+    check_float32_then_float64(
+        row, lambda: assert_call_matches_serial(diffusers_zoo.LossInside(model, case), MESH, batch), in_float64
+    )
     conn.send(row)
 
 

@@ -10,9 +10,16 @@ price matmuls at the table's 312 TFLOP/s tensor peak) and priced, never run:
   depth of `depths` (one tensor mesh choice on N / pp ranks per depth, for one microbatch), every
   schedule of `AUTO_CANDIDATES` cut and simulated; the best that fits is `auto`'s choice;
 - the paper's own configuration (t, p, d, microbatch size 1) priced by the same cut
-  (`cut_stages(..., pp=p, tensor_size=t*d)`, work divided ideally over the t*d ranks of a stage:
-  no tensor or data-parallel collective priced) and, from the same run, the candidate at the
-  paper's depth with autopar's own stage sub-mesh (its collectives counted, per microbatch).
+  (`cut_stages(..., pp=p, tensor_size=t*d, data_parallel=d, weight_state=MIXED_ADAMW,
+  recompute=True)`: work divided ideally over the t*d ranks of a stage, no tensor-parallel
+  collective priced; the weight state of mixed precision, 18 bytes per parameter split over t;
+  the data axis's all-reduce of the fp32 gradients once per step, where it runs past a rank's last
+  backward; the optimizer step; full recomputation of every layer, as the paper ran) and, from the
+  same run, the candidate at the paper's depth with autopar's own stage sub-mesh (its collectives
+  counted per microbatch, its gradient reduction once per step).
+
+Every step time is `StageCut.step_time` (docs/planning.md, "The pipelined step"): the simulated
+schedule, then each rank's exposed gradient reduction and optimizer step.
 
 The microbatch count: in the paper each of the d pipeline replicas runs m = B / (d * b) microbatches
 of b sequences; in autopar the data axis lives inside the stage sub-mesh, so M microbatches of
@@ -26,6 +33,7 @@ activation recomputation runs the layers' forward twice), so it is also given in
 
     python benchmarks/ptdp_modeled.py --max-axes 2 --sub-axes --jobs 2   # ~23 min wall here (~10 CPU-min each)
     python benchmarks/ptdp_modeled.py --quick    # 175B only, depths 12 and 16, meshes of <= 2 axes
+    python benchmarks/ptdp_modeled.py --cut-only # the paper's configurations through the cut only
 
 Without `--max-axes` every mesh choice ranks every factorization into up to 4 axes (463 meshes at
 1536 ranks, 636 at 3072): the 1536-rank tensor-only choice alone did not finish in 15 minutes here.
@@ -128,19 +136,22 @@ def paper_flops(layers: int, hidden: int, batch: int, seq: int = SEQ, vocab: int
 
 
 def measure(
-    key: str, depths: tuple[int, ...], max_axes: int | None = None, sub_axes_too: bool = False
+    key: str,
+    depths: tuple[int, ...],
+    max_axes: int | None = None,
+    sub_axes_too: bool = False,
+    cut_only: bool = False,
 ) -> dict[str, Any]:
     """Build the model, run the mesh choice with `depths`, price the paper's configuration.
     `max_axes`: the tensor-only choice on all the GPUs considers meshes of at most that many axes
     (its candidates are every factorization into up to 4 axes: 463 at 1536 ranks, 636 at 3072);
-    `sub_axes_too`: the stage sub-meshes' choices as well."""
+    `sub_axes_too`: the stage sub-meshes' choices as well; `cut_only`: no mesh choice."""
     import torch
 
-    import autopar.compiler.pipeline_mesh as pm
     from autopar.core.errors import AutoparError
     from autopar.passes.trace import trace
-    from autopar.planning.mesh_choice import mesh_candidates
     from autopar.planning.stage_cut import cut_stages
+    from autopar.planning.step_accounting import MIXED_ADAMW
     from examples.models import GPT, GPTConfig
 
     cfg = CONFIGS[key]
@@ -163,7 +174,66 @@ def measure(
                   "source": cfg.source},
     }  # fmt: skip
     import_lazy_modules()  # import time is not planning time
+    flops, pflops = (
+        model_flops(cfg.layers, cfg.hidden, cfg.batch),
+        paper_flops(cfg.layers, cfg.hidden, cfg.batch),
+    )
+    out["model_flops"], out["paper_formula_flops"] = flops, pflops
+    if not cut_only:
+        planned = _plan(out, key, model, idx, depths, max_axes, sub_axes_too, flops)
+        if planned is not None:
+            return planned
 
+    # The paper's configuration through the cut alone: p stages of t*d ranks each, work divided
+    # ideally over them (no tensor-parallel collective priced), the data axis's reduction once per
+    # step, mixed precision's states, full recomputation; 1F1B and interleaved with v = 2.
+    wall, cpu = time.perf_counter(), time.process_time()
+    gm = trace(model, (idx, idx), decompose=True)
+    trace_cpu = time.process_time() - cpu
+    ideal_rows = []
+    for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        try:
+            cut = cut_stages(gm, pp=cfg.p, microbatches=m, v=v, schedule=schedule, hardware=HARDWARE,
+                             tensor_size=cfg.t * cfg.d, memory_limit=MEMORY_LIMIT, data_parallel=cfg.d,
+                             weight_state=MIXED_ADAMW, recompute=True)  # fmt: skip
+        except AutoparError as exc:
+            ideal_rows.append({"schedule": schedule, "v": v, "error": str(exc).splitlines()[0]})
+            continue
+        tflops = flops / cut.step_time / cfg.gpus / 1e12
+        ideal_rows.append({
+            "pp": cfg.p, "stage_mesh": f"{cfg.t * cfg.d} ranks, ideal (t={cfg.t} x d={cfg.d})",
+            "schedule": schedule, "v": v, "step_s": cut.step_time, "schedule_s": cut.makespan,
+            "grad_reduce_s": max(cut.reduce_time), "optimizer_s": max(cut.optimizer_time),
+            "memory_gb": max(cut.rank_memory) / 1e9,
+            "fits": cut.fits, "bubble": cut.bubble, "idle_over_busy": cut.bubble_ratio,
+            "megatron_bubble": (cfg.p - 1) / (v * m), "factor": 1.0, "error": "",
+            "tflops_per_gpu": tflops, "fraction_of_peak": tflops * 1e12 / PEAK,
+            "stage_modules": [s.modules for s in cut.stages][:3] + ["..."],
+        })  # fmt: skip
+        print(cut, flush=True)
+    out["paper_config_ideal"] = ideal_rows
+    out["paper_cut_wall_s"], out["paper_cut_cpu_s"] = time.perf_counter() - wall, time.process_time() - cpu
+    out["paper_trace_cpu_s"] = trace_cpu
+    return out
+
+
+def _plan(
+    out: dict[str, Any],
+    key: str,
+    model: Any,
+    idx: Any,
+    depths: tuple[int, ...],
+    max_axes: int | None,
+    sub_axes_too: bool,
+    flops: float,
+) -> dict[str, Any] | None:
+    """`choose_pipeline_mesh` into `out` (its rows and timings); `out` itself when it failed."""
+    import autopar.compiler.pipeline_mesh as pm
+    from autopar.planning.mesh_choice import mesh_candidates
+    from autopar.planning.step_accounting import MIXED_ADAMW
+
+    cfg = CONFIGS[key]
+    m = cfg.microbatches
     calls: list[dict[str, Any]] = []
     original = pm.choose_mesh
 
@@ -184,7 +254,7 @@ def measure(
         wall, cpu = time.perf_counter(), time.process_time()
         choice = pm.choose_pipeline_mesh(
             model, cfg.gpus, (idx, idx), microbatches=m, hardware=HARDWARE, memory_limit=MEMORY_LIMIT,
-            depths=list(depths),
+            depths=list(depths), weight_state=MIXED_ADAMW,
         )  # fmt: skip
         out["plan_wall_s"], out["plan_cpu_s"] = time.perf_counter() - wall, time.process_time() - cpu
     except Exception as exc:
@@ -196,11 +266,6 @@ def measure(
     out["choose_mesh_calls"] = calls
     out["table"] = choice.table()
     print(choice.table(), flush=True)
-    flops, pflops = (
-        model_flops(cfg.layers, cfg.hidden, cfg.batch),
-        paper_flops(cfg.layers, cfg.hidden, cfg.batch),
-    )
-    out["model_flops"], out["paper_formula_flops"] = flops, pflops
 
     def row(c: Any) -> dict[str, Any]:
         ideal = (c.pp - 1) / (c.v * m) if c.pp > 1 else 0.0
@@ -219,44 +284,26 @@ def measure(
     if at_paper:
         out["autopar_at_paper_depth"] = row(at_paper[0])  # candidates are sorted: the best there
 
-    # The paper's configuration through the cut alone: p stages of t*d ranks each, work divided
-    # ideally over them (no collective priced), 1F1B and interleaved with v = 2.
-    wall, cpu = time.perf_counter(), time.process_time()
-    gm = trace(model, (idx, idx), decompose=True)
-    trace_cpu = time.process_time() - cpu
-    ideal_rows = []
-    for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
-        try:
-            cut = cut_stages(gm, pp=cfg.p, microbatches=m, v=v, schedule=schedule, hardware=HARDWARE,
-                             tensor_size=cfg.t * cfg.d, memory_limit=MEMORY_LIMIT)  # fmt: skip
-        except AutoparError as exc:
-            ideal_rows.append({"schedule": schedule, "v": v, "error": str(exc).splitlines()[0]})
-            continue
-        tflops = flops / cut.makespan / cfg.gpus / 1e12
-        ideal_rows.append({
-            "pp": cfg.p, "stage_mesh": f"{cfg.t * cfg.d} ranks, ideal (t={cfg.t} x d={cfg.d})",
-            "schedule": schedule, "v": v, "step_s": cut.makespan, "memory_gb": max(cut.rank_memory) / 1e9,
-            "fits": cut.fits, "bubble": cut.bubble, "idle_over_busy": cut.bubble_ratio,
-            "megatron_bubble": (cfg.p - 1) / (v * m), "factor": 1.0, "error": "",
-            "tflops_per_gpu": tflops, "fraction_of_peak": tflops * 1e12 / PEAK,
-            "stage_modules": [s.modules for s in cut.stages][:3] + ["..."],
-        })  # fmt: skip
-    out["paper_config_ideal"] = ideal_rows
-    out["paper_cut_wall_s"], out["paper_cut_cpu_s"] = time.perf_counter() - wall, time.process_time() - cpu
-    out["paper_trace_cpu_s"] = trace_cpu
-    return out
+    return None
 
 
-def _worker(key: str, depths: tuple[int, ...], max_axes: int | None, sub_too: bool, results: Any) -> None:
+def _worker(
+    key: str, depths: tuple[int, ...], max_axes: int | None, sub_too: bool, cut_only: bool, results: Any
+) -> None:
     try:
-        results.put(measure(key, depths, max_axes, sub_too))
+        results.put(measure(key, depths, max_axes, sub_too, cut_only))
     except BaseException as exc:  # report, never hang the parent
         results.put({"config": key, "error": f"{type(exc).__name__}: {exc}"[:500],
                      "traceback": traceback.format_exc(limit=8)[:4000]})  # fmt: skip
 
 
 def run_isolated(
-    plan: list[tuple[str, tuple[int, ...]]], max_axes: int | None, sub_too: bool, timeout: float, jobs: int
+    plan: list[tuple[str, tuple[int, ...]]],
+    max_axes: int | None,
+    sub_too: bool,
+    timeout: float,
+    jobs: int,
+    cut_only: bool = False,
 ) -> list[dict[str, Any]]:
     """`measure` for each configuration in a fresh process, `jobs` at a time, each stopped after
     `timeout` seconds; results in `plan`'s order."""
@@ -270,7 +317,7 @@ def run_isolated(
             key, depths = plan[i]
             print(f"{key}: depths {list(depths)}", flush=True)
             results = ctx.Queue()
-            proc = ctx.Process(target=_worker, args=(key, depths, max_axes, sub_too, results))
+            proc = ctx.Process(target=_worker, args=(key, depths, max_axes, sub_too, cut_only, results))
             proc.start()
             running.append((i, proc, results, time.perf_counter()))
         time.sleep(1.0)
@@ -307,7 +354,6 @@ def rows_for(run: dict[str, Any]) -> list[list[str]]:
     if "error" in run:
         return [[head, "ERROR", run["error"][:100], *[""] * 9]]
     m = run["microbatches"]
-    plan_s = f"{run['plan_cpu_s']:.0f} ({run['plan_wall_s']:.0f})"
     out = []
 
     def line(what: str, r: dict[str, Any], planning: str) -> list[str]:
@@ -319,7 +365,10 @@ def rows_for(run: dict[str, Any]) -> list[list[str]]:
             _fmt(r["memory_gb"], ".1f") + ("" if r["fits"] else " (over)"), planning,
         ]  # fmt: skip
 
-    out.append(line("auto's choice", run["chosen"], plan_s))
+    if "chosen" in run:
+        out.append(
+            line("auto's choice", run["chosen"], f"{run['plan_cpu_s']:.0f} ({run['plan_wall_s']:.0f})")
+        )
     at = run.get("autopar_at_paper_depth")
     if at is not None and at["pp"] != run["chosen"]["pp"]:
         out.append(line(f"best at the paper's p={cfg.p}", at, "(same run)"))
@@ -358,6 +407,9 @@ def main() -> None:
     parser.add_argument(
         "--sub-axes", action="store_true", help="apply --max-axes to the stage sub-meshes too"
     )
+    parser.add_argument(
+        "--cut-only", action="store_true", help="the paper's configurations through the cut, no mesh choice"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="configurations planned at once")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per configuration")
     parser.add_argument("--name", default="ptdp_modeled", help="result file name under benchmarks/results")
@@ -366,7 +418,7 @@ def main() -> None:
     if args.quick and args.max_axes is None:
         args.max_axes, args.sub_axes = 2, True
     clock = RunClock()
-    runs = run_isolated(plan, args.max_axes, args.sub_axes, args.timeout, args.jobs)
+    runs = run_isolated(plan, args.max_axes, args.sub_axes, args.timeout, args.jobs, args.cut_only)
     headers = ["configuration", "row", "pp x stage sub-mesh", "schedule", "M", "step s", "TFLOP/s/GPU",
                "% of 312", "idle/busy vs (p-1)/(v*m)", "GB/rank", "plan s CPU (wall)"]  # fmt: skip
     print()
@@ -380,6 +432,7 @@ def main() -> None:
             "seq": SEQ,
             "vocab": VOCAB,
             "quick": args.quick,
+            "cut_only": args.cut_only,
             "tensor_only_max_axes": args.max_axes,
             "sub_mesh_max_axes": args.max_axes if args.sub_axes else None,
             **clock.record(),

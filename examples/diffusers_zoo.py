@@ -66,11 +66,13 @@ def _noise_mse(out: Any, batch: Batch) -> torch.Tensor:
     return F.mse_loss(out.sample, batch[2])
 
 
-def _unet2d(dtype: torch.dtype) -> tuple[nn.Module, Batch]:
+def toy_unet2d() -> nn.Module:
+    """A toy UNet2DModel (seeded): a plain and an attention block each way, so group norm, the
+    skip concatenation, down/upsampling and the timestep embedding all appear."""
     import diffusers
 
     torch.manual_seed(0)
-    model = diffusers.UNet2DModel(
+    return diffusers.UNet2DModel(
         sample_size=IMAGE,
         in_channels=3,
         out_channels=3,
@@ -81,7 +83,10 @@ def _unet2d(dtype: torch.dtype) -> tuple[nn.Module, Batch]:
         down_block_types=("DownBlock2D", "AttnDownBlock2D"),
         up_block_types=("AttnUpBlock2D", "UpBlock2D"),
     )
-    return model.to(dtype), _noise_batch(3, dtype)
+
+
+def _unet2d(dtype: torch.dtype) -> tuple[nn.Module, Batch]:
+    return toy_unet2d().to(dtype), _noise_batch(3, dtype)
 
 
 def _unet2d_condition(dtype: torch.dtype) -> tuple[nn.Module, Batch]:

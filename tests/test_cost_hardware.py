@@ -65,7 +65,7 @@ def test_load_by_path_and_errors(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     assert load_hardware(path).name == "custom"
     assert load_hardware(str(path)) == load_hardware(path)
-    with pytest.raises(FileNotFoundError, match="known: a100-cluster"):
+    with pytest.raises(FileNotFoundError, match="known: a100-calibrated, a100-cluster"):
         load_hardware("no-such-machine")
     del data["inter_node"]
     with pytest.raises(ValueError, match="lacks inter_node"):

@@ -21,6 +21,7 @@ from pass_fixtures import compile_every_rank, lockstep_step
 from torch import nn
 
 from autopar.testing import assemble
+from examples import diffusers_zoo
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -39,23 +40,11 @@ class NoisePrediction(nn.Module):
         return F.mse_loss(self.unet(noisy, timesteps).sample, noise)
 
 
-def _case(dtype: torch.dtype, seed: int = 0) -> tuple[nn.Module, list[tuple[torch.Tensor, ...]]]:
-    """A toy UNet2DModel (a plain and an attention block each way, so group norm, the skip
-    concatenation, down/upsampling and the timestep embedding all appear) and a batch per step."""
-    torch.manual_seed(seed)
-    unet = diffusers.UNet2DModel(
-        sample_size=8,
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(16, 32),
-        layers_per_block=1,
-        norm_num_groups=4,
-        attention_head_dim=8,
-        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-    )
+def _case(dtype: torch.dtype) -> tuple[nn.Module, list[tuple[torch.Tensor, ...]]]:
+    """The examples' toy UNet2DModel (seeded by itself) and a batch per step."""
+    unet = diffusers_zoo.toy_unet2d()
     model = NoisePrediction(unet).to(dtype)
-    gen = torch.Generator().manual_seed(seed + 1)
+    gen = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(STEPS):
         noise = torch.randn(4, 3, 8, 8, generator=gen, dtype=dtype)

@@ -176,7 +176,7 @@ def test_mesh_size_must_equal_world_size() -> None:
         (lambda m, b: autopar.plan(m, (), b), "a mesh needs at least one axis"),
         (lambda m, b: autopar.plan(m, (2.0, 2), b), "mesh axis sizes must be integers"),
         (lambda m, b: autopar.plan(m, (0, 2), b), "mesh axis sizes must be >= 1"),
-        (lambda m, b: autopar.plan(m, (2,), b, planning=autopar.PlanOptions(hardware="nope")), "no hardware table 'nope'; known: a100-cluster"),
+        (lambda m, b: autopar.plan(m, (2,), b, planning=autopar.PlanOptions(hardware="nope")), "no hardware table 'nope'; known: a100-calibrated, a100-cluster"),
         (lambda m, b: autopar.plan(m, (2,), None), "example_inputs must be a tuple"),
         (lambda m, b: autopar.plan(m, (2,), b, example_kwargs=[1]), "example_kwargs must be a dict"),
         (

@@ -87,7 +87,7 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> list[str]:
         assert choice is not None and len(choice.candidates) == 5, choice
         fitting = [c.step_time for c in choice.candidates if c.fits and not c.skipped]
         assert choice.chosen.step_time == min(fitting)
-        assert (choice.chosen.v, pmodel.stage_cut.makespan) == (pmodel.schedule.v, choice.chosen.step_time)
+        assert (choice.chosen.v, pmodel.stage_cut.step_time) == (pmodel.schedule.v, choice.chosen.step_time)
         assert pmodel.schedule.name.startswith(choice.chosen.schedule)
     else:
         assert pmodel.schedule_choice is None

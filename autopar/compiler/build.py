@@ -72,120 +72,101 @@ def compile_module(
     A rank that fails or dies in here (trace, plan, materialization) ends the others' waits with a
     `RankFailureError` naming it and its error (`parallelize_failures_named`)."""
     with parallelize_failures_named(groups.timeout):
-        return _compile_module(
-            model, autopar_mesh, groups, opts, example_inputs, example_kwargs, traced_inputs,
-            traced_kwargs, autocast=autocast, seeded=seeded,
+        mesh = autopar_mesh.device_mesh
+        assert mesh is not None
+        inputs, check_inputs, init_fn = opts.inputs, opts.check_inputs, opts.init_fn
+        autopar_mesh = replace(autopar_mesh, group_names=groups.axis_names)
+        on_meta = set(meta_tensor_names(model))
+        examples: list[tuple[str, torch.Tensor]] = []
+        if check_inputs and inputs == GLOBAL:  # local shards differ by design
+            tensors = [
+                x for x in pytree.tree_leaves((example_inputs, example_kwargs)) if isinstance(x, torch.Tensor)
+            ]
+            examples = list(
+                zip(input_names(tuple(example_inputs), example_kwargs or {}, positional_names(model)), tensors)
+            )
+        if not on_meta:
+            check_weights_agree(model, groups.world, examples=examples)
+        options: dict[str, Any] = dict(
+            registry=opts.registry,
+            rank=dist.get_rank(),
+            planner=opts.planner,
+            agree=functools.partial(agree_across_ranks, group=groups.world),
+            schedule=opts.schedule,
+            hardware=opts.hardware,
+            memory_limit=opts.memory_limit,
+            over_decompose=opts.over_decompose,
+            split_fused=opts.split_fused,
+            in_flight_bytes=opts.in_flight_bytes,
+            mixed_precision=opts.mixed_precision,
         )
-
-
-def _compile_module(
-    model: nn.Module,
-    autopar_mesh: Mesh,
-    groups: Groups,
-    opts: ModuleOptions,
-    example_inputs: Sequence[Any],
-    example_kwargs: dict[str, Any] | None,
-    traced_inputs: Sequence[Any],
-    traced_kwargs: dict[str, Any] | None,
-    *,
-    autocast: AutocastState,
-    seeded: torch.Tensor,
-) -> ParallelModule:
-    mesh = autopar_mesh.device_mesh
-    assert mesh is not None
-    inputs, check_inputs, init_fn = opts.inputs, opts.check_inputs, opts.init_fn
-    autopar_mesh = replace(autopar_mesh, group_names=groups.axis_names)
-    on_meta = set(meta_tensor_names(model))
-    examples: list[tuple[str, torch.Tensor]] = []
-    if check_inputs and inputs == GLOBAL:  # local shards differ by design
-        tensors = [
-            x for x in pytree.tree_leaves((example_inputs, example_kwargs)) if isinstance(x, torch.Tensor)
-        ]
-        examples = list(
-            zip(input_names(tuple(example_inputs), example_kwargs or {}, positional_names(model)), tensors)
-        )
-    if not on_meta:
-        check_weights_agree(model, groups.world, examples=examples)
-    options: dict[str, Any] = dict(
-        registry=opts.registry,
-        rank=dist.get_rank(),
-        planner=opts.planner,
-        agree=functools.partial(agree_across_ranks, group=groups.world),
-        schedule=opts.schedule,
-        hardware=opts.hardware,
-        memory_limit=opts.memory_limit,
-        over_decompose=opts.over_decompose,
-        split_fused=opts.split_fused,
-        in_flight_bytes=opts.in_flight_bytes,
-        mixed_precision=opts.mixed_precision,
-    )
-    compiled = compile_for_rank(
-        model,
-        autopar_mesh,
-        traced_inputs,
-        example_kwargs=traced_kwargs,
-        dump_dir=opts.dump_dir,
-        autocast=autocast,
-        **options,
-    )
-    sig = signature(compiled.graph)
-    flat, _ = pytree.tree_flatten((example_inputs, example_kwargs or {}))
-    specs = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in flat]
-    structure = structure_copy(model)
-    blocks: dict[str, torch.Tensor] = {}
-    if on_meta:
-        torch.random.set_rng_state(seeded)
-        program = compiled.program
-        made = initialized_blocks(
+        compiled = compile_for_rank(
             model,
-            program.source_layouts(),
-            autopar_mesh.shape,
-            program.coords,
-            init_fn,
-            device=mesh.device_type,
-        )
-        blocks = made.blocks
-        check_weights_agree(model, groups.world, skip=on_meta, prints=made.fingerprints, examples=examples)
-
-    def compile_call(
-        args: tuple[Any, ...], kwargs: dict[str, Any], mode: CallMode
-    ) -> tuple[EmittedProgram, OutputStructure | None]:
-        """Another program of the same model, for a call the first does not fit (new shapes, eval,
-        autocast, weights cast to another dtype)."""
-        structure.train(mode.training)
-        for path, training in mode.flags:  # each submodule's own flag, as the user set it
-            structure.get_submodule(path).training = training
-        cast_like(structure, mode.dtypes)
-        again = compile_for_rank(
-            structure,
             autopar_mesh,
-            args,
-            example_kwargs=kwargs,
-            forward_only=mode.forward_only,
-            autocast=mode.autocast,
+            traced_inputs,
+            example_kwargs=traced_kwargs,
+            dump_dir=opts.dump_dir,
+            autocast=autocast,
             **options,
         )
-        return again.program, signature(again.graph).outputs
+        sig = signature(compiled.graph)
+        flat, _ = pytree.tree_flatten((example_inputs, example_kwargs or {}))
+        specs = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in flat]
+        structure = structure_copy(model)
+        blocks: dict[str, torch.Tensor] = {}
+        if on_meta:
+            torch.random.set_rng_state(seeded)
+            program = compiled.program
+            made = initialized_blocks(
+                model,
+                program.source_layouts(),
+                autopar_mesh.shape,
+                program.coords,
+                init_fn,
+                device=mesh.device_type,
+            )
+            blocks = made.blocks
+            check_weights_agree(model, groups.world, skip=on_meta, prints=made.fingerprints, examples=examples)
 
-    result = ParallelModule(
-        compiled.program,
-        autopar_mesh,
-        model,
-        sig.aliases,
-        sig.in_spec,
-        specs,
-        compiled.report,
-        sig.outputs,
-        compile=compile_call,
-        example_flat=flat,
-        check_inputs=check_inputs,
-        groups=groups,
-        local_blocks=blocks,
-        local_inputs=inputs == LOCAL,
-        autocast=autocast,
-        inductor=opts.compile,
-    )
-    return result
+        def compile_call(
+            args: tuple[Any, ...], kwargs: dict[str, Any], mode: CallMode
+        ) -> tuple[EmittedProgram, OutputStructure | None]:
+            """Another program of the same model, for a call the first does not fit (new shapes, eval,
+            autocast, weights cast to another dtype)."""
+            structure.train(mode.training)
+            for path, training in mode.flags:  # each submodule's own flag, as the user set it
+                structure.get_submodule(path).training = training
+            cast_like(structure, mode.dtypes)
+            again = compile_for_rank(
+                structure,
+                autopar_mesh,
+                args,
+                example_kwargs=kwargs,
+                forward_only=mode.forward_only,
+                autocast=mode.autocast,
+                **options,
+            )
+            return again.program, signature(again.graph).outputs
+
+        result = ParallelModule(
+            compiled.program,
+            autopar_mesh,
+            model,
+            sig.aliases,
+            sig.in_spec,
+            specs,
+            compiled.report,
+            sig.outputs,
+            compile=compile_call,
+            example_flat=flat,
+            check_inputs=check_inputs,
+            groups=groups,
+            local_blocks=blocks,
+            local_inputs=inputs == LOCAL,
+            autocast=autocast,
+            inductor=opts.compile,
+        )
+        return result
 
 
 def agree_across_ranks(

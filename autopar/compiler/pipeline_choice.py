@@ -177,7 +177,7 @@ def _auto(
             rows.append((Candidate(name, v, skipped=str(exc).splitlines()[0]), None))
             continue
         memory = max(cut.rank_memory)
-        row = Candidate(name, v, cut.makespan, memory, cut.fits)
+        row = Candidate(name, v, cut.step_time, memory, cut.fits)
         rows.append((row, PipelineDecision(plan, cut.boundaries, cut)))
     priced = [(c, d) for c, d in rows if d is not None]
     if not priced:

@@ -11,10 +11,14 @@ priced in two parts that already exist:
   work divided ideally by t, then the sub-mesh's extra time per microbatch (its modeled step less
   the ideal) spread over the stages by compute (`StageCut.slowed`) and the schedule simulated again.
 
-The product is a model of a model: the sub-mesh plan is of the whole model, so its per-step
-collectives (a data axis's gradient reduction) are counted once per microbatch, which
-overstates them for a pipeline that reduces once per step; the memory is the cut's (weights and
-optimizer states of a rank's stages over t, activations the schedule keeps in flight).
+The product is a model of a model: the sub-mesh plan is of the whole model. Its gradient
+reduction (`step_accounting.gradient_reduction_time`: the gradient outputs' redistributions) is
+taken out of the per-microbatch time and priced once per step by the cut, each pp rank its
+stages' share, where it runs past the rank's last backward (`StageCut.step_time`). The
+per-microbatch time without it is min(scheduled step, no-overlap sum - reduction): an upper bound
+either way, since taking work out cannot lengthen a step. The memory is the cut's: weight state
+(`weight_state`) split as the sub-mesh plan splits the parameters, activations the schedule keeps
+in flight.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from autopar.compiler.driver import compile_conditions
 from autopar.compiler.pipeline import split_microbatches
 from autopar.compiler.pipeline_choice import AUTO_CANDIDATES
 from autopar.core.errors import AutoparError, MeshError
+from autopar.core.meta import has_info, info
+from autopar.cost.hardware import load_hardware
 from autopar.passes.trace import trace
 from autopar.planning.mesh_choice import MeshChoice
 from autopar.planning.stage_cut import cut_stages, format_seconds
+from autopar.planning.step_accounting import PLAIN, WeightState, gradient_reduction_time
 from autopar.rules.base import RuleRegistry
 from autopar.runtime.agreement import decided_on_rank0
 
@@ -112,9 +119,13 @@ def choose_pipeline_mesh(
     registry: RuleRegistry | None = None,
     depths: Sequence[int] | None = None,
     example_kwargs: dict[str, Any] | None = None,
+    weight_state: WeightState = PLAIN,
+    recompute: bool = False,
 ) -> PipelineMeshChoice:
     """Rank the tensor-only mesh choice's best beside every pipeline depth of `depths` (default:
-    every divisor of `world_size` above 1 that the model has modules enough for) and schedule."""
+    every divisor of `world_size` above 1 that the model has modules enough for) and schedule.
+    `weight_state` and `recompute` price the pipelines' cuts (`cut_graph`); the pipeline runtime
+    does not recompute, so `recompute=True` models a run that does (the PTD-P benchmark)."""
     example = tuple(example_inputs)
     candidates: list[PipelineCandidate] = []
     tensor_only: MeshChoice | None = None
@@ -142,11 +153,14 @@ def choose_pipeline_mesh(
     piece_args, piece_kwargs = split_microbatches((example, dict(example_kwargs or {})), microbatches)[0]
     wanted = depths if depths is not None else [p for p in range(2, world_size + 1) if world_size % p == 0]
     limit = math.inf if memory_limit is None else memory_limit
+    hw = load_hardware(hardware)
     for pp in wanted:
         t = world_size // pp
         factor, label = 1.0, "1 rank"
         shape: tuple[int, ...] = (1,)
         names: tuple[str, ...] = ("stage",)
+        grad: float | None = None
+        shards: float | None = None
         if t > 1:
             try:
                 # the whole model on t ranks need not fit: a stage holds 1/pp of it (the cut's memory)
@@ -159,11 +173,19 @@ def choose_pipeline_mesh(
                 continue
             label, shape, names = sub.chosen.label, sub.chosen.shape, sub.chosen.names
             sub_time = sub.chosen.rank_time
+            kept = sub.chosen_plan
+            if kept is not None and kept.graph is not None:  # its gradient reduction: once per step
+                grad = gradient_reduction_time(kept.graph, kept.plan, shape, hw)
+                sub_time = min(sub_time, sub.chosen.step_time - grad)
+                stored = getattr(kept.plan, "memory", None)
+                if stored is not None and stored.params > 0:  # weights split as the plan splits them
+                    shards = _param_bytes(gm) / stored.params
         for name, v in AUTO_CANDIDATES:
             try:
                 cut = cut_stages(
                     gm, pp=pp, microbatches=microbatches, v=v, schedule=name, hardware=hardware,
-                    tensor_size=t, memory_limit=limit,
+                    tensor_size=t, memory_limit=limit, weight_state=weight_state, state_shards=shards,
+                    grad_reduce=grad, recompute=recompute,
                 )  # fmt: skip
             except AutoparError as exc:
                 candidates.append(PipelineCandidate(pp, label, name, v, error=str(exc).splitlines()[0]))
@@ -179,7 +201,7 @@ def choose_pipeline_mesh(
                     label,
                     name,
                     v,
-                    cut.makespan,
+                    cut.step_time,
                     memory,
                     memory <= limit,
                     cut.bubble,
@@ -190,6 +212,17 @@ def choose_pipeline_mesh(
             )
     candidates.sort(key=lambda c: (bool(c.error), not c.fits, c.step_time))
     return PipelineMeshChoice(world_size, microbatches, hardware, candidates, tensor_only)
+
+
+def _param_bytes(gm: Any) -> float:
+    """Bytes of the traced graph's parameters and buffers, whole."""
+    return float(
+        sum(
+            n.meta["val"].numel() * n.meta["val"].element_size()
+            for n in gm.graph.nodes
+            if n.op == "placeholder" and has_info(n) and info(n).role in ("param", "buffer", "constant")
+        )
+    )
 
 
 def auto_pipeline_mesh(

@@ -27,6 +27,7 @@ from autopar.cost.hardware import (
     axis_links,
     hardware_from_dict,
     load_hardware,
+    span_link,
 )
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "available_hardware",
     "axis_intra_node",
     "axis_links",
+    "span_link",
     "collective_time",
     "compute_time",
     "hardware_from_dict",

@@ -268,3 +268,23 @@ def axis_links(mesh_shape: Sequence[int], hw: Hardware) -> tuple[Link, ...]:
         hw.intra_node if intra else hw.inter_node
         for intra in axis_intra_node(mesh_shape, hw.devices_per_node)
     )
+
+
+def span_link(hw: Hardware, group_size: int, stride: int) -> Link:
+    """The link a collective over `group_size` ranks `stride` apart runs at, by how its group spans
+    nodes (ranks numbered node by node, `devices_per_node` to a node):
+
+    - inside one node: the intra-node link (NVLink bus bandwidth);
+    - rail-aligned (`stride` a multiple of `devices_per_node`: one member per node, each on its
+      own NIC): the inter-node link at one NIC's bandwidth per rank;
+    - k > 1 members per node: NCCL runs k rings side by side, one per member and NIC, and the
+      intra-node hops join them, so a rank gets min(intra-node, k x inter-node) bandwidth at the
+      inter-node latency.
+
+    `axis_links` keeps the plain choice (inter-node at one NIC whatever k is) that the planner's
+    tables were fitted against; this is the calibrated step model's."""
+    if group_size <= 1 or stride * group_size <= hw.devices_per_node:
+        return hw.intra_node
+    members = max(1, hw.devices_per_node // stride) if stride < hw.devices_per_node else 1
+    bandwidth = min(hw.intra_node.bandwidth, members * hw.inter_node.bandwidth)
+    return Link(hw.inter_node.alpha, bandwidth, "inter_node", hw.inter_node.call)

@@ -12,12 +12,17 @@ Assumptions (docs/pipeline.md, "Stage cutting"): a stage's work and memory are d
 by its tensor sub-mesh size t (the per-stage tensor plan comes later); a microbatch is 1/M of the
 traced batch, so its activations and times are 1/M of the trace's; the activations in flight are
 counted from the schedule's action order (the simulator's `peak_in_flight` per stage).
+
+The step beyond the schedule (`autopar.planning.step_accounting`): the weight state in bytes per
+element (`WeightState`: mixed precision's float32 masters and gradients), split over the ranks
+the plan splits it over; the data axis's gradient reduction once per step, where it runs past
+each rank's last backward; the optimizer step; optionally full recomputation of every block.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch.fx as fx
@@ -25,14 +30,14 @@ import torch.fx as fx
 from autopar.core.errors import AutoparError, MemoryLimitError
 from autopar.core.pipeline_schedule import ActionKind, Schedule, schedule_by_name
 from autopar.core.pipeline_simulate import Durations, Timeline, bubble_fraction, bubble_ratio, simulate
-from autopar.cost.formulas import ADAMW_STATE_FACTOR, format_bytes, memory_per_rank
+from autopar.cost.formulas import collective_time, format_bytes
 from autopar.cost.hardware import Hardware, axis_links, load_hardware
 from autopar.planning.memory import MEMORY_HEADROOM
-from autopar.planning.stage_units import BoundaryTensor, StageGraph, compact, stage_graph
+from autopar.planning.stage_balance import balance, in_flight, peak_activations
+from autopar.planning.stage_units import BoundaryTensor, StageGraph, Unit, compact, stage_graph
+from autopar.planning.step_accounting import PLAIN, WeightState, exposed_reduction, is_recomputed
 
-TIME_TOLERANCE = 1e-9  # relative: stage times this close to the optimum count as tied
-
-Fits = Callable[[int, int, int], bool]  # (first unit, end unit, stage) -> fits the memory limit
+BACKWARD_KINDS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
 
 
 class StageCutError(AutoparError, ValueError):
@@ -41,100 +46,6 @@ class StageCutError(AutoparError, ValueError):
 
 class StageMemoryError(MemoryLimitError):
     """No cut into the requested stages fits the memory limit."""
-
-
-def balance(
-    times: Sequence[float],
-    sizes: Sequence[float],
-    num_stages: int,
-    *,
-    allowed: Sequence[bool] | None = None,
-    fits: Fits | None = None,
-) -> tuple[int, ...] | None:
-    """The cut of units with `times` into `num_stages` contiguous non-empty stages that minimizes
-    the longest stage and, among cuts within `TIME_TOLERANCE` of that, the sum of `sizes[k]` (bytes
-    crossing a cut before unit k) over its cuts. Returns each stage's first unit after the first
-    (`num_stages - 1` positions), or None when no cut satisfies `allowed` (per position) and `fits`.
-    Two exact dynamic programs over positions, O(num_stages * n^2): the min-max time first, then the
-    fewest bytes under it (one program on (time, bytes) pairs would not be exact: a prefix with a
-    longer stage but fewer bytes can win once a later stage is longer still)."""
-    n = len(times)
-    if num_stages < 1 or num_stages > n:
-        return None
-    prefix = [0.0]
-    for t in times:
-        prefix.append(prefix[-1] + t)
-    ok = [True] * (n + 1) if allowed is None else list(allowed)
-    ok[0] = ok[n] = True
-
-    def seg(i: int, j: int, s: int) -> float:
-        if fits is not None and not fits(i, j, s):
-            return math.inf
-        return prefix[j] - prefix[i]
-
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        for j in range(s, n + 1):
-            if not ok[j] or (s == num_stages) != (j == n):
-                continue
-            best[s][j] = min(
-                (max(best[s - 1][i], seg(i, j, s - 1)) for i in range(s - 1, j) if best[s - 1][i] < inf),
-                default=inf,
-            )
-    limit = best[num_stages][n]
-    if limit == inf:
-        return None
-    bound = limit * (1 + TIME_TOLERANCE) + 1e-300
-    cost = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    back = [[-1] * (n + 1) for _ in range(num_stages + 1)]
-    cost[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        for j in range(s, n + 1):
-            if not ok[j] or (s == num_stages) != (j == n):
-                continue
-            extra = sizes[j] if j < n else 0.0
-            for i in range(s - 1, j):
-                if cost[s - 1][i] < inf and seg(i, j, s - 1) <= bound and cost[s - 1][i] + extra < cost[s][j]:
-                    cost[s][j], back[s][j] = cost[s - 1][i] + extra, i
-    cuts = []
-    j = n
-    for s in range(num_stages, 1, -1):
-        j = back[s][j]
-        cuts.append(j)
-    return tuple(reversed(cuts))
-
-
-def in_flight(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage, the most microbatches whose forward its rank has run and whose backward (B, or W
-    after I) it has not: what the simulator's `peak_in_flight` counts, stage by stage."""
-    peak = [0] * schedule.num_stages
-    for rank in range(schedule.pp):
-        held = [0] * schedule.num_stages
-        for a in schedule.compute_actions(rank):
-            if a.kind == ActionKind.FORWARD:
-                held[a.stage] += 1
-                peak[a.stage] = max(peak[a.stage], held[a.stage])
-            elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
-                held[a.stage] -= 1
-    return tuple(peak)
-
-
-def peak_activations(schedule: Schedule, per_microbatch: Sequence[float]) -> tuple[float, ...]:
-    """Per rank, the most activation bytes it holds at once, its stages' microbatches weighted by
-    `per_microbatch[stage]` (at most the sum of each stage's own peak: they need not coincide)."""
-    out = []
-    for rank in range(schedule.pp):
-        held = peak = 0.0
-        for a in schedule.compute_actions(rank):
-            if a.kind == ActionKind.FORWARD:
-                held += per_microbatch[a.stage]
-                peak = max(peak, held)
-            elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
-                held -= per_microbatch[a.stage]
-        out.append(peak)
-    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -149,13 +60,14 @@ class Stage:
     backward: float
     backward_input: float  # the part of `backward` the previous stage waits for (zero-bubble's I)
     param_bytes: float  # weights and buffers held, tied copies included
-    state_bytes: float  # weights + gradients + AdamW states
+    state_bytes: float  # weights + gradients + masters + AdamW states (`WeightState`)
     activation_bytes: float  # saved for backward per microbatch
     fixed_activation_bytes: float  # saved once per step (views of weights)
     in_flight: int  # microbatches whose activations the schedule keeps at once
     send: tuple[BoundaryTensor, ...]  # to the next stage
     send_bytes: float  # per microbatch
     shared: tuple[str, ...]  # tied parameters another stage holds too (buffers are copied silently)
+    recompute_bytes: float = 0.0  # full recomputation: one block's activations, rebuilt in its backward
 
     @property
     def time(self) -> float:
@@ -167,7 +79,12 @@ class Stage:
 
     @property
     def memory(self) -> float:
-        return self.state_bytes + self.in_flight * self.activation_bytes + self.fixed_activation_bytes
+        return (
+            self.state_bytes
+            + self.in_flight * self.activation_bytes
+            + self.fixed_activation_bytes
+            + self.recompute_bytes
+        )
 
 
 @dataclass(frozen=True)
@@ -187,6 +104,26 @@ class StageCut:
     memory_limit: float
     forced: bool
     timeline: Timeline  # the schedule simulated with the stages' durations per microbatch
+    # per pp rank, once per step: its gradients' reduction over the data axis (all of it, before
+    # overlap), the optimizer step over its states, and its units (the reduction's buckets)
+    reduce_time: tuple[float, ...] = ()
+    optimizer_time: tuple[float, ...] = ()
+    buckets: tuple[int, ...] = ()
+    recompute: bool = False
+
+    @property
+    def step_time(self) -> float:
+        """The modeled training step: each rank's simulated schedule, then the part of its gradient
+        reduction that runs past its last backward (`step_accounting.exposed_reduction`) and its
+        optimizer step; the slowest rank's end."""
+        ends = []
+        for r, row in enumerate(self.timeline.ranks):
+            end = row[-1].end if row else 0.0
+            last = next((a.end - a.start for a in reversed(row) if a.action.kind in BACKWARD_KINDS), 0.0)
+            reduce = self.reduce_time[r] if self.reduce_time else 0.0
+            step = self.optimizer_time[r] if self.optimizer_time else 0.0
+            ends.append(end + exposed_reduction(reduce, last, self.buckets[r] if self.buckets else 1) + step)
+        return max(ends, default=0.0)
 
     @property
     def fits(self) -> bool:
@@ -288,8 +225,14 @@ class StageCut:
             + ")"
         )
         lines.append(
-            f"simulated step {format_seconds(self.makespan)}, bubble {self.bubble:.3f} of the step, "
+            f"simulated schedule {format_seconds(self.makespan)}, bubble {self.bubble:.3f} of it, "
             f"idle/busy {self.bubble_ratio:.3f} vs (p-1)/(v*m) = {ideal:.3f}"
+        )
+        lines.append(
+            f"step {format_seconds(self.step_time)}: + gradient reduction once per step (largest "
+            f"{format_seconds(max(self.reduce_time, default=0.0))} before overlap) + optimizer step "
+            f"(largest {format_seconds(max(self.optimizer_time, default=0.0))})"
+            + (", blocks recomputed in backward" if self.recompute else "")
         )
         return "\n".join(lines)
 
@@ -312,10 +255,17 @@ def cut_stages(
     tensor_size: int = 1,
     memory_limit: float | None = None,
     stage_boundaries: Sequence[str] | None = None,
+    weight_state: WeightState = PLAIN,
+    data_parallel: int = 1,
+    state_shards: float | None = None,
+    grad_reduce: float | None = None,
+    recompute: bool = False,
 ) -> StageCut:
     """Cut a traced joint graph into `pp * v` stages (see the module docstring); `stage_boundaries`
     names the first module of each stage after the first and skips the search. `memory_limit`:
-    bytes per rank; default 90 % of the table's device memory, `math.inf` for none."""
+    bytes per rank; default 90 % of the table's device memory, `math.inf` for none. The step's
+    accounting (`cut_graph`): `weight_state`, `data_parallel`, `state_shards`, `grad_reduce`,
+    `recompute`."""
     graph = stage_graph(gm, hardware, tensor_size)
     return cut_graph(
         graph,
@@ -325,6 +275,11 @@ def cut_stages(
         schedule=schedule,
         memory_limit=memory_limit,
         stage_boundaries=stage_boundaries,
+        weight_state=weight_state,
+        data_parallel=data_parallel,
+        state_shards=state_shards,
+        grad_reduce=grad_reduce,
+        recompute=recompute,
     )
 
 
@@ -337,14 +292,34 @@ def cut_graph(
     schedule: str = "1f1b",
     memory_limit: float | None = None,
     stage_boundaries: Sequence[str] | None = None,
+    weight_state: WeightState = PLAIN,
+    data_parallel: int = 1,
+    state_shards: float | None = None,
+    grad_reduce: float | None = None,
+    recompute: bool = False,
 ) -> StageCut:
     """`cut_stages` on an analysed graph (`stage_units.stage_graph`), to try several pipeline
-    shapes without tracing again."""
+    shapes without tracing again.
+
+    The step's accounting (`autopar.planning.step_accounting`): `weight_state`, bytes per
+    trainable element (default `PLAIN`, what `parallelize` keeps); `data_parallel`: d of a stage's
+    t ranks are replicas of its weights (t = tensor ranks x d, tensor ranks innermost as in
+    Megatron), so one copy of the weight state is split over `state_shards` ranks (default t / d)
+    and the gradients are all-reduced over d once per step on the data axis's link; `grad_reduce`
+    replaces that price: seconds to reduce the whole model's gradients once on one rank of a stage
+    sub-mesh (each pp rank pays its stages' share of it by gradient bytes), e.g. the sub-mesh
+    plan's gradient collectives; `recompute`: full recomputation of every block."""
     plan = schedule_by_name(schedule, pp, v, microbatches)
     num = plan.num_stages
     hw = graph.hardware
     limit = hw.memory_capacity * MEMORY_HEADROOM if memory_limit is None else float(memory_limit)
-    model = _StageModel(graph, plan, microbatches)
+    if data_parallel < 1 or graph.tensor_size % data_parallel:
+        raise StageCutError(
+            f"data_parallel={data_parallel} does not divide the {graph.tensor_size} ranks of a stage",
+            hint="data_parallel must divide tensor_size (a stage's ranks: tensor x data)",
+        )
+    shards = graph.tensor_size / data_parallel if state_shards is None else float(state_shards)
+    model = _StageModel(graph, plan, microbatches, weight_state, shards, recompute)
     if stage_boundaries is not None:
         cuts = forced_cut(graph, stage_boundaries, num)
     else:
@@ -356,7 +331,7 @@ def cut_graph(
             )
         share = limit / v  # each of a rank's v stages gets an equal share (exact for v = 1)
         found = balance(
-            [u.time for u in graph.units],
+            [u.time for u in model.units],
             [graph.boundary_bytes(k) for k in range(len(graph.units) + 1)],
             num,
             allowed=graph.valid,
@@ -378,7 +353,33 @@ def cut_graph(
                 "microbatches in flight (1f1b rather than gpipe), or activation recomputation",
             )
         cuts = found
-    return model.report(cuts, limit, stage_boundaries is not None)
+    cut = model.report(cuts, limit, stage_boundaries is not None)
+    return _with_step_end(cut, model, cuts, data_parallel, grad_reduce)
+
+
+def _with_step_end(
+    cut: StageCut, model: _StageModel, cuts: Sequence[int], data_parallel: int, grad_reduce: float | None
+) -> StageCut:
+    """`cut` with each pp rank's once-per-step gradient reduction and optimizer step."""
+    g = model.graph
+    edges = [0, *cuts, len(g.units)]
+    everything = model.grad_bytes(set(g.state_bytes))
+    link = axis_links((cut.pp, data_parallel, g.tensor_size // data_parallel), g.hardware)[1]
+    reduce, step, buckets = [], [], []
+    for r in range(cut.pp):
+        mine = [st for st in cut.stages if st.rank == r]
+        names = set().union(*(model.params(edges[st.index], edges[st.index + 1]) for st in mine))
+        grads = model.grad_bytes(names)
+        if grad_reduce is not None:
+            reduce.append(grad_reduce * grads / everything if everything > 0 else 0.0)
+        else:  # a ring all-reduce of the gradient bytes one data replica holds
+            reduce.append(collective_time("all_reduce", grads, 1, data_parallel, link))
+        step.append(model.step_bytes(names) / g.hardware.memory_bandwidth)
+        buckets.append(sum(len(st.units) for st in mine))
+    return replace(
+        cut, reduce_time=tuple(reduce), optimizer_time=tuple(step), buckets=tuple(buckets),
+        recompute=model.recompute,
+    )  # fmt: skip
 
 
 def node_stages(graph: StageGraph, cut: StageCut) -> dict[str, int]:
@@ -429,12 +430,31 @@ def forced_cut(graph: StageGraph, names: Sequence[str], num_stages: int) -> tupl
 class _StageModel:
     """Prices a run of units as one stage of a schedule."""
 
-    def __init__(self, graph: StageGraph, schedule: Schedule, microbatches: int) -> None:
+    def __init__(
+        self,
+        graph: StageGraph,
+        schedule: Schedule,
+        microbatches: int,
+        weight_state: WeightState = PLAIN,
+        shards: float | None = None,
+        recompute: bool = False,
+    ) -> None:
         self.graph = graph
         self.schedule = schedule
         self.m = microbatches
         self.t = graph.tensor_size
+        self.weight_state = weight_state
+        self.shards = float(self.t if shards is None else shards)
+        self.recompute = recompute
         self.flight = in_flight(schedule)
+        # a recomputed block runs its forward again before its backward (on the input-gradient path)
+        self.again = tuple(recompute and is_recomputed(u.name) for u in graph.units)
+        self.units: tuple[Unit, ...] = tuple(
+            replace(u, backward=u.backward + u.forward, backward_input=u.backward_input + u.forward)
+            if again
+            else u
+            for u, again in zip(graph.units, self.again, strict=True)
+        )
         self._segments: dict[tuple[int, int], tuple[float, float, float]] = {}
 
     def segment(self, i: int, j: int) -> tuple[float, float, float]:
@@ -442,29 +462,63 @@ class _StageModel:
         the dynamic program asks for each segment once per stage."""
         found = self._segments.get((i, j))
         if found is None:
-            found = self._segments[(i, j)] = (self.states(self.params(i, j))[1], *self.activations(i, j))
+            per_mb, fixed, again = self.activations(i, j)
+            found = self._segments[(i, j)] = (self.states(self.params(i, j))[1], per_mb, fixed + again)
         return found
 
-    def states(self, names: set[str]) -> tuple[float, float]:
-        """(weights and buffers, their states with gradients and AdamW), per tensor rank."""
+    def _local(self, names: set[str]) -> list[tuple[float, int]]:
+        """(elements this rank holds, traced itemsize) of each trainable parameter of `names`."""
         g = self.graph
-        trainable = sum(g.state_bytes[p] for p in names if g.trainable[p]) / self.t
+        out = []
+        for p in names:
+            if g.trainable[p]:
+                size = g.itemsize.get(p, 4)
+                out.append((g.state_bytes[p] / size / self.shards, size))
+        return out
+
+    def states(self, names: set[str]) -> tuple[float, float]:
+        """(weights and buffers, all their state: `WeightState` bytes of the trainable elements
+        this rank holds), per rank; buffers divided by t."""
+        g = self.graph
         other = sum(g.state_bytes[p] for p in names if not g.trainable[p]) / self.t
-        return trainable + other, memory_per_rank(trainable, trainable, ADAMW_STATE_FACTOR).total + other
+        local = self._local(names)
+        weights = sum(n * self.weight_state.kinds(size)[0] for n, size in local)
+        return weights + other, sum(n * self.weight_state.bytes(size) for n, size in local) + other
+
+    def grad_bytes(self, names: set[str]) -> float:
+        """Gradient bytes of `names` one weight replica holds (what the data axis reduces)."""
+        return sum(n * self.weight_state.grad_bytes(size) for n, size in self._local(names))
+
+    def step_bytes(self, names: set[str]) -> float:
+        """Bytes the optimizer step moves on one rank for `names`."""
+        return sum(n * self.weight_state.step_bytes(size) for n, size in self._local(names))
 
     def params(self, i: int, j: int) -> set[str]:
         return {p for p, us in self.graph.used_by.items() if any(i <= u < j for u in us)}
 
-    def activations(self, i: int, j: int) -> tuple[float, float]:
-        """(per microbatch, once per step) saved bytes per tensor rank of units [i, j)."""
+    def activations(self, i: int, j: int) -> tuple[float, float, float]:
+        """(per microbatch, once per step, rebuilt by recomputation) saved bytes per tensor rank
+        of units [i, j). Under full recomputation a recomputed block keeps only its input (what
+        crosses the cut before it) per microbatch in flight, and one microbatch of its own
+        activations exists again while its backward runs: the stage's largest block's."""
+        g = self.graph
         per_mb = fixed = 0.0
-        for a in self.graph.saved:
-            if any(i <= u < j for u in a.units):
-                if a.per_batch:
-                    per_mb += a.bytes / self.m
-                else:
-                    fixed += a.bytes
-        return per_mb / self.t, fixed / self.t
+        own = [0.0] * len(g.units)
+        for a in g.saved:
+            mine = [u for u in a.units if i <= u < j]
+            if not mine:
+                continue
+            if not a.per_batch:
+                fixed += a.bytes
+            elif all(self.again[u] for u in mine):
+                for u in mine:
+                    own[u] += a.bytes / self.m
+            else:
+                per_mb += a.bytes / self.m
+        for k in range(i, j):
+            if self.again[k]:
+                per_mb += sum(x.bytes for x in g.crossing[k] if x.per_batch) / self.m
+        return per_mb / self.t, fixed / self.t, max(own, default=0.0) / self.t
 
     def stage_memory(self, i: int, j: int, s: int) -> float:
         states, per_mb, fixed = self.segment(i, j)
@@ -481,7 +535,7 @@ class _StageModel:
             units = g.units[i:j]
             names = self.params(i, j)
             weights, states = self.states(names)
-            per_mb, fixed = self.activations(i, j)
+            per_mb, fixed, again = self.activations(i, j)
             send = g.crossing[j] if j < n else ()
             shared = tuple(
                 sorted(p for p in names if g.trainable[p] and any(not i <= u < j for u in g.used_by[p]))
@@ -491,9 +545,9 @@ class _StageModel:
                     index=s,
                     rank=placement.rank_of(s),
                     units=tuple(u.name for u in units),
-                    forward=sum(u.forward for u in units),
-                    backward=sum(u.backward for u in units),
-                    backward_input=sum(u.backward_input for u in units),
+                    forward=sum(u.forward for u in self.units[i:j]),
+                    backward=sum(u.backward for u in self.units[i:j]),
+                    backward_input=sum(u.backward_input for u in self.units[i:j]),
                     param_bytes=weights,
                     state_bytes=states,
                     activation_bytes=per_mb,
@@ -502,6 +556,7 @@ class _StageModel:
                     send=send,
                     send_bytes=sum(x.bytes / (self.m if x.per_batch else 1) for x in send) / self.t,
                     shared=shared,
+                    recompute_bytes=again,
                 )
             )
         peaks = peak_activations(self.schedule, [st.activation_bytes for st in stages])
@@ -510,7 +565,10 @@ class _StageModel:
             mine = [st for st in stages if st.rank == r]
             names = set().union(*(self.params(edges[st.index], edges[st.index + 1]) for st in mine))
             rank_memory.append(
-                self.states(names)[1] + peaks[r] + sum(st.fixed_activation_bytes for st in mine)
+                self.states(names)[1]
+                + peaks[r]
+                + sum(st.fixed_activation_bytes for st in mine)
+                + max((st.recompute_bytes for st in mine), default=0.0)
             )
         return StageCut(
             stages=tuple(stages),
@@ -521,7 +579,7 @@ class _StageModel:
             schedule=self.schedule.name,
             tensor_size=self.t,
             hardware=g.hardware.name,
-            total_time=g.total_time,
+            total_time=sum(u.time for u in self.units),
             rank_memory=tuple(rank_memory),
             memory_limit=limit,
             forced=forced,

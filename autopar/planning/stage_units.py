@@ -26,7 +26,7 @@ root module's in their first reader's).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -100,6 +100,7 @@ class StageGraph:
     tensor_size: int
     node_unit: dict[str, int]  # every compute node of the joint graph -> its unit
     recomputed: frozenset[str]  # forward nodes every stage that reads them makes for itself
+    itemsize: dict[str, int] = field(default_factory=dict)  # parameter or buffer -> bytes per element
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -267,6 +268,7 @@ def stage_graph(
     for alias, canonical in sig.aliases.items():
         aliases.setdefault(canonical, []).append(alias)
     state_bytes: dict[str, float] = {}
+    sizes: dict[str, int] = {}
     trainable: dict[str, bool] = {}
     used_by: dict[str, tuple[int, ...]] = {}
     for n in nodes:
@@ -282,6 +284,7 @@ def stage_graph(
             else:
                 readers.add(unit[u])
         state_bytes[name] = _bytes(n)
+        sizes[name] = itemsize(n.meta["val"].dtype) if isinstance(n.meta.get("val"), torch.Tensor) else 4
         trainable[name] = info(n).role == "param" and sig.requires_grad.get(name, True)
         used_by[name] = tuple(sorted(readers)) or (0,)
 
@@ -339,6 +342,7 @@ def stage_graph(
         tensor_size=t,
         node_unit={n.name: u for n, u in unit.items()},
         recomputed=frozenset(n.name for n in recomputed),
+        itemsize=sizes,
     )
 
 

@@ -1,0 +1,141 @@
+"""The pipelined step's accounting against hand-computed numbers (issue 29, item 3): weight state
+under mixed precision, the data axis's gradient reduction once per step, the optimizer step, full
+recomputation. A 2-layer GPT (h = 32, vocabulary 64, block 16, batch 8) in bfloat16, traced once.
+
+Its parameters by hand: a block has 12 h^2 + 13 h = 12704 (ln 2h, qkv 3h^2 + 3h, proj h^2 + h,
+ln 2h, fc 4h^2 + 4h, proj 4h^2 + h); wte V h = 2048, wpe T h = 512, ln_f 2h = 64; the head is
+tied to wte. Cut before blocks.1: stage 0 holds wte + wpe + blocks.0 = 15264 elements, stage 1
+blocks.1 + ln_f + the tied wte = 14816."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.fx as fx
+
+from autopar.core.layout import Layout, Partial, Replicate
+from autopar.core.plan import Plan
+from autopar.cost.formulas import collective_time
+from autopar.cost.hardware import axis_links, load_hardware
+from autopar.passes.trace import trace
+from autopar.planning.stage_cut import StageCut, cut_graph
+from autopar.planning.stage_units import StageGraph, stage_graph
+from autopar.planning.step_accounting import MIXED_ADAMW, PLAIN, exposed_reduction, gradient_reduction_time
+from examples.models import make_gpt, make_mlp
+
+HW = "a100-cluster"
+STAGE0, STAGE1 = 15264, 14816  # parameter elements per stage, by hand (module docstring)
+
+
+@functools.cache
+def gpt_bf16() -> fx.GraphModule:
+    model, batch = make_gpt(0, n_layer=2, vocab_size=64)
+    return trace(model.to(torch.bfloat16), batch, decompose=True)
+
+
+@functools.cache
+def graph(tensor_size: int) -> StageGraph:
+    return stage_graph(gpt_bf16(), HW, tensor_size)
+
+
+def two_stages(microbatches: int, **accounting: object) -> StageCut:
+    return cut_graph(
+        graph(4), pp=2, microbatches=microbatches, stage_boundaries=["blocks.1"], memory_limit=1e12,
+        **accounting,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_mixed_precision_state_is_18_bytes_per_parameter_split_over_tensor_ranks() -> None:
+    # 4 ranks a stage: 2 tensor x 2 data replicas; bf16 weight 2 + fp32 grad 4 + fp32 master 4 +
+    # AdamW 8 = 18 bytes per element, each replica holding half of every parameter
+    cut = two_stages(4, weight_state=MIXED_ADAMW, data_parallel=2)
+    assert [s.state_bytes for s in cut.stages] == [STAGE0 / 2 * 18, STAGE1 / 2 * 18]
+    assert [s.param_bytes for s in cut.stages] == [STAGE0 / 2 * 2, STAGE1 / 2 * 2]
+    # what the cut counted before: bf16 weight, bf16 grad, AdamW in bf16, split over all 4 ranks
+    plain = two_stages(4)
+    assert [s.state_bytes for s in plain.stages] == [STAGE0 / 4 * 8, STAGE1 / 4 * 8]
+    # the rank's memory adds its activations on top of the states
+    for s, memory in zip(cut.stages, cut.rank_memory, strict=True):
+        assert memory == pytest.approx(
+            s.state_bytes + s.in_flight * s.activation_bytes + s.fixed_activation_bytes
+        )
+
+
+def test_gradients_reduce_once_per_step_whatever_the_microbatches() -> None:
+    hw = load_hardware(HW)
+    link = axis_links((2, 2, 2), hw)[1]  # (pp, data, tensor): the data axis
+    for m in (2, 8):
+        cut = two_stages(m, weight_state=MIXED_ADAMW, data_parallel=2)
+        # one all-reduce per step of the fp32 gradients one replica holds: half of each parameter
+        want = [collective_time("all_reduce", n / 2 * 4, 1, 2, link) for n in (STAGE0, STAGE1)]
+        assert list(cut.reduce_time) == pytest.approx(want, rel=1e-12)
+        # the optimizer pass reads the grad (4), reads and writes master (4) and AdamW (8), writes
+        # the bf16 weight (2): 30 bytes per element held, at the memory bandwidth
+        steps = [n / 2 * 30 / hw.memory_bandwidth for n in (STAGE0, STAGE1)]
+        assert list(cut.optimizer_time) == pytest.approx(steps, rel=1e-12)
+        assert cut.buckets == (3, 3)
+        ends = []
+        for r in range(2):
+            row = cut.timeline.ranks[r]
+            last = cut.stages[r].backward / m  # 1F1B: a rank's last action is its stage's backward
+            assert row[-1].action.kind.name == "BACKWARD" or row[-2].action.kind.name == "BACKWARD"
+            ends.append(row[-1].end + max(want[r] - last + last / 3, want[r] / 3) + steps[r])
+        assert cut.step_time == pytest.approx(max(ends), rel=1e-12)
+        assert cut.step_time > cut.makespan
+
+
+def test_exposed_reduction_by_hand() -> None:
+    # 3 buckets of 1 s over a 6 s backward: ready at 2, 4, 6; the last ends at 7
+    assert exposed_reduction(3.0, 6.0, 3) == pytest.approx(1.0)
+    # 3 buckets of 3 s over a 3 s backward: ready at 1, 2, 3; serial from 1: ends at 10
+    assert exposed_reduction(9.0, 3.0, 3) == pytest.approx(7.0)
+    assert exposed_reduction(0.0, 3.0, 3) == 0.0
+
+
+def test_full_recomputation_keeps_block_inputs_and_runs_their_forward_twice() -> None:
+    g = graph(1)
+    bounds = ["blocks.0", "blocks.1"]  # stage 1 is blocks.0 alone
+    plain = cut_graph(g, pp=3, microbatches=2, stage_boundaries=bounds, memory_limit=1e12)
+    again = cut_graph(g, pp=3, microbatches=2, stage_boundaries=bounds, memory_limit=1e12, recompute=True)
+    p, r = plain.stages[1], again.stages[1]
+    # in flight: only the block's input, one microbatch of the residual stream: 4 x 16 x 32 bf16
+    assert r.activation_bytes == 4 * 16 * 32 * 2
+    # its own activations exist again, once, while its backward runs
+    assert r.recompute_bytes == p.activation_bytes
+    assert r.backward == pytest.approx(p.backward + p.forward)
+    assert r.backward_input == pytest.approx(p.backward_input + p.forward)
+    assert again.rank_memory[1] == pytest.approx(
+        r.state_bytes + r.in_flight * 4 * 16 * 32 * 2 + r.fixed_activation_bytes + p.activation_bytes
+    )
+    # the embeddings are not recomputed; the last stage recomputes blocks.1 only
+    assert again.stages[0].backward == plain.stages[0].backward
+    blocks1 = g.units[g.names.index("blocks.1")]
+    assert again.stages[2].backward == pytest.approx(plain.stages[2].backward + blocks1.forward)
+    assert again.makespan > plain.makespan
+    assert max(again.rank_memory) < max(plain.rank_memory)
+
+
+def test_gradient_reduction_of_a_data_parallel_plan_is_one_all_reduce_per_parameter() -> None:
+    # the gradient side of a data-parallel plan on 4 ranks: every gradient partial, stored replicated
+    model, batch = make_mlp(0)
+    gm = trace(model, batch, decompose=True)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = list(output.args[0])
+    plan = Plan()
+    sizes = []
+    for i, src in enumerate(outputs):
+        shape = tuple(src.meta["val"].shape)
+        if i == 0:  # the loss
+            plan.output_layouts.append(None)
+            continue
+        plan.layouts[src.name] = (Layout((Partial(),), shape, torch.float32),)
+        plan.output_layouts.append(Layout((Replicate(),), shape, torch.float32))
+        sizes.append(src.meta["val"].numel())
+    assert sorted(sizes) == sorted(p.numel() for p in model.parameters())  # one gradient per parameter
+    hw = load_hardware(HW)
+    link = axis_links((4,), hw)[0]
+    want = sum(collective_time("all_reduce", n, torch.float32, 4, link) for n in sizes)
+    assert gradient_reduction_time(gm, plan, (4,), hw) == pytest.approx(want, rel=1e-12)
+    assert PLAIN.step_bytes(4) == 4 + 2 * 4 + 2 * 8  # fp32: grad read, weight and AdamW read + written
