@@ -11,6 +11,14 @@ priced in two parts that already exist:
   work divided ideally by t, then the sub-mesh's extra time per microbatch (its modeled step less
   the ideal) spread over the stages by compute (`StageCut.slowed`) and the schedule simulated again.
 
+The sub-mesh choice is the expensive part (hundreds of meshes at a thousand ranks), so it is
+skipped where it cannot matter: every depth's cuts are priced first, and a depth whose fastest
+fitting ideal cut is already slower than the best candidate priced so far is listed as not priced
+(the sub-mesh's plan only adds time to the stages, and the schedule's order is fixed, so the ideal
+cut bounds the candidate from below: branch and bound, the same choice as pricing every depth;
+`bound_depths=False` prices them all). Depths are visited from the lowest bound up, and every
+depth's sub-mesh choice plans one trace of one microbatch.
+
 The product is a model of a model: the sub-mesh plan is of the whole model, so its per-step
 collectives (a data axis's gradient reduction) are counted once per microbatch, which
 overstates them for a pipeline that reduces once per step; the memory is the cut's (weights and
@@ -24,17 +32,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autopar.compiler.auto_mesh import choose_mesh, default_hardware, job_world
+from autopar.compiler.auto_mesh import choose_mesh, default_hardware, job_world, trace_for_choice
 from autopar.compiler.driver import compile_conditions
 from autopar.compiler.pipeline import split_microbatches
 from autopar.compiler.pipeline_choice import AUTO_CANDIDATES
 from autopar.core.errors import AutoparError, MeshError
 from autopar.passes.trace import trace
 from autopar.planning.mesh_choice import MeshChoice
-from autopar.planning.stage_cut import cut_stages, format_seconds
+from autopar.planning.stage_cut import StageCut, cut_stages, format_seconds
 from autopar.rules.base import RuleRegistry
 from autopar.runtime.agreement import decided_on_rank0
 
@@ -112,9 +121,14 @@ def choose_pipeline_mesh(
     registry: RuleRegistry | None = None,
     depths: Sequence[int] | None = None,
     example_kwargs: dict[str, Any] | None = None,
+    bound_depths: bool = True,
 ) -> PipelineMeshChoice:
     """Rank the tensor-only mesh choice's best beside every pipeline depth of `depths` (default:
-    every divisor of `world_size` above 1 that the model has modules enough for) and schedule."""
+    every divisor of `world_size` above 1 that the model has modules enough for) and schedule.
+
+    `bound_depths`: skip a depth's stage sub-mesh choice (its most expensive part) when its
+    fastest fitting ideal cut is already slower than the best candidate priced (module doc:
+    branch and bound, the same choice as pricing every depth); False prices every depth."""
     example = tuple(example_inputs)
     candidates: list[PipelineCandidate] = []
     tensor_only: MeshChoice | None = None
@@ -142,54 +156,87 @@ def choose_pipeline_mesh(
     piece_args, piece_kwargs = split_microbatches((example, dict(example_kwargs or {})), microbatches)[0]
     wanted = depths if depths is not None else [p for p in range(2, world_size + 1) if world_size % p == 0]
     limit = math.inf if memory_limit is None else memory_limit
-    for pp in wanted:
+    # every depth's cuts first: they do not need the stage sub-mesh's plan, which only slows them
+    cuts = {pp: _cuts(gm, pp, world_size // pp, microbatches, hardware, limit) for pp in wanted}
+    fastest = min((c.step_time for c in candidates if c.fits and not c.error), default=math.inf)
+    rows: dict[int, list[PipelineCandidate]] = {}
+    piece: list[fx.GraphModule] = []  # one microbatch's trace, shared by every depth's sub-mesh choice
+    for pp in sorted(wanted, key=lambda pp: (_bound(cuts[pp]), wanted.index(pp))):
         t = world_size // pp
+        priced = [cut for _, _, cut in cuts[pp] if not isinstance(cut, AutoparError)]
+        bound = _bound(cuts[pp])
+        if bound_depths and priced and bound > fastest:
+            why = "not priced: no cut fits"
+            if math.isfinite(bound):
+                why = f"not priced: ideal cut {format_seconds(bound)} > best {format_seconds(fastest)}"
+            rows[pp] = [PipelineCandidate(pp, f"{t} rank{'s' if t > 1 else ''}", "-", 1, error=why)]
+            continue
         factor, label = 1.0, "1 rank"
         shape: tuple[int, ...] = (1,)
         names: tuple[str, ...] = ("stage",)
-        if t > 1:
+        if t > 1 and priced:
             try:
+                if not piece:
+                    piece.append(trace_for_choice(model, t, piece_args, example_kwargs=piece_kwargs))
                 # the whole model on t ranks need not fit: a stage holds 1/pp of it (the cut's memory)
                 sub = choose_mesh(
                     model, t, piece_args, hardware=hardware, registry=registry, example_kwargs=piece_kwargs,
-                    memory_limit=math.inf,
+                    memory_limit=math.inf, traced=piece[0],
                 )  # fmt: skip
             except AutoparError as exc:
-                candidates.append(PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0]))
+                rows[pp] = [PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0])]
                 continue
             label, shape, names = sub.chosen.label, sub.chosen.shape, sub.chosen.names
             sub_time = sub.chosen.rank_time
-        for name, v in AUTO_CANDIDATES:
-            try:
-                cut = cut_stages(
-                    gm, pp=pp, microbatches=microbatches, v=v, schedule=name, hardware=hardware,
-                    tensor_size=t, memory_limit=limit,
-                )  # fmt: skip
-            except AutoparError as exc:
-                candidates.append(PipelineCandidate(pp, label, name, v, error=str(exc).splitlines()[0]))
+        elif t > 1:
+            label = f"{t} ranks"
+        rows[pp] = []
+        for name, v, cut in cuts[pp]:
+            if isinstance(cut, AutoparError):
+                rows[pp].append(PipelineCandidate(pp, label, name, v, error=str(cut).splitlines()[0]))
                 continue
             if t > 1:  # the sub-mesh's collectives and imbalance, per microbatch, added to the stages
                 ideal = cut.total_time / microbatches
                 factor = sub_time / ideal if ideal > 0 else 1.0
                 cut = cut.slowed(max(0.0, sub_time - ideal) * microbatches)
             memory = max(cut.rank_memory)
-            candidates.append(
-                PipelineCandidate(
-                    pp,
-                    label,
-                    name,
-                    v,
-                    cut.makespan,
-                    memory,
-                    memory <= limit,
-                    cut.bubble,
-                    factor,
-                    stage_shape=shape,
-                    stage_names=names,
-                )  # fmt: skip
-            )
+            row = PipelineCandidate(
+                pp, label, name, v, cut.makespan, memory, memory <= limit, cut.bubble, factor,
+                stage_shape=shape, stage_names=names,
+            )  # fmt: skip
+            rows[pp].append(row)
+            if row.fits:
+                fastest = min(fastest, row.step_time)
+    candidates.extend(row for pp in wanted for row in rows[pp])
     candidates.sort(key=lambda c: (bool(c.error), not c.fits, c.step_time))
     return PipelineMeshChoice(world_size, microbatches, hardware, candidates, tensor_only)
+
+
+def _cuts(
+    gm: fx.GraphModule, pp: int, t: int, microbatches: int, hardware: str, limit: float
+) -> list[tuple[str, int, StageCut | AutoparError]]:
+    """Each schedule of `AUTO_CANDIDATES` cut at depth `pp` with work divided ideally by `t`, or
+    why it cannot be."""
+    out: list[tuple[str, int, StageCut | AutoparError]] = []
+    for name, v in AUTO_CANDIDATES:
+        try:
+            cut = cut_stages(
+                gm, pp=pp, microbatches=microbatches, v=v, schedule=name, hardware=hardware,
+                tensor_size=t, memory_limit=limit,
+            )  # fmt: skip
+        except AutoparError as exc:
+            out.append((name, v, exc))
+            continue
+        out.append((name, v, cut))
+    return out
+
+
+def _bound(cuts: list[tuple[str, int, StageCut | AutoparError]]) -> float:
+    """A lower bound on every fitting candidate of one depth: the fastest fitting ideal cut. The
+    sub-mesh's plan only adds time to the stages (`StageCut.slowed`, never shorter: the schedule's
+    order is fixed), and leaves the memory as it is; inf when none fits."""
+    fitting = [cut.makespan for _, _, cut in cuts if not isinstance(cut, AutoparError) and cut.fits]
+    return min(fitting, default=math.inf)
 
 
 def auto_pipeline_mesh(
