@@ -165,7 +165,7 @@ def choose_pipeline_mesh(
         t = world_size // pp
         priced = [cut for _, _, cut in cuts[pp] if not isinstance(cut, AutoparError)]
         bound = _bound(cuts[pp])
-        if bound_depths and priced and bound > fastest:
+        if bound_depths and priced and t > 1 and bound > fastest:  # (t = 1: nothing to save)
             why = "not priced: no cut fits"
             if math.isfinite(bound):
                 why = f"not priced: ideal cut {format_seconds(bound)} > best {format_seconds(fastest)}"
