@@ -1,4 +1,4 @@
-"""Planning time of `autopar.plan(model, "auto", world_size=N)` at scale: the LLaMA-7B shape.
+"""Planning time of `autopar.plan(model, "auto", world_size=N)` at scale: LLaMA-7B, GPT-3 175B, 1T.
 
 The model (vocab 32000, d = 4096, 32 heads, SwiGLU 11008, sequence 2048, batch 16) is built on the
 meta device and `autopar.plan(model, "auto", (idx, idx), world_size=N)` is run on the H100 table:
@@ -12,6 +12,15 @@ chosen mesh's modeled step with overlap, "step ms" its no-overlap sum of the com
     python benchmarks/plan_scale.py                           # 8, 64, 512 ranks at 32 layers
     python benchmarks/plan_scale.py --ranks 64 --layers 2 32
     python benchmarks/plan_scale.py --searched 0 --ranks 64   # search every candidate (slow)
+    python benchmarks/plan_scale.py --model gpt3-175b --layers 4 --ranks 64 --microbatches 8
+    python benchmarks/plan_scale.py --model gpt3-175b --ranks 1536 --microbatches 96 --cpu-limit 900
+
+`--model gpt3-175b` / `gpt-1t` is the PTD-P shape of benchmarks/ptdp_modeled.py (GPT, hidden 12288 /
+25600, 96 / 160 heads, sequence 2048, vocabulary 51200, bfloat16, batch = ranks) on the A100 table
+with an 80 GB limit; `--microbatches M` makes pipeline depths compete
+(`autopar.compiler.pipeline_mesh.choose_pipeline_mesh`, every factorization up to 4 axes for every
+stage sub-mesh), `--no-bound` prices every depth (no branch and bound). `--cpu-limit S` stops a
+run after S CPU seconds and records it as not finished.
 
 Writes benchmarks/results/plan_scale.json (`--name` to change).
 """
@@ -25,6 +34,7 @@ import sys
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +43,58 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RunClock, import_lazy_modules, on_meta, table, write_result  # noqa: E402
 
 BATCH, SEQ = 16, 2048
+
+
+MODELS = {"gpt3-175b": (12288, 96), "gpt-1t": (25600, 160)}  # hidden, heads (PTD-P, ptdp_modeled.py)
+
+
+def measure_gpt(
+    name: str, ranks: int, layers: int, microbatches: int | None, bound: bool, cpu_limit: float
+) -> dict[str, Any]:
+    """The PTD-P shape planned with `autopar.plan(..., "auto", microbatches=M)` in this process."""
+    import resource
+
+    import torch
+
+    import autopar
+    import autopar.api as api
+    from examples.models import GPT, GPTConfig
+
+    hidden, heads = MODELS[name]
+    out: dict[str, Any] = {"model": name, "ranks": ranks, "layers": layers, "microbatches": microbatches,
+                           "hardware": "a100-cluster", "bound_depths": bound}  # fmt: skip
+    cfg = GPTConfig(vocab_size=51200, block_size=SEQ, n_layer=layers, n_head=heads, n_embd=hidden)
+    model = on_meta(lambda: GPT(cfg)).to(torch.bfloat16)
+    idx = torch.zeros(ranks, SEQ, dtype=torch.long)
+    import_lazy_modules()
+    original = api.choose_pipeline_mesh
+    if not bound:
+        api.choose_pipeline_mesh = lambda *a, **k: original(*a, **k, bound_depths=False)  # type: ignore[assignment]
+    used = time.process_time()
+    if cpu_limit > 0:
+        resource.setrlimit(resource.RLIMIT_CPU, (int(used + cpu_limit) + 1, resource.RLIM_INFINITY))
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        result = autopar.plan(
+            model, "auto", (idx, idx), world_size=ranks, memory_limit=80e9,
+            planning=autopar.PlanOptions(hardware="a100-cluster"),
+            pipeline=autopar.PipelineOptions(microbatches=microbatches) if microbatches else None,
+        )  # fmt: skip
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        return out
+    out["wall_s"], out["cpu_s"] = time.perf_counter() - wall, time.process_time() - cpu
+    depth = result.pipeline_choice
+    if depth is not None:
+        best = depth.chosen
+        out.update(mesh=f"{best.pp} x {best.stage_mesh}" if best.pp > 1 else best.stage_mesh,
+                   schedule=best.schedule, step_ms=best.step_time * 1e3, table=depth.table(),
+                   depths_not_priced=sorted({c.pp for c in depth.candidates if c.error.startswith("not priced")}))  # fmt: skip
+    else:
+        assert result.mesh_choice is not None
+        chosen = result.mesh_choice.chosen
+        out.update(mesh=chosen.label, schedule="-", step_ms=chosen.rank_time * 1e3)
+    return out
 
 
 def measure(ranks: int, layers: int, hardware: str, searched: int | None) -> dict[str, Any]:
@@ -70,7 +132,9 @@ def measure(ranks: int, layers: int, hardware: str, searched: int | None) -> dic
     api.choose_mesh = timed_choice  # type: ignore[assignment]  # (as plan() calls it)
     try:
         wall, cpu = time.perf_counter(), time.process_time()
-        result = autopar.plan(model, "auto", (idx, idx), world_size=ranks, planning=autopar.PlanOptions(hardware=hardware))
+        result = autopar.plan(
+            model, "auto", (idx, idx), world_size=ranks, planning=autopar.PlanOptions(hardware=hardware)
+        )
         out["wall_s"], out["cpu_s"] = time.perf_counter() - wall, time.process_time() - cpu
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
@@ -113,9 +177,18 @@ def main() -> None:
     )
     parser.add_argument("--name", default="plan_scale", help="result file name under benchmarks/results")
     parser.add_argument("--notes", default="")
+    parser.add_argument("--model", default="llama-7b", choices=["llama-7b", *MODELS])
+    parser.add_argument("--microbatches", type=int, default=None, help="pipeline depths compete (GPT shapes)")
+    parser.add_argument(
+        "--no-bound", action="store_true", help="price every pipeline depth (no branch and bound)"
+    )
+    parser.add_argument("--cpu-limit", type=float, default=0.0, help="CPU seconds per run (0: none)")
     args = parser.parse_args()
     clock = RunClock()
     ctx = multiprocessing.get_context("spawn")
+    if args.model != "llama-7b":
+        gpt_main(args, clock, ctx)
+        return
     runs = []
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
         for layers in args.layers:
@@ -177,6 +250,44 @@ def main() -> None:
             "runs": runs,
         },
     )
+    print(f"wrote {path}")
+
+
+def gpt_main(args: argparse.Namespace, clock: RunClock, ctx: Any) -> None:
+    """`--model gpt3-175b` / `gpt-1t`: each (layers, ranks) in a fresh process, CPU-limited."""
+    runs = []
+    for layers in args.layers:
+        for ranks in args.ranks:
+            with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
+                job = pool.submit(
+                    measure_gpt,
+                    args.model,
+                    ranks,
+                    layers,
+                    args.microbatches,
+                    not args.no_bound,
+                    args.cpu_limit,
+                )
+                try:
+                    run = job.result()
+                except BrokenProcessPool as exc:  # the CPU limit kills the worker
+                    run = {"model": args.model, "ranks": ranks, "layers": layers, "microbatches": args.microbatches,
+                           "bound_depths": not args.no_bound,
+                           "error": f"not finished in {args.cpu_limit:.0f} s CPU ({type(exc).__name__})"}  # fmt: skip
+            runs.append(run)
+            done = run.get("error") or f"{run['cpu_s']:.1f} s CPU, {run['mesh']} {run['schedule']}"
+            print(f"  {args.model} ranks={ranks} layers={layers}: {done}", flush=True)
+            if "table" in run:
+                print(run["table"], flush=True)
+    rows = [
+        [r["model"], r["ranks"], r["layers"], r["microbatches"] or "-", "yes" if r["bound_depths"] else "no",
+         r.get("error", "")[:60] or f"{r['cpu_s']:.1f}", r.get("mesh", ""), r.get("schedule", ""),
+         f"{r['step_ms']:.1f}" if "step_ms" in r else "", ",".join(map(str, r.get("depths_not_priced", [])))]
+        for r in runs
+    ]  # fmt: skip
+    print(table(["model", "ranks", "layers", "M", "bound", "CPU s", "chosen", "schedule", "step ms",
+                 "depths not priced"], rows))  # fmt: skip
+    path = write_result(args.name, {"notes": args.notes, **clock.record(), "runs": runs})
     print(f"wrote {path}")
 
 

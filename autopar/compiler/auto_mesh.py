@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -41,6 +42,7 @@ def choose_mesh(
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
     keep_plan: bool = False,
+    traced: fx.GraphModule | None = None,
 ) -> MeshChoice:
     """Trace `model` once and rank every candidate mesh of `world_size` ranks on it
     (`autopar.planning.mesh_choice.rank_meshes`, with `scheduled_step_time` for the overlap step).
@@ -51,20 +53,18 @@ def choose_mesh(
     (`autopar.planning.mesh_screen`; 0: search every one). `keep_plan`: keep the chosen mesh's
     searched plan and the traced graph in `choice.chosen_plan`, for `autopar.plan` to compile
     (otherwise None: a choice broadcast under `parallelize` carries the table only).
+    `traced`: the joint graph of `model` on `example_inputs` as this function would trace it (same
+    decompose, split_fused, autocast and precision), planned instead of tracing again: the pipeline
+    choice asks one microbatch's choice for every depth, and a 96-layer trace costs seconds each.
 
     Raises `MemoryLimitError` when no candidate fits (with the leanest candidate's need) and
     `ShardingError`-like `AutoparError`s when no candidate has a plan at all.
     """
     registry = registry if registry is not None else default_registry()
-    gm = trace(
-        model,
-        tuple(example_inputs),
-        decompose=world_size > 1,
-        example_kwargs=example_kwargs,
-        split_fused=fused.wanted(split_fused, planner),
-        autocast=autocast,
-        mixed_precision=mixed_precision,
-    )
+    gm = traced if traced is not None else trace_for_choice(
+        model, world_size, example_inputs, example_kwargs=example_kwargs, planner=planner,
+        split_fused=split_fused, autocast=autocast, mixed_precision=mixed_precision,
+    )  # fmt: skip
     choice = rank_meshes(
         gm,
         world_size,
@@ -82,6 +82,30 @@ def choose_mesh(
         gm.meta.pop("autopar_search", None)  # (the last search's report: not the chosen mesh's)
         choice.chosen_plan.graph = gm
     return choice
+
+
+def trace_for_choice(
+    model: nn.Module,
+    world_size: int,
+    example_inputs: Sequence[Any],
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    planner: str = "search",
+    split_fused: bool | None = None,
+    autocast: AutocastState = (),
+    mixed_precision: MixedPrecision | None = None,
+) -> fx.GraphModule:
+    """The joint graph `choose_mesh` plans (for `choose_mesh(..., traced=)`): traced once, it can be
+    handed to every choice on the same inputs (the pipeline choice's stage sub-meshes)."""
+    return trace(
+        model,
+        tuple(example_inputs),
+        decompose=world_size > 1,
+        example_kwargs=example_kwargs,
+        split_fused=fused.wanted(split_fused, planner),
+        autocast=autocast,
+        mixed_precision=mixed_precision,
+    )
 
 
 def default_hardware(device_type: str) -> str:

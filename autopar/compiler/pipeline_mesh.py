@@ -11,6 +11,15 @@ priced in two parts that already exist:
   work divided ideally by t, then the sub-mesh's extra time per microbatch (its modeled step less
   the ideal) spread over the stages by compute (`StageCut.slowed`) and the schedule simulated again.
 
+The sub-mesh choice is the expensive part (hundreds of meshes at a thousand ranks), so it is
+skipped where it cannot matter: every depth's ideal cuts are priced first, and a depth whose fastest
+fitting ideal cut is already slower than the best candidate priced so far is listed as not priced.
+The ideal cut bounds the depth's candidates from below: the sub-mesh's plan only adds time to the
+stages (the schedule's order is fixed), adds its gradient reduction's exposed part, and splits the
+weight state at most t ways, as the ideal cut does (branch and bound: the same choice as pricing
+every depth; `bound_depths=False` prices them all). Depths are visited from the lowest bound up,
+and every depth's sub-mesh choice plans one trace of one microbatch.
+
 The product is a model of a model: the sub-mesh plan is of the whole model. Its gradient
 reduction (`step_accounting.gradient_reduction_time`: the gradient outputs' redistributions) is
 taken out of the per-microbatch time and priced once per step by the cut, each pp rank its
@@ -23,15 +32,17 @@ in flight.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autopar.compiler.auto_mesh import choose_mesh, default_hardware, job_world
+from autopar.compiler.auto_mesh import choose_mesh, default_hardware, job_world, trace_for_choice
 from autopar.compiler.driver import compile_conditions
 from autopar.compiler.pipeline import split_microbatches
 from autopar.compiler.pipeline_choice import AUTO_CANDIDATES
@@ -40,7 +51,7 @@ from autopar.core.meta import has_info, info
 from autopar.cost.hardware import load_hardware
 from autopar.passes.trace import trace
 from autopar.planning.mesh_choice import MeshChoice
-from autopar.planning.stage_cut import cut_stages, format_seconds
+from autopar.planning.stage_cut import StageCut, cut_stages, format_seconds
 from autopar.planning.step_accounting import PLAIN, WeightState, gradient_reduction_time
 from autopar.rules.base import RuleRegistry
 from autopar.runtime.agreement import decided_on_rank0
@@ -121,11 +132,16 @@ def choose_pipeline_mesh(
     example_kwargs: dict[str, Any] | None = None,
     weight_state: WeightState = PLAIN,
     recompute: bool = False,
+    bound_depths: bool = True,
 ) -> PipelineMeshChoice:
     """Rank the tensor-only mesh choice's best beside every pipeline depth of `depths` (default:
     every divisor of `world_size` above 1 that the model has modules enough for) and schedule.
+
     `weight_state` and `recompute` price the pipelines' cuts (`cut_graph`); the pipeline runtime
-    does not recompute, so `recompute=True` models a run that does (the PTD-P benchmark)."""
+    does not recompute, so `recompute=True` models a run that does (the PTD-P benchmark).
+    `bound_depths`: skip a depth's stage sub-mesh choice (its most expensive part) when its
+    fastest fitting ideal cut is already slower than the best candidate priced (module doc:
+    branch and bound, the same choice as pricing every depth); False prices every depth."""
     example = tuple(example_inputs)
     candidates: list[PipelineCandidate] = []
     tensor_only: MeshChoice | None = None
@@ -154,22 +170,39 @@ def choose_pipeline_mesh(
     wanted = depths if depths is not None else [p for p in range(2, world_size + 1) if world_size % p == 0]
     limit = math.inf if memory_limit is None else memory_limit
     hw = load_hardware(hardware)
-    for pp in wanted:
+    cut_all = functools.partial(
+        _cuts, gm, microbatches=microbatches, hardware=hardware, limit=limit, weight_state=weight_state,
+        recompute=recompute,
+    )  # fmt: skip
+    # every depth's ideal cuts first: they do not need the stage sub-mesh's plan, which only slows them
+    cuts = {pp: cut_all(pp, world_size // pp) for pp in wanted}
+    fastest = min((c.step_time for c in candidates if c.fits and not c.error), default=math.inf)
+    rows: dict[int, list[PipelineCandidate]] = {}
+    piece: list[fx.GraphModule] = []  # one microbatch's trace, shared by every depth's sub-mesh choice
+    for pp in sorted(wanted, key=lambda pp: (_bound(cuts[pp]), wanted.index(pp))):
         t = world_size // pp
+        priced = [cut for _, _, cut in cuts[pp] if not isinstance(cut, AutoparError)]
+        bound = _bound(cuts[pp])
+        if bound_depths and priced and t > 1 and bound > fastest:  # (t = 1: nothing to save)
+            why = "not priced: no cut fits"
+            if math.isfinite(bound):
+                why = f"not priced: ideal cut {format_seconds(bound)} > best {format_seconds(fastest)}"
+            rows[pp] = [PipelineCandidate(pp, f"{t} rank{'s' if t > 1 else ''}", "-", 1, error=why)]
+            continue
         factor, label = 1.0, "1 rank"
         shape: tuple[int, ...] = (1,)
         names: tuple[str, ...] = ("stage",)
-        grad: float | None = None
-        shards: float | None = None
-        if t > 1:
+        if t > 1 and priced:
             try:
+                if not piece:
+                    piece.append(trace_for_choice(model, t, piece_args, example_kwargs=piece_kwargs))
                 # the whole model on t ranks need not fit: a stage holds 1/pp of it (the cut's memory)
                 sub = choose_mesh(
                     model, t, piece_args, hardware=hardware, registry=registry, example_kwargs=piece_kwargs,
-                    memory_limit=math.inf,
+                    memory_limit=math.inf, traced=piece[0],
                 )  # fmt: skip
             except AutoparError as exc:
-                candidates.append(PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0]))
+                rows[pp] = [PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0])]
                 continue
             label, shape, names = sub.chosen.label, sub.chosen.shape, sub.chosen.names
             sub_time = sub.chosen.rank_time
@@ -178,38 +211,30 @@ def choose_pipeline_mesh(
                 grad = gradient_reduction_time(kept.graph, kept.plan, shape, hw)
                 sub_time = min(sub_time, sub.chosen.step_time - grad)
                 stored = getattr(kept.plan, "memory", None)
+                shards = None
                 if stored is not None and stored.params > 0:  # weights split as the plan splits them
                     shards = _param_bytes(gm) / stored.params
-        for name, v in AUTO_CANDIDATES:
-            try:
-                cut = cut_stages(
-                    gm, pp=pp, microbatches=microbatches, v=v, schedule=name, hardware=hardware,
-                    tensor_size=t, memory_limit=limit, weight_state=weight_state, state_shards=shards,
-                    grad_reduce=grad, recompute=recompute,
-                )  # fmt: skip
-            except AutoparError as exc:
-                candidates.append(PipelineCandidate(pp, label, name, v, error=str(exc).splitlines()[0]))
+                cuts[pp] = cut_all(pp, t, shards=shards, grad=grad)
+        elif t > 1:
+            label = f"{t} ranks"
+        rows[pp] = []
+        for name, v, cut in cuts[pp]:
+            if isinstance(cut, AutoparError):
+                rows[pp].append(PipelineCandidate(pp, label, name, v, error=str(cut).splitlines()[0]))
                 continue
             if t > 1:  # the sub-mesh's collectives and imbalance, per microbatch, added to the stages
                 ideal = cut.total_time / microbatches
                 factor = sub_time / ideal if ideal > 0 else 1.0
                 cut = cut.slowed(max(0.0, sub_time - ideal) * microbatches)
             memory = max(cut.rank_memory)
-            candidates.append(
-                PipelineCandidate(
-                    pp,
-                    label,
-                    name,
-                    v,
-                    cut.step_time,
-                    memory,
-                    memory <= limit,
-                    cut.bubble,
-                    factor,
-                    stage_shape=shape,
-                    stage_names=names,
-                )  # fmt: skip
-            )
+            row = PipelineCandidate(
+                pp, label, name, v, cut.step_time, memory, memory <= limit, cut.bubble, factor,
+                stage_shape=shape, stage_names=names,
+            )  # fmt: skip
+            rows[pp].append(row)
+            if row.fits:
+                fastest = min(fastest, row.step_time)
+    candidates.extend(row for pp in wanted for row in rows[pp])
     candidates.sort(key=lambda c: (bool(c.error), not c.fits, c.step_time))
     return PipelineMeshChoice(world_size, microbatches, hardware, candidates, tensor_only)
 
@@ -223,6 +248,47 @@ def _param_bytes(gm: Any) -> float:
             if n.op == "placeholder" and has_info(n) and info(n).role in ("param", "buffer", "constant")
         )
     )
+
+
+def _cuts(
+    gm: fx.GraphModule,
+    pp: int,
+    t: int,
+    *,
+    microbatches: int,
+    hardware: str,
+    limit: float,
+    weight_state: WeightState,
+    recompute: bool,
+    shards: float | None = None,
+    grad: float | None = None,
+) -> list[tuple[str, int, StageCut | AutoparError]]:
+    """Each schedule of `AUTO_CANDIDATES` cut at depth `pp` with work divided ideally by `t`, or
+    why it cannot be. Without the sub-mesh plan's `shards` (how many ways it splits the weight
+    state) and `grad` (its gradient reduction, priced once per step) the cut is the ideal one: state
+    split t ways, no reduction."""
+    out: list[tuple[str, int, StageCut | AutoparError]] = []
+    for name, v in AUTO_CANDIDATES:
+        try:
+            cut = cut_stages(
+                gm, pp=pp, microbatches=microbatches, v=v, schedule=name, hardware=hardware,
+                tensor_size=t, memory_limit=limit, weight_state=weight_state, state_shards=shards,
+                grad_reduce=grad, recompute=recompute,
+            )  # fmt: skip
+        except AutoparError as exc:
+            out.append((name, v, exc))
+            continue
+        out.append((name, v, cut))
+    return out
+
+
+def _bound(cuts: list[tuple[str, int, StageCut | AutoparError]]) -> float:
+    """A lower bound on every fitting candidate of one depth: the fastest fitting ideal cut's step.
+    The sub-mesh's plan only adds time to the stages (`StageCut.slowed`, never shorter: the
+    schedule's order is fixed) and a gradient reduction, and splits the weight state at most t ways
+    as the ideal cut does (so no more memory fits); inf when none fits."""
+    fitting = [cut.step_time for _, _, cut in cuts if not isinstance(cut, AutoparError) and cut.fits]
+    return min(fitting, default=math.inf)
 
 
 def auto_pipeline_mesh(
