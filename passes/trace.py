@@ -45,6 +45,7 @@ from autopar.core.meta import (
 from autopar.core.precision import AutocastState, MixedPrecision, autocast_as, autocast_off
 from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
 from autopar.passes.checkpoint_regions import CheckpointWatch, mark_checkpoint_regions
+from autopar.passes.ctc import CTCRoute
 from autopar.passes.fused import split_fused_linears
 from autopar.passes.hooks import refuse_gradient_hooks
 from autopar.passes.index_checks import find_index_checks
@@ -156,7 +157,8 @@ def _trace(
 
 def _export(model: nn.Module, fake_model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
-        with warnings.catch_warnings():  # nn.LSTM / nn.GRU re-assign their own weight list in forward
+        # CTCRoute: F.ctc_loss as autopar's fixed-shape op (torch's sizes an output by values)
+        with warnings.catch_warnings(), CTCRoute():  # nn.LSTM / nn.GRU re-assign their weight list
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
             return torch.export.export(fake_model, args, kwargs, strict=False)
     except Exception as exc:  # torch raises many types; the user needs the location and the cause
@@ -521,9 +523,10 @@ CAUSAL_MASK_HINT = (
     "mask, and torch skips the comparison"
 )
 CTC_HINT = (
-    "F.ctc_loss sizes its alignment table by the longest target, a value the plan cannot know ahead; "
-    "compute the CTC loss outside the parallel module on its output (loss = F.ctc_loss(pmodel(x), "
-    "...)), which runs on the output's values like the serial model"
+    "F.ctc_loss with targets concatenated into one 1-D tensor: which sample owns which target is read "
+    "from target_lengths' values, which the plan cannot know ahead; pad the targets to a (batch, "
+    "longest target) tensor (any filler past each length), which autopar traces and splits by batch, "
+    "or compute the loss outside the parallel module on its output (loss = F.ctc_loss(pmodel(x), ...))"
 )
 
 
