@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import autopar.passes.trace
@@ -96,3 +97,14 @@ def test_nothing_imports_a_top_level_passes_module() -> None:
                     names = [node.module or ""]
                 found += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n.split(".")[0] == "passes"]
     assert found == []
+
+
+def test_packaging_lists_every_package_and_maps_the_passes_folder() -> None:
+    """pyproject.toml lists the packages (a search of the tree would see autopar.passes only through
+    the symlink): a package left out of the list would be left out of every wheel."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"autopar.passes": "passes"}
+    on_disk = {"autopar.passes"} | {
+        ".".join(init.parent.relative_to(ROOT).parts) for init in PACKAGE.rglob("__init__.py")
+    }
+    assert sorted(setuptools["packages"]) == sorted(on_disk)
