@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
+import os
 import re
 import traceback
 import warnings
@@ -63,7 +65,21 @@ from autopar.rules.decompositions import sharding_decompositions
 
 _TORCH_FRAME = re.compile(r"/(torch|torchvision)/")
 _LIBRARY_FRAME = re.compile(r"/(site-packages|dist-packages)/")  # a library model's own code
-_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # autopar's frames are never the user's
+# autopar's frames are never the user's: the package's and the passes folder's, as imported (through
+# the source tree's symlink autopar/passes) or resolved (passes/ itself, which is inside no package
+# folder: resolving __file__ up two levels would name the repository root, examples/ and all).
+_OWN_DIRS = tuple(
+    sorted(
+        {
+            f"{folder}{os.sep}"
+            for folder in (
+                Path(inspect.getfile(TraceError)).resolve().parents[1],
+                Path(__file__).parent,
+                Path(__file__).resolve().parent,
+            )
+        }
+    )
+)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
@@ -558,7 +574,7 @@ def _trace_hint(exc: BaseException, otherwise: str) -> str:
 def _call_site(frames: Sequence[tuple[str, int, str]]) -> str:
     """`frames` outermost first -> "file:line in fn", with " (from file:line in fn)" for the user's
     code when the call site is in a library."""
-    outside = [f for f in frames if not _TORCH_FRAME.search(f[0]) and not f[0].startswith(_PACKAGE_DIR)]
+    outside = [f for f in frames if not _TORCH_FRAME.search(f[0]) and not f[0].startswith(_OWN_DIRS)]
     if not outside:
         return ""
     path, line, fn = outside[-1]
