@@ -68,6 +68,24 @@ def _rms(y: torch.Tensor) -> torch.Tensor:
     return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
+class CTC(nn.Module):
+    """Frame logits -> CTC loss over targets padded to (N, S), summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor, target_lengths: torch.Tensor) -> torch.Tensor:
+        log_probs = self.out(x).log_softmax(-1).transpose(0, 1)
+        return F.ctc_loss(log_probs, targets, lengths, target_lengths, reduction="sum")
+
+
+def _ctc() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    targets = torch.randint(1, 6, (4, 3), generator=torch.Generator().manual_seed(0))
+    return CTC(), (_x(4, 10, 8), targets, torch.tensor([10, 9, 10, 8]), torch.tensor([3, 2, 3, 1]))
+
+
 # family -> (model factory, backward ops its joint graph must contain)
 FAMILIES: dict[str, tuple[Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]], set[str]]] = {
     "gelu": (lambda: _lin(F.gelu), {"aten.gelu_backward.default", "aten.mm.default"}),
@@ -102,6 +120,7 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]
         lambda: _lin(lambda y: F.mse_loss(y, torch.zeros_like(y))),
         {"aten.sub.Tensor", "aten.mm.default"},
     ),
+    "ctc": (_ctc, {"aten._ctc_loss_backward.Tensor", "autopar.ctc_loss.default"}),
     "cumsum+where": (
         lambda: _lin(lambda y: torch.where(y > 0, y.cumsum(-1), -y)),
         {"aten.cumsum.default", "aten.where.self", "aten.neg.default"},

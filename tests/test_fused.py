@@ -1,4 +1,4 @@
-"""split_fused: a fused linear split into equal pieces becomes one linear per piece (autopar/passes/fused.py)."""
+"""split_fused: a fused linear split into equal pieces becomes one linear per piece (passes/fused.py)."""
 
 from __future__ import annotations
 

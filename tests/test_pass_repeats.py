@@ -1,4 +1,4 @@
-"""Repeated blocks traced once and copied (autopar/passes/repeats.py): the copied joint graph is the whole
+"""Repeated blocks traced once and copied (passes/repeats.py): the copied joint graph is the whole
 trace up to node names, and every model that does not check out is traced whole."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 loss (`nll_loss2d`, cross entropy over (N, C, H, W) logits, Segformer's), weight normalization
 (`_weight_norm_interface`, wav2vec2's positional convolution), and the refusals whose hints must
 name the real cause (torch's causal-mask detection in `nn.Transformer`, `F.ctc_loss`'s alignment
-table). Decompositions checked against torch's kernels; models in lockstep against serial."""
+table with concatenated targets; padded targets train). Decompositions checked against torch's kernels; models in lockstep against serial."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from torch import nn
 from autopar.compiler.driver import compile_for_rank
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
+from autopar.passes.repeats import REPEATS_KEY, RepeatedBlocks
+from autopar.passes.trace import trace
+from autopar.rules.ctc import CTC_LOSS
 from autopar.rules.decompositions import sharding_decompositions
 
 aten = torch.ops.aten
@@ -106,19 +109,88 @@ def test_transformer_causal_mask_detection_is_named_with_its_fix() -> None:
     assert "_detect_is_causal_mask" in text and "tgt_is_causal=True" in text, text
 
 
-class CTCModel(nn.Module):
-    def __init__(self) -> None:
+class Acoustic(nn.Module):
+    """A toy acoustic model trained with CTC: conv1d over frames, a linear to characters, log_softmax,
+    then F.ctc_loss over (T, N, C) log probabilities with targets padded to (N, S)."""
+
+    def __init__(self, reduction: str = "mean", zero_infinity: bool = False) -> None:
         super().__init__()
-        self.proj = nn.Linear(8, 6)
+        self.conv = nn.Conv1d(8, 16, 3, padding=1)
+        self.out = nn.Linear(16, 6)
+        self.reduction, self.zero_infinity = reduction, zero_infinity
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor, target_lengths: torch.Tensor) -> torch.Tensor:
-        log_probs = self.proj(x).log_softmax(-1).transpose(0, 1)
-        return F.ctc_loss(log_probs, targets, lengths, target_lengths)
+        h = torch.relu(self.conv(x.transpose(1, 2))).transpose(1, 2)  # (N, T, 16)
+        log_probs = self.out(h).log_softmax(-1).transpose(0, 1)  # (T, N, C)
+        return F.ctc_loss(log_probs, targets, lengths, target_lengths, reduction=self.reduction, zero_infinity=self.zero_infinity)
 
 
-def test_ctc_loss_refusal_names_its_cause_not_experts() -> None:
-    batch = (torch.randn(4, 12, 8), torch.randint(1, 6, (4, 5)), torch.full((4,), 12), torch.tensor([5, 4, 3, 5]))
+def _speech_batch() -> tuple[torch.Tensor, ...]:
+    """4 utterances of 12 frames (two shorter), targets of up to 5 characters padded with noise."""
+    torch.manual_seed(0)
+    return torch.randn(4, 12, 8), torch.randint(1, 6, (4, 5)), torch.tensor([12, 10, 12, 9]), torch.tensor([5, 4, 3, 5])
+
+
+@pytest.mark.parametrize(("shape", "reduction", "zero_infinity"), [((2, 2), "mean", False), ((2, 2, 2), "sum", True)])
+def test_ctc_acoustic_model_matches_serial(shape: tuple[int, ...], reduction: str, zero_infinity: bool) -> None:
+    torch.manual_seed(0)
+    compiled = assert_call_matches_serial(Acoustic(reduction, zero_infinity), shape, _speech_batch())
+    ctc = [n for n in next(iter(compiled.values())).graph.graph.nodes if n.target == CTC_LOSS]
+    assert len(ctc) == 1
+
+
+def test_ctc_loss_splits_the_batch_where_the_plan_splits_it() -> None:
+    """On a (2,) mesh the batch split is the plan: each rank computes CTC over its 2 utterances."""
+    compiled = compile_for_rank(Acoustic(), Mesh.from_shape((2,)), _speech_batch())
+    forward = compiled.program.forward
+    ctc = [n for n in forward.graph.nodes if n.target == CTC_LOSS]
+    assert [tuple(n.args[0].meta["val"].shape) for n in ctc] == [(12, 2, 6)]
+
+
+class ListLengths(nn.Module):
+    """nn.CTCLoss without reduction, lengths as Python lists (constants of the program)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(8, 6)
+        self.ctc = nn.CTCLoss(reduction="none")
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log_probs = self.out(x).log_softmax(-1).transpose(0, 1)
+        return self.ctc(log_probs, targets, [12, 10, 12, 9], [5, 4, 3, 5]).mean()
+
+
+def test_ctc_loss_module_with_list_lengths_matches_serial() -> None:
+    x, targets, _, _ = _speech_batch()
+    assert_call_matches_serial(ListLengths(), (2,), (x, targets))
+
+
+class DeepAcoustic(nn.Module):
+    """Eight identical blocks under a CTC loss: traced once and copied, like any repeated stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(8)])
+        self.out = nn.Linear(16, 6)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor, target_lengths: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.ctc_loss(self.out(h).log_softmax(-1).transpose(0, 1), targets, lengths, target_lengths)
+
+
+def test_repeated_blocks_under_a_ctc_loss_are_found() -> None:
+    """The recorded forward run that finds repeated blocks runs F.ctc_loss on fake tensors too."""
+    gm = trace(DeepAcoustic(), _speech_batch())
+    assert gm.meta.get(REPEATS_KEY) == (RepeatedBlocks("blocks", 8),)
+
+
+def test_ctc_loss_with_concatenated_targets_is_refused_with_padding_named() -> None:
+    x, targets, lengths, target_lengths = _speech_batch()
+    flat = torch.cat([t[:n] for t, n in zip(targets, target_lengths)])  # which sample owns which: values
     with pytest.raises(AutoparError) as caught:
-        compile_for_rank(CTCModel(), Mesh.from_shape((2,)), batch)
+        compile_for_rank(Acoustic(), Mesh.from_shape((2,)), (x, flat, lengths, target_lengths))
     text = str(caught.value)
-    assert "ctc_loss" in text and "expert" not in text, text
+    assert "ctc_loss" in text and "pad the targets" in text and "expert" not in text, text

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from autopar.rules import factory, matmul, nn, pointwise, pooling, random, reduction, views
+from autopar.rules import ctc, factory, matmul, nn, pointwise, pooling, random, reduction, views
 from autopar.rules.base import RuleRegistry
 
-FAMILIES = (matmul, pointwise, reduction, views, nn, pooling, factory, random)
+FAMILIES = (matmul, pointwise, reduction, views, nn, ctc, pooling, factory, random)
 
 
 def default_registry() -> RuleRegistry:

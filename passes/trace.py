@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
+import os
 import re
 import traceback
 import warnings
@@ -45,6 +47,7 @@ from autopar.core.meta import (
 from autopar.core.precision import AutocastState, MixedPrecision, autocast_as, autocast_off
 from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
 from autopar.passes.checkpoint_regions import CheckpointWatch, mark_checkpoint_regions
+from autopar.passes.ctc import CTCRoute
 from autopar.passes.fused import split_fused_linears
 from autopar.passes.hooks import refuse_gradient_hooks
 from autopar.passes.index_checks import find_index_checks
@@ -62,7 +65,21 @@ from autopar.rules.decompositions import refuse_target_dtypes, sharding_decompos
 
 _TORCH_FRAME = re.compile(r"/(torch|torchvision)/")
 _LIBRARY_FRAME = re.compile(r"/(site-packages|dist-packages)/")  # a library model's own code
-_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # autopar's frames are never the user's
+# autopar's frames are never the user's: the package's and the passes folder's, as imported (through
+# the source tree's symlink autopar/passes) or resolved (passes/ itself, which is inside no package
+# folder: resolving __file__ up two levels would name the repository root, examples/ and all).
+_OWN_DIRS = tuple(
+    sorted(
+        {
+            f"{folder}{os.sep}"
+            for folder in (
+                Path(inspect.getfile(TraceError)).resolve().parents[1],
+                Path(__file__).parent,
+                Path(__file__).resolve().parent,
+            )
+        }
+    )
+)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
@@ -158,7 +175,8 @@ def _trace(
 
 def _export(model: nn.Module, fake_model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
-        with warnings.catch_warnings():  # nn.LSTM / nn.GRU re-assign their own weight list in forward
+        # CTCRoute: F.ctc_loss as autopar's fixed-shape op (torch's sizes an output by values)
+        with warnings.catch_warnings(), CTCRoute():  # nn.LSTM / nn.GRU re-assign their weight list
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
             return torch.export.export(fake_model, args, kwargs, strict=False)
     except Exception as exc:  # torch raises many types; the user needs the location and the cause
@@ -523,9 +541,10 @@ CAUSAL_MASK_HINT = (
     "mask, and torch skips the comparison"
 )
 CTC_HINT = (
-    "F.ctc_loss sizes its alignment table by the longest target, a value the plan cannot know ahead; "
-    "compute the CTC loss outside the parallel module on its output (loss = F.ctc_loss(pmodel(x), "
-    "...)), which runs on the output's values like the serial model"
+    "F.ctc_loss with targets concatenated into one 1-D tensor: which sample owns which target is read "
+    "from target_lengths' values, which the plan cannot know ahead; pad the targets to a (batch, "
+    "longest target) tensor (any filler past each length), which autopar traces and splits by batch, "
+    "or compute the loss outside the parallel module on its output (loss = F.ctc_loss(pmodel(x), ...))"
 )
 
 
@@ -557,7 +576,7 @@ def _trace_hint(exc: BaseException, otherwise: str) -> str:
 def _call_site(frames: Sequence[tuple[str, int, str]]) -> str:
     """`frames` outermost first -> "file:line in fn", with " (from file:line in fn)" for the user's
     code when the call site is in a library."""
-    outside = [f for f in frames if not _TORCH_FRAME.search(f[0]) and not f[0].startswith(_PACKAGE_DIR)]
+    outside = [f for f in frames if not _TORCH_FRAME.search(f[0]) and not f[0].startswith(_OWN_DIRS)]
     if not outside:
         return ""
     path, line, fn = outside[-1]

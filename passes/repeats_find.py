@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from autopar.passes.ctc import CTCRoute
 from autopar.passes.repeats import MIN_BLOCKS, RepeatedBlocks
 
 Key = tuple[
@@ -193,7 +194,7 @@ def _record(
             handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(block.register_forward_hook(post, with_kwargs=True))
     try:
-        with fake_mode, recorder:
+        with fake_mode, CTCRoute(), recorder:  # F.ctc_loss runs on fake tensors as it is exported
             out = model(*args, **kwargs)
         recorder.run.result = recorder.key(out)
     except Exception:  # the cut model may not run (a loop over range(n_layer)): no copying
