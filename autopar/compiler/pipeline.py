@@ -52,6 +52,7 @@ from autopar.reporting.pipeline_views import (
     write_pipeline_chrome_trace,
     write_pipeline_png,
 )
+from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.module_state import NotCopyable
 from autopar.runtime.pipeline_runtime import (
@@ -423,6 +424,7 @@ class PipelinedModule(NotCopyable, nn.Module):
         params = tuple(self._stage_params(programs[0], stage))
         parallel = self.__dict__["stage_parallel"].get(stage)
         backward_weight = None
+        accumulation: GradAccumulation | None = None
         if parallel is None:
             forward = self._stage_forward(stage, programs, flats)
         else:
@@ -435,7 +437,14 @@ class PipelinedModule(NotCopyable, nn.Module):
                     assert deferrals is not None
                     return parallel.weight_gradients(deferrals.pop(m), params)
 
-            forward = self._parallel_stage_forward(stage, parallel, programs, flats, deferrals)
+            if not self.schedule.split_backward and not forward_only and parallel.can_accumulate_gradients:
+                accumulation = GradAccumulation()  # reduced once per step, after the last backward
+
+                def reduce_grads() -> list[torch.Tensor | None]:
+                    assert accumulation is not None
+                    return accumulation.reduce(params)
+
+            forward = self._parallel_stage_forward(stage, parallel, programs, flats, deferrals, accumulation)
         return StageRunner(
             index=stage,
             forward=forward,
@@ -443,6 +452,7 @@ class PipelinedModule(NotCopyable, nn.Module):
             input_specs=self._specs(programs, stage, "in"),
             output_specs=self._specs(programs, stage, "out"),
             backward_weight=backward_weight,
+            reduce_grads=reduce_grads if accumulation is not None else None,
         )
 
     def _stage_forward(self, stage: int, programs: list[StageProgram], flats: list[list[Any]]) -> Any:
@@ -473,18 +483,23 @@ class PipelinedModule(NotCopyable, nn.Module):
         programs: list[StageProgram],
         flats: list[list[Any]],
         deferrals: dict[int, WeightDeferral] | None,
+        accumulation: GradAccumulation | None = None,
     ) -> Any:
         """Stage `stage` run by its parallel module: its outputs come back as DTensors, made whole
         here (free for a replicated one; a split one is gathered inside the stage's slice, whose
         links are the fast ones) so that each rank sends its 1/t of them (`BoundaryScatter`).
         With `deferrals`, microbatch m's backward runs its input part only and leaves the weight
-        part in `deferrals[m]`."""
+        part in `deferrals[m]`; with `accumulation`, every microbatch's backward leaves its
+        unreduced gradients there (reduced once per step)."""
 
         def run(m: int, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             graph = programs[m].stages[stage]
             if deferrals is not None:
                 deferrals[m] = WeightDeferral()
                 with parallel.deferring_weights(deferrals[m]):
+                    outs = parallel(*stage_arguments(graph, flats[m], received))
+            elif accumulation is not None:
+                with parallel.accumulating_gradients(accumulation):
                     outs = parallel(*stage_arguments(graph, flats[m], received))
             else:
                 outs = parallel(*stage_arguments(graph, flats[m], received))

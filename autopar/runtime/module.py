@@ -40,6 +40,7 @@ from autopar.runtime.call_checks import (
     structure_digest,
 )
 from autopar.runtime.checkpoint_prefix import model_prefixes
+from autopar.runtime.defer_reduction import GradAccumulation, ReductionSplit
 from autopar.runtime.groups import Groups, failures_named
 from autopar.runtime.local_batch import batch_tensor, global_stand_ins, shard_rows
 from autopar.runtime.module_state import FullState, load_serial_state
@@ -138,6 +139,8 @@ class ParallelModule(FullState, nn.Module):
         self._groups = groups
         self._deferral: WeightDeferral | None = None  # set around a zero-bubble call (deferring_weights)
         self._splits: dict[int, SplitBackward] = {}  # each program's backward cut in two, once
+        self._accumulation: GradAccumulation | None = None  # set around a pipeline's calls
+        self._reduction_splits: dict[int, ReductionSplit] = {}  # each backward cut at its reductions
         self._positional_names = positional_names(source)  # to name inputs in errors
         self._history = CallHistory()  # ranks a call apart are named as such (call_checks)
         self.report = report
@@ -208,6 +211,25 @@ class ParallelModule(FullState, nn.Module):
         finally:
             self._deferral = None
 
+    @property
+    def can_accumulate_gradients(self) -> bool:
+        """Whether `accumulating_gradients` works: the programs' backwards are fx graphs, not
+        compiled by Inductor (which would need the cut made before compiling)."""
+        return not self._inductor
+
+    @contextlib.contextmanager
+    def accumulating_gradients(self, accumulation: GradAccumulation) -> Iterator[None]:
+        """Calls inside run their backward without the parameter gradients' reductions, adding the
+        unreduced gradients to `accumulation` (and returning none); `accumulation.reduce(params)`
+        reduces the sums once (a pipeline step's microbatches, docs/pipeline.md)."""
+        assert self.can_accumulate_gradients
+        accumulation.splits = self._reduction_splits
+        self._accumulation = accumulation
+        try:
+            yield
+        finally:
+            self._accumulation = None
+
     def weight_gradients(
         self, deferral: WeightDeferral, params: Sequence[torch.Tensor]
     ) -> list[torch.Tensor | None]:
@@ -235,7 +257,9 @@ class ParallelModule(FullState, nn.Module):
         deferral.pending.clear()
         return totals
 
-    def check_stored_agree(self, after: str, whole: Sequence[tuple[str, torch.Tensor | Fingerprint]] = ()) -> None:
+    def check_stored_agree(
+        self, after: str, whole: Sequence[tuple[str, torch.Tensor | Fingerprint]] = ()
+    ) -> None:
         """Refuse, on every rank alike, stored blocks whose copies differ between the ranks that
         hold the same block, and `whole` tensors (what the load read: every rank the same whole
         value) that differ between any ranks: one all-reduce of fingerprints. `after` names the
@@ -308,8 +332,10 @@ class ParallelModule(FullState, nn.Module):
         if self._local_inputs:
             assert self._mesh.device_mesh is not None
             wanting = [batch_tensor(x, self._mesh.device_mesh).full_tensor() for x in wanting]
-        deferral = self._deferral
-        if deferral is not None and self._inductor:
+        deferral: WeightDeferral | GradAccumulation | None = (
+            self._deferral if self._deferral is not None else self._accumulation
+        )
+        if self._deferral is not None and self._inductor:
             raise UsageError(
                 "a zero-bubble pipeline splits each stage's backward program in two, which compile=True "
                 "(Inductor) does not do yet",
@@ -486,7 +512,9 @@ class ParallelModule(FullState, nn.Module):
                     "or call autopar.parallelize again with the new shapes",
                 )
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
         """Takes this module's state dict or the serial model's (plain whole tensors: each rank
         copies in its block of each). Every rank must pass the same whole tensors, and ranks that
         hold the same block must agree after (checked when loaded, `check_stored_agree`)."""

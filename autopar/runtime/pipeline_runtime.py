@@ -53,7 +53,10 @@ class StageRunner:
     `input_specs(m)` / `output_specs(m)` the boundary tensors of microbatch m (they differ when the
     microbatches do). `backward_weight(m)`, for zero-bubble schedules: the gradients of `params`
     from microbatch m's weight-gradient part, whose input-gradient part autograd ran earlier (a
-    stage whose forward defers that part; None: the stage cannot split its backward)."""
+    stage whose forward defers that part; None: the stage cannot split its backward).
+    `reduce_grads()`, for stages whose backward accumulates its gradients unreduced over the step
+    (`ParallelModule.accumulating_gradients`): its backwards return no parameter gradients, and
+    the runtime calls it once, after the stage's last backward, for the step's reduced gradients."""
 
     index: int
     forward: Callable[[int, Sequence[torch.Tensor]], Sequence[torch.Tensor]]
@@ -61,6 +64,7 @@ class StageRunner:
     input_specs: Callable[[int], tuple[TensorSpec, ...]]
     output_specs: Callable[[int], tuple[TensorSpec, ...]]
     backward_weight: Callable[[int], Sequence[torch.Tensor | None]] | None = None
+    reduce_grads: Callable[[], Sequence[torch.Tensor | None]] | None = None
 
 
 @dataclass
@@ -170,6 +174,8 @@ class _Step:
         self.grads: dict[int, list[torch.Tensor | None]] = {
             s: [None] * len(st.params) for s, st in stages.items()
         }
+        # stages whose gradients are reduced once, after their last backward: backwards left to run
+        self.to_reduce = {s: schedule.microbatches for s, st in stages.items() if st.reduce_grads is not None}
         # A global rank per pp rank: isend / irecv name global ranks.
         self.global_rank = [
             dist.get_global_rank(group, r) if group is not None else r for r in range(schedule.pp)
@@ -179,6 +185,10 @@ class _Step:
         try:
             for action in actions:
                 self.do(action)
+                if not self.forward_only:
+                    self.reduce_ready()
+            if not self.forward_only:
+                self.reduce_ready(final=True)
         finally:
             for work, _ in self.sends:
                 work.wait()
@@ -206,6 +216,30 @@ class _Step:
             self.out_grads[(a.stage, a.microbatch)] = self.recv(a, specs)
         else:
             raise UnsupportedScheduleError(f"the pipeline runtime does not run {kind.name} actions ({a})")
+
+    def reduce_ready(self, final: bool = False) -> None:
+        """Reduce the gradients of each stage whose last backward has run, once the input gradient
+        that backward made is on its way (sent, or handed to this rank's previous stage), so that
+        the previous stage never waits for the reduction: it overlaps the rank's remaining work."""
+        for stage, left in list(self.to_reduce.items()):
+            waiting = any(s == stage for s, _ in self.in_grads) and self._sent_remotely(stage)
+            if left or (waiting and not final):
+                continue
+            del self.to_reduce[stage]
+            reduce_grads = self.stages[stage].reduce_grads
+            assert reduce_grads is not None
+            self._add_grads(stage, reduce_grads())
+
+    def _sent_remotely(self, stage: int) -> bool:
+        """Whether stage's input gradients go to another rank (a SEND_B): the reduction waits for it."""
+        return stage > 0 and self.schedule.placement.rank_of(stage - 1) != self.rank
+
+    def _add_grads(self, stage: int, found: Sequence[torch.Tensor | None]) -> None:
+        acc = self.grads[stage]
+        for i, g in enumerate(found):
+            if g is not None:
+                before = acc[i]
+                acc[i] = g if before is None else before + g
 
     def send(self, a: Action, tensors: Sequence[torch.Tensor]) -> None:
         assert a.peer is not None
@@ -264,22 +298,21 @@ class _Step:
             grads_out = self.in_grads.pop((stage + 1, m))
         diff_outputs = [t for t in outputs if _differentiable(t)] if stage != self.last else outputs
         pairs = [(o, g) for o, g in zip(diff_outputs, grads_out, strict=True) if o.requires_grad]
-        params = list(runner.params) if weights else []
+        params = list(runner.params) if weights and runner.reduce_grads is None else []
+        if stage in self.to_reduce:
+            self.to_reduce[stage] -= 1
         wrt = params + [t for t in received if _differentiable(t)]
         found: tuple[torch.Tensor | None, ...]
         if pairs and wrt:
             found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-        elif pairs and not weights:  # nothing to return, but the input part must run (it keeps W's inputs)
+        elif pairs and (not weights or runner.reduce_grads is not None):
+            # nothing to return, but the backward must run (it keeps W's inputs / adds its gradients)
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             found = ()
         else:
             found = tuple(None for _ in wrt)
         n = len(params)
-        acc = self.grads[stage]
-        for i, g in enumerate(found[:n]):
-            if g is not None:
-                before = acc[i]
-                acc[i] = g if before is None else before + g
+        self._add_grads(stage, found[:n])
         if stage > 0:
             inputs = [t for t in received if _differentiable(t)]
             found = found if found else tuple(None for _ in inputs)
@@ -291,11 +324,7 @@ class _Step:
         """Microbatch m's weight-gradient part of stage `stage` (after its input part)."""
         runner = self.stages[stage]
         assert runner.backward_weight is not None
-        acc = self.grads[stage]
-        for i, g in enumerate(runner.backward_weight(m)):
-            if g is not None:
-                before = acc[i]
-                acc[i] = g if before is None else before + g
+        self._add_grads(stage, runner.backward_weight(m))
 
 
 def _differentiable(t: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ import torch
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from autopar.core.precision import autocast_off
+from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.groups import failures_named
 from autopar.runtime.program import EmittedProgram
 from autopar.runtime.split_backward import SplitBackward, split_backward
@@ -48,7 +49,9 @@ class WeightDeferral:
 
 class RunProgram(torch.autograd.Function):
     """One call of an emitted program: forward(program, num_outputs, timeout, deferral, *params, *local
-    inputs, *whole inputs wanting gradients); its backward runs the emitted backward."""
+    inputs, *whole inputs wanting gradients); its backward runs the emitted backward (with a
+    `WeightDeferral`: its input part only; with a `GradAccumulation`: all but the gradient
+    reductions, whose inputs it accumulates)."""
 
     @staticmethod
     def forward(
@@ -56,7 +59,7 @@ class RunProgram(torch.autograd.Function):
         program: EmittedProgram,
         num_outputs: int,
         timeout: timedelta | None,
-        deferral: WeightDeferral | None,
+        deferral: WeightDeferral | GradAccumulation | None,
         *flat: torch.Tensor,
     ) -> Any:
         program_inputs = flat[: len(flat) - len(program.input_grads)]  # then the whole inputs wanting grads
@@ -64,7 +67,8 @@ class RunProgram(torch.autograd.Function):
             results = program.forward(*program_inputs)
         ctx.timeout = timeout
         ctx.deferral = deferral
-        if deferral is not None:
+        ctx.local_params = flat[: len(program.param_names)] if isinstance(deferral, GradAccumulation) else ()
+        if isinstance(deferral, WeightDeferral):
             deferral.local_params = flat[: len(program.param_names)]
         outputs, saved = results[:num_outputs], results[num_outputs:]
         ctx.program = program
@@ -91,7 +95,13 @@ class RunProgram(torch.autograd.Function):
                     device=program.device_type,
                 )
             tangents.append(grad.contiguous())
-        deferral: WeightDeferral | None = ctx.deferral
+        deferral: WeightDeferral | GradAccumulation | None = ctx.deferral
+        if isinstance(deferral, GradAccumulation):  # pipelines: reduce the gradients once per step
+            split_r = deferral.split(program)
+            with failures_named(ctx.timeout), autocast_off():
+                input_grads, frontier = split_r.run_local(tuple(ctx.saved_tensors), tangents)
+            deferral.add(program, frontier, ctx.local_params, ctx.timeout)
+            return (None, None, None, None, *[None] * (ctx.num_params + ctx.num_inputs), *input_grads)
         if deferral is not None:  # zero-bubble: the input gradients now, the weights' later
             split = deferral.split(program)
             saved = tuple(ctx.saved_tensors)

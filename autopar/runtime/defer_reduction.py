@@ -1,0 +1,311 @@
+"""Split a rank's emitted backward into a per-microbatch part that leaves the parameter gradients
+unreduced and a reduction part run once per step (docs/pipeline.md#gradient-reduction-once-per-step).
+
+A pipelined stage runs its backward once per microbatch. The emitted backward ends with the
+collectives that take each parameter gradient to its storage layout (the reduce-scatters and
+all-reduces over data axes, bucketed by the schedule pass); run per microbatch, a step reduces its
+gradients M times. Those collectives are linear, so summing the unreduced values over the
+microbatches and reducing the sum once gives the same gradients (up to float summation order), as
+Megatron's and torchtitan's gradient accumulation do. This pass cuts the backward in two:
+
+- **R (reduce)**: the gradient-only collectives (those whose results reach parameter gradients and
+  no input gradient) and everything after them, provided each of those nodes is a linear op of the
+  accumulated values (`_LINEAR`) and reads no value that is not a gradient (a saved activation
+  times a reduced value is not linear in the microbatch sum). A node that breaks this goes back to
+  the local part with its ancestors in R (that gradient is then reduced per microbatch, as before).
+- **L (local)**: every other node, in the original order. It returns the input gradients, then the
+  *frontier*: the values R reads and the parameter gradients L itself makes (those need no
+  reduction and just accumulate).
+
+L runs per microbatch; the runtime sums its frontier over microbatches (a sum of Partials is a
+Partial) and runs R once on the sums, after the stage's last backward. As with `split_backward`,
+the cut depends only on the graph's edges, equal on every rank of one program, so every rank of the
+stage runs the same collectives in each part, in the same order. The memory cost: the accumulated
+frontier is the unreduced gradient (a full weight where the stored one is 1/d of it, like
+Megatron's full-size gradient buffers), held for the whole step.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.fx as fx
+from torch.fx.node import Argument
+
+from autopar.core.precision import autocast_off
+from autopar.runtime.groups import failures_named
+from autopar.runtime.program import EmittedProgram
+from autopar.runtime.split_backward import is_collective, is_wait
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+# Ops that are linear in their gradient-valued arguments, with the others constants (shapes, dims):
+# R(sum of x_m) = sum of R(x_m) holds node by node.
+_LINEAR = {
+    operator.getitem,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.select.int,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.unsqueeze.default,
+    aten.expand.default,
+    aten.cat.default,
+    aten.stack.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.neg.default,
+    aten.sum.dim_IntList,
+    aten.constant_pad_nd.default,
+    aten.alias.default,
+    aten._to_copy.default,
+}
+_SCALED = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}  # by a number only
+
+
+@dataclass(frozen=True)
+class ReductionSplit:
+    """The two parts of a rank's backward for gradient accumulation.
+
+    `local_part(*saved, *tangents) -> (*input_grads, *frontier)`;
+    `reduce_part(*frontier) -> param_grads` (a tuple, `None` where the backward returned `None`).
+    `num_reductions` counts the collectives moved to R (0: nothing to defer)."""
+
+    local_part: fx.GraphModule
+    reduce_part: fx.GraphModule
+    num_param_grads: int
+    num_input_grads: int
+    num_frontier: int
+    num_reductions: int
+
+    def run_local(
+        self, saved: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        """Run L: (input gradients, this microbatch's frontier values to accumulate)."""
+        out = list(self.local_part(*saved, *tangents))
+        return out[: self.num_input_grads], out[self.num_input_grads :]
+
+    def run_reduce(self, frontier: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Run R on the accumulated frontier: the parameter gradients in storage layout."""
+        return list(self.reduce_part(*frontier))
+
+
+def split_reductions(program: EmittedProgram) -> ReductionSplit:
+    """Cut `program.backward` into its per-microbatch local part and its once-per-step reduction."""
+    gm = program.backward
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError(
+            f"split_reductions needs the emitted fx backward, got {type(gm).__name__}: split before compiling"
+        )
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output = next(n for n in reversed(nodes) if n.op == "output")
+    values: list[Argument] = list(output.args[0])  # type: ignore[arg-type]
+    num_params = len(program.param_names)
+    param_values, input_values = values[:num_params], values[num_params:]
+
+    tangent_side = _from_tangents(nodes, placeholders[program.num_saved :])
+    feeds_inputs = _ancestors([v for v in input_values if isinstance(v, fx.Node)])
+    reduce_side: set[fx.Node] = set()
+    for n in nodes:  # graph order: a node's inputs are decided first
+        if n in feeds_inputs or n.op in ("placeholder", "output"):
+            continue
+        if is_collective(n) or any(i in reduce_side for i in n.all_input_nodes):
+            reduce_side.add(n)
+    # keep in R only what is linear in gradient values; the rest (and its ancestors in R) goes back
+    changed = True
+    while changed:
+        changed = False
+        for n in nodes:
+            if n in reduce_side and not _movable(n, reduce_side, tangent_side):
+                for a in _ancestors([n]) | _waits_of(n):
+                    if a in reduce_side:
+                        reduce_side.discard(a)
+                        changed = True
+    # a wait or getitem whose producer stays local stays local (only plain tensors cross)
+    for n in nodes:
+        follows = is_wait(n) or n.target is operator.getitem
+        if n in reduce_side and follows and any(i not in reduce_side for i in n.all_input_nodes):
+            reduce_side.discard(n)
+
+    frontier: list[fx.Node] = []
+    for n in nodes:
+        if n in reduce_side or n.op == "output":
+            continue
+        if any(u in reduce_side for u in n.users) or n in param_values:
+            frontier.append(n)
+
+    local_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {p: local_graph.node_copy(p) for p in placeholders}
+    for n in nodes:
+        if n.op not in ("placeholder", "output") and n not in reduce_side:
+            env[n] = local_graph.node_copy(n, env.__getitem__)
+    local_graph.output(tuple([*(_mapped(v, env) for v in input_values), *(env[f] for f in frontier)]))
+
+    reduce_graph = fx.Graph()
+    renv: dict[fx.Node, fx.Node] = {}
+    for f in frontier:
+        renv[f] = reduce_graph.placeholder(f"accumulated_{f.name}")
+        renv[f].meta.update(f.meta)
+    for n in nodes:
+        if n in reduce_side:
+            renv[n] = reduce_graph.node_copy(n, renv.__getitem__)
+    reduce_graph.output(tuple(_mapped(v, renv) for v in param_values))
+
+    parts = []
+    for graph in (local_graph, reduce_graph):
+        graph.lint()
+        part = fx.GraphModule(gm, graph)
+        part.meta.update(gm.meta)
+        parts.append(part)
+    return ReductionSplit(
+        local_part=parts[0],
+        reduce_part=parts[1],
+        num_param_grads=num_params,
+        num_input_grads=len(input_values),
+        num_frontier=len(frontier),
+        num_reductions=sum(1 for n in reduce_side if is_collective(n)),
+    )
+
+
+def _movable(n: fx.Node, reduce_side: set[fx.Node], tangent_side: set[fx.Node]) -> bool:
+    """Whether R may hold `n`: a collective or wait (linear: sums, gathers, scatters), or a linear
+    op whose tensor inputs all carry gradient values (from R or from the tangents)."""
+    if is_collective(n) or is_wait(n):
+        return all(i in reduce_side or i in tangent_side for i in n.all_input_nodes)
+    if n.op != "call_function":
+        return False
+    tensor_inputs = n.all_input_nodes
+    if not all(i in reduce_side or i in tangent_side for i in tensor_inputs):
+        return False
+    if n.target in _LINEAR:
+        if n.target is aten._to_copy.default:  # a cast or a move: the dtype stays floating
+            dtype = n.kwargs.get("dtype")
+            return dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)
+        return True
+    if n.target in _SCALED:  # x * c or x / c with a number c (a tensor factor would be nonlinear)
+        return len(tensor_inputs) == 1 and isinstance(n.args[0], fx.Node)
+    return False
+
+
+def _from_tangents(nodes: Sequence[fx.Node], tangents: Sequence[fx.Node]) -> set[fx.Node]:
+    """The nodes whose value depends on a tangent: gradient values (linear in the tangents)."""
+    found = set(tangents)
+    for n in nodes:
+        if any(i in found for i in n.all_input_nodes):
+            found.add(n)
+    return found
+
+
+def _ancestors(start: Sequence[fx.Node]) -> set[fx.Node]:
+    found: set[fx.Node] = set()
+    stack = list(start)
+    while stack:
+        n = stack.pop()
+        if n in found:
+            continue
+        found.add(n)
+        stack.extend(n.all_input_nodes)
+    return found
+
+
+def _waits_of(n: fx.Node) -> set[fx.Node]:
+    """A collective's waits (through a coalesced collective's getitems): they go where it goes."""
+    out: set[fx.Node] = set()
+    for u in n.users:
+        if is_wait(u):
+            out.add(u)
+        elif u.target is operator.getitem:
+            out |= {w for w in u.users if is_wait(w)} | {u}
+    return out if is_collective(n) else set()
+
+
+def _mapped(value: Argument, env: dict[fx.Node, fx.Node]) -> Argument:
+    return env[value] if isinstance(value, fx.Node) else value
+
+
+@dataclass
+class _Accumulated:
+    """One program's frontier summed over the step's microbatches, and what mapping R's local
+    gradients back to the module's parameters needs (the last call's parameter views)."""
+
+    split: ReductionSplit
+    sums: list[torch.Tensor]
+    local_params: tuple[torch.Tensor, ...]
+    timeout: timedelta | None
+
+
+@dataclass
+class GradAccumulation:
+    """Given to a `ParallelModule`'s calls for one step (`accumulating_gradients`): their backwards
+    run the local part only, returning no parameter gradients and adding the unreduced ones here;
+    `ParallelModule.reduced_gradients` runs the reductions once on the sums."""
+
+    splits: dict[int, ReductionSplit] = field(default_factory=dict)  # the module's, by program backward
+    by_program: dict[int, _Accumulated] = field(default_factory=dict)
+    local_params: tuple[torch.Tensor, ...] = ()  # the current call's (set by its forward)
+
+    def split(self, program: EmittedProgram) -> ReductionSplit:
+        found = self.splits.get(id(program.backward))
+        if found is None:
+            found = self.splits[id(program.backward)] = split_reductions(program)
+        return found
+
+    def add(
+        self,
+        program: EmittedProgram,
+        frontier: Sequence[torch.Tensor],
+        local_params: tuple[torch.Tensor, ...],
+        timeout: timedelta | None,
+    ) -> None:
+        """Add one microbatch's frontier (each value a gradient term: a sum of them is exact)."""
+        key = id(program.backward)
+        found = self.by_program.get(key)
+        if found is None:
+            self.by_program[key] = _Accumulated(self.split(program), list(frontier), local_params, timeout)
+            return
+        found.sums = [a + b for a, b in zip(found.sums, frontier, strict=True)]
+        found.local_params = local_params
+
+    def reduce(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Run every program's reduction once on its sums and return the gradients of `params`
+        (the module's parameters: DTensors), summed over programs; empties the accumulation."""
+        totals: list[torch.Tensor | None] = [None] * len(params)
+        for acc in self.by_program.values():
+            with failures_named(acc.timeout), autocast_off():
+                local_grads = acc.split.run_reduce(acc.sums)
+            found = params_grads(acc.local_params, local_grads, params)
+            for i, g in enumerate(found):
+                if g is not None:
+                    before = totals[i]
+                    totals[i] = g if before is None else before + g
+        self.by_program.clear()
+        return totals
+
+
+def params_grads(
+    views: Sequence[torch.Tensor], local_grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of `params` given those of the views a program read of them (to_local, a
+    fused part, a cast): autograd through the views, whose graph the pipeline's backward left
+    untouched (it asked for input gradients only)."""
+    pairs = [(v, g) for v, g in zip(views, local_grads, strict=True) if g is not None and v.requires_grad]
+    if not pairs:
+        return tuple(None for _ in params)
+    return torch.autograd.grad([v for v, _ in pairs], list(params), [g for _, g in pairs], allow_unused=True)
