@@ -5,20 +5,21 @@ end with numbers checked by hand."""
 from __future__ import annotations
 
 import json
-import math
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from autopar.cost.formulas import collective_time
 from autopar.cost.hardware import TABLES_DIR, load_hardware, span_link
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from published import UNFITTED, Constants, components, price, tp_layer_time  # noqa: E402
+from published import config  # noqa: E402
 from published_rows import PTDP, ROWS, published_step  # noqa: E402
+from test_step_accounting import STAGE0, STAGE1, gpt_bf16  # noqa: E402
+
+from autopar.planning.stage_units import stage_graph  # noqa: E402
+from autopar.planning.step_model import StepConfig, price_step, stage_parts, unscaled  # noqa: E402
 
 
 def test_rows_are_well_formed_and_sourced() -> None:
@@ -64,34 +65,48 @@ def test_calibrated_tables_say_where_each_number_comes_from(name: str) -> None:
     assert hw.kernels is not None and hw.intra_node.bandwidth < 450e9  # bus bandwidth, not line rate
 
 
+def test_the_constants_are_in_the_tables_and_the_planner_sees_eta() -> None:
+    a100 = load_hardware("a100-calibrated")
+    assert a100.kernels is not None and 0.5 < a100.kernels.sustained_matmul <= 1.0
+    assert a100.kernels.elementwise("autopar") == 1.0  # autopar's unfused runtime pays it all
+    assert "fitted on published rows" in a100.source["kernels.sustained_matmul"]
+    # a matmul on the table runs at the measured curve times eta: what stage_graph prices with
+    flops = 1e12
+    base = unscaled(a100).kernels
+    assert base is not None and base.sustained_matmul == 1.0
+    assert a100.kernels.matmul_fraction("bfloat16", flops) == pytest.approx(
+        base.matmul_fraction("bfloat16", flops) * a100.kernels.sustained_matmul
+    )
+
+
+def test_a_row_maps_onto_the_library_step_model() -> None:
+    one_t = next(r for r in PTDP if r.key == "PTD-P 1T")
+    cfg = config(one_t)
+    assert (cfg.tensor, cfg.pipeline, cfg.data, cfg.microbatches) == (8, 64, 6, 512)
+    assert cfg.tp_elements == 2048 * 25600 and cfg.recompute == "full" and cfg.reduction == "allreduce"
+    assert cfg.framework == "megatron-2021"
+
+
 def test_a_small_row_priced_end_to_end_by_hand() -> None:
-    # a 2-layer GPT on 4 A100s: t=2, p=1, d=2, two microbatches of one sequence, gradients
-    # all-reduced after the flush, no recomputation
-    row = replace(
-        PTDP[0], key="tiny", layers=2, hidden=64, heads=4, vocab=128, seq=16, gpus=4, batch=4, microbatch=1,
-        t=2, p=1, recompute="none", dp="allreduce", overlap_dp=False, overlap_tp=False,
-    )  # fmt: skip
+    # the 2-layer GPT of test_step_accounting (traced once, shared) as one replica's microbatch of
+    # 8 sequences of 16 on 4 A100s: t=2, p=1, d=2, two microbatches, all-reduce after the flush
+    gm = gpt_bf16()
     hw = load_hardware("a100-calibrated")
-    # one all-reduce of b s h = 1024 bf16 elements over 2 NVLink ranks: 2(g-1)/g N b / bw + 2(g-1) alpha
-    tp = 2 * 0.5 * 1024 * 2 / 235e9 + 2 * 1.5e-6
-    assert tp_layer_time(row, hw) == pytest.approx(tp)
-    comp = components(row)
-    (stage,) = comp.stages
-    assert stage.layers == 2 and stage.mm_f > 0 and stage.el_f > 0
-    priced = price(comp)
-    # p = 1: the step runs m = 2 microbatches back to back, each with 4 all-reduces per layer
-    per_mb = stage.mm_f + stage.el_f + stage.mm_b + stage.el_b + 2 * 4 * tp
-    assert priced.pipeline == pytest.approx(2 * per_mb)
-    params = stage.params  # elements per tensor rank
-    dp = collective_time("all_reduce", params, 2, 2, hw.intra_node)  # d=2, ranks 2 apart: in a node
-    assert dp == pytest.approx(2 * 0.5 * params * 2 / 235e9 + 2 * 1.5e-6)
-    assert priced.dp_exposed == pytest.approx(dp)
-    moved = 30 * params
+    cfg = StepConfig(tensor=2, pipeline=1, data=2, microbatches=2, tp_elements=8 * 16 * 32, framework="megatron-2021")
+    (stage,) = stage_parts(gm, hw, cfg)
+    # the split adds up to the stage graph at the measured rates; every parameter is on the stage
+    whole = stage_graph(gm, unscaled(hw), 2)
+    assert stage.mm_f + stage.el_f == pytest.approx(sum(u.forward for u in whole.units))
+    assert stage.mm_b + stage.el_b == pytest.approx(sum(u.backward for u in whole.units))
+    assert stage.mm_f > 0 and stage.el_f > 0 and stage.layers == 2
+    assert stage.params == (STAGE0 + STAGE1 - 2048) / 2  # the tied head counted once, split over t
+    priced = price_step((stage,), cfg, hw)
     assert hw.kernels is not None
-    assert priced.optimizer == pytest.approx(moved / (2.039e12 * hw.kernels.memory_fraction(moved)))
-    assert priced.step == pytest.approx(priced.pipeline + dp + priced.optimizer)
-    # the constants: eta scales matmuls, phi element-wise ops
-    slow = price(comp, Constants({"a100-calibrated": 0.5}, {"megatron-2021": 0.0}))
-    per_mb = 2 * (stage.mm_f + stage.mm_b) + 2 * 4 * tp
-    assert slow.pipeline == pytest.approx(2 * per_mb)
-    assert math.isfinite(price(comp, UNFITTED).states_gb)
+    eta, phi = hw.kernels.sustained_matmul, hw.kernels.elementwise("megatron-2021")
+    tp = 2 * 0.5 * 8 * 16 * 32 * 2 / 235e9 + 2 * 1.5e-6  # 2(g-1)/g N b / bw + 2(g-1) alpha
+    per_mb = (stage.mm_f + stage.mm_b) / eta + phi * (stage.el_f + stage.el_b) + 2 * 4 * tp
+    assert priced.pipeline == pytest.approx(2 * per_mb)
+    reduce = 2 * 0.5 * stage.params * 4 / 235e9 + 2 * 1.5e-6  # fp32 gradients, d=2 in a node
+    optimizer = 30 * stage.params / (2.039e12 * hw.kernels.memory_fraction(30 * stage.params))
+    assert priced.exposed == pytest.approx(reduce) and priced.optimizer == pytest.approx(optimizer)
+    assert priced.step == pytest.approx(2 * per_mb + reduce + optimizer)
