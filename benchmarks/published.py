@@ -2,43 +2,26 @@
 
 Each row of `published_rows.ROWS` (Megatron-LM's PTD-P weak scaling on up to 3072 A100s,
 Megatron-Core r0.8's weak scaling on up to 6144 H100s, torchtitan's Llama 3.1 8B on 8 and 128
-H100s; BF16 only) is priced with the same configuration (t, p, d, microbatch, schedule,
-recomputation, data-parallel reduction) on the calibrated tables (`a100-calibrated`,
-`h100-calibrated`), and printed beside the published figure. The step model, in order:
+H100s; BF16 only) is priced by the library's step model, `autopar.planning.step_model` (the one
+the planner's pipeline cut ends its step with; docs/planning.md, "The step model"), with the
+row's configuration (`config`: t, p, d, microbatches, schedule, recomputation, data-parallel
+reduction), on the calibrated tables (`a100-calibrated`, `h100-calibrated`), and printed beside
+the published figure. This file only builds each row's model on the meta device in bfloat16
+(`examples.models.GPT` or `examples.zoo.Llama`), traces one microbatch of one data-parallel
+replica, and hands it to `stage_parts` / `price_step`.
 
-1. the model is built on the meta device in bfloat16 (`examples.models.GPT`, or `examples.zoo.Llama`)
-   and traced for ONE microbatch of one data-parallel replica, so every kernel is priced at the size
-   it runs at (`autopar.cost.formulas.compute_time`: matmuls at the table's fraction of peak for
-   their flops, element-wise ops at its fraction of HBM bandwidth for their bytes, a launch floor),
-   work divided by the tensor-parallel size t (`stage_graph(gm, hw, tensor_size=t)`);
-2. `cut_graph(..., pp=p, v=v)` cuts it into pipeline stages; each stage's forward and backward are
-   split into matmul time and element-wise time (a second stage graph on a table whose element-wise
-   ops are free);
-3. per microbatch a stage pays: matmul / eta + phi x element-wise (eta, phi: the fitted constants
-   below), the tensor-parallel collectives of its layers (two all-reduces of b s h bf16 in forward,
-   two in backward, over the node's NVLink; zero when the run overlapped them), and recomputation
-   (full: the forward again, with its collectives, inside backward; torchtitan's "op" policy: every
-   second matmul and the element-wise ops of the forward);
-4. `stage_durations` + `simulate` run the pipeline schedule over the row's m microbatches (the
-   bubble and the point-to-point sends included);
-5. once per step: the data-parallel reduction of the largest stage's gradients over the d replicas
-   (all-reduce after the flush; or reduce-scatter + all-gather of the distributed optimizer with the
-   part longer than the last microbatch's backward / first forward exposed; or FSDP's gathers and
-   reduce-scatter overlapped with the step), on `span_link` (NVLink in a node; k rings on k NICs
-   when a group has k members per node); and AdamW over the rank's fp32 master weights at the
-   table's HBM rate (30 bytes per parameter: fp32 weight, both moments, read and written, the
-   gradient read, the bf16 copy written).
+The fitted constants live in the hardware tables: `kernels.sustained_matmul` (eta, per GPU) and
+`kernels.elementwise_factor` (phi, per framework). `--fit` refits them on the fit half of the rows
+it runs (rows chosen by alternating size before any error was seen; the held-out half never enters
+the fit) and prices with them; `--write-tables` then writes them, with where they came from, into
+the tables. torchtitan has no fit rows: it pays phi = 1 and the H100's eta.
 
-Two constants per family are fitted on the fit half only (rows chosen by alternating size before any
-error was seen): eta per GPU (sustained fraction of the microbenchmarked matmul rate: clocks under
-a full node's power, kernels between the measured shapes) and phi per framework (what is left of the
-unfused element-wise time after the framework's fused kernels). torchtitan (eager, unfused) takes
-phi = 1 and the H100's eta: none of its constants come from its own rows.
-
-    python benchmarks/published.py            # 21 rows: 36 min wall on 2 cores shared at load 15-20
-                                              # (tracing, the two stage graphs, the 1T cut, the fit's simulations)
-    python benchmarks/published.py --quick    # 9 rows up to 32B, 4 min wall at the same load; its fit
-                                              # has 2 rows per family, so its constants differ from the full run's
+    python benchmarks/published.py --fit --write-tables   # 21 rows: ~36 min wall on 2 cores shared
+                                              # at load 15-20 (tracing, the two stage graphs, the 1T
+                                              # cut, the fit's simulations)
+    python benchmarks/published.py --quick    # 9 rows up to 32B, ~4 min wall, priced with the
+                                              # tables' constants (it prints what its own 4 fit rows
+                                              # would give, which differs from the 10-row fit's)
 
 Writes benchmarks/results/published.json (`--name` to change).
 """
