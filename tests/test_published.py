@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,9 @@ from published import config  # noqa: E402
 from published_rows import PTDP, ROWS, published_step  # noqa: E402
 from test_step_accounting import STAGE0, STAGE1, gpt_bf16  # noqa: E402
 
+from autopar.planning.stage_cut import Stage  # noqa: E402
 from autopar.planning.stage_units import stage_graph  # noqa: E402
-from autopar.planning.step_model import StepConfig, price_step, stage_parts, unscaled  # noqa: E402
+from autopar.planning.step_model import StageParts, StepConfig, price_step, stage_parts, unscaled  # noqa: E402
 
 
 def test_rows_are_well_formed_and_sourced() -> None:
@@ -110,3 +112,52 @@ def test_a_small_row_priced_end_to_end_by_hand() -> None:
     optimizer = 30 * stage.params / (2.039e12 * hw.kernels.memory_fraction(30 * stage.params))
     assert priced.exposed == pytest.approx(reduce) and priced.optimizer == pytest.approx(optimizer)
     assert priced.step == pytest.approx(2 * per_mb + reduce + optimizer)
+
+
+def _parts(params: float) -> StageParts:
+    """One stage per microbatch, by hand: 1 / 2 ms of matmul forward / backward (1 ms of it on the
+    input-gradient path), 0.4 / 0.8 ms element-wise; its 2 blocks' forward 0.8 ms matmul + 0.2 ms."""
+    stage = Stage(index=0, rank=0, units=("wte", "blocks.0", "blocks.1", "head"), forward=0.0, backward=0.0,
+                  backward_input=0.0, param_bytes=0.0, state_bytes=0.0, activation_bytes=0.0,
+                  fixed_activation_bytes=0.0, in_flight=1, send=(), send_bytes=0.0, shared=())  # fmt: skip
+    return StageParts(stage, 1e-3, 2e-3, 1e-3, 4e-4, 8e-4, 4e-4, 8e-4, 2e-4, 2, 4, params)
+
+
+def test_the_library_step_model_by_hand() -> None:
+    hw = load_hardware("a100-calibrated")
+    assert hw.kernels is not None
+    sp = _parts(1e6)
+    eta, phi = 0.5, 0.25
+    tp = 2 * 0.5 * 1024 * 2 / 235e9 + 2 * 1.5e-6  # one all-reduce of 1024 bf16 over t=2 on NVLink
+    base = StepConfig(tensor=2, pipeline=1, data=2, microbatches=2, tp_elements=1024)
+    fwd = 1e-3 / eta + phi * 4e-4 + 2 * 2 * tp  # two blocks, two all-reduces each
+    bwd = 2e-3 / eta + phi * 8e-4 + 2 * 2 * tp
+    reduce = 2 * 0.5 * 1e6 * 4 / 235e9 + 2 * 1.5e-6  # fp32 gradients over d=2 in a node
+    adam = 30e6 / (2.039e12 * hw.kernels.memory_fraction(30e6))
+    plain = price_step((sp,), base, hw, eta=eta, phi=phi)
+    assert plain.pipeline == pytest.approx(2 * (fwd + bwd))
+    assert plain.step == pytest.approx(2 * (fwd + bwd) + reduce + adam)  # not overlapped: all exposed
+    assert plain.state_bytes == 18e6
+    # full recomputation: the blocks' forward and its collectives again in backward
+    full = price_step((sp,), replace(base, recompute="full"), hw, eta=eta, phi=phi)
+    assert full.pipeline == pytest.approx(2 * (fwd + bwd + 8e-4 / eta + phi * 2e-4 + 2 * 2 * tp))
+    # selective: every second matmul and the element-wise ops of the blocks' forward
+    sel = price_step((sp,), replace(base, recompute="selective"), hw, eta=eta, phi=phi)
+    assert sel.pipeline == pytest.approx(2 * (fwd + bwd + 0.5 * 8e-4 / eta + phi * 2e-4))
+    # distributed optimizer, overlapped: RS of fp32 grads against the last backward in 4 buckets,
+    # AG of bf16 weights against the first forward; master + AdamW and the step split over d
+    dist = price_step((sp,), replace(base, reduction="distopt", reduction_overlap=True), hw, eta=eta, phi=phi)
+    rs = 0.5 * 1e6 * 4 / 235e9 + 1.5e-6
+    ag = 0.5 * 1e6 * 2 / 235e9 + 1.5e-6
+    exposed = max(rs - bwd + bwd / 4, rs / 4) + max(ag - fwd + fwd / 4, ag / 4)
+    adam_half = 15e6 / (2.039e12 * hw.kernels.memory_fraction(15e6))
+    assert dist.exposed == pytest.approx(exposed)
+    assert dist.step == pytest.approx(2 * (fwd + bwd) + exposed + adam_half)
+    assert dist.state_bytes == 1e6 * (2 + 4 + 12 / 2)
+    # FSDP overlapped: hidden behind the busy step; all 18 bytes split over d
+    fsdp = price_step((sp,), replace(base, reduction="fsdp", reduction_overlap=True), hw, eta=eta, phi=phi)
+    assert fsdp.exposed == 0.0 and fsdp.state_bytes == 9e6
+    # the table's constants by default; a framework without a factor pays 1
+    assert price_step((sp,), base, hw).step == pytest.approx(
+        price_step((sp,), base, hw, eta=hw.kernels.sustained_matmul, phi=1.0).step
+    )
