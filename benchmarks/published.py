@@ -16,10 +16,10 @@ it runs (rows chosen by alternating size before any error was seen; the held-out
 the fit) and prices with them; `--write-tables` then writes them, with where they came from, into
 the tables. torchtitan has no fit rows: it pays phi = 1 and the H100's eta.
 
-    python benchmarks/published.py --fit --write-tables   # 21 rows: ~36 min wall on 2 cores shared
-                                              # at load 15-20 (tracing, the two stage graphs, the 1T
+    python benchmarks/published.py --fit --write-tables   # 21 rows: 24 min wall on 2 cores shared
+                                              # at load 17 falling to 5 (tracing, the two stage graphs, the 1T
                                               # cut, the fit's simulations)
-    python benchmarks/published.py --quick    # 9 rows up to 32B, ~4 min wall, priced with the
+    python benchmarks/published.py --quick    # 9 rows up to 32B, 81 s wall at load 10, priced with the
                                               # tables' constants (it prints what its own 4 fit rows
                                               # would give, which differs from the 10-row fit's)
 
