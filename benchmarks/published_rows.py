@@ -80,7 +80,7 @@ def _ptdp(key: str, hidden: int, layers: int, heads: int, mp: int, gpus: int, ba
             "t = min(model-parallel size, 8), p = the rest (the paper's Table 1 keeps tensor parallelism in a node)",
             "microbatch 1, 1F1B (not interleaved), full recomputation (the paper's FLOP count assumes it)",
             f"{heads} heads (head dim {hidden // heads}); priced FLOPs do not depend on it",
-            "gradient all-reduce in 16-bit after the pipeline flush, not overlapped; Adam unsharded",
+            "gradient all-reduce in float32 (Megatron-LM of 2021 forces fp32 gradient accumulation and all-reduce under bf16: arguments.py, accumulate_allreduce_grads_in_fp32) after the pipeline flush, not overlapped; Adam unsharded",
         ),
         split=split,
     )  # fmt: skip

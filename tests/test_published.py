@@ -5,20 +5,23 @@ end with numbers checked by hand."""
 from __future__ import annotations
 
 import json
-import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from autopar.cost.formulas import collective_time
 from autopar.cost.hardware import TABLES_DIR, load_hardware, span_link
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from published import UNFITTED, Constants, components, price, tp_layer_time  # noqa: E402
+from published import config  # noqa: E402
 from published_rows import PTDP, ROWS, published_step  # noqa: E402
+from test_step_accounting import STAGE0, STAGE1, gpt_bf16  # noqa: E402
+
+from autopar.planning.stage_cut import Stage  # noqa: E402
+from autopar.planning.stage_units import stage_graph  # noqa: E402
+from autopar.planning.step_model import StageParts, StepConfig, price_step, stage_parts, unscaled  # noqa: E402
 
 
 def test_rows_are_well_formed_and_sourced() -> None:
@@ -64,34 +67,97 @@ def test_calibrated_tables_say_where_each_number_comes_from(name: str) -> None:
     assert hw.kernels is not None and hw.intra_node.bandwidth < 450e9  # bus bandwidth, not line rate
 
 
+def test_the_constants_are_in_the_tables_and_the_planner_sees_eta() -> None:
+    a100 = load_hardware("a100-calibrated")
+    assert a100.kernels is not None and 0.5 < a100.kernels.sustained_matmul <= 1.0
+    assert a100.kernels.elementwise("autopar") == 1.0  # autopar's unfused runtime pays it all
+    assert "fitted on published rows" in a100.source["kernels.sustained_matmul"]
+    # a matmul on the table runs at the measured curve times eta: what stage_graph prices with
+    flops = 1e12
+    base = unscaled(a100).kernels
+    assert base is not None and base.sustained_matmul == 1.0
+    assert a100.kernels.matmul_fraction("bfloat16", flops) == pytest.approx(
+        base.matmul_fraction("bfloat16", flops) * a100.kernels.sustained_matmul
+    )
+
+
+def test_a_row_maps_onto_the_library_step_model() -> None:
+    one_t = next(r for r in PTDP if r.key == "PTD-P 1T")
+    cfg = config(one_t)
+    assert (cfg.tensor, cfg.pipeline, cfg.data, cfg.microbatches) == (8, 64, 6, 512)
+    assert cfg.tp_elements == 2048 * 25600 and cfg.recompute == "full" and cfg.reduction == "allreduce"
+    assert cfg.framework == "megatron-2021"
+
+
 def test_a_small_row_priced_end_to_end_by_hand() -> None:
-    # a 2-layer GPT on 4 A100s: t=2, p=1, d=2, two microbatches of one sequence, gradients
-    # all-reduced after the flush, no recomputation
-    row = replace(
-        PTDP[0], key="tiny", layers=2, hidden=64, heads=4, vocab=128, seq=16, gpus=4, batch=4, microbatch=1,
-        t=2, p=1, recompute="none", dp="allreduce", overlap_dp=False, overlap_tp=False,
-    )  # fmt: skip
+    # the 2-layer GPT of test_step_accounting (traced once, shared) as one replica's microbatch of
+    # 8 sequences of 16 on 4 A100s: t=2, p=1, d=2, two microbatches, all-reduce after the flush
+    gm = gpt_bf16()
     hw = load_hardware("a100-calibrated")
-    # one all-reduce of b s h = 1024 bf16 elements over 2 NVLink ranks: 2(g-1)/g N b / bw + 2(g-1) alpha
-    tp = 2 * 0.5 * 1024 * 2 / 235e9 + 2 * 1.5e-6
-    assert tp_layer_time(row, hw) == pytest.approx(tp)
-    comp = components(row)
-    (stage,) = comp.stages
-    assert stage.layers == 2 and stage.mm_f > 0 and stage.el_f > 0
-    priced = price(comp)
-    # p = 1: the step runs m = 2 microbatches back to back, each with 4 all-reduces per layer
-    per_mb = stage.mm_f + stage.el_f + stage.mm_b + stage.el_b + 2 * 4 * tp
-    assert priced.pipeline == pytest.approx(2 * per_mb)
-    params = stage.params  # elements per tensor rank
-    dp = collective_time("all_reduce", params, 2, 2, hw.intra_node)  # d=2, ranks 2 apart: in a node
-    assert dp == pytest.approx(2 * 0.5 * params * 2 / 235e9 + 2 * 1.5e-6)
-    assert priced.dp_exposed == pytest.approx(dp)
-    moved = 30 * params
+    cfg = StepConfig(tensor=2, pipeline=1, data=2, microbatches=2, tp_elements=8 * 16 * 32, framework="megatron-2021")
+    (stage,) = stage_parts(gm, hw, cfg)
+    # the split adds up to the stage graph at the measured rates; every parameter is on the stage
+    whole = stage_graph(gm, unscaled(hw), 2)
+    assert stage.mm_f + stage.el_f == pytest.approx(sum(u.forward for u in whole.units))
+    assert stage.mm_b + stage.el_b == pytest.approx(sum(u.backward for u in whole.units))
+    assert stage.mm_f > 0 and stage.el_f > 0 and stage.layers == 2
+    assert stage.params == (STAGE0 + STAGE1 - 2048) / 2  # the tied head counted once, split over t
+    priced = price_step((stage,), cfg, hw)
     assert hw.kernels is not None
-    assert priced.optimizer == pytest.approx(moved / (2.039e12 * hw.kernels.memory_fraction(moved)))
-    assert priced.step == pytest.approx(priced.pipeline + dp + priced.optimizer)
-    # the constants: eta scales matmuls, phi element-wise ops
-    slow = price(comp, Constants({"a100-calibrated": 0.5}, {"megatron-2021": 0.0}))
-    per_mb = 2 * (stage.mm_f + stage.mm_b) + 2 * 4 * tp
-    assert slow.pipeline == pytest.approx(2 * per_mb)
-    assert math.isfinite(price(comp, UNFITTED).states_gb)
+    eta, phi = hw.kernels.sustained_matmul, hw.kernels.elementwise("megatron-2021")
+    tp = 2 * 0.5 * 8 * 16 * 32 * 2 / 235e9 + 2 * 1.5e-6  # 2(g-1)/g N b / bw + 2(g-1) alpha
+    per_mb = (stage.mm_f + stage.mm_b) / eta + phi * (stage.el_f + stage.el_b) + 2 * 4 * tp
+    assert priced.pipeline == pytest.approx(2 * per_mb)
+    reduce = 2 * 0.5 * stage.params * 4 / 235e9 + 2 * 1.5e-6  # fp32 gradients, d=2 in a node
+    optimizer = 30 * stage.params / (2.039e12 * hw.kernels.memory_fraction(30 * stage.params))
+    assert priced.exposed == pytest.approx(reduce) and priced.optimizer == pytest.approx(optimizer)
+    assert priced.step == pytest.approx(2 * per_mb + reduce + optimizer)
+
+
+def _parts(params: float) -> StageParts:
+    """One stage per microbatch, by hand: 1 / 2 ms of matmul forward / backward (1 ms of it on the
+    input-gradient path), 0.4 / 0.8 ms element-wise; its 2 blocks' forward 0.8 ms matmul + 0.2 ms."""
+    stage = Stage(index=0, rank=0, units=("wte", "blocks.0", "blocks.1", "head"), forward=0.0, backward=0.0,
+                  backward_input=0.0, param_bytes=0.0, state_bytes=0.0, activation_bytes=0.0,
+                  fixed_activation_bytes=0.0, in_flight=1, send=(), send_bytes=0.0, shared=())  # fmt: skip
+    return StageParts(stage, 1e-3, 2e-3, 1e-3, 4e-4, 8e-4, 4e-4, 8e-4, 2e-4, 2, 4, params)
+
+
+def test_the_library_step_model_by_hand() -> None:
+    hw = load_hardware("a100-calibrated")
+    assert hw.kernels is not None
+    sp = _parts(1e6)
+    eta, phi = 0.5, 0.25
+    tp = 2 * 0.5 * 1024 * 2 / 235e9 + 2 * 1.5e-6  # one all-reduce of 1024 bf16 over t=2 on NVLink
+    base = StepConfig(tensor=2, pipeline=1, data=2, microbatches=2, tp_elements=1024)
+    fwd = 1e-3 / eta + phi * 4e-4 + 2 * 2 * tp  # two blocks, two all-reduces each
+    bwd = 2e-3 / eta + phi * 8e-4 + 2 * 2 * tp
+    reduce = 2 * 0.5 * 1e6 * 4 / 235e9 + 2 * 1.5e-6  # fp32 gradients over d=2 in a node
+    adam = 30e6 / (2.039e12 * hw.kernels.memory_fraction(30e6))
+    plain = price_step((sp,), base, hw, eta=eta, phi=phi)
+    assert plain.pipeline == pytest.approx(2 * (fwd + bwd))
+    assert plain.step == pytest.approx(2 * (fwd + bwd) + reduce + adam)  # not overlapped: all exposed
+    assert plain.state_bytes == 18e6
+    # full recomputation: the blocks' forward and its collectives again in backward
+    full = price_step((sp,), replace(base, recompute="full"), hw, eta=eta, phi=phi)
+    assert full.pipeline == pytest.approx(2 * (fwd + bwd + 8e-4 / eta + phi * 2e-4 + 2 * 2 * tp))
+    # selective: every second matmul and the element-wise ops of the blocks' forward
+    sel = price_step((sp,), replace(base, recompute="selective"), hw, eta=eta, phi=phi)
+    assert sel.pipeline == pytest.approx(2 * (fwd + bwd + 0.5 * 8e-4 / eta + phi * 2e-4))
+    # distributed optimizer, overlapped: RS of fp32 grads against the last backward in 4 buckets,
+    # AG of bf16 weights against the first forward; master + AdamW and the step split over d
+    dist = price_step((sp,), replace(base, reduction="distopt", reduction_overlap=True), hw, eta=eta, phi=phi)
+    rs = 0.5 * 1e6 * 4 / 235e9 + 1.5e-6
+    ag = 0.5 * 1e6 * 2 / 235e9 + 1.5e-6
+    exposed = max(rs - bwd + bwd / 4, rs / 4) + max(ag - fwd + fwd / 4, ag / 4)
+    adam_half = 15e6 / (2.039e12 * hw.kernels.memory_fraction(15e6))
+    assert dist.exposed == pytest.approx(exposed)
+    assert dist.step == pytest.approx(2 * (fwd + bwd) + exposed + adam_half)
+    assert dist.state_bytes == 1e6 * (2 + 4 + 12 / 2)
+    # FSDP overlapped: hidden behind the busy step; all 18 bytes split over d
+    fsdp = price_step((sp,), replace(base, reduction="fsdp", reduction_overlap=True), hw, eta=eta, phi=phi)
+    assert fsdp.exposed == 0.0 and fsdp.state_bytes == 9e6
+    # the table's constants by default; a framework without a factor pays 1
+    assert price_step((sp,), base, hw).step == pytest.approx(
+        price_step((sp,), base, hw, eta=hw.kernels.sustained_matmul, phi=1.0).step
+    )

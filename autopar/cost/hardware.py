@@ -88,10 +88,22 @@ class KernelRates:
     matmul: Mapping[str, tuple[tuple[float, float], ...]]  # dtype -> ((flops, fraction of peak), ...)
     memory: tuple[tuple[float, float], ...]  # ((bytes moved, fraction of bandwidth), ...)
     launch: float  # seconds, the floor of every kernel
+    # fitted on published runs (`benchmarks/published.py --fit`): the share of the microbenchmarked
+    # matmul rate a training step sustains (clocks under a full node's power, shapes between the
+    # measured ones), and per framework the share of the unfused element-wise time left after its
+    # fused kernels; a framework without an entry (autopar's own runtime) pays all of it
+    sustained_matmul: float = 1.0
+    elementwise_factor: Mapping[str, float] = field(default_factory=dict)
 
     def matmul_fraction(self, dtype: str, flops: float) -> float:
+        """The fraction of the peak a matmul of `flops` reaches in a training step: the measured
+        curve times `sustained_matmul`."""
         points = self.matmul.get(dtype) or self.matmul.get("float32")
-        return _interpolate(points, flops) if points else 1.0
+        return (_interpolate(points, flops) if points else 1.0) * self.sustained_matmul
+
+    def elementwise(self, framework: str) -> float:
+        """The factor on unfused element-wise time under `framework` (1 when not fitted)."""
+        return self.elementwise_factor.get(framework, 1.0)
 
     def memory_fraction(self, nbytes: float) -> float:
         return _interpolate(self.memory, nbytes) if self.memory else 1.0
@@ -144,6 +156,8 @@ def _kernels_json(kernels: KernelRates) -> dict[str, Any]:
         "matmul": {k: [list(p) for p in v] for k, v in kernels.matmul.items()},
         "memory": [list(p) for p in kernels.memory],
         "launch": kernels.launch,
+        **({"sustained_matmul": kernels.sustained_matmul} if kernels.sustained_matmul != 1.0 else {}),
+        **({"elementwise_factor": dict(kernels.elementwise_factor)} if kernels.elementwise_factor else {}),
     }
 
 
@@ -161,6 +175,8 @@ def _kernels(entry: Mapping[str, Any] | None) -> KernelRates | None:
         matmul={str(k): points(v) for k, v in entry.get("matmul", {}).items()},
         memory=points(entry.get("memory", [])),
         launch=float(entry.get("launch", 0.0)),
+        sustained_matmul=float(entry.get("sustained_matmul", 1.0)),
+        elementwise_factor={str(k): float(v) for k, v in entry.get("elementwise_factor", {}).items()},
     )
 
 

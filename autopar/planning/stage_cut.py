@@ -28,16 +28,20 @@ from dataclasses import dataclass, replace
 import torch.fx as fx
 
 from autopar.core.errors import AutoparError, MemoryLimitError
-from autopar.core.pipeline_schedule import ActionKind, Schedule, schedule_by_name
+from autopar.core.pipeline_schedule import Schedule, schedule_by_name
 from autopar.core.pipeline_simulate import Durations, Timeline, bubble_fraction, bubble_ratio, simulate
 from autopar.cost.formulas import collective_time, format_bytes
 from autopar.cost.hardware import Hardware, axis_links, load_hardware
 from autopar.planning.memory import MEMORY_HEADROOM
 from autopar.planning.stage_balance import balance, in_flight, peak_activations
 from autopar.planning.stage_units import BoundaryTensor, StageGraph, Unit, compact, stage_graph
-from autopar.planning.step_accounting import PLAIN, WeightState, exposed_reduction, is_recomputed
-
-BACKWARD_KINDS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+from autopar.planning.step_accounting import (
+    PLAIN,
+    WeightState,
+    is_recomputed,
+    optimizer_seconds,
+    rank_step_end,
+)
 
 
 class StageCutError(AutoparError, ValueError):
@@ -116,14 +120,18 @@ class StageCut:
         """The modeled training step: each rank's simulated schedule, then the part of its gradient
         reduction that runs past its last backward (`step_accounting.exposed_reduction`) and its
         optimizer step; the slowest rank's end."""
-        ends = []
-        for r, row in enumerate(self.timeline.ranks):
-            end = row[-1].end if row else 0.0
-            last = next((a.end - a.start for a in reversed(row) if a.action.kind in BACKWARD_KINDS), 0.0)
-            reduce = self.reduce_time[r] if self.reduce_time else 0.0
-            step = self.optimizer_time[r] if self.optimizer_time else 0.0
-            ends.append(end + exposed_reduction(reduce, last, self.buckets[r] if self.buckets else 1) + step)
-        return max(ends, default=0.0)
+        return max(
+            (
+                rank_step_end(
+                    row,
+                    self.reduce_time[r] if self.reduce_time else 0.0,
+                    self.buckets[r] if self.buckets else 1,
+                    self.optimizer_time[r] if self.optimizer_time else 0.0,
+                )
+                for r, row in enumerate(self.timeline.ranks)
+            ),
+            default=0.0,
+        )
 
     @property
     def fits(self) -> bool:
@@ -374,7 +382,7 @@ def _with_step_end(
             reduce.append(grad_reduce * grads / everything if everything > 0 else 0.0)
         else:  # a ring all-reduce of the gradient bytes one data replica holds
             reduce.append(collective_time("all_reduce", grads, 1, data_parallel, link))
-        step.append(model.step_bytes(names) / g.hardware.memory_bandwidth)
+        step.append(optimizer_seconds(model.step_bytes(names), g.hardware))
         buckets.append(sum(len(st.units) for st in mine))
     return replace(
         cut, reduce_time=tuple(reduce), optimizer_time=tuple(step), buckets=tuple(buckets),

@@ -19,7 +19,12 @@ activation recomputation. `autopar.planning.stage_cut` prices a cut with them.
   backward ends (`exposed_reduction`).
 - *Optimizer step*: one memory-bound pass over the states after the reduction: the gradient is
   read, the master (or the weight) and the AdamW states read and written, and a master's new
-  value written back to the weight (`WeightState.step_bytes`), at the table's memory bandwidth.
+  value written back to the weight (`WeightState.step_bytes`), at the memory bandwidth a pass of
+  that size reaches (`optimizer_seconds`).
+- *A rank's step* (`rank_step_end`): its schedule's end, then the exposed part of its
+  reduction, then its optimizer step. `StageCut.step_time` (the planner) and
+  `autopar.planning.step_model` (the calibrated model held against published runs) both end a
+  step with it.
 - *Full recomputation* (Megatron's `--recompute-granularity full`, per layer): a numbered block's
   forward runs again in its backward; in flight it keeps only its input, and while its backward
   runs one microbatch of its activations exists again (`is_recomputed`).
@@ -34,6 +39,8 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from autopar.core.meta import signature
+from autopar.core.pipeline_schedule import ActionKind
+from autopar.core.pipeline_simulate import TimedAction
 from autopar.core.plan import Plan
 from autopar.cost.formulas import MeshCost
 from autopar.cost.hardware import Hardware
@@ -96,6 +103,27 @@ def exposed_reduction(seconds: float, last_backward: float, buckets: int) -> flo
         return 0.0
     k = max(1, buckets)
     return max(seconds - last_backward + last_backward / k, seconds / k)
+
+
+BACKWARD_KINDS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+
+
+def optimizer_seconds(nbytes: float, hw: Hardware) -> float:
+    """The optimizer step's one pass over `nbytes` of state, at the fraction of the memory
+    bandwidth a pass of that size reaches (the whole bandwidth on a table without kernel rates)."""
+    if nbytes <= 0:
+        return 0.0
+    fraction = hw.kernels.memory_fraction(nbytes) if hw.kernels is not None else 1.0
+    return nbytes / (hw.memory_bandwidth * fraction)
+
+
+def rank_step_end(actions: Sequence[TimedAction], reduce: float, buckets: int, optimizer: float) -> float:
+    """When a rank's step ends: its last scheduled action, then what runs past its last backward
+    of its `reduce` seconds of gradient reduction in `buckets` buckets (`exposed_reduction`), then
+    its `optimizer` seconds."""
+    end = actions[-1].end if actions else 0.0
+    last = next((a.end - a.start for a in reversed(actions) if a.action.kind in BACKWARD_KINDS), 0.0)
+    return end + exposed_reduction(reduce, last, buckets) + optimizer
 
 
 def gradient_reduction_time(
