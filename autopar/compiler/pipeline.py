@@ -44,7 +44,7 @@ from autopar.compiler.pipeline_stage import StageBuilder, StageModule, made_here
 from autopar.core.errors import UsageError
 from autopar.core.pipeline_schedule import Schedule
 from autopar.core.pipeline_simulate import Timeline, simulate
-from autopar.planning.stage_cut import StageCut
+from autopar.planning.stage_result import StageCut
 from autopar.reporting.dump import dump_dir_from
 from autopar.reporting.pipeline_views import (
     PipelineTimelineReport,

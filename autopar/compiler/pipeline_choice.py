@@ -15,7 +15,8 @@ from autopar.compiler.driver import compile_conditions
 from autopar.core.errors import AutoparError, UsageError
 from autopar.core.pipeline_schedule import Schedule, schedule_by_name
 from autopar.passes.trace import trace
-from autopar.planning.stage_cut import StageCut, cut_stages, format_seconds
+from autopar.planning.stage_cut import cut_stages
+from autopar.planning.stage_result import StageCut, format_seconds
 from autopar.runtime.agreement import decided_on_rank0
 
 # schedule="auto" compares these (name, virtual stages per rank), in this order on ties.

@@ -51,7 +51,8 @@ from autopar.core.meta import has_info, info
 from autopar.cost.hardware import load_hardware
 from autopar.passes.trace import trace
 from autopar.planning.mesh_choice import MeshChoice
-from autopar.planning.stage_cut import StageCut, cut_stages, format_seconds
+from autopar.planning.stage_cut import cut_stages
+from autopar.planning.stage_result import StageCut, format_seconds
 from autopar.planning.step_accounting import PLAIN, WeightState, gradient_reduction_time
 from autopar.rules.base import RuleRegistry
 from autopar.runtime.agreement import decided_on_rank0

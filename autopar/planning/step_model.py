@@ -44,7 +44,8 @@ from autopar.core.pipeline_schedule import ActionKind, schedule_by_name
 from autopar.core.pipeline_simulate import simulate
 from autopar.cost.formulas import collective_time
 from autopar.cost.hardware import Hardware, KernelRates, span_link
-from autopar.planning.stage_cut import Stage, cut_graph, stage_durations
+from autopar.planning.stage_cut import cut_graph
+from autopar.planning.stage_result import Stage, stage_durations
 from autopar.planning.stage_units import StageGraph, stage_graph
 from autopar.planning.step_accounting import (
     MIXED_ADAMW,

@@ -208,7 +208,7 @@ def stage_durations(
     recv: float | Sequence[float] = 0.0,
     send: float = 0.0,
 ) -> Durations:
-    """Per-stage times per step (all microbatches, as `planning.stage_cut.Stage` gives them) as
+    """Per-stage times per step (all microbatches, as `planning.stage_result.Stage` gives them) as
     the simulator's per-microbatch `Durations`. A stage cut prices the backward and its I part by
     their ops; without them the backward is taken as 2x the forward and I as half the backward
     (I = W = F, the zero-bubble paper's even split). W is the backward less I. `recv` is a
