@@ -39,7 +39,7 @@ from torch.fx.node import Argument
 from autopar.core.precision import autocast_off
 from autopar.runtime.groups import failures_named
 from autopar.runtime.program import EmittedProgram
-from autopar.runtime.split_backward import is_collective, is_wait
+from autopar.runtime.split_backward import is_collective, is_wait, open_backward
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -108,16 +108,8 @@ class ReductionSplit:
 
 def split_reductions(program: EmittedProgram) -> ReductionSplit:
     """Cut `program.backward` into its per-microbatch local part and its once-per-step reduction."""
-    gm = program.backward
-    if not isinstance(gm, fx.GraphModule):
-        raise TypeError(
-            f"split_reductions needs the emitted fx backward, got {type(gm).__name__}: split before compiling"
-        )
-    nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    output = next(n for n in reversed(nodes) if n.op == "output")
-    values: list[Argument] = list(output.args[0])  # type: ignore[arg-type]
-    num_params = len(program.param_names)
+    bw = open_backward(program, "split_reductions")
+    gm, nodes, placeholders, values, num_params = bw.gm, bw.nodes, bw.placeholders, bw.values, bw.num_params
     param_values, input_values = values[:num_params], values[num_params:]
 
     tangent_side = _from_tangents(nodes, placeholders[program.num_saved :])

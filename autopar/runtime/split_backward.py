@@ -97,18 +97,42 @@ class SplitBackward:
         return self.input_positions, self.carried_positions
 
 
-def split_backward(program: EmittedProgram) -> SplitBackward:
-    """Split `program.backward` into its input-gradient part and its weight-gradient part."""
+@dataclass(frozen=True)
+class BackwardGraph:
+    """An emitted backward program's fx graph opened for cutting: its nodes in order, its
+    placeholders (saved values, then tangents), and the values it returns (parameter gradients,
+    then input gradients)."""
+
+    gm: fx.GraphModule
+    nodes: list[fx.Node]
+    placeholders: list[fx.Node]
+    values: list[Argument]
+    num_params: int
+
+
+def open_backward(program: EmittedProgram, cutter: str) -> BackwardGraph:
+    """`program.backward` as a `BackwardGraph`; a compiled (non-fx) backward cannot be cut, which
+    `cutter` (the caller's name) says."""
     gm = program.backward
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(
-            f"split_backward needs the emitted fx backward, got {type(gm).__name__}: split before compiling"
+            f"{cutter} needs the emitted fx backward, got {type(gm).__name__}: split before compiling"
         )
     nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
     output = next(n for n in reversed(nodes) if n.op == "output")
-    values: list[Argument] = list(output.args[0])  # type: ignore[arg-type]
-    num_params = len(program.param_names)
+    return BackwardGraph(
+        gm=gm,
+        nodes=nodes,
+        placeholders=[n for n in nodes if n.op == "placeholder"],
+        values=list(output.args[0]),  # type: ignore[arg-type]
+        num_params=len(program.param_names),
+    )
+
+
+def split_backward(program: EmittedProgram) -> SplitBackward:
+    """Split `program.backward` into its input-gradient part and its weight-gradient part."""
+    bw = open_backward(program, "split_backward")
+    gm, nodes, placeholders, values, num_params = bw.gm, bw.nodes, bw.placeholders, bw.values, bw.num_params
     if len(values) != num_params + len(program.input_grads):
         raise ValueError(
             f"backward returns {len(values)} values, expected {num_params} parameter gradients "
