@@ -23,6 +23,11 @@ the tables. torchtitan has no fit rows: it pays phi = 1 and the H100's eta.
                                               # tables' constants (it prints what its own 4 fit rows
                                               # would give, which differs from the 10-row fit's)
 
+    python benchmarks/published.py --auto --cpu-limit 300 --rows "PTD-P 1.7B" "torchtitan 8B x8"
+                                              # item 3: auto's choice against each row's configuration
+                                              # (benchmarks/published_auto.py), one child per row under
+                                              # a CPU limit; published_auto.json
+
 Writes benchmarks/results/published.json (`--name` to change).
 """
 
@@ -163,8 +168,9 @@ def run_auto(rows: list[Row], cpu_limit: int, name: str, clock: RunClock) -> Non
     for row in rows:
         results.append(run_limited(row, cpu_limit))
         r = results[-1]
-        outcome = r.get("not_finished") or r.get("failed") or f"speedup {r['speedup']:.2f}x"
+        outcome = r.get("not_finished") or r.get("failed") or f"speedup {r['speedup']:.2f}x, auto {r['auto_mesh']}"
         print(f"  {row.key}: {outcome} ({r['wall_s']:.0f} s wall)", flush=True)
+        write_result(name, {**clock.record(), "cpu_limit_s": cpu_limit, "memory_limit": MEMORY_LIMIT, "rows": results})
     headers, body, summary = auto_report(results)
     print()
     print(table(headers, body))

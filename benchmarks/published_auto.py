@@ -22,6 +22,14 @@ How the two sides are made comparable (`auto_call` is the mapping, tested in tes
   expert is priced with phi = 1 too (`expert_step_s`); `expert_framework_step_s` is the row's own
   framework constant (Megatron-Core's fused kernels: 0.8), which autopar's runtime does not have.
 
+Two numbers for auto. "auto pick" is what `choose_pipeline_mesh` ranks first, what plan() would
+compile: it can be the tensor-only mesh choice (`choose_mesh` on the whole batch as one step),
+which is priced with `parallelize`'s plain weight state, no recomputation and no microbatches: not
+the expert's accounting, so it is shown and marked, not counted. "same accounting" is the fastest
+fitting candidate through the cut (`cut_stages`: M microbatches, `MIXED_ADAMW`, the row's
+recomputation, the reduction once per step), depths 1 to `MAX_DEPTH` each priced; the speedup the
+summary counts is the expert's step over that one.
+
 What still differs, and is said in the notes: auto's tensor collectives come from its searched
 plan (its layouts, no overlap), the expert's from `price_step`'s two activation all-reduces per
 block per pass (none where the run overlaps them, Megatron-Core's rows); the expert's data-parallel
@@ -47,6 +55,11 @@ from autopar.compiler.pipeline_mesh import choose_pipeline_mesh
 from autopar.planning.step_accounting import MIXED_ADAMW, WeightState
 from autopar.planning.step_model import price_step
 
+PP1_NOTE = (
+    "pp 1 is choose_mesh's step on the whole batch: parallelize's plain weight state, no recomputation, "
+    "no microbatches; not the cut's accounting the expert and the pipeline candidates get"
+)
+MAX_DEPTH = 8  # every depth priced costs one stage sub-mesh choice: bounded to keep a row in minutes
 MEMORY_LIMIT = 80e9  # bytes per rank: A100 80GB and H100 80GB SXM (torchtitan's 96 GB H100s priced at 80 GB)
 
 
@@ -63,6 +76,14 @@ class AutoCall:
     weight_state: WeightState
     recompute: bool
 
+    def depths(self) -> list[int]:
+        """The divisors of the world size up to `MAX_DEPTH`, 1 included: depth 1 through the cut is a
+        run without a pipeline under the same accounting as the expert's (M microbatches accumulated,
+        mixed-precision state, the reduction once per step), beside the tensor-only mesh choice
+        `choose_pipeline_mesh` always ranks (schedule "-"). Every depth is priced (`bound_depths=False`):
+        the tensor-only row, cheaper by its own accounting, would otherwise bound every cut away."""
+        return [p for p in range(1, min(self.world_size, MAX_DEPTH) + 1) if self.world_size % p == 0]
+
     def example(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, targets) of the whole global batch; the trace is on the meta device's shapes."""
         idx = torch.zeros(self.batch, self.seq, dtype=torch.long)
@@ -77,12 +98,23 @@ def auto_call(row: Row) -> AutoCall:
     )  # fmt: skip
 
 
+def tensor_only(candidate: dict[str, Any]) -> bool:
+    """The tensor-only mesh choice's row (priced by `choose_mesh`, not the cut): pp 1, no schedule,
+    a price. A depth the bound skipped also has no schedule, but an error saying so."""
+    return candidate["pp"] == 1 and candidate["schedule"] == "-" and not candidate["error"]
+
+
 def why(expert: dict[str, Any], candidates: list[dict[str, Any]], speedup: float) -> str:
-    """Where auto does not win by 10 %: what the candidates' table says about it."""
+    """Where auto does not win by 10 % under the same accounting: what the candidates' table says
+    (the candidates through the cut: schedule "-" is the tensor-only mesh choice's own accounting)."""
     if speedup >= 1.1:
         return ""
-    chosen = candidates[0]
-    at_depth = [c for c in candidates if c["pp"] == expert["p"]]
+    cut = [c for c in candidates if not tensor_only(c)]
+    fitting = [c for c in cut if not c["error"] and c["fits"]]
+    if not fitting:
+        return "no candidate through the cut fits: " + "; ".join(sorted({c["error"] for c in cut if c["error"]}))[:300]
+    chosen = fitting[0]
+    at_depth = [c for c in cut if c["pp"] == expert["p"]]
     parts = [f"auto picks pp {chosen['pp']} {chosen['stage_mesh']} {chosen['schedule']} v{chosen['v']}"]
     if at_depth:
         best = at_depth[0]
@@ -111,6 +143,7 @@ def run_row(row: Row) -> dict[str, Any]:
     choice = choose_pipeline_mesh(
         build_model(row), call.world_size, call.example(), microbatches=call.microbatches, hardware=call.hardware,
         memory_limit=call.memory_limit, weight_state=call.weight_state, recompute=call.recompute,
+        depths=call.depths(), bound_depths=False,
     )  # fmt: skip
     auto_cpu = time.process_time() - start
     candidates = [
@@ -119,6 +152,8 @@ def run_row(row: Row) -> dict[str, Any]:
         for c in choice.candidates
     ]  # fmt: skip
     best = choice.chosen
+    same_acc = [c for c in choice.candidates if not c.error and c.fits and c.schedule != "-"]  # not tensor-only
+    fair = same_acc[0] if same_acc else None
     expert = {
         "t": row.t,
         "p": row.p,
@@ -137,7 +172,12 @@ def run_row(row: Row) -> dict[str, Any]:
         "auto_step_s": best.step_time if auto_ok else None,
         "auto_mesh": f"pp {best.pp} x {best.stage_mesh}" if best.pp > 1 else best.stage_mesh,
         "auto_schedule": best.schedule, "auto_v": best.v, "auto_memory_gb": best.memory / 1e9,
-        "speedup": speedup, "why": why(expert, candidates, speedup) if auto_ok else f"no candidate fits: {best.error}",
+        "speedup": speedup, "why": why(expert, candidates, same.step / fair.step_time if fair else 0.0),
+        "accounting": PP1_NOTE if best.pp == 1 and best.schedule == "-" else "",
+        "cut_step_s": fair.step_time if fair else None,
+        "cut_mesh": (f"pp {fair.pp} x {fair.stage_mesh}" if fair.pp > 1 else fair.stage_mesh) if fair else "",
+        "cut_schedule": f"{fair.schedule} v{fair.v}" if fair else "", "cut_memory_gb": fair.memory / 1e9 if fair else None,
+        "cut_speedup": same.step / fair.step_time if fair else 0.0,
         "expert_cpu_s": expert_cpu, "auto_cpu_s": auto_cpu, "candidates": candidates, "table": choice.table(),
     }  # fmt: skip
 
@@ -175,26 +215,31 @@ def run_limited(row: Row, cpu_limit: int) -> dict[str, Any]:
 
 
 def report(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], dict[str, Any]]:
-    """The printed table (headers, body) and the summary over the rows that finished."""
-    headers = ["row", "GPUs", "expert t/p/d", "expert step", "(own phi)", "auto mesh", "schedule", "auto step",
-               "auto GB", "speedup", "why (where < 1.1x)"]  # fmt: skip
+    """The printed table (headers, body) and the summary over the rows that finished. "auto" is what
+    `choose_pipeline_mesh` picks (what plan() compiles); "same accounting" is the fastest fitting
+    candidate priced through the cut (pipeline depths, depth 1 included), the comparison the speedup
+    of the summary counts."""
+    headers = ["row", "GPUs", "expert t/p/d", "expert step", "(own phi)", "auto pick", "step", "x",
+               "same accounting: mesh", "schedule", "step", "GB", "speedup", "why (where < 1.1x)"]  # fmt: skip
     body = []
     for r in results:
         if "speedup" not in r:
-            body.append(
-                [r["key"], "", "", "", "", r.get("not_finished") or r.get("failed", ""), "", "", "", "", ""]
-            )
+            body.append([r["key"], "", "", "", "", r.get("not_finished") or r.get("failed", "")] + [""] * 8)
             continue
         e = r["expert"]
         auto = f"{r['auto_step_s']:.3f} s" if r["auto_step_s"] is not None else "-"
+        cut = f"{r['cut_step_s']:.3f} s" if r["cut_step_s"] is not None else "-"
+        gb = f"{r['cut_memory_gb']:.1f}" if r["cut_memory_gb"] is not None else "-"
         body.append([r["key"], str(r["gpus"]), f"{e['t']}/{e['p']}/{e['d']}", f"{r['expert_step_s']:.3f} s",
-                     f"{r['expert_framework_step_s']:.3f} s", r["auto_mesh"], f"{r['auto_schedule']} v{r['auto_v']}",
-                     auto, f"{r['auto_memory_gb']:.1f}", f"{r['speedup']:.2f}x", r["why"]])  # fmt: skip
-    done = [r for r in results if "speedup" in r]
+                     f"{r['expert_framework_step_s']:.3f} s", r["auto_mesh"] + (" *" if r["accounting"] else ""), auto,
+                     f"{r['speedup']:.2f}", r["cut_mesh"], r["cut_schedule"], cut, gb, f"{r['cut_speedup']:.2f}x",
+                     r["why"]])  # fmt: skip
+    done = [r for r in results if "cut_speedup" in r]
     summary = {
         "rows": len(results),
         "finished": len(done),
-        "slower": sum(r["speedup"] < 1.0 for r in done),
-        "at_least_1.1x": sum(r["speedup"] >= 1.1 for r in done),
+        "no_fitting_candidate": sum(r["cut_step_s"] is None for r in done),
+        "slower": sum(r["cut_step_s"] is not None and r["cut_speedup"] < 1.0 for r in done),
+        "at_least_1.1x": sum(r["cut_speedup"] >= 1.1 for r in done),
     }
     return headers, body, summary
