@@ -23,6 +23,11 @@ the tables. torchtitan has no fit rows: it pays phi = 1 and the H100's eta.
                                               # tables' constants (it prints what its own 4 fit rows
                                               # would give, which differs from the 10-row fit's)
 
+    python benchmarks/published.py --auto --cpu-limit 300 --rows "PTD-P 1.7B" "torchtitan 8B x8"
+                                              # item 3: auto's choice against each row's configuration
+                                              # (benchmarks/published_auto.py), one child per row under
+                                              # a CPU limit; published_auto.json
+
 Writes benchmarks/results/published.json (`--name` to change).
 """
 
@@ -38,18 +43,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import RunClock, on_meta, table, write_result  # noqa: E402
+from _common import RunClock, table, write_result  # noqa: E402
+from published_auto import MEMORY_LIMIT, run_limited  # noqa: E402
+from published_auto import report as auto_report  # noqa: E402
+from published_model import Components, components, config  # noqa: E402
 from published_rows import QUICK, ROWS, Row, figure, published_step  # noqa: E402
 
-from autopar.cost.hardware import TABLES_DIR, Hardware, load_hardware  # noqa: E402
-from autopar.planning.step_model import StageParts, StepConfig, StepPrice, price_step, stage_parts  # noqa: E402
-
-RECOMPUTE = {"full": "full", "selective-op": "selective", "none": "none"}
+from autopar.cost.hardware import TABLES_DIR  # noqa: E402
+from autopar.planning.step_model import StepPrice, price_step  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -66,59 +70,6 @@ class Constants:
 TABLE = Constants(eta={}, phi={})  # the constants the hardware tables hold
 UNFITTED = Constants(eta={"a100-calibrated": 1.0, "h100-calibrated": 1.0},
                      phi={"megatron-2021": 1.0, "mcore-r0.8": 1.0, "torchtitan-eager": 1.0})  # fmt: skip
-
-
-def config(row: Row) -> StepConfig:
-    """The row's configuration in the library step model's terms."""
-    return StepConfig(
-        tensor=row.t, pipeline=row.p, data=row.d, microbatches=row.microbatches, v=row.v, schedule=row.schedule,
-        tp_elements=row.microbatch * row.seq * row.hidden, tp_overlap=row.overlap_tp,
-        recompute=RECOMPUTE[row.recompute], reduction=row.dp, reduction_overlap=row.overlap_dp,
-        framework=row.framework,
-    )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Components:
-    """What the trace and the cut give for a row, before the constants."""
-
-    row: Row
-    stages: tuple[StageParts, ...]
-    hw: Hardware
-    trace_s: float
-    cut_s: float
-
-
-def build_model(row: Row) -> torch.nn.Module:
-    if row.arch == "gpt":
-        from examples.models import GPT, GPTConfig
-
-        cfg = GPTConfig(vocab_size=row.vocab, block_size=row.seq, n_layer=row.layers, n_head=row.heads,
-                        n_embd=row.hidden)  # fmt: skip
-        model = on_meta(lambda: GPT(cfg))
-        if not row.tied:
-            with torch.device("meta"):
-                model.lm_head.weight = torch.nn.Parameter(torch.empty(row.vocab, row.hidden))
-        return model.to(torch.bfloat16)
-    from examples.zoo import Llama, LlamaConfig
-
-    lcfg = LlamaConfig(vocab_size=row.vocab, seq_len=row.seq, dim=row.hidden, n_layer=row.layers,
-                       n_head=row.heads, n_kv_head=row.kv_heads, hidden=row.ffn, rope_base=500000.0)  # fmt: skip
-    return on_meta(lambda: Llama(lcfg)).to(torch.bfloat16)
-
-
-def components(row: Row) -> Components:
-    """Trace one microbatch of one replica and split it into the row's stages (`stage_parts`)."""
-    from autopar.passes.trace import trace
-
-    hw = load_hardware(row.gpu)
-    idx = torch.zeros(row.microbatch, row.seq, dtype=torch.long)
-    start = time.process_time()
-    gm = trace(build_model(row), (idx, idx), decompose=True)
-    trace_s = time.process_time() - start
-    start = time.process_time()
-    parts = stage_parts(gm, hw, config(row))
-    return Components(row, parts, hw, trace_s, time.process_time() - start)
 
 
 def price(comp: Components, consts: Constants = TABLE) -> StepPrice:
@@ -211,6 +162,24 @@ def report(comps: list[Components], consts: Constants) -> tuple[list[dict[str, A
     return rows, summary
 
 
+def run_auto(rows: list[Row], cpu_limit: int, name: str, clock: RunClock) -> None:
+    """`--auto`: each row planned by `auto` in a child process under `cpu_limit` CPU seconds."""
+    results = []
+    for row in rows:
+        results.append(run_limited(row, cpu_limit))
+        r = results[-1]
+        outcome = r.get("not_finished") or r.get("failed") or f"speedup {r['speedup']:.2f}x, auto {r['auto_mesh']}"
+        print(f"  {row.key}: {outcome} ({r['wall_s']:.0f} s wall)", flush=True)
+        write_result(name, {**clock.record(), "cpu_limit_s": cpu_limit, "memory_limit": MEMORY_LIMIT, "rows": results})
+    headers, body, summary = auto_report(results)
+    print()
+    print(table(headers, body))
+    print(f"\n{summary}")
+    path = write_result(name, {**clock.record(), "cpu_limit_s": cpu_limit, "memory_limit": MEMORY_LIMIT,
+                               "summary": summary, "rows": results})  # fmt: skip
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
@@ -218,9 +187,16 @@ def main() -> None:
     parser.add_argument("--name", default="published", help="result file name under benchmarks/results")
     parser.add_argument("--fit", action="store_true", help="fit the constants on this run's fit rows and price with them")
     parser.add_argument("--write-tables", action="store_true", help="with --fit: write them into the hardware tables")
+    parser.add_argument("--auto", action="store_true", help="auto's choice against each row's configuration "
+                        "(benchmarks/published_auto.py); writes published_auto.json unless --name")  # fmt: skip
+    parser.add_argument("--cpu-limit", type=int, default=600, help="with --auto: CPU seconds per row")
     args = parser.parse_args()
     keys = args.rows or (list(QUICK) if args.quick else [r.key for r in ROWS])
     clock = RunClock()
+    if args.auto:
+        run_auto([r for r in ROWS if r.key in keys], args.cpu_limit,
+                 "published_auto" if args.name == "published" else args.name, clock)  # fmt: skip
+        return
     comps = []
     for row in ROWS:
         if row.key in keys:
