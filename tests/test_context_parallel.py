@@ -77,3 +77,16 @@ def test_zoo_llama_causal_splits_attention_along_the_sequence() -> None:
     assert all(
         n.args[4] is True for n in next(iter(compiled.values())).graph.graph.nodes if n.target is FORWARD
     )
+
+
+def test_zoo_llama_on_two_axes_splits_batch_and_sequence() -> None:
+    """On (2, 4) the batch of 2 fills the first axis and the sequence the second: each rank's
+    causal query block is a quarter of one sample's sequence."""
+    model, batch = make_llama(0, batch_size=BATCH, n_head=2, n_kv_head=1, seq_len=SEQ)
+    compiled = assert_call_matches_serial(model, (2, 4), batch)
+    _attention_is_split_along_the_sequence(compiled, axis=1)
+    first = next(iter(compiled.values()))
+    for node in first.graph.graph.nodes:
+        if node.target in (FORWARD, BACKWARD):
+            strategy = info(node).strategy
+            assert strategy is not None and all(lay.placements[0] == Shard(0) for lay in strategy.inputs)
