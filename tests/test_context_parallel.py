@@ -1,10 +1,10 @@
 """Context parallelism end to end, in lockstep against serial: models whose batch and heads cannot
 fill the mesh, where the search (at its defaults) splits attention's queries along the sequence
 and gathers keys and values (autopar/rules/context_parallel.py). Loss and every gradient equal
-serial's: transformers' LlamaForCausalLM called with a padding `attention_mask` (the causal and
-padding structure is in the (B, 1, T, T) mask, split on its query dim) and the zoo's LLaMA
-(`is_causal=True`: each rank's query block attends up to its own offset), both with grouped-query
-attention."""
+serial's: transformers' LlamaForCausalLM and MistralForCausalLM (a sliding window) called with a
+padding `attention_mask` (the causal, window and padding structure is in the (B, 1, T, T) mask,
+split on its query dim) and the zoo's LLaMA (`is_causal=True`: each rank's query block attends up
+to its own offset), all with grouped-query attention."""
 
 from __future__ import annotations
 
@@ -44,9 +44,7 @@ def _attention_is_split_along_the_sequence(compiled: dict, axis: int = 0) -> Non
             assert [out.placements[axis] for out in strategy.outputs] == [Shard(2), Partial(), Partial()]
 
 
-def test_hf_llama_with_padding_splits_attention_along_the_sequence() -> None:
-    """2 query heads, 1 key/value head, batch 2 on 4 ranks: only the sequence fills the mesh."""
-    torch.manual_seed(0)
+def _hf_llama() -> torch.nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -55,16 +53,36 @@ def test_hf_llama_with_padding_splits_attention_along_the_sequence() -> None:
         num_attention_heads=2,
         num_key_value_heads=1,
     )
-    model = transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _hf_mistral() -> torch.nn.Module:
+    """A sliding window of 4 keys inside a sequence of 16: the window lives in the mask."""
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=4,
+    )
+    return transformers.MistralForCausalLM(config)
+
+
+@pytest.mark.parametrize("make", [_hf_llama, _hf_mistral], ids=["llama", "mistral_sliding_window"])
+def test_hf_causal_lm_with_padding_splits_attention_along_the_sequence(make: object) -> None:
+    """2 query heads, 1 key/value head, batch 2 on 4 ranks: only the sequence fills the mesh."""
+    torch.manual_seed(0)
+    model = make()  # type: ignore[operator]
     ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(BATCH, SEQ, dtype=torch.long)
     mask[0, :5] = 0  # left padding in the first sample
     kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
     compiled = assert_call_matches_serial(model, (4,), (), kwargs)
     _attention_is_split_along_the_sequence(compiled)
-    masks = [
-        n.kwargs["attn_mask"] for n in next(iter(compiled.values())).graph.graph.nodes if n.target is FORWARD
-    ]
+    graph = next(iter(compiled.values())).graph.graph
+    masks = [n.kwargs["attn_mask"] for n in graph.nodes if n.target is FORWARD]
     assert all(info(m).layouts[0].placements == (Shard(2),) for m in masks), "the mask follows the queries"
 
 
