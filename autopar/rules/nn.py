@@ -15,7 +15,7 @@ import torch
 
 from autopar.core.layout import P, Placement, R, Shard
 from autopar.core.strategy import AxisStrategy, OpCall, TensorSpec
-from autopar.rules import local_ops
+from autopar.rules import context_parallel, local_ops
 from autopar.rules.base import LocalCall, LocalContext, RuleRegistry, normalize_dim, with_replicated
 from autopar.rules.pointwise import (
     FIRST,
@@ -93,7 +93,8 @@ def localize_embedding_backward(ctx: LocalContext) -> LocalCall:
 
 def _attention_strategies(call: OpCall, n_main: int, grad_linear: bool) -> list[AxisStrategy]:
     """Batch (0) and heads (1) split on every tensor; an optional trailing attn_mask follows by
-    broadcasting against the (B, H, L, S) scores."""
+    broadcasting against the (B, H, L, S) scores. And the query-sequence split of
+    `context_parallel` (keys and values whole, their gradients partial sums)."""
     q = call.inputs[1 if grad_linear else 0]
     k = call.inputs[2 if grad_linear else 1]
     main = call.inputs[:n_main]
@@ -110,6 +111,8 @@ def _attention_strategies(call: OpCall, n_main: int, grad_linear: bool) -> list[
     if grad_linear and partial_ok(call.inputs[:1], call.outputs):
         ins = (P,) + (R,) * (len(call.inputs) - 1)
         result.append(AxisStrategy(ins, (P,) * len(call.outputs)))
+    # Queries split along the sequence, keys and values whole (context parallelism).
+    result += context_parallel.sequence_strategies(call)
     return with_replicated(call, result)
 
 
@@ -416,6 +419,9 @@ RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
 
 ANCHORS: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
     aten.convolution.default: convolution_rule,
+}
+
+ATTENTION: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_rule,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_backward_rule,
 }
@@ -429,6 +435,8 @@ def register(registry: RuleRegistry) -> None:
         rules.register(op, rule)
     for op, rule in ANCHORS.items():
         rules.register(op, rule, anchor=True)
+    for op, rule in ATTENTION.items():  # causal with a split sequence: the rows' own mask
+        rules.register(op, rule, localize=context_parallel.localize_attention, anchor=True)
     rules.register(
         aten.convolution_backward.default,
         convolution_backward_rule,

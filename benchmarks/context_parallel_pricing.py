@@ -1,0 +1,85 @@
+"""Does the search price context parallelism and choose it where it is cheaper? The zoo's LLaMA
+(width 256, 2 layers) planned on the h100-nvlink-ib table with and without the attention rules'
+sequence split (everything else the default registry): the searched plan's objective in each case
+(modeled seconds of compute and collectives, `SearchReport.final_cost`) and the layout the search
+gave the first attention call. Modeled, not measured. Run: `python benchmarks/context_parallel_pricing.py`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `examples` is a plain directory at the repository root
+    sys.path.insert(0, str(ROOT))
+
+from autopar.compiler.driver import trace_for  # noqa: E402
+from autopar.core.layout import Shard  # noqa: E402
+from autopar.core.mesh import Mesh  # noqa: E402
+from autopar.core.strategy import AxisStrategy, OpCall  # noqa: E402
+from autopar.planning.search import search_layouts  # noqa: E402
+from autopar.planning.search_cost import TimeCost  # noqa: E402
+from autopar.rules import nn as nn_rules  # noqa: E402
+from autopar.rules.base import RuleRegistry  # noqa: E402
+from autopar.rules.context_parallel import BACKWARD, FORWARD, localize_attention  # noqa: E402
+from autopar.rules.registry import default_registry  # noqa: E402
+from examples.zoo import make_llama  # noqa: E402
+
+CASES = [  # mesh, sequence, batch, query heads, k/v heads
+    ((4,), 1024, 2, 2, 1),
+    ((8,), 4096, 1, 8, 2),
+    ((2, 4), 2048, 2, 4, 1),
+]
+
+
+def without_sequence_split() -> RuleRegistry:
+    """The default registry with the attention pair offering batch and heads splits only."""
+    registry = default_registry()
+
+    def forward(call: OpCall) -> list[AxisStrategy]:
+        return [s for s in nn_rules.sdpa_rule(call) if s.inputs[0] != Shard(2)]
+
+    def backward(call: OpCall) -> list[AxisStrategy]:
+        return [s for s in nn_rules.sdpa_backward_rule(call) if s.inputs[1] != Shard(2)]
+
+    for op, rule in ((FORWARD, forward), (BACKWARD, backward)):
+        registry.register(op, rule, family="nn", localize=localize_attention, anchor=True, uneven=True)
+    return registry
+
+
+def main() -> None:
+    print(
+        "| mesh | sequence | batch | heads (k/v) | first attention's inputs, searched | objective with CP (ms) | without (ms) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for shape, seq, batch, heads, kv_heads in CASES:
+        model, _ = make_llama(
+            0,
+            batch_size=batch,
+            n_head=heads,
+            n_kv_head=kv_heads,
+            seq_len=seq,
+            dim=256,
+            hidden=512,
+            vocab_size=512,
+        )
+        ids = torch.randint(512, (batch, seq), generator=torch.Generator().manual_seed(0))
+        mesh = Mesh.from_shape(shape)
+        gm = trace_for(model, mesh, (ids, ids))
+        steps, layouts = [], []
+        for registry in (default_registry(), without_sequence_split()):
+            plan = search_layouts(
+                gm, mesh, registry, cost=TimeCost("h100-nvlink-ib", shape), memory_limit=float("inf")
+            )
+            steps.append(gm.meta["autopar_search"].final_cost * 1e3)
+            first = next(n for n in gm.graph.nodes if n.target is FORWARD)
+            layouts.append(str(plan.strategies[first.name]).split(" ->")[0])
+        print(
+            f"| {shape} | {seq} | {batch} | {heads} ({kv_heads}) | `{layouts[0]}` | {steps[0]:.3f} | {steps[1]:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
