@@ -14,13 +14,16 @@ chosen mesh's modeled step with overlap, "step ms" its no-overlap sum of the com
     python benchmarks/plan_scale.py --searched 0 --ranks 64   # search every candidate (slow)
     python benchmarks/plan_scale.py --model gpt3-175b --layers 4 --ranks 64 --microbatches 8
     python benchmarks/plan_scale.py --model gpt3-175b --ranks 1536 --microbatches 96 --cpu-limit 900
+    python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --microbatches 96 --cuts-only
 
 `--model gpt3-175b` / `gpt-1t` is the PTD-P shape of benchmarks/ptdp_modeled.py (GPT, hidden 12288 /
 25600, 96 / 160 heads, sequence 2048, vocabulary 51200, bfloat16, batch = ranks) on the A100 table
 with an 80 GB limit; `--microbatches M` makes pipeline depths compete
 (`autopar.compiler.pipeline_mesh.choose_pipeline_mesh`, every factorization up to 4 axes for every
 stage sub-mesh), `--no-bound` prices every depth (no branch and bound). `--cpu-limit S` stops a
-run after S CPU seconds and records it as not finished.
+run after S CPU seconds and records it as not finished. `--cuts-only` times the part of the pipeline
+choice that prices every depth's ideal cuts (every schedule of `AUTO_CANDIDATES`, work divided
+ideally by the stage sub-mesh) on the full-depth trace, without the sub-mesh choices.
 
 Writes benchmarks/results/plan_scale.json (`--name` to change).
 """
@@ -95,6 +98,42 @@ def measure_gpt(
         chosen = result.mesh_choice.chosen
         out.update(mesh=chosen.label, schedule="-", step_ms=chosen.rank_time * 1e3)
     return out
+
+
+def measure_cuts(name: str, ranks: int, layers: int, microbatches: int) -> dict[str, Any]:
+    """Every depth's ideal cuts, as `choose_pipeline_mesh` prices them before any sub-mesh choice."""
+    import math
+
+    import torch
+
+    from autopar.compiler.pipeline_mesh import _cuts, _StageGraphs
+    from autopar.cost.hardware import load_hardware
+    from autopar.passes.trace import trace
+    from autopar.planning.step_accounting import PLAIN
+    from examples.models import GPT, GPTConfig
+
+    hidden, heads = MODELS[name]
+    cfg = GPTConfig(vocab_size=51200, block_size=SEQ, n_layer=layers, n_head=heads, n_embd=hidden)
+    model = on_meta(lambda: GPT(cfg)).to(torch.bfloat16)
+    idx = torch.zeros(ranks, SEQ, dtype=torch.long)
+    import_lazy_modules()
+    cpu = time.process_time()
+    gm = trace(model, (idx, idx), decompose=True)
+    traced = time.process_time() - cpu
+    cpu = time.process_time()
+    graphs = _StageGraphs(gm, load_hardware("a100-cluster"))
+    depths = [p for p in range(2, ranks + 1) if ranks % p == 0]
+    cuts = {
+        pp: _cuts(graphs, pp, ranks // pp, microbatches=microbatches, limit=80e9, weight_state=PLAIN, recompute=False)
+        for pp in depths
+    }
+    spent = time.process_time() - cpu
+    priced = sum(1 for found in cuts.values() for _, _, c in found if not isinstance(c, Exception))
+    best = min((c.step_time for found in cuts.values() for _, _, c in found
+                if not isinstance(c, Exception) and c.fits), default=math.inf)  # fmt: skip
+    return {"model": name, "ranks": ranks, "layers": layers, "microbatches": microbatches, "trace_cpu_s": traced,
+            "cuts_cpu_s": spent, "depths": len(depths), "cuts": len(depths) * len(next(iter(cuts.values()))),
+            "priced": priced, "best_ideal_ms": best * 1e3}  # fmt: skip
 
 
 def measure(ranks: int, layers: int, hardware: str, searched: int | None) -> dict[str, Any]:
@@ -183,9 +222,21 @@ def main() -> None:
         "--no-bound", action="store_true", help="price every pipeline depth (no branch and bound)"
     )
     parser.add_argument("--cpu-limit", type=float, default=0.0, help="CPU seconds per run (0: none)")
+    parser.add_argument("--cuts-only", action="store_true", help="time every depth's ideal cuts only")
     args = parser.parse_args()
     clock = RunClock()
     ctx = multiprocessing.get_context("spawn")
+    if args.cuts_only:
+        runs = []
+        for layers in args.layers:
+            for ranks in args.ranks:
+                with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
+                    run = pool.submit(measure_cuts, args.model, ranks, layers, args.microbatches or 1).result()
+                runs.append(run)
+                print(f"  {run}", flush=True)
+        path = write_result(args.name, {"notes": args.notes, **clock.record(), "runs": runs})
+        print(f"wrote {path}")
+        return
     if args.model != "llama-7b":
         gpt_main(args, clock, ctx)
         return

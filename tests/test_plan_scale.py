@@ -224,3 +224,33 @@ def test_depths_bounded_by_their_ideal_cut_choose_as_pricing_every_depth() -> No
         for c in every.candidates
         if (c.pp, c.schedule, c.v) in priced
     )
+
+
+def test_the_fast_path_picks_the_exhaustive_rankings_plan() -> None:
+    """Issue 29 item 4: on a space small enough to rank exhaustively (16 ranks: 8 tensor meshes,
+    pipeline depths 2 and 4 with their sub-meshes), the default choice (the screen searches the
+    best 4 meshes of each choice, depths bounded by their ideal cut, stage graphs analysed once
+    per sub-mesh size) picks the plan of searching every mesh and pricing every depth."""
+    from autopar.compiler.pipeline_mesh import choose_pipeline_mesh
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128))
+    idx = torch.zeros(16, 64, dtype=torch.long)
+    fast, exhaustive = (
+        choose_pipeline_mesh(model, 16, (idx, idx), microbatches=2, hardware=HW, **kwargs)  # type: ignore[arg-type]
+        for kwargs in ({}, {"bound_depths": False, "searched_candidates": 0})
+    )
+    chosen, every = fast.chosen, exhaustive.chosen
+    assert not chosen.error and chosen.fits
+    assert (chosen.pp, chosen.mesh_shape, chosen.schedule, chosen.v) == (
+        every.pp,
+        every.mesh_shape,
+        every.schedule,
+        every.v,
+    )
+    assert chosen.step_time == every.step_time and chosen.memory == every.memory
+    # the fast path did skip work: meshes left unsearched by the screen, or depths not priced
+    assert fast.tensor_only is not None and exhaustive.tensor_only is not None
+    assert not all(c.searched for c in fast.tensor_only.candidates)
+    assert all(c.searched for c in exhaustive.tensor_only.candidates)
+    assert len(exhaustive.tensor_only.candidates) == 8

@@ -19,6 +19,7 @@ from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.passes import fused
 from autopar.passes.trace import trace
 from autopar.planning.mesh_choice import OVERLAP_CANDIDATES, SEARCHED_CANDIDATES, MeshChoice, rank_meshes
+from autopar.planning.search_steps import StepCache
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.runtime.agreement import decided_on_rank0
@@ -43,6 +44,7 @@ def choose_mesh(
     mixed_precision: MixedPrecision | None = None,
     keep_plan: bool = False,
     traced: fx.GraphModule | None = None,
+    steps: StepCache | None = None,
 ) -> MeshChoice:
     """Trace `model` once and rank every candidate mesh of `world_size` ranks on it
     (`autopar.planning.mesh_choice.rank_meshes`, with `scheduled_step_time` for the overlap step).
@@ -56,6 +58,8 @@ def choose_mesh(
     `traced`: the joint graph of `model` on `example_inputs` as this function would trace it (same
     decompose, split_fused, autocast and precision), planned instead of tracing again: the pipeline
     choice asks one microbatch's choice for every depth, and a 96-layer trace costs seconds each.
+    `steps`: a `StepCache` shared with other choices (the pairs of placements the searches price
+    depend on the number of mesh axes only; the pipeline choice hands one to every depth).
 
     Raises `MemoryLimitError` when no candidate fits (with the leanest candidate's need) and
     `ShardingError`-like `AutoparError`s when no candidate has a plan at all.
@@ -77,6 +81,7 @@ def choose_mesh(
         overlap_candidates=overlap_candidates,
         searched=searched_candidates,
         keep_plan=keep_plan,
+        steps=steps,
     )
     if choice.chosen_plan is not None:
         gm.meta.pop("autopar_search", None)  # (the last search's report: not the chosen mesh's)

@@ -48,11 +48,13 @@ from autopar.compiler.pipeline import split_microbatches
 from autopar.compiler.pipeline_choice import AUTO_CANDIDATES
 from autopar.core.errors import AutoparError, MeshError
 from autopar.core.meta import has_info, info
-from autopar.cost.hardware import load_hardware
+from autopar.cost.hardware import Hardware, load_hardware
 from autopar.passes.trace import trace
-from autopar.planning.mesh_choice import MeshChoice
-from autopar.planning.stage_cut import cut_stages
+from autopar.planning.mesh_choice import SEARCHED_CANDIDATES, MeshChoice
+from autopar.planning.search_steps import StepCache
+from autopar.planning.stage_cut import cut_graph
 from autopar.planning.stage_result import StageCut, format_seconds
+from autopar.planning.stage_units import StageGraph, stage_graph
 from autopar.planning.step_accounting import PLAIN, WeightState, gradient_reduction_time
 from autopar.rules.base import RuleRegistry
 from autopar.runtime.agreement import decided_on_rank0
@@ -134,6 +136,7 @@ def choose_pipeline_mesh(
     weight_state: WeightState = PLAIN,
     recompute: bool = False,
     bound_depths: bool = True,
+    searched_candidates: int = SEARCHED_CANDIDATES,
 ) -> PipelineMeshChoice:
     """Rank the tensor-only mesh choice's best beside every pipeline depth of `depths` (default:
     every divisor of `world_size` above 1 that the model has modules enough for) and schedule.
@@ -142,14 +145,18 @@ def choose_pipeline_mesh(
     does not recompute, so `recompute=True` models a run that does (the PTD-P benchmark).
     `bound_depths`: skip a depth's stage sub-mesh choice (its most expensive part) when its
     fastest fitting ideal cut is already slower than the best candidate priced (module doc:
-    branch and bound, the same choice as pricing every depth); False prices every depth."""
+    branch and bound, the same choice as pricing every depth); False prices every depth.
+    `searched_candidates`: handed to every mesh choice (`choose_mesh`; 0 searches every mesh):
+    with `bound_depths=False` and 0 the ranking is exhaustive (`tests/test_plan_scale.py` holds the
+    default's choice to it)."""
     example = tuple(example_inputs)
     candidates: list[PipelineCandidate] = []
     tensor_only: MeshChoice | None = None
+    steps = StepCache()  # pairs of placements, shared by every choice below (they depend on ndim only)
     try:
         tensor_only = choose_mesh(model, world_size, example, hardware=hardware, memory_limit=memory_limit,
-                                  example_kwargs=example_kwargs,
-                                  registry=registry)  # fmt: skip
+                                  example_kwargs=example_kwargs, registry=registry,
+                                  searched_candidates=searched_candidates, steps=steps)  # fmt: skip
         best = tensor_only.chosen
         candidates.append(
             PipelineCandidate(
@@ -171,8 +178,9 @@ def choose_pipeline_mesh(
     wanted = depths if depths is not None else [p for p in range(2, world_size + 1) if world_size % p == 0]
     limit = math.inf if memory_limit is None else memory_limit
     hw = load_hardware(hardware)
+    graphs = _StageGraphs(gm, hw)  # one analysis per stage sub-mesh size, shared by its schedules
     cut_all = functools.partial(
-        _cuts, gm, microbatches=microbatches, hardware=hardware, limit=limit, weight_state=weight_state,
+        _cuts, graphs, microbatches=microbatches, limit=limit, weight_state=weight_state,
         recompute=recompute,
     )  # fmt: skip
     # every depth's ideal cuts first: they do not need the stage sub-mesh's plan, which only slows them
@@ -200,7 +208,8 @@ def choose_pipeline_mesh(
                 # the whole model on t ranks need not fit: a stage holds 1/pp of it (the cut's memory)
                 sub = choose_mesh(
                     model, t, piece_args, hardware=hardware, registry=registry, example_kwargs=piece_kwargs,
-                    memory_limit=math.inf, traced=piece[0],
+                    memory_limit=math.inf, traced=piece[0], searched_candidates=searched_candidates,
+                    steps=steps,
                 )  # fmt: skip
             except AutoparError as exc:
                 rows[pp] = [PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0])]
@@ -251,13 +260,28 @@ def _param_bytes(gm: Any) -> float:
     )
 
 
+class _StageGraphs:
+    """`stage_graph` of one traced graph per stage sub-mesh size t, each analysed once: every
+    depth cuts it for each schedule of `AUTO_CANDIDATES`, before and after its sub-mesh choice
+    (a walk over every node of a 96-layer graph each time, otherwise)."""
+
+    def __init__(self, gm: fx.GraphModule, hardware: Hardware) -> None:
+        self.gm, self.hardware = gm, hardware
+        self.by_size: dict[int, StageGraph] = {}
+
+    def of(self, t: int) -> StageGraph:
+        found = self.by_size.get(t)
+        if found is None:
+            found = self.by_size[t] = stage_graph(self.gm, self.hardware, t)
+        return found
+
+
 def _cuts(
-    gm: fx.GraphModule,
+    graphs: _StageGraphs,
     pp: int,
     t: int,
     *,
     microbatches: int,
-    hardware: str,
     limit: float,
     weight_state: WeightState,
     recompute: bool,
@@ -271,9 +295,9 @@ def _cuts(
     out: list[tuple[str, int, StageCut | AutoparError]] = []
     for name, v in AUTO_CANDIDATES:
         try:
-            cut = cut_stages(
-                gm, pp=pp, microbatches=microbatches, v=v, schedule=name, hardware=hardware,
-                tensor_size=t, memory_limit=limit, weight_state=weight_state, state_shards=shards,
+            cut = cut_graph(
+                graphs.of(t), pp=pp, microbatches=microbatches, v=v, schedule=name,
+                memory_limit=limit, weight_state=weight_state, state_shards=shards,
                 grad_reduce=grad, recompute=recompute,
             )  # fmt: skip
         except AutoparError as exc:

@@ -217,6 +217,7 @@ def rank_meshes(
     overlap_candidates: int = OVERLAP_CANDIDATES,
     searched: int = SEARCHED_CANDIDATES,
     keep_plan: bool = False,
+    steps: StepCache | None = None,
 ) -> MeshChoice:
     """Plan the traced joint graph `gm` on every candidate mesh of `world_size` ranks and rank them
     (module doc). `step_time(gm, plan, mesh, registry, hardware, memory_limit)` is the modeled step
@@ -224,7 +225,9 @@ def rank_meshes(
     `scheduled_step_time`), asked for at most `overlap_candidates` of the fitting candidates.
     With more than `searched` candidates (search planner), the `searched` best by the screen's
     cheap plans are searched, more only while none of those fits (`mesh_screen`; 0: all).
-    `keep_plan`: keep the chosen candidate's searched plan in `choice.chosen_plan`.
+    `keep_plan`: keep the chosen candidate's searched plan in `choice.chosen_plan`. `steps`: the
+    pairs of placements already worked out (a cache shared by several choices: the pipeline
+    choice's sub-meshes; they depend on the number of axes only).
     """
     meshes = []
     for shape, names in candidates if candidates is not None else mesh_candidates(world_size):
@@ -232,7 +235,7 @@ def rank_meshes(
         if mesh.size != world_size:
             raise MeshError(f"candidate mesh {mesh} does not have {world_size} ranks")
         meshes.append(mesh)
-    steps = StepCache()  # pairs of placements: worked out once per number of axes, not per mesh
+    steps = steps if steps is not None else StepCache()  # pairs of placements: once per number of axes
     costs = [TimeCost(hardware, mesh.shape, steps=steps) for mesh in meshes]
     limit = math.inf
     if costs:

@@ -38,11 +38,11 @@ def balance(
     ok = [True] * (n + 1) if allowed is None else list(allowed)
     ok[0] = ok[n] = True
 
-    def seg(i: int, j: int, s: int) -> float:
-        if fits is not None and not fits(i, j, s):
-            return math.inf
-        return prefix[j] - prefix[i]
+    def fitting(i: int, j: int, s: int) -> bool:
+        return fits is None or fits(i, j, s)
 
+    # `fits` (a stage's memory) is what costs: asked lazily, after the cheap time test, so each
+    # entry below is the min / first of the same candidates the full scan takes.
     inf = math.inf
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0.0
@@ -50,10 +50,20 @@ def balance(
         for j in range(s, n + 1):
             if not ok[j] or (s == num_stages) != (j == n):
                 continue
-            best[s][j] = min(
-                (max(best[s - 1][i], seg(i, j, s - 1)) for i in range(s - 1, j) if best[s - 1][i] < inf),
-                default=inf,
-            )
+            # min over fitting i of max(best[s-1][i], time of [i, j)): candidates by that value
+            # (ties: the earlier i), the first that fits is the min
+            ranked = [
+                (max(best[s - 1][i], prefix[j] - prefix[i]), i)
+                for i in range(s - 1, j)
+                if best[s - 1][i] < inf
+            ]
+            if not ranked:
+                continue
+            value, i = min(ranked)
+            if not fitting(i, j, s - 1):  # (usually the lowest fits: sort only when it does not)
+                ranked.sort()
+                value = next((value for value, i in ranked if fitting(i, j, s - 1)), inf)
+            best[s][j] = value
     limit = best[num_stages][n]
     if limit == inf:
         return None
@@ -67,7 +77,12 @@ def balance(
                 continue
             extra = sizes[j] if j < n else 0.0
             for i in range(s - 1, j):
-                if cost[s - 1][i] < inf and seg(i, j, s - 1) <= bound and cost[s - 1][i] + extra < cost[s][j]:
+                if (
+                    cost[s - 1][i] < inf
+                    and cost[s - 1][i] + extra < cost[s][j]
+                    and prefix[j] - prefix[i] <= bound
+                    and fitting(i, j, s - 1)
+                ):
                     cost[s][j], back[s][j] = cost[s - 1][i] + extra, i
     cuts = []
     j = n

@@ -22,8 +22,10 @@ each rank's last backward; the optimizer step; optionally full recomputation of 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch.fx as fx
 
@@ -35,7 +37,7 @@ from autopar.cost.hardware import Hardware, axis_links
 from autopar.planning.memory import MEMORY_HEADROOM
 from autopar.planning.stage_balance import balance, in_flight, peak_activations
 from autopar.planning.stage_result import Stage, StageCut, stage_durations
-from autopar.planning.stage_units import StageGraph, Unit, compact, stage_graph
+from autopar.planning.stage_units import SavedActivation, StageGraph, Unit, compact, stage_graph
 from autopar.planning.step_accounting import (
     PLAIN,
     WeightState,
@@ -235,6 +237,26 @@ def forced_cut(graph: StageGraph, names: Sequence[str], num_stages: int) -> tupl
     return tuple(cuts)
 
 
+Segments = dict[tuple[int, int], tuple[float, float, float]]
+# The segments of the last few (graph, accounting) pairs: a pipeline choice cuts one graph with
+# every schedule of a depth, and a segment's memory does not depend on the schedule.
+_SEGMENT_MEMOS: OrderedDict[tuple[Any, ...], tuple[StageGraph, Segments]] = OrderedDict()
+SEGMENT_MEMOS = 16
+
+
+def _segment_memo(graph: StageGraph, *accounting: Any) -> Segments:
+    """The segments already priced on `graph` under `accounting` (kept for the last
+    `SEGMENT_MEMOS` pairs; the graph is held with them, so its id cannot be reused)."""
+    key = (id(graph), *accounting)
+    found = _SEGMENT_MEMOS.get(key)
+    if found is None or found[0] is not graph:
+        found = _SEGMENT_MEMOS[key] = (graph, {})
+    _SEGMENT_MEMOS.move_to_end(key)
+    while len(_SEGMENT_MEMOS) > SEGMENT_MEMOS:
+        _SEGMENT_MEMOS.popitem(last=False)
+    return found[1]
+
+
 class _StageModel:
     """Prices a run of units as one stage of a schedule."""
 
@@ -263,7 +285,17 @@ class _StageModel:
             else u
             for u, again in zip(graph.units, self.again, strict=True)
         )
-        self._segments: dict[tuple[int, int], tuple[float, float, float]] = {}
+        self._segments = _segment_memo(graph, microbatches, weight_state, self.shards, recompute)
+        # per unit, the saved activations and parameters it touches: a segment's are the union of
+        # its units', not a scan of the whole model's (the cut asks for up to n^2 / 2 segments)
+        self._saved_at: list[list[int]] = [[] for _ in graph.units]
+        for k, a in enumerate(graph.saved):
+            for u in a.units:
+                self._saved_at[u].append(k)
+        self._params_at: list[list[str]] = [[] for _ in graph.units]
+        for p, us in graph.used_by.items():
+            for u in set(us):
+                self._params_at[u].append(p)
 
     def segment(self, i: int, j: int) -> tuple[float, float, float]:
         """(states, activations per microbatch, once-per-step activations) of units [i, j), kept:
@@ -302,7 +334,8 @@ class _StageModel:
         return sum(n * self.weight_state.step_bytes(size) for n, size in self._local(names))
 
     def params(self, i: int, j: int) -> set[str]:
-        return {p for p, us in self.graph.used_by.items() if any(i <= u < j for u in us)}
+        """The parameters and buffers units [i, j) read."""
+        return {p for u in range(i, j) for p in self._params_at[u]}
 
     def activations(self, i: int, j: int) -> tuple[float, float, float]:
         """(per microbatch, once per step, rebuilt by recomputation) saved bytes per tensor rank
@@ -312,7 +345,7 @@ class _StageModel:
         g = self.graph
         per_mb = fixed = 0.0
         own = [0.0] * len(g.units)
-        for a in g.saved:
+        for a in self._saved(i, j):
             mine = [u for u in a.units if i <= u < j]
             if not mine:
                 continue
@@ -327,6 +360,13 @@ class _StageModel:
             if self.again[k]:
                 per_mb += sum(x.bytes for x in g.crossing[k] if x.per_batch) / self.m
         return per_mb / self.t, fixed / self.t, max(own, default=0.0) / self.t
+
+    def _saved(self, i: int, j: int) -> list[SavedActivation]:
+        """The saved activations some unit of [i, j) reads, in the graph's order."""
+        if j - i == 1:
+            return [self.graph.saved[k] for k in self._saved_at[i]]
+        found = sorted({k for u in range(i, j) for k in self._saved_at[u]})
+        return [self.graph.saved[k] for k in found]
 
     def stage_memory(self, i: int, j: int, s: int) -> float:
         states, per_mb, fixed = self.segment(i, j)
