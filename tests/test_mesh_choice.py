@@ -153,7 +153,8 @@ def test_a_limit_no_mesh_fits_raises_with_the_table(
     model_and_batch: tuple[GPT, tuple[torch.Tensor, torch.Tensor]], choice: MeshChoice
 ) -> None:
     model, batch = model_and_batch
-    limit = 0.3 * min(c.memory for c in choice.candidates)
+    # (a candidate whose plan stores its weights replicated could store 1/8 of them instead)
+    limit = 0.3 * min(c.memory / (8 if c.storage == "replicated" else 1) for c in choice.candidates)
     with pytest.raises(autopar.MemoryLimitError) as caught:
         choose_mesh(
             model,
