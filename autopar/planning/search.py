@@ -204,7 +204,8 @@ def search_layouts(
         ):
             final.start = start.search_plan(gm, mesh)
     problem = run.problem
-    report.chosen_seed, report.chosen_roles, report.sweeps = run.name, run.seed.roles, run.sweeps
+    prefix = "" if run.storage == SHARDED else run.storage + ":"  # (as `report.seeds` names it)
+    report.chosen_seed, report.chosen_roles, report.sweeps = prefix + run.name, run.seed.roles, run.sweeps
     report.storage = final.storage = run.storage
     report.variables, report.chains = len(problem.vars), len(problem.chains)
     report.final_cost = best.cost
