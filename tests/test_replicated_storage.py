@@ -111,13 +111,15 @@ def test_replicated_needs_the_weights_to_fit(traced: Any) -> None:
     assert tight.storage == SHARDED and tight.memory is not None and tight.memory.total <= whole * 0.99
 
 
-def test_element_counts_tie_and_the_leaner_wins(traced: Any) -> None:
+def test_element_counts_keep_weights_sharded(traced: Any) -> None:
     """In element counts a weight's gather plus its gradient's reduce-scatter moves what one
-    all-reduce moves: the two tie, and the sharded plan (less memory) is kept."""
+    all-reduce moves and memory has no price: explicit meshes planned without a table keep ~1/p
+    per rank unless replicated storage is asked for."""
     gm, mesh = traced
     cost = ElementCost(SHAPE)
-    plan = search_layouts(gm, mesh, default_registry(), cost=cost)
-    assert plan.storage == SHARDED
+    assert search_layouts(gm, mesh, default_registry(), cost=cost).storage == SHARDED
+    forced = search_layouts(gm, mesh, default_registry(), cost=cost, storage=REPLICATED)
+    assert forced.storage == REPLICATED
 
 
 def test_cpu_table_memory_is_the_machines_over_its_ranks() -> None:

@@ -167,8 +167,8 @@ def search_layouts(
     bytes per rank (None: the default of the cost's hardware; math.inf: none). `shared`: the
     candidate lists and greedy memo of earlier greedy passes on this graph and mesh.
     `storage`: how weights are stored (`planning.storage`): "sharded", "replicated", or "auto"
-    (default): both searched where the weights fit replicated (`replicated_fits`), the cheaper
-    plan kept (on a tie, the leaner)."""
+    (default): on a hardware table where the weights fit replicated (`replicated_fits`), both
+    searched and the cheaper plan kept (on a tie, the leaner); in element counts, sharded."""
     if storage not in ("auto", *STORAGE_MODES):
         raise AutoparError(f"unknown weight storage {storage!r}", hint='use "auto", "sharded" or "replicated"')
     cost = cost or ElementCost(mesh.shape)
@@ -177,7 +177,7 @@ def search_layouts(
     facts = GraphFacts.of(gm)
     if shared is None:  # (the mesh choice hands over what its screen worked out on this mesh)
         shared = Shared(work={name: work for name, _, work, _ in facts.calls})
-    modes = [m for m in (storage,) if m != "auto"] or [SHARDED, *([REPLICATED] if replicated_fits(gm, limit) else [])]
+    modes = [m for m in (storage,) if m != "auto"] or [SHARDED, *([REPLICATED] if _replicas_wanted(gm, cost, limit) else [])]
     runs = [
         _from_seed(gm, mesh, registry, cost, shared, facts, start, limit, max_sweeps, report, mode)
         for mode in modes
@@ -370,6 +370,15 @@ def _from_seed(
 def _stored(gm: fx.GraphModule, plan: Plan, mesh: Mesh, storage: str) -> Plan:
     """`plan` (as the greedy pass lays weights out: sharded) with its weights stored as `storage`."""
     return replicate_storage(gm, plan, mesh.shape) if storage == REPLICATED else plan
+
+
+def _replicas_wanted(gm: fx.GraphModule, cost: ElementCost, limit: float) -> bool:
+    """Whether `storage="auto"` searches replicated storage too: on a hardware table (seconds,
+    which see what replicas save: a collective's latency and its own time on the rank, the
+    gathers on the critical path) where the weights fit replicated. In element counts a gather
+    plus a reduce-scatter moves what an all-reduce moves and memory has no price, so plans priced
+    that way (explicit meshes without a table) keep ~1/p per rank."""
+    return isinstance(cost, TimeCost) and replicated_fits(gm, limit)
 
 
 def replicated_fits(gm: fx.GraphModule, limit: float) -> bool:
