@@ -42,10 +42,12 @@ from autopar.options import (
     from_keywords,
 )
 from autopar.passes import fused
+from autopar.planning.memory import MEMORY_HEADROOM
 from autopar.rules.registry import default_registry
 from autopar.runtime.checkpoint import LoadResult
 from autopar.runtime.checkpoint import load_checkpoint as load_parallel_checkpoint
 from autopar.runtime.checkpoint_save import save_dcp, save_safetensors
+from autopar.runtime.device_memory import rank_memory
 from autopar.runtime.groups import (
     DEFAULT_TIMEOUT_S,
     as_timeout,
@@ -86,7 +88,8 @@ def parallelize(
     example_inputs, example_kwargs: a batch as the model's calls pass it (positions, keywords).
     mesh_shape: "auto" with the job's DeviceMesh or world size as `mesh`: every factorization is
         planned and the fastest that fits runs; the ranked table is `result.mesh_choice`.
-    memory_limit: bytes per rank the plan's modeled memory must fit (default: none).
+    memory_limit: bytes per rank the plan's modeled memory must fit (default: 90% of a rank's
+        device memory; a CPU rank's is the machine's memory over the job's ranks on it).
     mp_policy: torch's `MixedPrecisionPolicy(param_dtype=...)`: float32 master weights, compute in
         `param_dtype` (docs/architecture.md).
     compile: True runs every program's graphs through `torch.compile` (Inductor).
@@ -136,6 +139,8 @@ def parallelize(
         )
     # hardware=None: by the mesh's device type, as `plan(device_type=...)` resolves it
     hardware, layout_hardware = default_tables(planning.hardware, _device_type(mesh))
+    if memory_limit is None:  # the device's memory (a CPU rank: the machine's over its local ranks)
+        memory_limit = default_memory_limit(_device_type(mesh))
     options = ModuleOptions(
         registry=registry,
         planner=planner,
@@ -237,6 +242,13 @@ def _check_mesh(mesh: Any) -> Mesh:
     if not 1 <= mesh.ndim <= 4:
         raise MeshError(f"meshes of 1 to 4 axes are supported, got {mesh.ndim}", hint="merge or drop axes")
     return Mesh.from_device_mesh(mesh)
+
+
+def default_memory_limit(device_type: str) -> float | None:
+    """`parallelize`'s default `memory_limit`: `MEMORY_HEADROOM` of one rank's memory on
+    `device_type` (`runtime.device_memory`), None where that is not known."""
+    memory = rank_memory(device_type)
+    return None if memory is None else MEMORY_HEADROOM * memory
 
 
 def _device_type(mesh: DeviceMesh | int) -> str:

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.core.meta import has_info, info
+from autopar.cost.formulas import ADAMW_STATE_FACTOR, memory_per_rank
 from autopar.passes.trace import trace
 from autopar.planning.greedy import choose_layouts
 from autopar.planning.memory import MEMORY_HEADROOM, plan_memory, weight_chain
@@ -49,7 +50,8 @@ def setup() -> dict[str, Any]:
     gm = trace(model, batch, decompose=True)
     mesh = autopar.Mesh.from_shape(SHAPE)
     cost = TimeCost(HW, SHAPE)
-    free = search_layouts(gm, mesh, default_registry(), cost=cost, memory_limit=math.inf)
+    # (sharded storage: replicated weights, which the search may pick where they fit, need more)
+    free = search_layouts(gm, mesh, default_registry(), cost=cost, memory_limit=math.inf, storage="sharded")
     memory = plan_memory(gm, free, SHAPE).breakdown()
     static = memory.params + memory.grads + memory.optimizer
     return {
@@ -113,11 +115,18 @@ def test_limit_makes_backward_gather_weights_again(setup: dict[str, Any]) -> Non
     assert report.memory == pytest.approx(lean.total)
 
 
+def _below_replicated(gm: fx.GraphModule) -> float:
+    """A limit just under every weight whole with its gradient and AdamW states: no replicated plan fits."""
+    params = sum(n.meta["val"].numel() * 4 for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "param")
+    return 0.999 * memory_per_rank(params, params, ADAMW_STATE_FACTOR).total
+
+
 def test_compiled_program_saves_less_and_gathers_in_backward(setup: dict[str, Any]) -> None:
     # a tight limit: recomputing both blocks is not enough (on the H100 table recomputation is the
     # cheaper per byte, so it goes first), gathered weights must be gathered again as well
     limit = _limit(setup, 0.2)
-    free = autopar.plan(setup["model"], SHAPE, setup["batch"], planning=autopar.PlanOptions(hardware=HW), memory_limit=math.inf)
+    # the fastest plan with its weights sharded: a limit just under what replicated weights need
+    free = autopar.plan(setup["model"], SHAPE, setup["batch"], planning=autopar.PlanOptions(hardware=HW), memory_limit=_below_replicated(setup["gm"]))
     lean = autopar.plan(setup["model"], SHAPE, setup["batch"], planning=autopar.PlanOptions(hardware=HW), memory_limit=limit)
     regathered = lean.compiled.graph.meta["autopar_search"].regathered
     assert regathered
@@ -225,7 +234,7 @@ def test_a_plan_under_a_memory_limit_trains_like_the_serial_model() -> None:
     gm = trace(model, batch, decompose=True, split_fused=True)  # the graph parallelize's search plans
     mesh = autopar.Mesh.from_shape(SHAPE)
     free = plan_memory(
-        gm, search_layouts(gm, mesh, default_registry(), memory_limit=math.inf), SHAPE
+        gm, search_layouts(gm, mesh, default_registry(), memory_limit=math.inf, storage="sharded"), SHAPE
     ).breakdown()
     limit = free.params + free.grads + free.optimizer + 0.7 * free.activations
     lean = search_layouts(gm, mesh, default_registry(), memory_limit=limit)

@@ -44,7 +44,10 @@ def _cost(hardware: str | None, shape: tuple[int, ...]) -> ElementCost:
 @functools.cache
 def _searched(shape: tuple[int, ...], hardware: str | None) -> tuple[float, SearchReport]:
     gm = _traced()
-    plan = search_layouts(gm, Mesh.from_shape(shape), REGISTRY, cost=_cost(hardware, shape), memory_limit=math.inf)
+    # (the seeds under sharded storage; replicated storage starts from the same seeds)
+    plan = search_layouts(
+        gm, Mesh.from_shape(shape), REGISTRY, cost=_cost(hardware, shape), memory_limit=math.inf, storage="sharded"
+    )
     report: SearchReport = gm.meta["autopar_search"]
     assert plan_cost(gm, plan, Mesh.from_shape(shape), _cost(hardware, shape)) == pytest.approx(report.final_cost)
     return report.final_cost, report
@@ -105,7 +108,7 @@ def test_unit_axes_take_the_schemes_of_the_other_axes() -> None:
 def test_without_fixed_seeds_only_roles_seed() -> None:
     gm = _traced()
     mesh = Mesh.from_shape((2, 4))
-    search_layouts(gm, mesh, REGISTRY, cost=TimeCost("h100-nvlink-ib", (2, 4)), fixed_seeds=False)
+    search_layouts(gm, mesh, REGISTRY, cost=TimeCost("h100-nvlink-ib", (2, 4)), fixed_seeds=False, storage="sharded")
     report: SearchReport = gm.meta["autopar_search"]
     assert report.seeds and not any(name.startswith(PREFIX) for name in report.seeds)
     final, seeded = _searched((2, 4), "h100-nvlink-ib")

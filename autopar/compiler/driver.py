@@ -443,7 +443,7 @@ def in_flight_budget(
     there is none (one collective in flight at a time). `IN_FLIGHT_BYTES` without a limit (a table
     without device memory, or `memory_limit=math.inf`)."""
     hw = load_hardware(hardware)
-    limit = memory_limit if memory_limit is not None else MEMORY_HEADROOM * hw.memory_capacity
+    limit = memory_limit if memory_limit is not None else MEMORY_HEADROOM * hw.rank_memory(math.prod(mesh.shape[: mesh.device_ndim]))
     if limit <= 0 or not math.isfinite(limit):
         return IN_FLIGHT_BYTES
     memory = plan.memory if isinstance(plan, SearchPlan) else None

@@ -350,6 +350,7 @@ def calibrate(
         "peak_flops": {"float32": _sig(fp32), "bfloat16": _sig(bf16)},
         "memory_bandwidth": _sig(mem_bw),
         "memory_capacity": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        "memory_shared": True,
         "intra_node": link,
         "inter_node": dict(link),
         "source": {

@@ -127,6 +127,16 @@ class Hardware:
     inter_node: Link
     source: Mapping[str, str] = field(default_factory=dict, compare=False)
     kernels: KernelRates | None = None  # measured kernel rates; None: every op at the peaks above
+    # `memory_capacity` is the machine's, shared by its local ranks (a CPU table: gloo ranks are
+    # processes of one machine), not each device's own
+    memory_shared: bool = False
+
+    def rank_memory(self, ranks: int) -> float:
+        """Bytes of memory one of `ranks` ranks has: a device's own, or on a table whose memory
+        the local ranks share, the machine's over the ranks on it (at most `devices_per_node`)."""
+        if not self.memory_shared:
+            return self.memory_capacity
+        return self.memory_capacity / max(1, min(ranks, self.devices_per_node))
 
     def peak(self, dtype: torch.dtype | str) -> float:
         """FLOP/s for `dtype`; the float32 rate when the table has no entry for it."""
@@ -147,6 +157,7 @@ class Hardware:
             "intra_node": _link_json(self.intra_node),
             "inter_node": _link_json(self.inter_node),
             "source": dict(self.source),
+            **({"memory_shared": True} if self.memory_shared else {}),
             **({"kernels": _kernels_json(self.kernels)} if self.kernels is not None else {}),
         }
 
@@ -217,6 +228,7 @@ def hardware_from_dict(data: Mapping[str, Any]) -> Hardware:
         inter_node=link("inter_node"),
         source={str(k): str(v) for k, v in data["source"].items()},
         kernels=_kernels(data.get("kernels")),
+        memory_shared=bool(data.get("memory_shared", False)),
     )
 
 

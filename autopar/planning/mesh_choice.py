@@ -76,6 +76,7 @@ class MeshCandidate:
     scheduled_time: float = math.nan  # s per step lowered, scheduled and simulated; nan: not modeled
     estimate: float = math.nan  # s per step of the screen's cheapest plan; nan: not screened
     searched: bool = True  # False: screened out (`estimate` ranked below the searched ones)
+    storage: str = ""  # how its plan stores the weights: "sharded" or "replicated" (`planning.storage`)
 
     @property
     def step_time(self) -> float:
@@ -143,7 +144,7 @@ class MeshChoice:
                         f"{c.comm_time * 1e3:.4f}",
                         f"{c.compute_time * 1e3:.4f}",
                         format_bytes(c.memory),
-                        "/".join(c.roles),
+                        "/".join(c.roles) + (f", weights {c.storage}" if c.storage else ""),
                     )
                 )
             else:
@@ -169,6 +170,7 @@ class MeshChoice:
                 "compute_seconds": c.compute_time if c.fits else None,
                 "memory_bytes_per_rank": c.memory if math.isfinite(c.memory) else None,
                 "roles": list(c.roles),
+                "storage": c.storage,
                 "error": c.error,
                 "searched": c.searched,
                 "estimate_seconds": c.estimate if math.isfinite(c.estimate) else None,
@@ -334,7 +336,7 @@ def _scheduled(
                 memory = start.memory.total if start.memory is not None else math.nan
                 out[i] = replace(
                     candidate, comm_time=comm, compute_time=compute, memory=memory, roles=start.roles,
-                    scheduled_time=from_start,
+                    scheduled_time=from_start, storage=start.storage,
                 )  # fmt: skip
                 plans[i] = start
         best = min(best, out[i].scheduled_time)
@@ -368,7 +370,8 @@ def _evaluate(
         return MeshCandidate(mesh.shape, mesh.axis_names, error=error), None
     comm, compute = plan_cost_parts(gm, plan, mesh, cost, once=True)  # as insert_comm will emit it
     memory = plan.memory.total if plan.memory is not None else math.nan
-    return MeshCandidate(mesh.shape, mesh.axis_names, comm, compute, memory, True, plan.roles), plan
+    candidate = MeshCandidate(mesh.shape, mesh.axis_names, comm, compute, memory, True, plan.roles)
+    return replace(candidate, storage=getattr(plan, "storage", "")), plan
 
 
 def _no_mesh_error(choice: MeshChoice) -> AutoparError:

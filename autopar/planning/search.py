@@ -32,12 +32,14 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from autopar.core.errors import AutoparError, MemoryLimitError
 from autopar.core.mesh import Mesh
+from autopar.core.meta import info
 from autopar.core.plan import Plan
-from autopar.cost.formulas import MemoryBreakdown, format_bytes
+from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown, format_bytes, memory_per_rank
 from autopar.planning.greedy import axis_roles, greedy_plan
 from autopar.planning.memory import MEMORY_HEADROOM, PlanMemory, plan_memory
 from autopar.planning.plan_cost import GraphFacts, plan_cost, plan_cost_parts
@@ -51,6 +53,7 @@ from autopar.planning.recompute import (
 from autopar.planning.search_cost import ElementCost, TimeCost, even_factor, even_steps
 from autopar.planning.search_problem import Problem, Shared, regather_cost
 from autopar.planning.search_seeds import fixed_seeds
+from autopar.planning.storage import REPLICATED, SHARDED, STORAGE_MODES, replicate_storage
 from autopar.rules.base import RuleRegistry
 
 __all__ = [
@@ -73,6 +76,7 @@ __all__ = [
 MAX_SWEEPS = 8
 PRICE_STEPS = 24  # memory prices tried, each 4x the last, before giving up on fitting
 PRICE_BISECTIONS = 4  # refinements between the last price that did not fit and the first that did
+TIE = 1e-9  # relative cost difference below which two plans tie (the leaner wins)
 PRICE_STALL = 3  # stop raising the price once this many raises left the plan unchanged
 
 
@@ -90,6 +94,7 @@ class SearchPlan(Plan):
     # every edge as its own collective and sees neither buckets nor overlap, so the schedule stage
     # compares the two (`compiler.driver.prefer_scheduled`, the mesh choice's schedule stage)
     start: SearchPlan | None = None
+    storage: str = SHARDED  # how the plan stores its weights (`planning.storage`)
 
 
 @dataclass
@@ -113,6 +118,7 @@ class SearchReport:
     prices: list[float] = field(default_factory=list)  # memory prices tried (cost per byte)
     regathered: tuple[str, ...] = ()  # weight chains gathered again in backward
     recomputed: tuple[str, ...] = ()  # units recomputed in backward ("op:..", "block:..", "region:..")
+    storage: str = ""  # how the chosen plan stores its weights: "sharded" or "replicated"
 
 
 @dataclass
@@ -121,6 +127,7 @@ class _Fitted:
     savings: Savings
     memory: PlanMemory | None  # None: not computed (no limit to check)
     cost: float
+    storage: str = SHARDED
 
     @property
     def regather(self) -> tuple[str, ...]:
@@ -139,6 +146,7 @@ class _Fitted:
             recompute=self.savings.recompute,
             savings=self.savings,
             memory=memory.with_activations(activations),
+            storage=self.storage,
         )
 
 
@@ -152,35 +160,53 @@ def search_layouts(
     memory_limit: float | None = None,
     fixed_seeds: bool = True,
     shared: Shared | None = None,
+    storage: str = "auto",
 ) -> SearchPlan:
     """Best seed (greedy plans over axis-role assignments and, with `fixed_seeds`, the fixed
     schemes' plans on this mesh), then exact chain moves until no gain, within `memory_limit`
     bytes per rank (None: the default of the cost's hardware; math.inf: none). `shared`: the
-    candidate lists and greedy memo of earlier greedy passes on this graph and mesh."""
+    candidate lists and greedy memo of earlier greedy passes on this graph and mesh.
+    `storage`: how weights are stored (`planning.storage`): "sharded", "replicated", or "auto"
+    (default): on a hardware table where the weights fit replicated (`replicated_fits`), both
+    searched and the cheaper plan kept (on a tie, the leaner); in element counts, sharded."""
+    if storage not in ("auto", *STORAGE_MODES):
+        raise AutoparError(f"unknown weight storage {storage!r}", hint='use "auto", "sharded" or "replicated"')
     cost = cost or ElementCost(mesh.shape)
     limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
     report = SearchReport(memory_limit=limit)
     facts = GraphFacts.of(gm)
     if shared is None:  # (the mesh choice hands over what its screen worked out on this mesh)
         shared = Shared(work={name: work for name, _, work, _ in facts.calls})
+    modes = [m for m in (storage,) if m != "auto"] or [SHARDED, *([REPLICATED] if _replicas_wanted(gm, cost, limit) else [])]
     runs = [
-        _from_seed(gm, mesh, registry, cost, shared, facts, start, limit, max_sweeps, report)
-        for start in _starts(gm, mesh, registry, cost, shared, facts, report, fixed_seeds)
+        _from_seed(gm, mesh, registry, cost, shared, facts, start, limit, max_sweeps, report, mode)
+        for mode in modes
+        for start in _starts(gm, mesh, registry, cost, shared, facts, report, fixed_seeds, mode)
     ]
     fitting = [(option, run) for run in runs for option in run.options]
     if not fitting:
         lean = min((run.leanest(gm, mesh) for run in runs), key=_leanest_need)
         raise _memory_error(lean, mesh, limit, "the leanest plan found")
-    # never worse than a start (its seed is an option); ties keep the earlier start
-    best, run = min(fitting, key=lambda t: (t[0].cost, t[0].bytes))
+    # never worse than a start (its seed is an option); ties (to rounding: sharded and replicated
+    # storage often move the same elements) keep the leaner plan, then the earlier start
+    cheapest = min(option.cost for option, _ in fitting)
+    best, run = min(
+        ((o, r) for o, r in fitting if o.cost <= cheapest + TIE * abs(cheapest)), key=lambda t: (t[0].bytes, t[0].cost)
+    )
     final = best.search_plan(gm, mesh)
     starts = [r.start for r in runs if r.start is not None]
     if starts:
         start = min(starts, key=lambda f: (f.cost, f.bytes))
-        if start.plan.strategies != best.plan.strategies or start.regather != best.regather:
+        if (
+            start.plan.strategies != best.plan.strategies
+            or start.regather != best.regather
+            or start.storage != best.storage
+        ):
             final.start = start.search_plan(gm, mesh)
     problem = run.problem
-    report.chosen_seed, report.chosen_roles, report.sweeps = run.name, run.seed.roles, run.sweeps
+    prefix = "" if run.storage == SHARDED else run.storage + ":"  # (as `report.seeds` names it)
+    report.chosen_seed, report.chosen_roles, report.sweeps = prefix + run.name, run.seed.roles, run.sweeps
+    report.storage = final.storage = run.storage
     report.variables, report.chains = len(problem.vars), len(problem.chains)
     report.final_cost = best.cost
     report.memory = final.memory.total if final.memory is not None else 0.0
@@ -198,7 +224,8 @@ def search_layouts(
     final.notes["__search__"] = (
         f"search: seed {report.seed_cost:.4g} -> {best.cost:.4g} in {report.sweeps} sweeps over "
         f"{report.variables} ops in {report.chains} chains ({report.distinct_chains} distinct) from "
-        f"seed {report.chosen_seed}; roles {'/'.join(report.chosen_roles)}{memory_note}"
+        f"seed {report.chosen_seed}; roles {'/'.join(report.chosen_roles)}; weights stored {run.storage}"
+        f"{memory_note}"
     )
     gm.meta["autopar_search"] = report
     return final
@@ -232,12 +259,15 @@ def _starts(
     facts: GraphFacts,
     report: SearchReport,
     fixed: bool = True,
+    storage: str = SHARDED,
 ) -> list[tuple[str, Plan, float]]:
     """Where the chain moves start: the cheapest greedy plan over role assignments, and (`fixed`)
     the cheapest fixed scheme's plan on this mesh when it is cheaper still. Both are searched from,
     so the result is never worse than any seed, nor than the search from the role seeds alone (a
-    cheaper start can end higher). Every seed's cost is in `report.seeds`; if no role assignment
-    and no scheme works, the most telling error of the role assignments is raised."""
+    cheaper start can end higher). Every seed's cost is in `report.seeds` (under "replicated"
+    storage named "replicated:<seed>", each seed with its weights stored as they compute); if no
+    role assignment and no scheme works, the most telling error of the role assignments is raised."""
+    prefix = "" if storage == SHARDED else storage + ":"
     best: tuple[str, Plan, float] | None = None
     errors: list[tuple[tuple[str, ...], Exception]] = []
     for roles in role_assignments(mesh):
@@ -249,7 +279,8 @@ def _starts(
             errors.append((roles, exc))
             report.failed_roles["/".join(roles)] = str(exc).splitlines()[0]
             continue
-        value = report.seeds["/".join(roles)] = plan_cost(gm, plan, mesh, cost, facts)
+        plan = _stored(gm, plan, mesh, storage)
+        value = report.seeds[prefix + "/".join(roles)] = plan_cost(gm, plan, mesh, cost, facts)
         if best is None or value < best[2]:
             best = ("/".join(roles), plan, value)
     starts = [best] if best is not None else []
@@ -259,7 +290,8 @@ def _starts(
             if isinstance(found, AutoparError):
                 report.failed_fixed[name] = found.message.splitlines()[0]
                 continue
-            value = report.seeds[name] = plan_cost(gm, found, mesh, cost, facts)
+            found = _stored(gm, found, mesh, storage)
+            value = report.seeds[prefix + name] = plan_cost(gm, found, mesh, cost, facts)
             if cheapest is None or value < cheapest[2]:
                 cheapest = (name, found, value)
         if cheapest is not None and (best is None or cheapest[2] < best[2]):
@@ -282,6 +314,7 @@ class _Run:
     start: _Fitted | None  # the seed itself, fitted (None: it does not fit)
     first: Plan  # the plan of the unpriced optimum
     lean: PlanMemory | None  # the leanest plan's memory seen while pricing memory, if priced
+    storage: str = SHARDED
 
     def leanest(self, gm: fx.GraphModule, mesh: Mesh) -> PlanMemory:
         """For the error when nothing fits: the leanest plan seen, or the unpriced optimum's."""
@@ -299,14 +332,15 @@ def _from_seed(
     limit: float,
     max_sweeps: int,
     report: SearchReport,
+    storage: str = SHARDED,
 ) -> _Run:
     name, seed, seed_cost = start
-    problem = Problem(gm, mesh, registry, seed, cost, shared.expand, shared)
+    problem = Problem(gm, mesh, registry, seed, cost, shared.expand, shared, replicated=storage == REPLICATED)
     unmoved = problem.snapshot()
     sweeps = problem.optimize(max_sweeps)
 
     def materialize() -> Plan:
-        return greedy_plan(
+        plan = greedy_plan(
             gm,
             mesh,
             registry,
@@ -315,6 +349,7 @@ def _from_seed(
             expand_cache=shared.expand,
             memo=shared.greedy,
         )
+        return _stored(gm, plan, mesh, storage)
 
     # nothing moved: the greedy pass with every decided strategy forced to the seed's is the seed
     first = materialize() if problem.snapshot() != unmoved else seed
@@ -326,7 +361,39 @@ def _from_seed(
     if (options[0] is None or options[0].savings.traded) and math.isfinite(limit):
         priced, lean = _price_memory(gm, mesh, cost, facts, limit, problem, max_sweeps, materialize, report)
         options += priced
-    return _Run(name, seed, problem, sweeps, [o for o in options if o is not None], fitted_seed, first, lean)
+    kept = [o for o in options if o is not None]
+    for option in kept:
+        option.storage = storage
+    return _Run(name, seed, problem, sweeps, kept, fitted_seed, first, lean, storage)
+
+
+def _stored(gm: fx.GraphModule, plan: Plan, mesh: Mesh, storage: str) -> Plan:
+    """`plan` (as the greedy pass lays weights out: sharded) with its weights stored as `storage`."""
+    return replicate_storage(gm, plan, mesh.shape) if storage == REPLICATED else plan
+
+
+def _replicas_wanted(gm: fx.GraphModule, cost: ElementCost, limit: float) -> bool:
+    """Whether `storage="auto"` searches replicated storage too: on a hardware table (seconds,
+    which see what replicas save: a collective's latency and its own time on the rank, the
+    gathers on the critical path) where the weights fit replicated. In element counts a gather
+    plus a reduce-scatter moves what an all-reduce moves and memory has no price, so plans priced
+    that way (explicit meshes without a table) keep ~1/p per rank."""
+    return isinstance(cost, TimeCost) and replicated_fits(gm, limit)
+
+
+def replicated_fits(gm: fx.GraphModule, limit: float) -> bool:
+    """Whether every parameter whole on every rank, with its gradient and AdamW states (the
+    weight state of "replicated" storage when no axis splits a weight), fits `limit` bytes: only
+    then is replicated storage searched (a tensor-split plan stores less, and the search's memory
+    check still applies to every plan it finds)."""
+    if not math.isfinite(limit):
+        return True
+    params = sum(
+        n.meta["val"].numel() * n.meta["val"].element_size()
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and info(n).role == "param" and isinstance(n.meta.get("val"), torch.Tensor)
+    )
+    return memory_per_rank(params, params, ADAMW_STATE_FACTOR).total <= limit
 
 
 def _leanest_need(memory: PlanMemory) -> float:

@@ -12,6 +12,7 @@ those of pricing each pair alone (tests/test_search_tables.py), only much cheape
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,8 +20,8 @@ import numpy as np
 import torch
 
 from autopar.core.layout import Layout, Placement, itemsize
-from autopar.cost.formulas import MeshCost, latency_steps
-from autopar.cost.hardware import Rate, load_hardware
+from autopar.cost.formulas import MeshCost, latency_steps, redistribute_time
+from autopar.cost.hardware import Link, Rate, load_hardware
 from autopar.planning.greedy import FLOP_WEIGHT, _redist
 from autopar.planning.search_problem import settled
 from autopar.planning.search_steps import StepCache, element_factor, even_steps, instantiate
@@ -49,6 +50,11 @@ class ElementCost:
 
     def gather_from_storage(self, want: Layout) -> float:
         return gather_from_storage(want, self.shape)
+
+    def bucketed(self, src: Layout, dst: Layout) -> float:
+        """`redistribute` for a collective the schedule stage merges with many like it (gradient
+        reductions into their weights): element counts have no per-call part, so the same."""
+        return self.redistribute(src, dst)
 
     def compute(self, work: float, split: int, rate: Rate = torch.float32) -> float:
         return FLOP_WEIGHT * work / split  # element counts: every dtype alike
@@ -132,11 +138,21 @@ class TimeCost(ElementCost):
         """`in_process`: trailing axes of batch chunks (`Mesh.in_process`), priced as memory copies."""
         hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
         self.mesh = MeshCost.build(hw, mesh_shape, in_process)
-        self.memory_capacity = hw.memory_capacity
+        self._bulk_links = tuple(Link(0.0, link.bandwidth, link.name) for link in self.mesh.links)
+        # a rank's memory: the device's, or the machine's over its local ranks (a CPU table)
+        self.memory_capacity = hw.rank_memory(math.prod(tuple(mesh_shape)[: len(mesh_shape) - in_process]))
         super().__init__(mesh_shape, steps)
 
     def redistribute(self, src: Layout, dst: Layout) -> float:
         return self.mesh.redistribute(src, dst) if src != dst else 0.0
+
+    def bucketed(self, src: Layout, dst: Layout) -> float:
+        """`redistribute` at bandwidth only: a collective that the schedule stage merges into a
+        bucket with many like it (gradient reductions into their weights) pays its latency and
+        its call once per bucket, a small share per weight."""
+        if src == dst:
+            return 0.0
+        return redistribute_time(src, dst, self.shape, self._bulk_links)
 
     def gather_from_storage(self, want: Layout) -> float:
         return self.redistribute(storage_layout(want, self.shape), settled(want))

@@ -34,7 +34,7 @@ from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.memory import SavedValue, plan_memory, saved_nodes, weight_chain
 from autopar.planning.search_blocks import Clock, chains, make_blocks, sweep, trees
 from autopar.planning.search_vars import Edge, Tally, Var
-from autopar.planning.storage import part_dim_at, part_dims, part_storage
+from autopar.planning.storage import part_dim_at, part_dims, part_storage, replicated_storage
 from autopar.rules.base import RuleRegistry
 from autopar.rules.calls import call_key, expand_cached, op_call, output_index, tensor_inputs
 
@@ -46,6 +46,8 @@ class Cost(Protocol):
     shape: tuple[int, ...]
 
     def redistribute(self, src: Layout, dst: Layout) -> float: ...
+
+    def bucketed(self, src: Layout, dst: Layout) -> float: ...
 
     def gather_from_storage(self, want: Layout) -> float: ...
 
@@ -91,9 +93,17 @@ class Problem:
         cost: Cost,
         expand_cache: dict[Any, list[Strategy]],
         shared: Shared | None = None,
+        replicated: bool = False,
     ) -> None:
+        """`replicated`: the plan stores its weights as they compute ("replicated" storage,
+        `planning.storage`; `seed` already stored so): a weight's readers pay for moving it from
+        where the seed stores it (nothing where they read it as the seed does), its gradient for
+        reaching that storage (the pending sums' all-reduce, or more where the gradient's layout
+        differs). The storage is the seed's in the objective; the plans it yields are stored as they
+        compute and priced exactly (`plan_cost`)."""
         self.shape = tuple(mesh.shape)
         self.cost = cost
+        self.replicated = replicated
         self.seed = seed
         self.tally = Tally()
         nodes = {n.name: n for n in gm.graph.nodes}
@@ -195,6 +205,12 @@ class Problem:
         kinds = seed.deferred_inputs[node.name]
         inputs = self.shared.greedy.inputs.get(node)
         for j, (src, kind) in enumerate(zip(inputs if inputs is not None else tensor_inputs(node), kinds)):
+            if kind == "param" and self.replicated:  # read from where the seed stores it, as it computes
+                have = replicated_storage(seed.layouts[src.name][0])
+                var.base += self._per_candidate(
+                    var, "in", j, ("from stored", have), lambda w, h=have: self.cost.redistribute(h, w)  # type: ignore[misc]
+                )
+                continue
             if kind == "param":
                 dim = part_dim_at(src, self._part_dims)
                 gather = self.cost.gather_from_storage if dim is None else self._part_gather(dim)
@@ -249,6 +265,13 @@ class Problem:
                 )
             elif i >= sig.num_param_grads_end:  # an input's gradient: whole, as the input is
                 var.base += self._per_candidate(var, side, k, "whole", whole)
+            elif self.replicated and seed.output_layouts[i] is not None:
+                # a gradient, into its weight stored as the seed computes it (pending sums
+                # all-reduced): bucketed with the others by the schedule stage, at bandwidth
+                stored = seed.output_layouts[i]
+                var.base += self._per_candidate(
+                    var, side, k, ("into stored", stored), lambda o, t=stored: self.cost.bucketed(o, t)  # type: ignore[misc]
+                )
             else:  # a gradient: reduced into the parameter's storage
                 part = sig.param_parts.get(sig.grad_of[i - nu])
                 reduce = (

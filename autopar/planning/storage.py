@@ -1,5 +1,16 @@
 """Where weights live, for every planner: the storage layout that gives each rank ~1/p of a
-weight, the gather back to a compute layout, and the storage of parts cut from a fused weight."""
+weight, the gather back to a compute layout, and the storage of parts cut from a fused weight.
+
+A plan stores its weights one of two ways (`STORAGE_MODES`), chosen per plan by the search
+(`autopar.planning.search`), priced like every other choice:
+
+- "sharded" (ZeRO-3 / FSDP's pattern): each weight in its compute layout split further over every
+  axis that layout replicates (`storage_layout`): ~1/p per rank, all-gathered where used, its
+  gradient reduce-scattered.
+- "replicated" (DDP's pattern, and Megatron's for tensor-split weights): each weight stored in its
+  compute layout (`replicated_storage`): nothing to gather, the gradient's pending sums all-reduced
+  (bucketed and overlapped with backward by the schedule stage), at up to p times the weight state.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +25,12 @@ import torch.fx as fx
 from autopar.core.layout import Layout, Partial, Placement, Replicate, Shard
 from autopar.core.meta import info, signature
 from autopar.core.plan import Plan
+from autopar.rules.calls import tensor_inputs
 
 PlanT = TypeVar("PlanT", bound=Plan)
+
+SHARDED, REPLICATED = "sharded", "replicated"
+STORAGE_MODES = (SHARDED, REPLICATED)
 
 
 def storage_layout(compute: Layout, mesh_shape: Sequence[int]) -> Layout:
@@ -163,4 +178,79 @@ def unify_part_storage(gm: fx.GraphModule, plan: PlanT, mesh_shape: Sequence[int
             continue
         layouts[node.name] = (want,)
         output_layouts[sig.num_user_outputs + sig.grad_of.index(name)] = want
+    return dataclasses.replace(plan, layouts=layouts, output_layouts=output_layouts)
+
+
+def replicated_storage(compute: Layout) -> Layout:
+    """Where a weight computing as `compute` is stored under "replicated" storage: that layout
+    with its pending sums done (a bias added before a split contraction is stored whole)."""
+    return Layout(
+        tuple(Replicate() if isinstance(p, Partial) else p for p in compute.placements),
+        compute.shape,
+        compute.dtype,
+    )
+
+
+def replicated_part_storage(compute: Layout, dim: int) -> Layout:
+    """A part of a fused parameter stored replicated: its compute layout with the cut dim whole
+    (replicated on the axes that split it), so the parts side by side stay one ordinary shard of
+    the user's parameter (`unify_part_storage`)."""
+    layout = replicated_storage(compute)
+    for a in layout.shard_axes(dim):
+        layout = layout.with_placement(a, Replicate())
+    return layout
+
+
+def compute_layouts(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> dict[str, Layout]:
+    """Parameter placeholder -> the compute layout its storage was made from: among its users'
+    wanted input layouts whose `storage_layout` (or `part_storage`) is the stored one, the least
+    split (a tied weight that the embedding reads whole and the head split is stored whole, so
+    neither gathers it), the first user's on a tie. A parameter none of whose users explains its
+    storage is left out."""
+    dims = part_dims(gm)
+    found: dict[str, Layout] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or info(node).role != "param" or node.name not in plan.layouts:
+            continue
+        (stored,) = plan.layouts[node.name]
+        dim = dims.get(node.name)
+        for user in node.users:
+            strategy = plan.strategies.get(user.name)
+            if strategy is None:
+                continue
+            wants = [w for src, w in zip(tensor_inputs(user), strategy.inputs) if src is node]
+            match = [
+                w
+                for w in wants
+                if (storage_layout(w, mesh_shape) if dim is None else part_storage(w, dim, mesh_shape)) == stored
+            ]
+            for want in match:
+                best = found.get(node.name)
+                if best is None or _split_axes(want) < _split_axes(best):
+                    found[node.name] = want
+    return found
+
+
+def _split_axes(layout: Layout) -> int:
+    return sum(isinstance(p, Shard) for p in layout.placements)
+
+
+def replicate_storage(gm: fx.GraphModule, plan: PlanT, mesh_shape: Sequence[int]) -> PlanT:
+    """`plan` (sharded storage, as the planners lay weights out) with every parameter stored in
+    its compute layout instead ("replicated" storage): its users read it as stored (no all-gather),
+    its gradient's pending sums are all-reduced into it (insert_comm emits both from the layouts).
+    Buffers keep their layouts."""
+    sig = signature(gm)
+    dims = part_dims(gm)
+    layouts = dict(plan.layouts)
+    output_layouts = list(plan.output_layouts)
+    grads = {name: sig.num_user_outputs + i for i, name in enumerate(sig.grad_of)}
+    params = {n.name: info(n).param_name for n in gm.graph.nodes if n.op == "placeholder"}
+    for node_name, compute in compute_layouts(gm, plan, mesh_shape).items():
+        dim = dims.get(node_name)
+        stored = replicated_storage(compute) if dim is None else replicated_part_storage(compute, dim)
+        layouts[node_name] = (stored,)
+        at = grads.get(params[node_name] or "")
+        if at is not None and at < len(output_layouts):
+            output_layouts[at] = stored
     return dataclasses.replace(plan, layouts=layouts, output_layouts=output_layouts)
