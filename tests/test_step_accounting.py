@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.fx as fx
 
+from autopar.core.errors import AutoparError
 from autopar.core.layout import Layout, Partial, Replicate
 from autopar.core.plan import Plan
 from autopar.cost.formulas import collective_time
@@ -139,3 +140,31 @@ def test_gradient_reduction_of_a_data_parallel_plan_is_one_all_reduce_per_parame
     want = sum(collective_time("all_reduce", n, torch.float32, 4, link) for n in sizes)
     assert gradient_reduction_time(gm, plan, (4,), hw) == pytest.approx(want, rel=1e-12)
     assert PLAIN.step_bytes(4) == 4 + 2 * 4 + 2 * 8  # fp32: grad read, weight and AdamW read + written
+
+
+def test_selective_recomputation_keeps_matmul_and_attention_outputs_and_reruns_element_wise_ops() -> None:
+    g = graph(1)
+    bounds = ["blocks.0", "blocks.1"]  # stage 1 is blocks.0 alone
+    cut = functools.partial(cut_graph, g, pp=3, microbatches=2, stage_boundaries=bounds, memory_limit=1e12)
+    plain, full, sel = cut(), cut(recompute="full"), cut(recompute="selective")
+    assert cut(recompute=True).stages == full.stages  # True is "full"
+    p, s = plain.stages[1], sel.stages[1]
+    # what blocks.0 saves for its backward, batch 8 x 16, h = 32, bf16 (2 bytes):
+    x = 8 * 16 * 32 * 2  # 8192: one residual-stream-sized value
+    matmuls = 3 * x + x + 8 * 4 * 16 * 4 + x + 4 * x  # q, k, v; attention out, its fp32 logsumexp; proj in; fc out
+    elementwise = 4 * x + 4 * (8 * 16 * 2) + 4 * x  # two ln inputs and outputs, their mean and 1/std; gelu out
+    assert p.activation_bytes == (matmuls + elementwise) / 2  # per microbatch of 4 sequences
+    # selective: in flight, the block's input and what its matmuls and attention made
+    assert s.activation_bytes == (x + matmuls) / 2
+    # the element-wise values exist again, one microbatch's, while its backward runs
+    assert s.recompute_bytes == elementwise / 2
+    # the element-wise forward runs again in backward, on the input-gradient path
+    blocks0 = g.units[g.names.index("blocks.0")]
+    assert 0 < blocks0.forward_elementwise < blocks0.forward
+    assert s.backward == pytest.approx(p.backward + blocks0.forward_elementwise)
+    assert s.backward_input == pytest.approx(p.backward_input + blocks0.forward_elementwise)
+    assert sel.stages[0].backward == plain.stages[0].backward  # the embeddings are not recomputed
+    assert plain.makespan < sel.makespan < full.makespan
+    assert max(full.rank_memory) < max(sel.rank_memory) < max(plain.rank_memory)
+    with pytest.raises(AutoparError, match="recompute='some'"):
+        cut(recompute="some")

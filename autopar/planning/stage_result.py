@@ -35,7 +35,7 @@ class Stage:
     send: tuple[BoundaryTensor, ...]  # to the next stage
     send_bytes: float  # per microbatch
     shared: tuple[str, ...]  # tied parameters another stage holds too (buffers are copied silently)
-    recompute_bytes: float = 0.0  # full recomputation: one block's activations, rebuilt in its backward
+    recompute_bytes: float = 0.0  # recomputation: one block's rebuilt activations, while its backward runs
 
     @property
     def time(self) -> float:
@@ -77,7 +77,7 @@ class StageCut:
     reduce_time: tuple[float, ...] = ()
     optimizer_time: tuple[float, ...] = ()
     buckets: tuple[int, ...] = ()
-    recompute: bool = False
+    recompute: str = "none"  # `step_accounting.RECOMPUTE_MODES`: what the blocks run again in backward
 
     @property
     def step_time(self) -> float:
@@ -204,7 +204,7 @@ class StageCut:
             f"step {format_seconds(self.step_time)}: + gradient reduction once per step (largest "
             f"{format_seconds(max(self.reduce_time, default=0.0))} before overlap) + optimizer step "
             f"(largest {format_seconds(max(self.optimizer_time, default=0.0))})"
-            + (", blocks recomputed in backward" if self.recompute else "")
+            + (f", blocks recomputed in backward ({self.recompute})" if self.recompute != "none" else "")
         )
         return "\n".join(lines)
 

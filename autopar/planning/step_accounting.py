@@ -25,9 +25,13 @@ activation recomputation. `autopar.planning.stage_cut` prices a cut with them.
   reduction, then its optimizer step. `StageCut.step_time` (the planner) and
   `autopar.planning.step_model` (the calibrated model held against published runs) both end a
   step with it.
-- *Full recomputation* (Megatron's `--recompute-granularity full`, per layer): a numbered block's
-  forward runs again in its backward; in flight it keeps only its input, and while its backward
-  runs one microbatch of its activations exists again (`is_recomputed`).
+- *Recomputation* of the numbered blocks (`is_recomputed`; `RECOMPUTE_MODES`): "full"
+  (Megatron's `--recompute-granularity full`, per layer): a block's forward runs again in its
+  backward; in flight it keeps only its input, and while its backward runs one microbatch of its
+  activations exists again. "selective" (torch's selective checkpointing that keeps matmul and
+  attention outputs): a block's element-wise forward ops run again in its backward; in flight it
+  keeps its input and the saved values that matmuls and attention made, and the element-wise ones
+  exist again for one microbatch while its backward runs.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from autopar.core.errors import AutoparError
 from autopar.core.meta import signature
 from autopar.core.pipeline_schedule import ActionKind
 from autopar.core.pipeline_simulate import TimedAction
@@ -84,6 +89,20 @@ class WeightState:
 
 PLAIN = WeightState()
 MIXED_ADAMW = WeightState(weight=2.0, grad=4.0, master=4.0, optimizer=8.0)
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def recompute_mode(recompute: bool | str) -> str:
+    """`recompute` as one of `RECOMPUTE_MODES` (True: "full", False: "none")."""
+    mode = {True: "full", False: "none"}.get(recompute, recompute) if isinstance(recompute, bool) else recompute
+    if mode not in RECOMPUTE_MODES:
+        raise AutoparError(
+            f"recompute={recompute!r} is not a recomputation the step accounting prices",
+            hint=f"one of {', '.join(map(repr, RECOMPUTE_MODES))}",
+        )
+    return mode
 
 
 def is_recomputed(unit_name: str) -> bool:
