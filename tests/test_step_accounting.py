@@ -15,15 +15,23 @@ import pytest
 import torch
 import torch.fx as fx
 
+from autopar.compiler.pipeline_mesh import StateBytes, per_microbatch, per_step_best, tensor_only_candidate
 from autopar.core.errors import AutoparError
 from autopar.core.layout import Layout, Partial, Replicate
 from autopar.core.plan import Plan
 from autopar.cost.formulas import collective_time
 from autopar.cost.hardware import axis_links, load_hardware
 from autopar.passes.trace import trace
+from autopar.planning.mesh_choice import MeshCandidate, MeshChoice
 from autopar.planning.stage_cut import StageCut, cut_graph
 from autopar.planning.stage_units import StageGraph, stage_graph
-from autopar.planning.step_accounting import MIXED_ADAMW, PLAIN, exposed_reduction, gradient_reduction_time
+from autopar.planning.step_accounting import (
+    MIXED_ADAMW,
+    PLAIN,
+    exposed_reduction,
+    gradient_reduction_time,
+    weight_state_for,
+)
 from examples.models import make_gpt, make_mlp
 
 HW = "a100-cluster"
@@ -168,3 +176,43 @@ def test_selective_recomputation_keeps_matmul_and_attention_outputs_and_reruns_e
     assert max(full.rank_memory) < max(sel.rank_memory) < max(plain.rank_memory)
     with pytest.raises(AutoparError, match="recompute='some'"):
         cut(recompute="some")
+
+
+def test_weight_state_by_name_or_by_the_parameters_dtype() -> None:
+    assert weight_state_for(gpt_bf16(), None) == MIXED_ADAMW  # bfloat16 parameters: a mixed-precision run
+    model, batch = make_mlp(0)
+    assert weight_state_for(trace(model, batch, decompose=True), None) == PLAIN  # float32: the masters
+    assert weight_state_for(gpt_bf16(), "plain") == PLAIN and weight_state_for(gpt_bf16(), MIXED_ADAMW) == MIXED_ADAMW
+    with pytest.raises(AutoparError, match="weight_state='fp8'"):
+        weight_state_for(gpt_bf16(), "fp8")
+
+
+def test_the_tensor_only_candidate_is_priced_with_the_weight_state_and_its_optimizer_step() -> None:
+    # the 2-layer bf16 GPT holds 28032 parameter elements (the tied head once), 2 bytes each; the
+    # plan search counts 4 bytes per stored byte (weight, gradient, AdamW in bf16: 8 per element),
+    # mixed precision keeps 18 per element: 9 per stored byte, 5 more; AdamW moves 30 per element
+    state = StateBytes.of(gpt_bf16(), MIXED_ADAMW)
+    elements = STAGE0 + STAGE1 - 2048
+    assert state.stored == elements * 2
+    assert state.extra == pytest.approx(18 / 2 - 4) and state.step == pytest.approx(30 / 2)
+    hw = load_hardware(HW)
+    stored = state.stored / 8  # a plan that splits every parameter over 8 ranks
+    best = MeshCandidate((2, 4), ("x", "y"), comm_time=2e-3, compute_time=5e-3, memory=1e6, fits=True,
+                         scheduled_time=6e-3, reduce_time=1e-3, param_bytes=stored)  # fmt: skip
+    row = tensor_only_candidate(best, state, hw, limit=1e6 + 5 * stored, world_size=8)
+    assert row.memory == pytest.approx(1e6 + 5 * stored) and row.fits
+    assert row.step_time == pytest.approx(6e-3 + 15 * stored / hw.memory_bandwidth)
+    assert not tensor_only_candidate(best, state, hw, limit=1e6 + 5 * stored - 1, world_size=8).fits
+
+
+def test_the_stage_sub_mesh_is_ranked_with_its_gradient_reduction_once_per_step() -> None:
+    # a data-parallel sub-mesh: 10 ms per microbatch with 8 ms of it its gradient reduction; a
+    # tensor-parallel one: 6 ms with 1 ms of reduction. Per microbatch the second is faster; over
+    # a step of 16 microbatches reducing once, the first: 16 x 2 + 8 = 40 ms < 16 x 5 + 1 = 81 ms
+    data = MeshCandidate((8,), ("x",), comm_time=9e-3, compute_time=1e-3, memory=1.0, fits=True, reduce_time=8e-3)
+    tensor = MeshCandidate((2, 4), ("x", "y"), comm_time=2e-3, compute_time=4e-3, memory=1.0, fits=True,
+                           scheduled_time=6e-3, reduce_time=1e-3)  # fmt: skip
+    choice = MeshChoice(8, HW, "search", 1e9, [tensor, data])  # the choice's own ranking: per microbatch
+    assert per_microbatch(data) == pytest.approx(2e-3) and per_microbatch(tensor) == pytest.approx(5e-3)
+    assert per_step_best(choice, 16) is data
+    assert per_step_best(choice, 1) is tensor  # one microbatch: 2 + 8 = 10 ms against 5 + 1 = 6 ms
