@@ -235,7 +235,7 @@ def choose_pipeline_mesh(
                     options.append(PipelineCandidate(pp, label, name, v, error=str(cut).splitlines()[0], recompute=mode))
                     continue
                 if t > 1:  # the sub-mesh's collectives and imbalance, per microbatch, added to the stages
-                    ideal = cut.total_time / microbatches
+                    ideal = (cut.total_time - cut.recompute_time) / microbatches  # (its plan recomputes nothing)
                     factor = sub_time / ideal if ideal > 0 else 1.0
                     cut = cut.slowed(max(0.0, sub_time - ideal) * microbatches)
                 memory = max(cut.rank_memory)

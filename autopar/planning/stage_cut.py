@@ -394,6 +394,7 @@ class _StageModel:
             tensor_size=self.t,
             hardware=g.hardware.name,
             total_time=sum(u.time for u in self.units),
+            recompute_time=sum(u.time for u in self.units) - sum(u.time for u in g.units),
             rank_memory=tuple(rank_memory),
             memory_limit=limit,
             forced=forced,

@@ -78,6 +78,7 @@ class StageCut:
     optimizer_time: tuple[float, ...] = ()
     buckets: tuple[int, ...] = ()
     recompute: str = "none"  # `step_accounting.RECOMPUTE_MODES`: what the blocks run again in backward
+    recompute_time: float = 0.0  # the part of `total_time` that recomputation adds
 
     @property
     def step_time(self) -> float:
