@@ -2,41 +2,36 @@
 
 For each published row (`published_rows.ROWS`), the automatic choice with pipeline depths,
 `autopar.compiler.pipeline_mesh.choose_pipeline_mesh` (what `plan(model, mesh_shape="auto",
-world_size=N, microbatches=M)` runs), on the row's model, global batch, sequence, microbatch count,
-cluster table and memory limit, beside the row's own configuration priced by
-`autopar.planning.step_model.price_step` on the same table. `benchmarks/published.py --auto` runs
-it; docs/benchmarks.md ("auto against the published configurations") has the table and its notes.
+world_size=N, pipeline=PipelineOptions(microbatches=M))` runs), on the row's model, global batch,
+sequence, microbatch count, cluster table and memory limit, beside the row's own configuration
+priced by `autopar.planning.step_model.price_step` on the same table. `benchmarks/published.py
+--auto` runs it; docs/benchmarks.md ("auto against the published configurations") has the table.
 
 How the two sides are made comparable (`auto_call` is the mapping, tested in tests/test_published.py):
 
-- the same model (built on the meta device in bfloat16 by `published.build_model`), the whole
-  global batch of `row.batch` sequences of `row.seq` tokens as the example, and M = `row.microbatches`
-  microbatches: the expert's m = B / (d b) per pipeline replica; in autopar a microbatch of B / M
-  sequences is split over the stage sub-mesh's data axis, so with the expert's d it is the expert's b;
+- the same model (built on the meta device in bfloat16 by `published_model.build_model`), the
+  whole global batch of `row.batch` sequences of `row.seq` tokens as the example, and M =
+  `row.microbatches` microbatches: the expert's m = B / (d b) per pipeline replica; in autopar a
+  microbatch of B / M sequences is split over the stage sub-mesh's data axis, so with the
+  expert's d it is the expert's b;
 - the same calibrated table (`row.gpu`: its eta applies to both), `memory_limit` = 80e9 bytes per
   rank (A100 80GB, H100 80GB SXM; torchtitan's H100s have 96 GB, priced at 80 GB here);
-- the same weight state (`MIXED_ADAMW`: bf16 weights, fp32 gradients, master and AdamW) and, where
-  the planner offers it, the same recomputation: PTD-P's full recomputation is `recompute=True`;
-  the planner has no selective recomputation, so torchtitan's rows are planned without any;
+- the same weight state (`MIXED_ADAMW`: bf16 weights, fp32 gradients, master and AdamW, what
+  `PlanOptions(weight_state=None)` gives a bf16 model) for every candidate, the tensor-only one
+  too, with its optimizer step; recomputation is the planner's choice (`recompute="auto"`: none,
+  selective or full, the fastest that fits; the tensor-only candidate what its search recomputes
+  to fit), the expert's is the run's;
 - the same kernels: autopar's runtime pays the table's element-wise time unscaled (phi = 1), so the
   expert is priced with phi = 1 too (`expert_step_s`); `expert_framework_step_s` is the row's own
   framework constant (Megatron-Core's fused kernels: 0.8), which autopar's runtime does not have.
 
-Two numbers for auto. "auto pick" is what `choose_pipeline_mesh` ranks first, what plan() would
-compile: it can be the tensor-only mesh choice (`choose_mesh` on the whole batch as one step),
-which is priced with `parallelize`'s plain weight state, no recomputation and no microbatches: not
-the expert's accounting, so it is shown and marked, not counted. "same accounting" is the fastest
-fitting candidate through the cut (`cut_stages`: M microbatches, `MIXED_ADAMW`, the row's
-recomputation, the reduction once per step), depths 1 to `MAX_DEPTH` each priced; the speedup the
-summary counts is the expert's step over that one.
-
-What still differs, and is said in the notes: auto's tensor collectives come from its searched
-plan (its layouts, no overlap), the expert's from `price_step`'s two activation all-reduces per
-block per pass (none where the run overlaps them, Megatron-Core's rows); the expert's data-parallel
-reduction is the run's (fp32 all-reduce, distributed optimizer or FSDP), auto's is its plan's
-gradient redistributions priced once per step by the cut; the pp = 1 candidate (the tensor-only
-mesh choice) is priced by `choose_mesh` on the whole batch as one step, with `parallelize`'s plain
-weight state, not the cut's accounting.
+"auto" is what `choose_pipeline_mesh` ranks first, what plan() compiles, over the depths plan()
+ranks (every divisor of the world from 2) up to `MAX_DEPTH`, with the library's branch and bound.
+What still differs: auto's tensor collectives come from its searched plan (its layouts, no
+overlap), the expert's from `price_step`'s two activation all-reduces per block per pass (none
+where the run overlaps them, Megatron-Core's rows); the expert's data-parallel reduction is the
+run's (fp32 all-reduce, distributed optimizer or FSDP), auto's is its plan's gradient
+redistributions, once per step.
 """
 
 from __future__ import annotations

@@ -173,6 +173,12 @@ def test_selective_recomputation_keeps_matmul_and_attention_outputs_and_reruns_e
     assert s.backward_input == pytest.approx(p.backward_input + blocks0.forward_elementwise)
     assert sel.stages[0].backward == plain.stages[0].backward  # the embeddings are not recomputed
     assert plain.makespan < sel.makespan < full.makespan
+    # what recomputation adds to the step's compute, apart (a sub-mesh's overhead is measured without it)
+    blocks = [u for u in g.units if u.name.startswith("blocks.")]
+    assert plain.recompute_time == 0.0
+    assert sel.recompute_time == pytest.approx(sum(u.forward_elementwise for u in blocks))
+    assert full.recompute_time == pytest.approx(sum(u.forward for u in blocks))
+    assert full.total_time - full.recompute_time == pytest.approx(plain.total_time)
     assert max(full.rank_memory) < max(sel.rank_memory) < max(plain.rank_memory)
     with pytest.raises(AutoparError, match="recompute='some'"):
         cut(recompute="some")
