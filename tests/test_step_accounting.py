@@ -179,6 +179,15 @@ def test_selective_recomputation_keeps_matmul_and_attention_outputs_and_reruns_e
     assert sel.recompute_time == pytest.approx(sum(u.forward_elementwise for u in blocks))
     assert full.recompute_time == pytest.approx(sum(u.forward for u in blocks))
     assert full.total_time - full.recompute_time == pytest.approx(plain.total_time)
+    assert sum(st.recompute_time for st in full.stages) == pytest.approx(full.recompute_time)
+    # a sub-mesh's overhead lands on each stage as it does without recomputation: never cheaper with it
+    extra = plain.total_time  # as much again as the whole compute
+    for again in (sel, full):
+        slow, slow_plain = again.slowed(extra), plain.slowed(extra)
+        for a, b, st, pst in zip(slow.stages, slow_plain.stages, again.stages, plain.stages, strict=True):
+            assert a.time - st.time == pytest.approx(b.time - pst.time)
+            assert a.backward_input - st.backward_input == pytest.approx(b.backward_input - pst.backward_input)
+        assert slow.makespan > slow_plain.makespan
     assert max(full.rank_memory) < max(sel.rank_memory) < max(plain.rank_memory)
     with pytest.raises(AutoparError, match="recompute='some'"):
         cut(recompute="some")

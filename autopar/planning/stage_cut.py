@@ -371,6 +371,7 @@ class _StageModel:
                     send_bytes=sum(x.bytes / (self.m if x.per_batch else 1) for x in send) / self.t,
                     shared=shared,
                     recompute_bytes=again,
+                    recompute_time=sum(self.units[k].backward - g.units[k].backward for k in range(i, j)),
                 )
             )
         peaks = peak_activations(self.schedule, [st.activation_bytes for st in stages])
