@@ -163,6 +163,7 @@ def parallelize(
         mesh, depth_choice = auto_pipeline_mesh(
             model, mesh, example_inputs, microbatches=microbatches, hardware=hardware,
             memory_limit=memory_limit, registry=registry, example_kwargs=example_kwargs,
+            weight_state=planning.weight_state, recompute=planning.recompute,
         )  # fmt: skip
         mesh_shape, hardware = None, depth_choice.hardware
         options = dataclasses.replace(options, hardware=hardware)  # the layouts the choice priced
@@ -417,6 +418,7 @@ def plan(
         depth_choice = choose_pipeline_mesh(
             model, world_size, example_inputs, microbatches=microbatches, hardware=hardware,
             memory_limit=memory_limit, registry=registry, example_kwargs=example_kwargs,
+            weight_state=planning.weight_state, recompute=planning.recompute,
         )  # fmt: skip
         best = depth_choice.chosen
         if best.error:

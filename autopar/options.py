@@ -17,7 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from autopar.core.errors import UsageError
+from autopar.planning.step_accounting import RECOMPUTE_MODES, WEIGHT_STATES
 from autopar.rules.base import RuleRegistry
+
+WEIGHT_STATE_NAMES = (None, *WEIGHT_STATES)  # None: by the parameters' dtype (`weight_state_for`)
+RECOMPUTE_NAMES = ("auto", *RECOMPUTE_MODES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,19 @@ class PlanOptions:
           moved after independent compute); False keeps each wait right after its issue.
       registry (RuleRegistry | None) [None]: the sharding rules; None: the default registry
           (docs/layouts-and-rules.md to add rules for your own ops).
+      weight_state (str | None) [None]: the bytes per parameter element the mesh choice with
+          pipeline depths prices every candidate's memory and optimizer step with (`mesh_shape=
+          "auto"` with `PipelineOptions(microbatches=...)`): "plain", the parameter, its gradient
+          and AdamW's two states in the parameter's dtype (16 bytes for float32 parameters, what
+          `parallelize` keeps, with `mp_policy` too); "mixed", a 16-bit weight with float32
+          gradient, master and AdamW states (18 bytes, Megatron's mixed precision). None: by the
+          traced parameters' dtype, "mixed" when they are all 16-bit floats (a model held in
+          bfloat16 for training stands for a mixed-precision run), else "plain".
+      recompute (str) ["auto"]: what the blocks (numbered layers) of a pipeline stage run again in
+          backward in that choice: "none"; "selective", their element-wise ops (matmul and
+          attention outputs kept); "full", their whole forward (each keeps only its input);
+          "auto", each, the fastest that fits `memory_limit` per depth and schedule. The
+          tensor-only candidate recomputes what its plan search chooses to fit the limit.
     """
 
     planner: str = "search"
@@ -51,6 +68,20 @@ class PlanOptions:
     in_flight_bytes: int | None = None
     overlap: bool = True
     registry: RuleRegistry | None = None
+    weight_state: str | None = None
+    recompute: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.weight_state not in WEIGHT_STATE_NAMES:
+            raise UsageError(
+                f"PlanOptions(weight_state={self.weight_state!r}) is not a weight state the planner prices",
+                hint=f"one of {', '.join(map(repr, WEIGHT_STATE_NAMES))}",
+            )
+        if self.recompute not in RECOMPUTE_NAMES:
+            raise UsageError(
+                f"PlanOptions(recompute={self.recompute!r}) is not a recomputation the planner prices",
+                hint=f"one of {', '.join(map(repr, RECOMPUTE_NAMES))}",
+            )
 
 
 @dataclasses.dataclass(frozen=True)

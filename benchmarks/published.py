@@ -23,10 +23,12 @@ the tables. torchtitan has no fit rows: it pays phi = 1 and the H100's eta.
                                               # tables' constants (it prints what its own 4 fit rows
                                               # would give, which differs from the 10-row fit's)
 
-    python benchmarks/published.py --auto --cpu-limit 300 --rows "PTD-P 1.7B" "torchtitan 8B x8"
+    python benchmarks/published.py --auto --cpu-limit 400 --rows "PTD-P 1.7B" --name published_auto_p17
                                               # item 3: auto's choice against each row's configuration
                                               # (benchmarks/published_auto.py), one child per row under
-                                              # a CPU limit; published_auto.json
+                                              # a CPU limit; published_auto.json without --name
+    python benchmarks/published.py --auto --merge published_auto_p17 published_auto_tt8
+                                              # rows run apart (in parallel), in published_auto.json
 
 Writes benchmarks/results/published.json (`--name` to change).
 """
@@ -162,10 +164,13 @@ def report(comps: list[Components], consts: Constants) -> tuple[list[dict[str, A
     return rows, summary
 
 
-def run_auto(rows: list[Row], cpu_limit: int, name: str, clock: RunClock) -> None:
-    """`--auto`: each row planned by `auto` in a child process under `cpu_limit` CPU seconds."""
-    results = []
-    for row in rows:
+def run_auto(rows: list[Row], cpu_limit: int, name: str, clock: RunClock, merge: list[str] | None = None) -> None:
+    """`--auto`: each row planned by `auto` in a child process under `cpu_limit` CPU seconds;
+    `merge`: instead, the rows of earlier runs' result files (rows run apart, in parallel) in one."""
+    results: list[dict[str, Any]] = []
+    for earlier in merge or []:
+        results += json.loads((Path(__file__).resolve().parent / "results" / f"{earlier}.json").read_text())["rows"]
+    for row in rows if merge is None else []:
         results.append(run_limited(row, cpu_limit))
         r = results[-1]
         outcome = r.get("not_finished") or r.get("failed") or f"speedup {r['speedup']:.2f}x, auto {r['auto_mesh']}"
@@ -190,12 +195,13 @@ def main() -> None:
     parser.add_argument("--auto", action="store_true", help="auto's choice against each row's configuration "
                         "(benchmarks/published_auto.py); writes published_auto.json unless --name")  # fmt: skip
     parser.add_argument("--cpu-limit", type=int, default=600, help="with --auto: CPU seconds per row")
+    parser.add_argument("--merge", nargs="*", default=None, help="with --auto: merge these earlier result files' rows")
     args = parser.parse_args()
     keys = args.rows or (list(QUICK) if args.quick else [r.key for r in ROWS])
     clock = RunClock()
     if args.auto:
         run_auto([r for r in ROWS if r.key in keys], args.cpu_limit,
-                 "published_auto" if args.name == "published" else args.name, clock)  # fmt: skip
+                 "published_auto" if args.name == "published" else args.name, clock, args.merge)  # fmt: skip
         return
     comps = []
     for row in ROWS:

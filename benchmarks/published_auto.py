@@ -2,41 +2,36 @@
 
 For each published row (`published_rows.ROWS`), the automatic choice with pipeline depths,
 `autopar.compiler.pipeline_mesh.choose_pipeline_mesh` (what `plan(model, mesh_shape="auto",
-world_size=N, microbatches=M)` runs), on the row's model, global batch, sequence, microbatch count,
-cluster table and memory limit, beside the row's own configuration priced by
-`autopar.planning.step_model.price_step` on the same table. `benchmarks/published.py --auto` runs
-it; docs/benchmarks.md ("auto against the published configurations") has the table and its notes.
+world_size=N, pipeline=PipelineOptions(microbatches=M))` runs), on the row's model, global batch,
+sequence, microbatch count, cluster table and memory limit, beside the row's own configuration
+priced by `autopar.planning.step_model.price_step` on the same table. `benchmarks/published.py
+--auto` runs it; docs/benchmarks.md ("auto against the published configurations") has the table.
 
 How the two sides are made comparable (`auto_call` is the mapping, tested in tests/test_published.py):
 
-- the same model (built on the meta device in bfloat16 by `published.build_model`), the whole
-  global batch of `row.batch` sequences of `row.seq` tokens as the example, and M = `row.microbatches`
-  microbatches: the expert's m = B / (d b) per pipeline replica; in autopar a microbatch of B / M
-  sequences is split over the stage sub-mesh's data axis, so with the expert's d it is the expert's b;
+- the same model (built on the meta device in bfloat16 by `published_model.build_model`), the
+  whole global batch of `row.batch` sequences of `row.seq` tokens as the example, and M =
+  `row.microbatches` microbatches: the expert's m = B / (d b) per pipeline replica; in autopar a
+  microbatch of B / M sequences is split over the stage sub-mesh's data axis, so with the
+  expert's d it is the expert's b;
 - the same calibrated table (`row.gpu`: its eta applies to both), `memory_limit` = 80e9 bytes per
   rank (A100 80GB, H100 80GB SXM; torchtitan's H100s have 96 GB, priced at 80 GB here);
-- the same weight state (`MIXED_ADAMW`: bf16 weights, fp32 gradients, master and AdamW) and, where
-  the planner offers it, the same recomputation: PTD-P's full recomputation is `recompute=True`;
-  the planner has no selective recomputation, so torchtitan's rows are planned without any;
+- the same weight state (`MIXED_ADAMW`: bf16 weights, fp32 gradients, master and AdamW, what
+  `PlanOptions(weight_state=None)` gives a bf16 model) for every candidate, the tensor-only one
+  too, with its optimizer step; recomputation is the planner's choice (`recompute="auto"`: none,
+  selective or full, the fastest that fits; the tensor-only candidate what its search recomputes
+  to fit), the expert's is the run's;
 - the same kernels: autopar's runtime pays the table's element-wise time unscaled (phi = 1), so the
   expert is priced with phi = 1 too (`expert_step_s`); `expert_framework_step_s` is the row's own
   framework constant (Megatron-Core's fused kernels: 0.8), which autopar's runtime does not have.
 
-Two numbers for auto. "auto pick" is what `choose_pipeline_mesh` ranks first, what plan() would
-compile: it can be the tensor-only mesh choice (`choose_mesh` on the whole batch as one step),
-which is priced with `parallelize`'s plain weight state, no recomputation and no microbatches: not
-the expert's accounting, so it is shown and marked, not counted. "same accounting" is the fastest
-fitting candidate through the cut (`cut_stages`: M microbatches, `MIXED_ADAMW`, the row's
-recomputation, the reduction once per step), depths 1 to `MAX_DEPTH` each priced; the speedup the
-summary counts is the expert's step over that one.
-
-What still differs, and is said in the notes: auto's tensor collectives come from its searched
-plan (its layouts, no overlap), the expert's from `price_step`'s two activation all-reduces per
-block per pass (none where the run overlaps them, Megatron-Core's rows); the expert's data-parallel
-reduction is the run's (fp32 all-reduce, distributed optimizer or FSDP), auto's is its plan's
-gradient redistributions priced once per step by the cut; the pp = 1 candidate (the tensor-only
-mesh choice) is priced by `choose_mesh` on the whole batch as one step, with `parallelize`'s plain
-weight state, not the cut's accounting.
+"auto" is what `choose_pipeline_mesh` ranks first, what plan() compiles, over the depths plan()
+ranks (every divisor of the world from 2) up to `MAX_DEPTH`, with the library's branch and bound.
+What still differs: auto's tensor collectives come from its searched plan (its layouts, no
+overlap), the expert's from `price_step`'s two activation all-reduces per block per pass (none
+where the run overlaps them, Megatron-Core's rows); the expert's data-parallel reduction is the
+run's (fp32 all-reduce, distributed optimizer or FSDP), auto's is its plan's gradient
+redistributions, once per step.
 """
 
 from __future__ import annotations
@@ -55,10 +50,6 @@ from autopar.compiler.pipeline_mesh import choose_pipeline_mesh
 from autopar.planning.step_accounting import MIXED_ADAMW, WeightState
 from autopar.planning.step_model import price_step
 
-PP1_NOTE = (
-    "pp 1 is choose_mesh's step on the whole batch: parallelize's plain weight state, no recomputation, "
-    "no microbatches; not the cut's accounting the expert and the pipeline candidates get"
-)
 MAX_DEPTH = 8  # every depth priced costs one stage sub-mesh choice: bounded to keep a row in minutes
 MEMORY_LIMIT = 80e9  # bytes per rank: A100 80GB and H100 80GB SXM (torchtitan's 96 GB H100s priced at 80 GB)
 
@@ -74,15 +65,13 @@ class AutoCall:
     hardware: str
     memory_limit: float
     weight_state: WeightState
-    recompute: bool
+    recompute: str
 
     def depths(self) -> list[int]:
-        """The divisors of the world size up to `MAX_DEPTH`, 1 included: depth 1 through the cut is a
-        run without a pipeline under the same accounting as the expert's (M microbatches accumulated,
-        mixed-precision state, the reduction once per step), beside the tensor-only mesh choice
-        `choose_pipeline_mesh` always ranks (schedule "-"). Every depth is priced (`bound_depths=False`):
-        the tensor-only row, cheaper by its own accounting, would otherwise bound every cut away."""
-        return [p for p in range(1, min(self.world_size, MAX_DEPTH) + 1) if self.world_size % p == 0]
+        """The divisors of the world size from 2 up to `MAX_DEPTH`: the pipeline depths `plan()`
+        ranks beside the tensor-only mesh choice (pp 1, the whole batch in one step), bounded to keep
+        a row in minutes."""
+        return [p for p in range(2, min(self.world_size, MAX_DEPTH) + 1) if self.world_size % p == 0]
 
     def example(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, targets) of the whole global batch; the trace is on the meta device's shapes."""
@@ -94,28 +83,21 @@ def auto_call(row: Row) -> AutoCall:
     """The row's model, batch, sequence, microbatch count, cluster and memory, as the planner takes them."""
     return AutoCall(
         world_size=row.gpus, batch=row.batch, seq=row.seq, microbatches=row.microbatches, hardware=row.gpu,
-        memory_limit=MEMORY_LIMIT, weight_state=MIXED_ADAMW, recompute=row.recompute == "full",
+        memory_limit=MEMORY_LIMIT, weight_state=MIXED_ADAMW, recompute="auto",
     )  # fmt: skip
 
 
-def tensor_only(candidate: dict[str, Any]) -> bool:
-    """The tensor-only mesh choice's row (priced by `choose_mesh`, not the cut): pp 1, no schedule,
-    a price. A depth the bound skipped also has no schedule, but an error saying so."""
-    return candidate["pp"] == 1 and candidate["schedule"] == "-" and not candidate["error"]
-
-
 def why(expert: dict[str, Any], candidates: list[dict[str, Any]], speedup: float) -> str:
-    """Where auto does not win by 10 % under the same accounting: what the candidates' table says
-    (the candidates through the cut: schedule "-" is the tensor-only mesh choice's own accounting)."""
+    """Where auto does not win by 10 %: what it picked and what it found at the expert's depth
+    (pp 1: the tensor-only mesh choice, the whole batch in one step)."""
     if speedup >= 1.1:
         return ""
-    cut = [c for c in candidates if not tensor_only(c)]
-    fitting = [c for c in cut if not c["error"] and c["fits"]]
+    fitting = [c for c in candidates if not c["error"] and c["fits"]]
     if not fitting:
-        return "no candidate through the cut fits: " + "; ".join(sorted({c["error"] for c in cut if c["error"]}))[:300]
+        return "no candidate fits: " + "; ".join(sorted({c["error"] for c in candidates if c["error"]}))[:300]
     chosen = fitting[0]
-    at_depth = [c for c in cut if c["pp"] == expert["p"]]
     parts = [f"auto picks pp {chosen['pp']} {chosen['stage_mesh']} {chosen['schedule']} v{chosen['v']}"]
+    at_depth = [c for c in candidates if c["pp"] == expert["p"]]
     if at_depth:
         best = at_depth[0]
         if best["error"]:
@@ -123,8 +105,8 @@ def why(expert: dict[str, Any], candidates: list[dict[str, Any]], speedup: float
         else:
             parts.append(
                 f"at the expert's depth pp {expert['p']}: {best['stage_mesh']} {best['schedule']} "
-                f"{best['step_s']:.3f} s (sub-mesh factor {best['factor']:.2f}, {best['memory_gb']:.1f} GB, "
-                f"fits {best['fits']})"
+                f"{best['step_s']:.3f} s (recompute {best['recompute']}, sub-mesh factor {best['factor']:.2f}, "
+                f"{best['memory_gb']:.1f} GB, fits {best['fits']})"
             )
     else:
         parts.append(f"the expert's depth pp {expert['p']} is not among the depths priced")
@@ -143,25 +125,17 @@ def run_row(row: Row) -> dict[str, Any]:
     choice = choose_pipeline_mesh(
         build_model(row), call.world_size, call.example(), microbatches=call.microbatches, hardware=call.hardware,
         memory_limit=call.memory_limit, weight_state=call.weight_state, recompute=call.recompute,
-        depths=call.depths(), bound_depths=False,
+        depths=call.depths(),
     )  # fmt: skip
     auto_cpu = time.process_time() - start
     candidates = [
-        {"pp": c.pp, "stage_mesh": c.stage_mesh, "schedule": c.schedule, "v": c.v, "step_s": c.step_time,
-         "memory_gb": c.memory / 1e9, "fits": c.fits, "bubble": c.bubble, "factor": c.factor, "error": c.error}
+        {"pp": c.pp, "stage_mesh": c.stage_mesh, "schedule": c.schedule, "v": c.v, "recompute": c.recompute,
+         "step_s": c.step_time, "memory_gb": c.memory / 1e9, "fits": c.fits, "bubble": c.bubble, "factor": c.factor,
+         "error": c.error}
         for c in choice.candidates
     ]  # fmt: skip
     best = choice.chosen
-    same_acc = [c for c in choice.candidates if not c.error and c.fits and c.schedule != "-"]  # not tensor-only
-    fair = same_acc[0] if same_acc else None
-    expert = {
-        "t": row.t,
-        "p": row.p,
-        "d": row.d,
-        "schedule": row.schedule,
-        "recompute": row.recompute,
-        "dp": row.dp,
-    }
+    expert = {"t": row.t, "p": row.p, "d": row.d, "schedule": row.schedule, "recompute": row.recompute, "dp": row.dp}
     auto_ok = not best.error and best.fits
     speedup = same.step / best.step_time if auto_ok else 0.0
     return {
@@ -171,13 +145,9 @@ def run_row(row: Row) -> dict[str, Any]:
         "expert_states_gb": same.state_bytes / 1e9,
         "auto_step_s": best.step_time if auto_ok else None,
         "auto_mesh": f"pp {best.pp} x {best.stage_mesh}" if best.pp > 1 else best.stage_mesh,
-        "auto_schedule": best.schedule, "auto_v": best.v, "auto_memory_gb": best.memory / 1e9,
-        "speedup": speedup, "why": why(expert, candidates, same.step / fair.step_time if fair else 0.0),
-        "accounting": PP1_NOTE if best.pp == 1 and best.schedule == "-" else "",
-        "cut_step_s": fair.step_time if fair else None,
-        "cut_mesh": (f"pp {fair.pp} x {fair.stage_mesh}" if fair.pp > 1 else fair.stage_mesh) if fair else "",
-        "cut_schedule": f"{fair.schedule} v{fair.v}" if fair else "", "cut_memory_gb": fair.memory / 1e9 if fair else None,
-        "cut_speedup": same.step / fair.step_time if fair else 0.0,
+        "auto_schedule": best.schedule, "auto_v": best.v, "auto_recompute": best.recompute,
+        "auto_memory_gb": best.memory / 1e9 if auto_ok else None,
+        "speedup": speedup, "why": why(expert, candidates, speedup),
         "expert_cpu_s": expert_cpu, "auto_cpu_s": auto_cpu, "candidates": candidates, "table": choice.table(),
     }  # fmt: skip
 
@@ -215,31 +185,28 @@ def run_limited(row: Row, cpu_limit: int) -> dict[str, Any]:
 
 
 def report(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], dict[str, Any]]:
-    """The printed table (headers, body) and the summary over the rows that finished. "auto" is what
-    `choose_pipeline_mesh` picks (what plan() compiles); "same accounting" is the fastest fitting
-    candidate priced through the cut (pipeline depths, depth 1 included), the comparison the speedup
-    of the summary counts."""
-    headers = ["row", "GPUs", "expert t/p/d", "expert step", "(own phi)", "auto pick", "step", "x",
-               "same accounting: mesh", "schedule", "step", "GB", "speedup", "why (where < 1.1x)"]  # fmt: skip
+    """The printed table (headers, body) and the summary over the rows that finished: "auto" is
+    what `choose_pipeline_mesh` picks (what plan() compiles), every candidate under one accounting."""
+    headers = ["row", "GPUs", "expert t/p/d", "expert step", "(own phi)", "auto", "schedule", "recompute", "step",
+               "GB", "speedup", "why (where < 1.1x)"]  # fmt: skip
     body = []
     for r in results:
         if "speedup" not in r:
-            body.append([r["key"], "", "", "", "", r.get("not_finished") or r.get("failed", "")] + [""] * 8)
+            body.append([r["key"], "", "", "", "", r.get("not_finished") or r.get("failed", "")] + [""] * 6)
             continue
         e = r["expert"]
-        auto = f"{r['auto_step_s']:.3f} s" if r["auto_step_s"] is not None else "-"
-        cut = f"{r['cut_step_s']:.3f} s" if r["cut_step_s"] is not None else "-"
-        gb = f"{r['cut_memory_gb']:.1f}" if r["cut_memory_gb"] is not None else "-"
+        ok = r["auto_step_s"] is not None
         body.append([r["key"], str(r["gpus"]), f"{e['t']}/{e['p']}/{e['d']}", f"{r['expert_step_s']:.3f} s",
-                     f"{r['expert_framework_step_s']:.3f} s", r["auto_mesh"] + (" *" if r["accounting"] else ""), auto,
-                     f"{r['speedup']:.2f}", r["cut_mesh"], r["cut_schedule"], cut, gb, f"{r['cut_speedup']:.2f}x",
-                     r["why"]])  # fmt: skip
-    done = [r for r in results if "cut_speedup" in r]
+                     f"{r['expert_framework_step_s']:.3f} s", r["auto_mesh"] if ok else "none fits",
+                     f"{r['auto_schedule']} v{r['auto_v']}" if ok and r["auto_schedule"] != "-" else "-",
+                     r["auto_recompute"] if ok else "", f"{r['auto_step_s']:.3f} s" if ok else "-",
+                     f"{r['auto_memory_gb']:.1f}" if ok else "-", f"{r['speedup']:.2f}x", r["why"]])  # fmt: skip
+    done = [r for r in results if "speedup" in r]
     summary = {
         "rows": len(results),
         "finished": len(done),
-        "no_fitting_candidate": sum(r["cut_step_s"] is None for r in done),
-        "slower": sum(r["cut_step_s"] is not None and r["cut_speedup"] < 1.0 for r in done),
-        "at_least_1.1x": sum(r["cut_speedup"] >= 1.1 for r in done),
+        "no_fitting_candidate": sum(r["auto_step_s"] is None for r in done),
+        "slower": sum(r["auto_step_s"] is not None and r["speedup"] < 1.0 for r in done),
+        "at_least_1.1x": sum(r["speedup"] >= 1.1 for r in done),
     }
     return headers, body, summary

@@ -194,3 +194,13 @@ def test_autopar_examples_and_benchmarks_use_only_the_new_spelling() -> None:
                 if name in ("parallelize", "plan") and old:
                     found.append(f"{path.relative_to(root)}:{node.lineno} {name}({', '.join(map(str, old))}=...)")
     assert found == []
+
+
+def test_plan_options_weight_state_and_recompute_are_checked_where_given() -> None:
+    PlanOptions = autopar.PlanOptions
+    assert (PlanOptions().weight_state, PlanOptions().recompute) == (None, "auto")
+    assert PlanOptions(weight_state="mixed", recompute="selective").recompute == "selective"
+    with pytest.raises(UsageError, match="weight_state='fp8'"):
+        PlanOptions(weight_state="fp8")
+    with pytest.raises(UsageError, match="recompute=True"):
+        PlanOptions(recompute=True)  # type: ignore[arg-type]

@@ -173,26 +173,24 @@ def test_auto_gets_each_rows_model_batch_microbatches_cluster_and_memory() -> No
     ptdp = auto_call(by_key["PTD-P 1.7B"])  # 32 A100s, batch 512, t=1 p=1 d=32, full recomputation
     assert (ptdp.world_size, ptdp.batch, ptdp.seq, ptdp.microbatches) == (32, 512, 2048, 16)
     assert ptdp.hardware == "a100-calibrated" and ptdp.memory_limit == 80e9
-    assert ptdp.weight_state == MIXED_ADAMW and ptdp.recompute
-    assert ptdp.depths() == [1, 2, 4, 8]  # depth 1 through the cut too; every depth priced, up to 8
+    # the same weight state as the expert's; every recomputation the planner has, the fastest that fits
+    assert ptdp.weight_state == MIXED_ADAMW and ptdp.recompute == "auto"
+    assert ptdp.depths() == [2, 4, 8]  # beside the tensor-only choice (pp 1), as plan() ranks, up to 8
     tokens, targets = ptdp.example()
     assert tokens.shape == targets.shape == (512, 2048)
-    mcore = auto_call(by_key["Mcore 70B"])  # 768 H100s, batch 384, t=8 p=2 d=48: 8 microbatches, none recomputed
-    assert (mcore.world_size, mcore.microbatches, mcore.hardware, mcore.recompute) == (768, 8, "h100-calibrated", False)
-    titan = auto_call(by_key["torchtitan 8B x8"])  # selective recomputation: the planner has none to offer
-    assert (titan.batch, titan.seq, titan.microbatches, titan.recompute) == (16, 8192, 1, False)
-    # where auto does not win by 10 %, the reason names the candidate at the expert's depth
+    mcore = auto_call(by_key["Mcore 70B"])  # 768 H100s, batch 384, t=8 p=2 d=48: 8 microbatches
+    assert (mcore.world_size, mcore.microbatches, mcore.hardware) == (768, 8, "h100-calibrated")
+    titan = auto_call(by_key["torchtitan 8B x8"])  # selective recomputation: in the planner's space too
+    assert (titan.batch, titan.seq, titan.microbatches, titan.recompute) == (16, 8192, 1, "auto")
+    # where auto does not win by 10 %, the reason names its pick and the candidate at the expert's depth
     expert = {"p": 2}
-    cands = [  # the tensor-only choice (schedule "-") is skipped: its accounting is not the cut's
-        {"pp": 1, "stage_mesh": "32 (x)", "schedule": "-", "v": 1, "error": "", "fits": True},
-        {"pp": 1, "stage_mesh": "8x4 (x,y)", "schedule": "1f1b", "v": 1, "error": "", "fits": True},
+    cands = [
+        {"pp": 1, "stage_mesh": "8x4 (x,y)", "schedule": "-", "v": 1, "error": "", "fits": True},
         {"pp": 2, "stage_mesh": "16 ranks", "schedule": "-", "v": 1, "error": "not priced: ideal cut 2 s > best 1 s"},
     ]
     assert why(expert, cands, 1.5) == ""
     assert why(expert, cands, 1.0) == (
-        "auto picks pp 1 8x4 (x,y) 1f1b v1; at the expert's depth pp 2: not priced: ideal cut 2 s > best 1 s"
+        "auto picks pp 1 8x4 (x,y) - v1; at the expert's depth pp 2: not priced: ideal cut 2 s > best 1 s"
     )
     assert "not among the depths priced" in why({"p": 4}, cands, 0.9)
-    assert why(expert, [cands[0], cands[2]], 0.0) == (
-        "no candidate through the cut fits: not priced: ideal cut 2 s > best 1 s"
-    )
+    assert why(expert, [cands[1]], 0.0) == "no candidate fits: not priced: ideal cut 2 s > best 1 s"

@@ -15,14 +15,23 @@ import pytest
 import torch
 import torch.fx as fx
 
+from autopar.compiler.pipeline_mesh import StateBytes, per_microbatch, per_step_best, tensor_only_candidate
+from autopar.core.errors import AutoparError
 from autopar.core.layout import Layout, Partial, Replicate
 from autopar.core.plan import Plan
 from autopar.cost.formulas import collective_time
 from autopar.cost.hardware import axis_links, load_hardware
 from autopar.passes.trace import trace
+from autopar.planning.mesh_choice import MeshCandidate, MeshChoice
 from autopar.planning.stage_cut import StageCut, cut_graph
 from autopar.planning.stage_units import StageGraph, stage_graph
-from autopar.planning.step_accounting import MIXED_ADAMW, PLAIN, exposed_reduction, gradient_reduction_time
+from autopar.planning.step_accounting import (
+    MIXED_ADAMW,
+    PLAIN,
+    exposed_reduction,
+    gradient_reduction_time,
+    weight_state_for,
+)
 from examples.models import make_gpt, make_mlp
 
 HW = "a100-cluster"
@@ -139,3 +148,86 @@ def test_gradient_reduction_of_a_data_parallel_plan_is_one_all_reduce_per_parame
     want = sum(collective_time("all_reduce", n, torch.float32, 4, link) for n in sizes)
     assert gradient_reduction_time(gm, plan, (4,), hw) == pytest.approx(want, rel=1e-12)
     assert PLAIN.step_bytes(4) == 4 + 2 * 4 + 2 * 8  # fp32: grad read, weight and AdamW read + written
+
+
+def test_selective_recomputation_keeps_matmul_and_attention_outputs_and_reruns_element_wise_ops() -> None:
+    g = graph(1)
+    bounds = ["blocks.0", "blocks.1"]  # stage 1 is blocks.0 alone
+    cut = functools.partial(cut_graph, g, pp=3, microbatches=2, stage_boundaries=bounds, memory_limit=1e12)
+    plain, full, sel = cut(), cut(recompute="full"), cut(recompute="selective")
+    assert cut(recompute=True).stages == full.stages  # True is "full"
+    p, s = plain.stages[1], sel.stages[1]
+    # what blocks.0 saves for its backward, batch 8 x 16, h = 32, bf16 (2 bytes):
+    x = 8 * 16 * 32 * 2  # 8192: one residual-stream-sized value
+    matmuls = 3 * x + x + 8 * 4 * 16 * 4 + x + 4 * x  # q, k, v; attention out, its fp32 logsumexp; proj in; fc out
+    elementwise = 4 * x + 4 * (8 * 16 * 2) + 4 * x  # two ln inputs and outputs, their mean and 1/std; gelu out
+    assert p.activation_bytes == (matmuls + elementwise) / 2  # per microbatch of 4 sequences
+    # selective: in flight, the block's input and what its matmuls and attention made
+    assert s.activation_bytes == (x + matmuls) / 2
+    # the element-wise values exist again, one microbatch's, while its backward runs
+    assert s.recompute_bytes == elementwise / 2
+    # the element-wise forward runs again in backward, on the input-gradient path
+    blocks0 = g.units[g.names.index("blocks.0")]
+    assert 0 < blocks0.forward_elementwise < blocks0.forward
+    assert s.backward == pytest.approx(p.backward + blocks0.forward_elementwise)
+    assert s.backward_input == pytest.approx(p.backward_input + blocks0.forward_elementwise)
+    assert sel.stages[0].backward == plain.stages[0].backward  # the embeddings are not recomputed
+    assert plain.makespan < sel.makespan < full.makespan
+    # what recomputation adds to the step's compute, apart (a sub-mesh's overhead is measured without it)
+    blocks = [u for u in g.units if u.name.startswith("blocks.")]
+    assert plain.recompute_time == 0.0
+    assert sel.recompute_time == pytest.approx(sum(u.forward_elementwise for u in blocks))
+    assert full.recompute_time == pytest.approx(sum(u.forward for u in blocks))
+    assert full.total_time - full.recompute_time == pytest.approx(plain.total_time)
+    assert sum(st.recompute_time for st in full.stages) == pytest.approx(full.recompute_time)
+    # a sub-mesh's overhead lands on each stage as it does without recomputation: never cheaper with it
+    extra = plain.total_time  # as much again as the whole compute
+    for again in (sel, full):
+        slow, slow_plain = again.slowed(extra), plain.slowed(extra)
+        for a, b, st, pst in zip(slow.stages, slow_plain.stages, again.stages, plain.stages, strict=True):
+            assert a.time - st.time == pytest.approx(b.time - pst.time)
+            assert a.backward_input - st.backward_input == pytest.approx(b.backward_input - pst.backward_input)
+        assert slow.makespan > slow_plain.makespan
+    assert max(full.rank_memory) < max(sel.rank_memory) < max(plain.rank_memory)
+    with pytest.raises(AutoparError, match="recompute='some'"):
+        cut(recompute="some")
+
+
+def test_weight_state_by_name_or_by_the_parameters_dtype() -> None:
+    assert weight_state_for(gpt_bf16(), None) == MIXED_ADAMW  # bfloat16 parameters: a mixed-precision run
+    model, batch = make_mlp(0)
+    assert weight_state_for(trace(model, batch, decompose=True), None) == PLAIN  # float32: the masters
+    assert weight_state_for(gpt_bf16(), "plain") == PLAIN and weight_state_for(gpt_bf16(), MIXED_ADAMW) == MIXED_ADAMW
+    with pytest.raises(AutoparError, match="weight_state='fp8'"):
+        weight_state_for(gpt_bf16(), "fp8")
+
+
+def test_the_tensor_only_candidate_is_priced_with_the_weight_state_and_its_optimizer_step() -> None:
+    # the 2-layer bf16 GPT holds 28032 parameter elements (the tied head once), 2 bytes each; the
+    # plan search counts 4 bytes per stored byte (weight, gradient, AdamW in bf16: 8 per element),
+    # mixed precision keeps 18 per element: 9 per stored byte, 5 more; AdamW moves 30 per element
+    state = StateBytes.of(gpt_bf16(), MIXED_ADAMW)
+    elements = STAGE0 + STAGE1 - 2048
+    assert state.stored == elements * 2
+    assert state.extra == pytest.approx(18 / 2 - 4) and state.step == pytest.approx(30 / 2)
+    hw = load_hardware(HW)
+    stored = state.stored / 8  # a plan that splits every parameter over 8 ranks
+    best = MeshCandidate((2, 4), ("x", "y"), comm_time=2e-3, compute_time=5e-3, memory=1e6, fits=True,
+                         scheduled_time=6e-3, reduce_time=1e-3, param_bytes=stored)  # fmt: skip
+    row = tensor_only_candidate(best, state, hw, limit=1e6 + 5 * stored, world_size=8)
+    assert row.memory == pytest.approx(1e6 + 5 * stored) and row.fits
+    assert row.step_time == pytest.approx(6e-3 + 15 * stored / hw.memory_bandwidth)
+    assert not tensor_only_candidate(best, state, hw, limit=1e6 + 5 * stored - 1, world_size=8).fits
+
+
+def test_the_stage_sub_mesh_is_ranked_with_its_gradient_reduction_once_per_step() -> None:
+    # a data-parallel sub-mesh: 10 ms per microbatch with 8 ms of it its gradient reduction; a
+    # tensor-parallel one: 6 ms with 1 ms of reduction. Per microbatch the second is faster; over
+    # a step of 16 microbatches reducing once, the first: 16 x 2 + 8 = 40 ms < 16 x 5 + 1 = 81 ms
+    data = MeshCandidate((8,), ("x",), comm_time=9e-3, compute_time=1e-3, memory=1.0, fits=True, reduce_time=8e-3)
+    tensor = MeshCandidate((2, 4), ("x", "y"), comm_time=2e-3, compute_time=4e-3, memory=1.0, fits=True,
+                           scheduled_time=6e-3, reduce_time=1e-3)  # fmt: skip
+    choice = MeshChoice(8, HW, "search", 1e9, [tensor, data])  # the choice's own ranking: per microbatch
+    assert per_microbatch(data) == pytest.approx(2e-3) and per_microbatch(tensor) == pytest.approx(5e-3)
+    assert per_step_best(choice, 16) is data
+    assert per_step_best(choice, 1) is tensor  # one microbatch: 2 + 8 = 10 ms against 5 + 1 = 6 ms

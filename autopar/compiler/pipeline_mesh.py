@@ -1,15 +1,30 @@
 """Pipeline depths in the mesh choice (docs/pipeline.md#pipeline-depths-in-the-mesh-choice).
 
 For a world of N ranks and M microbatches, every pipeline depth pp dividing N is a candidate
-beside the tensor-only meshes: its stages run on sub-meshes of t = N / pp ranks. A candidate is
-priced in two parts that already exist:
+beside the tensor-only mesh choice: its stages run on sub-meshes of t = N / pp ranks. Every
+candidate is priced with one step accounting (`autopar.planning.step_accounting`): the weight
+state's bytes per parameter element (`weight_state_for`: mixed precision's float32 gradients,
+masters and AdamW states for a 16-bit model), the data axis's gradient reduction once per step,
+the optimizer step, and recomputation.
 
-- the stage sub-mesh: the tensor mesh choice (`choose_mesh`) for t ranks on one microbatch, whose
-  best plan's modeled step over the ideal compute of that microbatch on t ranks is the sub-mesh's
-  *efficiency factor* (its collectives and imbalance; 1 for t = 1);
-- the pipeline: for each schedule of `AUTO_CANDIDATES`, the stage cut priced by `cut_stages` with
-  work divided ideally by t, then the sub-mesh's extra time per microbatch (its modeled step less
-  the ideal) spread over the stages by compute (`StageCut.slowed`) and the schedule simulated again.
+- The tensor-only candidate (pp = 1) is the tensor mesh choice (`choose_mesh`) on the whole batch
+  as one step (what `parallelize` then runs: no microbatches). Its plan search counts AdamW states
+  in the traced dtype, so the weight state's further bytes are taken off its memory limit (the
+  search stores every parameter split over all ranks) and added to its memory after, with the
+  optimizer step over the state it stores (`tensor_only_candidate`). It recomputes what its search
+  chooses to fit the limit.
+- A pipeline candidate's stage sub-mesh is the tensor mesh choice for t ranks on one microbatch,
+  re-ranked for a step of M microbatches that reduces its gradients once (`per_step_best`: M times
+  its time per microbatch without its gradient reduction, plus that reduction once). Its modeled
+  step per microbatch over the ideal compute of that microbatch on t ranks is the sub-mesh's
+  *efficiency factor* (its collectives and imbalance; 1 for t = 1). For each schedule of
+  `AUTO_CANDIDATES` and each recomputation mode asked for (`recompute`, default "auto": none,
+  selective and full, the fastest that fits), the stage cut is priced by `cut_stages` with work
+  divided ideally by t, the sub-mesh's extra time per microbatch spread over the stages by compute
+  (`StageCut.slowed`) and the schedule simulated again; the sub-mesh plan's gradient reduction is
+  priced once per step by the cut, each pp rank its stages' share, where it runs past the rank's
+  last backward (`StageCut.step_time`), and its weight state split as the plan splits the
+  parameters.
 
 The sub-mesh choice is the expensive part (hundreds of meshes at a thousand ranks), so it is
 skipped where it cannot matter: every depth's ideal cuts are priced first, and a depth whose fastest
@@ -18,16 +33,8 @@ The ideal cut bounds the depth's candidates from below: the sub-mesh's plan only
 stages (the schedule's order is fixed), adds its gradient reduction's exposed part, and splits the
 weight state at most t ways, as the ideal cut does (branch and bound: the same choice as pricing
 every depth; `bound_depths=False` prices them all). Depths are visited from the lowest bound up,
-and every depth's sub-mesh choice plans one trace of one microbatch.
-
-The product is a model of a model: the sub-mesh plan is of the whole model. Its gradient
-reduction (`step_accounting.gradient_reduction_time`: the gradient outputs' redistributions) is
-taken out of the per-microbatch time and priced once per step by the cut, each pp rank its
-stages' share, where it runs past the rank's last backward (`StageCut.step_time`). The
-per-microbatch time without it is min(scheduled step, no-overlap sum - reduction): an upper bound
-either way, since taking work out cannot lengthen a step. The memory is the cut's: weight state
-(`weight_state`) split as the sub-mesh plan splits the parameters, activations the schedule keeps
-in flight.
+and every depth's sub-mesh choice plans one trace of one microbatch. The product is a model of a
+model: the sub-mesh plan is of the whole model.
 """
 
 from __future__ import annotations
@@ -47,15 +54,22 @@ from autopar.compiler.driver import compile_conditions
 from autopar.compiler.pipeline import split_microbatches
 from autopar.compiler.pipeline_choice import AUTO_CANDIDATES
 from autopar.core.errors import AutoparError, MeshError
-from autopar.core.meta import has_info, info
+from autopar.core.meta import has_info, info, signature
 from autopar.cost.hardware import Hardware, load_hardware
 from autopar.passes.trace import trace
-from autopar.planning.mesh_choice import SEARCHED_CANDIDATES, MeshChoice
+from autopar.planning.memory import MEMORY_HEADROOM
+from autopar.planning.mesh_choice import SEARCHED_CANDIDATES, MeshCandidate, MeshChoice
 from autopar.planning.search_steps import StepCache
 from autopar.planning.stage_cut import cut_graph
 from autopar.planning.stage_result import StageCut, format_seconds
 from autopar.planning.stage_units import StageGraph, stage_graph
-from autopar.planning.step_accounting import PLAIN, WeightState, gradient_reduction_time
+from autopar.planning.step_accounting import (
+    RECOMPUTE_MODES,
+    WeightState,
+    optimizer_seconds,
+    recompute_mode,
+    weight_state_for,
+)
 from autopar.rules.base import RuleRegistry
 from autopar.runtime.agreement import decided_on_rank0
 
@@ -76,6 +90,9 @@ class PipelineCandidate:
     error: str = ""  # why it has no price
     stage_shape: tuple[int, ...] = ()  # the sub-mesh (pp = 1: the whole mesh)
     stage_names: tuple[str, ...] = ()
+    # what the blocks run again in backward (`step_accounting.RECOMPUTE_MODES`); the tensor-only
+    # candidate: "search", what its plan search recomputes to fit the memory limit
+    recompute: str = "none"
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -105,14 +122,15 @@ class PipelineMeshChoice:
         lines = [
             f"mesh choice with pipeline depths: {self.world_size} ranks, {self.microbatches} microbatches, "
             f"on {self.hardware}",
-            "  pp  stage mesh            schedule          v  modeled step  bubble  factor  memory/rank  fits",
+            "  pp  stage mesh            schedule          v  recompute  modeled step  bubble  factor  memory/rank  fits",
         ]
         for c in self.candidates:
+            head = f"{c.pp:>4}  {c.stage_mesh:<20}  {c.schedule:<16} {c.v}  {c.recompute:<9}"
             if c.error:
-                lines.append(f"{c.pp:>4}  {c.stage_mesh:<20}  {c.schedule:<16} {c.v}  {c.error}")
+                lines.append(f"{head}  {c.error}")
                 continue
             lines.append(
-                f"{c.pp:>4}  {c.stage_mesh:<20}  {c.schedule:<16} {c.v}  {format_seconds(c.step_time):>12}  "
+                f"{head}  {format_seconds(c.step_time):>12}  "
                 f"{c.bubble:>6.3f}  {c.factor:>6.2f}  {c.memory / 1e9:>8.2f} GB  {'yes' if c.fits else 'no'}"
             )
         return "\n".join(lines)
@@ -133,55 +151,51 @@ def choose_pipeline_mesh(
     registry: RuleRegistry | None = None,
     depths: Sequence[int] | None = None,
     example_kwargs: dict[str, Any] | None = None,
-    weight_state: WeightState = PLAIN,
-    recompute: bool = False,
+    weight_state: WeightState | str | None = None,
+    recompute: bool | str = "auto",
     bound_depths: bool = True,
     searched_candidates: int = SEARCHED_CANDIDATES,
 ) -> PipelineMeshChoice:
     """Rank the tensor-only mesh choice's best beside every pipeline depth of `depths` (default:
     every divisor of `world_size` above 1 that the model has modules enough for) and schedule.
 
-    `weight_state` and `recompute` price the pipelines' cuts (`cut_graph`); the pipeline runtime
-    does not recompute, so `recompute=True` models a run that does (the PTD-P benchmark).
-    `bound_depths`: skip a depth's stage sub-mesh choice (its most expensive part) when its
-    fastest fitting ideal cut is already slower than the best candidate priced (module doc:
-    branch and bound, the same choice as pricing every depth); False prices every depth.
-    `searched_candidates`: handed to every mesh choice (`choose_mesh`; 0 searches every mesh):
-    with `bound_depths=False` and 0 the ranking is exhaustive (`tests/test_plan_scale.py` holds the
-    default's choice to it)."""
+    Every candidate is priced with one step accounting (module doc): `weight_state` (a
+    `WeightState`, "plain", "mixed", or None: by the parameters' dtype, `weight_state_for`) sets
+    the bytes per parameter element and the optimizer step of every candidate; `recompute`
+    ("auto", "none", "selective", "full"; True is "full") what a pipeline cut's blocks run again in
+    backward, "auto" each and the fastest that fits per depth and schedule. The tensor-only
+    candidate recomputes what its plan search chooses to fit `memory_limit` (default: 90 % of the
+    table's device memory). `bound_depths`: skip a depth's stage sub-mesh choice (its most
+    expensive part) when its fastest fitting ideal cut is already slower than the best candidate
+    priced (module doc: branch and bound, the same choice as pricing every depth); False prices
+    every depth. `searched_candidates`: handed to every mesh choice (`choose_mesh`; 0 searches
+    every mesh): with `bound_depths=False` and 0 the ranking is exhaustive
+    (`tests/test_plan_scale.py` holds the default's choice to it)."""
     example = tuple(example_inputs)
+    modes = RECOMPUTE_MODES if recompute == "auto" else (recompute_mode(recompute),)
+    hw = load_hardware(hardware)
+    limit = hw.memory_capacity * MEMORY_HEADROOM if memory_limit is None else float(memory_limit)
+    gm = trace(model, example, decompose=True, example_kwargs=example_kwargs)
+    state = StateBytes.of(gm, weight_state_for(gm, weight_state))
     candidates: list[PipelineCandidate] = []
     tensor_only: MeshChoice | None = None
     steps = StepCache()  # pairs of placements, shared by every choice below (they depend on ndim only)
     try:
-        tensor_only = choose_mesh(model, world_size, example, hardware=hardware, memory_limit=memory_limit,
+        # the search counts AdamW states in the traced dtype; the rest of the weight state's bytes
+        # are taken off its limit (it stores every parameter split over all ranks) and checked after
+        search_limit = limit - max(0.0, state.extra) * state.stored / world_size
+        tensor_only = choose_mesh(model, world_size, example, hardware=hardware, memory_limit=search_limit,
                                   example_kwargs=example_kwargs, registry=registry,
                                   searched_candidates=searched_candidates, steps=steps)  # fmt: skip
-        best = tensor_only.chosen
-        candidates.append(
-            PipelineCandidate(
-                1,
-                best.label,
-                "-",
-                1,
-                best.rank_time,
-                best.memory,
-                best.fits,
-                stage_shape=best.shape,
-                stage_names=best.names,
-            )  # fmt: skip
-        )
+        candidates.append(tensor_only_candidate(tensor_only.chosen, state, hw, limit, world_size))
     except AutoparError as exc:
-        candidates.append(PipelineCandidate(1, "-", "-", 1, error=str(exc).splitlines()[0]))
-    gm = trace(model, example, decompose=True, example_kwargs=example_kwargs)
+        candidates.append(PipelineCandidate(1, "-", "-", 1, error=str(exc).splitlines()[0], recompute="search"))
     piece_args, piece_kwargs = split_microbatches((example, dict(example_kwargs or {})), microbatches)[0]
     wanted = depths if depths is not None else [p for p in range(2, world_size + 1) if world_size % p == 0]
-    limit = math.inf if memory_limit is None else memory_limit
-    hw = load_hardware(hardware)
     graphs = _StageGraphs(gm, hw)  # one analysis per stage sub-mesh size, shared by its schedules
     cut_all = functools.partial(
-        _cuts, graphs, microbatches=microbatches, limit=limit, weight_state=weight_state,
-        recompute=recompute,
+        _cuts, graphs, microbatches=microbatches, limit=limit, weight_state=state.weight_state,
+        modes=modes,
     )  # fmt: skip
     # every depth's ideal cuts first: they do not need the stage sub-mesh's plan, which only slows them
     cuts = {pp: cut_all(pp, world_size // pp) for pp in wanted}
@@ -190,7 +204,7 @@ def choose_pipeline_mesh(
     piece: list[fx.GraphModule] = []  # one microbatch's trace, shared by every depth's sub-mesh choice
     for pp in sorted(wanted, key=lambda pp: (_bound(cuts[pp]), wanted.index(pp))):
         t = world_size // pp
-        priced = [cut for _, _, cut in cuts[pp] if not isinstance(cut, AutoparError)]
+        priced = [cut for *_, cut in cuts[pp] if not isinstance(cut, AutoparError)]
         bound = _bound(cuts[pp])
         if bound_depths and priced and t > 1 and bound > fastest:  # (t = 1: nothing to save)
             why = "not priced: no cut fits"
@@ -201,6 +215,7 @@ def choose_pipeline_mesh(
         factor, label = 1.0, "1 rank"
         shape: tuple[int, ...] = (1,)
         names: tuple[str, ...] = ("stage",)
+        sub_time = 0.0
         if t > 1 and priced:
             try:
                 if not piece:
@@ -214,50 +229,122 @@ def choose_pipeline_mesh(
             except AutoparError as exc:
                 rows[pp] = [PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0])]
                 continue
-            label, shape, names = sub.chosen.label, sub.chosen.shape, sub.chosen.names
-            sub_time = sub.chosen.rank_time
-            kept = sub.chosen_plan
-            if kept is not None and kept.graph is not None:  # its gradient reduction: once per step
-                grad = gradient_reduction_time(kept.graph, kept.plan, shape, hw)
-                sub_time = min(sub_time, sub.chosen.step_time - grad)
-                stored = getattr(kept.plan, "memory", None)
-                shards = None
-                if stored is not None and stored.params > 0:  # weights split as the plan splits them
-                    shards = _param_bytes(gm) / stored.params
-                cuts[pp] = cut_all(pp, t, shards=shards, grad=grad)
+            pick = per_step_best(sub, microbatches)
+            label, shape, names = pick.label, pick.shape, pick.names
+            sub_time = per_microbatch(pick)  # its gradient reduction: once per step, by the cut
+            shards = state.stored / pick.param_bytes if pick.param_bytes > 0 else None  # as the plan splits them
+            cuts[pp] = cut_all(pp, t, shards=shards, grad=pick.reduce_time)
         elif t > 1:
             label = f"{t} ranks"
         rows[pp] = []
-        for name, v, cut in cuts[pp]:
-            if isinstance(cut, AutoparError):
-                rows[pp].append(PipelineCandidate(pp, label, name, v, error=str(cut).splitlines()[0]))
-                continue
-            if t > 1:  # the sub-mesh's collectives and imbalance, per microbatch, added to the stages
-                ideal = cut.total_time / microbatches
-                factor = sub_time / ideal if ideal > 0 else 1.0
-                cut = cut.slowed(max(0.0, sub_time - ideal) * microbatches)
-            memory = max(cut.rank_memory)
-            row = PipelineCandidate(
-                pp, label, name, v, cut.step_time, memory, memory <= limit, cut.bubble, factor,
-                stage_shape=shape, stage_names=names,
-            )  # fmt: skip
+        for name, v, group in _by_schedule(cuts[pp]):
+            options: list[PipelineCandidate] = []
+            for mode, cut in group:
+                if isinstance(cut, AutoparError):
+                    options.append(PipelineCandidate(pp, label, name, v, error=str(cut).splitlines()[0], recompute=mode))
+                    continue
+                if t > 1:  # the sub-mesh's collectives and imbalance, per microbatch, added to the stages
+                    ideal = (cut.total_time - cut.recompute_time) / microbatches  # (its plan recomputes nothing)
+                    factor = sub_time / ideal if ideal > 0 else 1.0
+                    cut = cut.slowed(max(0.0, sub_time - ideal) * microbatches)
+                memory = max(cut.rank_memory)
+                options.append(PipelineCandidate(
+                    pp, label, name, v, cut.step_time, memory, memory <= limit, cut.bubble, factor,
+                    stage_shape=shape, stage_names=names, recompute=mode,
+                ))  # fmt: skip
+            row = _best_option(options)
             rows[pp].append(row)
-            if row.fits:
+            if row.fits and not row.error:
                 fastest = min(fastest, row.step_time)
     candidates.extend(row for pp in wanted for row in rows[pp])
     candidates.sort(key=lambda c: (bool(c.error), not c.fits, c.step_time))
     return PipelineMeshChoice(world_size, microbatches, hardware, candidates, tensor_only)
 
 
-def _param_bytes(gm: Any) -> float:
-    """Bytes of the traced graph's parameters and buffers, whole."""
-    return float(
-        sum(
-            n.meta["val"].numel() * n.meta["val"].element_size()
-            for n in gm.graph.nodes
-            if n.op == "placeholder" and has_info(n) and info(n).role in ("param", "buffer", "constant")
-        )
-    )
+@dataclass(frozen=True)
+class StateBytes:
+    """The model's weight state under `weight_state`, whole: `stored` bytes of parameters and
+    buffers as traced, `extra` bytes of state per stored byte beyond the plan search's count (the
+    parameter, its gradient and two AdamW states in the traced dtype: 4 per byte), and `step`
+    bytes the optimizer step moves per stored byte."""
+
+    weight_state: WeightState
+    stored: float
+    extra: float
+    step: float
+
+    @staticmethod
+    def of(gm: fx.GraphModule, weight_state: WeightState) -> StateBytes:
+        sig = signature(gm)
+        stored = held = step = 0.0
+        for n in gm.graph.nodes:
+            if n.op != "placeholder" or not has_info(n) or info(n).role not in ("param", "buffer", "constant"):
+                continue
+            val = n.meta["val"]
+            size = val.element_size()
+            stored += val.numel() * size
+            if info(n).role == "param" and sig.requires_grad.get(info(n).param_name or n.name, True):
+                held += val.numel() * weight_state.bytes(size)
+                step += val.numel() * weight_state.step_bytes(size)
+            else:
+                held += 4 * val.numel() * size  # a buffer: counted by the search as it counts it
+        if stored <= 0:
+            return StateBytes(weight_state, 0.0, 0.0, 0.0)
+        return StateBytes(weight_state, stored, held / stored - 4.0, step / stored)
+
+
+def tensor_only_candidate(
+    best: MeshCandidate, state: StateBytes, hw: Hardware, limit: float, world_size: int
+) -> PipelineCandidate:
+    """The tensor-only mesh choice's best (the whole batch in one step, its gradient reduction in
+    it) under the weight state's accounting: its memory with the state's bytes beyond the search's
+    count, its step with the optimizer step over the state it stores."""
+    stored = best.param_bytes if math.isfinite(best.param_bytes) else state.stored / world_size
+    memory = best.memory + state.extra * stored
+    step = best.rank_time + optimizer_seconds(state.step * stored, hw)
+    return PipelineCandidate(
+        1, best.label, "-", 1, step, memory, memory <= limit, stage_shape=best.shape, stage_names=best.names,
+        recompute="search",
+    )  # fmt: skip
+
+
+def per_microbatch(candidate: MeshCandidate) -> float:
+    """A stage sub-mesh plan's time per microbatch without its gradient reduction (which a pipeline
+    or accumulated microbatches run once per step): min(scheduled step, no-overlap sum - reduction),
+    an upper bound either way, since taking work out cannot lengthen a step."""
+    return min(candidate.rank_time, candidate.step_time - candidate.reduce_time)
+
+
+def per_step_best(choice: MeshChoice, microbatches: int) -> MeshCandidate:
+    """The sub-mesh candidate fastest over a step of `microbatches` microbatches: M times its time
+    per microbatch (`per_microbatch`) plus its gradient reduction once, not overlapped (the choice's
+    own ranking counts the reduction in each microbatch's step, which favours small data axes)."""
+    fitting = [c for c in choice.candidates if c.fits and math.isfinite(c.step_time)]
+    if not fitting:
+        return choice.chosen
+    return min(fitting, key=lambda c: microbatches * per_microbatch(c) + c.reduce_time)
+
+
+def _by_schedule(
+    cuts: list[tuple[str, int, str, StageCut | AutoparError]],
+) -> list[tuple[str, int, list[tuple[str, StageCut | AutoparError]]]]:
+    """The cuts of one depth grouped by schedule (name, v), each with its recomputation modes."""
+    groups: dict[tuple[str, int], list[tuple[str, StageCut | AutoparError]]] = {}
+    for name, v, mode, cut in cuts:
+        groups.setdefault((name, v), []).append((mode, cut))
+    return [(name, v, group) for (name, v), group in groups.items()]
+
+
+def _best_option(options: list[PipelineCandidate]) -> PipelineCandidate:
+    """Of one schedule's recomputation modes: the fastest that fits, else the leanest priced, else
+    the last mode's error (the leanest mode's: its need is the smallest)."""
+    priced = [c for c in options if not c.error]
+    fitting = [c for c in priced if c.fits]
+    if fitting:
+        return min(fitting, key=lambda c: c.step_time)
+    if priced:
+        return min(priced, key=lambda c: c.memory)
+    return options[-1]
 
 
 class _StageGraphs:
@@ -284,35 +371,35 @@ def _cuts(
     microbatches: int,
     limit: float,
     weight_state: WeightState,
-    recompute: bool,
+    modes: Sequence[str],
     shards: float | None = None,
     grad: float | None = None,
-) -> list[tuple[str, int, StageCut | AutoparError]]:
-    """Each schedule of `AUTO_CANDIDATES` cut at depth `pp` with work divided ideally by `t`, or
-    why it cannot be. Without the sub-mesh plan's `shards` (how many ways it splits the weight
-    state) and `grad` (its gradient reduction, priced once per step) the cut is the ideal one: state
-    split t ways, no reduction."""
-    out: list[tuple[str, int, StageCut | AutoparError]] = []
+) -> list[tuple[str, int, str, StageCut | AutoparError]]:
+    """Each schedule of `AUTO_CANDIDATES` under each recomputation mode of `modes`, cut at depth
+    `pp` with work divided ideally by `t`, or why it cannot be. Without the sub-mesh plan's `shards`
+    (how many ways it splits the weight state) and `grad` (its gradient reduction, priced once per
+    step) the cut is the ideal one: state split t ways, no reduction."""
+    out: list[tuple[str, int, str, StageCut | AutoparError]] = []
     for name, v in AUTO_CANDIDATES:
-        try:
-            cut = cut_graph(
-                graphs.of(t), pp=pp, microbatches=microbatches, v=v, schedule=name,
-                memory_limit=limit, weight_state=weight_state, state_shards=shards,
-                grad_reduce=grad, recompute=recompute,
-            )  # fmt: skip
-        except AutoparError as exc:
-            out.append((name, v, exc))
-            continue
-        out.append((name, v, cut))
+        for mode in modes:
+            try:
+                cut = cut_graph(
+                    graphs.of(t), pp=pp, microbatches=microbatches, v=v, schedule=name, memory_limit=limit, weight_state=weight_state, state_shards=shards,
+                    grad_reduce=grad, recompute=mode,
+                )  # fmt: skip
+            except AutoparError as exc:
+                out.append((name, v, mode, exc))
+                continue
+            out.append((name, v, mode, cut))
     return out
 
 
-def _bound(cuts: list[tuple[str, int, StageCut | AutoparError]]) -> float:
+def _bound(cuts: list[tuple[str, int, str, StageCut | AutoparError]]) -> float:
     """A lower bound on every fitting candidate of one depth: the fastest fitting ideal cut's step.
     The sub-mesh's plan only adds time to the stages (`StageCut.slowed`, never shorter: the
     schedule's order is fixed) and a gradient reduction, and splits the weight state at most t ways
     as the ideal cut does (so no more memory fits); inf when none fits."""
-    fitting = [cut.step_time for _, _, cut in cuts if not isinstance(cut, AutoparError) and cut.fits]
+    fitting = [cut.step_time for *_, cut in cuts if not isinstance(cut, AutoparError) and cut.fits]
     return min(fitting, default=math.inf)
 
 
@@ -326,16 +413,19 @@ def auto_pipeline_mesh(
     memory_limit: float | None = None,
     registry: RuleRegistry | None = None,
     example_kwargs: dict[str, Any] | None = None,
+    weight_state: WeightState | str | None = None,
+    recompute: bool | str = "auto",
 ) -> tuple[DeviceMesh, PipelineMeshChoice]:
     """`parallelize(..., mesh_shape="auto", microbatches=M)`: rank 0 ranks every pipeline depth
-    beside the tensor-only meshes, every rank builds the chosen DeviceMesh (with a "pp" axis when
-    a pipeline won). `mesh`: the job's DeviceMesh or its world size."""
+    beside the tensor-only meshes (`weight_state`, `recompute`: `PlanOptions`'s), every rank builds
+    the chosen DeviceMesh (with a "pp" axis when a pipeline won). `mesh`: the job's DeviceMesh or
+    its world size."""
     world, device_type = job_world(mesh)
     choice = decided_on_rank0(
         lambda: choose_pipeline_mesh(
             model, world, example_inputs, microbatches=microbatches,
             hardware=hardware or default_hardware(device_type), memory_limit=memory_limit, registry=registry,
-            example_kwargs=example_kwargs,
+            example_kwargs=example_kwargs, weight_state=weight_state, recompute=recompute,
         ),
         "choosing the mesh with pipeline depths",
     )  # fmt: skip

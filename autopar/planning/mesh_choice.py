@@ -50,6 +50,7 @@ from autopar.planning.search import SearchPlan, default_memory_limit, fit_memory
 from autopar.planning.search_cost import TimeCost
 from autopar.planning.search_problem import Shared
 from autopar.planning.search_steps import StepCache
+from autopar.planning.step_accounting import gradient_reduction_time
 from autopar.rules.base import RuleRegistry
 
 MAX_AXES = 4
@@ -77,6 +78,10 @@ class MeshCandidate:
     estimate: float = math.nan  # s per step of the screen's cheapest plan; nan: not screened
     searched: bool = True  # False: screened out (`estimate` ranked below the searched ones)
     storage: str = ""  # how its plan stores the weights: "sharded" or "replicated" (`planning.storage`)
+    # s per step of the plan's gradient reductions (in `comm_time`): what a pipeline stage or a
+    # step of accumulated microbatches runs once per step, not once per microbatch
+    reduce_time: float = 0.0
+    param_bytes: float = math.nan  # stored parameter and buffer bytes per rank
 
     @property
     def step_time(self) -> float:
@@ -337,6 +342,8 @@ def _scheduled(
                 out[i] = replace(
                     candidate, comm_time=comm, compute_time=compute, memory=memory, roles=start.roles,
                     scheduled_time=from_start, storage=start.storage,
+                    reduce_time=gradient_reduction_time(gm, start, mesh.shape, costs[i].mesh.hw),
+                    param_bytes=start.memory.params if start.memory is not None else math.nan,
                 )  # fmt: skip
                 plans[i] = start
         best = min(best, out[i].scheduled_time)
@@ -370,8 +377,10 @@ def _evaluate(
         return MeshCandidate(mesh.shape, mesh.axis_names, error=error), None
     comm, compute = plan_cost_parts(gm, plan, mesh, cost, once=True)  # as insert_comm will emit it
     memory = plan.memory.total if plan.memory is not None else math.nan
+    stored = plan.memory.params if plan.memory is not None else math.nan
+    reduce = gradient_reduction_time(gm, plan, mesh.shape, cost.mesh.hw)
     candidate = MeshCandidate(mesh.shape, mesh.axis_names, comm, compute, memory, True, plan.roles)
-    return replace(candidate, storage=getattr(plan, "storage", "")), plan
+    return replace(candidate, storage=getattr(plan, "storage", ""), reduce_time=reduce, param_bytes=stored), plan
 
 
 def _no_mesh_error(choice: MeshChoice) -> AutoparError:

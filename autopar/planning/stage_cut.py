@@ -43,6 +43,7 @@ from autopar.planning.step_accounting import (
     WeightState,
     is_recomputed,
     optimizer_seconds,
+    recompute_mode,
 )
 
 
@@ -69,7 +70,7 @@ def cut_stages(
     data_parallel: int = 1,
     state_shards: float | None = None,
     grad_reduce: float | None = None,
-    recompute: bool = False,
+    recompute: bool | str = False,
 ) -> StageCut:
     """Cut a traced joint graph into `pp * v` stages (see the module docstring); `stage_boundaries`
     names the first module of each stage after the first and skips the search. `memory_limit`:
@@ -106,7 +107,7 @@ def cut_graph(
     data_parallel: int = 1,
     state_shards: float | None = None,
     grad_reduce: float | None = None,
-    recompute: bool = False,
+    recompute: bool | str = False,
 ) -> StageCut:
     """`cut_stages` on an analysed graph (`stage_units.stage_graph`), to try several pipeline
     shapes without tracing again.
@@ -118,7 +119,8 @@ def cut_graph(
     and the gradients are all-reduced over d once per step on the data axis's link; `grad_reduce`
     replaces that price: seconds to reduce the whole model's gradients once on one rank of a stage
     sub-mesh (each pp rank pays its stages' share of it by gradient bytes), e.g. the sub-mesh
-    plan's gradient collectives; `recompute`: full recomputation of every block."""
+    plan's gradient collectives; `recompute`: "full" or "selective" recomputation of every block
+    (`step_accounting.RECOMPUTE_MODES`; True is "full", False "none")."""
     plan = schedule_by_name(schedule, pp, v, microbatches)
     num = plan.num_stages
     hw = graph.hardware
@@ -267,7 +269,7 @@ class _StageModel:
         microbatches: int,
         weight_state: WeightState = PLAIN,
         shards: float | None = None,
-        recompute: bool = False,
+        recompute: bool | str = False,
     ) -> None:
         self.graph = graph
         self.schedule = schedule
@@ -275,15 +277,17 @@ class _StageModel:
         self.t = graph.tensor_size
         self.weight_state = weight_state
         self.shards = float(self.t if shards is None else shards)
-        self.recompute = recompute
+        self.recompute = recompute_mode(recompute)
         self.flight = in_flight(schedule)
-        # a recomputed block runs its forward again before its backward (on the input-gradient path)
-        self.again = tuple(recompute and is_recomputed(u.name) for u in graph.units)
+        # a recomputed block runs its forward (selective: its element-wise ops) again before its
+        # backward, on the input-gradient path
+        self.again = tuple(self.recompute != "none" and is_recomputed(u.name) for u in graph.units)
         self.units: tuple[Unit, ...] = tuple(
-            replace(u, backward=u.backward + u.forward, backward_input=u.backward_input + u.forward)
+            replace(u, backward=u.backward + extra, backward_input=u.backward_input + extra)
             if again
             else u
             for u, again in zip(graph.units, self.again, strict=True)
+            for extra in [u.forward if self.recompute == "full" else u.forward_elementwise]
         )
         self._segments = _segment_memo(graph, microbatches, weight_state, self.shards, recompute)
         # per unit, the saved activations and parameters it touches: a segment's are the union of
@@ -341,7 +345,9 @@ class _StageModel:
         """(per microbatch, once per step, rebuilt by recomputation) saved bytes per tensor rank
         of units [i, j). Under full recomputation a recomputed block keeps only its input (what
         crosses the cut before it) per microbatch in flight, and one microbatch of its own
-        activations exists again while its backward runs: the stage's largest block's."""
+        activations exists again while its backward runs: the stage's largest block's. Under
+        selective recomputation it keeps its input and what its matmuls and attention made; the
+        element-wise values are the ones made again."""
         g = self.graph
         per_mb = fixed = 0.0
         own = [0.0] * len(g.units)
@@ -351,7 +357,7 @@ class _StageModel:
                 continue
             if not a.per_batch:
                 fixed += a.bytes
-            elif all(self.again[u] for u in mine):
+            elif all(self.again[u] for u in mine) and (self.recompute == "full" or a.elementwise):
                 for u in mine:
                     own[u] += a.bytes / self.m
             else:
@@ -405,6 +411,7 @@ class _StageModel:
                     send_bytes=sum(x.bytes / (self.m if x.per_batch else 1) for x in send) / self.t,
                     shared=shared,
                     recompute_bytes=again,
+                    recompute_time=sum(self.units[k].backward - g.units[k].backward for k in range(i, j)),
                 )
             )
         peaks = peak_activations(self.schedule, [st.activation_bytes for st in stages])
@@ -428,6 +435,7 @@ class _StageModel:
             tensor_size=self.t,
             hardware=g.hardware.name,
             total_time=sum(u.time for u in self.units),
+            recompute_time=sum(u.time for u in self.units) - sum(u.time for u in g.units),
             rank_memory=tuple(rank_memory),
             memory_limit=limit,
             forced=forced,

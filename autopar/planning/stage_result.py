@@ -35,7 +35,8 @@ class Stage:
     send: tuple[BoundaryTensor, ...]  # to the next stage
     send_bytes: float  # per microbatch
     shared: tuple[str, ...]  # tied parameters another stage holds too (buffers are copied silently)
-    recompute_bytes: float = 0.0  # full recomputation: one block's activations, rebuilt in its backward
+    recompute_bytes: float = 0.0  # recomputation: one block's rebuilt activations, while its backward runs
+    recompute_time: float = 0.0  # the part of `backward` (and of `backward_input`) recomputation adds
 
     @property
     def time(self) -> float:
@@ -77,7 +78,8 @@ class StageCut:
     reduce_time: tuple[float, ...] = ()
     optimizer_time: tuple[float, ...] = ()
     buckets: tuple[int, ...] = ()
-    recompute: bool = False
+    recompute: str = "none"  # `step_accounting.RECOMPUTE_MODES`: what the blocks run again in backward
+    recompute_time: float = 0.0  # the part of `total_time` that recomputation adds
 
     @property
     def step_time(self) -> float:
@@ -123,8 +125,9 @@ class StageCut:
     def slowed(self, overhead: float) -> StageCut:
         """This cut with `overhead` more seconds per step of each tensor rank's work (a stage
         sub-mesh plan's collectives and imbalance beyond the ideal division by t), spread over the
-        stages in proportion to their compute, and simulated again."""
-        total = sum(st.time for st in self.stages)
+        stages in proportion to their compute without recomputation (the sub-mesh plan's, which
+        recomputes nothing: the same overhead lands where it lands without it), and simulated again."""
+        total = sum(st.time - st.recompute_time for st in self.stages)
         if overhead <= 0 or total <= 0:
             return self
         scale = 1.0 + overhead / total
@@ -132,8 +135,8 @@ class StageCut:
             replace(
                 st,
                 forward=st.forward * scale,
-                backward=st.backward * scale,
-                backward_input=st.backward_input * scale,
+                backward=(st.backward - st.recompute_time) * scale + st.recompute_time,
+                backward_input=(st.backward_input - st.recompute_time) * scale + st.recompute_time,
             )
             for st in self.stages
         )
@@ -204,7 +207,7 @@ class StageCut:
             f"step {format_seconds(self.step_time)}: + gradient reduction once per step (largest "
             f"{format_seconds(max(self.reduce_time, default=0.0))} before overlap) + optimizer step "
             f"(largest {format_seconds(max(self.optimizer_time, default=0.0))})"
-            + (", blocks recomputed in backward" if self.recompute else "")
+            + (f", blocks recomputed in backward ({self.recompute})" if self.recompute != "none" else "")
         )
         return "\n".join(lines)
 

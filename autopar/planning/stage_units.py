@@ -34,7 +34,7 @@ import torch.fx as fx
 from autopar.core.layout import itemsize
 from autopar.core.meta import has_info, info, signature
 from autopar.cost.formulas import compute_time
-from autopar.cost.hardware import Hardware, load_hardware
+from autopar.cost.hardware import Elementwise, Hardware, load_hardware
 from autopar.cost.work import compute_rate, global_work
 from autopar.planning.memory import saved_nodes
 
@@ -65,6 +65,7 @@ class Unit:
     params: tuple[str, ...]  # parameters and buffers first used here
     reads: tuple[str, ...]  # tied parameters first used by an earlier unit and read here too
     nodes: int  # joint-graph nodes assigned here
+    forward_elementwise: float = 0.0  # the part of `forward` that is not matmul or attention
 
     @property
     def time(self) -> float:
@@ -80,6 +81,7 @@ class SavedActivation:
     bytes: float  # whole batch, full tensor
     per_batch: bool
     units: tuple[int, ...]
+    elementwise: bool = False  # made by an element-wise op (not a matmul or attention): selective recomputation rebuilds it
 
 
 @dataclass(frozen=True)
@@ -250,13 +252,17 @@ def stage_graph(
     fwd_time = [0.0] * n_units
     bwd_time = [0.0] * n_units
     inp_time = [0.0] * n_units
+    cheap_time = [0.0] * n_units
     count = [0] * n_units
     for n in computes:
-        seconds = compute_time(global_work(n) / t, 0.0, compute_rate(n), hw)
+        rate = compute_rate(n)
+        seconds = compute_time(global_work(n) / t, 0.0, rate, hw)
         u = unit[n]
         count[u] += 1
         if info(n).phase == "forward":
             fwd_time[u] += seconds
+            if isinstance(rate, Elementwise):
+                cheap_time[u] += seconds
         else:
             bwd_time[u] += seconds
             if reach[n] < u:
@@ -297,7 +303,10 @@ def stage_graph(
 
     names = sorted(order, key=order.__getitem__)
     units = tuple(
-        Unit(names[i], fwd_time[i], bwd_time[i], inp_time[i], tuple(first[i]), tuple(reads[i]), count[i])
+        Unit(
+            names[i], fwd_time[i], bwd_time[i], inp_time[i], tuple(first[i]), tuple(reads[i]), count[i],
+            cheap_time[i],
+        )  # fmt: skip
         for i in range(n_units)
     )
 
@@ -327,7 +336,7 @@ def stage_graph(
         readers = {unit[u] for u in n.users if u in unit and info(u).phase == "backward"}
         if not readers:
             readers = {unit[n]}  # a gradient output itself: kept by its own unit
-        saved.append(SavedActivation(n.name, _bytes(n), n in per_batch, tuple(sorted(readers))))
+        saved.append(SavedActivation(n.name, _bytes(n), n in per_batch, tuple(sorted(readers)), _elementwise(n)))
 
     return StageGraph(
         units=units,
@@ -344,6 +353,19 @@ def stage_graph(
         recomputed=frozenset(n.name for n in recomputed),
         itemsize=sizes,
     )
+
+
+def _elementwise(node: fx.Node) -> bool:
+    """Whether `node` is made by an element-wise op (a view counts as what it views): what selective
+    recomputation makes again from the matmul and attention outputs it keeps."""
+    while node.op == "call_function":
+        rate = compute_rate(node)
+        if not isinstance(rate, Elementwise):
+            return False
+        if rate.runs or not node.all_input_nodes:
+            return True
+        node = node.all_input_nodes[0]
+    return False
 
 
 def compact(names: Sequence[str]) -> str:

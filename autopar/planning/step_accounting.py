@@ -25,9 +25,13 @@ activation recomputation. `autopar.planning.stage_cut` prices a cut with them.
   reduction, then its optimizer step. `StageCut.step_time` (the planner) and
   `autopar.planning.step_model` (the calibrated model held against published runs) both end a
   step with it.
-- *Full recomputation* (Megatron's `--recompute-granularity full`, per layer): a numbered block's
-  forward runs again in its backward; in flight it keeps only its input, and while its backward
-  runs one microbatch of its activations exists again (`is_recomputed`).
+- *Recomputation* of the numbered blocks (`is_recomputed`; `RECOMPUTE_MODES`): "full"
+  (Megatron's `--recompute-granularity full`, per layer): a block's forward runs again in its
+  backward; in flight it keeps only its input, and while its backward runs one microbatch of its
+  activations exists again. "selective" (torch's selective checkpointing that keeps matmul and
+  attention outputs): a block's element-wise forward ops run again in its backward; in flight it
+  keeps its input and the saved values that matmuls and attention made, and the element-wise ones
+  exist again for one microbatch while its backward runs.
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
-from autopar.core.meta import signature
+from autopar.core.errors import AutoparError
+from autopar.core.meta import has_info, info, signature
 from autopar.core.pipeline_schedule import ActionKind
 from autopar.core.pipeline_simulate import TimedAction
 from autopar.core.plan import Plan
@@ -84,6 +90,50 @@ class WeightState:
 
 PLAIN = WeightState()
 MIXED_ADAMW = WeightState(weight=2.0, grad=4.0, master=4.0, optimizer=8.0)
+WEIGHT_STATES = {"plain": PLAIN, "mixed": MIXED_ADAMW}  # `PlanOptions.weight_state`'s names
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def weight_state_for(gm: fx.GraphModule, chosen: WeightState | str | None) -> WeightState:
+    """The weight state a plan of the traced `gm` is priced with: `chosen` by name
+    (`WEIGHT_STATES`) or as given; None by the trainable parameters' traced dtype, what a user
+    training with mixed-precision AdamW keeps: 16-bit parameters stand for a mixed-precision run
+    (`MIXED_ADAMW`: float32 gradients, masters and AdamW states beside them), float32 ones are
+    the masters themselves (`PLAIN`: 16 bytes, what `parallelize` with `mp_policy` keeps)."""
+    if isinstance(chosen, WeightState):
+        return chosen
+    if chosen is not None:
+        if chosen not in WEIGHT_STATES:
+            raise AutoparError(
+                f"weight_state={chosen!r} is not a weight state the planner prices",
+                hint=f"one of {', '.join(map(repr, WEIGHT_STATES))}, or None for the parameters' dtype",
+            )
+        return WEIGHT_STATES[chosen]
+    sig = signature(gm)
+    dtypes = {
+        n.meta["val"].dtype
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+        and has_info(n)
+        and info(n).role == "param"
+        and sig.requires_grad.get(info(n).param_name or n.name, True)
+        and isinstance(n.meta.get("val"), torch.Tensor)
+    }
+    return MIXED_ADAMW if dtypes and dtypes <= set(_HALF) else PLAIN
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def recompute_mode(recompute: bool | str) -> str:
+    """`recompute` as one of `RECOMPUTE_MODES` (True: "full", False: "none")."""
+    mode = {True: "full", False: "none"}.get(recompute, recompute) if isinstance(recompute, bool) else recompute
+    if mode not in RECOMPUTE_MODES:
+        raise AutoparError(
+            f"recompute={recompute!r} is not a recomputation the step accounting prices",
+            hint=f"one of {', '.join(map(repr, RECOMPUTE_MODES))}",
+        )
+    return mode
 
 
 def is_recomputed(unit_name: str) -> bool:
