@@ -91,7 +91,7 @@ class PipelineCandidate:
     stage_shape: tuple[int, ...] = ()  # the sub-mesh (pp = 1: the whole mesh)
     stage_names: tuple[str, ...] = ()
     # what the blocks run again in backward (`step_accounting.RECOMPUTE_MODES`); the tensor-only
-    # candidate: "search", what its plan search recomputes to fit the memory limit
+    # candidate: "search", what its plan search recomputes to fit the memory limit; "-": not priced
     recompute: str = "none"
 
     @property
@@ -210,7 +210,7 @@ def choose_pipeline_mesh(
             why = "not priced: no cut fits"
             if math.isfinite(bound):
                 why = f"not priced: ideal cut {format_seconds(bound)} > best {format_seconds(fastest)}"
-            rows[pp] = [PipelineCandidate(pp, f"{t} rank{'s' if t > 1 else ''}", "-", 1, error=why)]
+            rows[pp] = [PipelineCandidate(pp, f"{t} rank{'s' if t > 1 else ''}", "-", 1, error=why, recompute="-")]
             continue
         factor, label = 1.0, "1 rank"
         shape: tuple[int, ...] = (1,)
@@ -227,7 +227,7 @@ def choose_pipeline_mesh(
                     steps=steps,
                 )  # fmt: skip
             except AutoparError as exc:
-                rows[pp] = [PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0])]
+                rows[pp] = [PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0], recompute="-")]
                 continue
             pick = per_step_best(sub, microbatches)
             label, shape, names = pick.label, pick.shape, pick.names
