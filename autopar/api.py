@@ -43,6 +43,8 @@ from autopar.options import (
 )
 from autopar.passes import fused
 from autopar.planning.memory import MEMORY_HEADROOM
+from autopar.rules.base import RuleRegistry
+from autopar.rules.context_parallel import CP_AXIS, context_parallel_registry
 from autopar.rules.registry import default_registry
 from autopar.runtime.checkpoint import LoadResult
 from autopar.runtime.checkpoint import load_checkpoint as load_parallel_checkpoint
@@ -117,6 +119,8 @@ def parallelize(
     stage_boundaries, virtual_stages = pipeline.stage_boundaries, pipeline.virtual_stages
     _check_model(model)
     example_inputs = example_tuple(example_inputs, example_kwargs)
+    names = tuple(mesh.mesh_dim_names or ()) if isinstance(mesh, DeviceMesh) else ()
+    registry = _asked_registry(registry, names, planning)
     pipelined = isinstance(mesh, DeviceMesh) and "pp" in (mesh.mesh_dim_names or ())
     depths_wanted = mesh_shape == "auto" and microbatches is not None  # pipeline depths compete too
     if not pipelined and not depths_wanted and (schedule is not None or microbatches is not None):
@@ -222,6 +226,24 @@ def parallelize(
     result.mesh_choice = depth_choice if depth_choice is not None else choice  # type: ignore[assignment]
     watch_optimizers(model, result)  # an optimizer over model.parameters() is refused at its step
     return result
+
+
+def _asked_registry(
+    registry: RuleRegistry | None, axis_names: tuple[str, ...], planning: PlanOptions
+) -> RuleRegistry | None:
+    """The rules with the attention strategy `PlanOptions.context_parallel` names required on the
+    mesh's "cp" axis (with "auto", `compile_for_rank` requires either where the mesh has one)."""
+    if planning.context_parallel == "auto":
+        return registry
+    if CP_AXIS not in axis_names:
+        raise UsageError(
+            f"PlanOptions(context_parallel={planning.context_parallel!r}) names the attention strategy of a "
+            f'"cp" mesh axis, but the mesh has axes {axis_names}',
+            hint='name the axis that should split the sequence "cp", e.g. init_device_mesh("cpu", (2, 4), '
+            'mesh_dim_names=("dp", "cp"))',
+        )
+    base = registry if registry is not None else default_registry()
+    return context_parallel_registry(base, axis_names, planning.context_parallel)
 
 
 def _check_mesh(mesh: Any) -> Mesh:
@@ -448,6 +470,7 @@ def plan(
         )
         mesh_shape, mesh_names = choice.chosen.shape, choice.chosen.names
     mesh = Mesh.from_shape(tuple(mesh_shape), tuple(mesh_names) if mesh_names else None)
+    registry = _asked_registry(registry, mesh.axis_names, planning) or registry
     traced: list[fx.GraphModule] = []
     kept = choice.chosen_plan if choice is not None else None  # the choice's trace and search, reused
 

@@ -19,6 +19,7 @@ from typing import Any
 from autopar.core.errors import UsageError
 from autopar.planning.step_accounting import RECOMPUTE_MODES, WEIGHT_STATES
 from autopar.rules.base import RuleRegistry
+from autopar.rules.context_parallel import CP_STRATEGIES
 
 WEIGHT_STATE_NAMES = (None, *WEIGHT_STATES)  # None: by the parameters' dtype (`weight_state_for`)
 RECOMPUTE_NAMES = ("auto", *RECOMPUTE_MODES)
@@ -59,6 +60,12 @@ class PlanOptions:
           attention outputs kept); "full", their whole forward (each keeps only its input);
           "auto", each, the fastest that fits `memory_limit` per depth and schedule. The
           tensor-only candidate recomputes what its plan search chooses to fit the limit.
+      context_parallel (str) ["auto"]: on a mesh with an axis named "cp", which attention strategy
+          splits the sequence over it (docs/context-parallel.md): "allgather", queries split along
+          the sequence with keys and values all-gathered (Llama 3's CP); "ulysses", the all-to-all
+          from the sequence split to a heads split around attention and back (DeepSpeed-Ulysses);
+          "auto", the cheaper of the two by the search's cost. Without a "cp" axis it must be
+          "auto" (the search may still split the sequence where it prices best).
     """
 
     planner: str = "search"
@@ -70,8 +77,14 @@ class PlanOptions:
     registry: RuleRegistry | None = None
     weight_state: str | None = None
     recompute: str = "auto"
+    context_parallel: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.context_parallel not in CP_STRATEGIES:
+            raise UsageError(
+                f"PlanOptions(context_parallel={self.context_parallel!r}) is not an attention strategy",
+                hint=f"one of {', '.join(map(repr, CP_STRATEGIES))}",
+            )
         if self.weight_state not in WEIGHT_STATE_NAMES:
             raise UsageError(
                 f"PlanOptions(weight_state={self.weight_state!r}) is not a weight state the planner prices",

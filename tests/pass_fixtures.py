@@ -465,10 +465,15 @@ def isomorphism_failure(a: fx.GraphModule, b: fx.GraphModule) -> str | None:
 
 
 def compile_every_rank(
-    model: nn.Module, shape: tuple[int, ...], args: tuple, kwargs: dict | None = None, **options: Any
+    model: nn.Module,
+    shape: tuple[int, ...],
+    args: tuple,
+    kwargs: dict | None = None,
+    names: tuple[str, ...] | None = None,
+    **options: Any,
 ) -> dict[Coords, Compiled]:
-    """`compile_for_rank` for every coordinate of a mesh of `shape`, all with the plan made for the
-    first (as `parallelize` makes rank 0's plan everyone's)."""
+    """`compile_for_rank` for every coordinate of a mesh of `shape` (axes named `names`, default
+    x, y, z), all with the plan made for the first (as `parallelize` makes rank 0's plan everyone's)."""
     chosen: list[Plan] = []
 
     def plan_once(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Plan:
@@ -476,7 +481,7 @@ def compile_every_rank(
             chosen.append(make_plan())
         return chosen[0]
 
-    mesh = Mesh.from_shape(shape)
+    mesh = Mesh.from_shape(shape, names)
     trace_options = {k: options[k] for k in ("planner", "split_fused", "forward_only") if k in options}
     traced = trace_for(model, mesh, args, kwargs, **trace_options)  # once, as each process of a job
     return {

@@ -51,6 +51,7 @@ from autopar.planning.storage import unify_part_storage
 from autopar.reporting.dump import dump_dir_from, write_collectives, write_stage, write_timeline
 from autopar.reporting.report import PlanReport, build_report
 from autopar.rules.base import RuleRegistry
+from autopar.rules.context_parallel import CP_AXIS, FORWARD, context_parallel_registry
 from autopar.rules.registry import default_registry
 from autopar.runtime.program import EmittedProgram
 
@@ -101,6 +102,21 @@ def compile_conditions(fn: Callable[_P, _R]) -> Callable[_P, _R]:
                 gc.enable()
 
     return wrapper
+
+
+def _check_context_parallel(gm: fx.GraphModule, mesh: Mesh) -> None:
+    """A "cp" axis asks for the sequence split over it, which needs attention to split."""
+    if CP_AXIS not in mesh.axis_names or mesh.shape[mesh.axis_names.index(CP_AXIS)] == 1:
+        return
+    if any(node.target is FORWARD for node in gm.graph.nodes):
+        return
+    raise UsageError(
+        f'mesh {mesh} has a "cp" axis, which asks for context parallelism (the sequence split '
+        "over it, attention exchanging keys and values), but the model calls no "
+        "scaled_dot_product_attention: there is no sequence for it to split",
+        hint='name the axis otherwise (the search then splits what it prices best), or call '
+        "torch.nn.functional.scaled_dot_product_attention in the model's attention",
+    )
 
 
 @compile_conditions
@@ -172,6 +188,8 @@ def compile_for_rank(
     else:
         gm = copy.deepcopy(traced)  # the later stages rewrite the graph in place
     write_stage(path, "1_trace", gm, mesh)
+    registry = context_parallel_registry(registry, mesh.axis_names)
+    _check_context_parallel(gm, mesh)
     if planner not in ("search", "greedy"):
         raise AutoparError(f"unknown planner {planner!r}", hint='use "search" or "greedy"')
 

@@ -327,14 +327,15 @@ class _Greedy:
         key_of_call: tuple[Any, ...] | None = None,
     ) -> tuple[Strategy, str]:
         """The lowest-cost candidate strategy for `call` given its inputs' current layouts."""
-        if rule.anchor or len(current) == 0:
+        # a whole list, shared by repeated ops and passes (a rule with a requirement: filtered)
+        shared = rule.anchor or len(current) == 0 or rule.requirement is not None
+        if shared:
             candidates = expand_cached(node, rule, call, self.shape, self.expand_cache, key_of_call)
         else:
             key = (call.op, call_key(call) if key_of_call is None else key_of_call)
             candidates = self._beam(call, rule.strategies(call), current, rule.uneven, key)
         if not candidates:
-            raise self._no_strategy(node, call)
-        shared = rule.anchor or len(current) == 0  # a whole list, shared by repeated ops and passes
+            raise self._no_strategy(node, call, rule)
         facts = self._list_facts(candidates) if shared else ListFacts.of(candidates, self._facts)
         cost, slices = scores(
             facts, current, global_work(node), self._input_cost, PARTIAL_WEIGHT, FLOP_WEIGHT
@@ -540,8 +541,17 @@ class _Greedy:
         if note:
             self.plan.notes[node.name] = note
 
-    def _no_strategy(self, node: fx.Node, call: OpCall) -> ShardingError:
+    def _no_strategy(self, node: fx.Node, call: OpCall, rule: Any = None) -> ShardingError:
         shapes = ", ".join(str(list(s.shape)) for s in call.inputs)
+        requirement = rule.requirement if rule is not None else None
+        if requirement is not None:
+            return ShardingError(
+                f"no layout of {node.target} on mesh {self.mesh} meets what the mesh asks of it: "
+                f"input shapes {shapes}",
+                op=str(node.target),
+                where=info(node).where(),
+                hint=requirement.hint,
+            )
         return ShardingError(
             f"no even layout of {node.target} fits mesh {self.mesh}: input shapes {shapes}",
             op=str(node.target),

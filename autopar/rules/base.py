@@ -9,6 +9,7 @@ splits a dim of that same size (an elementwise correspondence; a view that merge
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,17 @@ Localizer = Callable[[LocalContext], LocalCall]
 
 
 @dataclass(frozen=True)
+class Requirement:
+    """A user's demand on an op's whole-mesh strategies (a mesh axis role such as "cp"): the
+    planners offer only the strategies `admits` accepts. Per-axis rules cannot express it, since
+    `expand` takes the same per-axis list on every axis. `hint` is what an error says to do when
+    no strategy is left."""
+
+    admits: Callable[[OpCall, Strategy], bool]
+    hint: str
+
+
+@dataclass(frozen=True)
 class OpRule:
     op: Any
     strategies: StrategyFn
@@ -63,6 +75,8 @@ class OpRule:
     # Whether the rule's strategies (and its localize step) stay right on uneven `torch.chunk`
     # blocks; property tests draw uneven shapes for every rule that says so.
     uneven: bool = False
+    # a user's demand on the whole-mesh strategies (None: every admissible one is offered)
+    requirement: Requirement | None = None
 
 
 class RuleRegistry:
@@ -87,6 +101,10 @@ class RuleRegistry:
         """Registers one family's rules with what they share: the family name and whether they
         stay right on uneven blocks (every built-in family does; a user's rule opts in)."""
         return FamilyRules(self, name, uneven)
+
+    def require(self, op: Any, requirement: Requirement) -> None:
+        """Offer only the strategies of `op` that `requirement` admits (the op must have a rule)."""
+        self._rules[op] = dataclasses.replace(self._rules[op], requirement=requirement)
 
     def get(self, op: Any) -> OpRule | None:
         return self._rules.get(op)

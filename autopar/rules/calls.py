@@ -68,10 +68,13 @@ def expand_cached(
 ) -> list[Strategy]:
     """`expand` memoized by op and argument specs: repeated layers share their candidate lists.
     `key_of_call`: `call_key(call)`, if known."""
-    key = (node.target, call_key(call) if key_of_call is None else key_of_call)
+    key = (node.target, call_key(call) if key_of_call is None else key_of_call, rule.requirement)
     found = cache.get(key)
     if found is None:
-        found = cache[key] = expand(call, rule.strategies(call), shape, rule.uneven)
+        found = expand(call, rule.strategies(call), shape, rule.uneven)
+        if rule.requirement is not None:
+            found = [s for s in found if rule.requirement.admits(call, s)]
+        cache[key] = found
     return found
 
 

@@ -44,9 +44,9 @@ from collections.abc import Callable
 import torch
 
 from autopar.core.layout import P, Placement, R, Shard
-from autopar.core.strategy import AxisStrategy, OpCall, TensorSpec
+from autopar.core.strategy import AxisStrategy, OpCall, Strategy, TensorSpec
 from autopar.rules import local_ops
-from autopar.rules.base import LocalCall, LocalContext
+from autopar.rules.base import LocalCall, LocalContext, Requirement, RuleRegistry
 from autopar.rules.pointwise import partial_ok
 
 aten = torch.ops.aten
@@ -131,3 +131,78 @@ def localize_attention(ctx: LocalContext) -> LocalCall:
         local_ops.causal_attention_rows_backward if backward else local_ops.causal_attention_rows
     )
     return LocalCall(target, (*tensors, _dropout_p(call), offset), kwargs)
+
+
+# ---------------------------------------------------------------- asked for: a "cp" mesh axis
+
+CP_AXIS = "cp"  # the mesh axis name that asks for context parallelism
+HEADS = 1  # the heads dim of the (B, H, L, E) query: Ulysses' split inside attention
+# PlanOptions.context_parallel -> the query placements attention may take on the "cp" axis
+CP_STRATEGIES: dict[str, tuple[Placement, ...]] = {
+    "auto": (Shard(SEQ), Shard(HEADS)),
+    "allgather": (Shard(SEQ),),
+    "ulysses": (Shard(HEADS),),
+}
+EMBEDDING = torch.ops.aten.embedding.default
+
+
+def _attention_requirement(axis: int, strategy: str) -> Requirement:
+    allowed = CP_STRATEGIES[strategy]
+
+    def admits(call: OpCall, chosen: Strategy) -> bool:
+        return chosen.inputs[_query_index(call)].placements[axis] in allowed
+
+    hints = {
+        "allgather": "the queries' sequence (dim 2 of (batch, heads, sequence, head_dim)) must split "
+        "over the cp axis, without dropout inside attention",
+        "ulysses": "the query and key/value heads must split over the cp axis: as many key/value heads as "
+        "query heads (repeated before the call), a multiple of the cp axis size",
+    }
+    hint = hints.get(strategy, f"{hints['allgather']}, or its heads ({hints['ulysses']})")
+    return Requirement(admits, f"the mesh's \"cp\" axis asks for context parallelism: {hint}; "
+                       'or use PlanOptions(context_parallel="allgather" / "ulysses"), or name the axis otherwise')
+
+
+def _embedding_requirement(axis: int) -> Requirement:
+    def admits(call: OpCall, chosen: Strategy) -> bool:
+        out = chosen.outputs[0]
+        return len(out.shape) < 3 or out.placements[axis] == Shard(1)
+
+    return Requirement(
+        admits,
+        'the mesh\'s "cp" axis splits the token activations (batch, sequence, width) along the sequence: '
+        "their sequence must be at least the cp axis size",
+    )
+
+
+def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = "auto") -> RuleRegistry:
+    """A copy of `registry` whose plans split the sequence over mesh axis `axis` (a "cp" axis):
+    token embeddings (B, T, E) split along T there, so the activations after them are split along
+    the sequence, and every attention call, forward and backward, splits its queries there along
+    the sequence (`strategy` "allgather": keys and values gathered) or along the heads
+    ("ulysses": the all-to-all from the sequence split to the heads split and back, which
+    insert_comm makes of the redistribution), or either ("auto": the cheaper, by the search).
+    Other ops keep every strategy: the search lays them out around these."""
+    if strategy not in CP_STRATEGIES:
+        raise ValueError(f"context parallel strategy {strategy!r}: one of {', '.join(CP_STRATEGIES)}")
+    constrained = registry.copy()
+    for op in (FORWARD, BACKWARD):
+        if op in constrained:
+            constrained.require(op, _attention_requirement(axis, strategy))
+    if EMBEDDING in constrained:
+        constrained.require(EMBEDDING, _embedding_requirement(axis))
+    return constrained
+
+
+def context_parallel_registry(
+    registry: RuleRegistry, axis_names: tuple[str, ...], strategy: str | None = None
+) -> RuleRegistry:
+    """`registry` as a mesh with these axis names asks: unchanged without a "cp" axis or where it
+    already requires a context-parallel strategy (`strategy` None), else with the requirement of
+    `strategy` (None: "auto") on the "cp" axis (`require_context_parallel`)."""
+    if CP_AXIS not in axis_names:
+        return registry
+    forward = registry.get(FORWARD)
+    if strategy is None and forward is not None and forward.requirement is not None:
+        return registry
+    return require_context_parallel(registry, axis_names.index(CP_AXIS), strategy or "auto")

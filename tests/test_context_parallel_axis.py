@@ -1,0 +1,211 @@
+"""Context parallelism asked for: a mesh axis named "cp" splits the sequence over it, with attention
+by the all-gather strategy or Ulysses' heads split (`PlanOptions.context_parallel`,
+`rules.context_parallel.require_context_parallel`). In lockstep against serial (loss, every
+gradient, and the parameters after SGD-with-momentum steps on the gradients the ranks computed):
+transformers' LlamaForCausalLM and Qwen3ForCausalLM at their defaults, called with a padding
+`attention_mask`, on a (2, 4) mesh ("dp", "cp"). And the all-to-all that Ulysses is, in the emitted
+programs of a model whose activations are split along the sequence by its embedding."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from pass_fixtures import assert_call_matches_serial, compile_every_rank, lockstep_step
+from torch import nn
+
+import autopar
+from autopar.compiler.driver import Compiled
+from autopar.core.errors import UsageError
+from autopar.core.layout import Shard
+from autopar.core.meta import info
+from autopar.rules.context_parallel import BACKWARD, EMBEDDING, FORWARD, require_context_parallel
+from autopar.rules.registry import default_registry
+from autopar.testing import assemble
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB, SEQ, BATCH, STEPS = 64, 16, 2, 2
+A2A = torch.ops._c10d_functional.all_to_all_single.default
+QUERY_SPLIT = {"allgather": Shard(2), "ulysses": Shard(1)}  # the query's placement on "cp"
+
+
+class HeadsMixer(nn.Module):
+    """Embedding -> attention over 4 heads -> residual add: no weight matrix, so the only way
+    from the embedding's sequence split to a heads split and back is a redistribution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.q_scale = nn.Parameter(torch.randn(32))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)  # (B, T, 32)
+        b, t, _ = x.shape
+        q = (x * self.q_scale).view(b, t, 4, 8).transpose(1, 2)
+        kv = x.view(b, t, 4, 8).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, kv, kv, is_causal=True)
+        y = out.transpose(1, 2).reshape(b, t, 32) + x
+        return (y * y).mean()
+
+
+def _computed_from(node: fx.Node, target: object, depth: int = 30) -> bool:
+    """Whether `node` has a `target` node among its producers, at most `depth` nodes back (the
+    schedule may bucket several exchanges into one collective, with views around it)."""
+    frontier, seen = [node], {node}
+    for _ in range(depth):
+        if any(n.target is target for n in frontier):
+            return True
+        frontier = [p for n in frontier for p in n.all_input_nodes if p not in seen]
+        seen.update(frontier)
+    return False
+
+
+def test_ulysses_is_an_all_to_all_around_attention() -> None:
+    """On a (4,) "cp" mesh with Ulysses required: the embedding splits the sequence, attention
+    splits the heads, and in the emitted forward the query and key/value reach attention from an
+    all-to-all (sequence -> heads); the result is equal to serial."""
+    torch.manual_seed(0)
+    model = HeadsMixer()
+    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    registry = require_context_parallel(default_registry(), 0, "ulysses")
+    compiled = assert_call_matches_serial(model, (4,), (ids,), names=("cp",), registry=registry)
+    first = next(iter(compiled.values()))
+    for node in first.graph.graph.nodes:
+        if node.target in (FORWARD, BACKWARD):
+            strategy = info(node).strategy
+            assert strategy is not None and all(lay.placements == (Shard(1),) for lay in strategy.inputs[:3])
+        if node.target is EMBEDDING:
+            assert info(node).layouts[0].placements == (Shard(1),), "the sequence split starts here"
+    forward = first.program.forward.graph
+    attention = [n for n in forward.nodes if "attention" in str(n.target)]
+    assert len(attention) == 1, [str(n.target) for n in attention]
+    q, k = attention[0].args[0], attention[0].args[1]
+    assert isinstance(q, fx.Node) and isinstance(k, fx.Node)
+    assert _computed_from(q, A2A) and _computed_from(k, A2A), "sequence -> heads: an all-to-all"
+    backward = first.program.backward.graph
+    assert any(n.target is A2A for n in backward.nodes), "the gradients: heads -> sequence"
+
+
+def _hf_llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _hf_qwen3() -> nn.Module:
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    return transformers.Qwen3ForCausalLM(config)
+
+
+def _train_in_lockstep(compiled: dict, model: nn.Module, kwargs: dict) -> None:
+    """STEPS steps of SGD with momentum: the ranks' programs from `parallel`'s weights, their
+    gradients assembled and stepped by one optimizer; `model` stepped serially by another. Loss,
+    every gradient and (after the steps) every parameter equal."""
+    parallel = type(model)(model.config)  # type: ignore[operator]
+    parallel.load_state_dict(model.state_dict())
+    shape = (2, 4)
+    first = next(iter(compiled.values())).program
+    assert not first.param_parts, "every parameter is one program input"
+    params = dict(parallel.named_parameters())
+    opt = torch.optim.SGD(parallel.parameters(), lr=0.1, momentum=0.9)
+    serial_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        fwd, bwd = lockstep_step(compiled, parallel, shape, (), kwargs)
+        loss = assemble({c: fwd[c][0] for c in fwd}, first.output_layouts[0], shape)
+        serial_opt.zero_grad()
+        want = model(**kwargs).loss
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), atol=1e-5, rtol=1e-5, msg=f"loss, step {step}")
+        opt.zero_grad()
+        serial = dict(model.named_parameters())
+        for i, (name, lay) in enumerate(zip(first.param_names, first.param_layouts)):
+            if name not in params:  # a buffer (rotary frequencies)
+                continue
+            grad = assemble({c: bwd[c][i] for c in bwd}, lay, shape)
+            torch.testing.assert_close(grad, serial[name].grad, atol=2e-5, rtol=1e-4, msg=f"{name}, step {step}")
+            params[name].grad = grad
+        opt.step()
+        serial_opt.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(params[name], p, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
+@pytest.mark.parametrize("make", [_hf_llama, _hf_qwen3], ids=["llama", "qwen3"])
+def test_hf_causal_lm_on_a_cp_axis_trains_like_serial(make: object, strategy: str) -> None:
+    """(2, 4) mesh ("dp", "cp"), batch 2 with left padding in one sample: the batch over "dp",
+    the sequence over "cp", attention by the strategy asked for."""
+    torch.manual_seed(0)
+    model = make()  # type: ignore[operator]
+    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[0, :5] = 0
+    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    registry = require_context_parallel(default_registry(), 1, strategy)
+    compiled = compile_every_rank(model, (2, 4), (), kwargs, names=("dp", "cp"), registry=registry)
+    first: Compiled = next(iter(compiled.values()))
+    calls = [n for n in first.graph.graph.nodes if n.target in (FORWARD, BACKWARD)]
+    assert len(calls) == 2, "one layer, forward and backward"
+    for node in calls:
+        strategy_of = info(node).strategy
+        assert strategy_of is not None
+        query = strategy_of.inputs[1 if node.target is BACKWARD else 0]
+        assert query.placements[1] == QUERY_SPLIT[strategy], (node.name, strategy_of)
+    embeddings = [n for n in first.graph.graph.nodes if n.target is EMBEDDING]
+    assert embeddings and all(info(n).layouts[0].placements[1] == Shard(1) for n in embeddings)
+    _train_in_lockstep(compiled, model, kwargs)
+
+
+def test_cp_axis_at_defaults_splits_the_sequence() -> None:
+    """No strategy named: a "cp" axis still requires one of the two (here on (4,), by the cost)."""
+    torch.manual_seed(0)
+    model = _hf_llama()
+    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    compiled = compile_every_rank(model, (4,), (), {"input_ids": ids, "labels": ids}, names=("cp",))
+    first = next(iter(compiled.values()))
+    for node in first.graph.graph.nodes:
+        if node.target is FORWARD:
+            strategy = info(node).strategy
+            assert strategy is not None and strategy.inputs[0].placements[0] in QUERY_SPLIT.values()
+
+
+def test_cp_axis_without_attention_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    with pytest.raises(UsageError, match="no scaled_dot_product_attention") as caught:
+        compile_every_rank(model, (2,), (torch.randn(4, 8),), names=("cp",))
+    assert "name the axis otherwise" in (caught.value.hint or "")
+
+
+def test_context_parallel_option_is_checked() -> None:
+    with pytest.raises(UsageError, match="not an attention strategy"):
+        autopar.PlanOptions(context_parallel="ring")
+    model = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(UsageError, match='"cp" mesh axis'):
+        autopar.plan(
+            model, (2,), example_inputs=(torch.randn(4, 8),), planning=autopar.PlanOptions(context_parallel="ulysses")
+        )
+
+
+def test_ulysses_without_enough_heads_names_what_to_do() -> None:
+    """2 heads on a "cp" axis of 4: no heads split; the error says what the axis asks for."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    registry = require_context_parallel(default_registry(), 0, "ulysses")
+    with pytest.raises(autopar.AutoparError) as caught:
+        compile_every_rank(model, (4,), (), {"input_ids": ids, "labels": ids}, names=("cp",), registry=registry)
+    assert "cp" in (caught.value.hint or "") and "heads" in (caught.value.hint or "")
