@@ -2,7 +2,9 @@
 (width 256, 2 layers) planned on the h100-nvlink-ib table with and without the attention rules'
 sequence split (everything else the default registry): the searched plan's objective in each case
 (modeled seconds of compute and collectives, `SearchReport.final_cost`) and the layout the search
-gave the first attention call. Modeled, not measured. Run: `python benchmarks/context_parallel_pricing.py`."""
+gave the first attention call. And on a ("dp", "cp") mesh, the objective of each strategy the "cp"
+axis can be asked for (`PlanOptions.context_parallel`). Modeled, not measured. Run:
+`python benchmarks/context_parallel_pricing.py` (`--cp` for the second table only)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,13 @@ from autopar.planning.search import search_layouts  # noqa: E402
 from autopar.planning.search_cost import TimeCost  # noqa: E402
 from autopar.rules import nn as nn_rules  # noqa: E402
 from autopar.rules.base import RuleRegistry  # noqa: E402
-from autopar.rules.context_parallel import BACKWARD, FORWARD, localize_attention  # noqa: E402
+from autopar.rules.context_parallel import (  # noqa: E402
+    BACKWARD,
+    CP_STRATEGIES,
+    FORWARD,
+    localize_attention,
+    require_context_parallel,
+)
 from autopar.rules.registry import default_registry  # noqa: E402
 from examples.zoo import make_llama  # noqa: E402
 
@@ -49,7 +57,33 @@ def without_sequence_split() -> RuleRegistry:
     return registry
 
 
+CP_CASE = ((2, 4), 2048, 2, 8, 2)  # mesh ("dp", "cp"), sequence, batch, query heads, k/v heads
+
+
+def forced_strategies() -> None:
+    """The searched objective with each strategy required on the "cp" axis."""
+    shape, seq, batch, heads, kv_heads = CP_CASE
+    model, _ = make_llama(
+        0, batch_size=batch, n_head=heads, n_kv_head=kv_heads, seq_len=seq, dim=256, hidden=512, vocab_size=512
+    )
+    ids = torch.randint(512, (batch, seq), generator=torch.Generator().manual_seed(0))
+    mesh = Mesh.from_shape(shape, ("dp", "cp"))
+    gm = trace_for(model, mesh, (ids, ids))
+    print(f"mesh {shape} (dp, cp), sequence {seq}, batch {batch}, heads {heads} ({kv_heads})\n")
+    print("| context_parallel | first attention's inputs, searched | objective (ms) |")
+    print("| --- | --- | --- |")
+    for strategy in CP_STRATEGIES:
+        registry = require_context_parallel(default_registry(), 1, strategy)
+        plan = search_layouts(gm, mesh, registry, cost=TimeCost("h100-nvlink-ib", shape), memory_limit=float("inf"))
+        first = next(n for n in gm.graph.nodes if n.target is FORWARD)
+        inputs = str(plan.strategies[first.name]).split(" ->")[0]
+        print(f"| {strategy} | `{inputs}` | {gm.meta['autopar_search'].final_cost * 1e3:.3f} |")
+
+
 def main() -> None:
+    if "--cp" in sys.argv:
+        forced_strategies()
+        return
     print(
         "| mesh | sequence | batch | heads (k/v) | first attention's inputs, searched | objective with CP (ms) | without (ms) |"
     )
@@ -79,6 +113,8 @@ def main() -> None:
         print(
             f"| {shape} | {seq} | {batch} | {heads} ({kv_heads}) | `{layouts[0]}` | {steps[0]:.3f} | {steps[1]:.3f} |"
         )
+    print()
+    forced_strategies()
 
 
 if __name__ == "__main__":

@@ -209,3 +209,21 @@ def test_ulysses_without_enough_heads_names_what_to_do() -> None:
     with pytest.raises(autopar.AutoparError) as caught:
         compile_every_rank(model, (4,), (), {"input_ids": ids, "labels": ids}, names=("cp",), registry=registry)
     assert "cp" in (caught.value.hint or "") and "heads" in (caught.value.hint or "")
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
+def test_plan_options_name_the_strategy(strategy: str) -> None:
+    """`autopar.plan` with `PlanOptions(context_parallel=...)` on a ("dp", "cp") mesh: the same
+    requirement reaches the planner through the public options."""
+    torch.manual_seed(0)
+    model = _hf_llama()
+    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    result = autopar.plan(
+        model, (2, 4), (), example_kwargs={"input_ids": ids, "labels": ids}, mesh_names=("dp", "cp"),
+        device_type="cpu", planning=autopar.PlanOptions(context_parallel=strategy),
+    )  # fmt: skip
+    forward = [n for n in result.compiled.graph.graph.nodes if n.target is FORWARD]
+    assert forward
+    for node in forward:
+        chosen = info(node).strategy
+        assert chosen is not None and chosen.inputs[0].placements[1] == QUERY_SPLIT[strategy], chosen

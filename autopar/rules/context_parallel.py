@@ -35,6 +35,11 @@ attention whole; `sequence_split_refusal` says why): attention with dropout (the
 only ever traced with `dropout_p=0`, dropout inside attention is traced as its math
 decomposition, but a sequence split of a kernel that drew its own dropout mask could not give the
 serial numbers), and queries that are not 4-D (B, H, L, E).
+
+Asked for (`require_context_parallel`): a mesh axis named "cp" requires, on that axis, the token
+embeddings split along the sequence and attention split by this strategy ("allgather") or by heads
+("ulysses": with the activations sequence-split, insert_comm's Shard(2) -> Shard(1) redistribution
+of q, k and v is DeepSpeed-Ulysses' all-to-all), or either ("auto", by the search's cost).
 """
 
 from __future__ import annotations
