@@ -254,3 +254,41 @@ def test_the_fast_path_picks_the_exhaustive_rankings_plan() -> None:
     assert not all(c.searched for c in fast.tensor_only.candidates)
     assert all(c.searched for c in exhaustive.tensor_only.candidates)
     assert len(exhaustive.tensor_only.candidates) == 8
+
+
+def test_the_screen_on_short_graphs_estimates_and_chooses_as_on_the_whole_graph() -> None:
+    """A model of 10 identical blocks is screened on the model traced with 2, 3 and 4 of them
+    (`mesh_screen.ShortGraphs`), each seed's cost extrapolated to 10 blocks: every mesh's estimate
+    and cheapest seed are those of screening the whole graph, and `choose_mesh` (which screens
+    the short graphs) ranks every candidate as the choice screening the whole graph does."""
+    from autopar.compiler.auto_mesh import choose_mesh, short_graphs, trace_for_choice
+    from autopar.planning.mesh_choice import mesh_candidates
+    from autopar.planning.mesh_screen import screen
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=10, n_head=4, n_embd=128))
+    idx = torch.zeros(16, 64, dtype=torch.long)
+    gm = trace_for_choice(model, 16, (idx, idx))
+    short = short_graphs(gm, model, 16, (idx, idx))
+    assert short is not None and (short.blocks, short.count) == (2, 10)
+    assert [sum(n.op == "call_function" for n in g.graph.nodes) for g in short.graphs] == sorted(
+        {sum(n.op == "call_function" for n in g.graph.nodes) for g in short.graphs}
+    )  # three different lengths, shortest first
+    meshes = [Mesh.from_shape(shape, names) for shape, names in mesh_candidates(16)]
+    steps = StepCache()
+    costs = [TimeCost(HW, mesh.shape, steps=steps) for mesh in meshes]
+    registry = default_registry()
+    whole_order, whole = screen(gm, meshes, registry, costs, 4)
+    short_order, estimated = screen(gm, meshes, registry, costs, 4, short)
+    assert short_order == whole_order
+    assert [e.seed for e in estimated] == [e.seed for e in whole]
+    assert [e.value for e in estimated] == pytest.approx([e.value for e in whole], rel=1e-9)
+    assert all(e.shared is None for e in estimated)  # extrapolated, none of them from the whole graph
+
+    fast = choose_mesh(model, 16, (idx, idx), hardware=HW, traced=gm)
+    every = rank_meshes(gm, 16, registry, scheduled_step_time, hardware=HW)
+    assert [(c.shape, c.searched, c.fits) for c in fast.candidates] == [
+        (c.shape, c.searched, c.fits) for c in every.candidates
+    ]
+    assert [c.rank_time for c in fast.candidates if c.fits] == [c.rank_time for c in every.candidates if c.fits]
+    assert [c.estimate for c in fast.candidates] == pytest.approx([c.estimate for c in every.candidates], rel=1e-9)
