@@ -82,8 +82,7 @@ def stamp_repeated_blocks(gm: fx.GraphModule, groups: list[RepeatedBlocks]) -> N
     (the graph unchanged) if block 1 is not a self-contained run of nodes as the copy needs."""
     found = [(group, _find_block1(gm, group)) for group in groups]
     for group, block1 in found:
-        if group.count > 2:  # (a graph cut to its first two blocks: `trace(..., blocks=2)`)
-            _stamp(gm, group, block1)
+        _stamp(gm, group, block1)
     gm.meta[REPEATS_KEY] = tuple(groups)
 
 

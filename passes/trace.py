@@ -18,7 +18,7 @@ import re
 import traceback
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +94,6 @@ def trace(
     forward_only: bool = False,
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
-    blocks: int | None = None,
 ) -> fx.GraphModule:
     """Joint graph of `model`: placeholders (params, buffers, inputs, tangents) -> (outputs, grads).
 
@@ -106,16 +105,11 @@ def trace(
     `autocast`: the forward runs inside these autocast regions, so the graph holds their casts
     explicitly; autocast active around this call is not traced (`autopar.core.precision`).
     `mixed_precision`: every parameter read in the forward is read as a copy in its `param_dtype`
-    (`autopar.passes.mixed_precision`).
-    `blocks`: keep only the first `blocks` (at least 2) of each container of repeated blocks (the
-    same model shortened: the mesh screen extrapolates from such graphs); the graph's
-    `REPEATS_KEY` meta says how many each container kept."""
-    if blocks is not None and blocks < 2:
-        raise ValueError(f"blocks must be at least 2, got {blocks}")
+    (`autopar.passes.mixed_precision`)."""
     with autocast_off():
         return _trace(
             model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast,
-            mixed_precision, blocks,
+            mixed_precision,
         )
 
 
@@ -129,7 +123,6 @@ def _trace(
     forward_only: bool,
     autocast: AutocastState,
     mixed_precision: MixedPrecision | None,
-    blocks: int | None = None,
 ) -> fx.GraphModule:
     example_kwargs = example_kwargs or {}
     if not forward_only:  # hooks on gradients would be dropped: refused by name (passes/hooks.py)
@@ -144,7 +137,7 @@ def _trace(
     fake_kwargs = {k: _fakeify(v, fake_mode, forward_only) for k, v in example_kwargs.items()}
     tied = tied_groups(model)
     containers = find_repeated_blocks(fake_model, fake_args, fake_kwargs, fake_mode, tied) if repeats else []
-    groups = [group if blocks is None else replace(group, count=min(group.count, blocks)) for group, _ in containers]
+    groups = [group for group, _ in containers]
     watch = CheckpointWatch(fake_model)  # the user's torch.utils.checkpoint regions
     restore = cut_to_two_blocks(containers)
     try:

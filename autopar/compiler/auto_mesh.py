@@ -4,7 +4,6 @@ scheduled step; under `parallelize`, rank 0 chooses and every rank builds the ch
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,10 +17,8 @@ from autopar.compiler.driver import compile_conditions, scheduled_step_time
 from autopar.core.errors import MeshError
 from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.passes import fused
-from autopar.passes.repeats import REPEATS_KEY
 from autopar.passes.trace import trace
 from autopar.planning.mesh_choice import OVERLAP_CANDIDATES, SEARCHED_CANDIDATES, MeshChoice, rank_meshes
-from autopar.planning.mesh_screen import ShortGraphs
 from autopar.planning.search_steps import StepCache
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
@@ -68,12 +65,10 @@ def choose_mesh(
     `ShardingError`-like `AutoparError`s when no candidate has a plan at all.
     """
     registry = registry if registry is not None else default_registry()
-    how = dict(example_kwargs=example_kwargs, planner=planner, split_fused=split_fused, autocast=autocast,
-               mixed_precision=mixed_precision)  # fmt: skip
-    gm = traced if traced is not None else trace_for_choice(model, world_size, example_inputs, **how)  # type: ignore[arg-type]
-    short = None
-    if planner == "search" and searched_candidates > 0:
-        short = short_graphs(gm, model, world_size, example_inputs, **how)  # type: ignore[arg-type]
+    gm = traced if traced is not None else trace_for_choice(
+        model, world_size, example_inputs, example_kwargs=example_kwargs, planner=planner,
+        split_fused=split_fused, autocast=autocast, mixed_precision=mixed_precision,
+    )  # fmt: skip
     choice = rank_meshes(
         gm,
         world_size,
@@ -87,7 +82,6 @@ def choose_mesh(
         searched=searched_candidates,
         keep_plan=keep_plan,
         steps=steps,
-        short=short,
     )
     if choice.chosen_plan is not None:
         gm.meta.pop("autopar_search", None)  # (the last search's report: not the chosen mesh's)
@@ -105,11 +99,9 @@ def trace_for_choice(
     split_fused: bool | None = None,
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
-    blocks: int | None = None,
 ) -> fx.GraphModule:
     """The joint graph `choose_mesh` plans (for `choose_mesh(..., traced=)`): traced once, it can be
-    handed to every choice on the same inputs (the pipeline choice's stage sub-meshes). `blocks`:
-    of each container of repeated blocks keep that many (`trace`'s; the screen's short graphs)."""
+    handed to every choice on the same inputs (the pipeline choice's stage sub-meshes)."""
     return trace(
         model,
         tuple(example_inputs),
@@ -118,46 +110,7 @@ def trace_for_choice(
         split_fused=fused.wanted(split_fused, planner),
         autocast=autocast,
         mixed_precision=mixed_precision,
-        blocks=blocks,
     )
-
-
-# the screen's short graphs hold this many blocks and one and two more (`mesh_screen.ShortGraphs`)
-SHORT_BLOCKS = 2
-# ... for models of at least this many blocks (the three short graphs hold 9: fewer save nothing)
-SHORT_MIN_COUNT = 10
-# the short graphs of each traced graph (`short_graphs`), shared by the choices planning it
-_SHORT: weakref.WeakKeyDictionary[fx.GraphModule, ShortGraphs | None] = weakref.WeakKeyDictionary()
-
-
-def short_graphs(
-    gm: fx.GraphModule,
-    model: nn.Module,
-    world_size: int,
-    example_inputs: Sequence[Any],
-    **how: Any,
-) -> ShortGraphs | None:
-    """`model` traced as `gm` was (`how`: `trace_for_choice`'s options) with `SHORT_BLOCKS`, one
-    and two more of its repeated blocks, for the mesh screen to extrapolate from
-    (`mesh_screen.ShortGraphs`); None unless `gm` copied one container of more blocks than the
-    short graphs hold (the trace found the repeats: `SHORT_MIN_COUNT` at least) and each short trace kept the blocks asked for.
-    Worked out once per traced graph (the pipeline choice plans one microbatch at every depth)."""
-    if gm in _SHORT:
-        return _SHORT[gm]
-    groups = gm.meta.get(REPEATS_KEY, ())
-    found = None
-    if len(groups) == 1 and groups[0].count >= SHORT_MIN_COUNT:
-        graphs = []
-        for blocks in range(SHORT_BLOCKS, SHORT_BLOCKS + 3):
-            g = trace_for_choice(model, world_size, example_inputs, blocks=blocks, **how)
-            kept = g.meta.get(REPEATS_KEY, ())
-            if len(kept) != 1 or kept[0].count != blocks:
-                break
-            graphs.append(g)
-        if len(graphs) == 3:
-            found = ShortGraphs((graphs[0], graphs[1], graphs[2]), SHORT_BLOCKS, groups[0].count)
-    _SHORT[gm] = found
-    return found
 
 
 def default_hardware(device_type: str) -> str:

@@ -44,7 +44,7 @@ from autopar.core.mesh import Mesh, default_axis_names
 from autopar.core.plan import Plan
 from autopar.cost.formulas import format_bytes
 from autopar.planning.greedy import choose_layouts
-from autopar.planning.mesh_screen import Estimate, ShortGraphs, screen
+from autopar.planning.mesh_screen import Estimate, screen
 from autopar.planning.plan_cost import plan_cost_parts
 from autopar.planning.search import SearchPlan, default_memory_limit, fit_memory, search_layouts
 from autopar.planning.search_cost import TimeCost
@@ -225,7 +225,6 @@ def rank_meshes(
     searched: int = SEARCHED_CANDIDATES,
     keep_plan: bool = False,
     steps: StepCache | None = None,
-    short: ShortGraphs | None = None,
 ) -> MeshChoice:
     """Plan the traced joint graph `gm` on every candidate mesh of `world_size` ranks and rank them
     (module doc). `step_time(gm, plan, mesh, registry, hardware, memory_limit)` is the modeled step
@@ -235,8 +234,7 @@ def rank_meshes(
     cheap plans are searched, more only while none of those fits (`mesh_screen`; 0: all).
     `keep_plan`: keep the chosen candidate's searched plan in `choice.chosen_plan`. `steps`: the
     pairs of placements already worked out (a cache shared by several choices: the pipeline
-    choice's sub-meshes; they depend on the number of axes only). `short`: the model traced with
-    fewer of its repeated blocks, for the screen to extrapolate from (`mesh_screen.ShortGraphs`).
+    choice's sub-meshes; they depend on the number of axes only).
     """
     meshes = []
     for shape, names in candidates if candidates is not None else mesh_candidates(world_size):
@@ -251,7 +249,7 @@ def rank_meshes(
         limit = default_memory_limit(costs[0]) if memory_limit is None else float(memory_limit)
     order, estimates = list(range(len(meshes))), None
     if planner == "search" and 0 < searched < len(meshes):
-        order, estimates = screen(gm, meshes, registry, costs, searched, short)
+        order, estimates = screen(gm, meshes, registry, costs, searched)
     evaluated: list[MeshCandidate | None] = [None] * len(meshes)
     plans: list[Plan | None] = [None] * len(meshes)
     reports: list[Any] = [None] * len(meshes)

@@ -10,15 +10,6 @@ it, so a candidate's estimate is an upper bound on its searched plan's modeled s
 searching only the best few (`mesh_choice.SEARCHED_CANDIDATES`) is a heuristic. The greedy
 passes' candidate lists and answers (`Shared`) are handed to the search of the candidates kept,
 so screening them costs nothing twice.
-
-A model of N identical blocks (a transformer's layers, `autopar.passes.repeats`) is screened on
-short graphs instead (`ShortGraphs`: the same model traced with a, a + 1 and a + 2 of its blocks):
-each seed's plan is priced on the three, and where its cost grows by the same amount per block on
-both steps (the seed lays out every block alike), its cost on N blocks is extrapolated from them;
-a seed whose cost is not linear there, or that fails on one graph and not another, sends that mesh
-to the full graph. A greedy pass over 96 blocks walks every node of them (the memo answers the
-questions, not the walk), so this is most of the screen's time at a thousand ranks
-(`tests/test_plan_scale.py` holds the estimates and the choice to the full graph's).
 """
 
 from __future__ import annotations
@@ -38,20 +29,6 @@ from autopar.planning.search_cost import ElementCost
 from autopar.planning.search_problem import Shared
 from autopar.planning.search_seeds import fixed_seeds
 from autopar.rules.base import RuleRegistry
-
-
-@dataclass(frozen=True)
-class ShortGraphs:
-    """The model traced with `blocks`, `blocks + 1` and `blocks + 2` of its `count` repeated blocks
-    (one repeated container), for the screen's extrapolation (module doc)."""
-
-    graphs: tuple[fx.GraphModule, fx.GraphModule, fx.GraphModule]
-    blocks: int
-    count: int
-
-
-# the per-block growth of a seed's cost must agree on both steps to this relative tolerance
-LINEAR_TOLERANCE = 1e-9
 
 
 @dataclass
@@ -76,61 +53,20 @@ def estimate(
     memo whose nodes' op calls and inputs (the same on every mesh) this mesh's passes share."""
     shared = Shared(work={name: work for name, _, work, _ in facts.calls}, greedy=graph_memo(calls))
     best, seed = math.inf, ""
-    for name, value in seed_costs(gm, mesh, registry, cost, facts, shared):
-        if value < best:
-            best, seed = value, name
-    return Estimate(best, seed, shared)
-
-
-def seed_costs(
-    gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry, cost: ElementCost, facts: GraphFacts, shared: Shared
-) -> list[tuple[str, float]]:
-    """(seed, `plan_cost`) of the default-role greedy plan and of every fixed scheme's plan on
-    `mesh`, in that order; inf for a seed with no plan."""
-    out: list[tuple[str, float]] = []
     roles = axis_roles(mesh)
     try:
         plan = greedy_plan(gm, mesh, registry, roles=roles, expand_cache=shared.expand, memo=shared.greedy)
     except Exception:  # noqa: BLE001 - as in the search: other roles may still split this model
-        out.append(("/".join(roles), math.inf))
+        pass
     else:
-        out.append(("/".join(roles), plan_cost(gm, plan, mesh, cost, facts)))
+        best, seed = plan_cost(gm, plan, mesh, cost, facts), "/".join(roles)
     for name, found in fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy):
-        out.append((name, math.inf if isinstance(found, AutoparError) else plan_cost(gm, found, mesh, cost, facts)))
-    return out
-
-
-def extrapolated(
-    short: ShortGraphs,
-    mesh: Mesh,
-    registry: RuleRegistry,
-    cost: ElementCost,
-    facts: list[GraphFacts],
-    calls: list[GreedyMemo],
-) -> Estimate | None:
-    """The estimate on `short.count` blocks from the seeds' costs on the short graphs (module
-    doc), with no `Shared` (it belongs to a short graph); None where a seed is not linear."""
-    per_graph = []
-    for g, f, memo in zip(short.graphs, facts, calls):
-        shared = Shared(work={name: work for name, _, work, _ in f.calls}, greedy=graph_memo(memo))
-        per_graph.append(seed_costs(g, mesh, registry, cost, f, shared))
-    names = [name for name, _ in per_graph[0]]
-    if any([name for name, _ in found] != names for found in per_graph[1:]):
-        return None
-    best, seed = math.inf, ""
-    for j, name in enumerate(names):
-        a, b, c = (found[j][1] for found in per_graph)
-        if not (math.isfinite(a) and math.isfinite(b) and math.isfinite(c)):
-            if math.isfinite(a) or math.isfinite(b) or math.isfinite(c):
-                return None  # fails on some lengths only
+        if isinstance(found, AutoparError):
             continue
-        first, second = b - a, c - b
-        if abs(second - first) > LINEAR_TOLERANCE * max(abs(c), 1e-30):
-            return None
-        value = c + (short.count - short.blocks - 2) * second
+        value = plan_cost(gm, found, mesh, cost, facts)
         if value < best:
             best, seed = value, name
-    return Estimate(best, seed, None)
+    return Estimate(best, seed, shared)
 
 
 def graph_memo(calls: GreedyMemo | None) -> GreedyMemo:
@@ -144,24 +80,13 @@ def screen(
     registry: RuleRegistry,
     costs: Sequence[ElementCost],
     keep: int,
-    short: ShortGraphs | None = None,
 ) -> tuple[list[int], list[Estimate]]:
     """Every mesh's `estimate`, and the meshes' indices by estimate (ties: the earlier one). Only
-    the `keep` best so far keep their `Shared` (the rest are searched only if those fail).
-    `short`: estimate on `short.count` blocks from the short graphs where every seed is linear
-    there (module doc), on `gm` elsewhere."""
-    full: list[GraphFacts] = []  # (the full graph's facts: walked only if a mesh needs them)
-    calls = GreedyMemo()
-    short_facts = [GraphFacts.of(g) for g in short.graphs] if short is not None else []
-    short_calls = [GreedyMemo() for _ in short_facts]
+    the `keep` best so far keep their `Shared` (the rest are searched only if those fail)."""
+    facts, calls = GraphFacts.of(gm), GreedyMemo()
     estimates: list[Estimate] = []
     for mesh, cost in zip(meshes, costs):
-        found = extrapolated(short, mesh, registry, cost, short_facts, short_calls) if short is not None else None
-        if found is None:
-            if not full:
-                full.append(GraphFacts.of(gm))
-            found = estimate(gm, mesh, registry, cost, full[0], calls)
-        estimates.append(found)
+        estimates.append(estimate(gm, mesh, registry, cost, facts, calls))
         ranked = sorted(range(len(estimates)), key=lambda i: (estimates[i].value, i))
         for i in ranked[keep:]:
             estimates[i].shared = None
