@@ -258,11 +258,7 @@ class GradAccumulation:
         for acc in self.by_program.values():
             with failures_named(acc.timeout), autocast_off():
                 local_grads = acc.split.run_reduce(acc.sums)
-            found = params_grads(acc.local_params, local_grads, params)
-            for i, g in enumerate(found):
-                if g is not None:
-                    before = totals[i]
-                    totals[i] = g if before is None else before + g
+            add_grads(totals, params_grads(acc.local_params, local_grads, params))
         self.by_program.clear()
         return totals
 
@@ -277,3 +273,12 @@ def params_grads(
     if not pairs:
         return tuple(None for _ in params)
     return torch.autograd.grad([v for v, _ in pairs], list(params), [g for _, g in pairs], allow_unused=True)
+
+
+def add_grads(totals: list[torch.Tensor | None], found: Sequence[torch.Tensor | None]) -> None:
+    """Add each parameter's gradient in `found` into `totals` (None: none yet), in place: the
+    gradients of several programs (or their weight parts) of one module summed per parameter."""
+    for i, g in enumerate(found):
+        if g is not None:
+            before = totals[i]
+            totals[i] = g if before is None else before + g
