@@ -14,14 +14,17 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from autopar.core.errors import UsageError
 from autopar.planning.step_accounting import RECOMPUTE_MODES, WEIGHT_STATES
+from autopar.planning.storage import STORAGE_MODES
 from autopar.rules.base import RuleRegistry
 
 WEIGHT_STATE_NAMES = (None, *WEIGHT_STATES)  # None: by the parameters' dtype (`weight_state_for`)
 RECOMPUTE_NAMES = ("auto", *RECOMPUTE_MODES)
+STORAGE_NAMES = ("auto", *STORAGE_MODES)
+Storage = Literal["auto", "sharded", "replicated"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,13 @@ class PlanOptions:
           attention outputs kept); "full", their whole forward (each keeps only its input);
           "auto", each, the fastest that fits `memory_limit` per depth and schedule. The
           tensor-only candidate recomputes what its plan search chooses to fit the limit.
+      storage (str) ["auto"]: how the search planner stores the weights (`planning.storage`):
+          "sharded", ~1/p of each weight per rank, gathered where used and its gradient
+          reduce-scattered (FSDP's pattern); "replicated", each weight as it computes (whole
+          unless a tensor split divides it), gradients all-reduced (DDP's pattern; an error
+          when the whole weight state does not fit `memory_limit`); "auto", both priced on a
+          hardware table where the replicated weights fit, the cheaper kept (in element counts,
+          a given mesh without a table: sharded).
     """
 
     planner: str = "search"
@@ -70,8 +80,20 @@ class PlanOptions:
     registry: RuleRegistry | None = None
     weight_state: str | None = None
     recompute: str = "auto"
+    storage: Storage = "auto"
 
     def __post_init__(self) -> None:
+        if self.storage not in STORAGE_NAMES:
+            raise UsageError(
+                f"PlanOptions(storage={self.storage!r}) is not a way the planner stores weights",
+                hint=f"one of {', '.join(map(repr, STORAGE_NAMES))}",
+            )
+        if self.storage != "auto" and self.planner != "search":
+            raise UsageError(
+                f"PlanOptions(storage={self.storage!r}) with planner={self.planner!r}: only the search "
+                "planner chooses how weights are stored (the greedy planner shards them)",
+                hint='use planner="search" (the default), or leave storage="auto"',
+            )
         if self.weight_state not in WEIGHT_STATE_NAMES:
             raise UsageError(
                 f"PlanOptions(weight_state={self.weight_state!r}) is not a weight state the planner prices",
