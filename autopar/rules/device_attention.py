@@ -101,30 +101,16 @@ def attention_backward(
     With `row_offset`, the backward of the causal block of `attention_forward`: the block's query
     gradient and its share of every key's and value's gradient (zero for the keys after the block,
     which it never saw)."""
-    if row_offset is None:
-        return _backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask, scale)
-    keys, values, mask = _causal_rows(q, k, v, row_offset, attn_mask)
-    grad_q, grad_k, grad_v = _backward(grad_out, q, keys, values, out, logsumexp, dropout_p, False, mask, scale)
-    missing = k.shape[-2] - keys.shape[-2]
-    if missing:
-        grad_k = aten.constant_pad_nd.default(grad_k, [0, 0, 0, missing], 0.0)
-        grad_v = aten.constant_pad_nd.default(grad_v, [0, 0, 0, missing], 0.0)
-    return grad_q, grad_k, grad_v
-
-
-def _backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    logsumexp: torch.Tensor,
-    dropout_p: float,
-    is_causal: bool,
-    attn_mask: torch.Tensor | None,
-    scale: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward kernel that fits the device and the arguments."""
+    if row_offset is not None:
+        keys, values, mask = _causal_rows(q, k, v, row_offset, attn_mask)
+        grad_q, grad_k, grad_v = attention_backward(
+            grad_out, q, keys, values, out, logsumexp, dropout_p, False, attn_mask=mask, scale=scale
+        )
+        missing = k.shape[-2] - keys.shape[-2]
+        if missing:
+            grad_k = aten.constant_pad_nd.default(grad_k, [0, 0, 0, missing], 0.0)
+            grad_v = aten.constant_pad_nd.default(grad_v, [0, 0, 0, missing], 0.0)
+        return grad_q, grad_k, grad_v
     if q.device.type == "cpu":
         return CPU_BACKWARD(
             grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
