@@ -148,6 +148,7 @@ def parallelize(
     options = ModuleOptions(
         registry=registry,
         planner=planner,
+        storage=planning.storage,
         schedule=planning.overlap,
         hardware=layout_hardware,
         memory_limit=memory_limit,
@@ -214,6 +215,7 @@ def parallelize(
             split_fused=split_fused,
             autocast=autocast,
             mixed_precision=mixed_precision,
+            storage=planning.storage,
         )
         options = dataclasses.replace(options, hardware=choice.hardware)  # the layouts the choice priced
     autopar_mesh = _check_mesh(mesh)
@@ -467,6 +469,7 @@ def plan(
             autocast=regions,
             mixed_precision=mixed_precision,
             keep_plan=True,
+            storage=planning.storage,
         )
         mesh_shape, mesh_names = choice.chosen.shape, choice.chosen.names
     mesh = Mesh.from_shape(tuple(mesh_shape), tuple(mesh_names) if mesh_names else None)
@@ -500,6 +503,7 @@ def plan(
         traced=kept.graph if kept is not None else None,
         schedule=planning.overlap,
         dump_dir=debug.dump_dir,
+        storage=planning.storage,
         autocast=regions,
         mixed_precision=mixed_precision,
     )

@@ -14,15 +14,18 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from autopar.core.errors import UsageError
 from autopar.planning.step_accounting import RECOMPUTE_MODES, WEIGHT_STATES
+from autopar.planning.storage import STORAGE_MODES
 from autopar.rules.base import RuleRegistry
 from autopar.rules.context_parallel import CP_STRATEGIES
 
 WEIGHT_STATE_NAMES = (None, *WEIGHT_STATES)  # None: by the parameters' dtype (`weight_state_for`)
 RECOMPUTE_NAMES = ("auto", *RECOMPUTE_MODES)
+STORAGE_NAMES = ("auto", *STORAGE_MODES)
+Storage = Literal["auto", "sharded", "replicated"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,13 @@ class PlanOptions:
           from the sequence split to a heads split around attention and back (DeepSpeed-Ulysses);
           "auto", the cheaper of the two by the search's cost. Without a "cp" axis it must be
           "auto" (the search may still split the sequence where it prices best).
+      storage (str) ["auto"]: how the search planner stores the weights (`planning.storage`):
+          "sharded", ~1/p of each weight per rank, gathered where used and its gradient
+          reduce-scattered (FSDP's pattern); "replicated", each weight as it computes (whole
+          unless a tensor split divides it), gradients all-reduced (DDP's pattern; an error
+          when the whole weight state does not fit `memory_limit`); "auto", both priced on a
+          hardware table where the replicated weights fit, the cheaper kept (in element counts,
+          a given mesh without a table: sharded).
     """
 
     planner: str = "search"
@@ -78,12 +88,24 @@ class PlanOptions:
     weight_state: str | None = None
     recompute: str = "auto"
     context_parallel: str = "auto"
+    storage: Storage = "auto"
 
     def __post_init__(self) -> None:
         if self.context_parallel not in CP_STRATEGIES:
             raise UsageError(
                 f"PlanOptions(context_parallel={self.context_parallel!r}) is not an attention strategy",
                 hint=f"one of {', '.join(map(repr, CP_STRATEGIES))}",
+            )
+        if self.storage not in STORAGE_NAMES:
+            raise UsageError(
+                f"PlanOptions(storage={self.storage!r}) is not a way the planner stores weights",
+                hint=f"one of {', '.join(map(repr, STORAGE_NAMES))}",
+            )
+        if self.storage != "auto" and self.planner != "search":
+            raise UsageError(
+                f"PlanOptions(storage={self.storage!r}) with planner={self.planner!r}: only the search "
+                "planner chooses how weights are stored (the greedy planner shards them)",
+                hint='use planner="search" (the default), or leave storage="auto"',
             )
         if self.weight_state not in WEIGHT_STATE_NAMES:
             raise UsageError(

@@ -57,6 +57,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RunClock, import_lazy_modules, on_meta, table, write_result  # noqa: E402
+from published_rows import ParallelShape  # noqa: E402
 
 HARDWARE = "a100-cluster"
 PEAK = 312e12  # the table's bfloat16 peak, the A100's dense tensor-core half-precision peak
@@ -66,7 +67,7 @@ TIMEOUT_S = 900  # per configuration
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(ParallelShape):
     """One row of the paper: model shape, GPUs, global batch, its t, p, d, microbatch size and
     throughput (achieved TFLOP/s per GPU as the paper counts them; None where not reported)."""
 
@@ -82,15 +83,6 @@ class Config:
     paper_tflops: float | None
     source: str
     depths: tuple[int, ...]
-
-    @property
-    def d(self) -> int:
-        return self.gpus // (self.t * self.p)
-
-    @property
-    def microbatches(self) -> int:
-        """The paper's m per pipeline replica: B / (d * b)."""
-        return self.batch // (self.d * self.microbatch)
 
 
 CONFIGS = {

@@ -23,8 +23,29 @@ MCORE_FLOPS = "72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per step (model FLOPs, no 
 TOKENS = "tokens per second per GPU (local batch x sequence / step time)"
 
 
+class ParallelShape:
+    """What a run's GPUs, tensor size t, pipeline depth p, global batch B and microbatch size b
+    give: the data-parallel size d and the microbatches per pipeline replica (the rows here and
+    `ptdp_modeled.Config` share it)."""
+
+    gpus: int
+    t: int
+    p: int
+    batch: int
+    microbatch: int
+
+    @property
+    def d(self) -> int:
+        return self.gpus // (self.t * self.p)
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per pipeline replica per step: B / (d b)."""
+        return self.batch // (self.d * self.microbatch)
+
+
 @dataclass(frozen=True)
-class Row:
+class Row(ParallelShape):
     """One published configuration: the model, how it ran, and what it measured."""
 
     key: str
@@ -57,14 +78,6 @@ class Row:
     assumed: tuple[str, ...] = field(default_factory=tuple)
     split: str = "fit"  # "fit" or "held-out"
 
-    @property
-    def d(self) -> int:
-        return self.gpus // (self.t * self.p)
-
-    @property
-    def microbatches(self) -> int:
-        """Microbatches per pipeline replica per step: B / (d b)."""
-        return self.batch // (self.d * self.microbatch)
 
 
 def _ptdp(key: str, hidden: int, layers: int, heads: int, mp: int, gpus: int, batch: int, tflops: float,

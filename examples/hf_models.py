@@ -38,25 +38,59 @@ def _batch(seed: int, batch_size: int, vocab: int = VOCAB) -> tuple[torch.Tensor
     return idx, idx.clone()  # causal LM: the labels are the inputs, shifted inside the model
 
 
+def tiny_gpt2(n_layer: int = 2, vocab: int = VOCAB, width: int = 32, **config: object) -> nn.Module:
+    """transformers' GPT2LMHeadModel (tied head, 4 heads, `SEQ` positions), every other config value
+    at the library's default unless `config` says otherwise. The one place the examples, tests and
+    benchmarks build a small GPT-2, so that they exercise the same model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    sizes = GPT2Config(vocab_size=vocab, n_positions=SEQ, n_embd=width, n_layer=n_layer, n_head=4, **config)
+    return GPT2LMHeadModel(sizes)
+
+
+def tiny_causal_lm(
+    family: str = "llama", n_layer: int = 2, heads: int = 4, kv_heads: int = 2, **config: object
+) -> nn.Module:
+    """transformers' LlamaForCausalLM or MistralForCausalLM (`family`) of width 32 (MLP 64) over
+    `VOCAB` tokens, with `heads` query heads sharing `kv_heads` key/value heads, every other config
+    value at the library's default unless `config` says otherwise (Mistral's `sliding_window`...)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    classes: dict[str, tuple[type, type]] = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }
+    if family not in classes:
+        raise ValueError(f"tiny_causal_lm: family {family!r} is none of {sorted(classes)}")
+    config_class, model_class = classes[family]
+    sizes = config_class(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=n_layer,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        **config,
+    )
+    model: nn.Module = model_class(sizes)
+    return model
+
+
 def _gpt2(
     seed: int, batch_size: int, n_layer: int, vocab: int, width: int
 ) -> tuple[LossOf, tuple[torch.Tensor, torch.Tensor]]:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=vocab,
-        n_positions=SEQ,
-        n_embd=width,
-        n_layer=n_layer,
-        n_head=4,
+    torch.manual_seed(seed)
+    model = tiny_gpt2(
+        n_layer,
+        vocab,
+        width,
         bos_token_id=0,
         eos_token_id=0,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    torch.manual_seed(seed)
-    return LossOf(GPT2LMHeadModel(config)), _batch(seed, batch_size, vocab)
+    return LossOf(model), _batch(seed, batch_size, vocab)
 
 
 def make_hf_gpt2(
@@ -70,21 +104,11 @@ def make_hf_llama(
     seed: int, batch_size: int = BATCH, n_layer: int = 2
 ) -> tuple[LossOf, tuple[torch.Tensor, torch.Tensor]]:
     """transformers' LlamaForCausalLM with grouped-query attention (4 heads, 2 k/v heads)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=n_layer,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
-        attention_dropout=0.0,
-    )
     torch.manual_seed(seed)
-    return LossOf(LlamaForCausalLM(config)), _batch(seed, batch_size)
+    model = tiny_causal_lm(
+        "llama", n_layer, max_position_embeddings=SEQ, tie_word_embeddings=False, attention_dropout=0.0
+    )
+    return LossOf(model), _batch(seed, batch_size)
 
 
 def make_hf_gpt2_vocab(

@@ -335,25 +335,26 @@ def schedule(
         finally:
             state["filling"] = False
 
+    def enter_backward() -> None:
+        """The schedule enters backward: the backward collectives that were ready before it began,
+        held until now, are queued and issued."""
+        state["backward"] = True
+        for c in held:
+            heapq.heappush(ready, (original[c], c))
+        held.clear()
+        flush()
+
     for index, node in enumerate(nodes):
         cursor[0] = index
         if node in emitted or node in chain_of or node in waits:
             continue
         if node.op == "output":  # whatever nothing asked for (unused results) still runs, in order
-            state["backward"] = True
-            for c in held:
-                heapq.heappush(ready, (original[c], c))
-            held.clear()
-            flush()
+            enter_backward()
             for leftover in nodes:
                 if leftover not in emitted and leftover is not node:
                     ensure(leftover)
         if node is first_backward:
-            state["backward"] = True
-            for c in held:
-                heapq.heappush(ready, (original[c], c))
-            held.clear()
-            flush()
+            enter_backward()
         if node in tail:
             holding = [i for i in node.all_input_nodes if i not in emitted and (i in waits or i in deferred)]
             if holding:  # only the output needs it: do not wait for a collective on its behalf

@@ -8,6 +8,7 @@ to its own offset), all with grouped-query attention."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -18,12 +19,13 @@ from autopar.compiler.driver import Compiled
 from autopar.core.layout import Partial, Shard
 from autopar.core.meta import info
 from autopar.rules.context_parallel import BACKWARD, FORWARD
+from examples.hf_models import SEQ, VOCAB, tiny_causal_lm
 from examples.zoo import make_llama
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-VOCAB, SEQ, BATCH = 64, 16, 2
+BATCH = 2
 
 
 def _attention_is_split_along_the_sequence(compiled: dict, axis: int = 0) -> None:
@@ -44,33 +46,16 @@ def _attention_is_split_along_the_sequence(compiled: dict, axis: int = 0) -> Non
             assert [out.placements[axis] for out in strategy.outputs] == [Shard(2), Partial(), Partial()]
 
 
-def _hf_llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
 def _hf_mistral() -> torch.nn.Module:
     """A sliding window of 4 keys inside a sequence of 16: the window lives in the mask."""
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        sliding_window=4,
-    )
-    return transformers.MistralForCausalLM(config)
+    return tiny_causal_lm("mistral", heads=2, kv_heads=1, sliding_window=4)
 
 
-@pytest.mark.parametrize("make", [_hf_llama, _hf_mistral], ids=["llama", "mistral_sliding_window"])
+@pytest.mark.parametrize(
+    "make",
+    [functools.partial(tiny_causal_lm, heads=2, kv_heads=1), _hf_mistral],
+    ids=["llama", "mistral_sliding_window"],
+)
 def test_hf_causal_lm_with_padding_splits_attention_along_the_sequence(make: object) -> None:
     """2 query heads, 1 key/value head, batch 2 on 4 ranks: only the sequence fills the mesh."""
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 batch 2: only the sequence fills the mesh), `parallelize` at its defaults, three SGD-with-momentum
 steps against the serial model: loss, every gradient and every parameter. Each rank's emitted
 programs run attention on its block of queries with its own causal offset
-(`local_ops.causal_attention_rows` and its backward)."""
+(`device_attention.attention_forward` with a `row_offset`, and its backward)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from multirank import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.rules import local_ops
+from autopar.rules import device_attention
 from examples.zoo import make_llama
 
 pytestmark = pytest.mark.multirank
@@ -54,8 +54,8 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
         )
     (_, program), *_ = pmodel.programs
     result["local_attention"] = (
-        sum(n.target is local_ops.causal_attention_rows for n in program.forward.graph.nodes),
-        sum(n.target is local_ops.causal_attention_rows_backward for n in program.backward.graph.nodes),
+        sum(n.target is device_attention.attention_forward for n in program.forward.graph.nodes),
+        sum(n.target is device_attention.attention_backward for n in program.backward.graph.nodes),
     )
     return result
 

@@ -12,31 +12,15 @@ from pass_fixtures import assert_call_matches_serial
 
 from autopar.core.meta import info
 from autopar.passes.trace import trace
+from examples.hf_models import SEQ, VOCAB, tiny_causal_lm, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-VOCAB, SEQ, BATCH = 64, 16, 8
+BATCH = 8
 
 
-def _gpt2() -> torch.nn.Module:
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("make", [tiny_gpt2, tiny_causal_lm], ids=["gpt2", "llama"])
 def test_causal_lm_called_with_defaults_matches_serial(make: object) -> None:
     torch.manual_seed(0)
     model = make()  # type: ignore[operator]
@@ -57,7 +41,7 @@ def test_an_op_inside_a_library_model_names_the_library_line_and_the_users() -> 
     modeling code that called the op, and the line of the user's code that led there."""
     torch.manual_seed(0)
     ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    gm = trace(_gpt2(), (), example_kwargs={"input_ids": ids, "labels": ids})
+    gm = trace(tiny_gpt2(), (), example_kwargs={"input_ids": ids, "labels": ids})
     softmax = next(n for n in gm.graph.nodes if n.target is torch.ops.aten._safe_softmax.default)
     where = info(softmax).where()
     assert where.startswith("transformer.h.0.attn @ "), where
@@ -70,7 +54,7 @@ def test_an_op_inside_a_library_model_names_the_library_line_and_the_users() -> 
 class _Wrapper(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.lm = _gpt2()
+        self.lm = tiny_gpt2()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=ids, labels=ids).loss  # the user's line

@@ -45,6 +45,7 @@ def choose_mesh(
     keep_plan: bool = False,
     traced: fx.GraphModule | None = None,
     steps: StepCache | None = None,
+    storage: str = "auto",
 ) -> MeshChoice:
     """Trace `model` once and rank every candidate mesh of `world_size` ranks on it
     (`autopar.planning.mesh_choice.rank_meshes`, with `scheduled_step_time` for the overlap step).
@@ -82,6 +83,7 @@ def choose_mesh(
         searched=searched_candidates,
         keep_plan=keep_plan,
         steps=steps,
+        storage=storage,
     )
     if choice.chosen_plan is not None:
         gm.meta.pop("autopar_search", None)  # (the last search's report: not the chosen mesh's)
@@ -150,6 +152,7 @@ def auto_device_mesh(
     split_fused: bool | None = None,
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
+    storage: str = "auto",
 ) -> tuple[DeviceMesh, MeshChoice]:
     """`parallelize(..., mesh_shape="auto")`: rank 0 chooses, every rank builds the same DeviceMesh.
 
@@ -170,6 +173,7 @@ def auto_device_mesh(
             split_fused=split_fused,
             autocast=autocast,
             mixed_precision=mixed_precision,
+            storage=storage,
         ),
         "mesh choice",
     )

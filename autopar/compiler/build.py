@@ -51,6 +51,7 @@ class ModuleOptions:
     dump_dir: str | os.PathLike[str] | None = None
     init_fn: InitFn | None = None
     compile: bool = False
+    storage: str = "auto"
 
 
 def compile_module(
@@ -99,6 +100,7 @@ def compile_module(
             split_fused=opts.split_fused,
             in_flight_bytes=opts.in_flight_bytes,
             mixed_precision=opts.mixed_precision,
+            storage=opts.storage,
         )
         compiled = compile_for_rank(
             model,

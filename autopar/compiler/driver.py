@@ -143,6 +143,7 @@ def compile_for_rank(
     traced: fx.GraphModule | None = None,
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
+    storage: str = "auto",
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -171,7 +172,8 @@ def compile_for_rank(
     piece, so each can be split by heads (`autopar.passes.fused`); default: with the search planner.
     `in_flight_bytes` caps the output buffers of collectives issued and not yet waited on (how far
     ahead the schedule prefetches); default `in_flight_budget`: what the memory limit leaves after
-    the plan's modeled memory.
+    the plan's modeled memory. `storage` ("auto", "sharded" or "replicated") is how the search
+    stores the weights (`search_layouts`, `PlanOptions.storage`).
     `traced`, when given, is `trace_for(...)` of this model, inputs and options, made once: it
     is copied instead of traced again (an in-process run of every rank's program compiles each
     rank from one trace, as each process of a real job traces once).
@@ -202,7 +204,7 @@ def compile_for_rank(
                     return greedy
                 limit = math.inf if memory_limit is None else memory_limit
                 return fit_memory(gm, greedy, mesh, cost, limit)
-            searched = search_layouts(gm, mesh, registry, cost=cost, memory_limit=memory_limit)
+            searched = search_layouts(gm, mesh, registry, cost=cost, memory_limit=memory_limit, storage=storage)
             if hardware is None or not schedule:
                 return searched
             return prefer_scheduled(gm, searched, mesh, registry, hardware, memory_limit)

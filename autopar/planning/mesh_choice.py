@@ -225,6 +225,7 @@ def rank_meshes(
     searched: int = SEARCHED_CANDIDATES,
     keep_plan: bool = False,
     steps: StepCache | None = None,
+    storage: str = "auto",
 ) -> MeshChoice:
     """Plan the traced joint graph `gm` on every candidate mesh of `world_size` ranks and rank them
     (module doc). `step_time(gm, plan, mesh, registry, hardware, memory_limit)` is the modeled step
@@ -234,7 +235,8 @@ def rank_meshes(
     cheap plans are searched, more only while none of those fits (`mesh_screen`; 0: all).
     `keep_plan`: keep the chosen candidate's searched plan in `choice.chosen_plan`. `steps`: the
     pairs of placements already worked out (a cache shared by several choices: the pipeline
-    choice's sub-meshes; they depend on the number of axes only).
+    choice's sub-meshes; they depend on the number of axes only). `storage`: how every
+    candidate's search stores the weights (`search_layouts`).
     """
     meshes = []
     for shape, names in candidates if candidates is not None else mesh_candidates(world_size):
@@ -258,7 +260,7 @@ def rank_meshes(
             break
         shared = estimates[i].shared if estimates is not None else None
         gm.meta.pop("autopar_search", None)
-        candidate, plans[i] = _evaluate(gm, meshes[i], registry, costs[i], planner, limit, shared)
+        candidate, plans[i] = _evaluate(gm, meshes[i], registry, costs[i], planner, limit, shared, storage)
         reports[i] = gm.meta.get("autopar_search")
         if estimates is not None:
             candidate = replace(candidate, estimate=estimates[i].value)
@@ -358,11 +360,12 @@ def _evaluate(
     planner: str,
     limit: float,
     shared: Shared | None = None,
+    storage: str = "auto",
 ) -> tuple[MeshCandidate, Plan | None]:
     try:
         if planner == "search":
             plan: SearchPlan = search_layouts(
-                gm, mesh, registry, cost=cost, memory_limit=limit, shared=shared
+                gm, mesh, registry, cost=cost, memory_limit=limit, shared=shared, storage=storage
             )
         elif planner == "greedy":
             plan = fit_memory(gm, choose_layouts(gm, mesh, registry), mesh, cost, limit)

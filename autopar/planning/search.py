@@ -173,6 +173,12 @@ def search_layouts(
         raise AutoparError(f"unknown weight storage {storage!r}", hint='use "auto", "sharded" or "replicated"')
     cost = cost or ElementCost(mesh.shape)
     limit = default_memory_limit(cost) if memory_limit is None else float(memory_limit)
+    if storage == REPLICATED and not replicated_fits(gm, limit):
+        raise AutoparError(
+            f'weights stored "replicated" need {weight_state_bytes(gm) / 2**30:.3g} GiB per rank (every '
+            f"parameter whole with its gradient and AdamW states), over the memory limit of {limit / 2**30:.3g} GiB",
+            hint='store them "sharded" (or "auto"), give a larger memory_limit, or use more tensor-parallel ranks',
+        )
     report = SearchReport(memory_limit=limit)
     facts = GraphFacts.of(gm)
     if shared is None:  # (the mesh choice hands over what its screen worked out on this mesh)
@@ -386,14 +392,18 @@ def replicated_fits(gm: fx.GraphModule, limit: float) -> bool:
     weight state of "replicated" storage when no axis splits a weight), fits `limit` bytes: only
     then is replicated storage searched (a tensor-split plan stores less, and the search's memory
     check still applies to every plan it finds)."""
-    if not math.isfinite(limit):
-        return True
+    return not math.isfinite(limit) or weight_state_bytes(gm) <= limit
+
+
+def weight_state_bytes(gm: fx.GraphModule) -> float:
+    """Bytes of every parameter whole, with its gradient and AdamW states: what each rank holds
+    when weights are stored replicated and no axis splits them."""
     params = sum(
         n.meta["val"].numel() * n.meta["val"].element_size()
         for n in gm.graph.nodes
         if n.op == "placeholder" and info(n).role == "param" and isinstance(n.meta.get("val"), torch.Tensor)
     )
-    return memory_per_rank(params, params, ADAMW_STATE_FACTOR).total <= limit
+    return memory_per_rank(params, params, ADAMW_STATE_FACTOR).total
 
 
 def _leanest_need(memory: PlanMemory) -> float:

@@ -25,8 +25,8 @@ Causal attention (`is_causal=True`) is the case that needs care: torch's causal 
 the top left of the (Tq, Tk) scores, so query i of the whole sequence attends keys 0..i. A rank
 holding queries o..o+n-1 must attend keys 0..o+i for its query i, which the kernel's own causal
 flag (top-left aligned on the local (n, Tk) scores) does not give. The local call
-(`causal_attention_rows`) therefore runs the kernel without its causal flag on the keys 0..o+n-1
-only (the later ones are masked for every local query, so their work is skipped) with an additive
+(`device_attention.attention_forward` with `row_offset=o`) therefore runs the kernel without its
+causal flag on the keys 0..o+n-1 only (the later ones are masked for every local query, so their work is skipped) with an additive
 mask that is -inf above the shifted diagonal, added to the user's mask if there is one; its
 backward pads the keys' and values' gradients with zeros for the keys it skipped.
 
@@ -50,7 +50,7 @@ import torch
 
 from autopar.core.layout import P, Placement, R, Shard
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy, TensorSpec
-from autopar.rules import local_ops
+from autopar.rules import device_attention
 from autopar.rules.base import LocalCall, LocalContext, Requirement, RuleRegistry
 from autopar.rules.pointwise import partial_ok
 
@@ -122,7 +122,7 @@ def sequence_strategies(call: OpCall) -> list[AxisStrategy]:
 def localize_attention(ctx: LocalContext) -> LocalCall:
     """The local call of an attention op: the op itself, unless it is causal with the queries split
     along the sequence, where the rank's queries start at offset o of the whole sequence and must
-    attend keys 0..o+i (`local_ops.causal_attention_rows`)."""
+    attend keys 0..o+i (`device_attention.attention_forward` with `row_offset=o`)."""
     call = ctx.call
     q_layout = ctx.strategy.inputs[_query_index(call)]
     if not _is_causal(call) or not q_layout.shard_axes(SEQ):
@@ -131,11 +131,11 @@ def localize_attention(ctx: LocalContext) -> LocalCall:
     backward = call.op == BACKWARD
     n_main = 6 if backward else 3
     tensors = ctx.args[:n_main]
-    kwargs = {"attn_mask": ctx.kwargs.get("attn_mask"), "scale": ctx.kwargs.get("scale")}
+    kwargs = {"attn_mask": ctx.kwargs.get("attn_mask"), "scale": ctx.kwargs.get("scale"), "row_offset": offset}
     target: Callable[..., object] = (
-        local_ops.causal_attention_rows_backward if backward else local_ops.causal_attention_rows
+        device_attention.attention_backward if backward else device_attention.attention_forward
     )
-    return LocalCall(target, (*tensors, _dropout_p(call), offset), kwargs)
+    return LocalCall(target, (*tensors, _dropout_p(call), True), kwargs)
 
 
 # ---------------------------------------------------------------- asked for: a "cp" mesh axis

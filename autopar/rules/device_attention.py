@@ -62,8 +62,16 @@ def attention_forward(
     *,
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    row_offset: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_scaled_dot_product_flash_attention_for_cpu` on the device of `q`: (output, logsumexp)."""
+    """`_scaled_dot_product_flash_attention_for_cpu` on the device of `q`: (output, logsumexp).
+
+    With `row_offset`, the queries are the block of a causal attention that starts at that
+    position of the sequence (a rank's block under context parallelism), against all the keys: see
+    `_causal_rows`."""
+    if row_offset is not None:
+        k, v, attn_mask = _causal_rows(q, k, v, row_offset, attn_mask)
+        is_causal = False
     if q.device.type == "cpu":
         return CPU_FORWARD(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     if flash_fits(q, k, v, dropout_p, is_causal, attn_mask):
@@ -86,8 +94,23 @@ def attention_backward(
     *,
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    row_offset: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_scaled_dot_product_flash_attention_for_cpu_backward` on the device of `q`."""
+    """`_scaled_dot_product_flash_attention_for_cpu_backward` on the device of `q`.
+
+    With `row_offset`, the backward of the causal block of `attention_forward`: the block's query
+    gradient and its share of every key's and value's gradient (zero for the keys after the block,
+    which it never saw)."""
+    if row_offset is not None:
+        keys, values, mask = _causal_rows(q, k, v, row_offset, attn_mask)
+        grad_q, grad_k, grad_v = attention_backward(
+            grad_out, q, keys, values, out, logsumexp, dropout_p, False, attn_mask=mask, scale=scale
+        )
+        missing = k.shape[-2] - keys.shape[-2]
+        if missing:
+            grad_k = aten.constant_pad_nd.default(grad_k, [0, 0, 0, missing], 0.0)
+            grad_v = aten.constant_pad_nd.default(grad_v, [0, 0, 0, missing], 0.0)
+        return grad_q, grad_k, grad_v
     if q.device.type == "cpu":
         return CPU_BACKWARD(
             grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
@@ -103,6 +126,28 @@ def attention_backward(
         )  # fmt: skip
         return dq, dk, dv
     return math_backward(grad_out, q, k, v, out, logsumexp, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def _causal_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_offset: int, attn_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys and values a block of causal queries starting at `row_offset` can see (0 up to its
+    last query's position), and the mask that hides, for each query, the keys after its own.
+
+    The kernels' causal flag aligns the mask to the top left of the local scores (query i sees keys
+    0..i), which is right only for the first block; the block's query i must see keys
+    0..row_offset+i. So the kernel runs without the flag, on the keys up to the block's last
+    position (the others are hidden from every query of the block), with that mask added."""
+    rows = q.shape[-2]
+    keys = min(k.shape[-2], row_offset + rows)
+    i = torch.arange(rows, device=q.device).unsqueeze(1) + row_offset
+    j = torch.arange(keys, device=q.device).unsqueeze(0)
+    mask = torch.zeros(rows, keys, dtype=q.dtype, device=q.device).masked_fill(j > i, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.shape[-1] != 1:
+            attn_mask = attn_mask.narrow(-1, 0, keys)
+        mask = mask + attn_mask.to(q.dtype)
+    return k.narrow(-2, 0, keys), v.narrow(-2, 0, keys), mask
 
 
 def _scores(
@@ -177,4 +222,3 @@ def math_backward(
 
 # The CPU pair, by what a program on another device calls instead.
 ON_DEVICE = {CPU_FORWARD: attention_forward, CPU_BACKWARD: attention_backward}
-

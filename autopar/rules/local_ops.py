@@ -10,8 +10,6 @@ from collections.abc import Sequence
 
 import torch
 
-from autopar.rules import device_attention
-
 aten = torch.ops.aten
 
 
@@ -239,72 +237,3 @@ def _strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
         strides[d] = step
         step *= shape[d]
     return tuple(strides)
-
-
-def _causal_rows_mask(rows: int, keys: int, row_offset: int, like: torch.Tensor) -> torch.Tensor:
-    """(rows, keys) additive mask in `like`'s dtype: 0 where key j <= row_offset + i, -inf after."""
-    i = torch.arange(rows, device=like.device).unsqueeze(1) + row_offset
-    j = torch.arange(keys, device=like.device).unsqueeze(0)
-    return torch.zeros(rows, keys, dtype=like.dtype, device=like.device).masked_fill(j > i, float("-inf"))
-
-
-def _causal_rows_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_offset: int, attn_mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The keys and values a block of causal queries starting at `row_offset` can see (0 up to its
-    last query's position), and the mask that hides, for each query, the keys after its own."""
-    rows = q.shape[-2]
-    keys = min(k.shape[-2], row_offset + rows)
-    mask = _causal_rows_mask(rows, keys, row_offset, q)
-    if attn_mask is not None:
-        if attn_mask.shape[-1] != 1:
-            attn_mask = attn_mask.narrow(-1, 0, keys)
-        mask = mask + attn_mask.to(q.dtype)
-    return k.narrow(-2, 0, keys), v.narrow(-2, 0, keys), mask
-
-
-def causal_attention_rows(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float,
-    row_offset: int,
-    *,
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal flash attention of a block of queries at `row_offset` of the sequence against all the
-    keys: (output, logsumexp) of those rows, as the whole call gives them.
-
-    The kernel's causal flag aligns the mask to the top left of the local scores (query i sees keys
-    0..i), which is right only for the first block; the block's query i must see keys
-    0..row_offset+i. So the kernel runs without the flag, on the keys up to the block's last
-    position (the others are hidden from every query of the block), with that mask added."""
-    keys, values, mask = _causal_rows_inputs(q, k, v, row_offset, attn_mask)
-    return device_attention.attention_forward(q, keys, values, dropout_p, False, attn_mask=mask, scale=scale)
-
-
-def causal_attention_rows_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    logsumexp: torch.Tensor,
-    dropout_p: float,
-    row_offset: int,
-    *,
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward of `causal_attention_rows`: the block's query gradient and its share of every
-    key's and value's gradient (zero for the keys after the block, which it never saw)."""
-    keys, values, mask = _causal_rows_inputs(q, k, v, row_offset, attn_mask)
-    grad_q, grad_k, grad_v = device_attention.attention_backward(
-        grad_out, q, keys, values, out, logsumexp, dropout_p, False, attn_mask=mask, scale=scale
-    )
-    missing = k.shape[-2] - keys.shape[-2]
-    if missing:
-        grad_k = aten.constant_pad_nd.default(grad_k, [0, 0, 0, missing], 0.0)
-        grad_v = aten.constant_pad_nd.default(grad_v, [0, 0, 0, missing], 0.0)
-    return grad_q, grad_k, grad_v

@@ -34,12 +34,11 @@ from datetime import timedelta
 
 import torch
 import torch.fx as fx
-from torch.fx.node import Argument
 
 from autopar.core.precision import autocast_off
 from autopar.runtime.groups import failures_named
 from autopar.runtime.program import EmittedProgram
-from autopar.runtime.split_backward import is_collective, is_wait, open_backward
+from autopar.runtime.split_backward import cut_backward, is_collective, is_wait, open_backward
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -109,7 +108,7 @@ class ReductionSplit:
 def split_reductions(program: EmittedProgram) -> ReductionSplit:
     """Cut `program.backward` into its per-microbatch local part and its once-per-step reduction."""
     bw = open_backward(program, "split_reductions")
-    gm, nodes, placeholders, values, num_params = bw.gm, bw.nodes, bw.placeholders, bw.values, bw.num_params
+    nodes, placeholders, values, num_params = bw.nodes, bw.placeholders, bw.values, bw.num_params
     param_values, input_values = values[:num_params], values[num_params:]
 
     tangent_side = _from_tangents(nodes, placeholders[program.num_saved :])
@@ -143,32 +142,13 @@ def split_reductions(program: EmittedProgram) -> ReductionSplit:
         if any(u in reduce_side for u in n.users) or n in param_values:
             frontier.append(n)
 
-    local_graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {p: local_graph.node_copy(p) for p in placeholders}
-    for n in nodes:
-        if n.op not in ("placeholder", "output") and n not in reduce_side:
-            env[n] = local_graph.node_copy(n, env.__getitem__)
-    local_graph.output(tuple([*(_mapped(v, env) for v in input_values), *(env[f] for f in frontier)]))
-
-    reduce_graph = fx.Graph()
-    renv: dict[fx.Node, fx.Node] = {}
-    for f in frontier:
-        renv[f] = reduce_graph.placeholder(f"accumulated_{f.name}")
-        renv[f].meta.update(f.meta)
-    for n in nodes:
-        if n in reduce_side:
-            renv[n] = reduce_graph.node_copy(n, renv.__getitem__)
-    reduce_graph.output(tuple(_mapped(v, renv) for v in param_values))
-
-    parts = []
-    for graph in (local_graph, reduce_graph):
-        graph.lint()
-        part = fx.GraphModule(gm, graph)
-        part.meta.update(gm.meta)
-        parts.append(part)
+    local = {n for n in nodes if n.op not in ("placeholder", "output") and n not in reduce_side}
+    local_part, reduce_part = cut_backward(
+        bw, local, frontier, second_reads_placeholders=False, carried_as="accumulated"
+    )
     return ReductionSplit(
-        local_part=parts[0],
-        reduce_part=parts[1],
+        local_part=local_part,
+        reduce_part=reduce_part,
         num_param_grads=num_params,
         num_input_grads=len(input_values),
         num_frontier=len(frontier),
@@ -228,10 +208,6 @@ def _waits_of(n: fx.Node) -> set[fx.Node]:
     return out if is_collective(n) else set()
 
 
-def _mapped(value: Argument, env: dict[fx.Node, fx.Node]) -> Argument:
-    return env[value] if isinstance(value, fx.Node) else value
-
-
 @dataclass
 class _Accumulated:
     """One program's frontier summed over the step's microbatches, and what mapping R's local
@@ -282,11 +258,7 @@ class GradAccumulation:
         for acc in self.by_program.values():
             with failures_named(acc.timeout), autocast_off():
                 local_grads = acc.split.run_reduce(acc.sums)
-            found = params_grads(acc.local_params, local_grads, params)
-            for i, g in enumerate(found):
-                if g is not None:
-                    before = totals[i]
-                    totals[i] = g if before is None else before + g
+            add_grads(totals, params_grads(acc.local_params, local_grads, params))
         self.by_program.clear()
         return totals
 
@@ -301,3 +273,12 @@ def params_grads(
     if not pairs:
         return tuple(None for _ in params)
     return torch.autograd.grad([v for v, _ in pairs], list(params), [g for _, g in pairs], allow_unused=True)
+
+
+def add_grads(totals: list[torch.Tensor | None], found: Sequence[torch.Tensor | None]) -> None:
+    """Add each parameter's gradient in `found` into `totals` (None: none yet), in place: the
+    gradients of several programs (or their weight parts) of one module summed per parameter."""
+    for i, g in enumerate(found):
+        if g is not None:
+            before = totals[i]
+            totals[i] = g if before is None else before + g

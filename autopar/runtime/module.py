@@ -40,7 +40,7 @@ from autopar.runtime.call_checks import (
     structure_digest,
 )
 from autopar.runtime.checkpoint_prefix import model_prefixes
-from autopar.runtime.defer_reduction import GradAccumulation, ReductionSplit
+from autopar.runtime.defer_reduction import GradAccumulation, ReductionSplit, add_grads, params_grads
 from autopar.runtime.groups import Groups, failures_named
 from autopar.runtime.local_batch import batch_tensor, global_stand_ins, shard_rows
 from autopar.runtime.module_state import FullState, load_serial_state
@@ -239,21 +239,7 @@ class ParallelModule(FullState, nn.Module):
         for job in deferral.pending:
             with failures_named(job.timeout), autocast_off():
                 local_grads = job.split.run_weight(job.saved, job.tangents, job.carried)
-            pairs = [
-                (view, g)
-                for view, g in zip(job.local_params, local_grads, strict=True)
-                if g is not None and view.requires_grad
-            ]
-            if not pairs:
-                continue
-            # through the views the program read (to_local, a fused part, a cast) to the DTensors
-            found = torch.autograd.grad(
-                [v for v, _ in pairs], list(params), [g for _, g in pairs], allow_unused=True
-            )
-            for i, g in enumerate(found):
-                if g is not None:
-                    before = totals[i]
-                    totals[i] = g if before is None else before + g
+            add_grads(totals, params_grads(job.local_params, local_grads, params))
         deferral.pending.clear()
         return totals
 

@@ -132,7 +132,7 @@ def open_backward(program: EmittedProgram, cutter: str) -> BackwardGraph:
 def split_backward(program: EmittedProgram) -> SplitBackward:
     """Split `program.backward` into its input-gradient part and its weight-gradient part."""
     bw = open_backward(program, "split_backward")
-    gm, nodes, placeholders, values, num_params = bw.gm, bw.nodes, bw.placeholders, bw.values, bw.num_params
+    nodes, placeholders, values, num_params = bw.nodes, bw.placeholders, bw.values, bw.num_params
     if len(values) != num_params + len(program.input_grads):
         raise ValueError(
             f"backward returns {len(values)} values, expected {num_params} parameter gradients "
@@ -153,22 +153,7 @@ def split_backward(program: EmittedProgram) -> SplitBackward:
         if n in in_i and (n in returned_by_w or any(u not in in_i and u.op != "output" for u in n.users))
     ]
 
-    input_graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {p: input_graph.node_copy(p) for p in placeholders}
-    for n in nodes:
-        if n in in_i:
-            env[n] = input_graph.node_copy(n, env.__getitem__)
-    input_graph.output(tuple([*(_mapped(v, env) for v in input_values), *(env[c] for c in carried)]))
-
-    weight_graph = fx.Graph()
-    wenv: dict[fx.Node, fx.Node] = {p: weight_graph.node_copy(p) for p in placeholders}
-    for c in carried:
-        wenv[c] = weight_graph.placeholder(f"carried_{c.name}")
-        wenv[c].meta.update(c.meta)
-    for n in nodes:
-        if n.op not in ("placeholder", "output") and n not in in_i:
-            wenv[n] = weight_graph.node_copy(n, wenv.__getitem__)
-    weight_graph.output(tuple(_mapped(v, wenv) for v in param_values))
+    input_part, weight_part = cut_backward(bw, in_i, carried, second_reads_placeholders=True, carried_as="carried")
 
     def reads(part_nodes: set[fx.Node], outputs: Sequence[object]) -> tuple[int, ...]:
         return tuple(
@@ -177,15 +162,9 @@ def split_backward(program: EmittedProgram) -> SplitBackward:
 
     position = {n: i for i, n in enumerate(nodes)}
     w_nodes = {n for n in nodes if n.op not in ("placeholder", "output") and n not in in_i}
-    parts = []
-    for graph in (input_graph, weight_graph):
-        graph.lint()
-        part = fx.GraphModule(gm, graph)
-        part.meta.update(gm.meta)
-        parts.append(part)
     return SplitBackward(
-        input_part=parts[0],
-        weight_part=parts[1],
+        input_part=input_part,
+        weight_part=weight_part,
         num_saved=program.num_saved,
         num_tangents=len(placeholders) - program.num_saved,
         num_param_grads=num_params,
@@ -196,6 +175,49 @@ def split_backward(program: EmittedProgram) -> SplitBackward:
         input_reads=reads(in_i, input_values),
         weight_reads=reads(w_nodes, param_values),
     )
+
+
+def cut_backward(
+    bw: BackwardGraph,
+    first: set[fx.Node],
+    carried: Sequence[fx.Node],
+    *,
+    second_reads_placeholders: bool,
+    carried_as: str,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The backward cut in two GraphModules, as both of its splits cut it (I/W here, the local part
+    and the once-per-step reduction in `defer_reduction`): the first runs the `first` nodes on the
+    backward's arguments and returns the input gradients, then the `carried` values; the second
+    takes the backward's arguments (if `second_reads_placeholders`) then the carried values (named
+    `{carried_as}_{name}`), runs every other node and returns the parameter gradients. Both keep
+    the backward's meta."""
+    param_values, input_values = bw.values[: bw.num_params], bw.values[bw.num_params :]
+    first_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {p: first_graph.node_copy(p) for p in bw.placeholders}
+    for n in bw.nodes:
+        if n in first:
+            env[n] = first_graph.node_copy(n, env.__getitem__)
+    first_graph.output(tuple([*(_mapped(v, env) for v in input_values), *(env[c] for c in carried)]))
+
+    second_graph = fx.Graph()
+    senv: dict[fx.Node, fx.Node] = {}
+    if second_reads_placeholders:
+        senv = {p: second_graph.node_copy(p) for p in bw.placeholders}
+    for c in carried:
+        senv[c] = second_graph.placeholder(f"{carried_as}_{c.name}")
+        senv[c].meta.update(c.meta)
+    for n in bw.nodes:
+        if n.op not in ("placeholder", "output") and n not in first:
+            senv[n] = second_graph.node_copy(n, senv.__getitem__)
+    second_graph.output(tuple(_mapped(v, senv) for v in param_values))
+
+    parts = []
+    for graph in (first_graph, second_graph):
+        graph.lint()
+        part = fx.GraphModule(bw.gm, graph)
+        part.meta.update(bw.gm.meta)
+        parts.append(part)
+    return parts[0], parts[1]
 
 
 def input_side(nodes: Sequence[fx.Node], input_values: Sequence[Argument]) -> set[fx.Node]:
