@@ -19,13 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Replicate as DReplicate
-from torch.distributed.tensor import Shard as DShard
-from torch.distributed.tensor.placement_types import Partial as DPartial
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import AutoparError, InputMismatchError, UsageError
-from autopar.core.layout import Layout, Partial, Shard
+from autopar.core.layout import Layout
 from autopar.core.mesh import Mesh
 from autopar.core.meta import OutputStructure
 from autopar.core.precision import AutocastState, autocast_off, compilable_autocast, describe
@@ -46,22 +43,17 @@ from autopar.runtime.local_batch import batch_tensor, global_stand_ins, shard_ro
 from autopar.runtime.module_state import FullState, load_serial_state
 from autopar.runtime.module_tree import flag_containers, lookup, register_at
 from autopar.runtime.outputs import as_output
+from autopar.runtime.param_feed import (
+    FeedPlan,
+    ParamFeed,
+    contiguous_strides,
+    plan_feed,
+    to_dtensor_placements,
+)
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
 from autopar.runtime.source_watch import SourceWatch
 from autopar.runtime.split_backward import SplitBackward
-
-
-def to_dtensor_placements(layout: Layout) -> list[Any]:
-    result: list[Any] = []
-    for p in layout.placements:
-        if isinstance(p, Shard):
-            result.append(DShard(p.dim))
-        elif isinstance(p, Partial):
-            result.append(DPartial())
-        else:
-            result.append(DReplicate())
-    return result
 
 
 @dataclass(frozen=True)
@@ -96,6 +88,7 @@ class _Program:
     outputs: OutputStructure | None
     source_layouts: dict[str, Layout]
     constants: dict[str, torch.Tensor]
+    feed: FeedPlan
     why: str = ""
 
 
@@ -311,7 +304,6 @@ class ParallelModule(FullState, nn.Module):
             refuse_input_gradients(tensors, names, program.input_grads)
             check_indices(program.index_checks, tensors, names, world, across_ranks=self._local_inputs)
         local_inputs = self._local_inputs_of(tensors, program)
-        local_params = [self._local_param(run, name) for name in program.param_names]
         num_outputs = len(program.output_layouts)
         # the inputs that want a gradient go in whole: the backward returns theirs whole
         wanting = [tensors[i] for i in program.input_grads]
@@ -327,8 +319,13 @@ class ParallelModule(FullState, nn.Module):
                 "(Inductor) does not do yet",
                 hint='drop compile=True, or use schedule="1f1b" / "interleaved-1f1b"',
             )
+        if deferral is None:  # the stored tensors themselves (`ParamFeed`)
+            feed, sources = run.feed.feed, self._sources(run.feed)
+        else:  # the weight-gradient and reduction splits take the program's views one to one
+            feed = ParamFeed.one_to_one(len(program.param_names))
+            sources = [self._local_param(run, name) for name in program.param_names]
         outputs = RunProgram.apply(
-            program, num_outputs, timeout, deferral, *local_params, *local_inputs, *wanting
+            program, feed, num_outputs, timeout, deferral, *sources, *local_inputs, *wanting
         )
         user = num_outputs - len(program.buffer_updates)
         with torch.no_grad():  # the forward's updates of its buffers (BatchNorm running stats)
@@ -440,7 +437,8 @@ class ParallelModule(FullState, nn.Module):
         constants = {name: value.to(device) for name, value in program.constants.items()}
         if self._inductor:
             program = compiled_by_inductor(program)
-        return _Program(program, outputs, program.source_layouts(), constants, why)
+        layouts = program.source_layouts()
+        return _Program(program, outputs, layouts, constants, plan_feed(program, constants, layouts), why)
 
     def _local_param(self, run: _Program, name: str) -> torch.Tensor:
         """This rank's block of program parameter `name` in the layout the program wants: stored
@@ -454,6 +452,22 @@ class ParallelModule(FullState, nn.Module):
         source = part.source if part is not None else name
         local = self._local_as(lookup(self, source), run.source_layouts[source])
         return part.of(local) if part is not None else local
+
+    def _sources(self, plan: FeedPlan) -> list[torch.Tensor]:
+        """The tensors a call hands its program (`ParamFeed`): each stored DTensor as it is where
+        the program reads it as stored, else its local block in the layout the program wants."""
+        sources = []
+        for name, layout, placements, constant in zip(plan.names, plan.layouts, plan.placements, plan.constants):
+            if constant is not None:
+                sources.append(constant)
+                continue
+            value = lookup(self, name)
+            if isinstance(value, DTensor) and value._spec.placements == placements:
+                sources.append(value)
+            else:
+                assert layout is not None
+                sources.append(self._local_as(value, layout))
+        return sources
 
     def _local_as(self, value: Any, layout: Layout) -> torch.Tensor:
         if not isinstance(value, DTensor):
@@ -473,7 +487,7 @@ class ParallelModule(FullState, nn.Module):
             to_dtensor_placements(layout),
             run_check=False,
             shape=torch.Size(layout.shape),
-            stride=_contiguous_strides(layout.shape),
+            stride=contiguous_strides(layout.shape),
         )
         # with global inputs, a plain tensor the user mixes in (a target) is the whole value on
         # every rank: the output treats it as replicated; with local ones it is this rank's
@@ -543,15 +557,6 @@ def _leaf_text(leaf: tuple[Any, ...], index: int) -> str:
         same = f", the tensor of input {leaf[4]}" if leaf[4] != index else ""
         return _describe((leaf[1], leaf[2])) + (" requiring grad" if leaf[3] else "") + same
     return repr(leaf[2])
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides = []
-    running = 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= size
-    return tuple(reversed(strides))
 
 
 def _describe(spec: tuple[tuple[int, ...], torch.dtype] | None) -> str:

@@ -14,6 +14,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from autopar.core.precision import autocast_off
 from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.groups import failures_named
+from autopar.runtime.param_feed import ParamFeed, SourceMeta
 from autopar.runtime.program import EmittedProgram
 from autopar.runtime.split_backward import SplitBackward, split_backward
 
@@ -48,32 +49,40 @@ class WeightDeferral:
 
 
 class RunProgram(torch.autograd.Function):
-    """One call of an emitted program: forward(program, num_outputs, timeout, deferral, *params, *local
-    inputs, *whole inputs wanting gradients); its backward runs the emitted backward (with a
-    `WeightDeferral`: its input part only; with a `GradAccumulation`: all but the gradient
-    reductions, whose inputs it accumulates)."""
+    """One call of an emitted program: forward(program, feed, num_outputs, timeout, deferral,
+    *sources, *local inputs, *whole inputs wanting gradients), where `feed` (a `ParamFeed`) says
+    which program parameter reads which source (a stored DTensor as it is, or a local tensor); its
+    backward runs the emitted backward (with a `WeightDeferral`: its input part only; with a
+    `GradAccumulation`: all but the gradient reductions, whose inputs it accumulates) and returns
+    each source's gradient (a DTensor's as a DTensor)."""
 
     @staticmethod
     def forward(
         ctx: Any,
         program: EmittedProgram,
+        feed: ParamFeed,
         num_outputs: int,
         timeout: timedelta | None,
         deferral: WeightDeferral | GradAccumulation | None,
         *flat: torch.Tensor,
     ) -> Any:
-        program_inputs = flat[: len(flat) - len(program.input_grads)]  # then the whole inputs wanting grads
+        sources = flat[: feed.num_sources]
+        local_inputs = flat[feed.num_sources : len(flat) - len(program.input_grads)]  # then the whole
+        params = feed.program_params(sources)  # inputs wanting gradients
         with failures_named(timeout), autocast_off():  # the graph holds the casts autocast made
-            results = program.forward(*program_inputs)
+            results = program.forward(*params, *local_inputs)
         ctx.timeout = timeout
         ctx.deferral = deferral
-        ctx.local_params = flat[: len(program.param_names)] if isinstance(deferral, GradAccumulation) else ()
+        ctx.feed = feed
+        ctx.sources = [SourceMeta.of(s) for s in sources]
+        # the calls that keep per-parameter views pass them one to one (`ParamFeed.one_to_one`)
+        ctx.local_params = sources if isinstance(deferral, GradAccumulation) else ()
         if isinstance(deferral, WeightDeferral):
-            deferral.local_params = flat[: len(program.param_names)]
+            deferral.local_params = sources
         outputs, saved = results[:num_outputs], results[num_outputs:]
         ctx.program = program
         ctx.save_for_backward(*saved)
-        ctx.num_params = len(program.param_names)
+        ctx.num_sources = feed.num_sources
         ctx.num_inputs = len(program.input_layouts)
         has_tangent = set(program.tangent_outputs)  # the others get no gradient: buffers' new values,
         ctx.mark_non_differentiable(  # integer outputs, every output of a forward-only program
@@ -95,13 +104,14 @@ class RunProgram(torch.autograd.Function):
                     device=program.device_type,
                 )
             tangents.append(grad.contiguous())
+        none = (None,) * (5 + ctx.num_sources + ctx.num_inputs)  # program .. deferral, sources, local inputs
         deferral: WeightDeferral | GradAccumulation | None = ctx.deferral
         if isinstance(deferral, GradAccumulation):  # pipelines: reduce the gradients once per step
             split_r = deferral.split(program)
             with failures_named(ctx.timeout), autocast_off():
                 input_grads, frontier = split_r.run_local(tuple(ctx.saved_tensors), tangents)
             deferral.add(program, frontier, ctx.local_params, ctx.timeout)
-            return (None, None, None, None, *[None] * (ctx.num_params + ctx.num_inputs), *input_grads)
+            return (*none, *input_grads)
         if deferral is not None:  # zero-bubble: the input gradients now, the weights' later
             split = deferral.split(program)
             saved = tuple(ctx.saved_tensors)
@@ -110,12 +120,15 @@ class RunProgram(torch.autograd.Function):
             deferral.pending.append(
                 _PendingWeight(split, saved, tangents, carried, deferral.local_params, ctx.timeout)
             )
-            return (None, None, None, None, *[None] * (ctx.num_params + ctx.num_inputs), *input_grads)
+            return (*none, *input_grads)
         with failures_named(ctx.timeout), autocast_off():
             grads_out = program.backward(*ctx.saved_tensors, *tangents)
-        param_grads, input_grads = grads_out[: ctx.num_params], grads_out[ctx.num_params :]
+        num_params = len(program.param_names)
+        param_grads, input_grads = grads_out[:num_params], grads_out[num_params:]
+        feed: ParamFeed = ctx.feed
+        source_grads = feed.source_grads(param_grads, ctx.sources)
         # the local blocks of the inputs get none: the whole inputs after them get theirs
-        return (None, None, None, None, *param_grads, *[None] * ctx.num_inputs, *input_grads)
+        return (None, None, None, None, None, *source_grads, *[None] * ctx.num_inputs, *input_grads)
 
 
 def compiled_by_inductor(program: EmittedProgram) -> EmittedProgram:
