@@ -541,6 +541,23 @@ def assert_call_matches_serial(
     serial."""
     kwargs = kwargs or {}
     compiled = compile_every_rank(model, shape, args, kwargs, **options)
+    assert_compiled_matches_serial(compiled, model, shape, args, kwargs, atol=atol, rtol=rtol)
+    return compiled
+
+
+def assert_compiled_matches_serial(
+    compiled: dict[Coords, Compiled],
+    model: nn.Module,
+    shape: tuple[int, ...],
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    atol: float = 2e-5,
+    rtol: float = 1e-4,
+) -> None:
+    """`assert_call_matches_serial`'s check for programs compiled already: a later training step
+    (new weights after an optimizer step, a new batch of the same shapes) runs the same programs."""
+    kwargs = kwargs or {}
     programs = {c: comp.program for c, comp in compiled.items()}
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     flat_inputs = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
@@ -566,7 +583,6 @@ def assert_call_matches_serial(
     except AssertionError as exc:
         where = first_divergence(joint, joint_args, record, shape, atol=atol, rtol=rtol)
         raise AssertionError(f"{exc}; {where or 'every node agrees with the global graph'}") from exc
-    return compiled
 
 
 def _joint_args(
