@@ -308,3 +308,41 @@ def causal_attention_rows_backward(
         grad_k = aten.constant_pad_nd.default(grad_k, [0, 0, 0, missing], 0.0)
         grad_v = aten.constant_pad_nd.default(grad_v, [0, 0, 0, missing], 0.0)
     return grad_q, grad_k, grad_v
+
+
+def _expert_rows(offs: torch.Tensor, first_expert: int, experts: int) -> list[tuple[int, int, int]]:
+    """(local expert index, first row, end row) of each of this rank's experts that has rows:
+    `offs` holds the cumulative row counts of ALL experts (one host read, as the serial op)."""
+    ends = offs.tolist()
+    rows = []
+    for j in range(experts):
+        e = first_expert + j
+        start, end = (ends[e - 1] if e > 0 else 0), ends[e]
+        if end > start:
+            rows.append((j, int(start), int(end)))
+    return rows
+
+
+def grouped_mm_experts(
+    input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, first_expert: int
+) -> torch.Tensor:
+    """Grouped matmul on a block of experts (`weight` holds experts first_expert.. of them): the
+    rows of those experts get their products, every other row zeros (output Partial over the
+    expert split; each row's product lives on exactly one rank)."""
+    out = input.new_zeros(input.shape[0], weight.shape[2])
+    for j, start, end in _expert_rows(offs, first_expert, weight.shape[0]):
+        out[start:end] = torch.mm(input[start:end], weight[j])
+    return out
+
+
+def grouped_mm_experts_backward(
+    input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, grad_output: torch.Tensor, first_expert: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of `grouped_mm_experts`: the input's gradient on this rank's experts' rows
+    (zeros elsewhere: Partial) and the whole gradient of this rank's block of experts."""
+    grad_input = torch.zeros_like(input)
+    grad_weight = torch.zeros_like(weight)
+    for j, start, end in _expert_rows(offs, first_expert, weight.shape[0]):
+        grad_input[start:end] = torch.mm(grad_output[start:end], weight[j].T)
+        grad_weight[j] = torch.mm(input[start:end].T, grad_output[start:end])
+    return grad_input, grad_weight
