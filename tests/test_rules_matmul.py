@@ -8,8 +8,17 @@ import transformers.integrations.moe  # noqa: F401  (registers transformers' gro
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autopar.core.layout import chunks_nonempty
 from autopar.rules.registry import default_registry
-from autopar.testing.strategies import check_random_strategies, dim_sizes, mesh_shapes, random_tensor, seeds
+from autopar.testing import check_strategy
+from autopar.testing.strategies import (
+    candidate_strategies,
+    check_random_strategies,
+    dim_sizes,
+    mesh_shapes,
+    random_tensor,
+    seeds,
+)
 
 # Each op of a family gets its own examples (sampling the op would leave some untested).
 PER_OP = settings(max_examples=8, deadline=None)
@@ -74,3 +83,44 @@ def test_grouped_matmul(data: st.DataObject, mesh: tuple[int, ...], op: object) 
     if op == GROUPED_MM_BACKWARD:
         args = (x, w, offs, random_tensor((tokens, n), generator=g))
     assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)
+
+
+def _routing(data: st.DataObject, experts: int) -> list[int]:
+    """Rows per expert: random, or skewed (one expert given most rows, another none), or every row
+    to one expert."""
+    kind = data.draw(st.sampled_from(["random", "skewed", "one_expert"]), label="routing")
+    counts = [data.draw(st.integers(0, 3)) for _ in range(experts)]
+    if kind == "one_expert":
+        chosen = data.draw(st.integers(0, experts - 1))
+        return [data.draw(st.integers(1, 12)) if e == chosen else 0 for e in range(experts)]
+    if kind == "skewed" and experts > 1:
+        busy, idle = data.draw(st.permutations(range(experts)))[:2]
+        counts[busy] = data.draw(st.integers(8, 16))
+        counts[idle] = 0
+    return counts
+
+
+@pytest.mark.parametrize("op", LIBRARY_OPS, ids=str)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes(max_axes=3).filter(lambda m: max(m) > 1))
+def test_grouped_matmul_expert_split(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None:
+    """Expert parallelism: every strategy that splits the experts (the weight's dim 0) over some
+    axis, alone or beside a split inside the experts on another axis, equals the whole op, under
+    random routings: uneven, an expert with no rows, one with most of them, all rows to one."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    experts = data.draw(dim_sizes(mesh, cap=8, allow_one=False), label="experts")
+    k, n = data.draw(dim_sizes(mesh, cap=12)), data.draw(dim_sizes(mesh, cap=12))
+    offs = torch.tensor(_routing(data, experts)).cumsum(0)
+    tokens = int(offs[-1])
+    x, w = random_tensor((tokens, k), generator=g), random_tensor((experts, k, n), generator=g)
+    args: tuple = (x, w, offs)
+    if op == GROUPED_MM_BACKWARD:
+        args = (x, w, offs, random_tensor((tokens, n), generator=g))
+    options = candidate_strategies(op, args, {}, mesh, REGISTRY)
+    split = [s for s in options if s.inputs[1].shard_axes(0)]
+    if not split:  # uneven blocks with an empty one are not offered
+        assert not any(a > 1 and chunks_nonempty(experts, a) for a in mesh), (experts, mesh)
+        return
+    for strategy in [data.draw(st.sampled_from(split), label="strategy") for _ in range(3)]:
+        assert strategy.inputs[0].shard_axes(0) == () and strategy.inputs[2].is_replicated
+        check_strategy(op, args, {}, strategy, mesh, REGISTRY)

@@ -42,16 +42,19 @@ def is_view(node: fx.Node) -> bool:
 
 
 def compute_rate(node: fx.Node) -> Rate:
-    """How an op is priced (`autopar.cost.formulas.compute_time`): matmuls and attention by their
-    flops at their dtype's rate, every other op as `Elementwise`, by the bytes it moves. The dtype
-    is the op's first floating-point result's (under autocast a matmul's result is bfloat16, a
-    cast's the dtype it casts to); float32 otherwise."""
+    """How an op is priced (`autopar.cost.formulas.compute_time`): matmuls (grouped ones too) and
+    attention by their flops at their dtype's rate, every other op as `Elementwise`, by the bytes
+    it moves. The dtype is the op's first floating-point result's (under autocast a matmul's
+    result is bfloat16, a cast's the dtype it casts to); float32 otherwise."""
     dtype = torch.float32
     for value in pytree.tree_leaves(node.meta.get("val")):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             dtype = value.dtype
             break
-    if getattr(node.target, "overloadpacket", None) in flop_registry or "scaled_dot_product" in str(node.target):
+    name = str(node.target)
+    if getattr(node.target, "overloadpacket", None) in flop_registry:
+        return dtype
+    if "scaled_dot_product" in name or "grouped_mm" in name:
         return dtype
     return Elementwise(dtype, runs=not is_view(node))
 
@@ -74,5 +77,20 @@ def global_work(node: fx.Node) -> float:
         if isinstance(q, fx.Node):
             b, h, s, d = q.meta["val"].shape
             return 4.0 * b * h * s * s * d * (2.5 if "backward" in name else 1.0)
+    if "grouped_mm" in name:
+        return _grouped_mm_flops(node, backward="backward" in name)
     numel = sum(v.numel() for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor))
     return float(numel)
+
+
+def _grouped_mm_flops(node: fx.Node, backward: bool) -> float:
+    """A grouped matmul of mixture-of-experts layers (transformers' `grouped_mm_fallback` and its
+    backward; input (S, K), weight (E, K, N)): every row meets one expert's (K, N) matrix, so
+    2 S K N flops forward, twice that backward (the input's and the weight's gradients), whatever
+    the routing."""
+    first, weight = node.args[0], node.args[1]
+    if not isinstance(first, fx.Node) or not isinstance(weight, fx.Node):
+        return 0.0
+    rows, k = first.meta["val"].shape
+    n = weight.meta["val"].shape[2]
+    return 2.0 * rows * k * n * (2.0 if backward else 1.0)

@@ -237,3 +237,64 @@ def _strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
         strides[d] = step
         step *= shape[d]
     return tuple(strides)
+
+
+def _expert_rows(offs: torch.Tensor, first_expert: int, experts: int) -> list[tuple[int, int, int]]:
+    """(local expert index, first row, end row) of each of this rank's experts that has rows:
+    `offs` holds the cumulative row counts of ALL experts (one host read, as the serial op)."""
+    ends = offs.tolist()
+    rows = []
+    for j in range(experts):
+        e = first_expert + j
+        start, end = (ends[e - 1] if e > 0 else 0), ends[e]
+        if end > start:
+            rows.append((j, int(start), int(end)))
+    return rows
+
+
+# Custom ops (with fake kernels), not plain functions: the routing in `offs` is read on the host,
+# which the fake tensors of emit's shape check cannot do.
+@torch.library.custom_op("autopar::grouped_mm_experts", mutates_args=())
+def _grouped_mm_experts(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, first_expert: int) -> torch.Tensor:
+    out = input.new_zeros(input.shape[0], weight.shape[2])
+    for j, start, end in _expert_rows(offs, first_expert, weight.shape[0]):
+        out[start:end] = torch.mm(input[start:end], weight[j])
+    return out
+
+
+@_grouped_mm_experts.register_fake
+def _grouped_mm_experts_fake(
+    input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, first_expert: int
+) -> torch.Tensor:
+    return input.new_empty(input.shape[0], weight.shape[2])
+
+
+@torch.library.custom_op("autopar::grouped_mm_experts_backward", mutates_args=())
+def _grouped_mm_experts_backward(
+    input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, grad_output: torch.Tensor, first_expert: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_input = torch.zeros_like(input, memory_format=torch.contiguous_format)
+    grad_weight = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+    for j, start, end in _expert_rows(offs, first_expert, weight.shape[0]):
+        grad_input[start:end] = torch.mm(grad_output[start:end], weight[j].T)
+        grad_weight[j] = torch.mm(input[start:end].T, grad_output[start:end])
+    return grad_input, grad_weight
+
+
+@_grouped_mm_experts_backward.register_fake
+def _grouped_mm_experts_backward_fake(
+    input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, grad_output: torch.Tensor, first_expert: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.empty_like(input, memory_format=torch.contiguous_format),
+        torch.empty_like(weight, memory_format=torch.contiguous_format),
+    )
+
+
+# Grouped matmul on a block of experts (`weight` holds experts first_expert.. of them): the rows of
+# those experts get their products, every other row zeros (output Partial over the expert split;
+# each row's product lives on exactly one rank).
+grouped_mm_experts = torch.ops.autopar.grouped_mm_experts.default
+# Its backward: the input's gradient on this rank's experts' rows (zeros elsewhere: Partial) and
+# the whole gradient of this rank's block of experts.
+grouped_mm_experts_backward = torch.ops.autopar.grouped_mm_experts_backward.default

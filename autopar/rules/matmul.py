@@ -21,7 +21,8 @@ import torch
 
 from autopar.core.layout import P, Placement, R, Shard
 from autopar.core.strategy import AxisStrategy, OpCall
-from autopar.rules.base import RuleRegistry, with_replicated
+from autopar.rules import expert_parallel
+from autopar.rules.base import Localizer, RuleRegistry, with_replicated
 from autopar.rules.pointwise import broadcast_shard, partial_ok
 
 aten = torch.ops.aten
@@ -97,7 +98,8 @@ def grouped_mm_rule(call: OpCall) -> list[AxisStrategy]:
     """transformers' grouped matmul of mixture-of-experts layers: (input (S, K) sorted by expert,
     weight (E, K, N), offs (E,) cumulative token counts) -> (S, N).
 
-    The tokens and the experts are tied by the data in `offs`, so neither splits; within every
+    The tokens are tied to the experts by the data in `offs`, so they do not split; the experts
+    do (`expert_parallel`: each rank multiplies its experts' rows, output Partial). Within every
     expert it is a plain matmul: N splits with the weight's columns (Megatron's column split of
     each expert), K with the weight's rows, each rank then holding a partial product."""
     summable = partial_ok(call.inputs[:2], call.outputs)
@@ -108,21 +110,22 @@ def grouped_mm_rule(call: OpCall) -> list[AxisStrategy]:
             AxisStrategy((P, R, R), (P,)),
             AxisStrategy((R, P, R), (P,)),
         ]
-    return with_replicated(call, result)
+    return with_replicated(call, [*result, *expert_parallel.expert_split_forward(call)])
 
 
 def grouped_mm_backward_rule(call: OpCall) -> list[AxisStrategy]:
     """(input, weight, offs, grad_output) -> (grad_input (S, K), grad_weight (E, K, N)): the
     forward's splits seen from the gradients. N split: grad_input sums over N (Partial), the
     weight's gradient keeps its column split; K split: both gradients split on K; linear in
-    grad_output with input and weight fixed."""
+    grad_output with input and weight fixed; experts split: each rank's rows of grad_input
+    (Partial) and its experts' gradients."""
     result = [AxisStrategy((Shard(1), Shard(1), R, R), (Shard(1), Shard(1)))]
     if partial_ok(call.inputs[:2], call.outputs):
         result += [
             AxisStrategy((R, Shard(2), R, Shard(1)), (P, Shard(2))),
             AxisStrategy((R, R, R, P), (P, P)),
         ]
-    return with_replicated(call, result)
+    return with_replicated(call, [*result, *expert_parallel.expert_split_backward(call)])
 
 
 def library_op(namespace: str, name: str) -> object | None:
@@ -134,10 +137,13 @@ def library_op(namespace: str, name: str) -> object | None:
         return None
 
 
-# library custom ops (namespace, name) -> rule; registered when present
-LIBRARY_OPS: dict[tuple[str, str], Callable[[OpCall], list[AxisStrategy]]] = {
-    ("transformers", "grouped_mm_fallback"): grouped_mm_rule,
-    ("transformers", "grouped_mm_fallback_backward"): grouped_mm_backward_rule,
+# library custom ops (namespace, name) -> (rule, local call); registered when present
+LIBRARY_OPS: dict[tuple[str, str], tuple[Callable[[OpCall], list[AxisStrategy]], Localizer]] = {
+    ("transformers", "grouped_mm_fallback"): (grouped_mm_rule, expert_parallel.localize_grouped_mm),
+    ("transformers", "grouped_mm_fallback_backward"): (
+        grouped_mm_backward_rule,
+        expert_parallel.localize_grouped_mm,
+    ),
 }
 
 
@@ -145,7 +151,7 @@ def register(registry: RuleRegistry) -> None:
     rules = registry.family(FAMILY, uneven=True)
     for op, (spec, operands, bias) in SPECS.items():
         rules.register(op, spec_rule(spec, operands, bias), anchor=True)
-    for (namespace, name), rule in LIBRARY_OPS.items():
+    for (namespace, name), (rule, localize) in LIBRARY_OPS.items():
         found = library_op(namespace, name)
         if found is not None:
-            rules.register(found, rule, anchor=True)
+            rules.register(found, rule, localize=localize, anchor=True)
