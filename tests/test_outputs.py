@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._C._distributed_c10d as c10d
 import torch.nn as nn
 import torch.nn.functional as F
 from multirank import run_ranks
@@ -259,6 +260,22 @@ def _body(rank: int, world_size: int, shape: tuple[int, ...]) -> dict[str, Any]:
         "max_float": (float(out.max()), float(expected.max())),
         "compare": (bool((out > 1.0).all()), bool((expected > 1.0).all())),
     }
+    # argmax along every dim, a split one included, and over all: serial's indices, and no
+    # collective left unwaited (torch's registry of in-flight collectives does not grow)
+    in_flight = c10d._get_work_registry_size()
+    for d in range(out.dim()):
+        result["reads"][f"argmax_{d}"] = (out.argmax(d).tolist(), expected.argmax(d).tolist())
+    result["reads"]["argmax_all"] = (int(out.argmax()), int(expected.argmax()))
+    if mesh.ndim == 2:  # the layout a ("dp", "cp") plan gives a language model's logits
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from autopar.runtime.outputs import OutputTensor
+
+        logits = torch.randn(2, 16, 100, generator=gen)
+        split = distribute_tensor(logits, mesh, [Shard(2), Shard(0)])
+        held = OutputTensor(split._local_tensor, split._spec, requires_grad=False)  # type: ignore[call-arg]
+        result["reads"]["argmax_classes"] = (held.argmax(-1).tolist(), logits.argmax(-1).tolist())
+    result["unwaited"] = c10d._get_work_registry_size() - in_flight
     if mesh.ndim == 1:
         result["local"] = _local_inputs(mesh, rank, x, labels)
     return result
@@ -314,6 +331,7 @@ def test_losses_and_metrics_outside_the_model_equal_serial_on_every_rank(shape: 
                 expected,
             )
     assert all(r["reads"] == results[0]["reads"] for r in results), "ranks read different values"
+    assert all(r["unwaited"] == 0 for r in results), [r["unwaited"] for r in results]
     for result in results:
         if "local" in result:
             local = result.pop("local")

@@ -121,7 +121,11 @@ class OutputTensor(DTensor):
             result = _reduced_loss(func, bases, base_kwargs)
         elif func in _NLL or func in _NLL_GRADS:
             result = _reduced_nll(func, bases, base_kwargs, mesh)
-        elif _runs_split(func) and not (func._schema.is_mutable and _partial_among(bases)):
+        elif (
+            _runs_split(func)
+            and not (func._schema.is_mutable and _partial_among(bases))
+            and not _index_reduction_over_a_split(func, bases, base_kwargs)
+        ):
             try:
                 result = func(*bases, **base_kwargs)
             except RuntimeError:  # DTensor refuses the layout (unbind along a split dim): whole values
@@ -213,6 +217,23 @@ def _below(local: torch.Tensor) -> torch.Tensor:
     """A local block to wrap below autograd, where its requires_grad flag means nothing: detached,
     as torch asks (else it warns on every output, "To construct DTensor from torch.Tensor...")."""
     return local.detach() if local.requires_grad else local
+
+
+_INDEX_REDUCTIONS = {aten.argmax.default, aten.argmin.default}
+
+
+def _index_reduction_over_a_split(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """argmax/argmin across a split dim (or over every dim): DTensor's rule gives the right value but
+    leaves one collective unwaited per call in torch 2.13 (c10d's registry grows, every rank warns at
+    exit), so these run on the whole value instead; along a whole dim they stay split."""
+    if func not in _INDEX_REDUCTIONS:
+        return False
+    value = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dim is None:
+        return not all(p.is_replicate() for p in value.placements)
+    dim = dim % max(value.dim(), 1)
+    return any(p.is_shard(dim) or p.is_partial() for p in value.placements)
 
 
 def _as_output(value: DTensor) -> OutputTensor:
