@@ -186,6 +186,30 @@ def test_cp_axis_without_attention_is_refused() -> None:
     assert "name the axis otherwise" in (caught.value.hint or "")
 
 
+class EncoderWithDropout(nn.Module):
+    """A user's model: nn.TransformerEncoderLayer at its default dropout (0.1), inside attention too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(self.embed(ids)))
+
+
+def test_cp_axis_with_dropout_inside_attention_names_the_dropout() -> None:
+    """Attention with dropout is traced as its math, which the sequence split cannot take: the error
+    says so and where the model draws, not that the model has no attention."""
+    torch.manual_seed(0)
+    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(UsageError, match="dropout") as caught:
+        compile_every_rank(EncoderWithDropout(), (2, 2), (ids,), names=("dp", "cp"))
+    assert caught.value.op and caught.value.where, caught.value
+    assert "dropout=0.0" in (caught.value.hint or "")
+
+
 def test_context_parallel_option_is_checked() -> None:
     with pytest.raises(UsageError, match="not an attention strategy"):
         autopar.PlanOptions(context_parallel="ring")

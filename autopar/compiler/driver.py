@@ -105,11 +105,32 @@ def compile_conditions(fn: Callable[_P, _R]) -> Callable[_P, _R]:
 
 
 def _check_context_parallel(gm: fx.GraphModule, mesh: Mesh) -> None:
-    """A "cp" axis asks for the sequence split over it, which needs attention to split."""
+    """A "cp" axis asks for the sequence split over it, which needs attention to split. Attention
+    with dropout (`dropout_p > 0` in training) is traced as its math (matmul, softmax, dropout),
+    not as the attention op: a sequence split could not give serial's numbers for it, so the error
+    names the dropout where the model draws one."""
     if CP_AXIS not in mesh.axis_names or mesh.shape[mesh.axis_names.index(CP_AXIS)] == 1:
         return
     if any(node.target is FORWARD for node in gm.graph.nodes):
         return
+    draws = [
+        node
+        for node in gm.graph.nodes
+        if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+    ]
+    if draws:
+        raise UsageError(
+            f'mesh {mesh} has a "cp" axis, which asks for context parallelism (the sequence split over '
+            "it, attention exchanging keys and values), but the model's attention is not an attention "
+            "op the split can take: the model draws random numbers (dropout), and attention with "
+            "dropout is traced as its math (matmul, softmax, dropout), whose sequence split could not "
+            "give the serial model's numbers",
+            op=str(draws[0].target),
+            where=where_of(draws[0]),
+            hint="set the attention's dropout to 0 (transformers: attention_dropout=0.0; "
+            "nn.MultiheadAttention / nn.TransformerEncoderLayer: dropout=0.0), or train without a "
+            '"cp" axis (name it otherwise: the search then splits what it prices best)',
+        )
     raise UsageError(
         f'mesh {mesh} has a "cp" axis, which asks for context parallelism (the sequence split '
         "over it, attention exchanging keys and values), but the model calls no "
