@@ -128,7 +128,8 @@ class OutputTensor(DTensor):
         ):
             try:
                 result = func(*bases, **base_kwargs)
-            except RuntimeError:  # DTensor refuses the layout (unbind along a split dim): whole values
+            except RuntimeError:  # DTensor refuses the layout (unbind along a split dim): whole values;
+                # a refusal after DTensor started a collective leaks it: such ops are routed above
                 result = _on_replicated(func, bases, base_kwargs)
         else:
             result = _on_replicated(func, bases, base_kwargs)
@@ -223,9 +224,11 @@ _INDEX_REDUCTIONS = {aten.argmax.default, aten.argmin.default}
 
 
 def _index_reduction_over_a_split(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
-    """argmax/argmin across a split dim (or over every dim): DTensor's rule gives the right value but
-    leaves one collective unwaited per call in torch 2.13 (c10d's registry grows, every rank warns at
-    exit), so these run on the whole value instead; along a whole dim they stay split."""
+    """argmax/argmin across a split dim (or over every dim) go straight to the whole value. On a
+    multi-axis layout (logits (Shard(2), Shard(0))) DTensor's rule starts a collective and then
+    fails a reshape (torch 2.13); the `except RuntimeError` fallback gave the right value but the
+    started collective was never waited (c10d's registry grew by one per call, every rank warned at
+    exit), and nothing can wait on it afterwards. Along a whole dim they stay split."""
     if func not in _INDEX_REDUCTIONS:
         return False
     value = args[0]
