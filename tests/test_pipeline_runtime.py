@@ -278,13 +278,25 @@ def test_refused_schedules_and_losses() -> None:
             super().__init__()
             self.fc = torch.nn.Linear(4, 3)
 
-        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(self.fc(x), y, reduction="none")
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": F.cross_entropy(self.fc(x), y, reduction="none")}
 
     x, y = torch.randn(4, 4), torch.randint(3, (4,))
-    with pytest.raises(PipelineLossError, match="not reduced"):
+    with pytest.raises(PipelineLossError, match="not reduced"):  # named the loss, but per sample
         split_stages(Logits(), [x, y], (x, y), [], 1)
-    head = torch.nn.Linear(4, 3)  # logits only: the hint says where inference runs
-    with pytest.raises(PipelineLossError, match="not a loss") as info:
-        split_stages(head, [x], (x,), [], 1)
-    assert "mesh without 'pp'" in (info.value.hint or "")
+    head = torch.nn.Linear(4, 3)  # logits only: inference, the last stage returns them
+    program = split_stages(head, [x], (x,), [], 1)
+    assert program.loss is None and program.outputs is not None
+    assert [spec.shape for spec in program.outputs.specs] == [(4, 3)]
+
+    class Largest(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).max()
+
+    with pytest.raises(PipelineLossError, match="not a loss") as info:  # 0-d, but no loss to split
+        split_stages(Largest(), [x], (x,), [], 1)
+    assert "for inference return the outputs" in (info.value.hint or "")

@@ -29,6 +29,7 @@ from autopar.compiler.pipeline_batch import (
     DepositGradients,
     as_output,
     draws_random,
+    gather_outputs,
     program_key,
     split_microbatches,
 )
@@ -40,7 +41,13 @@ from autopar.compiler.pipeline_split import (
     get_attr,
     split_stages,
 )
-from autopar.compiler.pipeline_stage import StageBuilder, StageModule, made_here, stage_arguments
+from autopar.compiler.pipeline_stage import (
+    StageBuilder,
+    StageModule,
+    parallel_stage_forward,
+    stage_arguments,
+    stage_forward,
+)
 from autopar.core.errors import UsageError
 from autopar.core.pipeline_schedule import Schedule
 from autopar.core.pipeline_simulate import Timeline, simulate
@@ -53,7 +60,6 @@ from autopar.reporting.pipeline_views import (
     write_pipeline_png,
 )
 from autopar.runtime.defer_reduction import GradAccumulation
-from autopar.runtime.module import ParallelModule
 from autopar.runtime.module_state import NotCopyable
 from autopar.runtime.pipeline_runtime import (
     BoundaryScatter,
@@ -74,7 +80,9 @@ MAX_PROGRAMS = 8
 
 class PipelinedModule(NotCopyable, nn.Module):
     """This rank's stages of a pipelined model. `pmodel(*batch)` runs one training step of the
-    schedule and returns the batch's loss; under `torch.no_grad()` it runs the forwards only.
+    schedule and returns the batch's loss; under `torch.no_grad()` it runs the forwards only. A
+    call without a loss (logits, a transformers model without labels) runs the forwards only and
+    returns the model's outputs on every rank (docs/pipeline.md#inference-a-call-without-a-loss).
 
     `parameters()` / `named_parameters()` are this rank's stages' parameters under the model's
     names: on a 1-D ("pp",) mesh the user's own tensors; with tensor axes beside "pp", the DTensor
@@ -362,7 +370,9 @@ class PipelinedModule(NotCopyable, nn.Module):
         while len(self._programs) > MAX_PROGRAMS:  # this call's programs were used last: kept
             del self._programs[next(iter(self._programs))]
         rule = programs[0].loss
-        counts = [p.loss.count(f) for p, f in zip(programs, flats, strict=True)]
+        if rule is None:  # a call without a loss (inference): its outputs, microbatched
+            return self._infer(programs, flats)
+        counts = [rule.count(f) for f in flats]  # (microbatches' programs share the loss rule)
         denominator = 1 if rule.kind == "one" else sum(counts)
         forward_only = not torch.is_grad_enabled()
         runners = {s: self._runner(s, programs, flats, forward_only) for s in self.stages}
@@ -395,6 +405,23 @@ class PipelinedModule(NotCopyable, nn.Module):
         out: torch.Tensor = DepositGradients.apply(loss, ordered, *params)  # type: ignore[no-untyped-call]
         return as_output(out, programs[0].output_type)
 
+    def _infer(self, programs: list[StageProgram], flats: list[list[Any]]) -> Any:
+        """The forwards of every microbatch through the stages; the model's outputs, put back
+        together on dim 0, on every rank (`gather_outputs`)."""
+        layouts = [p.outputs for p in programs]
+        if any(layout is None for layout in layouts):
+            raise PipelineSplitError(
+                "some microbatches of this call return a loss and others do not",
+                hint="pass the labels for every sample of the batch, or for none",
+            )
+        runners = {s: self._runner(s, programs, flats, True) for s in self.stages}
+        result = run_step(
+            self.schedule, self.rank, runners, self.group, loss_scale=1.0, forward_only=True,
+            device=self.device, scatter=self._scatter, keep_outputs=True,
+        )  # fmt: skip
+        last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
+        return gather_outputs(result.outputs, [x for x in layouts if x is not None], last_rank, self.group, self.device)
+
     def _sum_shared(self, grads: dict[int, torch.Tensor]) -> None:
         """A weight several stages read (a tied embedding and head) gets the sum of their gradients
         on every copy: whole tensors summed over the pp group, each copy then given its block."""
@@ -426,7 +453,7 @@ class PipelinedModule(NotCopyable, nn.Module):
         backward_weight = None
         accumulation: GradAccumulation | None = None
         if parallel is None:
-            forward = self._stage_forward(stage, programs, flats)
+            forward = stage_forward(self._model, stage, programs, flats)
         else:
             # zero-bubble: each microbatch's backward leaves its weight part here until its W action
             deferrals: dict[int, WeightDeferral] | None = None
@@ -444,7 +471,7 @@ class PipelinedModule(NotCopyable, nn.Module):
                     assert accumulation is not None
                     return accumulation.reduce(params)
 
-            forward = self._parallel_stage_forward(stage, parallel, programs, flats, deferrals, accumulation)
+            forward = parallel_stage_forward(stage, parallel, programs, flats, deferrals, accumulation)
         return StageRunner(
             index=stage,
             forward=forward,
@@ -454,62 +481,6 @@ class PipelinedModule(NotCopyable, nn.Module):
             backward_weight=backward_weight,
             reduce_grads=reduce_grads if accumulation is not None else None,
         )
-
-    def _stage_forward(self, stage: int, programs: list[StageProgram], flats: list[list[Any]]) -> Any:
-        model = self._model
-
-        def run(m: int, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-            graph = programs[m].stages[stage]
-            values: dict[str, Any] = dict(zip(graph.crossing_in, received, strict=True))
-            args = []
-            for kind, what in graph.sources:
-                if kind == "input":
-                    args.append(flats[m][what])
-                elif kind == "attr":
-                    constants = programs[m].constants
-                    args.append(constants[what] if what in constants else get_attr(model, what))
-                else:
-                    args.append(values[what])
-            outs = graph.module(*args)
-            values.update(zip(graph.outputs, outs, strict=True))
-            return [values[name] for name in graph.crossing_out]
-
-        return run
-
-    @staticmethod
-    def _parallel_stage_forward(
-        stage: int,
-        parallel: ParallelModule,
-        programs: list[StageProgram],
-        flats: list[list[Any]],
-        deferrals: dict[int, WeightDeferral] | None,
-        accumulation: GradAccumulation | None = None,
-    ) -> Any:
-        """Stage `stage` run by its parallel module: its outputs come back as DTensors, made whole
-        here (free for a replicated one; a split one is gathered inside the stage's slice, whose
-        links are the fast ones) so that each rank sends its 1/t of them (`BoundaryScatter`).
-        With `deferrals`, microbatch m's backward runs its input part only and leaves the weight
-        part in `deferrals[m]`; with `accumulation`, every microbatch's backward leaves its
-        unreduced gradients there (reduced once per step)."""
-
-        def run(m: int, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-            graph = programs[m].stages[stage]
-            if deferrals is not None:
-                deferrals[m] = WeightDeferral()
-                with parallel.deferring_weights(deferrals[m]):
-                    outs = parallel(*stage_arguments(graph, flats[m], received))
-            elif accumulation is not None:
-                with parallel.accumulating_gradients(accumulation):
-                    outs = parallel(*stage_arguments(graph, flats[m], received))
-            else:
-                outs = parallel(*stage_arguments(graph, flats[m], received))
-            outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-            values: dict[str, Any] = dict(zip(graph.crossing_in, received, strict=True))
-            whole = [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
-            values.update(zip(made_here(graph), whole, strict=True))
-            return [values[name] for name in graph.crossing_out]
-
-        return run
 
     @staticmethod
     def _specs(programs: list[StageProgram], stage: int, side: str) -> Any:

@@ -1,6 +1,7 @@
 """How a pipelined call is cut into microbatches and how its result goes back to the user: the
 batch split on dim 0, the key of a stage program, the loss as the model returns it, and the
-autograd function that hands the step's gradients to the parameters' `.grad`."""
+autograd function that hands the step's gradients to the parameters' `.grad`; for a call without
+a loss (inference), the outputs put back together from the microbatches' on every rank."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
-from autopar.compiler.pipeline_split import StageProgram, all_arguments
+from autopar.compiler.pipeline_split import OutputLayout, PipelineLossError, StageProgram, all_arguments
 from autopar.core.errors import UsageError
 
 
@@ -88,3 +90,53 @@ class DepositGradients(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         scale = grad.item() if any(isinstance(g, DTensor) for g in ctx.grads) else grad
         return (None, None, *(None if g is None else g * scale for g in ctx.grads))
+
+
+def gather_outputs(
+    kept: dict[int, list[torch.Tensor]],
+    layouts: Sequence[OutputLayout],
+    src: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device | str,
+) -> Any:
+    """An inference call's outputs as the model returns them, on every rank: the last stage's
+    outputs of every microbatch (`kept`, on pipeline rank `src`) concatenated on dim 0, broadcast
+    over the pp group (every rank knows their shapes from its own copy of the stage programs), and
+    rebuilt in the model's structure (a `ModelOutput` with its logits, a tensor, a tuple)."""
+    first = layouts[0]
+    whole = []
+    for i, spec in enumerate(first.specs):
+        if kept:
+            value = torch.cat([kept[m][i] for m in range(len(layouts))], dim=0)
+        else:
+            rows = sum(layout.specs[i].shape[0] for layout in layouts)
+            value = torch.empty((rows, *spec.shape[1:]), dtype=spec.dtype, device=device)
+        if group is not None and dist.get_world_size(group) > 1:
+            value = value.contiguous()
+            dist.broadcast(value, src=dist.get_global_rank(group, src), group=group)
+        whole.append(value)
+    if torch.is_grad_enabled():  # a backward through them is refused with what to do
+        anchor = torch.zeros((), requires_grad=True)
+        whole = [NoPipelineBackward.apply(t, anchor) for t in whole]  # type: ignore[no-untyped-call]
+    rebuilt = pytree.tree_unflatten(whole, first.structure)
+    if first.output_type is None or first.output_type is dict:
+        return rebuilt
+    return first.output_type(**rebuilt)
+
+
+class NoPipelineBackward(torch.autograd.Function):
+    """An inference call's outputs under grad mode: they carry a backward that refuses, because
+    the pipeline ran the forwards only (its backward is the step's, from a loss inside forward)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        raise PipelineLossError(
+            "backward through a pipelined model's outputs: the call returned outputs without a loss, "
+            "so the pipeline ran the forwards only",
+            hint="compute the loss inside forward (a transformers model: pass its labels) and call "
+            "backward on the loss the pipelined model returns; each step runs its own backward",
+        )

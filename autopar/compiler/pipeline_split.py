@@ -22,72 +22,35 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
+from autopar.compiler.pipeline_loss import (
+    LossRule,
+    OutputLayout,
+    PipelineLossError,
+    all_arguments,
+    check_outputs,
+    example_batch_rows,
+    find_loss,
+    loss_weights,
+    returns_loss,
+)
 from autopar.core.errors import AutoparError
 from autopar.planning.stage_units import unit_names
 from autopar.runtime.pipeline_runtime import TensorSpec
 
-aten = torch.ops.aten
+__all__ = [  # the loss and output rules are read from here too (pipeline_loss holds them)
+    "LossRule", "OutputLayout", "PipelineLossError", "PipelineSplitError", "StageGraph", "StageProgram",
+    "all_arguments", "get_attr", "loss_weights", "split_stages",
+]  # fmt: skip
 
 _STAGE = "autopar_pp_stage"
-_MEAN, _SUM = 1, 2  # torch's Reduction enum
 
 
 class PipelineSplitError(AutoparError, ValueError):
     """The model cannot be cut into pipeline stages where asked."""
-
-
-class PipelineLossError(AutoparError, ValueError):
-    """The model's output is not a loss the pipeline can split over microbatches exactly."""
-
-
-# Losses whose mean the pipeline rewrites to a sum: op -> how its denominator is counted.
-# "targets": targets that are not ignore_index; "numel": elements of the input.
-_REDUCED_LOSSES = {
-    aten.cross_entropy_loss.default: "targets",
-    aten.nll_loss.default: "targets",
-    aten.nll_loss_nd.default: "targets",
-    aten.nll_loss2d.default: "targets",
-    aten.mse_loss.default: "numel",
-    aten.l1_loss.default: "numel",
-    aten.smooth_l1_loss.default: "numel",
-    aten.huber_loss.default: "numel",
-    aten.binary_cross_entropy.default: "numel",
-    aten.binary_cross_entropy_with_logits.default: "numel",
-}
-
-
-@dataclass(frozen=True)
-class LossRule:
-    """How a microbatch's loss term relates to the serial loss: serial = sum of terms / sum of
-    counts. `kind` "targets": a count is the number of targets other than `ignore_index`
-    (`target` computes the targets from the flat microbatch inputs); "numel": `numel`, the
-    element count of the reduced tensor; "one": the loss was a sum already (counts of 1, divided
-    out by `summed`)."""
-
-    op: str
-    kind: str
-    numel: int = 1
-    ignore_index: int = -100
-    target: fx.GraphModule | None = None
-
-    def count(self, flat_inputs: Sequence[Any]) -> int:
-        """The denominator of this microbatch's mean (1 for a sum-reduced loss)."""
-        if self.kind == "targets":
-            assert self.target is not None
-            tgt = self.target(*flat_inputs)
-            return int((tgt != self.ignore_index).sum())
-        return self.numel if self.kind == "numel" else 1
-
-
-def loss_weights(counts: Sequence[int]) -> list[float]:
-    """Each microbatch's weight in the serial mean, count_m / sum of counts: the serial loss is
-    sum_m weight_m * (microbatch m's mean). The runtime uses the equivalent sum_m (microbatch m's
-    sum) / sum of counts, which stays defined when a microbatch counts 0 (all targets ignored)."""
-    total = sum(counts)
-    return [c / total if total else 0.0 for c in counts]
 
 
 @dataclass
@@ -111,15 +74,18 @@ class StageGraph:
 
 @dataclass
 class StageProgram:
-    """The model cut into stages for one microbatch shape."""
+    """The model cut into stages for one microbatch shape: a training call's, whose last stage
+    returns its loss term (`loss`), or an inference call's, whose last stage returns the model's
+    outputs (`outputs`; `loss` None)."""
 
     stages: list[StageGraph]
-    loss: LossRule
+    loss: LossRule | None
     loss_dtype: torch.dtype
     units: tuple[str, ...]  # the module units in forward order (what stage boundaries name)
     stage_units: tuple[tuple[str, ...], ...]  # the units each stage holds
     constants: dict[str, Any]  # attributes the export made that the model lacks (lifted constants)
     output_type: type | None = None  # the mapping the model returns its loss in (a ModelOutput)
+    outputs: OutputLayout | None = None  # a call without a loss: what its last stage returns
 
 
 def get_attr(root: nn.Module, qualname: str) -> Any:
@@ -129,21 +95,27 @@ def get_attr(root: nn.Module, qualname: str) -> Any:
 
 def _export_loss(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None
-) -> tuple[Any, type | None]:
+) -> tuple[Any, type | None, pytree.TreeSpec | None]:
     """torch.export of `model`, keeping only the "loss" of an output mapping (a transformers
-    `ModelOutput` with logits and a cache object, a dict): the last stage returns its loss term. The
-    instance's forward is wrapped for the export and restored after it, as the tensor trace does
-    on its copy. Also returns the mapping's type (None: the model returns its loss itself)."""
-    found: list[type | None] = [None]
+    `ModelOutput` with logits and a cache object, a dict): the last stage returns its loss term. A
+    mapping without a loss (a transformers model called without labels) keeps its tensor fields
+    (logits, hidden states), not its cache. The instance's forward is wrapped for the export and
+    restored after it, as the tensor trace does on its copy. Also returns the mapping's type (None:
+    the model returns a tensor or a tuple) and the structure of what the export returns."""
+    found: list[Any] = [None, None]
     had_own = "forward" in model.__dict__
     original = model.forward
 
     @functools.wraps(original)
     def loss_only(*a: Any, **k: Any) -> Any:
         result = original(*a, **k)
-        if isinstance(result, Mapping) and "loss" in result:
+        if isinstance(result, Mapping):
             found[0] = type(result)
-            return result["loss"]
+            if result.get("loss") is not None:
+                result = result["loss"]
+            else:
+                result = {key: v for key, v in result.items() if _tensors_only(v)}
+        found[1] = pytree.tree_structure(result)
         return result
 
     model.forward = loss_only  # type: ignore[method-assign]
@@ -154,14 +126,14 @@ def _export_loss(
     except Exception as exc:  # torch raises many types; the user needs the cause and what to do
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = (
-            "a pipelined model is trained: its forward must return its loss (pass the labels or "
-            "targets as its documentation does); inference without a loss runs on a mesh without 'pp'"
+            "the pipeline exports the model's forward with torch.export: a model that returns its loss, "
+            "or its output tensors (logits) for inference, as its documentation calls it"
         )
         if "in output" in first and "pytree" in str(exc):
             hint = (
                 "the model returns an object torch.export cannot hand back in a tuple (a transformers "
                 "model called with return_dict=False returns its cache there): call it with its default "
-                "return_dict, whose ModelOutput's loss the pipeline keeps"
+                "return_dict, whose ModelOutput's loss (or logits) the pipeline keeps"
             )
         raise PipelineSplitError(
             f"torch.export could not trace {type(model).__name__} for the pipeline: {type(exc).__name__}: {first}",
@@ -172,7 +144,13 @@ def _export_loss(
             model.forward = original  # type: ignore[method-assign]
         else:
             del model.forward
-    return ep, found[0]
+    return ep, found[0], found[1]
+
+
+def _tensors_only(value: Any) -> bool:
+    """Whether an output field is tensors only (logits, a tuple of hidden states), not a cache."""
+    leaves = pytree.tree_leaves(value)
+    return bool(leaves) and all(isinstance(t, torch.Tensor) for t in leaves)
 
 
 def _check_batch_statistics(model: nn.Module) -> None:
@@ -202,105 +180,6 @@ def _module_path(node: fx.Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     return "" if path in ("", "<root>") else str(path)
-
-
-def _find_loss(gm: fx.GraphModule) -> tuple[fx.Node, LossRule]:
-    """The loss node (the graph's only output) and its rule; rewrites a mean reduction to a sum."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    hint = (
-        "a pipelined model is trained: compute the loss inside forward (a transformers model: pass its "
-        "labels) and return it, or a ModelOutput / dict with a 'loss'; the pipeline runs F.cross_entropy / "
-        "nll_loss / mse_loss / l1_loss / binary cross entropy (mean or sum) or .mean() / .sum() of a tensor; "
-        "inference without a loss (logits only) runs on a mesh without 'pp'"
-    )
-    if len(flat) != 1 or not isinstance(flat[0], fx.Node):
-        raise PipelineLossError(
-            f"the model returns {len(flat)} values, not one loss",
-            hint=hint + " (a transformers model called with return_dict=False: call it with its default)",
-        )
-    node = flat[0]
-    target = node.target
-    if target in _REDUCED_LOSSES:
-        kwargs = all_arguments(node)
-        reduction = int(kwargs.get("reduction", _MEAN))
-        if reduction == _SUM:
-            return node, LossRule(str(target), "one")
-        if reduction != _MEAN:
-            raise PipelineLossError(f"the loss {target} is not reduced (reduction='none')", hint=hint)
-        kind = _REDUCED_LOSSES[target]
-        if kind == "targets" and kwargs.get("weight") is not None:
-            raise PipelineLossError(
-                f"the loss {target} has class weights: its mean divides by the targets' summed weights",
-                hint="compute the weighted loss with reduction='sum' and divide by a count you pass in, "
-                "or drop the class weights",
-            )
-        kwargs["reduction"] = _SUM
-        node.args, node.kwargs = tuple(kwargs.values()), {}
-        if kind == "targets":
-            ignore = int(kwargs.get("ignore_index", -100))
-            return node, LossRule(
-                str(target), kind, ignore_index=ignore, target=_target_program(gm, kwargs["target"])
-            )
-        val = kwargs["self"].meta["val"]
-        return node, LossRule(str(target), kind, numel=int(val.numel()))
-    if target is aten.sum.default or (target is aten.sum.dim_IntList and _all_dims(node)):
-        return node, LossRule(str(target), "one")
-    if target is aten.mean.default or (target is aten.mean.dim and _all_dims(node)):
-        numel = int(node.args[0].meta["val"].numel())  # type: ignore[union-attr]
-        node.target = aten.sum.default if target is aten.mean.default else aten.sum.dim_IntList
-        return node, LossRule(str(target), "numel", numel=numel)
-    raise PipelineLossError(
-        f"the model's output is {target}, not a loss the pipeline can split exactly", hint=hint
-    )
-
-
-def all_arguments(node: fx.Node) -> dict[str, Any]:
-    """Every argument of an ATen call by its schema name, defaults filled in, in schema order."""
-    schema = node.target._schema  # type: ignore[union-attr]
-    out: dict[str, Any] = {}
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args):
-            out[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
-        else:
-            out[arg.name] = arg.default_value
-    return out
-
-
-def _all_dims(node: fx.Node) -> bool:
-    val = node.args[0].meta["val"]  # type: ignore[union-attr]
-    dims = node.args[1] if len(node.args) > 1 else None
-    return dims is None or len(dims) == 0 or {d % max(val.dim(), 1) for d in dims} == set(range(val.dim()))  # type: ignore[arg-type,union-attr]
-
-
-def _target_program(gm: fx.GraphModule, target: fx.Node) -> fx.GraphModule:
-    """A program that computes the loss's targets from the flat inputs (all placeholders kept),
-    so the counts are known before any forward. Targets computed from a parameter or an
-    activation are refused."""
-    needed: set[fx.Node] = set()
-    todo = [target]
-    while todo:
-        n = todo.pop()
-        if n in needed:
-            continue
-        needed.add(n)
-        if n.op == "get_attr" and isinstance(get_attr(gm, str(n.target)), nn.Parameter):
-            raise PipelineLossError(
-                "the loss's targets are computed from a parameter; the pipeline counts them before any forward",
-                hint="pass the targets as an input of the model",
-            )
-        if n.op not in ("placeholder", "get_attr", "call_function"):
-            raise PipelineLossError(f"the loss's targets depend on {n.op} {n.name}")
-        todo.extend(n.all_input_nodes)
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:
-        if n.op == "placeholder" or n in needed:
-            env[n] = graph.node_copy(n, env.__getitem__)
-    graph.output(env[target])
-    return fx.GraphModule(gm, graph)
 
 
 def _free_nodes(gm: fx.GraphModule) -> dict[fx.Node, bool]:
@@ -401,7 +280,7 @@ def split_stages(
     `num_stages` stage programs. A model returning a `ModelOutput` (or a dict) with a "loss" runs
     its loss only: the other fields (logits, caches) stay on the last stage."""
     _check_batch_statistics(model)
-    ep, output_type = _export_loss(model, tuple(example_args), example_kwargs)
+    ep, output_type, structure = _export_loss(model, tuple(example_args), example_kwargs)
     gm = ep.module()
     assert isinstance(gm, fx.GraphModule)
     for n in list(gm.graph.nodes):
@@ -413,9 +292,18 @@ def split_stages(
             f"the exported model takes {len(placeholders)} inputs, the example has {len(flat_example)}",
             hint="pass the model's inputs as positional tensors",
         )
-    loss_node, rule = _find_loss(gm)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = list(out_node.args[0]) if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+    loss_node: fx.Node | None = None
+    rule: LossRule | None = None
+    if returns_loss(returned, output_type, structure):
+        loss_node, rule = find_loss(gm)
+        returned = [loss_node]
+    else:
+        check_outputs(returned, example_batch_rows(flat_example))
     stages_of = assign_stages(gm, boundaries, num_stages)
-    if stages_of.get(loss_node) != {num_stages - 1}:
+    last = num_stages - 1
+    if loss_node is not None and stages_of.get(loss_node) != {last}:
         raise PipelineSplitError(
             "the loss is not computed in the last stage", hint="cut the model before its loss"
         )
@@ -428,11 +316,14 @@ def split_stages(
     def lookup(n: fx.Node, s: int) -> fx.Node:
         return single[n] if n in single else per_stage[(n, s)]
 
+    returned_names: list[str] = []
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr"):
             single[n] = graph.node_copy(n)
         elif n.op == "output":
-            graph.output(lookup(loss_node, num_stages - 1))
+            results = [lookup(r, last) for r in returned]
+            returned_names = [r.name for r in results]
+            graph.output(results[0] if loss_node is not None else tuple(results))
         elif n.op == "call_function":
             targets = sorted(stages_of.get(n, set()))  # none: a parameter-free value nobody reads
             for s in targets:
@@ -483,6 +374,9 @@ def split_stages(
             produced[name] = s
         stage_sources.append(sources)
         stage_outputs.append(names)
+    for name in returned_names:  # an output made before the last stage passes through to it
+        if produced.get(name, last) < last:
+            read_by.setdefault(name, []).append(last)
 
     def crossing(k: int) -> list[str]:
         return sorted(
@@ -509,7 +403,10 @@ def split_stages(
     stages = []
     for s, sub in enumerate(subs):
         cin = crossing(s) if s > 0 else []
-        cout = crossing(s + 1) if s < num_stages - 1 else [loss_node_name(stage_outputs[s])]
+        if s < last:
+            cout = crossing(s + 1)
+        else:
+            cout = [loss_node_name(stage_outputs[s])] if loss_node is not None else returned_names
         stages.append(
             StageGraph(
                 index=s,
@@ -530,8 +427,13 @@ def split_stages(
                 get_attr(model, attr)
             except AttributeError:
                 constants[attr] = get_attr(gm, attr)
-    loss_val = loss_node.meta["val"]
-    return StageProgram(stages, rule, loss_val.dtype, tuple(order_units), stage_units, constants, output_type)
+    if loss_node is None:
+        assert structure is not None  # the export recorded what it returns
+        layout = OutputLayout(structure, output_type, specs(returned_names))
+        dtype = layout.specs[0].dtype
+        return StageProgram(stages, None, dtype, tuple(order_units), stage_units, constants, output_type, layout)
+    dtype = loss_node.meta["val"].dtype
+    return StageProgram(stages, rule, dtype, tuple(order_units), stage_units, constants, output_type)
 
 
 def loss_node_name(outputs: list[str]) -> str:

@@ -15,10 +15,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from autopar.compiler.pipeline_split import StageGraph, get_attr
+from autopar.compiler.pipeline_split import StageGraph, StageProgram, get_attr
 from autopar.core.errors import AutoparError
+from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.run_program import WeightDeferral
 
 # Compiles a stage module on the stage's tensor sub-mesh, given its example arguments, and returns
 # the parallel module this rank runs; every rank of the stage's slice calls it together.
@@ -76,6 +79,63 @@ class StageModule(nn.Module):
         outs = graph.module(*full)
         made = dict(zip(graph.outputs, outs, strict=True))
         return tuple(made[name] for name in graph.crossing_out if name in made)
+
+
+def stage_forward(model: nn.Module, stage: int, programs: list[StageProgram], flats: list[list[Any]]) -> Any:
+    """Stage `stage` run from the user's own modules' exported program (a 1-D pp mesh)."""
+
+    def run(m: int, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        graph = programs[m].stages[stage]
+        values: dict[str, Any] = dict(zip(graph.crossing_in, received, strict=True))
+        args = []
+        for kind, what in graph.sources:
+            if kind == "input":
+                args.append(flats[m][what])
+            elif kind == "attr":
+                constants = programs[m].constants
+                args.append(constants[what] if what in constants else get_attr(model, what))
+            else:
+                args.append(values[what])
+        outs = graph.module(*args)
+        values.update(zip(graph.outputs, outs, strict=True))
+        return [values[name] for name in graph.crossing_out]
+
+    return run
+
+
+def parallel_stage_forward(
+    stage: int,
+    parallel: ParallelModule,
+    programs: list[StageProgram],
+    flats: list[list[Any]],
+    deferrals: dict[int, WeightDeferral] | None,
+    accumulation: GradAccumulation | None = None,
+) -> Any:
+    """Stage `stage` run by its parallel module: its outputs come back as DTensors, made whole
+    here (free for a replicated one; a split one is gathered inside the stage's slice, whose
+    links are the fast ones) so that each rank sends its 1/t of them (`BoundaryScatter`).
+    With `deferrals`, microbatch m's backward runs its input part only and leaves the weight
+    part in `deferrals[m]`; with `accumulation`, every microbatch's backward leaves its
+    unreduced gradients there (reduced once per step)."""
+
+    def run(m: int, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        graph = programs[m].stages[stage]
+        if deferrals is not None:
+            deferrals[m] = WeightDeferral()
+            with parallel.deferring_weights(deferrals[m]):
+                outs = parallel(*stage_arguments(graph, flats[m], received))
+        elif accumulation is not None:
+            with parallel.accumulating_gradients(accumulation):
+                outs = parallel(*stage_arguments(graph, flats[m], received))
+        else:
+            outs = parallel(*stage_arguments(graph, flats[m], received))
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        values: dict[str, Any] = dict(zip(graph.crossing_in, received, strict=True))
+        whole = [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
+        values.update(zip(made_here(graph), whole, strict=True))
+        return [values[name] for name in graph.crossing_out]
+
+    return run
 
 
 def stage_arguments(graph: StageGraph, flat: Sequence[Any], received: Sequence[Any]) -> tuple[Any, ...]:

@@ -71,10 +71,13 @@ class StageRunner:
 class StepResult:
     """What one step leaves on this rank: `loss` is the sum of the last stage's microbatch loss
     terms (on the rank that holds the last stage, else None); `grads[s]` the gradients of stage s's
-    `params`, summed over microbatches (None where a parameter got none, or in a forward-only step)."""
+    `params`, summed over microbatches (None where a parameter got none, or in a forward-only step).
+    `outputs[m]`: in a step that keeps them (inference), what the last stage returned for microbatch
+    m (on the rank that holds it); `loss` is then None."""
 
     loss: torch.Tensor | None
     grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -155,8 +158,11 @@ class _Step:
         forward_only: bool,
         device: torch.device,
         scatter: BoundaryScatter | None = None,
+        keep_outputs: bool = False,
     ) -> None:
         self.schedule = schedule
+        self.keep_outputs = keep_outputs
+        self.outputs: dict[int, list[torch.Tensor]] = {}
         self.scatter = scatter
         self.device = device
         self.rank = rank
@@ -192,7 +198,7 @@ class _Step:
         finally:
             for work, _ in self.sends:
                 work.wait()
-        return StepResult(self.loss, {} if self.forward_only else self.grads)
+        return StepResult(self.loss, {} if self.forward_only else self.grads, self.outputs)
 
     def do(self, a: Action) -> None:
         kind = a.kind
@@ -274,7 +280,9 @@ class _Step:
         if not self.forward_only:
             received = [t.requires_grad_(True) if _differentiable(t) else t for t in received]
         outputs = list(runner.forward(m, received))
-        if stage == self.last:
+        if stage == self.last and self.keep_outputs:
+            self.outputs[m] = [t.detach() for t in outputs]
+        elif stage == self.last:
             (term,) = outputs
             value = term.detach()
             self.loss = value.clone() if self.loss is None else self.loss + value
@@ -341,6 +349,7 @@ def run_step(
     forward_only: bool = False,
     device: torch.device | str = "cpu",
     scatter: BoundaryScatter | None = None,
+    keep_outputs: bool = False,
 ) -> StepResult:
     """Run rank `rank`'s action list of `schedule` once: every forward and backward of the step.
 
@@ -349,7 +358,11 @@ def run_step(
     so the step's gradients are those of `loss_scale * sum of terms`. `forward_only` runs the
     forwards and their messages only (no autograd graph is kept). Receive buffers are made on
     `device` (the mesh's). `scatter`: with tensor axes, each rank sends its chunk of every
-    boundary tensor and the receiving slice gathers them (`BoundaryScatter`)."""
+    boundary tensor and the receiving slice gathers them (`BoundaryScatter`). `keep_outputs`
+    (inference, forward only): the last stage returns outputs, not a loss term; the step keeps
+    them per microbatch (`StepResult.outputs`)."""
+    if keep_outputs and not forward_only:
+        raise PipelineRuntimeError("a step that keeps the last stage's outputs runs the forwards only")
     if not forward_only:  # (a forward-only step has no backward to split)
         check_supported(schedule, stages)
     missing = sorted(set(schedule.placement.stages_of(rank)) - set(stages))
@@ -361,7 +374,9 @@ def run_step(
     if forward_only:
         keep = {ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F}
         actions = tuple(a for a in actions if a.kind in keep)
-    step = _Step(schedule, rank, stages, group, loss_scale, forward_only, torch.device(device), scatter)
+    step = _Step(
+        schedule, rank, stages, group, loss_scale, forward_only, torch.device(device), scatter, keep_outputs
+    )
     if forward_only:
         with torch.no_grad():
             return step.run(actions)

@@ -1,0 +1,159 @@
+"""A pipelined model called without a loss (inference): the model's outputs, microbatched through
+the stages and put back together on every rank, equal to serial (docs/pipeline.md#inference), on
+2 gloo ranks; and what such outputs refuse (a backward through them)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from multirank import run_ranks, train_side_by_side
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from autopar.compiler.pipeline_split import PipelineLossError, split_stages
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+class Classifier(nn.Module):
+    """Logits without labels, the loss with them (as a transformers model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        logits = self.head(h)
+        return logits if y is None else F.cross_entropy(logits, y)
+
+
+def _classifier(rank: int, world: int, schedule: str) -> None:
+    torch.manual_seed(0)
+    model = Classifier()
+    serial = copy.deepcopy(model)
+    x, y = torch.randn(6, 8), torch.randint(0, 5, (6,))
+    if world == 4:  # tensor axes inside each stage: its parallel module's outputs made whole
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    options = autopar.PipelineOptions(microbatches=3, schedule=schedule, stage_boundaries=["layers.1"])
+    pmodel = autopar.parallelize(model, mesh, example_inputs=(x, y), pipeline=options)
+    losses = train_side_by_side([(pmodel, (x, y)), (serial, (x, y))], steps=1)
+    torch.testing.assert_close(losses[0], losses[1], **TOL)
+    with torch.no_grad():  # logits of the trained weights, every microbatch's rows in order
+        logits = pmodel(x)
+        assert isinstance(logits, torch.Tensor) and not logits.requires_grad
+        torch.testing.assert_close(logits, serial(x), **TOL)
+    pmodel.eval()
+    serial.eval()
+    odd = torch.randn(5, 8)  # microbatches of 2, 2 and 1 rows
+    torch.testing.assert_close(pmodel(odd).detach(), serial(odd).detach(), **TOL)
+    with torch.no_grad():  # a loss call still returns the loss
+        torch.testing.assert_close(pmodel(x, y), serial(x, y), **TOL)
+    out = pmodel(x)  # grad mode: a backward through the outputs says what to do
+    assert out.requires_grad
+    with pytest.raises(PipelineLossError, match="forwards only") as info:
+        out.sum().backward()
+    assert "loss inside forward" in (info.value.hint or "")
+
+
+class LogitsOnly(nn.Module):
+    """A plain model whose forward returns logits and a hidden state (a tuple), never a loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.mid = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.inp(x))
+        return self.head(torch.relu(self.mid(h))), h
+
+
+def _logits_only(rank: int, world: int) -> None:
+    torch.manual_seed(1)
+    model = LogitsOnly().eval()
+    serial = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    options = autopar.PipelineOptions(microbatches=4, stage_boundaries=["mid"])
+    pmodel = autopar.parallelize(model, mesh, example_inputs=(x,), pipeline=options)
+    with torch.no_grad():
+        got, hidden = pmodel(x)
+        want, want_hidden = serial(x)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(hidden, want_hidden, **TOL)  # made in stage 0, passed to the last
+
+
+def _llama(rank: int, world: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    serial = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 8))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    options = autopar.PipelineOptions(microbatches=2, stage_boundaries=["model.layers.1"])
+    pmodel = autopar.parallelize(
+        model, mesh, example_inputs=(), example_kwargs={"input_ids": ids, "labels": ids}, pipeline=options
+    )
+    pmodel.eval()
+    serial.eval()
+    with torch.no_grad():
+        out = pmodel(input_ids=ids)
+        ref = serial(input_ids=ids)
+    assert type(out) is type(ref) and out.loss is None and out.past_key_values is None
+    torch.testing.assert_close(out.logits, ref.logits, **TOL)
+    with torch.no_grad():
+        labelled = pmodel(input_ids=ids, labels=ids)
+    torch.testing.assert_close(labelled.loss, serial(input_ids=ids, labels=ids).loss, **TOL)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_logits_without_labels_equal_serial(schedule: str) -> None:
+    run_ranks(2, _classifier, schedule, timeout=120)
+
+
+@pytest.mark.multirank
+def test_logits_with_tensor_axes_in_each_stage() -> None:
+    """pp=2 x tp=2 with zero-bubble: each stage a parallel module on its sub-mesh."""
+    run_ranks(4, _classifier, "zero-bubble", timeout=180)
+
+
+@pytest.mark.multirank
+def test_a_model_without_a_loss_pipelines_its_outputs() -> None:
+    run_ranks(2, _logits_only, timeout=120)
+
+
+@pytest.mark.multirank
+def test_transformers_model_without_labels_returns_its_model_output() -> None:
+    run_ranks(2, _llama, timeout=180)
+
+
+def test_outputs_without_the_batch_on_dim_0_are_refused() -> None:
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).t()
+
+    x = torch.randn(6, 4)
+    with pytest.raises(PipelineLossError, match="cannot be put back") as info:
+        split_stages(Pooled(), [x], (x,), [], 1)
+    assert "dim 0" in (info.value.hint or "")
