@@ -33,7 +33,7 @@ from autopar.compiler.pipeline_batch import (
     program_key,
     split_microbatches,
 )
-from autopar.compiler.pipeline_checkpoint import pipelined_state_dict
+from autopar.compiler.pipeline_checkpoint import pipelined_buffers, pipelined_state_dict
 from autopar.compiler.pipeline_choice import PipelineDecision, ScheduleChoice, decide_pipeline
 from autopar.compiler.pipeline_split import (
     PipelineSplitError,
@@ -287,6 +287,15 @@ class PipelinedModule(NotCopyable, nn.Module):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         for name, p in self._local:
             yield prefix + name, p
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's stages' buffers under the model's names (`pipelined_buffers`): those its
+        stages read, and the model's unread ones (BatchNorm's `num_batches_tracked` in eval) whose
+        module its stages hold."""
+        for name, b in pipelined_buffers(self):
+            yield prefix + name, b
 
     # -- one step -----------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from autopar.runtime.checkpoint_safety import (
 )
 from autopar.runtime.module import ParallelModule
 
-__all__ = ["load_pipelined_checkpoint", "pipelined_state_dict"]
+__all__ = ["load_pipelined_checkpoint", "pipelined_buffers", "pipelined_state_dict", "unit_stage"]
 
 
 class Pipelined(Protocol):
@@ -84,8 +84,10 @@ def _program(pmodel: Pipelined) -> StageProgram:
 
 
 def _owners(pmodel: Pipelined, names: dict[int, list[str]]) -> dict[int, int]:
-    """Each saved tensor some stage reads (by id) -> the lowest stage index that reads it: the one
-    whose copy is written. Every rank computes the same from the whole model's program."""
+    """Each saved tensor (by id) -> the stage whose copy is written: the lowest stage index that
+    reads it, or for a tensor no stage reads (BatchNorm's `num_batches_tracked` in eval, a buffer
+    the forward never touches) the stage holding its module (`unit_stage`). Every rank computes the
+    same from the whole model's program."""
     program = _program(pmodel)
     owners: dict[int, int] = {}
     for stage in program.stages:
@@ -95,7 +97,58 @@ def _owners(pmodel: Pipelined, names: dict[int, list[str]]) -> dict[int, int]:
             user = id(get_attr(pmodel._model, attr))
             if user in names:
                 owners.setdefault(user, stage.index)
+    for user, all_names in names.items():
+        owners.setdefault(user, unit_stage(program, all_names[0]))
     return owners
+
+
+def unit_stage(program: StageProgram, name: str) -> int:
+    """The stage that holds the module of tensor `name` (its unit, or the first unit inside it);
+    stage 0 for a tensor of the root module. Where a tensor no stage reads is kept."""
+    path = name.rpartition(".")[0]
+    for s, units in enumerate(program.stage_units):
+        if any(path == u or path.startswith(u + ".") or u.startswith(path + ".") for u in units if path):
+            return s
+    return 0
+
+
+def _read_attrs(pmodel: Pipelined) -> set[int]:
+    """The ids of the model's tensors that some stage's program reads."""
+    program = _program(pmodel)
+    return {
+        id(get_attr(pmodel._model, a)) for st in program.stages for a in st.attrs if a not in program.constants
+    }
+
+
+def pipelined_buffers(pmodel: Pipelined) -> list[tuple[str, torch.Tensor]]:
+    """This rank's stages' buffers under the model's names, in the model's order: the buffers its
+    stages read (the parallel stage's own with tensor axes beside "pp", else the user's) and the
+    model's buffers no stage reads whose module one of its stages holds (`unit_stage`). A buffer
+    several stages read appears once per rank."""
+    model = pmodel._model
+    buffer_names: dict[int, str] = {}
+    for name, b in model.named_buffers(remove_duplicate=False):
+        buffer_names.setdefault(id(b), name)
+    program = _program(pmodel)
+    parallel: dict[int, ParallelModule] = pmodel.__dict__["stage_parallel"]
+    wrappers: dict[int, nn.Module] = pmodel.__dict__["_stage_wrappers"]
+    found: dict[str, torch.Tensor] = {}
+    for s in pmodel.stages:
+        module = parallel.get(s)
+        if module is not None:
+            pairs = [(id(get_attr(wrappers[s], name)), t) for name, t in module.named_buffers()]
+        else:
+            attrs = [a for a in program.stages[s].attrs if a not in program.constants]
+            pairs = [(id(t), t) for t in (get_attr(model, a) for a in attrs)]
+        for user, tensor in pairs:
+            if user in buffer_names:
+                found.setdefault(buffer_names[user], tensor)
+    read = _read_attrs(pmodel)
+    for name, b in model.named_buffers():
+        if id(b) not in read and unit_stage(program, name) in pmodel.stages:
+            found.setdefault(name, b)
+    order = {name: i for i, name in enumerate(buffer_names.values())}
+    return sorted(found.items(), key=lambda item: order[item[0]])
 
 
 def _held(pmodel: Pipelined, names: dict[int, list[str]]) -> list[_Held]:
@@ -115,6 +168,11 @@ def _held(pmodel: Pipelined, names: dict[int, list[str]]) -> list[_Held]:
         for name, user, tensor in pairs:
             if user in names and isinstance(tensor, torch.Tensor):
                 held.setdefault(id(tensor), _Held(s, name, user, tensor, module))
+    read = _read_attrs(pmodel)
+    for name, tensor in pmodel._model.state_dict(keep_vars=True).items():  # kept whole by its stage
+        s = unit_stage(program, name)
+        if id(tensor) not in read and s in pmodel.stages:
+            held.setdefault(id(tensor), _Held(s, name, id(tensor), tensor, None))
     return list(held.values())
 
 
