@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,16 +27,17 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar.compiler.pipeline_batch import (
     DepositGradients,
     as_output,
-    draws_random,
     gather_outputs,
     program_key,
     split_microbatches,
 )
 from autopar.compiler.pipeline_checkpoint import pipelined_buffers, pipelined_state_dict
 from autopar.compiler.pipeline_choice import PipelineDecision, ScheduleChoice, decide_pipeline
+from autopar.compiler.pipeline_random import PipelineDropout
 from autopar.compiler.pipeline_split import (
     PipelineSplitError,
     StageProgram,
+    batch_random_ops,
     get_attr,
     split_stages,
 )
@@ -120,6 +120,7 @@ class PipelinedModule(NotCopyable, nn.Module):
         self._first_attrs: list[set[str]] | None = None  # what each stage read in the first program
         self._scatter = scatter
         self._programs: dict[tuple[Any, ...], StageProgram] = {}
+        self._dropout = PipelineDropout()
         names: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), name)
@@ -313,13 +314,9 @@ class PipelinedModule(NotCopyable, nn.Module):
                 )
             finally:
                 self._model.train(was)
-            if self.training and not self._programs and draws_random(found):
-                warnings.warn(
-                    "autopar pipeline: the model draws random numbers in training (dropout): each "
-                    "microbatch draws its own, so the loss and gradients equal the serial model's in "
-                    "distribution, not in value (eval() and dropout-free models are exact)",
-                    stacklevel=3,
-                )
+            if self.training:  # dropout: the serial masks where the stages run their own graphs
+                modules = [st.module for st in found.stages]
+                self._dropout.adopt(modules, found.random_ops, installable=self._build_stage is None)
             if self._build_stage is not None:
                 self._check_same_tensors(found)
                 self._add_stage_programs(found, flat)
@@ -378,6 +375,8 @@ class PipelinedModule(NotCopyable, nn.Module):
         programs = [self._program(f, mb) for f, mb in zip(flats, pieces, strict=True)]
         while len(self._programs) > MAX_PROGRAMS:  # this call's programs were used last: kept
             del self._programs[next(iter(self._programs))]
+        if self.training:
+            self._draw_masks(programs, (args, kwargs))
         rule = programs[0].loss
         if rule is None:  # a call without a loss (inference): its outputs, microbatched
             return self._infer(programs, flats)
@@ -413,6 +412,21 @@ class PipelinedModule(NotCopyable, nn.Module):
             ordered = [None]
         out: torch.Tensor = DepositGradients.apply(loss, ordered, *params)  # type: ignore[no-untyped-call]
         return as_output(out, programs[0].output_type)
+
+    def _draw_masks(self, programs: list[StageProgram], call: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+        """This step's dropout masks: the serial model's, drawn from the generator on every rank."""
+
+        def export_batch() -> list[Any]:
+            was = self._model.training
+            self._model.train(self.training)
+            try:
+                return batch_random_ops(self._model, *call)
+            finally:
+                self._model.train(was)
+
+        key = program_key(pytree.tree_leaves(call), self.training, pytree.tree_structure(call))
+        micro = [p.random_ops for p in programs]
+        self._dropout.prepare(key, export_batch, micro, self.stages, self.device)
 
     def _infer(self, programs: list[StageProgram], flats: list[list[Any]]) -> Any:
         """The forwards of every microbatch through the stages; the model's outputs, put back
@@ -462,7 +476,7 @@ class PipelinedModule(NotCopyable, nn.Module):
         backward_weight = None
         accumulation: GradAccumulation | None = None
         if parallel is None:
-            forward = stage_forward(self._model, stage, programs, flats)
+            forward = stage_forward(self._model, stage, programs, flats, self._dropout.masks)
         else:
             # zero-bubble: each microbatch's backward leaves its weight part here until its W action
             deferrals: dict[int, WeightDeferral] | None = None

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
-from autopar.compiler.pipeline_split import OutputLayout, PipelineLossError, StageProgram, all_arguments
+from autopar.compiler.pipeline_split import OutputLayout, PipelineLossError
 from autopar.core.errors import UsageError
 
 
@@ -51,20 +51,6 @@ def program_key(flat: Sequence[Any], training: bool, structure: Any = None) -> t
         (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x).__name__, repr(x))
         for x in flat
     )
-
-
-def draws_random(program: StageProgram) -> bool:
-    """Whether a stage program draws random numbers (dropout with p > 0, bernoulli, rand)."""
-    for stage in program.stages:
-        for n in stage.module.graph.nodes:
-            if n.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
-                continue
-            arguments = all_arguments(n)
-            rate = arguments.get("p", arguments.get("dropout_p"))  # dropout, attention's dropout
-            if isinstance(rate, (int, float)) and rate == 0:
-                continue
-            return True
-    return False
 
 
 def as_output(loss: torch.Tensor, output_type: type | None) -> Any:

@@ -37,6 +37,7 @@ from autopar.compiler.pipeline_loss import (
     loss_weights,
     returns_loss,
 )
+from autopar.compiler.pipeline_random import RandomOp, draws, random_op, whole_shapes
 from autopar.core.errors import AutoparError
 from autopar.planning.stage_units import unit_names
 from autopar.runtime.pipeline_runtime import TensorSpec
@@ -86,6 +87,7 @@ class StageProgram:
     constants: dict[str, Any]  # attributes the export made that the model lacks (lifted constants)
     output_type: type | None = None  # the mapping the model returns its loss in (a ModelOutput)
     outputs: OutputLayout | None = None  # a call without a loss: what its last stage returns
+    random_ops: tuple[RandomOp, ...] = ()  # the ops that draw random numbers, in the serial order
 
 
 def get_attr(root: nn.Module, qualname: str) -> Any:
@@ -191,8 +193,9 @@ def _free_nodes(gm: fx.GraphModule) -> dict[fx.Node, bool]:
             free[n] = True
         elif n.op == "get_attr":
             free[n] = not isinstance(get_attr(gm, str(n.target)), nn.Parameter)
-        elif n.op == "call_function":
-            free[n] = all(free[i] for i in n.all_input_nodes)
+        elif n.op == "call_function":  # a random op is drawn once, by one stage, as serial draws it
+            seeded = torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+            free[n] = not seeded and all(free[i] for i in n.all_input_nodes)
         else:
             free[n] = False
     return free
@@ -427,13 +430,28 @@ def split_stages(
                 get_attr(model, attr)
             except AttributeError:
                 constants[attr] = get_attr(gm, attr)
+    randoms = tuple(random_op(single[n], min(stages_of[n])) for n in gm.graph.nodes if draws(n) and n in single)
     if loss_node is None:
         assert structure is not None  # the export recorded what it returns
         layout = OutputLayout(structure, output_type, specs(returned_names))
         dtype = layout.specs[0].dtype
-        return StageProgram(stages, None, dtype, tuple(order_units), stage_units, constants, output_type, layout)
+        return StageProgram(
+            stages, None, dtype, tuple(order_units), stage_units, constants, output_type, layout, randoms
+        )
     dtype = loss_node.meta["val"].dtype
-    return StageProgram(stages, rule, dtype, tuple(order_units), stage_units, constants, output_type)
+    return StageProgram(stages, rule, dtype, tuple(order_units), stage_units, constants, output_type, None, randoms)
+
+
+def batch_random_ops(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> list[tuple[tuple[int, ...], torch.dtype, float] | None]:
+    """The random ops of the model called on the whole batch, in the serial order: each one's input
+    shape, dtype and rate (None: one the pipeline cannot draw as serial does). Exported once per
+    batch shape, for the step's dropout masks (`pipeline_random.DropoutMasks`)."""
+    ep, _, _ = _export_loss(model, args, kwargs)
+    gm = ep.module()
+    assert isinstance(gm, fx.GraphModule)
+    return whole_shapes(gm)
 
 
 def loss_node_name(outputs: list[str]) -> str:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from autopar.compiler.pipeline_random import DropoutMasks
 from autopar.compiler.pipeline_split import StageGraph, StageProgram, get_attr
 from autopar.core.errors import AutoparError
 from autopar.runtime.defer_reduction import GradAccumulation
@@ -81,11 +82,15 @@ class StageModule(nn.Module):
         return tuple(made[name] for name in graph.crossing_out if name in made)
 
 
-def stage_forward(model: nn.Module, stage: int, programs: list[StageProgram], flats: list[list[Any]]) -> Any:
-    """Stage `stage` run from the user's own modules' exported program (a 1-D pp mesh)."""
+def stage_forward(
+    model: nn.Module, stage: int, programs: list[StageProgram], flats: list[list[Any]], masks: DropoutMasks
+) -> Any:
+    """Stage `stage` run from the user's own modules' exported program (a 1-D pp mesh); its
+    dropouts take microbatch m's rows of the step's `masks`."""
 
     def run(m: int, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         graph = programs[m].stages[stage]
+        masks.current = m
         values: dict[str, Any] = dict(zip(graph.crossing_in, received, strict=True))
         args = []
         for kind, what in graph.sources:
