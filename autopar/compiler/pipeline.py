@@ -27,7 +27,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar.compiler.pipeline_batch import (
     DepositGradients,
     as_output,
+    clip_pipelined_grad_norm,
     gather_outputs,
+    input_gradients,
     program_key,
     split_microbatches,
 )
@@ -263,25 +265,9 @@ class PipelinedModule(NotCopyable, nn.Module):
         taken on its sub-mesh (DTensor gradients), a tied weight counted once (its first stage's
         copy), the total reduced over the pp group; every gradient is scaled by the same factor.
         Returns the total norm (the serial model's), on every rank."""
-        p = float(norm_type)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for _, param in self._local:
-            grad = param.grad
-            if grad is None or id(param) not in self._in_norm:
-                continue
-            norm = torch.linalg.vector_norm(grad, p)
-            value = (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(torch.float64)
-            total = torch.maximum(total, value) if math.isinf(p) else total + value**p
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-            dist.all_reduce(total, op=op, group=self.group)
-        norm_all = total if math.isinf(p) else total ** (1.0 / p)
-        scale = min(1.0, max_norm / (float(norm_all) + 1e-6))
-        if scale < 1.0:
-            for _, param in self._local:
-                if param.grad is not None:
-                    param.grad.mul_(scale)
-        return norm_all.to(torch.float32)
+        params = [param for _, param in self._local]
+        counted = [param for param in params if id(param) in self._in_norm]
+        return clip_pipelined_grad_norm(params, counted, max_norm, norm_type, self.group, self.device)
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -383,7 +369,12 @@ class PipelinedModule(NotCopyable, nn.Module):
         counts = [rule.count(f) for f in flats]  # (microbatches' programs share the loss rule)
         denominator = 1 if rule.kind == "one" else sum(counts)
         forward_only = not torch.is_grad_enabled()
-        runners = {s: self._runner(s, programs, flats, forward_only) for s in self.stages}
+        given = pytree.tree_leaves((args, kwargs))
+        wanted = [] if forward_only else [i for i, t in enumerate(given) if isinstance(t, torch.Tensor) and t.requires_grad]
+        for f in flats:  # inputs that require grad: a leaf per microbatch, whose gradient the step returns
+            for i in wanted:
+                f[i] = f[i].detach().requires_grad_(True)
+        runners = {s: self._runner(s, programs, flats, forward_only, wanted) for s in self.stages}
         result = run_step(
             schedule,
             self.rank,
@@ -405,8 +396,11 @@ class PipelinedModule(NotCopyable, nn.Module):
                 if g is not None:
                     grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
         self._sum_shared(grads)
-        params = [p for _, p in self._local]
+        params: list[torch.Tensor] = [p for _, p in self._local]
         ordered = [grads.get(id(p)) for p in params]
+        if wanted:  # the inputs' gradients: every microbatch's rows, summed over the stages
+            params += [given[i] for i in wanted]
+            ordered += input_gradients(result.input_grads, wanted, flats, given, self.group)
         if not params:  # a rank without trainable parameters: the loss still takes .backward()
             params = [nn.Parameter(torch.zeros(()))]
             ordered = [None]
@@ -468,7 +462,12 @@ class PipelinedModule(NotCopyable, nn.Module):
                     grads[id(copy)] = g
 
     def _runner(
-        self, stage: int, programs: list[StageProgram], flats: list[list[Any]], forward_only: bool
+        self,
+        stage: int,
+        programs: list[StageProgram],
+        flats: list[list[Any]],
+        forward_only: bool,
+        wanted: Sequence[int] = (),
     ) -> StageRunner:
         """Stage `stage` as the runtime calls it for this step's microbatches."""
         params = tuple(self._stage_params(programs[0], stage))
@@ -503,6 +502,7 @@ class PipelinedModule(NotCopyable, nn.Module):
             output_specs=self._specs(programs, stage, "out"),
             backward_weight=backward_weight,
             reduce_grads=reduce_grads if accumulation is not None else None,
+            input_leaves=(lambda m: [flats[m][i] for i in wanted]) if wanted else None,
         )
 
     @staticmethod

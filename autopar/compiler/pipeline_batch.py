@@ -5,6 +5,7 @@ a loss (inference), the outputs put back together from the microbatches' on ever
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,3 +127,57 @@ class NoPipelineBackward(torch.autograd.Function):
             hint="compute the loss inside forward (a transformers model: pass its labels) and call "
             "backward on the loss the pipelined model returns; each step runs its own backward",
         )
+
+
+def input_gradients(
+    found: dict[tuple[int, int], torch.Tensor],
+    wanted: Sequence[int],
+    flats: Sequence[Sequence[Any]],
+    given: Sequence[Any],
+    group: dist.ProcessGroup | None,
+) -> list[torch.Tensor]:
+    """The gradients of the call's inputs that require grad (`given[i]` for i in `wanted`): each
+    microbatch's (`found[(m, j)]`, j the position in `wanted`; zeros where this rank's stages do
+    not read it) put back on dim 0 (summed, for a 0-d input every microbatch shares), then summed
+    over the pp group, whose stages may each read the input. One all-reduce per input, on every rank."""
+    out = []
+    for j, i in enumerate(wanted):
+        pieces = [found.get((m, j), torch.zeros_like(f[i])) for m, f in enumerate(flats)]
+        whole = torch.cat(pieces, dim=0) if given[i].dim() > 0 else torch.stack(pieces).sum(0)
+        whole = whole.detach().contiguous()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(whole, group=group)
+        out.append(whole.to(given[i].dtype))
+    return out
+
+
+def clip_pipelined_grad_norm(
+    params: Sequence[torch.Tensor],
+    counted: Sequence[torch.Tensor],
+    max_norm: float,
+    norm_type: float,
+    group: dist.ProcessGroup | None,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """`PipelinedModule.clip_grad_norm_`: the norm of `counted`'s gradients (each stage's on its
+    sub-mesh, a tied weight once) reduced over the pp group; every gradient of `params` scaled
+    by the same factor. Returns the whole model's norm on every rank."""
+    p = float(norm_type)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for param in counted:
+        grad = param.grad
+        if grad is None:
+            continue
+        norm = torch.linalg.vector_norm(grad, p)
+        value = (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(torch.float64)
+        total = torch.maximum(total, value) if math.isinf(p) else total + value**p
+    if group is not None and dist.get_world_size(group) > 1:
+        op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=group)
+    norm_all = total if math.isinf(p) else total ** (1.0 / p)
+    scale = min(1.0, max_norm / (float(norm_all) + 1e-6))
+    if scale < 1.0:
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(scale)
+    return norm_all.to(torch.float32)

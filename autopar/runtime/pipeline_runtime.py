@@ -65,6 +65,9 @@ class StageRunner:
     output_specs: Callable[[int], tuple[TensorSpec, ...]]
     backward_weight: Callable[[int], Sequence[torch.Tensor | None]] | None = None
     reduce_grads: Callable[[], Sequence[torch.Tensor | None]] | None = None
+    # the user's inputs of microbatch m that require grad (leaves cut from the batch), whose
+    # gradients the step returns in `StepResult.input_grads`
+    input_leaves: Callable[[int], Sequence[torch.Tensor]] | None = None
 
 
 @dataclass
@@ -73,11 +76,13 @@ class StepResult:
     terms (on the rank that holds the last stage, else None); `grads[s]` the gradients of stage s's
     `params`, summed over microbatches (None where a parameter got none, or in a forward-only step).
     `outputs[m]`: in a step that keeps them (inference), what the last stage returned for microbatch
-    m (on the rank that holds it); `loss` is then None."""
+    m (on the rank that holds it); `loss` is then None. `input_grads[(m, j)]`: the gradient of
+    input leaf j of microbatch m (`StageRunner.input_leaves`), summed over this rank's stages."""
 
     loss: torch.Tensor | None
     grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,7 @@ class _Step:
         self.schedule = schedule
         self.keep_outputs = keep_outputs
         self.outputs: dict[int, list[torch.Tensor]] = {}
+        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.scatter = scatter
         self.device = device
         self.rank = rank
@@ -198,7 +204,7 @@ class _Step:
         finally:
             for work, _ in self.sends:
                 work.wait()
-        return StepResult(self.loss, {} if self.forward_only else self.grads, self.outputs)
+        return StepResult(self.loss, {} if self.forward_only else self.grads, self.outputs, self.input_grads)
 
     def do(self, a: Action) -> None:
         kind = a.kind
@@ -309,7 +315,9 @@ class _Step:
         params = list(runner.params) if weights and runner.reduce_grads is None else []
         if stage in self.to_reduce:
             self.to_reduce[stage] -= 1
-        wrt = params + [t for t in received if _differentiable(t)]
+        leaves = list(runner.input_leaves(m)) if runner.input_leaves is not None else []
+        inputs = [t for t in received if _differentiable(t)]
+        wrt = params + inputs + leaves
         found: tuple[torch.Tensor | None, ...]
         if pairs and wrt:
             found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
@@ -319,13 +327,16 @@ class _Step:
             found = ()
         else:
             found = tuple(None for _ in wrt)
-        n = len(params)
+        n, r = len(params), len(inputs)
+        found = found if found else tuple(None for _ in wrt)
         self._add_grads(stage, found[:n])
+        for j, g in enumerate(found[n + r :]):
+            if g is not None:
+                before = self.input_grads.get((m, j))
+                self.input_grads[(m, j)] = g if before is None else before + g
         if stage > 0:
-            inputs = [t for t in received if _differentiable(t)]
-            found = found if found else tuple(None for _ in inputs)
             self.in_grads[(stage, m)] = [
-                torch.zeros_like(t) if g is None else g for t, g in zip(inputs, found[n:], strict=True)
+                torch.zeros_like(t) if g is None else g for t, g in zip(inputs, found[n : n + r], strict=True)
             ]
 
     def backward_weight(self, stage: int, m: int) -> None:
