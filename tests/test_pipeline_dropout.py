@@ -1,7 +1,8 @@
 """Dropout in a pipeline equals the serial step in value (docs/pipeline.md#dropout): each
 microbatch's mask is its rows of the serial batch's mask, drawn from the same generator state on
 every rank; loss, every gradient, the parameters after two SGD-momentum steps and the generator
-state after each step equal serial's, on 2 gloo ranks with 1F1B, GPipe and interleaved 1F1B."""
+state after each step equal serial's, on 2 gloo ranks with 1F1B, GPipe and interleaved 1F1B, and
+on pp=2 x tp=2 with 1F1B and zero-bubble."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from multirank import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.compiler.pipeline_random import DropoutMasks
@@ -62,7 +64,10 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> None:
     serial = copy.deepcopy(model)
     idx = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(2))
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    if world == 4:  # tensor axes beside pp: each stage a parallel module, the masks its inputs
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     options = autopar.PipelineOptions(
         microbatches=case["M"], schedule=case["schedule"], stage_boundaries=case["boundaries"],
         virtual_stages=case.get("v", 1),
@@ -86,8 +91,10 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> None:
             assert torch.equal(after[0], after[1]), "the generator is left where the serial step leaves it"
     ref = dict(serial.named_parameters())
     for name, p in pmodel.named_parameters():
-        torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=f"{case} grad {name}")
-        torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL, msg=f"{case} param {name}")
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        value = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+        torch.testing.assert_close(grad, ref[name].grad, **TOL, msg=f"{case} grad {name}")
+        torch.testing.assert_close(value, ref[name].detach(), **TOL, msg=f"{case} param {name}")
     torch.manual_seed(7)
     with torch.no_grad():  # training mode without gradients: the serial masks too
         got = pmodel(idx, targets)
@@ -111,6 +118,16 @@ def test_dropout_equals_serial_on_pp2() -> None:
         {"layers": 3, "M": 2, "schedule": "interleaved-1f1b", "v": 2, "boundaries": ["blocks.0", "blocks.1", "blocks.2"]},
     ]  # fmt: skip
     run_ranks(2, _job, cases, timeout=200)
+
+
+@pytest.mark.multirank
+def test_dropout_equals_serial_with_tensor_axes_in_each_stage() -> None:
+    """pp=2 x tp=2: 1F1B (gradients reduced once per step) and zero-bubble (each backward split)."""
+    cases = [
+        {"layers": 2, "M": 2, "schedule": "1f1b", "boundaries": ["blocks.1"]},
+        {"layers": 2, "M": 2, "schedule": "zero-bubble", "boundaries": ["blocks.1"]},
+    ]
+    run_ranks(4, _job, cases, timeout=300)
 
 
 def test_masks_cut_rows_along_the_batch_dim() -> None:

@@ -301,8 +301,7 @@ class PipelinedModule(NotCopyable, nn.Module):
             finally:
                 self._model.train(was)
             if self.training:  # dropout: the serial masks where the stages run their own graphs
-                modules = [st.module for st in found.stages]
-                self._dropout.adopt(modules, found.random_ops, installable=self._build_stage is None)
+                self._dropout.adopt([(st.module, st.sources) for st in found.stages], found.random_ops)
             if self._build_stage is not None:
                 self._check_same_tensors(found)
                 self._add_stage_programs(found, flat)
@@ -336,6 +335,11 @@ class PipelinedModule(NotCopyable, nn.Module):
         assert self._build_stage is not None
         wrappers: dict[int, StageModule] = self.__dict__["_stage_wrappers"]
         parallel: dict[int, nn.Module] = self.__dict__["stage_parallel"]
+        ops = program.random_ops
+
+        def example_mask(k: int) -> torch.Tensor:  # a dropout's mask is an input: one of its shape
+            return torch.ones(ops[k].shape, dtype=ops[k].dtype, device=self.device)
+
         for s in self.stages:
             graph = program.stages[s]
             received = [
@@ -344,7 +348,7 @@ class PipelinedModule(NotCopyable, nn.Module):
                 )
                 for spec in graph.input_specs
             ]
-            args = stage_arguments(graph, flat, received)
+            args = stage_arguments(graph, flat, received, example_mask)
             if s in wrappers:
                 wrappers[s].add(graph, args, self.training)
                 continue
@@ -493,7 +497,9 @@ class PipelinedModule(NotCopyable, nn.Module):
                     assert accumulation is not None
                     return accumulation.reduce(params)
 
-            forward = parallel_stage_forward(stage, parallel, programs, flats, deferrals, accumulation)
+            forward = parallel_stage_forward(
+                stage, parallel, programs, flats, self._dropout.masks, deferrals, accumulation
+            )
         return StageRunner(
             index=stage,
             forward=forward,

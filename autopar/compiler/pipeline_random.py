@@ -6,14 +6,15 @@ of a step, draws every dropout op's whole-batch mask from the generator state th
 would have (every rank seeds alike), in the serial order and as eager dropout draws it
 (`empty_like(input).bernoulli_(1 - p)`, then divided by `1 - p`), keeps the masks of its own
 stages, and leaves its generator where the serial step would. Each microbatch's dropout then
-multiplies by its rows of the whole mask: the rows along the one dim where the microbatch's input
-is smaller than the batch's (dim 0, or a flattened batch-times-heads dim), at the offset of the
-microbatches before it. This is the tensor-only path's idea (`rules/local_ops.dropout_block`:
+multiplies by its rows of the whole mask, a new input of its stage: the rows along the one dim
+where the microbatch's input is smaller than the batch's (dim 0, or a flattened batch-times-heads
+dim), at the offset of the microbatches before it. This is the tensor-only path's idea (`rules/local_ops.dropout_block`:
 draw the global mask, keep one's block) applied to the microbatch cut.
 """
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch import nn
+
+from autopar.core.errors import AutoparError
 
 aten = torch.ops.aten
 
@@ -97,6 +99,7 @@ class DropoutMasks:
         self.cuts: dict[tuple[int, int], tuple[int, int, int] | None] = {}  # (op, m) -> dim, start, length
         self.current = 0
         self.drawn = False  # False: this step's ops draw per microbatch (not the serial numbers)
+        self.own: dict[tuple[int, int], torch.Tensor] = {}  # (op, m) -> a microbatch's own draw
 
     def draw(
         self,
@@ -132,48 +135,58 @@ class DropoutMasks:
                 self.masks[k] = noise.div_(1 - p)
         return True
 
+    def draw_per_microbatch(
+        self, micro: Sequence[Sequence[RandomOp]], keep: set[int], device: torch.device | str
+    ) -> None:
+        """Where the serial masks cannot be drawn: each microbatch's own (as eager dropout on the
+        microbatch would draw; equal to serial in distribution only)."""
+        self.drawn = False
+        self.masks, self.cuts, self.own = {}, {}, {}
+        for m, ops in enumerate(micro):
+            for k, op in enumerate(ops):
+                if k in keep:
+                    noise = torch.empty(op.shape, dtype=op.dtype, device=device).bernoulli_(1 - op.p).div_(1 - op.p)
+                    self.own[(k, m)] = noise
+
     def rows(self, op: int) -> torch.Tensor:
         """Op `op`'s mask (scaled by 1 / (1 - p)) for the current microbatch's rows."""
+        if not self.drawn:
+            return self.own[(op, self.current)]
         mask = self.masks[op]
         cut = self.cuts[(op, self.current)]
         return mask if cut is None else mask.narrow(*cut)
 
 
-class MaskedDropout(nn.Module):
-    """A stage program's dropout op `op`, multiplying by the current microbatch's rows of the
-    step's mask (as eager dropout multiplies by its noise); `native`: also return the boolean mask,
-    as `native_dropout` does."""
-
-    def __init__(self, masks: DropoutMasks, op: int, p: float, native: bool) -> None:
-        super().__init__()
-        self.masks = masks
-        self.op = op
-        self.p = p
-        self.native = native
-
-    def forward(self, x: torch.Tensor, *rest: object) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if not self.masks.drawn:  # the step could not draw the serial masks (warned): eager dropout
-            out, keep = aten.native_dropout.default(x, self.p, True)
-            return (out, keep) if self.native else out
-        mask = self.masks.rows(self.op)
-        out = x * mask
-        return (out, mask != 0) if self.native else out
-
-
-def install_masks(modules: Sequence[fx.GraphModule], ops: Sequence[RandomOp], masks: DropoutMasks) -> None:
-    """Replace each random op `ops[k]` in its stage's module (`modules[stage]`) by a
-    `MaskedDropout` reading `masks`; every op must be `exact`."""
+def install_masks(stages: Sequence[tuple[fx.GraphModule, list[tuple[str, Any]]]], ops: Sequence[RandomOp]) -> None:
+    """Replace each random op `ops[k]` in its stage's module (`stages[stage]`: the module and its
+    sources) by a product with a new input, the microbatch's rows of op k's scaled mask (source
+    `("mask", k)`), as eager dropout multiplies by its noise; `native_dropout`'s boolean mask is
+    `mask != 0`. As an input, the mask is planned like any (split with the batch on tensor axes)."""
     for k, op in enumerate(ops):
-        gm = modules[op.stage]
-        node = next(n for n in gm.graph.nodes if n.name == op.name)
-        name = f"autopar_dropout_{k}"
-        gm.add_submodule(name, MaskedDropout(masks, k, op.p, native=_DROPOUTS[node.target]))  # type: ignore[index]
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_module(name, (node.args[0],))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-    for gm in {id(g): g for g in modules}.values():
+        gm, sources = stages[op.stage]
+        graph = gm.graph
+        node = next(n for n in graph.nodes if n.name == op.name)
+        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(last):
+            mask = graph.placeholder(f"autopar_dropout_mask_{k}")
+        sources.append(("mask", k))
+        with graph.inserting_before(node):
+            out = graph.call_function(aten.mul.Tensor, (node.args[0], mask))
+            if _DROPOUTS[node.target]:  # type: ignore[index]
+                keep = graph.call_function(aten.ne.Scalar, (mask, 0))
+        if _DROPOUTS[node.target]:  # type: ignore[index]
+            for user in list(node.users):
+                if user.target is not operator.getitem:
+                    raise AutoparError(
+                        f"native_dropout {node.name} is read other than by its two outputs",
+                        hint="this is a bug in autopar's pipeline dropout",
+                    )
+                user.replace_all_uses_with(out if user.args[1] == 0 else keep)
+                graph.erase_node(user)
+        else:
+            node.replace_all_uses_with(out)
+        graph.erase_node(node)
+    for gm, _ in {id(g): (g, src) for g, src in stages}.values():
         gm.recompile()
 
 
@@ -181,10 +194,10 @@ WholeOps = list[tuple[tuple[int, ...], torch.dtype, float] | None]
 
 
 class PipelineDropout:
-    """A pipelined module's dropout: installs the step's masks into each stage program it can
-    (`adopt`) and draws them before each step (`prepare`); warns once where it cannot (stages
-    run by parallel modules, a random op other than dropout, microbatch inputs that are not row cuts
-    of the batch's), and those draw per microbatch: equal to serial in distribution, not in value."""
+    """A pipelined module's dropout: makes each stage program's dropouts read the step's masks
+    (`adopt`) and draws them before each step (`prepare`); warns once where it cannot (a random op
+    other than dropout, microbatch inputs that are not row cuts of the batch's), and those draw per
+    microbatch: equal to serial in distribution, not in value."""
 
     def __init__(self) -> None:
         self.masks = DropoutMasks()
@@ -197,23 +210,20 @@ class PipelineDropout:
             warnings.warn(
                 f"autopar pipeline: the model draws random numbers in training ({why}): each microbatch "
                 "draws its own, so the loss and gradients equal the serial model's in distribution, not "
-                "in value (eval() and dropout-free models are exact; so is dropout on a 1-D pp mesh)",
+                "in value (eval(), models without random ops and dropout on contiguous inputs are exact)",
                 stacklevel=4,
             )
 
-    def adopt(self, modules: Sequence[fx.GraphModule], ops: Sequence[RandomOp], installable: bool) -> None:
-        """A new stage program's random ops: its dropouts read the step's masks when every op is
-        one the pipeline draws exactly and its stages run their own graphs (`installable`)."""
+    def adopt(self, stages: Sequence[tuple[fx.GraphModule, list[tuple[str, Any]]]], ops: Sequence[RandomOp]) -> None:
+        """A new stage program's random ops (`stages`: each stage's module and sources): its
+        dropouts read the step's masks when every op is one the pipeline draws exactly."""
         if not ops:
             return
         inexact = [op.name for op in ops if not op.exact]
-        if not installable:
-            self.warn("its stages are parallel modules on tensor axes beside pp")
-        elif inexact:
+        if inexact:
             self.warn(f"{', '.join(inexact[:3])} is not a dropout on a contiguous input")
         else:
-            install_masks(modules, ops, self.masks)
-
+            install_masks(stages, ops)
     def prepare(
         self,
         key: tuple[Any, ...],
@@ -225,16 +235,18 @@ class PipelineDropout:
         """Before a step in training: draw every op's whole-batch mask (`export_batch` lists the
         batch's random ops, exported once per batch shape), keeping those of `stages`."""
         self.masks.drawn = False
-        if not micro[0]:
-            return
+        if not micro[0] or not all(op.exact for op in micro[0]):
+            return  # (inexact ops stay in the graphs: they draw as eager ops do)
         whole = self.whole.get(key)
         if whole is None:
             whole = self.whole[key] = export_batch()
         exact = [w for w in whole if w is not None]
+        keep = {k for k, op in enumerate(micro[0]) if op.stage in stages}
         if len(exact) != len(whole) or len(whole) != len(micro[0]):
             self.warn("its random ops on the whole batch are not those of a microbatch")
+            self.masks.draw_per_microbatch(micro, keep, device)
             return
-        keep = {k for k, op in enumerate(micro[0]) if op.stage in stages}
         shapes = [[op.shape for op in ops] for ops in micro]
         if not self.masks.draw(exact, keep, shapes, device):
             self.warn("a dropout's microbatch inputs are not row cuts of its batch input")
+            self.masks.draw_per_microbatch(micro, keep, device)

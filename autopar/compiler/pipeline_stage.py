@@ -99,6 +99,8 @@ def stage_forward(
             elif kind == "attr":
                 constants = programs[m].constants
                 args.append(constants[what] if what in constants else get_attr(model, what))
+            elif kind == "mask":
+                args.append(masks.rows(what))
             else:
                 args.append(values[what])
         outs = graph.module(*args)
@@ -113,6 +115,7 @@ def parallel_stage_forward(
     parallel: ParallelModule,
     programs: list[StageProgram],
     flats: list[list[Any]],
+    masks: DropoutMasks,
     deferrals: dict[int, WeightDeferral] | None,
     accumulation: GradAccumulation | None = None,
 ) -> Any:
@@ -121,19 +124,21 @@ def parallel_stage_forward(
     links are the fast ones) so that each rank sends its 1/t of them (`BoundaryScatter`).
     With `deferrals`, microbatch m's backward runs its input part only and leaves the weight
     part in `deferrals[m]`; with `accumulation`, every microbatch's backward leaves its
-    unreduced gradients there (reduced once per step)."""
+    unreduced gradients there (reduced once per step). Its dropouts take microbatch m's rows of
+    the step's `masks`, as inputs."""
 
     def run(m: int, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         graph = programs[m].stages[stage]
+        masks.current = m
         if deferrals is not None:
             deferrals[m] = WeightDeferral()
             with parallel.deferring_weights(deferrals[m]):
-                outs = parallel(*stage_arguments(graph, flats[m], received))
+                outs = parallel(*stage_arguments(graph, flats[m], received, masks.rows))
         elif accumulation is not None:
             with parallel.accumulating_gradients(accumulation):
-                outs = parallel(*stage_arguments(graph, flats[m], received))
+                outs = parallel(*stage_arguments(graph, flats[m], received, masks.rows))
         else:
-            outs = parallel(*stage_arguments(graph, flats[m], received))
+            outs = parallel(*stage_arguments(graph, flats[m], received, masks.rows))
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         values: dict[str, Any] = dict(zip(graph.crossing_in, received, strict=True))
         whole = [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
@@ -143,12 +148,29 @@ def parallel_stage_forward(
     return run
 
 
-def stage_arguments(graph: StageGraph, flat: Sequence[Any], received: Sequence[Any]) -> tuple[Any, ...]:
-    """The arguments of the stage's module for one microbatch: its flat inputs and what it received."""
+def stage_arguments(
+    graph: StageGraph,
+    flat: Sequence[Any],
+    received: Sequence[Any],
+    mask: Callable[[int], torch.Tensor] | None = None,
+) -> tuple[Any, ...]:
+    """The arguments of the stage's module for one microbatch: its flat inputs, what it received
+    and its dropout masks (`mask(k)`: op k's rows for this microbatch, `pipeline_random`)."""
     values = dict(zip(graph.crossing_in, received, strict=True))
-    return tuple(
-        flat[what] if kind == "input" else values[what] for kind, what in graph.sources if kind != "attr"
-    )
+    out = []
+    for kind, what in graph.sources:
+        if kind == "input":
+            out.append(flat[what])
+        elif kind == "mask":
+            if mask is None:
+                raise AutoparError(
+                    f"stage {graph.index} reads dropout mask {what} but none was given",
+                    hint="this is a bug in autopar's pipeline dropout",
+                )
+            out.append(mask(what))
+        elif kind != "attr":
+            out.append(values[what])
+    return tuple(out)
 
 
 def made_here(graph: StageGraph) -> list[str]:
