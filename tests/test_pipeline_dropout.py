@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.compiler.pipeline_random import DropoutMasks
+from autopar.compiler.pipeline_random import DropoutMasks, PipelineDropout
+from autopar.compiler.pipeline_split import split_stages
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -148,3 +149,26 @@ def test_masks_cut_rows_along_the_batch_dim() -> None:
     masks.current = 0
     assert torch.equal(masks.rows(0), first[:4]) and torch.equal(masks.rows(1), second[:8])
     assert not DropoutMasks().draw(whole[:1], {0}, [[(3, 2)], [(3, 2)]], "cpu")  # two dims differ
+
+
+def test_attention_dropout_is_not_exact_and_says_so() -> None:
+    """In process: dropout inside scaled_dot_product_attention draws in the kernel eager picks (on
+    the CPU a mask argument changes it), so the pipeline warns that it draws per microbatch."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(x.shape[0], 6, 3, 16).unbind(2)
+            h = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], dropout_p=0.1)[:, 0]
+            return F.mse_loss(self.head(h), y)
+
+    x, y = torch.randn(4, 6, 16), torch.randn(4, 6, 4)
+    program = split_stages(Attention().train(), [x, y], (x, y), ["head"], 2)
+    assert [op.exact for op in program.random_ops] == [False]
+    dropout = PipelineDropout()
+    with pytest.warns(UserWarning, match="scaled_dot_product_attention: not a dropout.*in distribution"):
+        dropout.adopt([(st.module, st.sources) for st in program.stages], program.random_ops)

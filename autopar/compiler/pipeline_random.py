@@ -221,7 +221,10 @@ class PipelineDropout:
             return
         inexact = [op.name for op in ops if not op.exact]
         if inexact:
-            self.warn(f"{', '.join(inexact[:3])} is not a dropout on a contiguous input")
+            self.warn(
+                f"{', '.join(inexact[:3])}: not a dropout on a contiguous input (attention's own dropout, "
+                "rand, bernoulli), which the pipeline cannot draw as the serial model does"
+            )
         else:
             install_masks(stages, ops)
     def prepare(
