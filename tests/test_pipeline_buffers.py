@@ -2,7 +2,8 @@
 hold every stage's buffers under the model's names (BatchNorm's running statistics and its
 `num_batches_tracked`, which an eval forward never reads; a root buffer nobody reads; a
 non-persistent table in `named_buffers()` only), equal to serial's, and a checkpoint round-trips
-them into a pipelined module built from other weights; on 2 and 4 gloo ranks."""
+them into a pipelined module built from other weights (and, on 4 ranks, into a tensor-only (2, 2)
+module); on 2 and 4 gloo ranks."""
 
 from __future__ import annotations
 
@@ -78,7 +79,18 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     loaded = {name: _whole(t) for name, t in fresh.state_dict().items()}
     with torch.no_grad():
         torch.testing.assert_close(fresh(x, y), serial(x, y), **TOL)
-    return {"buffers": buffers, "state": state, "loaded": loaded}
+    out = {"buffers": buffers, "state": state, "loaded": loaded}
+    if world == 4:  # the pipelined checkpoint loads into a tensor-only (2, 2) module, buffers included
+        grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
+        tensor_only = autopar.parallelize(_model(2), grid, example_inputs=(x, y))
+        result = autopar.load_checkpoint(tensor_only, f"{root}/ckpt")
+        assert not result.missing and not result.unexpected, result
+        want = serial.state_dict()
+        got = {name: _whole(t) for name, t in tensor_only.state_dict().items()}
+        assert sorted(got) == sorted(want)
+        for name, value in got.items():
+            torch.testing.assert_close(value, want[name], **TOL, msg=f"tensor-only {name}")
+    return out
 
 
 def _check(results: list[dict[str, Any]]) -> None:
