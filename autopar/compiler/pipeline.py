@@ -415,12 +415,7 @@ class PipelinedModule(NotCopyable, nn.Module):
         """This step's dropout masks: the serial model's, drawn from the generator on every rank."""
 
         def export_batch() -> list[Any]:
-            was = self._model.training
-            self._model.train(self.training)
-            try:
-                return batch_random_ops(self._model, *call)
-            finally:
-                self._model.train(was)
+            return batch_random_ops(self._model, *call, training=self.training)
 
         key = program_key(pytree.tree_leaves(call), self.training, pytree.tree_structure(call))
         micro = [p.random_ops for p in programs]

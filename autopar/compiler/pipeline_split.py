@@ -443,12 +443,17 @@ def split_stages(
 
 
 def batch_random_ops(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None, *, training: bool
 ) -> list[tuple[tuple[int, ...], torch.dtype, float] | None]:
-    """The random ops of the model called on the whole batch, in the serial order: each one's input
-    shape, dtype and rate (None: one the pipeline cannot draw as serial does). Exported once per
-    batch shape, for the step's dropout masks (`pipeline_random.DropoutMasks`)."""
-    ep, _, _ = _export_loss(model, args, kwargs)
+    """The random ops of the model called on the whole batch in mode `training`, in the serial
+    order: each one's input shape, dtype and rate (None: one the pipeline cannot draw as serial
+    does). Exported once per batch shape, for the step's dropout masks (`pipeline_random`)."""
+    was = model.training
+    model.train(training)
+    try:
+        ep, _, _ = _export_loss(model, args, kwargs)
+    finally:
+        model.train(was)
     gm = ep.module()
     assert isinstance(gm, fx.GraphModule)
     return whole_shapes(gm)
