@@ -14,7 +14,8 @@ from torch import nn
 import autopar
 from autopar.compiler.driver import compile_for_rank
 from autopar.core.mesh import Mesh
-from autopar.passes.trace import DATA_DEPENDENT_HINT, VALUE_DEPENDENT_HINT
+from autopar.passes.trace import DATA_DEPENDENT_HINT
+from autopar.passes.value_guards import WEIGHT_GUARD_HINT
 from examples import torch_models
 
 
@@ -40,23 +41,25 @@ def test_data_dependent_expert_dispatch_is_refused_with_what_to_do() -> None:
     assert err.value.where is not None and "torch_models.py" in err.value.where, err.value.where
 
 
-class _ChecksItsInput(torch.nn.Module):
-    """The check IBert's quantizer makes on every call: an assert on a tensor's value."""
+class _ChecksItsActivations(torch.nn.Module):
+    """The check IBert's quantizer makes on every call: an assert on a value the weights compute
+    (a check on the inputs alone is a guard: tests/test_value_guards.py)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.proj = torch.nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        assert x.isnan().sum() == 0, "NaN in the input"
-        return torch.nn.functional.cross_entropy(self.proj(x), y)
+        h = self.proj(x)
+        assert h.isnan().sum() == 0, "NaN in the activations"
+        return torch.nn.functional.cross_entropy(h, y)
 
 
-def test_control_flow_on_a_tensor_value_is_refused_with_what_to_do() -> None:
+def test_control_flow_on_a_value_the_weights_compute_is_refused_with_what_to_do() -> None:
     x, y = torch.randn(8, 16), torch.randint(4, (8,))
     with pytest.raises(autopar.TraceError) as err:
-        compile_for_rank(_ChecksItsInput(), Mesh.from_shape((2,)), (x, y), coords=(0,))
-    assert err.value.hint == VALUE_DEPENDENT_HINT
+        compile_for_rank(_ChecksItsActivations(), Mesh.from_shape((2,)), (x, y), coords=(0,))
+    assert err.value.hint == WEIGHT_GUARD_HINT
     assert err.value.where is not None and "test_torch_models.py" in err.value.where, err.value.where
 
 
