@@ -105,6 +105,7 @@ def emit(
             for name in (info(p).param_name or p.name for p in params if info(p).role == "constant")
         },
         index_checks=list(sig.index_checks),
+        value_guards=sig.value_guards,
         input_grads=list(sig.input_grads),
         device_type=mesh.device_type,
     )

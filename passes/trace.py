@@ -12,14 +12,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import inspect
-import os
-import re
-import traceback
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
-from autopar.core.errors import TraceError
+from autopar.core.errors import ModelAssertionError, ModelValueError, TraceError
 from autopar.core.meta import (
     MEMORY_ORDER_KEY,
     PLAIN_OUTPUT_TYPES,
@@ -61,26 +56,34 @@ from autopar.passes.joint_rewrites import (
 from autopar.passes.mixed_precision import cast_inputs, cast_outputs, cast_parameters_on_read
 from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
 from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
+from autopar.passes.trace_errors import (
+    CAUSAL_MASK_HINT,
+    CTC_HINT,
+    DATA_DEPENDENT_HINT,
+    VALUE_DEPENDENT_HINT,
+    export_error,
+    first_lines,
+    module_path,
+    node_where,
+    raised_in_user_code,
+    trace_hint,
+    user_frame,
+    user_frame_of,
+    without_partial_graph,
+)
+from autopar.passes.value_guards import (
+    inputs_have_values,
+    private_inputs,
+    quiet_symbolic_shapes,
+    reading_real_values,
+    serial_raises,
+    split_value_guards,
+    valued_copy,
+)
 from autopar.rules.decompositions import refuse_target_dtypes, sharding_decompositions
 
-_TORCH_FRAME = re.compile(r"/(torch|torchvision)/")
-_LIBRARY_FRAME = re.compile(r"/(site-packages|dist-packages)/")  # a library model's own code
-# autopar's frames are never the user's: the package's and the passes folder's, as imported (through
-# the source tree's symlink autopar/passes) or resolved (passes/ itself, which is inside no package
-# folder: resolving __file__ up two levels would name the repository root, examples/ and all).
-_OWN_DIRS = tuple(
-    sorted(
-        {
-            f"{folder}{os.sep}"
-            for folder in (
-                Path(inspect.getfile(TraceError)).resolve().parents[1],
-                Path(__file__).parent,
-                Path(__file__).resolve().parent,
-            )
-        }
-    )
-)
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+__all__ = ["CAUSAL_MASK_HINT", "CTC_HINT", "DATA_DEPENDENT_HINT", "VALUE_DEPENDENT_HINT", "fake_clone", "trace"]
+
 
 
 def trace(
@@ -140,8 +143,41 @@ def _trace(
     groups = [group for group, _ in containers]
     watch = CheckpointWatch(fake_model)  # the user's torch.utils.checkpoint regions
     restore = cut_to_two_blocks(containers)
+    guards = None
     try:
         exported = _export(model, fake_model, fake_args, fake_kwargs)
+        forward = exported.module()
+        # checks torch.export defers to run time (torch._check on a value, as transformers' BART
+        # family makes of its end-of-sequence count): guards too
+        guards = split_value_guards(forward, node_where)
+    except TraceError as err:
+        watch.close()
+        restore()
+        if err.hint != VALUE_DEPENDENT_HINT or not inputs_have_values(tuple(example_inputs), example_kwargs):
+            raise
+        # Python reads a value: trace again on the example's real values, with the conditions as guards
+        tensors = [x for x in pytree.tree_leaves((tuple(example_inputs), example_kwargs)) if isinstance(x, torch.Tensor)]
+        real_model = valued_copy(model, tensors[0].device if tensors else torch.device("cpu"))
+        watch = CheckpointWatch(real_model)
+        restore, groups = (lambda: None), []
+        if mixed_precision is not None and mixed_precision.param_dtype is not None:
+            cast_parameters_on_read(real_model, mixed_precision.param_dtype)
+        real_model.forward = _tensor_outputs(real_model.forward, outputs, autocast, mixed_precision)  # type: ignore[method-assign]
+        real_args, real_kwargs = private_inputs(tuple(example_inputs), example_kwargs, forward_only)
+        try:
+            exported = _export(model, real_model, real_args, real_kwargs, reading_values=True)
+        except (ModelAssertionError, ModelValueError) as raised:
+            if raised.__cause__ is None or not serial_raises(model, tuple(example_inputs), example_kwargs, raised.__cause__):
+                raise TraceError(
+                    f"tracing {type(model).__name__} on the example's values raised what the model run "
+                    f"eagerly does not: {raised.message}",
+                    where=raised.where,
+                    hint=VALUE_DEPENDENT_HINT,
+                ) from raised
+            raise
+        unlifted = exported.module()
+        guards = split_value_guards(unlifted, node_where)
+        forward = fake_clone(unlifted, fake_mode, frozen=forward_only)
     finally:
         watch.close()
     if outputs.functions:
@@ -151,11 +187,13 @@ def _trace(
     in_spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1]
     joint = _Joint(model, fake_mode, fake_args, fake_kwargs, decompositions, tied, split_fused, in_spec, outputs)
     try:
-        gm = joint.export(exported.module(), groups)
+        gm = joint.export(forward, groups)
     except NotRepeated:  # block 1's joint graph is not the self-contained run the copy needs
         restore()
         groups = []
-        gm = joint.export(_export(model, fake_model, fake_args, fake_kwargs).module(), [])
+        forward = _export(model, fake_model, fake_args, fake_kwargs).module()
+        split_value_guards(forward, node_where)  # the same guards as the first export's
+        gm = joint.export(forward, [])
     restore()
     if not decompose:  # the decomposed nll_loss checks its targets' dtype; the kernel's fake does not
         refuse_target_dtypes(gm, type(model).__name__)
@@ -165,6 +203,7 @@ def _trace(
     simplify_strided(gm)
     merge_repeated_calls(gm)
     signature(gm).index_checks = find_index_checks(gm)
+    signature(gm).value_guards = guards
     gm.graph.lint()
     # Python code for the joint graph is generated only when someone runs or prints it: the later
     # passes rewrite the graph and call recompile() several times, and none of them runs it.
@@ -173,22 +212,37 @@ def _trace(
     return lazy
 
 
-def _export(model: nn.Module, fake_model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _export(
+    model: nn.Module,
+    fake_model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    reading_values: bool = False,
+) -> Any:
+    """torch.export of `fake_model` (the user's `model` with fake tensors); `reading_values`: of a
+    copy holding the real tensors, run on the example's real values, which decide every value
+    Python reads, each condition kept as a runtime assertion (`autopar.passes.value_guards`)."""
     try:
         # CTCRoute: F.ctc_loss as autopar's fixed-shape op (torch's sizes an output by values)
-        with warnings.catch_warnings(), CTCRoute():  # nn.LSTM / nn.GRU re-assign their weight list
+        with warnings.catch_warnings(), CTCRoute(), quiet_symbolic_shapes(), without_partial_graph():
+            # nn.LSTM / nn.GRU re-assign their weight list
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
-            return torch.export.export(fake_model, args, kwargs, strict=False)
+            if not reading_values:
+                return torch.export.export(fake_model, args, kwargs, strict=False)
+            with reading_real_values():
+                return torch.export.export(fake_model, args, kwargs, strict=False)
+    except (AssertionError, ValueError) as exc:
+        if reading_values and raised_in_user_code(exc):  # the model's own check failed on these values
+            kind = ModelAssertionError if isinstance(exc, AssertionError) else ModelValueError
+            raise kind(
+                f"{type(model).__name__} raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                where=user_frame_of(exc),
+                hint="the serial model raises this on the same inputs: check the batch (no rank has run "
+                "any collective for this call)",
+            ) from exc
+        raise export_error(model, exc) from exc
     except Exception as exc:  # torch raises many types; the user needs the location and the cause
-        raise TraceError(
-            f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {_first_lines(exc)}",
-            where=_user_frame_of(exc),
-            hint=_trace_hint(
-                exc,
-                "make the forward traceable by torch.export (no data-dependent Python control flow on "
-                "tensor values, no unsupported Python side effects); see the torch.export docs",
-            ),
-        ) from exc
+        raise export_error(model, exc) from exc
 
 
 @dataclass
@@ -224,9 +278,9 @@ class _Joint:
         except Exception as exc:
             raise TraceError(
                 f"building the joint forward+backward graph of {type(self.model).__name__} failed: "
-                f"{type(exc).__name__}: {_first_lines(exc)}",
-                where=_user_frame_of(exc),
-                hint=_trace_hint(
+                f"{type(exc).__name__}: {first_lines(exc)}",
+                where=user_frame_of(exc),
+                hint=trace_hint(
                     exc, "the model must be differentiable with a single output that backward() is called on"
                 ),
             ) from exc
@@ -399,7 +453,7 @@ def _annotate(
             continue  # absent gradients: the input does not reach the outputs
         else:
             raise TraceError(
-                f"unsupported graph output kind {kind}",
+                f"unsupported graph output kind {kind} ({desc})",
                 hint="the forward may update its own buffers (BatchNorm running statistics), "
                 "not its inputs or parameters in place",
             )
@@ -421,14 +475,13 @@ def _annotate(
             first = next((a.meta.get("val") for a in node.all_input_nodes), None)
             if isinstance(first, torch.Tensor):
                 node.meta[MEMORY_ORDER_KEY] = tuple(first.dim_order())
-        module_path = _module_path(node)
         set_info(
             node,
             NodeInfo(
                 role="compute",
                 phase="backward" if is_bwd else "forward",
-                module_path=module_path or "<root>",
-                source=_user_frame(node.meta.get("stack_trace") or ""),
+                module_path=module_path(node) or "<root>",
+                source=user_frame(node.meta.get("stack_trace") or ""),
             ),
         )
     gm.meta[SIGNATURE_KEY] = JointSignature(
@@ -478,7 +531,7 @@ def _custom_function_error(functions: list[type], graph: fx.Graph) -> TraceError
     node = first_node_of(graph, cls)
     where = None
     if node is not None:
-        where = f"{_module_path(node) or '<root>'} @ {_user_frame(node.meta.get('stack_trace') or '')}"
+        where = f"{module_path(node) or '<root>'} @ {user_frame(node.meta.get('stack_trace') or '')}"
     others = f" (and {', '.join(c.__qualname__ for c in functions[1:])})" if functions[1:] else ""
     return TraceError(
         f"{cls.__qualname__} is a custom torch.autograd.Function{others}: torch.export records the "
@@ -490,103 +543,3 @@ def _custom_function_error(functions: list[type], graph: fx.Graph) -> TraceError
         "(examples/custom_op.py), or write a straight-through estimator as x + (f(x) - x).detach(); for torch.utils.checkpoint, pass use_reentrant=False",
     )
 
-
-def _module_path(node: fx.Node) -> str:
-    """The deepest module the node's op was called in ("" at the root)."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-    return str(list(stack.values())[-1][0]) if stack else ""
-
-
-def _user_frame(stack_trace: str) -> str:
-    """Where the op was called: the innermost frame outside torch (a library model's modeling file
-    when the op sits inside one), and then the innermost frame of the user's own code that led
-    there, if that is another one."""
-    frames = [(path, int(line), fn) for path, line, fn in _FRAME.findall(stack_trace)]
-    return _call_site(frames)
-
-
-def _user_frame_of(exc: BaseException) -> str:
-    frames = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(exc.__traceback__)]
-    site = _call_site(frames)
-    if not site:  # raised while replaying a graph: torch quotes the user's frames in the message
-        quoted = [(path, int(line), fn) for path, line, fn in _FRAME.findall(str(exc))]
-        site = _call_site(quoted)
-    return site
-
-
-_DATA_DEPENDENT = re.compile(r"DynamicOutputShape|GuardOnDataDependent|data-dependent|unbacked", re.IGNORECASE)
-DATA_DEPENDENT_HINT = (
-    "an op's output size depends on tensor values (nonzero, torch.where(mask), boolean indexing: "
-    "for example tokens per expert in a mixture of experts); a plan is made for fixed shapes, so "
-    "route every token through every expert and zero the others with dense gates (scatter the "
-    "top-k weights into a tokens x experts matrix), or give each expert a fixed capacity"
-)
-
-
-# a guard on a value read by Python (`if`/`assert` on a tensor, .item()), not on a size
-_VALUE_GUARD = re.compile(r"GuardOnDataDependentSymNode.*Size-like symbols: none", re.DOTALL)
-VALUE_DEPENDENT_HINT = (
-    "Python code reads a tensor's value here (if or assert on a tensor, .item(), bool()): one graph "
-    "is compiled for every batch, so a branch chosen by values cannot be traced; compute both sides "
-    "with torch.where, check the inputs outside forward (in the data pipeline), and turn off random "
-    "layer skipping (LayerDrop: layerdrop=0 in the model's config)"
-)
-
-
-CAUSAL_MASK_HINT = (
-    "torch's nn.Transformer / TransformerEncoder / TransformerDecoder compare the mask you pass with a "
-    "causal mask to detect causality (torch.nn.modules.transformer._detect_is_causal_mask), which reads "
-    "the mask's values; say it instead: pass tgt_is_causal=True (nn.Transformer, TransformerDecoder) or "
-    "is_causal=True / src_is_causal=True (TransformerEncoder, nn.Transformer's encoder) with the causal "
-    "mask, and torch skips the comparison"
-)
-CTC_HINT = (
-    "F.ctc_loss with targets concatenated into one 1-D tensor: which sample owns which target is read "
-    "from target_lengths' values, which the plan cannot know ahead; pad the targets to a (batch, "
-    "longest target) tensor (any filler past each length), which autopar traces and splits by batch, "
-    "or compute the loss outside the parallel module on its output (loss = F.ctc_loss(pmodel(x), ...))"
-)
-
-
-def _frames_of(exc: BaseException) -> list[str]:
-    """Function names of every frame in `exc`'s traceback and those of its causes."""
-    names: list[str] = []
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        names += [frame.name for frame in traceback.extract_tb(current.__traceback__)]
-        current = current.__cause__ or current.__context__
-    return names
-
-
-def _trace_hint(exc: BaseException, otherwise: str) -> str:
-    """The hint for what failed: torch's causal-mask detection, CTC's alignment table, a value read
-    by Python, a data-dependent shape; else `otherwise`."""
-    text = f"{type(exc).__name__}: {exc}"
-    if "_detect_is_causal_mask" in _frames_of(exc):
-        return CAUSAL_MASK_HINT
-    if "_ctc_loss" in text:
-        return CTC_HINT
-    if _VALUE_GUARD.search(text):
-        return VALUE_DEPENDENT_HINT
-    return DATA_DEPENDENT_HINT if _DATA_DEPENDENT.search(text) else otherwise
-
-
-def _call_site(frames: Sequence[tuple[str, int, str]]) -> str:
-    """`frames` outermost first -> "file:line in fn", with " (from file:line in fn)" for the user's
-    code when the call site is in a library."""
-    outside = [f for f in frames if not _TORCH_FRAME.search(f[0]) and not f[0].startswith(_OWN_DIRS)]
-    if not outside:
-        return ""
-    path, line, fn = outside[-1]
-    site = f"{path}:{line} in {fn}"
-    if _LIBRARY_FRAME.search(path):
-        user = [f for f in outside if not _LIBRARY_FRAME.search(f[0])]
-        if user:
-            site += f" (from {user[-1][0]}:{user[-1][1]} in {user[-1][2]})"
-    return site
-
-
-def _first_lines(exc: BaseException, n: int = 6) -> str:
-    return "\n".join(str(exc).strip().splitlines()[:n])

@@ -38,7 +38,8 @@ from autopar.core.errors import (
     UsageError,
 )
 from autopar.core.mesh import Mesh
-from autopar.passes.trace import DATA_DEPENDENT_HINT, VALUE_DEPENDENT_HINT
+from autopar.passes.trace import DATA_DEPENDENT_HINT
+from autopar.passes.value_guards import WEIGHT_GUARD_HINT
 from examples import torch_models
 from examples.models import make_mlp
 
@@ -49,9 +50,10 @@ class ChecksItsInput(nn.Module):
         self.proj = nn.Linear(32, 16)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if x.sum() > 0:  # Python control flow on a tensor's value
-            return F.cross_entropy(self.proj(x), y)
-        return F.cross_entropy(self.proj(-x), y)
+        h = self.proj(x)
+        if h.sum() > 0:  # Python control flow on a value the weights compute (one on the inputs is a guard)
+            return F.cross_entropy(h, y)
+        return F.cross_entropy(-h, y)
 
 
 class Poisson(nn.Module):
@@ -138,7 +140,7 @@ IN_PROCESS: list[tuple[str, Callable[[], Any], type, str]] = [
     ("coords-wrong-length", lambda: _compile(coords=(0, 0)), UsageError, "coords (0, 0) are not a rank"),
     ("dump-dir-a-file", lambda: _compile(dump_dir=__file__), UsageError, "cannot write debug dumps to"),
     ("dump-dir-unwritable", lambda: _compile(dump_dir="/proc/autopar-dumps"), UsageError, "/proc/autopar-dumps"),
-    ("control-flow-on-a-value", lambda: _compile(model=ChecksItsInput()), TraceError, "torch.export could not trace"),
+    ("control-flow-on-a-value", lambda: _compile(model=ChecksItsInput()), TraceError, "that value depends on the model's weights"),
     ("data-dependent-size", lambda: _compile(torch_models.SparseMoE(), torch_models.batch()), TraceError, "SparseMoE"),
     ("custom-autograd-function", lambda: _compile(QuantizedMLP(RoundStraightThrough), _mlp_batch()), TraceError, "RoundStraightThrough"),
     ("reentrant-checkpoint", lambda: _compile(Checkpointed(True), _grad_batch()), TraceError, "CheckpointFunction"),
@@ -166,7 +168,7 @@ def _grad_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return x.requires_grad_(), y
 
 
-HINTS = {"control-flow-on-a-value": VALUE_DEPENDENT_HINT, "data-dependent-size": DATA_DEPENDENT_HINT}
+HINTS = {"control-flow-on-a-value": WEIGHT_GUARD_HINT, "data-dependent-size": DATA_DEPENDENT_HINT}
 
 
 @pytest.mark.parametrize(("call", "error", "text"), [row[1:] for row in IN_PROCESS], ids=[row[0] for row in IN_PROCESS])

@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 from pass_fixtures import gpt_case, gpt_compiled, gpt_propagated
 
+from autopar.compiler.driver import compile_for_rank
 from autopar.core.layout import Layout, Partial, Replicate, Shard
 from autopar.core.mesh import Mesh
 from autopar.core.meta import info, signature
@@ -157,6 +158,28 @@ def test_report_param_bytes_are_one_eighth_on_2x2x2() -> None:
     parts = {f"blocks.{i}.attn.qkv.bias__part{k}" for i in range(2) for k in range(3)}
     assert set(report.replicated_params) == set(report.replicated_parts) == parts
     assert "keeps its cut dim whole" in str(report) and "too small to split" not in str(report)
+
+
+class _ScalesByAConstant(torch.nn.Module):
+    """A forward that makes a tensor from Python data: export lifts it to `_tensor_constant0`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.proj(x) * torch.tensor([2.0, 3.0]).repeat(8)).sum()
+
+
+def test_report_counts_the_models_state_not_the_graphs_constants() -> None:
+    """A constant the forward made is the program's, whole on every rank and stored by no one: the
+    summary neither lists it among replicated parameters nor counts its bytes."""
+    compiled = compile_for_rank(_ScalesByAConstant(), Mesh.from_shape((2,)), (torch.randn(4, 16),), coords=(0,))
+    assert list(compiled.program.constants) == ["_tensor_constant0"]  # the case this test is about
+    report = compiled.report
+    assert report.param_bytes_total == (16 * 16 + 16) * 4
+    assert "_tensor_constant0" not in report.replicated_params
+    assert "_tensor_constant0" not in str(report)
 
 
 def test_megatron_column_then_row_on_a_1d_mesh() -> None:

@@ -25,10 +25,11 @@ from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.rules.base import RuleRegistry
 from autopar.runtime.agreement import Fingerprint, decided_on_rank0, fingerprint, first_disagreement
 from autopar.runtime.call_checks import input_names, positional_names
+from autopar.runtime.call_keys import CallMode
 from autopar.runtime.groups import Groups, parallelize_failures_named
 from autopar.runtime.local_batch import GLOBAL, LOCAL
 from autopar.runtime.materialize import InitFn, initialized_blocks, meta_tensor_names
-from autopar.runtime.module import CallMode, ParallelModule
+from autopar.runtime.module import ParallelModule
 from autopar.runtime.program import EmittedProgram
 
 

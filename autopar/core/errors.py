@@ -71,6 +71,17 @@ class IndexOutOfRangeError(AutoparError, IndexError):
     IndexError as the serial model's."""
 
 
+class ModelAssertionError(AutoparError, AssertionError):
+    """The model's own `assert` failed on this call's inputs, as the serial model's does on the
+    same batch (the trace runs the model's Python on the values where it reads them): raised on
+    every rank alike, before the call's first collective; an AssertionError as serial's."""
+
+
+class ModelValueError(AutoparError, ValueError):
+    """The model's own code raised ValueError on this call's inputs (a check like "all examples
+    must have the same number of <eos> tokens"), as the serial model does on the same batch."""
+
+
 class RankFailureError(AutoparError, RuntimeError):
     """A collective broke or timed out because another rank failed, left or never came."""
 

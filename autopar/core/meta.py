@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.layout import Layout
 from autopar.core.redistribute import CommStep
 from autopar.core.strategy import Strategy
+from autopar.core.value_guards import ValueGuards
 
 NODE_KEY = "autopar"
 # node.meta of a random op: its input's dims from outermost to innermost in memory, as the serial
@@ -130,6 +131,7 @@ class JointSignature:
     param_parts: dict[str, ParamPart] = field(default_factory=dict)  # part name -> where it comes from
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # constant placeholder -> value
     index_checks: list[IndexCheck] = field(default_factory=list)  # inputs used as indices
+    value_guards: ValueGuards | None = None  # conditions on input values the trace took (passes.value_guards)
     # user inputs that require grad: the input index of each gradient output after the
     # parameters' (the last outputs of the joint graph)
     input_grads: list[int] = field(default_factory=list)

@@ -167,11 +167,18 @@ def build_report(
     """`graph_mesh`: the mesh the program's collectives are laid out on, when it has more axes than
     the device mesh (over-decomposition's in-process chunk axis). `saved_before`, `recomputed`,
     `copied_ops`: the plan's activation memory before recomputation and what it recomputes."""
-    local = sum(lay.local_bytes(mesh.shape) for lay in program.param_layouts)
-    total = sum(lay.local_bytes([1] * mesh.ndim) for lay in program.param_layouts)
+    # the model's state only: tensors the forward made from Python data (`program.constants`,
+    # export's `_tensor_constant0`) are the program's, whole on every rank, and no one stores them
+    state = [
+        (name, lay)
+        for name, lay in zip(program.param_names, program.param_layouts)
+        if name not in program.constants
+    ]
+    local = sum(lay.local_bytes(mesh.shape) for _, lay in state)
+    total = sum(lay.local_bytes([1] * mesh.ndim) for _, lay in state)
     replicated = [
         name
-        for name, lay in zip(program.param_names, program.param_layouts)
+        for name, lay in state
         if any(isinstance(p, Replicate) and mesh.shape[a] > 1 for a, p in enumerate(lay.placements))
     ]
     return PlanReport(

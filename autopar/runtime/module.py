@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from autopar.runtime.call_checks import (
     refuse_input_gradients,
     structure_digest,
 )
+from autopar.runtime.call_keys import CallMode, call_key, describe_spec, leaf_text
 from autopar.runtime.checkpoint_prefix import model_prefixes
 from autopar.runtime.defer_reduction import GradAccumulation, ReductionSplit, add_grads, params_grads
 from autopar.runtime.groups import Groups, failures_named
@@ -54,22 +55,6 @@ from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
 from autopar.runtime.source_watch import SourceWatch
 from autopar.runtime.split_backward import SplitBackward
-
-
-@dataclass(frozen=True)
-class CallMode:
-    """What a program depends on besides its inputs: the module's mode, whether gradients are on,
-    the autocast regions of the call, the dtype of every parameter and buffer (after
-    `pmodel.to(torch.bfloat16)` the programs compiled for float32 weights no longer fit), and the
-    training flag of every submodule (`flags`, by path: a dropout the user keeps in eval inside a
-    training model)."""
-
-    training: bool
-    forward_only: bool
-    autocast: AutocastState = ()
-    dtypes: tuple[tuple[str, torch.dtype], ...] = ()
-    flags: tuple[tuple[str, bool], ...] = ()
-
 
 # Compiles `(args, kwargs, mode)` into this rank's program and its output structure; every rank
 # calls it together (it plans on rank 0 and broadcasts).
@@ -90,6 +75,16 @@ class _Program:
     constants: dict[str, torch.Tensor]
     feed: FeedPlan
     why: str = ""
+    # programs for the same call signature traced under other input values (`ValueGuards`)
+    others: list[_Program] = field(default_factory=list)
+
+    def holding(self, flat: Sequence[Any]) -> _Program | None:
+        """This program or one of `others` whose value guards hold for the call's `flat` inputs."""
+        for run in (self, *self.others):
+            guards = run.program.value_guards
+            if guards is None or guards.hold(flat):
+                return run
+        return None
 
 
 class ParallelModule(FullState, nn.Module):
@@ -191,7 +186,7 @@ class ParallelModule(FullState, nn.Module):
         self._source_watch = SourceWatch(source)  # the original model's later eval()/hooks: said at calls
         if example_flat is not None:
             mode = CallMode(self.training, False, autocast, self._tensor_dtypes(), self.module_flags())
-            self._programs[_call_key(in_spec, example_flat, mode)] = first
+            self._programs[call_key(in_spec, example_flat, mode)] = first
 
     @contextlib.contextmanager
     def deferring_weights(self, deferral: WeightDeferral) -> Iterator[None]:
@@ -361,6 +356,13 @@ class ParallelModule(FullState, nn.Module):
         grad = torch.is_grad_enabled()
         if self._compile is None:  # a module built around one program: it takes only that call
             self._check_inputs(flat, spec)
+            guards = self._first.program.value_guards
+            if guards is not None and not guards.hold(flat):
+                raise InputMismatchError(
+                    f"the program was compiled for inputs on which {guards.failing(flat)[0]} decides "
+                    "another branch than on this call's",
+                    hint="build the module with parallelize, which compiles a program for each branch",
+                )
             return self._first
         mode = CallMode(
             self.training,
@@ -369,19 +371,41 @@ class ParallelModule(FullState, nn.Module):
             self._tensor_dtypes(),
             self.module_flags(),
         )
-        key = _call_key(spec, flat, mode)
+        key = call_key(spec, flat, mode)
         found = self._programs.get(key)
         if found is not None:
-            self._programs.move_to_end(key)
-            return found
-        why = self._difference(key)
+            self._refuse_local_guards(found)
+            holding = found.holding(flat)
+            if holding is not None:
+                self._programs.move_to_end(key)
+                return holding
+            guards = found.program.value_guards
+            assert guards is not None  # only a guarded program can fail to hold
+            why = f"new input values ({guards.failing(flat)[0]} decides another branch)"
+        else:
+            why = self._difference(key)
         _LOG.info("autopar: compiling a program for %s", why)
         program, outputs = self._compile(args, kwargs, mode)
-        found = self._prepared(program, outputs, why)
-        self._programs[key] = found
+        compiled = self._prepared(program, outputs, why)
+        if found is not None:  # the same signature, another branch: kept beside the first
+            found.others = [*found.others, compiled][-(MAX_PROGRAMS - 1) :]
+            self._programs.move_to_end(key)
+            return compiled
+        self._programs[key] = compiled
         if len(self._programs) > MAX_PROGRAMS:
             self._programs.popitem(last=False)
-        return found
+        return compiled
+
+    def _refuse_local_guards(self, run: _Program) -> None:
+        """A guard is evaluated on the global inputs, which a call with `inputs="local"` does not
+        hand every rank."""
+        guards = run.program.value_guards
+        if self._local_inputs and guards is not None:
+            raise UsageError(
+                f'with inputs="local", {guards.conditions[0]} cannot be checked: the model chooses a '
+                "branch by the values of its inputs, which each rank must then see whole",
+                hint='pass the global batch on every rank (inputs="global", the default)',
+            )
 
     def module_flags(self) -> tuple[tuple[str, bool], ...]:
         """The training flag of every submodule of the source model (by path) at this call."""
@@ -401,7 +425,7 @@ class ParallelModule(FullState, nn.Module):
             changes.append("another structure of arguments")
         else:
             changes += [
-                f"input {i}: {_leaf_text(new, i)} (was {_leaf_text(old, i)})"
+                f"input {i}: {leaf_text(new, i)} (was {leaf_text(old, i)})"
                 for i, (new, old) in enumerate(zip(leaves, last_leaves))
                 if new != old
             ]
@@ -427,7 +451,8 @@ class ParallelModule(FullState, nn.Module):
     @property
     def programs(self) -> list[tuple[str, EmittedProgram]]:
         """The compiled programs, least recently used first, each with why it was compiled."""
-        return [(run.why or "example inputs", run.program) for run in self._programs.values()]
+        runs = [run for first in self._programs.values() for run in (first, *first.others)]
+        return [(run.why or "example inputs", run.program) for run in runs]
 
     def _prepared(self, program: EmittedProgram, outputs: OutputStructure | None, why: str = "") -> _Program:
         program.forward.meta["autopar_mesh_shape"] = tuple(self._mesh.shape)
@@ -507,7 +532,7 @@ class ParallelModule(FullState, nn.Module):
             got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
             if got != expected:
                 raise InputMismatchError(
-                    f"input {index} is {_describe(got)}, but the module was compiled for {_describe(expected)}",
+                    f"input {index} is {describe_spec(got)}, but the module was compiled for {describe_spec(expected)}",
                     hint="shapes are compiled into the plan: pass inputs shaped like example_inputs, "
                     "or call autopar.parallelize again with the new shapes",
                 )
@@ -523,47 +548,6 @@ class ParallelModule(FullState, nn.Module):
 
     def plan_summary(self) -> str:
         return str(self.report) if self.report is not None else ""
-
-
-def _call_key(spec: Any, flat: Sequence[Any], mode: CallMode) -> tuple[Any, ...]:
-    """What selects a program: the arguments' structure, each tensor's shape, dtype and (with
-    gradients on) whether it requires grad, which arguments are one tensor passed twice (the
-    trace reads such a tensor once: `labels=input_ids`), each other argument's value, and the
-    call's `CallMode`."""
-    grad = not mode.forward_only
-    first_of: dict[int, int] = {}
-    for i, x in enumerate(flat):
-        if isinstance(x, torch.Tensor):
-            first_of.setdefault(id(x), i)
-    leaves = tuple(
-        ("tensor", tuple(x.shape), x.dtype, grad and x.requires_grad, first_of[id(x)])
-        if isinstance(x, torch.Tensor)
-        else ("value", type(x), _hashable(x))  # the type too: a flag True is not the number 1
-        for x in flat
-    )
-    return (spec, leaves, mode)
-
-
-def _hashable(value: Any) -> Any:
-    try:
-        hash(value)
-    except TypeError:
-        return repr(value)
-    return value
-
-
-def _leaf_text(leaf: tuple[Any, ...], index: int) -> str:
-    if leaf[0] == "tensor":
-        same = f", the tensor of input {leaf[4]}" if leaf[4] != index else ""
-        return _describe((leaf[1], leaf[2])) + (" requiring grad" if leaf[3] else "") + same
-    return repr(leaf[2])
-
-
-def _describe(spec: tuple[tuple[int, ...], torch.dtype] | None) -> str:
-    if spec is None:
-        return "not a tensor"
-    shape, dtype = spec
-    return f"{str(dtype).replace('torch.', '')}{list(shape)}"
 
 
 def _local(value: Any) -> torch.Tensor:

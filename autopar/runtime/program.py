@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from autopar.core.layout import Layout, Replicate
 from autopar.core.meta import IndexCheck, ParamPart
+from autopar.core.value_guards import ValueGuards
 
 
 @dataclass
@@ -35,6 +36,8 @@ class EmittedProgram:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     # inputs whose values index a tensor: checked before the forward runs (`IndexCheck`)
     index_checks: list[IndexCheck] = field(default_factory=list)
+    # conditions on the inputs' values this program was traced under: checked before it runs
+    value_guards: ValueGuards | None = None
     # inputs that get a gradient: the tensor input index of each backward output after the
     # parameters' gradients (whole on every rank, like the input the user passed)
     input_grads: list[int] = field(default_factory=list)

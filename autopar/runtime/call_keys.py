@@ -1,0 +1,69 @@
+"""What selects a compiled program for a call (`ParallelModule`): the call's mode and its
+arguments' structure, shapes, dtypes and plain values, and how a new key is described in the log
+line a compile writes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autopar.core.precision import AutocastState
+
+
+@dataclass(frozen=True)
+class CallMode:
+    """What a program depends on besides its inputs: the module's mode, whether gradients are on,
+    the autocast regions of the call, the dtype of every parameter and buffer (after
+    `pmodel.to(torch.bfloat16)` the programs compiled for float32 weights no longer fit), and the
+    training flag of every submodule (`flags`, by path: a dropout the user keeps in eval inside a
+    training model)."""
+
+    training: bool
+    forward_only: bool
+    autocast: AutocastState = ()
+    dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+    flags: tuple[tuple[str, bool], ...] = ()
+
+
+def call_key(spec: Any, flat: Sequence[Any], mode: CallMode) -> tuple[Any, ...]:
+    """What selects a program: the arguments' structure, each tensor's shape, dtype and (with
+    gradients on) whether it requires grad, which arguments are one tensor passed twice (the
+    trace reads such a tensor once: `labels=input_ids`), each other argument's value, and the
+    call's `CallMode`."""
+    grad = not mode.forward_only
+    first_of: dict[int, int] = {}
+    for i, x in enumerate(flat):
+        if isinstance(x, torch.Tensor):
+            first_of.setdefault(id(x), i)
+    leaves = tuple(
+        ("tensor", tuple(x.shape), x.dtype, grad and x.requires_grad, first_of[id(x)])
+        if isinstance(x, torch.Tensor)
+        else ("value", type(x), _hashable(x))  # the type too: a flag True is not the number 1
+        for x in flat
+    )
+    return (spec, leaves, mode)
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+def leaf_text(leaf: tuple[Any, ...], index: int) -> str:
+    if leaf[0] == "tensor":
+        same = f", the tensor of input {leaf[4]}" if leaf[4] != index else ""
+        return describe_spec((leaf[1], leaf[2])) + (" requiring grad" if leaf[3] else "") + same
+    return repr(leaf[2])
+
+
+def describe_spec(spec: tuple[tuple[int, ...], torch.dtype] | None) -> str:
+    if spec is None:
+        return "not a tensor"
+    shape, dtype = spec
+    return f"{str(dtype).replace('torch.', '')}{list(shape)}"

@@ -1,0 +1,185 @@
+"""Where a trace failed and what to tell the user: the user's frame (a library model's file and
+line, and the user's own call that led there), the module path of a node, and the hint for each
+kind of failure torch.export and the joint trace raise (`autopar.passes.trace`)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import os
+import re
+import sys
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar.core.errors import TraceError
+
+_TORCH_FRAME = re.compile(r"/(torch|torchvision)/")
+_LIBRARY_FRAME = re.compile(r"/(site-packages|dist-packages)/")  # a library model's own code
+# autopar's frames are never the user's: the package's and the passes folder's, as imported (through
+# the source tree's symlink autopar/passes) or resolved (passes/ itself, which is inside no package
+# folder: resolving __file__ up two levels would name the repository root, examples/ and all).
+_OWN_DIRS = tuple(
+    sorted(
+        {
+            f"{folder}{os.sep}"
+            for folder in (
+                Path(inspect.getfile(TraceError)).resolve().parents[1],
+                Path(__file__).parent,
+                Path(__file__).resolve().parent,
+            )
+        }
+    )
+)
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def export_error(model: nn.Module, exc: BaseException) -> TraceError:
+    return TraceError(
+        f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {first_lines(exc)}",
+        where=user_frame_of(exc),
+        hint=trace_hint(
+            exc,
+            "make the forward traceable by torch.export (no data-dependent Python control flow on "
+            "tensor values, no unsupported Python side effects); see the torch.export docs",
+        ),
+    )
+
+
+def raised_in_user_code(exc: BaseException) -> bool:
+    """Whether the innermost frame of `exc` is outside torch: an `assert` the model wrote."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and not _TORCH_FRAME.search(frames[-1].filename)
+
+
+def node_where(node: fx.Node) -> str:
+    return f"{module_path(node) or '<root>'} @ {user_frame(node.meta.get('stack_trace') or '')}"
+
+
+def module_path(node: fx.Node) -> str:
+    """The deepest module the node's op was called in ("" at the root)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    return str(list(stack.values())[-1][0]) if stack else ""
+
+
+def user_frame(stack_trace: str) -> str:
+    """Where the op was called: the innermost frame outside torch (a library model's modeling file
+    when the op sits inside one), and then the innermost frame of the user's own code that led
+    there, if that is another one."""
+    frames = [(path, int(line), fn) for path, line, fn in _FRAME.findall(stack_trace)]
+    return _call_site(frames)
+
+
+def user_frame_of(exc: BaseException) -> str:
+    frames = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(exc.__traceback__)]
+    site = _call_site(frames)
+    if not site:  # raised while replaying a graph: torch quotes the user's frames in the message
+        quoted = [(path, int(line), fn) for path, line, fn in _FRAME.findall(str(exc))]
+        site = _call_site(quoted)
+    return site
+
+
+_DATA_DEPENDENT = re.compile(r"DynamicOutputShape|GuardOnDataDependent|data-dependent|unbacked", re.IGNORECASE)
+DATA_DEPENDENT_HINT = (
+    "an op's output size depends on tensor values (nonzero, torch.where(mask), boolean indexing: "
+    "for example tokens per expert in a mixture of experts); a plan is made for fixed shapes, so "
+    "route every token through every expert and zero the others with dense gates (scatter the "
+    "top-k weights into a tokens x experts matrix), or give each expert a fixed capacity"
+)
+
+
+# a guard on a value read by Python (`if`/`assert` on a tensor, .item()), not on a size
+_VALUE_GUARD = re.compile(r"GuardOnDataDependentSymNode.*Size-like symbols: none", re.DOTALL)
+VALUE_DEPENDENT_HINT = (
+    "Python code reads a tensor's value here (if or assert on a tensor, .item(), bool()): one graph "
+    "is compiled for every batch, so a branch chosen by values cannot be traced; compute both sides "
+    "with torch.where, check the inputs outside forward (in the data pipeline), and turn off random "
+    "layer skipping (LayerDrop: layerdrop=0 in the model's config)"
+)
+
+
+CAUSAL_MASK_HINT = (
+    "torch's nn.Transformer / TransformerEncoder / TransformerDecoder compare the mask you pass with a "
+    "causal mask to detect causality (torch.nn.modules.transformer._detect_is_causal_mask), which reads "
+    "the mask's values; say it instead: pass tgt_is_causal=True (nn.Transformer, TransformerDecoder) or "
+    "is_causal=True / src_is_causal=True (TransformerEncoder, nn.Transformer's encoder) with the causal "
+    "mask, and torch skips the comparison"
+)
+CTC_HINT = (
+    "F.ctc_loss with targets concatenated into one 1-D tensor: which sample owns which target is read "
+    "from target_lengths' values, which the plan cannot know ahead; pad the targets to a (batch, "
+    "longest target) tensor (any filler past each length), which autopar traces and splits by batch, "
+    "or compute the loss outside the parallel module on its output (loss = F.ctc_loss(pmodel(x), ...))"
+)
+
+
+def _frames_of(exc: BaseException) -> list[str]:
+    """Function names of every frame in `exc`'s traceback and those of its causes."""
+    names: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        names += [frame.name for frame in traceback.extract_tb(current.__traceback__)]
+        current = current.__cause__ or current.__context__
+    return names
+
+
+def trace_hint(exc: BaseException, otherwise: str) -> str:
+    """The hint for what failed: torch's causal-mask detection, CTC's alignment table, a value read
+    by Python, a data-dependent shape; else `otherwise`."""
+    text = f"{type(exc).__name__}: {exc}"
+    if "_detect_is_causal_mask" in _frames_of(exc):
+        return CAUSAL_MASK_HINT
+    if "_ctc_loss" in text:
+        return CTC_HINT
+    if _VALUE_GUARD.search(text):
+        return VALUE_DEPENDENT_HINT
+    return DATA_DEPENDENT_HINT if _DATA_DEPENDENT.search(text) else otherwise
+
+
+def _call_site(frames: Sequence[tuple[str, int, str]]) -> str:
+    """`frames` outermost first -> "file:line in fn", with " (from file:line in fn)" for the user's
+    code when the call site is in a library."""
+    outside = [f for f in frames if not _TORCH_FRAME.search(f[0]) and not f[0].startswith(_OWN_DIRS)]
+    if not outside:
+        return ""
+    path, line, fn = outside[-1]
+    site = f"{path}:{line} in {fn}"
+    if _LIBRARY_FRAME.search(path):
+        user = [f for f in outside if not _LIBRARY_FRAME.search(f[0])]
+        if user:
+            site += f" (from {user[-1][0]}:{user[-1][1]} in {user[-1][2]})"
+    return site
+
+
+def first_lines(exc: BaseException, n: int = 6) -> str:
+    return "\n".join(str(exc).strip().splitlines()[:n])
+
+
+@contextlib.contextmanager
+def without_partial_graph() -> Iterator[None]:
+    """torch.export prints the partial graph of a failed export to stderr (a page of generated
+    code per value Python read): autopar's own error says where and why, and a failed export that
+    autopar retries on real values (`autopar.passes.value_guards`) is not the user's to read.
+    Everything else written to stderr meanwhile (warnings) still reaches it."""
+    buffer = io.StringIO()
+    failure: BaseException | None = None
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    except BaseException as exc:
+        failure = exc
+        raise
+    finally:
+        text = buffer.getvalue()
+        partial = getattr(failure, "partial_fx_graph", None)
+        if partial is not None:
+            text = text.replace(f"{partial}\n", "")  # each of torch's two wrappers prints it
+        if text:
+            sys.stderr.write(text)

@@ -1,0 +1,256 @@
+"""Split the value guards out of a graph exported on the example batch's real values.
+
+`torch.export` with real-tensor propagation (`autopar.passes.trace`, where a plain trace fails on
+a value read by Python) takes the branches the example's values take and records each condition
+as a runtime assertion in the graph (`aten._assert_scalar` of a comparison of `aten.item` of a
+tensor). Left in the graph, those reads would run inside the distributed program on blocks of
+the inputs. They are instead cut out here into a small serial program over the user's inputs
+(`ValueGuards`), which every rank evaluates on the global batch before the distributed program
+runs; the graph keeps only the branch taken.
+
+Sound only where a condition is a function of the inputs. A condition computed from the model's
+weights or activations fed by them, or from a random draw (LayerDrop's `torch.rand([]) < p`),
+cannot be evaluated ahead of the program and is refused with the reason; so is a value that
+feeds a size the rest of the graph uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch._functorch.config as functorch_config
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from autopar.core.errors import TraceError
+from autopar.core.value_guards import ValueGuards
+
+_ASSERT = torch.ops.aten._assert_scalar.default
+# ops that only constrain a symbolic value: part of a guard's chain, never of the model's result
+_CONSTRAINTS = (
+    torch.ops.aten.sym_constrain_range_for_size.default,
+    torch.ops.aten.sym_constrain_range.default,
+    torch.ops.aten._assert_async.msg,
+)
+_VALUE_READS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+
+WEIGHT_GUARD_HINT = (
+    "the value Python reads here is computed from the model's weights or a random draw, not from "
+    "the inputs alone, so it cannot be checked before the program runs; compute both sides with "
+    "torch.where, move the check out of forward, or turn off random layer skipping (LayerDrop: "
+    "layerdrop=0 in the model's config)"
+)
+SIZE_GUARD_HINT = (
+    "a value read by Python sets a size later ops use (x.view(n.item(), -1), torch.arange(t.max())): "
+    "a plan is made for fixed sizes; compute the size from input shapes, or pad to a fixed size"
+)
+
+
+def split_value_guards(module: fx.GraphModule, where: Callable[[fx.Node], str]) -> ValueGuards | None:
+    """Cut every runtime assertion and the value reads only they use out of `module` (an unlifted
+    exported module: parameters as get_attr, the flat user inputs as placeholders), in place, and
+    return them as `ValueGuards`; None where the graph has none. `where(node)`: the user's module
+    path and source line of a node, for the errors."""
+    graph = module.graph
+    checks = [n for n in graph.nodes if n.target is _ASSERT or n.target in _CONSTRAINTS]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    asserts = []
+    for check in checks:
+        chain = _ancestors([check])
+        outside = next((n for n in chain if n.op in ("get_attr", "call_module") or _draws(n)), None)
+        if outside is None:  # a function of the inputs alone: a guard
+            asserts.append(check)
+            continue
+        read = _first_read(chain, outside)
+        if read is None:
+            # a constraint on a size computed from activations (boolean indexing of hidden
+            # states): not a value Python reads; the size itself is refused later, with its op
+            continue
+        if outside.op == "call_function":
+            raise TraceError(
+                "Python reads a tensor's value here to choose a branch, and that value is a random draw "
+                "(random layer skipping): the program for each outcome would need the draw before it runs",
+                op=str(outside.target),
+                where=where(read),
+                hint=WEIGHT_GUARD_HINT,
+            )
+        raise TraceError(
+            "Python reads a tensor's value here to choose a branch or check a condition, and "
+            "that value depends on the model's weights",
+            op=str(read.target),
+            where=where(read),
+            hint=WEIGHT_GUARD_HINT,
+        )
+    if not asserts:
+        return None
+    chain = _ancestors(asserts)
+    guard_module, inputs = _guard_program(module, placeholders, chain, asserts)
+    conditions = tuple(f"the value Python reads at {where(_read_of(a))}" for a in asserts if a.target is _ASSERT)
+    for node in reversed(list(graph.nodes)):  # the asserts, then what only they used
+        unused_part = node.target is operator.getitem and node.args[0] in chain  # of a tuple they read
+        if (node in chain or unused_part) and not node.users and node.op == "call_function":
+            graph.erase_node(node)
+    left = [n for n in graph.nodes if n.op == "call_function" and n.target in _VALUE_READS]
+    if left:
+        raise TraceError(
+            "Python reads a tensor's value here and the rest of the model uses it (a size, a count)",
+            op=str(left[0].target),
+            where=where(left[0]),
+            hint=SIZE_GUARD_HINT,
+        )
+    graph.lint()
+    module.recompile()
+    return ValueGuards(guard_module, inputs, conditions)
+
+
+def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _first_read(chain: set[fx.Node], near: fx.Node) -> fx.Node | None:
+    """The value read (`item`) in `chain` downstream of `near`, for the error's location."""
+    frontier = [near]
+    seen: set[fx.Node] = set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.target in _VALUE_READS:
+            return node
+        frontier.extend(u for u in node.users if u in chain)
+    return None
+
+
+def _read_of(node: fx.Node) -> fx.Node:
+    """The value read (`item`) a guard tests: the user's line for it (the assertion itself is
+    torch's)."""
+    reads = [n for n in _ancestors([node]) if n.target in _VALUE_READS]
+    return reads[0] if reads else node
+
+
+def _draws(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _guard_program(
+    module: fx.GraphModule, placeholders: list[fx.Node], chain: set[fx.Node], asserts: list[fx.Node]
+) -> tuple[fx.GraphModule, tuple[int, ...]]:
+    """A graph over the inputs the guards read, returning each assertion's condition."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs = []
+    for index, node in enumerate(placeholders):
+        if node in chain:
+            env[node] = graph.placeholder(node.name)
+            inputs.append(index)
+    conditions = []
+    for node in module.graph.nodes:
+        if node not in chain or node.op == "placeholder":
+            continue
+        if node.target is _ASSERT:
+            conditions.append(env[node.args[0]] if isinstance(node.args[0], fx.Node) else node.args[0])
+            continue
+        if node.target in _CONSTRAINTS:
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(conditions) if conditions else (True,))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    return gm, tuple(inputs)
+
+
+
+def inputs_have_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the example inputs hold values (none on the meta device): what a trace on real
+    values needs. The weights need not: see `valued_copy`."""
+    return all(
+        x.device.type != "meta" for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)
+    )
+
+
+def valued_copy(model: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of `model`'s module structure for a trace on real values, which runs the forward for
+    real: the same parameter objects where they hold values, copies of the buffers (a forward that
+    updates its buffers, BatchNorm's statistics, must not update the user's), zeros on `device`
+    where they are on the meta device (a model built on meta, the structure a later compile traces). The values of
+    the weights never decide a guard: a condition computed from them is refused
+    (`split_value_guards`), so zeros trace the same branches the real weights would."""
+    memo: dict[int, Any] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for _, tensor in named:
+        if id(tensor) in memo:
+            continue
+        if tensor.device.type != "meta":  # a parameter shared; a buffer copied: forward may update it
+            memo[id(tensor)] = tensor if isinstance(tensor, nn.Parameter) else tensor.detach().clone()
+            continue
+        zeros = torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
+        is_param = isinstance(tensor, nn.Parameter)
+        memo[id(tensor)] = nn.Parameter(zeros, requires_grad=tensor.requires_grad) if is_param else zeros
+    return copy.deepcopy(model, memo)
+
+
+def private_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], frozen: bool) -> tuple[Any, Any]:
+    """Copies of the example inputs for a trace that runs the forward for real: a model that
+    updates an input in place (`labels.masked_fill_`) must not change the user's batch. `frozen`:
+    none requires grad (a forward-only trace)."""
+
+    def copied(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return x.detach().clone().requires_grad_(x.requires_grad and not frozen)
+
+    return pytree.tree_map(copied, (args, kwargs))
+
+
+def serial_raises(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], raised: BaseException) -> bool:
+    """Whether the model run eagerly on the example inputs raises what the trace on real values
+    raised (`raised`): only then is the error the serial model's. A trace computes a few values
+    differently from eager (uninitialized memory a kernel leaves, read as real values), and an
+    error only the trace meets is a refusal, not the user's."""
+    device = next((x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None)
+    copy_ = valued_copy(model, device or torch.device("cpu"))
+    args, kwargs = private_inputs(args, kwargs, frozen=True)
+    try:
+        with torch.no_grad():
+            copy_(*args, **kwargs)
+    except Exception as exc:  # the same check failing: its type and message (the values it quotes aside)
+        return type(exc) is type(raised) and str(exc).split("\n")[0] == str(raised).split("\n")[0]
+    return False
+
+
+@contextlib.contextmanager
+def quiet_symbolic_shapes() -> Iterator[None]:
+    """torch logs, at warning level, each value Python read during an export (with the graph so
+    far) and each decision real-value propagation took: an export that fails on such a read is
+    reported by autopar's own error, and the decisions are the guards autopar keeps, so neither
+    is for the user to act on."""
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def reading_real_values() -> Any:
+    """torch.export's real-tensor propagation (what its draft export uses): fake tensors carry the
+    real values, so a value Python reads is known, the branch it picks is taken and the condition
+    is kept as a runtime assertion."""
+    return functorch_config.patch(fake_tensor_propagate_real_tensors=True)

@@ -1,0 +1,156 @@
+"""Models whose Python reads a tensor's value (issue 34 item 1): the trace takes the branch the
+example's values take and keeps the condition as a guard, evaluated on every call's global inputs
+before any collective; a batch that goes the other way gets its own program, and a failing
+`assert` raises as in serial. Conditions that are not functions of the inputs alone are refused."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from multirank import run_ranks
+from pass_fixtures import assert_call_matches_serial
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from autopar.compiler.driver import compile_for_rank
+from autopar.core.mesh import Mesh
+from autopar.passes.value_guards import WEIGHT_GUARD_HINT
+
+
+class _Checks(nn.Module):
+    """An `assert` on the labels, a branch on the inputs' sum, both read by Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        assert (y >= 0).all(), "negative label"
+        h = torch.relu(self.proj(x))
+        if x.sum() > 0:
+            h = h * 2
+        return F.cross_entropy(self.head(h), y)
+
+
+def _batch(sign: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return sign * torch.rand(8, 16, generator=gen), torch.randint(4, (8,), generator=gen)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_branch_the_example_takes_runs_equal_to_serial_with_the_guards_out_of_the_program(
+    sign: float,
+) -> None:
+    torch.manual_seed(0)
+    model = _Checks()
+    compiled = assert_call_matches_serial(model, (2, 2), _batch(sign))
+    for run in compiled.values():
+        guards = run.program.value_guards
+        assert guards is not None and guards.inputs == (0, 1)
+        assert any("test_value_guards.py:34" in c for c in guards.conditions), guards.conditions
+        assert any("test_value_guards.py:36" in c for c in guards.conditions), guards.conditions
+        # the distributed program reads no value: the guards run apart, on the global inputs
+        for gm in (run.program.forward, run.program.backward):
+            targets = {n.target for n in gm.graph.nodes}
+            assert torch.ops.aten.item.default not in targets
+            assert torch.ops.aten._assert_scalar.default not in targets
+    guards = next(iter(compiled.values())).program.value_guards
+    assert guards is not None
+    assert guards.hold(list(_batch(sign, seed=1)))
+    assert not guards.hold(list(_batch(-sign, seed=1)))
+    assert all("test_value_guards.py:36" in c for c in guards.failing(list(_batch(-sign, seed=1))))
+    x, y = _batch(sign, seed=1)
+    assert not guards.hold([x, y - 4])  # the assert's condition is a guard too
+
+
+class _ChecksItsActivations(nn.Module):
+    """A check on a value the weights compute (DETR's `isfinite` on activations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if not torch.isfinite(h).all():
+            raise ValueError("non-finite activations")
+        return F.cross_entropy(h, y)
+
+
+class _SkipsALayerAtRandom(nn.Module):
+    """LayerDrop: a layer skipped when a random draw says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if torch.rand([]) >= 0.5:
+            x = x + self.proj(x)
+        return F.cross_entropy(self.head(x), y)
+
+
+@pytest.mark.parametrize(
+    ("model", "line", "says"),
+    [
+        (_ChecksItsActivations(), "test_value_guards.py:81", "depends on the model's weights"),
+        (_SkipsALayerAtRandom(), "test_value_guards.py:95", "random draw"),
+    ],
+)
+def test_a_value_not_computed_from_the_inputs_alone_is_refused_naming_the_line(
+    model: nn.Module, line: str, says: str
+) -> None:
+    with pytest.raises(autopar.TraceError) as err:
+        compile_for_rank(model, Mesh.from_shape((2,)), _batch(1.0), coords=(0,))
+    assert says in str(err.value) and err.value.hint == WEIGHT_GUARD_HINT
+    assert err.value.where is not None and line in err.value.where, err.value.where
+
+
+def _job(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+    torch.manual_seed(0)
+    model = _Checks()
+    serial = copy.deepcopy(model)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=_batch(1.0))
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
+    serial_opt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    errors: list[float] = []
+    for step, sign in enumerate([1.0, -1.0, 1.0, -1.0]):
+        batch = _batch(sign, seed=step + 1)
+        loss, want = pmodel(*batch), serial(*batch)
+        loss.backward()
+        want.backward()
+        grads = {n: p.grad for n, p in serial.named_parameters()}
+        errors.append(abs(float(loss) - float(want)))
+        errors += [float((p.grad.full_tensor() - grads[n]).abs().max()) for n, p in pmodel.named_parameters()]
+        opt.step()
+        serial_opt.step()
+        opt.zero_grad()
+        serial_opt.zero_grad()
+    params = dict(serial.named_parameters())
+    errors += [float((p.full_tensor() - params[n]).abs().max()) for n, p in pmodel.named_parameters()]
+    x, y = _batch(1.0, seed=9)
+    with pytest.raises(AssertionError, match="negative label") as err:  # as serial raises it
+        pmodel(x, y - 4)
+    assert isinstance(err.value, autopar.ModelAssertionError) and "test_value_guards.py:34" in str(err.value.where)
+    with pytest.raises(AssertionError, match="negative label"):  # again: the failure compiled nothing
+        pmodel(x, y - 4)
+    return {"max_error": max(errors), "programs": [why for why, _ in pmodel.programs]}
+
+
+@pytest.mark.multirank
+def test_each_branch_gets_its_program_and_trains_like_serial_on_two_ranks() -> None:
+    for rank, result in enumerate(run_ranks(2, _job, timeout=300)):
+        assert result["max_error"] < 1e-5, (rank, result)
+        # compiled once per branch, not per call
+        first, other = result["programs"]
+        assert first == "example inputs", (rank, result)
+        assert other.startswith("new input values (the value Python reads at") and "decides another branch" in other
+        assert "test_value_guards.py:36" in other, (rank, result)
