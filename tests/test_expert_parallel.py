@@ -253,3 +253,15 @@ def test_row_disjoint_values_of_different_owners_are_refused() -> None:
     with pytest.raises(ShardingError, match="wrong numbers") as caught:
         _compile_rank0(_mixtral, (2, 2), registry=registry)
     assert "grouped_mm_fallback" in str(caught.value)
+
+
+def test_search_is_seeded_with_the_expert_split() -> None:
+    """The search starts from an expert-split plan too (`search_seeds.expert_seeds`), with the
+    down projection taking the gate's row-disjoint output: priced like the other seeds (no
+    forbidden redistribution to D in it), and searched from."""
+    compiled = _compile_rank0(_mixtral, (8,))
+    report = compiled.graph.meta["autopar_search"]
+    assert {"experts", "experts:R"} <= set(report.seeds), report.seeds
+    best_role_seed = min(v for k, v in report.seeds.items() if ":" not in k and k not in ("experts",))
+    assert report.seeds["experts"] < 2 * best_role_seed, report.seeds
+    assert report.seeds["experts"] <= report.seeds["experts:R"], report.seeds
