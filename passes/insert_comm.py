@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from autopar.core.errors import ShardingError
 from autopar.core.layout import Layout
 from autopar.core.mesh import Mesh
 from autopar.core.meta import NodeInfo, Phase, info, set_info
@@ -140,6 +141,14 @@ class _Inserter:
             size = step.after.local_shape(self.shape, self.coords)[step.dim]
             out = self._node(aten.slice.Tensor, (x, step.dim, me * block, me * block + size), base)
             return self._contiguous(out, base) if step.dim != 0 else out
+        if step.kind == "forbidden":
+            raise ShardingError(
+                f"the plan turns a value laid out {step.before} into a row-disjoint pending sum "
+                f"{step.after} (D): only a grouped matmul over split experts makes one",
+                where=base.where(),
+                hint="let the planner choose this op's strategy, or give the op a rule that takes the "
+                "value as a plain Partial (P)",
+            )
         if step.kind == "zero_partial":
             if me == 0:
                 return self._node(aten.clone.default, (x,), base)

@@ -6,15 +6,20 @@ records it in node metadata, where the later stages read it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch.fx as fx
 
 from autopar.core.errors import ShardingError
 from autopar.core.meta import info, update_info
 from autopar.core.plan import Plan
+from autopar.passes.row_owners import check_row_owners
 
 
-def propagate(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """Record the plan's layouts in node metadata; the output node gets the layouts it requires."""
+def propagate(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> fx.GraphModule:
+    """Record the plan's layouts in node metadata; the output node gets the layouts it requires.
+    Then check that the values the plan combines as row-disjoint sums have the same row owners
+    (`row_owners`): rules cannot see that, and a plan that breaks it is refused."""
     for node in gm.graph.nodes:
         if node.op == "output":
             layouts = plan.output_layouts
@@ -34,4 +39,5 @@ def propagate(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             note=plan.notes.get(node.name, ""),
         )
     gm.meta["autopar_roles"] = plan.roles
+    check_row_owners(gm, mesh_shape)
     return gm

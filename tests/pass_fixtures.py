@@ -93,7 +93,7 @@ def propagated(key: str, shape: tuple[int, ...]) -> fx.GraphModule:
     model, inputs = model_case(key)
     mesh = Mesh.from_shape(shape)
     gm = trace(model, inputs, decompose=mesh.size > 1)
-    return propagate(gm, choose_layouts(gm, mesh, default_registry()))
+    return propagate(gm, choose_layouts(gm, mesh, default_registry()), mesh.shape)
 
 
 def gpt_propagated(shape: tuple[int, ...]) -> fx.GraphModule:
@@ -196,7 +196,7 @@ def two_linear_after_insert_comm(
     model, inputs = two_linear_case()
     mesh = Mesh.from_shape(shape)
     gm = trace(model, inputs, decompose=mesh.size > 1)
-    gm = propagate(gm, choose_layouts(gm, mesh, default_registry()))
+    gm = propagate(gm, choose_layouts(gm, mesh, default_registry()), mesh.shape)
     return insert_comm(gm, mesh, coords if coords is not None else (0,) * len(shape))
 
 

@@ -162,7 +162,7 @@ def _rank_programs(model: torch.nn.Module, batch: tuple) -> tuple[fx.GraphModule
     """compile_for_rank's stages for every rank, tracing and planning once (as pass_fixtures does)."""
     mesh = Mesh.from_shape(MESH)
     traced = trace(model, batch, decompose=True)
-    planned = propagate(traced, choose_layouts(traced, mesh, REGISTRY))
+    planned = propagate(traced, choose_layouts(traced, mesh, REGISTRY), mesh.shape)
     programs = {}
     for c in all_coords(MESH):
         gm = schedule(insert_comm(copy.deepcopy(planned), mesh, c))

@@ -13,12 +13,18 @@ from typing import Any
 
 import pytest
 import torch
+import torch.fx as fx
 import transformers.integrations.moe  # noqa: F401  (registers transformers' grouped-matmul ops)
 from pass_fixtures import compile_every_rank, lockstep_step
 
-from autopar.compiler.driver import Compiled
-from autopar.core.strategy import AxisStrategy, OpCall
+from autopar.compiler.driver import Compiled, compile_for_rank
+from autopar.core.errors import ShardingError
+from autopar.core.layout import D, R, Shard
+from autopar.core.mesh import Mesh
+from autopar.core.meta import info
+from autopar.core.strategy import AxisStrategy, OpCall, Strategy
 from autopar.rules import expert_parallel
+from autopar.rules.base import Requirement
 from autopar.rules.matmul import library_op
 from autopar.rules.registry import default_registry
 from autopar.testing import assemble
@@ -75,7 +81,9 @@ def _experts_only_registry() -> Any:
         def only(call: OpCall, strategies: Any = strategies) -> list[AxisStrategy]:
             return list(strategies(call))
 
-        registry.register(op, only, family=rule.family, localize=rule.localize, anchor=True, uneven=rule.uneven)
+        registry.register(
+            op, only, family=rule.family, localize=rule.localize, anchor=True, uneven=rule.uneven
+        )
     return registry
 
 
@@ -174,3 +182,86 @@ def test_search_plan_of_an_moe_model_trains_like_serial() -> None:
     whichever it picks trains like serial. The other models and meshes at the search's own plan
     are trained by tests/test_hf_zoo_multirank.py (Mixtral) and tests/test_zoo_sweep.py."""
     _train_like_serial(_mixtral, (8,))
+
+
+def _compile_rank0(make: Any, shape: tuple[int, ...], **options: Any) -> Compiled:
+    torch.manual_seed(0)
+    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    mesh = Mesh.from_shape(shape)
+    return compile_for_rank(make(), mesh, (), example_kwargs={"input_ids": ids, "labels": ids}, **options)
+
+
+def _between(first: fx.Node, last: fx.Node) -> list[fx.Node]:
+    """The nodes on some path from `first` to `last` (both excluded)."""
+    after: set[fx.Node] = set()
+    todo = list(first.users)
+    while todo:
+        n = todo.pop()
+        if n not in after and n is not last:
+            after.add(n)
+            todo.extend(n.users)
+    before: set[fx.Node] = set()
+    todo = list(last.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n not in before and n is not first:
+            before.add(n)
+            todo.extend(n.all_input_nodes)
+    return [n for n in last.graph.nodes if n in after and n in before]
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"), [(_mixtral, (8,)), (_qwen3_moe, (8,))], ids=["mixtral-8", "qwen3moe-8"]
+)
+def test_expert_split_keeps_each_rank_rows_local_through_the_expert_mlp(
+    make: Any, shape: tuple[int, ...]
+) -> None:
+    """Forced expert split on one axis: the up projection's output is row-disjoint (D), the gate
+    runs on it, the down projection takes it as D, and no collective sits between the two grouped
+    matmuls of a layer (forward). The only reduction left in the expert MLP is the down
+    projection's output. (On (2, 4) the search may still cut the gate's rows over the second axis
+    when that prices lower: docs/expert-parallel.md.)"""
+    compiled = _compile_rank0(make, shape, registry=_experts_only_registry())
+    graph = compiled.graph.graph
+    forward = [n for n in graph.nodes if n.target == GROUPED_MM]
+    assert len(forward) == 4, "two layers, two grouped matmuls each"
+    disjoint = "[" + ", ".join(["D"] * len(shape)) + "]"
+    for up, down in zip(forward[0::2], forward[1::2]):
+        assert str(info(up).layouts[0]) == disjoint and str(info(down).strategy.inputs[0]) == disjoint
+        path = _between(up, down)
+        ops = {str(n.target) for n in path}
+        assert any("silu" in op for op in ops), ops  # the gate runs between them
+        assert not [n for n in path if "c10d" in str(n.target)], ops
+    collectives = compiled.report.collectives
+    assert collectives, "the down projection's output and the gradients are still reduced"
+
+
+def test_row_disjoint_values_of_different_owners_are_refused() -> None:
+    """A plan whose two grouped matmuls split the experts differently (up: over both axes, down:
+    over the second only) would hand the down projection rows owned by other ranks on that axis:
+    the owner check refuses it with an error naming the op, never runs it."""
+    registry = default_registry()
+    hidden = 32
+
+    def admits(call: OpCall, strategy: Strategy) -> bool:
+        weight = strategy.inputs[1].placements
+        if call.inputs[1].shape[2] == hidden:  # the down projection: experts on axis 1 only, D rows there
+            return weight == (R, Shard(0)) and strategy.inputs[0].placements[1] == D
+        return weight == (Shard(0), Shard(0))
+
+    registry.require(GROUPED_MM, Requirement(admits, "a test's mismatched expert splits"))
+    with pytest.raises(ShardingError, match="wrong numbers") as caught:
+        _compile_rank0(_mixtral, (2, 2), registry=registry)
+    assert "grouped_mm_fallback" in str(caught.value)
+
+
+def test_search_is_seeded_with_the_expert_split() -> None:
+    """The search starts from an expert-split plan too (`search_seeds.expert_seeds`), with the
+    down projection taking the gate's row-disjoint output: priced like the other seeds (no
+    forbidden redistribution to D in it), and searched from."""
+    compiled = _compile_rank0(_mixtral, (8,))
+    report = compiled.graph.meta["autopar_search"]
+    assert {"experts", "experts:R"} <= set(report.seeds), report.seeds
+    best_role_seed = min(v for k, v in report.seeds.items() if ":" not in k and k not in ("experts",))
+    assert report.seeds["experts"] < 2 * best_role_seed, report.seeds
+    assert report.seeds["experts"] <= report.seeds["experts:R"], report.seeds

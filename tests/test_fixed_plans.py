@@ -51,7 +51,7 @@ def _programs(key: str, p: int) -> dict[tuple[int, ...], EmittedProgram]:
     assert fixed.scheme is not None and fixed.plan is not None, fixed.infeasible
     mesh = fixed.scheme.mesh()
     plan = fixed.plan
-    done = propagate(copy.deepcopy(_traced("mlp")), plan)
+    done = propagate(copy.deepcopy(_traced("mlp")), plan, mesh.shape)
     out = {}
     for coords in all_coords(mesh.shape):
         gm = schedule(insert_comm(copy.deepcopy(done), mesh, coords), mesh)

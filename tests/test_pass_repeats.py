@@ -162,7 +162,7 @@ def test_a_copied_gpt_computes_the_serial_model_on_every_rank() -> None:
     registry = default_registry()
     gm = trace(model, inputs)
     assert gm.meta[REPEATS_KEY] == (RepeatedBlocks("blocks", 3),)
-    planned = propagate(gm, choose_layouts(gm, mesh, registry))
+    planned = propagate(gm, choose_layouts(gm, mesh, registry), mesh.shape)
     programs = {
         c: emit(schedule(insert_comm(copy.deepcopy(planned), mesh, c)), mesh, registry, c)
         for c in all_coords(shape)

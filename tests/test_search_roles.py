@@ -77,7 +77,7 @@ def test_an_all_token_plan_computes_the_serial_model() -> None:
     registry = default_registry()
     gm = trace(model, inputs, decompose=True)
     plan = greedy_plan(gm, mesh, registry, roles=("token", "token", "token"))
-    gm = propagate(gm, plan)
+    gm = propagate(gm, plan, mesh.shape)
     programs = {}
     for c in all_coords(shape):
         lowered = schedule(insert_comm(copy.deepcopy(gm), mesh, c), mesh)

@@ -422,7 +422,7 @@ def _lower(
     work, chosen = mesh, plan
     if chunks > 1:
         work, chosen = mesh.with_chunks(chunks), chunk_plan(gm, plan, mesh, registry, chunks)
-    gm = propagate(gm, chosen)
+    gm = propagate(gm, chosen, work.shape)
     write_stage(path, "2_propagate", gm, work)
     copies = [gm] + [copy.deepcopy(gm) for _ in range(chunks - 1)]
     for c, one in enumerate(copies):

@@ -108,7 +108,7 @@ class Partial(_Placement):
         return (Partial, ())
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Partial)
+        return other is self or type(other) is Partial
 
     def __hash__(self) -> int:
         return hash("Partial")
@@ -120,10 +120,48 @@ class Partial(_Placement):
         return "P"
 
 
+class RowDisjoint(Partial):
+    """A pending sum whose summands are row-disjoint: along dim 0 each row is nonzero on at most
+    one rank of the axis, the rank whose experts computed it (`autopar.rules.expert_parallel`).
+
+    It is a Partial (every reduction treats it as one, and it becomes a plain Partial for free),
+    but unlike a Partial it survives ops that are not linear, as long as they keep a zero row zero
+    (SiLU, a product of two such values with the same row owners): on every row, the one nonzero
+    summand is the whole value. Which rank owns which row is not in the placement; it follows the
+    routing (`offs`) and the expert split of the grouped matmul that made the value, and
+    `autopar.passes.propagate` checks that the values an op combines have the same owners. Nothing
+    turns another placement into this one: only a grouped matmul over split experts makes it."""
+
+    __slots__ = ()
+    _kind = 1
+    _instance: RowDisjoint | None = None  # type: ignore[assignment]
+
+    def __new__(cls) -> RowDisjoint:
+        if cls._instance is None:
+            cls._instance = object.__new__(cls)
+        return cls._instance
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:  # type: ignore[override]
+        return (RowDisjoint, ())
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or type(other) is RowDisjoint
+
+    def __hash__(self) -> int:
+        return hash("RowDisjoint")
+
+    def __repr__(self) -> str:
+        return "RowDisjoint()"
+
+    def __str__(self) -> str:
+        return "D"
+
+
 Placement = Shard | Replicate | Partial
 
 R = Replicate()
 P = Partial()
+D = RowDisjoint()
 
 _DTYPE_SHORT = {
     torch.float32: "f32",

@@ -11,11 +11,22 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from autopar.core.layout import Layout, Partial, Replicate, Shard, itemsize
+from autopar.core.layout import Layout, Partial, Replicate, RowDisjoint, Shard, itemsize
 
-StepKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "zero_partial"]
+StepKind = Literal[
+    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "zero_partial", "forbidden"
+]
 
 COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+# Elements a "forbidden" step is priced at per element of its block: no redistribution makes a
+# row-disjoint pending sum (`RowDisjoint`) out of another placement, since which rank owns a row
+# comes from the routing; the planners see such a pair as far too dear, and insert_comm refuses it.
+FORBIDDEN_FACTOR = 1e9
+
+
+def forbidden_axes(src: Sequence[object], dst: Sequence[object]) -> list[int]:
+    """Mesh axes where `dst` wants a row-disjoint pending sum that `src` does not hold."""
+    return [a for a, (s, t) in enumerate(zip(src, dst)) if isinstance(t, RowDisjoint) and s != t]
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,8 @@ class CommStep:
             return 2 * (g - 1) / g * n
         if self.kind in ("reduce_scatter", "all_to_all"):
             return (g - 1) / g * n
+        if self.kind == "forbidden":
+            return FORBIDDEN_FACTOR * n
         return 0.0
 
     def bytes_sent(self, mesh_shape: Sequence[int]) -> float:
@@ -123,6 +136,9 @@ def plan_redistribute(
         raise ValueError(f"redistribute between shapes {src.shape} and {dst.shape}")
     cur = src
     steps: list[CommStep] = []
+    forbidden = [a for a in forbidden_axes(src.placements, dst.placements) if mesh_shape[a] > 1]
+    if forbidden:  # a single step per such axis, priced so that no plan chooses it
+        return [CommStep("forbidden", a, src, dst) for a in forbidden]
 
     def step(
         kind: StepKind, axis: int, new: Layout, dim: int | None = None, dst_dim: int | None = None
@@ -180,6 +196,10 @@ def plan_redistribute(
             step("slice", a, cur.with_placement(a, target), dim=target.dim)
         elif isinstance(target, Partial) and isinstance(now, Replicate):
             step("zero_partial", a, cur.with_placement(a, target))
+        elif isinstance(now, RowDisjoint) and target == Partial():
+            cur = cur.with_placement(a, target)  # a row-disjoint sum is a sum: a new name only
+        elif isinstance(now, Partial) and mesh_shape[a] == 1:
+            cur = cur.with_placement(a, target)  # one rank: every pending sum is the value
         else:  # pragma: no cover - the three steps above leave no other case
             raise AssertionError(f"cannot redistribute {src} -> {dst} (stuck at {cur})")
     if cur != dst:  # pragma: no cover
@@ -201,6 +221,9 @@ def redistribute_cost(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> fl
     target = dst.placements
     n = float(src.local_numel(mesh_shape))
     total = 0.0
+    forbidden = [a for a in forbidden_axes(src.placements, dst.placements) if mesh_shape[a] > 1]
+    if forbidden:
+        return FORBIDDEN_FACTOR * n * len(forbidden)
 
     def axes(dim: int) -> list[int]:
         return [a for a, p in enumerate(cur) if isinstance(p, Shard) and p.dim == dim]

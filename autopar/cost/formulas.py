@@ -29,7 +29,7 @@ from autopar.core.redistribute import CommStep, plan_redistribute
 from autopar.cost.hardware import Elementwise, Hardware, Link, Rate, axis_links, dtype_key
 
 # Message steps of a ring algorithm over g ranks, each paying the link latency alpha once.
-LATENCY_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
+LATENCY_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "forbidden": 1}
 # Elements sent per rank per element of N (above), times (g-1)/g.
 VOLUME_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
 
@@ -94,7 +94,7 @@ def step_time(step: CommStep, mesh_shape: Sequence[int], links: Sequence[Link]) 
     bandwidth term. Local steps (`slice`, `zero_partial`) cost 0 here: they send nothing, and their
     memory traffic is a small copy that the compute roofline of the consumer dominates.
     """
-    if not step.is_collective:
+    if not step.is_collective and step.kind != "forbidden":
         return 0.0
     g = mesh_shape[step.axis]
     if g <= 1:

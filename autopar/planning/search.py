@@ -52,7 +52,7 @@ from autopar.planning.recompute import (
 )
 from autopar.planning.search_cost import ElementCost, TimeCost, even_factor, even_steps
 from autopar.planning.search_problem import Problem, Shared, regather_cost
-from autopar.planning.search_seeds import fixed_seeds
+from autopar.planning.search_seeds import expert_seeds, fixed_seeds
 from autopar.planning.storage import REPLICATED, SHARDED, STORAGE_MODES, replicate_storage
 from autopar.rules.base import RuleRegistry
 
@@ -292,6 +292,17 @@ def _starts(
     starts = [best] if best is not None else []
     if fixed:
         cheapest: tuple[str, Plan, float] | None = None
+        experts: tuple[str, Plan, float] | None = None
+        for name, found in expert_seeds(gm, mesh, registry, shared.expand, shared.greedy):
+            if isinstance(found, AutoparError):
+                report.failed_fixed[name] = found.message.splitlines()[0]
+                continue
+            found = _stored(gm, found, mesh, storage)
+            value = report.seeds[prefix + name] = plan_cost(gm, found, mesh, cost, facts)
+            if experts is None or value < experts[2]:
+                experts = (name, found, value)
+        if experts is not None:  # searched from in any case: moves from other seeds do not reach it
+            starts.append(experts)
         for name, found in fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy):
             if isinstance(found, AutoparError):
                 report.failed_fixed[name] = found.message.splitlines()[0]

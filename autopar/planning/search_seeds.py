@@ -1,4 +1,5 @@
-"""Seeds of the plan search from the fixed schemes: 1-D Megatron, 2-D SUMMA and the 3-D cube.
+"""Seeds of the plan search from the fixed schemes: 1-D Megatron, 2-D SUMMA and the 3-D cube,
+and from the expert split of mixture-of-experts layers (`expert_seeds`).
 
 The search starts from the cheapest of its seeds and only improves on it, so a fixed scheme that
 lays out on the search's own mesh is a seed too: its plan (`autopar.planning.fixed`: the paired
@@ -9,21 +10,26 @@ the 8x8 grids of 2-D) can seed it; a graph without paired linears has none.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 from typing import Any
 
 import torch.fx as fx
 
 from autopar.core.errors import AutoparError
+from autopar.core.layout import RowDisjoint
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
 from autopar.planning.fixed import SCHEMES, find_linears, forced_strategies, pair_linears, variants_on
 from autopar.planning.greedy import greedy_plan
 from autopar.planning.greedy_scores import GreedyMemo
+from autopar.rules import expert_parallel
 from autopar.rules.base import RuleRegistry
+from autopar.rules.calls import expand_cached, op_call, tensor_inputs
 
 PREFIX = "fixed:"
+EXPERTS = "experts"
 
 
 def fixed_seeds(
@@ -63,3 +69,86 @@ def fixed_seeds(
                 yield name, exc
                 continue
             yield name, plan
+
+
+def expert_seeds(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    expand_cache: dict[Any, list[Strategy]],
+    memo: GreedyMemo | None = None,
+) -> Iterator[tuple[str, Plan | AutoparError]]:
+    """(name, plan) with every grouped matmul of the graph's MoE layers splitting its experts over
+    every mesh axis, the rest laid out by the greedy pass; none without grouped matmuls.
+
+    The expert split pays off only as a whole: the up projection's row-disjoint output (D) must
+    run through the gate to a down projection that takes D, forward and backward, and the weights
+    must be split on E everywhere. A search that moves one chain at a time from a plan splitting
+    inside the experts does not reach it, so it gets a seed of its own, priced like the others.
+    "experts" takes D inputs wherever a grouped matmul offers them; "experts:R" takes R inputs (the
+    greedy pass then decides where the pending sums are reduced)."""
+    if mesh.size == 1:
+        return
+    grouped = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and callable(getattr(n.target, "name", None))
+        and n.target.name() in expert_parallel.GROUPED_MM_OPS
+    ]
+    if not grouped:
+        return
+    split_axes = tuple(a for a, size in enumerate(mesh.shape) if size > 1)
+    disjoint = _may_be_disjoint(gm)
+    for name, prefer_disjoint in ((EXPERTS, True), (EXPERTS + ":R", False)):
+        forced: dict[str, Strategy] = {}
+        for node in grouped:
+            rule = registry.get(node.target)
+            if rule is None:
+                break
+            options = [
+                s
+                for s in expand_cached(node, rule, op_call(node), mesh.shape, expand_cache)
+                if s.inputs[1].shard_axes(expert_parallel.EXPERT_DIM) == split_axes
+            ]
+            if not options:
+                break
+            inputs = tensor_inputs(node)
+            want = [prefer_disjoint and x in disjoint for x in inputs]
+            forced[node.name] = max(options, key=lambda s: _agreement(s, want))
+        else:
+            try:
+                yield (
+                    name,
+                    greedy_plan(gm, mesh, registry, forced=forced, expand_cache=expand_cache, memo=memo),
+                )
+            except AutoparError as exc:
+                yield name, exc
+
+
+def _may_be_disjoint(gm: fx.GraphModule) -> set[fx.Node]:
+    """Values that can be row-disjoint: a grouped matmul's outputs and what the ops with row-disjoint
+    strategies (`expert_parallel.DISJOINT_RULES`) make of them."""
+    found: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = getattr(node.target, "name", None)
+        if (
+            callable(name)
+            and name() in expert_parallel.GROUPED_MM_OPS
+            or node.target is operator.getitem
+            and node.args[0] in found
+            or node.target in expert_parallel.DISJOINT_RULES
+            and any(x in found for x in tensor_inputs(node))
+        ):
+            found.add(node)
+    return found
+
+
+def _agreement(strategy: Strategy, want: list[bool]) -> int:
+    """How many tensor inputs are row-disjoint exactly where `want` says."""
+    return sum(
+        any(isinstance(p, RowDisjoint) for p in lay.placements) == wanted
+        for lay, wanted in zip(strategy.inputs, want)
+    )

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.core.layout import Layout, Partial, Placement, Shard
-from autopar.core.redistribute import exchanges_before
+from autopar.core.layout import Layout, Partial, Placement, RowDisjoint, Shard
+from autopar.core.redistribute import FORBIDDEN_FACTOR, exchanges_before
 
-REPLICATE, PARTIAL = -2, -1  # per-axis codes of `codes`; a dim d >= 0 is Shard(d)
+# per-axis codes of `codes`; a dim d >= 0 is Shard(d)
+DISJOINT, REPLICATE, PARTIAL = -3, -2, -1
 
 # A step of `even_steps`: (kind, mesh axis, num, den): its block has `n * num / den` elements
 # when the source block has n.
@@ -32,9 +33,15 @@ TemplateStep = tuple[str, int, tuple[int, ...], tuple[int, ...]]
 
 
 def codes(placements: Sequence[Placement]) -> tuple[int, ...]:
-    """Per mesh axis: the dim it splits, `PARTIAL` or `REPLICATE`."""
+    """Per mesh axis: the dim it splits, `PARTIAL`, `DISJOINT` (a row-disjoint sum) or `REPLICATE`."""
     return tuple(
-        p.dim if isinstance(p, Shard) else PARTIAL if isinstance(p, Partial) else REPLICATE
+        p.dim
+        if isinstance(p, Shard)
+        else DISJOINT
+        if isinstance(p, RowDisjoint)
+        else PARTIAL
+        if isinstance(p, Partial)
+        else REPLICATE
         for p in placements
     )
 
@@ -125,7 +132,7 @@ def canonical(pairs: np.ndarray) -> np.ndarray:
     renumber = np.cumsum(used, axis=1) - 1
     shard = pairs >= 0
     renamed = np.where(shard, np.take_along_axis(renumber, np.where(shard, pairs, 0), axis=1), pairs)
-    digits = (renamed - REPLICATE).astype(np.int64)  # 0 .. 2 + renumbered dims (< 16)
+    digits = (renamed - DISJOINT).astype(np.int64)  # 0 .. 3 + renumbered dims (< 16)
     return digits @ (np.int64(16) ** np.arange(pairs.shape[1], dtype=np.int64))
 
 
@@ -166,6 +173,8 @@ def element_factor(kind: str, g: int) -> float:
     """Elements a rank sends per element of its block (`CommStep.elements_sent`)."""
     if kind == "all_gather":
         return float(g - 1)
+    if kind == "forbidden":
+        return FORBIDDEN_FACTOR
     return 2 * (g - 1) / g if kind == "all_reduce" else (g - 1) / g
 
 
@@ -195,15 +204,18 @@ def coded_template(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[Template
     than one rank, naming the axes that scale each step's block instead of multiplying sizes."""
     if src == dst:
         return ()
+    forbidden = [a for a, (c, t) in enumerate(zip(src, dst)) if t == DISJOINT and c != DISJOINT]
+    if forbidden:  # nothing makes a row-disjoint sum (`redistribute.forbidden_axes`)
+        return tuple(("forbidden", a, (), ()) for a in forbidden)
     have = {d: list(axes) for d, axes in _by_dim(src).items()}
     want = _by_dim(dst)
     num: tuple[int, ...] = ()
     den: tuple[int, ...] = ()
     steps: list[TemplateStep] = []
-    if PARTIAL in src:  # 1. pending sums: reduce-scatter into the target split if it nests
+    if PARTIAL in src or DISJOINT in src:  # 1. pending sums: reduce-scatter into the target split
         for a, c in enumerate(src):
             t = dst[a]
-            if c != PARTIAL or t == PARTIAL:
+            if c not in (PARTIAL, DISJOINT) or t in (PARTIAL, DISJOINT):
                 continue
             if t >= 0:  # move the axes nesting outside `a` there first (even: no shape check)
                 for b, home in exchanges_before(have, a, want.get(t, ()), t):

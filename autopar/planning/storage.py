@@ -22,9 +22,10 @@ from typing import TypeVar
 import torch
 import torch.fx as fx
 
-from autopar.core.layout import Layout, Partial, Placement, Replicate, Shard
+from autopar.core.layout import Layout, Partial, Placement, Replicate, RowDisjoint, Shard
 from autopar.core.meta import info, signature
 from autopar.core.plan import Plan
+from autopar.core.redistribute import FORBIDDEN_FACTOR
 from autopar.rules.calls import tensor_inputs
 
 PlanT = TypeVar("PlanT", bound=Plan)
@@ -89,6 +90,10 @@ def gather_from_storage(want: Layout, mesh_shape: Sequence[int]) -> float:
 def placement_cost(have: Placement, want: Placement, g: int, n: int) -> float:
     if have == want:
         return 0.0
+    if isinstance(want, RowDisjoint):  # nothing makes a row-disjoint sum (`redistribute.forbidden_axes`)
+        return FORBIDDEN_FACTOR * n
+    if isinstance(have, RowDisjoint) and isinstance(want, Partial):
+        return 0.0  # a row-disjoint sum is a sum
     if isinstance(want, Replicate):
         return (g - 1) * n if isinstance(have, Shard) else 2 * (g - 1) / g * n
     if isinstance(want, Shard):

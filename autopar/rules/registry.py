@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-from autopar.rules import ctc, factory, matmul, nn, pointwise, pooling, random, reduction, views
+from autopar.rules import (
+    ctc,
+    expert_parallel,
+    factory,
+    matmul,
+    nn,
+    pointwise,
+    pooling,
+    random,
+    reduction,
+    views,
+)
 from autopar.rules.base import RuleRegistry
 
-FAMILIES = (matmul, pointwise, reduction, views, nn, ctc, pooling, factory, random)
+# expert_parallel last: it adds row-disjoint strategies to rules the others registered
+FAMILIES = (matmul, pointwise, reduction, views, nn, ctc, pooling, factory, random, expert_parallel)
 
 
 def default_registry() -> RuleRegistry:

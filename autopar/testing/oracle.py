@@ -23,14 +23,17 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.core.layout import Layout, Partial, Replicate, Shard
+from autopar.core.layout import Layout, Partial, Replicate, RowDisjoint, Shard
 from autopar.core.redistribute import CommStep
 from autopar.core.strategy import OpCall, Strategy
+from autopar.rules import expert_parallel
 from autopar.rules.base import LocalContext, RuleRegistry, make_call
 from autopar.rules.localize import localize_sizes
 
 Coords = tuple[int, ...]
 Pieces = dict[Coords, torch.Tensor]
+# Row-disjoint (D) axes: mesh axis -> the coordinate on it that owns each global row (dim 0).
+RowOwners = dict[int, Sequence[int]]
 
 # How a rank's piece of an input may be laid out in memory: as sharded (contiguous), dense with the
 # channel dim (1) innermost (channels-last), dense with the dims reversed (a transpose's strides),
@@ -55,10 +58,53 @@ def local_block(
     return out
 
 
+def default_row_owners(layout: Layout, mesh_shape: Sequence[int]) -> RowOwners:
+    """Owners of the rows on `layout`'s D axes when a test names none: an uneven, fixed pattern,
+    the same for every input of a call (as values an op may combine must share their owners)."""
+    rows = layout.shape[0] if layout.shape else 0
+    return {
+        a: [(r * r + 3 * r) % mesh_shape[a] for r in range(rows)]
+        for a, p in enumerate(layout.placements)
+        if isinstance(p, RowDisjoint)
+    }
+
+
+def _row_mask(
+    layout: Layout, mesh_shape: Sequence[int], coords: Coords, owners: RowOwners, like: torch.Tensor
+) -> torch.Tensor:
+    """1 on the rows of this rank's block that it owns on every D axis, else 0 (shaped to broadcast)."""
+    first = layout.local_offsets(mesh_shape, coords)[0]
+    rows = torch.arange(first, first + like.shape[0])
+    keep = torch.ones(like.shape[0], dtype=torch.bool)
+    for a, owner in owners.items():
+        keep &= torch.as_tensor(list(owner), dtype=torch.long)[rows] == coords[a]
+    return keep.reshape(-1, *([1] * (like.ndim - 1)))
+
+
 def shard_tensor(
-    full: torch.Tensor, layout: Layout, mesh_shape: Sequence[int], generator: torch.Generator | None = None
+    full: torch.Tensor,
+    layout: Layout,
+    mesh_shape: Sequence[int],
+    generator: torch.Generator | None = None,
+    row_owners: RowOwners | None = None,
 ) -> Pieces:
-    """Local pieces of `full`; along Partial axes the block is split into random summands."""
+    """Local pieces of `full`; along Partial axes the block is split into random summands, along
+    row-disjoint (D) axes each row goes whole to its owner (`row_owners`, default
+    `default_row_owners`) and the others hold zeros."""
+    disjoint = [a for a, p in enumerate(layout.placements) if isinstance(p, RowDisjoint)]
+    if disjoint:
+        owners = row_owners if row_owners is not None else default_row_owners(layout, mesh_shape)
+        plain = Layout(
+            tuple(Replicate() if a in disjoint else p for a, p in enumerate(layout.placements)),
+            layout.shape,
+            layout.dtype,
+        )
+        summands = shard_tensor(full, plain, mesh_shape, generator)
+        mine = {a: owners[a] for a in disjoint}
+        return {
+            c: torch.where(_row_mask(layout, mesh_shape, c, mine, piece), piece, torch.zeros_like(piece))
+            for c, piece in summands.items()
+        }
     pieces: Pieces = {}
     partial_axes = layout.partial_axes()
     for coords in all_coords(mesh_shape):
@@ -166,15 +212,17 @@ def run_local(
     registry: RuleRegistry,
     generator: torch.Generator | None = None,
     memory_layouts: Sequence[str] | None = None,
+    row_owners: RowOwners | None = None,
 ) -> tuple[dict[Coords, list[torch.Tensor]], list[Pieces]]:
     """Run the op on every rank's pieces. Returns outputs per rank and the input pieces.
 
     `memory_layouts`, one per tensor input (MEMORY_LAYOUTS), lays each input's pieces out so in
-    memory; by default they are contiguous."""
+    memory; by default they are contiguous. `row_owners`: who holds each row of the D inputs
+    (`shard_tensor`)."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     tensor_positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
     input_pieces = [
-        shard_tensor(flat[i], strategy.inputs[k], mesh_shape, generator)
+        shard_tensor(flat[i], strategy.inputs[k], mesh_shape, generator, row_owners)
         for k, i in enumerate(tensor_positions)
     ]
     if memory_layouts is not None:
@@ -211,21 +259,45 @@ def check_strategy(
     rtol: float = 1e-4,
     generator: torch.Generator | None = None,
     memory_layouts: Sequence[str] | None = None,
+    row_owners: RowOwners | None = None,
 ) -> None:
     """Assert that running `op` sharded by `strategy` and assembling equals the full op (run on
-    contiguous tensors); `memory_layouts` as in `run_local`."""
+    contiguous tensors); `memory_layouts` as in `run_local`. Row-disjoint (D) inputs give each row
+    to its owner in `row_owners` (default `default_row_owners`), and D outputs must hold every
+    row only on that owner, zeros elsewhere."""
     expected = op(*args, **kwargs)
     call = make_call(op, args, kwargs, expected)
-    outputs, _ = run_local(call, strategy, args, kwargs, mesh_shape, registry, generator, memory_layouts)
+    if row_owners is None and expert_parallel.is_expert_split(op, strategy):
+        offs = args[2] if len(args) > 2 else kwargs["offs"]
+        row_owners = expert_parallel.row_owners(offs, strategy.inputs[1], mesh_shape)
+    outputs, _ = run_local(
+        call, strategy, args, kwargs, mesh_shape, registry, generator, memory_layouts, row_owners
+    )
     expected_flat = [x for x in pytree.tree_leaves(expected) if isinstance(x, torch.Tensor)]
     for index, (want, layout) in enumerate(zip(expected_flat, strategy.outputs)):
         pieces = {c: outs[index] for c, outs in outputs.items()}
+        check_row_disjoint(pieces, layout, mesh_shape, row_owners)
         got = assemble(pieces, layout, mesh_shape, atol=atol, rtol=rtol)
         if want.is_floating_point():
             torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{op} {strategy}: {m}")
         else:
             if not torch.equal(got, want):
                 raise AssertionError(f"{op} {strategy}: integer output {index} differs")
+
+
+def check_row_disjoint(
+    pieces: Pieces, layout: Layout, mesh_shape: Sequence[int], row_owners: RowOwners | None = None
+) -> None:
+    """Raise unless every rank's piece is zero on the rows it does not own on `layout`'s D axes."""
+    disjoint = [a for a, p in enumerate(layout.placements) if isinstance(p, RowDisjoint)]
+    if not disjoint:
+        return
+    owners = row_owners if row_owners is not None else default_row_owners(layout, mesh_shape)
+    for coords, piece in pieces.items():
+        mask = _row_mask(layout, mesh_shape, coords, {a: owners[a] for a in disjoint}, piece)
+        stray = torch.where(mask, torch.zeros_like(piece), piece)
+        if bool((stray != 0).any()):
+            raise AssertionError(f"rank {coords}: nonzero rows it does not own for {layout}")
 
 
 def simulate_steps(pieces: Pieces, steps: Sequence[CommStep], mesh_shape: Sequence[int]) -> Pieces:
@@ -263,6 +335,8 @@ def _simulate_step(pieces: Pieces, step: CommStep, mesh_shape: Sequence[int]) ->
             out[coords] = local.chunk(g, dim=step.dim)[me].clone()
         elif step.kind == "zero_partial":
             out[coords] = local.clone() if me == 0 else torch.zeros_like(local)
+        elif step.kind == "forbidden":
+            raise AssertionError(f"no redistribution makes a row-disjoint sum: {step.before} -> {step.after}")
         else:  # pragma: no cover
             raise AssertionError(step.kind)
     return out
@@ -275,6 +349,8 @@ def placements_on_axis(layout: Layout, axis: int) -> str:
         if isinstance(p, Shard)
         else "R"
         if isinstance(p, Replicate)
+        else "D"
+        if isinstance(p, RowDisjoint)
         else "P"
         if isinstance(p, Partial)
         else "?"
