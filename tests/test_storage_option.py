@@ -69,6 +69,7 @@ def test_forced_sharded_holds_a_pth_of_the_weights_and_trains_as_serial() -> Non
     first = next(iter(compiled.values()))
     report = first.report
     assert report.param_bytes_local * SHAPE[0] < 1.1 * report.param_bytes_total, str(report)
+    assert report.storage == SHARDED and "replicated storage" not in str(report)
     fwd, bwd = lockstep_step(compiled, model, SHAPE, batch, {})
     model.zero_grad(set_to_none=True)
     loss = model(*batch)
@@ -88,6 +89,8 @@ def test_forced_replicated_through_plan_options() -> None:
     report = result.compiled.report
     assert result.compiled.graph.meta["autopar_search"].storage == REPLICATED
     assert report.param_bytes_local * SHAPE[0] > 1.5 * report.param_bytes_total, str(report)
+    # the summary says why the weights are whole on some axis: the storage chosen, not their size
+    assert "replicated storage, DDP's pattern" in str(report) and "too small to split" not in str(report)
 
 
 def test_unknown_storage_names_the_choices() -> None:

@@ -269,6 +269,7 @@ def compile_for_rank(
         saved_before=savings.activation_bytes_before if savings is not None and savings.recompute else None,
         recomputed=savings.units if savings is not None else (),
         copied_ops=gm.meta.get(RECOMPUTE_KEY, 0),
+        storage=plan.storage if isinstance(plan, SearchPlan) else "",
     )
     write_collectives(path, report)
     timelines = None

@@ -65,6 +65,7 @@ class PlanReport:
     collectives: list[CollectiveRecord] = field(default_factory=list)
     schedule: Any = None
     activations: SavedActivations | None = None
+    storage: str = ""  # how the plan stores weights: "sharded", "replicated" ("" where not chosen by the search)
 
     @property
     def param_fraction(self) -> float:
@@ -80,7 +81,13 @@ class PlanReport:
             f"({self.param_fraction * self.world_size:.3f} x total/{self.world_size})",
         ]
         small = [name for name in self.replicated_params if name not in self.replicated_parts]
-        if small:
+        if self.storage == "replicated":
+            lines.append(
+                "weights stored as the plan computes with them (replicated storage, DDP's pattern: "
+                "nothing gathered, gradients all-reduced): "
+                f"{len(self.replicated_params)} replicated on some axis"
+            )
+        elif small:
             lines.append(f"replicated on some axis (too small to split): {', '.join(small)}")
         if self.replicated_parts:
             lines.append(
@@ -163,6 +170,7 @@ def build_report(
     saved_before: float | None = None,
     recomputed: tuple[str, ...] = (),
     copied_ops: int = 0,
+    storage: str = "",
 ) -> PlanReport:
     """`graph_mesh`: the mesh the program's collectives are laid out on, when it has more axes than
     the device mesh (over-decomposition's in-process chunk axis). `saved_before`, `recomputed`,
@@ -191,6 +199,7 @@ def build_report(
         collectives=collect([program.forward, program.backward], graph_mesh or mesh),
         schedule=schedule,
         activations=SavedActivations(saved_before, _saved_bytes(program), recomputed, copied_ops),
+        storage=storage,
     )
 
 

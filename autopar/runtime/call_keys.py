@@ -67,3 +67,19 @@ def describe_spec(spec: tuple[tuple[int, ...], torch.dtype] | None) -> str:
         return "not a tensor"
     shape, dtype = spec
     return f"{str(dtype).replace('torch.', '')}{list(shape)}"
+
+
+def value_only_differences(key: tuple[Any, ...], others: Sequence[tuple[Any, ...]]) -> dict[int, set[Any]]:
+    """For a new call `key`, the plain (non-tensor) arguments whose value alone tells it apart from
+    a compiled program's key (same structure, shapes and mode): argument index -> the values seen.
+    A number passed where a tensor would do (a diffusion timestep) compiles a program per value."""
+    spec, leaves, mode = key
+    found: dict[int, set[Any]] = {}
+    for other_spec, other_leaves, other_mode in others:
+        if other_spec != spec or other_mode != mode:
+            continue
+        differ = [i for i, (a, b) in enumerate(zip(leaves, other_leaves)) if a != b]
+        if differ and all(leaves[i][0] == "value" for i in differ):
+            for i in differ:
+                found.setdefault(i, set()).update((leaves[i][2], other_leaves[i][2]))
+    return found

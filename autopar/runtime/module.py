@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from autopar.runtime.call_checks import (
     refuse_input_gradients,
     structure_digest,
 )
-from autopar.runtime.call_keys import CallMode, call_key, describe_spec, leaf_text
+from autopar.runtime.call_keys import CallMode, call_key, describe_spec, leaf_text, value_only_differences
 from autopar.runtime.checkpoint_prefix import model_prefixes
 from autopar.runtime.defer_reduction import GradAccumulation, ReductionSplit, add_grads, params_grads
 from autopar.runtime.groups import Groups, failures_named
@@ -53,6 +54,7 @@ from autopar.runtime.param_feed import (
 )
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
+from autopar.runtime.source_attributes import SourceAttributes
 from autopar.runtime.source_watch import SourceWatch
 from autopar.runtime.split_backward import SplitBackward
 
@@ -87,7 +89,7 @@ class _Program:
         return None
 
 
-class ParallelModule(FullState, nn.Module):
+class ParallelModule(FullState, SourceAttributes, nn.Module):
     """This rank's share of the model; call it with the same global inputs on every rank.
 
     A call whose input shapes, dtypes or non-tensor arguments differ from every compiled one, or in
@@ -116,6 +118,7 @@ class ParallelModule(FullState, nn.Module):
     ) -> None:
         super().__init__()
         assert mesh.device_mesh is not None
+        self.remember_source(source)
         self._program = program
         self._mesh = mesh
         self._in_spec = in_spec
@@ -134,6 +137,8 @@ class ParallelModule(FullState, nn.Module):
         self.report = report
         self.training = source.training
         self._programs: OrderedDict[Any, _Program] = OrderedDict()
+        self._values_seen: dict[int, set[Any]] = {}  # plain arguments that compiled programs by value
+        self._values_warned: set[int] = set()
         self._first = first = self._prepared(program, outputs)
         device_type = mesh.device_mesh.device_type
         self._autocast_devices = tuple(dict.fromkeys(("cpu", device_type)))
@@ -384,6 +389,7 @@ class ParallelModule(FullState, nn.Module):
             why = f"new input values ({guards.failing(flat)[0]} decides another branch)"
         else:
             why = self._difference(key)
+            self._note_values(key)
         _LOG.info("autopar: compiling a program for %s", why)
         program, outputs = self._compile(args, kwargs, mode)
         compiled = self._prepared(program, outputs, why)
@@ -395,6 +401,21 @@ class ParallelModule(FullState, nn.Module):
         if len(self._programs) > MAX_PROGRAMS:
             self._programs.popitem(last=False)
         return compiled
+
+    def _note_values(self, key: Any) -> None:
+        """Warn once per argument when a plain number or flag has compiled three programs: each
+        value is a new program (seconds of compile, and at most MAX_PROGRAMS are kept)."""
+        for index, values in value_only_differences(key, list(self._programs)).items():
+            seen = self._values_seen.setdefault(index, set())
+            seen.update(values)
+            if len(seen) >= 3 and index not in self._values_warned:
+                self._values_warned.add(index)
+                warnings.warn(
+                    f"autopar: input {index} is a Python {type(next(iter(seen))).__name__} that has taken "
+                    f"{len(seen)} values, and each value compiles its own program (at most {MAX_PROGRAMS} "
+                    "are kept); pass it as a tensor (torch.tensor(t)) and one program serves every value",
+                    stacklevel=4,
+                )
 
     def _refuse_local_guards(self, run: _Program) -> None:
         """A guard is evaluated on the global inputs, which a call with `inputs="local"` does not

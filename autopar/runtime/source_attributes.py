@@ -1,0 +1,91 @@
+"""What a parallel module answers besides its parameters, buffers and submodules: the source
+model's plain attributes (`pmodel.config`, which transformers and diffusers training scripts read:
+`unet.config.in_channels`), `dtype` and `device`, and for anything else an error that says where
+to read it instead of a bare AttributeError."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopar.core.errors import AutoparError
+
+# nn.Module keeps these in __dict__ itself; never forwarded
+_OWN = frozenset({"training", "call_super_init", "dump_patches"})
+
+
+class ModuleAttributeError(AutoparError, AttributeError):
+    """An attribute the source model has (a method, a property computed from its weights) that
+    the parallel module does not offer; an AttributeError, so `hasattr` and `getattr(m, n, d)`
+    behave as for a missing attribute."""
+
+
+class SourceAttributes(nn.Module):
+    """Mixin for the parallel module: remembers the source model's plain attributes (not tensors,
+    modules or methods: `config`, `name_or_path`, a flag) when it is built, and its properties
+    through a weak reference (the source may be freed; `config` of a diffusers model is one)."""
+
+    def remember_source(self, source: nn.Module) -> None:
+        plain = {
+            name: value
+            for name, value in vars(source).items()
+            if not name.startswith("_")
+            and name not in _OWN
+            and not isinstance(value, (torch.Tensor, nn.Module))
+            and not callable(value)
+        }
+        for table in (source._modules, source._parameters, source._buffers):  # set to None in the source
+            plain.update({name: None for name, value in table.items() if value is None})
+        self.__dict__["_source_plain"] = plain
+        self.__dict__["_source_ref"] = weakref.ref(source)
+        self.__dict__["_source_type"] = type(source)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the first floating-point parameter, as transformers' and diffusers' models
+        report theirs (float32 where there is none)."""
+        floating = (p.dtype for p in self.parameters() if p.is_floating_point())
+        return next(floating, torch.float32)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters live (its device of the mesh)."""
+        first = next(self.parameters(), None)
+        if first is None:
+            return torch.device("cpu")
+        return first.to_local().device if hasattr(first, "to_local") else first.device
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        plain = self.__dict__.get("_source_plain", {})
+        if name in plain:
+            return plain[name]
+        source_type = self.__dict__.get("_source_type")
+        if source_type is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        kind = getattr(source_type, name, None)
+        ref = self.__dict__.get("_source_ref")
+        source = ref() if ref is not None else None
+        if isinstance(kind, property) and source is not None and name == "config":
+            return getattr(source, name)  # diffusers' config: a property over a frozen dict
+        model = source_type.__name__
+        if kind is None and source is not None and not hasattr(source, name):
+            raise ModuleAttributeError(
+                f"neither the parallel module nor {model} has an attribute {name!r}",
+                hint="check the name",
+            )
+        what = "method" if callable(kind) else "property" if isinstance(kind, property) else "attribute"
+        raise ModuleAttributeError(
+            f"{model}.{name} is a {what} of the source model, which the parallel module does not "
+            "offer: it holds this rank's blocks of the weights, and a method or property of the "
+            "source would read the source's own (whole, or freed) weights",
+            hint=f"call it on the original model (model.{name}) for what does not depend on the trained "
+            "weights; pmodel.config, pmodel.dtype, pmodel.device and the submodules (pmodel.encoder) "
+            "are offered; pmodel.full_state_dict() gives the whole trained weights",
+        )
