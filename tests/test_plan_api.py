@@ -59,8 +59,9 @@ def test_report_json_and_explain(plans: dict[str, autopar.PlanResult]) -> None:
     assert data["layouts"]["addmm"].startswith("f32[")
     text = result.explain("addmm")
     assert "blocks.0.attn.qkv" in text and "reason:" in text and "inputs wanted:" in text
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError) as missing:  # and an AutoparError that says which names there are
         result.explain("no_such_node")
+    assert isinstance(missing.value, autopar.AutoparError) and "result.layouts()" in str(missing.value)
 
 
 @pytest.fixture(scope="module")

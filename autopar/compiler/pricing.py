@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from autopar.compiler.driver import Compiled, compile_conditions
 from autopar.compiler.pipeline_mesh import PipelineMeshChoice
+from autopar.core.errors import UnknownNameError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_per_rank
@@ -73,7 +74,12 @@ class PlanResult:
         """Why a node got its layout: its strategy, the planner's reason, where it comes from."""
         node = next((n for n in self.compiled.graph.graph.nodes if n.name == node_name), None)
         if node is None or not has_info(node):
-            raise KeyError(f"no node {node_name!r} in the plan")
+            known = list(self.layouts())
+            raise UnknownNameError(
+                f"no node {node_name!r} in the plan",
+                hint=f"explain takes a node name of the compiled graph, the keys of result.layouts() "
+                f"(this plan has {len(known)}, e.g. {', '.join(known[:3])})",
+            )
         node_info = info(node)
         names = self.mesh.axis_names
         lines = [f"{node.name} = {node.target}  @ {node_info.where()}"]

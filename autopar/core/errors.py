@@ -82,6 +82,13 @@ class ModelValueError(AutoparError, ValueError):
     must have the same number of <eos> tokens"), as the serial model does on the same batch."""
 
 
+class UnknownNameError(AutoparError, KeyError):
+    """A name that names nothing here (a graph node to explain); a KeyError, as a lookup's."""
+
+    def __str__(self) -> str:  # KeyError's would quote the whole message
+        return self.args[0] if self.args else ""
+
+
 class RankFailureError(AutoparError, RuntimeError):
     """A collective broke or timed out because another rank failed, left or never came."""
 
