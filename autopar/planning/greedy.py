@@ -32,7 +32,7 @@ from autopar.core.plan import Plan
 from autopar.core.redistribute import redistribute_cost
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
 from autopar.cost.work import global_work, work_split
-from autopar.planning.greedy_scores import GreedyMemo, ListFacts, best, scores
+from autopar.planning.greedy_scores import GreedyMemo, ListFacts, ListShape, best, scores
 from autopar.planning.search_steps import even_redistribute_cost
 from autopar.planning.storage import (
     gather_from_storage,
@@ -356,7 +356,10 @@ class _Greedy:
     def _list_facts(self, candidates: list[Strategy]) -> ListFacts:
         found = self.memo.lists.get(id(candidates))
         if found is None:
-            found = self.memo.lists[id(candidates)] = ListFacts.of(candidates, self._facts)
+            shape = self.memo.shapes.get(id(candidates))
+            if shape is None:
+                shape = self.memo.shapes[id(candidates)] = ListShape.of(candidates)
+            found = self.memo.lists[id(candidates)] = shape.facts(self.shape)
         return found
 
     def _facts(self, strategy: Strategy) -> tuple[int, int, float]:
