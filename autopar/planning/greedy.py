@@ -394,9 +394,14 @@ class _Greedy:
             per_axis.append([s for _, s in ranked[:BEAM]])
         result = []
         combos = self.memo.combos if key is not None else {}
+        combined = self.memo.combined  # (mesh-free: shared by the screen's meshes)
         for combo in itertools.product(*per_axis):
             if (key, combo) not in combos:
-                strategy = combine(call, combo)
+                strategy = combined.get((key, combo)) if key is not None else None
+                if strategy is None:
+                    strategy = combine(call, combo)
+                    if key is not None:
+                        combined[(key, combo)] = strategy
                 combos[(key, combo)] = strategy if admissible(strategy, self.shape, uneven) else None
             found = combos[(key, combo)]
             if found is not None:

@@ -135,6 +135,8 @@ class GreedyMemo:
     calls: dict[fx.Node, tuple[OpCall, tuple[Any, ...]]] = field(default_factory=dict)
     # (op, call_key, per-axis options) -> the combined strategy, None if not admissible (`_beam`)
     combos: dict[Any, Strategy | None] = field(default_factory=dict)
+    # the same, combined whether admissible or not: mesh-free, shared by the screen's meshes
+    combined: dict[Any, Strategy] = field(default_factory=dict)
     lists: dict[int, ListFacts] = field(default_factory=dict)  # by id of an expanded list (kept in it)
     # by id of an expanded list: its mesh-free part, shared by the screen's meshes (`graph_memo`)
     shapes: dict[int, ListShape] = field(default_factory=dict)

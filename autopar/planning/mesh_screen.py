@@ -76,9 +76,11 @@ def estimate(
 
 
 def graph_memo(calls: GreedyMemo | None) -> GreedyMemo:
-    """A fresh memo for one mesh sharing `calls`' per-node op calls and inputs and its lists'
-    mesh-free facts (`ListShape`)."""
-    return GreedyMemo() if calls is None else GreedyMemo(inputs=calls.inputs, calls=calls.calls, shapes=calls.shapes)
+    """A fresh memo for one mesh sharing `calls`' mesh-free answers: per node its op call and
+    inputs, per list its `ListShape`, per beam its combined strategies."""
+    return GreedyMemo() if calls is None else GreedyMemo(
+        inputs=calls.inputs, calls=calls.calls, shapes=calls.shapes, combined=calls.combined
+    )
 
 
 def screen(
