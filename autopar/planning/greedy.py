@@ -101,6 +101,13 @@ def _gather(want: Layout, mesh_shape: tuple[int, ...]) -> float:
 
 
 @functools.lru_cache(maxsize=200_000)
+def _storage(want: Layout, mesh_shape: tuple[int, ...], part_dim: int | None) -> Layout:
+    """Where a parameter computing as `want` is stored (a part of a fused one: `part_dim` whole);
+    repeated layers ask the same of every mesh."""
+    return storage_layout(want, mesh_shape) if part_dim is None else part_storage(want, part_dim, mesh_shape)
+
+
+@functools.lru_cache(maxsize=200_000)
 def _strategy_facts(strategy: Strategy, mesh_shape: tuple[int, ...]) -> tuple[int, int, float]:
     """(uneven layouts, work split, elements of pending sums) of a candidate: candidate lists are
     shared by repeated ops and passes, so each candidate is worked out once."""
@@ -288,6 +295,15 @@ class _Greedy:
             found = self.memo.calls[node] = (call, call_key(call))
         return found
 
+    def _question(self, node: fx.Node, key_of_call: tuple[Any, ...]) -> int:
+        """One number per distinct (op, call key): the memo's keys hash it instead of the call's
+        specs at every node of every layer."""
+        found = self.memo.questions.get(node)
+        if found is None:
+            numbers = self.memo.numbers
+            found = self.memo.questions[node] = numbers.setdefault((node.target, key_of_call), len(numbers))
+        return found
+
     def _choose(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         rule = self._rule(node)
         call, key_of_call = self._op_call(node)
@@ -308,7 +324,7 @@ class _Greedy:
         # where `_role_filter` applies): repeated layers ask the same question again and get the
         # same answer, and so do passes with other roles or forced nodes sharing `choices`.
         roled = rule.anchor and "param" in current and any(c != "param" for c in current)
-        key = (node.target, key_of_call, tuple(current), self.plan.roles if roled else None)
+        key = (self._question(node, key_of_call), tuple(current), self.plan.roles if roled else None)
         found = self.choices.get(key)
         if found is None:
             found = self.choices[key] = self._pick(node, rule, call, current, key_of_call)
@@ -456,7 +472,7 @@ class _Greedy:
         kind = self.deferred.pop(node)
         if node.op == "placeholder":
             dim = self.part_dims.get(node.name)
-            storage = storage_layout(want, self.shape) if dim is None else part_storage(want, dim, self.shape)
+            storage = _storage(want, self.shape, dim)
             self._set(node, (storage,), f"stored split over all axes; computes as {want.per_axis_str()}")
             return
         if node.target is operator.getitem:

@@ -133,6 +133,9 @@ class GreedyMemo:
     choices: dict[Any, tuple[Strategy, str]] = field(default_factory=dict)
     inputs: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     calls: dict[fx.Node, tuple[OpCall, tuple[Any, ...]]] = field(default_factory=dict)
+    # per node, the number of its (op, call key) in `numbers` (the answers' keys name it by that)
+    questions: dict[fx.Node, int] = field(default_factory=dict)
+    numbers: dict[Any, int] = field(default_factory=dict)
     # (op, call_key, per-axis options) -> the combined strategy, None if not admissible (`_beam`)
     combos: dict[Any, Strategy | None] = field(default_factory=dict)
     # the same, combined whether admissible or not: mesh-free, shared by the screen's meshes

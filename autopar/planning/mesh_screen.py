@@ -79,7 +79,12 @@ def graph_memo(calls: GreedyMemo | None) -> GreedyMemo:
     """A fresh memo for one mesh sharing `calls`' mesh-free answers: per node its op call and
     inputs, per list its `ListShape`, per beam its combined strategies."""
     return GreedyMemo() if calls is None else GreedyMemo(
-        inputs=calls.inputs, calls=calls.calls, shapes=calls.shapes, combined=calls.combined
+        inputs=calls.inputs,
+        calls=calls.calls,
+        questions=calls.questions,
+        numbers=calls.numbers,
+        shapes=calls.shapes,
+        combined=calls.combined,
     )
 
 
