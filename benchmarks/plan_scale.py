@@ -15,6 +15,7 @@ chosen mesh's modeled step with overlap, "step ms" its no-overlap sum of the com
     python benchmarks/plan_scale.py --model gpt3-175b --layers 4 --ranks 64 --microbatches 8
     python benchmarks/plan_scale.py --model gpt3-175b --ranks 1536 --microbatches 96 --cpu-limit 900
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --microbatches 96 --cuts-only
+    python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --screen-only 24
 
 `--model gpt3-175b` / `gpt-1t` is the PTD-P shape of benchmarks/ptdp_modeled.py (GPT, hidden 12288 /
 25600, 96 / 160 heads, sequence 2048, vocabulary 51200, bfloat16, batch = ranks) on the A100 table
@@ -24,6 +25,8 @@ stage sub-mesh), `--no-bound` prices every depth (no branch and bound). `--cpu-l
 run after S CPU seconds and records it as not finished. `--cuts-only` times the part of the pipeline
 choice that prices every depth's ideal cuts (every schedule of `AUTO_CANDIDATES`, work divided
 ideally by the stage sub-mesh) on the full-depth trace, without the sub-mesh choices.
+`--screen-only K` times the tensor-only choice's screen (a cheap plan per mesh) on K of the
+candidate meshes, evenly spaced in the candidates' order (CPU seconds per mesh, the estimates).
 
 Writes benchmarks/results/plan_scale.json (`--name` to change).
 """
@@ -136,6 +139,47 @@ def measure_cuts(name: str, ranks: int, layers: int, microbatches: int) -> dict[
             "priced": priced, "best_ideal_ms": best * 1e3}  # fmt: skip
 
 
+def measure_screen(name: str, ranks: int, layers: int, meshes: int) -> dict[str, Any]:
+    """The tensor-only mesh choice's screen (`mesh_screen.screen`) on `meshes` of the default
+    candidates (every `len // meshes`-th, in `mesh_candidates`' order), CPU seconds per mesh."""
+    import hashlib
+
+    import torch
+
+    from autopar.compiler.auto_mesh import trace_for_choice
+    from autopar.core.mesh import Mesh
+    from autopar.planning.mesh_choice import mesh_candidates
+    from autopar.planning.mesh_screen import screen
+    from autopar.planning.search_cost import TimeCost
+    from autopar.planning.search_steps import StepCache
+    from autopar.rules.registry import default_registry
+    from examples.models import GPT, GPTConfig
+
+    hidden, heads = MODELS[name]
+    cfg = GPTConfig(vocab_size=51200, block_size=SEQ, n_layer=layers, n_head=heads, n_embd=hidden)
+    model = on_meta(lambda: GPT(cfg)).to(torch.bfloat16)
+    idx = torch.zeros(ranks, SEQ, dtype=torch.long)
+    import_lazy_modules()
+    cpu = time.process_time()
+    gm = trace_for_choice(model, ranks, (idx, idx))
+    traced = time.process_time() - cpu
+    every = mesh_candidates(ranks)
+    picked = every[:: max(1, len(every) // meshes)][:meshes]
+    steps = StepCache()
+    chosen = [Mesh.from_shape(shape, names) for shape, names in picked]
+    costs = [TimeCost("a100-cluster", m.shape, steps=steps) for m in chosen]
+    gc.disable()  # as the mesh choice runs
+    cpu = time.process_time()
+    order, estimates = screen(gm, chosen, default_registry(), costs, keep=4)
+    spent = time.process_time() - cpu
+    gc.enable()
+    values = [(list(m.shape), e.value, e.seed) for m, e in zip(chosen, estimates)]
+    return {"model": name, "ranks": ranks, "layers": layers, "trace_cpu_s": traced, "candidates": len(every),
+            "screened": len(chosen), "screen_cpu_s": spent, "per_mesh_cpu_s": spent / len(chosen),
+            "best": [values[i] for i in order[:4]],
+            "estimates_md5": hashlib.md5(repr(values).encode()).hexdigest(), "estimates": values}  # fmt: skip
+
+
 def measure(ranks: int, layers: int, hardware: str, searched: int | None) -> dict[str, Any]:
     """Build, then `autopar.plan(..., "auto")`, in this (fresh) process."""
     import torch
@@ -223,9 +267,24 @@ def main() -> None:
     )
     parser.add_argument("--cpu-limit", type=float, default=0.0, help="CPU seconds per run (0: none)")
     parser.add_argument("--cuts-only", action="store_true", help="time every depth's ideal cuts only")
+    parser.add_argument(
+        "--screen-only", type=int, default=0, metavar="K", help="time the screen on K of the candidate meshes"
+    )
     args = parser.parse_args()
     clock = RunClock()
     ctx = multiprocessing.get_context("spawn")
+    if args.screen_only:
+        runs = []
+        for layers in args.layers:
+            for ranks in args.ranks:
+                with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
+                    run = pool.submit(measure_screen, args.model, ranks, layers, args.screen_only).result()
+                runs.append(run)
+                brief = {k: v for k, v in run.items() if k != "estimates"}
+                print(f"  {brief}", flush=True)
+        path = write_result(args.name, {"notes": args.notes, **clock.record(), "runs": runs})
+        print(f"wrote {path}")
+        return
     if args.cuts_only:
         runs = []
         for layers in args.layers:

@@ -8,6 +8,9 @@
   the cheap plan is one of the search's seeds, so it bounds the searched plan from above.
 - `expand` walks the product of per-axis strategies pruning prefixes: the list is the filtered
   product's, in its order, on meshes with odd, unit and uneven axes.
+- The screen's meshes share candidate lists where their sizes divide the same dims
+  (`expand_signature`, `ExpandCache`) and a list's mesh-free facts (`ListShape`): every mesh
+  gets the lists, facts and estimates it gets alone.
 - `plan(model, "auto")` compiles the mesh choice's trace and plan of the chosen mesh instead of
   tracing and searching it again: the result is that of planning the chosen shape directly.
 """
@@ -29,12 +32,16 @@ from autopar.core.layout import Layout, P, R, Shard
 from autopar.core.mesh import Mesh
 from autopar.core.redistribute import redistribute_cost
 from autopar.passes.trace import trace
-from autopar.planning.mesh_choice import MeshChoice, rank_meshes
+from autopar.planning.greedy import _strategy_facts
+from autopar.planning.greedy_scores import ListFacts, ListShape
+from autopar.planning.mesh_choice import MeshChoice, mesh_candidates, rank_meshes
+from autopar.planning.mesh_screen import estimate, screen
+from autopar.planning.plan_cost import GraphFacts
 from autopar.planning.search import TimeCost, search_layouts
 from autopar.planning.search_cost import ElementCost
 from autopar.planning.search_steps import REPLICATE, StepCache, canonical, coded_template
 from autopar.rules.base import admissible, all_replicated, combine, expand
-from autopar.rules.calls import call_key, op_call
+from autopar.rules.calls import ExpandCache, call_key, expand_cached, op_call
 from autopar.rules.registry import default_registry
 from examples.models import GPT, GPTConfig, make_gpt
 
@@ -154,6 +161,52 @@ def test_expand_is_the_filtered_product_in_order() -> None:
                 every = [combine(call, c) for c in itertools.product(*axes)]
                 want = [s for s in every if admissible(s, shape, uneven)]
                 assert expand(call, options, shape, uneven) == want
+
+
+def _same_facts(got: ListFacts, want: ListFacts) -> bool:
+    return (
+        got.candidates == want.candidates
+        and got.uneven.tolist() == want.uneven.tolist()
+        and got.split.tolist() == want.split.tolist()
+        and got.pending.tolist() == want.pending.tolist()
+        and [(w, i.tolist()) for w, i in got.wants] == [(w, i.tolist()) for w, i in want.wants]
+    )
+
+
+def test_meshes_that_divide_alike_share_lists_and_facts_as_alone() -> None:
+    model, inputs = make_gpt(0, n_layer=1, n_embd=96, n_head=6, block_size=24)
+    gm = trace(model, inputs, decompose=True)
+    registry = default_registry()
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and registry.get(n.target)]
+    library: dict[object, list[object]] = {}
+    shapes = [(2, 4), (4, 2), (2, 2), (8, 2), (3, 2), (6, 2), (5, 2), (2, 2, 2), (4, 2, 3), (1, 4), (2, 1)]
+    keys = set()
+    for shape in shapes:
+        cache = ExpandCache(library)  # type: ignore[arg-type]
+        for node in nodes:
+            rule, call = registry.get(node.target), op_call(node)
+            listed = expand_cached(node, rule, call, shape, cache)
+            alone = expand_cached(node, rule, call, shape, {})
+            assert listed == alone, (shape, node.name)
+            keys.add((len(shape), node.target, call_key(call), rule.requirement))
+            if listed:
+                facts = ListFacts.of(alone, lambda s, shape=shape: _strategy_facts(s, shape))  # type: ignore[misc]
+                assert _same_facts(ListShape.of(listed).facts(shape), facts), (shape, node.name)
+    assert len(library) < len(shapes) * len(keys) / 2  # most meshes reuse a list
+
+
+def test_the_screen_with_shared_lists_estimates_every_mesh_as_alone() -> None:
+    model, inputs = make_gpt(0, n_layer=2, n_embd=96, n_head=6, block_size=24, batch_size=12)
+    gm = trace(model, inputs, decompose=True)
+    registry, steps = default_registry(), StepCache()
+    meshes = [Mesh.from_shape(shape, names) for shape, names in mesh_candidates(12)]
+    costs = [TimeCost(HW, m.shape, steps=steps) for m in meshes]
+    _, together = screen(gm, meshes, registry, costs, keep=2)
+    facts = GraphFacts.of(gm)
+    for mesh, cost, found in zip(meshes, costs, together):
+        alone = estimate(gm, mesh, registry, cost, facts)
+        assert (found.value, found.seed) == (alone.value, alone.seed), mesh.shape
+    assert sum(math.isfinite(e.value) for e in together) > len(meshes) // 2
 
 
 def test_auto_compiles_the_chosen_plan_without_tracing_or_searching_again(

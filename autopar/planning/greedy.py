@@ -32,7 +32,7 @@ from autopar.core.plan import Plan
 from autopar.core.redistribute import redistribute_cost
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
 from autopar.cost.work import global_work, work_split
-from autopar.planning.greedy_scores import GreedyMemo, ListFacts, best, scores
+from autopar.planning.greedy_scores import GreedyMemo, ListFacts, ListShape, best, scores
 from autopar.planning.search_steps import even_redistribute_cost
 from autopar.planning.storage import (
     gather_from_storage,
@@ -98,6 +98,13 @@ def _redist(src: Layout, dst: Layout, mesh_shape: tuple[int, ...]) -> float:
 @functools.lru_cache(maxsize=200_000)
 def _gather(want: Layout, mesh_shape: tuple[int, ...]) -> float:
     return gather_from_storage(want, mesh_shape)
+
+
+@functools.lru_cache(maxsize=200_000)
+def _storage(want: Layout, mesh_shape: tuple[int, ...], part_dim: int | None) -> Layout:
+    """Where a parameter computing as `want` is stored (a part of a fused one: `part_dim` whole);
+    repeated layers ask the same of every mesh."""
+    return storage_layout(want, mesh_shape) if part_dim is None else part_storage(want, part_dim, mesh_shape)
 
 
 @functools.lru_cache(maxsize=200_000)
@@ -288,6 +295,15 @@ class _Greedy:
             found = self.memo.calls[node] = (call, call_key(call))
         return found
 
+    def _question(self, node: fx.Node, key_of_call: tuple[Any, ...]) -> int:
+        """One number per distinct (op, call key): the memo's keys hash it instead of the call's
+        specs at every node of every layer."""
+        found = self.memo.questions.get(node)
+        if found is None:
+            numbers = self.memo.numbers
+            found = self.memo.questions[node] = numbers.setdefault((node.target, key_of_call), len(numbers))
+        return found
+
     def _choose(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         rule = self._rule(node)
         call, key_of_call = self._op_call(node)
@@ -308,7 +324,7 @@ class _Greedy:
         # where `_role_filter` applies): repeated layers ask the same question again and get the
         # same answer, and so do passes with other roles or forced nodes sharing `choices`.
         roled = rule.anchor and "param" in current and any(c != "param" for c in current)
-        key = (node.target, key_of_call, tuple(current), self.plan.roles if roled else None)
+        key = (self._question(node, key_of_call), tuple(current), self.plan.roles if roled else None)
         found = self.choices.get(key)
         if found is None:
             found = self.choices[key] = self._pick(node, rule, call, current, key_of_call)
@@ -356,7 +372,10 @@ class _Greedy:
     def _list_facts(self, candidates: list[Strategy]) -> ListFacts:
         found = self.memo.lists.get(id(candidates))
         if found is None:
-            found = self.memo.lists[id(candidates)] = ListFacts.of(candidates, self._facts)
+            shape = self.memo.shapes.get(id(candidates))
+            if shape is None:
+                shape = self.memo.shapes[id(candidates)] = ListShape.of(candidates)
+            found = self.memo.lists[id(candidates)] = shape.facts(self.shape)
         return found
 
     def _facts(self, strategy: Strategy) -> tuple[int, int, float]:
@@ -391,9 +410,14 @@ class _Greedy:
             per_axis.append([s for _, s in ranked[:BEAM]])
         result = []
         combos = self.memo.combos if key is not None else {}
+        combined = self.memo.combined  # (mesh-free: shared by the screen's meshes)
         for combo in itertools.product(*per_axis):
             if (key, combo) not in combos:
-                strategy = combine(call, combo)
+                strategy = combined.get((key, combo)) if key is not None else None
+                if strategy is None:
+                    strategy = combine(call, combo)
+                    if key is not None:
+                        combined[(key, combo)] = strategy
                 combos[(key, combo)] = strategy if admissible(strategy, self.shape, uneven) else None
             found = combos[(key, combo)]
             if found is not None:
@@ -448,7 +472,7 @@ class _Greedy:
         kind = self.deferred.pop(node)
         if node.op == "placeholder":
             dim = self.part_dims.get(node.name)
-            storage = storage_layout(want, self.shape) if dim is None else part_storage(want, dim, self.shape)
+            storage = _storage(want, self.shape, dim)
             self._set(node, (storage,), f"stored split over all axes; computes as {want.per_axis_str()}")
             return
         if node.target is operator.getitem:

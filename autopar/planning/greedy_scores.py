@@ -10,6 +10,7 @@ prices each distinct (current, wanted) pair once and adds them up as arrays. Lis
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch.fx as fx
 
-from autopar.core.layout import Layout
+from autopar.core.layout import Layout, Replicate
 from autopar.core.strategy import OpCall, Strategy
 
 
@@ -35,18 +36,92 @@ class ListFacts:
     @staticmethod
     def of(candidates: list[Strategy], facts: Callable[[Strategy], tuple[int, int, float]]) -> ListFacts:
         per = [facts(s) for s in candidates]
-        wants = []
-        for j in range(len(candidates[0].inputs) if candidates else 0):
-            keys: dict[Layout, int] = {}
-            index = np.array([keys.setdefault(s.inputs[j], len(keys)) for s in candidates], dtype=np.intp)
-            wants.append((tuple(keys), index))
         return ListFacts(
             candidates,
             np.array([u for u, _, _ in per], dtype=np.int64),
             np.array([float(s) for _, s, _ in per]),
             np.array([p for _, _, p in per]),
-            tuple(wants),
+            _wants(candidates),
         )
+
+
+@dataclass(frozen=True)
+class ListShape:
+    """What `ListFacts` needs of a candidate list that does not depend on the mesh's sizes, worked
+    out once for every mesh with that list (the screen's meshes share lists: `ExpandCache`): the
+    distinct layouts and, per candidate and tensor (inputs, then outputs), which one it is; per
+    candidate the axes its work is split over (a bit each); the wanted inputs as in `ListFacts`."""
+
+    candidates: list[Strategy]  # kept alive with its facts (the list's id keys them)
+    layouts: tuple[Layout, ...]
+    index: np.ndarray  # candidates x tensors -> position in `layouts`
+    n_in: int
+    split_axes: np.ndarray  # per candidate: bit a set where some output is not replicated on axis a
+    wants: tuple[tuple[tuple[Layout, ...], np.ndarray], ...]
+
+    @staticmethod
+    def of(candidates: list[Strategy]) -> ListShape:
+        positions: dict[Layout, int] = {}
+        rows = [
+            [positions.setdefault(lay, len(positions)) for lay in (*s.inputs, *s.outputs)] for s in candidates
+        ]
+        n_in = len(candidates[0].inputs) if candidates else 0
+        masks = [
+            sum(
+                1 << a
+                for a in range(len(s.outputs[0].placements))
+                if any(not isinstance(o.placements[a], Replicate) for o in s.outputs)
+            )
+            if s.outputs
+            else 0
+            for s in candidates
+        ]
+        index = np.array(rows, dtype=np.intp).reshape(len(candidates), -1)
+        return ListShape(
+            candidates, tuple(positions), index, n_in, np.array(masks, dtype=np.int64), _wants(candidates)
+        )
+
+    def facts(self, mesh_shape: tuple[int, ...]) -> ListFacts:
+        """`ListFacts.of(candidates, greedy._strategy_facts on mesh_shape)`, number for number:
+        each distinct layout is asked once, each distinct set of split axes multiplied once."""
+        even = np.array([lay.is_even(mesh_shape) for lay in self.layouts], dtype=bool)
+        uneven = (~even)[self.index].sum(axis=1, dtype=np.int64)
+        masks, which = np.unique(self.split_axes, return_inverse=True)
+        products = [math.prod(g for a, g in enumerate(mesh_shape) if int(m) >> a & 1) for m in masks]
+        split = np.array([float(p) for p in products])[which.reshape(-1)]
+        terms = [_pending_terms(lay, mesh_shape) for lay in self.layouts]
+        outputs = self.index[:, self.n_in :]
+        if outputs.shape[1] == 1:
+            pending = np.array([_summed(terms[k]) for k in outputs[:, 0].tolist()])
+        else:  # in `_strategy_facts`' order: every output's axes, one sum
+            pending = np.array([_summed([t for k in row for t in terms[k]]) for row in outputs.tolist()])
+        return ListFacts(self.candidates, uneven, split, pending.reshape(len(self.candidates)), self.wants)
+
+
+def _pending_terms(layout: Layout, mesh_shape: tuple[int, ...]) -> list[float]:
+    """The partial sums an output of this layout leaves pending, per partial axis (elements)."""
+    axes = layout.partial_axes()
+    if not axes:
+        return []
+    n = layout.local_numel(mesh_shape)
+    return [(mesh_shape[a] - 1) / mesh_shape[a] * n for a in axes]
+
+
+def _summed(terms: Sequence[float]) -> float:
+    total = 0.0
+    for t in terms:
+        total += t
+    return total
+
+
+def _wants(candidates: list[Strategy]) -> tuple[tuple[tuple[Layout, ...], np.ndarray], ...]:
+    """Per input: the distinct wanted layouts and each candidate's index into them."""
+    wants = []
+    for j in range(len(candidates[0].inputs) if candidates else 0):
+        keys: dict[Layout, int] = {}
+        index = np.array([keys.setdefault(s.inputs[j], len(keys)) for s in candidates], dtype=np.intp)
+        wants.append((tuple(keys), index))
+    return tuple(wants)
 
 
 @dataclass
@@ -58,9 +133,16 @@ class GreedyMemo:
     choices: dict[Any, tuple[Strategy, str]] = field(default_factory=dict)
     inputs: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     calls: dict[fx.Node, tuple[OpCall, tuple[Any, ...]]] = field(default_factory=dict)
+    # per node, the number of its (op, call key) in `numbers` (the answers' keys name it by that)
+    questions: dict[fx.Node, int] = field(default_factory=dict)
+    numbers: dict[Any, int] = field(default_factory=dict)
     # (op, call_key, per-axis options) -> the combined strategy, None if not admissible (`_beam`)
     combos: dict[Any, Strategy | None] = field(default_factory=dict)
+    # the same, combined whether admissible or not: mesh-free, shared by the screen's meshes
+    combined: dict[Any, Strategy] = field(default_factory=dict)
     lists: dict[int, ListFacts] = field(default_factory=dict)  # by id of an expanded list (kept in it)
+    # by id of an expanded list: its mesh-free part, shared by the screen's meshes (`graph_memo`)
+    shapes: dict[int, ListShape] = field(default_factory=dict)
 
 
 def scores(

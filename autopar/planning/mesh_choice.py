@@ -251,7 +251,7 @@ def rank_meshes(
         limit = default_memory_limit(costs[0]) if memory_limit is None else float(memory_limit)
     order, estimates = list(range(len(meshes))), None
     if planner == "search" and 0 < searched < len(meshes):
-        order, estimates = screen(gm, meshes, registry, costs, searched)
+        order, estimates = screen(gm, meshes, registry, costs, searched, steps.lists)
     evaluated: list[MeshCandidate | None] = [None] * len(meshes)
     plans: list[Plan | None] = [None] * len(meshes)
     reports: list[Any] = [None] * len(meshes)

@@ -17,11 +17,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch.fx as fx
 
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
+from autopar.core.strategy import Strategy
 from autopar.planning.greedy import axis_roles, greedy_plan
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.plan_cost import GraphFacts, plan_cost
@@ -29,6 +31,7 @@ from autopar.planning.search_cost import ElementCost
 from autopar.planning.search_problem import Shared
 from autopar.planning.search_seeds import fixed_seeds
 from autopar.rules.base import RuleRegistry
+from autopar.rules.calls import ExpandCache
 
 
 @dataclass
@@ -47,11 +50,14 @@ def estimate(
     cost: ElementCost,
     facts: GraphFacts,
     calls: GreedyMemo | None = None,
+    library: dict[Any, list[Strategy]] | None = None,
 ) -> Estimate:
     """The modeled cost (`plan_cost`) of the cheapest of the default-role greedy plan and the
     fixed schemes' plans on `mesh`: an upper bound on what the search finds there. `calls`: a
-    memo whose nodes' op calls and inputs (the same on every mesh) this mesh's passes share."""
-    shared = Shared(work={name: work for name, _, work, _ in facts.calls}, greedy=graph_memo(calls))
+    memo whose nodes' op calls and inputs (the same on every mesh) this mesh's passes share.
+    `library`: candidate lists shared by meshes whose sizes divide the same dims (`ExpandCache`)."""
+    work = {name: work for name, _, work, _ in facts.calls}
+    shared = Shared(expand=ExpandCache(library), work=work, greedy=graph_memo(calls))
     best, seed = math.inf, ""
     roles = axis_roles(mesh)
     try:
@@ -70,8 +76,16 @@ def estimate(
 
 
 def graph_memo(calls: GreedyMemo | None) -> GreedyMemo:
-    """A fresh memo for one mesh sharing `calls`' per-node op calls and inputs (mesh-free)."""
-    return GreedyMemo() if calls is None else GreedyMemo(inputs=calls.inputs, calls=calls.calls)
+    """A fresh memo for one mesh sharing `calls`' mesh-free answers: per node its op call and
+    inputs, per list its `ListShape`, per beam its combined strategies."""
+    return GreedyMemo() if calls is None else GreedyMemo(
+        inputs=calls.inputs,
+        calls=calls.calls,
+        questions=calls.questions,
+        numbers=calls.numbers,
+        shapes=calls.shapes,
+        combined=calls.combined,
+    )
 
 
 def screen(
@@ -80,13 +94,16 @@ def screen(
     registry: RuleRegistry,
     costs: Sequence[ElementCost],
     keep: int,
+    library: dict[Any, list[Strategy]] | None = None,
 ) -> tuple[list[int], list[Estimate]]:
     """Every mesh's `estimate`, and the meshes' indices by estimate (ties: the earlier one). Only
-    the `keep` best so far keep their `Shared` (the rest are searched only if those fail)."""
+    the `keep` best so far keep their `Shared` (the rest are searched only if those fail).
+    `library`: candidate lists by op call and mesh signature, shared with other screens."""
     facts, calls = GraphFacts.of(gm), GreedyMemo()
+    library = library if library is not None else {}
     estimates: list[Estimate] = []
     for mesh, cost in zip(meshes, costs):
-        estimates.append(estimate(gm, mesh, registry, cost, facts, calls))
+        estimates.append(estimate(gm, mesh, registry, cost, facts, calls, library))
         ranked = sorted(range(len(estimates)), key=lambda i: (estimates[i].value, i))
         for i in ranked[keep:]:
             estimates[i].shared = None

@@ -16,11 +16,13 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from autopar.core.layout import Layout, Partial, Placement, RowDisjoint, Shard
 from autopar.core.redistribute import FORBIDDEN_FACTOR, exchanges_before
+from autopar.core.strategy import Strategy
 
 # per-axis codes of `codes`; a dim d >= 0 is Shard(d)
 DISJOINT, REPLICATE, PARTIAL = -3, -2, -1
@@ -139,9 +141,12 @@ def canonical(pairs: np.ndarray) -> np.ndarray:
 @dataclass
 class StepCache:
     """`StepTemplates` per number of mesh axes: one per search by default, one per mesh choice
-    when `autopar.planning.mesh_choice` hands the same cache to every candidate's cost."""
+    when `autopar.planning.mesh_choice` hands the same cache to every candidate's cost. `lists`:
+    the screen's candidate lists by op call and mesh signature (`rules.calls.ExpandCache`), shared
+    the same way (a pipeline choice's sub-mesh choices reuse the tensor-only choice's)."""
 
     by_ndim: dict[int, StepTemplates] = field(default_factory=dict)
+    lists: dict[Any, list[Strategy]] = field(default_factory=dict)
 
     def templates(self, ndim: int) -> StepTemplates:
         found = self.by_ndim.get(ndim)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -204,6 +205,21 @@ def expand(
         return [strategy for strategy in every if admissible(strategy, mesh_shape, uneven)]
     walk.run(0, [], [[1] * len(spec.shape) for spec in walk.specs], (0,) * len(walk.specs))
     return walk.result
+
+
+def expand_signature(call: OpCall, mesh_shape: Sequence[int], uneven: bool = False) -> tuple[Any, ...]:
+    """All `expand` reads of the mesh for `call`: which axes have one rank, which products of
+    axes divide each of the call's dim sizes, and (uneven rules) which axes cut each size into
+    non-empty `torch.chunk` blocks. Meshes with the same signature get the same list (layouts
+    and strategies name axes, not sizes), so the mesh choice expands once for all of them."""
+    sizes = sorted({size for spec in (*call.inputs, *call.outputs) for size in spec.shape})
+    n = len(mesh_shape)
+    divides = []
+    for mask in range(1, 1 << n):
+        g = math.prod(mesh_shape[a] for a in range(n) if mask >> a & 1)
+        divides.append(sum(1 << i for i, size in enumerate(sizes) if size % g == 0))
+    nonempty = tuple(chunks_nonempty(size, g) for g in mesh_shape for size in sizes) if uneven else ()
+    return n, tuple(size == 1 for size in mesh_shape), tuple(sizes), tuple(divides), nonempty
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.core.strategy import OpCall, Strategy, TensorSpec
-from autopar.rules.base import expand, spec_of
+from autopar.rules.base import expand, expand_signature, spec_of
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
@@ -58,6 +58,17 @@ def output_index(node: fx.Node) -> int:
     return sum(1 for v in list(values)[:index] if isinstance(v, torch.Tensor))
 
 
+class ExpandCache(dict[Any, list[Strategy]]):
+    """One mesh's candidate lists (`expand_cached`'s cache) backed by `library`, a cache shared by
+    meshes of any sizes: there a list is keyed by the mesh's `expand_signature` too, so meshes that
+    differ only in axis sizes that divide the same dims reuse one list. The mesh choice's screen
+    expands every op on hundreds of meshes; most of them share their lists."""
+
+    def __init__(self, library: dict[Any, list[Strategy]] | None = None) -> None:
+        super().__init__()
+        self.library: dict[Any, list[Strategy]] = library if library is not None else {}
+
+
 def expand_cached(
     node: fx.Node,
     rule: Any,
@@ -67,14 +78,26 @@ def expand_cached(
     key_of_call: tuple[Any, ...] | None = None,
 ) -> list[Strategy]:
     """`expand` memoized by op and argument specs: repeated layers share their candidate lists.
+    `cache` holds one mesh's lists (an `ExpandCache`: backed by lists shared across meshes).
     `key_of_call`: `call_key(call)`, if known."""
     key = (node.target, call_key(call) if key_of_call is None else key_of_call, rule.requirement)
     found = cache.get(key)
     if found is None:
-        found = expand(call, rule.strategies(call), shape, rule.uneven)
-        if rule.requirement is not None:
-            found = [s for s in found if rule.requirement.admits(call, s)]
+        if isinstance(cache, ExpandCache):
+            wide = (key, expand_signature(call, shape, rule.uneven))
+            found = cache.library.get(wide)
+            if found is None:
+                found = cache.library[wide] = _expanded(rule, call, shape)
+        else:
+            found = _expanded(rule, call, shape)
         cache[key] = found
+    return found
+
+
+def _expanded(rule: Any, call: OpCall, shape: tuple[int, ...]) -> list[Strategy]:
+    found = expand(call, rule.strategies(call), shape, rule.uneven)
+    if rule.requirement is not None:
+        found = [s for s in found if rule.requirement.admits(call, s)]
     return found
 
 
