@@ -93,13 +93,14 @@ def test_random_op_without_rule_is_refused_with_its_reason() -> None:
     assert "@ " in str(err.value) and "depend on the layout" in str(err.value)
 
 
-def test_untraceable_model_wraps_torch_error_with_location() -> None:
+def test_a_branch_on_a_value_the_weights_compute_is_refused_with_its_line() -> None:
+    """A branch on the inputs' values is a guard (tests/test_value_guards.py); one on a value the
+    weights compute cannot be evaluated before the program runs."""
     with pytest.raises(TraceError) as err:
         compile_for_rank(DataDependent(), Mesh.from_shape((2,)), (torch.randn(4, 8),), coords=(0,))
     message = str(err.value)
-    assert "torch.export could not trace DataDependent" in message
-    assert "test_errors.py" in message  # where in the user's code it failed
-    assert isinstance(err.value.__cause__, Exception)
+    assert "that value depends on the model's weights" in message
+    assert "test_errors.py:39" in message  # where in the user's code it reads the value
 
 
 def test_an_internal_failure_names_the_stage_the_node_and_its_op(monkeypatch: pytest.MonkeyPatch) -> None:
