@@ -72,6 +72,7 @@ from autopar.passes.trace_errors import (
     without_partial_graph,
 )
 from autopar.passes.value_guards import (
+    flat_values,
     inputs_have_values,
     private_inputs,
     quiet_symbolic_shapes,
@@ -149,7 +150,8 @@ def _trace(
         forward = exported.module()
         # checks torch.export defers to run time (torch._check on a value, as transformers' BART
         # family makes of its end-of-sequence count): guards too
-        guards = split_value_guards(forward, node_where)
+        example = flat_values(tuple(example_inputs), example_kwargs)
+        guards = split_value_guards(forward, node_where, example)
     except TraceError as err:
         watch.close()
         restore()
@@ -176,7 +178,7 @@ def _trace(
                 ) from raised
             raise
         unlifted = exported.module()
-        guards = split_value_guards(unlifted, node_where)
+        guards = split_value_guards(unlifted, node_where, flat_values(tuple(example_inputs), example_kwargs))
         forward = fake_clone(unlifted, fake_mode, frozen=forward_only)
     finally:
         watch.close()
@@ -192,7 +194,7 @@ def _trace(
         restore()
         groups = []
         forward = _export(model, fake_model, fake_args, fake_kwargs).module()
-        split_value_guards(forward, node_where)  # the same guards as the first export's
+        split_value_guards(forward, node_where, flat_values(tuple(example_inputs), example_kwargs))  # the same guards
         gm = joint.export(forward, [])
     restore()
     if not decompose:  # the decomposed nll_loss checks its targets' dtype; the kernel's fake does not

@@ -20,7 +20,7 @@ import contextlib
 import copy
 import logging
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -53,12 +53,17 @@ SIZE_GUARD_HINT = (
 )
 
 
-def split_value_guards(module: fx.GraphModule, where: Callable[[fx.Node], str]) -> ValueGuards | None:
+def split_value_guards(
+    module: fx.GraphModule, where: Callable[[fx.Node], str], example: Sequence[Any] | None = None
+) -> ValueGuards | None:
     """Cut every runtime assertion and the value reads only they use out of `module` (an unlifted
     exported module: parameters as get_attr, the flat user inputs as placeholders), in place, and
     return them as `ValueGuards`; None where the graph has none. `where(node)`: the user's module
-    path and source line of a node, for the errors."""
+    path and source line of a node, for the errors. `example`: the example's flat inputs, whose
+    values fix the sizes of `nonzero` on the inputs alone (`_fix_input_sizes`)."""
     graph = module.graph
+    if example is not None:
+        _fix_input_sizes(module, example)
     checks = [n for n in graph.nodes if n.target is _ASSERT or n.target in _CONSTRAINTS]
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     asserts = []
@@ -149,6 +154,125 @@ def _draws(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
+def _fix_input_sizes(module: fx.GraphModule, example: Sequence[Any]) -> None:
+    """Sizes the inputs' values decide, made static at the example's: `nonzero` of a mask computed
+    from the inputs alone, and boolean indexing by such a mask (`hidden_states[eos_mask]`, as
+    BART-family sequence classifiers pick their end-of-sequence states) become `nonzero_static` at
+    the example's count, with the count as a guard (an assertion the guard program then takes),
+    so a batch with another count gets its own program. A plan is made for fixed sizes; this fixes
+    the sizes the inputs decide. Size constraints torch recorded on the old, unbacked size are
+    erased: the size is a number now, and the guard holds it."""
+    graph = module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    made: list[fx.Node] = []
+
+    def input_only(node: fx.Node) -> bool:
+        return not any(n.op in ("get_attr", "call_module") or _draws(n) for n in _ancestors([node]))
+
+    def static_nonzero(mask: fx.Node, near: fx.Node) -> fx.Node:
+        program, inputs = _subprogram(module, placeholders, _ancestors([mask]), [mask])
+        count = int(torch.count_nonzero(program(*(example[i] for i in inputs))[0]))
+        with graph.inserting_before(near):
+            counted = graph.call_function(torch.ops.aten.count_nonzero.default, (mask,))
+            same = graph.call_function(torch.ops.aten.eq.Scalar, (counted, count))
+            read = graph.call_function(torch.ops.aten.item.default, (same,))
+            check = graph.call_function(_ASSERT, (read, f"the count of nonzero values is {count}"))
+            static = graph.call_function(torch.ops.aten.nonzero_static.default, (mask,), {"size": count})
+        for node in (counted, same, read, check, static):
+            node.meta.update({k: v for k, v in near.meta.items() if k in ("stack_trace", "nn_module_stack")})
+        made.append(static)
+        return static
+
+    for node in list(graph.nodes):
+        if node.target is torch.ops.aten.nonzero.default and input_only(node):
+            node.replace_all_uses_with(static_nonzero(node.args[0], node))  # type: ignore[arg-type]
+            graph.erase_node(node)
+        elif node.target is torch.ops.aten.index.Tensor:
+            source, indices = node.args[0], list(node.args[1])  # type: ignore[arg-type]
+            masks = [
+                k for k, index in enumerate(indices)
+                if isinstance(index, fx.Node) and _is_bool(index) and input_only(index)
+            ]  # fmt: skip
+            if not masks:
+                continue
+            for k in reversed(masks):  # a mask over d dims becomes d index tensors in its place
+                mask = indices[k]
+                assert isinstance(mask, fx.Node)
+                rows = static_nonzero(mask, node)
+                with graph.inserting_before(node):
+                    columns = [
+                        graph.call_function(torch.ops.aten.select.int, (rows, 1, d))
+                        for d in range(_ndim(mask))
+                    ]
+                indices[k : k + 1] = columns
+            node.args = (source, indices)
+            node.meta.pop("unbacked_bindings", None)  # its size is a number now
+    if made:
+        _erase_size_constraints(graph, made)
+    graph.lint()
+    module.recompile()
+
+
+def _is_bool(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bool
+
+
+def _ndim(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    assert isinstance(value, torch.Tensor)
+    return value.dim()
+
+
+def _erase_size_constraints(graph: fx.Graph, made: list[fx.Node]) -> None:
+    """The assertions torch recorded on sizes downstream of the now static nodes (`u1 >= 8`,
+    `Eq(u1, 8*(u1//8))`): each reads a size of a value computed from a static node's output, and
+    with the size a number it says nothing the count guard does not."""
+    downstream: set[fx.Node] = set()
+    stack = list(made)
+    while stack:
+        node = stack.pop()
+        if node in downstream:
+            continue
+        downstream.add(node)
+        stack.extend(node.users)
+    for node in reversed(list(graph.nodes)):
+        if node.target is _ASSERT or node.target in _CONSTRAINTS:
+            chain = _ancestors([node])
+            reads_size = any(n.target is torch.ops.aten.sym_size.int and n in downstream for n in chain)
+            if reads_size and not any(n.target in _VALUE_READS for n in chain):
+                graph.erase_node(node)
+    for node in reversed(list(graph.nodes)):  # the size arithmetic only those assertions used
+        if node.op == "call_function" and not node.users and _is_size_arithmetic(node):
+            graph.erase_node(node)
+
+
+def _is_size_arithmetic(node: fx.Node) -> bool:
+    return node.target is torch.ops.aten.sym_size.int or getattr(node.target, "__module__", "") in (
+        "_operator",
+        "operator",
+    )
+
+
+def _subprogram(
+    module: fx.GraphModule, placeholders: list[fx.Node], chain: set[fx.Node], outputs: list[fx.Node]
+) -> tuple[fx.GraphModule, tuple[int, ...]]:
+    """The nodes of `chain` (placeholders and pure ops) as a graph over the inputs they read,
+    returning `outputs`."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs = []
+    for index, node in enumerate(placeholders):
+        if node in chain:
+            env[node] = graph.placeholder(node.name)
+            inputs.append(index)
+    for node in module.graph.nodes:
+        if node in chain and node.op != "placeholder":
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule(torch.nn.Module(), graph), tuple(inputs)
+
+
 def _guard_program(
     module: fx.GraphModule, placeholders: list[fx.Node], chain: set[fx.Node], asserts: list[fx.Node]
 ) -> tuple[fx.GraphModule, tuple[int, ...]]:
@@ -174,6 +298,12 @@ def _guard_program(
     gm = fx.GraphModule(torch.nn.Module(), graph)
     return gm, tuple(inputs)
 
+
+
+def flat_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+    """The flat leaves of the example's `(args, kwargs)`, as the exported module's placeholders
+    take them; None where a tensor has no values (on the meta device)."""
+    return pytree.tree_leaves((args, kwargs)) if inputs_have_values(args, kwargs) else None
 
 
 def inputs_have_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -43,6 +43,7 @@ COVERED_OPS = [
     *ALONG_DIM_OPS,
     aten.linalg_vector_norm.default,
     aten.histc.default,
+    aten.nonzero_static.default,
 ]
 
 
@@ -146,6 +147,18 @@ def test_histogram(data: st.DataObject, mesh: tuple[int, ...]) -> None:
     bins = data.draw(st.integers(1, 6))
     x = random_tensor(shape, torch.int64, generator=g, high=bins).to(torch.float64)
     assert check_random_strategies(data, aten.histc.default, (x, bins, 0, bins - 1), {}, mesh, REGISTRY)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes())
+def test_nonzero_static(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """An end-of-sequence mask's coordinates at a fixed count (fewer than it holds, as many, more:
+    filled with -1)."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    mask = random_tensor(shape, torch.int64, generator=g, high=2).to(torch.bool)
+    size = data.draw(st.integers(0, int(mask.numel()) + 2))
+    assert check_random_strategies(data, aten.nonzero_static.default, (mask,), {"size": size}, mesh, REGISTRY)
 
 
 @pytest.mark.parametrize("op", FFT_OPS, ids=str)

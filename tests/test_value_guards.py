@@ -154,3 +154,41 @@ def test_each_branch_gets_its_program_and_trains_like_serial_on_two_ranks() -> N
         assert first == "example inputs", (rank, result)
         assert other.startswith("new input values (the value Python reads at") and "decides another branch" in other
         assert "test_value_guards.py:36" in other, (rank, result)
+
+
+class _PicksEndOfSequence(nn.Module):
+    """A BART-family sequence classifier's head: the hidden state at each row's end-of-sequence
+    token, picked by a boolean mask of the input ids (a size the inputs decide)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        eos = ids.eq(2)
+        torch._check(torch.unique_consecutive(eos.sum(1)).numel() == 1, lambda: "same number of <eos>")
+        picked = h[eos, :].view(h.size(0), -1, h.size(-1))[:, -1, :]
+        return F.cross_entropy(self.head(picked), y)
+
+
+def _eos_batch(per_row: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 16, (4, 8), generator=gen)
+    ids[:, 8 - per_row :] = 2  # per_row end-of-sequence tokens at the end of every row
+    return ids, torch.randint(3, (4,), generator=gen)
+
+
+@pytest.mark.parametrize("per_row", [1, 2])
+def test_boolean_indexing_by_an_input_mask_is_static_at_the_examples_count(per_row: int) -> None:
+    torch.manual_seed(0)
+    model = _PicksEndOfSequence()
+    compiled = assert_call_matches_serial(model, (2, 2), _eos_batch(per_row))
+    guards = next(iter(compiled.values())).program.value_guards
+    assert guards is not None
+    assert guards.hold(list(_eos_batch(per_row, seed=1)))
+    assert not guards.hold(list(_eos_batch(3 - per_row, seed=1)))  # another count: another program
+    for run in compiled.values():
+        targets = {n.target for n in run.program.forward.graph.nodes}
+        assert torch.ops.aten.nonzero.default not in targets and torch.ops.aten.nonzero_static.default in targets

@@ -152,6 +152,14 @@ def histogram_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, result)
 
 
+def nonzero_static_rule(call: OpCall) -> list[AxisStrategy]:
+    """`nonzero_static(mask, size=n)`: the coordinates of the first n nonzero elements, in
+    row-major order over the whole mask (the trace makes a mask's count static where the inputs
+    decide it, `autopar.passes.value_guards`). Coordinates are global and the order spans every
+    block, so it runs on the whole mask."""
+    return with_replicated(call, [])
+
+
 def fft_rule(call: OpCall) -> list[AxisStrategy]:
     """_fft_c2c / _fft_r2c / _fft_c2r(self, dim, ...): every output element mixes the whole of the
     transformed dims, so those stay whole and the others split alike (FNet mixes tokens and hidden
@@ -170,6 +178,7 @@ def register(registry: RuleRegistry) -> None:
         rules.register(op, reduction_rule(how))
     rules.register(aten.cumsum.default, scan_rule)
     rules.register(aten.histc.default, histogram_rule)
+    rules.register(aten.nonzero_static.default, nonzero_static_rule)
     for op in (aten._fft_c2c.default, aten._fft_r2c.default, aten._fft_c2r.default):
         rules.register(op, fft_rule)
     for op in (aten.sort.default, aten.sort.stable, aten.topk.default):
