@@ -255,10 +255,10 @@ def _is_size_arithmetic(node: fx.Node) -> bool:
 
 
 def _subprogram(
-    module: fx.GraphModule, placeholders: list[fx.Node], chain: set[fx.Node], outputs: list[fx.Node]
+    module: fx.GraphModule, placeholders: list[fx.Node], chain: set[fx.Node], outputs: Sequence[Any]
 ) -> tuple[fx.GraphModule, tuple[int, ...]]:
     """The nodes of `chain` (placeholders and pure ops) as a graph over the inputs they read,
-    returning `outputs`."""
+    returning `outputs` (nodes of `chain`, or constants as they are)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs = []
@@ -269,7 +269,7 @@ def _subprogram(
     for node in module.graph.nodes:
         if node in chain and node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(tuple(env[n] for n in outputs))
+    graph.output(tuple(env[n] if isinstance(n, fx.Node) else n for n in outputs))
     return fx.GraphModule(torch.nn.Module(), graph), tuple(inputs)
 
 
@@ -277,26 +277,9 @@ def _guard_program(
     module: fx.GraphModule, placeholders: list[fx.Node], chain: set[fx.Node], asserts: list[fx.Node]
 ) -> tuple[fx.GraphModule, tuple[int, ...]]:
     """A graph over the inputs the guards read, returning each assertion's condition."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    inputs = []
-    for index, node in enumerate(placeholders):
-        if node in chain:
-            env[node] = graph.placeholder(node.name)
-            inputs.append(index)
-    conditions = []
-    for node in module.graph.nodes:
-        if node not in chain or node.op == "placeholder":
-            continue
-        if node.target is _ASSERT:
-            conditions.append(env[node.args[0]] if isinstance(node.args[0], fx.Node) else node.args[0])
-            continue
-        if node.target in _CONSTRAINTS:
-            continue
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(tuple(conditions) if conditions else (True,))
-    gm = fx.GraphModule(torch.nn.Module(), graph)
-    return gm, tuple(inputs)
+    body = {n for n in chain if n.target is not _ASSERT and n.target not in _CONSTRAINTS}
+    conditions = [a.args[0] for a in asserts if a.target is _ASSERT]
+    return _subprogram(module, placeholders, body, conditions or [True])
 
 
 
