@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import TraceError
 from autopar.core.value_guards import ValueGuards
+from autopar.core.graph_order import ancestors
 
 _ASSERT = torch.ops.aten._assert_scalar.default
 # ops that only constrain a symbolic value: part of a guard's chain, never of the model's result
@@ -68,7 +69,7 @@ def split_value_guards(
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     asserts = []
     for check in checks:
-        chain = _ancestors([check])
+        chain = ancestors([check])
         outside = next((n for n in chain if n.op in ("get_attr", "call_module") or _draws(n)), None)
         if outside is None:  # a function of the inputs alone: a guard
             asserts.append(check)
@@ -95,7 +96,7 @@ def split_value_guards(
         )
     if not asserts:
         return None
-    chain = _ancestors(asserts)
+    chain = ancestors(asserts)
     guard_module, inputs = _guard_program(module, placeholders, chain, asserts)
     conditions = tuple(f"the value Python reads at {where(_read_of(a))}" for a in asserts if a.target is _ASSERT)
     for node in reversed(list(graph.nodes)):  # the asserts, then what only they used
@@ -113,18 +114,6 @@ def split_value_guards(
     graph.lint()
     module.recompile()
     return ValueGuards(guard_module, inputs, conditions)
-
-
-def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return seen
 
 
 def _first_read(chain: set[fx.Node], near: fx.Node) -> fx.Node | None:
@@ -145,7 +134,7 @@ def _first_read(chain: set[fx.Node], near: fx.Node) -> fx.Node | None:
 def _read_of(node: fx.Node) -> fx.Node:
     """The value read (`item`) a guard tests: the user's line for it (the assertion itself is
     torch's)."""
-    reads = [n for n in _ancestors([node]) if n.target in _VALUE_READS]
+    reads = [n for n in ancestors([node]) if n.target in _VALUE_READS]
     return reads[0] if reads else node
 
 
@@ -167,10 +156,10 @@ def _fix_input_sizes(module: fx.GraphModule, example: Sequence[Any]) -> None:
     made: list[fx.Node] = []
 
     def input_only(node: fx.Node) -> bool:
-        return not any(n.op in ("get_attr", "call_module") or _draws(n) for n in _ancestors([node]))
+        return not any(n.op in ("get_attr", "call_module") or _draws(n) for n in ancestors([node]))
 
     def static_nonzero(mask: fx.Node, near: fx.Node) -> fx.Node:
-        program, inputs = _subprogram(module, placeholders, _ancestors([mask]), [mask])
+        program, inputs = _subprogram(module, placeholders, ancestors([mask]), [mask])
         count = int(torch.count_nonzero(program(*(example[i] for i in inputs))[0]))
         with graph.inserting_before(near):
             counted = graph.call_function(torch.ops.aten.count_nonzero.default, (mask,))
@@ -238,7 +227,7 @@ def _erase_size_constraints(graph: fx.Graph, made: list[fx.Node]) -> None:
         stack.extend(node.users)
     for node in reversed(list(graph.nodes)):
         if node.target is _ASSERT or node.target in _CONSTRAINTS:
-            chain = _ancestors([node])
+            chain = ancestors([node])
             reads_size = any(n.target is torch.ops.aten.sym_size.int and n in downstream for n in chain)
             if reads_size and not any(n.target in _VALUE_READS for n in chain):
                 graph.erase_node(node)

@@ -1,4 +1,4 @@
-"""Put a graph's nodes in a given order (the passes that reorder share this, not each other)."""
+"""Orders and walks over a graph's nodes that passes and the runtime share, not each other's."""
 
 from __future__ import annotations
 
@@ -16,3 +16,16 @@ def apply_order(graph: fx.Graph, order: Sequence[fx.Node]) -> None:
         first.prepend(body[0])
     for previous, node in zip(body, body[1:]):
         previous.append(node)
+
+
+def ancestors(start: Sequence[fx.Node]) -> set[fx.Node]:
+    """`start` and every node they read, transitively."""
+    found: set[fx.Node] = set()
+    stack = list(start)
+    while stack:
+        node = stack.pop()
+        if node in found:
+            continue
+        found.add(node)
+        stack.extend(node.all_input_nodes)
+    return found

@@ -35,6 +35,7 @@ from datetime import timedelta
 import torch
 import torch.fx as fx
 
+from autopar.core.graph_order import ancestors
 from autopar.core.precision import autocast_off
 from autopar.runtime.groups import failures_named
 from autopar.runtime.program import EmittedProgram
@@ -112,7 +113,7 @@ def split_reductions(program: EmittedProgram) -> ReductionSplit:
     param_values, input_values = values[:num_params], values[num_params:]
 
     tangent_side = _from_tangents(nodes, placeholders[program.num_saved :])
-    feeds_inputs = _ancestors([v for v in input_values if isinstance(v, fx.Node)])
+    feeds_inputs = ancestors([v for v in input_values if isinstance(v, fx.Node)])
     reduce_side: set[fx.Node] = set()
     for n in nodes:  # graph order: a node's inputs are decided first
         if n in feeds_inputs or n.op in ("placeholder", "output"):
@@ -125,7 +126,7 @@ def split_reductions(program: EmittedProgram) -> ReductionSplit:
         changed = False
         for n in nodes:
             if n in reduce_side and not _movable(n, reduce_side, tangent_side):
-                for a in _ancestors([n]) | _waits_of(n):
+                for a in ancestors([n]) | _waits_of(n):
                     if a in reduce_side:
                         reduce_side.discard(a)
                         changed = True
@@ -182,18 +183,6 @@ def _from_tangents(nodes: Sequence[fx.Node], tangents: Sequence[fx.Node]) -> set
     for n in nodes:
         if any(i in found for i in n.all_input_nodes):
             found.add(n)
-    return found
-
-
-def _ancestors(start: Sequence[fx.Node]) -> set[fx.Node]:
-    found: set[fx.Node] = set()
-    stack = list(start)
-    while stack:
-        n = stack.pop()
-        if n in found:
-            continue
-        found.add(n)
-        stack.extend(n.all_input_nodes)
     return found
 
 
