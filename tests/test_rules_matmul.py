@@ -15,6 +15,7 @@ from autopar.testing.strategies import (
     candidate_strategies,
     check_random_strategies,
     dim_sizes,
+    expert_routings,
     mesh_shapes,
     random_tensor,
     seeds,
@@ -85,21 +86,6 @@ def test_grouped_matmul(data: st.DataObject, mesh: tuple[int, ...], op: object) 
     assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)
 
 
-def _routing(data: st.DataObject, experts: int) -> list[int]:
-    """Rows per expert: random, or skewed (one expert given most rows, another none), or every row
-    to one expert."""
-    kind = data.draw(st.sampled_from(["random", "skewed", "one_expert"]), label="routing")
-    counts = [data.draw(st.integers(0, 3)) for _ in range(experts)]
-    if kind == "one_expert":
-        chosen = data.draw(st.integers(0, experts - 1))
-        return [data.draw(st.integers(1, 12)) if e == chosen else 0 for e in range(experts)]
-    if kind == "skewed" and experts > 1:
-        busy, idle = data.draw(st.permutations(range(experts)))[:2]
-        counts[busy] = data.draw(st.integers(8, 16))
-        counts[idle] = 0
-    return counts
-
-
 @pytest.mark.parametrize("op", LIBRARY_OPS, ids=str)
 @settings(max_examples=25, deadline=None)
 @given(data=st.data(), mesh=mesh_shapes(max_axes=3).filter(lambda m: max(m) > 1))
@@ -110,7 +96,7 @@ def test_grouped_matmul_expert_split(data: st.DataObject, mesh: tuple[int, ...],
     g = torch.Generator().manual_seed(data.draw(seeds()))
     experts = data.draw(dim_sizes(mesh, cap=8, allow_one=False), label="experts")
     k, n = data.draw(dim_sizes(mesh, cap=12)), data.draw(dim_sizes(mesh, cap=12))
-    offs = torch.tensor(_routing(data, experts)).cumsum(0)
+    offs = torch.tensor(expert_routings(data, experts)).cumsum(0)
     tokens = int(offs[-1])
     x, w = random_tensor((tokens, k), generator=g), random_tensor((experts, k, n), generator=g)
     args: tuple = (x, w, offs)

@@ -22,7 +22,14 @@ from autopar.planning.search_steps import even_redistribute_cost
 from autopar.rules.expert_parallel import row_owners
 from autopar.rules.registry import default_registry
 from autopar.testing import assemble, check_strategy, shard_tensor, simulate_steps
-from autopar.testing.strategies import candidate_strategies, dim_sizes, mesh_shapes, random_tensor, seeds
+from autopar.testing.strategies import (
+    candidate_strategies,
+    dim_sizes,
+    expert_routings,
+    mesh_shapes,
+    random_tensor,
+    seeds,
+)
 
 aten = torch.ops.aten
 REGISTRY = default_registry()
@@ -153,21 +160,6 @@ def test_column_splits_and_concatenation_keep_rows_disjoint(
     assert not _disjoint_strategies(aten.add.Tensor, (x, x), {}, mesh)
 
 
-def _routing(data: st.DataObject, experts: int) -> list[int]:
-    """Rows per expert: random, or skewed (one expert given most rows, another none), or every row
-    to one expert."""
-    kind = data.draw(st.sampled_from(["random", "skewed", "one_expert"]), label="routing")
-    counts = [data.draw(st.integers(0, 3)) for _ in range(experts)]
-    if kind == "one_expert":
-        chosen = data.draw(st.integers(0, experts - 1))
-        return [data.draw(st.integers(1, 12)) if e == chosen else 0 for e in range(experts)]
-    if kind == "skewed" and experts > 1:
-        busy, idle = data.draw(st.permutations(range(experts)))[:2]
-        counts[busy] = data.draw(st.integers(8, 16))
-        counts[idle] = 0
-    return counts
-
-
 @pytest.mark.parametrize("op", [GROUPED_MM, GROUPED_MM_BACKWARD], ids=str)
 @SETTINGS
 @given(data=st.data(), mesh=MESHES)
@@ -180,7 +172,7 @@ def test_grouped_matmul_takes_the_rows_of_its_own_experts(
     g = torch.Generator().manual_seed(data.draw(seeds()))
     experts = data.draw(dim_sizes(mesh, cap=8, allow_one=False), label="experts")
     k, n = data.draw(dim_sizes(mesh, cap=12)), data.draw(dim_sizes(mesh, cap=12))
-    offs = torch.tensor(_routing(data, experts)).cumsum(0)
+    offs = torch.tensor(expert_routings(data, experts)).cumsum(0)
     tokens = int(offs[-1])
     x, w = random_tensor((tokens, k), generator=g) + 1, random_tensor((experts, k, n), generator=g) + 1
     args: tuple = (x, w, offs)

@@ -218,3 +218,18 @@ def check_random_strategies(
             memory_layouts=memory,
         )
     return chosen
+
+
+def expert_routings(data: st.DataObject, experts: int) -> list[int]:
+    """Rows per expert of a grouped matmul's routing (its `offs` are their cumsum): random, or skewed (one expert given most rows, another none), or every row
+    to one expert."""
+    kind = data.draw(st.sampled_from(["random", "skewed", "one_expert"]), label="routing")
+    counts = [data.draw(st.integers(0, 3)) for _ in range(experts)]
+    if kind == "one_expert":
+        chosen = data.draw(st.integers(0, experts - 1))
+        return [data.draw(st.integers(1, 12)) if e == chosen else 0 for e in range(experts)]
+    if kind == "skewed" and experts > 1:
+        busy, idle = data.draw(st.permutations(range(experts)))[:2]
+        counts[busy] = data.draw(st.integers(8, 16))
+        counts[idle] = 0
+    return counts
