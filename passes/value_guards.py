@@ -30,8 +30,8 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import TraceError
-from autopar.core.value_guards import ValueGuards
 from autopar.core.graph_order import ancestors
+from autopar.core.value_guards import ValueGuards
 
 _ASSERT = torch.ops.aten._assert_scalar.default
 # ops that only constrain a symbolic value: part of a guard's chain, never of the model's result
