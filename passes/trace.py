@@ -111,10 +111,18 @@ def trace(
     `mixed_precision`: every parameter read in the forward is read as a copy in its `param_dtype`
     (`autopar.passes.mixed_precision`)."""
     with autocast_off():
-        return _trace(
-            model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast,
-            mixed_precision,
-        )
+        try:
+            return _trace(
+                model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast,
+                mixed_precision,
+            )
+        except TraceError as failed:
+            # a batch the model itself rejects (a check torch.export defers to run time, as BART's
+            # end-of-sequence count) fails the trace later, somewhere else: the model's own error
+            own = _eager_error(model, tuple(example_inputs), example_kwargs or {})
+            if own is None:
+                raise
+            raise own from failed
 
 
 def _trace(
@@ -214,6 +222,39 @@ def _trace(
     return lazy
 
 
+def _model_error(model: nn.Module, exc: AssertionError | ValueError) -> ModelAssertionError | ModelValueError:
+    kind = ModelAssertionError if isinstance(exc, AssertionError) else ModelValueError
+    return kind(
+        f"{type(model).__name__} raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+        where=user_frame_of(exc),
+        hint="the serial model raises this on the same inputs: check the batch (no rank has run "
+        "any collective for this call)",
+    )
+
+
+def _eager_error(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ModelAssertionError | ModelValueError | None:
+    """The model's own AssertionError / ValueError on these inputs, run eagerly on a copy (the
+    user's model and batch untouched), or None: where the model holds its weights (on meta, zeros
+    would stand in for them and decide nothing about the serial model) and the inputs values."""
+    if not inputs_have_values(args, kwargs) or any(
+        t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]
+    ):
+        return None
+    device = next((x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None)
+    copy_ = valued_copy(model, device or torch.device("cpu"))
+    args, kwargs = private_inputs(args, kwargs, frozen=True)
+    try:
+        with torch.no_grad():
+            copy_(*args, **kwargs)
+    except (AssertionError, ValueError) as exc:  # what the serial model raises on this batch, wherever
+        return _model_error(model, exc)
+    except Exception:  # noqa: BLE001 - any other failure is not the model's check: the trace's error stands
+        return None
+    return None
+
+
 def _export(
     model: nn.Module,
     fake_model: nn.Module,
@@ -235,13 +276,7 @@ def _export(
                 return torch.export.export(fake_model, args, kwargs, strict=False)
     except (AssertionError, ValueError) as exc:
         if reading_values and raised_in_user_code(exc):  # the model's own check failed on these values
-            kind = ModelAssertionError if isinstance(exc, AssertionError) else ModelValueError
-            raise kind(
-                f"{type(model).__name__} raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                where=user_frame_of(exc),
-                hint="the serial model raises this on the same inputs: check the batch (no rank has run "
-                "any collective for this call)",
-            ) from exc
+            raise _model_error(model, exc) from exc
         raise export_error(model, exc) from exc
     except Exception as exc:  # torch raises many types; the user needs the location and the cause
         raise export_error(model, exc) from exc

@@ -1,0 +1,49 @@
+"""A batch the model itself rejects raises the model's own error, as serial does, wherever the trace
+happens to fail on it. BART's sequence classifier checks that every row has the same number of
+end-of-sequence tokens with a check torch.export defers to run time, so on a bad batch the trace
+fails later, in a view the count sizes; a user's `except ValueError` must still catch it (a user
+probe found a TraceError there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.core.errors import ModelValueError, TraceError
+from autopar.passes.trace import trace
+
+
+def _bart_and_ids() -> tuple[torch.nn.Module, torch.Tensor]:
+    from transformers import BartConfig, BartForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BartConfig(
+        vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    ids = torch.randint(3, 96, (4, 12), generator=torch.Generator().manual_seed(1))
+    ids[:, -1] = config.eos_token_id
+    return BartForSequenceClassification(config), ids
+
+
+def test_a_batch_the_model_rejects_raises_the_models_value_error() -> None:
+    model, ids = _bart_and_ids()
+    ids[0, 3] = model.config.eos_token_id  # row 0: two end-of-sequence tokens
+    with pytest.raises(ModelValueError, match="same number of <eos> tokens") as raised:
+        trace(model, (), example_kwargs={"input_ids": ids, "labels": torch.zeros(4, dtype=torch.long)})
+    assert isinstance(raised.value, ValueError)
+    assert isinstance(raised.value.__cause__, TraceError), "the trace's own failure stays attached"
+
+
+def test_a_trace_failure_the_model_does_not_raise_stays_a_trace_error() -> None:
+    class Unexportable(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum() + torch.tensor(x.numpy().sum())  # numpy: not traceable
+
+    with pytest.raises(TraceError) as raised:
+        trace(Unexportable(), (torch.randn(2, 4),))
+    assert not isinstance(raised.value, ValueError)
