@@ -16,6 +16,7 @@ chosen mesh's modeled step with overlap, "step ms" its no-overlap sum of the com
     python benchmarks/plan_scale.py --model gpt3-175b --ranks 1536 --microbatches 96 --cpu-limit 900
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --microbatches 96 --cuts-only
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --screen-only 24
+    python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --bounds-only 54.94
 
 `--model gpt3-175b` / `gpt-1t` is the PTD-P shape of benchmarks/ptdp_modeled.py (GPT, hidden 12288 /
 25600, 96 / 160 heads, sequence 2048, vocabulary 51200, bfloat16, batch = ranks) on the A100 table
@@ -27,6 +28,10 @@ choice that prices every depth's ideal cuts (every schedule of `AUTO_CANDIDATES`
 ideally by the stage sub-mesh) on the full-depth trace, without the sub-mesh choices.
 `--screen-only K` times the tensor-only choice's screen (a cheap plan per mesh) on K of the
 candidate meshes, evenly spaced in the candidates' order (CPU seconds per mesh, the estimates).
+`--bounds-only S` computes every candidate's lower bound on its screen estimate
+(`autopar.planning.mesh_bound`, what the screen's branch and bound orders meshes by) and counts
+those above S seconds: given an estimate S known to be at or above the screen's 4th best, the
+screen skips at least those.
 
 Writes benchmarks/results/plan_scale.json (`--name` to change).
 """
@@ -180,6 +185,43 @@ def measure_screen(name: str, ranks: int, layers: int, meshes: int) -> dict[str,
             "estimates_md5": hashlib.md5(repr(values).encode()).hexdigest(), "estimates": values}  # fmt: skip
 
 
+def measure_bounds(name: str, ranks: int, layers: int, above: float) -> dict[str, Any]:
+    """Every default candidate's `mesh_bound` lower bound on its screen estimate (what the screen's
+    branch and bound orders the meshes by), and how many exceed `above` seconds: an estimate the
+    screen's `keep`-th best is known to be under skips at least those."""
+    import torch
+
+    from autopar.compiler.auto_mesh import trace_for_choice
+    from autopar.core.mesh import Mesh
+    from autopar.planning.mesh_bound import Bounds
+    from autopar.planning.mesh_choice import mesh_candidates
+    from autopar.planning.plan_cost import GraphFacts
+    from autopar.planning.search_cost import TimeCost
+    from autopar.planning.search_steps import StepCache
+    from examples.models import GPT, GPTConfig
+
+    hidden, heads = MODELS[name]
+    cfg = GPTConfig(vocab_size=51200, block_size=SEQ, n_layer=layers, n_head=heads, n_embd=hidden)
+    model = on_meta(lambda: GPT(cfg)).to(torch.bfloat16)
+    idx = torch.zeros(ranks, SEQ, dtype=torch.long)
+    import_lazy_modules()
+    cpu = time.process_time()
+    gm = trace_for_choice(model, ranks, (idx, idx))
+    traced = time.process_time() - cpu
+    cpu = time.process_time()
+    bounds, steps = Bounds(gm, GraphFacts.of(gm)), StepCache()
+    every = mesh_candidates(ranks)
+    found = []
+    for shape, names in every:
+        mesh = Mesh.from_shape(shape, names)
+        found.append((bounds.bound(mesh, TimeCost("a100-cluster", mesh.shape, steps=steps)), list(shape)))
+    spent = time.process_time() - cpu
+    found.sort()
+    return {"model": name, "ranks": ranks, "layers": layers, "trace_cpu_s": traced, "bounds_cpu_s": spent,
+            "candidates": len(every), "above_s": above, "bounded_above": sum(b > above for b, _ in found),
+            "lowest": found[:4], "highest": found[-4:], "bounds": found}  # fmt: skip
+
+
 def measure(ranks: int, layers: int, hardware: str, searched: int | None) -> dict[str, Any]:
     """Build, then `autopar.plan(..., "auto")`, in this (fresh) process."""
     import torch
@@ -270,9 +312,25 @@ def main() -> None:
     parser.add_argument(
         "--screen-only", type=int, default=0, metavar="K", help="time the screen on K of the candidate meshes"
     )
+    parser.add_argument(
+        "--bounds-only", type=float, default=None, metavar="S",
+        help="every candidate's screen bound, and how many exceed S seconds",
+    )  # fmt: skip
     args = parser.parse_args()
     clock = RunClock()
     ctx = multiprocessing.get_context("spawn")
+    if args.bounds_only is not None:
+        runs = []
+        for layers in args.layers:
+            for ranks in args.ranks:
+                with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
+                    run = pool.submit(measure_bounds, args.model, ranks, layers, args.bounds_only).result()
+                runs.append(run)
+                brief = {k: v for k, v in run.items() if k != "bounds"}
+                print(f"  {brief}", flush=True)
+        path = write_result(args.name, {"notes": args.notes, **clock.record(), "runs": runs})
+        print(f"wrote {path}")
+        return
     if args.screen_only:
         runs = []
         for layers in args.layers:

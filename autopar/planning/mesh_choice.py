@@ -44,7 +44,7 @@ from autopar.core.mesh import Mesh, default_axis_names
 from autopar.core.plan import Plan
 from autopar.cost.formulas import format_bytes
 from autopar.planning.greedy import choose_layouts
-from autopar.planning.mesh_screen import Estimate, screen
+from autopar.planning.mesh_screen import Estimate, complete, screen
 from autopar.planning.plan_cost import plan_cost_parts
 from autopar.planning.search import SearchPlan, default_memory_limit, fit_memory, search_layouts
 from autopar.planning.search_cost import TimeCost
@@ -82,6 +82,8 @@ class MeshCandidate:
     # step of accumulated microbatches runs once per step, not once per microbatch
     reduce_time: float = 0.0
     param_bytes: float = math.nan  # stored parameter and buffer bytes per rank
+    # s per step below which the screen's estimate cannot be (`mesh_bound`); nan: not bounded
+    bound: float = math.nan
 
     @property
     def step_time(self) -> float:
@@ -179,6 +181,7 @@ class MeshChoice:
                 "error": c.error,
                 "searched": c.searched,
                 "estimate_seconds": c.estimate if math.isfinite(c.estimate) else None,
+                "bound_seconds": c.bound if math.isfinite(c.bound) else None,
             }
             for c in self.candidates
         ]
@@ -255,21 +258,30 @@ def rank_meshes(
     evaluated: list[MeshCandidate | None] = [None] * len(meshes)
     plans: list[Plan | None] = [None] * len(meshes)
     reports: list[Any] = [None] * len(meshes)
-    for done, i in enumerate(order):
+    done = 0
+    while done < len(order):
+        i = order[done]
         if estimates is not None and done >= searched and any(c is not None and c.fits for c in evaluated):
             break
+        if estimates is not None and not estimates[i].screened:  # none fits yet: the whole screen's order
+            rest = complete(gm, meshes, registry, costs, estimates, steps.lists)
+            order = order[:done] + [j for j in rest if j not in order[:done]]
+            i = order[done]
+        done += 1
         shared = estimates[i].shared if estimates is not None else None
         gm.meta.pop("autopar_search", None)
         candidate, plans[i] = _evaluate(gm, meshes[i], registry, costs[i], planner, limit, shared, storage)
         reports[i] = gm.meta.get("autopar_search")
         if estimates is not None:
-            candidate = replace(candidate, estimate=estimates[i].value)
+            candidate = replace(candidate, estimate=estimates[i].value, bound=estimates[i].bound)
             estimates[i].shared = None
         evaluated[i] = candidate
     ranked = [
         c if c is not None else _screened_out(meshes[i], estimates, order, i) for i, c in enumerate(evaluated)
     ]
-    ranked = _scheduled(gm, ranked, plans, costs, registry, hardware, overlap_candidates, memory_limit, step_time)
+    ranked = _scheduled(
+        gm, ranked, plans, costs, registry, hardware, overlap_candidates, memory_limit, step_time
+    )
     order = sorted(range(len(ranked)), key=lambda i: (*_rank_key(ranked[i]), i))
     choice = MeshChoice(world_size, hardware, planner, limit, [ranked[i] for i in order])
     if not choice.candidates or not choice.chosen.fits:
@@ -287,19 +299,26 @@ def _rank_key(c: MeshCandidate) -> tuple[int, int, float]:
         return 0, 0 if math.isfinite(c.scheduled_time) else 1, c.rank_time
     if math.isfinite(c.memory):
         return 1, 1, c.memory
-    return (2, 1, 0.0) if c.searched else (3, 1, c.estimate)
+    if c.searched:
+        return 2, 1, 0.0
+    return (3, 1, c.estimate) if not math.isnan(c.estimate) else (3, 2, c.bound)
 
 
 def _screened_out(mesh: Mesh, estimates: list[Estimate] | None, order: list[int], i: int) -> MeshCandidate:
     """Candidate `i`, ranked below the ones searched by the screen (`order`)."""
     assert estimates is not None  # only a screen leaves candidates unsearched
     found, where = estimates[i], f"screened {order.index(i) + 1} of {len(order)}"
+    if not found.screened:
+        why = f"not screened: bound {found.bound * 1e3:.4g} ms above the searched ones' estimates"
+        return MeshCandidate(mesh.shape, mesh.axis_names, error=why, bound=found.bound, searched=False)
     why = (
         f"not searched: {where}, cheapest seed {found.value * 1e3:.4g} ms ({found.seed})"
         if math.isfinite(found.value)
         else f"not searched: {where}, no cheap plan"
     )
-    return MeshCandidate(mesh.shape, mesh.axis_names, error=why[:160], estimate=found.value, searched=False)
+    return MeshCandidate(
+        mesh.shape, mesh.axis_names, error=why[:160], estimate=found.value, bound=found.bound, searched=False
+    )
 
 
 def _scheduled(
@@ -383,7 +402,9 @@ def _evaluate(
     stored = plan.memory.params if plan.memory is not None else math.nan
     reduce = gradient_reduction_time(gm, plan, mesh.shape, cost.mesh.hw)
     candidate = MeshCandidate(mesh.shape, mesh.axis_names, comm, compute, memory, True, plan.roles)
-    return replace(candidate, storage=getattr(plan, "storage", ""), reduce_time=reduce, param_bytes=stored), plan
+    return replace(
+        candidate, storage=getattr(plan, "storage", ""), reduce_time=reduce, param_bytes=stored
+    ), plan
 
 
 def _no_mesh_error(choice: MeshChoice) -> AutoparError:

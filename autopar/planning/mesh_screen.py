@@ -26,6 +26,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.strategy import Strategy
 from autopar.planning.greedy import axis_roles, greedy_plan
 from autopar.planning.greedy_scores import GreedyMemo
+from autopar.planning.mesh_bound import Bounds
 from autopar.planning.plan_cost import GraphFacts, plan_cost
 from autopar.planning.search_cost import ElementCost
 from autopar.planning.search_problem import Shared
@@ -41,6 +42,8 @@ class Estimate:
     value: float
     seed: str
     shared: Shared | None  # what its greedy passes worked out, for the search of this mesh
+    screened: bool = True  # False: skipped by the bound (`value` nan)
+    bound: float = math.nan  # `mesh_bound` lower bound on `value`; nan: not computed
 
 
 def estimate(
@@ -78,13 +81,17 @@ def estimate(
 def graph_memo(calls: GreedyMemo | None) -> GreedyMemo:
     """A fresh memo for one mesh sharing `calls`' mesh-free answers: per node its op call and
     inputs, per list its `ListShape`, per beam its combined strategies."""
-    return GreedyMemo() if calls is None else GreedyMemo(
-        inputs=calls.inputs,
-        calls=calls.calls,
-        questions=calls.questions,
-        numbers=calls.numbers,
-        shapes=calls.shapes,
-        combined=calls.combined,
+    return (
+        GreedyMemo()
+        if calls is None
+        else GreedyMemo(
+            inputs=calls.inputs,
+            calls=calls.calls,
+            questions=calls.questions,
+            numbers=calls.numbers,
+            shapes=calls.shapes,
+            combined=calls.combined,
+        )
     )
 
 
@@ -95,16 +102,77 @@ def screen(
     costs: Sequence[ElementCost],
     keep: int,
     library: dict[Any, list[Strategy]] | None = None,
+    bound: bool = True,
 ) -> tuple[list[int], list[Estimate]]:
-    """Every mesh's `estimate`, and the meshes' indices by estimate (ties: the earlier one). Only
+    """The meshes' indices by estimate (ties: the earlier one) and every mesh's `Estimate`. Only
     the `keep` best so far keep their `Shared` (the rest are searched only if those fail).
-    `library`: candidate lists by op call and mesh signature, shared with other screens."""
-    facts, calls = GraphFacts.of(gm), GreedyMemo()
-    library = library if library is not None else {}
-    estimates: list[Estimate] = []
-    for mesh, cost in zip(meshes, costs):
-        estimates.append(estimate(gm, mesh, registry, cost, facts, calls, library))
-        ranked = sorted(range(len(estimates)), key=lambda i: (estimates[i].value, i))
-        for i in ranked[keep:]:
-            estimates[i].shared = None
-    return sorted(range(len(estimates)), key=lambda i: (estimates[i].value, i)), estimates
+    `library`: candidate lists by op call and mesh signature, shared with other screens.
+
+    `bound` (branch and bound): meshes are screened from the lowest `mesh_bound` bound up, and the
+    screen stops at the first whose bound exceeds the `keep`-th best estimate found: its estimate,
+    and every later one's, is at least its bound, so the `keep` best are those the whole screen
+    finds, in the same order. The meshes left are ranked after, by bound (`Estimate.screened`
+    False); `complete` screens them."""
+    run = Screening(gm, registry, library)
+    estimates = [Estimate(math.nan, "", None, screened=False) for _ in meshes]
+    visit = list(range(len(meshes)))
+    if bound:
+        for i, (mesh, cost) in enumerate(zip(meshes, costs)):
+            estimates[i].bound = run.bounds.bound(mesh, cost)
+        visit.sort(key=lambda i: (estimates[i].bound, i))
+    best: list[float] = []  # the `keep` lowest estimates so far, sorted
+    for i in visit:
+        if len(best) >= keep and estimates[i].bound > best[keep - 1]:
+            break
+        found = run.estimate(meshes[i], costs[i])
+        found.bound = estimates[i].bound
+        estimates[i] = found
+        best = sorted([*best, found.value])[:keep]
+        ranked = sorted((j for j in visit if estimates[j].screened), key=lambda j: (estimates[j].value, j))
+        for j in ranked[keep:]:
+            estimates[j].shared = None
+    return _order(estimates), estimates
+
+
+def complete(
+    gm: fx.GraphModule,
+    meshes: Sequence[Mesh],
+    registry: RuleRegistry,
+    costs: Sequence[ElementCost],
+    estimates: list[Estimate],
+    library: dict[Any, list[Strategy]] | None = None,
+) -> list[int]:
+    """Screen the meshes `screen` left unscreened (for the mesh choice's fallback when none of the
+    searched ones fits) and return the order of every mesh by estimate, as a whole screen gives."""
+    run = Screening(gm, registry, library)
+    for i, (mesh, cost) in enumerate(zip(meshes, costs)):
+        if not estimates[i].screened:
+            found = run.estimate(mesh, cost)
+            found.bound, found.shared = estimates[i].bound, None
+            estimates[i] = found
+    return _order(estimates)
+
+
+class Screening:
+    """What the estimates of one screen share: the graph's facts, the mesh-free greedy answers,
+    the candidate lists' library and the bounds."""
+
+    def __init__(
+        self, gm: fx.GraphModule, registry: RuleRegistry, library: dict[Any, list[Strategy]] | None
+    ) -> None:
+        self.gm, self.registry = gm, registry
+        self.facts, self.calls = GraphFacts.of(gm), GreedyMemo()
+        self.library = library if library is not None else {}
+        self.bounds = Bounds(gm, self.facts)
+
+    def estimate(self, mesh: Mesh, cost: ElementCost) -> Estimate:
+        return estimate(self.gm, mesh, self.registry, cost, self.facts, self.calls, self.library)
+
+
+def _order(estimates: Sequence[Estimate]) -> list[int]:
+    """Screened meshes by estimate, then the others by bound (ties: the earlier one)."""
+    screened = [i for i, e in enumerate(estimates) if e.screened]
+    rest = [i for i, e in enumerate(estimates) if not e.screened]
+    return sorted(screened, key=lambda i: (estimates[i].value, i)) + sorted(
+        rest, key=lambda i: (estimates[i].bound, i)
+    )

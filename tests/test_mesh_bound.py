@@ -1,0 +1,114 @@
+"""The screen's branch and bound (`mesh_bound`, `mesh_screen.screen`) never drops a mesh the whole
+screen would keep: on spaces small enough to screen every mesh, each mesh's bound is at most its
+full estimate, and the screen with the bound keeps the same meshes in the same order."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import autopar.planning.mesh_screen as mesh_screen
+from autopar.compiler.driver import scheduled_step_time
+from autopar.core.errors import MemoryLimitError
+from autopar.core.mesh import Mesh
+from autopar.passes.trace import trace
+from autopar.planning.mesh_bound import Bounds
+from autopar.planning.mesh_choice import mesh_candidates, rank_meshes
+from autopar.planning.mesh_screen import complete, screen
+from autopar.planning.plan_cost import GraphFacts
+from autopar.planning.search_cost import TimeCost
+from autopar.planning.search_steps import StepCache
+from autopar.rules.registry import default_registry
+from examples.models import GPT, GPTConfig
+
+
+def _graph(n_embd: int, n_head: int, batch: int, seq: int, n_layer: int = 2) -> torch.fx.GraphModule:
+    cfg = GPTConfig(vocab_size=256, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    idx = torch.zeros(batch, seq, dtype=torch.long)
+    return trace(model, (idx, idx), decompose=True, split_fused=True)
+
+
+def _space(world: int, hardware: str) -> tuple[list[Mesh], list[TimeCost]]:
+    steps = StepCache()
+    meshes = [Mesh.from_shape(shape, names) for shape, names in mesh_candidates(world)]
+    return meshes, [TimeCost(hardware, m.shape, steps=steps) for m in meshes]
+
+
+def _check_against_whole_screen(gm: torch.fx.GraphModule, world: int, hardware: str, keep: int) -> None:
+    meshes, costs = _space(world, hardware)
+    registry = default_registry()
+    whole_order, whole = screen(gm, meshes, registry, costs, keep, bound=False)
+    bounds = Bounds(gm, GraphFacts.of(gm))
+    for mesh, cost, found in zip(meshes, costs, whole):
+        assert bounds.bound(mesh, cost) <= found.value * (1 + 1e-9), (mesh.shape, found.seed)
+    order, estimates = screen(gm, meshes, registry, costs, keep, bound=True)
+    assert order[:keep] == whole_order[:keep]
+    for i in order[:keep]:
+        assert estimates[i].value == whole[i].value and estimates[i].seed == whole[i].seed
+        assert estimates[i].bound <= estimates[i].value * (1 + 1e-9)
+    # what the bound skipped is no better than the kept ones, and completing the screen gives the
+    # whole screen's order
+    kth = max(estimates[i].value for i in order[:keep])
+    assert all(e.bound > kth for e in estimates if not e.screened)
+    assert complete(gm, meshes, registry, costs, estimates) == whole_order
+
+
+@pytest.mark.parametrize(
+    ("hardware", "world", "shape"),
+    [("a100-cluster", 16, (32, 2, 64, 1024)), ("h100-nvlink-ib", 8, (256, 8, 8, 64))],
+)
+def test_the_bound_is_below_every_estimate_and_the_screen_keeps_the_same_meshes(
+    hardware: str, world: int, shape: tuple[int, int, int, int]
+) -> None:
+    _check_against_whole_screen(_graph(*shape, n_layer=1), world, hardware, keep=2)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n_head=st.sampled_from([2, 4]),
+    head_dim=st.sampled_from([8, 16]),
+    batch=st.sampled_from([4, 8]),
+    seq=st.sampled_from([16, 64]),
+    world=st.sampled_from([4, 8]),
+    hardware=st.sampled_from(["a100-cluster", "h100-nvlink-ib"]),
+)
+def test_the_bound_never_exceeds_the_estimate_on_random_small_models(
+    n_head: int, head_dim: int, batch: int, seq: int, world: int, hardware: str
+) -> None:
+    gm = _graph(n_head * head_dim, n_head, batch, seq, n_layer=1)
+    _check_against_whole_screen(gm, world, hardware, keep=1)
+
+
+def test_the_screen_stops_at_the_first_bound_above_the_kth_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the estimate itself as the bound (a bound that holds with equality) the screen visits
+    meshes from the cheapest up and stops after the `keep` best: the skipping, not the bound."""
+    gm = _graph(64, 4, 8, 64, n_layer=1)
+    meshes, costs = _space(8, "h100-nvlink-ib")
+    registry = default_registry()
+    _, whole = screen(gm, meshes, registry, costs, 2, bound=False)
+    exact = {id(c): e.value for c, e in zip(costs, whole)}
+    monkeypatch.setattr(mesh_screen.Bounds, "bound", lambda self, mesh, cost: exact[id(cost)])
+    order, estimates = screen(gm, meshes, registry, costs, 2, bound=True)
+    values = sorted(e.value for e in whole)
+    skipped = [e for e in estimates if not e.screened]
+    assert len(skipped) == sum(v > values[1] for v in values) > 0
+    assert all(math.isnan(e.value) and e.shared is None for e in skipped)
+    assert [estimates[i].value for i in order[:2]] == values[:2]
+
+
+def test_a_choice_that_fits_nowhere_screens_every_mesh_before_giving_up() -> None:
+    """When none of the searched meshes fits, the choice goes on in the whole screen's order: the
+    meshes the bound skipped are screened then, and every candidate is in the error's table."""
+    gm = _graph(64, 4, 8, 64, n_layer=1)
+    with pytest.raises(MemoryLimitError) as caught:
+        rank_meshes(gm, 4, default_registry(), scheduled_step_time, hardware="h100-nvlink-ib",
+                    memory_limit=1.0, overlap_candidates=0, searched=1)  # fmt: skip
+    table = str(caught.value)
+    assert "not screened" not in table
+    assert all("x".join(map(str, shape)) in table for shape, _ in mesh_candidates(4))
