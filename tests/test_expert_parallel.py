@@ -66,6 +66,35 @@ def _qwen3_moe() -> torch.nn.Module:
     return transformers.Qwen3MoeForCausalLM(config)
 
 
+def _deepseek_v3() -> torch.nn.Module:
+    """DeepSeek-V3 at its defaults, small: multi-head latent attention (low-rank q and kv), a
+    dense first layer (`first_k_dense_replace=1`) then MoE layers of 8 routed experts, top 2 of
+    them chosen within the best 2 of 4 expert groups by a sigmoid router with its score-correction
+    bias, and one shared expert beside them."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        max_position_embeddings=64,
+    )
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
 def _experts_only_registry() -> Any:
     """The default rules, but the grouped matmuls offer only the expert split on every axis: the
     plan must place E/ep experts on each rank."""
@@ -210,17 +239,34 @@ def _between(first: fx.Node, last: fx.Node) -> list[fx.Node]:
     return [n for n in last.graph.nodes if n in after and n in before]
 
 
+LOCAL_CASES = [
+    (_mixtral, (8,), True),
+    (_qwen3_moe, (8,), True),
+    (_mixtral, (2, 4), True),
+    (_qwen3_moe, (2, 4), True),
+    (_mixtral, (2, 4), False),
+]
+
+
 @pytest.mark.parametrize(
-    ("make", "shape"), [(_mixtral, (8,)), (_qwen3_moe, (8,))], ids=["mixtral-8", "qwen3moe-8"]
+    ("make", "shape", "forced"),
+    LOCAL_CASES,
+    ids=["mixtral-8", "qwen3moe-8", "mixtral-2x4", "qwen3moe-2x4", "mixtral-2x4-search"],
 )
 def test_expert_split_keeps_each_rank_rows_local_through_the_expert_mlp(
-    make: Any, shape: tuple[int, ...]
+    make: Any, shape: tuple[int, ...], forced: bool
 ) -> None:
-    """Forced expert split on one axis: the up projection's output is row-disjoint (D), the gate
-    runs on it, the down projection takes it as D, and no collective sits between the two grouped
-    matmuls of a layer (forward). The only reduction left in the expert MLP is the down
-    projection's output. (On (2, 4) the search may still cut the gate's rows over the second axis
-    when that prices lower: docs/expert-parallel.md.)"""
+    """Expert split (forced, or the search's own choice at the defaults on (2, 4)): the up
+    projection's output is row-disjoint (D) on every axis, the gate runs on it, the down projection
+    takes it as D, and no collective sits between the two grouped matmuls of a layer (forward).
+    The only reduction left in the expert MLP is the down projection's output. (Before the greedy
+    pass stopped charging a carried D as a new pending sum, the plan on (2, 4) reduce-scattered the
+    up projection's rows over the second axis before the gate.)"""
+    options = {"registry": _experts_only_registry()} if forced else {}
+    compiled = _compile_rank0(make, shape, **options)
+    placements = "[" + ", ".join(["S(0)"] * len(shape)) + "]"
+    layouts = _expert_weight_layouts({0: compiled})
+    assert layouts and all(lay == placements for lay in layouts.values()), layouts
     compiled = _compile_rank0(make, shape, registry=_experts_only_registry())
     graph = compiled.graph.graph
     forward = [n for n in graph.nodes if n.target == GROUPED_MM]
