@@ -1,6 +1,7 @@
 """Expert parallelism end to end, every rank's program in lockstep in one process against serial:
-transformers' MixtralForCausalLM (8 experts, top 2) and Qwen3MoeForCausalLM (8 experts, top 8)
-at their default settings (experts through `transformers::grouped_mm_fallback`), trained two
+transformers' MixtralForCausalLM (8 experts, top 2), Qwen3MoeForCausalLM (8 experts, top 8) and
+DeepseekV3ForCausalLM (8 routed experts, top 2 within 2 of 4 groups, one shared expert, a dense
+first layer, latent attention) at their default settings (experts through `transformers::grouped_mm_fallback`), trained two
 steps of SGD with momentum. Loss, every gradient and the parameters after each step equal
 serial's, with the experts split over the ranks (weights Shard(0): each rank holds E/ep experts)
 and with the search's own plan, on (8,) and (2, 4)."""
@@ -187,8 +188,15 @@ def _expert_weight_layouts(compiled: dict) -> dict[str, str]:
     }
 
 
-CASES = [(_mixtral, (8,)), (_mixtral, (2, 4)), (_qwen3_moe, (8,)), (_qwen3_moe, (2, 4))]
-IDS = ["mixtral-8", "mixtral-2x4", "qwen3moe-8", "qwen3moe-2x4"]
+CASES = [
+    (_mixtral, (8,)),
+    (_mixtral, (2, 4)),
+    (_qwen3_moe, (8,)),
+    (_qwen3_moe, (2, 4)),
+    (_deepseek_v3, (8,)),
+    (_deepseek_v3, (2, 4)),
+]
+IDS = ["mixtral-8", "mixtral-2x4", "qwen3moe-8", "qwen3moe-2x4", "deepseek-v3-8", "deepseek-v3-2x4"]
 
 
 @pytest.mark.parametrize(("make", "shape"), CASES, ids=IDS)
