@@ -18,6 +18,7 @@ import torch.fx as fx
 import transformers.integrations.moe  # noqa: F401  (registers transformers' grouped-matmul ops)
 from pass_fixtures import compile_every_rank, lockstep_step
 
+import autopar
 from autopar.compiler.driver import Compiled, compile_for_rank
 from autopar.core.errors import ShardingError
 from autopar.core.layout import D, R, Shard
@@ -113,6 +114,22 @@ def _experts_only_registry() -> Any:
 
         registry.register(
             op, only, family=rule.family, localize=rule.localize, anchor=True, uneven=rule.uneven
+        )
+    return registry
+
+
+def _inside_experts_registry() -> Any:
+    """The default rules, but the grouped matmuls never split their experts (only inside them)."""
+    registry = default_registry()
+    for op in (GROUPED_MM, GROUPED_MM_BACKWARD):
+        rule = registry.get(op)
+        assert rule is not None
+
+        def inside(call: OpCall, strategies: Any = rule.strategies) -> list[AxisStrategy]:
+            return [s for s in strategies(call) if s.inputs[1] != Shard(expert_parallel.EXPERT_DIM)]
+
+        registry.register(
+            op, inside, family=rule.family, localize=rule.localize, anchor=rule.anchor, uneven=rule.uneven
         )
     return registry
 
@@ -319,3 +336,47 @@ def test_search_is_seeded_with_the_expert_split() -> None:
     best_role_seed = min(v for k, v in report.seeds.items() if ":" not in k and k not in ("experts",))
     assert report.seeds["experts"] < 2 * best_role_seed, report.seeds
     assert report.seeds["experts"] <= report.seeds["experts:R"], report.seeds
+
+
+def test_plan_summary_names_the_expert_axes_and_why() -> None:
+    """The search's plan on (2, 4) in element counts splits the experts over both axes: the
+    summary says which mesh axes hold them, how many each rank holds, their bytes, and the search's
+    prices with and without the split."""
+    compiled = _compile_rank0(_mixtral, (2, 4))
+    summary = str(compiled.report)
+    line = next(text for text in summary.splitlines() if text.startswith("experts split"))
+    assert line.startswith(
+        "experts split over mesh axes x (2) and y (4): each rank holds 1 of the 8 experts (E/8) "
+        "of 2 MoE layers (model.layers.0.mlp.experts, model.layers.1.mlp.experts)"
+    ), line
+    experts = compiled.report.experts
+    assert experts is not None and experts.split_cost is not None and experts.whole_cost is not None
+    assert experts.split_cost < experts.whole_cost, "the search keeps the cheaper plan"
+    assert f"costs {experts.split_cost:.4g} elements against {experts.whole_cost:.4g}" in line, line
+    assert experts.weight_bytes_local * 8 == experts.weight_bytes_total
+    collectives = compiled.report.collectives
+    assert experts.comm_bytes == sum(c.bytes for c in collectives if ".mlp.experts" in c.module_path)
+    assert f"send {experts.comm_bytes / 1e6:.3f} MB per rank per step" in line
+
+
+def test_explain_says_why_the_experts_are_not_split() -> None:
+    """`autopar.plan` (H100 table) of the toy Mixtral with the grouped matmuls offered only splits
+    inside the experts: the summary and `explain` of a grouped matmul say that every rank holds
+    every expert, and why."""
+    torch.manual_seed(0)
+    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    result = autopar.plan(
+        _mixtral(),
+        (2, 4),
+        (),
+        example_kwargs={"input_ids": ids, "labels": ids},
+        planning=autopar.PlanOptions(registry=_inside_experts_registry()),
+    )
+    experts = result.compiled.report.experts
+    assert experts is not None and experts.axes == () and experts.split_cost is None
+    line = str(experts)
+    assert line.startswith("experts not split: every rank holds all 8 experts of 2 MoE layers"), line
+    assert line.endswith("the search found no plan with them split"), line
+    assert line in str(result).splitlines()
+    grouped = next(n for n in result.compiled.graph.graph.nodes if n.target == GROUPED_MM)
+    assert result.explain(grouped.name).splitlines()[-1] == f"  {line}"
