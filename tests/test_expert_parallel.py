@@ -232,8 +232,8 @@ def test_experts_split_over_the_ranks_train_like_serial(make: Any, shape: tuple[
 
 def test_search_plan_of_an_moe_model_trains_like_serial() -> None:
     """At the defaults the search chooses among the expert split, splits inside the experts and
-    replication by cost (today it splits inside the experts: docs/expert-parallel.md says why);
-    whichever it picks trains like serial. The other models and meshes at the search's own plan
+    replication by cost (in element counts on this toy model it splits the experts:
+    docs/expert-parallel.md); whichever it picks trains like serial. The other models and meshes at the search's own plan
     are trained by tests/test_hf_zoo_multirank.py (Mixtral) and tests/test_zoo_sweep.py."""
     _train_like_serial(_mixtral, (8,))
 
