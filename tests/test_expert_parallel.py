@@ -1,6 +1,7 @@
 """Expert parallelism end to end, every rank's program in lockstep in one process against serial:
-transformers' MixtralForCausalLM (8 experts, top 2) and Qwen3MoeForCausalLM (8 experts, top 8)
-at their default settings (experts through `transformers::grouped_mm_fallback`), trained two
+transformers' MixtralForCausalLM (8 experts, top 2), Qwen3MoeForCausalLM (8 experts, top 8) and
+DeepseekV3ForCausalLM (8 routed experts, top 2 within 2 of 4 groups, one shared expert, a dense
+first layer, latent attention) at their default settings (experts through `transformers::grouped_mm_fallback`), trained two
 steps of SGD with momentum. Loss, every gradient and the parameters after each step equal
 serial's, with the experts split over the ranks (weights Shard(0): each rank holds E/ep experts)
 and with the search's own plan, on (8,) and (2, 4)."""
@@ -17,6 +18,7 @@ import torch.fx as fx
 import transformers.integrations.moe  # noqa: F401  (registers transformers' grouped-matmul ops)
 from pass_fixtures import compile_every_rank, lockstep_step
 
+import autopar
 from autopar.compiler.driver import Compiled, compile_for_rank
 from autopar.core.errors import ShardingError
 from autopar.core.layout import D, R, Shard
@@ -66,6 +68,35 @@ def _qwen3_moe() -> torch.nn.Module:
     return transformers.Qwen3MoeForCausalLM(config)
 
 
+def _deepseek_v3() -> torch.nn.Module:
+    """DeepSeek-V3 at its defaults, small: multi-head latent attention (low-rank q and kv), a
+    dense first layer (`first_k_dense_replace=1`) then MoE layers of 8 routed experts, top 2 of
+    them chosen within the best 2 of 4 expert groups by a sigmoid router with its score-correction
+    bias, and one shared expert beside them."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        max_position_embeddings=64,
+    )
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
 def _experts_only_registry() -> Any:
     """The default rules, but the grouped matmuls offer only the expert split on every axis: the
     plan must place E/ep experts on each rank."""
@@ -83,6 +114,22 @@ def _experts_only_registry() -> Any:
 
         registry.register(
             op, only, family=rule.family, localize=rule.localize, anchor=True, uneven=rule.uneven
+        )
+    return registry
+
+
+def _inside_experts_registry() -> Any:
+    """The default rules, but the grouped matmuls never split their experts (only inside them)."""
+    registry = default_registry()
+    for op in (GROUPED_MM, GROUPED_MM_BACKWARD):
+        rule = registry.get(op)
+        assert rule is not None
+
+        def inside(call: OpCall, strategies: Any = rule.strategies) -> list[AxisStrategy]:
+            return [s for s in strategies(call) if s.inputs[1] != Shard(expert_parallel.EXPERT_DIM)]
+
+        registry.register(
+            op, inside, family=rule.family, localize=rule.localize, anchor=rule.anchor, uneven=rule.uneven
         )
     return registry
 
@@ -158,8 +205,15 @@ def _expert_weight_layouts(compiled: dict) -> dict[str, str]:
     }
 
 
-CASES = [(_mixtral, (8,)), (_mixtral, (2, 4)), (_qwen3_moe, (8,)), (_qwen3_moe, (2, 4))]
-IDS = ["mixtral-8", "mixtral-2x4", "qwen3moe-8", "qwen3moe-2x4"]
+CASES = [
+    (_mixtral, (8,)),
+    (_mixtral, (2, 4)),
+    (_qwen3_moe, (8,)),
+    (_qwen3_moe, (2, 4)),
+    (_deepseek_v3, (8,)),
+    (_deepseek_v3, (2, 4)),
+]
+IDS = ["mixtral-8", "mixtral-2x4", "qwen3moe-8", "qwen3moe-2x4", "deepseek-v3-8", "deepseek-v3-2x4"]
 
 
 @pytest.mark.parametrize(("make", "shape"), CASES, ids=IDS)
@@ -178,8 +232,8 @@ def test_experts_split_over_the_ranks_train_like_serial(make: Any, shape: tuple[
 
 def test_search_plan_of_an_moe_model_trains_like_serial() -> None:
     """At the defaults the search chooses among the expert split, splits inside the experts and
-    replication by cost (today it splits inside the experts: docs/expert-parallel.md says why);
-    whichever it picks trains like serial. The other models and meshes at the search's own plan
+    replication by cost (in element counts on this toy model it splits the experts:
+    docs/expert-parallel.md); whichever it picks trains like serial. The other models and meshes at the search's own plan
     are trained by tests/test_hf_zoo_multirank.py (Mixtral) and tests/test_zoo_sweep.py."""
     _train_like_serial(_mixtral, (8,))
 
@@ -210,17 +264,34 @@ def _between(first: fx.Node, last: fx.Node) -> list[fx.Node]:
     return [n for n in last.graph.nodes if n in after and n in before]
 
 
+LOCAL_CASES = [
+    (_mixtral, (8,), True),
+    (_qwen3_moe, (8,), True),
+    (_mixtral, (2, 4), True),
+    (_qwen3_moe, (2, 4), True),
+    (_mixtral, (2, 4), False),
+]
+
+
 @pytest.mark.parametrize(
-    ("make", "shape"), [(_mixtral, (8,)), (_qwen3_moe, (8,))], ids=["mixtral-8", "qwen3moe-8"]
+    ("make", "shape", "forced"),
+    LOCAL_CASES,
+    ids=["mixtral-8", "qwen3moe-8", "mixtral-2x4", "qwen3moe-2x4", "mixtral-2x4-search"],
 )
 def test_expert_split_keeps_each_rank_rows_local_through_the_expert_mlp(
-    make: Any, shape: tuple[int, ...]
+    make: Any, shape: tuple[int, ...], forced: bool
 ) -> None:
-    """Forced expert split on one axis: the up projection's output is row-disjoint (D), the gate
-    runs on it, the down projection takes it as D, and no collective sits between the two grouped
-    matmuls of a layer (forward). The only reduction left in the expert MLP is the down
-    projection's output. (On (2, 4) the search may still cut the gate's rows over the second axis
-    when that prices lower: docs/expert-parallel.md.)"""
+    """Expert split (forced, or the search's own choice at the defaults on (2, 4)): the up
+    projection's output is row-disjoint (D) on every axis, the gate runs on it, the down projection
+    takes it as D, and no collective sits between the two grouped matmuls of a layer (forward).
+    The only reduction left in the expert MLP is the down projection's output. (Before the greedy
+    pass stopped charging a carried D as a new pending sum, the plan on (2, 4) reduce-scattered the
+    up projection's rows over the second axis before the gate.)"""
+    options = {"registry": _experts_only_registry()} if forced else {}
+    compiled = _compile_rank0(make, shape, **options)
+    placements = "[" + ", ".join(["S(0)"] * len(shape)) + "]"
+    layouts = _expert_weight_layouts({0: compiled})
+    assert layouts and all(lay == placements for lay in layouts.values()), layouts
     compiled = _compile_rank0(make, shape, registry=_experts_only_registry())
     graph = compiled.graph.graph
     forward = [n for n in graph.nodes if n.target == GROUPED_MM]
@@ -265,3 +336,47 @@ def test_search_is_seeded_with_the_expert_split() -> None:
     best_role_seed = min(v for k, v in report.seeds.items() if ":" not in k and k not in ("experts",))
     assert report.seeds["experts"] < 2 * best_role_seed, report.seeds
     assert report.seeds["experts"] <= report.seeds["experts:R"], report.seeds
+
+
+def test_plan_summary_names_the_expert_axes_and_why() -> None:
+    """The search's plan on (2, 4) in element counts splits the experts over both axes: the
+    summary says which mesh axes hold them, how many each rank holds, their bytes, and the search's
+    prices with and without the split."""
+    compiled = _compile_rank0(_mixtral, (2, 4))
+    summary = str(compiled.report)
+    line = next(text for text in summary.splitlines() if text.startswith("experts split"))
+    assert line.startswith(
+        "experts split over mesh axes x (2) and y (4): each rank holds 1 of the 8 experts (E/8) "
+        "of 2 MoE layers (model.layers.0.mlp.experts, model.layers.1.mlp.experts)"
+    ), line
+    experts = compiled.report.experts
+    assert experts is not None and experts.split_cost is not None and experts.whole_cost is not None
+    assert experts.split_cost < experts.whole_cost, "the search keeps the cheaper plan"
+    assert f"costs {experts.split_cost:.4g} elements against {experts.whole_cost:.4g}" in line, line
+    assert experts.weight_bytes_local * 8 == experts.weight_bytes_total
+    collectives = compiled.report.collectives
+    assert experts.comm_bytes == sum(c.bytes for c in collectives if ".mlp.experts" in c.module_path)
+    assert f"send {experts.comm_bytes / 1e6:.3f} MB per rank per step" in line
+
+
+def test_explain_says_why_the_experts_are_not_split() -> None:
+    """`autopar.plan` (H100 table) of the toy Mixtral with the grouped matmuls offered only splits
+    inside the experts: the summary and `explain` of a grouped matmul say that every rank holds
+    every expert, and why."""
+    torch.manual_seed(0)
+    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    result = autopar.plan(
+        _mixtral(),
+        (2, 4),
+        (),
+        example_kwargs={"input_ids": ids, "labels": ids},
+        planning=autopar.PlanOptions(registry=_inside_experts_registry()),
+    )
+    experts = result.compiled.report.experts
+    assert experts is not None and experts.axes == () and experts.split_cost is None
+    line = str(experts)
+    assert line.startswith("experts not split: every rank holds all 8 experts of 2 MoE layers"), line
+    assert line.endswith("the search found no plan with them split"), line
+    assert line in str(result).splitlines()
+    grouped = next(n for n in result.compiled.graph.graph.nodes if n.target == GROUPED_MM)
+    assert result.explain(grouped.name).splitlines()[-1] == f"  {line}"

@@ -49,6 +49,7 @@ from autopar.planning.search import SearchPlan, fit_memory, search_layouts
 from autopar.planning.search_cost import ElementCost, TimeCost
 from autopar.planning.storage import unify_part_storage
 from autopar.reporting.dump import dump_dir_from, write_collectives, write_stage, write_timeline
+from autopar.reporting.experts import expert_placement
 from autopar.reporting.report import PlanReport, build_report
 from autopar.rules.base import RuleRegistry
 from autopar.rules.context_parallel import CP_AXIS, FORWARD, context_parallel_registry
@@ -231,6 +232,7 @@ def compile_for_rank(
             return prefer_scheduled(gm, searched, mesh, registry, hardware, memory_limit)
 
     plan = agree(gm, make_plan) if agree is not None else make_plan()
+    searched = gm.meta.get("autopar_search")  # (the search's report: why the experts are where they are)
     with stage("plan"):
         plan = unify_part_storage(gm, plan, mesh.shape)
     base = tuple(coords) if coords is not None else mesh.my_coords()
@@ -270,6 +272,15 @@ def compile_for_rank(
         recomputed=savings.units if savings is not None else (),
         copied_ops=gm.meta.get(RECOMPUTE_KEY, 0),
         storage=plan.storage if isinstance(plan, SearchPlan) else "",
+    )
+    report.experts = expert_placement(
+        gm,
+        program,
+        mesh,
+        report.collectives,
+        getattr(searched, "experts_split_cost", None),
+        getattr(searched, "experts_whole_cost", None),
+        getattr(searched, "cost_unit", "elements"),
     )
     write_collectives(path, report)
     timelines = None

@@ -88,6 +88,9 @@ class PlanResult:
             lines.append(f"  inputs wanted: {ins}")
         lines.append(f"  outputs: {', '.join(lay.per_dim_str(names) for lay in node_info.layouts)}")
         lines.append(f"  reason: {node_info.note or 'implied by its producers'}")
+        experts = self.compiled.report.experts
+        if experts is not None and experts.names(node):
+            lines.append(f"  {experts}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:

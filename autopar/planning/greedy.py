@@ -32,7 +32,7 @@ from autopar.core.plan import Plan
 from autopar.core.redistribute import redistribute_cost
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
 from autopar.cost.work import global_work, work_split
-from autopar.planning.greedy_scores import GreedyMemo, ListFacts, ListShape, best, scores
+from autopar.planning.greedy_scores import GreedyMemo, ListFacts, ListShape, best, pending_elements, scores
 from autopar.planning.search_steps import even_redistribute_cost
 from autopar.planning.storage import (
     gather_from_storage,
@@ -112,12 +112,7 @@ def _strategy_facts(strategy: Strategy, mesh_shape: tuple[int, ...]) -> tuple[in
     """(uneven layouts, work split, elements of pending sums) of a candidate: candidate lists are
     shared by repeated ops and passes, so each candidate is worked out once."""
     uneven = sum(not lay.is_even(mesh_shape) for lay in (*strategy.inputs, *strategy.outputs))
-    pending = 0.0
-    for out in strategy.outputs:
-        for a in out.partial_axes():
-            g = mesh_shape[a]
-            pending += (g - 1) / g * out.local_numel(mesh_shape)
-    return uneven, work_split(strategy, mesh_shape), pending
+    return uneven, work_split(strategy, mesh_shape), pending_elements(strategy, mesh_shape)
 
 
 class _Greedy:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch.fx as fx
 
-from autopar.core.layout import Layout, Replicate
+from autopar.core.layout import Layout, Replicate, RowDisjoint
 from autopar.core.strategy import OpCall, Strategy
 
 
@@ -57,6 +57,7 @@ class ListShape:
     index: np.ndarray  # candidates x tensors -> position in `layouts`
     n_in: int
     split_axes: np.ndarray  # per candidate: bit a set where some output is not replicated on axis a
+    carried: np.ndarray  # per candidate: `carried_axes`
     wants: tuple[tuple[tuple[Layout, ...], np.ndarray], ...]
 
     @staticmethod
@@ -78,7 +79,13 @@ class ListShape:
         ]
         index = np.array(rows, dtype=np.intp).reshape(len(candidates), -1)
         return ListShape(
-            candidates, tuple(positions), index, n_in, np.array(masks, dtype=np.int64), _wants(candidates)
+            candidates,
+            tuple(positions),
+            index,
+            n_in,
+            np.array(masks, dtype=np.int64),
+            np.array([carried_axes(s) for s in candidates], dtype=np.int64),
+            _wants(candidates),
         )
 
     def facts(self, mesh_shape: tuple[int, ...]) -> ListFacts:
@@ -89,22 +96,50 @@ class ListShape:
         masks, which = np.unique(self.split_axes, return_inverse=True)
         products = [math.prod(g for a, g in enumerate(mesh_shape) if int(m) >> a & 1) for m in masks]
         split = np.array([float(p) for p in products])[which.reshape(-1)]
-        terms = [_pending_terms(lay, mesh_shape) for lay in self.layouts]
+        terms = [pending_terms(lay, mesh_shape) for lay in self.layouts]
         outputs = self.index[:, self.n_in :]
-        if outputs.shape[1] == 1:
-            pending = np.array([_summed(terms[k]) for k in outputs[:, 0].tolist()])
-        else:  # in `_strategy_facts`' order: every output's axes, one sum
-            pending = np.array([_summed([t for k in row for t in terms[k]]) for row in outputs.tolist()])
+        pending = np.array(
+            [
+                _summed([t for k in row for bit, t in terms[k] if not bit & carried])
+                for row, carried in zip(outputs.tolist(), self.carried.tolist())
+            ]
+        )
         return ListFacts(self.candidates, uneven, split, pending.reshape(len(self.candidates)), self.wants)
 
 
-def _pending_terms(layout: Layout, mesh_shape: tuple[int, ...]) -> list[float]:
-    """The partial sums an output of this layout leaves pending, per partial axis (elements)."""
+def pending_terms(layout: Layout, mesh_shape: tuple[int, ...]) -> list[tuple[int, float]]:
+    """The partial sums an output of this layout leaves pending, per partial axis: (the axis's
+    bit where the sum is row-disjoint, else 0; elements)."""
     axes = layout.partial_axes()
     if not axes:
         return []
     n = layout.local_numel(mesh_shape)
-    return [(mesh_shape[a] - 1) / mesh_shape[a] * n for a in axes]
+    return [
+        (1 << a if isinstance(layout.placements[a], RowDisjoint) else 0, (mesh_shape[a] - 1) / mesh_shape[a] * n)
+        for a in axes
+    ]
+
+
+def carried_axes(strategy: Strategy) -> int:
+    """Bit a set where some input is row-disjoint (D) on mesh axis a. A D output on such an axis
+    carries its input's pending sum on (through the gate of an expert MLP to the down projection,
+    which takes it as D), it does not start one: the grouped matmul that made it was charged for
+    it. Charging it again at every op of the gate made the greedy pass reduce the up projection's
+    rows before the gate, where no reduction is needed at all."""
+    return sum(
+        1 << a
+        for a in range(len(strategy.inputs[0].placements) if strategy.inputs else 0)
+        if any(isinstance(lay.placements[a], RowDisjoint) for lay in strategy.inputs)
+    )
+
+
+def pending_elements(strategy: Strategy, mesh_shape: tuple[int, ...]) -> float:
+    """Elements of the pending sums a candidate starts (`pending_terms` of its outputs, less the
+    row-disjoint sums it carries on: `carried_axes`), in `ListShape.facts`' order."""
+    carried = carried_axes(strategy)
+    return _summed(
+        [t for out in strategy.outputs for bit, t in pending_terms(out, mesh_shape) if not bit & carried]
+    )
 
 
 def _summed(terms: Sequence[float]) -> float:

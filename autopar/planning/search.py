@@ -52,7 +52,7 @@ from autopar.planning.recompute import (
 )
 from autopar.planning.search_cost import ElementCost, TimeCost, even_factor, even_steps
 from autopar.planning.search_problem import Problem, Shared, regather_cost
-from autopar.planning.search_seeds import expert_seeds, fixed_seeds
+from autopar.planning.search_seeds import expert_seeds, fixed_seeds, has_grouped_mm, splits_experts
 from autopar.planning.storage import REPLICATED, SHARDED, STORAGE_MODES, replicate_storage
 from autopar.rules.base import RuleRegistry
 
@@ -119,6 +119,13 @@ class SearchReport:
     regathered: tuple[str, ...] = ()  # weight chains gathered again in backward
     recomputed: tuple[str, ...] = ()  # units recomputed in backward ("op:..", "block:..", "region:..")
     storage: str = ""  # how the chosen plan stores its weights: "sharded" or "replicated"
+    # MoE layers: the cheapest plan the search found (over every start's fitting options) with
+    # some grouped matmul's experts split over a mesh axis, and keeping every expert whole on
+    # every rank; None where it found none (`search_seeds.splits_experts`). Why the experts are
+    # (or are not) split, in the search's own units (`cost_unit`).
+    experts_split_cost: float | None = None
+    experts_whole_cost: float | None = None
+    cost_unit: str = "elements"
 
 
 @dataclass
@@ -215,6 +222,12 @@ def search_layouts(
     report.storage = final.storage = run.storage
     report.variables, report.chains = len(problem.vars), len(problem.chains)
     report.final_cost = best.cost
+    report.cost_unit = "seconds" if isinstance(cost, TimeCost) else "elements"
+    if has_grouped_mm(gm):
+        for option, _ in fitting:
+            field_name = "experts_split_cost" if splits_experts(gm, option.plan) else "experts_whole_cost"
+            if getattr(report, field_name) is None or option.cost < getattr(report, field_name):
+                setattr(report, field_name, option.cost)
     report.memory = final.memory.total if final.memory is not None else 0.0
     report.regathered = best.regather
     report.recomputed = best.savings.units

@@ -89,13 +89,7 @@ def expert_seeds(
     greedy pass then decides where the pending sums are reduced)."""
     if mesh.size == 1:
         return
-    grouped = [
-        n
-        for n in gm.graph.nodes
-        if n.op == "call_function"
-        and callable(getattr(n.target, "name", None))
-        and n.target.name() in expert_parallel.GROUPED_MM_OPS
-    ]
+    grouped = _grouped_mms(gm)
     if not grouped:
         return
     split_axes = tuple(a for a, size in enumerate(mesh.shape) if size > 1)
@@ -124,6 +118,30 @@ def expert_seeds(
                 )
             except AutoparError as exc:
                 yield name, exc
+
+
+def _grouped_mms(gm: fx.GraphModule) -> list[fx.Node]:
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and callable(getattr(n.target, "name", None))
+        and n.target.name() in expert_parallel.GROUPED_MM_OPS
+    ]
+
+
+def has_grouped_mm(gm: fx.GraphModule) -> bool:
+    """Whether the graph has an MoE layer's grouped matmul (an expert dim a plan could split)."""
+    return bool(_grouped_mms(gm))
+
+
+def splits_experts(gm: fx.GraphModule, plan: Plan) -> bool:
+    """Whether `plan` splits some grouped matmul's experts over a mesh axis."""
+    return any(
+        expert_parallel.is_expert_split(n.target, plan.strategies[n.name])
+        for n in _grouped_mms(gm)
+        if n.name in plan.strategies
+    )
 
 
 def _may_be_disjoint(gm: fx.GraphModule) -> set[fx.Node]:

@@ -15,6 +15,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.meta import NodeInfo, has_info, info
 from autopar.core.redistribute import CommStep
 from autopar.cost.formulas import format_bytes
+from autopar.reporting.experts import ExpertPlacement
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class PlanReport:
     schedule: Any = None
     activations: SavedActivations | None = None
     storage: str = ""  # how the plan stores weights: "sharded", "replicated" ("" where not chosen by the search)
+    experts: ExpertPlacement | None = None  # where the MoE layers' experts are (None: no expert split)
 
     @property
     def param_fraction(self) -> float:
@@ -94,6 +96,8 @@ class PlanReport:
                 "replicated on some axis (a part of a fused parameter keeps its cut dim whole, so that "
                 f"the fused parameter stays one evenly sharded tensor): {', '.join(self.replicated_parts)}"
             )
+        if self.experts is not None:
+            lines.append(str(self.experts))
         counts: Counter[tuple[str, str, str]] = Counter()
         volume: dict[tuple[str, str, str], float] = {}
         for c in self.collectives:

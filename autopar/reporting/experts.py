@@ -1,0 +1,149 @@
+"""Where a plan puts the experts of its mixture-of-experts layers, for `plan_summary()` and `explain`.
+
+A plan that splits the experts (`autopar.rules.expert_parallel`: a grouped matmul's weight
+Shard(0) on some mesh axes) holds E/ep of each layer's experts per rank. A user reading the plan
+wants to know which axis that is, how many experts each rank holds, and why the planner chose it;
+the reasons are the expert weights per rank, the bytes the expert layers send per step, and the
+search's cheapest plan with and without the split (`SearchReport.experts_split_cost` and
+`experts_whole_cost`, handed in by the driver).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+
+from autopar.core.mesh import Mesh
+from autopar.core.meta import has_info, info
+from autopar.cost.formulas import format_bytes
+from autopar.rules import expert_parallel
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """The expert split of a plan's MoE layers (one split for all of them: the axes of the first)."""
+
+    axes: tuple[str, ...]  # mesh axis names holding the experts (none: every rank holds them all)
+    sizes: tuple[int, ...]  # their sizes
+    experts: int  # experts per layer
+    layers: tuple[str, ...]  # module paths of the experts modules
+    weight_bytes_local: float  # expert weights per rank, every layer
+    weight_bytes_total: float
+    comm_bytes: float  # sent per rank per step by the collectives of the expert modules
+    split_cost: float | None = None  # the search's cheapest plan splitting the experts
+    whole_cost: float | None = None  # ... keeping every expert on every rank
+    cost_unit: str = "elements"
+
+    @property
+    def ranks(self) -> int:
+        return math.prod(self.sizes)
+
+    def __str__(self) -> str:
+        if not self.axes:
+            return (
+                f"experts not split: every rank holds all {self.experts} experts of {len(self.layers)} MoE "
+                f"layers (split inside them or replicated); {self.reason()}"
+            )
+        axes = " and ".join(f"{a} ({g})" for a, g in zip(self.axes, self.sizes))
+        per_rank = self.experts // self.ranks if self.experts % self.ranks == 0 else self.experts / self.ranks
+        shown = ", ".join(self.layers[:3]) + (", ..." if len(self.layers) > 3 else "")
+        line = (
+            f"experts split over mesh {'axes' if len(self.axes) > 1 else 'axis'} {axes}: each rank holds {per_rank} of the {self.experts} "
+            f"experts (E/{self.ranks}) of {len(self.layers)} MoE layers ({shown}), expert weights "
+            f"{format_bytes(self.weight_bytes_local)} of {format_bytes(self.weight_bytes_total)} per rank; "
+            f"the expert layers send {self.comm_bytes / 1e6:.3f} MB per rank per step"
+        )
+        return f"{line}; {self.reason()}"
+
+    def reason(self) -> str:
+        """Why, in the search's numbers."""
+        unit = self.cost_unit
+        if not self.axes:
+            if self.split_cost is None:
+                return "the search found no plan with them split"
+            return (
+                f"chosen because the search's cheapest plan keeping every expert on every rank costs "
+                f"{self.whole_cost:.4g} {unit} against {self.split_cost:.4g} for its cheapest with the split"
+            )
+        if self.split_cost is None:
+            return "chosen by the planner (no search prices)"
+        if self.whole_cost is None:
+            return (
+                f"chosen because the search found no plan keeping every expert on every rank "
+                f"(its plan: {self.split_cost:.4g} {unit})"
+            )
+        saved = self.whole_cost - self.split_cost
+        return (
+            f"chosen because the search's cheapest plan with the split costs {self.split_cost:.4g} {unit} "
+            f"against {self.whole_cost:.4g} for its cheapest keeping every expert on every rank "
+            f"({saved:.4g} {unit} less)"
+        )
+
+    def names(self, node: fx.Node) -> bool:
+        """Whether `node` belongs to one of the expert modules (for `explain`)."""
+        path = info(node).module_path if has_info(node) else ""
+        return bool(path) and any(path == p or path.startswith(p + ".") for p in self.layers)
+
+
+def expert_placement(
+    gm: fx.GraphModule,
+    program: Any,
+    mesh: Mesh,
+    collectives: Sequence[Any],
+    split_cost: float | None = None,
+    whole_cost: float | None = None,
+    cost_unit: str = "elements",
+) -> ExpertPlacement | None:
+    """The expert split of the plan laid out on `gm` (the joint graph after propagate); where no
+    grouped matmul splits its experts, a placement on no axes if the search priced a split (why
+    not), else None. `collectives`: the report's records (their module paths pick the expert
+    layers' ones)."""
+    grouped = []
+    for n in gm.graph.nodes:
+        strategy = info(n).strategy if n.op == "call_function" and has_info(n) else None
+        name = getattr(n.target, "name", None)
+        if strategy is not None and callable(name) and name() in expert_parallel.GROUPED_MM_OPS:
+            grouped.append((n, strategy))
+    split = [(n, s) for n, s in grouped if expert_parallel.is_expert_split(n.target, s)]
+    if not split and (not grouped or whole_cost is None):
+        return None
+    weight = (split or grouped)[0][1].inputs[1]
+    axes = weight.shard_axes(expert_parallel.EXPERT_DIM)
+    layers = tuple(dict.fromkeys(info(n).module_path for n, _ in grouped if info(n).module_path))
+    weights = {_parameter(n.args[1]) for n, _ in grouped if len(n.args) > 1}
+    layouts = dict(zip(program.param_names, program.param_layouts))
+    held = [layouts[name] for name in weights if name in layouts]
+    comm = sum(
+        c.bytes
+        for c in collectives
+        if any(c.module_path == p or c.module_path.startswith(p + ".") for p in layers)
+    )
+    return ExpertPlacement(
+        axes=tuple(mesh.axis_names[a] for a in axes),
+        sizes=tuple(mesh.shape[a] for a in axes),
+        experts=weight.shape[expert_parallel.EXPERT_DIM],
+        layers=layers,
+        weight_bytes_local=float(sum(lay.local_bytes(mesh.shape) for lay in held)),
+        weight_bytes_total=float(sum(lay.local_bytes([1] * mesh.ndim) for lay in held)),
+        comm_bytes=float(comm),
+        split_cost=split_cost,
+        whole_cost=whole_cost,
+        cost_unit=cost_unit,
+    )
+
+
+def _parameter(value: Any) -> str | None:
+    """The parameter a grouped matmul's weight argument reads, through the views between them."""
+    node = value
+    while isinstance(node, fx.Node):
+        if node.op == "placeholder":
+            return info(node).param_name if has_info(node) else None
+        inputs = node.all_input_nodes
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+    return None
