@@ -30,9 +30,11 @@ from autopar.core.plan import Plan
 from autopar.core.precision import AutocastState, MixedPrecision, autocast_off
 from autopar.cost.formulas import MeshCost
 from autopar.cost.hardware import load_hardware
-from autopar.cost.timeline import Timeline, default_hardware, simulate
+from autopar.cost.timeline import Timeline, default_hardware, exposed_by_collective, simulate
 from autopar.passes import fused
 from autopar.passes.chunks import merge_chunks
+from autopar.passes.decompose_matmul import MODES as DECOMPOSE_MODES
+from autopar.passes.decompose_matmul import decompose_matmuls as decompose_pass
 from autopar.passes.emit import emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
@@ -165,6 +167,7 @@ def compile_for_rank(
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
     storage: str = "auto",
+    decompose_matmuls: str = "auto",
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -194,13 +197,17 @@ def compile_for_rank(
     `in_flight_bytes` caps the output buffers of collectives issued and not yet waited on (how far
     ahead the schedule prefetches); default `in_flight_budget`: what the memory limit leaves after
     the plan's modeled memory. `storage` ("auto", "sharded" or "replicated") is how the search
-    stores the weights (`search_layouts`, `PlanOptions.storage`).
+    stores the weights (`search_layouts`, `PlanOptions.storage`). `decompose_matmuls` ("auto",
+    "on" or "off"): which all-gather -> matmul and matmul -> reduce-scatter pairs are cut into
+    pieces that overlap each other (`autopar.passes.decompose_matmul`); "auto": where the modeled
+    step is shorter.
     `traced`, when given, is `trace_for(...)` of this model, inputs and options, made once: it
     is copied instead of traced again (an in-process run of every rank's program compiles each
     rank from one trace, as each process of a real job traces once).
     """
     example_inputs = example_tuple(example_inputs, example_kwargs)
     check_options(model, mesh, coords, memory_limit, in_flight_bytes)
+    check_decompose(decompose_matmuls)
     registry = registry if registry is not None else default_registry()
     candidates = _chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
@@ -248,6 +255,8 @@ def compile_for_rank(
         chunks = candidates[0]
     with stage("propagate / insert_comm"):
         gm, work = _lower(gm, plan, mesh, registry, base, chunks, path)
+    with stage("decompose matmuls"):
+        gm = _decompose(gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes)
     write_stage(path, "3_insert_comm", gm, work)
     modeled_on = table if hardware is not None or path is not None else None
     # modeled before the schedule stage, which reorders the graph in place
@@ -307,6 +316,38 @@ def check_options(
                 f"{name} must be a number of bytes >= {least}, got {value!r}",
                 hint=f"for example {name}=40e9, or leave it out",
             )
+
+
+def check_decompose(mode: object) -> None:
+    """`decompose_matmuls` must name a mode of the pass."""
+    if mode not in DECOMPOSE_MODES:
+        raise UsageError(
+            f"decompose_matmuls={mode!r} is not a mode of the collective-matmul decomposition",
+            hint='"auto" (where the modeled step is shorter), "on" (every pair that qualifies) or "off"',
+        )
+
+
+def _decompose(
+    gm: fx.GraphModule,
+    work: Mesh,
+    coords: tuple[int, ...],
+    table: str,
+    mode: str,
+    schedule: bool,
+    in_flight_bytes: int,
+) -> fx.GraphModule:
+    """The decomposition pass on the lowered graph. "auto" prices each pair against the time its
+    collective stays exposed in the step scheduled without the rewrite (a scheduled copy, modeled
+    on `table`). Batch chunks (over-decomposition) overlap their collectives already: not there."""
+    if mode == "off" or work.in_process:
+        return gm
+    exposed = None
+    if mode == "auto":
+        trial = copy.deepcopy(gm)
+        if schedule:
+            trial = schedule_pass(trial, work, hardware=table, in_flight_bytes=in_flight_bytes)
+        exposed = exposed_by_collective(trial, simulate(trial, work, table))
+    return decompose_pass(gm, work, coords, hardware=table, mode=mode, exposed=exposed)
 
 
 def example_tuple(example_inputs: Any, example_kwargs: Any = None) -> tuple[Any, ...]:

@@ -24,6 +24,11 @@ COLLECTIVES = (
 
 BUCKET_KEY = "autopar_bucket"  # node.meta of a merged collective: its members, in buffer order
 BYTES_KEY = "autopar_local_bytes"  # node.meta of the buffer nodes bucketing adds: local size in bytes
+# node.meta of a piece of a decomposed collective matmul (`passes.decompose_matmul`): on a
+# collective, the piece it carries (bucketing never merges pieces, which are there to overlap);
+# on a rank-local matmul piece, its flops (the modeled timeline prices it as a matmul)
+PIECE_KEY = "autopar_piece"
+MATMUL_FLOPS_KEY = "autopar_matmul_flops"
 
 
 @dataclass(frozen=True)
