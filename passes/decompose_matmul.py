@@ -32,14 +32,21 @@ qualifying pair, "off" none.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from autopar.core.collectives import BYTES_KEY, MATMUL_FLOPS_KEY, PIECE_KEY, comm_group
+from autopar.core.collectives import (
+    BYTES_KEY,
+    DECOMPOSED_KEY,
+    MATMUL_FLOPS_KEY,
+    PIECE_KEY,
+    DecomposedPair,
+    comm_group,
+)
 from autopar.core.layout import Layout
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info, set_info
@@ -51,34 +58,10 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 MODES = ("auto", "on", "off")
-DECOMPOSED_KEY = "autopar_decomposed"  # gm.meta: the pairs considered, a tuple of DecomposedPair
 _MATMULS = (aten.mm.default, aten.addmm.default)
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _SAME = (aten.clone.default, aten.alias.default, aten.detach.default)
 _FLIPS = (aten.t.default, aten.transpose.int, aten.permute.default)
-
-
-@dataclass(frozen=True)
-class DecomposedPair:
-    """One collective-matmul pair the pass considered: what it is, how it was priced, whether kept."""
-
-    collective: str  # node name of the original collective
-    kind: str  # "all_gather" or "reduce_scatter"
-    matmuls: tuple[str, ...]  # node names of the matmuls it feeds (is fed by)
-    dims: tuple[str, ...]  # per matmul, the dim its pieces cut: "M" (rows) or "N" (columns)
-    where: str  # module path @ source line of the collective
-    chunks: int
-    before: float  # modeled seconds of the pair on the step's critical path, undecomposed
-    after: float  # the same, decomposed
-    kept: bool
-
-    def describe(self) -> str:
-        verdict = "decomposed" if self.kept else "kept whole"
-        return (
-            f"{self.kind} {self.collective} -> {', '.join(f'{m} ({d})' for m, d in zip(self.matmuls, self.dims))} "
-            f"[{self.where}]: {verdict}, "
-            f"{self.chunks} pieces, {self.before * 1e6:.4g} us -> {self.after * 1e6:.4g} us modeled"
-        )
 
 
 @dataclass
@@ -109,10 +92,13 @@ def decompose_matmuls(
     hardware: str | None = None,
     mode: str = "auto",
     exposed: Mapping[str, float] | None = None,
+    only: Collection[str] | None = None,
 ) -> fx.GraphModule:
     """Rewrite this rank's qualifying collective-matmul pairs (module docstring). `exposed`: seconds
     each collective (by node name) waits exposed in the scheduled step without the rewrite, which
-    "auto" needs with `hardware`; without them "auto" rewrites nothing."""
+    "auto" needs with `hardware`; without them "auto" rewrites nothing. `only`, when given, names
+    the collectives whose pairs are rewritten, whatever `mode` says (the driver's choice by the
+    whole step's model)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     shape, coords = tuple(mesh.shape), tuple(coords)
@@ -126,6 +112,8 @@ def decompose_matmuls(
         if cost is not None:
             before, after = price_pair(pair, cost, shape, (exposed or {}).get(pair.collective.name, 0.0))
         kept = mode == "on" or (mode == "auto" and cost is not None and exposed is not None and after < before)
+        if only is not None:
+            kept = pair.collective.name in only
         step = info(pair.collective).comm
         assert step is not None
         records.append(

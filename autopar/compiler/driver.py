@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
 from autopar.core.errors import AutoparError, InternalError, UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, where_of
@@ -35,6 +36,7 @@ from autopar.passes import fused
 from autopar.passes.chunks import merge_chunks
 from autopar.passes.decompose_matmul import MODES as DECOMPOSE_MODES
 from autopar.passes.decompose_matmul import decompose_matmuls as decompose_pass
+from autopar.passes.decompose_matmul import find_pairs
 from autopar.passes.emit import emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
@@ -279,6 +281,8 @@ def compile_for_rank(
         recomputed=savings.units if savings is not None else (),
         copied_ops=gm.meta.get(RECOMPUTE_KEY, 0),
         storage=plan.storage if isinstance(plan, SearchPlan) else "",
+        decomposed=gm.meta.get(DECOMPOSED_KEY, ()),
+        decomposed_steps=gm.meta.get(DECOMPOSED_STEPS_KEY, {}),
     )
     write_collectives(path, report)
     timelines = None
@@ -338,16 +342,35 @@ def _decompose(
 ) -> fx.GraphModule:
     """The decomposition pass on the lowered graph. "auto" prices each pair against the time its
     collective stays exposed in the step scheduled without the rewrite (a scheduled copy, modeled
-    on `table`). Batch chunks (over-decomposition) overlap their collectives already: not there."""
-    if mode == "off" or work.in_process:
+    on `table`), then models the whole step with the pairs that price shorter rewritten, and with
+    every pair rewritten, and keeps the shortest of the three steps (a pair that models faster alone
+    can slow the step: its pieces queue on the link before other collectives). Batch chunks
+    (over-decomposition) overlap their collectives already: not there."""
+    if mode == "off" or work.in_process or not find_pairs(gm, tuple(work.shape), coords):
         return gm
-    exposed = None
-    if mode == "auto":
-        trial = copy.deepcopy(gm)
+    if mode == "on":
+        return decompose_pass(gm, work, coords, hardware=table, mode="on")
+
+    def step_time(graph: fx.GraphModule) -> tuple[float, fx.GraphModule]:
         if schedule:
-            trial = schedule_pass(trial, work, hardware=table, in_flight_bytes=in_flight_bytes)
-        exposed = exposed_by_collective(trial, simulate(trial, work, table))
-    return decompose_pass(gm, work, coords, hardware=table, mode=mode, exposed=exposed)
+            graph = schedule_pass(graph, work, hardware=table, in_flight_bytes=in_flight_bytes)
+        return simulate(graph, work, table).step_time, graph
+
+    whole, scheduled = step_time(copy.deepcopy(gm))
+    exposed = exposed_by_collective(scheduled, simulate(scheduled, work, table))
+    priced = decompose_pass(copy.deepcopy(gm), work, coords, hardware=table, mode="auto", exposed=exposed)
+    records = priced.meta[DECOMPOSED_KEY]
+    sets = {"whole": frozenset[str](), "pairs priced shorter": frozenset(r.collective for r in records if r.kept)}
+    sets["every pair"] = frozenset(r.collective for r in records)
+    steps = {"whole": whole}
+    for name, names in list(sets.items())[1:]:
+        if names and names not in [sets[k] for k in steps]:
+            trial = decompose_pass(copy.deepcopy(gm), work, coords, hardware=table, only=names)
+            steps[name] = step_time(trial)[0]
+    best = min(steps, key=lambda k: (steps[k], len(sets[k])))
+    gm = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, only=sets[best])
+    gm.meta[DECOMPOSED_STEPS_KEY] = steps
+    return gm
 
 
 def example_tuple(example_inputs: Any, example_kwargs: Any = None) -> tuple[Any, ...]:
