@@ -8,9 +8,10 @@ import copy
 import pytest
 import torch
 import torch.fx as fx
+from multirank import run_ranks
 from pass_fixtures import Coords, compile_every_rank, lockstep_step, two_linear_case
 
-from autopar.api import compile_for_rank
+from autopar.api import compile_for_rank, parallelize
 from autopar.core.collectives import (
     COLLECTIVES,
     DECOMPOSED_KEY,
@@ -197,3 +198,34 @@ def test_decompose_option_is_validated() -> None:
     with pytest.raises(UsageError, match="decompose_matmuls"):
         compile_for_rank(model, Mesh.from_shape((2,)), batch, coords=(0,), decompose_matmuls=True)  # type: ignore[arg-type]
     assert PlanOptions().decompose_matmuls == "auto"
+
+
+def _train_on_gloo(rank: int, world_size: int) -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("x",))
+    serial, batch = make_gpt(0, n_layer=1)
+    model, _ = make_gpt(0, n_layer=1)
+    pmodel = parallelize(model, mesh, example_inputs=batch, planning=PlanOptions(planner="greedy", decompose_matmuls="on"))
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    opt_p = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(2):
+        for module, opt in ((serial, opt_s), (pmodel, opt_p)):
+            opt.zero_grad()
+            loss = module(*batch)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+    diff = max(float((p.full_tensor() - q).abs().max()) for p, q in zip(pmodel.parameters(), serial.parameters()))
+    decomposed = [d.kind for d in pmodel.report.decomposed if d.kept]
+    return {"losses": losses, "params": diff, "decomposed": decomposed}
+
+
+@pytest.mark.multirank
+def test_decomposed_gpt_trains_as_serial_on_four_gloo_ranks() -> None:
+    for result in run_ranks(4, _train_on_gloo, timeout=600):
+        serial, parallel = result["losses"][0::2], result["losses"][1::2]  # type: ignore[index]
+        assert all(abs(a - b) < 1e-5 for a, b in zip(serial, parallel)), result
+        assert result["params"] < 1e-5, result  # type: ignore[operator]
+        assert set(result["decomposed"]) == {"all_gather", "reduce_scatter"}, result  # type: ignore[arg-type]
