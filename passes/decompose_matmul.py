@@ -93,12 +93,13 @@ def decompose_matmuls(
     mode: str = "auto",
     exposed: Mapping[str, float] | None = None,
     only: Collection[str] | None = None,
+    rewrite: bool = True,
 ) -> fx.GraphModule:
     """Rewrite this rank's qualifying collective-matmul pairs (module docstring). `exposed`: seconds
     each collective (by node name) waits exposed in the scheduled step without the rewrite, which
     "auto" needs with `hardware`; without them "auto" rewrites nothing. `only`, when given, names
     the collectives whose pairs are rewritten, whatever `mode` says (the driver's choice by the
-    whole step's model)."""
+    whole step's model). `rewrite=False` only prices and records the pairs (`DECOMPOSED_KEY`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     shape, coords = tuple(mesh.shape), tuple(coords)
@@ -131,7 +132,8 @@ def decompose_matmuls(
         )
         if kept:
             rewritten.update(c.matmul for c in pair.chains)
-            _Rewriter(gm, pair, shape, coords).rewrite()
+            if rewrite:
+                _Rewriter(gm, pair, shape, coords).rewrite()
     gm.meta[DECOMPOSED_KEY] = tuple(records)
     gm.graph.lint()
     gm.recompile()

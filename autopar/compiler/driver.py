@@ -1,4 +1,5 @@
-"""The compiler driver: runs trace -> propagate -> insert_comm -> schedule -> emit for one rank.
+"""The compiler driver: runs trace -> propagate -> insert_comm -> schedule -> emit for one rank
+(with the decomposition of collective matmuls between insert_comm and schedule).
 
 It is the one place that knows the order of the stages and hands each its inputs: the plan choice
 (`autopar.planning`) picks a `Plan`, the driver gives it to propagate, and the stages then talk only
@@ -258,14 +259,15 @@ def compile_for_rank(
     with stage("propagate / insert_comm"):
         gm, work = _lower(gm, plan, mesh, registry, base, chunks, path)
     with stage("decompose matmuls"):
-        gm = _decompose(gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes)
+        gm, prescheduled = _decompose(gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes)
     write_stage(path, "3_insert_comm", gm, work)
     modeled_on = table if hardware is not None or path is not None else None
     # modeled before the schedule stage, which reorders the graph in place
     unscheduled = simulate(gm, work, modeled_on) if modeled_on is not None else None
     if schedule:
         with stage("schedule"):
-            gm = schedule_pass(gm, work, hardware=table, in_flight_bytes=in_flight_bytes)
+            # "auto" that kept the graph whole has scheduled it already, to decide
+            gm = prescheduled if prescheduled is not None else schedule_pass(gm, work, hardware=table, in_flight_bytes=in_flight_bytes)
     write_stage(path, "4_schedule", gm, work)
     with stage("emit"):
         program = emit(gm, work, registry, (*base, *(0,) * work.in_process)).on_devices(mesh.ndim)
@@ -339,38 +341,45 @@ def _decompose(
     mode: str,
     schedule: bool,
     in_flight_bytes: int,
-) -> fx.GraphModule:
-    """The decomposition pass on the lowered graph. "auto" prices each pair against the time its
-    collective stays exposed in the step scheduled without the rewrite (a scheduled copy, modeled
-    on `table`), then models the whole step with the pairs that price shorter rewritten, and with
-    every pair rewritten, and keeps the shortest of the three steps (a pair that models faster alone
-    can slow the step: its pieces queue on the link before other collectives). Batch chunks
-    (over-decomposition) overlap their collectives already: not there."""
-    if mode == "off" or work.in_process or not find_pairs(gm, tuple(work.shape), coords):
-        return gm
-    if mode == "on":
-        return decompose_pass(gm, work, coords, hardware=table, mode="on")
+) -> tuple[fx.GraphModule, fx.GraphModule | None]:
+    """The decomposition pass on the lowered graph; returns the graph and, where "auto" kept it
+    whole and scheduled a copy to decide so, that scheduled copy (the schedule stage's result).
 
-    def step_time(graph: fx.GraphModule) -> tuple[float, fx.GraphModule]:
+    "auto" prices each pair against the time its collective stays exposed in the step scheduled
+    without the rewrite (a scheduled copy, modeled on `table`). Where some pairs price shorter, the
+    whole step is modeled, scheduled, with those pairs rewritten and with every pair rewritten, and
+    the shortest of the three steps is kept: a pair that prices faster alone can still slow the step
+    (its pieces queue on the link ahead of other collectives). Batch chunks (over-decomposition)
+    overlap their collectives already: not there."""
+    if mode == "off" or work.in_process or not find_pairs(gm, tuple(work.shape), coords):
+        return gm, None
+    if mode == "on":
+        return decompose_pass(gm, work, coords, hardware=table, mode="on"), None
+
+    def scheduled_step(graph: fx.GraphModule) -> tuple[float, fx.GraphModule]:
         if schedule:
             graph = schedule_pass(graph, work, hardware=table, in_flight_bytes=in_flight_bytes)
         return simulate(graph, work, table).step_time, graph
 
-    whole, scheduled = step_time(copy.deepcopy(gm))
+    whole, scheduled = scheduled_step(copy.deepcopy(gm))
     exposed = exposed_by_collective(scheduled, simulate(scheduled, work, table))
-    priced = decompose_pass(copy.deepcopy(gm), work, coords, hardware=table, mode="auto", exposed=exposed)
-    records = priced.meta[DECOMPOSED_KEY]
-    sets = {"whole": frozenset[str](), "pairs priced shorter": frozenset(r.collective for r in records if r.kept)}
-    sets["every pair"] = frozenset(r.collective for r in records)
+    records = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, rewrite=False).meta[DECOMPOSED_KEY]
+    shorter = frozenset(r.collective for r in records if r.kept)
+    sets = {"whole": frozenset[str](), "pairs priced shorter": shorter, "every pair": frozenset(r.collective for r in records)}
     steps = {"whole": whole}
-    for name, names in list(sets.items())[1:]:
-        if names and names not in [sets[k] for k in steps]:
-            trial = decompose_pass(copy.deepcopy(gm), work, coords, hardware=table, only=names)
-            steps[name] = step_time(trial)[0]
+    if shorter:
+        for name in ("pairs priced shorter", "every pair"):
+            if name == "pairs priced shorter" or sets[name] != shorter:
+                trial = decompose_pass(copy.deepcopy(gm), work, coords, hardware=table, only=sets[name])
+                steps[name] = scheduled_step(trial)[0]
     best = min(steps, key=lambda k: (steps[k], len(sets[k])))
-    gm = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, only=sets[best])
+    gm = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, only=sets[best], rewrite=best != "whole")
     gm.meta[DECOMPOSED_STEPS_KEY] = steps
-    return gm
+    if best != "whole" or not schedule:
+        return gm, None
+    for key in (DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY):
+        scheduled.meta[key] = gm.meta[key]
+    return gm, scheduled
 
 
 def example_tuple(example_inputs: Any, example_kwargs: Any = None) -> tuple[Any, ...]:
