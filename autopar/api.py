@@ -149,6 +149,7 @@ def parallelize(
         registry=registry,
         planner=planner,
         storage=planning.storage,
+        decompose_matmuls=planning.decompose_matmuls,
         schedule=planning.overlap,
         hardware=layout_hardware,
         memory_limit=memory_limit,
@@ -504,6 +505,7 @@ def plan(
         schedule=planning.overlap,
         dump_dir=debug.dump_dir,
         storage=planning.storage,
+        decompose_matmuls=planning.decompose_matmuls,
         autocast=regions,
         mixed_precision=mixed_precision,
     )

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from autopar.core.errors import UsageError
+from autopar.passes.decompose_matmul import MODES as DECOMPOSE_MODES
 from autopar.planning.step_accounting import RECOMPUTE_MODES, WEIGHT_STATES
 from autopar.planning.storage import STORAGE_MODES
 from autopar.rules.base import RuleRegistry
@@ -76,6 +77,10 @@ class PlanOptions:
           when the whole weight state does not fit `memory_limit`); "auto", both priced on a
           hardware table where the replicated weights fit, the cheaper kept (in element counts,
           a given mesh without a table: sharded).
+      decompose_matmuls (str) ["auto"]: all-gather -> matmul and matmul -> reduce-scatter pairs cut
+          into pieces whose transfers overlap each other's matmuls (docs/scheduling.md, "Decomposed
+          collective matmuls"): "auto", each pair where the modeled step is shorter; "on", every
+          pair that qualifies; "off", none.
     """
 
     planner: str = "search"
@@ -89,8 +94,15 @@ class PlanOptions:
     recompute: str = "auto"
     context_parallel: str = "auto"
     storage: Storage = "auto"
+    decompose_matmuls: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.decompose_matmuls not in DECOMPOSE_MODES:
+            raise UsageError(
+                f"PlanOptions(decompose_matmuls={self.decompose_matmuls!r}) is not a mode of the "
+                "collective-matmul decomposition",
+                hint=f"one of {', '.join(map(repr, DECOMPOSE_MODES))}",
+            )
         if self.context_parallel not in CP_STRATEGIES:
             raise UsageError(
                 f"PlanOptions(context_parallel={self.context_parallel!r}) is not an attention strategy",

@@ -22,8 +22,12 @@ model (`autopar.cost.timeline`) runs one step with a compute stream and one comm
     python benchmarks/overlap.py              # ~1.5 min on 2 cores (2 worker processes)
     python benchmarks/overlap.py --auto 8 64  # ~4 min: also the mesh choice at 64 ranks (26 meshes)
     python benchmarks/overlap.py --p 64
+    python benchmarks/overlap.py --decomposed 8 64  # ~3 min: decomposed collective matmuls only
 
-Writes benchmarks/results/overlap.json.
+Writes benchmarks/results/overlap.json (`--decomposed`: overlap_decomposed.json): the same plan
+compiled with `decompose_matmuls` "off", "auto" and "on" (all-gather -> matmul and matmul ->
+reduce-scatter pairs cut into overlapping pieces, docs/scheduling.md), each one's modeled exposed
+share and step, and how many pairs qualified and were decomposed.
 """
 
 from __future__ import annotations
@@ -123,6 +127,99 @@ def measure(mesh_shape: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
+def measure_decomposed(mesh_shape: tuple[int, ...]) -> dict[str, Any]:
+    """One mesh's plan compiled with each `decompose_matmuls` mode (the search's plan made once and
+    shared); plain data out."""
+    import torch
+    import torch.fx as fx
+
+    from autopar.api import compile_for_rank
+    from autopar.core.plan import Plan
+    from examples.models import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=H)
+    model = on_meta(lambda: GPT(cfg))
+    idx = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    mesh = Mesh.from_shape(mesh_shape)
+    start = time.perf_counter()
+    plans: list[Plan] = []
+
+    def once(gm: fx.GraphModule, make_plan: Any) -> Plan:
+        if not plans:
+            plans.append(make_plan())
+        return plans[0]
+
+    out: dict[str, Any] = {"mesh": list(mesh_shape)}
+    for mode in ("off", "auto", "on"):
+        compiled = compile_for_rank(
+            model, mesh, (idx, idx), coords=(0,) * mesh.ndim, planner="search", hardware=HARDWARE,
+            agree=once, decompose_matmuls=mode,
+        )  # fmt: skip
+        assert compiled.timelines is not None
+        after = compiled.timelines[1]
+        pairs = compiled.report.decomposed
+        out[mode] = {
+            **after.totals(),
+            "pairs": len(pairs),
+            "decomposed": sum(d.kept for d in pairs),
+            "decomposed_by_kind": {k: sum(d.kept and d.kind == k for d in pairs) for k in ("all_gather", "reduce_scatter")},
+            "steps_compared_s": dict(compiled.report.decomposed_steps),
+        }
+    off = out["off"]
+    out["floor_exposed_fraction"] = max(0.0, off["comm_time"] - off["compute_time"]) / off["comm_time"] if off["comm_time"] else 0.0
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def decomposed_main(ps: list[int], jobs: int) -> None:
+    """`--decomposed`: the exposed share and step with decompose_matmuls off, auto and on."""
+    started = time.perf_counter()
+    shapes = [shape for p in ps for shape in MESHES[p]]
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        runs = list(pool.map(measure_decomposed, shapes))
+    ms = 1e3
+    rows = []
+    for r in runs:
+        cells = []
+        for mode in ("off", "auto", "on"):
+            m = r[mode]
+            cells.append(f"{100 * m['exposed_fraction']:.1f}%, {m['step_time'] * ms:.2f} ms")
+        rows.append(
+            [
+                Mesh.from_shape(tuple(r["mesh"])).size,
+                "x".join(map(str, r["mesh"])),
+                *cells,
+                f"{100 * r['floor_exposed_fraction']:.1f}%",
+                f"{r['on']['pairs']} ({r['on']['decomposed_by_kind']['all_gather']} AG, "
+                f"{r['on']['decomposed_by_kind']['reduce_scatter']} RS)",
+                r["auto"]["decomposed"],
+            ]
+        )
+    print(f"Modeled on {HARDWARE}: GPT h={H} s={SEQ} b={BATCH} {LAYERS} layers, rank 0, search planner")
+    print(
+        table(
+            ["p", "mesh", "off: exposed, step", "auto", "on (every pair)", "floor", "pairs that qualify",
+             "decomposed by auto"],
+            rows,
+        )
+    )
+    elapsed = time.perf_counter() - started
+    print(f"\n{len(runs)} plans in {elapsed:.0f} s")
+    path = write_result(
+        "overlap_decomposed",
+        {
+            "model": {"n_layer": LAYERS, "h": H, "heads": HEADS, "seq": SEQ, "batch": BATCH, "vocab": VOCAB},
+            "hardware": HARDWARE,
+            "units": "seconds per step for rank 0; fractions of the step's communication time",
+            "runs": runs,
+            "wall_seconds": elapsed,
+        },
+    )
+    print(f"wrote {path}")
+
+
 def measure_auto(p: int) -> dict[str, Any]:
     """The mesh `autopar.plan(..., "auto", world_size=p)` chooses (ranked by scheduled step), and
     its modeled step before and after scheduling; plain data out."""
@@ -189,7 +286,14 @@ def main() -> None:
     parser.add_argument(
         "--auto", type=int, nargs="*", default=[8], help='p for which to plan mesh_shape="auto" (64: ~3 min)'
     )
+    parser.add_argument(
+        "--decomposed", type=int, nargs="*", default=None,
+        help="p for which to compare decompose_matmuls off / auto / on (only that table)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.decomposed is not None:
+        decomposed_main(args.decomposed or [8, 64], args.jobs)
+        return
     started = time.perf_counter()
     shapes = [shape for p in args.p for shape in MESHES[p]]
     ctx = multiprocessing.get_context("spawn")

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx as fx
 
-from autopar.core.collectives import BUCKET_KEY, BYTES_KEY, COLLECTIVES, BucketMember, comm_group
+from autopar.core.collectives import BUCKET_KEY, BYTES_KEY, COLLECTIVES, PIECE_KEY, BucketMember, comm_group
 from autopar.core.layout import Layout, Partial, Replicate, Shard, itemsize
 from autopar.core.meta import has_info, info, set_info
 from autopar.core.redistribute import CommStep
@@ -332,7 +332,8 @@ def _candidate(
         return None
     # batch chunks (over-decomposition) stay apart: one chunk's collectives are to overlap the
     # other chunks' compute, which a bucket spanning chunks would wait for
-    key = (node.target, comm_group(node), shape[step.axis], step.before.dtype, phase, info(node).chunk)
+    # and so do the pieces of a decomposed collective matmul (each its own key)
+    key = (node.target, comm_group(node), shape[step.axis], step.before.dtype, phase, info(node).chunk, node.meta.get(PIECE_KEY))
     elements = step.before.local_numel(shape)
     return _Candidate(node, wait, ready, need, size, elements, key)
 

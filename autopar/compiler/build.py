@@ -53,6 +53,7 @@ class ModuleOptions:
     init_fn: InitFn | None = None
     compile: bool = False
     storage: str = "auto"
+    decompose_matmuls: str = "auto"
 
 
 def compile_module(
@@ -102,6 +103,7 @@ def compile_module(
             in_flight_bytes=opts.in_flight_bytes,
             mixed_precision=opts.mixed_precision,
             storage=opts.storage,
+            decompose_matmuls=opts.decompose_matmuls,
         )
         compiled = compile_for_rank(
             model,

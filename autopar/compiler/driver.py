@@ -1,4 +1,5 @@
-"""The compiler driver: runs trace -> propagate -> insert_comm -> schedule -> emit for one rank.
+"""The compiler driver: runs trace -> propagate -> insert_comm -> schedule -> emit for one rank
+(with the decomposition of collective matmuls between insert_comm and schedule).
 
 It is the one place that knows the order of the stages and hands each its inputs: the plan choice
 (`autopar.planning`) picks a `Plan`, the driver gives it to propagate, and the stages then talk only
@@ -23,6 +24,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
 from autopar.core.errors import AutoparError, InternalError, UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, where_of
@@ -30,9 +32,12 @@ from autopar.core.plan import Plan
 from autopar.core.precision import AutocastState, MixedPrecision, autocast_off
 from autopar.cost.formulas import MeshCost
 from autopar.cost.hardware import load_hardware
-from autopar.cost.timeline import Timeline, default_hardware, simulate
+from autopar.cost.timeline import Timeline, default_hardware, exposed_by_collective, simulate
 from autopar.passes import fused
 from autopar.passes.chunks import merge_chunks
+from autopar.passes.decompose_matmul import MODES as DECOMPOSE_MODES
+from autopar.passes.decompose_matmul import decompose_matmuls as decompose_pass
+from autopar.passes.decompose_matmul import find_pairs
 from autopar.passes.emit import emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
@@ -166,6 +171,7 @@ def compile_for_rank(
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
     storage: str = "auto",
+    decompose_matmuls: str = "auto",
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -195,13 +201,17 @@ def compile_for_rank(
     `in_flight_bytes` caps the output buffers of collectives issued and not yet waited on (how far
     ahead the schedule prefetches); default `in_flight_budget`: what the memory limit leaves after
     the plan's modeled memory. `storage` ("auto", "sharded" or "replicated") is how the search
-    stores the weights (`search_layouts`, `PlanOptions.storage`).
+    stores the weights (`search_layouts`, `PlanOptions.storage`). `decompose_matmuls` ("auto",
+    "on" or "off"): which all-gather -> matmul and matmul -> reduce-scatter pairs are cut into
+    pieces that overlap each other (`autopar.passes.decompose_matmul`); "auto": where the modeled
+    step is shorter.
     `traced`, when given, is `trace_for(...)` of this model, inputs and options, made once: it
     is copied instead of traced again (an in-process run of every rank's program compiles each
     rank from one trace, as each process of a real job traces once).
     """
     example_inputs = example_tuple(example_inputs, example_kwargs)
     check_options(model, mesh, coords, memory_limit, in_flight_bytes)
+    check_decompose(decompose_matmuls)
     registry = registry if registry is not None else default_registry()
     candidates = _chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
@@ -250,13 +260,16 @@ def compile_for_rank(
         chunks = candidates[0]
     with stage("propagate / insert_comm"):
         gm, work = _lower(gm, plan, mesh, registry, base, chunks, path)
+    with stage("decompose matmuls"):
+        gm, prescheduled = _decompose(gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes)
     write_stage(path, "3_insert_comm", gm, work)
     modeled_on = table if hardware is not None or path is not None else None
     # modeled before the schedule stage, which reorders the graph in place
     unscheduled = simulate(gm, work, modeled_on) if modeled_on is not None else None
     if schedule:
         with stage("schedule"):
-            gm = schedule_pass(gm, work, hardware=table, in_flight_bytes=in_flight_bytes)
+            # "auto" that kept the graph whole has scheduled it already, to decide
+            gm = prescheduled if prescheduled is not None else schedule_pass(gm, work, hardware=table, in_flight_bytes=in_flight_bytes)
     write_stage(path, "4_schedule", gm, work)
     with stage("emit"):
         program = emit(gm, work, registry, (*base, *(0,) * work.in_process)).on_devices(mesh.ndim)
@@ -272,6 +285,8 @@ def compile_for_rank(
         recomputed=savings.units if savings is not None else (),
         copied_ops=gm.meta.get(RECOMPUTE_KEY, 0),
         storage=plan.storage if isinstance(plan, SearchPlan) else "",
+        decomposed=gm.meta.get(DECOMPOSED_KEY, ()),
+        decomposed_steps=gm.meta.get(DECOMPOSED_STEPS_KEY, {}),
     )
     report.experts = expert_placement(
         gm,
@@ -318,6 +333,64 @@ def check_options(
                 f"{name} must be a number of bytes >= {least}, got {value!r}",
                 hint=f"for example {name}=40e9, or leave it out",
             )
+
+
+def check_decompose(mode: object) -> None:
+    """`decompose_matmuls` must name a mode of the pass."""
+    if mode not in DECOMPOSE_MODES:
+        raise UsageError(
+            f"decompose_matmuls={mode!r} is not a mode of the collective-matmul decomposition",
+            hint='"auto" (where the modeled step is shorter), "on" (every pair that qualifies) or "off"',
+        )
+
+
+def _decompose(
+    gm: fx.GraphModule,
+    work: Mesh,
+    coords: tuple[int, ...],
+    table: str,
+    mode: str,
+    schedule: bool,
+    in_flight_bytes: int,
+) -> tuple[fx.GraphModule, fx.GraphModule | None]:
+    """The decomposition pass on the lowered graph; returns the graph and, where "auto" kept it
+    whole and scheduled a copy to decide so, that scheduled copy (the schedule stage's result).
+
+    "auto" prices each pair against the time its collective stays exposed in the step scheduled
+    without the rewrite (a scheduled copy, modeled on `table`). Where some pairs price shorter, the
+    whole step is modeled, scheduled, with those pairs rewritten and with every pair rewritten, and
+    the shortest of the three steps is kept: a pair that prices faster alone can still slow the step
+    (its pieces queue on the link ahead of other collectives). Batch chunks (over-decomposition)
+    overlap their collectives already: not there."""
+    if mode == "off" or work.in_process or not find_pairs(gm, tuple(work.shape), coords):
+        return gm, None
+    if mode == "on":
+        return decompose_pass(gm, work, coords, hardware=table, mode="on"), None
+
+    def scheduled_step(graph: fx.GraphModule) -> tuple[float, fx.GraphModule]:
+        if schedule:
+            graph = schedule_pass(graph, work, hardware=table, in_flight_bytes=in_flight_bytes)
+        return simulate(graph, work, table).step_time, graph
+
+    whole, scheduled = scheduled_step(copy.deepcopy(gm))
+    exposed = exposed_by_collective(scheduled, simulate(scheduled, work, table))
+    records = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, rewrite=False).meta[DECOMPOSED_KEY]
+    shorter = frozenset(r.collective for r in records if r.kept)
+    sets = {"whole": frozenset[str](), "pairs priced shorter": shorter, "every pair": frozenset(r.collective for r in records)}
+    steps = {"whole": whole}
+    if shorter:
+        for name in ("pairs priced shorter", "every pair"):
+            if name == "pairs priced shorter" or sets[name] != shorter:
+                trial = decompose_pass(copy.deepcopy(gm), work, coords, hardware=table, only=sets[name])
+                steps[name] = scheduled_step(trial)[0]
+    best = min(steps, key=lambda k: (steps[k], len(sets[k])))
+    gm = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, only=sets[best], rewrite=best != "whole")
+    gm.meta[DECOMPOSED_STEPS_KEY] = steps
+    if best != "whole" or not schedule:
+        return gm, None
+    for key in (DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY):
+        scheduled.meta[key] = gm.meta[key]
+    return gm, scheduled
 
 
 def example_tuple(example_inputs: Any, example_kwargs: Any = None) -> tuple[Any, ...]:

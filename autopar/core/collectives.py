@@ -24,6 +24,14 @@ COLLECTIVES = (
 
 BUCKET_KEY = "autopar_bucket"  # node.meta of a merged collective: its members, in buffer order
 BYTES_KEY = "autopar_local_bytes"  # node.meta of the buffer nodes bucketing adds: local size in bytes
+# node.meta of a piece of a decomposed collective matmul (`passes.decompose_matmul`): on a
+# collective, the piece it carries (bucketing never merges pieces, which are there to overlap);
+# on a rank-local matmul piece, its flops (the modeled timeline prices it as a matmul)
+PIECE_KEY = "autopar_piece"
+MATMUL_FLOPS_KEY = "autopar_matmul_flops"
+DECOMPOSED_KEY = "autopar_decomposed"  # gm.meta: the pairs the decomposition considered (DecomposedPair)
+# gm.meta: modeled step (seconds) of each set of pairs the "auto" choice compared, by its name
+DECOMPOSED_STEPS_KEY = "autopar_decomposed_steps"
 
 
 @dataclass(frozen=True)
@@ -43,3 +51,26 @@ def comm_group(collective: fx.Node) -> str:
 def bucket_members(node: fx.Node) -> tuple[BucketMember, ...]:
     """The collectives a merged collective stands for (empty for an ordinary one)."""
     return tuple(node.meta.get(BUCKET_KEY, ()))
+
+
+@dataclass(frozen=True)
+class DecomposedPair:
+    """One collective-matmul pair the pass considered: what it is, how it was priced, whether kept."""
+
+    collective: str  # node name of the original collective
+    kind: str  # "all_gather" or "reduce_scatter"
+    matmuls: tuple[str, ...]  # node names of the matmuls it feeds (is fed by)
+    dims: tuple[str, ...]  # per matmul, the dim its pieces cut: "M" (rows) or "N" (columns)
+    where: str  # module path @ source line of the collective
+    chunks: int
+    before: float  # modeled seconds of the pair on the step's critical path, undecomposed
+    after: float  # the same, decomposed
+    kept: bool
+
+    def describe(self) -> str:
+        verdict = "decomposed" if self.kept else "kept whole"
+        return (
+            f"{self.kind} {self.collective} -> {', '.join(f'{m} ({d})' for m, d in zip(self.matmuls, self.dims))} "
+            f"[{self.where}]: {verdict}, "
+            f"{self.chunks} pieces, {self.before * 1e6:.4g} us -> {self.after * 1e6:.4g} us modeled"
+        )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.core.collectives import BYTES_KEY, COLLECTIVES, bucket_members
+from autopar.core.collectives import BYTES_KEY, COLLECTIVES, MATMUL_FLOPS_KEY, bucket_members
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
 from autopar.core.redistribute import CommStep
@@ -253,6 +253,9 @@ def node_time(node: fx.Node, cost: MeshCost, shape: tuple[int, ...], sizes: dict
     if is_view(node):
         return 0.0
     node_info = info(node)
+    if MATMUL_FLOPS_KEY in node.meta:  # a piece of a decomposed collective matmul, on local shapes
+        moved = local_bytes(node, shape, sizes) + sum(local_bytes(i, shape, sizes) for i in node.all_input_nodes)
+        return cost.compute(float(node.meta[MATMUL_FLOPS_KEY]), moved, compute_rate(node))
     if node_info.role == "comm":  # a local copy that prepares or unpacks a buffer: read + write
         return 2.0 * local_bytes(node, shape, sizes) / cost.hw.memory_bandwidth
     strategy = node_info.strategy
@@ -295,6 +298,20 @@ def local_bytes(node: fx.Node, shape: tuple[int, ...], sizes: dict[fx.Node, floa
     for n in chain:
         sizes[n] = value
     return value
+
+
+def exposed_by_collective(gm: fx.GraphModule, timeline: Timeline) -> dict[str, float]:
+    """Seconds each original collective of `gm` waited exposed in `timeline` (a model of `gm`),
+    by node name; a bucket's exposed time is shared evenly by its members."""
+    by_name = {c.name: c.exposed for c in timeline.collectives}
+    out: dict[str, float] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in COLLECTIVES or node.name not in by_name:
+            continue
+        members = [m.name for m in bucket_members(node)] or [node.name]
+        for name in members:
+            out[name] = by_name[node.name] / len(members)
+    return out
 
 
 # ---- reports ---------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.core.collectives import bucket_members
+from autopar.core.collectives import DecomposedPair, bucket_members
 from autopar.core.layout import Replicate
 from autopar.core.mesh import Mesh
 from autopar.core.meta import NodeInfo, has_info, info
@@ -68,6 +68,8 @@ class PlanReport:
     activations: SavedActivations | None = None
     storage: str = ""  # how the plan stores weights: "sharded", "replicated" ("" where not chosen by the search)
     experts: ExpertPlacement | None = None  # where the MoE layers' experts are (None: no expert split)
+    decomposed: tuple[DecomposedPair, ...] = ()  # collective-matmul pairs considered for decomposition
+    decomposed_steps: dict[str, float] = field(default_factory=dict)  # the "auto" choice's modeled steps
 
     @property
     def param_fraction(self) -> float:
@@ -112,6 +114,13 @@ class PlanReport:
             lines.append(f"  {phase:<9} {kind:<15} {axis:<5} {counts[key]:>5} {volume[key] / 1e3:>10.1f}")
         if self.activations is not None and (self.activations.after or self.activations.recomputed):
             lines.append(str(self.activations))
+        if self.decomposed:
+            kept = [d for d in self.decomposed if d.kept]
+            lines.append(f"decomposed collective matmuls: {len(kept)} of {len(self.decomposed)} pairs that qualify")
+            lines.extend(f"  {d.describe()}" for d in kept)
+            if self.decomposed_steps:
+                compared = ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in self.decomposed_steps.items())
+                lines.append(f"  chosen by the modeled step: {compared}")
         if self.schedule is not None:
             s = self.schedule
             lines.append(
@@ -175,6 +184,8 @@ def build_report(
     recomputed: tuple[str, ...] = (),
     copied_ops: int = 0,
     storage: str = "",
+    decomposed: tuple[DecomposedPair, ...] = (),
+    decomposed_steps: dict[str, float] | None = None,
 ) -> PlanReport:
     """`graph_mesh`: the mesh the program's collectives are laid out on, when it has more axes than
     the device mesh (over-decomposition's in-process chunk axis). `saved_before`, `recomputed`,
@@ -204,6 +215,8 @@ def build_report(
         schedule=schedule,
         activations=SavedActivations(saved_before, _saved_bytes(program), recomputed, copied_ops),
         storage=storage,
+        decomposed=decomposed,
+        decomposed_steps=dict(decomposed_steps or {}),
     )
 
 

@@ -1,0 +1,235 @@
+"""Decomposed collective matmuls (`autopar.passes.decompose_matmul`): the rewritten graph, and
+training steps of every rank in lockstep equal to serial (and to the undecomposed programs)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+from multirank import run_ranks
+from pass_fixtures import Coords, compile_every_rank, lockstep_step, two_linear_case
+
+from autopar.api import compile_for_rank, parallelize
+from autopar.core.collectives import (
+    COLLECTIVES,
+    DECOMPOSED_KEY,
+    DECOMPOSED_STEPS_KEY,
+    MATMUL_FLOPS_KEY,
+    PIECE_KEY,
+)
+from autopar.core.errors import UsageError
+from autopar.core.mesh import Mesh
+from autopar.core.meta import info
+from autopar.options import PlanOptions
+from autopar.testing import assemble
+from examples.models import make_gpt, make_mlp
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _pieces(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVES and PIECE_KEY in n.meta]
+
+
+def _assembled_grads(compiled: dict[Coords, object], bwd: dict[Coords, list], shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient put together from the ranks' blocks (fused parts into their source)."""
+    first = next(iter(compiled.values())).program  # type: ignore[attr-defined]
+    out: dict[str, torch.Tensor] = {}
+    for i, (name, lay) in enumerate(zip(first.param_names, first.param_layouts)):
+        grad = assemble({c: bwd[c][i] for c in bwd}, lay, shape, atol=1e-5, rtol=1e-5)
+        part = first.param_parts.get(name)
+        if part is None:
+            out[name] = grad
+        else:
+            whole = out.get(part.source)
+            if whole is None:
+                sizes = list(grad.shape)
+                sizes[part.dim] *= part.count
+                whole = out[part.source] = torch.zeros(sizes, dtype=grad.dtype)
+            part.of(whole).copy_(grad)
+    return out
+
+
+def _train_in_lockstep(
+    make: object, shape: tuple[int, ...], steps: int = 2, **options: object
+) -> tuple[list[float], list[float], float, float, dict[Coords, object]]:
+    """`steps` SGD-momentum steps of the model serially and of every rank's program in lockstep
+    (the ranks' gradients assembled, applied to a copy of the weights): the losses of each, the
+    largest gradient and parameter differences, and the compiled programs."""
+    serial, batch = make()  # type: ignore[operator]
+    parallel = copy.deepcopy(serial)
+    compiled = compile_every_rank(parallel, shape, batch, **options)
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    opt_p = torch.optim.SGD(parallel.parameters(), lr=0.1, momentum=0.9)
+    losses_s, losses_p, grad_diff = [], [], 0.0
+    for _ in range(steps):
+        fwd, bwd = lockstep_step(compiled, parallel, shape, batch, {})  # type: ignore[arg-type]
+        losses_p.append(max(float(fwd[c][0]) for c in fwd))
+        grads = _assembled_grads(compiled, bwd, shape)
+        opt_s.zero_grad()
+        torch.manual_seed(0)
+        loss = serial(*batch)
+        loss.backward()
+        losses_s.append(float(loss.detach()))
+        for (name, p), q in zip(parallel.named_parameters(), serial.parameters()):
+            p.grad = grads[name].clone()
+            grad_diff = max(grad_diff, float((p.grad - q.grad).abs().max()))  # type: ignore[operator]
+        opt_s.step()
+        opt_p.step()
+    param_diff = max(float((p - q).abs().max()) for p, q in zip(parallel.parameters(), serial.parameters()))
+    return losses_s, losses_p, grad_diff, param_diff, compiled  # type: ignore[return-value]
+
+
+def _decomposed(compiled: dict[Coords, object]) -> list:
+    return [r for r in next(iter(compiled.values())).graph.meta[DECOMPOSED_KEY] if r.kept]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("model", "shape", "planner"),
+    [("gpt", (4,), "greedy"), ("gpt", (2, 2), "search"), ("mlp", (4,), "search")],
+)
+def test_decomposed_programs_train_as_serial(model: str, shape: tuple[int, ...], planner: str) -> None:
+    make = (lambda: make_gpt(0, n_layer=1)) if model == "gpt" else (lambda: make_mlp(0))
+    losses_s, losses_p, grad_diff, param_diff, compiled = _train_in_lockstep(
+        make, shape, planner=planner, decompose_matmuls="on"
+    )
+    kinds = {r.kind for r in _decomposed(compiled)}
+    assert kinds == {"all_gather", "reduce_scatter"}, kinds
+    assert all(abs(a - b) < 1e-5 for a, b in zip(losses_s, losses_p)), (losses_s, losses_p)
+    assert grad_diff < 2e-5 and param_diff < 1e-5, (grad_diff, param_diff)
+
+
+def _compile(key: str, shape: tuple[int, ...], mode: str, **options: object):  # type: ignore[no-untyped-def]
+    model, batch = two_linear_case() if key == "two_linear" else make_gpt(0, n_layer=1)
+    return compile_for_rank(
+        model, Mesh.from_shape(shape), batch, coords=(0,) * len(shape), decompose_matmuls=mode, **options
+    )
+
+
+def _collectives(gm: fx.GraphModule, target: object) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is target]
+
+
+def test_gather_and_scatter_pairs_become_pieces() -> None:
+    """The one-layer GPT on (4,), greedy plan: all-gathers feed matmuls along their rows (M, the
+    attention projection's input) and columns (N, gathered weights), weight gradients are
+    reduce-scattered; "on" cuts each pair into 4 pieces, each piece's matmul reading its own
+    piece's collective, and the original collectives and matmuls are gone from the scheduled graph."""
+    off = _compile("gpt", (4,), "off", planner="greedy", schedule=False).graph  # unbucketed: original names
+    on = _compile("gpt", (4,), "on", planner="greedy").graph
+    pairs = on.meta[DECOMPOSED_KEY]
+    assert {r.kind for r in pairs} == {"all_gather", "reduce_scatter"}
+    assert {d for r in pairs if r.kind == "all_gather" for d in r.dims} == {"M", "N"}
+    assert all(r.kept and r.chunks == 4 for r in pairs)
+    names_off = {n.name for n in off.graph.nodes}
+    names_on = {n.name for n in on.graph.nodes}
+    for r in pairs:  # the pair whole without the pass, gone with it
+        assert r.collective in names_off and set(r.matmuls) <= names_off
+        assert r.collective not in names_on and not set(r.matmuls) & names_on
+    assert not _pieces(off)
+    for kind, target in (("all_gather", c10d.all_gather_into_tensor.default), ("reduce_scatter", c10d.reduce_scatter_tensor.default)):
+        pieces = [n for n in _pieces(on) if n.target is target]
+        count = sum(r.kind == kind for r in pairs)
+        assert len(pieces) == 4 * count and len({n.meta[PIECE_KEY] for n in pieces}) == 4 * count  # not bucketed
+    original = {n.name: info(n).comm for n in off.graph.nodes if n.name in {r.collective for r in pairs}}
+    for n in _pieces(on):  # each piece carries a quarter of its original collective's block
+        whole, piece = original[n.meta[PIECE_KEY].split(":")[0]], info(n).comm
+        assert whole is not None and piece is not None and whole.dim == piece.dim is not None
+        assert piece.before.shape[piece.dim] * 4 == whole.before.shape[whole.dim]
+        assert piece.before.local_numel((4,)) * 4 == whole.before.local_numel((4,))
+    for coll in [n for n in _pieces(on) if n.target is c10d.all_gather_into_tensor.default]:
+        seen, frontier, matmuls = set(), [coll], []  # each gathered piece reaches matmul pieces through views
+        while frontier:
+            node = frontier.pop()
+            for user in node.users:
+                if MATMUL_FLOPS_KEY in user.meta:
+                    matmuls.append(user)
+                elif user.target not in (aten.stack.default, aten.view.default) and user not in seen:
+                    seen.add(user)
+                    frontier.append(user)
+        assert matmuls and all(m.target in (aten.mm.default, aten.addmm.default) for m in matmuls)
+    matmul_pieces = [n for n in on.graph.nodes if MATMUL_FLOPS_KEY in n.meta]
+    assert len(matmul_pieces) == 4 * sum(len(r.matmuls) for r in pairs)
+    assert any(n.target is aten.stack.default for n in on.graph.nodes)  # outputs interleaved
+    assert any(n.target is aten.cat.default for n in on.graph.nodes)  # scattered pieces concatenated
+
+
+@pytest.mark.parametrize(("key", "shape", "planner"), [("two_linear", (4,), "greedy"), ("gpt", (2, 2), "search")])
+def test_decomposed_programs_equal_undecomposed_bitwise(key: str, shape: tuple[int, ...], planner: str) -> None:
+    """Each row of a matmul piece is summed over the same contracted length as the whole matmul's,
+    and each reduce-scatter piece adds the same summands: the programs' loss and gradients equal
+    the undecomposed programs' bit for bit (on this CPU's matmul kernels)."""
+    model, batch = two_linear_case() if key == "two_linear" else make_gpt(0, n_layer=1)
+    results = {}
+    for mode in ("off", "on"):
+        compiled = compile_every_rank(model, shape, batch, planner=planner, decompose_matmuls=mode)
+        results[mode] = lockstep_step(compiled, model, shape, batch, {})
+        if mode == "on":
+            assert _decomposed(compiled)
+    (fwd_off, bwd_off), (fwd_on, bwd_on) = results["off"], results["on"]
+    for c in fwd_off:
+        assert torch.equal(fwd_off[c][0], fwd_on[c][0])
+        for a, b in zip(bwd_off[c], bwd_on[c]):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_auto_keeps_the_shortest_modeled_step() -> None:
+    """"auto" models the step whole and, where some pair prices shorter, with those pairs and with
+    every pair decomposed, and keeps the shortest: never longer than "off" (nor than "on" where it
+    compared every pair), and the report says what it compared."""
+    steps = {}
+    for mode in ("off", "on", "auto"):
+        compiled = _compile("two_linear", (4,), mode, planner="greedy", hardware="h100-nvlink-ib")
+        assert compiled.timelines is not None
+        steps[mode] = compiled.timelines[1].step_time
+    chosen = compiled.graph.meta[DECOMPOSED_STEPS_KEY]
+    assert "whole" in chosen and abs(chosen["whole"] - steps["off"]) <= 1e-9 * steps["off"]
+    assert steps["auto"] <= steps["off"] * (1 + 1e-9), steps
+    if "every pair" in chosen:
+        assert steps["auto"] <= steps["on"] * (1 + 1e-9), steps
+    assert abs(steps["auto"] - min(chosen.values())) <= 1e-9 * steps["auto"], (steps, chosen)
+    text = str(compiled.report)
+    assert "decomposed collective matmuls:" in text and "chosen by the modeled step" in text
+
+
+def test_decompose_option_is_validated() -> None:
+    with pytest.raises(UsageError, match="decompose_matmuls"):
+        PlanOptions(decompose_matmuls="yes")
+    model, batch = two_linear_case()
+    with pytest.raises(UsageError, match="decompose_matmuls"):
+        compile_for_rank(model, Mesh.from_shape((2,)), batch, coords=(0,), decompose_matmuls=True)  # type: ignore[arg-type]
+    assert PlanOptions().decompose_matmuls == "auto"
+
+
+def _train_on_gloo(rank: int, world_size: int) -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("x",))
+    serial, batch = make_gpt(0, n_layer=1)
+    model, _ = make_gpt(0, n_layer=1)
+    pmodel = parallelize(model, mesh, example_inputs=batch, planning=PlanOptions(planner="greedy", decompose_matmuls="on"))
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    opt_p = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(2):
+        for module, opt in ((serial, opt_s), (pmodel, opt_p)):
+            opt.zero_grad()
+            loss = module(*batch)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+    diff = max(float((p.full_tensor() - q).abs().max()) for p, q in zip(pmodel.parameters(), serial.parameters()))
+    decomposed = [d.kind for d in pmodel.report.decomposed if d.kept]
+    return {"losses": losses, "params": diff, "decomposed": decomposed}
+
+
+@pytest.mark.multirank
+def test_decomposed_gpt_trains_as_serial_on_four_gloo_ranks() -> None:
+    for result in run_ranks(4, _train_on_gloo, timeout=600):
+        serial, parallel = result["losses"][0::2], result["losses"][1::2]  # type: ignore[index]
+        assert all(abs(a - b) < 1e-5 for a, b in zip(serial, parallel)), result
+        assert result["params"] < 1e-5, result  # type: ignore[operator]
+        assert set(result["decomposed"]) == {"all_gather", "reduce_scatter"}, result  # type: ignore[arg-type]
