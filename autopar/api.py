@@ -324,6 +324,7 @@ def _pipeline(
             'a pipeline takes the global batch on every rank (inputs="local" is not supported with a "pp" axis)',
             hint='drop inputs="local"',
         )
+    seeded = torch.random.get_rng_state()  # what a meta-device model's stages are initialized from
     names = tuple(mesh.mesh_dim_names or ())
     pp = mesh.size(names.index("pp"))
     decision = decide_pipeline(
@@ -352,13 +353,12 @@ def _pipeline(
         groups = make_pipeline_groups(mesh, names.index("pp"), as_timeout(timeout))
         stage_mesh = Mesh.from_device_mesh(mesh[tuple(n for n in names if n != "pp")])
         autocast = compilable_autocast(("cpu", mesh.device_type))
-        seeded = torch.random.get_rng_state()
         stage_options = dataclasses.replace(options, check_inputs=False)  # stages' inputs are the runtime's
 
         def build_stage(module: nn.Module, args: tuple[Any, ...]) -> ParallelModule:
             return compile_module(
                 module, stage_mesh, groups.stage, stage_options, args, None, args, None,
-                autocast=autocast, seeded=seeded,
+                autocast=autocast, seeded=seeded, init_model=model,
             )
 
         pp_group = groups.pp
@@ -378,6 +378,8 @@ def _pipeline(
         dump_dir=options.dump_dir,
         decision=decision,
         example_kwargs=example_kwargs,
+        init_fn=options.init_fn,
+        seeded=seeded,
     )
 
 

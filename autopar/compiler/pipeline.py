@@ -33,7 +33,7 @@ from autopar.compiler.pipeline_batch import (
     program_key,
     split_microbatches,
 )
-from autopar.compiler.pipeline_checkpoint import pipelined_buffers, pipelined_state_dict
+from autopar.compiler.pipeline_checkpoint import held_names, pipelined_buffers, pipelined_state_dict
 from autopar.compiler.pipeline_choice import PipelineDecision, ScheduleChoice, decide_pipeline
 from autopar.compiler.pipeline_random import PipelineDropout
 from autopar.compiler.pipeline_split import (
@@ -62,6 +62,7 @@ from autopar.reporting.pipeline_views import (
     write_pipeline_png,
 )
 from autopar.runtime.defer_reduction import GradAccumulation
+from autopar.runtime.materialize import InitFn, materialize_in_place, meta_tensor_names
 from autopar.runtime.module_state import NotCopyable
 from autopar.runtime.pipeline_runtime import (
     BoundaryScatter,
@@ -106,6 +107,8 @@ class PipelinedModule(NotCopyable, nn.Module):
         pp_group: dist.ProcessGroup | None = None,
         build_stage: StageBuilder | None = None,
         scatter: BoundaryScatter | None = None,
+        init_fn: InitFn | None = None,
+        seeded: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.__dict__["_model"] = model  # not a submodule: parameters() is this rank's only
@@ -123,16 +126,37 @@ class PipelinedModule(NotCopyable, nn.Module):
         self._scatter = scatter
         self._programs: dict[tuple[Any, ...], StageProgram] = {}
         self._dropout = PipelineDropout()
-        names: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), name)
-        self._names = names
+        self._init_fn = init_fn
+        self._seeded = torch.random.get_rng_state() if seeded is None else seeded
+        self.materialized_bytes = 0  # what this rank made of a model built on meta (its stages')
+        self._names = self._parameter_names()
         self._local: list[tuple[str, nn.Parameter]] = []
         # shared weights: (name, the user's tensor, this rank's copies of it that stages train)
         self._shared: list[tuple[str, nn.Parameter, list[nn.Parameter]]] = []
         self.stage_modules: tuple[tuple[str, ...], ...] = ()
         self.__dict__["_stage_wrappers"] = {}  # stage -> StageModule (holds the user's tensors)
         self.__dict__["stage_parallel"] = {}  # stage -> its parallel module on the tensor sub-mesh
+
+    def _parameter_names(self) -> dict[int, str]:
+        names: dict[int, str] = {}
+        for name, p in self._model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        return names
+
+    def _materialize(self, program: StageProgram) -> None:
+        """A model built on meta: make this rank's stages' tensors, the serial model's values from
+        the random state `parallelize` began with (`materialize_in_place`); other stages' stay on
+        meta. On a 1-D pipeline mesh every tensor its stages hold, whole (the stages run the user's
+        tensors); with tensor axes only those no stage reads (BatchNorm's `num_batches_tracked` in
+        eval), as each stage's parallel module makes its own blocks of the rest."""
+        if not meta_tensor_names(self._model):
+            return
+        names = held_names(self._model, program, self.stages, read=self._build_stage is None)
+        if not names:
+            return
+        torch.random.set_rng_state(self._seeded)
+        self.materialized_bytes = materialize_in_place(self._model, names, self._init_fn, self.device)
+        self._names = self._parameter_names()
 
     @property
     def _model(self) -> nn.Module:
@@ -300,6 +324,8 @@ class PipelinedModule(NotCopyable, nn.Module):
                 )
             finally:
                 self._model.train(was)
+            if not self._programs:  # a model on meta: this rank's stages' tensors, made now
+                self._materialize(found)
             if self.training:  # dropout: the serial masks where the stages run their own graphs
                 self._dropout.adopt([(st.module, st.sources) for st in found.stages], found.random_ops)
             if self._build_stage is not None:
@@ -531,6 +557,8 @@ def pipeline_parallelize(
     dump_dir: str | os.PathLike[str] | None = None,
     decision: PipelineDecision | None = None,
     example_kwargs: dict[str, Any] | None = None,
+    init_fn: InitFn | None = None,
+    seeded: torch.Tensor | None = None,
 ) -> PipelinedModule:
     """Cut `model` into `pp * virtual_stages` stages over the axis "pp" of `mesh` and return this
     rank's part. Every rank calls it with the same model and example batch.
@@ -544,21 +572,19 @@ def pipeline_parallelize(
     on `hardware`) unless `stage_boundaries` names the first module of every stage after the first.
     `schedule`: "1f1b", "gpipe", "interleaved-1f1b" (with `virtual_stages` > 1), "zero-bubble"
     (stages built by `build_stage` only) or "auto" (`decide_pipeline`); `decision`: one the caller
-    made already (every rank the same)."""
+    made already (every rank the same).
+
+    A model built on the meta device: each rank makes only its stages' tensors, equal to the model
+    built on a real device from the random state `seeded` (default: the state at this call), by
+    the model's own initialization or `init_fn(module)` (docs/pipeline.md#a-model-built-on-meta)."""
+    if seeded is None:
+        seeded = torch.random.get_rng_state()
     names = tuple(mesh.mesh_dim_names or ())
     if "pp" not in names or (mesh.ndim > 1 and build_stage is None):
         raise UsageError(
             f"pipeline_parallelize takes a mesh with an axis named 'pp' (and, beside it, a stage builder "
             f"for the tensor axes), got dims {mesh.mesh_dim_names}",
             hint='init_device_mesh("cpu", (p,), mesh_dim_names=("pp",)), or autopar.parallelize for more axes',
-        )
-    on_meta = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if on_meta:
-        raise UsageError(
-            f"{type(model).__name__} has {len(on_meta)} tensors on the meta device ({on_meta[0]}, ...): "
-            "a pipeline runs the model's own modules on every rank, so its weights must exist",
-            hint="build the model on the CPU (or load it with from_pretrained) before pipelining it; a mesh "
-            "without 'pp' takes a model on meta and loads its shards (autopar.load_checkpoint)",
         )
     pp = mesh.size(names.index("pp"))
     if decision is None:
@@ -584,8 +610,9 @@ def pipeline_parallelize(
             hint="name the first module of every stage after the first",
         )
     pmodel = PipelinedModule(
-        model, mesh, plan, boundaries, cut, pp_group=pp_group, build_stage=build_stage, scatter=scatter
-    )
+        model, mesh, plan, boundaries, cut, pp_group=pp_group, build_stage=build_stage, scatter=scatter,
+        init_fn=init_fn, seeded=seeded,
+    )  # fmt: skip
     pmodel.schedule_choice = decision.choice
     pieces = split_microbatches((example, dict(example_kwargs or {})), microbatches)
     pmodel._program(pytree.tree_leaves(pieces[0]), pieces[0])  # export and cut now: errors show here
