@@ -33,8 +33,9 @@ from autopar.compiler.pipeline_batch import (
     program_key,
     split_microbatches,
 )
-from autopar.compiler.pipeline_checkpoint import held_names, pipelined_buffers, pipelined_state_dict
+from autopar.compiler.pipeline_checkpoint import pipelined_buffers, pipelined_state_dict
 from autopar.compiler.pipeline_choice import PipelineDecision, ScheduleChoice, decide_pipeline
+from autopar.compiler.pipeline_meta import make_stage_tensors
 from autopar.compiler.pipeline_random import PipelineDropout
 from autopar.compiler.pipeline_split import (
     PipelineSplitError,
@@ -46,6 +47,7 @@ from autopar.compiler.pipeline_split import (
 from autopar.compiler.pipeline_stage import (
     StageBuilder,
     StageModule,
+    check_same_tensors,
     parallel_stage_forward,
     stage_arguments,
     stage_forward,
@@ -62,7 +64,7 @@ from autopar.reporting.pipeline_views import (
     write_pipeline_png,
 )
 from autopar.runtime.defer_reduction import GradAccumulation
-from autopar.runtime.materialize import InitFn, materialize_in_place, meta_tensor_names
+from autopar.runtime.materialize import InitFn
 from autopar.runtime.module_state import NotCopyable
 from autopar.runtime.pipeline_runtime import (
     BoundaryScatter,
@@ -122,7 +124,7 @@ class PipelinedModule(NotCopyable, nn.Module):
         self.stages = schedule.placement.stages_of(self.rank)
         self.training = model.training
         self._build_stage = build_stage
-        self._first_attrs: list[set[str]] | None = None  # what each stage read in the first program
+        self._first_attrs: list[set[str]] = []  # what each stage read in the first program
         self._scatter = scatter
         self._programs: dict[tuple[Any, ...], StageProgram] = {}
         self._dropout = PipelineDropout()
@@ -144,19 +146,16 @@ class PipelinedModule(NotCopyable, nn.Module):
         return names
 
     def _materialize(self, program: StageProgram) -> None:
-        """A model built on meta: make this rank's stages' tensors, the serial model's values from
-        the random state `parallelize` began with (`materialize_in_place`); other stages' stay on
-        meta. On a 1-D pipeline mesh every tensor its stages hold, whole (the stages run the user's
-        tensors); with tensor axes only those no stage reads (BatchNorm's `num_batches_tracked` in
-        eval), as each stage's parallel module makes its own blocks of the rest."""
-        if not meta_tensor_names(self._model):
-            return
-        names = held_names(self._model, program, self.stages, read=self._build_stage is None)
-        if not names:
-            return
-        torch.random.set_rng_state(self._seeded)
-        self.materialized_bytes = materialize_in_place(self._model, names, self._init_fn, self.device)
-        self._names = self._parameter_names()
+        """A model built on meta: this rank's stages' tensors, made now (`make_stage_tensors`): on a
+        1-D pipeline mesh all of them; with tensor axes those no stage reads, as each stage's
+        parallel module makes its own blocks of the rest."""
+        made = make_stage_tensors(
+            self._model, program, self.stages, read=self._build_stage is None, init_fn=self._init_fn,
+            seeded=self._seeded, device=self.device,
+        )  # fmt: skip
+        if made:
+            self.materialized_bytes = made
+            self._names = self._parameter_names()
 
     @property
     def _model(self) -> nn.Module:
@@ -329,7 +328,7 @@ class PipelinedModule(NotCopyable, nn.Module):
             if self.training:  # dropout: the serial masks where the stages run their own graphs
                 self._dropout.adopt([(st.module, st.sources) for st in found.stages], found.random_ops)
             if self._build_stage is not None:
-                self._check_same_tensors(found)
+                check_same_tensors(self._first_attrs, found)
                 self._add_stage_programs(found, flat)
             if not self._programs:
                 self._first_program(found)
@@ -337,23 +336,6 @@ class PipelinedModule(NotCopyable, nn.Module):
         else:
             self._programs[key] = self._programs.pop(key)  # most recently used last
         return found
-
-    def _check_same_tensors(self, program: StageProgram) -> None:
-        """Each stage's parallel module holds the tensors its first program read: a later call whose
-        stage reads another (BERT reads its `token_type_ids` buffer only when that argument is
-        missing) is refused, on every rank alike (every rank exports every stage) and before any
-        message, so no rank waits for another."""
-        if self._first_attrs is None:
-            self._first_attrs = [set(st.attrs) for st in program.stages]
-        for stage, before in zip(program.stages, self._first_attrs, strict=True):
-            extra = sorted(set(stage.attrs) - before)
-            if extra:
-                raise PipelineSplitError(
-                    f"stage {stage.index} reads {extra} in this call but not in the first: its parallel "
-                    "module holds only what the first call's program read (the call's arguments differ: a "
-                    "model may read a buffer only when an argument is missing)",
-                    hint="pass the same set of arguments on every call as in example_inputs / example_kwargs",
-                )
 
     def _add_stage_programs(self, program: StageProgram, flat: Sequence[Any]) -> None:
         """Give each of this rank's stage modules its program for this microbatch shape; the first

@@ -45,7 +45,7 @@ from autopar.runtime.checkpoint_safety import (
 )
 from autopar.runtime.module import ParallelModule
 
-__all__ = ["held_names", "load_pipelined_checkpoint", "pipelined_buffers", "pipelined_state_dict", "unit_stage"]
+__all__ = ["load_pipelined_checkpoint", "pipelined_buffers", "pipelined_state_dict", "unit_stage"]
 
 
 class Pipelined(Protocol):
@@ -118,22 +118,6 @@ def _read_attrs(pmodel: Pipelined) -> set[int]:
     return {
         id(get_attr(pmodel._model, a)) for st in program.stages for a in st.attrs if a not in program.constants
     }
-
-
-def held_names(model: nn.Module, program: StageProgram, stages: tuple[int, ...], *, read: bool) -> set[str]:
-    """The names of the model's tensors that `stages` hold: with `read`, those their programs read;
-    and always the model's tensors no stage reads whose module they hold (`unit_stage`), as the
-    state dict and `named_buffers` keep them. What a rank makes of a model built on meta."""
-    names: set[str] = set()
-    if read:
-        for s in stages:
-            names.update(a for a in program.stages[s].attrs if a not in program.constants)
-    every = {a for st in program.stages for a in st.attrs if a not in program.constants}
-    read_ids = {id(get_attr(model, a)) for a in every}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        if id(tensor) not in read_ids and unit_stage(program, name) in stages:
-            names.add(name)
-    return names
 
 
 def pipelined_buffers(pmodel: Pipelined) -> list[tuple[str, torch.Tensor]]:
