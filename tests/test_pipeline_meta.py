@@ -35,7 +35,19 @@ def _stored_bytes(module: torch.nn.Module) -> int:
     )
 
 
-def _gpt_on_meta(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:
+def _gpt_on_meta(
+    rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], compile: bool = False
+) -> dict[str, Any]:
+    import autopar.runtime.module as module
+
+    compiled: list[object] = []  # the programs handed to Inductor
+    by_inductor = module.compiled_by_inductor
+
+    def counting(program: Any) -> Any:
+        compiled.append(program)
+        return by_inductor(program)
+
+    module.compiled_by_inductor = counting  # this rank's process only
     config = GPTConfig(**GPT_CONFIG)
     batch = gpt_batch(config, 8, torch.Generator().manual_seed(1))
     with torch.device("meta"):
@@ -43,8 +55,9 @@ def _gpt_on_meta(rank: int, world: int, shape: tuple[int, ...], names: tuple[str
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     torch.manual_seed(0)
     pmodel = autopar.parallelize(
-        model, mesh, example_inputs=batch, pipeline=autopar.PipelineOptions(microbatches=2, stage_boundaries=["blocks.1"])
-    )
+        model, mesh, example_inputs=batch, compile=compile,
+        pipeline=autopar.PipelineOptions(microbatches=2, stage_boundaries=["blocks.1"]),
+    )  # fmt: skip
     after = torch.rand(3)
     torch.manual_seed(0)
     serial = GPT(config)
@@ -63,12 +76,14 @@ def _gpt_on_meta(rank: int, world: int, shape: tuple[int, ...], names: tuple[str
     }
     out["losses"] = train_side_by_side([(pmodel, batch), (serial, batch)], steps=2)
     out["params"] = max(float((_whole(p) - ref[n]).abs().max()) for n, p in pmodel.named_parameters())
+    out["inductor"] = len(compiled)
     return out
 
 
-def _check_gpt(results: list[dict[str, Any]], tensor_size: int) -> None:
+def _check_gpt(results: list[dict[str, Any]], tensor_size: int, compiled: bool = False) -> None:
     for result in results:
         assert result["rng"] and result["init"] == 0.0, result
+        assert (result["inductor"] > 0) == compiled, result["inductor"]  # the stages ran through Inductor
         for step in range(2):
             torch.testing.assert_close(result["losses"][2 * step], result["losses"][2 * step + 1], **TOL)
         assert result["params"] < 1e-5, result["params"]
@@ -77,7 +92,9 @@ def _check_gpt(results: list[dict[str, Any]], tensor_size: int) -> None:
         other = "blocks.1." if result["stages"] == (0,) else "blocks.0."
         assert not any(n.startswith(other) for n in result["names"]), result["names"]
         assert "wte.weight" in result["names"]
-        if tensor_size == 1:  # the user's tensors of its stages, whole, and nothing else
+        if compiled:  # each stage compiled on one rank: its parallel module made its tensors
+            assert result["real"] == [] and result["stored"] == result["share"], result
+        elif tensor_size == 1:  # the user's tensors of its stages, whole, and nothing else
             assert set(result["real"]) == set(result["names"]), (result["real"], result["names"])
             assert result["stored"] == result["share"] == result["materialized"], result
         else:  # each stage's parallel module made its own blocks; the user's model stays on meta
@@ -98,6 +115,13 @@ def test_a_gpt_built_on_meta_makes_only_its_blocks_on_pp2_by_tp2() -> None:
     """pp=2 x tp=2: each stage's parallel module makes its blocks of its own tensors (the whole
     model's initialization runs, one module at a time, so the draws are serial's)."""
     _check_gpt(run_ranks(4, _gpt_on_meta, (2, 2), ("pp", "tp"), timeout=300), 2)
+
+
+@pytest.mark.multirank
+def test_compile_true_on_pp2_runs_each_stage_through_inductor_equal_to_serial() -> None:
+    """compile=True on a 1-D pp mesh compiles every stage on its rank (as zero-bubble does), its
+    programs run by Inductor; built on meta, trained two steps: equal to serial."""
+    _check_gpt(run_ranks(2, _gpt_on_meta, (2,), ("pp",), True, timeout=400), 1, compiled=True)
 
 
 LLAMA = dict(
