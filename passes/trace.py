@@ -365,9 +365,11 @@ def _tensor_outputs(
     return tensors_only
 
 
-def fake_clone(model: nn.Module, fake_mode: FakeTensorMode, frozen: bool = False) -> nn.Module:
-    """A structural copy of `model` whose parameters and buffers are fake CPU tensors (`frozen`:
-    none requires a gradient).
+def fake_clone(
+    model: nn.Module, fake_mode: FakeTensorMode, frozen: bool = False, device: torch.device | str = "cpu"
+) -> nn.Module:
+    """A structural copy of `model` whose parameters and buffers are fake tensors on `device` (CPU
+    by default; `frozen`: none requires a gradient).
 
     Works for real and meta-device models alike; tied parameters stay the same object.
     """
@@ -378,7 +380,7 @@ def fake_clone(model: nn.Module, fake_mode: FakeTensorMode, frozen: bool = False
         for tensor in tensors:
             if id(tensor) in memo:
                 continue
-            fake = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            fake = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
             if isinstance(tensor, nn.Parameter):
                 memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad and not frozen)
             else:

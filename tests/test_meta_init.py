@@ -16,7 +16,7 @@ from multirank import run_ranks, train_side_by_side
 import autopar
 from autopar.core.errors import InitError
 from autopar.core.layout import Layout, Replicate, Shard
-from autopar.runtime.materialize import initialized_blocks
+from autopar.runtime.materialize import initialized_blocks, materialize_in_place
 from autopar.runtime.program import local_value
 from examples.models import GPT, GPTConfig, gpt_batch
 
@@ -146,6 +146,28 @@ def test_a_second_initialization_pass_does_not_keep_every_tensor_whole_between_p
         sum(t.numel() * t.element_size() for t in m.parameters(recurse=False)) for m in model.modules()
     )
     assert made.peak_whole_bytes == largest_module  # the MLP's first Linear, of 4 layers' worth
+
+
+def test_in_place_makes_only_the_named_tensors_and_keeps_ties() -> None:
+    """What a pipeline rank makes of its stages: the named tensors whole in the model, a tied one
+    named by its second name too (one tensor under both), the others left on meta."""
+    config = GPTConfig(n_embd=32, n_layer=2)
+    torch.manual_seed(0)
+    serial = GPT(config)
+    after_serial = torch.rand(4)
+    with torch.device("meta"):
+        model = GPT(config)
+    wanted = {n for n, _ in model.named_parameters() if n.startswith("blocks.1.")} | {"lm_head.weight"}
+    torch.manual_seed(0)
+    made = materialize_in_place(model, wanted)
+    assert torch.equal(torch.rand(4), after_serial)
+    assert model.wte.weight is model.lm_head.weight and not model.lm_head.weight.is_meta
+    ref = dict(serial.named_parameters(remove_duplicate=False))
+    real = {n: p for n, p in model.named_parameters(remove_duplicate=False) if not p.is_meta}
+    assert set(real) == wanted | {"wte.weight"}
+    for name, p in real.items():
+        assert torch.equal(p, ref[name]) and p.requires_grad, name
+    assert made == sum(p.numel() * p.element_size() for n, p in real.items() if n != "wte.weight")
 
 
 def test_a_tensor_nothing_initializes_is_named() -> None:

@@ -1,21 +1,18 @@
 """What a pipeline refuses, before any work, with the reason and what to do instead (in process).
 
 A pipeline runs each microbatch apart and every rank runs the model's own modules: norms with batch
-statistics in training, a model on the meta device, and a transformers model's tuple output (its
-cache object inside) cannot give the serial model's numbers or cannot be exported, and say so."""
+statistics in training, a tensor attribute of a model on meta that no initialization makes, and a
+transformers model's tuple output (its cache object inside) cannot give the serial model's numbers
+or cannot be exported, and say so. A model on meta itself is cut without allocating it."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.compiler.pipeline import pipeline_parallelize
 from autopar.compiler.pipeline_split import PipelineSplitError, split_stages
-from autopar.core.errors import UsageError
 
 
 class _BatchNormNet(nn.Module):
@@ -41,13 +38,36 @@ def test_batch_statistics_in_training_are_refused_and_eval_pipelines() -> None:
     assert len(split_stages(model, list(batch), batch, ["fc2"], 2).stages) == 2
 
 
-def test_a_model_on_meta_is_refused_with_what_to_do() -> None:
+def test_a_model_on_meta_is_cut_without_allocating_it() -> None:
+    """The export of a model on meta runs on fake tensors: the stages read the model's own names."""
     with torch.device("meta"):
-        model = _BatchNormNet()
-    mesh = SimpleNamespace(mesh_dim_names=("pp",), ndim=1)  # refused before the mesh is used
-    with pytest.raises(UsageError, match="on the meta device") as info:
-        pipeline_parallelize(model, mesh, (torch.randn(4, 8), torch.randint(0, 4, (4,))), microbatches=2)  # type: ignore[arg-type]
-    assert "from_pretrained" in (info.value.hint or "")
+        model = _BatchNormNet().eval()
+    batch = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    program = split_stages(model, list(batch), batch, ["fc2"], 2)
+    assert [set(st.attrs) for st in program.stages] == [
+        {"fc1.weight", "fc1.bias", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"},
+        {"fc2.weight", "fc2.bias"},
+    ]
+    assert all(t.is_meta for t in model.parameters())
+
+
+class _PlainTensor(_BatchNormNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.LayerNorm(16)
+        self.scale = torch.tensor(2.0)  # neither a parameter nor a buffer
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * self.scale, y)
+
+
+def test_a_plain_tensor_attribute_on_meta_is_refused_with_what_to_do() -> None:
+    with torch.device("meta"):
+        model = _PlainTensor()
+    batch = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    with pytest.raises(PipelineSplitError, match="_PlainTensor.scale is a tensor attribute on the meta device") as info:
+        split_stages(model, list(batch), batch, ["fc2"], 2)
+    assert "register_buffer" in (info.value.hint or "")
 
 
 def test_a_transformers_tuple_output_names_the_default_call() -> None:

@@ -68,9 +68,14 @@ def compile_module(
     *,
     autocast: AutocastState,
     seeded: torch.Tensor,
+    init_model: nn.Module | None = None,
 ) -> ParallelModule:
     """Plan `model` on `autopar_mesh` (whose process groups are `groups`), emit this rank's program
     and wrap it in the module the user calls. Every rank of `groups.world` calls it together.
+
+    Meta tensors are made from the random state `seeded` by the initialization of `init_model`
+    (default `model`): a pipeline stage's module holds some of the user's model's tensors under
+    their names there, and only the whole model's initialization draws the serial numbers.
 
     A rank that fails or dies in here (trace, plan, materialization) ends the others' waits with a
     `RankFailureError` naming it and its error (`parallelize_failures_named`)."""
@@ -123,7 +128,7 @@ def compile_module(
             torch.random.set_rng_state(seeded)
             program = compiled.program
             made = initialized_blocks(
-                model,
+                model if init_model is None else init_model,
                 program.source_layouts(),
                 autopar_mesh.shape,
                 program.coords,

@@ -35,6 +35,7 @@ from autopar.compiler.pipeline_batch import (
 )
 from autopar.compiler.pipeline_checkpoint import pipelined_buffers, pipelined_state_dict
 from autopar.compiler.pipeline_choice import PipelineDecision, ScheduleChoice, decide_pipeline
+from autopar.compiler.pipeline_meta import make_stage_tensors
 from autopar.compiler.pipeline_random import PipelineDropout
 from autopar.compiler.pipeline_split import (
     PipelineSplitError,
@@ -46,6 +47,7 @@ from autopar.compiler.pipeline_split import (
 from autopar.compiler.pipeline_stage import (
     StageBuilder,
     StageModule,
+    check_same_tensors,
     parallel_stage_forward,
     stage_arguments,
     stage_forward,
@@ -62,6 +64,7 @@ from autopar.reporting.pipeline_views import (
     write_pipeline_png,
 )
 from autopar.runtime.defer_reduction import GradAccumulation
+from autopar.runtime.materialize import InitFn
 from autopar.runtime.module_state import NotCopyable
 from autopar.runtime.pipeline_runtime import (
     BoundaryScatter,
@@ -106,6 +109,8 @@ class PipelinedModule(NotCopyable, nn.Module):
         pp_group: dist.ProcessGroup | None = None,
         build_stage: StageBuilder | None = None,
         scatter: BoundaryScatter | None = None,
+        init_fn: InitFn | None = None,
+        seeded: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.__dict__["_model"] = model  # not a submodule: parameters() is this rank's only
@@ -119,20 +124,38 @@ class PipelinedModule(NotCopyable, nn.Module):
         self.stages = schedule.placement.stages_of(self.rank)
         self.training = model.training
         self._build_stage = build_stage
-        self._first_attrs: list[set[str]] | None = None  # what each stage read in the first program
+        self._first_attrs: list[set[str]] = []  # what each stage read in the first program
         self._scatter = scatter
         self._programs: dict[tuple[Any, ...], StageProgram] = {}
         self._dropout = PipelineDropout()
-        names: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), name)
-        self._names = names
+        self._init_fn = init_fn
+        self._seeded = torch.random.get_rng_state() if seeded is None else seeded
+        self.materialized_bytes = 0  # what this rank made of a model built on meta (its stages')
+        self._names = self._parameter_names()
         self._local: list[tuple[str, nn.Parameter]] = []
         # shared weights: (name, the user's tensor, this rank's copies of it that stages train)
         self._shared: list[tuple[str, nn.Parameter, list[nn.Parameter]]] = []
         self.stage_modules: tuple[tuple[str, ...], ...] = ()
         self.__dict__["_stage_wrappers"] = {}  # stage -> StageModule (holds the user's tensors)
         self.__dict__["stage_parallel"] = {}  # stage -> its parallel module on the tensor sub-mesh
+
+    def _parameter_names(self) -> dict[int, str]:
+        names: dict[int, str] = {}
+        for name, p in self._model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        return names
+
+    def _materialize(self, program: StageProgram) -> None:
+        """A model built on meta: this rank's stages' tensors, made now (`make_stage_tensors`): on a
+        1-D pipeline mesh all of them; with tensor axes those no stage reads, as each stage's
+        parallel module makes its own blocks of the rest."""
+        made = make_stage_tensors(
+            self._model, program, self.stages, read=self._build_stage is None, init_fn=self._init_fn,
+            seeded=self._seeded, device=self.device,
+        )  # fmt: skip
+        if made:
+            self.materialized_bytes = made
+            self._names = self._parameter_names()
 
     @property
     def _model(self) -> nn.Module:
@@ -300,10 +323,12 @@ class PipelinedModule(NotCopyable, nn.Module):
                 )
             finally:
                 self._model.train(was)
+            if not self._programs:  # a model on meta: this rank's stages' tensors, made now
+                self._materialize(found)
             if self.training:  # dropout: the serial masks where the stages run their own graphs
                 self._dropout.adopt([(st.module, st.sources) for st in found.stages], found.random_ops)
             if self._build_stage is not None:
-                self._check_same_tensors(found)
+                check_same_tensors(self._first_attrs, found)
                 self._add_stage_programs(found, flat)
             if not self._programs:
                 self._first_program(found)
@@ -311,23 +336,6 @@ class PipelinedModule(NotCopyable, nn.Module):
         else:
             self._programs[key] = self._programs.pop(key)  # most recently used last
         return found
-
-    def _check_same_tensors(self, program: StageProgram) -> None:
-        """Each stage's parallel module holds the tensors its first program read: a later call whose
-        stage reads another (BERT reads its `token_type_ids` buffer only when that argument is
-        missing) is refused, on every rank alike (every rank exports every stage) and before any
-        message, so no rank waits for another."""
-        if self._first_attrs is None:
-            self._first_attrs = [set(st.attrs) for st in program.stages]
-        for stage, before in zip(program.stages, self._first_attrs, strict=True):
-            extra = sorted(set(stage.attrs) - before)
-            if extra:
-                raise PipelineSplitError(
-                    f"stage {stage.index} reads {extra} in this call but not in the first: its parallel "
-                    "module holds only what the first call's program read (the call's arguments differ: a "
-                    "model may read a buffer only when an argument is missing)",
-                    hint="pass the same set of arguments on every call as in example_inputs / example_kwargs",
-                )
 
     def _add_stage_programs(self, program: StageProgram, flat: Sequence[Any]) -> None:
         """Give each of this rank's stage modules its program for this microbatch shape; the first
@@ -531,6 +539,8 @@ def pipeline_parallelize(
     dump_dir: str | os.PathLike[str] | None = None,
     decision: PipelineDecision | None = None,
     example_kwargs: dict[str, Any] | None = None,
+    init_fn: InitFn | None = None,
+    seeded: torch.Tensor | None = None,
 ) -> PipelinedModule:
     """Cut `model` into `pp * virtual_stages` stages over the axis "pp" of `mesh` and return this
     rank's part. Every rank calls it with the same model and example batch.
@@ -544,21 +554,19 @@ def pipeline_parallelize(
     on `hardware`) unless `stage_boundaries` names the first module of every stage after the first.
     `schedule`: "1f1b", "gpipe", "interleaved-1f1b" (with `virtual_stages` > 1), "zero-bubble"
     (stages built by `build_stage` only) or "auto" (`decide_pipeline`); `decision`: one the caller
-    made already (every rank the same)."""
+    made already (every rank the same).
+
+    A model built on the meta device: each rank makes only its stages' tensors, equal to the model
+    built on a real device from the random state `seeded` (default: the state at this call), by
+    the model's own initialization or `init_fn(module)` (docs/pipeline.md#a-model-built-on-meta)."""
+    if seeded is None:
+        seeded = torch.random.get_rng_state()
     names = tuple(mesh.mesh_dim_names or ())
     if "pp" not in names or (mesh.ndim > 1 and build_stage is None):
         raise UsageError(
             f"pipeline_parallelize takes a mesh with an axis named 'pp' (and, beside it, a stage builder "
             f"for the tensor axes), got dims {mesh.mesh_dim_names}",
             hint='init_device_mesh("cpu", (p,), mesh_dim_names=("pp",)), or autopar.parallelize for more axes',
-        )
-    on_meta = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if on_meta:
-        raise UsageError(
-            f"{type(model).__name__} has {len(on_meta)} tensors on the meta device ({on_meta[0]}, ...): "
-            "a pipeline runs the model's own modules on every rank, so its weights must exist",
-            hint="build the model on the CPU (or load it with from_pretrained) before pipelining it; a mesh "
-            "without 'pp' takes a model on meta and loads its shards (autopar.load_checkpoint)",
         )
     pp = mesh.size(names.index("pp"))
     if decision is None:
@@ -584,8 +592,9 @@ def pipeline_parallelize(
             hint="name the first module of every stage after the first",
         )
     pmodel = PipelinedModule(
-        model, mesh, plan, boundaries, cut, pp_group=pp_group, build_stage=build_stage, scatter=scatter
-    )
+        model, mesh, plan, boundaries, cut, pp_group=pp_group, build_stage=build_stage, scatter=scatter,
+        init_fn=init_fn, seeded=seeded,
+    )  # fmt: skip
     pmodel.schedule_choice = decision.choice
     pieces = split_microbatches((example, dict(example_kwargs or {})), microbatches)
     pmodel._program(pytree.tree_leaves(pieces[0]), pieces[0])  # export and cut now: errors show here

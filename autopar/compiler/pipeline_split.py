@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.split_module import split_module
 
 from autopar.compiler.pipeline_loss import (
@@ -39,6 +40,7 @@ from autopar.compiler.pipeline_loss import (
 )
 from autopar.compiler.pipeline_random import RandomOp, draws, random_op, whole_shapes
 from autopar.core.errors import AutoparError
+from autopar.passes.trace import fake_clone
 from autopar.planning.stage_units import unit_names
 from autopar.runtime.pipeline_runtime import TensorSpec
 
@@ -105,6 +107,7 @@ def _export_loss(
     restored after it, as the tensor trace does on its copy. Also returns the mapping's type (None:
     the model returns a tensor or a tuple) and the structure of what the export returns."""
     found: list[Any] = [None, None]
+    model, args, kwargs = _exportable(model, args, kwargs)
     had_own = "forward" in model.__dict__
     original = model.forward
 
@@ -147,6 +150,38 @@ def _export_loss(
         else:
             del model.forward
     return ep, found[0], found[1]
+
+
+def _exportable(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any] | None]:
+    """What to export: the model itself, or, where some of its tensors are on the meta device (a
+    model built on meta, of which this rank made only its stages' tensors), a copy holding fake
+    tensors on the inputs' device, called on fake inputs. The graph is the same; its stages read
+    the user's tensors when they run, so nothing of the model is allocated for the export."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(t.is_meta for t in tensors):
+        return model, args, kwargs
+    plain = [
+        f"{path}.{key}" if path else key
+        for path, module in model.named_modules()
+        for key, value in vars(module).items()
+        if isinstance(value, torch.Tensor) and value.is_meta
+    ]
+    if plain:  # no initialization makes it: on meta its value is lost
+        raise PipelineSplitError(
+            f"{type(model).__name__}.{plain[0]} is a tensor attribute on the meta device that is neither a "
+            "parameter nor a buffer, so nothing makes its value",
+            where=plain[0],
+            hint="register it as a buffer of its module (register_buffer) and set it in the module's "
+            "reset_parameters() or _init_weights, or build the model on a real device",
+        )
+    given = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    device = given[0].device if given else torch.device("cpu")
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    stand_in = fake_clone(model, fake_mode, device=device)
+    fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, fake_mode.from_tensor, (args, kwargs))
+    return stand_in, fake_args, fake_kwargs
 
 
 def _tensors_only(value: Any) -> bool:
@@ -478,6 +513,13 @@ def split_stages(
                 get_attr(model, attr)
             except AttributeError:
                 constants[attr] = get_attr(gm, attr)
+            if isinstance(constants.get(attr), FakeTensor):  # exported from a model on meta
+                raise PipelineSplitError(
+                    f"{attr} is a tensor the model makes in its forward (a constant of the export), "
+                    "and the model is on the meta device, so its value is unknown",
+                    hint="register that tensor as a buffer of its module (register_buffer), so "
+                    "that the model's initialization makes it, or build the model on a real device",
+                )
     randoms = tuple(random_op(single[n], min(stages_of[n])) for n in gm.graph.nodes if draws(n) and n in single)
     if loss_node is None:
         assert structure is not None  # the export recorded what it returns

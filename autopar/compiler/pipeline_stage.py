@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar.compiler.pipeline_random import DropoutMasks
-from autopar.compiler.pipeline_split import StageGraph, StageProgram, get_attr
+from autopar.compiler.pipeline_split import PipelineSplitError, StageGraph, StageProgram, get_attr
 from autopar.core.errors import AutoparError
 from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.module import ParallelModule
@@ -65,7 +65,7 @@ class StageModule(nn.Module):
     def add(self, graph: StageGraph, args: Sequence[Any], training: bool) -> None:
         """Run `graph` for calls in mode `training` whose arguments look like `args` (one
         microbatch shape; eval's program differs from training's, e.g. without dropout). The
-        caller has checked that it reads no tensor this module lacks (`_check_same_tensors`)."""
+        caller has checked that it reads no tensor this module lacks (`check_same_tensors`)."""
         self._programs.by_call.setdefault((training, signature_of(args)), graph)
 
     def forward(self, *args: Any) -> tuple[Any, ...]:
@@ -80,6 +80,24 @@ class StageModule(nn.Module):
         outs = graph.module(*full)
         made = dict(zip(graph.outputs, outs, strict=True))
         return tuple(made[name] for name in graph.crossing_out if name in made)
+
+
+def check_same_tensors(first_attrs: list[set[str]], program: StageProgram) -> None:
+    """Each stage's parallel module holds the tensors its first program read (`first_attrs`, filled
+    by the first call): a later call whose stage reads another (BERT reads its `token_type_ids`
+    buffer only when that argument is missing) is refused, on every rank alike (every rank exports
+    every stage) and before any message, so no rank waits for another."""
+    if not first_attrs:
+        first_attrs.extend(set(st.attrs) for st in program.stages)
+    for stage, before in zip(program.stages, first_attrs, strict=True):
+        extra = sorted(set(stage.attrs) - before)
+        if extra:
+            raise PipelineSplitError(
+                f"stage {stage.index} reads {extra} in this call but not in the first: its parallel "
+                "module holds only what the first call's program read (the call's arguments differ: a "
+                "model may read a buffer only when an argument is missing)",
+                hint="pass the same set of arguments on every call as in example_inputs / example_kwargs",
+            )
 
 
 def stage_forward(

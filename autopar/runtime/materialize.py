@@ -15,7 +15,7 @@ follow runs again, knowing it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +57,7 @@ class _Slot:
     name: str
     owners: list[tuple[nn.Module, str, bool]]  # (module, attribute, is a parameter)
     meta: torch.Tensor
+    aliases: list[str] = field(default_factory=list)  # every qualified name (tied weights: several)
     # the init calls that touch it: call index -> whether the call's first touch overwrites it
     # whole without reading it (normal_, uniform_, fill_, zero_, copy_ into the whole tensor)
     touches: dict[int, bool] = field(default_factory=dict)
@@ -145,6 +146,41 @@ def initialized_blocks(
     return Initialized(run.blocks, [(slot.name, run.prints[slot.name]) for slot in slots.values()], run.peak)
 
 
+def materialize_in_place(
+    model: nn.Module,
+    names: Collection[str],
+    init_fn: InitFn | None = None,
+    device: torch.device | str = "cpu",
+) -> int:
+    """Make the meta tensors of `model` named in `names` (any of a tied tensor's names) real and
+    whole, held by the model under every name, as building the model on `device` from the random
+    state now current would have made them; the others stay on meta. What a pipeline rank does for
+    the tensors of its own stages: every init call runs, so every draw is the serial one, but a
+    tensor outside `names` is whole only during the calls that write it. Returns the bytes made."""
+    slots = _slots(model)
+    wanted = {}
+    for slot in slots.values():
+        name = next((n for n in slot.aliases if n in names), None)
+        if name is not None:
+            wanted[name] = Layout.replicated(tuple(slot.meta.shape), 1, slot.meta.dtype)
+    if not wanted:
+        return 0
+    made = initialized_blocks(model, wanted, (1,), (0,), init_fn, device)
+    total = 0
+    for slot in slots.values():
+        value = next((made.blocks[n] for n in slot.aliases if n in made.blocks), None)
+        if value is None:
+            continue
+        param = nn.Parameter(value, requires_grad=slot.meta.requires_grad)
+        for module, attr, is_param in slot.owners:  # one tensor under every name: ties stay tied
+            if is_param:
+                module._parameters[attr] = param
+            else:
+                module._buffers[attr] = value
+        total += value.numel() * value.element_size()
+    return total
+
+
 MAX_PASSES = 3  # a pass learns which calls touch a tensor that the fake run could not foresee
 
 
@@ -228,9 +264,12 @@ class _Pass:
     def cut(self, key: int) -> None:
         slot, value = self.slots[key], self.real.pop(key)
         self.prints[slot.name] = fingerprint(value)
-        layout = self.layouts.get(slot.name)
-        if layout is not None:  # a tensor no program reads is not kept
-            self.blocks[slot.name] = local_value(value.detach(), layout, self.mesh_shape, self.coords).clone()
+        # a tensor no program reads is not kept; a tied one under each name the program reads it by
+        # (a pipeline stage may know a tied weight by its second name: the head's, not the embedding's)
+        for name in slot.aliases:
+            layout = self.layouts.get(name)
+            if layout is not None:
+                self.blocks[name] = local_value(value.detach(), layout, self.mesh_shape, self.coords).clone()
         _restore(slot)
 
 
@@ -245,10 +284,13 @@ def _slots(model: nn.Module) -> dict[int, _Slot]:
                 continue
             key = _storage_key(tensor)
             slot = slots.get(key)
+            name = f"{path}.{attr}" if path else attr
             if slot is None:
-                slot = slots[key] = _Slot(f"{path}.{attr}" if path else attr, [], tensor)
+                slot = slots[key] = _Slot(name, [], tensor)
             if all(m is not module or a != attr for m, a, _ in slot.owners):
                 slot.owners.append((module, attr, is_param))
+            if name not in slot.aliases:
+                slot.aliases.append(name)
     return slots
 
 
