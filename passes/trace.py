@@ -13,7 +13,7 @@ import contextlib
 import copy
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ from autopar.core.meta import (
     signature,
 )
 from autopar.core.precision import AutocastState, MixedPrecision, autocast_as, autocast_off
+from autopar.core.value_guards import generators_kept
 from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
 from autopar.passes.checkpoint_regions import CheckpointWatch, mark_checkpoint_regions
 from autopar.passes.ctc import CTCRoute
@@ -54,6 +55,7 @@ from autopar.passes.joint_rewrites import (
     tied_groups,
 )
 from autopar.passes.mixed_precision import cast_inputs, cast_outputs, cast_parameters_on_read
+from autopar.passes.random_guards import eager_draw_states, serial_draws
 from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
 from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
 from autopar.passes.trace_errors import (
@@ -159,7 +161,8 @@ def _trace(
             raise
         # Python reads a value: trace again on the example's real values, with the conditions as guards
         tensors = [x for x in pytree.tree_leaves((tuple(example_inputs), example_kwargs)) if isinstance(x, torch.Tensor)]
-        real_model = valued_copy(model, tensors[0].device if tensors else torch.device("cpu"))
+        real_device = tensors[0].device if tensors else torch.device("cpu")
+        real_model = valued_copy(model, real_device)
         watch = CheckpointWatch(real_model)
         restore, groups = (lambda: None), []
         if mixed_precision is not None and mixed_precision.param_dtype is not None:
@@ -167,7 +170,12 @@ def _trace(
         real_model.forward = _tensor_outputs(real_model.forward, outputs, autocast, mixed_precision)  # type: ignore[method-assign]
         real_args, real_kwargs = private_inputs(tuple(example_inputs), example_kwargs, forward_only)
         try:
-            exported = _export(model, real_model, real_args, real_kwargs, reading_values=True)
+            # the trace draws what the serial model would from the generators' state now (a random
+            # branch takes the outcome a call's guards compute), and leaves the state as it was
+            with generators_kept(real_device):
+                draws = eager_draw_states(_eager_run(model, real_device, tuple(example_inputs), example_kwargs), real_device)
+            with generators_kept(real_device), serial_draws(draws, real_device):
+                exported = _export(model, real_model, real_args, real_kwargs, reading_values=True)
         except (ModelAssertionError, ModelValueError) as raised:
             if raised.__cause__ is None or not serial_raises(model, tuple(example_inputs), example_kwargs, raised.__cause__):
                 raise TraceError(
@@ -212,6 +220,21 @@ def _trace(
     lazy = _LazyGraphModule.from_graphmodule(gm)
     lazy.meta.update(gm.meta)
     return lazy
+
+
+def _eager_run(
+    model: nn.Module, device: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[[], Any]:
+    """The model run eagerly on copies of the example (`valued_copy`, `private_inputs`), without
+    gradients: its random draws are the serial model's (`eager_draw_states`)."""
+
+    def run() -> Any:
+        copy_ = valued_copy(model, device)
+        private_args, private_kwargs = private_inputs(args, kwargs, frozen=True)
+        with torch.no_grad():
+            return copy_(*private_args, **private_kwargs)
+
+    return run
 
 
 def _export(
