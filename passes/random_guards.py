@@ -28,19 +28,13 @@ from autopar.core.errors import TraceError
 
 aten = torch.ops.aten
 
-# random ops whose numbers (and how far they move the generator) depend on their inputs' shapes,
-# dtypes and device alone, never on their values
-REPLAYABLE = frozenset(
+# random ops whose values are the draw alone (their inputs give a shape, a dtype, a device)
+SHAPE_ONLY = frozenset(
     {
         aten.rand.default,
         aten.randn.default,
         aten.rand_like.default,
         aten.randn_like.default,
-        aten.dropout.default,
-        aten.native_dropout.default,
-        aten.feature_dropout.default,
-        aten.alpha_dropout.default,
-        aten.feature_alpha_dropout.default,
         aten.bernoulli.p,
         aten.uniform_.default,
         aten.uniform.default,
@@ -48,6 +42,18 @@ REPLAYABLE = frozenset(
         aten.bernoulli_.float,
     }
 )
+_SDPA = aten.scaled_dot_product_attention.default
+# random ops whose numbers (and how far they move the generator) depend on their inputs' shapes,
+# dtypes and device alone, never on their values; attention draws its dropout mask as its math
+# decomposition does (autopar traces it so: `autopar.rules.device_attention`)
+REPLAYABLE = SHAPE_ONLY | {
+    aten.dropout.default,
+    aten.native_dropout.default,
+    aten.feature_dropout.default,
+    aten.alpha_dropout.default,
+    aten.feature_alpha_dropout.default,
+    _SDPA,
+}
 
 RANDOM_ORDER_HINT = (
     "a branch chosen by a random draw (LayerDrop) is decided before the program runs by replaying "
@@ -72,8 +78,8 @@ def replayable(node: fx.Node) -> bool:
 
 
 def value_ancestors(start: Collection[fx.Node]) -> set[fx.Node]:
-    """`start` and every node whose value they depend on, transitively: a replayable draw's inputs
-    give it only their shapes, so the walk stops at it."""
+    """`start` and every node whose value they depend on, transitively: the inputs of a draw whose
+    value is the draw alone (`SHAPE_ONLY`) give it only their shapes, so the walk stops at it."""
     found: set[fx.Node] = set()
     stack = list(start)
     while stack:
@@ -81,7 +87,7 @@ def value_ancestors(start: Collection[fx.Node]) -> set[fx.Node]:
         if node in found:
             continue
         found.add(node)
-        if not replayable(node):
+        if node.target not in SHAPE_ONLY:
             stack.extend(node.all_input_nodes)
     return found
 
@@ -112,21 +118,36 @@ def draws_before(graph: fx.Graph, chain: set[fx.Node], where: Callable[[fx.Node]
     return before
 
 
-def copy_drawing(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, fx.Node], device: fx.Node) -> fx.Node:
+def copy_drawing(
+    graph: fx.Graph, node: fx.Node, env: dict[fx.Node, fx.Node], device: fx.Node
+) -> fx.Node | None:
     """Copy random op `node` into `graph`, each tensor it reads replaced by an empty tensor of that
     tensor's shape, strides and dtype on `device` (a placeholder: the program's device): it then
-    draws what the op draws in the program, whatever the values."""
+    draws what the op draws in the program, whatever the values. Attention draws as its math
+    decomposition does: a dropout of the attention weights' shape (None where it draws nothing)."""
 
     def stand_in(arg: fx.Node) -> fx.Node:
         value = arg.meta.get("val")
         if not isinstance(value, torch.Tensor):
             return env[arg]
-        shape, stride = tuple(int(s) for s in value.shape), tuple(int(s) for s in value.stride())
-        return graph.call_function(
-            torch.empty_strided, (shape, stride), {"dtype": value.dtype, "device": device}
-        )
+        return empty(tuple(int(s) for s in value.shape), tuple(int(s) for s in value.stride()), value.dtype)
 
-    return graph.node_copy(node, stand_in)
+    def empty(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> fx.Node:
+        return graph.call_function(torch.empty_strided, (shape, stride), {"dtype": dtype, "device": device})
+
+    if node.target is not _SDPA:
+        return graph.node_copy(node, stand_in)
+    q, k = (a.meta["val"] for a in node.args[:2])  # type: ignore[union-attr]
+    p = float(node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0))  # type: ignore[arg-type]
+    if p == 0.0:
+        return None
+    shape = (*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]), q.shape[-2], k.shape[-2])
+    weights = empty(
+        tuple(int(s) for s in shape),
+        tuple(int(s) for s in torch.empty(shape, device="meta").stride()),
+        q.dtype,
+    )
+    return graph.call_function(aten.native_dropout.default, (weights, p, True))
 
 
 # Python-level calls that draw a decision's numbers (`torch.rand([]) < p`)

@@ -266,7 +266,9 @@ def _subprogram(
     for node in module.graph.nodes:
         if node in drawing:
             assert device is not None
-            env[node] = copy_drawing(graph, node, env, device)
+            copied = copy_drawing(graph, node, env, device)
+            if copied is not None:
+                env[node] = copied
         elif node in chain and node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] if isinstance(n, fx.Node) else n for n in outputs))
