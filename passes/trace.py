@@ -205,6 +205,7 @@ def _trace(
         split_value_guards(forward, node_where, flat_values(tuple(example_inputs), example_kwargs))  # the same guards
         gm = joint.export(forward, [])
     restore()
+    _foreign_buffers_as_constants(gm, forward, model)
     if not decompose:  # the decomposed nll_loss checks its targets' dtype; the kernel's fake does not
         refuse_target_dtypes(gm, type(model).__name__)
     mark_checkpoint_regions(gm, watch.regions(), groups)
@@ -220,6 +221,25 @@ def _trace(
     lazy = _LazyGraphModule.from_graphmodule(gm)
     lazy.meta.update(gm.meta)
     return lazy
+
+
+def _foreign_buffers_as_constants(gm: fx.GraphModule, forward: nn.Module, model: nn.Module) -> None:
+    """Tensors the forward made on the example's real values (`torch.tensor(pad_id)` in
+    transformers' `shift_tokens_right`) come out of torch.export's unlifted module as attributes
+    the joint trace reads as buffers, which the user's model does not have: they become constants
+    of the program (role "constant", their values in the signature), as the tensors a trace on
+    fake values makes do (`_lift_constants`)."""
+    own = {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    sig = signature(gm)
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or info(node).role != "buffer" or info(node).param_name in own:
+            continue
+        name = str(info(node).param_name)
+        owner_path, _, attr = name.rpartition(".")
+        value = getattr(forward.get_submodule(owner_path), attr)
+        set_info(node, NodeInfo(role="constant", phase="forward", param_name=name))
+        sig.constants[name] = value.detach().clone()
+        sig.buffer_names.remove(name)
 
 
 def _eager_run(

@@ -19,6 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import autopar
 from autopar.compiler.driver import compile_for_rank
 from autopar.core.mesh import Mesh
+from autopar.passes.random_guards import RANDOM_ORDER_HINT
+from autopar.passes.value_guards import WEIGHT_GUARD_HINT
 
 
 class _Checks(nn.Module):
@@ -52,8 +54,8 @@ def test_the_branch_the_example_takes_runs_equal_to_serial_with_the_guards_out_o
     for run in compiled.values():
         guards = run.program.value_guards
         assert guards is not None and guards.inputs == (0, 1)
-        assert any("test_value_guards.py:34" in c for c in guards.conditions), guards.conditions
-        assert any("test_value_guards.py:36" in c for c in guards.conditions), guards.conditions
+        assert any("test_value_guards.py:35" in c for c in guards.conditions), guards.conditions
+        assert any("test_value_guards.py:37" in c for c in guards.conditions), guards.conditions
         # the distributed program reads no value: the guards run apart, on the global inputs
         for gm in (run.program.forward, run.program.backward):
             targets = {n.target for n in gm.graph.nodes}
@@ -63,7 +65,7 @@ def test_the_branch_the_example_takes_runs_equal_to_serial_with_the_guards_out_o
     assert guards is not None
     assert guards.hold(list(_batch(sign, seed=1)))
     assert not guards.hold(list(_batch(-sign, seed=1)))
-    assert all("test_value_guards.py:36" in c for c in guards.failing(list(_batch(-sign, seed=1))))
+    assert all("test_value_guards.py:37" in c for c in guards.failing(list(_batch(-sign, seed=1))))
     x, y = _batch(sign, seed=1)
     assert not guards.hold([x, y - 4])  # the assert's condition is a guard too
 
@@ -99,18 +101,18 @@ class _DrawsByValues(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("model", "line", "says"),
+    ("model", "line", "says", "hint"),
     [
-        (_ChecksItsActivations(), "test_value_guards.py:81", "depends on the model's weights"),
-        (_DrawsByValues(), "test_value_guards.py:96", "input values decide"),
+        (_ChecksItsActivations(), "test_value_guards.py:82", "depends on the model's weights", WEIGHT_GUARD_HINT),
+        (_DrawsByValues(), "test_value_guards.py:97", "input values decide", RANDOM_ORDER_HINT),
     ],
 )
 def test_a_value_not_computed_from_the_inputs_alone_is_refused_naming_the_line(
-    model: nn.Module, line: str, says: str
+    model: nn.Module, line: str, says: str, hint: str
 ) -> None:
     with pytest.raises(autopar.TraceError) as err:
         compile_for_rank(model, Mesh.from_shape((2,)), _batch(1.0), coords=(0,))
-    assert says in str(err.value), str(err.value)
+    assert says in str(err.value) and err.value.hint == hint, str(err.value)
     assert err.value.where is not None and line in err.value.where, err.value.where
 
 
@@ -140,7 +142,7 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
     x, y = _batch(1.0, seed=9)
     with pytest.raises(AssertionError, match="negative label") as err:  # as serial raises it
         pmodel(x, y - 4)
-    assert isinstance(err.value, autopar.ModelAssertionError) and "test_value_guards.py:34" in str(err.value.where)
+    assert isinstance(err.value, autopar.ModelAssertionError) and "test_value_guards.py:35" in str(err.value.where)
     with pytest.raises(AssertionError, match="negative label"):  # again: the failure compiled nothing
         pmodel(x, y - 4)
     return {"max_error": max(errors), "programs": [why for why, _ in pmodel.programs]}
@@ -154,7 +156,7 @@ def test_each_branch_gets_its_program_and_trains_like_serial_on_two_ranks() -> N
         first, other = result["programs"]
         assert first == "example inputs", (rank, result)
         assert other.startswith("new input values (the value Python reads at") and "decides another branch" in other
-        assert "test_value_guards.py:36" in other, (rank, result)
+        assert "test_value_guards.py:37" in other, (rank, result)
 
 
 class _PicksEndOfSequence(nn.Module):
