@@ -496,6 +496,8 @@ def _annotate(
             input_grads.append(value)
         elif kind == "GradAOTOutput" or (kind == "None" and value is None):
             continue  # absent gradients: the input does not reach the outputs
+        elif kind == "InputMutationAOTOutput" and _desc_kind(desc.mutated_input) == "PlainAOTInput":
+            raise _input_update_error(model, value, int(input_index[desc.mutated_input.idx]))  # type: ignore[arg-type]
         else:
             raise TraceError(
                 f"unsupported graph output kind {kind} ({desc})",
@@ -544,6 +546,23 @@ def _annotate(
         outputs=outputs,
         buffer_updates=buffer_updates,
         input_grads=input_grad_of,
+    )
+
+
+def _input_update_error(model: nn.Module, value: Any, index: int) -> TraceError:
+    """The forward writes into one of its inputs in place (FSMT's `shift_tokens_right` replaces
+    -100 in `labels` by the pad id): the serial model changes the caller's tensor, which autopar
+    would have to write back, whole, after the call; it does not yet, so it refuses rather than
+    leave the caller's tensor different from what serial leaves."""
+    where = node_where(value) if isinstance(value, fx.Node) else None  # the new value: the op's line
+    return TraceError(
+        f"{type(model).__name__} writes into its tensor input {index} in place (the serial model "
+        "changes the caller's tensor); autopar does not write an input back to the caller yet",
+        op="in-place update of an input",
+        where=where,
+        hint="compute what the model derives from the input outside forward and pass that instead "
+        "(FSMT: pass decoder_input_ids built from a copy of labels, as shift_tokens_right builds "
+        "them), or have the model update a copy (x = x.clone() before the in-place op)",
     )
 
 

@@ -260,3 +260,27 @@ def test_layerdrop_draws_each_step_from_the_serial_stream_and_trains_like_serial
         assert len(programs) > 1, (rank, result)  # more than one outcome drawn, each its program
         assert all("the random draw at" in why and "test_value_guards.py:" in why for why in programs[1:]), programs
     assert results[0]["programs"] == results[1]["programs"]
+
+
+class _UpdatesItsLabels(nn.Module):
+    """FSMT's `shift_tokens_right`: -100 in the labels replaced in place by the pad id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        y.masked_fill_(y == -100, 0)
+        return F.cross_entropy(self.head(x), y)
+
+
+def test_a_forward_that_updates_its_input_in_place_is_refused_naming_the_line() -> None:
+    x, y = _batch(1.0)
+    y[0] = -100
+    before = y.clone()
+    with pytest.raises(autopar.TraceError) as err:
+        compile_for_rank(_UpdatesItsLabels(), Mesh.from_shape((2,)), (x, y), coords=(0,))
+    assert "writes into its tensor input 1 in place" in str(err.value), str(err.value)
+    assert "decoder_input_ids" in err.value.hint
+    assert err.value.where is not None and "test_value_guards.py:" in err.value.where, err.value.where
+    assert torch.equal(y, before)  # the user's tensor is left as it was

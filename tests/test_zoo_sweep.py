@@ -39,9 +39,9 @@ def test_toy_model_matches_serial_on_2x2x2(name: str) -> None:
 # Models whose Python reads values (issue 34): M2M100 at its default LayerDrop (a guard on each
 # layer's random draw, drawn from the serial stream) and BART's sequence classifier (the
 # end-of-sequence pick, static at the example's count; the other seven of its family share the
-# head and pass in the sweep). On (2,): the guards, not the mesh, are what is checked here, and
-# the two add about 35 s of CPU to the suite (T5ForSequenceClassification, 13 s more, is left to
-# the sweep).
+# head, docs/debugging.md "Value guards"). On (2,): the guards, not the mesh, are what is checked
+# here, and the two add about 35 s of CPU to the suite (T5ForSequenceClassification, 13 s more,
+# is left to the sweep).
 GUARDED_CASES = ("M2M100ForConditionalGeneration", "BartForSequenceClassification")
 
 
