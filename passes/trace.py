@@ -13,7 +13,7 @@ import contextlib
 import copy
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ from autopar.core.meta import (
     signature,
 )
 from autopar.core.precision import AutocastState, MixedPrecision, autocast_as, autocast_off
+from autopar.core.value_guards import generators_kept
 from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
 from autopar.passes.checkpoint_regions import CheckpointWatch, mark_checkpoint_regions
 from autopar.passes.ctc import CTCRoute
@@ -54,6 +55,7 @@ from autopar.passes.joint_rewrites import (
     tied_groups,
 )
 from autopar.passes.mixed_precision import cast_inputs, cast_outputs, cast_parameters_on_read
+from autopar.passes.random_guards import eager_draw_states, serial_draws
 from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
 from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
 from autopar.passes.trace_errors import (
@@ -167,7 +169,8 @@ def _trace(
             raise
         # Python reads a value: trace again on the example's real values, with the conditions as guards
         tensors = [x for x in pytree.tree_leaves((tuple(example_inputs), example_kwargs)) if isinstance(x, torch.Tensor)]
-        real_model = valued_copy(model, tensors[0].device if tensors else torch.device("cpu"))
+        real_device = tensors[0].device if tensors else torch.device("cpu")
+        real_model = valued_copy(model, real_device)
         watch = CheckpointWatch(real_model)
         restore, groups = (lambda: None), []
         if mixed_precision is not None and mixed_precision.param_dtype is not None:
@@ -175,7 +178,12 @@ def _trace(
         real_model.forward = _tensor_outputs(real_model.forward, outputs, autocast, mixed_precision)  # type: ignore[method-assign]
         real_args, real_kwargs = private_inputs(tuple(example_inputs), example_kwargs, forward_only)
         try:
-            exported = _export(model, real_model, real_args, real_kwargs, reading_values=True)
+            # the trace draws what the serial model would from the generators' state now (a random
+            # branch takes the outcome a call's guards compute), and leaves the state as it was
+            with generators_kept(real_device):
+                draws = eager_draw_states(_eager_run(model, real_device, tuple(example_inputs), example_kwargs), real_device)
+            with generators_kept(real_device), serial_draws(draws, real_device):
+                exported = _export(model, real_model, real_args, real_kwargs, reading_values=True)
         except (ModelAssertionError, ModelValueError) as raised:
             if raised.__cause__ is None or not serial_raises(model, tuple(example_inputs), example_kwargs, raised.__cause__):
                 raise TraceError(
@@ -205,6 +213,7 @@ def _trace(
         split_value_guards(forward, node_where, flat_values(tuple(example_inputs), example_kwargs))  # the same guards
         gm = joint.export(forward, [])
     restore()
+    _foreign_buffers_as_constants(gm, forward, model)
     if not decompose:  # the decomposed nll_loss checks its targets' dtype; the kernel's fake does not
         refuse_target_dtypes(gm, type(model).__name__)
     mark_checkpoint_regions(gm, watch.regions(), groups)
@@ -243,16 +252,48 @@ def _eager_error(
     ):
         return None
     device = next((x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None)
-    copy_ = valued_copy(model, device or torch.device("cpu"))
-    args, kwargs = private_inputs(args, kwargs, frozen=True)
     try:
-        with torch.no_grad():
-            copy_(*args, **kwargs)
+        with torch.random.fork_rng(devices=[]):  # the user's generator stays where it was
+            _eager_run(model, device or torch.device("cpu"), args, kwargs)()
     except (AssertionError, ValueError) as exc:  # what the serial model raises on this batch, wherever
         return _model_error(model, exc)
     except Exception:  # noqa: BLE001 - any other failure is not the model's check: the trace's error stands
         return None
     return None
+
+
+def _foreign_buffers_as_constants(gm: fx.GraphModule, forward: nn.Module, model: nn.Module) -> None:
+    """Tensors the forward made on the example's real values (`torch.tensor(pad_id)` in
+    transformers' `shift_tokens_right`) come out of torch.export's unlifted module as attributes
+    the joint trace reads as buffers, which the user's model does not have: they become constants
+    of the program (role "constant", their values in the signature), as the tensors a trace on
+    fake values makes do (`_lift_constants`)."""
+    own = {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    sig = signature(gm)
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or info(node).role != "buffer" or info(node).param_name in own:
+            continue
+        name = str(info(node).param_name)
+        owner_path, _, attr = name.rpartition(".")
+        value = getattr(forward.get_submodule(owner_path), attr)
+        set_info(node, NodeInfo(role="constant", phase="forward", param_name=name))
+        sig.constants[name] = value.detach().clone()
+        sig.buffer_names.remove(name)
+
+
+def _eager_run(
+    model: nn.Module, device: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[[], Any]:
+    """The model run eagerly on copies of the example (`valued_copy`, `private_inputs`), without
+    gradients: its random draws are the serial model's (`eager_draw_states`)."""
+
+    def run() -> Any:
+        copy_ = valued_copy(model, device)
+        private_args, private_kwargs = private_inputs(args, kwargs, frozen=True)
+        with torch.no_grad():
+            return copy_(*private_args, **private_kwargs)
+
+    return run
 
 
 def _export(
@@ -490,6 +531,8 @@ def _annotate(
             input_grads.append(value)
         elif kind == "GradAOTOutput" or (kind == "None" and value is None):
             continue  # absent gradients: the input does not reach the outputs
+        elif kind == "InputMutationAOTOutput" and _desc_kind(desc.mutated_input) == "PlainAOTInput":
+            raise _input_update_error(model, value, int(input_index[desc.mutated_input.idx]))  # type: ignore[arg-type]
         else:
             raise TraceError(
                 f"unsupported graph output kind {kind} ({desc})",
@@ -538,6 +581,23 @@ def _annotate(
         outputs=outputs,
         buffer_updates=buffer_updates,
         input_grads=input_grad_of,
+    )
+
+
+def _input_update_error(model: nn.Module, value: Any, index: int) -> TraceError:
+    """The forward writes into one of its inputs in place (FSMT's `shift_tokens_right` replaces
+    -100 in `labels` by the pad id): the serial model changes the caller's tensor, which autopar
+    would have to write back, whole, after the call; it does not yet, so it refuses rather than
+    leave the caller's tensor different from what serial leaves."""
+    where = node_where(value) if isinstance(value, fx.Node) else None  # the new value: the op's line
+    return TraceError(
+        f"{type(model).__name__} writes into its tensor input {index} in place (the serial model "
+        "changes the caller's tensor); autopar does not write an input back to the caller yet",
+        op="in-place update of an input",
+        where=where,
+        hint="compute what the model derives from the input outside forward and pass that instead "
+        "(FSMT: pass decoder_input_ids built from a copy of labels, as shift_tokens_right builds "
+        "them), or have the model update a copy (x = x.clone() before the in-place op)",
     )
 
 

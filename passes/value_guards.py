@@ -31,7 +31,8 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import TraceError
 from autopar.core.graph_order import ancestors
-from autopar.core.value_guards import ValueGuards
+from autopar.core.value_guards import ValueGuards, generators_kept
+from autopar.passes.random_guards import copy_drawing, draws, draws_before, replayable, value_ancestors
 
 _ASSERT = torch.ops.aten._assert_scalar.default
 # ops that only constrain a symbolic value: part of a guard's chain, never of the model's result
@@ -69,9 +70,11 @@ def split_value_guards(
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     asserts = []
     for check in checks:
-        chain = ancestors([check])
-        outside = next((n for n in chain if n.op in ("get_attr", "call_module") or _draws(n)), None)
-        if outside is None:  # a function of the inputs alone: a guard
+        chain = value_ancestors([check])
+        outside = next(
+            (n for n in chain if n.op in ("get_attr", "call_module") or (draws(n) and not replayable(n))), None
+        )
+        if outside is None:  # a function of the inputs and of draws that depend on shapes alone: a guard
             asserts.append(check)
             continue
         read = _first_read(chain, outside)
@@ -81,8 +84,8 @@ def split_value_guards(
             continue
         if outside.op == "call_function":
             raise TraceError(
-                "Python reads a tensor's value here to choose a branch, and that value is a random draw "
-                "(random layer skipping): the program for each outcome would need the draw before it runs",
+                "Python reads a tensor's value here to choose a branch, and that value is drawn by a "
+                "random op whose numbers depend on values, not only on shapes",
                 op=str(outside.target),
                 where=where(read),
                 hint=WEIGHT_GUARD_HINT,
@@ -96,12 +99,14 @@ def split_value_guards(
         )
     if not asserts:
         return None
-    chain = ancestors(asserts)
-    guard_module, inputs = _guard_program(module, placeholders, chain, asserts)
-    conditions = tuple(f"the value Python reads at {where(_read_of(a))}" for a in asserts if a.target is _ASSERT)
-    for node in reversed(list(graph.nodes)):  # the asserts, then what only they used
+    chain = value_ancestors(asserts)
+    replays = draws_before(graph, chain, where)
+    guard_module, inputs = _guard_program(module, placeholders, chain, asserts, replays)
+    conditions = tuple(_condition(a, where) for a in asserts if a.target is _ASSERT)
+    for node in reversed(list(graph.nodes)):  # the asserts, then what only they used; draws stay
         unused_part = node.target is operator.getitem and node.args[0] in chain  # of a tuple they read
-        if (node in chain or unused_part) and not node.users and node.op == "call_function":
+        removable = node.op == "call_function" and not draws(node)
+        if (node in chain or unused_part) and not node.users and removable:
             graph.erase_node(node)
     left = [n for n in graph.nodes if n.op == "call_function" and n.target in _VALUE_READS]
     if left:
@@ -113,7 +118,7 @@ def split_value_guards(
         )
     graph.lint()
     module.recompile()
-    return ValueGuards(guard_module, inputs, conditions)
+    return ValueGuards(guard_module, inputs, conditions, draws=any(draws(n) for n in chain))
 
 
 def _first_read(chain: set[fx.Node], near: fx.Node) -> fx.Node | None:
@@ -138,11 +143,6 @@ def _read_of(node: fx.Node) -> fx.Node:
     return reads[0] if reads else node
 
 
-def _draws(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
-
-
 def _fix_input_sizes(module: fx.GraphModule, example: Sequence[Any]) -> None:
     """Sizes the inputs' values decide, made static at the example's: `nonzero` of a mask computed
     from the inputs alone, and boolean indexing by such a mask (`hidden_states[eos_mask]`, as
@@ -156,7 +156,7 @@ def _fix_input_sizes(module: fx.GraphModule, example: Sequence[Any]) -> None:
     made: list[fx.Node] = []
 
     def input_only(node: fx.Node) -> bool:
-        return not any(n.op in ("get_attr", "call_module") or _draws(n) for n in ancestors([node]))
+        return not any(n.op in ("get_attr", "call_module") or draws(n) for n in ancestors([node]))
 
     def static_nonzero(mask: fx.Node, near: fx.Node) -> fx.Node:
         program, inputs = _subprogram(module, placeholders, ancestors([mask]), [mask])
@@ -244,10 +244,16 @@ def _is_size_arithmetic(node: fx.Node) -> bool:
 
 
 def _subprogram(
-    module: fx.GraphModule, placeholders: list[fx.Node], chain: set[fx.Node], outputs: Sequence[Any]
+    module: fx.GraphModule,
+    placeholders: list[fx.Node],
+    chain: set[fx.Node],
+    outputs: Sequence[Any],
+    replays: Sequence[fx.Node] = (),
 ) -> tuple[fx.GraphModule, tuple[int, ...]]:
     """The nodes of `chain` (placeholders and pure ops) as a graph over the inputs they read,
-    returning `outputs` (nodes of `chain`, or constants as they are)."""
+    returning `outputs` (nodes of `chain`, or constants as they are). With random draws in `chain`
+    or `replays` (random ops to run before them, `autopar.passes.random_guards`), the graph takes
+    the program's device last and draws each on stand-ins of its inputs, in graph order."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs = []
@@ -255,21 +261,39 @@ def _subprogram(
         if node in chain:
             env[node] = graph.placeholder(node.name)
             inputs.append(index)
+    drawing = set(replays) | {n for n in chain if draws(n)}
+    device = graph.placeholder("program_device") if drawing else None
     for node in module.graph.nodes:
-        if node in chain and node.op != "placeholder":
+        if node in drawing:
+            assert device is not None
+            copied = copy_drawing(graph, node, env, device)
+            if copied is not None:
+                env[node] = copied
+        elif node in chain and node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] if isinstance(n, fx.Node) else n for n in outputs))
     return fx.GraphModule(torch.nn.Module(), graph), tuple(inputs)
 
 
 def _guard_program(
-    module: fx.GraphModule, placeholders: list[fx.Node], chain: set[fx.Node], asserts: list[fx.Node]
+    module: fx.GraphModule,
+    placeholders: list[fx.Node],
+    chain: set[fx.Node],
+    asserts: list[fx.Node],
+    replays: Sequence[fx.Node],
 ) -> tuple[fx.GraphModule, tuple[int, ...]]:
     """A graph over the inputs the guards read, returning each assertion's condition."""
     body = {n for n in chain if n.target is not _ASSERT and n.target not in _CONSTRAINTS}
     conditions = [a.args[0] for a in asserts if a.target is _ASSERT]
-    return _subprogram(module, placeholders, body, conditions or [True])
+    return _subprogram(module, placeholders, body, conditions or [True], replays)
 
+
+def _condition(check: fx.Node, where: Callable[[fx.Node], str]) -> str:
+    """What a guard's log line calls it: the value Python reads (or the random draw) and where."""
+    drawn = [n for n in value_ancestors([check]) if draws(n)]
+    if drawn:
+        return f"the random draw at {where(drawn[0])}"
+    return f"the value Python reads at {where(_read_of(check))}"
 
 
 def flat_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
@@ -329,7 +353,7 @@ def serial_raises(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     copy_ = valued_copy(model, device or torch.device("cpu"))
     args, kwargs = private_inputs(args, kwargs, frozen=True)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), generators_kept(device or torch.device("cpu")):
             copy_(*args, **kwargs)
     except Exception as exc:  # the same check failing: its type and message (the values it quotes aside)
         return type(exc) is type(raised) and str(exc).split("\n")[0] == str(raised).split("\n")[0]

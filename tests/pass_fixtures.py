@@ -483,7 +483,9 @@ def compile_every_rank(
 
     mesh = Mesh.from_shape(shape, names)
     trace_options = {k: options[k] for k in ("planner", "split_fused", "forward_only") if k in options}
-    traced = trace_for(model, mesh, args, kwargs, **trace_options)  # once, as each process of a job
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # a random branch (LayerDrop) takes the outcome the lockstep's seed draws
+        traced = trace_for(model, mesh, args, kwargs, **trace_options)  # once, as each process of a job
     return {
         c: compile_for_rank(
             model, mesh, args, example_kwargs=kwargs, coords=c, agree=plan_once, traced=traced, **options
@@ -564,6 +566,11 @@ def assert_compiled_matches_serial(
     joint = next(iter(compiled.values())).graph
     joint_args = _joint_args(joint, next(iter(programs.values())), state, flat_inputs)
     record: dict[Coords, dict[str, object]] = {}
+    guards = next(iter(programs.values())).value_guards
+    if guards is not None:  # the program is the one a call on these inputs (at seed 0) would pick
+        torch.manual_seed(0)
+        flat = torch.utils._pytree.tree_leaves((args, kwargs))
+        assert guards.hold(flat), f"the program's guards fail at seed 0: {guards.failing(flat)}"
     fwd, bwd = lockstep_step(compiled, model, shape, args, kwargs, record)
 
     model.zero_grad(set_to_none=True)

@@ -58,6 +58,7 @@ COVERED_OPS = [
     aten.mse_loss_backward.default,
     *GATHER_SCATTER,
     aten.index_add.default,
+    aten.index_select.default,
     *BATCH_NORM,
     aten.convolution.default,
     aten.convolution_backward.default,
@@ -248,6 +249,20 @@ def test_gather_scatter(data: st.DataObject, mesh: tuple[int, ...], op: object) 
     else:
         args = (x, dim, index, data.draw(st.sampled_from([0.0, -1.0])))
     assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes())
+def test_index_select(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """Rows of `self` picked at `index` along `dim` (repeats allowed; M2M100's position table)."""
+    g = _gen(data)
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3, allow_one=False))
+    n = len(shape)
+    dim = data.draw(st.integers(-n, n - 1))
+    rows = data.draw(dim_sizes(mesh))
+    index = random_tensor((rows,), torch.int64, generator=g, high=shape[dim])
+    args = (random_tensor(shape, generator=g), dim, index)
+    assert check_random_strategies(data, aten.index_select.default, args, {}, mesh, REGISTRY)
 
 
 @SETTINGS

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import autopar
 from autopar.compiler.driver import compile_for_rank
 from autopar.core.mesh import Mesh
+from autopar.passes.random_guards import RANDOM_ORDER_HINT
 from autopar.passes.value_guards import WEIGHT_GUARD_HINT
 
 
@@ -53,8 +54,8 @@ def test_the_branch_the_example_takes_runs_equal_to_serial_with_the_guards_out_o
     for run in compiled.values():
         guards = run.program.value_guards
         assert guards is not None and guards.inputs == (0, 1)
-        assert any("test_value_guards.py:34" in c for c in guards.conditions), guards.conditions
-        assert any("test_value_guards.py:36" in c for c in guards.conditions), guards.conditions
+        assert any("test_value_guards.py:35" in c for c in guards.conditions), guards.conditions
+        assert any("test_value_guards.py:37" in c for c in guards.conditions), guards.conditions
         # the distributed program reads no value: the guards run apart, on the global inputs
         for gm in (run.program.forward, run.program.backward):
             targets = {n.target for n in gm.graph.nodes}
@@ -64,7 +65,7 @@ def test_the_branch_the_example_takes_runs_equal_to_serial_with_the_guards_out_o
     assert guards is not None
     assert guards.hold(list(_batch(sign, seed=1)))
     assert not guards.hold(list(_batch(-sign, seed=1)))
-    assert all("test_value_guards.py:36" in c for c in guards.failing(list(_batch(-sign, seed=1))))
+    assert all("test_value_guards.py:37" in c for c in guards.failing(list(_batch(-sign, seed=1))))
     x, y = _batch(sign, seed=1)
     assert not guards.hold([x, y - 4])  # the assert's condition is a guard too
 
@@ -83,33 +84,35 @@ class _ChecksItsActivations(nn.Module):
         return F.cross_entropy(h, y)
 
 
-class _SkipsALayerAtRandom(nn.Module):
-    """LayerDrop: a layer skipped when a random draw says so."""
+class _DrawsByValues(nn.Module):
+    """A branch decided by a draw after `multinomial` of activations, which moves the generator by
+    an amount its values decide: no replay can reach the decision before the program runs."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.proj = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 4)
+        self.proj = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        picked = torch.multinomial(torch.softmax(h, -1), 1)
         if torch.rand([]) >= 0.5:
-            x = x + self.proj(x)
-        return F.cross_entropy(self.head(x), y)
+            h = h * 2
+        return F.cross_entropy(h, y) + picked.sum() * 0
 
 
 @pytest.mark.parametrize(
-    ("model", "line", "says"),
+    ("model", "line", "says", "hint"),
     [
-        (_ChecksItsActivations(), "test_value_guards.py:81", "depends on the model's weights"),
-        (_SkipsALayerAtRandom(), "test_value_guards.py:95", "random draw"),
+        (_ChecksItsActivations(), "test_value_guards.py:82", "depends on the model's weights", WEIGHT_GUARD_HINT),
+        (_DrawsByValues(), "test_value_guards.py:97", "input values decide", RANDOM_ORDER_HINT),
     ],
 )
 def test_a_value_not_computed_from_the_inputs_alone_is_refused_naming_the_line(
-    model: nn.Module, line: str, says: str
+    model: nn.Module, line: str, says: str, hint: str
 ) -> None:
     with pytest.raises(autopar.TraceError) as err:
         compile_for_rank(model, Mesh.from_shape((2,)), _batch(1.0), coords=(0,))
-    assert says in str(err.value) and err.value.hint == WEIGHT_GUARD_HINT
+    assert says in str(err.value) and err.value.hint == hint, str(err.value)
     assert err.value.where is not None and line in err.value.where, err.value.where
 
 
@@ -139,7 +142,7 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
     x, y = _batch(1.0, seed=9)
     with pytest.raises(AssertionError, match="negative label") as err:  # as serial raises it
         pmodel(x, y - 4)
-    assert isinstance(err.value, autopar.ModelAssertionError) and "test_value_guards.py:34" in str(err.value.where)
+    assert isinstance(err.value, autopar.ModelAssertionError) and "test_value_guards.py:35" in str(err.value.where)
     with pytest.raises(AssertionError, match="negative label"):  # again: the failure compiled nothing
         pmodel(x, y - 4)
     return {"max_error": max(errors), "programs": [why for why, _ in pmodel.programs]}
@@ -153,7 +156,7 @@ def test_each_branch_gets_its_program_and_trains_like_serial_on_two_ranks() -> N
         first, other = result["programs"]
         assert first == "example inputs", (rank, result)
         assert other.startswith("new input values (the value Python reads at") and "decides another branch" in other
-        assert "test_value_guards.py:36" in other, (rank, result)
+        assert "test_value_guards.py:37" in other, (rank, result)
 
 
 class _PicksEndOfSequence(nn.Module):
@@ -192,3 +195,92 @@ def test_boolean_indexing_by_an_input_mask_is_static_at_the_examples_count(per_r
     for run in compiled.values():
         targets = {n.target for n in run.program.forward.graph.nodes}
         assert torch.ops.aten.nonzero.default not in targets and torch.ops.aten.nonzero_static.default in targets
+
+
+class _LayerDrop(nn.Module):
+    """LayerDrop as transformers' M2M100 writes it: each layer skipped when a draw says so, the
+    draws interleaved with the kept layers' dropout masks (which move the generator)."""
+
+    def __init__(self, layers: int = 4, layerdrop: float = 0.5) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(layers))
+        self.head = nn.Linear(16, 4)
+        self.layerdrop = layerdrop
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.layerdrop:
+                continue
+            x = x + F.dropout(torch.relu(layer(x)), 0.1, self.training)
+        return F.cross_entropy(self.head(x), y)
+
+
+def _layerdrop_job(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+    torch.manual_seed(0)
+    model = _LayerDrop()
+    serial = copy.deepcopy(model)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=_batch(1.0))
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
+    serial_opt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    errors: list[float] = []
+    same_stream = []
+    for step in range(4):
+        batch = _batch(1.0, seed=step + 1)
+        before = torch.random.get_rng_state()
+        loss = pmodel(*batch)
+        loss.backward()
+        after = torch.random.get_rng_state()
+        torch.random.set_rng_state(before)
+        want = serial(*batch)
+        want.backward()
+        same_stream.append(torch.equal(after, torch.random.get_rng_state()))
+        grads = {n: p.grad for n, p in serial.named_parameters()}
+        errors.append(abs(float(loss) - float(want)))
+        for n, p in pmodel.named_parameters():  # a skipped layer has no gradient, in serial too
+            assert (p.grad is None) == (grads[n] is None), (step, n)
+            if p.grad is not None:
+                errors.append(float((p.grad.full_tensor() - grads[n]).abs().max()))
+        opt.step()
+        serial_opt.step()
+        opt.zero_grad()
+        serial_opt.zero_grad()
+    params = dict(serial.named_parameters())
+    errors += [float((p.full_tensor() - params[n]).abs().max()) for n, p in pmodel.named_parameters()]
+    return {"max_error": max(errors), "same_stream": same_stream, "programs": [why for why, _ in pmodel.programs]}
+
+
+@pytest.mark.multirank
+def test_layerdrop_draws_each_step_from_the_serial_stream_and_trains_like_serial_on_two_ranks() -> None:
+    results = run_ranks(2, _layerdrop_job, timeout=300)
+    for rank, result in enumerate(results):
+        assert result["max_error"] < 1e-5, (rank, result)
+        assert all(result["same_stream"]), (rank, result)  # the generator ends where serial's does
+        programs = result["programs"]
+        assert len(programs) > 1, (rank, result)  # more than one outcome drawn, each its program
+        assert all("the random draw at" in why and "test_value_guards.py:" in why for why in programs[1:]), programs
+    assert results[0]["programs"] == results[1]["programs"]
+
+
+class _UpdatesItsLabels(nn.Module):
+    """FSMT's `shift_tokens_right`: -100 in the labels replaced in place by the pad id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        y.masked_fill_(y == -100, 0)
+        return F.cross_entropy(self.head(x), y)
+
+
+def test_a_forward_that_updates_its_input_in_place_is_refused_naming_the_line() -> None:
+    x, y = _batch(1.0)
+    y[0] = -100
+    before = y.clone()
+    with pytest.raises(autopar.TraceError) as err:
+        compile_for_rank(_UpdatesItsLabels(), Mesh.from_shape((2,)), (x, y), coords=(0,))
+    assert "writes into its tensor input 1 in place" in str(err.value), str(err.value)
+    assert "decoder_input_ids" in err.value.hint
+    assert err.value.where is not None and "test_value_guards.py:" in err.value.where, err.value.where
+    assert torch.equal(y, before)  # the user's tensor is left as it was

@@ -245,6 +245,20 @@ def gather_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, result)
 
 
+def index_select_rule(call: OpCall) -> list[AxisStrategy]:
+    """index_select(self, dim, index): dims other than `dim` split on self and output alike (every
+    rank picks the same rows of its block); a split index with self whole splits the output's
+    `dim` (each rank picks its own rows: a sinusoidal position table read at the positions);
+    linear in self."""
+    src, index = call.inputs[0], call.inputs[1]
+    at = normalize_dim(call.arg(1, "dim"), max(src.ndim, 1))
+    result = [AxisStrategy((Shard(d), R), (Shard(d),)) for d in range(src.ndim) if d != at]
+    if index.ndim == 1 and src.ndim:
+        result.append(AxisStrategy((R, Shard(0)), (Shard(at),)))
+    result += passthrough_partial(call, [0])
+    return with_replicated(call, result)
+
+
 def scatter_rule(call: OpCall) -> list[AxisStrategy]:
     """scatter.src / scatter.value / scatter_add: dims other than `dim` split on all tensors when
     they agree; linear in (self, src) together."""
@@ -407,6 +421,7 @@ RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
     aten.nll_loss_forward.default: replicated_only,
     aten.nll_loss_backward.default: replicated_only,
     aten.gather.default: gather_rule,
+    aten.index_select.default: index_select_rule,
     aten.scatter.src: scatter_rule,
     aten.scatter.value: scatter_rule,
     aten.scatter_add.default: scatter_rule,

@@ -80,11 +80,12 @@ class _Program:
     # programs for the same call signature traced under other input values (`ValueGuards`)
     others: list[_Program] = field(default_factory=list)
 
-    def holding(self, flat: Sequence[Any]) -> _Program | None:
-        """This program or one of `others` whose value guards hold for the call's `flat` inputs."""
+    def holding(self, flat: Sequence[Any], device: str) -> _Program | None:
+        """This program or one of `others` whose value guards hold for the call's `flat` inputs
+        (and, for guards on random draws, the generators' state now) on `device`."""
         for run in (self, *self.others):
             guards = run.program.value_guards
-            if guards is None or guards.hold(flat):
+            if guards is None or guards.hold(flat, device):
                 return run
         return None
 
@@ -362,9 +363,9 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         if self._compile is None:  # a module built around one program: it takes only that call
             self._check_inputs(flat, spec)
             guards = self._first.program.value_guards
-            if guards is not None and not guards.hold(flat):
+            if guards is not None and not guards.hold(flat, self._device_type):
                 raise InputMismatchError(
-                    f"the program was compiled for inputs on which {guards.failing(flat)[0]} decides "
+                    f"the program was compiled for inputs on which {guards.failing(flat, self._device_type)[0]} decides "
                     "another branch than on this call's",
                     hint="build the module with parallelize, which compiles a program for each branch",
                 )
@@ -380,19 +381,20 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         found = self._programs.get(key)
         if found is not None:
             self._refuse_local_guards(found)
-            holding = found.holding(flat)
+            holding = found.holding(flat, self._device_type)
             if holding is not None:
                 self._programs.move_to_end(key)
                 return holding
             guards = found.program.value_guards
             assert guards is not None  # only a guarded program can fail to hold
-            why = f"new input values ({guards.failing(flat)[0]} decides another branch)"
+            why = f"new input values ({guards.failing(flat, self._device_type)[0]} decides another branch)"
         else:
             why = self._difference(key)
             self._note_values(key)
         _LOG.info("autopar: compiling a program for %s", why)
         program, outputs = self._compile(args, kwargs, mode)
         compiled = self._prepared(program, outputs, why)
+        self._refuse_other_branch(compiled, flat)
         if found is not None:  # the same signature, another branch: kept beside the first
             found.others = [*found.others, compiled][-(MAX_PROGRAMS - 1) :]
             self._programs.move_to_end(key)
@@ -401,6 +403,23 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         if len(self._programs) > MAX_PROGRAMS:
             self._programs.popitem(last=False)
         return compiled
+
+    @property
+    def _device_type(self) -> str:
+        assert self._mesh.device_mesh is not None
+        return self._mesh.device_mesh.device_type
+
+    def _refuse_other_branch(self, run: _Program, flat: Sequence[Any]) -> None:
+        """A program compiled for this call must take this call's branches: its trace ran the
+        model on the call's values and the generators' state now, as its guards do."""
+        guards = run.program.value_guards
+        if guards is not None and not guards.hold(flat, self._device_type):
+            raise AutoparError(
+                f"the program compiled for this call took another branch at {guards.failing(flat, self._device_type)[0]} "
+                "than its guards compute for the call",
+                hint="the model's trace on the call's values drew other random numbers or read other "
+                "values than the model run eagerly does; report this model to autopar",
+            )
 
     def _note_values(self, key: Any) -> None:
         """Warn once per argument when a plain number or flag has compiled three programs: each
