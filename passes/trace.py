@@ -13,7 +13,7 @@ import contextlib
 import copy
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,7 @@ from autopar.core.value_guards import generators_kept
 from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
 from autopar.passes.checkpoint_regions import CheckpointWatch, mark_checkpoint_regions
 from autopar.passes.ctc import CTCRoute
+from autopar.passes.eager_checks import eager_error, eager_run, model_error
 from autopar.passes.fused import split_fused_linears
 from autopar.passes.hooks import refuse_gradient_hooks
 from autopar.passes.index_checks import find_index_checks
@@ -121,7 +122,7 @@ def trace(
         except TraceError as failed:
             # a batch the model itself rejects (a check torch.export defers to run time, as BART's
             # end-of-sequence count) fails the trace later, somewhere else: the model's own error
-            own = _eager_error(model, tuple(example_inputs), example_kwargs or {})
+            own = eager_error(model, tuple(example_inputs), example_kwargs or {})
             if own is None:
                 raise
             raise own from failed
@@ -181,7 +182,7 @@ def _trace(
             # the trace draws what the serial model would from the generators' state now (a random
             # branch takes the outcome a call's guards compute), and leaves the state as it was
             with generators_kept(real_device):
-                draws = eager_draw_states(_eager_run(model, real_device, tuple(example_inputs), example_kwargs), real_device)
+                draws = eager_draw_states(eager_run(model, real_device, tuple(example_inputs), example_kwargs), real_device)
             with generators_kept(real_device), serial_draws(draws, real_device):
                 exported = _export(model, real_model, real_args, real_kwargs, reading_values=True)
         except (ModelAssertionError, ModelValueError) as raised:
@@ -231,37 +232,6 @@ def _trace(
     return lazy
 
 
-def _model_error(model: nn.Module, exc: AssertionError | ValueError) -> ModelAssertionError | ModelValueError:
-    kind = ModelAssertionError if isinstance(exc, AssertionError) else ModelValueError
-    return kind(
-        f"{type(model).__name__} raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-        where=user_frame_of(exc),
-        hint="the serial model raises this on the same inputs: check the batch (no rank has run "
-        "any collective for this call)",
-    )
-
-
-def _eager_error(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> ModelAssertionError | ModelValueError | None:
-    """The model's own AssertionError / ValueError on these inputs, run eagerly on a copy (the
-    user's model and batch untouched), or None: where the model holds its weights (on meta, zeros
-    would stand in for them and decide nothing about the serial model) and the inputs values."""
-    if not inputs_have_values(args, kwargs) or any(
-        t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]
-    ):
-        return None
-    device = next((x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None)
-    try:
-        with torch.random.fork_rng(devices=[]):  # the user's generator stays where it was
-            _eager_run(model, device or torch.device("cpu"), args, kwargs)()
-    except (AssertionError, ValueError) as exc:  # what the serial model raises on this batch, wherever
-        return _model_error(model, exc)
-    except Exception:  # noqa: BLE001 - any other failure is not the model's check: the trace's error stands
-        return None
-    return None
-
-
 def _foreign_buffers_as_constants(gm: fx.GraphModule, forward: nn.Module, model: nn.Module) -> None:
     """Tensors the forward made on the example's real values (`torch.tensor(pad_id)` in
     transformers' `shift_tokens_right`) come out of torch.export's unlifted module as attributes
@@ -279,21 +249,6 @@ def _foreign_buffers_as_constants(gm: fx.GraphModule, forward: nn.Module, model:
         set_info(node, NodeInfo(role="constant", phase="forward", param_name=name))
         sig.constants[name] = value.detach().clone()
         sig.buffer_names.remove(name)
-
-
-def _eager_run(
-    model: nn.Module, device: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Callable[[], Any]:
-    """The model run eagerly on copies of the example (`valued_copy`, `private_inputs`), without
-    gradients: its random draws are the serial model's (`eager_draw_states`)."""
-
-    def run() -> Any:
-        copy_ = valued_copy(model, device)
-        private_args, private_kwargs = private_inputs(args, kwargs, frozen=True)
-        with torch.no_grad():
-            return copy_(*private_args, **private_kwargs)
-
-    return run
 
 
 def _export(
@@ -317,7 +272,7 @@ def _export(
                 return torch.export.export(fake_model, args, kwargs, strict=False)
     except (AssertionError, ValueError) as exc:
         if reading_values and raised_in_user_code(exc):  # the model's own check failed on these values
-            raise _model_error(model, exc) from exc
+            raise model_error(model, exc) from exc
         raise export_error(model, exc) from exc
     except Exception as exc:  # torch raises many types; the user needs the location and the cause
         raise export_error(model, exc) from exc

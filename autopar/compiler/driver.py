@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.compiler.decompose_choice import check_decompose, decompose_chosen
 from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
 from autopar.core.errors import AutoparError, InternalError, UsageError
 from autopar.core.mesh import Mesh
@@ -32,12 +33,9 @@ from autopar.core.plan import Plan
 from autopar.core.precision import AutocastState, MixedPrecision, autocast_off
 from autopar.cost.formulas import MeshCost
 from autopar.cost.hardware import load_hardware
-from autopar.cost.timeline import Timeline, default_hardware, exposed_by_collective, simulate
+from autopar.cost.timeline import Timeline, default_hardware, simulate
 from autopar.passes import fused
 from autopar.passes.chunks import merge_chunks
-from autopar.passes.decompose_matmul import MODES as DECOMPOSE_MODES
-from autopar.passes.decompose_matmul import decompose_matmuls as decompose_pass
-from autopar.passes.decompose_matmul import find_pairs
 from autopar.passes.emit import emit
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
@@ -261,7 +259,7 @@ def compile_for_rank(
     with stage("propagate / insert_comm"):
         gm, work = _lower(gm, plan, mesh, registry, base, chunks, path)
     with stage("decompose matmuls"):
-        gm, prescheduled = _decompose(gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes)
+        gm, prescheduled = decompose_chosen(gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes)
     write_stage(path, "3_insert_comm", gm, work)
     modeled_on = table if hardware is not None or path is not None else None
     # modeled before the schedule stage, which reorders the graph in place
@@ -333,64 +331,6 @@ def check_options(
                 f"{name} must be a number of bytes >= {least}, got {value!r}",
                 hint=f"for example {name}=40e9, or leave it out",
             )
-
-
-def check_decompose(mode: object) -> None:
-    """`decompose_matmuls` must name a mode of the pass."""
-    if mode not in DECOMPOSE_MODES:
-        raise UsageError(
-            f"decompose_matmuls={mode!r} is not a mode of the collective-matmul decomposition",
-            hint='"auto" (where the modeled step is shorter), "on" (every pair that qualifies) or "off"',
-        )
-
-
-def _decompose(
-    gm: fx.GraphModule,
-    work: Mesh,
-    coords: tuple[int, ...],
-    table: str,
-    mode: str,
-    schedule: bool,
-    in_flight_bytes: int,
-) -> tuple[fx.GraphModule, fx.GraphModule | None]:
-    """The decomposition pass on the lowered graph; returns the graph and, where "auto" kept it
-    whole and scheduled a copy to decide so, that scheduled copy (the schedule stage's result).
-
-    "auto" prices each pair against the time its collective stays exposed in the step scheduled
-    without the rewrite (a scheduled copy, modeled on `table`). Where some pairs price shorter, the
-    whole step is modeled, scheduled, with those pairs rewritten and with every pair rewritten, and
-    the shortest of the three steps is kept: a pair that prices faster alone can still slow the step
-    (its pieces queue on the link ahead of other collectives). Batch chunks (over-decomposition)
-    overlap their collectives already: not there."""
-    if mode == "off" or work.in_process or not find_pairs(gm, tuple(work.shape), coords):
-        return gm, None
-    if mode == "on":
-        return decompose_pass(gm, work, coords, hardware=table, mode="on"), None
-
-    def scheduled_step(graph: fx.GraphModule) -> tuple[float, fx.GraphModule]:
-        if schedule:
-            graph = schedule_pass(graph, work, hardware=table, in_flight_bytes=in_flight_bytes)
-        return simulate(graph, work, table).step_time, graph
-
-    whole, scheduled = scheduled_step(copy.deepcopy(gm))
-    exposed = exposed_by_collective(scheduled, simulate(scheduled, work, table))
-    records = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, rewrite=False).meta[DECOMPOSED_KEY]
-    shorter = frozenset(r.collective for r in records if r.kept)
-    sets = {"whole": frozenset[str](), "pairs priced shorter": shorter, "every pair": frozenset(r.collective for r in records)}
-    steps = {"whole": whole}
-    if shorter:
-        for name in ("pairs priced shorter", "every pair"):
-            if name == "pairs priced shorter" or sets[name] != shorter:
-                trial = decompose_pass(copy.deepcopy(gm), work, coords, hardware=table, only=sets[name])
-                steps[name] = scheduled_step(trial)[0]
-    best = min(steps, key=lambda k: (steps[k], len(sets[k])))
-    gm = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, only=sets[best], rewrite=best != "whole")
-    gm.meta[DECOMPOSED_STEPS_KEY] = steps
-    if best != "whole" or not schedule:
-        return gm, None
-    for key in (DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY):
-        scheduled.meta[key] = gm.meta[key]
-    return gm, scheduled
 
 
 def example_tuple(example_inputs: Any, example_kwargs: Any = None) -> tuple[Any, ...]:
