@@ -446,6 +446,14 @@ def plan(
     split_fused = fused.wanted(split_fused, planner)
     choice = None
     depth_choice = None
+    if isinstance(mesh_shape, str) and CP_AXIS in (mesh_names or ()):
+        raise AutoparError(
+            f'mesh_shape={mesh_shape!r} with mesh_names={tuple(mesh_names or ())!r}: the mesh choice names its own '
+            f'axes, so it cannot keep a "{CP_AXIS}" axis',
+            hint=f'give the shape (mesh_shape=(2, 4), mesh_names=("dp", "{CP_AXIS}")) to ask for context parallelism, '
+            'or leave mesh_names out: the search splits attention along the sequence by itself where that is '
+            "cheaper, or where memory_limit leaves no other plan",
+        )
     if isinstance(mesh_shape, str) and microbatches is not None:
         if mesh_shape != "auto" or world_size is None:
             raise AutoparError(f"mesh_shape {mesh_shape!r}", hint='give "auto" with world_size=N and microbatches=M')

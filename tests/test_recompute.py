@@ -69,9 +69,13 @@ def test_the_planner_counts_saved_bytes_as_plan_memory_does() -> None:
     assert recompute.total_bytes(blocks[0].nodes) == pytest.approx(recompute.total_bytes() - freed)
     selective = [u for u in recompute.units if u.name.startswith("op:")]
     assert selective and all(len(u.nodes) == 1 for u in selective)
-    # the greedy planner under a limit keeps its layouts and recomputes to fit
+    # the greedy planner under a limit keeps its layouts and recomputes to fit; a recomputed block's
+    # values exist again while its backward runs, so with two blocks the peak keeps one of them
+    each = [recompute.rematerialized(b.nodes, ()) for b in blocks]
+    assert min(each) >= freed > 0, "a block's values, made again, take at least what recomputing it frees"
+    assert recompute.rematerialized(blocks[0].nodes | blocks[1].nodes, ()) == max(each), "one block at a time"
     memory = plan_memory(gm, plan, SHAPE)
-    limit = memory.breakdown().total - 0.5 * memory.activation_bytes()
+    limit = memory.breakdown().total - 0.25 * memory.activation_bytes()
     fitted = fit_memory(gm, plan, mesh, cost, limit)
     assert fitted.recompute and fitted.layouts == plan.layouts
     assert fitted.memory is not None and fitted.memory.total <= limit

@@ -123,8 +123,9 @@ def _below_replicated(gm: fx.GraphModule) -> float:
 
 def test_compiled_program_saves_less_and_gathers_in_backward(setup: dict[str, Any]) -> None:
     # a tight limit: recomputing both blocks is not enough (on the H100 table recomputation is the
-    # cheaper per byte, so it goes first), gathered weights must be gathered again as well
-    limit = _limit(setup, 0.2)
+    # cheaper per byte, so it goes first; a recomputed block's values exist again during its
+    # backward), gathered weights must be gathered again as well
+    limit = _limit(setup, 0.45)
     # the fastest plan with its weights sharded: a limit just under what replicated weights need
     free = autopar.plan(setup["model"], SHAPE, setup["batch"], planning=autopar.PlanOptions(hardware=HW), memory_limit=_below_replicated(setup["gm"]))
     lean = autopar.plan(setup["model"], SHAPE, setup["batch"], planning=autopar.PlanOptions(hardware=HW), memory_limit=limit)

@@ -22,6 +22,14 @@ counts, so freeing a value can keep its inputs. Seconds are the units' compute o
 layouts plus the redistributions between recomputed ops, run again. `choose_savings` brings a plan
 under a memory limit with the cheapest seconds per byte first, across recomputation and the
 weight-chain regathers of `autopar.planning.memory`.
+
+Recomputed values are not gone for good: backward makes a block's recomputed values again just
+before that block's backward reads them, so while it runs they exist beside everything kept
+(`RecomputeModel.rematerialized`, the largest block's; an op outside any numbered block or region
+is a group of its own). The limit is checked against the kept bytes plus that transient. Without
+it, recomputing every block would bring any plan down to its blocks' inputs, and a long sequence
+would seem to fit by recomputation alone where, as on real runs, one layer's activations at that
+sequence do not: the split of the sequence (context parallelism) is what shrinks them.
 """
 
 from __future__ import annotations
@@ -76,7 +84,7 @@ class Savings:
     regather: tuple[str, ...] = ()
     recompute: tuple[str, ...] = ()
     units: tuple[str, ...] = ()  # the chosen units' names, for the report
-    activation_bytes: float = 0.0
+    activation_bytes: float = 0.0  # kept, plus the largest recomputed group while it exists again
     activation_bytes_before: float = 0.0  # nothing recomputed or regathered
     seconds: float = 0.0
     recompute_seconds: float = 0.0  # of `seconds`, the recomputed ops' (the rest: regathers)
@@ -105,6 +113,7 @@ class RecomputeModel:
         self.seconds: dict[str, float] = {}  # candidate op -> its compute
         self.units: list[Unit] = []
         self.partner: dict[str, str] = {}  # a getitem -> the several-result op it reads
+        self.group: dict[str, str] = {}  # candidate op -> the block or region backward remakes it with
         decided = set(plan.decided)
         output = next(n for n in gm.graph.nodes if n.op == "output")
         grads = {v for v in list(output.args[0])[signature(gm).num_user_outputs :] if isinstance(v, fx.Node)}
@@ -140,6 +149,7 @@ class RecomputeModel:
             block = _BLOCK.match(info(node).module_path) if has_info(node) else None
             if block is not None:
                 blocks.setdefault(block.group(1), set()).add(node.name)
+            self.group[node.name] = region or (block.group(1) if block is not None else node.name)
         for value in self.values.values():
             value.users = tuple(u for u in value.by_user if u in self.inputs)
         for path, names in sorted(regions.items()):
@@ -182,6 +192,18 @@ class RecomputeModel:
 
     def total_bytes(self, recompute: Collection[str] = (), regather: Collection[str] = ()) -> float:
         return sum(self.kept_bytes(n, recompute, regather) for n in self.values)
+
+    def rematerialized(self, recompute: Collection[str], regather: Collection[str]) -> float:
+        """Bytes per rank that recomputed values take again during backward: those of the group
+        (block, region, or lone op) whose recomputed values are largest, each in the layouts
+        backward reads it in. Backward remakes one group's values right before that group's
+        backward and frees them after it, so one group's exist at a time."""
+        groups: dict[str, float] = {}
+        for name in recompute:
+            if name in self.values:
+                key = self.group.get(name, name)
+                groups[key] = groups.get(key, 0.0) + self.kept_bytes(name, (), regather)
+        return max(groups.values(), default=0.0)
 
     def marginal(
         self, nodes: Iterable[str], recompute: set[str], regather: Collection[str]
@@ -248,14 +270,18 @@ def choose_savings(
         name = saved.name
         return model.kept_bytes(name, recompute, regather), regather_seconds(saved)
 
+    def peak(activation_bytes: float, recomputed: Collection[str]) -> float:
+        """The total with `activation_bytes` kept and the largest recomputed group made again."""
+        return param_bytes_total(activation_bytes + model.rematerialized(recomputed, regather))
+
     heap: list[tuple[float, str]] = []
-    if param_bytes_total(activation) > limit:
+    if peak(activation, recompute) > limit:
         for key in options:
             freed, extra = price(key)
             if freed > 0:
                 heapq.heappush(heap, (extra / freed, key))
     taken: list[tuple[str, float]] = []  # option, seconds it added
-    while heap and param_bytes_total(activation) > limit:
+    while heap and peak(activation, recompute) > limit:
         _, key = heapq.heappop(heap)
         freed, extra = price(key)
         if freed <= 0:
@@ -268,7 +294,7 @@ def choose_savings(
         (regather if saved is not None else recompute).update(nodes)
         activation -= freed
         taken.append((key, extra))
-    if param_bytes_total(activation) > limit:
+    if peak(activation, recompute) > limit:
         return None
     for key, extra in sorted(taken, key=lambda t: (-t[1], t[0])):  # drop what is no longer needed
         nodes, saved = options[key]
@@ -279,7 +305,7 @@ def choose_savings(
             model.kept_bytes(n, *trial) - model.kept_bytes(n, recompute, regather)
             for n in _touched(model, nodes)
         )
-        if param_bytes_total(activation + loss) <= limit:
+        if peak(activation + loss, trial[0]) <= limit:
             target -= nodes
             activation += loss
             taken.remove((key, extra))
@@ -290,7 +316,7 @@ def choose_savings(
         tuple(sorted(regather)),
         tuple(sorted(recompute)),
         tuple(chosen),
-        activation,
+        activation + model.rematerialized(recompute, regather),
         before,
         recomputing + regathering,
         recomputing,

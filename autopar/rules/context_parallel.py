@@ -211,3 +211,20 @@ def context_parallel_registry(
     if strategy is None and forward is not None and forward.requirement is not None:
         return registry
     return require_context_parallel(registry, axis_names.index(CP_AXIS), strategy or "auto")
+
+
+def without_sequence_split(registry: RuleRegistry) -> RuleRegistry:
+    """A copy of `registry` whose plans never split attention's queries along the sequence on any
+    axis: the best plan without context parallelism, which the search's choice is held against
+    (what a memory limit makes the search give up, `docs/context-parallel.md`)."""
+
+    def admits(call: OpCall, chosen: Strategy) -> bool:
+        return not chosen.inputs[_query_index(call)].shard_axes(SEQ)
+
+    constrained = registry.copy()
+    for op in (FORWARD, BACKWARD):
+        if op in constrained:
+            constrained.require(
+                op, Requirement(admits, "context parallelism was ruled out: split the batch or heads instead")
+            )
+    return constrained

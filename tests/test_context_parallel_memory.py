@@ -1,0 +1,80 @@
+"""Context parallelism chosen by a memory limit (issue 36, item 3): the zoo's LLaMA (2 heads, batch
+2) at a sequence of 256 on (2, 4) ranks. Neither the batch (2) nor the heads (2) can split the
+4-rank axis, so without context parallelism attention runs whole on it and keeps its queries,
+keys, values and output whole for backward; the search at no limit prefers that plan. Under a
+limit that no plan without the sequence split meets, even recomputing every block (whose values
+exist again while its backward runs, `planning.recompute`), the search splits attention's
+queries along the sequence by itself, and the program trains equal to serial. The modeled
+numbers are the H100 table's, as `autopar.plan` prices a CUDA mesh by default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pass_fixtures import assert_call_matches_serial
+
+import autopar
+from autopar.core.errors import AutoparError, MemoryLimitError
+from autopar.core.meta import info
+from autopar.rules.context_parallel import BACKWARD, FORWARD, without_sequence_split
+from autopar.rules.registry import default_registry
+from examples.zoo import make_llama
+
+SHAPE = (2, 4)
+LIMIT = 0.75 * 2**20  # bytes per rank: the CP plan's need is below, the leanest plan without CP's above
+TABLE = "h100-nvlink-ib"
+
+
+def _model() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    return make_llama(0, batch_size=2, n_head=2, n_kv_head=2, seq_len=256, dim=64, hidden=128, vocab_size=128)
+
+
+def _query_placements(graph: torch.fx.Graph) -> list[tuple]:
+    return [
+        info(n).strategy.inputs[1 if n.target is BACKWARD else 0].placements  # type: ignore[union-attr]
+        for n in graph.nodes
+        if n.target in (FORWARD, BACKWARD)
+    ]
+
+
+def test_memory_limit_makes_the_search_split_the_sequence() -> None:
+    model, batch = _model()
+    free = autopar.plan(model, SHAPE, batch)
+    assert all(not any(p == autopar.Shard(2) for p in q) for q in _query_placements(free.compiled.graph.graph)), (
+        "at no limit, attention is not split along the sequence here"
+    )
+    without = autopar.PlanOptions(registry=without_sequence_split(default_registry()))
+    with pytest.raises(MemoryLimitError) as refused:
+        autopar.plan(model, SHAPE, batch, memory_limit=LIMIT, planning=without)
+    assert refused.value.memory > LIMIT
+    limited = autopar.plan(model, SHAPE, batch, memory_limit=LIMIT)
+    queries = _query_placements(limited.compiled.graph.graph)
+    assert len(queries) >= 4 and all(q[1] == autopar.Shard(2) for q in queries), queries  # (with recomputed copies)
+    report = limited.compiled.graph.meta["autopar_search"]
+    assert report.memory <= LIMIT
+
+
+def test_memory_limit_plan_trains_like_serial() -> None:
+    """Every rank's program of the plan chosen under the limit, in lockstep: loss and every
+    gradient equal serial's."""
+    model, batch = _model()
+    compiled = assert_call_matches_serial(model, SHAPE, batch, memory_limit=LIMIT, hardware=TABLE)
+    first = next(iter(compiled.values()))
+    assert all(q[1] == autopar.Shard(2) for q in _query_placements(first.graph.graph))
+
+
+def test_auto_mesh_under_the_limit_splits_the_sequence() -> None:
+    """`mesh_shape="auto"` over 8 ranks: the mesh chosen under the limit splits attention's
+    queries along the sequence on one of its axes, with no axis named "cp"."""
+    model, batch = _model()
+    result = autopar.plan(model, "auto", batch, world_size=8, memory_limit=LIMIT)
+    assert "cp" not in result.mesh.axis_names
+    queries = _query_placements(result.compiled.graph.graph)
+    assert queries and all(autopar.Shard(2) in q for q in queries), queries
+
+
+def test_cp_axis_with_auto_mesh_is_refused() -> None:
+    model, batch = _model()
+    with pytest.raises(AutoparError, match='cannot keep a "cp" axis') as refused:
+        autopar.plan(model, "auto", batch, world_size=8, mesh_names=("dp", "cp"))
+    assert "mesh_names" in (refused.value.hint or "")
