@@ -84,3 +84,32 @@ def test_a_transformers_tuple_output_names_the_default_call() -> None:
     assert "return_dict" in (info.value.hint or "")
     program = split_stages(model, [ids, ids], (ids,), ["model.layers.1"], 2, example_kwargs={"labels": ids})
     assert program.output_type is not None and len(program.stages) == 2  # the default call: a ModelOutput
+
+
+class ReadsValues(nn.Module):
+    """A user's model that asserts on its labels and branches on its input's sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 8)
+        self.second = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        assert (labels >= 0).all(), "labels must be non-negative"
+        h = self.first(x)
+        h = torch.relu(h) if x.sum() > 0 else torch.tanh(h)
+        return F.cross_entropy(self.second(h), labels)
+
+
+def test_a_value_read_is_refused_naming_the_line_and_a_rejected_batch_raises_the_models_error() -> None:
+    """A pipeline exports one branch for every batch: a branch on the inputs' values is refused
+    with the user's line (not torch's generated code); a batch the model's own assert rejects
+    raises that AssertionError, as serial does."""
+    from autopar.core.errors import ModelAssertionError
+
+    x, labels = torch.randn(4, 4).abs(), torch.tensor([0, 1, 2, 0])
+    with pytest.raises(PipelineSplitError, match="value guards serve meshes without a 'pp' axis") as refused:
+        split_stages(ReadsValues(), [x, labels], (x, labels), ["second"], 2)
+    assert "test_pipeline_refusals.py" in (refused.value.where or "")
+    with pytest.raises(ModelAssertionError, match="labels must be non-negative"):
+        split_stages(ReadsValues(), [x, -labels - 1], (x, -labels - 1), ["second"], 2)

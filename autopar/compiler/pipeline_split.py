@@ -40,7 +40,9 @@ from autopar.compiler.pipeline_loss import (
 )
 from autopar.compiler.pipeline_random import RandomOp, draws, random_op, whole_shapes
 from autopar.core.errors import AutoparError
+from autopar.passes.eager_checks import eager_error
 from autopar.passes.trace import fake_clone
+from autopar.passes.trace_errors import user_frame_of, without_partial_graph
 from autopar.planning.stage_units import unit_names
 from autopar.runtime.pipeline_runtime import TensorSpec
 
@@ -125,15 +127,26 @@ def _export_loss(
 
     model.forward = loss_only  # type: ignore[method-assign]
     try:
-        ep = torch.export.export(model, args, kwargs=kwargs or None, strict=False)
+        with without_partial_graph():  # torch's own page of generated code per failed export
+            ep = torch.export.export(model, args, kwargs=kwargs or None, strict=False)
     except AutoparError:
         raise
     except Exception as exc:  # torch raises many types; the user needs the cause and what to do
+        own = eager_error(model, args, kwargs or {})
+        if own is not None:  # a batch the model itself rejects: its own error, as serial's
+            raise own from exc
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = (
             "the pipeline exports the model's forward with torch.export: a model that returns its loss, "
             "or its output tensors (logits) for inference, as its documentation calls it"
         )
+        if "GuardOnDataDependent" in type(exc).__name__ or "data-dependent" in first:
+            hint = (
+                "Python reads a tensor's value here (a branch or an assert on the inputs' values): "
+                "value guards serve meshes without a 'pp' axis (docs/debugging.md#value-guards), a "
+                "pipeline exports one branch for every batch, so it refuses; train on a mesh without "
+                "'pp', or compute the branch with tensor ops (torch.where)"
+            )
         if "in output" in first and "pytree" in str(exc):
             hint = (
                 "the model returns an object torch.export cannot hand back in a tuple (a transformers "
@@ -142,6 +155,7 @@ def _export_loss(
             )
         raise PipelineSplitError(
             f"torch.export could not trace {type(model).__name__} for the pipeline: {type(exc).__name__}: {first}",
+            where=user_frame_of(exc) or None,
             hint=hint,
         ) from exc
     finally:
