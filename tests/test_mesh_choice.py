@@ -72,6 +72,7 @@ def test_every_candidate_is_planned_and_the_fastest_wins(choice: MeshChoice) -> 
     table = choice.table()
     assert table.splitlines()[2].split()[:2] == ["1", "x".join(map(str, choice.chosen.shape))]
     assert len(table.splitlines()) == 2 + len(choice.candidates)
+    assert str(choice) == table, "print(pmodel.mesh_choice) shows the table"
 
 
 def test_candidate_numbers_are_the_search_plans_modeled_time(

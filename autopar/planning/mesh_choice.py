@@ -127,6 +127,9 @@ class MeshChoice:
     def chosen(self) -> MeshCandidate:
         return self.candidates[0]
 
+    def __str__(self) -> str:  # print(pmodel.mesh_choice) shows the ranking, not the dataclass
+        return self.table()
+
     def table(self) -> str:
         rows = [
             (

@@ -88,7 +88,7 @@ class PlanReport:
         if self.storage == "replicated":
             lines.append(
                 "weights stored as the plan computes with them (replicated storage, DDP's pattern: "
-                "nothing gathered, gradients all-reduced): "
+                "no weight gathered before use, each gradient reduced to the ranks that store it): "
                 f"{len(self.replicated_params)} replicated on some axis"
             )
         elif small:
