@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from autopar.core.errors import TraceError
+from autopar.core.graph_order import reachable
 
 aten = torch.ops.aten
 
@@ -80,16 +81,7 @@ def replayable(node: fx.Node) -> bool:
 def value_ancestors(start: Collection[fx.Node]) -> set[fx.Node]:
     """`start` and every node whose value they depend on, transitively: the inputs of a draw whose
     value is the draw alone (`SHAPE_ONLY`) give it only their shapes, so the walk stops at it."""
-    found: set[fx.Node] = set()
-    stack = list(start)
-    while stack:
-        node = stack.pop()
-        if node in found:
-            continue
-        found.add(node)
-        if node.target not in SHAPE_ONLY:
-            stack.extend(node.all_input_nodes)
-    return found
+    return reachable(start, lambda node: () if node.target in SHAPE_ONLY else node.all_input_nodes)
 
 
 def draws_before(graph: fx.Graph, chain: set[fx.Node], where: Callable[[fx.Node], str]) -> list[fx.Node]:

@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import TraceError
-from autopar.core.graph_order import ancestors
+from autopar.core.graph_order import ancestors, reachable
 from autopar.core.value_guards import ValueGuards, generators_kept
 from autopar.passes.random_guards import copy_drawing, draws, draws_before, replayable, value_ancestors
 
@@ -217,14 +217,7 @@ def _erase_size_constraints(graph: fx.Graph, made: list[fx.Node]) -> None:
     """The assertions torch recorded on sizes downstream of the now static nodes (`u1 >= 8`,
     `Eq(u1, 8*(u1//8))`): each reads a size of a value computed from a static node's output, and
     with the size a number it says nothing the count guard does not."""
-    downstream: set[fx.Node] = set()
-    stack = list(made)
-    while stack:
-        node = stack.pop()
-        if node in downstream:
-            continue
-        downstream.add(node)
-        stack.extend(node.users)
+    downstream = reachable(made, lambda node: node.users)
     for node in reversed(list(graph.nodes)):
         if node.target is _ASSERT or node.target in _CONSTRAINTS:
             chain = ancestors([node])

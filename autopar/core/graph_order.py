@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import torch.fx as fx
 
@@ -18,8 +18,9 @@ def apply_order(graph: fx.Graph, order: Sequence[fx.Node]) -> None:
         previous.append(node)
 
 
-def ancestors(start: Sequence[fx.Node]) -> set[fx.Node]:
-    """`start` and every node they read, transitively."""
+def reachable(start: Collection[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]]) -> set[fx.Node]:
+    """`start` and every node `step` leads to from them, transitively (`step`: a node's inputs
+    for its ancestors, its users for what it feeds, or a walk that stops at some nodes)."""
     found: set[fx.Node] = set()
     stack = list(start)
     while stack:
@@ -27,5 +28,10 @@ def ancestors(start: Sequence[fx.Node]) -> set[fx.Node]:
         if node in found:
             continue
         found.add(node)
-        stack.extend(node.all_input_nodes)
+        stack.extend(step(node))
     return found
+
+
+def ancestors(start: Collection[fx.Node]) -> set[fx.Node]:
+    """`start` and every node they read, transitively."""
+    return reachable(start, lambda node: node.all_input_nodes)
