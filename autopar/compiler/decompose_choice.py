@@ -5,6 +5,7 @@ the modeled step, scheduled as the schedule stage would schedule it."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch.fx as fx
 
@@ -55,7 +56,7 @@ def decompose_chosen(
             graph = schedule_pass(graph, work, hardware=table, in_flight_bytes=in_flight_bytes)
         return simulate(graph, work, table).step_time, graph
 
-    whole, scheduled = scheduled_step(copy.deepcopy(gm))
+    whole, scheduled = scheduled_step(_graph_copy(gm))
     exposed = exposed_by_collective(scheduled, simulate(scheduled, work, table))
     records = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, rewrite=False).meta[DECOMPOSED_KEY]
     shorter = frozenset(r.collective for r in records if r.kept)
@@ -64,7 +65,7 @@ def decompose_chosen(
     if shorter:
         for name in ("pairs priced shorter", "every pair"):
             if name == "pairs priced shorter" or sets[name] != shorter:
-                trial = decompose_pass(copy.deepcopy(gm), work, coords, hardware=table, only=sets[name])
+                trial = decompose_pass(_graph_copy(gm), work, coords, hardware=table, only=sets[name])
                 steps[name] = scheduled_step(trial)[0]
     best = min(steps, key=lambda k: (steps[k], len(sets[k])))
     gm = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, only=sets[best], rewrite=best != "whole")
@@ -74,3 +75,12 @@ def decompose_chosen(
     for key in (DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY):
         scheduled.meta[key] = gm.meta[key]
     return gm, scheduled
+
+
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of the lowered graph to price a choice on. torch 2.13's GraphModule deepcopy warns
+    that its own pytree specs use a deprecated `LeafSpec` check: torch's internals, nothing a user
+    can act on (and a user running with warnings as errors must not get an error from it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+        return copy.deepcopy(gm)
