@@ -305,6 +305,7 @@ def _gloo_step(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.multirank
 def test_the_parts_run_with_real_collectives_on_gloo_ranks() -> None:
     results = run_ranks(2, _gloo_step)
     assert all(r["input_same"] and r["param_same"] for r in results), results

@@ -1,0 +1,25 @@
+"""Suite-wide collection hooks.
+
+The suite runs on two pytest-xdist workers (pyproject's addopts: `-n 2 --dist loadgroup`): most
+tests are single-threaded Python (tracing, planning, lockstep runs of every rank's program), so two
+workers use both cores of the CI machine. Tests that fork real gloo ranks (marked `multirank`) all
+go to one worker's group, so that at most one set of rank processes competes with the other
+worker's test for the cores and no rendezvous waits on a starved rank.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: one intra-op thread each, or their OpenMP pools oversubscribe them.
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("multirank") is not None:
+            item.add_marker(pytest.mark.xdist_group("gloo_ranks"))
