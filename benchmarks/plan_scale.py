@@ -44,6 +44,7 @@ import multiprocessing
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -320,39 +321,13 @@ def main() -> None:
     clock = RunClock()
     ctx = multiprocessing.get_context("spawn")
     if args.bounds_only is not None:
-        runs = []
-        for layers in args.layers:
-            for ranks in args.ranks:
-                with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
-                    run = pool.submit(measure_bounds, args.model, ranks, layers, args.bounds_only).result()
-                runs.append(run)
-                brief = {k: v for k, v in run.items() if k != "bounds"}
-                print(f"  {brief}", flush=True)
-        path = write_result(args.name, {"notes": args.notes, **clock.record(), "runs": runs})
-        print(f"wrote {path}")
+        _each_size(args, clock, ctx, measure_bounds, args.bounds_only, hidden="bounds")
         return
     if args.screen_only:
-        runs = []
-        for layers in args.layers:
-            for ranks in args.ranks:
-                with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
-                    run = pool.submit(measure_screen, args.model, ranks, layers, args.screen_only).result()
-                runs.append(run)
-                brief = {k: v for k, v in run.items() if k != "estimates"}
-                print(f"  {brief}", flush=True)
-        path = write_result(args.name, {"notes": args.notes, **clock.record(), "runs": runs})
-        print(f"wrote {path}")
+        _each_size(args, clock, ctx, measure_screen, args.screen_only, hidden="estimates")
         return
     if args.cuts_only:
-        runs = []
-        for layers in args.layers:
-            for ranks in args.ranks:
-                with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
-                    run = pool.submit(measure_cuts, args.model, ranks, layers, args.microbatches or 1).result()
-                runs.append(run)
-                print(f"  {run}", flush=True)
-        path = write_result(args.name, {"notes": args.notes, **clock.record(), "runs": runs})
-        print(f"wrote {path}")
+        _each_size(args, clock, ctx, measure_cuts, args.microbatches or 1, hidden=None)
         return
     if args.model != "llama-7b":
         gpt_main(args, clock, ctx)
@@ -455,6 +430,28 @@ def gpt_main(args: argparse.Namespace, clock: RunClock, ctx: Any) -> None:
     ]  # fmt: skip
     print(table(["model", "ranks", "layers", "M", "bound", "CPU s", "chosen", "schedule", "step ms",
                  "depths not priced"], rows))  # fmt: skip
+    path = write_result(args.name, {"notes": args.notes, **clock.record(), "runs": runs})
+    print(f"wrote {path}")
+
+
+def _each_size(
+    args: argparse.Namespace,
+    clock: RunClock,
+    ctx: Any,
+    measure: Callable[..., dict[str, Any]],
+    extra: Any,
+    hidden: str | None,
+) -> None:
+    """`measure(model, ranks, layers, extra)` in a fresh child process for every size asked for
+    (one process each: no cache or import warms the next), printed without its `hidden` field,
+    and written as one result file."""
+    runs = []
+    for layers in args.layers:
+        for ranks in args.ranks:
+            with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
+                run = pool.submit(measure, args.model, ranks, layers, extra).result()
+            runs.append(run)
+            print(f"  { {k: v for k, v in run.items() if k != hidden} }", flush=True)
     path = write_result(args.name, {"notes": args.notes, **clock.record(), "runs": runs})
     print(f"wrote {path}")
 
