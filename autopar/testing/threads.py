@@ -1,0 +1,92 @@
+"""Ranks as threads of one process, for runtime code that calls collectives (the all-to-all token
+dispatcher, `autopar.rules.token_dispatch`): every rank's code runs at once, as processes would,
+and each collective meets the other ranks at a barrier. The lockstep runner of the compiled
+programs cannot run such code: it steps the ranks one op at a time in one thread, and a
+collective inside an op would wait for ranks that never reach it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from autopar.core.errors import AutoparError
+
+
+class ThreadGroup:
+    """The meeting place of `size` thread ranks."""
+
+    def __init__(self, size: int, timeout: float = 60.0) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=timeout)
+        self.board: list[Any] = [None] * size
+
+    def exchange(self, rank: int) -> ThreadExchange:
+        return ThreadExchange(self, rank)
+
+
+class ThreadExchange:
+    """`autopar.rules.token_dispatch.Exchange` among thread ranks: an all-to-all with split sizes,
+    checked as a process group would (the sizes a rank expects must be the sizes sent to it)."""
+
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self.group = group
+        self._rank = rank
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def all_to_all(self, x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> torch.Tensor:
+        group = self.group
+        if len(in_splits) != group.size or len(out_splits) != group.size or sum(in_splits) != x.shape[0]:
+            raise AutoparError(
+                f"all_to_all on rank {self._rank}: split sizes {list(in_splits)} / {list(out_splits)} "
+                f"for {x.shape[0]} rows among {group.size} ranks",
+                op="all_to_all_single",
+                hint="one input and one output split size per rank, the input sizes summing to the rows",
+            )
+        group.board[self._rank] = list(x.split(list(in_splits)))
+        group.barrier.wait()
+        got = [group.board[s][self._rank] for s in range(group.size)]
+        group.barrier.wait()  # nobody overwrites the board before everyone has read it
+        sizes = [piece.shape[0] for piece in got]
+        if sizes != list(out_splits):
+            raise AutoparError(
+                f"all_to_all on rank {self._rank} expected {list(out_splits)} rows from the ranks, got {sizes}",
+                op="all_to_all_single",
+                hint="exchange the counts before the rows",
+            )
+        return torch.cat(got).clone()
+
+
+def run_threads(size: int, fn: Callable[[int, ThreadExchange], Any], timeout: float = 60.0) -> list[Any]:
+    """`fn(rank, exchange)` on `size` thread ranks at once; their results in rank order. An
+    exception on one rank releases the others (their barrier breaks) and is raised here."""
+    group = ThreadGroup(size, timeout)
+    results: list[Any] = [None] * size
+    errors: list[BaseException | None] = [None] * size
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, group.exchange(rank))
+        except BaseException as error:  # noqa: BLE001  (handed to the caller below)
+            errors[rank] = error
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+    first = first or next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results

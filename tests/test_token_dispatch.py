@@ -1,0 +1,154 @@
+"""The all-to-all token dispatcher (`autopar.rules.token_dispatch`) against the serial MoE layer:
+each thread rank dispatches its own tokens, multiplies the rows its experts received, and combines
+the results back. Outputs and the gradients of the tokens, the experts' weights and the router's
+weights equal serial for random routings, imbalanced ones (one expert gets nearly every token),
+starved ones (an expert gets none) and ranks without tokens. One test runs it on gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from multirank import run_ranks
+
+from autopar.core.errors import AutoparError
+from autopar.rules import token_dispatch
+from autopar.testing.threads import run_threads
+
+HIDDEN, OUT = 4, 3
+
+
+def _routing(tokens: int, experts: int, top_k: int, mode: str, seed: int) -> torch.Tensor:
+    """(tokens, top_k) distinct experts per token: uniform, "hot" (expert 0 chosen first by nine
+    tokens in ten), or "cold" (the last expert never chosen)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(tokens):
+        pool = list(range(experts - 1 if mode == "cold" else experts))
+        order = [pool[i] for i in torch.randperm(len(pool), generator=gen).tolist()]
+        if mode == "hot" and float(torch.rand((), generator=gen)) < 0.9:
+            order.remove(0)
+            order.insert(0, 0)
+        rows.append(order[:top_k])
+    return torch.tensor(rows, dtype=torch.long).reshape(tokens, top_k)
+
+
+def _serial(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Each token's k experts' results, weighted and summed, expert by expert."""
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            out[t] = out[t] + weights[t, j] * (x[t] @ w[ids[t, j]])
+    return out
+
+
+def _experts(rows: torch.Tensor, offs: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
+    """A grouped matmul: local expert j multiplies rows offs[j-1]..offs[j]."""
+    ends = [0, *offs.tolist()]
+    pieces = [rows[ends[j] : ends[j + 1]] @ w_local[j] for j in range(w_local.shape[0])]
+    return torch.cat(pieces) if pieces else rows.new_zeros(0, w_local.shape[2])
+
+
+def _case(ranks: int, local: int, top_k: int, tokens: list[int], mode: str, seed: int) -> None:
+    experts = ranks * local
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(tokens)
+    x = torch.randn(total, HIDDEN, generator=gen, dtype=torch.float64)
+    ids = _routing(total, experts, top_k, mode, seed)
+    weights = torch.rand(total, top_k, generator=gen, dtype=torch.float64)
+    w = torch.randn(experts, HIDDEN, OUT, generator=gen, dtype=torch.float64)
+    grad = torch.randn(total, OUT, generator=gen, dtype=torch.float64)
+    serial = [t.clone().requires_grad_() for t in (x, weights, w)]
+    want = _serial(serial[0], ids, serial[1], serial[2])
+    (want * grad).sum().backward()
+    starts = [sum(tokens[:r]) for r in range(ranks + 1)]
+
+    def rank(r: int, exchange: token_dispatch.Exchange) -> tuple[torch.Tensor, ...]:
+        mine = slice(starts[r], starts[r + 1])
+        x_r = x[mine].clone().requires_grad_()
+        weights_r = weights[mine].clone().requires_grad_()
+        w_r = w[r * local : (r + 1) * local].clone().requires_grad_()
+        route = token_dispatch.dispatch(x_r, ids[mine], experts, exchange)
+        assert sum(route.tokens_per_expert) == route.rows.shape[0]
+        out = token_dispatch.combine(_experts(route.rows, route.offs, w_r), route, weights_r, exchange)
+        (out * grad[mine]).sum().backward()
+        assert x_r.grad is not None and weights_r.grad is not None and w_r.grad is not None
+        return out.detach(), x_r.grad, weights_r.grad, w_r.grad, torch.tensor(route.recv_splits)
+
+    got = run_threads(ranks, rank)
+    close = {"atol": 1e-10, "rtol": 1e-10}
+    torch.testing.assert_close(torch.cat([g[0] for g in got]), want.detach(), **close)
+    torch.testing.assert_close(torch.cat([g[1] for g in got]), serial[0].grad, **close)
+    torch.testing.assert_close(torch.cat([g[2] for g in got]), serial[1].grad, **close)
+    torch.testing.assert_close(torch.cat([g[3] for g in got]), serial[2].grad, **close)
+    # only routed rows move: rank r receives exactly the pairs routed to its experts
+    for r, g in enumerate(got):
+        owned = ((ids >= r * local) & (ids < (r + 1) * local)).sum()
+        assert int(g[4].sum()) == int(owned)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ranks=st.sampled_from([2, 4]),
+    local=st.sampled_from([1, 2]),
+    top_k=st.sampled_from([1, 2]),
+    tokens=st.lists(st.integers(0, 6), min_size=4, max_size=4),
+    mode=st.sampled_from(["uniform", "hot", "cold"]),
+    seed=st.integers(0, 2**16),
+)
+def test_dispatch_and_combine_equal_serial(
+    ranks: int, local: int, top_k: int, tokens: list[int], mode: str, seed: int
+) -> None:
+    assume(sum(tokens[:ranks]) > 0 and (mode != "cold" or ranks * local > top_k))
+    _case(ranks, local, top_k, tokens[:ranks], mode, seed)
+
+
+def test_one_expert_gets_every_token_and_another_none() -> None:
+    """Every token's first choice is expert 0 (rank 0's): rank 0 receives every token once, the
+    last expert receives nothing, and the numbers still equal serial."""
+    _case(4, 2, 2, [5, 0, 3, 4], "hot", seed=3)
+    _case(2, 2, 1, [6, 6], "cold", seed=5)
+
+
+def test_uneven_expert_split_is_refused_with_a_hint() -> None:
+    def body(r: int, exchange: token_dispatch.Exchange) -> None:
+        token_dispatch.dispatch(torch.zeros(2, HIDDEN), torch.zeros(2, 1, dtype=torch.long), 3, exchange)
+
+    with pytest.raises(AutoparError, match="do not split evenly"):
+        run_threads(2, body)
+
+
+def _gloo_body(rank: int, world: int) -> list[float]:
+    import torch.distributed as dist
+
+    tokens, local, top_k = 5, 2, 2
+    experts = world * local
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(world * tokens, HIDDEN, generator=gen, dtype=torch.float64)
+    ids = _routing(world * tokens, experts, top_k, "hot", 1)
+    weights = torch.rand(world * tokens, top_k, generator=gen, dtype=torch.float64)
+    w = torch.randn(experts, HIDDEN, OUT, generator=gen, dtype=torch.float64)
+    mine = slice(rank * tokens, (rank + 1) * tokens)
+    x_r = x[mine].clone().requires_grad_()
+    w_r = w[rank * local : (rank + 1) * local].clone().requires_grad_()
+    exchange = token_dispatch.GroupExchange(dist.group.WORLD)
+    route = token_dispatch.dispatch(x_r, ids[mine], experts, exchange)
+    out = token_dispatch.combine(_experts(route.rows, route.offs, w_r), route, weights[mine], exchange)
+    out.sum().backward()
+    serial_x, serial_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = _serial(serial_x, ids, weights, serial_w)
+    want.sum().backward()
+    assert x_r.grad is not None and w_r.grad is not None and serial_x.grad is not None and serial_w.grad is not None
+    return [
+        float((out - want[mine]).abs().max()),
+        float((x_r.grad - serial_x.grad[mine]).abs().max()),
+        float((w_r.grad - serial_w.grad[rank * local : (rank + 1) * local]).abs().max()),
+    ]
+
+
+@pytest.mark.multirank
+def test_dispatch_on_gloo_ranks_equals_serial() -> None:
+    """The same exchange on 4 gloo processes (`GroupExchange`: counts, then rows, with split sizes)."""
+    for errors in run_ranks(4, _gloo_body):
+        assert max(errors) < 1e-10, errors
