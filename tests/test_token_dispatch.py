@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from multirank import run_ranks
 
 from autopar.core.errors import AutoparError
+from autopar.cost.dispatch import dispatch_cost
+from autopar.cost.hardware import Link
 from autopar.rules import token_dispatch
 from autopar.testing.threads import run_threads
 
@@ -152,3 +154,35 @@ def test_dispatch_on_gloo_ranks_equals_serial() -> None:
     """The same exchange on 4 gloo processes (`GroupExchange`: counts, then rows, with split sizes)."""
     for errors in run_ranks(4, _gloo_body):
         assert max(errors) < 1e-10, errors
+
+
+def test_modeled_bytes_are_the_rows_the_dispatcher_sends() -> None:
+    """`autopar.cost.dispatch` prices the all-to-all dispatcher by the rows that leave a rank:
+    with each rank's pairs spread evenly over the experts, the rows each rank sends to others
+    (counted from the dispatch's split sizes) times 4 exchanges (dispatch, combine, and both
+    again in backward) are its modeled bytes, less the counts; the all-gather dispatcher's token
+    collectives send ep/k times as much."""
+    ranks, local, top_k, tokens = 4, 2, 2, 8
+    experts = ranks * local
+    link = Link(alpha=1e-5, bandwidth=1e10)
+    # token i of every rank chooses experts i and i+1 (mod E): every expert gets `tokens*top_k/E` rows
+    ids = torch.tensor([[i % experts, (i + 1) % experts] for i in range(tokens)])
+
+    def rank(r: int, exchange: token_dispatch.Exchange) -> int:
+        route = token_dispatch.dispatch(torch.randn(tokens, HIDDEN), ids, experts, exchange)
+        return sum(n for d, n in enumerate(route.send_splits) if d != r)
+
+    sent_rows = run_threads(ranks, rank)
+    assert len(set(sent_rows)) == 1 and sent_rows[0] == tokens * top_k * (ranks - 1) // ranks
+    a2a = dispatch_cost("all_to_all", tokens, HIDDEN, top_k, experts, ranks, link)
+    counts = (ranks - 1) / ranks * experts * 8
+    assert a2a.bytes_sent - counts == pytest.approx(4 * sent_rows[0] * HIDDEN * 4)
+    assert a2a.collectives == ("all_to_all",) * 5
+    gather = dispatch_cost("all_gather", tokens, HIDDEN, top_k, experts, ranks, link)
+    routing = (ranks - 1) * tokens * top_k * 8
+    assert (a2a.bytes_sent - counts) / (gather.bytes_sent - routing) == pytest.approx(top_k / ranks)
+    # the busiest rank receiving twice the mean doubles the rows' time, not the counts'
+    skewed = dispatch_cost("all_to_all", tokens, HIDDEN, top_k, experts, ranks, link, imbalance=2.0)
+    assert skewed.seconds > a2a.seconds
+    with pytest.raises(AutoparError, match="no token dispatcher"):
+        dispatch_cost("ring", tokens, HIDDEN, top_k, experts, ranks, link)

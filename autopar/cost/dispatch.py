@@ -1,0 +1,78 @@
+"""The two token dispatchers of expert parallelism, priced per MoE layer and training step.
+
+Experts split over an expert-parallel group of `ep` ranks (E/ep each) that also splits the
+tokens (experts on the data axis: `tokens` per rank). Forward and backward of one layer:
+
+| dispatcher | collectives (per layer, forward + backward) | elements each rank sends |
+|---|---|---|
+| all-gather | all-gather of the routing (t·k ids); all-gather of the tokens and reduce-scatter of the output, forward; the same two on the gradients, backward | (ep-1)·t·H per token collective |
+| all-to-all | all-to-all of the counts (E numbers); all-to-all of the routed rows and back, forward; the same two on the gradients, backward | (ep-1)/ep·t·k·H per row collective |
+
+So the all-to-all dispatcher sends k/ep of what the all-gather one does in its row collectives
+(routing spread evenly) and pays one more message round for the counts. `imbalance` >= 1 is
+how many times the mean the busiest rank receives: the all-to-all's rows wait for that rank,
+the all-gather's static shapes do not. Times are the alpha-beta ring model of
+`autopar.cost.formulas.collective_time`, bytes its volume (comm_volumes.md); compute (the experts'
+matmuls) is the same for both and not counted here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autopar.core.errors import AutoparError
+from autopar.cost.formulas import VOLUME_FACTOR, collective_time
+from autopar.cost.hardware import Link
+
+DISPATCHERS = ("all_gather", "all_to_all")
+
+
+@dataclass(frozen=True)
+class DispatchCost:
+    """One MoE layer's token traffic for one training step on one rank."""
+
+    dispatcher: str
+    seconds: float
+    bytes_sent: float
+    collectives: tuple[str, ...]  # in issue order, forward then backward
+
+
+def dispatch_cost(
+    dispatcher: str,
+    tokens: int,
+    hidden: int,
+    top_k: int,
+    experts: int,
+    ep: int,
+    link: Link,
+    dtype: torch.dtype = torch.float32,
+    imbalance: float = 1.0,
+) -> DispatchCost:
+    """Seconds and bytes per rank of one MoE layer's dispatch and combine, forward and backward,
+    with `tokens` tokens per rank of `hidden` values routed top-`top_k` over `experts` experts."""
+    if dispatcher not in DISPATCHERS:
+        raise AutoparError(
+            f"no token dispatcher {dispatcher!r}",
+            op="dispatch_cost",
+            hint=f"use one of {', '.join(DISPATCHERS)}",
+        )
+    ids = torch.int64
+    if dispatcher == "all_gather":
+        rows = float(tokens * ep * hidden)  # the gathered tokens, the full input of the reduce-scatter
+        calls = [
+            ("all_gather", float(tokens * ep * top_k), ids),
+            ("all_gather", rows, dtype),
+            ("reduce_scatter", rows, dtype),
+            ("all_gather", rows, dtype),
+            ("reduce_scatter", rows, dtype),
+        ]
+    else:
+        routed = float(tokens * top_k * hidden) * imbalance  # the rows the busiest rank exchanges
+        calls = [("all_to_all", float(experts), ids), *[("all_to_all", routed, dtype)] * 4]
+    seconds = sum(collective_time(kind, n, dt, ep, link) for kind, n, dt in calls)
+    sent = sum(
+        VOLUME_FACTOR[kind] * (ep - 1) / ep * n * torch.empty((), dtype=dt).element_size() for kind, n, dt in calls
+    )
+    return DispatchCost(dispatcher, seconds, sent if ep > 1 else 0.0, tuple(kind for kind, _, _ in calls))
