@@ -7,8 +7,17 @@ tests/test_expert_parallel.py forces it). Prints how the search placed the exper
 (`gate_up_proj`, `down_proj` of the first layer), the modeled step (collectives and compute, no
 overlap) and the bytes each rank sends per step, for both.
 
+Then the two token dispatchers side by side (`autopar.cost.dispatch`, no planning): the
+all-gather dispatcher (tokens gathered, output reduce-scattered) and the all-to-all one (only the
+routed rows move, split sizes exchanged first; `autopar.rules.token_dispatch`), with the experts
+split over the whole mesh and the tokens over the same ranks, routing spread evenly: modeled
+seconds and bytes per rank of the MoE layers' token traffic per step, forward and backward. Besides
+the planned shapes, Mixtral 8x7B and a DeepSeek-V3 shape (bf16, 4096 tokens per rank, every layer
+MoE) on 8 to 256 GPUs.
+
     python benchmarks/moe.py                                   # every shape on (8,) and (2, 4)
     python benchmarks/moe.py --shapes wide-16 --meshes 8 8x8
+    python benchmarks/moe.py --dispatch-only                   # the dispatcher table alone
 
 Writes benchmarks/results/moe.json.
 """
@@ -32,6 +41,8 @@ from _common import table, write_result  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.core.strategy import AxisStrategy, OpCall  # noqa: E402
+from autopar.cost.dispatch import DISPATCHERS, dispatch_cost  # noqa: E402
+from autopar.cost.hardware import load_hardware, span_link  # noqa: E402
 from autopar.rules import expert_parallel  # noqa: E402
 from autopar.rules.base import RuleRegistry  # noqa: E402
 from autopar.rules.matmul import library_op  # noqa: E402
@@ -87,6 +98,53 @@ SHAPES: dict[str, tuple[Callable[[], torch.nn.Module], int, int]] = {
     "qwen3-64": (qwen3_moe(1024, 256, 64), 8, 512),
 }
 MESHES = {"8": (8,), "2x4": (2, 4), "8x8": (8, 8)}
+
+# name -> (hidden, experts, top_k, MoE layers, tokens per rank on 8 ranks or None: the planned
+# batch, dtype) for the dispatcher table
+ROUTING: dict[str, tuple[int, int, int, int, int | None, torch.dtype]] = {
+    "toy-mixtral": (32, 8, 2, LAYERS, None, torch.float32),
+    "wide-16": (1024, 16, 2, LAYERS, None, torch.float32),
+    "wide-64": (1024, 64, 2, LAYERS, None, torch.float32),
+    "qwen3-64": (1024, 64, 8, LAYERS, None, torch.float32),
+    "mixtral-8x7b": (4096, 8, 2, 32, 4096, torch.bfloat16),
+    "deepseek-v3": (7168, 256, 8, 58, 4096, torch.bfloat16),
+}
+DISPATCH_RANKS = {
+    "toy-mixtral": (8,),
+    "wide-16": (8, 16),
+    "wide-64": (8, 64),
+    "qwen3-64": (8, 64),
+    "mixtral-8x7b": (8,),
+    "deepseek-v3": (8, 64, 256),
+}
+
+
+def dispatch_rows() -> list[dict[str, Any]]:
+    """Both dispatchers' modeled token traffic per step, experts and tokens over `ep` ranks."""
+    hw = load_hardware(HARDWARE)
+    rows = []
+    for name, (hidden, experts, top_k, layers, per_rank, dtype) in ROUTING.items():
+        for ep in DISPATCH_RANKS[name]:
+            if name in SHAPES:
+                _, batch, seq = SHAPES[name]
+                tokens = batch * seq // ep
+            else:
+                tokens = per_rank or 0
+            for dispatcher in DISPATCHERS:
+                cost = dispatch_cost(
+                    dispatcher, tokens, hidden, top_k, experts, ep, span_link(hw, ep, 1), dtype
+                )
+                rows.append(
+                    {
+                        "shape": name,
+                        "ep": ep,
+                        "tokens_per_rank": tokens,
+                        "dispatcher": dispatcher,
+                        "dispatch_ms": 1e3 * layers * cost.seconds,
+                        "MB_per_rank": layers * cost.bytes_sent / 1e6,
+                    }
+                )
+    return rows
 
 
 def experts_only() -> RuleRegistry:
@@ -145,7 +203,16 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--meshes", nargs="+", default=["8", "2x4"], choices=list(MESHES))
     parser.add_argument("--no-forced", action="store_true", help="only the search's plan")
+    parser.add_argument("--dispatch-only", action="store_true", help="only the dispatcher table")
     args = parser.parse_args()
+    dispatch = dispatch_rows()
+    heads = ["shape", "ep", "tokens_per_rank", "dispatcher", "dispatch_ms", "MB_per_rank"]
+    print(
+        table(heads, [[f"{r[c]:.3f}" if isinstance(r[c], float) else r[c] for c in heads] for r in dispatch])
+    )
+    if args.dispatch_only:
+        write_result("moe_dispatch", {"hardware": HARDWARE, "rows": dispatch})
+        return
     rows = []
     for shape_name in args.shapes:
         for mesh_name in args.meshes:
@@ -167,7 +234,7 @@ def main() -> None:
     print(
         table(columns, [[f"{r[c]:.3f}" if isinstance(r[c], float) else r[c] for c in columns] for r in rows])
     )
-    write_result("moe", {"hardware": HARDWARE, "layers": LAYERS, "rows": rows})
+    write_result("moe", {"hardware": HARDWARE, "layers": LAYERS, "rows": rows, "dispatch": dispatch})
 
 
 if __name__ == "__main__":
