@@ -357,6 +357,14 @@ def test_plan_summary_names_the_expert_axes_and_why() -> None:
     collectives = compiled.report.collectives
     assert experts.comm_bytes == sum(c.bytes for c in collectives if ".mlp.experts" in c.module_path)
     assert f"send {experts.comm_bytes / 1e6:.3f} MB per rank per step" in line
+    # both token dispatchers priced for the same 2 layers, 32 tokens of 32 values, top 2, over the
+    # 8 expert ranks (4 tokens each), fp32: the all-gather one gathers the routing (64 int64 ids)
+    # and the tokens, reduce-scatters the output, and the same on the gradients; the all-to-all one
+    # exchanges 8 counts, then only the 4 x 2 routed rows each way, twice
+    gather = 2 * (7 / 8 * 64 * 8 + 4 * 7 / 8 * 32 * 32 * 4)
+    to_all = 2 * (7 / 8 * 8 * 8 + 4 * 7 / 8 * 4 * 2 * 32 * 4)
+    assert experts.dispatch_bytes == pytest.approx((gather, to_all))
+    assert f"all-gather {gather / 1e6:.3f} MB, all-to-all {to_all / 1e6:.3f} MB per rank per step" in line
 
 
 def test_explain_says_why_the_experts_are_not_split() -> None:

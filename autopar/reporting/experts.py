@@ -15,11 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
+from autopar.cost.dispatch import dispatch_cost
 from autopar.cost.formulas import format_bytes
+from autopar.cost.hardware import Link
 from autopar.rules import expert_parallel
 
 
@@ -37,6 +40,9 @@ class ExpertPlacement:
     split_cost: float | None = None  # the search's cheapest plan splitting the experts
     whole_cost: float | None = None  # ... keeping every expert on every rank
     cost_unit: str = "elements"
+    # modeled bytes per rank per step of the token traffic, every layer: (all-gather dispatcher,
+    # all-to-all dispatcher); None where the layers' token count could not be read
+    dispatch_bytes: tuple[float, float] | None = None
 
     @property
     def ranks(self) -> int:
@@ -57,6 +63,13 @@ class ExpertPlacement:
             f"{format_bytes(self.weight_bytes_local)} of {format_bytes(self.weight_bytes_total)} per rank; "
             f"the expert layers send {self.comm_bytes / 1e6:.3f} MB per rank per step"
         )
+        if self.dispatch_bytes is not None:
+            gather, to_all = self.dispatch_bytes
+            line += (
+                f"; token dispatch modeled with the tokens split over these ranks: all-gather "
+                f"{gather / 1e6:.3f} MB, all-to-all {to_all / 1e6:.3f} MB per rank per step (the "
+                "all-to-all dispatcher is not planned yet)"
+            )
         return f"{line}; {self.reason()}"
 
     def reason(self) -> str:
@@ -133,7 +146,45 @@ def expert_placement(
         split_cost=split_cost,
         whole_cost=whole_cost,
         cost_unit=cost_unit,
+        dispatch_bytes=_dispatch_bytes(split, math.prod(mesh.shape[a] for a in axes)) if split else None,
     )
+
+
+def _dispatch_bytes(split: Sequence[tuple[fx.Node, Any]], ranks: int) -> tuple[float, float] | None:
+    """Both dispatchers' modeled bytes per rank per step for the layers of these expert-split
+    grouped matmuls (the first forward one of each layer): rows S = tokens x top-k and hidden K
+    from its input, the tokens from the `index` that gathers the rows (through the collectives
+    and copies a plan puts between them)."""
+    per_layer: dict[str, tuple[float, float]] = {}
+    for node, strategy in split:
+        path = info(node).module_path
+        if path in per_layer or "backward" in str(node.target):
+            continue
+        rows, hidden = strategy.inputs[0].shape
+        tokens = _gathered_tokens(node.args[0])
+        if tokens is None or tokens <= 0 or rows % tokens or tokens % ranks:
+            return None
+        top_k, experts = rows // tokens, strategy.inputs[1].shape[expert_parallel.EXPERT_DIM]
+        link = Link(alpha=0.0, bandwidth=1.0)  # bytes do not depend on the link
+        per_layer[path] = (
+            dispatch_cost("all_gather", tokens // ranks, hidden, top_k, experts, ranks, link).bytes_sent,
+            dispatch_cost("all_to_all", tokens // ranks, hidden, top_k, experts, ranks, link).bytes_sent,
+        )
+    if not per_layer:
+        return None
+    return sum(g for g, _ in per_layer.values()), sum(a for _, a in per_layer.values())
+
+
+def _gathered_tokens(value: Any) -> int | None:
+    """The number of tokens of the `index` op whose rows a grouped matmul reads."""
+    node = value
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if node.target is torch.ops.aten.index.Tensor:
+            source = node.args[0]
+            shape = source.meta["val"].shape if isinstance(source, fx.Node) and "val" in source.meta else None
+            return int(shape[0]) if shape else None
+        node = node.args[0] if node.args else None
+    return None
 
 
 def _parameter(value: Any) -> str | None:
