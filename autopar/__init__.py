@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 from autopar.core.errors import (
     AutoparError,
     CheckpointError,
+    ForwardHookWarning,
     IndexOutOfRangeError,
     InitError,
     InputMismatchError,
@@ -41,6 +42,7 @@ __all__ = [
     "MemoryLimitError",
     "Mesh",
     "MeshError",
+    "ForwardHookWarning",
     "OriginalModelWarning",
     "MissingRuleError",
     "ModelAssertionError",

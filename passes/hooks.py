@@ -9,20 +9,27 @@ and torch's global module backward hooks) wrap the module's call in torch's inte
 `BackwardHookFunction`, which the trace would refuse under that name. Both are refused here, naming
 the user's hook and the parameter or module it is on, with what works instead: the parallel
 module's parameters are leaves that autograd accumulates into, so hooks registered on them
-after `parallelize` run as in serial, on the whole gradient (a DTensor). Forward hooks are part of
-the forward and traced like it.
+after `parallelize` run as in serial, on the whole gradient (a DTensor).
+
+Forward hooks and pre-hooks are part of the forward and traced like it: what they return (a changed
+output or input) and what they do to tensors in place are in the program. A hook that returns None
+is there for its Python side effects (keeping features, counting calls), and those happen once,
+at the trace, on the trace's fake tensors: `recorded_forward_hooks` notes which hooks returned None
+while tracing and `warn_side_effect_hooks` names them (`ForwardHookWarning`), since the parallel
+module can only run what the program holds.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch.nn as nn
 import torch.nn.modules.module as module_hooks
 
-from autopar.core.errors import UsageError
+from autopar.core.errors import ForwardHookWarning, UsageError
 
 PARAMETER_HINT = (
     "register it on the parallel module's parameter after parallelize, where it runs as in serial on "
@@ -83,3 +90,53 @@ def hook_name(hook: Callable[..., Any]) -> str:
 
 def _hooks(hooks: Mapping[Any, Callable[..., Any]] | None) -> Iterator[Callable[..., Any]]:
     yield from (hooks or {}).values()
+
+
+FORWARD_HOOK_HINT = (
+    "return what the hook keeps from the model's forward (or from a wrapper module's), or run it on "
+    "the values pmodel returns; a hook that changes the output (returns it) is traced and runs as in "
+    "serial"
+)
+
+
+def recorded_forward_hooks(model: nn.Module, seen: dict[str, bool] | None = None) -> dict[str, bool]:
+    """Wrap the forward hooks and pre-hooks of `model` (the trace's own copy) so that each notes, as
+    the trace runs it, whether it returned None: `{description: returned None}` (`seen`, or a new
+    dict), filled in place as the copy runs."""
+    seen = {} if seen is None else seen
+    for path, module in model.named_modules():
+        where = path or type(model).__name__
+        for kind, hooks in (("forward hook", module._forward_hooks), ("forward pre-hook", module._forward_pre_hooks)):
+            _wrap(hooks, seen, functools.partial(_describe_hook, kind, where))
+    return seen
+
+
+def warn_side_effect_hooks(seen: Mapping[str, bool]) -> None:
+    """One `ForwardHookWarning` per hook that returned None while traced (module doc)."""
+    for described, returned_none in seen.items():
+        if returned_none:
+            warnings.warn(
+                f"the {described} returned None when the model was traced: it ran once, then, on the "
+                "trace's fake tensors; its Python side effects (values it keeps, calls it counts) do not "
+                f"happen at each call of the parallel module. Hint: {FORWARD_HOOK_HINT}",
+                ForwardHookWarning,
+                stacklevel=4,
+            )
+
+
+def _describe_hook(kind: str, where: str, hook: Callable[..., Any]) -> str:
+    return f"{kind} {hook_name(hook)} on {where}"
+
+
+def _wrap(
+    hooks: MutableMapping[int, Callable[..., Any]], seen: dict[str, bool], describe: Callable[[Any], str]
+) -> None:
+    for key, hook in list(hooks.items()):
+        described = describe(hook)
+
+        def run(*args: Any, _hook: Callable[..., Any] = hook, _described: str = described, **kwargs: Any) -> Any:
+            result = _hook(*args, **kwargs)
+            seen[_described] = seen.get(_described, False) or result is None
+            return result
+
+        hooks[key] = run  # the same key: torch's with-kwargs and always-called flags stay with it

@@ -46,7 +46,7 @@ from autopar.passes.checkpoint_regions import CheckpointWatch, mark_checkpoint_r
 from autopar.passes.ctc import CTCRoute
 from autopar.passes.eager_checks import eager_error, eager_run, model_error
 from autopar.passes.fused import split_fused_linears
-from autopar.passes.hooks import refuse_gradient_hooks
+from autopar.passes.hooks import recorded_forward_hooks, refuse_gradient_hooks, warn_side_effect_hooks
 from autopar.passes.index_checks import find_index_checks
 from autopar.passes.joint_rewrites import (
     drop_identities,
@@ -144,6 +144,7 @@ def _trace(
         refuse_gradient_hooks(model)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_model = fake_clone(model, fake_mode, frozen=forward_only)
+    hooks_seen = recorded_forward_hooks(fake_model)
     outputs = _OutputRecord()
     if mixed_precision is not None and mixed_precision.param_dtype is not None:
         cast_parameters_on_read(fake_model, mixed_precision.param_dtype)
@@ -172,6 +173,7 @@ def _trace(
         tensors = [x for x in pytree.tree_leaves((tuple(example_inputs), example_kwargs)) if isinstance(x, torch.Tensor)]
         real_device = tensors[0].device if tensors else torch.device("cpu")
         real_model = valued_copy(model, real_device)
+        recorded_forward_hooks(real_model, hooks_seen)
         watch = CheckpointWatch(real_model)
         restore, groups = (lambda: None), []
         if mixed_precision is not None and mixed_precision.param_dtype is not None:
@@ -199,6 +201,7 @@ def _trace(
         forward = fake_clone(unlifted, fake_mode, frozen=forward_only)
     finally:
         watch.close()
+    warn_side_effect_hooks(hooks_seen)
     if outputs.functions:
         restore()
         raise _custom_function_error(outputs.functions, exported.graph_module.graph)

@@ -114,6 +114,14 @@ class InternalError(AutoparError):
     It names the stage and the graph node being worked on; the original is its `__cause__`."""
 
 
+class ForwardHookWarning(UserWarning):
+    """A forward hook that will not run at each call as in serial. Either the model's hook returned
+    None while autopar traced it (it ran once, at the trace: what it did to the tensors is in the
+    program, its Python side effects, such as features appended to a list or a call counter, are
+    not; filter the warning for hooks whose work is on the tensors only, `output.requires_grad_()`),
+    or a hook was registered on a submodule of the parallel module, which its program never calls."""
+
+
 class OriginalModelWarning(UserWarning):
     """The model given to `parallelize` was changed afterwards (`model.eval()`, a hook registered on
     it): the parallel module, which holds its own flags and traced the hooks it had then, does not

@@ -189,7 +189,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         # a state dict loaded on some ranks only, or a different one on each, would train a mixture
         self._loading: list[tuple[str, Fingerprint]] = []  # a state dict's whole tensors, while it loads
         self.register_load_state_dict_post_hook(_check_after_load)
-        self._source_watch = SourceWatch(source)  # the original model's later eval()/hooks: said at calls
+        self._source_watch = SourceWatch(source, self._flagged)  # later eval()/hooks on the model, hooks on pmodel's submodules
         if example_flat is not None:
             mode = CallMode(self.training, False, autocast, self._tensor_dtypes(), self.module_flags())
             self._programs[call_key(in_spec, example_flat, mode)] = first

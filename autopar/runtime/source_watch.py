@@ -21,7 +21,7 @@ from typing import Any
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from autopar.core.errors import OriginalModelWarning
+from autopar.core.errors import ForwardHookWarning, OriginalModelWarning
 
 _MODULE_HOOKS = (
     ("_forward_hooks", "a forward hook", "forward hooks are traced into the program: register it before parallelize"),
@@ -39,8 +39,14 @@ def _hook_ids(hooks: Any) -> tuple[int, ...]:
 class SourceWatch:
     """What the original model's flags and hooks were at `parallelize` (see the module doc)."""
 
-    def __init__(self, source: nn.Module) -> None:
+    def __init__(self, source: nn.Module, containers: list[tuple[str, nn.Module]] | None = None) -> None:
         self._modules = [(path, weakref.ref(m)) for path, m in source.named_modules()]
+        # the parallel module's own submodule containers (`pmodel.get_submodule(path)`): their
+        # training flags are the user's to set, but a hook on one never runs (the program does not
+        # call them); weak references, as they belong to the parallel module that holds this watch
+        self._containers = [(path, weakref.ref(m)) for path, m in containers or []]
+        self._own_hooks = self._container_hooks()
+        self._own_warned = self._own_hooks
         self._refs = [ref for _, ref in self._modules]
         self._params = [(name, weakref.ref(p)) for name, p in source.named_parameters()]
         self._at_parallelize = self._state()
@@ -76,6 +82,8 @@ class SourceWatch:
         the last call (its global handle count; a hook only removed goes unseen), and the flags,
         one read per module, otherwise (an eighth of a `named_modules()` walk of the model)."""
         flags, handles = self._flags_now(), RemovableHandle.next_id
+        if handles != self._handles and self._containers:
+            self._check_containers()
         if flags is None or (flags == self._flags and handles == self._handles):
             return
         self._flags, self._handles = flags, handles
@@ -84,6 +92,34 @@ class SourceWatch:
             return
         self._warned = now
         warnings.warn(_describe(self._at_parallelize, now), OriginalModelWarning, stacklevel=4)
+
+
+    def _container_hooks(self) -> tuple[Any, ...]:
+        found = []
+        for path, ref in self._containers:
+            m = ref()
+            if m is not None:
+                found.append((path, *(_hook_ids(getattr(m, attr)) for attr, _, _ in _MODULE_HOOKS)))
+        return tuple(found)
+
+    def _check_containers(self) -> None:
+        now = self._container_hooks()
+        if now == self._own_hooks or now == self._own_warned:
+            return
+        self._own_warned = now
+        for (path, *then), (_, *hooks) in zip(self._own_hooks, now, strict=False):
+            for (_, what, _), old, new in zip(_MODULE_HOOKS, then, hooks, strict=True):
+                if old != new:
+                    warnings.warn(
+                        f"{what} was added to or removed from pmodel.get_submodule({path!r}) after "
+                        "parallelize: the parallel module runs its traced program, not its submodules, so "
+                        "the hook never runs. Hint: register forward hooks on the model before parallelize "
+                        "(what they return is traced; Python side effects run once, at the trace), and "
+                        "gradient hooks on pmodel's parameters (pmodel.get_parameter(name).register_hook(fn))",
+                        ForwardHookWarning,
+                        stacklevel=5,
+                    )
+                    return
 
 
 def _describe(then: tuple[Any, ...] | None, now: tuple[Any, ...]) -> str:
