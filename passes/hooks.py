@@ -92,6 +92,11 @@ def _hooks(hooks: Mapping[Any, Callable[..., Any]] | None) -> Iterator[Callable[
     yield from (hooks or {}).values()
 
 
+# Hooks known to return None and act on tensors only, which the trace keeps: transformers'
+# `enable_input_require_grads` (which `gradient_checkpointing_enable()` and PEFT call) makes the
+# embeddings' output require grad in place
+TENSOR_ONLY_HOOKS = ("enable_input_require_grads.<locals>.make_inputs_require_grads",)
+
 FORWARD_HOOK_HINT = (
     "return what the hook keeps from the model's forward (or from a wrapper module's), or run it on "
     "the values pmodel returns; a hook that changes the output (returns it) is traced and runs as in "
@@ -132,6 +137,8 @@ def _wrap(
     hooks: MutableMapping[int, Callable[..., Any]], seen: dict[str, bool], describe: Callable[[Any], str]
 ) -> None:
     for key, hook in list(hooks.items()):
+        if hook_name(hook).endswith(TENSOR_ONLY_HOOKS):
+            continue
         described = describe(hook)
 
         def run(*args: Any, _hook: Callable[..., Any] = hook, _described: str = described, **kwargs: Any) -> Any:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import CheckpointError
+from autopar.runtime.checkpoint_names import checkpoint_names
 from autopar.runtime.checkpoint_prefix import find_scope
 from autopar.runtime.checkpoint_safety import (
     DCP_METADATA,
@@ -137,7 +138,12 @@ def _stored(pmodel: ParallelModule) -> dict[str, list[str]]:
 
 
 def _match(
-    pmodel: ParallelModule, keys: set[str], strict: bool, kind: str, prefix: str | None
+    pmodel: ParallelModule,
+    keys: set[str],
+    strict: bool,
+    kind: str,
+    prefix: str | None,
+    converted: list[str] | None = None,
 ) -> tuple[dict[str, str], LoadResult]:
     """Stored name -> checkpoint key; what is missing and unexpected (raised when `strict`). The
     checkpoint may be of a submodule (`find_scope`): then only that submodule's tensors count."""
@@ -169,10 +175,21 @@ def _match(
             parts.append(f"lacks {len(result.missing)} of the model's tensors ({', '.join(result.missing[:3])})")
         if result.unexpected:
             parts.append(f"has {len(result.unexpected)} the model does not ({', '.join(result.unexpected[:3])})")
+        hint = "load a checkpoint of this model's architecture, or pass strict=False to load what matches"
+        if converted and result.missing:
+            parts.append(
+                f"its {len(converted)} tensors in transformers' converted format ({', '.join(converted[:3])}) "
+                "are made into the model's by a conversion on load (stacked, split or fused), not read as "
+                "stored"
+            )
+            hint = (
+                "load the model with from_pretrained before parallelize, or write the checkpoint in the "
+                "model's own names (autopar.save_checkpoint(pmodel, path, format='safetensors'))"
+            )
         raise CheckpointError(
             f"the {kind} checkpoint " + " and ".join(parts)
             + (f" (loading it into the submodule {scope.path!r})" if scope.path else ""),
-            hint="load a checkpoint of this model's architecture, or pass strict=False to load what matches",
+            hint=hint,
         )
     return chosen, result
 
@@ -219,7 +236,10 @@ def _load_safetensors(
     else:
         file_of = {k: f for k, f in files.items() if k is not None}
         keys = set(file_of)
-    chosen, result = _match(pmodel, keys, strict, "safetensors", prefix)
+    # transformers saves some tensors under their checkpoints' historical names (checkpoint_names)
+    names = checkpoint_names(keys, getattr(pmodel, "checkpoint_renamer", None))
+    chosen, result = _match(pmodel, set(names.by_name), strict, "safetensors", prefix, names.converted)
+    chosen = {name: names.by_name[key] for name, key in chosen.items()}
     state = pmodel.state_dict(keep_vars=True)
     for name, key in chosen.items():
         target = state[name]

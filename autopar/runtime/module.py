@@ -38,6 +38,7 @@ from autopar.runtime.call_checks import (
     structure_digest,
 )
 from autopar.runtime.call_keys import CallMode, call_key, describe_spec, leaf_text, value_only_differences
+from autopar.runtime.checkpoint_names import transformers_renamer
 from autopar.runtime.checkpoint_prefix import model_prefixes
 from autopar.runtime.defer_reduction import GradAccumulation, ReductionSplit, add_grads, params_grads
 from autopar.runtime.groups import Groups, failures_named
@@ -190,6 +191,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         self._loading: list[tuple[str, Fingerprint]] = []  # a state dict's whole tensors, while it loads
         self.register_load_state_dict_post_hook(_check_after_load)
         self._source_watch = SourceWatch(source, self._flagged)  # later eval()/hooks on the model, hooks on pmodel's submodules
+        self.checkpoint_renamer = transformers_renamer(source)  # save_pretrained's own names (load_checkpoint)
         if example_flat is not None:
             mode = CallMode(self.training, False, autocast, self._tensor_dtypes(), self.module_flags())
             self._programs[call_key(in_spec, example_flat, mode)] = first
