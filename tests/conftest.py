@@ -4,13 +4,16 @@ The suite runs on two pytest-xdist workers (pyproject's addopts: `-n 2 --dist lo
 tests are single-threaded Python (tracing, planning, lockstep runs of every rank's program), so two
 workers use both cores of the CI machine. Tests that fork real gloo ranks (marked `multirank`) all
 go to one worker's group, so that at most one set of rank processes competes with the other
-worker's test for the cores and no rendezvous waits on a starved rank.
+worker's test for the cores and no rendezvous waits on a starved rank. A test that forks ranks
+without the mark fails (`multirank.run_ranks` checks what `_note_multirank_marker` sets).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import multirank
 import pytest
 import torch
 
@@ -23,3 +26,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("multirank") is not None:
             item.add_marker(pytest.mark.xdist_group("gloo_ranks"))
+
+
+@pytest.fixture(autouse=True)
+def _note_multirank_marker(request: pytest.FixtureRequest) -> Iterator[None]:
+    multirank.CURRENT_TEST_MARKED = request.node.get_closest_marker("multirank") is not None
+    yield
+    multirank.CURRENT_TEST_MARKED = None

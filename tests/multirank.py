@@ -44,6 +44,20 @@ import torch.distributed.tensor  # noqa: F401
 # Once one rank has failed, how long the others get to finish before they are killed.
 FAILURE_GRACE_S = 1.0
 
+# Set by tests/conftest.py before each test: whether it is marked `multirank`, so in the group of
+# tests that fork ranks one set at a time. None outside pytest (a script may fork ranks freely).
+CURRENT_TEST_MARKED: bool | None = None
+
+
+def _require_marker() -> None:
+    """Refuse to fork ranks from a test that is not marked `multirank`: on the suite's two workers
+    it would run beside another test's rank set, and no rendezvous should wait on a starved rank."""
+    if CURRENT_TEST_MARKED is False:
+        raise AssertionError(
+            "this test forks gloo ranks but is not marked @pytest.mark.multirank: mark it, so that "
+            "pytest-xdist runs it in the group of rank-forking tests (tests/conftest.py)"
+        )
+
 
 def _child(
     rank: int,
@@ -110,6 +124,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
 
 
 def _run_ranks_once(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float) -> list[Any]:
+    _require_marker()
     ctx = mp.get_context("fork")
     procs: list[Any] = []
     unanswered = list(range(world_size))  # until collected, any exit kills every child at once
@@ -203,6 +218,7 @@ def run_ranks_with_faults(
     another failed. Returns each rank's (status, value or traceback, seconds from the start until
     it answered or died); status is "ok", "raised", "died", or "hung" for a rank still running at
     `timeout` (then killed)."""
+    _require_marker()
     ctx = mp.get_context("fork")
     procs: list[Any] = []
     ended: dict[int, tuple[str, Any, float]] = {}

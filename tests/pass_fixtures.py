@@ -526,6 +526,65 @@ def lockstep_step(
     return fwd, bwd
 
 
+def train_in_lockstep(
+    model: nn.Module,
+    shape: tuple[int, ...],
+    batches: list[tuple[torch.Tensor, ...]],
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    **options: Any,
+) -> dict[str, Any]:
+    """What a gloo job training `model` beside a serial copy measures, without processes: the
+    programs are compiled from the first batch (as `parallelize` compiles them), then for each batch
+    every rank's program runs in lockstep from the model's current weights, and the model takes an
+    optimizer step on the gradients assembled from the ranks' blocks (what the runtime's DTensor
+    parameters hold), the serial copy one on its own. Returns `compiled`, every rank's (loss,
+    serial loss) per step (`losses`), the worst loss difference, the worst gradient error relative
+    to the tensor's largest entry (`grad_err`) and the worst parameter difference after the last
+    step (`param_err`)."""
+    serial = copy.deepcopy(model)
+    compiled = compile_every_rank(model, shape, batches[0], **options)
+    first = next(iter(compiled.values())).program
+    loss_layout = first.output_layouts[0]
+    assert not loss_layout.partial_axes() and loss_layout.shape == (), loss_layout  # each rank's loss whole
+    params, serial_params = dict(model.named_parameters()), dict(serial.named_parameters())
+    opt, serial_opt = make_optimizer(list(params.values())), make_optimizer(list(serial_params.values()))
+    result: dict[str, Any] = {"compiled": compiled, "losses": [], "loss_err": 0.0, "grad_err": 0.0}
+    for batch in batches:
+        fwd, bwd = lockstep_step(compiled, model, shape, batch, {})
+        serial_loss = serial(*batch)
+        serial_loss.backward()
+        for c in compiled:
+            result["losses"].append((float(fwd[c][0]), float(serial_loss)))
+            result["loss_err"] = max(result["loss_err"], abs(float(fwd[c][0]) - float(serial_loss)))
+        for i, (name, layout) in enumerate(zip(first.param_names, first.param_layouts)):
+            part = first.param_parts.get(name)
+            target = params.get(part.source if part is not None else name)
+            if target is None:  # a buffer or constant
+                continue
+            grad = assemble({c: bwd[c][i] for c in compiled}, layout, shape, atol=1e-4, rtol=1e-4)
+            if part is None:
+                target.grad = grad
+            else:  # a part of a fused parameter (split_fused): its chunk of the whole gradient
+                if target.grad is None:
+                    target.grad = torch.zeros_like(target)
+                part.of(target.grad).copy_(grad)
+        missing = [n for n, p in params.items() if p.requires_grad and p.grad is None]
+        assert not missing, f"no gradient from the programs for {missing}"
+        for name, p in params.items():
+            if not p.requires_grad:
+                continue
+            want = serial_params[name].grad
+            assert want is not None and p.grad is not None and p.grad.shape == want.shape, name
+            err = float((p.grad - want).abs().max() / (want.abs().max() + 1e-6))
+            result["grad_err"] = max(result["grad_err"], err)
+        opt.step()
+        serial_opt.step()
+        opt.zero_grad(set_to_none=True)
+        serial_opt.zero_grad(set_to_none=True)
+    result["param_err"] = max(float((p - serial_params[n]).abs().max()) for n, p in params.items())
+    return result
+
+
 def assert_call_matches_serial(
     model: nn.Module,
     shape: tuple[int, ...],

@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+import multirank
 import pytest
 import torch
 import torch.distributed as dist
@@ -119,3 +120,12 @@ def test_a_rank_killed_by_a_signal_is_retried_once(tmp_path: Path) -> None:
     assert run_ranks(2, _abort_once, str(tmp_path / "aborted"), timeout=30) == [0, 1]
     with pytest.raises(AssertionError, match=r"rank 1 died:\nexited with code -6"):
         run_ranks(2, _abort_always, timeout=30)
+
+
+def test_a_test_without_the_multirank_mark_cannot_fork_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What tests/conftest.py records for an unmarked test: run_ranks refuses before forking, so
+    an unmarked rank-forking test fails instead of running beside another test's rank set."""
+    monkeypatch.setattr(multirank, "CURRENT_TEST_MARKED", False)
+    for start in (run_ranks, multirank.run_ranks_with_faults):
+        with pytest.raises(AssertionError, match="not marked @pytest.mark.multirank"):
+            start(2, _all_reduce, 1.0, timeout=10)

@@ -97,7 +97,6 @@ def _compare_job(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.multirank
 def test_in_flight_cap_defaults_to_the_memory_limits_headroom_over_the_plan() -> None:
     """The schedule may prefetch into what the memory limit leaves after the plan's modeled memory,
     never more: the cap moves one for one with the limit, stays below it, and an explicit
@@ -124,6 +123,7 @@ def test_in_flight_cap_defaults_to_the_memory_limits_headroom_over_the_plan() ->
         cap(memory_limit=need // 4)
 
 
+@pytest.mark.multirank
 def test_scheduled_and_unscheduled_are_bitwise_equal_and_serial() -> None:
     results = run_ranks(8, _compare_job, timeout=600)
     for rank, r in enumerate(results):
