@@ -17,8 +17,13 @@ from pass_fixtures import compile_every_rank, train_in_lockstep
 import autopar
 from autopar.core.layout import Shard
 from autopar.core.meta import info
+from autopar.cost.work import work_split
+from autopar.planning.ring_cost import ring_exchange_cost
+from autopar.planning.search_cost import TimeCost
+from autopar.rules.base import expand, make_call
 from autopar.rules.context_parallel import BACKWARD, EMBEDDING, FORWARD, require_context_parallel
 from autopar.rules.registry import default_registry
+from autopar.rules.ring_attention import ring_axis
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -87,3 +92,31 @@ def test_plan_options_ask_for_the_ring() -> None:
     for node in forward:
         chosen = info(node).strategy
         assert chosen is not None and chosen.inputs[1].placements[1] == Shard(2), chosen
+
+
+def _priced(seq: int) -> dict[str, tuple[float, float]]:
+    """(compute, exchanges) of the forward attention's all-gather and ring candidates on a (4,)
+    mesh of the h100-nvlink-ib table, modeled seconds."""
+    q = torch.empty(1, 8, seq, 64, device="meta")
+    out, lse = FORWARD(q, q, q, 0.0, True)[:2]
+    call = make_call(FORWARD, (q, q, q, 0.0, True), {}, (out, lse))
+    work = 4 * seq * seq * 64 * 8  # the two matmuls of the scores and the output
+    cost = TimeCost("h100-nvlink-ib", (4,))
+    found = {}
+    rule = default_registry().get(FORWARD)
+    assert rule is not None
+    for strategy in expand(call, rule.strategies(call), (4,), rule.uneven):
+        name = "ring" if ring_axis(FORWARD, strategy) is not None else "allgather"
+        if strategy.inputs[0].shard_axes(2):
+            compute = cost.compute(work, work_split(strategy, (4,)), torch.float32)
+            found[name] = (compute, ring_exchange_cost(FORWARD, strategy, work, torch.float32, cost))
+    return found
+
+
+def test_the_ring_is_priced_by_what_its_blocks_do_not_hide() -> None:
+    """Short sequence: a block's compute is shorter than passing it on, so the exchanges show;
+    long: the blocks hide them. The all-gather candidate has none (its gathers are edges)."""
+    short, long = _priced(256), _priced(16384)
+    assert short["allgather"][1] == long["allgather"][1] == 0.0
+    assert short["ring"][1] > 0.0
+    assert long["ring"][1] == 0.0 and long["ring"][0] == long["allgather"][0]
