@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from pass_fixtures import assert_call_matches_serial, compile_every_rank, train_in_lockstep
+from pass_fixtures import assert_call_matches_serial, compile_every_rank
 from torch import nn
+from train_fixtures import train_in_lockstep
 
 import autopar
 from autopar.compiler.driver import Compiled

@@ -12,7 +12,8 @@ import os
 
 import pytest
 import torch
-from pass_fixtures import compile_every_rank, train_in_lockstep
+from pass_fixtures import compile_every_rank
+from train_fixtures import train_in_lockstep
 
 import autopar
 from autopar.core.layout import Shard
