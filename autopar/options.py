@@ -66,9 +66,10 @@ class PlanOptions:
           tensor-only candidate recomputes what its plan search chooses to fit the limit.
       context_parallel (str) ["auto"]: on a mesh with an axis named "cp", which attention strategy
           splits the sequence over it (docs/context-parallel.md): "allgather", queries split along
-          the sequence with keys and values all-gathered (Llama 3's CP); "ulysses", the all-to-all
-          from the sequence split to a heads split around attention and back (DeepSpeed-Ulysses);
-          "auto", the cheaper of the two by the search's cost. Without a "cp" axis it must be
+          the sequence with keys and values all-gathered (Llama 3's CP); "ring", queries, keys
+          and values split, key/value blocks passed around the ring (ring attention); "ulysses",
+          the all-to-all from the sequence split to a heads split around attention and back
+          (DeepSpeed-Ulysses); "auto", the cheapest by the search's cost. Without a "cp" axis it must be
           "auto" (the search may still split the sequence where it prices best).
       storage (str) ["auto"]: how the search planner stores the weights (`planning.storage`):
           "sharded", ~1/p of each weight per rank, gathered where used and its gradient

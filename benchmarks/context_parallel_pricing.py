@@ -3,7 +3,8 @@
 sequence split (everything else the default registry): the searched plan's objective in each case
 (modeled seconds of compute and collectives, `SearchReport.final_cost`) and the layout the search
 gave the first attention call. And on a ("dp", "cp") mesh, the objective of each strategy the "cp"
-axis can be asked for (`PlanOptions.context_parallel`). Modeled, not measured. Run:
+axis can be asked for (`PlanOptions.context_parallel`), with the modeled activations per rank (ring
+attention keeps its key/value blocks split, all-gather keeps them whole). Modeled, not measured. Run:
 `python benchmarks/context_parallel_pricing.py` (`--cp` for the second table only)."""
 
 from __future__ import annotations
@@ -70,14 +71,15 @@ def forced_strategies() -> None:
     mesh = Mesh.from_shape(shape, ("dp", "cp"))
     gm = trace_for(model, mesh, (ids, ids))
     print(f"mesh {shape} (dp, cp), sequence {seq}, batch {batch}, heads {heads} ({kv_heads})\n")
-    print("| context_parallel | first attention's inputs, searched | objective (ms) |")
-    print("| --- | --- | --- |")
+    print("| context_parallel | first attention's inputs, searched | objective (ms) | activations per rank (MiB) |")
+    print("| --- | --- | --- | --- |")
     for strategy in CP_STRATEGIES:
         registry = require_context_parallel(default_registry(), 1, strategy)
         plan = search_layouts(gm, mesh, registry, cost=TimeCost("h100-nvlink-ib", shape), memory_limit=float("inf"))
         first = next(n for n in gm.graph.nodes if n.target is FORWARD)
         inputs = str(plan.strategies[first.name]).split(" ->")[0]
-        print(f"| {strategy} | `{inputs}` | {gm.meta['autopar_search'].final_cost * 1e3:.3f} |")
+        activations = plan.memory.activations / 2**20 if plan.memory is not None else float("nan")
+        print(f"| {strategy} | `{inputs}` | {gm.meta['autopar_search'].final_cost * 1e3:.3f} | {activations:.1f} |")
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from autopar.core.errors import AutoparError, ShardingError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import MEMORY_ORDER_KEY, has_info, info, signature
 from autopar.rules import device_attention
-from autopar.rules.base import LocalContext, RuleRegistry
+from autopar.rules.base import LocalContext, LocalGraph, RuleRegistry
 from autopar.rules.calls import op_call
 from autopar.rules.localize import localize_sizes
 from autopar.runtime.program import EmittedProgram
@@ -37,6 +37,7 @@ def emit(
     coords = tuple(coords) if coords is not None else mesh.my_coords()
     sig = signature(gm)
     shape = tuple(mesh.shape)
+    groups = tuple(mesh.comm_group(a) for a in range(mesh.ndim))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     params = [n for n in placeholders if info(n).role in ("param", "buffer", "constant")]
     inputs = [n for n in placeholders if info(n).role == "input"]
@@ -65,7 +66,7 @@ def emit(
     for node in forward_nodes:
         if node.op == "placeholder":
             continue
-        env[node] = _local_node(fwd_graph, node, env, shape, coords, registry)
+        env[node] = _local_node(fwd_graph, node, env, shape, coords, registry, groups)
     fwd_graph.output(tuple(env[v] for v in [*out_values[:nu], *saved]))
 
     bwd_graph = fx.Graph()
@@ -77,7 +78,7 @@ def emit(
         benv[node] = _placeholder(bwd_graph, node)
     for node in gm.graph.nodes:
         if node in backward_nodes and node.op != "placeholder":
-            benv[node] = _local_node(bwd_graph, node, benv, shape, coords, registry)
+            benv[node] = _local_node(bwd_graph, node, benv, shape, coords, registry, groups)
     grads = dict(zip(sig.grad_of, out_values[nu:]))
     grad_values = [grads.get(info(n).param_name or "") for n in params]
     grad_values += out_values[sig.num_param_grads_end :]  # the inputs', whole
@@ -148,6 +149,7 @@ def _local_node(
     mesh_shape: tuple[int, ...],
     coords: tuple[int, ...],
     registry: RuleRegistry,
+    groups: tuple[str, ...] = (),
 ) -> fx.Node:
     node_info = info(node)
     if node.target is operator.getitem or node_info.role == "comm" or node_info.strategy is None:
@@ -160,8 +162,13 @@ def _local_node(
     args = fx.map_arg(node.args, env.__getitem__)
     kwargs = fx.map_arg(node.kwargs, env.__getitem__)
     order = node.meta.get(MEMORY_ORDER_KEY)
-    ctx = LocalContext(op_call(node), node_info.strategy, mesh_shape, coords, tuple(args), dict(kwargs), order)
+    ctx = LocalContext(op_call(node), node_info.strategy, mesh_shape, coords, tuple(args), dict(kwargs), order, groups)
     local = localize(ctx)
+    if isinstance(local, LocalGraph):  # several nodes (ring attention): the last stands for the op
+        new = local.build(graph, tuple(args), dict(kwargs), node_info)
+        new.meta.update(node.meta)
+        new.name = node.name
+        return new
     target = local.target
     if target is torch.ops.aten.view.default:
         # A redistribution may hand over a contiguous copy where the global graph relied on a

@@ -48,13 +48,8 @@ class _Inserter:
         self.shape = tuple(mesh.shape)
         self.coords = coords
         self.done: dict[tuple[fx.Node, Layout], fx.Node] = {}
-        self.groups = {a: self._group(a) for a in range(mesh.ndim)}
+        self.groups = {a: mesh.comm_group(a) for a in range(mesh.ndim)}
         self.in_process = tuple(a for a in range(mesh.ndim) if mesh.is_in_process(a))
-
-    def _group(self, axis: int) -> str:
-        if self.mesh.device_mesh is None or self.shape[axis] == 1:
-            return f"<{self.mesh.axis_names[axis]}>"
-        return self.mesh.group_name(axis)
 
     def rewire(self, node: fx.Node, wants: list[Layout]) -> None:
         flat, spec = pytree.tree_flatten((node.args, node.kwargs))

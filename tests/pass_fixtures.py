@@ -218,7 +218,11 @@ def group_of(coords: Coords, axis: int, mesh_shape: tuple[int, ...]) -> list[Coo
 
 
 def _collective(
-    node: fx.Node, coords: Coords, inputs: dict[Coords, torch.Tensor], mesh_shape: tuple[int, ...]
+    node: fx.Node,
+    coords: Coords,
+    inputs: dict[Coords, torch.Tensor],
+    mesh_shape: tuple[int, ...],
+    splits: dict[Coords, list[int]] | None = None,
 ):
     axis = info(node).comm.axis  # type: ignore[union-attr]
     group = [inputs[c] for c in group_of(coords, axis, mesh_shape)]
@@ -234,9 +238,10 @@ def _collective(
         assert node.args[1] == "sum" and node.args[2] == g
         return sum(group[1:], group[0].clone()).chunk(g, dim=0)[me].clone()
     if node.target is c10d.all_to_all_single.default:
-        out_sizes, in_sizes = node.args[1], node.args[2]
-        assert len(out_sizes) == len(in_sizes) == g
-        return torch.cat([x.split(list(in_sizes), dim=0)[me] for x in group], dim=0)
+        # each sender splits by its own sizes (a ring attention pass sends to one rank only)
+        sizes = [splits[c] for c in group_of(coords, axis, mesh_shape)]
+        assert all(len(s) == g for s in sizes)
+        return torch.cat([x.split(list(s), dim=0)[me] for x, s in zip(group, sizes)], dim=0)
     raise AssertionError(node.target)
 
 
@@ -272,8 +277,9 @@ def run_lockstep(
         assert first.op != "call_function" or len(targets) <= 1, [n.target for n in nodes.values()]
         if first.op == "call_function" and first.target in COLLECTIVES:
             inputs = {c: envs[c][n.args[0]] for c, n in nodes.items()}
+            splits = {c: n.args[2] for c, n in nodes.items()}  # all_to_all_single's input split sizes
             for c, n in nodes.items():
-                envs[c][n] = _collective(n, c, inputs, mesh_shape)  # type: ignore[arg-type]
+                envs[c][n] = _collective(n, c, inputs, mesh_shape, splits)  # type: ignore[arg-type]
             continue
         # every rank is its own process with its own generator, at the same state: a random op
         # draws the same numbers on each (`autopar.rules.random`)

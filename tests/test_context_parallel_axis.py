@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from pass_fixtures import assert_call_matches_serial, compile_every_rank, lockstep_step
+from pass_fixtures import assert_call_matches_serial, compile_every_rank
 from torch import nn
+from train_fixtures import train_in_lockstep
 
 import autopar
 from autopar.compiler.driver import Compiled
@@ -24,7 +25,6 @@ from autopar.core.layout import Shard
 from autopar.core.meta import info
 from autopar.rules.context_parallel import BACKWARD, EMBEDDING, FORWARD, require_context_parallel
 from autopar.rules.registry import default_registry
-from autopar.testing import assemble
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -107,39 +107,6 @@ def _hf_qwen3() -> nn.Module:
     return transformers.Qwen3ForCausalLM(config)
 
 
-def _train_in_lockstep(compiled: dict, model: nn.Module, kwargs: dict) -> None:
-    """STEPS steps of SGD with momentum: the ranks' programs from `parallel`'s weights, their
-    gradients assembled and stepped by one optimizer; `model` stepped serially by another. Loss,
-    every gradient and (after the steps) every parameter equal."""
-    parallel = type(model)(model.config)  # type: ignore[operator]
-    parallel.load_state_dict(model.state_dict())
-    shape = (2, 4)
-    first = next(iter(compiled.values())).program
-    assert not first.param_parts, "every parameter is one program input"
-    params = dict(parallel.named_parameters())
-    opt = torch.optim.SGD(parallel.parameters(), lr=0.1, momentum=0.9)
-    serial_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        fwd, bwd = lockstep_step(compiled, parallel, shape, (), kwargs)
-        loss = assemble({c: fwd[c][0] for c in fwd}, first.output_layouts[0], shape)
-        serial_opt.zero_grad()
-        want = model(**kwargs).loss
-        want.backward()
-        torch.testing.assert_close(loss, want.detach(), atol=1e-5, rtol=1e-5, msg=f"loss, step {step}")
-        opt.zero_grad()
-        serial = dict(model.named_parameters())
-        for i, (name, lay) in enumerate(zip(first.param_names, first.param_layouts)):
-            if name not in params:  # a buffer (rotary frequencies)
-                continue
-            grad = assemble({c: bwd[c][i] for c in bwd}, lay, shape)
-            torch.testing.assert_close(grad, serial[name].grad, atol=2e-5, rtol=1e-4, msg=f"{name}, step {step}")
-            params[name].grad = grad
-        opt.step()
-        serial_opt.step()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(params[name], p, atol=2e-5, rtol=1e-4, msg=name)
-
-
 @pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
 @pytest.mark.parametrize("make", [_hf_llama, _hf_qwen3], ids=["llama", "qwen3"])
 def test_hf_causal_lm_on_a_cp_axis_trains_like_serial(make: object, strategy: str) -> None:
@@ -163,7 +130,7 @@ def test_hf_causal_lm_on_a_cp_axis_trains_like_serial(make: object, strategy: st
         assert query.placements[1] == QUERY_SPLIT[strategy], (node.name, strategy_of)
     embeddings = [n for n in first.graph.graph.nodes if n.target is EMBEDDING]
     assert embeddings and all(info(n).layouts[0].placements[1] == Shard(1) for n in embeddings)
-    _train_in_lockstep(compiled, model, kwargs)
+    train_in_lockstep(compiled, model, kwargs, (2, 4), STEPS)
 
 
 def test_cp_axis_at_defaults_splits_the_sequence() -> None:
@@ -212,7 +179,7 @@ def test_cp_axis_with_dropout_inside_attention_names_the_dropout() -> None:
 
 def test_context_parallel_option_is_checked() -> None:
     with pytest.raises(UsageError, match="not an attention strategy"):
-        autopar.PlanOptions(context_parallel="ring")
+        autopar.PlanOptions(context_parallel="striped")
     model = nn.Sequential(nn.Linear(8, 8))
     with pytest.raises(UsageError, match='"cp" mesh axis'):
         autopar.plan(

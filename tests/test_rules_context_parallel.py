@@ -89,16 +89,18 @@ def test_the_sequence_strategy_gathers_keys_and_reduces_their_gradients() -> Non
     mask = torch.zeros(2, 1, 8, 8)
     out, lse = FORWARD(q, q, q, 0.0, False, attn_mask=mask)
     forward = sequence_strategies(make_call(FORWARD, (q, q, q, 0.0, False), {"attn_mask": mask}, (out, lse)))
+    gathered, ring = nn_rules.Shard(2), nn_rules.Shard(2)
     assert [(s.inputs, s.outputs) for s in forward] == [
-        (
-            (nn_rules.Shard(2), nn_rules.R, nn_rules.R, nn_rules.Shard(2)),
-            (nn_rules.Shard(2), nn_rules.Shard(2)),
-        )
+        ((gathered, nn_rules.R, nn_rules.R, nn_rules.Shard(2)), (gathered, nn_rules.Shard(2))),
+        ((ring, ring, ring, nn_rules.Shard(2)), (ring, ring)),  # ring attention: k and v split too
     ]
     args = (out, q, q, q, out, lse, 0.0, False)
     grads = BACKWARD(*args, attn_mask=mask)
     backward = sequence_strategies(make_call(BACKWARD, args, {"attn_mask": mask}, grads))
-    assert [s.outputs for s in backward] == [(nn_rules.Shard(2), nn_rules.P, nn_rules.P)]
+    assert [s.outputs for s in backward] == [
+        (nn_rules.Shard(2), nn_rules.P, nn_rules.P),
+        (nn_rules.Shard(2), nn_rules.Shard(2), nn_rules.Shard(2)),
+    ]
 
 
 def test_causal_block_without_its_offset_is_wrong() -> None:
@@ -108,7 +110,8 @@ def test_causal_block_without_its_offset_is_wrong() -> None:
     registry.register(FORWARD, nn_rules.sdpa_rule, family="nn", uneven=True)  # no localize
     q, k, v = (torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
     args = (q, k, v, 0.0, True)
-    (strategy,) = _sequence_split(candidate_strategies(FORWARD, args, {}, (2,), registry), 0)
+    options = _sequence_split(candidate_strategies(FORWARD, args, {}, (2,), registry), 0)
+    (strategy,) = [s for s in options if not s.inputs[1].shard_axes(SEQ)]  # keys gathered
     try:
         check_strategy(FORWARD, args, {}, strategy, (2,), registry)
     except AssertionError:

@@ -23,6 +23,7 @@ from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_pe
 from autopar.cost.timeline import overlap_summary
 from autopar.cost.work import compute_rate, global_work, work_split
 from autopar.planning.mesh_choice import MeshChoice
+from autopar.planning.ring_cost import ring_exchange_cost
 from autopar.planning.search_cost import TimeCost
 
 
@@ -247,7 +248,8 @@ def _node_compute(node: fx.Node, cost: TimeCost, shape: tuple[int, ...]) -> floa
         return 0.0
     strategy = info(node).strategy
     assert strategy is not None
-    return cost.compute(global_work(node), work_split(strategy, shape), compute_rate(node))
+    work, rate = global_work(node), compute_rate(node)
+    return cost.compute(work, work_split(strategy, shape), rate) + ring_exchange_cost(node.target, strategy, work, rate, cost)
 
 
 def _bytes(node: fx.Node) -> int:

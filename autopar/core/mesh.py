@@ -102,6 +102,13 @@ class Mesh:
             raise MeshError("this rank is not part of the mesh", hint="build the mesh over all ranks")
         return (*coords, *(0,) * self.in_process)
 
+    def comm_group(self, axis: int) -> str:
+        """The group a collective over `axis` is emitted with: the axis's process group, or
+        "<name>" where it has none (a planning-only mesh, an axis of one rank)."""
+        if self.device_mesh is None or self.shape[axis] == 1:
+            return f"<{self.axis_names[axis]}>"
+        return self.group_name(axis)
+
     def group_name(self, axis: int) -> str:
         if self.is_in_process(axis):
             return f"<{self.axis_names[axis]}>"

@@ -14,10 +14,12 @@ from typing import Literal
 from autopar.core.layout import Layout, Partial, Replicate, RowDisjoint, Shard, itemsize
 
 StepKind = Literal[
-    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "zero_partial", "forbidden"
+    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "ring_shift", "slice", "zero_partial", "forbidden"
 ]
 
-COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+# "ring_shift": a rank's whole block to the next rank of the axis (ring attention's exchange,
+# `rules.ring_attention`; never a redistribution between layouts, so `plan_redistribute` makes none)
+COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "ring_shift")
 # Elements a "forbidden" step is priced at per element of its block: no redistribution makes a
 # row-disjoint pending sum (`RowDisjoint`) out of another placement, since which rank owns a row
 # comes from the routing; the planners see such a pair as far too dear, and insert_comm refuses it.
@@ -52,6 +54,8 @@ class CommStep:
             return 2 * (g - 1) / g * n
         if self.kind in ("reduce_scatter", "all_to_all"):
             return (g - 1) / g * n
+        if self.kind == "ring_shift":
+            return n
         if self.kind == "forbidden":
             return FORBIDDEN_FACTOR * n
         return 0.0

@@ -29,7 +29,7 @@ from autopar.core.redistribute import CommStep, plan_redistribute
 from autopar.cost.hardware import Elementwise, Hardware, Link, Rate, axis_links, dtype_key
 
 # Message steps of a ring algorithm over g ranks, each paying the link latency alpha once.
-LATENCY_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "forbidden": 1}
+LATENCY_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "forbidden": 1, "ring_shift": 1}
 # Elements sent per rank per element of N (above), times (g-1)/g.
 VOLUME_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
 
@@ -69,6 +69,8 @@ def latency_steps(kind: str, group_size: int) -> int:
     """Ring message steps: 2(g-1) for all_reduce (reduce-scatter + all-gather), g-1 for the rest."""
     if kind not in LATENCY_STEPS:
         raise ValueError(f"not a collective: {kind!r} (expected one of {', '.join(LATENCY_STEPS)})")
+    if kind == "ring_shift":  # one message, to the next rank
+        return 1
     return LATENCY_STEPS[kind] * (group_size - 1)
 
 

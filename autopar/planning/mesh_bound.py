@@ -79,7 +79,7 @@ class BoundFacts:
     @staticmethod
     def of(gm: fx.GraphModule, facts: GraphFacts) -> BoundFacts:
         counted: dict[tuple[float, Rate], int] = {}
-        for _, _, amount, rate in facts.calls:
+        for _, _, amount, rate, _ in facts.calls:
             counted[(amount, rate)] = counted.get((amount, rate), 0) + 1
         return BoundFacts(tuple((w, r, n) for (w, r), n in counted.items()), _spans(gm))
 

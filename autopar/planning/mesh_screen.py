@@ -59,7 +59,7 @@ def estimate(
     fixed schemes' plans on `mesh`: an upper bound on what the search finds there. `calls`: a
     memo whose nodes' op calls and inputs (the same on every mesh) this mesh's passes share.
     `library`: candidate lists shared by meshes whose sizes divide the same dims (`ExpandCache`)."""
-    work = {name: work for name, _, work, _ in facts.calls}
+    work = {name: work for name, _, work, _, _ in facts.calls}
     shared = Shared(expand=ExpandCache(library), work=work, greedy=graph_memo(calls))
     best, seed = math.inf, ""
     roles = axis_roles(mesh)

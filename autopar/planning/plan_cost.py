@@ -7,6 +7,7 @@ below all of the planners that compare plans.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.fx as fx
 
@@ -16,6 +17,7 @@ from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
 from autopar.cost.hardware import Rate
 from autopar.cost.work import compute_rate, global_work, work_split
+from autopar.planning.ring_cost import ring_exchange_cost
 from autopar.planning.search_cost import ElementCost
 from autopar.rules.calls import tensor_inputs
 
@@ -23,9 +25,9 @@ from autopar.rules.calls import tensor_inputs
 @dataclass(frozen=True)
 class GraphFacts:
     """What pricing a plan reads of the graph, gathered once for the many plans of one search:
-    per call node in graph order its tensor inputs and global work, and the output's values."""
+    per call node in graph order its tensor inputs, global work and op, and the output's values."""
 
-    calls: tuple[tuple[str, tuple[str, ...], float, Rate], ...]
+    calls: tuple[tuple[str, tuple[str, ...], float, Rate, Any], ...]
     outputs: tuple[str | None, ...]
 
     @staticmethod
@@ -35,7 +37,7 @@ class GraphFacts:
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 inputs = tuple(src.name for src in tensor_inputs(node))
-                calls.append((node.name, inputs, global_work(node), compute_rate(node)))
+                calls.append((node.name, inputs, global_work(node), compute_rate(node), node.target))
             elif node.op == "output":
                 outputs = tuple(src.name if isinstance(src, fx.Node) else None for src in node.args[0])
         return GraphFacts(tuple(calls), outputs)
@@ -72,7 +74,7 @@ def plan_cost_parts(
     layouts, strategies = plan.layouts, plan.strategies
     splits: dict[Strategy, int] = {}
     made: set[tuple[str, Layout]] = set()
-    for name, inputs, work, dtype in facts.calls:
+    for name, inputs, work, dtype, op in facts.calls:
         strategy = strategies.get(name)
         if strategy is None:
             continue
@@ -85,7 +87,7 @@ def plan_cost_parts(
         split = splits.get(strategy)
         if split is None:
             split = splits[strategy] = work_split(strategy, shape)
-        compute += cost.compute(work, split, dtype)
+        compute += cost.compute(work, split, dtype) + ring_exchange_cost(op, strategy, work, dtype, cost)
     for src_name, wanted in zip(facts.outputs, plan.output_layouts):
         if src_name is not None and wanted is not None:
             comm += cost.redistribute(layouts[src_name][0], wanted)

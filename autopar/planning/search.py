@@ -189,7 +189,7 @@ def search_layouts(
     report = SearchReport(memory_limit=limit)
     facts = GraphFacts.of(gm)
     if shared is None:  # (the mesh choice hands over what its screen worked out on this mesh)
-        shared = Shared(work={name: work for name, _, work, _ in facts.calls})
+        shared = Shared(work={name: work for name, _, work, _, _ in facts.calls})
     modes = [m for m in (storage,) if m != "auto"] or [SHARDED, *([REPLICATED] if _replicas_wanted(gm, cost, limit) else [])]
     runs = [
         _from_seed(gm, mesh, registry, cost, shared, facts, start, limit, max_sweeps, report, mode)

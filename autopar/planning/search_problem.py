@@ -32,6 +32,7 @@ from autopar.cost.hardware import Rate
 from autopar.cost.work import compute_rate, global_work, work_split
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.memory import SavedValue, plan_memory, saved_nodes, weight_chain
+from autopar.planning.ring_cost import ring_exchange_cost
 from autopar.planning.search_blocks import Clock, chains, make_blocks, sweep, trees
 from autopar.planning.search_vars import Edge, Tally, Var
 from autopar.planning.storage import part_dim_at, part_dims, part_storage, replicated_storage
@@ -130,7 +131,8 @@ class Problem:
             work = shared.work[name] if name in shared.work else global_work(node)
             dtype = compute_rate(node)
             base = self._cached(
-                ("compute", key, work, dtype), lambda c=cands, w=work, d=dtype: self._compute(c, w, d)  # type: ignore[misc]
+                ("compute", key, work, dtype),
+                lambda c=cands, w=work, d=dtype, op=node.target: self._compute(c, w, d, op),  # type: ignore[misc]
             )
             self.vars.append(Var(name, cands, key, base.copy(), base.copy(), at))
         self._part_dims = part_dims(gm)
@@ -173,10 +175,14 @@ class Problem:
             found = self._vectors[key] = make()
         return found
 
-    def _compute(self, cands: list[Strategy], work: float, dtype: torch.dtype) -> np.ndarray:
+    def _compute(self, cands: list[Strategy], work: float, dtype: torch.dtype, op: Any = None) -> np.ndarray:
+        """Each candidate's compute; a ring-attention candidate's with its exchanges' exposed time."""
         splits = [work_split(s, self.shape) for s in cands]
         by_split = {s: self.cost.compute(work, s, dtype) for s in set(splits)}
-        return np.array([by_split[s] for s in splits], dtype=float)
+        return np.array(
+            [by_split[split] + ring_exchange_cost(op, s, work, dtype, self.cost) for s, split in zip(cands, splits)],
+            dtype=float,
+        )
 
     def _layouts(self, var: Var, side: str, k: int) -> tuple[tuple[Layout, ...], np.ndarray]:
         """The distinct layouts of `var`'s candidates at input / output k, and each candidate's row."""

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.core.layout import Layout, Partial, Placement, Replicate, Shard, chunks_nonempty
+from autopar.core.meta import NodeInfo
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy, TensorSpec
 
 R = Replicate()
@@ -39,6 +41,17 @@ class LocalCall:
 
 
 @dataclass(frozen=True)
+class LocalGraph:
+    """What a rank runs in place of the global op when it is several nodes with collectives between
+    them (ring attention: one block computation per step, an exchange with the next rank
+    overlapping each). `build(graph, args, kwargs, base)` adds them to `graph`, reading the op's
+    local arguments (`args`, `kwargs`: nodes of `graph` where the op's were), tags each with a
+    `NodeInfo` made from `base` (the op's), and returns the node that stands for the op's result."""
+
+    build: Callable[[fx.Graph, tuple[Any, ...], dict[str, Any], NodeInfo], fx.Node]
+
+
+@dataclass(frozen=True)
 class LocalContext:
     call: OpCall
     strategy: Strategy
@@ -48,9 +61,13 @@ class LocalContext:
     kwargs: dict[str, Any]
     # a random op's input dims in the serial model's memory order (outermost first), if known
     memory_order: tuple[int, ...] | None = None
+    # the process group name of each mesh axis, for a LocalGraph's collectives (empty: none known)
+    groups: tuple[str, ...] = ()
 
 
-Localizer = Callable[[LocalContext], LocalCall]
+Localizer = Callable[[LocalContext], "LocalCall | LocalGraph"]
+# a rule's filter of its whole-mesh strategies (a per-axis rule cannot see the other axes)
+Admits = Callable[[OpCall, Strategy, tuple[int, ...]], bool]
 
 
 @dataclass(frozen=True)
@@ -78,6 +95,8 @@ class OpRule:
     uneven: bool = False
     # a user's demand on the whole-mesh strategies (None: every admissible one is offered)
     requirement: Requirement | None = None
+    # the rule's own filter of its whole-mesh strategies (None: every admissible one)
+    admits: Admits | None = None
 
 
 class RuleRegistry:
@@ -95,8 +114,9 @@ class RuleRegistry:
         localize: Localizer | None = None,
         anchor: bool = False,
         uneven: bool = False,
+        admits: Admits | None = None,
     ) -> None:
-        self._rules[op] = OpRule(op, strategies, family, localize, anchor, uneven)
+        self._rules[op] = OpRule(op, strategies, family, localize, anchor, uneven, admits=admits)
 
     def family(self, name: str, *, uneven: bool = False) -> FamilyRules:
         """Registers one family's rules with what they share: the family name and whether they
@@ -134,10 +154,16 @@ class FamilyRules:
     uneven: bool
 
     def register(
-        self, op: Any, strategies: StrategyFn, *, localize: Localizer | None = None, anchor: bool = False
+        self,
+        op: Any,
+        strategies: StrategyFn,
+        *,
+        localize: Localizer | None = None,
+        anchor: bool = False,
+        admits: Admits | None = None,
     ) -> None:
         self.registry.register(
-            op, strategies, family=self.name, localize=localize, anchor=anchor, uneven=self.uneven
+            op, strategies, family=self.name, localize=localize, anchor=anchor, uneven=self.uneven, admits=admits
         )
 
 

@@ -96,6 +96,8 @@ def expand_cached(
 
 def _expanded(rule: Any, call: OpCall, shape: tuple[int, ...]) -> list[Strategy]:
     found = expand(call, rule.strategies(call), shape, rule.uneven)
+    if rule.admits is not None:
+        found = [s for s in found if rule.admits(call, s, shape)]
     if rule.requirement is not None:
         found = [s for s in found if rule.requirement.admits(call, s)]
     return found

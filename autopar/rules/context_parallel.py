@@ -50,8 +50,8 @@ import torch
 
 from autopar.core.layout import P, Placement, R, Shard
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy, TensorSpec
-from autopar.rules import device_attention
-from autopar.rules.base import LocalCall, LocalContext, Requirement, RuleRegistry
+from autopar.rules import device_attention, ring_attention
+from autopar.rules.base import LocalCall, LocalContext, LocalGraph, Requirement, RuleRegistry
 from autopar.rules.pointwise import partial_ok
 
 aten = torch.ops.aten
@@ -98,11 +98,12 @@ def _mask_placement(mask: TensorSpec, seq_q: int) -> Placement:
 
 
 def sequence_strategies(call: OpCall) -> list[AxisStrategy]:
-    """The query-sequence split of one attention call on one mesh axis (none if refused).
+    """The query-sequence splits of one attention call on one mesh axis (none if refused).
 
     Forward (q, k, v[, mask]) -> (out, logsumexp): q, out, logsumexp split along the sequence,
     k and v whole. Backward (grad_out, q, k, v, out, logsumexp[, mask]) -> (dq, dk, dv): grad_out,
-    q, out, logsumexp and dq split along the sequence, k and v whole, dk and dv partial sums."""
+    q, out, logsumexp and dq split along the sequence, k and v whole, dk and dv partial sums.
+    And ring attention (`ring_attention.ring_strategies`): k, v, dk and dv split too."""
     if sequence_split_refusal(call) is not None:
         return []
     q = call.inputs[_query_index(call)]
@@ -115,15 +116,19 @@ def sequence_strategies(call: OpCall) -> list[AxisStrategy]:
         if not partial_ok(call.inputs, call.outputs[1:]):
             return []
         ins: tuple[Placement, ...] = (Shard(SEQ), Shard(SEQ), R, R, Shard(SEQ), Shard(SEQ), *masks)
-        return [AxisStrategy(ins, (Shard(SEQ), P, P))]
-    return [AxisStrategy((Shard(SEQ), R, R, *masks), (Shard(SEQ), Shard(SEQ)))]
+        return [AxisStrategy(ins, (Shard(SEQ), P, P)), *ring_attention.ring_strategies(call, masks)]
+    return [AxisStrategy((Shard(SEQ), R, R, *masks), (Shard(SEQ), Shard(SEQ))), *ring_attention.ring_strategies(call, masks)]
 
 
-def localize_attention(ctx: LocalContext) -> LocalCall:
+def localize_attention(ctx: LocalContext) -> LocalCall | LocalGraph:
     """The local call of an attention op: the op itself, unless it is causal with the queries split
     along the sequence, where the rank's queries start at offset o of the whole sequence and must
-    attend keys 0..o+i (`device_attention.attention_forward` with `row_offset=o`)."""
+    attend keys 0..o+i (`device_attention.attention_forward` with `row_offset=o`); or, with the
+    keys split along the sequence too, the nodes of ring attention (`ring_attention.ring_graph`)."""
     call = ctx.call
+    ring = ring_attention.ring_axis(call.op, ctx.strategy)
+    if ring is not None:
+        return ring_attention.ring_graph(ctx, ring)
     q_layout = ctx.strategy.inputs[_query_index(call)]
     if not _is_causal(call) or not q_layout.shard_axes(SEQ):
         return LocalCall(call.op, ctx.args, ctx.kwargs)
@@ -142,11 +147,12 @@ def localize_attention(ctx: LocalContext) -> LocalCall:
 
 CP_AXIS = "cp"  # the mesh axis name that asks for context parallelism
 HEADS = 1  # the heads dim of the (B, H, L, E) query: Ulysses' split inside attention
-# PlanOptions.context_parallel -> the query placements attention may take on the "cp" axis
-CP_STRATEGIES: dict[str, tuple[Placement, ...]] = {
-    "auto": (Shard(SEQ), Shard(HEADS)),
-    "allgather": (Shard(SEQ),),
-    "ulysses": (Shard(HEADS),),
+# PlanOptions.context_parallel -> the (query, key) placements attention may take on the "cp" axis
+CP_STRATEGIES: dict[str, tuple[tuple[Placement, Placement], ...]] = {
+    "auto": ((Shard(SEQ), R), (Shard(SEQ), Shard(SEQ)), (Shard(HEADS), Shard(HEADS))),
+    "allgather": ((Shard(SEQ), R),),
+    "ring": ((Shard(SEQ), Shard(SEQ)),),
+    "ulysses": ((Shard(HEADS), Shard(HEADS)),),
 }
 EMBEDDING = torch.ops.aten.embedding.default
 
@@ -155,17 +161,22 @@ def _attention_requirement(axis: int, strategy: str) -> Requirement:
     allowed = CP_STRATEGIES[strategy]
 
     def admits(call: OpCall, chosen: Strategy) -> bool:
-        return chosen.inputs[_query_index(call)].placements[axis] in allowed
+        q = chosen.inputs[_query_index(call)].placements[axis]
+        k = chosen.inputs[ring_attention.key_index(call.op)].placements[axis]
+        return (q, k) in allowed
 
     hints = {
         "allgather": "the queries' sequence (dim 2 of (batch, heads, sequence, head_dim)) must split "
         "over the cp axis, without dropout inside attention",
+        "ring": "the queries', keys' and values' sequence (dim 2 of (batch, heads, sequence, head_dim)) must "
+        "split evenly over the cp axis, in self-attention (keys as long as the queries, keys and values of "
+        "one head size), without dropout inside attention",
         "ulysses": "the query and key/value heads must split over the cp axis: as many key/value heads as "
         "query heads (repeated before the call), a multiple of the cp axis size",
     }
-    hint = hints.get(strategy, f"{hints['allgather']}, or its heads ({hints['ulysses']})")
+    hint = hints.get(strategy, f"{hints['allgather']}, or ring attention's, or its heads ({hints['ulysses']})")
     return Requirement(admits, f"the mesh's \"cp\" axis asks for context parallelism: {hint}; "
-                       'or use PlanOptions(context_parallel="allgather" / "ulysses"), or name the axis otherwise')
+                       'or use PlanOptions(context_parallel="allgather" / "ring" / "ulysses"), or name the axis otherwise')
 
 
 def _embedding_requirement(axis: int) -> Requirement:
@@ -184,9 +195,10 @@ def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = 
     """A copy of `registry` whose plans split the sequence over mesh axis `axis` (a "cp" axis):
     token embeddings (B, T, E) split along T there, so the activations after them are split along
     the sequence, and every attention call, forward and backward, splits its queries there along
-    the sequence (`strategy` "allgather": keys and values gathered) or along the heads
+    the sequence (`strategy` "allgather": keys and values gathered; "ring": keys and values split
+    too, passed around the ring) or along the heads
     ("ulysses": the all-to-all from the sequence split to the heads split and back, which
-    insert_comm makes of the redistribution), or either ("auto": the cheaper, by the search).
+    insert_comm makes of the redistribution), or any ("auto": the cheapest, by the search).
     Other ops keep every strategy: the search lays them out around these."""
     if strategy not in CP_STRATEGIES:
         raise ValueError(f"context parallel strategy {strategy!r}: one of {', '.join(CP_STRATEGIES)}")

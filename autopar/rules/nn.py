@@ -15,7 +15,7 @@ import torch
 
 from autopar.core.layout import P, Placement, R, Shard
 from autopar.core.strategy import AxisStrategy, OpCall, TensorSpec
-from autopar.rules import context_parallel, local_ops
+from autopar.rules import context_parallel, local_ops, ring_attention
 from autopar.rules.base import LocalCall, LocalContext, RuleRegistry, normalize_dim, with_replicated
 from autopar.rules.pointwise import (
     FIRST,
@@ -111,7 +111,8 @@ def _attention_strategies(call: OpCall, n_main: int, grad_linear: bool) -> list[
     if grad_linear and partial_ok(call.inputs[:1], call.outputs):
         ins = (P,) + (R,) * (len(call.inputs) - 1)
         result.append(AxisStrategy(ins, (P,) * len(call.outputs)))
-    # Queries split along the sequence, keys and values whole (context parallelism).
+    # Queries split along the sequence, keys and values whole or passed around a ring
+    # (context parallelism).
     result += context_parallel.sequence_strategies(call)
     return with_replicated(call, result)
 
@@ -451,7 +452,9 @@ def register(registry: RuleRegistry) -> None:
     for op, rule in ANCHORS.items():
         rules.register(op, rule, anchor=True)
     for op, rule in ATTENTION.items():  # causal with a split sequence: the rows' own mask
-        rules.register(op, rule, localize=context_parallel.localize_attention, anchor=True)
+        rules.register(
+            op, rule, localize=context_parallel.localize_attention, anchor=True, admits=ring_attention.ring_admissible
+        )
     rules.register(
         aten.convolution_backward.default,
         convolution_backward_rule,

@@ -21,14 +21,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.core.layout import Layout, Partial, Replicate, RowDisjoint, Shard
+from autopar.core.meta import NODE_KEY, NodeInfo
 from autopar.core.redistribute import CommStep
 from autopar.core.strategy import OpCall, Strategy
 from autopar.rules import expert_parallel
-from autopar.rules.base import LocalContext, RuleRegistry, make_call
+from autopar.rules.base import LocalContext, LocalGraph, RuleRegistry, make_call
 from autopar.rules.localize import localize_sizes
+
+_c10d = torch.ops._c10d_functional
 
 Coords = tuple[int, ...]
 Pieces = dict[Coords, torch.Tensor]
@@ -235,6 +239,7 @@ def run_local(
     rule = registry.get(call.op)
     localize = rule.localize if rule is not None and rule.localize is not None else localize_sizes
     outputs: dict[Coords, list[torch.Tensor]] = {}
+    graphs: dict[Coords, tuple[fx.Graph, list[torch.Tensor]]] = {}
     for coords in all_coords(mesh_shape):
         local_flat = list(flat)
         for k, i in enumerate(tensor_positions):
@@ -242,9 +247,68 @@ def run_local(
         local_args, local_kwargs = pytree.tree_unflatten(local_flat, spec)
         ctx = LocalContext(call, strategy, tuple(mesh_shape), coords, tuple(local_args), dict(local_kwargs))
         local_call = localize(ctx)
+        if isinstance(local_call, LocalGraph):
+            graphs[coords] = _local_graph(local_call, local_flat, spec, tensor_positions)
+            continue
         result = local_call.target(*local_call.args, **local_call.kwargs)
         outputs[coords] = [x for x in pytree.tree_leaves(result) if isinstance(x, torch.Tensor)]
+    if graphs:
+        for coords, result in run_graphs_in_step(graphs, mesh_shape).items():
+            outputs[coords] = [x for x in pytree.tree_leaves(result) if isinstance(x, torch.Tensor)]
     return outputs, input_pieces
+
+
+def _local_graph(
+    local: LocalGraph, local_flat: list[Any], spec: Any, tensor_positions: list[int]
+) -> tuple[fx.Graph, list[torch.Tensor]]:
+    """A rank's nodes of a LocalGraph, built on placeholders for its tensors, and those tensors."""
+    graph = fx.Graph()
+    feeds = list(local_flat)
+    for k, i in enumerate(tensor_positions):
+        feeds[i] = graph.placeholder(f"input_{k}")
+    args, kwargs = pytree.tree_unflatten(feeds, spec)
+    result = local.build(graph, tuple(args), dict(kwargs), NodeInfo(role="compute", phase="forward"))
+    graph.output(result)
+    return graph, [local_flat[i] for i in tensor_positions]
+
+
+def run_graphs_in_step(
+    graphs: dict[Coords, tuple[fx.Graph, list[torch.Tensor]]], mesh_shape: Sequence[int]
+) -> dict[Coords, Any]:
+    """Every rank's graph (built alike: the same nodes in the same order) node by node in step, its
+    all_to_all_single collectives exchanged between the ranks of the axis their CommStep names,
+    each sender splitting by its own sizes (a ring's pass to the next rank sends to one rank)."""
+    order = {c: list(g.nodes) for c, (g, _) in graphs.items()}
+    feeds = {c: iter(tensors) for c, (_, tensors) in graphs.items()}
+    envs: dict[Coords, dict[fx.Node, Any]] = {c: {} for c in graphs}
+    results: dict[Coords, Any] = {}
+    for i in range(len(next(iter(order.values())))):
+        nodes = {c: order[c][i] for c in graphs}
+        first = next(iter(nodes.values()))
+        if first.target is _c10d.all_to_all_single.default:
+            step = first.meta[NODE_KEY].comm
+            for c, node in nodes.items():
+                received = []
+                for peer in _axis_group(c, step.axis, mesh_shape[step.axis]):
+                    sender = nodes[peer]
+                    pieces = envs[peer][sender.args[0]].split(list(sender.args[2]), dim=0)
+                    received.append(pieces[c[step.axis]])
+                envs[c][node] = torch.cat(received, dim=0)
+            continue
+        for c, node in nodes.items():
+            env = envs[c]
+            if node.op == "placeholder":
+                env[node] = next(feeds[c])
+            elif node.op == "output":
+                results[c] = pytree.tree_map(lambda x, e=env: e[x] if isinstance(x, fx.Node) else x, node.args[0])
+            elif node.target is _c10d.wait_tensor.default:
+                env[node] = env[node.args[0]]
+            else:
+                args, kwargs = pytree.tree_map(
+                    lambda x, e=env: e[x] if isinstance(x, fx.Node) else x, (node.args, node.kwargs)
+                )
+                env[node] = node.target(*args, **kwargs)
+    return results
 
 
 def check_strategy(

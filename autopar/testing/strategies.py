@@ -172,7 +172,10 @@ def candidate_strategies(
     if rule is None:
         raise AssertionError(f"no rule registered for {op}")
     call = make_call(op, args, kwargs, op(*args, **kwargs))
-    return expand(call, rule.strategies(call), mesh_shape, rule.uneven)
+    found = expand(call, rule.strategies(call), mesh_shape, rule.uneven)
+    if rule.admits is not None:
+        found = [s for s in found if rule.admits(call, s, tuple(mesh_shape))]
+    return found
 
 
 def check_random_strategies(

@@ -1,0 +1,150 @@
+"""Property tests: ring attention (queries, keys and values split along the sequence, key/value
+blocks passed around the ring, partial outputs merged by their log-sum-exps), forward and backward,
+against the oracle, which runs every rank's ring nodes in step with their exchanges. Causal
+offsets, padding masks that hide whole blocks from some rows, broadcast and additive masks,
+grouped-query attention, and meshes where another axis splits the batch or the queries too."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from autopar.core.meta import NodeInfo, info
+from autopar.core.strategy import Strategy
+from autopar.rules.base import LocalContext, LocalGraph, make_call
+from autopar.rules.context_parallel import BACKWARD, FORWARD, localize_attention
+from autopar.rules.registry import default_registry
+from autopar.rules.ring_attention import exposed_exchange_seconds, merge_blocks, ring_axis
+from autopar.testing import check_strategy
+from autopar.testing.strategies import candidate_strategies, dim_sizes, mesh_shapes, random_tensor, seeds
+
+REGISTRY = default_registry()
+SETTINGS = settings(max_examples=25, deadline=None)
+A2A = torch.ops._c10d_functional.all_to_all_single.default
+
+
+def _ring(options: list[Strategy], op: object) -> list[Strategy]:
+    return [s for s in options if ring_axis(op, s) is not None]
+
+
+def _case(data: st.DataObject, mesh: tuple[int, ...]) -> tuple[tuple, dict, torch.Generator]:
+    """q (B, H, T, E), k and v with H or fewer heads (GQA), T a multiple of an axis size (the ring
+    needs equal blocks), causal or not, and a mask: none, padding (B, 1, T, T) with -inf at
+    padded keys (often every key of a block, for some rows), one broadcast along the queries
+    (B, 1, 1, T), or random additive values (T, T)."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    b = data.draw(dim_sizes(mesh, cap=4))
+    kv_heads = data.draw(st.integers(1, 2))
+    heads = kv_heads * data.draw(st.integers(1, 2))
+    axis_size = data.draw(st.sampled_from(sorted(set(mesh))))
+    seq = axis_size * data.draw(st.integers(1, 4))
+    e = data.draw(st.integers(1, 4))
+    causal = data.draw(st.booleans())
+    q = random_tensor((b, heads, seq, e), generator=g)
+    k = random_tensor((b, kv_heads, seq, e), generator=g)
+    v = random_tensor((b, kv_heads, seq, e), generator=g)
+    kwargs: dict = {"scale": data.draw(st.sampled_from([None, 0.3]))}
+    kind = data.draw(st.sampled_from(["none", "padding", "broadcast", "additive"]))
+    if kind == "additive":
+        kwargs["attn_mask"] = random_tensor((seq, seq), generator=g)
+    elif kind != "none":
+        padded = data.draw(st.lists(st.integers(0, seq - 1), min_size=b, max_size=b))
+        mask = torch.zeros(b, 1, 1 if kind == "broadcast" else seq, seq, dtype=q.dtype)
+        for row, pad in enumerate(padded):  # keys 1..pad padded; key 0 stays, so no row is empty
+            mask[row, ..., 1 : 1 + pad] = float("-inf")
+        kwargs["attn_mask"] = mask
+    return (q, k, v, 0.0, causal), kwargs, g
+
+
+def _check_some(data: st.DataObject, op: object, args: tuple, kwargs: dict, mesh: tuple[int, ...]) -> None:
+    options = _ring(candidate_strategies(op, args, kwargs, mesh, REGISTRY), op)
+    assume(options)  # a mesh of size-1 axes, or a sequence no axis splits evenly
+    seed = data.draw(seeds(), label="noise seed")
+    for strategy in data.draw(st.lists(st.sampled_from(options), min_size=1, max_size=3, unique=True)):
+        check_strategy(
+            op, args, kwargs, strategy, mesh, REGISTRY, atol=1e-4, rtol=1e-4,
+            generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(max_axes=2, max_size=4))
+def test_ring_forward(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    args, kwargs, _ = _case(data, mesh)
+    _check_some(data, FORWARD, args, kwargs, mesh)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes(max_axes=2, max_size=4))
+def test_ring_backward(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """dq, dk and dv split like q, k and v: each block's gradient is summed around the ring."""
+    (q, k, v, dropout, causal), kwargs, g = _case(data, mesh)
+    out, lse = FORWARD(q, k, v, dropout, causal, **kwargs)
+    grad = random_tensor(out.shape, generator=g)
+    _check_some(data, BACKWARD, (grad, q, k, v, out, lse, dropout, causal), kwargs, mesh)
+
+
+def test_ring_is_offered_once_per_mesh_and_only_for_even_blocks() -> None:
+    """Keys split along the sequence by one axis at most (a (2, 2) mesh offers no ring over both),
+    and never over an axis that does not divide the sequence (the exchanged blocks are equal)."""
+    q = torch.randn(2, 2, 8, 4)
+    args = (q, q, q, 0.0, True)
+    for strategy in _ring(candidate_strategies(FORWARD, args, {}, (2, 2), REGISTRY), FORWARD):
+        assert len(strategy.inputs[1].shard_axes(2)) == 1, strategy
+    odd = torch.randn(2, 2, 9, 4)
+    assert not _ring(candidate_strategies(FORWARD, (odd, odd, odd, 0.0, True), {}, (2,), REGISTRY), FORWARD)
+
+
+def _ring_nodes(op: object, args: tuple, kwargs: dict, mesh: tuple[int, ...], coords: tuple[int, ...]) -> fx.Graph:
+    expected = op(*args, **kwargs)  # type: ignore[operator]
+    call = make_call(op, args, kwargs, expected)
+    (strategy,) = _ring(candidate_strategies(op, args, kwargs, mesh, REGISTRY), op)
+    local = localize_attention(LocalContext(call, strategy, mesh, coords, args, kwargs, groups=("cp",)))
+    assert isinstance(local, LocalGraph)
+    graph = fx.Graph()
+    inputs = tuple(graph.placeholder(f"x{i}") if isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
+    graph.output(local.build(graph, inputs, {}, NodeInfo(role="compute", phase="forward")))
+    return graph
+
+
+def test_the_ring_is_its_exchanges_in_the_rank_graph() -> None:
+    """On 4 ranks: the forward passes its key/value block 3 times, each exchange issued before the
+    block computation it overlaps (to rank me+1, from rank me-1: one non-empty split each);
+    the backward passes blocks and gradient accumulators 4 times and the accumulator once more."""
+    q = torch.randn(1, 2, 8, 4)
+    out, lse = FORWARD(q, q, q, 0.0, True)
+    for op, args, count in ((FORWARD, (q, q, q, 0.0, True), 3), (BACKWARD, (out, q, q, q, out, lse, 0.0, True), 5)):
+        graph = _ring_nodes(op, args, {}, (4,), (1,))
+        nodes = list(graph.nodes)
+        exchanges = [n for n in nodes if n.target is A2A]
+        assert len(exchanges) == count, op
+        for n in exchanges:
+            step = info(n).comm
+            assert step is not None and step.kind == "ring_shift" and info(n).comm_group == "cp"
+            out_sizes, in_sizes = n.args[1], n.args[2]
+            assert [i for i, x in enumerate(in_sizes) if x] == [2] and [i for i, x in enumerate(out_sizes) if x] == [0]
+        blocks = [i for i, n in enumerate(nodes) if "block_" in str(n.target)]
+        first_exchange = nodes.index(exchanges[0])
+        assert first_exchange < blocks[0], "the exchange is issued before the block it overlaps"
+
+
+def test_merge_of_a_block_no_key_reaches_is_the_other() -> None:
+    """A block that hides every key from a row (logsumexp -inf) weighs nothing; two such blocks
+    leave the row at 0, not NaN."""
+    out = torch.randn(1, 1, 2, 3)
+    lse = torch.tensor([[[0.5, float("-inf")]]])
+    empty = (torch.zeros(1, 1, 2, 3), torch.full((1, 1, 2), float("-inf")))
+    merged, merged_lse = merge_blocks((out, lse), empty)
+    torch.testing.assert_close(merged[..., 0, :], out[..., 0, :])
+    assert bool((merged[..., 1, :] == 0).all()) and bool(torch.isneginf(merged_lse[..., 1]).all())
+
+
+def test_only_what_a_block_does_not_hide_is_priced() -> None:
+    """p-1 forward exchanges, each hidden by one block's compute up to its length; the backward's
+    last accumulator pass follows the last block, so it always shows."""
+    assert exposed_exchange_seconds(False, 4, exchange=1.0, block=2.0) == 0.0
+    assert exposed_exchange_seconds(False, 4, exchange=3.0, block=2.0) == 3.0
+    assert exposed_exchange_seconds(True, 4, exchange=1.0, block=2.0) == 1.0
+    assert exposed_exchange_seconds(True, 4, exchange=1.0, block=0.0) == 2 + 2 * 2 + 1
