@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from pass_fixtures import assert_call_matches_serial, compile_every_rank
 from torch import nn
-from train_fixtures import train_in_lockstep
+from train_fixtures import train_hf_in_lockstep
 
 import autopar
 from autopar.compiler.driver import Compiled
@@ -130,7 +130,7 @@ def test_hf_causal_lm_on_a_cp_axis_trains_like_serial(make: object, strategy: st
         assert query.placements[1] == QUERY_SPLIT[strategy], (node.name, strategy_of)
     embeddings = [n for n in first.graph.graph.nodes if n.target is EMBEDDING]
     assert embeddings and all(info(n).layouts[0].placements[1] == Shard(1) for n in embeddings)
-    train_in_lockstep(compiled, model, kwargs, (2, 4), STEPS)
+    train_hf_in_lockstep(compiled, model, kwargs, (2, 4), STEPS)
 
 
 def test_cp_axis_at_defaults_splits_the_sequence() -> None:

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from pass_fixtures import compile_every_rank
-from train_fixtures import train_in_lockstep
+from train_fixtures import train_hf_in_lockstep
 
 import autopar
 from autopar.core.layout import Shard
@@ -78,7 +78,7 @@ def test_llama_with_ring_attention_trains_like_serial(shape: tuple[int, ...], na
         assert len(_ring_exchanges(backward)) == LAYERS * (p + 1), coords
         gathered = [n for n in forward.nodes if n.target is GATHER and info(n).comm is not None and info(n).comm.axis == cp]  # type: ignore[union-attr]
         assert not [n for n in gathered if len(n.meta["val"].shape) == 4], "keys and values are not gathered"
-    train_in_lockstep(compiled, model, kwargs, shape, steps=2)
+    train_hf_in_lockstep(compiled, model, kwargs, shape, steps=2)
 
 
 def test_plan_options_ask_for_the_ring() -> None:

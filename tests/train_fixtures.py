@@ -10,7 +10,7 @@ from torch import nn
 from autopar.testing import assemble
 
 
-def train_in_lockstep(compiled: dict, model: nn.Module, kwargs: dict, shape: tuple[int, ...], steps: int) -> None:
+def train_hf_in_lockstep(compiled: dict, model: nn.Module, kwargs: dict, shape: tuple[int, ...], steps: int) -> None:
     """`steps` steps of SGD with momentum: the ranks' programs from `parallel`'s weights, their
     gradients assembled and stepped by one optimizer; `model` stepped serially by another. Loss,
     every gradient and (after the steps) every parameter equal."""
