@@ -35,6 +35,7 @@ from autopar.compiler.pipeline_batch import (
 )
 from autopar.compiler.pipeline_checkpoint import pipelined_buffers, pipelined_state_dict
 from autopar.compiler.pipeline_choice import PipelineDecision, ScheduleChoice, decide_pipeline
+from autopar.compiler.pipeline_guards import failing, refuse_batch, whole_flat
 from autopar.compiler.pipeline_meta import make_stage_tensors
 from autopar.compiler.pipeline_random import PipelineDropout
 from autopar.compiler.pipeline_split import (
@@ -126,7 +127,9 @@ class PipelinedModule(NotCopyable, nn.Module):
         self._build_stage = build_stage
         self._first_attrs: list[set[str]] = []  # what each stage read in the first program
         self._scatter = scatter
-        self._programs: dict[tuple[Any, ...], StageProgram] = {}
+        # per microbatch signature, its programs: one per branch the inputs' values took
+        self._programs: dict[tuple[Any, ...], list[StageProgram]] = {}
+        self._variants: dict[tuple[Any, ...], int] = {}  # programs made per signature (`variant`)
         self._dropout = PipelineDropout()
         self._init_fn = init_fn
         self._seeded = torch.random.get_rng_state() if seeded is None else seeded
@@ -309,33 +312,63 @@ class PipelinedModule(NotCopyable, nn.Module):
 
     # -- one step -----------------------------------------------------------------------------
 
-    def _program(self, flat: Sequence[Any], call: tuple[tuple[Any, ...], dict[str, Any]]) -> StageProgram:
-        """The stage programs for one microbatch's call `(args, kwargs)`, exported once per shape."""
-        args, kwargs = call
+    def _program(
+        self,
+        flat: Sequence[Any],
+        call: tuple[tuple[Any, ...], dict[str, Any]],
+        whole: tuple[tuple[Any, ...], dict[str, Any]],
+        microbatch: int = 0,
+        others: Sequence[tuple[list[Any], tuple[tuple[Any, ...], dict[str, Any]]]] = (),
+    ) -> StageProgram:
+        """The stage programs for microbatch `microbatch`'s call `(args, kwargs)` of the call
+        `whole` (whose microbatches are `others`), exported once per shape and, for a model whose
+        Python reads its inputs' values, once per branch the whole batch takes
+        (`pipeline_guards`)."""
         key = program_key(flat, self.training, pytree.tree_structure(call))
-        found = self._programs.get(key)
-        if found is None:
-            was = self._model.training
-            self._model.train(self.training)
-            try:
-                found = split_stages(
-                    self._model, flat, args, self.boundaries, self.schedule.num_stages, example_kwargs=kwargs
-                )
-            finally:
-                self._model.train(was)
-            if not self._programs:  # a model on meta: this rank's stages' tensors, made now
-                self._materialize(found)
-            if self.training:  # dropout: the serial masks where the stages run their own graphs
-                self._dropout.adopt([(st.module, st.sources) for st in found.stages], found.random_ops)
-            if self._build_stage is not None:
-                check_same_tensors(self._first_attrs, found)
-                self._add_stage_programs(found, flat)
-            if not self._programs:
-                self._first_program(found)
-            self._programs[key] = found
-        else:
-            self._programs[key] = self._programs.pop(key)  # most recently used last
-        return found
+        found = self._programs.get(key, [])
+        whole_values = whole_flat(whole)
+        for program in found:
+            if not failing(program, whole_values, flat, self.device):
+                self._programs[key] = self._programs.pop(key)  # most recently used last
+                return program
+        was = self._model.training
+        self._model.train(self.training)
+        try:
+            if found:  # another branch, or a batch the serial model rejects: its own error first
+                refused = refuse_batch(self._model, whole, microbatch, failing(found[0], whole_values, flat, self.device))
+                if not isinstance(refused, PipelineSplitError):
+                    raise refused
+            # traced on this microbatch, or where its rows take another branch than the whole
+            # batch, on another microbatch of the same shape whose rows take the whole batch's
+            same_shape = [(f, c) for f, c in others if f is not flat and program_key(f, self.training, pytree.tree_structure(c)) == key]
+            first_failed: list[str] = []
+            for example_flat, (example_args, example_kwargs) in [(flat, call), *same_shape]:
+                program = split_stages(
+                    self._model, example_flat, example_args, self.boundaries, self.schedule.num_stages,
+                    example_kwargs=example_kwargs,
+                )  # fmt: skip
+                failed = failing(program, whole_values, flat, self.device)
+                if not failed:
+                    break
+                first_failed = first_failed or failed
+            else:
+                raise refuse_batch(self._model, whole, microbatch, first_failed)
+        finally:
+            self._model.train(was)
+        program.variant = self._variants.get(key, 0)
+        self._variants[key] = program.variant + 1
+        if not self._programs:  # a model on meta: this rank's stages' tensors, made now
+            self._materialize(program)
+        if self.training:  # dropout: the serial masks where the stages run their own graphs
+            self._dropout.adopt([(st.module, st.sources) for st in program.stages], program.random_ops)
+        if self._build_stage is not None:
+            check_same_tensors(self._first_attrs, program)
+            self._add_stage_programs(program, flat)
+        if not self._programs:
+            self._first_program(program)
+        self._programs.pop(key, None)
+        self._programs[key] = [*found, program][-MAX_PROGRAMS:]
+        return program
 
     def _add_stage_programs(self, program: StageProgram, flat: Sequence[Any]) -> None:
         """Give each of this rank's stage modules its program for this microbatch shape; the first
@@ -358,11 +391,11 @@ class PipelinedModule(NotCopyable, nn.Module):
             ]
             args = stage_arguments(graph, flat, received, example_mask)
             if s in wrappers:
-                wrappers[s].add(graph, args, self.training)
+                wrappers[s].add(graph, args, self.training, program.variant)
                 continue
             wrapper = StageModule(self._model, graph, program.constants)
             wrapper.train(self.training)
-            wrapper.add(graph, args, self.training)
+            wrapper.add(graph, args, self.training, program.variant)
             wrappers[s] = wrapper
             parallel[s] = self._build_stage(wrapper, args)
 
@@ -370,7 +403,10 @@ class PipelinedModule(NotCopyable, nn.Module):
         schedule = self.schedule
         pieces = split_microbatches((args, kwargs), schedule.microbatches)
         flats = [pytree.tree_leaves(mb) for mb in pieces]
-        programs = [self._program(f, mb) for f, mb in zip(flats, pieces, strict=True)]
+        # every microbatch's program is chosen (its value guards checked on the whole batch) before
+        # any stage runs: a batch the model rejects raises on every rank, none waits for a peer
+        pairs = list(zip(flats, pieces, strict=True))
+        programs = [self._program(f, mb, (args, kwargs), m, pairs) for m, (f, mb) in enumerate(pairs)]
         while len(self._programs) > MAX_PROGRAMS:  # this call's programs were used last: kept
             del self._programs[next(iter(self._programs))]
         if self.training:
@@ -597,7 +633,9 @@ def pipeline_parallelize(
     )  # fmt: skip
     pmodel.schedule_choice = decision.choice
     pieces = split_microbatches((example, dict(example_kwargs or {})), microbatches)
-    pmodel._program(pytree.tree_leaves(pieces[0]), pieces[0])  # export and cut now: errors show here
+    whole = (example, dict(example_kwargs or {}))
+    pairs = [(pytree.tree_leaves(mb), mb) for mb in pieces]
+    pmodel._program(*pairs[0], whole, 0, pairs)  # export and cut now: errors show here
     if dist.get_rank() == 0:
         path = dump_dir_from(dump_dir, 0)
         if path is not None:
