@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.compiler.pipeline_batch import (
     DepositGradients,
@@ -32,10 +31,11 @@ from autopar.compiler.pipeline_batch import (
     input_gradients,
     program_key,
     split_microbatches,
+    sum_shared_copies,
 )
 from autopar.compiler.pipeline_checkpoint import pipelined_buffers, pipelined_state_dict
 from autopar.compiler.pipeline_choice import PipelineDecision, ScheduleChoice, decide_pipeline
-from autopar.compiler.pipeline_guards import failing, refuse_batch, whole_flat
+from autopar.compiler.pipeline_guards import export_for_branch, serving
 from autopar.compiler.pipeline_meta import make_stage_tensors
 from autopar.compiler.pipeline_random import PipelineDropout
 from autopar.compiler.pipeline_split import (
@@ -52,6 +52,7 @@ from autopar.compiler.pipeline_stage import (
     parallel_stage_forward,
     stage_arguments,
     stage_forward,
+    stage_specs,
 )
 from autopar.core.errors import UsageError
 from autopar.core.pipeline_schedule import Schedule
@@ -70,11 +71,9 @@ from autopar.runtime.module_state import NotCopyable
 from autopar.runtime.pipeline_runtime import (
     BoundaryScatter,
     StageRunner,
-    TensorSpec,
     broadcast_loss,
     check_supported,
     run_step,
-    sum_shared_grads,
 )
 from autopar.runtime.run_program import WeightDeferral
 
@@ -326,33 +325,27 @@ class PipelinedModule(NotCopyable, nn.Module):
         (`pipeline_guards`)."""
         key = program_key(flat, self.training, pytree.tree_structure(call))
         found = self._programs.get(key, [])
-        whole_values = whole_flat(whole)
-        for program in found:
-            if not failing(program, whole_values, flat, self.device):
-                self._programs[key] = self._programs.pop(key)  # most recently used last
-                return program
+        program = serving(found, whole, flat, self.device)
+        if program is not None:
+            self._programs[key] = self._programs.pop(key)  # most recently used last
+            return program
+
+        def export(example_flat: Sequence[Any], example: tuple[tuple[Any, ...], dict[str, Any]]) -> StageProgram:
+            args, kwargs = example
+            return split_stages(
+                self._model, example_flat, args, self.boundaries, self.schedule.num_stages, example_kwargs=kwargs
+            )
+
+        def same_key(example_flat: Sequence[Any], example: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
+            return program_key(example_flat, self.training, pytree.tree_structure(example)) == key
+
         was = self._model.training
         self._model.train(self.training)
         try:
-            if found:  # another branch, or a batch the serial model rejects: its own error first
-                refused = refuse_batch(self._model, whole, microbatch, failing(found[0], whole_values, flat, self.device))
-                if not isinstance(refused, PipelineSplitError):
-                    raise refused
-            # traced on this microbatch, or where its rows take another branch than the whole
-            # batch, on another microbatch of the same shape whose rows take the whole batch's
-            same_shape = [(f, c) for f, c in others if f is not flat and program_key(f, self.training, pytree.tree_structure(c)) == key]
-            first_failed: list[str] = []
-            for example_flat, (example_args, example_kwargs) in [(flat, call), *same_shape]:
-                program = split_stages(
-                    self._model, example_flat, example_args, self.boundaries, self.schedule.num_stages,
-                    example_kwargs=example_kwargs,
-                )  # fmt: skip
-                failed = failing(program, whole_values, flat, self.device)
-                if not failed:
-                    break
-                first_failed = first_failed or failed
-            else:
-                raise refuse_batch(self._model, whole, microbatch, first_failed)
+            same_shape = [(f, c) for f, c in others if f is not flat and same_key(f, c)]
+            program = export_for_branch(
+                self._model, (flat, call), whole, microbatch, found, same_shape, export, self.device
+            )
         finally:
             self._model.train(was)
         program.variant = self._variants.get(key, 0)
@@ -443,7 +436,7 @@ class PipelinedModule(NotCopyable, nn.Module):
             for p, g in zip(runners[s].params, stage_grads, strict=True):
                 if g is not None:
                     grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
-        self._sum_shared(grads)
+        sum_shared_copies(self._shared, grads, self.group, self.device)
         params: list[torch.Tensor] = [p for _, p in self._local]
         ordered = [grads.get(id(p)) for p in params]
         if wanted:  # the inputs' gradients: every microbatch's rows, summed over the stages
@@ -462,6 +455,7 @@ class PipelinedModule(NotCopyable, nn.Module):
             return batch_random_ops(self._model, *call, training=self.training)
 
         key = program_key(pytree.tree_leaves(call), self.training, pytree.tree_structure(call))
+        key += tuple(p.variant for p in programs)  # a branch the inputs' values took may draw other ops
         micro = [p.random_ops for p in programs]
         self._dropout.prepare(key, export_batch, micro, self.stages, self.device)
 
@@ -481,28 +475,6 @@ class PipelinedModule(NotCopyable, nn.Module):
         )  # fmt: skip
         last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
         return gather_outputs(result.outputs, [x for x in layouts if x is not None], last_rank, self.group, self.device)
-
-    def _sum_shared(self, grads: dict[int, torch.Tensor]) -> None:
-        """A weight several stages read (a tied embedding and head) gets the sum of their gradients
-        on every copy: whole tensors summed over the pp group, each copy then given its block."""
-        whole = []
-        for _, user, copies in self._shared:
-            total = None
-            for copy in copies:
-                g = grads.get(id(copy))
-                if g is not None:
-                    g = g.full_tensor() if isinstance(g, DTensor) else g
-                    total = g if total is None else total + g
-            whole.append((user.shape, user.dtype, total))
-        summed = sum_shared_grads(whole, self.group, self.device)
-        for (_, _, copies), g in zip(self._shared, summed, strict=True):
-            for copy in copies:
-                if isinstance(copy, DTensor):
-                    grads[id(copy)] = distribute_tensor(
-                        g, copy.device_mesh, copy.placements, src_data_rank=None
-                    )
-                else:
-                    grads[id(copy)] = g
 
     def _runner(
         self,
@@ -543,20 +515,12 @@ class PipelinedModule(NotCopyable, nn.Module):
             index=stage,
             forward=forward,
             params=params,
-            input_specs=self._specs(programs, stage, "in"),
-            output_specs=self._specs(programs, stage, "out"),
+            input_specs=stage_specs(programs, stage, "in"),
+            output_specs=stage_specs(programs, stage, "out"),
             backward_weight=backward_weight,
             reduce_grads=reduce_grads if accumulation is not None else None,
             input_leaves=(lambda m: [flats[m][i] for i in wanted]) if wanted else None,
         )
-
-    @staticmethod
-    def _specs(programs: list[StageProgram], stage: int, side: str) -> Any:
-        def specs(m: int) -> tuple[TensorSpec, ...]:
-            graph = programs[m].stages[stage]
-            return graph.input_specs if side == "in" else graph.output_specs
-
-        return specs
 
 
 def pipeline_parallelize(

@@ -13,7 +13,7 @@ and no rank waits in a send for a peer that raised."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
@@ -27,6 +27,48 @@ BRANCH_HINT = (
     "values; compute the branch with tensor ops (torch.where) so both sides are in one program, "
     "choose microbatches whose rows decide it as the whole batch does, or train on a mesh without 'pp'"
 )
+
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]  # a call's (args, kwargs)
+
+
+def serving(programs: Sequence[StageProgram], whole: Call, micro: Sequence[Any], device: str) -> StageProgram | None:
+    """The first of `programs` (exported for the microbatch's signature) whose guards hold for the
+    microbatch whose flat inputs are `micro`, of the call `whole`; None where none does."""
+    whole_values = whole_flat(whole)
+    return next((p for p in programs if not failing(p, whole_values, micro, device)), None)
+
+
+def export_for_branch(
+    model: nn.Module,
+    micro: tuple[Sequence[Any], Call],
+    whole: Call,
+    microbatch: int,
+    known: Sequence[StageProgram],
+    same_shape: Sequence[tuple[Sequence[Any], Call]],
+    export: Callable[[Sequence[Any], Call], StageProgram],
+    device: str,
+) -> StageProgram:
+    """A program for microbatch `microbatch` (`micro`: its flat inputs and call) where none of the
+    `known` programs of its signature serves it. Where some exist, the batch goes another way than
+    they were traced for: the serial model's own error comes first, if it raises on `whole`. The
+    program is exported (`export(flat, call)`) on the microbatch, or, where its rows take another
+    branch than the whole batch, on another microbatch of the call with its shape (`same_shape`)
+    whose rows take the whole batch's; where none does, the call is refused."""
+    flat, call = micro
+    whole_values = whole_flat(whole)
+    if known:
+        refused = refuse_batch(model, whole, microbatch, failing(known[0], whole_values, flat, device))
+        if not isinstance(refused, PipelineSplitError):
+            raise refused
+    first_failed: list[str] = []
+    for example_flat, example in [(flat, call), *same_shape]:
+        program = export(example_flat, example)
+        failed = failing(program, whole_values, flat, device)
+        if not failed:
+            return program
+        first_failed = first_failed or failed
+    raise refuse_batch(model, whole, microbatch, first_failed)
 
 
 def failing(program: StageProgram, whole: Sequence[Any], micro: Sequence[Any], device: str) -> list[str]:
@@ -47,9 +89,7 @@ def failing(program: StageProgram, whole: Sequence[Any], micro: Sequence[Any], d
         ) from exc
 
 
-def refuse_batch(
-    model: nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]], microbatch: int, failed: Sequence[str]
-) -> PipelineSplitError | Exception:
+def refuse_batch(model: nn.Module, call: Call, microbatch: int, failed: Sequence[str]) -> Exception:
     """The error for a call no program can serve, the same on every rank: the model's own
     AssertionError / ValueError where the serial model rejects the batch (run eagerly on a copy),
     otherwise a microbatch whose rows take another branch than the whole batch."""
@@ -65,6 +105,6 @@ def refuse_batch(
     )
 
 
-def whole_flat(call: tuple[tuple[Any, ...], dict[str, Any]]) -> list[Any]:
+def whole_flat(call: Call) -> list[Any]:
     """The call's flat inputs, in the order a microbatch program's guards index them."""
     return pytree.tree_leaves(call)

@@ -22,6 +22,7 @@ from autopar.compiler.pipeline_split import PipelineSplitError, StageGraph, Stag
 from autopar.core.errors import AutoparError
 from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.pipeline_runtime import TensorSpec
 from autopar.runtime.run_program import WeightDeferral
 
 # Compiles a stage module on the stage's tensor sub-mesh, given its example arguments, and returns
@@ -195,6 +196,16 @@ def stage_arguments(
         elif kind != "attr":
             out.append(values[what])
     return tuple(out)
+
+
+def stage_specs(programs: list[StageProgram], stage: int, side: str) -> Callable[[int], tuple[TensorSpec, ...]]:
+    """Microbatch m's input (`side` "in") or output specs of stage `stage`, as the runtime asks."""
+
+    def specs(m: int) -> tuple[TensorSpec, ...]:
+        graph = programs[m].stages[stage]
+        return graph.input_specs if side == "in" else graph.output_specs
+
+    return specs
 
 
 def made_here(graph: StageGraph) -> list[str]:
