@@ -8,15 +8,24 @@ AssertionError / ValueError, not a trace failure."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import ModelAssertionError, ModelValueError
+from autopar.core.value_guards import generators_kept
 from autopar.passes.trace_errors import user_frame_of
-from autopar.passes.value_guards import inputs_have_values, private_inputs, valued_copy
+from autopar.passes.value_guards import (
+    inputs_have_values,
+    private_inputs,
+    quiet_symbolic_shapes,
+    reading_real_values,
+    valued_copy,
+)
+
+T = TypeVar("T")
 
 
 def eager_run(
@@ -65,3 +74,29 @@ def eager_error(
     except Exception:  # noqa: BLE001 - any other failure is not the model's check: the trace's error stands
         return None
     return None
+
+
+def on_real_values(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    export: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], T],
+) -> T:
+    """`export(copy, args, kwargs)` run with torch.export's real-tensor propagation on a copy of
+    the model (`valued_copy`) and of the inputs: where Python reads a value, the example's value
+    decides and the condition stays in the graph as a runtime assertion (a value guard). The
+    user's model, batch and random generators are left as they were (the forward runs for real,
+    dropout included). The model's own AssertionError / ValueError on these inputs is raised as
+    the serial model's (`eager_error`)."""
+    device = next((x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None)
+    device = device or torch.device("cpu")
+    copy_ = valued_copy(model, device)
+    private_args, private_kwargs = private_inputs(args, kwargs, frozen=False)
+    try:
+        with generators_kept(device), quiet_symbolic_shapes(), reading_real_values():
+            return export(copy_, private_args, private_kwargs)
+    except (AssertionError, ValueError) as exc:
+        own = eager_error(model, args, kwargs)
+        if own is not None:
+            raise own from exc
+        raise

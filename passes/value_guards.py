@@ -64,8 +64,7 @@ def split_value_guards(
     path and source line of a node, for the errors. `example`: the example's flat inputs, whose
     values fix the sizes of `nonzero` on the inputs alone (`_fix_input_sizes`)."""
     graph = module.graph
-    if example is not None:
-        _fix_input_sizes(module, example)
+    counted = _fix_input_sizes(module, example) if example is not None else set()
     checks = [n for n in graph.nodes if n.target is _ASSERT or n.target in _CONSTRAINTS]
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     asserts = []
@@ -103,6 +102,7 @@ def split_value_guards(
     replays = draws_before(graph, chain, where)
     guard_module, inputs = _guard_program(module, placeholders, chain, asserts, replays)
     conditions = tuple(_condition(a, where) for a in asserts if a.target is _ASSERT)
+    counts = tuple(a in counted for a in asserts if a.target is _ASSERT)
     for node in reversed(list(graph.nodes)):  # the asserts, then what only they used; draws stay
         unused_part = node.target is operator.getitem and node.args[0] in chain  # of a tuple they read
         removable = node.op == "call_function" and not draws(node)
@@ -118,7 +118,7 @@ def split_value_guards(
         )
     graph.lint()
     module.recompile()
-    return ValueGuards(guard_module, inputs, conditions, draws=any(draws(n) for n in chain))
+    return ValueGuards(guard_module, inputs, conditions, draws=any(draws(n) for n in chain), counts=counts)
 
 
 def _first_read(chain: set[fx.Node], near: fx.Node) -> fx.Node | None:
@@ -143,17 +143,18 @@ def _read_of(node: fx.Node) -> fx.Node:
     return reads[0] if reads else node
 
 
-def _fix_input_sizes(module: fx.GraphModule, example: Sequence[Any]) -> None:
+def _fix_input_sizes(module: fx.GraphModule, example: Sequence[Any]) -> set[fx.Node]:
     """Sizes the inputs' values decide, made static at the example's: `nonzero` of a mask computed
     from the inputs alone, and boolean indexing by such a mask (`hidden_states[eos_mask]`, as
     BART-family sequence classifiers pick their end-of-sequence states) become `nonzero_static` at
     the example's count, with the count as a guard (an assertion the guard program then takes),
     so a batch with another count gets its own program. A plan is made for fixed sizes; this fixes
     the sizes the inputs decide. Size constraints torch recorded on the old, unbacked size are
-    erased: the size is a number now, and the guard holds it."""
+    erased: the size is a number now, and the guard holds it. Returns the count guards made."""
     graph = module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     made: list[fx.Node] = []
+    checks: set[fx.Node] = set()
 
     def input_only(node: fx.Node) -> bool:
         return not any(n.op in ("get_attr", "call_module") or draws(n) for n in ancestors([node]))
@@ -170,6 +171,7 @@ def _fix_input_sizes(module: fx.GraphModule, example: Sequence[Any]) -> None:
         for node in (counted, same, read, check, static):
             node.meta.update({k: v for k, v in near.meta.items() if k in ("stack_trace", "nn_module_stack")})
         made.append(static)
+        checks.add(check)
         return static
 
     for node in list(graph.nodes):
@@ -200,6 +202,7 @@ def _fix_input_sizes(module: fx.GraphModule, example: Sequence[Any]) -> None:
         _erase_size_constraints(graph, made)
     graph.lint()
     module.recompile()
+    return checks
 
 
 def _is_bool(node: fx.Node) -> bool:

@@ -101,15 +101,39 @@ class ReadsValues(nn.Module):
         return F.cross_entropy(self.second(h), labels)
 
 
-def test_a_value_read_is_refused_naming_the_line_and_a_rejected_batch_raises_the_models_error() -> None:
-    """A pipeline exports one branch for every batch: a branch on the inputs' values is refused
-    with the user's line (not torch's generated code); a batch the model's own assert rejects
-    raises that AssertionError, as serial does."""
-    from autopar.core.errors import ModelAssertionError
+class ReadsActivations(ReadsValues):
+    """A branch on a value the weights compute (DETR's `isfinite` on activations)."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        h = torch.relu(h) if h.sum() > 0 else torch.tanh(h)
+        return F.cross_entropy(self.second(h), labels)
+
+
+def test_a_value_read_on_the_inputs_is_a_guard_one_on_activations_is_refused_naming_the_line() -> None:
+    """A branch on the inputs' values is cut out of the stages as a value guard, which the
+    pipeline evaluates on the whole batch before any stage runs (tests/test_pipeline_value_guards.py);
+    a batch the model's own assert rejects raises that AssertionError, as serial does; a branch on
+    a value the weights compute is refused with the user's line (not torch's generated code)."""
+    from autopar.core.errors import ModelAssertionError, TraceError
+    from autopar.passes.value_guards import WEIGHT_GUARD_HINT
 
     x, labels = torch.randn(4, 4).abs(), torch.tensor([0, 1, 2, 0])
-    with pytest.raises(PipelineSplitError, match="value guards serve meshes without a 'pp' axis") as refused:
-        split_stages(ReadsValues(), [x, labels], (x, labels), ["second"], 2)
-    assert "test_pipeline_refusals.py" in (refused.value.where or "")
+    program = split_stages(ReadsValues(), [x, labels], (x, labels), ["second"], 2)
+    guards = program.value_guards
+    assert guards is not None and not any(guards.counts)  # branches, not sizes: the whole batch's
+    lines = {c.rsplit(":", 1)[-1] for c in guards.conditions}
+    assert lines == {"98 in forward", "100 in forward"}, guards.conditions  # the assert, the branch
+    for stage in program.stages:  # the stages read no value: the guards run apart
+        targets = {n.target for n in stage.module.graph.nodes}
+        assert torch.ops.aten.item.default not in targets
+        assert torch.ops.aten._assert_scalar.default not in targets
+    assert guards.failing_per_microbatch([x, labels], [x[:2], labels[:2]]) == []
+    failing = guards.failing_per_microbatch([-x, labels], [x[:2], labels[:2]])  # the whole batch's branch
+    assert failing and all(c.endswith("100 in forward") for c in failing), failing
     with pytest.raises(ModelAssertionError, match="labels must be non-negative"):
         split_stages(ReadsValues(), [x, -labels - 1], (x, -labels - 1), ["second"], 2)
+    with pytest.raises(TraceError, match="depends on the model's weights") as refused:
+        split_stages(ReadsActivations(), [x, labels], (x, labels), ["second"], 2)
+    assert "test_pipeline_refusals.py" in (refused.value.where or "")
+    assert refused.value.hint == WEIGHT_GUARD_HINT

@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.compiler.pipeline_batch import (
     DepositGradients,
@@ -32,9 +31,11 @@ from autopar.compiler.pipeline_batch import (
     input_gradients,
     program_key,
     split_microbatches,
+    sum_shared_copies,
 )
 from autopar.compiler.pipeline_checkpoint import pipelined_buffers, pipelined_state_dict
 from autopar.compiler.pipeline_choice import PipelineDecision, ScheduleChoice, decide_pipeline
+from autopar.compiler.pipeline_guards import export_for_branch, serving
 from autopar.compiler.pipeline_meta import make_stage_tensors
 from autopar.compiler.pipeline_random import PipelineDropout
 from autopar.compiler.pipeline_split import (
@@ -51,6 +52,7 @@ from autopar.compiler.pipeline_stage import (
     parallel_stage_forward,
     stage_arguments,
     stage_forward,
+    stage_specs,
 )
 from autopar.core.errors import UsageError
 from autopar.core.pipeline_schedule import Schedule
@@ -69,11 +71,9 @@ from autopar.runtime.module_state import NotCopyable
 from autopar.runtime.pipeline_runtime import (
     BoundaryScatter,
     StageRunner,
-    TensorSpec,
     broadcast_loss,
     check_supported,
     run_step,
-    sum_shared_grads,
 )
 from autopar.runtime.run_program import WeightDeferral
 
@@ -126,7 +126,9 @@ class PipelinedModule(NotCopyable, nn.Module):
         self._build_stage = build_stage
         self._first_attrs: list[set[str]] = []  # what each stage read in the first program
         self._scatter = scatter
-        self._programs: dict[tuple[Any, ...], StageProgram] = {}
+        # per microbatch signature, its programs: one per branch the inputs' values took
+        self._programs: dict[tuple[Any, ...], list[StageProgram]] = {}
+        self._variants: dict[tuple[Any, ...], int] = {}  # programs made per signature (`variant`)
         self._dropout = PipelineDropout()
         self._init_fn = init_fn
         self._seeded = torch.random.get_rng_state() if seeded is None else seeded
@@ -309,33 +311,57 @@ class PipelinedModule(NotCopyable, nn.Module):
 
     # -- one step -----------------------------------------------------------------------------
 
-    def _program(self, flat: Sequence[Any], call: tuple[tuple[Any, ...], dict[str, Any]]) -> StageProgram:
-        """The stage programs for one microbatch's call `(args, kwargs)`, exported once per shape."""
-        args, kwargs = call
+    def _program(
+        self,
+        flat: Sequence[Any],
+        call: tuple[tuple[Any, ...], dict[str, Any]],
+        whole: tuple[tuple[Any, ...], dict[str, Any]],
+        microbatch: int = 0,
+        others: Sequence[tuple[list[Any], tuple[tuple[Any, ...], dict[str, Any]]]] = (),
+    ) -> StageProgram:
+        """The stage programs for microbatch `microbatch`'s call `(args, kwargs)` of the call
+        `whole` (whose microbatches are `others`), exported once per shape and, for a model whose
+        Python reads its inputs' values, once per branch the whole batch takes
+        (`pipeline_guards`)."""
         key = program_key(flat, self.training, pytree.tree_structure(call))
-        found = self._programs.get(key)
-        if found is None:
-            was = self._model.training
-            self._model.train(self.training)
-            try:
-                found = split_stages(
-                    self._model, flat, args, self.boundaries, self.schedule.num_stages, example_kwargs=kwargs
-                )
-            finally:
-                self._model.train(was)
-            if not self._programs:  # a model on meta: this rank's stages' tensors, made now
-                self._materialize(found)
-            if self.training:  # dropout: the serial masks where the stages run their own graphs
-                self._dropout.adopt([(st.module, st.sources) for st in found.stages], found.random_ops)
-            if self._build_stage is not None:
-                check_same_tensors(self._first_attrs, found)
-                self._add_stage_programs(found, flat)
-            if not self._programs:
-                self._first_program(found)
-            self._programs[key] = found
-        else:
+        found = self._programs.get(key, [])
+        program = serving(found, whole, flat, self.device)
+        if program is not None:
             self._programs[key] = self._programs.pop(key)  # most recently used last
-        return found
+            return program
+
+        def export(example_flat: Sequence[Any], example: tuple[tuple[Any, ...], dict[str, Any]]) -> StageProgram:
+            args, kwargs = example
+            return split_stages(
+                self._model, example_flat, args, self.boundaries, self.schedule.num_stages, example_kwargs=kwargs
+            )
+
+        def same_key(example_flat: Sequence[Any], example: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
+            return program_key(example_flat, self.training, pytree.tree_structure(example)) == key
+
+        was = self._model.training
+        self._model.train(self.training)
+        try:
+            same_shape = [(f, c) for f, c in others if f is not flat and same_key(f, c)]
+            program = export_for_branch(
+                self._model, (flat, call), whole, microbatch, found, same_shape, export, self.device
+            )
+        finally:
+            self._model.train(was)
+        program.variant = self._variants.get(key, 0)
+        self._variants[key] = program.variant + 1
+        if not self._programs:  # a model on meta: this rank's stages' tensors, made now
+            self._materialize(program)
+        if self.training:  # dropout: the serial masks where the stages run their own graphs
+            self._dropout.adopt([(st.module, st.sources) for st in program.stages], program.random_ops)
+        if self._build_stage is not None:
+            check_same_tensors(self._first_attrs, program)
+            self._add_stage_programs(program, flat)
+        if not self._programs:
+            self._first_program(program)
+        self._programs.pop(key, None)
+        self._programs[key] = [*found, program][-MAX_PROGRAMS:]
+        return program
 
     def _add_stage_programs(self, program: StageProgram, flat: Sequence[Any]) -> None:
         """Give each of this rank's stage modules its program for this microbatch shape; the first
@@ -358,11 +384,11 @@ class PipelinedModule(NotCopyable, nn.Module):
             ]
             args = stage_arguments(graph, flat, received, example_mask)
             if s in wrappers:
-                wrappers[s].add(graph, args, self.training)
+                wrappers[s].add(graph, args, self.training, program.variant)
                 continue
             wrapper = StageModule(self._model, graph, program.constants)
             wrapper.train(self.training)
-            wrapper.add(graph, args, self.training)
+            wrapper.add(graph, args, self.training, program.variant)
             wrappers[s] = wrapper
             parallel[s] = self._build_stage(wrapper, args)
 
@@ -370,7 +396,10 @@ class PipelinedModule(NotCopyable, nn.Module):
         schedule = self.schedule
         pieces = split_microbatches((args, kwargs), schedule.microbatches)
         flats = [pytree.tree_leaves(mb) for mb in pieces]
-        programs = [self._program(f, mb) for f, mb in zip(flats, pieces, strict=True)]
+        # every microbatch's program is chosen (its value guards checked on the whole batch) before
+        # any stage runs: a batch the model rejects raises on every rank, none waits for a peer
+        pairs = list(zip(flats, pieces, strict=True))
+        programs = [self._program(f, mb, (args, kwargs), m, pairs) for m, (f, mb) in enumerate(pairs)]
         while len(self._programs) > MAX_PROGRAMS:  # this call's programs were used last: kept
             del self._programs[next(iter(self._programs))]
         if self.training:
@@ -407,7 +436,7 @@ class PipelinedModule(NotCopyable, nn.Module):
             for p, g in zip(runners[s].params, stage_grads, strict=True):
                 if g is not None:
                     grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
-        self._sum_shared(grads)
+        sum_shared_copies(self._shared, grads, self.group, self.device)
         params: list[torch.Tensor] = [p for _, p in self._local]
         ordered = [grads.get(id(p)) for p in params]
         if wanted:  # the inputs' gradients: every microbatch's rows, summed over the stages
@@ -426,6 +455,7 @@ class PipelinedModule(NotCopyable, nn.Module):
             return batch_random_ops(self._model, *call, training=self.training)
 
         key = program_key(pytree.tree_leaves(call), self.training, pytree.tree_structure(call))
+        key += tuple(p.variant for p in programs)  # a branch the inputs' values took may draw other ops
         micro = [p.random_ops for p in programs]
         self._dropout.prepare(key, export_batch, micro, self.stages, self.device)
 
@@ -445,28 +475,6 @@ class PipelinedModule(NotCopyable, nn.Module):
         )  # fmt: skip
         last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
         return gather_outputs(result.outputs, [x for x in layouts if x is not None], last_rank, self.group, self.device)
-
-    def _sum_shared(self, grads: dict[int, torch.Tensor]) -> None:
-        """A weight several stages read (a tied embedding and head) gets the sum of their gradients
-        on every copy: whole tensors summed over the pp group, each copy then given its block."""
-        whole = []
-        for _, user, copies in self._shared:
-            total = None
-            for copy in copies:
-                g = grads.get(id(copy))
-                if g is not None:
-                    g = g.full_tensor() if isinstance(g, DTensor) else g
-                    total = g if total is None else total + g
-            whole.append((user.shape, user.dtype, total))
-        summed = sum_shared_grads(whole, self.group, self.device)
-        for (_, _, copies), g in zip(self._shared, summed, strict=True):
-            for copy in copies:
-                if isinstance(copy, DTensor):
-                    grads[id(copy)] = distribute_tensor(
-                        g, copy.device_mesh, copy.placements, src_data_rank=None
-                    )
-                else:
-                    grads[id(copy)] = g
 
     def _runner(
         self,
@@ -507,20 +515,12 @@ class PipelinedModule(NotCopyable, nn.Module):
             index=stage,
             forward=forward,
             params=params,
-            input_specs=self._specs(programs, stage, "in"),
-            output_specs=self._specs(programs, stage, "out"),
+            input_specs=stage_specs(programs, stage, "in"),
+            output_specs=stage_specs(programs, stage, "out"),
             backward_weight=backward_weight,
             reduce_grads=reduce_grads if accumulation is not None else None,
             input_leaves=(lambda m: [flats[m][i] for i in wanted]) if wanted else None,
         )
-
-    @staticmethod
-    def _specs(programs: list[StageProgram], stage: int, side: str) -> Any:
-        def specs(m: int) -> tuple[TensorSpec, ...]:
-            graph = programs[m].stages[stage]
-            return graph.input_specs if side == "in" else graph.output_specs
-
-        return specs
 
 
 def pipeline_parallelize(
@@ -597,7 +597,9 @@ def pipeline_parallelize(
     )  # fmt: skip
     pmodel.schedule_choice = decision.choice
     pieces = split_microbatches((example, dict(example_kwargs or {})), microbatches)
-    pmodel._program(pytree.tree_leaves(pieces[0]), pieces[0])  # export and cut now: errors show here
+    whole = (example, dict(example_kwargs or {}))
+    pairs = [(pytree.tree_leaves(mb), mb) for mb in pieces]
+    pmodel._program(*pairs[0], whole, 0, pairs)  # export and cut now: errors show here
     if dist.get_rank() == 0:
         path = dump_dir_from(dump_dir, 0)
         if path is not None:

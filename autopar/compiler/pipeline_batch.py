@@ -12,10 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.compiler.pipeline_split import OutputLayout, PipelineLossError
 from autopar.core.errors import UsageError
+from autopar.runtime.pipeline_runtime import sum_shared_grads
 
 
 def split_microbatches(args: Any, microbatches: int) -> list[Any]:
@@ -181,3 +183,31 @@ def clip_pipelined_grad_norm(
             if param.grad is not None:
                 param.grad.mul_(scale)
     return norm_all.to(torch.float32)
+
+
+def sum_shared_copies(
+    shared: Sequence[tuple[str, nn.Parameter, list[nn.Parameter]]],
+    grads: dict[int, torch.Tensor],
+    group: dist.ProcessGroup | None,
+    device: str,
+) -> None:
+    """A weight several stages read (a tied embedding and head; `shared`: its name, the user's
+    tensor, this rank's copies that stages train) gets the sum of their gradients on every copy
+    (`grads`, by the copy's id): whole tensors summed over the pp `group`, each copy then given
+    its block."""
+    whole = []
+    for _, user, copies in shared:
+        total = None
+        for copy in copies:
+            g = grads.get(id(copy))
+            if g is not None:
+                g = g.full_tensor() if isinstance(g, DTensor) else g
+                total = g if total is None else total + g
+        whole.append((user.shape, user.dtype, total))
+    summed = sum_shared_grads(whole, group, device)
+    for (_, _, copies), g in zip(shared, summed, strict=True):
+        for copy in copies:
+            if isinstance(copy, DTensor):
+                grads[id(copy)] = distribute_tensor(g, copy.device_mesh, copy.placements, src_data_rank=None)
+            else:
+                grads[id(copy)] = g

@@ -52,7 +52,7 @@ class Pipelined(Protocol):
     """What this module reads of a `PipelinedModule` (not imported: pipeline.py imports this one)."""
 
     stages: tuple[int, ...]
-    _programs: dict[Any, StageProgram]
+    _programs: dict[Any, list[StageProgram]]
 
     @property
     def _model(self) -> nn.Module: ...
@@ -80,7 +80,7 @@ def _names(model: nn.Module) -> dict[int, list[str]]:
 
 def _program(pmodel: Pipelined) -> StageProgram:
     # every program reads the same attributes per stage (StageModule.add checks it with tensor axes)
-    return next(iter(pmodel._programs.values()))
+    return next(iter(pmodel._programs.values()))[0]
 
 
 def _owners(pmodel: Pipelined, names: dict[int, list[str]]) -> dict[int, int]:

@@ -16,17 +16,17 @@ count (`LossRule`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.passes.split_module import split_module
 
+from autopar.compiler.pipeline_export import PipelineSplitError, export_loss
 from autopar.compiler.pipeline_loss import (
     LossRule,
     OutputLayout,
@@ -39,10 +39,9 @@ from autopar.compiler.pipeline_loss import (
     returns_loss,
 )
 from autopar.compiler.pipeline_random import RandomOp, draws, random_op, whole_shapes
-from autopar.core.errors import AutoparError
-from autopar.passes.eager_checks import eager_error
-from autopar.passes.trace import fake_clone
-from autopar.passes.trace_errors import user_frame_of, without_partial_graph
+from autopar.core.value_guards import ValueGuards
+from autopar.passes.trace_errors import node_where
+from autopar.passes.value_guards import inputs_have_values, split_value_guards
 from autopar.planning.stage_units import unit_names
 from autopar.runtime.pipeline_runtime import TensorSpec
 
@@ -52,10 +51,6 @@ __all__ = [  # the loss and output rules are read from here too (pipeline_loss h
 ]  # fmt: skip
 
 _STAGE = "autopar_pp_stage"
-
-
-class PipelineSplitError(AutoparError, ValueError):
-    """The model cannot be cut into pipeline stages where asked."""
 
 
 @dataclass
@@ -92,6 +87,10 @@ class StageProgram:
     output_type: type | None = None  # the mapping the model returns its loss in (a ModelOutput)
     outputs: OutputLayout | None = None  # a call without a loss: what its last stage returns
     random_ops: tuple[RandomOp, ...] = ()  # the ops that draw random numbers, in the serial order
+    # the conditions on input values the export took its branches under (`pipeline_guards`), and
+    # which of the programs traced for the same microbatch shape this is (0: the first)
+    value_guards: ValueGuards | None = None
+    variant: int = 0
 
 
 def get_attr(root: nn.Module, qualname: str) -> Any:
@@ -99,109 +98,22 @@ def get_attr(root: nn.Module, qualname: str) -> Any:
     return functools.reduce(getattr, qualname.split("."), root)
 
 
-def _export_loss(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None
-) -> tuple[Any, type | None, pytree.TreeSpec | None]:
-    """torch.export of `model`, keeping only the "loss" of an output mapping (a transformers
-    `ModelOutput` with logits and a cache object, a dict): the last stage returns its loss term. A
-    mapping without a loss (a transformers model called without labels) keeps its tensor fields
-    (logits, hidden states), not its cache. The instance's forward is wrapped for the export and
-    restored after it, as the tensor trace does on its copy. Also returns the mapping's type (None:
-    the model returns a tensor or a tuple) and the structure of what the export returns."""
-    found: list[Any] = [None, None]
-    model, args, kwargs = _exportable(model, args, kwargs)
-    had_own = "forward" in model.__dict__
-    original = model.forward
-
-    @functools.wraps(original)
-    def loss_only(*a: Any, **k: Any) -> Any:
-        result = original(*a, **k)
-        if isinstance(result, Mapping):
-            found[0] = type(result)
-            if result.get("loss") is not None:
-                result = result["loss"]
-            else:
-                result = {key: v for key, v in result.items() if _tensors_only(v)}
-        found[1] = pytree.tree_structure(result)
-        return result
-
-    model.forward = loss_only  # type: ignore[method-assign]
-    try:
-        with without_partial_graph():  # torch's own page of generated code per failed export
-            ep = torch.export.export(model, args, kwargs=kwargs or None, strict=False)
-    except AutoparError:
-        raise
-    except Exception as exc:  # torch raises many types; the user needs the cause and what to do
-        own = eager_error(model, args, kwargs or {})
-        if own is not None:  # a batch the model itself rejects: its own error, as serial's
-            raise own from exc
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        hint = (
-            "the pipeline exports the model's forward with torch.export: a model that returns its loss, "
-            "or its output tensors (logits) for inference, as its documentation calls it"
-        )
-        if "GuardOnDataDependent" in type(exc).__name__ or "data-dependent" in first:
-            hint = (
-                "Python reads a tensor's value here (a branch or an assert on the inputs' values): "
-                "value guards serve meshes without a 'pp' axis (docs/debugging.md#value-guards), a "
-                "pipeline exports one branch for every batch, so it refuses; train on a mesh without "
-                "'pp', or compute the branch with tensor ops (torch.where)"
-            )
-        if "in output" in first and "pytree" in str(exc):
-            hint = (
-                "the model returns an object torch.export cannot hand back in a tuple (a transformers "
-                "model called with return_dict=False returns its cache there): call it with its default "
-                "return_dict, whose ModelOutput's loss (or logits) the pipeline keeps"
-            )
+def _value_guards(gm: fx.GraphModule, flat_example: Sequence[Any]) -> ValueGuards | None:
+    """The conditions on the microbatch's values the export took its branches under, cut out of
+    `gm` (`split_value_guards`: the stages then read no value, and a size the inputs decide is
+    fixed at the example's count). The pipeline evaluates them on every call before any stage
+    runs (`pipeline_guards`). A branch on a random draw (LayerDrop) is refused: the pipeline draws
+    its dropout masks apart from the stages (`pipeline_random`), not the guards' replay."""
+    valued = inputs_have_values(tuple(flat_example), {})
+    guards = split_value_guards(gm, node_where, flat_example if valued else None)
+    if guards is not None and guards.draws:
         raise PipelineSplitError(
-            f"torch.export could not trace {type(model).__name__} for the pipeline: {type(exc).__name__}: {first}",
-            where=user_frame_of(exc) or None,
-            hint=hint,
-        ) from exc
-    finally:
-        if had_own:
-            model.forward = original  # type: ignore[method-assign]
-        else:
-            del model.forward
-    return ep, found[0], found[1]
-
-
-def _exportable(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None
-) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any] | None]:
-    """What to export: the model itself, or, where some of its tensors are on the meta device (a
-    model built on meta, of which this rank made only its stages' tensors), a copy holding fake
-    tensors on the inputs' device, called on fake inputs. The graph is the same; its stages read
-    the user's tensors when they run, so nothing of the model is allocated for the export."""
-    tensors = [*model.parameters(), *model.buffers()]
-    if not any(t.is_meta for t in tensors):
-        return model, args, kwargs
-    plain = [
-        f"{path}.{key}" if path else key
-        for path, module in model.named_modules()
-        for key, value in vars(module).items()
-        if isinstance(value, torch.Tensor) and value.is_meta
-    ]
-    if plain:  # no initialization makes it: on meta its value is lost
-        raise PipelineSplitError(
-            f"{type(model).__name__}.{plain[0]} is a tensor attribute on the meta device that is neither a "
-            "parameter nor a buffer, so nothing makes its value",
-            where=plain[0],
-            hint="register it as a buffer of its module (register_buffer) and set it in the module's "
-            "reset_parameters() or _init_weights, or build the model on a real device",
+            f"a branch on a random draw ({guards.conditions[0]}) is not served on a pipeline yet",
+            where=guards.conditions[0],
+            hint="turn off random layer skipping (LayerDrop: layerdrop=0 in the model's config), or "
+            "train on a mesh without 'pp', whose value guards replay the draw",
         )
-    given = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    device = given[0].device if given else torch.device("cpu")
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    stand_in = fake_clone(model, fake_mode, device=device)
-    fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, fake_mode.from_tensor, (args, kwargs))
-    return stand_in, fake_args, fake_kwargs
-
-
-def _tensors_only(value: Any) -> bool:
-    """Whether an output field is tensors only (logits, a tuple of hidden states), not a cache."""
-    leaves = pytree.tree_leaves(value)
-    return bool(leaves) and all(isinstance(t, torch.Tensor) for t in leaves)
+    return guards
 
 
 def _check_batch_statistics(model: nn.Module) -> None:
@@ -380,12 +292,13 @@ def split_stages(
     `num_stages` stage programs. A model returning a `ModelOutput` (or a dict) with a "loss" runs
     its loss only: the other fields (logits, caches) stay on the last stage."""
     _check_batch_statistics(model)
-    ep, output_type, structure = _export_loss(model, tuple(example_args), example_kwargs)
+    ep, output_type, structure = export_loss(model, tuple(example_args), example_kwargs)
     gm = ep.module()
     assert isinstance(gm, fx.GraphModule)
     for n in list(gm.graph.nodes):
         if n.op == "call_module" and not n.users:  # export's input guard
             gm.graph.erase_node(n)
+    guards = _value_guards(gm, flat_example)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(flat_example):
         raise PipelineSplitError(
@@ -540,10 +453,12 @@ def split_stages(
         layout = OutputLayout(structure, output_type, specs(returned_names))
         dtype = layout.specs[0].dtype
         return StageProgram(
-            stages, None, dtype, tuple(order_units), stage_units, constants, output_type, layout, randoms
+            stages, None, dtype, tuple(order_units), stage_units, constants, output_type, layout, randoms, guards
         )
     dtype = loss_node.meta["val"].dtype
-    return StageProgram(stages, rule, dtype, tuple(order_units), stage_units, constants, output_type, None, randoms)
+    return StageProgram(
+        stages, rule, dtype, tuple(order_units), stage_units, constants, output_type, None, randoms, guards
+    )
 
 
 def batch_random_ops(
@@ -555,7 +470,7 @@ def batch_random_ops(
     was = model.training
     model.train(training)
     try:
-        ep, _, _ = _export_loss(model, args, kwargs)
+        ep, _, _ = export_loss(model, args, kwargs)
     finally:
         model.train(was)
     gm = ep.module()

@@ -22,6 +22,7 @@ from autopar.compiler.pipeline_split import PipelineSplitError, StageGraph, Stag
 from autopar.core.errors import AutoparError
 from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.pipeline_runtime import TensorSpec
 from autopar.runtime.run_program import WeightDeferral
 
 # Compiles a stage module on the stage's tensor sub-mesh, given its example arguments, and returns
@@ -41,7 +42,7 @@ class _Programs:
     that later compiles trace."""
 
     def __init__(self) -> None:
-        self.by_call: dict[tuple[bool, Signature], StageGraph] = {}
+        self.by_call: dict[tuple[bool, int, Signature], StageGraph] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Programs:
         return self
@@ -62,14 +63,16 @@ class StageModule(nn.Module):
             _place(self, name, value, constant=name in constants)
         self._programs = _Programs()
 
-    def add(self, graph: StageGraph, args: Sequence[Any], training: bool) -> None:
+    def add(self, graph: StageGraph, args: Sequence[Any], training: bool, variant: int = 0) -> None:
         """Run `graph` for calls in mode `training` whose arguments look like `args` (one
-        microbatch shape; eval's program differs from training's, e.g. without dropout). The
-        caller has checked that it reads no tensor this module lacks (`check_same_tensors`)."""
-        self._programs.by_call.setdefault((training, signature_of(args)), graph)
+        microbatch shape; eval's program differs from training's, e.g. without dropout), called
+        with `variant=variant` (a branch the inputs' values took, `StageProgram.variant`: the
+        parallel module compiles a program per value of a plain argument). The caller has checked
+        that it reads no tensor this module lacks (`check_same_tensors`)."""
+        self._programs.by_call.setdefault((training, variant, signature_of(args)), graph)
 
-    def forward(self, *args: Any) -> tuple[Any, ...]:
-        graph = self._programs.by_call.get((self.training, signature_of(args)))
+    def forward(self, *args: Any, variant: int = 0) -> tuple[Any, ...]:
+        graph = self._programs.by_call.get((self.training, variant, signature_of(args)))
         if graph is None:
             raise AutoparError(
                 f"stage {self.index} has no program for arguments {signature_of(args)}",
@@ -148,15 +151,19 @@ def parallel_stage_forward(
     def run(m: int, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         graph = programs[m].stages[stage]
         masks.current = m
+        args = stage_arguments(graph, flats[m], received, masks.rows)
+        # a later branch's program (`StageProgram.variant`) is called with its number: a program
+        # of the parallel module's own; the first is called as it was compiled, without it
+        variant = {"variant": programs[m].variant} if programs[m].variant else {}
         if deferrals is not None:
             deferrals[m] = WeightDeferral()
             with parallel.deferring_weights(deferrals[m]):
-                outs = parallel(*stage_arguments(graph, flats[m], received, masks.rows))
+                outs = parallel(*args, **variant)
         elif accumulation is not None:
             with parallel.accumulating_gradients(accumulation):
-                outs = parallel(*stage_arguments(graph, flats[m], received, masks.rows))
+                outs = parallel(*args, **variant)
         else:
-            outs = parallel(*stage_arguments(graph, flats[m], received, masks.rows))
+            outs = parallel(*args, **variant)
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         values: dict[str, Any] = dict(zip(graph.crossing_in, received, strict=True))
         whole = [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
@@ -189,6 +196,16 @@ def stage_arguments(
         elif kind != "attr":
             out.append(values[what])
     return tuple(out)
+
+
+def stage_specs(programs: list[StageProgram], stage: int, side: str) -> Callable[[int], tuple[TensorSpec, ...]]:
+    """Microbatch m's input (`side` "in") or output specs of stage `stage`, as the runtime asks."""
+
+    def specs(m: int) -> tuple[TensorSpec, ...]:
+        graph = programs[m].stages[stage]
+        return graph.input_specs if side == "in" else graph.output_specs
+
+    return specs
 
 
 def made_here(graph: StageGraph) -> list[str]:

@@ -30,12 +30,15 @@ class ValueGuards:
     """`module` computes every guard's condition from the user's inputs at `inputs` (positions in
     the flat leaves of the call's `(args, kwargs)`); `conditions` says what each one checks and
     where the model reads the value, for the log line a recompile writes. `draws`: the conditions
-    read random draws, and `module` takes the program's device after the inputs."""
+    read random draws, and `module` takes the program's device after the inputs. `counts[i]`:
+    condition i pins a count of nonzero values that sizes the program (`nonzero_static`), not a
+    branch: on a pipeline it holds per microbatch, while a branch is the whole batch's."""
 
     module: fx.GraphModule
     inputs: tuple[int, ...]
     conditions: tuple[str, ...]
     draws: bool = False
+    counts: tuple[bool, ...] = ()
 
     def hold(self, flat: Sequence[Any], device: torch.device | str = "cpu") -> bool:
         """Whether every condition holds for a call whose flat `(args, kwargs)` leaves are `flat`
@@ -46,6 +49,22 @@ class ValueGuards:
     def failing(self, flat: Sequence[Any], device: torch.device | str = "cpu") -> list[str]:
         """The conditions that do not hold for `flat`."""
         return [text for text, v in zip(self.conditions, self._values(flat, device)) if not bool(v)]
+
+    def failing_per_microbatch(
+        self, whole: Sequence[Any], micro: Sequence[Any], device: torch.device | str = "cpu"
+    ) -> list[str]:
+        """For a program traced on one microbatch of a pipeline (`micro`, its flat inputs): the
+        conditions that fail. A branch is the serial model's, so it is evaluated on the `whole`
+        batch (the program may serve a microbatch only where its branches are the whole batch's);
+        a count sizes the microbatch's own program, so it is evaluated on `micro`."""
+        on_whole = self._values(whole, device)
+        on_micro = self._values(micro, device) if any(self.counts) else on_whole
+        counts = self.counts or (False,) * len(self.conditions)
+        return [
+            text
+            for text, count, w, m in zip(self.conditions, counts, on_whole, on_micro, strict=True)
+            if not bool(m if count else w)
+        ]
 
     def _values(self, flat: Sequence[Any], device: torch.device | str) -> list[Any]:
         args = [flat[i] for i in self.inputs]
