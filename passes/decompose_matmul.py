@@ -299,8 +299,7 @@ class _Rewriter:
                 waited = self._collective(c10d.all_gather_into_tensor.default, (part, g, *pair.collective.args[2:]), c)
                 waits.append(waited)
         made: dict[tuple[fx.Node, int, Any], fx.Node] = {}
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        chains = sorted(pair.chains, key=lambda chain: order[chain.matmul])  # shared views made before the first
+        chains = pair.chains  # in graph order of their matmuls: shared views made before the first
         for chain in chains:
             mm = chain.matmul
             with graph.inserting_before(mm):
@@ -312,7 +311,7 @@ class _Rewriter:
                     whole = self._interleave(outputs, chain, mm, out_bytes(mm, self.shape))
             mm.replace_all_uses_with(whole)
             graph.erase_node(mm)
-        for op in sorted({op for chain in chains for op in chain.ops}, key=order.__getitem__, reverse=True):
+        for op in sorted({op for chain in chains for op in chain.ops}, reverse=True):
             if not op.users:  # read by the rewritten matmuls only (a fork's other branch keeps it)
                 graph.erase_node(op)
         if pair.wait.users:  # read by others too (kept for backward): put the gathered value together

@@ -153,10 +153,9 @@ def _follow_down(
     in graph order. A branch may fork (one view read by a forward and a backward matmul): each
     matmul gets its own chain, sharing the nodes before the fork."""
     chains: list[Chain] = []
-    order = {n: i for i, n in enumerate(start.graph.nodes)}
 
     def walk(prev: fx.Node, current: list[int], pos: int, ops: list[fx.Node], views: dict[fx.Node, list[int]]) -> None:
-        for node in sorted(prev.users, key=order.__getitem__):
+        for node in sorted(prev.users):  # fx nodes compare by their place in the graph
             if node.target in MATMULS:
                 chain = _matmul_chain(node, prev, g, k, current, pos, ops, views, shape)
                 if chain is not None:
@@ -171,7 +170,7 @@ def _follow_down(
             walk(node, after, at, [*ops, node], {**views, node: piece} if piece is not None else views)
 
     walk(start, local, 0, [], {})
-    return chains
+    return sorted(chains, key=lambda chain: chain.matmul)
 
 
 def _matmul_chain(

@@ -12,6 +12,7 @@ from multirank import run_ranks
 from pass_fixtures import Coords, compile_every_rank, lockstep_step, two_linear_case
 
 from autopar.api import compile_for_rank, parallelize
+from autopar.compiler.driver import scheduled_step_time, trace_for
 from autopar.core.collectives import (
     COLLECTIVES,
     DECOMPOSED_KEY,
@@ -23,9 +24,13 @@ from autopar.core.errors import UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import info
 from autopar.options import PlanOptions
+from autopar.planning.search import search_layouts
+from autopar.planning.search_cost import TimeCost
+from autopar.rules.registry import default_registry
 from autopar.testing import assemble
-from examples.models import make_gpt, make_mlp
+from examples.models import GPT, GPTConfig, make_gpt, make_mlp
 
+HW = "h100-nvlink-ib"
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
@@ -285,3 +290,31 @@ def test_decomposed_gpt_trains_as_serial_on_four_gloo_ranks() -> None:
         assert all(abs(a - b) < 1e-5 for a, b in zip(serial, parallel)), result
         assert result["params"] < 1e-5, result  # type: ignore[operator]
         assert set(result["decomposed"]) == {"all_gather", "reduce_scatter"}, result  # type: ignore[arg-type]
+
+
+def test_the_mesh_choices_step_prices_the_decomposition() -> None:
+    """`scheduled_step_time`, the step the mesh choice ranks its candidates by, decomposes the
+    collective matmuls as the compile does: on a GPT-2-shaped model on a (4, 4, 4) mesh (H100
+    table) some pairs model shorter cut into pieces, so its step with "auto" (the default) is
+    shorter than with "off", each equal to the step of the program `compile_for_rank` builds from
+    the same plan with that mode (the compile, which also tries every pair decomposed, is never
+    longer)."""
+    with torch.device("meta"):  # nothing runs: weights not allocated
+        model = GPT(GPTConfig(vocab_size=512, block_size=1024, n_layer=2, n_head=12, n_embd=768))
+    idx = torch.zeros(8, 1024, dtype=torch.long)
+    mesh = Mesh.from_shape((4, 4, 4))
+    gm = trace_for(model, mesh, (idx, idx))
+    plan = search_layouts(gm, mesh, default_registry(), cost=TimeCost(HW, mesh.shape))
+    steps = {mode: scheduled_step_time(gm, plan, mesh, default_registry(), HW, decompose_matmuls=mode) for mode in ("off", "auto")}
+    assert steps["auto"] < steps["off"], steps
+    assert steps["auto"] == scheduled_step_time(gm, plan, mesh, default_registry(), HW)  # the default
+    for mode in ("off", "auto"):
+        compiled = compile_for_rank(
+            model, mesh, (idx, idx), coords=(0, 0, 0), hardware=HW, decompose_matmuls=mode, agree=lambda g, make: plan
+        )
+        assert compiled.timelines is not None
+        step = compiled.timelines[1].step_time
+        if mode == "off":
+            assert step == pytest.approx(steps["off"], rel=1e-9)
+        else:
+            assert step <= steps["auto"] * (1 + 1e-9) and any(r.kept for r in compiled.report.decomposed)

@@ -474,7 +474,7 @@ def scheduled_step_time(
     plan = unify_part_storage(gm, plan, mesh.shape)
     cap = in_flight_budget(gm, plan, mesh, hardware, memory_limit)
     coords = (0,) * mesh.ndim
-    return _chunk_step_times(gm, plan, mesh, registry, coords, [1], hardware, True, cap, decompose_matmuls)[1]
+    return _chunk_step_times(gm, plan, mesh, registry, coords, [1], hardware, True, cap, decompose_matmuls, False)[1]
 
 
 def prefer_scheduled(
@@ -532,6 +532,7 @@ def _chunk_step_times(
     schedule: bool,
     in_flight_bytes: int,
     decompose_matmuls: str = "off",
+    every_pair: bool = True,
 ) -> dict[int, float]:
     """Modeled step time of each chunk count that fits, lowered (on a copy of `gm`), its
     collective matmuls decomposed as `decompose_matmuls` says (batch chunks: never) and scheduled
@@ -543,7 +544,7 @@ def _chunk_step_times(
         except OverDecompositionError:
             continue
         lowered, prescheduled = decompose_chosen(
-            lowered, work, coords, table, decompose_matmuls, schedule, in_flight_bytes
+            lowered, work, coords, table, decompose_matmuls, schedule, in_flight_bytes, every_pair
         )
         if prescheduled is not None:
             lowered = prescheduled
