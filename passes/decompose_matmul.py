@@ -3,24 +3,30 @@ reduce-scatter, split into chunks so that each chunk's communication overlaps an
 matmul (the async tensor parallelism of Wang et al., ASPLOS'23; torch's async TP).
 
 Runs between insert_comm and the schedule stage, on this rank's graph. A pair qualifies when the
-gathered (scattered) dim reaches a non-contracted dim of an `mm`/`addmm` (the rows M of its left
-operand, the columns N of its right one) through views, transposes and copies only, in whole rank
-blocks. Each rank's shard is then cut into k row pieces (k: the group size, or the largest divisor
-of the shard's rows below it):
+gathered (scattered) dim reaches a dim of an `mm`/`addmm` through views, transposes and copies
+only, in whole rank blocks (`autopar.passes.decompose_pairs`). Each rank's shard is then cut into
+k row pieces (k: the group size, or the largest divisor of the shard's rows below it):
 
-- all-gather -> matmul: k all-gathers of one piece each; piece c's gather holds piece c of every
-  rank, its matmul (the same views replayed on the smaller block) waits for that gather only, and
-  the k outputs are interleaved back into the serial row order (`stack` + `view`). A gathered value
-  that other nodes read too (kept for backward) is put together again for them.
+- all-gather -> matmul along the rows M of its left operand or the columns N of its right one:
+  k all-gathers of one piece each; piece c's gather holds piece c of every rank, its matmul (the
+  same views replayed on the smaller block) waits for that gather only, and the k outputs are
+  interleaved back into the serial row order (`stack` + `view`).
+- all-gather -> matmul along the contracted dim K (a hidden dim gathered into the next linear):
+  Y = sum_c X_c W_c, piece c's gathered block times the rows (columns) of the other operand its
+  K indices meet, each product added onto the previous ones' sum (`addmm`), so piece c's matmul
+  waits for piece c's gather only and the next transfer runs under it.
+- A gathered value read by several matmuls (forward and backward) is followed into each; one that
+  other nodes read too (kept for backward) is put together again for them.
 - matmul -> reduce-scatter: k matmuls, matmul c on the rows (columns) that piece c of every rank's
   block is made of, each followed by its own reduce-scatter; the k results are concatenated.
 
-Every row is computed by one matmul over the same contracted length as before, and every sum of
-the reduce-scatters adds the same summands, so results equal the undecomposed graph's up to the
-matmul kernel's blocking of a smaller problem. The new nodes are rank-local (role "comm", like
-insert_comm's own), copied unchanged by emit; a decomposed matmul carries its local flops
-(`MATMUL_FLOPS_KEY`) for the modeled timeline, and the pieces' collectives a key that keeps the
-bucketing from merging them back (`PIECE_KEY`).
+Cut along M or N every row is computed by one matmul over the same contracted length as before,
+and every sum of the reduce-scatters adds the same summands, so results equal the undecomposed
+graph's up to the matmul kernel's blocking of a smaller problem; cut along K the partial products
+are added in another order (float rounding). The new nodes are rank-local (role "comm", like
+insert_comm's own, in the phase of the node they stand for), copied unchanged by emit; a
+decomposed matmul carries its local flops (`MATMUL_FLOPS_KEY`) for the modeled timeline, and the
+pieces' collectives a key that keeps the bucketing from merging them back (`PIECE_KEY`).
 
 Which pairs are rewritten is a cost decision (`mode="auto"`): the pair's matmul time plus the time
 its collective is exposed in the scheduled step without the rewrite, against the pieces' matmuls
@@ -174,7 +180,7 @@ def _matmul_time(matmul: fx.Node, cost: MeshCost, shape: tuple[int, ...], k: int
 
 # ---- rewriting -----------------------------------------------------------------------------------
 def _plain(node_info: NodeInfo) -> NodeInfo:
-    """A rank-local node's info, in the phase (forward, backward) of the node it stands for."""
+    """A rank-local node's info: no layouts nor strategy (its arguments are local already)."""
     return replace(node_info, comm=None, comm_group=None, layouts=(), strategy=None, note="")
 
 
@@ -190,6 +196,12 @@ class _Rewriter:
         self.piece_step = piece_step(step, pair.chunks)
         self.g = shape[step.axis]
         self.base = _plain(info(pair.collective))
+
+    def _like(self, node: fx.Node) -> NodeInfo:
+        """The info of a node standing for (a piece of) `node`: rank-local, role "comm" like the
+        collective's, in `node`'s phase (forward, backward) and at its source line."""
+        node_info = info(node)
+        return replace(self.base, phase=node_info.phase, module_path=node_info.module_path, source=node_info.source)
 
     def _node(
         self, target: Any, args: tuple[Any, ...], like: fx.Node, nbytes: float, base: NodeInfo | None = None, **kwargs: Any
@@ -215,7 +227,7 @@ class _Rewriter:
     ) -> fx.Node:
         """The chain's views on piece c's block; nodes shared by chains (before a fork) made once
         per piece and phase, in `made`."""
-        base = _plain(info(chain.matmul))
+        base = self._like(chain.matmul)
         for op in chain.ops:
             key = (op, c, base.phase)
             if key not in made:
@@ -231,7 +243,7 @@ class _Rewriter:
         (columns) piece c's collective holds."""
         g, k = self.g, self.pair.chunks
         run = chain.size // (g * k)
-        base = _plain(info(chain.matmul))
+        base = self._like(chain.matmul)
         sizes, whole = ([g, k, run, -1], [g * run, -1]) if axis == 0 else ([-1, g, k, run], [-1, g * run])
         grid = self._node(aten.reshape.default, (x, sizes), x, nbytes, base)
         picked = self._node(aten.select.int, (grid, axis + 1, c), x, nbytes / k, base)
@@ -244,9 +256,9 @@ class _Rewriter:
         if mm.target is aten.addmm.default and chain.dim == 1:  # the bias of piece c's columns
             bias = args[0]
             assert isinstance(bias, fx.Node)
-            column = self._node(aten.reshape.default, (bias, [1, -1]), mm, operand_bytes(mm, 0, self.shape), _plain(info(mm)))
-            args[0] = self._node(aten.reshape.default, (self._cut(chain, column, 1, c, operand_bytes(mm, 0, self.shape)), [-1]), mm, 0.0, _plain(info(mm)))
-        node = self._node(mm.target, tuple(args), mm, out_bytes(mm, self.shape) / self.pair.chunks, _plain(info(mm)))
+            column = self._node(aten.reshape.default, (bias, [1, -1]), mm, operand_bytes(mm, 0, self.shape), self._like(mm))
+            args[0] = self._node(aten.reshape.default, (self._cut(chain, column, 1, c, operand_bytes(mm, 0, self.shape)), [-1]), mm, 0.0, self._like(mm))
+        node = self._node(mm.target, tuple(args), mm, out_bytes(mm, self.shape) / self.pair.chunks, self._like(mm))
         flops, _ = matmul_work(mm, self.shape)
         node.meta[MATMUL_FLOPS_KEY] = flops / self.pair.chunks
         return node
@@ -264,7 +276,7 @@ class _Rewriter:
         assert isinstance(other, fx.Node)
         nbytes = operand_bytes(mm, other_index, self.shape)
         flops, _ = matmul_work(mm, self.shape)
-        base = _plain(info(mm))
+        base = self._like(mm)
         total: fx.Node | None = None
         for c, piece in enumerate(pieces):
             cut = self._cut(chain, other, 0 if left else 1, c, nbytes)
@@ -332,7 +344,7 @@ class _Rewriter:
         g, k = self.g, self.pair.chunks
         out = list(info(like).layouts[0].local_shape(self.shape, self.coords))
         run = chain.size // (g * k)
-        base = _plain(info(like))
+        base = self._like(like)
         if chain.dim == 0:
             blocks = [self._node(aten.view.default, (p, [g, run, out[1]]), like, nbytes / k, base) for p in pieces]
             stacked = self._node(aten.stack.default, (blocks, 1), like, nbytes, base)
