@@ -22,7 +22,7 @@ model (`autopar.cost.timeline`) runs one step with a compute stream and one comm
     python benchmarks/overlap.py              # ~1.5 min on 2 cores (2 worker processes)
     python benchmarks/overlap.py --auto 8 64  # ~4 min: also the mesh choice at 64 ranks (26 meshes)
     python benchmarks/overlap.py --p 64
-    python benchmarks/overlap.py --decomposed 8 64  # ~3 min: decomposed collective matmuls only
+    python benchmarks/overlap.py --decomposed 8 64 512  # ~6 min: decomposed collective matmuls only
 
 Writes benchmarks/results/overlap.json (`--decomposed`: overlap_decomposed.json): the same plan
 compiled with `decompose_matmuls` "off", "auto" and "on" (all-gather -> matmul and matmul ->
