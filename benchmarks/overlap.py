@@ -22,7 +22,7 @@ model (`autopar.cost.timeline`) runs one step with a compute stream and one comm
     python benchmarks/overlap.py              # ~1.5 min on 2 cores (2 worker processes)
     python benchmarks/overlap.py --auto 8 64  # ~4 min: also the mesh choice at 64 ranks (26 meshes)
     python benchmarks/overlap.py --p 64
-    python benchmarks/overlap.py --decomposed 8 64  # ~3 min: decomposed collective matmuls only
+    python benchmarks/overlap.py --decomposed 8 64 512  # ~6 min: decomposed collective matmuls only
 
 Writes benchmarks/results/overlap.json (`--decomposed`: overlap_decomposed.json): the same plan
 compiled with `decompose_matmuls` "off", "auto" and "on" (all-gather -> matmul and matmul ->
@@ -164,6 +164,7 @@ def measure_decomposed(mesh_shape: tuple[int, ...]) -> dict[str, Any]:
             "pairs": len(pairs),
             "decomposed": sum(d.kept for d in pairs),
             "decomposed_by_kind": {k: sum(d.kept and d.kind == k for d in pairs) for k in ("all_gather", "reduce_scatter")},
+            "decomposed_contracted": sum(d.kept and "K" in d.dims for d in pairs),
             "steps_compared_s": dict(compiled.report.decomposed_steps),
         }
     off = out["off"]
@@ -193,8 +194,8 @@ def decomposed_main(ps: list[int], jobs: int) -> None:
                 *cells,
                 f"{100 * r['floor_exposed_fraction']:.1f}%",
                 f"{r['on']['pairs']} ({r['on']['decomposed_by_kind']['all_gather']} AG, "
-                f"{r['on']['decomposed_by_kind']['reduce_scatter']} RS)",
-                r["auto"]["decomposed"],
+                f"{r['on']['decomposed_contracted']} of them K; {r['on']['decomposed_by_kind']['reduce_scatter']} RS)",
+                f"{r['auto']['decomposed']} ({r['auto']['decomposed_contracted']} K)",
             ]
         )
     print(f"Modeled on {HARDWARE}: GPT h={H} s={SEQ} b={BATCH} {LAYERS} layers, rank 0, search planner")

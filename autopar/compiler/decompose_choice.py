@@ -12,7 +12,7 @@ import torch.fx as fx
 from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
 from autopar.core.errors import UsageError
 from autopar.core.mesh import Mesh
-from autopar.cost.timeline import exposed_by_collective, simulate
+from autopar.cost.timeline import Timeline, exposed_by_collective, simulate
 from autopar.passes.decompose_matmul import MODES as DECOMPOSE_MODES
 from autopar.passes.decompose_matmul import decompose_matmuls as decompose_pass
 from autopar.passes.decompose_matmul import find_pairs
@@ -36,45 +36,51 @@ def decompose_chosen(
     mode: str,
     schedule: bool,
     in_flight_bytes: int,
+    every_pair: bool = True,
 ) -> tuple[fx.GraphModule, fx.GraphModule | None]:
-    """The decomposition pass on the lowered graph; returns the graph and, where "auto" kept it
-    whole and scheduled a copy to decide so, that scheduled copy (the schedule stage's result).
+    """The decomposition pass on the lowered graph; returns the graph and, where "auto" scheduled
+    the graph it chose to decide so, that scheduled copy (the schedule stage's result).
 
     "auto" prices each pair against the time its collective stays exposed in the step scheduled
     without the rewrite (a scheduled copy, modeled on `table`). Where some pairs price shorter, the
-    whole step is modeled, scheduled, with those pairs rewritten and with every pair rewritten, and
-    the shortest of the three steps is kept: a pair that prices faster alone can still slow the step
-    (its pieces queue on the link ahead of other collectives). Batch chunks (over-decomposition)
-    overlap their collectives already: not there."""
+    whole step is modeled, scheduled, with those pairs rewritten and (`every_pair`) with every pair
+    rewritten, and the shortest of the steps is kept: a pair that prices faster alone can still
+    slow the step (its pieces queue on the link ahead of other collectives). The mesh choice
+    (`scheduled_step_time`) leaves out the every-pair trial, which a search's plans seldom win, to
+    price each candidate with one scheduled trial. Batch chunks (over-decomposition) overlap their
+    collectives already: not there."""
     if mode == "off" or work.in_process or not find_pairs(gm, tuple(work.shape), coords):
         return gm, None
     if mode == "on":
         return decompose_pass(gm, work, coords, hardware=table, mode="on"), None
 
-    def scheduled_step(graph: fx.GraphModule) -> tuple[float, fx.GraphModule]:
+    def scheduled_step(graph: fx.GraphModule) -> tuple[Timeline, fx.GraphModule]:
         if schedule:
             graph = schedule_pass(graph, work, hardware=table, in_flight_bytes=in_flight_bytes)
-        return simulate(graph, work, table).step_time, graph
+        return simulate(graph, work, table), graph
 
-    whole, scheduled = scheduled_step(_graph_copy(gm))
-    exposed = exposed_by_collective(scheduled, simulate(scheduled, work, table))
+    timeline, scheduled = scheduled_step(_graph_copy(gm))
+    exposed = exposed_by_collective(scheduled, timeline)
     records = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, rewrite=False).meta[DECOMPOSED_KEY]
     shorter = frozenset(r.collective for r in records if r.kept)
     sets = {"whole": frozenset[str](), "pairs priced shorter": shorter, "every pair": frozenset(r.collective for r in records)}
-    steps = {"whole": whole}
+    steps = {"whole": timeline.step_time}
+    graphs = {"whole": scheduled}
     if shorter:
         for name in ("pairs priced shorter", "every pair"):
-            if name == "pairs priced shorter" or sets[name] != shorter:
+            if name == "pairs priced shorter" or (every_pair and sets[name] != shorter):
                 trial = decompose_pass(_graph_copy(gm), work, coords, hardware=table, only=sets[name])
-                steps[name] = scheduled_step(trial)[0]
+                trial_timeline, graphs[name] = scheduled_step(trial)
+                steps[name] = trial_timeline.step_time
     best = min(steps, key=lambda k: (steps[k], len(sets[k])))
     gm = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, only=sets[best], rewrite=best != "whole")
     gm.meta[DECOMPOSED_STEPS_KEY] = steps
-    if best != "whole" or not schedule:
+    if not schedule:
         return gm, None
+    chosen = graphs[best]  # scheduled already: the schedule stage's result for the graph kept
     for key in (DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY):
-        scheduled.meta[key] = gm.meta[key]
-    return gm, scheduled
+        chosen.meta[key] = gm.meta[key]
+    return gm, chosen
 
 
 def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:

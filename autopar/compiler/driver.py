@@ -251,7 +251,7 @@ def compile_for_rank(
     if len(candidates) > 1:  # over_decompose="auto": lower, schedule and model every choice
         with stage("over-decomposition"):
             step_times = _chunk_step_times(
-                gm, plan, mesh, registry, base, candidates, table, schedule, in_flight_bytes
+                gm, plan, mesh, registry, base, candidates, table, schedule, in_flight_bytes, decompose_matmuls
             )
         chunks = min(step_times, key=lambda k: (step_times[k], k))  # type: ignore[index]
     else:
@@ -465,13 +465,16 @@ def scheduled_step_time(
     registry: RuleRegistry,
     hardware: str,
     memory_limit: float | None = None,
+    decompose_matmuls: str = "auto",
 ) -> float:
     """Modeled step time of `plan` with overlap: lowered on a copy of `gm` for the rank at
-    coordinates 0, scheduled and simulated on `hardware` as `compile_for_rank` runs it (the mesh
-    choice ranks its best candidates by this)."""
+    coordinates 0, its collective matmuls decomposed where `decompose_matmuls` says (by default
+    where that models shorter), scheduled and simulated on `hardware` as `compile_for_rank` runs
+    it (the mesh choice ranks its best candidates by this)."""
     plan = unify_part_storage(gm, plan, mesh.shape)
     cap = in_flight_budget(gm, plan, mesh, hardware, memory_limit)
-    return _chunk_step_times(gm, plan, mesh, registry, (0,) * mesh.ndim, [1], hardware, True, cap)[1]
+    coords = (0,) * mesh.ndim
+    return _chunk_step_times(gm, plan, mesh, registry, coords, [1], hardware, True, cap, decompose_matmuls, False)[1]
 
 
 def prefer_scheduled(
@@ -528,16 +531,24 @@ def _chunk_step_times(
     table: str,
     schedule: bool,
     in_flight_bytes: int,
+    decompose_matmuls: str = "off",
+    every_pair: bool = True,
 ) -> dict[int, float]:
-    """Modeled step time of each chunk count that fits, lowered (on a copy of `gm`) and
-    scheduled like the real one."""
+    """Modeled step time of each chunk count that fits, lowered (on a copy of `gm`), its
+    collective matmuls decomposed as `decompose_matmuls` says (batch chunks: never) and scheduled
+    like the real one."""
     times: dict[int, float] = {}
     for k in candidates:
         try:
             lowered, work = _lower(copy.deepcopy(gm), plan, mesh, registry, coords, k)
         except OverDecompositionError:
             continue
-        if schedule:
+        lowered, prescheduled = decompose_chosen(
+            lowered, work, coords, table, decompose_matmuls, schedule, in_flight_bytes, every_pair
+        )
+        if prescheduled is not None:
+            lowered = prescheduled
+        elif schedule:
             lowered = schedule_pass(lowered, work, hardware=table, in_flight_bytes=in_flight_bytes)
         times[k] = simulate(lowered, work, table).step_time
     return times

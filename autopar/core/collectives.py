@@ -60,7 +60,7 @@ class DecomposedPair:
     collective: str  # node name of the original collective
     kind: str  # "all_gather" or "reduce_scatter"
     matmuls: tuple[str, ...]  # node names of the matmuls it feeds (is fed by)
-    dims: tuple[str, ...]  # per matmul, the dim its pieces cut: "M" (rows) or "N" (columns)
+    dims: tuple[str, ...]  # per matmul, the dim its pieces cut: "M" (rows), "N" (columns), "K" (contracted)
     where: str  # module path @ source line of the collective
     chunks: int
     before: float  # modeled seconds of the pair on the step's critical path, undecomposed
