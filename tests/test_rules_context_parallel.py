@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+from attention_cases import attention_case
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +16,7 @@ from autopar.rules.base import make_call
 from autopar.rules.context_parallel import BACKWARD, FORWARD, SEQ, sequence_split_refusal, sequence_strategies
 from autopar.rules.registry import default_registry
 from autopar.testing import check_strategy
-from autopar.testing.strategies import candidate_strategies, dim_sizes, mesh_shapes, random_tensor, seeds
+from autopar.testing.strategies import candidate_strategies, mesh_shapes, random_tensor, seeds
 
 REGISTRY = default_registry()
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -29,27 +30,8 @@ def _case(data: st.DataObject, mesh: tuple[int, ...]) -> tuple[tuple, dict, torc
     """q (B, H, T, E), k and v with H or fewer heads (GQA), T from 2 to 13 (uneven on most meshes),
     causal or not, and a mask: none, padding (B, 1, T, T) with -inf at padded keys, one broadcast
     along the queries (B, 1, 1, T), or random additive values (T, T)."""
-    g = torch.Generator().manual_seed(data.draw(seeds()))
-    b = data.draw(dim_sizes(mesh, cap=4))
-    kv_heads = data.draw(st.integers(1, 2))
-    heads = kv_heads * data.draw(st.integers(1, 2))
     seq = data.draw(st.sampled_from([math.prod(mesh), math.prod(mesh) + 1, *range(2, 14)]))
-    e = data.draw(st.integers(1, 4))
-    causal = data.draw(st.booleans())
-    q = random_tensor((b, heads, seq, e), generator=g)
-    k = random_tensor((b, kv_heads, seq, e), generator=g)
-    v = random_tensor((b, kv_heads, seq, e), generator=g)
-    kwargs: dict = {"scale": data.draw(st.sampled_from([None, 0.3]))}
-    kind = data.draw(st.sampled_from(["none", "padding", "broadcast", "additive"]))
-    if kind == "additive":
-        kwargs["attn_mask"] = random_tensor((seq, seq), generator=g)
-    elif kind != "none":
-        padded = data.draw(st.lists(st.integers(0, seq - 1), min_size=b, max_size=b))
-        mask = torch.zeros(b, 1, 1 if kind == "broadcast" else seq, seq, dtype=q.dtype)
-        for row, pad in enumerate(padded):  # keys 1..pad padded; key 0 stays, so no row is empty
-            mask[row, ..., 1 : 1 + pad] = float("-inf")
-        kwargs["attn_mask"] = mask
-    return (q, k, v, 0.0, causal), kwargs, g
+    return attention_case(data, mesh, seq)
 
 
 def _check_some(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from attention_cases import attention_case
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +19,7 @@ from autopar.rules.context_parallel import BACKWARD, FORWARD, localize_attention
 from autopar.rules.registry import default_registry
 from autopar.rules.ring_attention import exposed_exchange_seconds, merge_blocks, ring_axis
 from autopar.testing import check_strategy
-from autopar.testing.strategies import candidate_strategies, dim_sizes, mesh_shapes, random_tensor, seeds
+from autopar.testing.strategies import candidate_strategies, mesh_shapes, random_tensor, seeds
 
 REGISTRY = default_registry()
 SETTINGS = settings(max_examples=25, deadline=None)
@@ -34,28 +35,9 @@ def _case(data: st.DataObject, mesh: tuple[int, ...]) -> tuple[tuple, dict, torc
     needs equal blocks), causal or not, and a mask: none, padding (B, 1, T, T) with -inf at
     padded keys (often every key of a block, for some rows), one broadcast along the queries
     (B, 1, 1, T), or random additive values (T, T)."""
-    g = torch.Generator().manual_seed(data.draw(seeds()))
-    b = data.draw(dim_sizes(mesh, cap=4))
-    kv_heads = data.draw(st.integers(1, 2))
-    heads = kv_heads * data.draw(st.integers(1, 2))
     axis_size = data.draw(st.sampled_from(sorted(set(mesh))))
     seq = axis_size * data.draw(st.integers(1, 4))
-    e = data.draw(st.integers(1, 4))
-    causal = data.draw(st.booleans())
-    q = random_tensor((b, heads, seq, e), generator=g)
-    k = random_tensor((b, kv_heads, seq, e), generator=g)
-    v = random_tensor((b, kv_heads, seq, e), generator=g)
-    kwargs: dict = {"scale": data.draw(st.sampled_from([None, 0.3]))}
-    kind = data.draw(st.sampled_from(["none", "padding", "broadcast", "additive"]))
-    if kind == "additive":
-        kwargs["attn_mask"] = random_tensor((seq, seq), generator=g)
-    elif kind != "none":
-        padded = data.draw(st.lists(st.integers(0, seq - 1), min_size=b, max_size=b))
-        mask = torch.zeros(b, 1, 1 if kind == "broadcast" else seq, seq, dtype=q.dtype)
-        for row, pad in enumerate(padded):  # keys 1..pad padded; key 0 stays, so no row is empty
-            mask[row, ..., 1 : 1 + pad] = float("-inf")
-        kwargs["attn_mask"] = mask
-    return (q, k, v, 0.0, causal), kwargs, g
+    return attention_case(data, mesh, seq)
 
 
 def _check_some(data: st.DataObject, op: object, args: tuple, kwargs: dict, mesh: tuple[int, ...]) -> None:

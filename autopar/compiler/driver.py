@@ -465,12 +465,14 @@ def scheduled_step_time(
     registry: RuleRegistry,
     hardware: str,
     memory_limit: float | None = None,
-    decompose_matmuls: str = "auto",
+    decompose_matmuls: str = "off",
 ) -> float:
     """Modeled step time of `plan` with overlap: lowered on a copy of `gm` for the rank at
-    coordinates 0, its collective matmuls decomposed where `decompose_matmuls` says (by default
-    where that models shorter), scheduled and simulated on `hardware` as `compile_for_rank` runs
-    it (the mesh choice ranks its best candidates by this)."""
+    coordinates 0, its collective matmuls decomposed where `decompose_matmuls` says, scheduled and
+    simulated on `hardware` as `compile_for_rank` runs it (the mesh choice ranks its best
+    candidates by this). "off" by default: pricing the decomposition ("auto") costs the mesh
+    choice 2-2.5 s more per candidate at GPT-2 small's 12 layers and changed no benchmark's choice
+    (docs/scheduling.md, "In the mesh choice")."""
     plan = unify_part_storage(gm, plan, mesh.shape)
     cap = in_flight_budget(gm, plan, mesh, hardware, memory_limit)
     coords = (0,) * mesh.ndim
