@@ -26,7 +26,7 @@ from autopar.core.layout import Layout
 from autopar.core.mesh import Mesh
 from autopar.core.meta import OutputStructure
 from autopar.core.precision import AutocastState, autocast_off, compilable_autocast, describe
-from autopar.core.user_warning import warn_at_caller
+from autopar.core.user_warning import warn_at_caller, without_gloo_alltoall_notice
 from autopar.runtime.agreement import Fingerprint, fingerprint, stored_disagreement
 from autopar.runtime.call_checks import (
     CallHistory,
@@ -352,10 +352,11 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             ]
         mesh = self._mesh.device_mesh
         assert mesh is not None
-        return [
-            batch_tensor(x.detach(), mesh).redistribute(mesh, to_dtensor_placements(lay)).to_local()
-            for x, lay in zip(tensors, program.input_layouts)
-        ]
+        with without_gloo_alltoall_notice():
+            return [
+                batch_tensor(x.detach(), mesh).redistribute(mesh, to_dtensor_placements(lay)).to_local()
+                for x, lay in zip(tensors, program.input_layouts)
+            ]
 
     def _program_for(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], spec: Any
@@ -541,7 +542,8 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             return value  # type: ignore[no-any-return]
         placements = to_dtensor_placements(layout)
         if list(value.placements) != placements:
-            value = value.redistribute(value.device_mesh, placements)
+            with without_gloo_alltoall_notice():
+                value = value.redistribute(value.device_mesh, placements)
         return value.to_local()
 
     def _wrap(self, local: torch.Tensor, layout: Layout) -> Any:
