@@ -6,6 +6,7 @@ where to call it instead (a user probe met a bare AttributeError for each)."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -78,3 +79,28 @@ def test_a_number_that_compiles_a_program_per_value_is_warned_about_once() -> No
     assert len(messages) == 1, messages
     assert "input 1 is a Python int that has taken 3 values" in messages[0]
     assert "torch.tensor(t)" in messages[0]
+
+
+def _int_then_tensor(rank: int, world_size: int) -> tuple[int, list[tuple[str, str]]]:
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("x",))
+    pmodel = autopar.parallelize(_Scaled(), mesh, example_inputs=(torch.randn(2, 8), 500))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in (500, torch.tensor(0), 0, torch.tensor(3)):  # two ints and 0-d tensors: no warning
+            pmodel(torch.randn(2, 8), t)
+        before = len([w for w in caught if "autopar: input" in str(w.message)])
+        pmodel(torch.randn(2, 8), 7)  # the third int
+    return before, [(str(w.message), f"{w.filename}:{w.lineno}") for w in caught if "autopar: input" in str(w.message)]
+
+
+@pytest.mark.multirank
+def test_only_distinct_python_numbers_count_and_the_warning_names_the_callers_line() -> None:
+    """A UNet sampling loop called `pmodel(x, 500)`, then `pmodel(x, torch.tensor(0))`, then
+    `pmodel(x, 0)`: the tensor's dtype was counted as a third value, and the warning pointed into
+    torch's Module.__call__ (a user probe)."""
+    ((before, warned),) = run_ranks(1, _int_then_tensor, timeout=180)
+    assert before == 0 and len(warned) == 1, (before, warned)
+    message, where = warned[0]
+    assert "input 1 is a Python int that has taken 3 values" in message
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "# the third int" in text)
+    assert where == f"{__file__}:{line}", where

@@ -79,7 +79,9 @@ def value_only_differences(key: tuple[Any, ...], others: Sequence[tuple[Any, ...
         if other_spec != spec or other_mode != mode:
             continue
         differ = [i for i, (a, b) in enumerate(zip(leaves, other_leaves)) if a != b]
-        if differ and all(leaves[i][0] == "value" for i in differ):
+        # the same argument as a plain value of one type in both calls: a 0-d tensor, or a flag
+        # where a number was, is another program but not another value of the number
+        if differ and all(leaves[i][0] == other_leaves[i][0] == "value" and leaves[i][1] is other_leaves[i][1] for i in differ):
             for i in differ:
                 found.setdefault(i, set()).update((leaves[i][2], other_leaves[i][2]))
     return found

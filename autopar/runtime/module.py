@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from autopar.core.layout import Layout
 from autopar.core.mesh import Mesh
 from autopar.core.meta import OutputStructure
 from autopar.core.precision import AutocastState, autocast_off, compilable_autocast, describe
+from autopar.core.user_warning import warn_at_caller, without_gloo_alltoall_notice
 from autopar.runtime.agreement import Fingerprint, fingerprint, stored_disagreement
 from autopar.runtime.call_checks import (
     CallHistory,
@@ -139,7 +139,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         self.report = report
         self.training = source.training
         self._programs: OrderedDict[Any, _Program] = OrderedDict()
-        self._values_seen: dict[int, set[Any]] = {}  # plain arguments that compiled programs by value
+        self._values_seen: dict[tuple[int, type], set[Any]] = {}  # plain arguments that compiled programs by value
         self._values_warned: set[int] = set()
         self._first = first = self._prepared(program, outputs)
         device_type = mesh.device_mesh.device_type
@@ -352,10 +352,11 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             ]
         mesh = self._mesh.device_mesh
         assert mesh is not None
-        return [
-            batch_tensor(x.detach(), mesh).redistribute(mesh, to_dtensor_placements(lay)).to_local()
-            for x, lay in zip(tensors, program.input_layouts)
-        ]
+        with without_gloo_alltoall_notice():
+            return [
+                batch_tensor(x.detach(), mesh).redistribute(mesh, to_dtensor_placements(lay)).to_local()
+                for x, lay in zip(tensors, program.input_layouts)
+            ]
 
     def _program_for(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], spec: Any
@@ -427,16 +428,16 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         """Warn once per argument when a plain number or flag has compiled three programs: each
         value is a new program (seconds of compile, and at most MAX_PROGRAMS are kept)."""
         for index, values in value_only_differences(key, list(self._programs)).items():
-            seen = self._values_seen.setdefault(index, set())
-            seen.update(values)
-            if len(seen) >= 3 and index not in self._values_warned:
-                self._values_warned.add(index)
-                warnings.warn(
-                    f"autopar: input {index} is a Python {type(next(iter(seen))).__name__} that has taken "
-                    f"{len(seen)} values, and each value compiles its own program (at most {MAX_PROGRAMS} "
-                    "are kept); pass it as a tensor (torch.tensor(t)) and one program serves every value",
-                    stacklevel=4,
-                )
+            for kind in {type(value) for value in values}:
+                seen = self._values_seen.setdefault((index, kind), set())
+                seen.update(value for value in values if type(value) is kind)
+                if len(seen) >= 3 and index not in self._values_warned:
+                    self._values_warned.add(index)
+                    warn_at_caller(
+                        f"autopar: input {index} is a Python {kind.__name__} that has taken {len(seen)} "
+                        f"values, and each value compiles its own program (at most {MAX_PROGRAMS} are "
+                        "kept); pass it as a tensor (torch.tensor(t)) and one program serves every value"
+                    )
 
     def _refuse_local_guards(self, run: _Program) -> None:
         """A guard is evaluated on the global inputs, which a call with `inputs="local"` does not
@@ -541,7 +542,8 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             return value  # type: ignore[no-any-return]
         placements = to_dtensor_placements(layout)
         if list(value.placements) != placements:
-            value = value.redistribute(value.device_mesh, placements)
+            with without_gloo_alltoall_notice():
+                value = value.redistribute(value.device_mesh, placements)
         return value.to_local()
 
     def _wrap(self, local: torch.Tensor, layout: Layout) -> Any:

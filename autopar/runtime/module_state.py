@@ -28,7 +28,10 @@ class NotCopyable:
             "process groups, so a copy could not run anywhere",
             hint="save with autopar.save_checkpoint(pmodel, path) on every rank (load it with "
             "autopar.load_checkpoint), or take pmodel.state_dict(); to copy the model, copy the "
-            "serial model before parallelize",
+            "serial model before parallelize; for EMA/SWA weights (AveragedModel deep-copies), "
+            "average the parameters instead: diffusers' EMAModel(pmodel.parameters()), or "
+            "torch.optim.swa_utils.get_ema_multi_avg_fn(decay) applied to "
+            "[p.detach().clone() for p in pmodel.parameters()] after each optimizer step",
         )
 
     def __reduce_ex__(self, protocol: Any) -> NoReturn:
