@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,23 +63,7 @@ def make_groups(device_mesh: DeviceMesh, timeout: timedelta) -> Groups:
         rows = ranks.movedim(axis, -1).reshape(-1, ranks.shape[axis]).tolist()
         mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
         names.append(mine.group_name)
-    flatten_axis_sets(device_mesh)
     return Groups(world, tuple(names), timeout)
-
-
-def flatten_axis_sets(device_mesh: DeviceMesh) -> None:
-    """Give DTensor a flattened mesh for every set of two or more named axes, so that the user's
-    code reduces a value partial over several axes (`F.mse_loss(out, t)` on a 2-D mesh: the mean
-    of an output split on both axes) in one all-reduce over the flattened group: without one,
-    DTensor runs an all-reduce per axis and logs, once per rank, that sequential reductions may
-    differ between ranks. Creating groups is a collective: every rank runs this at `parallelize`,
-    in the same order (the user's loss code later runs where only some ranks might be)."""
-    names = device_mesh.mesh_dim_names
-    if names is None or device_mesh.ndim < 2:
-        return
-    for size in range(2, device_mesh.ndim + 1):
-        for axes in itertools.combinations(names, size):
-            device_mesh[axes]._flatten()
 
 
 @dataclass(frozen=True)
