@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
+from autopar.core.strategy import Strategy
+from autopar.rules.base import RuleRegistry
+from autopar.testing import check_strategy
 from autopar.testing.strategies import dim_sizes, random_tensor, seeds
 
 
@@ -35,3 +38,21 @@ def attention_case(
             mask[row, ..., 1 : 1 + pad] = float("-inf")
         kwargs["attn_mask"] = mask
     return (q, k, v, 0.0, causal), kwargs, g
+
+
+def check_some(
+    data: st.DataObject,
+    op: object,
+    args: tuple,
+    kwargs: dict,
+    mesh: tuple[int, ...],
+    options: list[Strategy],
+    registry: RuleRegistry,
+) -> None:
+    """Up to 3 of `options` (the strategies under test) checked against the oracle, on one noise."""
+    seed = data.draw(seeds(), label="noise seed")
+    for strategy in data.draw(st.lists(st.sampled_from(options), min_size=1, max_size=3, unique=True)):
+        check_strategy(
+            op, args, kwargs, strategy, mesh, registry, atol=1e-4, rtol=1e-4,
+            generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip

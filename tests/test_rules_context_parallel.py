@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
-from attention_cases import attention_case
+from attention_cases import attention_case, check_some
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +16,7 @@ from autopar.rules.base import make_call
 from autopar.rules.context_parallel import BACKWARD, FORWARD, SEQ, sequence_split_refusal, sequence_strategies
 from autopar.rules.registry import default_registry
 from autopar.testing import check_strategy
-from autopar.testing.strategies import candidate_strategies, mesh_shapes, random_tensor, seeds
+from autopar.testing.strategies import candidate_strategies, mesh_shapes, random_tensor
 
 REGISTRY = default_registry()
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -39,12 +39,7 @@ def _check_some(
 ) -> None:
     options = _sequence_split(candidate_strategies(op, args, kwargs, mesh, REGISTRY), query)
     assume(options)  # a mesh of size-1 axes, or one whose axes leave a rank no queries
-    seed = data.draw(seeds(), label="noise seed")
-    for strategy in data.draw(st.lists(st.sampled_from(options), min_size=1, max_size=3, unique=True)):
-        check_strategy(
-            op, args, kwargs, strategy, mesh, REGISTRY, atol=1e-4, rtol=1e-4,
-            generator=torch.Generator().manual_seed(seed),
-        )  # fmt: skip
+    check_some(data, op, args, kwargs, mesh, options, REGISTRY)
 
 
 @SETTINGS
