@@ -23,6 +23,8 @@ import autopar
 from autopar.compiler.pipeline_split import PipelineSplitError
 from autopar.core.errors import ModelAssertionError, ModelValueError
 
+pytestmark = pytest.mark.multirank  # every test here forks gloo ranks
+
 TIMEOUT_S = 90  # autopar's collective timeout: a rank left waiting for a peer would fail after it
 
 
