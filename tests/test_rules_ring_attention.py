@@ -17,10 +17,12 @@ from autopar.core.strategy import Strategy
 from autopar.rules.base import LocalContext, LocalGraph, make_call
 from autopar.rules.context_parallel import BACKWARD, FORWARD, localize_attention
 from autopar.rules.registry import default_registry
-from autopar.rules.ring_attention import exposed_exchange_seconds, merge_blocks, ring_axis
+from autopar.rules.ring_attention import exposed_exchange_seconds, merge_blocks, ring_admissible, ring_axis
 from autopar.testing.strategies import candidate_strategies, mesh_shapes, random_tensor
 
 REGISTRY = default_registry()
+for _op in (FORWARD, BACKWARD):  # offered where a "cp" axis asks for it; here, on any axis
+    REGISTRY.admit(_op, ring_admissible)
 SETTINGS = settings(max_examples=25, deadline=None)
 A2A = torch.ops._c10d_functional.all_to_all_single.default
 

@@ -127,6 +127,10 @@ class RuleRegistry:
         """Offer only the strategies of `op` that `requirement` admits (the op must have a rule)."""
         self._rules[op] = dataclasses.replace(self._rules[op], requirement=requirement)
 
+    def admit(self, op: Any, admits: Admits | None) -> None:
+        """Replace the rule's own filter of its whole-mesh strategies (`OpRule.admits`)."""
+        self._rules[op] = dataclasses.replace(self._rules[op], admits=admits)
+
     def get(self, op: Any) -> OpRule | None:
         return self._rules.get(op)
 

@@ -206,6 +206,8 @@ def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = 
     for op in (FORWARD, BACKWARD):
         if op in constrained:
             constrained.require(op, _attention_requirement(axis, strategy))
+            if strategy in ("auto", "ring"):  # the ring is offered where a "cp" axis asks for it
+                constrained.admit(op, ring_attention.ring_admissible)
     if EMBEDDING in constrained:
         constrained.require(EMBEDDING, _embedding_requirement(axis))
     return constrained

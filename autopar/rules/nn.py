@@ -453,7 +453,7 @@ def register(registry: RuleRegistry) -> None:
         rules.register(op, rule, anchor=True)
     for op, rule in ATTENTION.items():  # causal with a split sequence: the rows' own mask
         rules.register(
-            op, rule, localize=context_parallel.localize_attention, anchor=True, admits=ring_attention.ring_admissible
+            op, rule, localize=context_parallel.localize_attention, anchor=True, admits=ring_attention.without_ring
         )
     rules.register(
         aten.convolution_backward.default,

@@ -86,6 +86,14 @@ def ring_axis(op: Any, strategy: Strategy) -> int | None:
     return axes[0] if axes else None
 
 
+def without_ring(call: OpCall, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
+    """The attention rules' filter where no "cp" axis asks for context parallelism: no ring. The
+    greedy pass (the planner's seeds, the screen, the fixed schemes' plans) scores a strategy by the
+    redistributions of its inputs and cannot see the ring's exchanges inside the op, so it would take
+    the ring for free; a "cp" axis admits it (`ring_admissible`), and the search prices it."""
+    return ring_axis(call.op, strategy) is None
+
+
 def ring_admissible(call: OpCall, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
     """Whether the ring of `strategy` can run: the keys split along the sequence by one axis at most
     (a ring passes whole blocks of one axis), into equal blocks (the exchange's shapes are fixed)."""
