@@ -50,6 +50,7 @@ def check_some(
     registry: RuleRegistry,
 ) -> None:
     """Up to 3 of `options` (the strategies under test) checked against the oracle, on one noise."""
+    assert options, "no strategy to check: the caller's assume() should have skipped this example"
     seed = data.draw(seeds(), label="noise seed")
     for strategy in data.draw(st.lists(st.sampled_from(options), min_size=1, max_size=3, unique=True)):
         check_strategy(
