@@ -237,7 +237,7 @@ def _load_safetensors(
         file_of = {k: f for k, f in files.items() if k is not None}
         keys = set(file_of)
     # transformers saves some tensors under their checkpoints' historical names (checkpoint_names)
-    names = checkpoint_names(keys, getattr(pmodel, "checkpoint_renamer", None))
+    names = checkpoint_names(keys, pmodel.checkpoint_renamer)
     chosen, result = _match(pmodel, set(names.by_name), strict, "safetensors", prefix, names.converted)
     chosen = {name: names.by_name[key] for name, key in chosen.items()}
     state = pmodel.state_dict(keep_vars=True)
