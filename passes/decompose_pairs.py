@@ -137,6 +137,20 @@ def _pieces(rows: int, g: int, most: int | None) -> int:
     return max((k for k in range(2, top + 1) if rows % k == 0), default=1)
 
 
+def _cut(
+    step: CommStep, blocks: Layout, whole: Layout, shape: tuple[int, ...], coords: tuple[int, ...], most: int | None
+) -> tuple[int, list[int], int] | None:
+    """The group size, the whole buffer (`whole`'s local shape, the collective's dim in front) and
+    the piece count of a collective whose rank `blocks` are even along its dim (None: no pieces)."""
+    assert step.dim is not None
+    g = shape[step.axis]
+    if step.dim in blocks.uneven_dims(shape):
+        return None
+    front = front_shape(whole, step.dim, shape, coords)
+    k = _pieces(front[0] // g, g, most)
+    return (g, front, k) if k >= 2 else None
+
+
 def _gather_pair(
     node: fx.Node,
     wait: fx.Node,
@@ -145,14 +159,10 @@ def _gather_pair(
     coords: tuple[int, ...],
     most_pieces: int | None,
 ) -> Pair | None:
-    assert step.dim is not None
-    g = shape[step.axis]
-    if step.dim in step.before.uneven_dims(shape):
+    cut = _cut(step, step.before, step.after, shape, coords, most_pieces)
+    if cut is None:
         return None
-    front = front_shape(step.after, step.dim, shape, coords)
-    k = _pieces(front[0] // g, g, most_pieces)
-    if k < 2:
-        return None
+    g, front, k = cut
     chains = _follow_down(wait, front, g, k, shape, coords)
     return Pair(node, wait, chains, k) if chains else None
 
@@ -222,14 +232,10 @@ def _scatter_pair(
     coords: tuple[int, ...],
     most_pieces: int | None,
 ) -> Pair | None:
-    assert step.dim is not None
-    g = shape[step.axis]
-    if step.dim in step.after.uneven_dims(shape):
+    cut = _cut(step, step.after, step.before, shape, coords, most_pieces)
+    if cut is None:
         return None
-    front = front_shape(step.before, step.dim, shape, coords)
-    k = _pieces(front[0] // g, g, most_pieces)
-    if k < 2:
-        return None
+    g, front, k = cut
     ops: list[fx.Node] = []
     node_up = node.args[0]
     while isinstance(node_up, fx.Node) and node_up.target not in MATMULS:
