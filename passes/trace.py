@@ -69,6 +69,7 @@ from autopar.passes.trace_errors import (
     module_path,
     node_where,
     raised_in_user_code,
+    reads_a_size,
     trace_hint,
     user_frame,
     user_frame_of,
@@ -167,7 +168,12 @@ def _trace(
     except TraceError as err:
         watch.close()
         restore()
-        if err.hint != VALUE_DEPENDENT_HINT or not inputs_have_values(tuple(example_inputs), example_kwargs):
+        # a read of a size the inputs' values decide (`if mask.nonzero().size(0) > 0:`) may be served
+        # the same way, with the size made static by its count guard; if not, its own error stands
+        size_read = err.hint == DATA_DEPENDENT_HINT and reads_a_size(err)
+        if (err.hint != VALUE_DEPENDENT_HINT and not size_read) or not inputs_have_values(
+            tuple(example_inputs), example_kwargs
+        ):
             raise
         # Python reads a value: trace again on the example's real values, with the conditions as guards
         tensors = [x for x in pytree.tree_leaves((tuple(example_inputs), example_kwargs)) if isinstance(x, torch.Tensor)]
@@ -196,8 +202,17 @@ def _trace(
                     hint=VALUE_DEPENDENT_HINT,
                 ) from raised
             raise
+        except TraceError:
+            if size_read:
+                raise err from None
+            raise
         unlifted = exported.module()
-        guards = split_value_guards(unlifted, node_where, flat_values(tuple(example_inputs), example_kwargs))
+        try:
+            guards = split_value_guards(unlifted, node_where, flat_values(tuple(example_inputs), example_kwargs))
+        except TraceError:
+            if size_read:
+                raise err from None
+            raise
         forward = fake_clone(unlifted, fake_mode, frozen=forward_only)
     finally:
         watch.close()

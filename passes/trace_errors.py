@@ -130,6 +130,21 @@ def _frames_of(exc: BaseException) -> list[str]:
     return names
 
 
+# a guard on a size that values decide (`nonzero(...).size(0) > 0`): torch names its size-like symbol
+_SIZE_GUARD = re.compile(r"GuardOnDataDependentSymNode.*Size-like symbols: (?!none)", re.DOTALL)
+
+
+def reads_a_size(err: BaseException) -> bool:
+    """Whether `err` (or its cause) is torch.export's refusal of Python branching on a size the
+    inputs' values decide, as DeBERTa's classifier loss does on its count of labelled rows."""
+    current: BaseException | None = err
+    while current is not None:
+        if _SIZE_GUARD.search(f"{type(current).__name__}: {current}"):
+            return True
+        current = current.__cause__
+    return False
+
+
 def trace_hint(exc: BaseException, otherwise: str) -> str:
     """The hint for what failed: torch's causal-mask detection, CTC's alignment table, a value read
     by Python, a data-dependent shape; else `otherwise`."""

@@ -21,6 +21,7 @@ from autopar.compiler.driver import compile_for_rank
 from autopar.core.mesh import Mesh
 from autopar.passes.random_guards import RANDOM_ORDER_HINT
 from autopar.passes.value_guards import WEIGHT_GUARD_HINT
+from examples import hf_zoo
 
 
 class _Checks(nn.Module):
@@ -195,6 +196,56 @@ def test_boolean_indexing_by_an_input_mask_is_static_at_the_examples_count(per_r
     for run in compiled.values():
         targets = {n.target for n in run.program.forward.graph.nodes}
         assert torch.ops.aten.nonzero.default not in targets and torch.ops.aten.nonzero_static.default in targets
+
+
+class _LabelledRows(nn.Module):
+    """DeBERTa's classifier loss as transformers writes it: the rows whose label is set (>= 0),
+    found by `nonzero`, and a Python branch on how many there are (a size the inputs decide)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x)
+        index = (labels >= 0).nonzero()
+        if index.size(0) > 0:
+            picked = torch.gather(logits, 0, index.expand(index.size(0), logits.size(1)))
+            return F.cross_entropy(picked, torch.gather(labels, 0, index.view(-1)))
+        return logits.sum() * 0.0
+
+
+def _labelled_batch(unset: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(3, (8,), generator=gen)
+    labels[torch.randperm(8, generator=gen)[:unset]] = -1
+    return torch.randn(8, 8, generator=gen), labels
+
+
+@pytest.mark.parametrize("unset", [0, 3])
+def test_a_branch_on_a_count_the_inputs_decide_takes_the_examples_count_as_a_guard(unset: int) -> None:
+    """torch.export refuses Python branching on a size-like symbol (`u0 > 0`); the trace on the
+    example's values takes the branch, makes the size static at the example's count and guards
+    the count: a batch with as many labelled rows runs this program, another count gets its own."""
+    torch.manual_seed(0)
+    compiled = assert_call_matches_serial(_LabelledRows(), (2, 2), _labelled_batch(unset))
+    guards = next(iter(compiled.values())).program.value_guards
+    assert guards is not None
+    assert guards.hold(list(_labelled_batch(unset, seed=1)))
+    assert not guards.hold(list(_labelled_batch(unset + 1, seed=1)))
+    for run in compiled.values():
+        targets = {n.target for n in run.program.forward.graph.nodes}
+        assert torch.ops.aten.nonzero.default not in targets and torch.ops.aten.nonzero_static.default in targets
+
+
+def test_deberta_v2_classifier_with_unlabelled_rows_equals_serial() -> None:
+    """transformers' DebertaV2ForSequenceClassification at its defaults (sizes shrunk), labels
+    with unset rows (-1, which its loss skips by counting the set ones)."""
+    model, kwargs, _ = hf_zoo.build_working(hf_zoo.find("DebertaV2ForSequenceClassification"))
+    kwargs["labels"][:2] = -1
+    compiled = assert_call_matches_serial(model, (2,), (), kwargs)
+    guards = next(iter(compiled.values())).program.value_guards
+    assert guards is not None and any(guards.counts)
 
 
 class _LayerDrop(nn.Module):
