@@ -6,6 +6,7 @@ before any collective; a batch that goes the other way gets its own program, and
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,12 @@ from autopar.passes.value_guards import WEIGHT_GUARD_HINT
 from examples import hf_zoo
 
 
+def _line(marker: str) -> str:
+    """`test_value_guards.py:<n>`, n the line of this file marked `# line: <marker>`."""
+    lines = Path(__file__).read_text().splitlines()
+    return f"test_value_guards.py:{next(i for i, text in enumerate(lines, 1) if text.endswith(f'# line: {marker}'))}"
+
+
 class _Checks(nn.Module):
     """An `assert` on the labels, a branch on the inputs' sum, both read by Python."""
 
@@ -33,9 +40,9 @@ class _Checks(nn.Module):
         self.head = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        assert (y >= 0).all(), "negative label"
+        assert (y >= 0).all(), "negative label"  # line: ASSERT
         h = torch.relu(self.proj(x))
-        if x.sum() > 0:
+        if x.sum() > 0:  # line: BRANCH
             h = h * 2
         return F.cross_entropy(self.head(h), y)
 
@@ -55,8 +62,8 @@ def test_the_branch_the_example_takes_runs_equal_to_serial_with_the_guards_out_o
     for run in compiled.values():
         guards = run.program.value_guards
         assert guards is not None and guards.inputs == (0, 1)
-        assert any("test_value_guards.py:35" in c for c in guards.conditions), guards.conditions
-        assert any("test_value_guards.py:37" in c for c in guards.conditions), guards.conditions
+        assert any(_line("ASSERT") in c for c in guards.conditions), guards.conditions
+        assert any(_line("BRANCH") in c for c in guards.conditions), guards.conditions
         # the distributed program reads no value: the guards run apart, on the global inputs
         for gm in (run.program.forward, run.program.backward):
             targets = {n.target for n in gm.graph.nodes}
@@ -66,7 +73,7 @@ def test_the_branch_the_example_takes_runs_equal_to_serial_with_the_guards_out_o
     assert guards is not None
     assert guards.hold(list(_batch(sign, seed=1)))
     assert not guards.hold(list(_batch(-sign, seed=1)))
-    assert all("test_value_guards.py:37" in c for c in guards.failing(list(_batch(-sign, seed=1))))
+    assert all(_line("BRANCH") in c for c in guards.failing(list(_batch(-sign, seed=1))))
     x, y = _batch(sign, seed=1)
     assert not guards.hold([x, y - 4])  # the assert's condition is a guard too
 
@@ -80,7 +87,7 @@ class _ChecksItsActivations(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.proj(x)
-        if not torch.isfinite(h).all():
+        if not torch.isfinite(h).all():  # line: ACTIVATIONS
             raise ValueError("non-finite activations")
         return F.cross_entropy(h, y)
 
@@ -95,7 +102,7 @@ class _DrawsByValues(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.proj(x)
-        picked = torch.multinomial(torch.softmax(h, -1), 1)
+        picked = torch.multinomial(torch.softmax(h, -1), 1)  # line: DRAW
         if torch.rand([]) >= 0.5:
             h = h * 2
         return F.cross_entropy(h, y) + picked.sum() * 0
@@ -104,8 +111,8 @@ class _DrawsByValues(nn.Module):
 @pytest.mark.parametrize(
     ("model", "line", "says", "hint"),
     [
-        (_ChecksItsActivations(), "test_value_guards.py:82", "depends on the model's weights", WEIGHT_GUARD_HINT),
-        (_DrawsByValues(), "test_value_guards.py:97", "input values decide", RANDOM_ORDER_HINT),
+        (_ChecksItsActivations(), _line("ACTIVATIONS"), "depends on the model's weights", WEIGHT_GUARD_HINT),
+        (_DrawsByValues(), _line("DRAW"), "input values decide", RANDOM_ORDER_HINT),
     ],
 )
 def test_a_value_not_computed_from_the_inputs_alone_is_refused_naming_the_line(
@@ -143,7 +150,7 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
     x, y = _batch(1.0, seed=9)
     with pytest.raises(AssertionError, match="negative label") as err:  # as serial raises it
         pmodel(x, y - 4)
-    assert isinstance(err.value, autopar.ModelAssertionError) and "test_value_guards.py:35" in str(err.value.where)
+    assert isinstance(err.value, autopar.ModelAssertionError) and _line("ASSERT") in str(err.value.where)
     with pytest.raises(AssertionError, match="negative label"):  # again: the failure compiled nothing
         pmodel(x, y - 4)
     return {"max_error": max(errors), "programs": [why for why, _ in pmodel.programs]}
@@ -157,7 +164,7 @@ def test_each_branch_gets_its_program_and_trains_like_serial_on_two_ranks() -> N
         first, other = result["programs"]
         assert first == "example inputs", (rank, result)
         assert other.startswith("new input values (the value Python reads at") and "decides another branch" in other
-        assert "test_value_guards.py:37" in other, (rank, result)
+        assert _line("BRANCH") in other, (rank, result)
 
 
 class _PicksEndOfSequence(nn.Module):
