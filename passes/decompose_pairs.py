@@ -68,9 +68,11 @@ def find_pairs(
         if wait is None or len(node.users) != 1 or wait.target is not c10d.wait_tensor.default:
             continue
         if node.target is c10d.all_gather_into_tensor.default and step.kind == "all_gather":
-            pair = _gather_pair(node, wait, step, shape, coords, most_pieces)
+            cut = _cut(step, step.before, step.after, shape, coords, most_pieces)
+            pair = _gather_pair(node, wait, cut, shape, coords) if cut is not None else None
         elif node.target is c10d.reduce_scatter_tensor.default and step.kind == "reduce_scatter":
-            pair = _scatter_pair(node, wait, step, shape, coords, most_pieces)
+            cut = _cut(step, step.after, step.before, shape, coords, most_pieces)
+            pair = _scatter_pair(node, wait, cut, shape, coords) if cut is not None else None
         else:
             continue
         if pair is not None:
@@ -152,16 +154,8 @@ def _cut(
 
 
 def _gather_pair(
-    node: fx.Node,
-    wait: fx.Node,
-    step: CommStep,
-    shape: tuple[int, ...],
-    coords: tuple[int, ...],
-    most_pieces: int | None,
+    node: fx.Node, wait: fx.Node, cut: tuple[int, list[int], int], shape: tuple[int, ...], coords: tuple[int, ...]
 ) -> Pair | None:
-    cut = _cut(step, step.before, step.after, shape, coords, most_pieces)
-    if cut is None:
-        return None
     g, front, k = cut
     chains = _follow_down(wait, front, g, k, shape, coords)
     return Pair(node, wait, chains, k) if chains else None
@@ -225,16 +219,8 @@ def _matmul_chain(
 
 
 def _scatter_pair(
-    node: fx.Node,
-    wait: fx.Node,
-    step: CommStep,
-    shape: tuple[int, ...],
-    coords: tuple[int, ...],
-    most_pieces: int | None,
+    node: fx.Node, wait: fx.Node, cut: tuple[int, list[int], int], shape: tuple[int, ...], coords: tuple[int, ...]
 ) -> Pair | None:
-    cut = _cut(step, step.after, step.before, shape, coords, most_pieces)
-    if cut is None:
-        return None
     g, front, k = cut
     ops: list[fx.Node] = []
     node_up = node.args[0]
