@@ -1,7 +1,12 @@
 """What `parallelize` returns: a module that runs this rank's emitted graphs under autograd.
 
 Parameters are DTensors (original names, global shapes, local storage shards), so torch
-optimizers, `clip_grad_norm_` and distributed checkpointing work on them unchanged. `forward`
+optimizers, `clip_grad_norm_` and distributed checkpointing work on them unchanged. Where the
+plan stores every parameter and buffer whole on every rank (DDP's plan), they are plain tensors
+instead, as under DDP: each rank's copy is the whole value, so nothing needs DTensor's global view,
+and the user's optimizer, gradient accumulation and clipping run at plain tensors' speed (each
+DTensor op costs tens of microseconds of dispatch on top, which on a CPU rank was a third of the
+step's overhead: docs/benchmarks.md). `forward`
 runs the emitted forward graph inside an autograd.Function whose backward runs the emitted backward
 graph; the local gradients it returns flow through `DTensor.to_local` into DTensor `.grad`s.
 """
@@ -18,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import AutoparError, InputMismatchError, UsageError
@@ -117,6 +122,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         local_inputs: bool = False,
         autocast: AutocastState = (),
         inductor: bool = False,
+        plain_when_replicated: bool = False,
     ) -> None:
         super().__init__()
         assert mesh.device_mesh is not None
@@ -148,6 +154,8 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         buffers = dict(source.named_buffers(remove_duplicate=False))
         full.update(buffers)
         layouts = program.source_layouts()  # a fused parameter's parts make one layout
+        # DDP's plan: every stored tensor whole on every rank, held as plain tensors (module doc)
+        self.plain_storage = plain_when_replicated and all(lay.is_replicated for lay in layouts.values())
         saved = set(source.state_dict(keep_vars=True))  # buffers outside it are not persistent
         self.aliases = dict(aliases)  # tied name -> the name it is stored under
         self.not_stored: list[str] = []  # the source's tensors that no program reads
@@ -171,6 +179,12 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
                     raise AssertionError(f"{name} is on the meta device and was not initialized")
             else:
                 local = local_value(tensor, layout, mesh.shape, program.coords).clone().contiguous()
+            if self.plain_storage:
+                if name in buffers:
+                    register_at(self, name, local, buffer=True, persistent=name in saved)
+                else:
+                    register_at(self, name, nn.Parameter(local, requires_grad=full[name].requires_grad))
+                continue
             dt = DTensor.from_local(
                 local,
                 mesh.device_mesh,
@@ -538,8 +552,16 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         return sources
 
     def _local_as(self, value: Any, layout: Layout) -> torch.Tensor:
+        """This rank's block of stored `value` in `layout`, differentiably: a plain (whole) stored
+        tensor that a later program reads split goes through a replicated DTensor, so that its
+        gradient is gathered back whole as a stored DTensor's would be."""
         if not isinstance(value, DTensor):
-            return value  # type: ignore[no-any-return]
+            if layout.is_replicated:
+                return value  # type: ignore[no-any-return]
+            assert self._mesh.device_mesh is not None
+            value = DTensor.from_local(
+                value, self._mesh.device_mesh, [Replicate()] * self._mesh.device_mesh.ndim, run_check=False
+            )
         placements = to_dtensor_placements(layout)
         if list(value.placements) != placements:
             with without_gloo_alltoall_notice():
