@@ -224,7 +224,7 @@ def parallelize(
     groups = make_groups(autopar_mesh.device_mesh, as_timeout(timeout))
     result = compile_module(
         model, autopar_mesh, groups, options, example_inputs, example_kwargs, traced_inputs, traced_kwargs,
-        autocast=autocast, seeded=seeded,
+        autocast=autocast, seeded=seeded, plain_when_replicated=True,
     )
     result.mesh_choice = depth_choice if depth_choice is not None else choice  # type: ignore[assignment]
     watch_optimizers(model, result)  # an optimizer over model.parameters() is refused at its step

@@ -1,7 +1,12 @@
 """What `parallelize` returns: a module that runs this rank's emitted graphs under autograd.
 
 Parameters are DTensors (original names, global shapes, local storage shards), so torch
-optimizers, `clip_grad_norm_` and distributed checkpointing work on them unchanged. `forward`
+optimizers, `clip_grad_norm_` and distributed checkpointing work on them unchanged. Where the
+plan stores every parameter and buffer whole on every rank (DDP's plan), they are plain tensors
+instead, as under DDP: each rank's copy is the whole value, so nothing needs DTensor's global view,
+and the user's optimizer, gradient accumulation and clipping run at plain tensors' speed (each
+DTensor op costs tens of microseconds of dispatch on top, which on a CPU rank was a third of the
+step's overhead: docs/benchmarks.md). `forward`
 runs the emitted forward graph inside an autograd.Function whose backward runs the emitted backward
 graph; the local gradients it returns flow through `DTensor.to_local` into DTensor `.grad`s.
 """
@@ -18,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import AutoparError, InputMismatchError, UsageError
@@ -117,6 +122,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         local_inputs: bool = False,
         autocast: AutocastState = (),
         inductor: bool = False,
+        plain_when_replicated: bool = False,
     ) -> None:
         super().__init__()
         assert mesh.device_mesh is not None
@@ -142,12 +148,16 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         self._values_seen: dict[tuple[int, type], set[Any]] = {}  # plain arguments that compiled programs by value
         self._values_warned: set[int] = set()
         self._first = first = self._prepared(program, outputs)
+        self._holders: dict[str, tuple[nn.Module, str]] = {}  # tensor name -> its submodule, leaf (`_held`)
+        self._dtype_names: list[str] | None = None  # the names `_tensor_dtypes` reads
         device_type = mesh.device_mesh.device_type
         self._autocast_devices = tuple(dict.fromkeys(("cpu", device_type)))
         full: dict[str, torch.Tensor] = dict(source.named_parameters(remove_duplicate=False))
         buffers = dict(source.named_buffers(remove_duplicate=False))
         full.update(buffers)
         layouts = program.source_layouts()  # a fused parameter's parts make one layout
+        # DDP's plan: every stored tensor whole on every rank, held as plain tensors (module doc)
+        self.plain_storage = plain_when_replicated and all(lay.is_replicated for lay in layouts.values())
         saved = set(source.state_dict(keep_vars=True))  # buffers outside it are not persistent
         self.aliases = dict(aliases)  # tied name -> the name it is stored under
         self.not_stored: list[str] = []  # the source's tensors that no program reads
@@ -171,6 +181,12 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
                     raise AssertionError(f"{name} is on the meta device and was not initialized")
             else:
                 local = local_value(tensor, layout, mesh.shape, program.coords).clone().contiguous()
+            if self.plain_storage:
+                if name in buffers:
+                    register_at(self, name, local, buffer=True, persistent=name in saved)
+                else:
+                    register_at(self, name, nn.Parameter(local, requires_grad=full[name].requires_grad))
+                continue
             dt = DTensor.from_local(
                 local,
                 mesh.device_mesh,
@@ -455,7 +471,30 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         return tuple((path, module.training) for path, module in self._flagged)
 
     def _tensor_dtypes(self) -> tuple[tuple[str, torch.dtype], ...]:
-        return tuple((name, t.dtype) for name, t in [*self.named_parameters(), *self.named_buffers()])
+        """The dtype of every parameter and buffer now (after `.to()`, `.half()`, `p.data = ...`):
+        the names come from one walk of the module, each tensor from its holder every call."""
+        if self._dtype_names is None:
+            self._dtype_names = [name for name, _ in [*self.named_parameters(), *self.named_buffers()]]
+        found = [(name, self._held(name)) for name in self._dtype_names]
+        if any(t is None for _, t in found):  # the user removed one: walk again
+            self._dtype_names = None
+            return tuple((name, t.dtype) for name, t in [*self.named_parameters(), *self.named_buffers()])
+        return tuple((name, t.dtype) for name, t in found if t is not None)
+
+    def _held(self, name: str) -> torch.Tensor | None:
+        """The parameter or buffer `name` as its holder (the submodule) holds it now, None if it
+        holds none: one dict read where `lookup` walks every attribute of the path (a call reads
+        every stored tensor, ~70 for a small GPT: half a millisecond of walks)."""
+        found = self._holders.get(name)
+        if found is None:
+            prefix, _, leaf = name.rpartition(".")
+            holder = lookup(self, prefix) if prefix else self
+            if not isinstance(holder, nn.Module):
+                return None
+            found = self._holders[name] = (holder, leaf)
+        holder, leaf = found
+        value = holder._parameters.get(leaf)
+        return value if value is not None else holder._buffers.get(leaf)
 
     def _difference(self, key: Any) -> str:
         """What is new about a call: its inputs, or its mode, next to the last program compiled."""
@@ -529,7 +568,9 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             if constant is not None:
                 sources.append(constant)
                 continue
-            value = lookup(self, name)
+            value = self._held(name)
+            if value is None:
+                value = lookup(self, name)
             if isinstance(value, DTensor) and value._spec.placements == placements:
                 sources.append(value)
             else:
@@ -538,8 +579,16 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         return sources
 
     def _local_as(self, value: Any, layout: Layout) -> torch.Tensor:
+        """This rank's block of stored `value` in `layout`, differentiably: a plain (whole) stored
+        tensor that a later program reads split goes through a replicated DTensor, so that its
+        gradient is gathered back whole as a stored DTensor's would be."""
         if not isinstance(value, DTensor):
-            return value  # type: ignore[no-any-return]
+            if layout.is_replicated:
+                return value  # type: ignore[no-any-return]
+            assert self._mesh.device_mesh is not None
+            value = DTensor.from_local(
+                value, self._mesh.device_mesh, [Replicate()] * self._mesh.device_mesh.ndim, run_check=False
+            )
         placements = to_dtensor_placements(layout)
         if list(value.placements) != placements:
             with without_gloo_alltoall_notice():
