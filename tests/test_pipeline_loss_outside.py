@@ -1,0 +1,183 @@
+"""A loss computed outside a pipelined model (docs/pipeline.md#a-loss-outside-the-model), the loop
+of timm, torchvision and diffusers: `loss = F.cross_entropy(pmodel(x), y); loss.backward()`. Losses,
+every gradient and the parameters after SGD-momentum steps equal serial's on real gloo ranks (pp=2,
+pp=2 x tp=2), dropout included; gradient accumulation over two calls; an input that requires grad;
+a second backward through one call's outputs refused."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from multirank import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import autopar
+from autopar.runtime.pipeline_runtime import PipelineRuntimeError
+
+TOL = {"rtol": 1e-4, "atol": 1e-6}
+ORDER_WARNING = "GPipe's order"
+
+
+class SmallConvNet(nn.Module):
+    """A torchvision-style classifier: convolutions with residuals, pooling, dropout, a linear head
+    returning logits (the loss is the training loop's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1) for _ in range(3))
+        self.drop = nn.Dropout(0.25)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.stem(x))
+        for block in self.blocks:
+            h = h + F.relu(block(h))
+        return self.head(self.drop(h.mean(dim=(2, 3))))
+
+
+class Denoiser(nn.Module):
+    """A diffusers-style noise predictor: the noisy sample and its timestep in, the predicted noise
+    out; the training loop computes `F.mse_loss(pred, noise)`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.time = nn.Linear(1, 16)
+        self.inp = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.inp(noisy) + F.silu(self.time(t[:, None]))
+        for layer in self.layers:
+            h = h + F.silu(layer(h))
+        return self.out(h)
+
+
+def _conv_batch(step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(8, 3, 6, 6, generator=g),), torch.randint(0, 5, (8,), generator=g)
+
+
+def _noise_batch(step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(8, 8, generator=g), torch.rand(8, generator=g)), torch.randn(8, 8, generator=g)
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None
+    return p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+
+
+def _value(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def _train(
+    module: nn.Module,
+    batch: Callable[[int], tuple[tuple[torch.Tensor, ...], torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    steps: int,
+    calls: int,
+    input_grad: bool,
+) -> tuple[list[float], list[dict[str, torch.Tensor]], list[torch.Tensor | None]]:
+    """SGD with momentum; each step's batch in `calls` calls, each with its own backward (gradient
+    accumulation), the generator seeded alike before each call (dropout's masks are serial's).
+    Returns each call's loss, each step's gradients by name and, with `input_grad`, the first
+    input's gradient of each step's first call."""
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    losses: list[float] = []
+    grads: list[dict[str, torch.Tensor]] = []
+    input_grads: list[torch.Tensor | None] = []
+    for step in range(steps):
+        opt.zero_grad()
+        inputs, target = batch(step)
+        for call in range(calls):
+            rows = slice(call * 8 // calls, (call + 1) * 8 // calls)
+            given = [x[rows].clone() for x in inputs]
+            if input_grad and call == 0:
+                given[0].requires_grad_(True)
+            torch.manual_seed(1000 * step + call)
+            loss = loss_fn(module(*given), target[rows]) / calls
+            loss.backward()
+            losses.append(float(loss.detach()))
+            if call == 0:
+                input_grads.append(given[0].grad)
+        grads.append({name: _grad(p).clone() for name, p in module.named_parameters()})
+        opt.step()
+    return losses, grads, input_grads
+
+
+def _job(rank: int, world: int, cases: list[dict[str, Any]]) -> None:
+    for case in cases:
+        torch.manual_seed(0)
+        conv = case["model"] == "conv"
+        model: nn.Module = SmallConvNet() if conv else Denoiser()
+        serial = copy.deepcopy(model)
+        batch = _conv_batch if conv else _noise_batch
+        loss_fn = F.cross_entropy if conv else F.mse_loss
+        if world == 4:  # tensor axes beside pp: each stage a parallel module on its sub-mesh
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+        else:
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+        options = autopar.PipelineOptions(
+            microbatches=case["M"], schedule=case.get("schedule"), stage_boundaries=case["boundaries"],
+            virtual_stages=case.get("v", 1),
+        )  # fmt: skip
+        pmodel = autopar.parallelize(model, mesh, example_inputs=batch(0)[0], pipeline=options)
+        kwargs = {"steps": case.get("steps", 2), "calls": case.get("calls", 1), "input_grad": case.get("input_grad", False)}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = _train(pmodel, batch, loss_fn, **kwargs)
+        order_warnings = [w for w in caught if ORDER_WARNING in str(w.message)]
+        assert len(order_warnings) == (1 if case.get("schedule") not in (None, "gpipe") else 0), (case, caught)
+        want = _train(serial, batch, loss_fn, **kwargs)
+        torch.testing.assert_close(got[0], want[0], **TOL, msg=f"{case} losses")
+        for step, (g, w) in enumerate(zip(got[1], want[1], strict=True)):
+            assert g.keys() <= w.keys() and g, (case, sorted(g))
+            for name, value in g.items():
+                torch.testing.assert_close(value, w[name], **TOL, msg=f"{case} step {step} {name}.grad")
+        if kwargs["input_grad"]:
+            for g_in, w_in in zip(got[2], want[2], strict=True):
+                assert g_in is not None and w_in is not None
+                torch.testing.assert_close(g_in, w_in, **TOL, msg=f"{case} input grad")
+        ref = dict(serial.named_parameters())
+        for name, p in pmodel.named_parameters():
+            torch.testing.assert_close(_value(p).detach(), ref[name].detach(), **TOL, msg=f"{case} {name}")
+        # one call's outputs take one backward: a second is refused on every rank, before any message
+        out = pmodel(*batch(9)[0])
+        assert out.requires_grad
+        out.sum().backward()
+        with pytest.raises(PipelineRuntimeError, match="backward already ran") as info:
+            out.sum().backward()
+        assert "call the pipelined model again" in (info.value.hint or "")
+
+
+@pytest.mark.multirank
+def test_loss_outside_the_model_equals_serial() -> None:
+    """pp=2: the conv net with dropout on the default schedule (1F1B, run in GPipe's order) and an
+    input that requires grad, three steps; the same net accumulating two calls per step on
+    interleaved 1F1B (4 stages, warned once); the denoiser's mean-squared error on GPipe."""
+    cases = [
+        {"model": "conv", "M": 4, "boundaries": ["blocks.1"], "steps": 3, "input_grad": True},
+        {"model": "conv", "M": 2, "schedule": "interleaved-1f1b", "v": 2, "calls": 2,
+         "boundaries": ["blocks.0", "blocks.1", "blocks.2"]},
+        {"model": "noise", "M": 3, "schedule": "gpipe", "boundaries": ["layers.1"]},
+    ]  # fmt: skip
+    run_ranks(2, _job, cases, timeout=240)
+
+
+@pytest.mark.multirank
+def test_loss_outside_the_model_with_tensor_axes_in_each_stage() -> None:
+    """pp=2 x tp=2: the denoiser on zero-bubble (run in GPipe's order, whole backwards, gradients
+    reduced once per step) accumulating two calls per step."""
+    cases = [{"model": "noise", "M": 2, "schedule": "zero-bubble", "boundaries": ["layers.1"], "calls": 2}]
+    run_ranks(4, _job, cases, timeout=300)
