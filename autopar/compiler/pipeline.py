@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +40,7 @@ from autopar.compiler.pipeline_guards import export_for_branch, serving
 from autopar.compiler.pipeline_meta import make_stage_tensors
 from autopar.compiler.pipeline_outputs import TrainedOutputs, attach_backward, outside_loss_schedule
 from autopar.compiler.pipeline_random import PipelineDropout
+from autopar.compiler.pipeline_reports import PipelineReports
 from autopar.compiler.pipeline_split import (
     OutputLayout,
     PipelineSplitError,
@@ -60,15 +60,8 @@ from autopar.compiler.pipeline_stage import (
 )
 from autopar.core.errors import UsageError
 from autopar.core.pipeline_schedule import Schedule
-from autopar.core.pipeline_simulate import Timeline, simulate
 from autopar.planning.stage_result import StageCut
 from autopar.reporting.dump import dump_dir_from
-from autopar.reporting.pipeline_views import (
-    PipelineTimelineReport,
-    timeline_report,
-    write_pipeline_chrome_trace,
-    write_pipeline_png,
-)
 from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.materialize import InitFn
 from autopar.runtime.module_state import NotCopyable
@@ -89,7 +82,7 @@ __all__ = ["MAX_PROGRAMS", "PipelinedModule", "pipeline_parallelize", "split_mic
 MAX_PROGRAMS = 8
 
 
-class PipelinedModule(NotCopyable, nn.Module):
+class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
     """This rank's stages of a pipelined model. `pmodel(*batch)` runs one training step of the
     schedule and returns the batch's loss; under `torch.no_grad()` it runs the forwards only. A
     call without a loss (logits, a transformers model without labels) runs the forwards only and
@@ -178,42 +171,6 @@ class PipelinedModule(NotCopyable, nn.Module):
         for module in self.__dict__["stage_parallel"].values():
             module.train(mode)
         return self
-
-    # -- the modeled step ---------------------------------------------------------------------
-
-    def _modeled(self) -> tuple[Timeline, str]:
-        """The stage cut's simulated step (seconds), or the schedule at unit durations when the
-        user forced the cut."""
-        if self.stage_cut is not None:
-            return self.stage_cut.timeline, "s"
-        return simulate(self.schedule), "units"
-
-    @property
-    def timeline_report(self) -> PipelineTimelineReport:
-        """The modeled step's bubble beside (p-1)/(v*m), busy time per stage and rank."""
-        timeline, unit = self._modeled()
-        return timeline_report(timeline, time_unit=unit)
-
-    def write_pipeline_timeline(self, path: str | os.PathLike[str]) -> None:
-        """pipeline.json (Chrome / Perfetto trace), pipeline.png and pipeline.txt in `path`."""
-        where = Path(path)
-        timeline, unit = self._modeled()
-        write_pipeline_chrome_trace(where / "pipeline.json", timeline, time_unit=unit)
-        write_pipeline_png(where / "pipeline.png", timeline, time_unit=unit)
-        (where / "pipeline.txt").write_text(str(timeline_report(timeline, time_unit=unit)) + "\n")
-
-    def plan_summary(self) -> str:
-        """The schedule, the stage cut and the modeled timeline, then each of this rank's stages'
-        own plan summary when tensor axes run inside them."""
-        parts = [str(self.schedule).splitlines()[0]]
-        if self.stage_cut is not None:
-            parts.append(str(self.stage_cut))
-        parts.append(str(self.timeline_report))
-        for s, parallel in sorted(self.__dict__["stage_parallel"].items()):
-            summary = getattr(parallel, "plan_summary", None)
-            if callable(summary):
-                parts.append(f"stage {s} on its sub-mesh:\n{summary()}")
-        return "\n\n".join(parts)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Refused: a rank holds only its stages' tensors; `autopar.load_checkpoint` loads a
