@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.runtime.pipeline_runtime import PipelineRuntimeError
+from autopar.core.pipeline_schedule import Placement, forwards_then_backwards, one_f_one_b
+from autopar.runtime.pipeline_runtime import PipelineRuntimeError, StageRunner, TensorSpec, start_step
 
 TOL = {"rtol": 1e-4, "atol": 1e-6}
 ORDER_WARNING = "GPipe's order"
@@ -181,3 +182,46 @@ def test_loss_outside_the_model_with_tensor_axes_in_each_stage() -> None:
     reduced once per step) accumulating two calls per step."""
     cases = [{"model": "noise", "M": 2, "schedule": "zero-bubble", "boundaries": ["layers.1"], "calls": 2}]
     run_ranks(4, _job, cases, timeout=300)
+
+
+def _runners(layers: nn.ModuleList, x: torch.Tensor, microbatches: int) -> dict[int, StageRunner]:
+    """Each layer a stage of one rank (adjacent stages pass their values locally, no process)."""
+    pieces = torch.tensor_split(x, microbatches)
+
+    def stage(s: int) -> StageRunner:
+        def forward(m: int, received: Any) -> list[torch.Tensor]:
+            return [torch.tanh(layers[s](pieces[m] if s == 0 else received[0]))]
+
+        def specs(m: int) -> tuple[TensorSpec, ...]:
+            return (TensorSpec((pieces[m].shape[0], 4), torch.float32),)
+
+        return StageRunner(index=s, forward=forward, params=tuple(layers[s].parameters()), input_specs=specs, output_specs=specs)
+
+    return {s: stage(s) for s in range(len(layers))}
+
+
+def test_a_pending_step_runs_its_backwards_from_the_outputs_gradient() -> None:
+    """In process, two stages on one rank: the forwards keep what the backwards need; the backwards
+    from a loss on the outputs give serial's gradients summed over microbatches (3, 3 and 2 rows),
+    once; an order that interleaves forwards and backwards is refused."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    x, target = torch.randn(8, 4), torch.randn(8, 4)
+    schedule = forwards_then_backwards(Placement(1, 2), 3)
+    pending = start_step(schedule, 0, _runners(layers, x, 3), None)
+    out = torch.cat([pending.outputs[m][0] for m in range(3)])
+    assert not out.requires_grad and not pending.finished
+    leaf = out.clone().requires_grad_(True)
+    F.mse_loss(leaf, target).backward()
+    assert leaf.grad is not None
+    result = pending.finish({m: [g] for m, g in enumerate(torch.split(leaf.grad, [3, 3, 2]))})
+    serial = copy.deepcopy(layers)
+    F.mse_loss(torch.tanh(serial[1](torch.tanh(serial[0](x)))), target).backward()
+    torch.testing.assert_close(out, torch.tanh(serial[1](torch.tanh(serial[0](x)))).detach())
+    for s in range(2):
+        for got, p in zip(result.grads[s], serial[s].parameters(), strict=True):
+            torch.testing.assert_close(got, p.grad)
+    with pytest.raises(PipelineRuntimeError, match="already ran"):
+        pending.finish({})
+    with pytest.raises(PipelineRuntimeError, match="interleaves forwards and backwards"):
+        start_step(one_f_one_b(1, 3), 0, _runners(layers[:1], x, 3), None)
