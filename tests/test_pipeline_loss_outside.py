@@ -184,6 +184,43 @@ def test_loss_outside_the_model_with_tensor_axes_in_each_stage() -> None:
     run_ranks(4, _job, cases, timeout=300)
 
 
+def _llama_outside(rank: int, world: int) -> None:
+    """A transformers causal LM called without labels in training: its `ModelOutput`'s logits carry
+    the backward; the loop's own shifted cross entropy trains it equal to serial."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    serial = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 8))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    options = autopar.PipelineOptions(microbatches=2, stage_boundaries=["model.layers.1"])
+    pmodel = autopar.parallelize(model, mesh, example_inputs=(), example_kwargs={"input_ids": ids}, pipeline=options)
+
+    def loss_of(module: nn.Module) -> torch.Tensor:
+        out = module(input_ids=ids)
+        assert type(out).__name__ == "CausalLMOutputWithPast" and out.loss is None
+        return F.cross_entropy(out.logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
+
+    losses = [loss_of(m) for m in (pmodel, serial)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[0].detach(), losses[1].detach(), **TOL)
+    ref = dict(serial.named_parameters())
+    names = [name for name, _ in pmodel.named_parameters()]
+    assert names
+    for name, p in pmodel.named_parameters():
+        torch.testing.assert_close(_grad(p), ref[name].grad, **TOL, msg=name)
+
+
+@pytest.mark.multirank
+def test_transformers_model_without_labels_trains_from_its_logits() -> None:
+    run_ranks(2, _llama_outside, timeout=240)
+
+
 def _runners(layers: nn.ModuleList, x: torch.Tensor, microbatches: int) -> dict[int, StageRunner]:
     """Each layer a stage of one rank (adjacent stages pass their values locally, no process)."""
     pieces = torch.tensor_split(x, microbatches)
