@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 import autopar
 from autopar.core.pipeline_schedule import Placement, forwards_then_backwards, one_f_one_b
 from autopar.runtime.pipeline_runtime import PipelineRuntimeError, StageRunner, TensorSpec, start_step
+from examples.models import GPT, GPTConfig
 
 TOL = {"rtol": 1e-4, "atol": 1e-6}
 ORDER_WARNING = "GPipe's order"
@@ -61,6 +62,26 @@ class Denoiser(nn.Module):
         for layer in self.layers:
             h = h + F.silu(layer(h))
         return self.out(h)
+
+
+class GPTLogits(GPT):
+    """The example GPT (embedding and head tied, on the first and the last stage) returning its
+    logits; the loop computes the cross entropy."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def _gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _token_batch(step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randint(0, 64, (8, 8), generator=g),), torch.randint(0, 64, (8, 8), generator=g)
 
 
 def _conv_batch(step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -120,11 +141,13 @@ def _train(
 def _job(rank: int, world: int, cases: list[dict[str, Any]]) -> None:
     for case in cases:
         torch.manual_seed(0)
-        conv = case["model"] == "conv"
-        model: nn.Module = SmallConvNet() if conv else Denoiser()
+        make, batch, loss_fn = {
+            "conv": (SmallConvNet, _conv_batch, F.cross_entropy),
+            "noise": (Denoiser, _noise_batch, F.mse_loss),
+            "gpt": (lambda: GPTLogits(GPTConfig(n_layer=3)), _token_batch, _gpt_loss),
+        }[case["model"]]
+        model: nn.Module = make()
         serial = copy.deepcopy(model)
-        batch = _conv_batch if conv else _noise_batch
-        loss_fn = F.cross_entropy if conv else F.mse_loss
         if world == 4:  # tensor axes beside pp: each stage a parallel module on its sub-mesh
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
         else:
@@ -166,12 +189,14 @@ def _job(rank: int, world: int, cases: list[dict[str, Any]]) -> None:
 def test_loss_outside_the_model_equals_serial() -> None:
     """pp=2: the conv net with dropout on the default schedule (1F1B, run in GPipe's order) and an
     input that requires grad, three steps; the same net accumulating two calls per step on
-    interleaved 1F1B (4 stages, warned once); the denoiser's mean-squared error on GPipe."""
+    interleaved 1F1B (4 stages, warned once); the denoiser's mean-squared error on GPipe; the GPT
+    whose tied embedding and head sit on the first and the last stage."""
     cases = [
         {"model": "conv", "M": 4, "boundaries": ["blocks.1"], "steps": 3, "input_grad": True},
         {"model": "conv", "M": 2, "schedule": "interleaved-1f1b", "v": 2, "calls": 2,
          "boundaries": ["blocks.0", "blocks.1", "blocks.2"]},
         {"model": "noise", "M": 3, "schedule": "gpipe", "boundaries": ["layers.1"]},
+        {"model": "gpt", "M": 2, "boundaries": ["blocks.2"]},
     ]  # fmt: skip
     run_ranks(2, _job, cases, timeout=240)
 
