@@ -7,8 +7,10 @@ a second backward through one call's outputs refused."""
 from __future__ import annotations
 
 import copy
+import tempfile
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -176,6 +178,11 @@ def _job(rank: int, world: int, cases: list[dict[str, Any]]) -> None:
         ref = dict(serial.named_parameters())
         for name, p in pmodel.named_parameters():
             torch.testing.assert_close(_value(p).detach(), ref[name].detach(), **TOL, msg=f"{case} {name}")
+        # the module's reports still describe its own schedule (the calls ran GPipe's order)
+        assert pmodel.plan_summary().startswith(f"{pmodel.schedule.name}: pp=2")
+        where = Path(tempfile.mkdtemp())
+        pmodel.write_pipeline_timeline(where)
+        assert {p.name for p in where.iterdir()} == {"pipeline.json", "pipeline.png", "pipeline.txt"}
         # one call's outputs take one backward: a second is refused on every rank, before any message
         out = pmodel(*batch(9)[0])
         assert out.requires_grad
