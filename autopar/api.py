@@ -371,7 +371,7 @@ def _pipeline(
 
         pp_group = groups.pp
         scatter = BoundaryScatter(groups.stage.world, stage_mesh.size, dist.get_rank(groups.stage.world))
-    return pipeline_parallelize(
+    pmodel = pipeline_parallelize(
         model,
         mesh,
         tuple(example_inputs),
@@ -389,6 +389,8 @@ def _pipeline(
         init_fn=options.init_fn,
         seeded=seeded,
     )
+    pmodel.schedule_named = schedule not in (None, "auto")  # a loss outside runs GPipe's order: warned
+    return pmodel
 
 
 def plan(
