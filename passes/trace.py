@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +42,7 @@ from autopar.core.precision import AutocastState, MixedPrecision, autocast_as, a
 from autopar.core.value_guards import generators_kept
 from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
 from autopar.passes.checkpoint_regions import CheckpointWatch, mark_checkpoint_regions
-from autopar.passes.ctc import CTCRoute
-from autopar.passes.eager_checks import eager_error, eager_run, model_error
+from autopar.passes.eager_checks import eager_error, eager_run
 from autopar.passes.fused import split_fused_linears
 from autopar.passes.hooks import recorded_forward_hooks, refuse_gradient_hooks, warn_side_effect_hooks
 from autopar.passes.index_checks import find_index_checks
@@ -64,23 +62,19 @@ from autopar.passes.trace_errors import (
     CTC_HINT,
     DATA_DEPENDENT_HINT,
     VALUE_DEPENDENT_HINT,
-    export_error,
     first_lines,
     module_path,
     node_where,
-    raised_in_user_code,
     reads_a_size,
     trace_hint,
     user_frame,
     user_frame_of,
-    without_partial_graph,
 )
+from autopar.passes.trace_export import export_model, foreign_buffers_as_constants
 from autopar.passes.value_guards import (
     flat_values,
     inputs_have_values,
     private_inputs,
-    quiet_symbolic_shapes,
-    reading_real_values,
     serial_raises,
     split_value_guards,
     valued_copy,
@@ -159,7 +153,7 @@ def _trace(
     restore = cut_to_two_blocks(containers)
     guards = None
     try:
-        exported = _export(model, fake_model, fake_args, fake_kwargs)
+        exported = export_model(model, fake_model, fake_args, fake_kwargs)
         forward = exported.module()
         # checks torch.export defers to run time (torch._check on a value, as transformers' BART
         # family makes of its end-of-sequence count): guards too
@@ -192,7 +186,7 @@ def _trace(
             with generators_kept(real_device):
                 draws = eager_draw_states(eager_run(model, real_device, tuple(example_inputs), example_kwargs), real_device)
             with generators_kept(real_device), serial_draws(draws, real_device):
-                exported = _export(model, real_model, real_args, real_kwargs, reading_values=True)
+                exported = export_model(model, real_model, real_args, real_kwargs, reading_values=True)
         except (ModelAssertionError, ModelValueError) as raised:
             if raised.__cause__ is None or not serial_raises(model, tuple(example_inputs), example_kwargs, raised.__cause__):
                 raise TraceError(
@@ -228,11 +222,11 @@ def _trace(
     except NotRepeated:  # block 1's joint graph is not the self-contained run the copy needs
         restore()
         groups = []
-        forward = _export(model, fake_model, fake_args, fake_kwargs).module()
+        forward = export_model(model, fake_model, fake_args, fake_kwargs).module()
         split_value_guards(forward, node_where, flat_values(tuple(example_inputs), example_kwargs))  # the same guards
         gm = joint.export(forward, [])
     restore()
-    _foreign_buffers_as_constants(gm, forward, model)
+    foreign_buffers_as_constants(gm, forward, model)
     if not decompose:  # the decomposed nll_loss checks its targets' dtype; the kernel's fake does not
         refuse_target_dtypes(gm, type(model).__name__)
     mark_checkpoint_regions(gm, watch.regions(), groups)
@@ -248,52 +242,6 @@ def _trace(
     lazy = _LazyGraphModule.from_graphmodule(gm)
     lazy.meta.update(gm.meta)
     return lazy
-
-
-def _foreign_buffers_as_constants(gm: fx.GraphModule, forward: nn.Module, model: nn.Module) -> None:
-    """Tensors the forward made on the example's real values (`torch.tensor(pad_id)` in
-    transformers' `shift_tokens_right`) come out of torch.export's unlifted module as attributes
-    the joint trace reads as buffers, which the user's model does not have: they become constants
-    of the program (role "constant", their values in the signature), as the tensors a trace on
-    fake values makes do (`_lift_constants`)."""
-    own = {name for name, _ in model.named_buffers(remove_duplicate=False)}
-    sig = signature(gm)
-    for node in gm.graph.nodes:
-        if node.op != "placeholder" or info(node).role != "buffer" or info(node).param_name in own:
-            continue
-        name = str(info(node).param_name)
-        owner_path, _, attr = name.rpartition(".")
-        value = getattr(forward.get_submodule(owner_path), attr)
-        set_info(node, NodeInfo(role="constant", phase="forward", param_name=name))
-        sig.constants[name] = value.detach().clone()
-        sig.buffer_names.remove(name)
-
-
-def _export(
-    model: nn.Module,
-    fake_model: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    reading_values: bool = False,
-) -> Any:
-    """torch.export of `fake_model` (the user's `model` with fake tensors); `reading_values`: of a
-    copy holding the real tensors, run on the example's real values, which decide every value
-    Python reads, each condition kept as a runtime assertion (`autopar.passes.value_guards`)."""
-    try:
-        # CTCRoute: F.ctc_loss as autopar's fixed-shape op (torch's sizes an output by values)
-        with warnings.catch_warnings(), CTCRoute(), quiet_symbolic_shapes(), without_partial_graph():
-            # nn.LSTM / nn.GRU re-assign their weight list
-            warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
-            if not reading_values:
-                return torch.export.export(fake_model, args, kwargs, strict=False)
-            with reading_real_values():
-                return torch.export.export(fake_model, args, kwargs, strict=False)
-    except (AssertionError, ValueError) as exc:
-        if reading_values and raised_in_user_code(exc):  # the model's own check failed on these values
-            raise model_error(model, exc) from exc
-        raise export_error(model, exc) from exc
-    except Exception as exc:  # torch raises many types; the user needs the location and the cause
-        raise export_error(model, exc) from exc
 
 
 @dataclass
