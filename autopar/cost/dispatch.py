@@ -27,6 +27,12 @@ from autopar.cost.formulas import VOLUME_FACTOR, collective_time
 from autopar.cost.hardware import Link
 
 DISPATCHERS = ("all_gather", "all_to_all")
+# The all-to-all dispatcher as compiled plans run it (`autopar.rules.routed_experts`: the layer is
+# one op per phase, nothing of run-time shape saved between them): per phase, the width of each
+# row exchange in hidden sizes per routed pair. Forward: the token rows out, the experts' results
+# back; backward: each pair's token row and output gradient out, the token's gradient and the
+# pair's output back. Each phase also exchanges the counts (E numbers per rank) first.
+PLANNED_EXCHANGES = {"forward": (1, 1), "backward": (2, 2)}
 
 
 @dataclass(frozen=True)
