@@ -178,6 +178,20 @@ def test_all_to_all_forced_on_a_model_without_experts_is_refused() -> None:
         compile_for_rank(model, Mesh.from_shape((2,)), inputs, token_dispatch="alltoall")
 
 
-def test_auto_prices_both_dispatchers_and_picks_all_to_all_where_it_sends_less() -> None:
-    compiled = _compile_rank0(_mixtral, (4,), token_dispatch="auto")
-    assert _routed_nodes(compiled)
+@pytest.mark.parametrize(("shape", "wanted"), [((4,), "all-to-all"), ((2,), "all-gather")], ids=["4", "2"])
+def test_auto_prices_both_dispatchers_and_picks_the_cheaper(shape: tuple[int, ...], wanted: str) -> None:
+    """token_dispatch="auto" on the toy Mixtral (top 2), element counts: on 4 ranks the all-to-all
+    moves k/ep = 1/2 of the all-gather's rows and wins (backward's wider rows included); on 2 ranks
+    it moves as many in forward and more in backward, so the all-gather wins. The experts line
+    says which and the search's price of each."""
+    compiled = _compile_rank0(_mixtral, shape, token_dispatch="auto")
+    nodes = _routed_nodes(compiled)
+    assert len(nodes) == 4
+    axes = {routed_experts.all_to_all_axis(n.target, info(n).strategy) for n in nodes}
+    assert axes == ({0} if wanted == "all-to-all" else {None}), axes
+    experts = compiled.report.experts
+    assert experts is not None and experts.dispatcher == wanted
+    costs = dict(experts.dispatcher_costs)
+    assert set(costs) == {"all-to-all", "all-gather"}, costs
+    assert min(costs, key=costs.__getitem__) == wanted, costs
+    assert f"the plan dispatches tokens by {wanted}" in str(experts)

@@ -181,9 +181,7 @@ class Problem:
         by_split = {s: self.cost.compute(work, s, dtype) for s in set(splits)}
         return np.array(
             [
-                by_split[split]
-                + ring_exchange_cost(op, s, work, dtype, self.cost)
-                + routed_exchange_cost(op, s, self.cost)
+                by_split[split] + ring_exchange_cost(op, s, work, dtype, self.cost) + routed_exchange_cost(op, s, self.cost)
                 for s, split in zip(cands, splits)
             ],
             dtype=float,
@@ -219,11 +217,7 @@ class Problem:
             if kind == "param" and self.replicated:  # read from where the seed stores it, as it computes
                 have = replicated_storage(seed.layouts[src.name][0])
                 var.base += self._per_candidate(
-                    var,
-                    "in",
-                    j,
-                    ("from stored", have),
-                    lambda w, h=have: self.cost.redistribute(h, w),  # type: ignore[misc]
+                    var, "in", j, ("from stored", have), lambda w, h=have: self.cost.redistribute(h, w)  # type: ignore[misc]
                 )
                 continue
             if kind == "param":
@@ -285,11 +279,7 @@ class Problem:
                 # all-reduced): bucketed with the others by the schedule stage, at bandwidth
                 stored = seed.output_layouts[i]
                 var.base += self._per_candidate(
-                    var,
-                    side,
-                    k,
-                    ("into stored", stored),
-                    lambda o, t=stored: self.cost.bucketed(o, t),  # type: ignore[misc]
+                    var, side, k, ("into stored", stored), lambda o, t=stored: self.cost.bucketed(o, t)  # type: ignore[misc]
                 )
             else:  # a gradient: reduced into the parameter's storage
                 part = sig.param_parts.get(sig.grad_of[i - nu])

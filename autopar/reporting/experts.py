@@ -46,6 +46,11 @@ class ExpertPlacement:
     # which token dispatcher the plan runs where the experts are split: "all-gather" (insert_comm's
     # collectives) or "all-to-all" (inside `autopar::routed_experts`, PlanOptions.token_dispatch)
     dispatcher: str = "all-gather"
+    # the search's cheapest plan with the experts split and each dispatcher (routed-experts ops)
+    dispatcher_costs: tuple[tuple[str, float], ...] = ()
+    # modeled bytes per rank per step the all-to-all dispatcher's exchanges inside the ops send
+    # (not among the collectives' records: they run inside the op)
+    inside_bytes: float = 0.0
 
     @property
     def ranks(self) -> int:
@@ -73,6 +78,11 @@ class ExpertPlacement:
                 f"{gather / 1e6:.3f} MB, all-to-all {to_all / 1e6:.3f} MB per rank per step"
             )
         line += f"; the plan dispatches tokens by {self.dispatcher}"
+        if self.inside_bytes:
+            line += f" (its exchanges inside the ops send {self.inside_bytes / 1e6:.3f} MB per rank per step, modeled)"
+        if len(self.dispatcher_costs) > 1:
+            prices = ", ".join(f"{kind} {price:.4g} {self.cost_unit}" for kind, price in self.dispatcher_costs)
+            line += f", the search's cheapest plan with each: {prices}"
         return f"{line}; {self.reason()}"
 
     def reason(self) -> str:
@@ -113,6 +123,7 @@ def expert_placement(
     split_cost: float | None = None,
     whole_cost: float | None = None,
     cost_unit: str = "elements",
+    dispatcher_costs: dict[str, float] | None = None,
 ) -> ExpertPlacement | None:
     """The expert split of the plan laid out on `gm` (the joint graph after propagate); where no
     grouped matmul splits its experts, a placement on no axes if the search priced a split (why
@@ -155,7 +166,27 @@ def expert_placement(
         cost_unit=cost_unit,
         dispatch_bytes=_dispatch_bytes(split, math.prod(mesh.shape[a] for a in axes)) if split else None,
         dispatcher="all-to-all" if to_all else "all-gather",
+        dispatcher_costs=tuple(sorted((dispatcher_costs or {}).items())),
+        inside_bytes=_inside_bytes(split, mesh),
     )
+
+
+def _inside_bytes(split: Sequence[tuple[fx.Node, Any]], mesh: Mesh) -> float:
+    """What the all-to-all dispatcher's exchanges inside the forward ops send per rank per step,
+    forward and backward (`dispatch_cost(..., planned=True)`, routing spread evenly)."""
+    total = 0.0
+    link = Link(alpha=0.0, bandwidth=1.0)  # bytes do not depend on the link
+    for node, strategy in split:
+        axis = routed_experts.all_to_all_axis(node.target, strategy)
+        if axis is None or node.target is not routed_experts.ROUTED_EXPERTS:
+            continue
+        x, ids, gate_up = strategy.inputs[0], strategy.inputs[1], strategy.inputs[3]
+        tokens = x.local_shape(mesh.shape, (0,) * mesh.ndim)[0]
+        ep = mesh.shape[axis]
+        total += dispatch_cost(
+            "all_to_all", tokens, x.shape[1], ids.shape[1], gate_up.shape[0], ep, link, x.dtype, planned=True
+        ).bytes_sent
+    return total
 
 
 def _weight_index(node: fx.Node) -> int:
