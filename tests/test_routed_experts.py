@@ -13,6 +13,7 @@ module traced as one `autopar::routed_experts` op whose local call exchanges the
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -163,12 +164,49 @@ def _gathered(node: fx.Node, axis: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("shape", [(4,), (2, 2)], ids=["4", "2x2"])
-def test_mixtral_with_the_all_to_all_dispatcher_trains_like_serial(shape: tuple[int, ...]) -> None:
+# layer 0's router logits are COLD * (u . h) for one direction u: a token picks experts 0 and 1
+# (u . h > 0) or 6 and 5 (u . h < 0), so experts 2, 3, 4 and 7 get no row, and on 4 ranks rank 1
+# (experts 2 and 3) receives nothing while ranks 0 and 3 receive every row
+COLD = torch.tensor([5.0, 4.0, -1.0, -2.0, -3.0, -4.0, -5.0, 0.0])
+
+
+def _mixtral_with_cold_experts() -> torch.nn.Module:
+    model = _mixtral()
+    with torch.no_grad():
+        router = model.model.layers[0].mlp.gate.weight
+        direction = torch.randn(router.shape[1], generator=torch.Generator().manual_seed(3))
+        router.copy_(torch.outer(COLD, direction))
+    return model
+
+
+def _routed_ids(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Layer 0's top-k expert indices of the model's forward on `batch`."""
+    seen: list[torch.Tensor] = []
+    hook = model.model.layers[0].mlp.experts.register_forward_hook(lambda m, a, out: seen.append(a[1]))
+    try:
+        with torch.no_grad():
+            model(input_ids=batch)
+    finally:
+        hook.remove()
+    return seen[0]
+
+
+def test_the_steered_router_leaves_experts_without_tokens() -> None:
+    """(What the cold-experts case below trains on: its first step's batch.)"""
+    torch.manual_seed(0)
+    ids = _routed_ids(_mixtral_with_cold_experts(), torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(10)))
+    assert set(ids.unique().tolist()) == {0, 1, 5, 6}, ids.unique()
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"), [(_mixtral_with_cold_experts, (4,)), (_mixtral, (2, 2))], ids=["4-cold-experts", "2x2"]
+)
+def test_mixtral_with_the_all_to_all_dispatcher_trains_like_serial(make: Any, shape: tuple[int, ...]) -> None:
     """MixtralForCausalLM at its defaults (8 experts, top 2), token_dispatch="alltoall": two steps
-    of SGD with momentum equal serial (the tiny batch routes unevenly: each rank's experts receive
-    different numbers of rows), and the plan exchanges tokens inside the op."""
-    compiled = _train_like_serial(_mixtral, shape, token_dispatch="alltoall")
+    of SGD with momentum equal serial, and the plan exchanges tokens inside the op. On (4,) layer
+    0's router is steered so that half the experts get no token (one rank receives no row, two
+    receive all); on (2, 2) the tiny batch routes unevenly by itself."""
+    compiled = _train_like_serial(make, shape, token_dispatch="alltoall")
     _assert_all_to_all_plan(compiled, shape)
 
 
