@@ -150,6 +150,7 @@ def parallelize(
         planner=planner,
         storage=planning.storage,
         decompose_matmuls=planning.decompose_matmuls,
+        token_dispatch=planning.token_dispatch,
         schedule=planning.overlap,
         hardware=layout_hardware,
         memory_limit=memory_limit,
@@ -525,6 +526,7 @@ def plan(
         dump_dir=debug.dump_dir,
         storage=planning.storage,
         decompose_matmuls=planning.decompose_matmuls,
+        token_dispatch=planning.token_dispatch,
         autocast=regions,
         mixed_precision=mixed_precision,
     )

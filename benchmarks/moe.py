@@ -167,12 +167,14 @@ def experts_only() -> RuleRegistry:
     return registry
 
 
-def measure(shape_name: str, mesh: tuple[int, ...], forced: bool) -> dict[str, Any]:
+def measure(shape_name: str, mesh: tuple[int, ...], forced: bool, token_dispatch: str = "allgather") -> dict[str, Any]:
     make, batch, seq = SHAPES[shape_name]
     torch.manual_seed(0)
     model = make()
     ids = torch.randint(VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
-    planning = autopar.PlanOptions(hardware=HARDWARE, registry=experts_only() if forced else None)
+    planning = autopar.PlanOptions(
+        hardware=HARDWARE, registry=experts_only() if forced else None, token_dispatch=token_dispatch
+    )
     start = time.process_time()
     result = autopar.plan(
         model, mesh, (), example_kwargs={"input_ids": ids, "labels": ids}, planning=planning
@@ -183,10 +185,15 @@ def measure(shape_name: str, mesh: tuple[int, ...], forced: bool) -> dict[str, A
         for name, layout in zip(program.param_names, program.param_layouts)
         if ".layers.0.mlp.experts." in name
     }
+    placement = result.compiled.report.experts
     return {
         "shape": shape_name,
         "mesh": "x".join(map(str, mesh)),
         "plan": "forced expert split" if forced else "search",
+        "token_dispatch": token_dispatch,
+        "dispatcher": placement.dispatcher if placement is not None and placement.axes else "-",
+        # what the all-to-all dispatcher's exchanges inside the ops send (not in MB_per_rank)
+        "inside_MB": placement.inside_bytes / 1e6 if placement is not None else 0.0,
         "gate_up_proj": experts.get("gate_up_proj", "?"),
         "down_proj": experts.get("down_proj", "?"),
         "step_ms": 1e3 * result.step_time,
@@ -204,6 +211,13 @@ def main() -> None:
     parser.add_argument("--meshes", nargs="+", default=["8", "2x4"], choices=list(MESHES))
     parser.add_argument("--no-forced", action="store_true", help="only the search's plan")
     parser.add_argument("--dispatch-only", action="store_true", help="only the dispatcher table")
+    parser.add_argument(
+        "--token-dispatch",
+        nargs="+",
+        default=["allgather"],
+        choices=["allgather", "alltoall", "auto"],
+        help="PlanOptions.token_dispatch of the search's plans (each one a row)",
+    )
     args = parser.parse_args()
     dispatch = dispatch_rows()
     heads = ["shape", "ep", "tokens_per_rank", "dispatcher", "dispatch_ms", "MB_per_rank"]
@@ -217,24 +231,29 @@ def main() -> None:
     for shape_name in args.shapes:
         for mesh_name in args.meshes:
             for forced in (False,) if args.no_forced else (False, True):
-                row = measure(shape_name, MESHES[mesh_name], forced)
-                rows.append(row)
-                print(row, flush=True)
+                for dispatcher in ["allgather"] if forced else args.token_dispatch:
+                    row = measure(shape_name, MESHES[mesh_name], forced, dispatcher)
+                    rows.append(row)
+                    print(row, flush=True)
     columns = [
         "shape",
         "mesh",
         "plan",
+        "token_dispatch",
+        "dispatcher",
         "gate_up_proj",
         "down_proj",
         "step_ms",
         "comm_ms",
         "MB_per_rank",
+        "inside_MB",
         "plan_cpu_s",
     ]
     print(
         table(columns, [[f"{r[c]:.3f}" if isinstance(r[c], float) else r[c] for c in columns] for r in rows])
     )
-    write_result("moe", {"hardware": HARDWARE, "layers": LAYERS, "rows": rows, "dispatch": dispatch})
+    name = "moe" if args.token_dispatch == ["allgather"] else "moe_token_dispatch"
+    write_result(name, {"hardware": HARDWARE, "layers": LAYERS, "rows": rows, "dispatch": dispatch})
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from autopar.passes.mixed_precision import cast_inputs, cast_outputs, cast_param
 from autopar.passes.random_guards import eager_draw_states, serial_draws
 from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
 from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
+from autopar.passes.routed_experts_trace import routed_experts_traced
 from autopar.passes.trace_errors import (
     CAUSAL_MASK_HINT,
     CTC_HINT,
@@ -96,6 +97,7 @@ def trace(
     forward_only: bool = False,
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
+    routed_experts: bool = False,
 ) -> fx.GraphModule:
     """Joint graph of `model`: placeholders (params, buffers, inputs, tangents) -> (outputs, grads).
 
@@ -107,8 +109,10 @@ def trace(
     `autocast`: the forward runs inside these autocast regions, so the graph holds their casts
     explicitly; autocast active around this call is not traced (`autopar.core.precision`).
     `mixed_precision`: every parameter read in the forward is read as a copy in its `param_dtype`
-    (`autopar.passes.mixed_precision`)."""
-    with autocast_off():
+    (`autopar.passes.mixed_precision`).
+    `routed_experts`: transformers' experts modules are traced as one `autopar::routed_experts` op
+    each (`autopar.passes.routed_experts_trace`), so the plan can place the all-to-all dispatcher."""
+    with autocast_off(), routed_experts_traced(model, routed_experts):
         try:
             return _trace(
                 model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast,

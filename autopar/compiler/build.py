@@ -54,6 +54,7 @@ class ModuleOptions:
     compile: bool = False
     storage: str = "auto"
     decompose_matmuls: str = "auto"
+    token_dispatch: str = "allgather"
 
 
 def compile_module(
@@ -114,6 +115,7 @@ def compile_module(
             mixed_precision=opts.mixed_precision,
             storage=opts.storage,
             decompose_matmuls=opts.decompose_matmuls,
+            token_dispatch=opts.token_dispatch,
         )
         compiled = compile_for_rank(
             model,

@@ -52,7 +52,14 @@ from autopar.planning.recompute import (
 )
 from autopar.planning.search_cost import ElementCost, TimeCost, even_factor, even_steps
 from autopar.planning.search_problem import Problem, Shared, regather_cost
-from autopar.planning.search_seeds import expert_seeds, fixed_seeds, has_grouped_mm, splits_experts
+from autopar.planning.search_seeds import (
+    expert_seeds,
+    fixed_seeds,
+    has_grouped_mm,
+    has_routed_experts,
+    splits_experts,
+    uses_all_to_all,
+)
 from autopar.planning.storage import REPLICATED, SHARDED, STORAGE_MODES, replicate_storage
 from autopar.rules.base import RuleRegistry
 
@@ -125,6 +132,9 @@ class SearchReport:
     # (or are not) split, in the search's own units (`cost_unit`).
     experts_split_cost: float | None = None
     experts_whole_cost: float | None = None
+    # with MoE layers traced as routed-experts ops: the cheapest plan splitting the experts with
+    # each token dispatcher ("all-to-all", "all-gather")
+    dispatcher_costs: dict[str, float] = field(default_factory=dict)
     cost_unit: str = "elements"
 
 
@@ -228,6 +238,10 @@ def search_layouts(
             field_name = "experts_split_cost" if splits_experts(gm, option.plan) else "experts_whole_cost"
             if getattr(report, field_name) is None or option.cost < getattr(report, field_name):
                 setattr(report, field_name, option.cost)
+            if field_name == "experts_split_cost" and has_routed_experts(gm):
+                kind = "all-to-all" if uses_all_to_all(gm, option.plan) else "all-gather"
+                if option.cost < report.dispatcher_costs.get(kind, math.inf):
+                    report.dispatcher_costs[kind] = option.cost
     report.memory = final.memory.total if final.memory is not None else 0.0
     report.regathered = best.regather
     report.recomputed = best.savings.units

@@ -24,7 +24,7 @@ from autopar.core.strategy import Strategy
 from autopar.planning.fixed import SCHEMES, find_linears, forced_strategies, pair_linears, variants_on
 from autopar.planning.greedy import greedy_plan
 from autopar.planning.greedy_scores import GreedyMemo
-from autopar.rules import expert_parallel
+from autopar.rules import expert_parallel, routed_experts
 from autopar.rules.base import RuleRegistry
 from autopar.rules.calls import expand_cached, op_call, tensor_inputs
 
@@ -89,6 +89,7 @@ def expert_seeds(
     greedy pass then decides where the pending sums are reduced)."""
     if mesh.size == 1:
         return
+    yield from _dispatcher_seeds(gm, mesh, registry, expand_cache, memo)
     grouped = _grouped_mms(gm)
     if not grouped:
         return
@@ -120,6 +121,66 @@ def expert_seeds(
                 yield name, exc
 
 
+def _dispatcher_seeds(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    expand_cache: dict[Any, list[Strategy]],
+    memo: GreedyMemo | None,
+) -> Iterator[tuple[str, Plan | AutoparError]]:
+    """For MoE layers traced as `autopar::routed_experts` ops: every op's experts over one mesh
+    axis with each dispatcher its rule offers there ("experts:alltoall:<axis>", the tokens
+    exchanged inside the op; "experts:allgather:<axis>", the tokens gathered), the rest laid out by
+    the greedy pass. The greedy pass cannot price the exchanges inside the op, so each dispatcher
+    gets a start of its own and the search's objective (which does) compares them."""
+    routed = _routed(gm)
+    for axis, size in enumerate(mesh.shape):
+        if size == 1 or not routed:
+            continue
+        for kind in ("alltoall", "allgather"):
+            forced: dict[str, Strategy] = {}
+            for node in routed:
+                rule = registry.get(node.target)
+                if rule is None:
+                    return
+                options = [
+                    s
+                    for s in expand_cached(node, rule, op_call(node), mesh.shape, expand_cache)
+                    if routed_experts.expert_axes(node.target, s) == (axis,)
+                    and (routed_experts.all_to_all_axis(node.target, s) == axis) == (kind == "alltoall")
+                ]
+                if not options:
+                    break
+                forced[node.name] = options[0]
+            else:
+                name = f"{EXPERTS}:{kind}:{mesh.axis_names[axis]}"
+                try:
+                    yield (
+                        name,
+                        greedy_plan(gm, mesh, registry, forced=forced, expand_cache=expand_cache, memo=memo),
+                    )
+                except AutoparError as exc:
+                    yield name, exc
+
+
+def _routed(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in routed_experts.ROUTED_OPS]
+
+
+def has_routed_experts(gm: fx.GraphModule) -> bool:
+    """Whether the graph's MoE layers are traced as routed-experts ops (PlanOptions.token_dispatch)."""
+    return bool(_routed(gm))
+
+
+def uses_all_to_all(gm: fx.GraphModule, plan: Plan) -> bool:
+    """Whether `plan` exchanges some MoE layer's tokens inside its op (the all-to-all dispatcher)."""
+    return any(
+        routed_experts.all_to_all_axis(n.target, plan.strategies[n.name]) is not None
+        for n in _routed(gm)
+        if n.name in plan.strategies
+    )
+
+
 def _grouped_mms(gm: fx.GraphModule) -> list[fx.Node]:
     return [
         n
@@ -131,15 +192,20 @@ def _grouped_mms(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def has_grouped_mm(gm: fx.GraphModule) -> bool:
-    """Whether the graph has an MoE layer's grouped matmul (an expert dim a plan could split)."""
-    return bool(_grouped_mms(gm))
+    """Whether the graph has an MoE layer's grouped matmul or routed-experts op (an expert dim a
+    plan could split)."""
+    return bool(_grouped_mms(gm) or _routed(gm))
 
 
 def splits_experts(gm: fx.GraphModule, plan: Plan) -> bool:
-    """Whether `plan` splits some grouped matmul's experts over a mesh axis."""
+    """Whether `plan` splits some grouped matmul's (or routed-experts op's) experts over a mesh axis."""
     return any(
         expert_parallel.is_expert_split(n.target, plan.strategies[n.name])
         for n in _grouped_mms(gm)
+        if n.name in plan.strategies
+    ) or any(
+        routed_experts.expert_axes(n.target, plan.strategies[n.name])
+        for n in _routed(gm)
         if n.name in plan.strategies
     )
 

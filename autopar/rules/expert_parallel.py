@@ -37,9 +37,9 @@ output, as the split inside the experts does, with whole-expert matmuls and 1/ep
 values combine only with the same row owners (same `offs`, same expert split):
 `autopar.passes.propagate` checks every plan for that.
 
-Not built: planning the all-to-all dispatcher (moving only the routed rows, split sizes known at
-run time: `autopar.rules.token_dispatch` runs it, but no plan places it), and a token split inside
-the grouped matmul (rows and experts are tied by `offs`).
+The all-to-all dispatcher (moving only the routed rows, split sizes known at run time) is planned
+on the layer traced as one op instead (`autopar.rules.routed_experts`, PlanOptions.token_dispatch).
+Not built: a token split inside the grouped matmul (rows and experts are tied by `offs`).
 """
 
 from __future__ import annotations
