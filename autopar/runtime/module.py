@@ -30,7 +30,7 @@ from autopar.core.errors import AutoparError, InputMismatchError, UsageError
 from autopar.core.layout import Layout
 from autopar.core.mesh import Mesh
 from autopar.core.meta import OutputStructure
-from autopar.core.precision import AutocastState, autocast_off, compilable_autocast, describe
+from autopar.core.precision import AutocastState, autocast_off, compilable_autocast
 from autopar.core.user_warning import warn_at_caller, without_gloo_alltoall_notice
 from autopar.runtime.agreement import Fingerprint, fingerprint, stored_disagreement
 from autopar.runtime.call_checks import (
@@ -42,7 +42,13 @@ from autopar.runtime.call_checks import (
     refuse_input_gradients,
     structure_digest,
 )
-from autopar.runtime.call_keys import CallMode, call_key, describe_spec, leaf_text, value_only_differences
+from autopar.runtime.call_keys import (
+    CallMode,
+    call_key,
+    check_example_call,
+    difference_from,
+    value_only_differences,
+)
 from autopar.runtime.checkpoint_names import transformers_renamer
 from autopar.runtime.checkpoint_prefix import model_prefixes
 from autopar.runtime.defer_reduction import GradAccumulation, ReductionSplit, add_grads, params_grads
@@ -380,7 +386,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         """The compiled program for this call, compiling one if none fits (see the class doc)."""
         grad = torch.is_grad_enabled()
         if self._compile is None:  # a module built around one program: it takes only that call
-            self._check_inputs(flat, spec)
+            check_example_call(flat, spec, self._in_spec, self._example_specs)
             guards = self._first.program.value_guards
             if guards is not None and not guards.hold(flat, self._device_type):
                 raise InputMismatchError(
@@ -408,7 +414,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             assert guards is not None  # only a guarded program can fail to hold
             why = f"new input values ({guards.failing(flat, self._device_type)[0]} decides another branch)"
         else:
-            why = self._difference(key)
+            why = difference_from(next(reversed(self._programs)), key) if self._programs else "this call"
             self._note_values(key)
         _LOG.info("autopar: compiling a program for %s", why)
         program, outputs = self._compile(args, kwargs, mode)
@@ -496,40 +502,6 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         value = holder._parameters.get(leaf)
         return value if value is not None else holder._buffers.get(leaf)
 
-    def _difference(self, key: Any) -> str:
-        """What is new about a call: its inputs, or its mode, next to the last program compiled."""
-        if not self._programs:
-            return "this call"
-        spec, leaves, mode = key
-        last_spec, last_leaves, last = next(reversed(self._programs))
-        changes = []
-        if spec != last_spec:
-            changes.append("another structure of arguments")
-        else:
-            changes += [
-                f"input {i}: {leaf_text(new, i)} (was {leaf_text(old, i)})"
-                for i, (new, old) in enumerate(zip(leaves, last_leaves))
-                if new != old
-            ]
-        if mode.training != last.training:
-            changes.append("train() mode" if mode.training else "eval() mode")
-        flipped = [path for (path, new), (_, old) in zip(mode.flags, last.flags) if new != old]
-        if flipped and mode.training == last.training:
-            now = "train()" if dict(mode.flags)[flipped[0]] else "eval()"
-            more = f" (and {len(flipped) - 1} more submodules)" if len(flipped) > 1 else ""
-            changes.append(f"submodule {flipped[0]} in {now}{more}")
-        if mode.forward_only != last.forward_only:
-            changes.append("torch.no_grad(): forward only" if mode.forward_only else "gradients on")
-        if mode.autocast != last.autocast:
-            changes.append(describe(mode.autocast))
-        changed = [name for (name, new), (_, old) in zip(mode.dtypes, last.dtypes) if new != old]
-        if changed:
-            changes.append(
-                f"{changed[0]} is {str(dict(mode.dtypes)[changed[0]]).removeprefix('torch.')}"
-                + (f" (and {len(changed) - 1} more tensors)" if len(changed) > 1 else "")
-            )
-        return "; ".join(changes) or "a call seen before, compiled again"
-
     @property
     def programs(self) -> list[tuple[str, EmittedProgram]]:
         """The compiled programs, least recently used first, each with why it was compiled."""
@@ -611,24 +583,6 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         # every rank: the output treats it as replicated; with local ones it is this rank's
         # shard, and the output refuses it (autopar/runtime/outputs.py)
         return as_output(value, self._local_inputs)
-
-    def _check_inputs(self, flat: list[Any], spec: Any) -> None:
-        """For a module without a compiler: the call must be the example's."""
-        if spec != self._in_spec:
-            raise InputMismatchError(
-                f"inputs have structure {spec}, but the module was compiled for {self._in_spec}",
-                hint="call with the same arguments as example_inputs, or parallelize again",
-            )
-        for index, (value, expected) in enumerate(zip(flat, self._example_specs)):
-            if expected is None:
-                continue
-            got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
-            if got != expected:
-                raise InputMismatchError(
-                    f"input {index} is {describe_spec(got)}, but the module was compiled for {describe_spec(expected)}",
-                    hint="shapes are compiled into the plan: pass inputs shaped like example_inputs, "
-                    "or call autopar.parallelize again with the new shapes",
-                )
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
