@@ -103,7 +103,8 @@ def expert_seeds(
             options = [
                 s
                 for s in expand_cached(node, rule, op_call(node), mesh.shape, expand_cache)
-                if s.inputs[1].shard_axes(expert_parallel.EXPERT_DIM) == split_axes
+                if (experts := expert_parallel.experts_layout(node.target, s)) is not None
+                and experts.shard_axes(expert_parallel.EXPERT_DIM) == split_axes
             ]
             if not options:
                 break
