@@ -225,8 +225,19 @@ CASES = [
     (_qwen3_moe, (2, 4)),
     (_deepseek_v3, (8,)),
     (_deepseek_v3, (2, 4)),
+    (_qwen3_moe, (2, 2, 2)),
+    (_deepseek_v3, (2, 2, 2)),
 ]
-IDS = ["mixtral-8", "mixtral-2x4", "qwen3moe-8", "qwen3moe-2x4", "deepseek-v3-8", "deepseek-v3-2x4"]
+IDS = [
+    "mixtral-8",
+    "mixtral-2x4",
+    "qwen3moe-8",
+    "qwen3moe-2x4",
+    "deepseek-v3-8",
+    "deepseek-v3-2x4",
+    "qwen3moe-2x2x2",
+    "deepseek-v3-2x2x2",
+]
 
 
 @pytest.mark.parametrize(("make", "shape"), CASES, ids=IDS)
@@ -414,6 +425,24 @@ def test_plan_summary_names_the_expert_axes_and_why() -> None:
     to_all = 2 * (7 / 8 * 8 * 8 + 4 * 7 / 8 * 4 * 2 * 32 * 4)
     assert experts.dispatch_bytes == pytest.approx((gather, to_all))
     assert f"all-gather {gather / 1e6:.3f} MB, all-to-all {to_all / 1e6:.3f} MB per rank per step" in line
+
+
+def test_plan_summary_prices_each_placement_of_the_experts() -> None:
+    """The search starts from the experts split over every axis and from the cheapest split over
+    one axis alone, beside the plans keeping them whole; the summary lists its cheapest plan for
+    each placement it reached, cheapest first, and the plan holds the experts on the first. On
+    (2, 2) in element counts Qwen3-MoE's experts go over both axes (x alone costs more than
+    keeping them whole); on (2, 2, 2) over z alone is its cheapest split, but whole is cheaper."""
+    for shape, chosen in (((2, 2), ("x", "y")), ((2, 2, 2), ())):
+        experts = _compile_rank0(_qwen3_moe, shape).report.experts
+        assert experts is not None and experts.axes == chosen, experts
+        costs = dict(experts.axes_costs)
+        assert () in costs and tuple("xyz"[: len(shape)]) in costs, costs
+        assert any(len(axes) == 1 for axes in costs), "a split over one axis alone was searched"
+        assert experts.axes_costs[0][0] == chosen, experts.axes_costs
+        assert [c for _, c in experts.axes_costs] == sorted(costs.values())
+        shown = ", ".join(f"{' and '.join(a) if a else 'whole on every rank'} {c:.4g}" for a, c in experts.axes_costs)
+        assert str(experts).endswith(f"by the mesh axes holding the experts, its cheapest plans cost: {shown}")
 
 
 def test_explain_says_why_the_experts_are_not_split() -> None:

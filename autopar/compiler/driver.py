@@ -294,6 +294,7 @@ def compile_for_rank(
         getattr(searched, "experts_split_cost", None),
         getattr(searched, "experts_whole_cost", None),
         getattr(searched, "cost_unit", "elements"),
+        getattr(searched, "experts_axes_costs", None),
     )
     write_collectives(path, report)
     timelines = None

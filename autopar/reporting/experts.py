@@ -5,7 +5,8 @@ Shard(0) on some mesh axes) holds E/ep of each layer's experts per rank. A user 
 wants to know which axis that is, how many experts each rank holds, and why the planner chose it;
 the reasons are the expert weights per rank, the bytes the expert layers send per step, and the
 search's cheapest plan with and without the split (`SearchReport.experts_split_cost` and
-`experts_whole_cost`, handed in by the driver).
+`experts_whole_cost`, handed in by the driver), and its cheapest plan for each set of mesh axes it
+tried for the experts (`experts_axes_costs`: over every axis, over each axis alone, none).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class ExpertPlacement:
     # modeled bytes per rank per step of the token traffic, every layer: (all-gather dispatcher,
     # all-to-all dispatcher); None where the layers' token count could not be read
     dispatch_bytes: tuple[float, float] | None = None
+    # the search's cheapest plan per placement of the experts it priced: (mesh axis names holding
+    # them, none: whole on every rank; cost), cheapest first
+    axes_costs: tuple[tuple[tuple[str, ...], float], ...] = ()
 
     @property
     def ranks(self) -> int:
@@ -73,7 +77,16 @@ class ExpertPlacement:
         return f"{line}; {self.reason()}"
 
     def reason(self) -> str:
-        """Why, in the search's numbers."""
+        """Why, in the search's numbers: with the split or without, then which axes."""
+        because = self._split_or_whole()
+        if len(self.axes_costs) < 2:
+            return because
+        shown = ", ".join(
+            f"{' and '.join(axes) if axes else 'whole on every rank'} {cost:.4g}" for axes, cost in self.axes_costs
+        )
+        return f"{because}; by the mesh axes holding the experts, its cheapest plans cost: {shown}"
+
+    def _split_or_whole(self) -> str:
         unit = self.cost_unit
         if not self.axes:
             if self.split_cost is None:
@@ -110,6 +123,7 @@ def expert_placement(
     split_cost: float | None = None,
     whole_cost: float | None = None,
     cost_unit: str = "elements",
+    axes_costs: dict[tuple[int, ...], float] | None = None,
 ) -> ExpertPlacement | None:
     """The expert split of the plan laid out on `gm` (the joint graph after propagate); where no
     grouped matmul splits its experts, a placement on no axes if the search priced a split (why
@@ -147,6 +161,10 @@ def expert_placement(
         whole_cost=whole_cost,
         cost_unit=cost_unit,
         dispatch_bytes=_dispatch_bytes(split, math.prod(mesh.shape[a] for a in axes)) if split else None,
+        axes_costs=tuple(
+            (tuple(mesh.axis_names[a] for a in held), cost)
+            for held, cost in sorted((axes_costs or {}).items(), key=lambda item: item[1])
+        ),
     )
 
 
