@@ -18,8 +18,9 @@ MoE) on 8 to 256 GPUs.
     python benchmarks/moe.py                                   # every shape on (8,) and (2, 4)
     python benchmarks/moe.py --shapes wide-16 --meshes 8 8x8
     python benchmarks/moe.py --dispatch-only                   # the dispatcher table alone
+    python benchmarks/moe.py --gloo 4 --steps 2                # part (a) on 4 gloo ranks (~4 min)
 
-Writes benchmarks/results/moe.json.
+Writes benchmarks/results/moe.json (--gloo: moe_gloo.json).
 """
 
 from __future__ import annotations
