@@ -89,7 +89,10 @@ DATA_DEPENDENT_HINT = (
     "an op's output size depends on tensor values (nonzero, torch.where(mask), boolean indexing: "
     "for example tokens per expert in a mixture of experts); a plan is made for fixed shapes, so "
     "route every token through every expert and zero the others with dense gates (scatter the "
-    "top-k weights into a tokens x experts matrix), or give each expert a fixed capacity"
+    "top-k weights into a tokens x experts matrix), or give each expert a fixed capacity; dropless, "
+    "sort the (token, expert) pairs by expert and multiply every expert's rows with one "
+    "torch._grouped_mm(rows, weights (E, K, N), offs=rows per expert cumulated) in bfloat16 "
+    "(examples/torch_models.py GroupedMoE), whose experts autopar can split over ranks"
 )
 
 

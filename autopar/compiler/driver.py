@@ -318,6 +318,7 @@ def compile_for_rank(
         getattr(searched, "experts_whole_cost", None),
         getattr(searched, "cost_unit", "elements"),
         getattr(searched, "dispatcher_costs", None),
+        getattr(searched, "experts_axes_costs", None),
     )
     write_collectives(path, report)
     timelines = None

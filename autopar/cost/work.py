@@ -103,10 +103,11 @@ def _grouped_mm_flops(node: fx.Node, backward: bool) -> float:
     """A grouped matmul of mixture-of-experts layers (transformers' `grouped_mm_fallback` and its
     backward; input (S, K), weight (E, K, N)): every row meets one expert's (K, N) matrix, so
     2 S K N flops forward, twice that backward (the input's and the weight's gradients), whatever
-    the routing."""
+    the routing. `torch._grouped_mm`'s other forms cost the same per element of the first operand
+    times N: (K, S) x (S, N) -> (E, K, N) sums each of the S rows once (2 K S N), and the batched
+    (E, M, K) x (E, K, N) is 2 E M K N."""
     first, weight = node.args[0], node.args[1]
     if not isinstance(first, fx.Node) or not isinstance(weight, fx.Node):
         return 0.0
-    rows, k = first.meta["val"].shape
-    n = weight.meta["val"].shape[2]
-    return 2.0 * rows * k * n * (2.0 if backward else 1.0)
+    n = weight.meta["val"].shape[-1]
+    return 2.0 * first.meta["val"].numel() * n * (2.0 if backward else 1.0)

@@ -93,9 +93,14 @@ def expert_seeds(
     grouped = _grouped_mms(gm)
     if not grouped:
         return
-    split_axes = tuple(a for a, size in enumerate(mesh.shape) if size > 1)
+    every_axis = tuple(a for a, size in enumerate(mesh.shape) if size > 1)
     disjoint = _may_be_disjoint(gm)
-    for name, prefer_disjoint in ((EXPERTS, True), (EXPERTS + ":R", False)):
+    # the experts over every axis (E/p per rank), with D or R inputs; then, on a mesh of several
+    # axes, over each one alone (the others free to split inside the experts or the batch)
+    variants = [(EXPERTS, every_axis, True), (EXPERTS + ":R", every_axis, False)]
+    if len(every_axis) > 1:
+        variants += [(f"{EXPERTS}@{mesh.axis_names[a]}", (a,), True) for a in every_axis]
+    for name, split_axes, prefer_disjoint in variants:
         forced: dict[str, Strategy] = {}
         for node in grouped:
             rule = registry.get(node.target)
@@ -104,7 +109,8 @@ def expert_seeds(
             options = [
                 s
                 for s in expand_cached(node, rule, op_call(node), mesh.shape, expand_cache)
-                if s.inputs[1].shard_axes(expert_parallel.EXPERT_DIM) == split_axes
+                if (experts := expert_parallel.experts_layout(node.target, s)) is not None
+                and experts.shard_axes(expert_parallel.EXPERT_DIM) == split_axes
             ]
             if not options:
                 break
@@ -199,15 +205,23 @@ def has_grouped_mm(gm: fx.GraphModule) -> bool:
 
 def splits_experts(gm: fx.GraphModule, plan: Plan) -> bool:
     """Whether `plan` splits some grouped matmul's (or routed-experts op's) experts over a mesh axis."""
-    return any(
-        expert_parallel.is_expert_split(n.target, plan.strategies[n.name])
-        for n in _grouped_mms(gm)
-        if n.name in plan.strategies
-    ) or any(
-        routed_experts.expert_axes(n.target, plan.strategies[n.name])
-        for n in _routed(gm)
-        if n.name in plan.strategies
-    )
+    return bool(expert_axes(gm, plan))
+
+
+def expert_axes(gm: fx.GraphModule, plan: Plan) -> tuple[int, ...]:
+    """The mesh axes over which `plan` splits the experts of its first grouped matmul (or
+    routed-experts op) that splits them; () where none does."""
+    for n in _grouped_mms(gm):
+        strategy = plan.strategies.get(n.name)
+        layout = expert_parallel.experts_layout(n.target, strategy) if strategy is not None else None
+        if layout is not None and layout.shard_axes(expert_parallel.EXPERT_DIM):
+            return layout.shard_axes(expert_parallel.EXPERT_DIM)
+    for n in _routed(gm):
+        strategy = plan.strategies.get(n.name)
+        axes = routed_experts.expert_axes(n.target, strategy) if strategy is not None else ()
+        if axes:
+            return tuple(axes)
+    return ()
 
 
 def _may_be_disjoint(gm: fx.GraphModule) -> set[fx.Node]:
@@ -236,3 +250,10 @@ def _agreement(strategy: Strategy, want: list[bool]) -> int:
         any(isinstance(p, RowDisjoint) for p in lay.placements) == wanted
         for lay, wanted in zip(strategy.inputs, want)
     )
+
+
+def note_cheapest(costs: dict[tuple[int, ...], float], axes: tuple[int, ...], value: float) -> None:
+    """Keeps in `costs` the cheapest price seen for a plan holding the experts on `axes`."""
+    known = costs.get(axes)
+    if known is None or value < known:
+        costs[axes] = value

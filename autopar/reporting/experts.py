@@ -5,7 +5,8 @@ Shard(0) on some mesh axes) holds E/ep of each layer's experts per rank. A user 
 wants to know which axis that is, how many experts each rank holds, and why the planner chose it;
 the reasons are the expert weights per rank, the bytes the expert layers send per step, and the
 search's cheapest plan with and without the split (`SearchReport.experts_split_cost` and
-`experts_whole_cost`, handed in by the driver).
+`experts_whole_cost`, handed in by the driver), and its cheapest plan for each set of mesh axes it
+tried for the experts (`experts_axes_costs`: over every axis, over each axis alone, none).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class ExpertPlacement:
     # modeled bytes per rank per step the all-to-all dispatcher's exchanges inside the ops send
     # (not among the collectives' records: they run inside the op)
     inside_bytes: float = 0.0
+    # the search's cheapest plan per placement of the experts it priced: (mesh axis names holding
+    # them, none: whole on every rank; cost), cheapest first
+    axes_costs: tuple[tuple[tuple[str, ...], float], ...] = ()
 
     @property
     def ranks(self) -> int:
@@ -86,7 +90,16 @@ class ExpertPlacement:
         return f"{line}; {self.reason()}"
 
     def reason(self) -> str:
-        """Why, in the search's numbers."""
+        """Why, in the search's numbers: with the split or without, then which axes."""
+        because = self._split_or_whole()
+        if len(self.axes_costs) < 2:
+            return because
+        shown = ", ".join(
+            f"{' and '.join(axes) if axes else 'whole on every rank'} {cost:.4g}" for axes, cost in self.axes_costs
+        )
+        return f"{because}; by the mesh axes holding the experts, its cheapest plans cost: {shown}"
+
+    def _split_or_whole(self) -> str:
         unit = self.cost_unit
         if not self.axes:
             if self.split_cost is None:
@@ -124,6 +137,7 @@ def expert_placement(
     whole_cost: float | None = None,
     cost_unit: str = "elements",
     dispatcher_costs: dict[str, float] | None = None,
+    axes_costs: dict[tuple[int, ...], float] | None = None,
 ) -> ExpertPlacement | None:
     """The expert split of the plan laid out on `gm` (the joint graph after propagate); where no
     grouped matmul splits its experts, a placement on no axes if the search priced a split (why
@@ -168,6 +182,10 @@ def expert_placement(
         dispatcher="all-to-all" if to_all else "all-gather",
         dispatcher_costs=tuple(sorted((dispatcher_costs or {}).items())),
         inside_bytes=_inside_bytes(split, mesh),
+        axes_costs=tuple(
+            (tuple(mesh.axis_names[a] for a in held), cost)
+            for held, cost in sorted((axes_costs or {}).items(), key=lambda item: item[1])
+        ),
     )
 
 
