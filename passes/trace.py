@@ -69,6 +69,7 @@ from autopar.passes.trace_errors import (
     module_path,
     node_where,
     raised_in_user_code,
+    refuse_rnn_dropout,
     trace_hint,
     user_frame,
     user_frame_of,
@@ -202,6 +203,11 @@ def _trace(
     finally:
         watch.close()
     warn_side_effect_hooks(hooks_seen)
+    try:
+        refuse_rnn_dropout(model, exported.graph_module.graph)
+    except TraceError:
+        restore()
+        raise
     if outputs.functions:
         restore()
         raise _custom_function_error(outputs.functions, exported.graph_module.graph)

@@ -183,3 +183,28 @@ def without_partial_graph() -> Iterator[None]:
             text = text.replace(f"{partial}\n", "")  # each of torch's two wrappers prints it
         if text:
             sys.stderr.write(text)
+
+
+def refuse_rnn_dropout(model: nn.Module, graph: fx.Graph) -> None:
+    """Refuse a multi-layer nn.LSTM / nn.GRU / nn.RNN with dropout between its layers, in training.
+    torch's own decomposition of the rnn ops (`torch._decomp`'s `_rnn_helper`, which torch.export
+    applies) drops the inter-layer dropout: the parallel module would train as if dropout were 0,
+    silently unlike serial. `graph` is torch.export's graph: only an RNN the forward calls counts."""
+    for path, module in model.named_modules():
+        if not (isinstance(module, nn.RNNBase) and module.training and module.num_layers > 1 and module.dropout > 0):
+            continue
+        called = [node for node in graph.nodes if node.op == "call_function" and module_path(node) == path]
+        if not called:
+            continue
+        raise TraceError(
+            f"{type(module).__name__} {path!r} has dropout={module.dropout} between its "
+            f"{module.num_layers} layers in training: torch.export's decomposition of the rnn op "
+            "drops that dropout, so the parallel module would train as if it were 0, unlike serial",
+            op=f"{type(module).__name__}(num_layers={module.num_layers}, dropout={module.dropout})",
+            where=node_where(called[0]),
+            hint=(
+                f"build {path!r} with dropout=0 and stack single-layer {type(module).__name__}s with an "
+                "nn.Dropout between them (autopar replays serial's dropout masks exactly), or call "
+                "model.eval() for inference"
+            ),
+        )
