@@ -102,6 +102,14 @@ VALUE_DEPENDENT_HINT = (
     "layer skipping (LayerDrop: layerdrop=0 in the model's config)"
 )
 
+ITEM_HINT = (
+    "Python reads a tensor's value here (.item(), float(t), int(t)): one graph is compiled for every "
+    "batch, and a Python number read from a batch's values cannot be part of it; keep it a tensor "
+    "(x / x.abs().amax() instead of x / x.abs().max().item()), or compute it outside forward and "
+    "pass it as an input; "
+    + VALUE_DEPENDENT_HINT
+)
+
 
 CAUSAL_MASK_HINT = (
     "torch's nn.Transformer / TransformerEncoder / TransformerDecoder compare the mask you pass with a "
@@ -128,6 +136,15 @@ def _frames_of(exc: BaseException) -> list[str]:
         names += [frame.name for frame in traceback.extract_tb(current.__traceback__)]
         current = current.__cause__ or current.__context__
     return names
+
+
+def joint_hint(exc: BaseException) -> str:
+    """The hint for a failed joint forward+backward export: a value read by Python (`.item()`,
+    which torch.export traced but the joint export on fake tensors cannot run) is the value-read
+    hint, not the differentiability one."""
+    if "_local_scalar_dense" in f"{type(exc).__name__}: {exc}":
+        return ITEM_HINT
+    return trace_hint(exc, "the model must be differentiable with a single output that backward() is called on")
 
 
 def trace_hint(exc: BaseException, otherwise: str) -> str:
