@@ -276,6 +276,7 @@ def _parallelize_rows(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
             ),
         }
     )
+    rows["ddp-around-the-parallel-module"] = lambda: nn.parallel.DistributedDataParallel(pmodel)
     rows["optimizer-over-the-original-parameters"] = lambda: _optimizer_slip(model, pmodel, (x, y))
     rows.update(_checkpoint_rows(pmodel, model))
     found = {}
@@ -316,6 +317,7 @@ WITH_PROCESS_GROUP = {
     "call-negative-target": (IndexOutOfRangeError, "y holds -"),
     "call-keyword-unknown": (TraceError, "labels"),
     "optimizer-over-the-original-parameters": (UsageError, "build the optimizer over the parallel module's parameters: torch.optim.SGD(pmodel.parameters()"),
+    "ddp-around-the-parallel-module": (UsageError, "DistributedDataParallel around a ParallelModule"),
     "output-local-plain-target": (UsageError, 'called with inputs="local" with a plain tensor of shape [8, 3]'),
 }
 
