@@ -69,7 +69,7 @@ def parallelize(
     model: nn.Module,
     mesh: DeviceMesh | int,
     *,
-    example_inputs: Sequence[Any],
+    example_inputs: Sequence[Any] = (),
     example_kwargs: dict[str, Any] | None = None,
     mesh_shape: str | None = None,
     memory_limit: float | None = None,

@@ -64,10 +64,11 @@ from autopar.passes.trace_errors import (
     DATA_DEPENDENT_HINT,
     VALUE_DEPENDENT_HINT,
     first_lines,
+    joint_hint,
     module_path,
     node_where,
     reads_a_size,
-    trace_hint,
+    refuse_rnn_dropout,
     user_frame,
     user_frame_of,
 )
@@ -215,6 +216,11 @@ def _trace(
     finally:
         watch.close()
     warn_side_effect_hooks(hooks_seen)
+    try:
+        refuse_rnn_dropout(model, exported.graph_module.graph)
+    except TraceError:
+        restore()
+        raise
     if outputs.functions:
         restore()
         raise _custom_function_error(outputs.functions, exported.graph_module.graph)
@@ -283,9 +289,7 @@ class _Joint:
                 f"building the joint forward+backward graph of {type(self.model).__name__} failed: "
                 f"{type(exc).__name__}: {first_lines(exc)}",
                 where=user_frame_of(exc),
-                hint=trace_hint(
-                    exc, "the model must be differentiable with a single output that backward() is called on"
-                ),
+                hint=joint_hint(exc),
             ) from exc
         gm.graph._codegen = fx.graph.CodeGen()  # flat positional calling convention, flat outputs
         _annotate(gm, self.model, in_spec=self.in_spec, parts=parts, outputs=self.outputs.structure)
@@ -458,6 +462,8 @@ def _annotate(
             continue  # absent gradients: the input does not reach the outputs
         elif kind == "InputMutationAOTOutput" and _desc_kind(desc.mutated_input) == "PlainAOTInput":
             raise _input_update_error(model, value, int(input_index[desc.mutated_input.idx]))  # type: ignore[arg-type]
+        elif kind == "InputMutationAOTOutput" and _desc_kind(desc.mutated_input) == "ParamAOTInput":
+            raise _parameter_update_error(model, value, str(desc.mutated_input.target))
         else:
             raise TraceError(
                 f"unsupported graph output kind {kind} ({desc})",
@@ -523,6 +529,32 @@ def _input_update_error(model: nn.Module, value: Any, index: int) -> TraceError:
         hint="compute what the model derives from the input outside forward and pass that instead "
         "(FSMT: pass decoder_input_ids built from a copy of labels, as shift_tokens_right builds "
         "them), or have the model update a copy (x = x.clone() before the in-place op)",
+    )
+
+
+def _parameter_update_error(model: nn.Module, value: Any, target: str) -> TraceError:
+    """The forward writes into one of its parameters in place (nn.Embedding(max_norm=...)
+    renormalizes the rows it looks up): each rank holds its own block or copy of the parameter,
+    and a write the graph makes during forward is not one autopar can replay on them."""
+    where = node_where(value) if isinstance(value, fx.Node) else None
+    owner_path = target.rpartition(".")[0]
+    owner = model.get_submodule(owner_path) if owner_path else model
+    embedding = isinstance(owner, nn.Embedding) and owner.max_norm is not None
+    cause = f" (nn.Embedding(max_norm={owner.max_norm}) renormalizes the rows it looks up)" if embedding else ""
+    return TraceError(
+        f"{type(model).__name__} writes into its parameter {target!r} in place during forward{cause}; "
+        "each rank holds its own block or copy of a parameter, and autopar does not replay a "
+        "forward's write into one",
+        op=f"in-place update of parameter {target}",
+        where=where,
+        hint=(
+            f"build {owner_path or 'the module'} without max_norm and bound the looked-up vectors out "
+            "of place in forward (v = emb(x); v = v * (max_norm / v.norm(dim=-1, keepdim=True)).clamp(max=1)), "
+            "or renormalize the weight yourself between training steps"
+            if embedding
+            else "update the parameter outside forward (between training steps, under torch.no_grad()), "
+            "or compute the changed value out of place in forward"
+        ),
     )
 
 

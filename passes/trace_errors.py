@@ -105,6 +105,14 @@ VALUE_DEPENDENT_HINT = (
     "layer skipping (LayerDrop: layerdrop=0 in the model's config)"
 )
 
+ITEM_HINT = (
+    "Python reads a tensor's value here (.item(), float(t), int(t)): one graph is compiled for every "
+    "batch, and a Python number read from a batch's values cannot be part of it; keep it a tensor "
+    "(x / x.abs().amax() instead of x / x.abs().max().item()), or compute it outside forward and "
+    "pass it as an input; "
+    + VALUE_DEPENDENT_HINT
+)
+
 
 CAUSAL_MASK_HINT = (
     "torch's nn.Transformer / TransformerEncoder / TransformerDecoder compare the mask you pass with a "
@@ -146,6 +154,15 @@ def reads_a_size(err: BaseException) -> bool:
             return True
         current = current.__cause__
     return False
+
+
+def joint_hint(exc: BaseException) -> str:
+    """The hint for a failed joint forward+backward export: a value read by Python (`.item()`,
+    which torch.export traced but the joint export on fake tensors cannot run) is the value-read
+    hint, not the differentiability one."""
+    if "_local_scalar_dense" in f"{type(exc).__name__}: {exc}":
+        return ITEM_HINT
+    return trace_hint(exc, "the model must be differentiable with a single output that backward() is called on")
 
 
 def trace_hint(exc: BaseException, otherwise: str) -> str:
@@ -201,3 +218,28 @@ def without_partial_graph() -> Iterator[None]:
             text = text.replace(f"{partial}\n", "")  # each of torch's two wrappers prints it
         if text:
             sys.stderr.write(text)
+
+
+def refuse_rnn_dropout(model: nn.Module, graph: fx.Graph) -> None:
+    """Refuse a multi-layer nn.LSTM / nn.GRU / nn.RNN with dropout between its layers, in training.
+    torch's own decomposition of the rnn ops (`torch._decomp`'s `_rnn_helper`, which torch.export
+    applies) drops the inter-layer dropout: the parallel module would train as if dropout were 0,
+    silently unlike serial. `graph` is torch.export's graph: only an RNN the forward calls counts."""
+    for path, module in model.named_modules():
+        if not (isinstance(module, nn.RNNBase) and module.training and module.num_layers > 1 and module.dropout > 0):
+            continue
+        called = [node for node in graph.nodes if node.op == "call_function" and module_path(node) == path]
+        if not called:
+            continue
+        raise TraceError(
+            f"{type(module).__name__} {path!r} has dropout={module.dropout} between its "
+            f"{module.num_layers} layers in training: torch.export's decomposition of the rnn op "
+            "drops that dropout, so the parallel module would train as if it were 0, unlike serial",
+            op=f"{type(module).__name__}(num_layers={module.num_layers}, dropout={module.dropout})",
+            where=node_where(called[0]),
+            hint=(
+                f"build {path!r} with dropout=0 and stack single-layer {type(module).__name__}s with an "
+                "nn.Dropout between them (autopar replays serial's dropout masks exactly), or call "
+                "model.eval() for inference"
+            ),
+        )

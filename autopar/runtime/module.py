@@ -65,6 +65,7 @@ from autopar.runtime.param_feed import (
     to_dtensor_placements,
 )
 from autopar.runtime.program import EmittedProgram, local_value
+from autopar.runtime.program_cache import CacheThrash
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
 from autopar.runtime.source_attributes import SourceAttributes
 from autopar.runtime.source_watch import SourceWatch
@@ -153,6 +154,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         self._programs: OrderedDict[Any, _Program] = OrderedDict()
         self._values_seen: dict[tuple[int, type], set[Any]] = {}  # plain arguments that compiled programs by value
         self._values_warned: set[int] = set()
+        self._thrash = CacheThrash(MAX_PROGRAMS)  # warns once when a dropped program compiles again
         self._first = first = self._prepared(program, outputs)
         self._holders: dict[str, tuple[nn.Module, str]] = {}  # tensor name -> its submodule, leaf (`_held`)
         self._dtype_names: list[str] | None = None  # the names `_tensor_dtypes` reads
@@ -216,7 +218,9 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         self.checkpoint_renamer = transformers_renamer(source)  # save_pretrained's own names (load_checkpoint)
         if example_flat is not None:
             mode = CallMode(self.training, False, autocast, self._tensor_dtypes(), self.module_flags())
-            self._programs[call_key(in_spec, example_flat, mode)] = first
+            first_key = call_key(in_spec, example_flat, mode)
+            self._programs[first_key] = first
+            self._thrash.signatures.add(first_key)
 
     @contextlib.contextmanager
     def deferring_weights(self, deferral: WeightDeferral) -> Iterator[None]:
@@ -417,6 +421,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             why = difference_from(next(reversed(self._programs)), key) if self._programs else "this call"
             self._note_values(key)
         _LOG.info("autopar: compiling a program for %s", why)
+        self._thrash.compiling(key)
         program, outputs = self._compile(args, kwargs, mode)
         compiled = self._prepared(program, outputs, why)
         self._refuse_other_branch(compiled, flat)
@@ -426,7 +431,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             return compiled
         self._programs[key] = compiled
         if len(self._programs) > MAX_PROGRAMS:
-            self._programs.popitem(last=False)
+            self._thrash.dropping(self._programs.popitem(last=False)[0])
         return compiled
 
     @property
