@@ -39,7 +39,7 @@ MATMULS = [
 GROUPED_MM = torch.ops.transformers.grouped_mm_fallback.default
 GROUPED_MM_BACKWARD = torch.ops.transformers.grouped_mm_fallback_backward.default
 LIBRARY_OPS = [GROUPED_MM, GROUPED_MM_BACKWARD]
-COVERED_OPS = [*MATMULS, *LIBRARY_OPS]
+COVERED_OPS = [*MATMULS, *LIBRARY_OPS, aten._grouped_mm.default]  # the last: test_torch_grouped_mm
 
 
 @pytest.mark.parametrize("op", MATMULS, ids=str)
