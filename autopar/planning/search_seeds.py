@@ -11,7 +11,7 @@ the 8x8 grids of 2-D) can seed it; a graph without paired linears has none.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.fx as fx
@@ -101,30 +101,23 @@ def expert_seeds(
     if len(every_axis) > 1:
         variants += [(f"{EXPERTS}@{mesh.axis_names[a]}", (a,), True) for a in every_axis]
     for name, split_axes, prefer_disjoint in variants:
-        forced: dict[str, Strategy] = {}
-        for node in grouped:
-            rule = registry.get(node.target)
-            if rule is None:
-                break
+
+        def pick(
+            node: fx.Node,
+            candidates: list[Strategy],
+            split_axes: tuple[int, ...] = split_axes,
+            prefer_disjoint: bool = prefer_disjoint,
+        ) -> Strategy | None:
             options = [
                 s
-                for s in expand_cached(node, rule, op_call(node), mesh.shape, expand_cache)
+                for s in candidates
                 if (experts := expert_parallel.experts_layout(node.target, s)) is not None
                 and experts.shard_axes(expert_parallel.EXPERT_DIM) == split_axes
             ]
-            if not options:
-                break
-            inputs = tensor_inputs(node)
-            want = [prefer_disjoint and x in disjoint for x in inputs]
-            forced[node.name] = max(options, key=lambda s: _agreement(s, want))
-        else:
-            try:
-                yield (
-                    name,
-                    greedy_plan(gm, mesh, registry, forced=forced, expand_cache=expand_cache, memo=memo),
-                )
-            except AutoparError as exc:
-                yield name, exc
+            want = [prefer_disjoint and x in disjoint for x in tensor_inputs(node)]
+            return max(options, key=lambda s: _agreement(s, want)) if options else None
+
+        yield from _forced_seed(gm, mesh, registry, expand_cache, memo, name, grouped, pick)
 
 
 def _dispatcher_seeds(
@@ -144,29 +137,48 @@ def _dispatcher_seeds(
         if size == 1 or not routed:
             continue
         for kind in ("alltoall", "allgather"):
-            forced: dict[str, Strategy] = {}
-            for node in routed:
-                rule = registry.get(node.target)
-                if rule is None:
-                    return
-                options = [
-                    s
-                    for s in expand_cached(node, rule, op_call(node), mesh.shape, expand_cache)
-                    if routed_experts.expert_axes(node.target, s) == (axis,)
-                    and (routed_experts.all_to_all_axis(node.target, s) == axis) == (kind == "alltoall")
-                ]
-                if not options:
-                    break
-                forced[node.name] = options[0]
-            else:
-                name = f"{EXPERTS}:{kind}:{mesh.axis_names[axis]}"
-                try:
-                    yield (
-                        name,
-                        greedy_plan(gm, mesh, registry, forced=forced, expand_cache=expand_cache, memo=memo),
-                    )
-                except AutoparError as exc:
-                    yield name, exc
+
+            def pick(
+                node: fx.Node, candidates: list[Strategy], axis: int = axis, kind: str = kind
+            ) -> Strategy | None:
+                return next(
+                    (
+                        s
+                        for s in candidates
+                        if routed_experts.expert_axes(node.target, s) == (axis,)
+                        and (routed_experts.all_to_all_axis(node.target, s) == axis) == (kind == "alltoall")
+                    ),
+                    None,
+                )
+
+            name = f"{EXPERTS}:{kind}:{mesh.axis_names[axis]}"
+            yield from _forced_seed(gm, mesh, registry, expand_cache, memo, name, routed, pick)
+
+
+def _forced_seed(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    expand_cache: dict[Any, list[Strategy]],
+    memo: GreedyMemo | None,
+    name: str,
+    nodes: list[fx.Node],
+    pick: Callable[[fx.Node, list[Strategy]], Strategy | None],
+) -> Iterator[tuple[str, Plan | AutoparError]]:
+    """One start named `name`: each of `nodes` forced to the strategy `pick` chooses among its
+    rule's candidates, the rest laid out by the greedy pass; no start where a node has no rule or
+    `pick` finds nothing."""
+    forced: dict[str, Strategy] = {}
+    for node in nodes:
+        rule = registry.get(node.target)
+        choice = pick(node, expand_cached(node, rule, op_call(node), mesh.shape, expand_cache)) if rule else None
+        if choice is None:
+            return
+        forced[node.name] = choice
+    try:
+        yield name, greedy_plan(gm, mesh, registry, forced=forced, expand_cache=expand_cache, memo=memo)
+    except AutoparError as exc:
+        yield name, exc
 
 
 def _routed(gm: fx.GraphModule) -> list[fx.Node]:
