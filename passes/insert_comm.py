@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import ShardingError
-from autopar.core.layout import Layout
+from autopar.core.layout import Layout, balanced_order, is_balanced
 from autopar.core.mesh import Mesh
 from autopar.core.meta import NodeInfo, Phase, info, set_info
 from autopar.core.redistribute import CommStep, plan_redistribute
@@ -98,6 +98,31 @@ class _Inserter:
         return node
 
     def _emit_step(self, x: fx.Node, step: CommStep, base: NodeInfo) -> fx.Node:
+        """A step's nodes; around a load-balanced split (`BalancedShard`) on the step's axis, the
+        dim is put in the balanced order before it is cut (slice, reduce-scatter, all-to-all
+        into it) and back in the natural order after it is gathered (all-gather, all-to-all out
+        of it), so that the collective itself moves contiguous blocks."""
+        g = self.shape[step.axis]
+        if is_balanced(step.after.placements[step.axis]) and step.kind in ("slice", "reduce_scatter", "all_to_all"):
+            cut = step.dst_dim if step.kind == "all_to_all" else step.dim
+            assert cut is not None
+            x = self._reorder(x, cut, step.before.shape[cut], balanced_order(g), base)
+        out = self._emit_plain_step(x, step, base)
+        if is_balanced(step.before.placements[step.axis]) and step.kind in ("all_gather", "all_to_all"):
+            assert step.dim is not None
+            order = balanced_order(g)
+            out = self._reorder(out, step.dim, step.before.shape[step.dim], [order.index(j) for j in range(2 * g)], base)
+        return out
+
+    def _reorder(self, x: fx.Node, dim: int, length: int, positions: Sequence[int], base: NodeInfo) -> fx.Node:
+        """`x` (whole along `dim`, of `length`: a balanced dim is split by one axis only) cut into
+        `len(positions)` equal chunks there and put back together in the order `positions` names
+        (chunk `positions[k]` of `x` becomes chunk `k`)."""
+        chunk = length // len(positions)
+        pieces = [self._node(aten.slice.Tensor, (x, dim, j * chunk, (j + 1) * chunk), base) for j in positions]
+        return self._node(aten.cat.default, (pieces, dim), base)
+
+    def _emit_plain_step(self, x: fx.Node, step: CommStep, base: NodeInfo) -> fx.Node:
         local = list(step.before.local_shape(self.shape, self.coords))
         g = self.shape[step.axis]
         group = self.groups[step.axis]

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from autopar.core.errors import ShardingError
+
 
 class _Placement:
     """Immutable, interned placement: equal placements are the same object, so the tuples of
@@ -55,7 +57,7 @@ class Shard(_Placement):
         return (Shard, (self.dim,))
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, Shard) and other.dim == self.dim)
+        return self is other or (type(other) is type(self) and other.dim == self.dim)  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined, no-any-return]
@@ -65,6 +67,81 @@ class Shard(_Placement):
 
     def __str__(self) -> str:
         return f"S({self.dim})"
+
+
+class BalancedShard(Shard):
+    """A split of `dim` in the load-balanced order of causal context parallelism: the dim is cut
+    into `2p` equal chunks on an axis of `p` ranks and rank `i` holds chunk `i` followed by chunk
+    `2p-1-i` (torchtitan's and Megatron's CP layout). With a causal mask every rank then has the
+    same work, `(2p+1)/(4p)` of a full block of rows, where a contiguous split gives the last rank
+    `(2p-1)/p` times the average.
+
+    It is a `Shard` for everything that reads sizes (local shapes, volumes, memory); what differs
+    is where a rank's rows lie in the whole dim: `Layout.local_offsets` refuses such a layout
+    (`BalancedShardError`), and the code that handles it reads `Layout.local_chunks`. It is only
+    ever the sole axis splitting its dim, in equal chunks (`Layout.balanced_fits`), and never
+    equal to the contiguous `Shard` of the same dim: redistributions between the two reorder."""
+
+    __slots__ = ()
+    _kind = 3
+    _instances: dict[int, Shard] = {}  # type: ignore[misc]  # its own intern table
+
+    def __new__(cls, dim: int) -> BalancedShard:
+        instance = cls._instances.get(dim)
+        if instance is None:
+            instance = object.__new__(cls)
+            object.__setattr__(instance, "dim", int(dim))
+            object.__setattr__(instance, "_hash", hash(("BalancedShard", int(dim))))
+            cls._instances[dim] = instance
+        return instance  # type: ignore[return-value]
+
+    def __reduce__(self) -> tuple[type, tuple[int]]:
+        return (BalancedShard, (self.dim,))
+
+    def __repr__(self) -> str:
+        return f"BalancedShard(dim={self.dim})"
+
+    def __str__(self) -> str:
+        return f"Sb({self.dim})"
+
+
+def is_balanced(placement: object) -> bool:
+    """Whether `placement` is the load-balanced sequence split (`BalancedShard`)."""
+    return type(placement) is BalancedShard
+
+
+def is_balanced_sequence(layout: Layout) -> bool:
+    """Whether any dim of `layout` is split in the load-balanced causal order: the planner's
+    causal-imbalance factor of a contiguous sequence split does not apply to such a layout."""
+    return any(type(p) is BalancedShard for p in layout.placements)
+
+
+class BalancedShardError(ShardingError):
+    """Code that reads a rank's contiguous offsets met a load-balanced split (`BalancedShard`),
+    whose rows are two chunks of the dim: it must read `Layout.local_chunks` instead."""
+
+
+def balanced_order(parts: int) -> tuple[int, ...]:
+    """The natural chunk indices (of `2 * parts`) in the order a balanced split lays them out
+    end to end: 0, 2p-1, 1, 2p-2, ...; rank i holds positions 2i and 2i+1."""
+    order: list[int] = []
+    for i in range(parts):
+        order += [i, 2 * parts - 1 - i]
+    return tuple(order)
+
+
+def to_balanced(whole: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """`whole`'s dim reordered into the balanced order (its chunks as `balanced_order` lists them),
+    so that a contiguous cut into `parts` blocks gives each rank its two chunks."""
+    chunks = whole.chunk(2 * parts, dim)
+    return torch.cat([chunks[j] for j in balanced_order(parts)], dim)
+
+
+def from_balanced(ordered: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """The inverse of `to_balanced`: the natural order back from the balanced one."""
+    chunks = ordered.chunk(2 * parts, dim)
+    position = {j: k for k, j in enumerate(balanced_order(parts))}
+    return torch.cat([chunks[position[j]] for j in range(2 * parts)], dim)
 
 
 class Replicate(_Placement):
@@ -157,7 +234,7 @@ class RowDisjoint(Partial):
         return "D"
 
 
-Placement = Shard | Replicate | Partial
+Placement = Shard | Replicate | Partial  # a BalancedShard is a Shard
 
 R = Replicate()
 P = Partial()
@@ -235,8 +312,19 @@ class Layout:
         if found is None:
             found = memo[key] = all(
                 self.shape[d] % self.split_factor(d, mesh_shape) == 0 for d in range(len(self.shape))
-            )
+            ) and self.balanced_fits(mesh_shape)
         return found  # type: ignore[no-any-return]
+
+    def balanced_dims(self) -> tuple[tuple[int, int], ...]:
+        """(dim, mesh axis) of every dim split in the load-balanced order (`BalancedShard`)."""
+        return tuple((p.dim, a) for a, p in enumerate(self.placements) if type(p) is BalancedShard)
+
+    def balanced_fits(self, mesh_shape: Sequence[int]) -> bool:
+        """Every balanced dim is split by its one axis alone, into `2p` equal chunks."""
+        for d, a in self.balanced_dims():
+            if self.shard_axes(d) != (a,) or self.shape[d] % (2 * mesh_shape[a]):
+                return False
+        return True
 
     def _memo(self) -> dict[tuple[Any, ...], Any]:
         """Per layout: answers that depend only on it and the mesh's sizes (not pickled, not compared)."""
@@ -251,6 +339,8 @@ class Layout:
 
     def fits(self, mesh_shape: Sequence[int]) -> bool:
         """Even, or every uneven dim split by one axis into non-empty `torch.chunk` blocks."""
+        if not self.balanced_fits(mesh_shape):
+            return False
         for d in self.uneven_dims(mesh_shape):
             if len(self.shard_axes(d)) != 1 or not chunks_nonempty(self.shape[d], self.split_factor(d, mesh_shape)):
                 return False
@@ -289,8 +379,38 @@ class Layout:
         return index
 
     def local_offsets(self, mesh_shape: Sequence[int], coords: Sequence[int]) -> tuple[int, ...]:
+        """Where this rank's block starts along each dim. A load-balanced dim (`BalancedShard`)
+        has no one start: refused (`BalancedShardError`), so that no caller computes with a
+        contiguous offset there; `local_chunks` gives its two chunks."""
+        if self.balanced_dims():
+            raise BalancedShardError(
+                f"layout {self} splits dim(s) {[d for d, _ in self.balanced_dims()]} in the load-balanced "
+                "order (two chunks per rank): its rows have no single offset",
+                hint='this op cannot take the load-balanced sequence layout; use PlanOptions(context_parallel='
+                '"allgather") (a contiguous split) or report the op',
+            )
         block = self.local_shape(mesh_shape)  # full blocks: block i starts at i * block, even or not
         return tuple(self.block_index(d, mesh_shape, coords) * block[d] for d in range(len(self.shape)))
+
+    def local_chunks(self, mesh_shape: Sequence[int], coords: Sequence[int], dim: int) -> tuple[tuple[int, int], ...]:
+        """(start, length) of each run of the whole dim this rank holds along `dim`, in local
+        order: one run for a contiguous split (or none), two for a load-balanced one (chunk i
+        and chunk 2p-1-i of 2p on an axis of p ranks, rank i)."""
+        for d, a in self.balanced_dims():
+            if d == dim:
+                g = mesh_shape[a]
+                c = self.shape[d] // (2 * g)
+                i = coords[a]
+                return ((i * c, c), ((2 * g - 1 - i) * c, c))
+        block = self.local_shape(mesh_shape)[dim]
+        start = self.block_index(dim, mesh_shape, coords) * block
+        return ((start, self.local_shape(mesh_shape, coords)[dim]),)
+
+    def local_indices(self, mesh_shape: Sequence[int], coords: Sequence[int], dim: int) -> torch.Tensor:
+        """The whole dim's indices this rank holds along `dim`, in local order."""
+        return torch.cat(
+            [torch.arange(start, start + n, dtype=torch.long) for start, n in self.local_chunks(mesh_shape, coords, dim)]
+        )
 
     def with_placement(self, axis: int, placement: Placement) -> Layout:
         placements = list(self.placements)
@@ -313,6 +433,21 @@ class Layout:
 
     def __str__(self) -> str:
         return self.per_axis_str()
+
+
+def settled(layout: Layout) -> Layout:
+    """`layout` with its pending sums done and a load-balanced split in the natural order (what
+    a user output is handed over as: a DTensor, which knows only contiguous splits)."""
+    if len(layout.shape) == 0:
+        return Layout.replicated((), len(layout.placements), layout.dtype)
+    return Layout(
+        tuple(
+            Replicate() if isinstance(p, Partial) else Shard(p.dim) if isinstance(p, Shard) else p
+            for p in layout.placements
+        ),
+        layout.shape,
+        layout.dtype,
+    )
 
 
 @functools.lru_cache(maxsize=65536)

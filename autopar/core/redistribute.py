@@ -134,6 +134,12 @@ def plan_redistribute(
 ) -> list[CommStep]:
     """Steps from `src` to `dst`: reductions first (smallest tensors), then un-sharding, then slicing.
 
+    A load-balanced split (`BalancedShard`) takes the same steps as a contiguous one of its dim:
+    the step's layouts say the order, and insert_comm and the oracle reorder the dim after an
+    all-gather (or the all-to-all that gathers it) and before a reduce-scatter, an all-to-all into
+    it or a slice. Between the two orders of one dim on one axis the dim is gathered and cut
+    again (an all-gather's volume).
+
     Pending sums are reduced in axis order, except that `sums_first` axes go first: over-decomposed
     batch chunks add up their gradients in memory before one collective sends the total."""
     if src.shape != dst.shape:
@@ -176,7 +182,11 @@ def plan_redistribute(
         src_axes = cur.shard_axes(d)
         dst_axes = dst.shard_axes(d)
         keep = 0
-        while keep < min(len(src_axes), len(dst_axes)) and src_axes[keep] == dst_axes[keep]:
+        while (
+            keep < min(len(src_axes), len(dst_axes))
+            and src_axes[keep] == dst_axes[keep]
+            and cur.placements[src_axes[keep]] == dst.placements[src_axes[keep]]  # the same order too
+        ):
             keep += 1
         for a in reversed(src_axes[keep:]):
             target = dst.placements[a]
@@ -265,7 +275,11 @@ def redistribute_cost(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> fl
         src_axes = axes(d)
         dst_axes = dst.shard_axes(d)
         keep = 0
-        while keep < min(len(src_axes), len(dst_axes)) and src_axes[keep] == dst_axes[keep]:
+        while (
+            keep < min(len(src_axes), len(dst_axes))
+            and src_axes[keep] == dst_axes[keep]
+            and cur[src_axes[keep]] == target[src_axes[keep]]
+        ):
             keep += 1
         for a in reversed(src_axes[keep:]):
             g = mesh_shape[a]

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.errors import MissingRuleError, ShardingError
-from autopar.core.layout import Layout, Partial, Replicate, Shard
+from autopar.core.layout import Layout, Partial, Replicate, Shard, settled
 from autopar.core.mesh import Mesh
 from autopar.core.meta import info, signature
 from autopar.core.plan import Plan
@@ -500,14 +500,7 @@ class _Greedy:
         return Layout.replicated(val.shape, self.mesh.ndim, val.dtype)
 
     def _user_output_layout(self, produced: fx.Node) -> Layout:
-        have = self.plan.layouts[produced.name][0]
-        if len(have.shape) == 0:
-            return Layout.replicated((), self.mesh.ndim, have.dtype)
-        return Layout(
-            tuple(Replicate() if isinstance(p, Partial) else p for p in have.placements),
-            have.shape,
-            have.dtype,
-        )
+        return settled(self.plan.layouts[produced.name][0])
 
     def _outputs(self) -> None:
         values = list(self.output.args[0])  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopar.core.layout import Layout, Partial, Replicate
+from autopar.core.layout import Layout, settled
 from autopar.core.mesh import Mesh
 from autopar.core.meta import signature
 from autopar.core.plan import Plan
@@ -447,17 +447,6 @@ class Problem:
                 return done
             before = after
         return max_sweeps
-
-
-def settled(layout: Layout) -> Layout:
-    """`layout` with its pending sums done (what a user output is handed over as)."""
-    if len(layout.shape) == 0:
-        return Layout.replicated((), len(layout.placements), layout.dtype)
-    return Layout(
-        tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements),
-        layout.shape,
-        layout.dtype,
-    )
 
 
 def reduce_cost(layout: Layout, shape: Sequence[int]) -> float:

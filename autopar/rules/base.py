@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.core.layout import Layout, Partial, Placement, Replicate, Shard, chunks_nonempty
+from autopar.core.layout import Layout, Partial, Placement, Replicate, Shard, chunks_nonempty, is_balanced
 from autopar.core.meta import NodeInfo
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy, TensorSpec
 
@@ -270,6 +270,7 @@ class _Walk:
     uneven: bool
     layouts: list[dict[int, Layout]]  # per tensor: placements (as digits) -> layout
     result: list[Strategy]
+    balanced: bool = False  # whether any option holds a load-balanced split (`Layout.balanced_fits`)
 
     @staticmethod
     def of(
@@ -291,14 +292,21 @@ class _Walk:
                 row.append(placements)
             flat.append(row)
         codes = [[tuple(digits[p] for p in placements) for placements in row] for row in flat]
-        return _Walk(call, specs, flat, codes, len(digits) + 1, mesh_shape, uneven, [{} for _ in specs], [])
+        balanced = any(is_balanced(p) for p in digits)
+        return _Walk(
+            call, specs, flat, codes, len(digits) + 1, mesh_shape, uneven, [{} for _ in specs], [], balanced
+        )
 
     def run(self, a: int, chosen: list[int], factors: list[list[int]], keys: tuple[int, ...]) -> None:
         """Extend the prefix `chosen` (option per axis before `a`; `factors`: per tensor and dim,
         the product of the sizes of the axes splitting it so far; `keys`: per tensor, its
         placements so far as digits)."""
         if a == len(self.mesh_shape):
-            self.result.append(self._strategy(chosen, keys))
+            strategy = self._strategy(chosen, keys)
+            if not self.balanced or all(
+                lay.balanced_fits(self.mesh_shape) for lay in (*strategy.inputs, *strategy.outputs)
+            ):
+                self.result.append(strategy)
             return
         g, radix = self.mesh_shape[a], self.radix
         for k, placements in enumerate(self.options[a]):
@@ -322,6 +330,8 @@ class _Walk:
             if not isinstance(p, Shard):
                 continue
             size, before = self.specs[t].shape[p.dim], factors[t][p.dim]
+            if is_balanced(p) and (before != 1 or size % (2 * g)):
+                return None  # a load-balanced split: its axis alone, 2g equal chunks
             if size % (before * g):
                 if not self.uneven or before != 1 or not chunks_nonempty(size, g):
                     return None

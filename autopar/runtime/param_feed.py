@@ -25,7 +25,8 @@ from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 from torch.distributed.tensor.placement_types import Shard as DShard
 
-from autopar.core.layout import Layout, Shard
+from autopar.core.errors import ShardingError
+from autopar.core.layout import Layout, Shard, is_balanced
 from autopar.core.layout import Partial as LayoutPartial
 from autopar.core.meta import ParamPart
 from autopar.runtime.program import EmittedProgram
@@ -178,9 +179,19 @@ def plan_feed(
 
 
 def to_dtensor_placements(layout: Layout) -> list[Placement]:
-    """A layout's placements as DTensor's."""
+    """A layout's placements as DTensor's. DTensor has no load-balanced split (`BalancedShard`):
+    a value handed over as a DTensor (an output, a stored tensor, a local input) in that layout
+    is refused by name rather than labelled as a contiguous split it is not."""
     result: list[Placement] = []
     for p in layout.placements:
+        if is_balanced(p):
+            raise ShardingError(
+                f"a value laid out {layout} (the load-balanced sequence split Sb) is handed over as a "
+                "DTensor, which has no such placement",
+                op="DTensor",
+                hint="the plan must turn it into a contiguous split first; report this plan "
+                '(PlanOptions(context_parallel="balanced")) as a bug, or use context_parallel="allgather"',
+            )
         if isinstance(p, Shard):
             result.append(DShard(p.dim))
         elif isinstance(p, LayoutPartial):

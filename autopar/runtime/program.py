@@ -94,8 +94,9 @@ def local_value(full: torch.Tensor, layout: Layout, mesh_shape: Sequence[int], c
     """This rank's block of a full tensor (parameters at start-up, inputs at call time)."""
     out = full
     local = layout.local_shape(mesh_shape, coords)
-    offsets = layout.local_offsets(mesh_shape, coords)
     for d in range(full.dim()):
         if local[d] != full.shape[d]:
-            out = out.narrow(d, offsets[d], local[d])
+            chunks = layout.local_chunks(mesh_shape, coords, d)  # two for a load-balanced dim
+            pieces = [out.narrow(d, start, length) for start, length in chunks]
+            out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
     return out

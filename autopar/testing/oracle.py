@@ -24,7 +24,16 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.core.layout import Layout, Partial, Replicate, RowDisjoint, Shard
+from autopar.core.layout import (
+    Layout,
+    Partial,
+    Replicate,
+    RowDisjoint,
+    Shard,
+    from_balanced,
+    is_balanced,
+    to_balanced,
+)
 from autopar.core.meta import NODE_KEY, NodeInfo
 from autopar.core.redistribute import CommStep
 from autopar.core.strategy import OpCall, Strategy
@@ -52,14 +61,24 @@ def all_coords(mesh_shape: Sequence[int]) -> list[Coords]:
 def local_block(
     full: torch.Tensor, layout: Layout, mesh_shape: Sequence[int], coords: Coords
 ) -> torch.Tensor:
-    """The rank's block of a full tensor, ignoring Partial axes."""
+    """The rank's block of a full tensor, ignoring Partial axes (a copy along a load-balanced
+    dim, whose two chunks are not one view)."""
     out = full
     local = layout.local_shape(mesh_shape, coords)
-    offsets = layout.local_offsets(mesh_shape, coords)
     for d in range(full.ndim):
         if local[d] != full.shape[d]:
-            out = out.narrow(d, offsets[d], local[d])
+            pieces = [out.narrow(d, start, n) for start, n in layout.local_chunks(mesh_shape, coords, d)]
+            out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
     return out
+
+
+def _block_index(layout: Layout, mesh_shape: Sequence[int], coords: Coords) -> tuple[torch.Tensor, ...]:
+    """Advanced-indexing tensors that address the rank's block of the whole tensor."""
+    ndim = len(layout.shape)
+    return tuple(
+        layout.local_indices(mesh_shape, coords, d).reshape([-1 if k == d else 1 for k in range(ndim)])
+        for d in range(ndim)
+    )
 
 
 def default_row_owners(layout: Layout, mesh_shape: Sequence[int]) -> RowOwners:
@@ -77,8 +96,7 @@ def _row_mask(
     layout: Layout, mesh_shape: Sequence[int], coords: Coords, owners: RowOwners, like: torch.Tensor
 ) -> torch.Tensor:
     """1 on the rows of this rank's block that it owns on every D axis, else 0 (shaped to broadcast)."""
-    first = layout.local_offsets(mesh_shape, coords)[0]
-    rows = torch.arange(first, first + like.shape[0])
+    rows = layout.local_indices(mesh_shape, coords, 0)
     keep = torch.ones(like.shape[0], dtype=torch.bool)
     for a, owner in owners.items():
         keep &= torch.as_tensor(list(owner), dtype=torch.long)[rows] == coords[a]
@@ -196,14 +214,17 @@ def assemble(
                 f"rank {coords}: local shape {tuple(total.shape)} != {layout.local_shape(mesh_shape, coords)} "
                 f"for {layout}"
             )
-        target = local_block(full, layout, mesh_shape, coords)
-        mask = local_block(written, layout, mesh_shape, coords)
-        if bool(mask.all()):
+        index = _block_index(layout, mesh_shape, coords)
+        target = full[index] if index else full
+        if bool((written[index] if index else written).all()):
             if not torch.allclose(target.double(), total.double(), atol=atol, rtol=rtol):
                 raise AssertionError(f"replicas disagree at rank {coords} for {layout}")
+        elif index:
+            full[index] = total
+            written[index] = True
         else:
-            target.copy_(total)
-            mask.fill_(True)
+            full.copy_(total)
+            written.fill_(True)
     return full
 
 
@@ -382,22 +403,32 @@ def _simulate_step(pieces: Pieces, step: CommStep, mesh_shape: Sequence[int]) ->
     for coords, local in pieces.items():
         group = [pieces[c] for c in _axis_group(coords, step.axis, g)]
         me = coords[step.axis]
+        # a load-balanced split on the step's axis: its dim is reordered before it is cut and
+        # after it is gathered, as insert_comm does
+        gathered_balanced = is_balanced(step.before.placements[step.axis])
+        cut_balanced = is_balanced(step.after.placements[step.axis])
         if step.kind == "all_gather":
             assert step.dim is not None
-            out[coords] = torch.cat(group, dim=step.dim)
+            whole = torch.cat(group, dim=step.dim)
+            out[coords] = from_balanced(whole, step.dim, g) if gathered_balanced else whole
         elif step.kind == "all_reduce":
             out[coords] = sum(group[1:], group[0].clone())
         elif step.kind == "reduce_scatter":
             assert step.dim is not None
             total = sum(group[1:], group[0].clone())
+            if cut_balanced:
+                total = to_balanced(total, step.dim, g)
             out[coords] = total.chunk(g, dim=step.dim)[me].clone()
         elif step.kind == "all_to_all":
             assert step.dim is not None and step.dst_dim is not None
-            parts = [p.chunk(g, dim=step.dst_dim)[me] for p in group]
-            out[coords] = torch.cat(parts, dim=step.dim)
+            dst_dim = step.dst_dim
+            sent = [to_balanced(p, dst_dim, g) if cut_balanced else p for p in group]
+            whole = torch.cat([p.chunk(g, dim=dst_dim)[me] for p in sent], dim=step.dim)
+            out[coords] = from_balanced(whole, step.dim, g) if gathered_balanced else whole
         elif step.kind == "slice":
             assert step.dim is not None
-            out[coords] = local.chunk(g, dim=step.dim)[me].clone()
+            ordered = to_balanced(local, step.dim, g) if cut_balanced else local
+            out[coords] = ordered.chunk(g, dim=step.dim)[me].clone()
         elif step.kind == "zero_partial":
             out[coords] = local.clone() if me == 0 else torch.zeros_like(local)
         elif step.kind == "forbidden":

@@ -23,7 +23,7 @@ import torch
 from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
-from autopar.core.layout import Layout, Partial, Placement, Replicate, Shard
+from autopar.core.layout import BalancedShard, Layout, Partial, Placement, Replicate, Shard, is_balanced
 from autopar.core.strategy import Strategy
 from autopar.rules.base import RuleRegistry, expand, make_call
 from autopar.testing import check_strategy
@@ -122,20 +122,25 @@ def layout_pairs(
     max_ndim: int = 3,
     dtype: torch.dtype = torch.float64,
     uneven: bool = True,
+    balanced: bool = False,
 ) -> tuple[tuple[int, ...], Layout, Layout]:
     """(mesh shape, src, dst): any placements on 1..max_axes axes of size 1..3, with a global
     shape that both layouts split evenly, or with `uneven`, sometimes one more than that where
-    both layouts still fit (`torch.chunk` blocks); what a redistribution test needs."""
+    both layouts still fit (`torch.chunk` blocks); what a redistribution test needs. With
+    `balanced`, load-balanced splits (`BalancedShard`) too, each the only axis on its dim."""
     mesh = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=max_axes)))
-    ndim = draw(st.integers(0, max_ndim))
+    ndim = draw(st.integers(1 if balanced else 0, max_ndim))
     choices: list[Placement] = [Replicate(), Partial(), *(Shard(d) for d in range(ndim))]
-    src = tuple(draw(st.sampled_from(choices)) for _ in mesh)
-    dst = tuple(draw(st.sampled_from(choices)) for _ in mesh)
+    if balanced:
+        choices += [BalancedShard(d) for d in range(ndim)] * 2
+    src = _balanced_alone(tuple(draw(st.sampled_from(choices)) for _ in mesh))
+    dst = _balanced_alone(tuple(draw(st.sampled_from(choices)) for _ in mesh))
     shape = []
     for d in range(ndim):
-        f_src = math.prod(g for g, p in zip(mesh, src) if p == Shard(d))
-        f_dst = math.prod(g for g, p in zip(mesh, dst) if p == Shard(d))
-        shape.append(math.lcm(f_src, f_dst) * draw(st.integers(1, 2)))
+        f_src = math.prod(g for g, p in zip(mesh, src) if isinstance(p, Shard) and p.dim == d)
+        f_dst = math.prod(g for g, p in zip(mesh, dst) if isinstance(p, Shard) and p.dim == d)
+        chunks = [2 * g for g, p in (*zip(mesh, src), *zip(mesh, dst)) if p == BalancedShard(d)]
+        shape.append(math.lcm(f_src, f_dst, *chunks) * draw(st.integers(1, 2)))
     for d in range(ndim):
         if not uneven or not draw(st.booleans()):
             continue
@@ -143,6 +148,14 @@ def layout_pairs(
         if Layout(src, tuple(grown), dtype).fits(mesh) and Layout(dst, tuple(grown), dtype).fits(mesh):
             shape = grown
     return mesh, Layout(src, tuple(shape), dtype), Layout(dst, tuple(shape), dtype)
+
+
+def _balanced_alone(chosen: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """A load-balanced split kept only where it is the one axis on its dim (else contiguous)."""
+    dims = [p.dim for p in chosen if isinstance(p, Shard)]
+    return tuple(
+        Shard(p.dim) if isinstance(p, Shard) and is_balanced(p) and dims.count(p.dim) > 1 else p for p in chosen
+    )
 
 
 def seeds() -> st.SearchStrategy[int]:
