@@ -131,6 +131,10 @@ class RuleRegistry:
         """Replace the rule's own filter of its whole-mesh strategies (`OpRule.admits`)."""
         self._rules[op] = dataclasses.replace(self._rules[op], admits=admits)
 
+    def replace(self, rule: OpRule) -> None:
+        """Put `rule` in place of the rule of its op (a transformed copy of it)."""
+        self._rules[rule.op] = rule
+
     def get(self, op: Any) -> OpRule | None:
         return self._rules.get(op)
 

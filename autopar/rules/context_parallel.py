@@ -44,13 +44,15 @@ of q, k and v is DeepSpeed-Ulysses' all-to-all), or either ("auto", by the searc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
-from autopar.core.layout import P, Placement, R, Shard
+from autopar.core.layout import BalancedShard, Layout, P, Placement, R, Shard
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy, TensorSpec
 from autopar.rules import device_attention, ring_attention
+from autopar.rules.balanced import balanced_registry, only_on_axis
 from autopar.rules.base import LocalCall, LocalContext, LocalGraph, Requirement, RuleRegistry
 from autopar.rules.pointwise import partial_ok
 
@@ -120,6 +122,54 @@ def sequence_strategies(call: OpCall) -> list[AxisStrategy]:
     return [AxisStrategy((Shard(SEQ), R, R, *masks), (Shard(SEQ), Shard(SEQ))), *ring_attention.ring_strategies(call, masks)]
 
 
+def balanced_strategies(call: OpCall) -> list[AxisStrategy]:
+    """The query-sequence split of `sequence_strategies` (keys and values gathered) in the
+    load-balanced order (`BalancedShard`): q, out, logsumexp, dq and a mask's query dim split
+    balanced, k and v whole, dk and dv partial sums. Offered on a "cp" axis only
+    (`require_context_parallel`); the ring is not offered balanced."""
+    if sequence_split_refusal(call) is not None:
+        return []
+    q = call.inputs[_query_index(call)]
+    if q.shape[SEQ] < 2:
+        return []
+    b = BalancedShard(SEQ)
+    backward = call.op == BACKWARD
+    n_main = 6 if backward else 3
+    masks = tuple(
+        BalancedShard(m.ndim - 2) if isinstance(_mask_placement(m, q.shape[SEQ]), Shard) else R
+        for m in call.inputs[n_main:]
+    )
+    if backward:
+        if not partial_ok(call.inputs, call.outputs[1:]):
+            return []
+        return [AxisStrategy((b, b, R, R, b, b, *masks), (b, P, P))]
+    return [AxisStrategy((b, R, R, *masks), (b, b))]
+
+
+def _with_balanced(strategies: Callable[[OpCall], list[AxisStrategy]]) -> Callable[[OpCall], list[AxisStrategy]]:
+    def offered(call: OpCall) -> list[AxisStrategy]:
+        return [*strategies(call), *balanced_strategies(call)]
+
+    return offered
+
+
+def _localize_balanced(ctx: LocalContext, q_layout: Layout) -> LocalCall:
+    """Attention with its queries split in the load-balanced order: rows are independent of each
+    other, so only a causal call needs its rows' places, one causal block per chunk at the chunk's
+    offset (`device_attention.attention_forward_chunks`); a mask's rows came balanced too."""
+    call = ctx.call
+    if not _is_causal(call):
+        return LocalCall(call.op, ctx.args, ctx.kwargs)
+    offsets = tuple(start for start, _ in q_layout.local_chunks(ctx.mesh_shape, ctx.coords, SEQ))
+    backward = call.op == BACKWARD
+    n_main = 6 if backward else 3
+    kwargs = {"attn_mask": ctx.kwargs.get("attn_mask"), "scale": ctx.kwargs.get("scale"), "row_offsets": offsets}
+    target: Callable[..., object] = (
+        device_attention.attention_backward_chunks if backward else device_attention.attention_forward_chunks
+    )
+    return LocalCall(target, (*ctx.args[:n_main], _dropout_p(call)), kwargs)
+
+
 def localize_attention(ctx: LocalContext) -> LocalCall | LocalGraph:
     """The local call of an attention op: the op itself, unless it is causal with the queries split
     along the sequence, where the rank's queries start at offset o of the whole sequence and must
@@ -130,6 +180,8 @@ def localize_attention(ctx: LocalContext) -> LocalCall | LocalGraph:
     if ring is not None:
         return ring_attention.ring_graph(ctx, ring)
     q_layout = ctx.strategy.inputs[_query_index(call)]
+    if q_layout.balanced_dims():
+        return _localize_balanced(ctx, q_layout)
     if not _is_causal(call) or not q_layout.shard_axes(SEQ):
         return LocalCall(call.op, ctx.args, ctx.kwargs)
     offset = q_layout.local_offsets(ctx.mesh_shape, ctx.coords)[SEQ]
@@ -149,8 +201,9 @@ CP_AXIS = "cp"  # the mesh axis name that asks for context parallelism
 HEADS = 1  # the heads dim of the (B, H, L, E) query: Ulysses' split inside attention
 # PlanOptions.context_parallel -> the (query, key) placements attention may take on the "cp" axis
 CP_STRATEGIES: dict[str, tuple[tuple[Placement, Placement], ...]] = {
-    "auto": ((Shard(SEQ), R), (Shard(SEQ), Shard(SEQ)), (Shard(HEADS), Shard(HEADS))),
+    "auto": ((Shard(SEQ), R), (Shard(SEQ), Shard(SEQ)), (Shard(HEADS), Shard(HEADS)), (BalancedShard(SEQ), R)),
     "allgather": ((Shard(SEQ), R),),
+    "balanced": ((BalancedShard(SEQ), R),),
     "ring": ((Shard(SEQ), Shard(SEQ)),),
     "ulysses": ((Shard(HEADS), Shard(HEADS)),),
 }
@@ -168,6 +221,9 @@ def _attention_requirement(axis: int, strategy: str) -> Requirement:
     hints = {
         "allgather": "the queries' sequence (dim 2 of (batch, heads, sequence, head_dim)) must split "
         "over the cp axis, without dropout inside attention",
+        "balanced": "the queries' sequence (dim 2 of (batch, heads, sequence, head_dim)) must split over the "
+        "cp axis in the load-balanced order: into 2 * (cp axis size) equal chunks, without dropout inside "
+        "attention",
         "ring": "the queries', keys' and values' sequence (dim 2 of (batch, heads, sequence, head_dim)) must "
         "split evenly over the cp axis, in self-attention (keys as long as the queries, keys and values of "
         "one head size), without dropout inside attention",
@@ -179,15 +235,18 @@ def _attention_requirement(axis: int, strategy: str) -> Requirement:
                        'or use PlanOptions(context_parallel="allgather" / "ring" / "ulysses"), or name the axis otherwise')
 
 
-def _embedding_requirement(axis: int) -> Requirement:
+def _embedding_requirement(axis: int, strategy: str) -> Requirement:
+    splits = {"balanced": (BalancedShard(1),), "auto": (Shard(1), BalancedShard(1))}.get(strategy, (Shard(1),))
+
     def admits(call: OpCall, chosen: Strategy) -> bool:
         out = chosen.outputs[0]
-        return len(out.shape) < 3 or out.placements[axis] == Shard(1)
+        return len(out.shape) < 3 or out.placements[axis] in splits
 
+    balanced = " (balanced: a multiple of twice the cp axis size)" if strategy == "balanced" else ""
     return Requirement(
         admits,
         'the mesh\'s "cp" axis splits the token activations (batch, sequence, width) along the sequence: '
-        "their sequence must be at least the cp axis size",
+        f"their sequence must be at least the cp axis size{balanced}",
     )
 
 
@@ -203,13 +262,22 @@ def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = 
     if strategy not in CP_STRATEGIES:
         raise ValueError(f"context parallel strategy {strategy!r}: one of {', '.join(CP_STRATEGIES)}")
     constrained = registry.copy()
+    if strategy in ("auto", "balanced"):  # the load-balanced split is offered on the "cp" axis only
+        constrained = balanced_registry(registry, axis, skip=frozenset({FORWARD, BACKWARD}))
     for op in (FORWARD, BACKWARD):
-        if op in constrained:
-            constrained.require(op, _attention_requirement(axis, strategy))
-            if strategy in ("auto", "ring"):  # the ring is offered where a "cp" axis asks for it
-                constrained.admit(op, ring_attention.ring_admissible)
+        rule = constrained.get(op)
+        if rule is None:
+            continue
+        if strategy in ("auto", "balanced"):
+            constrained.replace(dataclasses.replace(rule, strategies=_with_balanced(rule.strategies)))
+        constrained.require(op, _attention_requirement(axis, strategy))
+        if strategy in ("auto", "ring"):  # the ring is offered where a "cp" axis asks for it
+            constrained.admit(op, ring_attention.ring_admissible)
+        if strategy in ("auto", "balanced"):
+            admits = constrained.get(op).admits  # type: ignore[union-attr]
+            constrained.admit(op, only_on_axis(axis, admits))
     if EMBEDDING in constrained:
-        constrained.require(EMBEDDING, _embedding_requirement(axis))
+        constrained.require(EMBEDDING, _embedding_requirement(axis, strategy))
     return constrained
 
 

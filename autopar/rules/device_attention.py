@@ -128,6 +128,78 @@ def attention_backward(
     return math_backward(grad_out, q, k, v, out, logsumexp, is_causal, attn_mask=attn_mask, scale=scale)
 
 
+def _row_chunks(x: torch.Tensor | None, rows: int, parts: int) -> list[torch.Tensor | None]:
+    """`x` (a mask, or a per-row tensor) cut into `parts` equal runs of its query rows (dim -2,
+    or -1 for the (B, H, L) logsumexp via `dim`); a mask that broadcasts along the queries, or
+    none, goes whole to every run."""
+    if x is None or x.dim() < 2 or x.shape[-2] != rows or rows == 1:
+        return [x] * parts
+    return list(x.chunk(parts, -2))
+
+
+def attention_forward_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    row_offsets: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a rank's queries made of equal runs of rows that start at
+    `row_offsets` of the sequence (the two chunks of a load-balanced split), against all the
+    keys: each run is a causal block of `attention_forward` at its own offset; output and
+    logsumexp are put back together along the rows."""
+    parts = len(row_offsets)
+    rows = q.shape[-2]
+    outs, lses = [], []
+    for q_run, mask, offset in zip(q.chunk(parts, -2), _row_chunks(attn_mask, rows, parts), row_offsets):
+        out, lse = attention_forward(q_run, k, v, dropout_p, True, attn_mask=mask, scale=scale, row_offset=offset)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, -2), torch.cat(lses, -1)
+
+
+def attention_backward_chunks(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    dropout_p: float,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    row_offsets: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of `attention_forward_chunks`: each run's query gradient, put back together,
+    and the sum of the runs' shares of every key's and value's gradient."""
+    parts = len(row_offsets)
+    rows = q.shape[-2]
+    runs = zip(
+        grad_out.chunk(parts, -2),
+        q.chunk(parts, -2),
+        out.chunk(parts, -2),
+        logsumexp.chunk(parts, -1),
+        _row_chunks(attn_mask, rows, parts),
+        row_offsets,
+    )
+    grads_q = []
+    grad_k: torch.Tensor | None = None
+    grad_v: torch.Tensor | None = None
+    for g_run, q_run, o_run, lse_run, mask, offset in runs:
+        dq, dk, dv = attention_backward(
+            g_run, q_run, k, v, o_run, lse_run, dropout_p, True, attn_mask=mask, scale=scale, row_offset=offset
+        )
+        grads_q.append(dq)
+        grad_k = dk if grad_k is None else grad_k + dk
+        grad_v = dv if grad_v is None else grad_v + dv
+    assert grad_k is not None and grad_v is not None
+    return torch.cat(grads_q, -2), grad_k, grad_v
+
+
 def _causal_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_offset: int, attn_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

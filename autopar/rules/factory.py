@@ -63,7 +63,7 @@ def new_fill_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, [AxisStrategy((i,), (o,)) for i in ins for o in outs])
 
 
-def _arange_bounds(call: OpCall) -> tuple[float | int, float | int]:
+def arange_bounds(call: OpCall) -> tuple[float | int, float | int]:
     """(start, step) of an arange call."""
     if call.op == aten.arange.default:
         return 0, 1
@@ -81,7 +81,7 @@ def localize_arange(ctx: LocalContext) -> LocalCall:
     layout = ctx.strategy.outputs[0]
     if not layout.shard_axes(0):
         return LocalCall(call.op, ctx.args, ctx.kwargs)
-    start, step = _arange_bounds(call)
+    start, step = arange_bounds(call)
     offset = layout.local_offsets(ctx.mesh_shape, ctx.coords)[0]
     length = layout.local_shape(ctx.mesh_shape, ctx.coords)[0]
     args = (start, step, offset, length, call.outputs[0].dtype, ctx.kwargs.get("device"))

@@ -70,6 +70,18 @@ def arange_block(
     return torch.arange(first, end, step, dtype=dtype, device=device)[:length]
 
 
+def arange_chunks(
+    start: int | float,
+    step: int | float,
+    chunks: Sequence[tuple[int, int]],
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The elements of `arange(start, ., step)` in each (offset, length) run of `chunks`, end to
+    end: a rank's positions under the load-balanced sequence split."""
+    return torch.cat([arange_block(start, step, offset, length, dtype, device) for offset, length in chunks])
+
+
 def embedding_row_block(weight: torch.Tensor, indices: torch.Tensor, row_offset: int) -> torch.Tensor:
     """Lookup in a block of vocabulary rows: rows held elsewhere give zeros (output Partial)."""
     rows = weight.shape[0]
