@@ -45,7 +45,10 @@ def test_each_rank_holds_a_front_chunk_and_its_mirror() -> None:
     block = local_value(full, layout, (4,), (1,))
     torch.testing.assert_close(block, torch.cat([full[:, 2:4], full[:, 12:14]], 1))
     # every rank's causal work (keys at or before its rows) is the same
-    work = [sum(start + i + 1 for start, n in layout.local_chunks((4,), (r,), 1) for i in range(n)) for r in range(4)]
+    work = [
+        sum(start + i + 1 for start, n in layout.local_chunks((4,), (r,), 1) for i in range(n))
+        for r in range(4)
+    ]
     assert len(set(work)) == 1
     torch.testing.assert_close(from_balanced(to_balanced(full, 1, 4), 1, 4), full)
     assert is_balanced_sequence(layout) and not is_balanced_sequence(Layout((Shard(1),), SEQ_SHAPE))

@@ -36,7 +36,9 @@ def _balanced(op: object, args: tuple, kwargs: dict, mesh: tuple[int, ...]) -> l
     return [s for s in options if any(is_balanced_sequence(lay) for lay in (*s.inputs, *s.outputs))]
 
 
-def _check(data: st.DataObject, op: object, args: tuple, kwargs: dict, mesh: tuple[int, ...]) -> list[Strategy]:
+def _check(
+    data: st.DataObject, op: object, args: tuple, kwargs: dict, mesh: tuple[int, ...]
+) -> list[Strategy]:
     options = _balanced(op, args, kwargs, mesh)
     assume(options)
     check_some(data, op, args, kwargs, mesh, options, _registry(len(mesh) - 1))

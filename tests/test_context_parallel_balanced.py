@@ -1,0 +1,145 @@
+"""The load-balanced causal layout (`BalancedShard`, rank i holding chunk i and chunk 2p-1-i of 2p)
+forced on a (4,) "cp" mesh: a hand-written causal block (`is_causal=True`, so the causal rows come
+from each chunk's offset) and transformers' LlamaForCausalLM at its defaults with left padding
+(the causal and padding mask built from arange and the attention mask, positions from arange), two
+SGD-with-momentum steps in lockstep equal to serial: loss, every gradient, every parameter. And
+the emitted programs: the balanced layout on attention and the embeddings, the keys and values
+all-gathered and put back in the natural order, their gradients put in the balanced order before
+they are reduce-scattered."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pass_fixtures import collectives, compile_every_rank, train_in_lockstep
+from torch import nn
+from train_fixtures import train_hf_in_lockstep
+
+import autopar
+from autopar.core.layout import BalancedShard, R, is_balanced
+from autopar.core.meta import info
+from autopar.rules.context_parallel import BACKWARD, EMBEDDING, FORWARD, require_context_parallel
+from autopar.rules.registry import default_registry
+from examples.hf_models import VOCAB, tiny_causal_lm
+
+SEQ, BATCH, STEPS, CP = 16, 2, 2, 4
+aten = torch.ops.aten
+
+
+class CausalBlock(nn.Module):
+    """Embedding, layer norm, one causal self-attention (SDPA, `is_causal=True`) with a residual,
+    the LM head and cross-entropy against the labels."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, width)
+        self.norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        b, t, c = x.shape
+        q, k, v = (
+            y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+            for y in self.qkv(self.norm(x)).split(c, -1)
+        )
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, c))
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _assert_balanced_attention(graph: torch.fx.Graph, axis: int) -> None:
+    calls = [n for n in graph.nodes if n.target in (FORWARD, BACKWARD)]
+    assert calls
+    for node in calls:
+        chosen = info(node).strategy
+        assert chosen is not None
+        at = 1 if node.target is BACKWARD else 0
+        query, key = chosen.inputs[at], chosen.inputs[at + 1]
+        assert (query.placements[axis], key.placements[axis]) == (BalancedShard(2), R), (node.name, chosen)
+    embeddings = [n for n in graph.nodes if n.target is EMBEDDING]
+    assert embeddings and all(info(n).layouts[0].placements[axis] == BalancedShard(1) for n in embeddings)
+
+
+def _reorder_near(collective: torch.fx.Node, step: Callable[[torch.fx.Node], list[torch.fx.Node]]) -> bool:
+    """Whether a cat of the 2p chunks of the sequence is among the communication nodes insert_comm
+    made around `collective` (after it for a gather, before it for a reduce-scatter)."""
+    seen, todo = set(), step(collective)
+    while todo:
+        node = todo.pop()
+        if node in seen or node.op != "call_function" or info(node).role != "comm":
+            continue
+        seen.add(node)
+        if node.target is aten.cat.default and len(node.args[0]) == 2 * CP:
+            return all(piece.target is aten.slice.Tensor for piece in node.args[0])
+        todo += step(node)
+    return False
+
+
+def test_causal_block_trains_like_serial() -> None:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(32, (BATCH, SEQ), generator=g), torch.randint(32, (BATCH, SEQ), generator=g))]
+    batches.append(batches[0])
+    registry = require_context_parallel(default_registry(), 0, "balanced")
+    result = train_in_lockstep(
+        CausalBlock(), (CP,), batches, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        names=("cp",), registry=registry,
+    )  # fmt: skip
+    _assert_balanced_attention(next(iter(result["compiled"].values())).graph.graph, 0)
+    assert result["loss_err"] < 1e-5 and result["grad_err"] < 1e-4 and result["param_err"] < 1e-5, result
+
+
+def test_plan_option_emits_the_reorders_around_the_gather() -> None:
+    """`PlanOptions(context_parallel="balanced")`: the compiled program gathers the keys and values
+    from their balanced split and puts them in the natural order (a cat of the 8 chunks after the
+    all-gather); every other collective out of (into) the balanced order is followed (preceded) by
+    such a reorder."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(32, (BATCH, SEQ), generator=g), torch.randint(32, (BATCH, SEQ), generator=g)
+    result = autopar.plan(
+        CausalBlock(), (CP,), (ids, labels), mesh_names=("cp",), device_type="cpu",
+        planning=autopar.PlanOptions(context_parallel="balanced"),
+    )  # fmt: skip
+    compiled = result.compiled
+    _assert_balanced_attention(compiled.graph.graph, 0)
+    gm = compiled.graph
+    gathers = [
+        n
+        for n in collectives(gm)
+        if info(n).comm.kind == "all_gather" and is_balanced(info(n).comm.before.placements[0])
+    ]
+    assert len(gathers) >= 2, "keys and values"
+    # every collective out of the balanced order puts the rows back after it, every one into it
+    # puts them in that order before it (the search picks where: reduce-scatters, all-to-alls)
+    for node in collectives(gm):
+        comm = info(node).comm
+        if is_balanced(comm.before.placements[0]):
+            assert _reorder_near(node, lambda n: list(n.users)), (node.name, comm)
+        if is_balanced(comm.after.placements[0]):
+            assert _reorder_near(node, lambda n: list(n.all_input_nodes)), (node.name, comm)
+
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def test_llama_with_left_padding_trains_like_serial() -> None:
+    torch.manual_seed(0)
+    model = tiny_causal_lm("llama", n_layer=1, heads=4, kv_heads=2)
+    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[0, :5] = 0
+    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    registry = require_context_parallel(default_registry(), 0, "balanced")
+    compiled = compile_every_rank(model, (CP,), (), kwargs, names=("cp",), registry=registry)
+    _assert_balanced_attention(next(iter(compiled.values())).graph.graph, 0)
+    train_hf_in_lockstep(compiled, model, kwargs, (CP,), STEPS)
