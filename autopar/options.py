@@ -70,7 +70,9 @@ class PlanOptions:
           the sequence with keys and values all-gathered (Llama 3's CP); "ring", queries, keys
           and values split, key/value blocks passed around the ring (ring attention); "ulysses",
           the all-to-all from the sequence split to a heads split around attention and back
-          (DeepSpeed-Ulysses); "auto", the cheapest by the search's cost. Without a "cp" axis it must be
+          (DeepSpeed-Ulysses); "balanced", "allgather" in the load-balanced causal order (rank i
+          holds chunk i and chunk 2p-1-i of 2p: equal causal work per rank) over the whole block;
+          "auto", the cheapest by the search's cost. Without a "cp" axis it must be
           "auto" (the search may still split the sequence where it prices best).
       storage (str) ["auto"]: how the search planner stores the weights (`planning.storage`):
           "sharded", ~1/p of each weight per rank, gathered where used and its gradient

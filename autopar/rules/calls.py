@@ -80,7 +80,10 @@ def expand_cached(
     """`expand` memoized by op and argument specs: repeated layers share their candidate lists.
     `cache` holds one mesh's lists (an `ExpandCache`: backed by lists shared across meshes).
     `key_of_call`: `call_key(call)`, if known."""
-    key = (node.target, call_key(call) if key_of_call is None else key_of_call, rule.requirement)
+    # the rule's functions too: registries transformed for a mesh ("cp": `rules.balanced`) may
+    # share a cache with others and must not be handed their lists
+    call_of = call_key(call) if key_of_call is None else key_of_call
+    key = (node.target, call_of, rule.requirement, rule.strategies, rule.admits)
     found = cache.get(key)
     if found is None:
         if isinstance(cache, ExpandCache):
