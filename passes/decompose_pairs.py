@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
-from autopar.core.layout import Layout
+from autopar.core.layout import Layout, is_balanced
 from autopar.core.meta import has_info, info
 from autopar.core.redistribute import CommStep
 
@@ -64,6 +64,8 @@ def find_pairs(
             continue
         step = info(node).comm
         assert step is not None
+        if is_balanced(step.before.placements[step.axis]) or is_balanced(step.after.placements[step.axis]):
+            continue  # its rank blocks are reordered around it (`BalancedShard`): not rows in rank order
         wait = next(iter(node.users), None)
         if wait is None or len(node.users) != 1 or wait.target is not c10d.wait_tensor.default:
             continue

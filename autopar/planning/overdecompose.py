@@ -90,6 +90,14 @@ def _extend(layout: Layout, chunk: Placement, shape: tuple[int, ...], node: fx.N
             f"{out.split_factor(chunk.dim, shape)} blocks",
             out,
         )
+    if not out.balanced_fits(shape):
+        raise _cannot(
+            node,
+            shape[-1],
+            f"dim(s) {[d for d, _ in out.balanced_dims()]} of {list(out.shape)} are split in the "
+            "load-balanced causal order (Sb), which batch chunks cannot cut again",
+            out,
+        )
     return out
 
 
