@@ -52,6 +52,7 @@ from autopar.compiler.pipeline_split import (
 from autopar.compiler.pipeline_stage import (
     StageBuilder,
     StageModule,
+    check_same_readers,
     check_same_tensors,
     parallel_stage_forward,
     stage_arguments,
@@ -255,21 +256,6 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         self.stage_modules = program.stage_units
         self._readers = holders
 
-    def _check_same_readers(self, program: StageProgram) -> None:
-        """A later call on a 1-D mesh may read tensors the first did not (`MetaHolders` sends those
-        of a model on meta), but a stage newly reading a trained parameter is refused on every rank
-        alike, before any message: which stages sum a parameter's gradient, and which ranks hand it
-        to the optimizer, was fixed by the first call, so its gradient would miss that stage's part."""
-        for s in range(self.schedule.num_stages):
-            for p in self._user_params(program, s):
-                if s not in self._readers.get(id(p), set()):
-                    raise PipelineSplitError(
-                        f"stage {s} trains {self._names.get(id(p), 'a parameter')} in this call but not in the "
-                        "first: which stages sum its gradient was fixed by the first call (the call's "
-                        "arguments differ: a model may read a weight only when an argument is missing)",
-                        hint="pass the same set of arguments on every call as in example_inputs / example_kwargs",
-                    )
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` over the whole model: every rank holds only its stages'
         gradients, so torch's function would clip each stage by its own norm. Each stage's norm is
@@ -339,7 +325,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         if not self._programs:  # a model on meta: this rank's stages' tensors, made now
             self._materialize(program)
         elif self._build_stage is None:
-            self._check_same_readers(program)
+            check_same_readers(self._readers, program, lambda s: self._user_params(program, s), self._names)
         if self._programs and self._holders is not None and self._holders.receive(
             self._model, program, self.group, self.rank, self.device
         ):  # a tensor another rank holds, read by this rank's stage in this call only
