@@ -118,6 +118,7 @@ def _rank(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tens
     pipeline = autopar.PipelineOptions(microbatches=microbatches, schedule="1f1b") if pp else None
     pmodel = autopar.parallelize(model, mesh, example_inputs=batch, pipeline=pipeline)
     parallelize_s = time.perf_counter() - start
+    parallelize_peak = _rss_peak()  # the peak so far: planning, compiling, initializing
     load_s = 0.0
     if load:
         start = time.perf_counter()
@@ -142,6 +143,7 @@ def _rank(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tens
         "step_s": steps,
         "baseline_rss": baseline,
         "after_load_rss": after_load,
+        "parallelize_peak_rss": parallelize_peak,
         "peak_rss": _rss_peak(),
         "modeled": {"params": local, "grads": local, "momentum": local, "activations": activations},
     }
