@@ -8,13 +8,20 @@ parallelizes it on the mesh, and either loads the checkpoint (`autopar.load_chec
 rank reading only its slices) or initializes it in place (`parallelize` on the meta model, seeded
 as the serial build), then trains the same two steps.
 
+With `--pp 2 --mesh 2,2` the job is pipelined: the mesh is ("pp", "x", "y") of shape (2, 2, 2),
+each rank materializes (or loads) only its stage's blocks, and the step runs 1F1B over
+`--microbatches` microbatches (docs/pipeline.md#a-model-built-on-meta).
+
 Per rank it reports the peak RSS against the modeled share: parameters + gradients + optimizer
-state (momentum) of the rank's blocks + the activations its program saves for backward, beside
+state (momentum) of the rank's blocks + the activations its program saves for backward (pipelined:
+its stage's saved activations per microbatch times the microbatches the schedule keeps in flight
+on that rank), beside
 the RSS of a rank that has only imported torch and joined the job (the runtime's fixed overhead),
 and the time to parallelize, to load and per step. The losses must equal the serial ones.
 
     python benchmarks/large_model.py                          # ~1 B parameters (4 GB in fp32)
     python benchmarks/large_model.py --n-layer 2 --n-embd 256 --name large_model_small   # a minute
+    python benchmarks/large_model.py --pp 2 --mesh 2,2 --name large_model_pipelined       # pp=2 x (2,2)
 
 Writes benchmarks/results/large_model.json (or <name>.json) and a table on stdout.
 """
@@ -40,6 +47,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from multirank import run_ranks  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.core.pipeline_simulate import simulate  # noqa: E402
 from examples.models import GPT, GPTConfig, gpt_batch  # noqa: E402
 
 GiB = 1024**3
@@ -81,19 +89,36 @@ def serial_reference(config: GPTConfig, batch: tuple[torch.Tensor, ...], directo
     return {"losses": losses, "params": params, "build_s": built, "step_s": steps, "peak_rss": _rss_peak()}
 
 
+def _saved_bytes(program: Any) -> int:
+    """The bytes of the activations a parallel module's program saves for its backward."""
+    out = next(n for n in program.forward.graph.nodes if n.op == "output")
+    saved = list(out.args[0])[len(program.output_layouts) :]
+    return sum(
+        n.meta["val"].numel() * n.meta["val"].element_size()
+        for n in saved
+        if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+    )
+
+
 def _rank(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tensor, ...], shape: tuple[int, ...],
-          directory: str, load: bool, lr: float) -> dict[str, Any]:
+          directory: str, load: bool, lr: float, pp: int = 0, microbatches: int = 2) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", shape)
+    if pp:
+        names = ("pp", *(f"t{i}" for i in range(len(shape))))
+        mesh = init_device_mesh("cpu", (pp, *shape), mesh_dim_names=names)
+    else:
+        mesh = init_device_mesh("cpu", shape)
     baseline = _rss_now()  # torch imported, the job joined: the runtime's fixed overhead
     with torch.device("meta"):
         model = GPT(config)
     torch.manual_seed(0)
     start = time.perf_counter()
-    pmodel = autopar.parallelize(model, mesh, example_inputs=batch)
+    pipeline = autopar.PipelineOptions(microbatches=microbatches, schedule="1f1b") if pp else None
+    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, pipeline=pipeline)
     parallelize_s = time.perf_counter() - start
+    parallelize_peak = _rss_peak()  # the peak so far: planning, compiling, initializing
     load_s = 0.0
     if load:
         start = time.perf_counter()
@@ -102,22 +127,23 @@ def _rank(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tens
     after_load = _rss_now()
     losses, steps = _two_timed_steps(pmodel, batch, lr)
     local = sum(p.to_local().numel() * p.element_size() for p in pmodel.parameters())
-    out = next(n for n in pmodel.program.forward.graph.nodes if n.op == "output")
-    saved = list(out.args[0])[len(pmodel.program.output_layouts) :]
-    activations = sum(
-        n.meta["val"].numel() * n.meta["val"].element_size()
-        for n in saved
-        if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
-    )
+    if pp:  # its stages' saved activations per microbatch, times the microbatches kept in flight
+        in_flight = simulate(pmodel.schedule).peak_in_flight[pmodel.rank]
+        parallel = pmodel.__dict__["stage_parallel"]
+        activations = in_flight * sum(_saved_bytes(parallel[s].program) for s in pmodel.stages)
+    else:
+        activations = _saved_bytes(pmodel.program)
     gc.collect()
     return {
         "rank": rank,
+        "stages": list(pmodel.stages) if pp else [],
         "losses": losses,
         "parallelize_s": parallelize_s,
         "load_s": load_s,
         "step_s": steps,
         "baseline_rss": baseline,
         "after_load_rss": after_load,
+        "parallelize_peak_rss": parallelize_peak,
         "peak_rss": _rss_peak(),
         "modeled": {"params": local, "grads": local, "momentum": local, "activations": activations},
     }
@@ -134,6 +160,9 @@ def main() -> None:
     parser.add_argument("--mesh", default="2,2,2")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--name", default="large_model")
+    parser.add_argument("--pp", type=int, default=0, help="pipeline stages: the mesh becomes (pp, *mesh)")
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--starts", default="checkpoint,init", help="which starts to run: checkpoint, init")
     args = parser.parse_args()
     config = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     shape = tuple(int(s) for s in args.mesh.split(","))
@@ -142,11 +171,11 @@ def main() -> None:
         # the serial reference runs in its own process, so its memory is gone before the job starts
         (serial,) = run_ranks(1, _serial_job, config, batch, directory, args.lr, timeout=3600)
         runs = {}
-        for mode in ("checkpoint", "init"):
+        for mode in args.starts.split(","):
             ranks = run_ranks(
-                int(torch.tensor(shape).prod()), _rank, config, batch, shape, directory, mode == "checkpoint", args.lr,
-                timeout=3600,
-            )
+                max(args.pp, 1) * int(torch.tensor(shape).prod()), _rank, config, batch, shape, directory,
+                mode == "checkpoint", args.lr, args.pp, args.microbatches, timeout=3600,
+            )  # fmt: skip
             runs[mode] = ranks
     result = {"config": vars(args), "serial": serial, "runs": runs, "environment": environment()}
     RESULTS.mkdir(exist_ok=True)
@@ -162,9 +191,11 @@ def _serial_job(rank: int, world_size: int, config: GPTConfig, batch: tuple[torc
 
 def table(result: dict[str, Any]) -> str:
     serial = result["serial"]
+    config = result["config"]
+    mesh = f"pp={config['pp']} x ({config['mesh']}), {config['microbatches']} microbatches" if config.get("pp") else config["mesh"]
     lines = [
         f"GPT of {serial['params'] / 1e9:.2f} B parameters ({serial['params'] * 4 / GiB:.1f} GiB fp32), "
-        f"mesh {result['config']['mesh']}; serial losses {serial['losses']}, serial peak RSS "
+        f"mesh {mesh}; serial losses {serial['losses']}, serial peak RSS "
         f"{serial['peak_rss'] / GiB:.1f} GiB, serial step {max(serial['step_s']):.1f} s",
         "",
         "| start | rank | modeled share GiB (params+grads+momentum+activations) | fixed GiB | peak RSS GiB | "

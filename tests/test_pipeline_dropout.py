@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.compiler.pipeline_random import DropoutMasks, PipelineDropout
+from autopar.compiler.pipeline_random import DropoutMasks, PipelineDropout, attention_dropped
 from autopar.compiler.pipeline_split import split_stages
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -151,9 +151,11 @@ def test_masks_cut_rows_along_the_batch_dim() -> None:
     assert not DropoutMasks().draw(whole[:1], {0}, [[(3, 2)], [(3, 2)]], "cpu")  # two dims differ
 
 
-def test_attention_dropout_is_not_exact_and_says_so() -> None:
-    """In process: dropout inside scaled_dot_product_attention draws in the kernel eager picks (on
-    the CPU a mask argument changes it), so the pipeline warns that it draws per microbatch."""
+def test_attention_dropout_is_drawn_as_serial_on_the_cpu_in_float32_and_warns_below() -> None:
+    """In process: dropout inside scaled_dot_product_attention on the CPU in float32 is one of the
+    ops the pipeline draws (its mask over the probabilities' [B, H, L, S] shape, the stage's node
+    replaced by `attention_dropped`), with no warning; in bfloat16 (whose kernel the pipeline does
+    not reproduce) it stays in the graph and the pipeline warns that it draws per microbatch."""
 
     class Attention(nn.Module):
         def __init__(self) -> None:
@@ -168,6 +170,15 @@ def test_attention_dropout_is_not_exact_and_says_so() -> None:
 
     x, y = torch.randn(4, 6, 16), torch.randn(4, 6, 4)
     program = split_stages(Attention().train(), [x, y], (x, y), ["head"], 2)
+    assert [(op.exact, op.shape, op.p) for op in program.random_ops] == [(True, (4, 1, 6, 6), 0.1)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PipelineDropout().adopt([(st.module, st.sources) for st in program.stages], program.random_ops)
+    targets = [n.target for st in program.stages for n in st.module.graph.nodes]
+    assert attention_dropped in targets and torch.ops.aten.scaled_dot_product_attention.default not in targets
+
+    x16, y16 = x.bfloat16(), y.bfloat16()
+    program = split_stages(Attention().bfloat16().train(), [x16, y16], (x16, y16), ["head"], 2)
     assert [op.exact for op in program.random_ops] == [False]
     dropout = PipelineDropout()
     with pytest.warns(UserWarning, match="scaled_dot_product_attention: not a dropout.*in distribution"):

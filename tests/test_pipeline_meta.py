@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
+import torch.nn.functional as F
 import transformers
 from multirank import run_ranks, train_side_by_side
 from torch.distributed.device_mesh import init_device_mesh
@@ -253,3 +255,93 @@ def test_a_llama_built_on_meta_loads_its_stages_from_save_pretrained_and_round_t
             fmt, missing, unexpected, error = result[trip]
             assert (fmt, missing, unexpected) == ("DCP", [], []) and error < 1e-5, (trip, result[trip])
         torch.testing.assert_close(result["next"][0], result["next"][1], **TOL)
+
+
+class _Shifted(torch.nn.Module):
+    """Adds its root buffer `shift` (the root's: held by stage 0's rank) in the last stage, only
+    when the call passes no shift of its own; multiplies by its root parameter `gain` only when the
+    call passes no gain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.register_buffer("shift", torch.empty(8))
+        self.gain = torch.nn.Parameter(torch.empty(8))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.shift.uniform_(-1, 1)
+            self.gain.fill_(1.0)
+
+    def forward(
+        self, x: torch.Tensor, y: torch.Tensor, shift: torch.Tensor | None = None, gain: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = self.b(torch.relu(self.a(x))) * (self.gain if gain is None else gain)
+        return F.mse_loss(h + (self.shift if shift is None else shift), y)
+
+
+def _later_call_reads_another_tensor(rank: int, world: int, path: str) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    x, y, shift, gain = (torch.randn(4, 8, generator=g) for _ in range(4))
+    with torch.device("meta"):
+        model = _Shifted()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    torch.manual_seed(5)  # other weights than the checkpoint's: the load must fill them
+    pmodel = autopar.parallelize(
+        model, mesh, example_inputs=(x, y, shift), example_kwargs={"gain": gain},
+        pipeline=autopar.PipelineOptions(microbatches=2, stage_boundaries=["b"]),
+    )  # fmt: skip
+    autopar.load_checkpoint(pmodel, path)
+    made_first = sorted(n for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta)
+    serial = _Shifted()
+    serial.load_state_dict(safetensors.torch.load_file(path))
+    after = torch.get_rng_state()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (pmodel, serial)]
+    losses = []
+    for batch in [(x, y, shift), (x, y), (x, y)]:  # the second call reads the buffer: stage 1 gets it
+        for m, opt in zip((pmodel, serial), optimizers, strict=True):
+            loss = m(*batch, gain=gain)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+    ref = dict(serial.named_parameters())
+    try:  # without a gain, stage 1 would train `gain`, whose gradient no stage sums: refused
+        pmodel(x, y)
+        refused = "no error"
+    except autopar.AutoparError as exc:
+        refused = str(exc)
+    return {
+        "refused": refused,
+        "made_first": made_first,
+        "real": sorted(n for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta),
+        "losses": losses,
+        "params": max(float((p.detach() - ref[n]).abs().max()) for n, p in pmodel.named_parameters()),
+        "rng": torch.equal(torch.get_rng_state(), after),
+    }
+
+
+@pytest.mark.multirank
+def test_a_later_call_reading_a_tensor_another_rank_holds_gets_its_value(tmp_path: Path) -> None:
+    """Built on meta on pp=2 and loaded from a checkpoint: the first call passes `shift`, the later
+    ones leave it out, so the last stage (rank 1) reads the root's buffer, which rank 0 holds. It is
+    sent from rank 0 (the loaded value, not a new init): losses and parameters equal serial's. A
+    call leaving out `gain` would have stage 1 train the root's parameter `gain`, which the first
+    call did not: refused on every rank."""
+    torch.manual_seed(0)
+    serial = _Shifted()
+    with torch.no_grad():
+        serial.shift.fill_(0.75)  # no init draws this: only the checkpoint has it
+    path = str(tmp_path / "shifted.safetensors")
+    safetensors.torch.save_file(serial.state_dict(), path)
+    results = run_ranks(2, _later_call_reads_another_tensor, path, timeout=200)
+    assert results[0]["made_first"] == ["a.bias", "a.weight", "gain", "shift"], results[0]["made_first"]
+    assert results[1]["made_first"] == ["b.bias", "b.weight"], results[1]["made_first"]
+    assert results[1]["real"] == ["b.bias", "b.weight", "shift"], results[1]["real"]
+    for result in results:
+        for step in range(3):
+            torch.testing.assert_close(result["losses"][2 * step], result["losses"][2 * step + 1], **TOL)
+        assert result["params"] < 1e-6 and result["rng"], result
+        assert "stage 1 trains gain in this call but not in the first" in result["refused"], result["refused"]

@@ -37,7 +37,7 @@ from autopar.compiler.pipeline_batch import (
 from autopar.compiler.pipeline_checkpoint import pipelined_buffers, pipelined_state_dict
 from autopar.compiler.pipeline_choice import PipelineDecision, ScheduleChoice, decide_pipeline
 from autopar.compiler.pipeline_guards import export_for_branch, serving
-from autopar.compiler.pipeline_meta import make_stage_tensors
+from autopar.compiler.pipeline_meta import MetaHolders, make_stage_tensors
 from autopar.compiler.pipeline_outputs import TrainedOutputs, attach_backward, outside_loss_schedule
 from autopar.compiler.pipeline_random import PipelineDropout
 from autopar.compiler.pipeline_reports import PipelineReports
@@ -52,6 +52,7 @@ from autopar.compiler.pipeline_split import (
 from autopar.compiler.pipeline_stage import (
     StageBuilder,
     StageModule,
+    check_same_readers,
     check_same_tensors,
     parallel_stage_forward,
     stage_arguments,
@@ -63,7 +64,7 @@ from autopar.core.pipeline_schedule import Schedule
 from autopar.planning.stage_result import StageCut
 from autopar.reporting.dump import dump_dir_from
 from autopar.runtime.defer_reduction import GradAccumulation
-from autopar.runtime.materialize import InitFn
+from autopar.runtime.materialize import InitFn, meta_tensor_names
 from autopar.runtime.module_state import NotCopyable
 from autopar.runtime.pipeline_runtime import (
     BoundaryScatter,
@@ -134,8 +135,10 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         self._init_fn = init_fn
         self._seeded = torch.random.get_rng_state() if seeded is None else seeded
         self.materialized_bytes = 0  # what this rank made of a model built on meta (its stages')
+        self._holders: MetaHolders | None = None  # on meta, 1-D: which rank holds which tensor
         self._names = self._parameter_names()
         self._local: list[tuple[str, nn.Parameter]] = []
+        self._readers: dict[int, set[int]] = {}  # a trained user tensor -> the stages reading it (first call)
         # shared weights: (name, the user's tensor, this rank's copies of it that stages train)
         self._shared: list[tuple[str, nn.Parameter, list[nn.Parameter]]] = []
         self.stage_modules: tuple[tuple[str, ...], ...] = ()
@@ -152,6 +155,9 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         """A model built on meta: this rank's stages' tensors, made now (`make_stage_tensors`): on a
         1-D pipeline mesh all of them; with tensor axes those no stage reads, as each stage's
         parallel module makes its own blocks of the rest."""
+        if self._build_stage is None and meta_tensor_names(self._model):
+            placement = self.schedule.placement
+            self._holders = MetaHolders(self._model, program, [placement.stages_of(q) for q in range(placement.pp)])
         made = make_stage_tensors(
             self._model, program, self.stages, read=self._build_stage is None, init_fn=self._init_fn,
             seeded=self._seeded, device=self.device,
@@ -248,6 +254,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
             (self._names[id(p)], p, copies.get(id(p), [])) for p in order if len(holders[id(p)]) > 1
         ]
         self.stage_modules = program.stage_units
+        self._readers = holders
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` over the whole model: every rank holds only its stages'
@@ -317,6 +324,12 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         self._variants[key] = program.variant + 1
         if not self._programs:  # a model on meta: this rank's stages' tensors, made now
             self._materialize(program)
+        elif self._build_stage is None:
+            check_same_readers(self._readers, program, lambda s: self._user_params(program, s), self._names)
+        if self._programs and self._holders is not None and self._holders.receive(
+            self._model, program, self.group, self.rank, self.device
+        ):  # a tensor another rank holds, read by this rank's stage in this call only
+            self._names = self._parameter_names()
         if self.training:  # dropout: the serial masks where the stages run their own graphs
             self._dropout.adopt([(st.module, st.sources) for st in program.stages], program.random_ops)
         if self._build_stage is not None:

@@ -5,19 +5,24 @@ The model's whole initialization runs on every rank, call by call from the rando
 `parallelize` began with (`autopar.runtime.materialize`), so every draw is the serial one; a tensor
 of another stage is whole only during the calls that write it, then dropped. No rank ever holds
 the whole model: what it keeps is its stages' share (a tied weight that several stages read, once
-on each rank holding one of them).
+on each rank holding one of them). A later call whose stage reads a tensor its rank does not hold
+(an argument left out, so the model reads a buffer instead) gets it, whole, from a rank that holds
+it (`MetaHolders`): its value there, initialized, loaded or trained, is the serial model's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from autopar.compiler.pipeline_checkpoint import unit_stage
-from autopar.compiler.pipeline_split import StageProgram, get_attr
-from autopar.runtime.materialize import InitFn, materialize_in_place, meta_tensor_names
+from autopar.compiler.pipeline_split import PipelineSplitError, StageProgram, get_attr
+from autopar.runtime.materialize import InitFn, hold_whole, materialize_in_place, meta_tensor_names
 
-__all__ = ["held_names", "make_stage_tensors"]
+__all__ = ["MetaHolders", "held_names", "make_stage_tensors"]
 
 
 def held_names(model: nn.Module, program: StageProgram, stages: tuple[int, ...], *, read: bool) -> set[str]:
@@ -58,3 +63,60 @@ def make_stage_tensors(
         return 0
     torch.random.set_rng_state(seeded)
     return materialize_in_place(model, names, init_fn, device)
+
+
+class MetaHolders:
+    """Which rank of the pp group holds which tensor of a model built on meta, on a 1-D pipeline
+    mesh (every rank keeps the same record: every rank exports every stage's program).
+
+    After the first program each rank holds its stages' tensors (`held_names`); every tensor of the
+    model is held by some rank (a read one by its readers, an unread one by its unit's stage). A
+    later program whose stage reads a tensor its rank does not hold (BERT reads its
+    `token_type_ids` buffer only when that argument is missing; a model's default reads a buffer of
+    the root, stage 0's, in the last stage) would run on a meta tensor; `receive` sends it whole
+    from the lowest rank that holds it to each rank that now reads it, before any stage runs, so
+    its value is what the model holds (after `load_checkpoint` or training too), not a new init."""
+
+    def __init__(self, model: nn.Module, program: StageProgram, stages_of: Sequence[tuple[int, ...]]) -> None:
+        first: dict[int, str] = {}
+        self.canonical: dict[str, str] = {}  # every name of a tensor -> its first name
+        for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            self.canonical[name] = first.setdefault(id(tensor), name)
+        self.held = [
+            {self.canonical.get(n, n) for n in held_names(model, program, stages, read=True)} for stages in stages_of
+        ]
+        self.stages_of = tuple(stages_of)
+
+    def receive(
+        self, model: nn.Module, program: StageProgram, group: dist.ProcessGroup, rank: int, device: torch.device | str
+    ) -> int:
+        """Send and receive the tensors that `program`'s stages read and their ranks do not hold
+        (point to point on the pp group, in name order, the same on every rank); each received one
+        is held by the model under every name. Returns the bytes this rank received."""
+        wanted: dict[str, list[int]] = {}
+        for q, stages in enumerate(self.stages_of):
+            for s in stages:
+                for attr in program.stages[s].attrs:
+                    name = self.canonical.get(attr)
+                    if name is not None and name not in self.held[q] and q not in wanted.setdefault(name, []):
+                        wanted[name].append(q)
+        received = 0
+        for name in sorted(wanted):
+            holders = [q for q, held in enumerate(self.held) if name in held]
+            if not holders:
+                raise PipelineSplitError(
+                    f"a stage reads {name} in this call, and no rank holds it (a model built on meta)",
+                    hint="pass the same set of arguments on every call as in example_inputs / example_kwargs",
+                )
+            source = holders[0]
+            for q in wanted[name]:
+                if rank == source:
+                    dist.send(get_attr(model, name).detach().contiguous(), group=group, group_dst=q)
+                elif rank == q:
+                    meta = get_attr(model, name)
+                    value = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+                    dist.recv(value, group=group, group_src=source)
+                    hold_whole(model, name, value)
+                    received += value.numel() * value.element_size()
+                self.held[q].add(name)
+        return received

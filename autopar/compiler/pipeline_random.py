@@ -10,10 +10,17 @@ multiplies by its rows of the whole mask, a new input of its stage: the rows alo
 where the microbatch's input is smaller than the batch's (dim 0, or a flattened batch-times-heads
 dim), at the offset of the microbatches before it. This is the tensor-only path's idea (`rules/local_ops.dropout_block`:
 draw the global mask, keep one's block) applied to the microbatch cut.
+
+Attention's own dropout (`scaled_dot_product_attention` with `dropout_p > 0`, GPT-2's default
+`attn_pdrop`) is drawn the same way: on the CPU, eager attention with dropout runs its math kernel
+(the fused CPU kernel takes no dropout), which draws `bernoulli_(1 - p)` over the probabilities'
+`[..., L, S]` shape after the softmax, as an eager dropout would. The node becomes that math with
+the microbatch's rows of the mask (`attention_dropped`): the serial numbers, bit for bit.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 from collections.abc import Callable, Sequence
@@ -29,6 +36,41 @@ aten = torch.ops.aten
 
 # The dropout ops a pipeline draws exactly: (input, p, train) -> output / (output, mask).
 _DROPOUTS = {aten.dropout.default: False, aten.native_dropout.default: True}
+# Attention with dropout inside: exact on the CPU in float32 / float64 (`attention_dropped`).
+_ATTENTION = aten.scaled_dot_product_attention.default
+
+
+def attention_dropped(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    keep: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """`scaled_dot_product_attention(..., dropout_p=p)` as the CPU's math kernel computes it, its
+    dropout replaced by a product with `keep` (the mask scaled by 1 / (1 - p)), op for op: q and
+    the transposed k each scaled by sqrt(scale), a boolean mask made -inf / 0 and added, a softmax
+    that gives 0 to a row masked whole, then the mask, then the product with v. Equal to eager
+    attention drawing that mask, gradients included (checked bit for bit in
+    tests/test_pipeline_dropout.py)."""
+    negative = scale is not None and scale < 0
+    factor = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(query.size(-1)))
+    scaled = query * (-factor if negative else factor)
+    if is_causal:
+        attn_mask = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(attn_mask.logical_not(), -math.inf)
+    if enable_gqa:
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+        value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+    scores = torch.matmul(scaled, key.transpose(-2, -1) * factor)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    return torch.matmul(aten._safe_softmax(scores, -1) * keep, value)
 
 
 @dataclass(frozen=True)
@@ -45,9 +87,9 @@ class RandomOp:
     exact: bool
 
 
-def _arguments(node: fx.Node) -> dict[str, object]:
+def _arguments(node: fx.Node) -> dict[str, Any]:
     schema = node.target._schema  # type: ignore[union-attr]
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
     for i, arg in enumerate(schema.arguments):
         if i < len(node.args):
             out[arg.name] = node.args[i]
@@ -71,9 +113,18 @@ def draws(node: fx.Node) -> bool:
 def random_op(node: fx.Node, stage: int) -> RandomOp:
     """`node` (which `draws`) as stage `stage`'s random op."""
     val = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    if node.target is _ATTENTION and isinstance(val, torch.Tensor):
+        key = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+        p = float(_arguments(node)["dropout_p"])
+        exact = (
+            isinstance(key, torch.Tensor) and val.device.type == "cpu"
+            and val.dtype in (torch.float32, torch.float64) and 0 < p < 1
+        )  # fmt: skip
+        shape = (*val.shape[:-1], int(key.shape[-2])) if isinstance(key, torch.Tensor) else ()
+        return RandomOp(stage, node.name, tuple(int(d) for d in shape), val.dtype, p, exact)
     if node.target not in _DROPOUTS or not isinstance(val, torch.Tensor):
         return RandomOp(stage, node.name, (), torch.float32, 0.0, False)
-    p = float(_arguments(node)["p"])  # type: ignore[arg-type]
+    p = float(_arguments(node)["p"])
     exact = val.is_contiguous() and 0 < p < 1
     return RandomOp(stage, node.name, tuple(int(d) for d in val.shape), val.dtype, p, exact)
 
@@ -170,6 +221,14 @@ def install_masks(stages: Sequence[tuple[fx.GraphModule, list[tuple[str, Any]]]]
         with graph.inserting_after(last):
             mask = graph.placeholder(f"autopar_dropout_mask_{k}")
         sources.append(("mask", k))
+        if node.target is _ATTENTION:
+            arguments = _arguments(node)
+            with graph.inserting_before(node):
+                options: dict[str, Any] = {name: arguments[name] for name in ("is_causal", "scale", "enable_gqa")}
+                out = graph.call_function(attention_dropped, (*node.args[:3], arguments["attn_mask"], mask), options)
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+            continue
         with graph.inserting_before(node):
             out = graph.call_function(aten.mul.Tensor, (node.args[0], mask))
             if _DROPOUTS[node.target]:  # type: ignore[index]
@@ -222,8 +281,9 @@ class PipelineDropout:
         inexact = [op.name for op in ops if not op.exact]
         if inexact:
             self.warn(
-                f"{', '.join(inexact[:3])}: not a dropout on a contiguous input (attention's own dropout, "
-                "rand, bernoulli), which the pipeline cannot draw as the serial model does"
+                f"{', '.join(inexact[:3])}: not a dropout on a contiguous input (rand, bernoulli, "
+                "attention's own dropout off the CPU or below float32), which the pipeline cannot draw as "
+                "the serial model does"
             )
         else:
             install_masks(stages, ops)

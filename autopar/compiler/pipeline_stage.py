@@ -103,6 +103,28 @@ def check_same_tensors(first_attrs: list[set[str]], program: StageProgram) -> No
             )
 
 
+def check_same_readers(
+    readers: dict[int, set[int]],
+    program: StageProgram,
+    trained: Callable[[int], Sequence[nn.Parameter]],
+    names: dict[int, str],
+) -> None:
+    """On a 1-D mesh a later call may read tensors the first did not (`MetaHolders` sends those of
+    a model on meta), but a stage newly training a parameter (`trained(stage)`: the parameters it
+    reads that require grad; `readers`: the stages that read each in the first call) is refused on
+    every rank alike, before any message: which stages sum a parameter's gradient, and which ranks
+    hand it to the optimizer, was fixed by the first call, so that stage's part would be lost."""
+    for stage in program.stages:
+        for p in trained(stage.index):
+            if stage.index not in readers.get(id(p), set()):
+                raise PipelineSplitError(
+                    f"stage {stage.index} trains {names.get(id(p), 'a parameter')} in this call but not in "
+                    "the first: which stages sum its gradient was fixed by the first call (the call's "
+                    "arguments differ: a model may read a weight only when an argument is missing)",
+                    hint="pass the same set of arguments on every call as in example_inputs / example_kwargs",
+                )
+
+
 def stage_forward(
     model: nn.Module, stage: int, programs: list[StageProgram], flats: list[list[Any]], masks: DropoutMasks
 ) -> Any:

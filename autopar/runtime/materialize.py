@@ -181,6 +181,19 @@ def materialize_in_place(
     return total
 
 
+def hold_whole(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Hold `value` where `model` holds its meta tensor `name`, under every name the tensor has (a
+    tied weight stays one tensor): what a pipeline rank does with a tensor of another rank's stage
+    that it receives whole (`pipeline_meta.MetaHolders`)."""
+    slot = next((s for s in _slots(model).values() if name in s.aliases), None)
+    if slot is None:
+        raise InitError(
+            f"{name} is not a meta tensor of the model",
+            hint="this is a bug in autopar: only tensors still on the meta device are received",
+        )
+    _swap(slot, value)
+
+
 MAX_PASSES = 3  # a pass learns which calls touch a tensor that the fake run could not foresee
 
 
