@@ -171,6 +171,7 @@ def parallelize(
             model, mesh, example_inputs, microbatches=microbatches, hardware=hardware,
             memory_limit=memory_limit, registry=registry, example_kwargs=example_kwargs,
             weight_state=planning.weight_state, recompute=planning.recompute,
+            token_dispatch=planning.token_dispatch,
         )  # fmt: skip
         mesh_shape, hardware = None, depth_choice.hardware
         options = dataclasses.replace(options, hardware=hardware)  # the layouts the choice priced
@@ -218,6 +219,7 @@ def parallelize(
             autocast=autocast,
             mixed_precision=mixed_precision,
             storage=planning.storage,
+            token_dispatch=planning.token_dispatch,
         )
         options = dataclasses.replace(options, hardware=choice.hardware)  # the layouts the choice priced
     autopar_mesh = _check_mesh(mesh)
@@ -464,6 +466,7 @@ def plan(
             model, world_size, example_inputs, microbatches=microbatches, hardware=hardware,
             memory_limit=memory_limit, registry=registry, example_kwargs=example_kwargs,
             weight_state=planning.weight_state, recompute=planning.recompute,
+            token_dispatch=planning.token_dispatch,
         )  # fmt: skip
         best = depth_choice.chosen
         if best.error:
@@ -491,6 +494,7 @@ def plan(
             mixed_precision=mixed_precision,
             keep_plan=True,
             storage=planning.storage,
+            token_dispatch=planning.token_dispatch,
         )
         mesh_shape, mesh_names = choice.chosen.shape, choice.chosen.names
     mesh = Mesh.from_shape(tuple(mesh_shape), tuple(mesh_names) if mesh_names else None)
