@@ -13,6 +13,7 @@ shows (`ring_attention.exposed_exchange_seconds`).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import torch
@@ -85,8 +86,11 @@ def routed_exchange_cost(
         torch.int64,
     )
     total += cost.redistribute(counts, counts.with_placement(axis, Shard(1)))
-    rows = x.shape[0] * ids.shape[1]
+    # the busiest rank's rows: the pairs scaled, rounded up to a whole block per rank (an uneven
+    # split would be priced as an all-gather instead)
+    blocks = math.prod(cost.shape[a] for a in x.shard_axes(0))
+    rows = math.ceil(x.shape[0] * ids.shape[1] * imbalance / blocks) * blocks
     for width in PLANNED_EXCHANGES["backward" if op == ROUTED_EXPERTS_BACKWARD else "forward"]:
-        pairs = Layout(x.placements, (rows, round(width * x.shape[1] * imbalance)), x.dtype)
+        pairs = Layout(x.placements, (rows, width * x.shape[1]), x.dtype)
         total += cost.redistribute(pairs, pairs.with_placement(axis, Shard(1)))
     return total
