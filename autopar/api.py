@@ -28,6 +28,7 @@ from autopar.compiler.pipeline import PipelinedModule, pipeline_parallelize, spl
 from autopar.compiler.pipeline_checkpoint import load_pipelined_checkpoint
 from autopar.compiler.pipeline_choice import decide_pipeline
 from autopar.compiler.pipeline_mesh import auto_pipeline_mesh, choose_pipeline_mesh
+from autopar.compiler.pipeline_stage import StageModule
 from autopar.compiler.pricing import Compared, PlanResult, price
 from autopar.core.errors import AutoparError, CheckpointError, MeshError, UsageError
 from autopar.core.mesh import Mesh
@@ -46,6 +47,7 @@ from autopar.planning.memory import MEMORY_HEADROOM
 from autopar.rules.base import RuleRegistry
 from autopar.rules.context_parallel import CP_AXIS, context_parallel_registry
 from autopar.rules.registry import default_registry
+from autopar.rules.routed_experts import ROUTED_OPS
 from autopar.runtime.checkpoint import LoadResult
 from autopar.runtime.checkpoint import load_checkpoint as load_parallel_checkpoint
 from autopar.runtime.checkpoint_save import save_dcp, save_safetensors
@@ -367,8 +369,11 @@ def _pipeline(
         stage_options = dataclasses.replace(options, check_inputs=False)  # stages' inputs are the runtime's
 
         def build_stage(module: nn.Module, args: tuple[Any, ...]) -> ParallelModule:
+            chosen = stage_options
+            if isinstance(module, StageModule) and not module.calls_any(ROUTED_OPS):  # a stage without MoE layers
+                chosen = dataclasses.replace(stage_options, token_dispatch="allgather")
             return compile_module(
-                module, stage_mesh, groups.stage, stage_options, args, None, args, None,
+                module, stage_mesh, groups.stage, chosen, args, None, args, None,
                 autocast=autocast, seeded=seeded, init_model=model,
             )
 
@@ -391,6 +396,7 @@ def _pipeline(
         example_kwargs=example_kwargs,
         init_fn=options.init_fn,
         seeded=seeded,
+        token_dispatch=options.token_dispatch,
     )
     pmodel.schedule_named = schedule not in (None, "auto")  # a loss outside runs GPipe's order: warned
     return pmodel
