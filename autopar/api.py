@@ -28,6 +28,7 @@ from autopar.compiler.pipeline import PipelinedModule, pipeline_parallelize, spl
 from autopar.compiler.pipeline_checkpoint import load_pipelined_checkpoint
 from autopar.compiler.pipeline_choice import decide_pipeline
 from autopar.compiler.pipeline_mesh import auto_pipeline_mesh, choose_pipeline_mesh
+from autopar.compiler.pipeline_stage import StageModule
 from autopar.compiler.pricing import Compared, PlanResult, price
 from autopar.core.errors import AutoparError, CheckpointError, MeshError, UsageError
 from autopar.core.mesh import Mesh
@@ -46,6 +47,7 @@ from autopar.planning.memory import MEMORY_HEADROOM
 from autopar.rules.base import RuleRegistry
 from autopar.rules.context_parallel import CP_AXIS, context_parallel_registry
 from autopar.rules.registry import default_registry
+from autopar.rules.routed_experts import ROUTED_OPS
 from autopar.runtime.checkpoint import LoadResult
 from autopar.runtime.checkpoint import load_checkpoint as load_parallel_checkpoint
 from autopar.runtime.checkpoint_save import save_dcp, save_safetensors
@@ -171,6 +173,7 @@ def parallelize(
             model, mesh, example_inputs, microbatches=microbatches, hardware=hardware,
             memory_limit=memory_limit, registry=registry, example_kwargs=example_kwargs,
             weight_state=planning.weight_state, recompute=planning.recompute,
+            token_dispatch=planning.token_dispatch,
         )  # fmt: skip
         mesh_shape, hardware = None, depth_choice.hardware
         options = dataclasses.replace(options, hardware=hardware)  # the layouts the choice priced
@@ -218,6 +221,7 @@ def parallelize(
             autocast=autocast,
             mixed_precision=mixed_precision,
             storage=planning.storage,
+            token_dispatch=planning.token_dispatch,
         )
         options = dataclasses.replace(options, hardware=choice.hardware)  # the layouts the choice priced
     autopar_mesh = _check_mesh(mesh)
@@ -365,8 +369,11 @@ def _pipeline(
         stage_options = dataclasses.replace(options, check_inputs=False)  # stages' inputs are the runtime's
 
         def build_stage(module: nn.Module, args: tuple[Any, ...]) -> ParallelModule:
+            chosen = stage_options
+            if isinstance(module, StageModule) and not module.calls_any(ROUTED_OPS):  # a stage without MoE layers
+                chosen = dataclasses.replace(stage_options, token_dispatch="allgather")
             return compile_module(
-                module, stage_mesh, groups.stage, stage_options, args, None, args, None,
+                module, stage_mesh, groups.stage, chosen, args, None, args, None,
                 autocast=autocast, seeded=seeded, init_model=model,
             )
 
@@ -389,6 +396,7 @@ def _pipeline(
         example_kwargs=example_kwargs,
         init_fn=options.init_fn,
         seeded=seeded,
+        token_dispatch=options.token_dispatch,
     )
     pmodel.schedule_named = schedule not in (None, "auto")  # a loss outside runs GPipe's order: warned
     return pmodel
@@ -464,6 +472,7 @@ def plan(
             model, world_size, example_inputs, microbatches=microbatches, hardware=hardware,
             memory_limit=memory_limit, registry=registry, example_kwargs=example_kwargs,
             weight_state=planning.weight_state, recompute=planning.recompute,
+            token_dispatch=planning.token_dispatch,
         )  # fmt: skip
         best = depth_choice.chosen
         if best.error:
@@ -491,6 +500,7 @@ def plan(
             mixed_precision=mixed_precision,
             keep_plan=True,
             storage=planning.storage,
+            token_dispatch=planning.token_dispatch,
         )
         mesh_shape, mesh_names = choice.chosen.shape, choice.chosen.names
     mesh = Mesh.from_shape(tuple(mesh_shape), tuple(mesh_names) if mesh_names else None)

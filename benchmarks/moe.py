@@ -20,7 +20,8 @@ MoE) on 8 to 256 GPUs.
     python benchmarks/moe.py --dispatch-only                   # the dispatcher table alone
     python benchmarks/moe.py --gloo 4 --steps 2                # part (a) on 4 gloo ranks (~4 min)
 
-Writes benchmarks/results/moe.json (--gloo: moe_gloo.json).
+Writes benchmarks/results/moe.json (--gloo: moe_gloo.json). Issue 35 (b), Mixtral 8x7B and DeepSeek-V3
+against their published configurations: benchmarks/moe_published.py.
 """
 
 from __future__ import annotations

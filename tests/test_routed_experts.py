@@ -24,6 +24,8 @@ from autopar.compiler.driver import compile_for_rank
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
+from autopar.cost.dispatch import ROUTING_IMBALANCE
+from autopar.planning.search_cost import ElementCost
 from autopar.rules import routed_experts
 from examples.models import make_mlp
 
@@ -128,12 +130,22 @@ def test_all_to_all_forced_on_a_model_without_experts_is_refused() -> None:
         compile_for_rank(model, Mesh.from_shape((2,)), inputs, token_dispatch="alltoall")
 
 
-@pytest.mark.parametrize(("shape", "wanted"), [((4,), "all-to-all"), ((2,), "all-gather")], ids=["4", "2"])
-def test_auto_prices_both_dispatchers_and_picks_the_cheaper(shape: tuple[int, ...], wanted: str) -> None:
-    """token_dispatch="auto" on the toy Mixtral (top 2), element counts: on 4 ranks the all-to-all
-    moves k/ep = 1/2 of the all-gather's rows and wins (backward's wider rows included); on 2 ranks
-    it moves as many in forward and more in backward, so the all-gather wins. The experts line
-    says which and the search's price of each."""
+@pytest.mark.parametrize(
+    ("shape", "imbalance", "wanted"),
+    [((4,), 1.0, "all-to-all"), ((4,), ROUTING_IMBALANCE, "all-gather"), ((2,), 1.0, "all-gather")],
+    ids=["4-balanced", "4-published-imbalance", "2-balanced"],
+)
+def test_auto_prices_both_dispatchers_and_picks_the_cheaper(
+    shape: tuple[int, ...], imbalance: float, wanted: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """token_dispatch="auto" on the toy Mixtral (top 2), element counts. Routing spread evenly
+    (imbalance 1): on 4 ranks the all-to-all moves k/ep = 1/2 of the all-gather's rows and wins
+    (backward's wider rows included); on 2 ranks it moves as many in forward and more in backward,
+    so the all-gather wins. At the published imbalance (`cost.dispatch.ROUTING_IMBALANCE`, the
+    planners' default: the busiest rank receives 1.52 times the mean rows) the all-to-all's rows
+    grow by that factor and the all-gather wins on 4 ranks too. The experts line says which and
+    the search's price of each."""
+    monkeypatch.setattr(ElementCost, "routing_imbalance", imbalance)
     compiled = _compile_rank0(_mixtral, shape, token_dispatch="auto")
     nodes = _routed_nodes(compiled)
     assert len(nodes) == 4

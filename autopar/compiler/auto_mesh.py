@@ -22,6 +22,7 @@ from autopar.planning.mesh_choice import OVERLAP_CANDIDATES, SEARCHED_CANDIDATES
 from autopar.planning.search_steps import StepCache
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
+from autopar.rules.routed_experts import require_dispatcher
 from autopar.runtime.agreement import decided_on_rank0
 
 
@@ -46,6 +47,7 @@ def choose_mesh(
     traced: fx.GraphModule | None = None,
     steps: StepCache | None = None,
     storage: str = "auto",
+    token_dispatch: str = "allgather",
 ) -> MeshChoice:
     """Trace `model` once and rank every candidate mesh of `world_size` ranks on it
     (`autopar.planning.mesh_choice.rank_meshes`, with `scheduled_step_time` for the overlap step).
@@ -61,14 +63,19 @@ def choose_mesh(
     choice asks one microbatch's choice for every depth, and a 96-layer trace costs seconds each.
     `steps`: a `StepCache` shared with other choices (the pairs of placements the searches price
     depend on the number of mesh axes only; the pipeline choice hands one to every depth).
+    `token_dispatch` (`PlanOptions.token_dispatch`): with "alltoall" or "auto" the MoE layers are
+    traced as routed-experts ops and every candidate mesh is screened and searched with the
+    dispatchers that asks for (the screen and the search start from each dispatcher on each axis),
+    so the mesh chosen is the fastest with its best dispatcher, not the all-gather one's.
 
     Raises `MemoryLimitError` when no candidate fits (with the leanest candidate's need) and
     `ShardingError`-like `AutoparError`s when no candidate has a plan at all.
     """
-    registry = registry if registry is not None else default_registry()
+    registry = require_dispatcher(registry if registry is not None else default_registry(), token_dispatch)
     gm = traced if traced is not None else trace_for_choice(
         model, world_size, example_inputs, example_kwargs=example_kwargs, planner=planner,
         split_fused=split_fused, autocast=autocast, mixed_precision=mixed_precision,
+        token_dispatch=token_dispatch,
     )  # fmt: skip
     choice = rank_meshes(
         gm,
@@ -101,9 +108,12 @@ def trace_for_choice(
     split_fused: bool | None = None,
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
+    token_dispatch: str = "allgather",
 ) -> fx.GraphModule:
     """The joint graph `choose_mesh` plans (for `choose_mesh(..., traced=)`): traced once, it can be
-    handed to every choice on the same inputs (the pipeline choice's stage sub-meshes)."""
+    handed to every choice on the same inputs (the pipeline choice's stage sub-meshes).
+    `token_dispatch` other than "allgather": MoE layers as routed-experts ops, as `compile_for_rank`
+    traces them (`driver.trace_for`)."""
     return trace(
         model,
         tuple(example_inputs),
@@ -112,6 +122,7 @@ def trace_for_choice(
         split_fused=fused.wanted(split_fused, planner),
         autocast=autocast,
         mixed_precision=mixed_precision,
+        routed_experts=token_dispatch != "allgather" and world_size > 1,
     )
 
 
@@ -153,6 +164,7 @@ def auto_device_mesh(
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
     storage: str = "auto",
+    token_dispatch: str = "allgather",
 ) -> tuple[DeviceMesh, MeshChoice]:
     """`parallelize(..., mesh_shape="auto")`: rank 0 chooses, every rank builds the same DeviceMesh.
 
@@ -174,6 +186,7 @@ def auto_device_mesh(
             autocast=autocast,
             mixed_precision=mixed_precision,
             storage=storage,
+            token_dispatch=token_dispatch,
         ),
         "mesh choice",
     )

@@ -61,6 +61,7 @@ from autopar.compiler.pipeline_stage import (
 )
 from autopar.core.errors import UsageError
 from autopar.core.pipeline_schedule import Schedule
+from autopar.passes.routed_experts_trace import routed_experts_traced
 from autopar.planning.stage_result import StageCut
 from autopar.reporting.dump import dump_dir_from
 from autopar.runtime.defer_reduction import GradAccumulation
@@ -111,6 +112,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         scatter: BoundaryScatter | None = None,
         init_fn: InitFn | None = None,
         seeded: torch.Tensor | None = None,
+        routed_experts: bool = False,
     ) -> None:
         super().__init__()
         self.__dict__["_model"] = model  # not a submodule: parameters() is this rank's only
@@ -124,6 +126,9 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         self.stages = schedule.placement.stages_of(self.rank)
         self.training = model.training
         self._build_stage = build_stage
+        # export transformers' experts modules as routed-experts ops (PlanOptions.token_dispatch),
+        # so that each stage's plan can place the all-to-all dispatcher
+        self._routed_experts = routed_experts
         self._first_attrs: list[set[str]] = []  # what each stage read in the first program
         self._scatter = scatter
         # per microbatch signature, its programs: one per branch the inputs' values took
@@ -304,9 +309,10 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
 
         def export(example_flat: Sequence[Any], example: tuple[tuple[Any, ...], dict[str, Any]]) -> StageProgram:
             args, kwargs = example
-            return split_stages(
-                self._model, example_flat, args, self.boundaries, self.schedule.num_stages, example_kwargs=kwargs
-            )
+            with routed_experts_traced(self._model, self._routed_experts):
+                return split_stages(
+                    self._model, example_flat, args, self.boundaries, self.schedule.num_stages, example_kwargs=kwargs
+                )
 
         def same_key(example_flat: Sequence[Any], example: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
             return program_key(example_flat, self.training, pytree.tree_structure(example)) == key
@@ -552,6 +558,7 @@ def pipeline_parallelize(
     example_kwargs: dict[str, Any] | None = None,
     init_fn: InitFn | None = None,
     seeded: torch.Tensor | None = None,
+    token_dispatch: str = "allgather",
 ) -> PipelinedModule:
     """Cut `model` into `pp * virtual_stages` stages over the axis "pp" of `mesh` and return this
     rank's part. Every rank calls it with the same model and example batch.
@@ -569,7 +576,10 @@ def pipeline_parallelize(
 
     A model built on the meta device: each rank makes only its stages' tensors, equal to the model
     built on a real device from the random state `seeded` (default: the state at this call), by
-    the model's own initialization or `init_fn(module)` (docs/pipeline.md#a-model-built-on-meta)."""
+    the model's own initialization or `init_fn(module)` (docs/pipeline.md#a-model-built-on-meta).
+    `token_dispatch` (`PlanOptions.token_dispatch`) other than "allgather", with stages built by
+    `build_stage`: the stages are exported with transformers' experts modules as routed-experts
+    ops, whose dispatcher each stage's plan places."""
     if seeded is None:
         seeded = torch.random.get_rng_state()
     names = tuple(mesh.mesh_dim_names or ())
@@ -604,7 +614,7 @@ def pipeline_parallelize(
         )
     pmodel = PipelinedModule(
         model, mesh, plan, boundaries, cut, pp_group=pp_group, build_stage=build_stage, scatter=scatter,
-        init_fn=init_fn, seeded=seeded,
+        init_fn=init_fn, seeded=seeded, routed_experts=token_dispatch != "allgather" and build_stage is not None,
     )  # fmt: skip
     pmodel.schedule_choice = decision.choice
     pieces = split_microbatches((example, dict(example_kwargs or {})), microbatches)

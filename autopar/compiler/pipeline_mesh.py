@@ -155,6 +155,7 @@ def choose_pipeline_mesh(
     recompute: bool | str = "auto",
     bound_depths: bool = True,
     searched_candidates: int = SEARCHED_CANDIDATES,
+    token_dispatch: str = "allgather",
 ) -> PipelineMeshChoice:
     """Rank the tensor-only mesh choice's best beside every pipeline depth of `depths` (default:
     every divisor of `world_size` above 1 that the model has modules enough for) and schedule.
@@ -170,7 +171,10 @@ def choose_pipeline_mesh(
     priced (module doc: branch and bound, the same choice as pricing every depth); False prices
     every depth. `searched_candidates`: handed to every mesh choice (`choose_mesh`; 0 searches
     every mesh): with `bound_depths=False` and 0 the ranking is exhaustive
-    (`tests/test_plan_scale.py` holds the default's choice to it)."""
+    (`tests/test_plan_scale.py` holds the default's choice to it). `token_dispatch`
+    (`PlanOptions.token_dispatch`): how the tensor-only choice and every stage sub-mesh's choice
+    dispatch MoE layers' tokens (`choose_mesh`), so a depth's sub-mesh is priced with the
+    dispatcher its stages will run."""
     example = tuple(example_inputs)
     modes = RECOMPUTE_MODES if recompute == "auto" else (recompute_mode(recompute),)
     hw = load_hardware(hardware)
@@ -186,7 +190,8 @@ def choose_pipeline_mesh(
         search_limit = limit - max(0.0, state.extra) * state.stored / world_size
         tensor_only = choose_mesh(model, world_size, example, hardware=hardware, memory_limit=search_limit,
                                   example_kwargs=example_kwargs, registry=registry,
-                                  searched_candidates=searched_candidates, steps=steps)  # fmt: skip
+                                  searched_candidates=searched_candidates, steps=steps,
+                                  token_dispatch=token_dispatch)  # fmt: skip
         candidates.append(tensor_only_candidate(tensor_only.chosen, state, hw, limit, world_size))
     except AutoparError as exc:
         candidates.append(PipelineCandidate(1, "-", "-", 1, error=str(exc).splitlines()[0], recompute="search"))
@@ -219,12 +224,14 @@ def choose_pipeline_mesh(
         if t > 1 and priced:
             try:
                 if not piece:
-                    piece.append(trace_for_choice(model, t, piece_args, example_kwargs=piece_kwargs))
+                    piece.append(trace_for_choice(
+                        model, t, piece_args, example_kwargs=piece_kwargs, token_dispatch=token_dispatch
+                    ))  # fmt: skip
                 # the whole model on t ranks need not fit: a stage holds 1/pp of it (the cut's memory)
                 sub = choose_mesh(
                     model, t, piece_args, hardware=hardware, registry=registry, example_kwargs=piece_kwargs,
                     memory_limit=math.inf, traced=piece[0], searched_candidates=searched_candidates,
-                    steps=steps,
+                    steps=steps, token_dispatch=token_dispatch,
                 )  # fmt: skip
             except AutoparError as exc:
                 rows[pp] = [PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0], recompute="-")]
@@ -415,9 +422,10 @@ def auto_pipeline_mesh(
     example_kwargs: dict[str, Any] | None = None,
     weight_state: WeightState | str | None = None,
     recompute: bool | str = "auto",
+    token_dispatch: str = "allgather",
 ) -> tuple[DeviceMesh, PipelineMeshChoice]:
     """`parallelize(..., mesh_shape="auto", microbatches=M)`: rank 0 ranks every pipeline depth
-    beside the tensor-only meshes (`weight_state`, `recompute`: `PlanOptions`'s), every rank builds
+    beside the tensor-only meshes (`weight_state`, `recompute`, `token_dispatch`: `PlanOptions`'s), every rank builds
     the chosen DeviceMesh (with a "pp" axis when a pipeline won). `mesh`: the job's DeviceMesh or
     its world size."""
     world, device_type = job_world(mesh)
@@ -426,6 +434,7 @@ def auto_pipeline_mesh(
             model, world, example_inputs, microbatches=microbatches,
             hardware=hardware or default_hardware(device_type), memory_limit=memory_limit, registry=registry,
             example_kwargs=example_kwargs, weight_state=weight_state, recompute=recompute,
+            token_dispatch=token_dispatch,
         ),
         "choosing the mesh with pipeline depths",
     )  # fmt: skip

@@ -71,6 +71,15 @@ class StageModule(nn.Module):
         that it reads no tensor this module lacks (`check_same_tensors`)."""
         self._programs.by_call.setdefault((training, variant, signature_of(args)), graph)
 
+    def calls_any(self, ops: Sequence[Any]) -> bool:
+        """Whether some program of this stage calls one of `ops` (a stage holding MoE layers traced
+        as routed-experts ops, for the token dispatcher its plan must place)."""
+        return any(
+            n.op == "call_function" and n.target in ops
+            for graph in self._programs.by_call.values()
+            for n in graph.module.graph.nodes
+        )
+
     def forward(self, *args: Any, variant: int = 0) -> tuple[Any, ...]:
         graph = self._programs.by_call.get((self.training, variant, signature_of(args)))
         if graph is None:

@@ -249,7 +249,7 @@ def _node_compute(node: fx.Node, cost: TimeCost, shape: tuple[int, ...]) -> floa
     strategy = info(node).strategy
     assert strategy is not None
     work, rate = global_work(node), compute_rate(node)
-    exchanges = ring_exchange_cost(node.target, strategy, work, rate, cost) + routed_exchange_cost(node.target, strategy, cost)
+    exchanges = ring_exchange_cost(node.target, strategy, work, rate, cost) + routed_exchange_cost(node.target, strategy, cost, work, rate)
     return cost.compute(work, work_split(strategy, shape), rate) + exchanges
 
 

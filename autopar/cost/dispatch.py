@@ -27,6 +27,15 @@ from autopar.cost.formulas import VOLUME_FACTOR, collective_time
 from autopar.cost.hardware import Link
 
 DISPATCHERS = ("all_gather", "all_to_all")
+# How many times the mean number of routed rows the busiest expert receives, which the planners
+# charge to the busiest rank of an expert split (`planning.ring_cost.routed_exchange_cost`): the
+# all-to-all's row exchanges wait for the rank receiving the most rows, and every rank's step waits
+# for the one with the most expert matmuls. From Wang et al., "Auxiliary-Loss-Free Load Balancing
+# Strategy for Mixture-of-Experts" (arXiv 2408.15664, Table 2): a 3B-parameter MoE (64 experts,
+# top 6) trained with the usual auxiliary balancing loss keeps its busiest expert at MaxVio_global
+# = 0.52 above the mean load (0.72 at 1B; 0.04 with their loss-free bias balancing, DeepSeek-V3's).
+# An expert's excess is taken as its rank's: an upper bound where a rank holds several experts.
+ROUTING_IMBALANCE = 1.52
 # The all-to-all dispatcher as compiled plans run it (`autopar.rules.routed_experts`: the layer is
 # one op per phase, nothing of run-time shape saved between them): per phase, the width of each
 # row exchange in hidden sizes per routed pair. Forward: the token rows out, the experts' results

@@ -3,9 +3,12 @@
 At 512 ranks there are 93 candidate meshes, and the search on one four-axis mesh of a 32-layer
 LLaMA takes tens of seconds (a greedy pass per assignment of axis roles, then the chain moves).
 The screen prices each candidate's cheapest plans instead: the greedy pass with the mesh's default
-roles and the fixed 1-D / 2-D / cube schemes that lay out on it (`search_seeds.fixed_seeds`), which
-are among the search's own seeds. The search starts from its cheapest seed and never ends above
-it, so a candidate's estimate is an upper bound on its searched plan's modeled step (both are
+roles, the fixed 1-D / 2-D / cube schemes that lay out on it (`search_seeds.fixed_seeds`) and, for
+MoE layers traced as routed-experts ops (`PlanOptions.token_dispatch` "alltoall" or "auto"), each
+token dispatcher on each axis (`search_seeds.dispatcher_seeds`: the greedy pass cannot price the
+all-to-all's exchanges inside the op, so a mesh screened without them would be ranked by its
+all-gather plan alone), which are among the search's own seeds. The search starts from its cheapest
+seed and never ends above it, so a candidate's estimate is an upper bound on its searched plan's modeled step (both are
 `plan_cost`, each redistribution counted once); it is not a lower bound, so ranking by it and
 searching only the best few (`mesh_choice.SEARCHED_CANDIDATES`) is a heuristic. The greedy
 passes' candidate lists and answers (`Shared`) are handed to the search of the candidates kept,
@@ -14,6 +17,7 @@ so screening them costs nothing twice.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +34,7 @@ from autopar.planning.mesh_bound import Bounds
 from autopar.planning.plan_cost import GraphFacts, plan_cost
 from autopar.planning.search_cost import ElementCost
 from autopar.planning.search_problem import Shared
-from autopar.planning.search_seeds import fixed_seeds
+from autopar.planning.search_seeds import dispatcher_seeds, fixed_seeds
 from autopar.rules.base import RuleRegistry
 from autopar.rules.calls import ExpandCache
 
@@ -55,9 +59,9 @@ def estimate(
     calls: GreedyMemo | None = None,
     library: dict[Any, list[Strategy]] | None = None,
 ) -> Estimate:
-    """The modeled cost (`plan_cost`) of the cheapest of the default-role greedy plan and the
-    fixed schemes' plans on `mesh`: an upper bound on what the search finds there. `calls`: a
-    memo whose nodes' op calls and inputs (the same on every mesh) this mesh's passes share.
+    """The modeled cost (`plan_cost`) of the cheapest of the default-role greedy plan, the fixed
+    schemes' plans and the token dispatchers' seeds (MoE layers as routed-experts ops) on `mesh`:
+    an upper bound on what the search finds there. `calls`: a memo whose nodes' op calls and inputs (the same on every mesh) this mesh's passes share.
     `library`: candidate lists shared by meshes whose sizes divide the same dims (`ExpandCache`)."""
     work = {name: work for name, _, work, _, _ in facts.calls}
     shared = Shared(expand=ExpandCache(library), work=work, greedy=graph_memo(calls))
@@ -69,7 +73,11 @@ def estimate(
         pass
     else:
         best, seed = plan_cost(gm, plan, mesh, cost, facts), "/".join(roles)
-    for name, found in fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy):
+    seeds = itertools.chain(
+        fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy),
+        dispatcher_seeds(gm, mesh, registry, shared.expand, shared.greedy),
+    )
+    for name, found in seeds:
         if isinstance(found, AutoparError):
             continue
         value = plan_cost(gm, found, mesh, cost, facts)

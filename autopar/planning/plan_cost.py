@@ -88,7 +88,7 @@ def plan_cost_parts(
         if split is None:
             split = splits[strategy] = work_split(strategy, shape)
         compute += cost.compute(work, split, dtype) + ring_exchange_cost(op, strategy, work, dtype, cost)
-        compute += routed_exchange_cost(op, strategy, cost)
+        compute += routed_exchange_cost(op, strategy, cost, work, dtype)
     for src_name, wanted in zip(facts.outputs, plan.output_layouts):
         if src_name is not None and wanted is not None:
             comm += cost.redistribute(layouts[src_name][0], wanted)

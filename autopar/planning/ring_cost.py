@@ -1,5 +1,6 @@
 """The price of the exchanges inside an op, which no redistribution between layouts shows: ring
-attention's and the all-to-all token dispatcher's (`routed_exchange_cost`, below).
+attention's and the all-to-all token dispatcher's (`routed_exchange_cost`, below, which also charges
+an expert split for the routing's imbalance, `cost.dispatch.ROUTING_IMBALANCE`).
 
 A ring-attention candidate (`rules.ring_attention`) takes its queries, keys and values split along
 the sequence as its producers give them, so the edges into it cost nothing; its exchanges happen
@@ -12,6 +13,7 @@ shows (`ring_attention.exposed_exchange_seconds`).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import torch
@@ -22,11 +24,18 @@ from autopar.cost.dispatch import PLANNED_EXCHANGES
 from autopar.cost.hardware import Rate
 from autopar.cost.work import work_split
 from autopar.rules.ring_attention import BACKWARD, exposed_exchange_seconds, key_index, ring_axis
-from autopar.rules.routed_experts import ROUTED_EXPERTS_BACKWARD, all_to_all_axis, tokens_index
+from autopar.rules.routed_experts import (
+    ROUTED_EXPERTS_BACKWARD,
+    ROUTED_OPS,
+    all_to_all_axis,
+    expert_axes,
+    tokens_index,
+)
 
 
 class _Cost(Protocol):
     shape: tuple[int, ...]
+    routing_imbalance: float
 
     def redistribute(self, src: Layout, dst: Layout) -> float: ...
 
@@ -46,16 +55,28 @@ def ring_exchange_cost(op: Any, strategy: Strategy, work: float, rate: Rate, cos
     return exposed_exchange_seconds(op == BACKWARD, p, whole / (p - 1), block)
 
 
-def routed_exchange_cost(op: Any, strategy: Strategy, cost: _Cost) -> float:
-    """What an all-to-all token dispatcher candidate (`rules.routed_experts`) exchanges inside the
-    op, priced as the all-to-alls they are: the counts (E numbers per rank), then each row
-    exchange of `cost.dispatch.PLANNED_EXCHANGES` as a balanced all-to-all of the rank's routed
-    pairs (t·k rows of that width over the axis: the routing spread evenly, as
-    `cost.dispatch.dispatch_cost` prices it). 0 for every other candidate. Nothing overlaps
-    them: the experts' matmuls wait for their rows."""
+def routed_exchange_cost(
+    op: Any, strategy: Strategy, cost: _Cost, work: float, rate: Rate
+) -> float:
+    """What a routed-experts candidate (`rules.routed_experts`) adds to its compute for the
+    routing's imbalance and, with the all-to-all dispatcher, for the exchanges inside the op; 0
+    for every other op and for candidates keeping every expert on every rank.
+
+    - Imbalance: where the experts are split, every rank waits for the busiest one, whose experts
+      receive `cost.routing_imbalance` times the mean rows (by default
+      `cost.dispatch.ROUTING_IMBALANCE`), so the op's `work` on a rank is charged that many times its even share.
+    - All-to-all: the counts (E numbers per rank), then each row exchange of
+      `cost.dispatch.PLANNED_EXCHANGES` as an all-to-all of the rank's routed pairs (t·k rows of
+      that width over the axis), its rows scaled by the imbalance: the exchange ends when the
+      busiest rank has received its rows. Nothing overlaps them: the experts' matmuls wait for
+      their rows."""
+    if op not in ROUTED_OPS or not expert_axes(op, strategy):
+        return 0.0
+    imbalance = cost.routing_imbalance
+    total = (imbalance - 1.0) * cost.compute(work, work_split(strategy, cost.shape), rate)
     axis = all_to_all_axis(op, strategy)
     if axis is None:
-        return 0.0
+        return total
     at = tokens_index(op)
     x, ids, experts = strategy.inputs[at], strategy.inputs[at + 1], strategy.inputs[at + 3]
     ranks = cost.shape[axis]
@@ -64,8 +85,11 @@ def routed_exchange_cost(op: Any, strategy: Strategy, cost: _Cost) -> float:
         (ranks, experts.shape[0]),
         torch.int64,
     )
-    total = cost.redistribute(counts, counts.with_placement(axis, Shard(1)))
-    rows = x.shape[0] * ids.shape[1]
+    total += cost.redistribute(counts, counts.with_placement(axis, Shard(1)))
+    # the busiest rank's rows: the pairs scaled, rounded up to a whole block per rank (an uneven
+    # split would be priced as an all-gather instead)
+    blocks = math.prod(cost.shape[a] for a in x.shard_axes(0))
+    rows = math.ceil(x.shape[0] * ids.shape[1] * imbalance / blocks) * blocks
     for width in PLANNED_EXCHANGES["backward" if op == ROUTED_EXPERTS_BACKWARD else "forward"]:
         pairs = Layout(x.placements, (rows, width * x.shape[1]), x.dtype)
         total += cost.redistribute(pairs, pairs.with_placement(axis, Shard(1)))

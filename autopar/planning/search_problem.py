@@ -45,6 +45,7 @@ _getitem = operator.getitem
 
 class Cost(Protocol):
     shape: tuple[int, ...]
+    routing_imbalance: float  # routed-experts ops' busiest rank over the mean (`ring_cost.routed_exchange_cost`)
 
     def redistribute(self, src: Layout, dst: Layout) -> float: ...
 
@@ -181,7 +182,7 @@ class Problem:
         by_split = {s: self.cost.compute(work, s, dtype) for s in set(splits)}
         return np.array(
             [
-                by_split[split] + ring_exchange_cost(op, s, work, dtype, self.cost) + routed_exchange_cost(op, s, self.cost)
+                by_split[split] + ring_exchange_cost(op, s, work, dtype, self.cost) + routed_exchange_cost(op, s, self.cost, work, dtype)
                 for s, split in zip(cands, splits)
             ],
             dtype=float,

@@ -89,7 +89,7 @@ def expert_seeds(
     greedy pass then decides where the pending sums are reduced)."""
     if mesh.size == 1:
         return
-    yield from _dispatcher_seeds(gm, mesh, registry, expand_cache, memo)
+    yield from dispatcher_seeds(gm, mesh, registry, expand_cache, memo)
     grouped = _grouped_mms(gm)
     if not grouped:
         return
@@ -120,12 +120,12 @@ def expert_seeds(
         yield from _forced_seed(gm, mesh, registry, expand_cache, memo, name, grouped, pick)
 
 
-def _dispatcher_seeds(
+def dispatcher_seeds(
     gm: fx.GraphModule,
     mesh: Mesh,
     registry: RuleRegistry,
     expand_cache: dict[Any, list[Strategy]],
-    memo: GreedyMemo | None,
+    memo: GreedyMemo | None = None,
 ) -> Iterator[tuple[str, Plan | AutoparError]]:
     """For MoE layers traced as `autopar::routed_experts` ops: every op's experts over one mesh
     axis with each dispatcher its rule offers there ("experts:alltoall:<axis>", the tokens

@@ -1,0 +1,80 @@
+"""`PlanOptions.token_dispatch` in the mesh choice (`mesh_shape="auto"`) and in the pipeline depth
+choice: every candidate mesh, and every depth's stage sub-mesh, is screened and searched with the
+dispatchers asked for, so the mesh chosen is priced with the dispatcher its plan runs.
+
+The toy Mixtral of `test_expert_parallel` (8 experts, top 2, batch 2 x 16) on the H100 table, in
+process (`autopar.plan` allocates no weights)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_expert_parallel import _batch, _mixtral
+
+import autopar
+from autopar import PlanOptions
+from autopar.compiler.pipeline_mesh import choose_pipeline_mesh
+from autopar.core.meta import info
+from autopar.rules import routed_experts
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _plan(token_dispatch: str) -> autopar.PlanResult:
+    torch.manual_seed(0)
+    return autopar.plan(
+        _mixtral(), "auto", (), example_kwargs=_batch(1, False), world_size=4,
+        planning=PlanOptions(token_dispatch=token_dispatch),
+    )  # fmt: skip
+
+
+def test_the_mesh_choice_plans_every_mesh_with_the_dispatcher_asked_for() -> None:
+    """The chosen mesh's plan (the choice's own search, compiled as it was searched) is a plan of
+    the routed-experts ops: "alltoall" keeps every layer's experts whole or exchanges its tokens
+    inside the op where they are split (on this latency-bound toy shape the choice keeps them
+    whole), and the ops are priced in the choice itself: its chosen step is the routed plan's,
+    below the traced ops' plan under "allgather"; "auto": the chosen plan's experts line prices
+    both dispatchers from the choice's search on that mesh."""
+    gathered, exchanged, auto = _plan("allgather"), _plan("alltoall"), _plan("auto")
+    assert not [n for n in gathered.compiled.graph.graph.nodes if n.target in routed_experts.ROUTED_OPS]
+    for result in (exchanged, auto):
+        nodes = [n for n in result.compiled.graph.graph.nodes if n.target in routed_experts.ROUTED_OPS]
+        assert len(nodes) == 4, "two MoE layers, one forward and one backward op each"
+    for node in nodes_of(exchanged):
+        strategy = info(node).strategy
+        assert strategy is not None
+        split = routed_experts.expert_axes(node.target, strategy)
+        assert not split or routed_experts.all_to_all_axis(node.target, strategy) in split, node.name
+    assert exchanged.mesh_choice is not None and gathered.mesh_choice is not None
+    assert exchanged.mesh_choice.chosen.rank_time < gathered.mesh_choice.chosen.rank_time, (
+        exchanged.mesh_choice.table(), gathered.mesh_choice.table(),
+    )  # fmt: skip
+    line = auto.compiled.report.experts
+    assert line is not None and set(dict(line.dispatcher_costs)) == {"all-to-all", "all-gather"}, line
+
+
+def nodes_of(result: autopar.PlanResult) -> list:  # type: ignore[type-arg]
+    return [n for n in result.compiled.graph.graph.nodes if n.target in routed_experts.ROUTED_OPS]
+
+
+def test_pipeline_depths_price_their_stage_meshes_with_the_dispatcher_asked_for() -> None:
+    """Depth 2 of 4 ranks: each stage sub-mesh (2 ranks) is the mesh choice with the dispatcher
+    asked for. Forced to the all-to-all, its plan is modeled differently from the all-gather one
+    (each rank's stage mesh exchanging the routed rows): the depth's priced step changes with it,
+    while the ideal cut (no sub-mesh plan) does not."""
+    rows = {}
+    for token_dispatch in ("allgather", "alltoall"):
+        torch.manual_seed(0)
+        choice = choose_pipeline_mesh(
+            _mixtral(), 4, (), example_kwargs=_batch(1, False), microbatches=2, depths=[2],
+            recompute="none", bound_depths=False, token_dispatch=token_dispatch,
+        )  # fmt: skip
+        rows[token_dispatch] = {c.schedule: c for c in choice.candidates if c.pp == 2 and not c.error}
+    assert rows["allgather"].keys() == rows["alltoall"].keys() and "1f1b" in rows["alltoall"]
+    for schedule, exchanged in rows["alltoall"].items():
+        gathered = rows["allgather"][schedule]
+        assert exchanged.stage_shape == gathered.stage_shape == (2,)
+        assert exchanged.factor != pytest.approx(gathered.factor, rel=1e-3), schedule
