@@ -24,9 +24,10 @@ from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh, job_world
 from autopar.compiler.build import ModuleOptions, compile_module
 from autopar.compiler.driver import compile_for_rank, example_tuple
 from autopar.compiler.fixed import compare_fixed
-from autopar.compiler.pipeline import PipelinedModule, pipeline_parallelize, split_microbatches
+from autopar.compiler.pipeline import PipelinedModule, split_microbatches
 from autopar.compiler.pipeline_checkpoint import load_pipelined_checkpoint
 from autopar.compiler.pipeline_choice import decide_pipeline
+from autopar.compiler.pipeline_entry import pipeline_parallelize
 from autopar.compiler.pipeline_mesh import auto_pipeline_mesh, choose_pipeline_mesh
 from autopar.compiler.pipeline_stage import StageModule
 from autopar.compiler.pricing import Compared, PlanResult, price

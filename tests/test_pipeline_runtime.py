@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.compiler.pipeline import pipeline_parallelize, split_microbatches
+from autopar.compiler.pipeline import split_microbatches
+from autopar.compiler.pipeline_entry import pipeline_parallelize
 from autopar.compiler.pipeline_split import PipelineLossError, loss_weights, split_stages
 from autopar.core.pipeline_schedule import ActionKind, schedule_by_name
 from autopar.runtime.pipeline_runtime import UnsupportedScheduleError, check_supported, message_tag
