@@ -24,6 +24,7 @@ import autopar
 from autopar.api import compile_for_rank
 from autopar.core.errors import CheckpointError, UsageError
 from autopar.core.mesh import Mesh
+from autopar.runtime.checkpoint import unreadable_checkpoint
 from examples.models import make_mlp
 
 
@@ -207,3 +208,23 @@ def test_dcp_own_load_through_the_safe_reader_and_planner_unpickles_nothing(tmp_
     (failure,) = caught.value.failures.values()  # DCP wraps each rank's error
     assert "stores fc1.weight as a pickled object" in str(failure), failure
     assert not (tmp_path / "markers" / "ran").exists()
+
+
+def test_a_pickled_checkpoint_is_named_as_a_pickle_with_its_conversion(tmp_path: Path) -> None:
+    """A `pytorch_model.bin` / `model.pt` a user got elsewhere: refused naming the pickle format and
+    the one-time conversion to safetensors, never opened (its payload's marker stays absent)."""
+    (tmp_path / "markers").mkdir()
+    bin_dir = tmp_path / "hub-download"
+    bin_dir.mkdir()
+    with open(bin_dir / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"fc1.weight": RunsACommand(tmp_path / "markers" / "bin")}, f)
+    torch.save({"w": torch.zeros(2)}, tmp_path / "model.pt")
+    for path, named in ((bin_dir, "holds pytorch_model.bin"), (bin_dir / "pytorch_model.bin", "is pytorch_model.bin"),
+                        (tmp_path / "model.pt", "is model.pt")):
+        error = unreadable_checkpoint(path)
+        assert isinstance(error, CheckpointError)
+        assert named in str(error) and "never unpickles" in str(error), str(error)
+        assert "safetensors.torch.save_file(torch.load(path, weights_only=True)" in str(error.hint), error.hint
+    assert "does not exist" in str(unreadable_checkpoint(tmp_path / "absent.pt"))
+    assert "without model.safetensors" in str(unreadable_checkpoint(tmp_path / "markers"))
+    assert not any((tmp_path / "markers").iterdir())  # nothing was unpickled

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from autopar.core.layout import Shard
 from autopar.rules.registry import default_registry
 from autopar.testing.strategies import (
+    candidate_strategies,
     check_random_strategies,
     mesh_shapes,
     random_tensor,
@@ -50,6 +51,7 @@ COVERED_OPS = [
     *BACKWARDS,
     aten.unbind.int,
     aten.flip.default,
+    aten.roll.default,
     aten.constant_pad_nd.default,
     aten.index.Tensor,
     aten.index_put.default,
@@ -268,6 +270,28 @@ def test_flip(data: st.DataObject, mesh: tuple[int, ...]) -> None:
     checked = check_random_strategies(data, aten.flip.default, (x, dims), {}, mesh, REGISTRY)
     flipped = {d % len(shape) for d in dims}
     assert all(p.dim not in flipped for s in checked for p in s.inputs[0].placements if isinstance(p, Shard))
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes())
+def test_roll(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """Swin's shifted windows: rolled dims stay whole (their elements cross block boundaries),
+    the others may be split; with no dims (a roll of the flattened tensor) nothing is split."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3))
+    dims = data.draw(
+        st.lists(st.integers(-len(shape), len(shape) - 1), min_size=0, max_size=2, unique_by=lambda d: d % len(shape))
+    )
+    shifts = [data.draw(st.integers(-5, 5)) for _ in dims] if dims else [data.draw(st.integers(-5, 5))]
+    x = random_tensor(shape, torch.float64, generator=g)
+    checked = check_random_strategies(data, aten.roll.default, (x, shifts, dims), {}, mesh, REGISTRY)
+    rolled = {d % len(shape) for d in dims} if dims else set(range(len(shape)))
+    assert all(p.dim not in rolled for s in checked for p in s.inputs[0].placements if isinstance(p, Shard))
+    offered = candidate_strategies(aten.roll.default, (x, shifts, dims), {}, mesh, REGISTRY)
+    assert all(p.dim not in rolled for s in offered for p in s.inputs[0].placements if isinstance(p, Shard))
+    splittable = [d for d in range(len(shape)) if d not in rolled and any(1 < m <= shape[d] for m in mesh)]
+    if splittable:  # the dims it does not roll may be split (the rule is not all-replicated)
+        assert any(isinstance(p, Shard) for s in offered for p in s.inputs[0].placements)
 
 
 @st.composite

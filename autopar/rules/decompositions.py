@@ -199,10 +199,12 @@ def _batch_norm_backward(
     return grad_x, grad_w, grad_b
 
 
-def _weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`w = g * v / ||v||`, the norm over every dim but `dim` (kept as size 1; float32 for a
     bfloat16 `g`, as the kernels keep it). torch's own decomposition takes the norm over every dim
-    when `v` has no other dim (a 1-D weight), where the kernel takes each element's magnitude."""
+    when `v` has no other dim (a 1-D weight), where the kernel takes each element's magnitude.
+    `dim` defaults to 0 as in the op's schema: the trace hands a decomposition its arguments with
+    the defaulted ones left out, so `weight_norm(linear)` (dim 0) calls this with two."""
     dims = [d for d in range(v.dim()) if d != dim]
     norm_dtype = torch.float32 if g.dtype == torch.bfloat16 else None
     norm = v.norm(2, dims, keepdim=True, dtype=norm_dtype) if dims else v.abs().to(norm_dtype or v.dtype)

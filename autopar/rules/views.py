@@ -286,6 +286,20 @@ def flip_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, result + passthrough_partial(call))
 
 
+def roll_rule(call: OpCall) -> list[AxisStrategy]:
+    """`roll(x, shifts, dims)` moves elements along the rolled dims, across block boundaries, so
+    those dims stay whole and the others may be split (Swin's shifted windows roll H and W of a
+    batch-split tensor). With no dims, roll shifts the flattened tensor: every dim stays whole.
+    Linear: pending sums pass through (its backward is the opposite roll)."""
+    ndim = call.inputs[0].ndim
+    dims = list(call.arg(2, "dims", []) or [])
+    if not dims:
+        return with_replicated(call, passthrough_partial(call))
+    rolled = {normalize_dim(d, ndim) for d in dims}
+    result = [AxisStrategy((Shard(d),), (Shard(d),)) for d in range(ndim) if d not in rolled]
+    return with_replicated(call, result + passthrough_partial(call))
+
+
 def unbind_rule(call: OpCall) -> list[AxisStrategy]:
     """Every slice keeps the shards of the other dims (renumbered); the unbound dim stays whole."""
     return _slice_dim_rule(call, drop=True)
@@ -458,6 +472,7 @@ RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
     aten.copy.default: copy_rule,
     aten.unbind.int: unbind_rule,
     aten.flip.default: flip_rule,
+    aten.roll.default: roll_rule,
     aten.constant_pad_nd.default: constant_pad_rule,
     aten.index.Tensor: index_rule,
     aten.index_put.default: index_put_rule,

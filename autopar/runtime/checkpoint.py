@@ -57,6 +57,37 @@ class LoadResult:
     prefix: str = ""  # the submodule the checkpoint was loaded into ("" the whole module)
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")  # torch.save's files: pickles
+
+
+def unreadable_checkpoint(where: Path) -> CheckpointError:
+    """Why `where` is no checkpoint load_checkpoint reads. A `torch.save` file (`pytorch_model.bin`,
+    `model.pt`), or a directory holding only such files, is named as a pickle, which loading never
+    unpickles (unpickling can run any code the file names), with the conversion a user runs where
+    they trust the file; the file itself is not opened."""
+    pickles = (
+        sorted(p.name for p in where.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if where.is_dir()
+        else [where.name] if where.suffix in PICKLE_SUFFIXES else []
+    )
+    if where.exists() and pickles:
+        return CheckpointError(
+            f"checkpoint {where} {'holds' if where.is_dir() else 'is'} {', '.join(pickles[:3])}: torch.save's "
+            "pickle format, which load_checkpoint never unpickles (unpickling runs whatever code the file names)",
+            hint="where you trust the file, convert it once: safetensors.torch.save_file(torch.load(path, "
+            "weights_only=True), 'model.safetensors'), then load that file (or its directory)",
+        )
+    found = "does not exist" if not where.exists() else (
+        "is a directory without model.safetensors, its index or a .metadata file"
+        if where.is_dir()
+        else "is not a .safetensors file"
+    )
+    return CheckpointError(
+        f"checkpoint {where} {found}",
+        hint="pass the directory save_pretrained wrote, a .safetensors file, or a torch.distributed.checkpoint directory",
+    )
+
+
 def load_checkpoint(
     pmodel: ParallelModule, path: str | os.PathLike[str], *, strict: bool = True, prefix: str | None = None
 ) -> LoadResult:
@@ -85,16 +116,7 @@ def load_checkpoint(
     elif where.is_file() and where.suffix == ".safetensors":
         result = _load_safetensors(pmodel, {None: where}, strict, prefix)
     else:
-        found = "does not exist" if not where.exists() else (
-            "is a directory without model.safetensors, its index or a .metadata file"
-            if where.is_dir()
-            else "is not a .safetensors file"
-        )
-        raise CheckpointError(
-            f"checkpoint {where} {found}",
-            hint="pass the directory save_pretrained wrote, a .safetensors file, or a "
-            "torch.distributed.checkpoint directory",
-        )
+        raise unreadable_checkpoint(where)
     # ranks that read different files (another step's, a path that differs) would train a mixture
     pmodel.check_stored_agree("load_checkpoint", [("a sample of the checkpoint's files", files_sample(where))])
     return result
