@@ -149,6 +149,7 @@ def measure_screen(name: str, ranks: int, layers: int, meshes: int) -> dict[str,
     """The tensor-only mesh choice's screen (`mesh_screen.screen`) on `meshes` of the default
     candidates (every `len // meshes`-th, in `mesh_candidates`' order), CPU seconds per mesh."""
     import hashlib
+    import math
 
     import torch
 
@@ -180,8 +181,13 @@ def measure_screen(name: str, ranks: int, layers: int, meshes: int) -> dict[str,
     spent = time.process_time() - cpu
     gc.enable()
     values = [(list(m.shape), e.value, e.seed) for m, e in zip(chosen, estimates)]
+    estimated = sum(e.screened for e in estimates)
+    first = sum(not e.screened and not math.isnan(e.first) for e in estimates)
     return {"model": name, "ranks": ranks, "layers": layers, "trace_cpu_s": traced, "candidates": len(every),
             "screened": len(chosen), "screen_cpu_s": spent, "per_mesh_cpu_s": spent / len(chosen),
+            "estimated_in_full": estimated, "first_estimate_only": first,
+            "skipped_by_bound": len(chosen) - estimated - first,
+            "firsts": [(list(m.shape), e.first) for m, e in zip(chosen, estimates) if not math.isnan(e.first)],
             "best": [values[i] for i in order[:4]],
             "estimates_md5": hashlib.md5(repr(values).encode()).hexdigest(), "estimates": values}  # fmt: skip
 
