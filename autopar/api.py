@@ -69,7 +69,7 @@ def parallelize(
     model: nn.Module,
     mesh: DeviceMesh | int,
     *,
-    example_inputs: Sequence[Any],
+    example_inputs: Sequence[Any] = (),
     example_kwargs: dict[str, Any] | None = None,
     mesh_shape: str | None = None,
     memory_limit: float | None = None,
@@ -150,6 +150,7 @@ def parallelize(
         planner=planner,
         storage=planning.storage,
         decompose_matmuls=planning.decompose_matmuls,
+        token_dispatch=planning.token_dispatch,
         schedule=planning.overlap,
         hardware=layout_hardware,
         memory_limit=memory_limit,
@@ -224,7 +225,7 @@ def parallelize(
     groups = make_groups(autopar_mesh.device_mesh, as_timeout(timeout))
     result = compile_module(
         model, autopar_mesh, groups, options, example_inputs, example_kwargs, traced_inputs, traced_kwargs,
-        autocast=autocast, seeded=seeded,
+        autocast=autocast, seeded=seeded, plain_when_replicated=True,
     )
     result.mesh_choice = depth_choice if depth_choice is not None else choice  # type: ignore[assignment]
     watch_optimizers(model, result)  # an optimizer over model.parameters() is refused at its step
@@ -371,7 +372,7 @@ def _pipeline(
 
         pp_group = groups.pp
         scatter = BoundaryScatter(groups.stage.world, stage_mesh.size, dist.get_rank(groups.stage.world))
-    return pipeline_parallelize(
+    pmodel = pipeline_parallelize(
         model,
         mesh,
         tuple(example_inputs),
@@ -389,6 +390,8 @@ def _pipeline(
         init_fn=options.init_fn,
         seeded=seeded,
     )
+    pmodel.schedule_named = schedule not in (None, "auto")  # a loss outside runs GPipe's order: warned
+    return pmodel
 
 
 def plan(
@@ -523,6 +526,7 @@ def plan(
         dump_dir=debug.dump_dir,
         storage=planning.storage,
         decompose_matmuls=planning.decompose_matmuls,
+        token_dispatch=planning.token_dispatch,
         autocast=regions,
         mixed_precision=mixed_precision,
     )

@@ -22,6 +22,7 @@ from autopar.planning.step_accounting import RECOMPUTE_MODES, WEIGHT_STATES
 from autopar.planning.storage import STORAGE_MODES
 from autopar.rules.base import RuleRegistry
 from autopar.rules.context_parallel import CP_STRATEGIES
+from autopar.rules.routed_experts import TOKEN_DISPATCHERS
 
 WEIGHT_STATE_NAMES = (None, *WEIGHT_STATES)  # None: by the parameters' dtype (`weight_state_for`)
 RECOMPUTE_NAMES = ("auto", *RECOMPUTE_MODES)
@@ -82,6 +83,13 @@ class PlanOptions:
           into pieces whose transfers overlap each other's matmuls (docs/scheduling.md, "Decomposed
           collective matmuls"): "auto", each pair where the modeled step is shorter; "on", every
           pair that qualifies; "off", none.
+      token_dispatch (str) ["allgather"]: how the tokens of mixture-of-experts layers reach experts
+          split over a mesh axis (docs/expert-parallel.md): "allgather", every rank of the axis
+          gathers every token (or the experts are split inside, or kept whole, by cost);
+          "alltoall", each rank sends only the rows routed to other ranks' experts, with split
+          sizes known at run time, wherever the experts are split; "auto", the cheaper of the two
+          by the planner's cost. "alltoall" and "auto" trace transformers' experts modules as one
+          op each (gated, no bias), which offers no split inside the experts.
     """
 
     planner: str = "search"
@@ -96,8 +104,14 @@ class PlanOptions:
     context_parallel: str = "auto"
     storage: Storage = "auto"
     decompose_matmuls: str = "auto"
+    token_dispatch: str = "allgather"
 
     def __post_init__(self) -> None:
+        if self.token_dispatch not in TOKEN_DISPATCHERS:
+            raise UsageError(
+                f"PlanOptions(token_dispatch={self.token_dispatch!r}) is not a token dispatcher",
+                hint=f"one of {', '.join(map(repr, TOKEN_DISPATCHERS))}",
+            )
         if self.decompose_matmuls not in DECOMPOSE_MODES:
             raise UsageError(
                 f"PlanOptions(decompose_matmuls={self.decompose_matmuls!r}) is not a mode of the "

@@ -18,13 +18,16 @@ MoE) on 8 to 256 GPUs.
     python benchmarks/moe.py                                   # every shape on (8,) and (2, 4)
     python benchmarks/moe.py --shapes wide-16 --meshes 8 8x8
     python benchmarks/moe.py --dispatch-only                   # the dispatcher table alone
+    python benchmarks/moe.py --gloo 4 --steps 2                # part (a) on 4 gloo ranks (~4 min)
 
-Writes benchmarks/results/moe.json.
+Writes benchmarks/results/moe.json (--gloo: moe_gloo.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -32,14 +35,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import transformers
 import transformers.integrations.moe  # noqa: F401  (registers transformers' grouped-matmul ops)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import table, write_result  # noqa: E402
+from _common import ROOT, table, write_result  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tests"))
+from multirank import run_ranks  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.core.layout import Shard  # noqa: E402
 from autopar.core.strategy import AxisStrategy, OpCall  # noqa: E402
 from autopar.cost.dispatch import DISPATCHERS, dispatch_cost  # noqa: E402
 from autopar.cost.hardware import load_hardware, span_link  # noqa: E402
@@ -93,6 +102,7 @@ def qwen3_moe(hidden: int, intermediate: int, experts: int) -> Callable[[], torc
 # name -> (model, batch, sequence)
 SHAPES: dict[str, tuple[Callable[[], torch.nn.Module], int, int]] = {
     "toy-mixtral": (mixtral(32, 64, 8), 2, 16),
+    "gloo-mixtral": (mixtral(64, 256, 8), 4, 32),  # part (a): 8 experts, 4 x 32 tokens on CPU ranks
     "wide-16": (mixtral(1024, 1024, 16), 8, 512),
     "wide-64": (mixtral(1024, 512, 64), 8, 512),
     "qwen3-64": (qwen3_moe(1024, 256, 64), 8, 512),
@@ -167,12 +177,14 @@ def experts_only() -> RuleRegistry:
     return registry
 
 
-def measure(shape_name: str, mesh: tuple[int, ...], forced: bool) -> dict[str, Any]:
+def measure(shape_name: str, mesh: tuple[int, ...], forced: bool, token_dispatch: str = "allgather") -> dict[str, Any]:
     make, batch, seq = SHAPES[shape_name]
     torch.manual_seed(0)
     model = make()
     ids = torch.randint(VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
-    planning = autopar.PlanOptions(hardware=HARDWARE, registry=experts_only() if forced else None)
+    planning = autopar.PlanOptions(
+        hardware=HARDWARE, registry=experts_only() if forced else None, token_dispatch=token_dispatch
+    )
     start = time.process_time()
     result = autopar.plan(
         model, mesh, (), example_kwargs={"input_ids": ids, "labels": ids}, planning=planning
@@ -183,10 +195,15 @@ def measure(shape_name: str, mesh: tuple[int, ...], forced: bool) -> dict[str, A
         for name, layout in zip(program.param_names, program.param_layouts)
         if ".layers.0.mlp.experts." in name
     }
+    placement = result.compiled.report.experts
     return {
         "shape": shape_name,
         "mesh": "x".join(map(str, mesh)),
         "plan": "forced expert split" if forced else "search",
+        "token_dispatch": token_dispatch,
+        "dispatcher": placement.dispatcher if placement is not None and placement.axes else "-",
+        # what the all-to-all dispatcher's exchanges inside the ops send (not in MB_per_rank)
+        "inside_MB": placement.inside_bytes / 1e6 if placement is not None else 0.0,
         "gate_up_proj": experts.get("gate_up_proj", "?"),
         "down_proj": experts.get("down_proj", "?"),
         "step_ms": 1e3 * result.step_time,
@@ -194,6 +211,85 @@ def measure(shape_name: str, mesh: tuple[int, ...], forced: bool) -> dict[str, A
         "MB_per_rank": result.comm_bytes / 1e6,
         "plan_cpu_s": time.process_time() - start,
     }
+
+
+def _inside_only() -> RuleRegistry:
+    """The default rules with the grouped matmuls never splitting their experts (only inside them)."""
+    registry = default_registry()
+    for name in ("grouped_mm_fallback", "grouped_mm_fallback_backward"):
+        op = library_op("transformers", name)
+        rule = registry.get(op)
+        assert rule is not None, name
+
+        def inside(call: OpCall, strategies: Any = rule.strategies) -> list[AxisStrategy]:
+            return [s for s in strategies(call) if s.inputs[1] != Shard(expert_parallel.EXPERT_DIM)]
+
+        registry.register(
+            op, inside, family=rule.family, localize=rule.localize, anchor=rule.anchor, uneven=rule.uneven
+        )
+    return registry
+
+
+GLOO_PLANS = {"expert split": experts_only, "split inside experts": _inside_only}
+
+
+def _gloo_job(rank: int, world_size: int, shape_name: str, steps: int) -> dict[str, Any]:
+    """One gloo rank: the same model and batch parallelized with each plan over (world_size,), then
+    `steps` timed forward+backward steps each (after one warm-up): this rank's expert-weight bytes
+    and its CPU seconds per step (thread CPU time: the 2 shared cores' load does not inflate it),
+    and the slowest rank's wall seconds per step."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("x",))
+    make, batch, seq = SHAPES[shape_name]
+    ids = torch.randint(VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {}
+    for name, registry in GLOO_PLANS.items():
+        torch.manual_seed(0)
+        pmodel = autopar.parallelize(
+            make(), mesh, example_inputs=(), example_kwargs={"input_ids": ids, "labels": ids},
+            planning=autopar.PlanOptions(registry=registry()),
+        )
+        held = sum(
+            p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
+            for n, p in pmodel.named_parameters()
+            if ".mlp.experts." in n
+        )
+        losses = []
+        for step in range(steps + 1):
+            if step == 1:
+                dist.barrier()
+                cpu, wall = time.thread_time(), time.perf_counter()
+            loss = pmodel(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(float(loss.detach()))
+        cpu, wall = (time.thread_time() - cpu) / steps, (time.perf_counter() - wall) / steps
+        slowest = torch.tensor([wall], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out[name] = {"expert_bytes": held, "cpu_s": cpu, "wall_s": float(slowest), "loss": losses[0]}
+    return out
+
+
+def gloo_rows(ranks: int, shape_name: str, steps: int) -> tuple[list[dict[str, Any]], list[float]]:
+    """Issue 35 (a): per-rank expert-weight memory and step time on `ranks` gloo ranks, expert
+    split against the split inside the experts; the load average before and after."""
+    load = [os.getloadavg()[0]]
+    results = run_ranks(ranks, _gloo_job, shape_name, steps, timeout=1200)
+    load.append(os.getloadavg()[0])
+    rows = []
+    for name in GLOO_PLANS:
+        per_rank = [r[name] for r in results]
+        rows.append(
+            {
+                "shape": shape_name,
+                "ranks": ranks,
+                "plan": name,
+                "expert_MiB_per_rank": max(r["expert_bytes"] for r in per_rank) / 2**20,
+                "cpu_ms_per_step_median_rank": 1e3 * statistics.median(r["cpu_s"] for r in per_rank),
+                "wall_ms_per_step_slowest_rank": 1e3 * per_rank[0]["wall_s"],
+                "first_loss": per_rank[0]["loss"],
+            }
+        )
+    return rows, load
 
 
 def main() -> None:
@@ -204,7 +300,24 @@ def main() -> None:
     parser.add_argument("--meshes", nargs="+", default=["8", "2x4"], choices=list(MESHES))
     parser.add_argument("--no-forced", action="store_true", help="only the search's plan")
     parser.add_argument("--dispatch-only", action="store_true", help="only the dispatcher table")
+    parser.add_argument(
+        "--token-dispatch",
+        nargs="+",
+        default=["allgather"],
+        choices=["allgather", "alltoall", "auto"],
+        help="PlanOptions.token_dispatch of the search's plans (each one a row)",
+    )
+    parser.add_argument("--gloo", type=int, default=0, help="only part (a): this many gloo ranks")
+    parser.add_argument("--gloo-shape", default="gloo-mixtral", choices=list(SHAPES))
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per plan (--gloo)")
     args = parser.parse_args()
+    if args.gloo:
+        gloo, load = gloo_rows(args.gloo, args.gloo_shape, args.steps)
+        heads = list(gloo[0])
+        print(table(heads, [[f"{r[c]:.3f}" if isinstance(r[c], float) else r[c] for c in heads] for r in gloo]))
+        print(f"load average (1 min) before, after: {load[0]:.1f}, {load[1]:.1f}")
+        write_result("moe_gloo", {"rows": gloo, "load_average_1min": load, "steps": args.steps})
+        return
     dispatch = dispatch_rows()
     heads = ["shape", "ep", "tokens_per_rank", "dispatcher", "dispatch_ms", "MB_per_rank"]
     print(
@@ -217,24 +330,29 @@ def main() -> None:
     for shape_name in args.shapes:
         for mesh_name in args.meshes:
             for forced in (False,) if args.no_forced else (False, True):
-                row = measure(shape_name, MESHES[mesh_name], forced)
-                rows.append(row)
-                print(row, flush=True)
+                for dispatcher in ["allgather"] if forced else args.token_dispatch:
+                    row = measure(shape_name, MESHES[mesh_name], forced, dispatcher)
+                    rows.append(row)
+                    print(row, flush=True)
     columns = [
         "shape",
         "mesh",
         "plan",
+        "token_dispatch",
+        "dispatcher",
         "gate_up_proj",
         "down_proj",
         "step_ms",
         "comm_ms",
         "MB_per_rank",
+        "inside_MB",
         "plan_cpu_s",
     ]
     print(
         table(columns, [[f"{r[c]:.3f}" if isinstance(r[c], float) else r[c] for c in columns] for r in rows])
     )
-    write_result("moe", {"hardware": HARDWARE, "layers": LAYERS, "rows": rows, "dispatch": dispatch})
+    name = "moe" if args.token_dispatch == ["allgather"] else "moe_token_dispatch"
+    write_result(name, {"hardware": HARDWARE, "layers": LAYERS, "rows": rows, "dispatch": dispatch})
 
 
 if __name__ == "__main__":

@@ -112,6 +112,41 @@ class SparseMoE(nn.Module):
         return F.cross_entropy(logits, targets.reshape(-1))
 
 
+class GroupedMoE(nn.Module):
+    """torchtitan-style dropless mixture of experts: the router's top-k (token, expert) pairs sorted
+    by expert, every expert's SwiGLU on its rows by `torch._grouped_mm` over (E, ., .) weights with
+    the rows per expert (`offs`), the results weighted and added back with `index_add`. Every shape
+    is fixed (the routing only moves rows), so autopar traces it and can split the experts over
+    ranks. In bfloat16: tracing `torch._grouped_mm` needs it (its meta kernel checks)."""
+
+    def __init__(self, experts: int = 8, k: int = 2, ffn: int = 2 * DIM) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.router = nn.Linear(DIM, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, DIM, ffn) * DIM**-0.5)
+        self.w3 = nn.Parameter(torch.randn(experts, DIM, ffn) * DIM**-0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, ffn, DIM) * ffn**-0.5)
+        self.head = nn.Linear(DIM, VOCAB)
+        self.experts, self.k = experts, k
+        self.to(torch.bfloat16)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx).reshape(-1, DIM)
+        top, chosen = self.router(x).softmax(-1).topk(self.k, -1)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // self.k
+        counts = torch.histc(flat.float(), bins=self.experts, min=0, max=self.experts)
+        offs = counts.cumsum(0).to(torch.int32)
+        rows = x[token]
+        gate = F.silu(torch._grouped_mm(rows, self.w1, offs=offs))
+        hidden = gate * torch._grouped_mm(rows, self.w3, offs=offs)
+        out = torch._grouped_mm(hidden, self.w2, offs=offs) * top.reshape(-1)[order, None]
+        mixed = torch.zeros_like(x).index_add(0, token, out)
+        logits = self.head(x + mixed).float()
+        return F.cross_entropy(logits, targets.reshape(-1))
+
+
 MODELS = {
     "lstm": lambda: RecurrentLM("lstm"),
     "gru": lambda: RecurrentLM("gru"),

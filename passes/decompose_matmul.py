@@ -5,7 +5,8 @@ matmul (the async tensor parallelism of Wang et al., ASPLOS'23; torch's async TP
 Runs between insert_comm and the schedule stage, on this rank's graph. A pair qualifies when the
 gathered (scattered) dim reaches a dim of an `mm`/`addmm` through views, transposes and copies
 only, in whole rank blocks (`autopar.passes.decompose_pairs`). Each rank's shard is then cut into
-k row pieces (k: the group size, or the largest divisor of the shard's rows below it):
+k row pieces (k: the group size, or the largest divisor of the shard's rows below it; "auto" also
+prices at most 2, 4 and 8 pieces and keeps the count modeled shortest):
 
 - all-gather -> matmul along the rows M of its left operand or the columns N of its right one:
   k all-gathers of one piece each; piece c's gather holds piece c of every rank, its matmul (the
@@ -88,24 +89,25 @@ def decompose_matmuls(
     exposed: Mapping[str, float] | None = None,
     only: Collection[str] | None = None,
     rewrite: bool = True,
+    pieces: Mapping[str, int] | None = None,
 ) -> fx.GraphModule:
     """Rewrite this rank's qualifying collective-matmul pairs (module docstring). `exposed`: seconds
     each collective (by node name) waits exposed in the scheduled step without the rewrite, which
     "auto" needs with `hardware`; without them "auto" rewrites nothing. `only`, when given, names
     the collectives whose pairs are rewritten, whatever `mode` says (the driver's choice by the
-    whole step's model). `rewrite=False` only prices and records the pairs (`DECOMPOSED_KEY`)."""
+    whole step's model). `rewrite=False` only prices and records the pairs (`DECOMPOSED_KEY`).
+    `pieces`: the piece count of each named collective's pair, as an earlier pricing call chose it
+    (a trial of the driver's that has no exposed times to price with must cut the pairs alike)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     shape, coords = tuple(mesh.shape), tuple(coords)
     cost = MeshCost.build(load_hardware(hardware), shape, mesh.in_process) if hardware is not None else None
     records = []
     rewritten: set[fx.Node] = set()  # matmuls of pairs rewritten already (gather -> mm -> scatter: once)
-    for pair in find_pairs(gm, shape, coords):
+    for options in _piece_options(gm, shape, coords, several=(mode == "auto" and cost is not None) or bool(pieces)):
+        pair, before, after = _chosen(options, cost, shape, exposed or {}, pieces or {})
         if any(c.matmul in rewritten for c in pair.chains):
             continue
-        before = after = 0.0
-        if cost is not None:
-            before, after = price_pair(pair, cost, shape, (exposed or {}).get(pair.collective.name, 0.0))
         kept = mode == "on" or (mode == "auto" and cost is not None and exposed is not None and after < before)
         if only is not None:
             kept = pair.collective.name in only
@@ -135,6 +137,36 @@ def decompose_matmuls(
 
 
 # ---- pricing -------------------------------------------------------------------------------------
+PIECE_COUNTS = (2, 4, 8)  # at most this many pieces, priced by "auto" beside the group size
+
+
+def _piece_options(gm: fx.GraphModule, shape: tuple[int, ...], coords: tuple[int, ...], several: bool) -> list[list[Pair]]:
+    """Per collective that pairs with a matmul, in graph order, the ways to cut it: into the group
+    size's pieces and, where `several`, into at most each of `PIECE_COUNTS` (fewer, larger pieces:
+    matmuls nearer their peak rate and fewer calls, less of the transfer hidden)."""
+    found: dict[fx.Node, list[Pair]] = {}
+    for most in (None, *PIECE_COUNTS) if several else (None,):
+        for pair in find_pairs(gm, shape, coords, most):
+            options = found.setdefault(pair.collective, [])
+            if all(o.chunks != pair.chunks for o in options):
+                options.append(pair)
+    return [found[node] for node in sorted(found)]
+
+
+def _chosen(
+    options: list[Pair], cost: MeshCost | None, shape: tuple[int, ...], exposed: Mapping[str, float], pieces: Mapping[str, int]
+) -> tuple[Pair, float, float]:
+    """The option to record (and rewrite, if kept) with its price: the piece count `pieces` names,
+    else the one modeled shortest (fewer pieces on a tie), else (unpriced) the most pieces."""
+    name = options[0].collective.name
+    if name in pieces:
+        options = [o for o in options if o.chunks == pieces[name]] or options
+    if cost is None:
+        return max(options, key=lambda o: o.chunks), 0.0, 0.0
+    priced = [(o, *price_pair(o, cost, shape, exposed.get(name, 0.0))) for o in options]
+    return min(priced, key=lambda p: (p[2], p[0].chunks))
+
+
 def price_pair(pair: Pair, cost: MeshCost, shape: tuple[int, ...], exposed: float) -> tuple[float, float]:
     """Modeled seconds the pair adds to the step's critical path (before, after the rewrite).
 

@@ -52,8 +52,12 @@ class Pair:
     chunks: int
 
 
-def find_pairs(gm: fx.GraphModule, shape: tuple[int, ...], coords: tuple[int, ...]) -> list[Pair]:
-    """The graph's all-gather -> matmul and matmul -> reduce-scatter pairs that can be decomposed."""
+def find_pairs(
+    gm: fx.GraphModule, shape: tuple[int, ...], coords: tuple[int, ...], most_pieces: int | None = None
+) -> list[Pair]:
+    """The graph's all-gather -> matmul and matmul -> reduce-scatter pairs that can be decomposed,
+    each cut into as many pieces as its group has ranks (or the largest count below that which
+    divides a rank's rows), at most `most_pieces` where given."""
     pairs = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not has_info(node) or info(node).comm is None:
@@ -64,9 +68,11 @@ def find_pairs(gm: fx.GraphModule, shape: tuple[int, ...], coords: tuple[int, ..
         if wait is None or len(node.users) != 1 or wait.target is not c10d.wait_tensor.default:
             continue
         if node.target is c10d.all_gather_into_tensor.default and step.kind == "all_gather":
-            pair = _gather_pair(node, wait, step, shape, coords)
+            cut = _cut(step, step.before, step.after, shape, coords, most_pieces)
+            pair = _gather_pair(node, wait, cut, shape, coords) if cut is not None else None
         elif node.target is c10d.reduce_scatter_tensor.default and step.kind == "reduce_scatter":
-            pair = _scatter_pair(node, wait, step, shape, coords)
+            cut = _cut(step, step.after, step.before, shape, coords, most_pieces)
+            pair = _scatter_pair(node, wait, cut, shape, coords) if cut is not None else None
         else:
             continue
         if pair is not None:
@@ -126,22 +132,31 @@ def operand_bytes(matmul: fx.Node, index: int, shape: tuple[int, ...]) -> float:
     return float(strategy.inputs[index].local_bytes(shape))
 
 
-def _pieces(rows: int, g: int) -> int:
-    """Pieces to cut a rank's `rows` into: the group size, or its largest divisor below that."""
-    return max((k for k in range(2, g + 1) if rows % k == 0), default=1)
+def _pieces(rows: int, g: int, most: int | None) -> int:
+    """Pieces to cut a rank's `rows` into: the group size (capped at `most`), or the largest
+    divisor of `rows` below that."""
+    top = g if most is None else min(g, most)
+    return max((k for k in range(2, top + 1) if rows % k == 0), default=1)
+
+
+def _cut(
+    step: CommStep, blocks: Layout, whole: Layout, shape: tuple[int, ...], coords: tuple[int, ...], most: int | None
+) -> tuple[int, list[int], int] | None:
+    """The group size, the whole buffer (`whole`'s local shape, the collective's dim in front) and
+    the piece count of a collective whose rank `blocks` are even along its dim (None: no pieces)."""
+    assert step.dim is not None
+    g = shape[step.axis]
+    if step.dim in blocks.uneven_dims(shape):
+        return None
+    front = front_shape(whole, step.dim, shape, coords)
+    k = _pieces(front[0] // g, g, most)
+    return (g, front, k) if k >= 2 else None
 
 
 def _gather_pair(
-    node: fx.Node, wait: fx.Node, step: CommStep, shape: tuple[int, ...], coords: tuple[int, ...]
+    node: fx.Node, wait: fx.Node, cut: tuple[int, list[int], int], shape: tuple[int, ...], coords: tuple[int, ...]
 ) -> Pair | None:
-    assert step.dim is not None
-    g = shape[step.axis]
-    if step.dim in step.before.uneven_dims(shape):
-        return None
-    front = front_shape(step.after, step.dim, shape, coords)
-    k = _pieces(front[0] // g, g)
-    if k < 2:
-        return None
+    g, front, k = cut
     chains = _follow_down(wait, front, g, k, shape, coords)
     return Pair(node, wait, chains, k) if chains else None
 
@@ -204,16 +219,9 @@ def _matmul_chain(
 
 
 def _scatter_pair(
-    node: fx.Node, wait: fx.Node, step: CommStep, shape: tuple[int, ...], coords: tuple[int, ...]
+    node: fx.Node, wait: fx.Node, cut: tuple[int, list[int], int], shape: tuple[int, ...], coords: tuple[int, ...]
 ) -> Pair | None:
-    assert step.dim is not None
-    g = shape[step.axis]
-    if step.dim in step.after.uneven_dims(shape):
-        return None
-    front = front_shape(step.before, step.dim, shape, coords)
-    k = _pieces(front[0] // g, g)
-    if k < 2:
-        return None
+    g, front, k = cut
     ops: list[fx.Node] = []
     node_up = node.args[0]
     while isinstance(node_up, fx.Node) and node_up.target not in MATMULS:

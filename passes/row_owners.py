@@ -20,7 +20,7 @@ from typing import Any
 import torch.fx as fx
 
 from autopar.core.errors import ShardingError
-from autopar.core.layout import RowDisjoint, Shard
+from autopar.core.layout import RowDisjoint
 from autopar.core.meta import info
 from autopar.rules import expert_parallel
 from autopar.rules.calls import output_index, tensor_inputs
@@ -74,9 +74,10 @@ def _owners_of(
                     "grouped matmul over split experts made it",
                 )
             found.add(known[a])  # type: ignore[arg-type]
-        if grouped and isinstance(strategy.inputs[1].placements[a], Shard):
+        experts = expert_parallel.experts_layout(node.target, strategy) if grouped else None
+        if experts is not None and a in experts.shard_axes(expert_parallel.EXPERT_DIM):  # not a split inside them
             offs = inputs[2].name
-            found.add((offs, expert_parallel.expert_owners(strategy.inputs[1], a, mesh_shape)))
+            found.add((offs, expert_parallel.expert_owners(experts, a, mesh_shape)))
         if len(found) > 1:
             raise _error(
                 node,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +42,7 @@ from autopar.core.precision import AutocastState, MixedPrecision, autocast_as, a
 from autopar.core.value_guards import generators_kept
 from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
 from autopar.passes.checkpoint_regions import CheckpointWatch, mark_checkpoint_regions
-from autopar.passes.ctc import CTCRoute
-from autopar.passes.eager_checks import eager_error, eager_run, model_error
+from autopar.passes.eager_checks import eager_error, eager_run
 from autopar.passes.fused import split_fused_linears
 from autopar.passes.hooks import recorded_forward_hooks, refuse_gradient_hooks, warn_side_effect_hooks
 from autopar.passes.index_checks import find_index_checks
@@ -59,27 +57,26 @@ from autopar.passes.mixed_precision import cast_inputs, cast_outputs, cast_param
 from autopar.passes.random_guards import eager_draw_states, serial_draws
 from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
 from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
+from autopar.passes.routed_experts_trace import routed_experts_traced
 from autopar.passes.trace_errors import (
     CAUSAL_MASK_HINT,
     CTC_HINT,
     DATA_DEPENDENT_HINT,
     VALUE_DEPENDENT_HINT,
-    export_error,
     first_lines,
+    joint_hint,
     module_path,
     node_where,
-    raised_in_user_code,
-    trace_hint,
+    reads_a_size,
+    refuse_rnn_dropout,
     user_frame,
     user_frame_of,
-    without_partial_graph,
 )
+from autopar.passes.trace_export import export_model, foreign_buffers_as_constants
 from autopar.passes.value_guards import (
     flat_values,
     inputs_have_values,
     private_inputs,
-    quiet_symbolic_shapes,
-    reading_real_values,
     serial_raises,
     split_value_guards,
     valued_copy,
@@ -101,6 +98,7 @@ def trace(
     forward_only: bool = False,
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
+    routed_experts: bool = False,
 ) -> fx.GraphModule:
     """Joint graph of `model`: placeholders (params, buffers, inputs, tangents) -> (outputs, grads).
 
@@ -112,8 +110,10 @@ def trace(
     `autocast`: the forward runs inside these autocast regions, so the graph holds their casts
     explicitly; autocast active around this call is not traced (`autopar.core.precision`).
     `mixed_precision`: every parameter read in the forward is read as a copy in its `param_dtype`
-    (`autopar.passes.mixed_precision`)."""
-    with autocast_off():
+    (`autopar.passes.mixed_precision`).
+    `routed_experts`: transformers' experts modules are traced as one `autopar::routed_experts` op
+    each (`autopar.passes.routed_experts_trace`), so the plan can place the all-to-all dispatcher."""
+    with autocast_off(), routed_experts_traced(model, routed_experts):
         try:
             return _trace(
                 model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast,
@@ -158,7 +158,7 @@ def _trace(
     restore = cut_to_two_blocks(containers)
     guards = None
     try:
-        exported = _export(model, fake_model, fake_args, fake_kwargs)
+        exported = export_model(model, fake_model, fake_args, fake_kwargs)
         forward = exported.module()
         # checks torch.export defers to run time (torch._check on a value, as transformers' BART
         # family makes of its end-of-sequence count): guards too
@@ -167,7 +167,12 @@ def _trace(
     except TraceError as err:
         watch.close()
         restore()
-        if err.hint != VALUE_DEPENDENT_HINT or not inputs_have_values(tuple(example_inputs), example_kwargs):
+        # a read of a size the inputs' values decide (`if mask.nonzero().size(0) > 0:`) may be served
+        # the same way, with the size made static by its count guard; if not, its own error stands
+        size_read = err.hint == DATA_DEPENDENT_HINT and reads_a_size(err)
+        if (err.hint != VALUE_DEPENDENT_HINT and not size_read) or not inputs_have_values(
+            tuple(example_inputs), example_kwargs
+        ):
             raise
         # Python reads a value: trace again on the example's real values, with the conditions as guards
         tensors = [x for x in pytree.tree_leaves((tuple(example_inputs), example_kwargs)) if isinstance(x, torch.Tensor)]
@@ -186,7 +191,7 @@ def _trace(
             with generators_kept(real_device):
                 draws = eager_draw_states(eager_run(model, real_device, tuple(example_inputs), example_kwargs), real_device)
             with generators_kept(real_device), serial_draws(draws, real_device):
-                exported = _export(model, real_model, real_args, real_kwargs, reading_values=True)
+                exported = export_model(model, real_model, real_args, real_kwargs, reading_values=True)
         except (ModelAssertionError, ModelValueError) as raised:
             if raised.__cause__ is None or not serial_raises(model, tuple(example_inputs), example_kwargs, raised.__cause__):
                 raise TraceError(
@@ -196,12 +201,26 @@ def _trace(
                     hint=VALUE_DEPENDENT_HINT,
                 ) from raised
             raise
+        except TraceError:
+            if size_read:
+                raise err from None
+            raise
         unlifted = exported.module()
-        guards = split_value_guards(unlifted, node_where, flat_values(tuple(example_inputs), example_kwargs))
+        try:
+            guards = split_value_guards(unlifted, node_where, flat_values(tuple(example_inputs), example_kwargs))
+        except TraceError:
+            if size_read:
+                raise err from None
+            raise
         forward = fake_clone(unlifted, fake_mode, frozen=forward_only)
     finally:
         watch.close()
     warn_side_effect_hooks(hooks_seen)
+    try:
+        refuse_rnn_dropout(model, exported.graph_module.graph)
+    except TraceError:
+        restore()
+        raise
     if outputs.functions:
         restore()
         raise _custom_function_error(outputs.functions, exported.graph_module.graph)
@@ -213,11 +232,11 @@ def _trace(
     except NotRepeated:  # block 1's joint graph is not the self-contained run the copy needs
         restore()
         groups = []
-        forward = _export(model, fake_model, fake_args, fake_kwargs).module()
+        forward = export_model(model, fake_model, fake_args, fake_kwargs).module()
         split_value_guards(forward, node_where, flat_values(tuple(example_inputs), example_kwargs))  # the same guards
         gm = joint.export(forward, [])
     restore()
-    _foreign_buffers_as_constants(gm, forward, model)
+    foreign_buffers_as_constants(gm, forward, model)
     if not decompose:  # the decomposed nll_loss checks its targets' dtype; the kernel's fake does not
         refuse_target_dtypes(gm, type(model).__name__)
     mark_checkpoint_regions(gm, watch.regions(), groups)
@@ -233,52 +252,6 @@ def _trace(
     lazy = _LazyGraphModule.from_graphmodule(gm)
     lazy.meta.update(gm.meta)
     return lazy
-
-
-def _foreign_buffers_as_constants(gm: fx.GraphModule, forward: nn.Module, model: nn.Module) -> None:
-    """Tensors the forward made on the example's real values (`torch.tensor(pad_id)` in
-    transformers' `shift_tokens_right`) come out of torch.export's unlifted module as attributes
-    the joint trace reads as buffers, which the user's model does not have: they become constants
-    of the program (role "constant", their values in the signature), as the tensors a trace on
-    fake values makes do (`_lift_constants`)."""
-    own = {name for name, _ in model.named_buffers(remove_duplicate=False)}
-    sig = signature(gm)
-    for node in gm.graph.nodes:
-        if node.op != "placeholder" or info(node).role != "buffer" or info(node).param_name in own:
-            continue
-        name = str(info(node).param_name)
-        owner_path, _, attr = name.rpartition(".")
-        value = getattr(forward.get_submodule(owner_path), attr)
-        set_info(node, NodeInfo(role="constant", phase="forward", param_name=name))
-        sig.constants[name] = value.detach().clone()
-        sig.buffer_names.remove(name)
-
-
-def _export(
-    model: nn.Module,
-    fake_model: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    reading_values: bool = False,
-) -> Any:
-    """torch.export of `fake_model` (the user's `model` with fake tensors); `reading_values`: of a
-    copy holding the real tensors, run on the example's real values, which decide every value
-    Python reads, each condition kept as a runtime assertion (`autopar.passes.value_guards`)."""
-    try:
-        # CTCRoute: F.ctc_loss as autopar's fixed-shape op (torch's sizes an output by values)
-        with warnings.catch_warnings(), CTCRoute(), quiet_symbolic_shapes(), without_partial_graph():
-            # nn.LSTM / nn.GRU re-assign their weight list
-            warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
-            if not reading_values:
-                return torch.export.export(fake_model, args, kwargs, strict=False)
-            with reading_real_values():
-                return torch.export.export(fake_model, args, kwargs, strict=False)
-    except (AssertionError, ValueError) as exc:
-        if reading_values and raised_in_user_code(exc):  # the model's own check failed on these values
-            raise model_error(model, exc) from exc
-        raise export_error(model, exc) from exc
-    except Exception as exc:  # torch raises many types; the user needs the location and the cause
-        raise export_error(model, exc) from exc
 
 
 @dataclass
@@ -316,9 +289,7 @@ class _Joint:
                 f"building the joint forward+backward graph of {type(self.model).__name__} failed: "
                 f"{type(exc).__name__}: {first_lines(exc)}",
                 where=user_frame_of(exc),
-                hint=trace_hint(
-                    exc, "the model must be differentiable with a single output that backward() is called on"
-                ),
+                hint=joint_hint(exc),
             ) from exc
         gm.graph._codegen = fx.graph.CodeGen()  # flat positional calling convention, flat outputs
         _annotate(gm, self.model, in_spec=self.in_spec, parts=parts, outputs=self.outputs.structure)
@@ -491,6 +462,8 @@ def _annotate(
             continue  # absent gradients: the input does not reach the outputs
         elif kind == "InputMutationAOTOutput" and _desc_kind(desc.mutated_input) == "PlainAOTInput":
             raise _input_update_error(model, value, int(input_index[desc.mutated_input.idx]))  # type: ignore[arg-type]
+        elif kind == "InputMutationAOTOutput" and _desc_kind(desc.mutated_input) == "ParamAOTInput":
+            raise _parameter_update_error(model, value, str(desc.mutated_input.target))
         else:
             raise TraceError(
                 f"unsupported graph output kind {kind} ({desc})",
@@ -556,6 +529,32 @@ def _input_update_error(model: nn.Module, value: Any, index: int) -> TraceError:
         hint="compute what the model derives from the input outside forward and pass that instead "
         "(FSMT: pass decoder_input_ids built from a copy of labels, as shift_tokens_right builds "
         "them), or have the model update a copy (x = x.clone() before the in-place op)",
+    )
+
+
+def _parameter_update_error(model: nn.Module, value: Any, target: str) -> TraceError:
+    """The forward writes into one of its parameters in place (nn.Embedding(max_norm=...)
+    renormalizes the rows it looks up): each rank holds its own block or copy of the parameter,
+    and a write the graph makes during forward is not one autopar can replay on them."""
+    where = node_where(value) if isinstance(value, fx.Node) else None
+    owner_path = target.rpartition(".")[0]
+    owner = model.get_submodule(owner_path) if owner_path else model
+    embedding = isinstance(owner, nn.Embedding) and owner.max_norm is not None
+    cause = f" (nn.Embedding(max_norm={owner.max_norm}) renormalizes the rows it looks up)" if embedding else ""
+    return TraceError(
+        f"{type(model).__name__} writes into its parameter {target!r} in place during forward{cause}; "
+        "each rank holds its own block or copy of a parameter, and autopar does not replay a "
+        "forward's write into one",
+        op=f"in-place update of parameter {target}",
+        where=where,
+        hint=(
+            f"build {owner_path or 'the module'} without max_norm and bound the looked-up vectors out "
+            "of place in forward (v = emb(x); v = v * (max_norm / v.norm(dim=-1, keepdim=True)).clamp(max=1)), "
+            "or renormalize the weight yourself between training steps"
+            if embedding
+            else "update the parameter outside forward (between training steps, under torch.no_grad()), "
+            "or compute the changed value out of place in forward"
+        ),
     )
 
 

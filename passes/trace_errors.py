@@ -89,7 +89,10 @@ DATA_DEPENDENT_HINT = (
     "an op's output size depends on tensor values (nonzero, torch.where(mask), boolean indexing: "
     "for example tokens per expert in a mixture of experts); a plan is made for fixed shapes, so "
     "route every token through every expert and zero the others with dense gates (scatter the "
-    "top-k weights into a tokens x experts matrix), or give each expert a fixed capacity"
+    "top-k weights into a tokens x experts matrix), or give each expert a fixed capacity; dropless, "
+    "sort the (token, expert) pairs by expert and multiply every expert's rows with one "
+    "torch._grouped_mm(rows, weights (E, K, N), offs=rows per expert cumulated) in bfloat16 "
+    "(examples/torch_models.py GroupedMoE), whose experts autopar can split over ranks"
 )
 
 
@@ -100,6 +103,14 @@ VALUE_DEPENDENT_HINT = (
     "is compiled for every batch, so a branch chosen by values cannot be traced; compute both sides "
     "with torch.where, check the inputs outside forward (in the data pipeline), and turn off random "
     "layer skipping (LayerDrop: layerdrop=0 in the model's config)"
+)
+
+ITEM_HINT = (
+    "Python reads a tensor's value here (.item(), float(t), int(t)): one graph is compiled for every "
+    "batch, and a Python number read from a batch's values cannot be part of it; keep it a tensor "
+    "(x / x.abs().amax() instead of x / x.abs().max().item()), or compute it outside forward and "
+    "pass it as an input; "
+    + VALUE_DEPENDENT_HINT
 )
 
 
@@ -128,6 +139,30 @@ def _frames_of(exc: BaseException) -> list[str]:
         names += [frame.name for frame in traceback.extract_tb(current.__traceback__)]
         current = current.__cause__ or current.__context__
     return names
+
+
+# a guard on a size that values decide (`nonzero(...).size(0) > 0`): torch names its size-like symbol
+_SIZE_GUARD = re.compile(r"GuardOnDataDependentSymNode.*Size-like symbols: (?!none)", re.DOTALL)
+
+
+def reads_a_size(err: BaseException) -> bool:
+    """Whether `err` (or its cause) is torch.export's refusal of Python branching on a size the
+    inputs' values decide, as DeBERTa's classifier loss does on its count of labelled rows."""
+    current: BaseException | None = err
+    while current is not None:
+        if _SIZE_GUARD.search(f"{type(current).__name__}: {current}"):
+            return True
+        current = current.__cause__
+    return False
+
+
+def joint_hint(exc: BaseException) -> str:
+    """The hint for a failed joint forward+backward export: a value read by Python (`.item()`,
+    which torch.export traced but the joint export on fake tensors cannot run) is the value-read
+    hint, not the differentiability one."""
+    if "_local_scalar_dense" in f"{type(exc).__name__}: {exc}":
+        return ITEM_HINT
+    return trace_hint(exc, "the model must be differentiable with a single output that backward() is called on")
 
 
 def trace_hint(exc: BaseException, otherwise: str) -> str:
@@ -183,3 +218,28 @@ def without_partial_graph() -> Iterator[None]:
             text = text.replace(f"{partial}\n", "")  # each of torch's two wrappers prints it
         if text:
             sys.stderr.write(text)
+
+
+def refuse_rnn_dropout(model: nn.Module, graph: fx.Graph) -> None:
+    """Refuse a multi-layer nn.LSTM / nn.GRU / nn.RNN with dropout between its layers, in training.
+    torch's own decomposition of the rnn ops (`torch._decomp`'s `_rnn_helper`, which torch.export
+    applies) drops the inter-layer dropout: the parallel module would train as if dropout were 0,
+    silently unlike serial. `graph` is torch.export's graph: only an RNN the forward calls counts."""
+    for path, module in model.named_modules():
+        if not (isinstance(module, nn.RNNBase) and module.training and module.num_layers > 1 and module.dropout > 0):
+            continue
+        called = [node for node in graph.nodes if node.op == "call_function" and module_path(node) == path]
+        if not called:
+            continue
+        raise TraceError(
+            f"{type(module).__name__} {path!r} has dropout={module.dropout} between its "
+            f"{module.num_layers} layers in training: torch.export's decomposition of the rnn op "
+            "drops that dropout, so the parallel module would train as if it were 0, unlike serial",
+            op=f"{type(module).__name__}(num_layers={module.num_layers}, dropout={module.dropout})",
+            where=node_where(called[0]),
+            hint=(
+                f"build {path!r} with dropout=0 and stack single-layer {type(module).__name__}s with an "
+                "nn.Dropout between them (autopar replays serial's dropout masks exactly), or call "
+                "model.eval() for inference"
+            ),
+        )

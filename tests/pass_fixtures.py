@@ -34,9 +34,12 @@ from autopar.passes.propagate import propagate
 from autopar.passes.schedule import schedule
 from autopar.passes.trace import trace
 from autopar.planning.greedy import choose_layouts
+from autopar.rules import routed_experts
 from autopar.rules.registry import default_registry
+from autopar.rules.routed_experts import ROUTED_OPS
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.testing import all_coords, assemble
+from autopar.testing.threads import run_threads
 from examples.models import make_gpt, make_mlp
 
 aten = torch.ops.aten
@@ -245,6 +248,30 @@ def _collective(
     raise AssertionError(node.target)
 
 
+def _exchanging_op(
+    nodes: dict[Coords, fx.Node], envs: dict[Coords, dict[fx.Node, object]], mesh_shape: tuple[int, ...]
+) -> dict[Coords, object]:
+    """An `autopar::routed_experts(_backward)` local call with its all-to-alls inside, on every
+    rank: the ranks of each group of its axis (its last argument) run it as threads, exchanging
+    through `ThreadExchange` as processes would through their group."""
+    axis = next(iter(nodes.values())).args[-1]
+    out: dict[Coords, object] = {}
+    for c in nodes:
+        if c in out:
+            continue
+        group = group_of(c, axis, mesh_shape)  # type: ignore[arg-type]
+        calls = [_load(envs[g], nodes[g].args) for g in group]
+        out.update(zip(group, run_threads(len(group), functools.partial(_run_exchanging, calls))))
+    return out
+
+
+def _run_exchanging(calls: list[Any], rank: int, exchange: Any) -> object:
+    """One rank's local call (tensors, act, first_expert, group, axis) through `exchange`."""
+    args = calls[rank]
+    impl = routed_experts.experts_backward if len(args) == 10 else routed_experts.experts_forward
+    return impl(*args[:-3], args[-3], exchange)
+
+
 def _load(env: dict[fx.Node, object], tree: object) -> object:
     return torch.utils._pytree.tree_map(lambda x: env[x] if isinstance(x, fx.Node) else x, tree)
 
@@ -280,6 +307,11 @@ def run_lockstep(
             splits = {c: n.args[2] for c, n in nodes.items()}  # all_to_all_single's input split sizes
             for c, n in nodes.items():
                 envs[c][n] = _collective(n, c, inputs, mesh_shape, splits)  # type: ignore[arg-type]
+            continue
+        if first.op == "call_function" and first.target in ROUTED_OPS and first.args[-2]:
+            # the all-to-all token dispatcher exchanges inside the op: its ranks run it at once
+            for c, value in _exchanging_op(nodes, envs, mesh_shape).items():
+                envs[c][nodes[c]] = value
             continue
         # every rank is its own process with its own generator, at the same state: a random op
         # draws the same numbers on each (`autopar.rules.random`)
@@ -488,7 +520,9 @@ def compile_every_rank(
         return chosen[0]
 
     mesh = Mesh.from_shape(shape, names)
-    trace_options = {k: options[k] for k in ("planner", "split_fused", "forward_only") if k in options}
+    trace_options = {
+        k: options[k] for k in ("planner", "split_fused", "forward_only", "token_dispatch") if k in options
+    }
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # a random branch (LayerDrop) takes the outcome the lockstep's seed draws
         traced = trace_for(model, mesh, args, kwargs, **trace_options)  # once, as each process of a job

@@ -9,6 +9,7 @@ module's parameters) in the lockstep and gloo tests (tests/test_hooks_and_flags.
 
 from __future__ import annotations
 
+import copy
 import json
 import tempfile
 from collections.abc import Callable
@@ -275,6 +276,7 @@ def _parallelize_rows(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
             ),
         }
     )
+    rows["ddp-around-the-parallel-module"] = lambda: nn.parallel.DistributedDataParallel(pmodel)
     rows["optimizer-over-the-original-parameters"] = lambda: _optimizer_slip(model, pmodel, (x, y))
     rows.update(_checkpoint_rows(pmodel, model))
     found = {}
@@ -286,6 +288,12 @@ def _parallelize_rows(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
             found[name] = (type(exc).__name__, f"{exc}\nhint? {bool(exc.hint)}")
         except Exception as exc:  # a raw error reaching the user: the test fails on it
             found[name] = (f"raw {type(exc).__name__}", str(exc))
+    # a keyword-only model (transformers style) given only example_kwargs: example_inputs defaults to ()
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 3)
+    serial = copy.deepcopy(linear)
+    by_keyword = autopar.parallelize(linear, mesh, example_kwargs={"input": x})
+    found["kwargs-only"] = ("ran", str(float((by_keyword(input=x) - serial(x)).abs().max())))
     return found
 
 
@@ -309,6 +317,7 @@ WITH_PROCESS_GROUP = {
     "call-negative-target": (IndexOutOfRangeError, "y holds -"),
     "call-keyword-unknown": (TraceError, "labels"),
     "optimizer-over-the-original-parameters": (UsageError, "build the optimizer over the parallel module's parameters: torch.optim.SGD(pmodel.parameters()"),
+    "ddp-around-the-parallel-module": (UsageError, "DistributedDataParallel around a ParallelModule"),
     "output-local-plain-target": (UsageError, 'called with inputs="local" with a plain tensor of shape [8, 3]'),
 }
 
@@ -316,6 +325,8 @@ WITH_PROCESS_GROUP = {
 @pytest.mark.multirank
 def test_with_a_process_group() -> None:
     (found,) = run_ranks(1, _parallelize_rows, timeout=180)
+    kind, difference = found.pop("kwargs-only")
+    assert kind == "ran" and float(difference) < 1e-6, difference
     assert set(found) == set(WITH_PROCESS_GROUP)
     for name, (error, text) in WITH_PROCESS_GROUP.items():
         kind, message = found[name]

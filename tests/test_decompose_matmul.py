@@ -4,6 +4,7 @@ training steps of every rank in lockstep equal to serial (and to the undecompose
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +25,10 @@ from autopar.core.errors import UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import info
 from autopar.options import PlanOptions
+from autopar.passes import decompose_pairs
 from autopar.planning.search import search_layouts
 from autopar.planning.search_cost import TimeCost
+from autopar.reporting.timeline_views import chrome_trace, overlap_text, write_png
 from autopar.rules.registry import default_registry
 from autopar.testing import assemble
 from examples.models import GPT, GPTConfig, make_gpt, make_mlp
@@ -211,13 +214,24 @@ def _collectives_upstream(link: fx.Node) -> set[fx.Node]:
     return {n for n in _upstream(link, stop) if PIECE_KEY in n.meta and n.target is c10d.all_gather_into_tensor.default}
 
 
-@pytest.mark.parametrize(("key", "shape", "planner"), [("two_linear", (4,), "greedy"), ("gpt", (2, 2), "search")])
-def test_decomposed_programs_equal_undecomposed(key: str, shape: tuple[int, ...], planner: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "shape", "planner", "most"),
+    [("two_linear", (4,), "greedy", None), ("gpt", (2, 2), "search", None), ("gpt", (4,), "greedy", 2)],
+)
+def test_decomposed_programs_equal_undecomposed(
+    key: str, shape: tuple[int, ...], planner: str, most: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rows and columns cut (M, N) sum each output element over the same contracted length as the
     whole matmul, and each reduce-scatter piece adds the same summands; a contracted dim cut (K)
     adds the k partial products in another order. The programs' loss and gradients equal the
     undecomposed programs' to float32 rounding: within 1e-6 of each tensor's values, or of the
-    rank's largest gradient where a gradient sums to zero (its values are rounding noise then)."""
+    rank's largest gradient where a gradient sums to zero (its values are rounding noise then).
+    `most`: every pair cut into at most that many pieces, fewer than the group's ranks (the counts
+    "auto" prices beside the group size), so that each piece's collective holds several rows of
+    every rank's block."""
+    if most is not None:
+        whole = decompose_pairs._pieces
+        monkeypatch.setattr(decompose_pairs, "_pieces", lambda rows, g, cap: whole(rows, g, most))
     model, batch = two_linear_case() if key == "two_linear" else make_gpt(0, n_layer=1)
     results = {}
     for mode in ("off", "on"):
@@ -225,6 +239,7 @@ def test_decomposed_programs_equal_undecomposed(key: str, shape: tuple[int, ...]
         results[mode] = lockstep_step(compiled, model, shape, batch, {})
         if mode == "on":
             assert {d for r in _decomposed(compiled) for d in r.dims} >= {"K", "M"}
+            assert {r.chunks for r in _decomposed(compiled)} == ({most} if most else {max(shape)})
     (fwd_off, bwd_off), (fwd_on, bwd_on) = results["off"], results["on"]
     for c in fwd_off:
         assert torch.allclose(fwd_off[c][0], fwd_on[c][0], rtol=1e-6, atol=0)
@@ -250,6 +265,25 @@ def test_auto_keeps_the_shortest_modeled_step() -> None:
     assert abs(steps["auto"] - min(chosen.values())) <= 1e-9 * steps["auto"], (steps, chosen)
     text = str(compiled.report)
     assert "decomposed collective matmuls:" in text and "chosen by the modeled step" in text
+
+
+def test_the_timeline_pictures_show_the_pieces(tmp_path: Path) -> None:
+    """The modeled timeline marks each piece's collective with the collective it stands for, and
+    the overlap table, the Chrome trace and the PNG show them apart from whole collectives."""
+    compiled = _compile("two_linear", (4,), "on", planner="greedy", hardware="h100-nvlink-ib")
+    assert compiled.timelines is not None
+    before, after = compiled.timelines
+    kept = {r.collective: r.chunks for r in compiled.graph.meta[DECOMPOSED_KEY] if r.kept}
+    pieces = [c for c in after.collectives if c.piece]
+    assert kept and {c.piece.split(":")[0] for c in pieces} == set(kept)
+    for name, chunks in kept.items():
+        assert len([c for c in pieces if c.piece.startswith(name + ":")]) == chunks
+    assert " piece" in overlap_text(before, after)
+    traced = [e for e in chrome_trace(after)["traceEvents"] if e.get("cat") in ("all_gather", "reduce_scatter")]
+    assert {e["args"]["piece_of"] for e in traced} >= {c.piece for c in pieces}
+    pytest.importorskip("matplotlib")
+    write_png(tmp_path / "t.png", after, before)
+    assert (tmp_path / "t.png").stat().st_size > 0
 
 
 def test_decompose_option_is_validated() -> None:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.rules.decompositions import sharding_decompositions
+from autopar.rules.decompositions import LOSS_DECOMPOSED, sharding_decompositions
 
 aten = torch.ops.aten
 TABLE = sharding_decompositions()
@@ -65,3 +65,48 @@ def test_layer_norm_forward_and_backward(with_weight: bool) -> None:
     mask = [True, with_weight, with_weight]
     args = (grad, x, [6], want[1], want[2], weight, bias, mask)
     _close(TABLE[backward](*args), backward(*args))
+
+
+def _loss_cases(g: torch.Generator, shape: list[int]) -> list[tuple[object, tuple[object, ...]]]:
+    """(op, args) for each fused loss `LOSS_DECOMPOSED` names, on float64 inputs of `shape`."""
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    t = torch.rand(shape, generator=g, dtype=torch.float64)
+    p = torch.sigmoid(x)
+    w = torch.rand(shape, generator=g, dtype=torch.float64)
+    grad = torch.rand((), generator=g, dtype=torch.float64)
+    t[..., 0] = 0.0  # xlogy's zero: 0 * log(0) is 0
+    mean, total, none = 1, 2, 0
+    flat, other = x.flatten(), t.flatten()
+    return [
+        (aten.binary_cross_entropy_with_logits.default, (x, t, w, w[..., :1].clone(), mean)),
+        (aten.binary_cross_entropy_with_logits.default, (x, t, None, None, total)),
+        (aten.binary_cross_entropy.default, (p, t, w, mean)),
+        (aten.binary_cross_entropy.default, (p, t, None, none)),
+        (aten.binary_cross_entropy_backward.default, (grad, p, t, w, mean)),
+        (aten.smooth_l1_loss.default, (x, t, mean, 0.5)),
+        (aten.smooth_l1_loss_backward.default, (grad, x, t, total, 0.5)),
+        (aten.huber_loss.default, (x, t, mean, 0.7)),
+        (aten.huber_loss_backward.default, (grad, x, t, total, 0.7)),
+        (aten.xlogy.Tensor, (t, p)),
+        (aten.log_sigmoid_forward.default, (x,)),
+        (aten.log_sigmoid_backward.default, (w, x, aten.log_sigmoid_forward.default(x)[1])),
+        (aten.vdot.default, (flat, other)),
+    ]
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), seed=st.integers(0, 2**16))
+def test_loss_decompositions_equal_the_fused_kernels(shape: list[int], seed: int) -> None:
+    """BCE (with logits), smooth L1, Huber, xlogy (kl_div), log-sigmoid, vdot (spectral_norm):
+    torch's decompositions the multi-rank trace applies compute what the kernels do."""
+    for op, args in _loss_cases(torch.Generator().manual_seed(seed), shape):
+        want, got = op(*args), TABLE[op](*args)
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9, msg=str(op))
+        else:
+            _close(got, want)
+
+
+def test_every_decomposed_loss_is_checked() -> None:
+    g = torch.Generator().manual_seed(0)
+    assert {op for op, _ in _loss_cases(g, [2, 3])} == set(LOSS_DECOMPOSED)

@@ -160,26 +160,39 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(got, want, atol=max(2e-5, 1e-4 * scale), rtol=1e-4, msg=what)
 
 
-def _train_like_serial(make: Any, shape: tuple[int, ...], **options: Any) -> dict:
+def _batch(seed: int, padded: bool) -> dict[str, torch.Tensor]:
+    """input_ids and labels; with `padded`, an attention mask whose second sequence ends in padding
+    (labels -100 there), as a user's batch of unequal lengths."""
+    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    if not padded:
+        return {"input_ids": ids, "labels": ids}
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, SEQ - 5 :] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _train_like_serial(make: Any, shape: tuple[int, ...], padded: bool = False, **options: Any) -> dict:
     """Compile for every rank of `shape`, then STEPS steps of SGD with momentum in lockstep against
-    the serial model: loss, every gradient, every parameter after each step."""
+    the serial model: loss (and the router's auxiliary loss where the model returns one), every
+    gradient, every parameter after each step."""
     torch.manual_seed(0)
     model = make()
     serial = copy.deepcopy(model)
-    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    kwargs = {"input_ids": ids, "labels": ids}
-    compiled = compile_every_rank(model, shape, (), kwargs, **options)
+    compiled = compile_every_rank(model, shape, (), _batch(1, padded), **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     serial_opt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
-        step_ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(10 + step))
-        step_kwargs = {"input_ids": step_ids, "labels": step_ids}
+        step_kwargs = _batch(10 + step, padded)
         fwd, bwd = lockstep_step(compiled, model, shape, (), step_kwargs)
         torch.manual_seed(0)
-        want = serial(**step_kwargs).loss
+        out = serial(**step_kwargs)
+        want = out.loss
         want.backward()
+        aux = getattr(out, "aux_loss", None)
         for c in fwd:
             _close(fwd[c][0], want.detach(), f"loss of step {step} on {c}")
+            if aux is not None:  # the program's second output, as the model's output lists them
+                _close(fwd[c][1], aux.detach(), f"router auxiliary loss of step {step} on {c}")
         grads = _full_grads(compiled, bwd, shape)
         for name, p in serial.named_parameters():
             assert p.grad is not None and name in grads, name
@@ -212,8 +225,19 @@ CASES = [
     (_qwen3_moe, (2, 4)),
     (_deepseek_v3, (8,)),
     (_deepseek_v3, (2, 4)),
+    (_qwen3_moe, (2, 2, 2)),
+    (_deepseek_v3, (2, 2, 2)),
 ]
-IDS = ["mixtral-8", "mixtral-2x4", "qwen3moe-8", "qwen3moe-2x4", "deepseek-v3-8", "deepseek-v3-2x4"]
+IDS = [
+    "mixtral-8",
+    "mixtral-2x4",
+    "qwen3moe-8",
+    "qwen3moe-2x4",
+    "deepseek-v3-8",
+    "deepseek-v3-2x4",
+    "qwen3moe-2x2x2",
+    "deepseek-v3-2x2x2",
+]
 
 
 @pytest.mark.parametrize(("make", "shape"), CASES, ids=IDS)
@@ -228,6 +252,42 @@ def test_experts_split_over_the_ranks_train_like_serial(make: Any, shape: tuple[
     graph = next(iter(compiled.values())).graph.graph
     mms = [n for n in graph.nodes if n.target in (GROUPED_MM, GROUPED_MM_BACKWARD)]
     assert len(mms) == 8, "two layers, two grouped matmuls each, forward and backward"
+
+
+def _with_router_loss(make: Any) -> Any:
+    """The model with its router's load-balancing loss on (`output_router_logits`, as users train
+    MoE models), weighted 0.02 as Mixtral was trained (transformers' default 0.001 would hide an
+    error in it below the tolerance)."""
+
+    def make_with_loss() -> torch.nn.Module:
+        model = make()
+        model.config.output_router_logits = True
+        model.config.router_aux_loss_coef = 0.02
+        return model
+
+    return make_with_loss
+
+
+@pytest.mark.parametrize(
+    ("make", "shape", "forced", "padded"),
+    [(_mixtral, (2, 2), False, True), (_qwen3_moe, (4,), True, False)],
+    ids=["mixtral-2x2-search-padded", "qwen3moe-4-forced"],
+)
+def test_router_auxiliary_loss_trains_like_serial(
+    make: Any, shape: tuple[int, ...], forced: bool, padded: bool
+) -> None:
+    """With `output_router_logits=True` the loss includes the router's load-balancing loss (the
+    routing probabilities and top-k counts of every layer, over all tokens: a padded batch weighs
+    them by its attention mask) and the model returns it as `aux_loss`. With the experts split
+    (the search's own plan at the defaults, or forced) the loss, the auxiliary loss, every gradient
+    (the routers' get the auxiliary loss's too) and the parameters after 2 steps equal serial's."""
+    options = {"registry": _experts_only_registry()} if forced else {}
+    compiled = _train_like_serial(_with_router_loss(make), shape, padded=padded, **options)
+    program = next(iter(compiled.values())).program
+    assert program.output_layouts[1].shape == (), "the auxiliary loss is the program's second output"
+    placements = "[" + ", ".join(["S(0)"] * len(shape)) + "]"
+    layouts = _expert_weight_layouts(compiled)
+    assert layouts and all(lay == placements for lay in layouts.values()), layouts
 
 
 def test_search_plan_of_an_moe_model_trains_like_serial() -> None:
@@ -365,6 +425,24 @@ def test_plan_summary_names_the_expert_axes_and_why() -> None:
     to_all = 2 * (7 / 8 * 8 * 8 + 4 * 7 / 8 * 4 * 2 * 32 * 4)
     assert experts.dispatch_bytes == pytest.approx((gather, to_all))
     assert f"all-gather {gather / 1e6:.3f} MB, all-to-all {to_all / 1e6:.3f} MB per rank per step" in line
+
+
+def test_plan_summary_prices_each_placement_of_the_experts() -> None:
+    """The search starts from the experts split over every axis and from the cheapest split over
+    one axis alone, beside the plans keeping them whole; the summary lists its cheapest plan for
+    each placement it reached, cheapest first, and the plan holds the experts on the first. On
+    (2, 2) in element counts Qwen3-MoE's experts go over both axes (x alone costs more than
+    keeping them whole); on (2, 2, 2) over z alone is its cheapest split, but whole is cheaper."""
+    for shape, chosen in (((2, 2), ("x", "y")), ((2, 2, 2), ())):
+        experts = _compile_rank0(_qwen3_moe, shape).report.experts
+        assert experts is not None and experts.axes == chosen, experts
+        costs = dict(experts.axes_costs)
+        assert () in costs and tuple("xyz"[: len(shape)]) in costs, costs
+        assert any(len(axes) == 1 for axes in costs), "a split over one axis alone was searched"
+        assert experts.axes_costs[0][0] == chosen, experts.axes_costs
+        assert [c for _, c in experts.axes_costs] == sorted(costs.values())
+        shown = ", ".join(f"{' and '.join(a) if a else 'whole on every rank'} {c:.4g}" for a, c in experts.axes_costs)
+        assert str(experts).endswith(f"by the mesh axes holding the experts, its cheapest plans cost: {shown}")
 
 
 def test_explain_says_why_the_experts_are_not_split() -> None:

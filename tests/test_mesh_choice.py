@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from multirank import run_ranks
+from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.compiler.auto_mesh import choose_mesh
@@ -190,7 +191,7 @@ def _auto_job(rank: int, world_size: int) -> dict[str, Any]:
     serial_loss.backward()
     serial_params = dict(serial.named_parameters())
     grad_err = max(
-        float((p.grad.full_tensor() - serial_params[n].grad).abs().max())
+        float(((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - serial_params[n].grad).abs().max())
         for n, p in pmodel.named_parameters()
     )
     chosen = pmodel.mesh_choice.chosen

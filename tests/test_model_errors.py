@@ -47,3 +47,43 @@ def test_a_trace_failure_the_model_does_not_raise_stays_a_trace_error() -> None:
     with pytest.raises(TraceError) as raised:
         trace(Unexportable(), (torch.randn(2, 4),))
     assert not isinstance(raised.value, ValueError)
+
+
+class _ReadsItem(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().max().item()  # the value read
+        return self.lin(x / scale).sum()
+
+
+def test_item_in_forward_gets_the_value_read_hint() -> None:
+    """A probe found `.item()` reaching the joint export with the hint "the model must be
+    differentiable with a single output"; it is a value read."""
+    with pytest.raises(TraceError, match="aten._local_scalar_dense") as raised:
+        trace(_ReadsItem(), (torch.randn(4, 8),))
+    assert raised.value.hint and raised.value.hint.startswith("Python reads a tensor's value here (.item()")
+    assert raised.value.where and "test_model_errors.py" in raised.value.where
+
+
+class _MaxNormEmbedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 8, max_norm=1.0)
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids)).sum()
+
+
+def test_a_parameter_written_in_place_names_the_parameter_and_what_to_do() -> None:
+    """nn.Embedding(max_norm=...) renormalizes its weight's rows in place during forward: a probe
+    found "unsupported graph output kind InputMutationAOTOutput" without op or line."""
+    ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(TraceError, match=r"writes into its parameter 'emb.weight' in place .*max_norm=1.0") as raised:
+        trace(_MaxNormEmbedding(), (ids,))
+    assert raised.value.op == "in-place update of parameter emb.weight"
+    assert raised.value.where and raised.value.where.startswith("emb @ ") and "test_model_errors.py" in raised.value.where
+    assert raised.value.hint and "without max_norm" in raised.value.hint

@@ -49,7 +49,8 @@ def _parallelize_job(rank: int, world_size: int, old: bool, dump: str) -> dict[s
     got = {
         "collectives": _collectives(pmodel.report),
         "summary": pmodel.plan_summary(),
-        "placements": {n: str(p.placements) for n, p in pmodel.named_parameters()},
+        # DDP's plan stores plain whole tensors (ParallelModule.plain_storage)
+        "placements": {n: str(getattr(p, "placements", "whole")) for n, p in pmodel.named_parameters()},
         "loss": float(loss),
         "warned": sorted(str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)),
     }

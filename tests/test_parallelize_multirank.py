@@ -34,6 +34,16 @@ NAMES = {1: ("x",), 2: ("x", "y"), 3: ("x", "y", "z"), 4: ("dp", "x", "y", "z")}
 MAKERS = {"gpt": make_gpt, "mlp": make_mlp}
 
 
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A parameter or gradient whole: DTensors gathered; DDP's plan (every tensor whole on every
+    rank, as on a one-rank mesh) stores plain tensors."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
 def _train(
     model_name: str,
     mesh: Any,
@@ -70,7 +80,7 @@ def _train(
         result["losses"].append((float(loss), float(serial_loss)))
         result["bitwise"] &= bool(torch.equal(loss.detach(), serial_loss.detach()))
         for name, p in pmodel.named_parameters():
-            grad = p.grad.full_tensor()
+            grad = _whole(p.grad)
             want = serial_params[name].grad
             assert grad.shape == want.shape, name
             result["grad_err"] = max(result["grad_err"], _rel_err(grad, want))
@@ -80,13 +90,13 @@ def _train(
         opt.zero_grad()
         serial_opt.zero_grad()
     for name, p in pmodel.named_parameters():
-        full = p.full_tensor()
+        full = _whole(p)
         result["param_err"] = max(result["param_err"], float((full - serial_params[name]).abs().max()))
         result["bitwise"] &= bool(torch.equal(full, serial_params[name].detach()))
     names = [n for n, _ in pmodel.named_parameters()]
     result["names_match"] = names == [n for n, _ in serial.named_parameters()]
     result["state_dict_keys_match"] = list(pmodel.state_dict()) == list(serial.state_dict())
-    result["local_fraction"] = sum(p.to_local().numel() for p in pmodel.parameters()) / sum(
+    result["local_fraction"] = sum(_local(p).numel() for p in pmodel.parameters()) / sum(
         p.numel() for p in serial.parameters()
     )
     return result

@@ -20,6 +20,7 @@ from autopar.core.pipeline_schedule import (
     Placement,
     Schedule,
     ScheduleArgumentError,
+    forwards_then_backwards,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
@@ -107,6 +108,27 @@ def test_every_schedule_runs_and_keeps_its_dependencies(
     _check_timeline(simulate(sch))
     skewed = Durations(forward=tuple(1.0 + s % 3 for s in range(pp * v)), backward=3.0, send=0.25, recv=0.5)
     _check_timeline(simulate(sch, skewed))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([(1, "loop"), (2, "loop"), (3, "loop"), (2, "v")]),
+    st.integers(min_value=1, max_value=6),
+    st.integers(min_value=1, max_value=9),
+)
+def test_forwards_then_backwards_runs_on_every_placement(v_style: tuple[int, str], pp: int, microbatches: int) -> None:
+    """The order of a step whose loss is computed outside the model: every forward of a rank before
+    any backward, on the looped and the V placement; with one stage per rank it is GPipe's."""
+    v, style = v_style
+    sch = forwards_then_backwards(Placement(pp, v, style), microbatches)
+    timeline = simulate(sch, Durations(forward=tuple(1.0 + s % 2 for s in range(pp * v)), recv=0.5))
+    _check_timeline(timeline)
+    for rank in range(pp):
+        kinds = [a.kind for a in sch.compute_actions(rank)]
+        assert kinds == [F] * (v * microbatches) + [B] * (v * microbatches)
+    assert max(timeline.peak_in_flight) == v * microbatches
+    if v == 1:
+        assert sch.actions == gpipe(pp, microbatches).actions
 
 
 @pytest.mark.parametrize(("pp", "v", "style", "expected"), [

@@ -26,7 +26,7 @@ from pass_fixtures import _compare_with_serial, lockstep_step
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Replicate as TorchReplicate
+from torch.nn.utils import clip_grad_norm_
 
 import autopar
 from autopar.compiler.driver import compile_for_rank, trace_for
@@ -183,9 +183,10 @@ def _gloo_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
     serial_opt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
     want = dict(serial.named_parameters())
-    out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "param_err": 0.0}
-    out["replicated"] = all(
-        isinstance(p, DTensor) and all(isinstance(q, TorchReplicate) for q in p.placements) for p in pmodel.parameters()
+    out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "param_err": 0.0, "norm_err": 0.0}
+    # every weight whole on every rank: plain tensors, as under DDP (no DTensor dispatch in the optimizer)
+    out["replicated"] = pmodel.plain_storage and not any(
+        isinstance(t, DTensor) for t in [*pmodel.parameters(), *pmodel.buffers()]
     )
     out["note"] = pmodel.plan_summary() if rank == 0 else ""
     for _ in range(STEPS):
@@ -194,18 +195,35 @@ def _gloo_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
         serial_loss.backward()
         out["loss_err"] = max(out["loss_err"], abs(float(loss) - float(serial_loss)) / abs(float(serial_loss)))
         for name, p in pmodel.named_parameters():
-            g, w = p.grad.full_tensor(), want[name].grad
+            g, w = p.grad, want[name].grad
             out["grad_err"] = max(out["grad_err"], float((g - w).abs().max() / w.abs().max().clamp_min(1e-12)))
+        out["norm_err"] = max(
+            out["norm_err"],
+            abs(float(clip_grad_norm_(pmodel.parameters(), 0.05)) - float(clip_grad_norm_(serial.parameters(), 0.05))),
+        )
         opt.step()
         serial_opt.step()
         opt.zero_grad()
         serial_opt.zero_grad()
     for name, p in pmodel.named_parameters():
-        out["param_err"] = max(out["param_err"], float((p.full_tensor() - want[name]).abs().max()))
+        out["param_err"] = max(out["param_err"], float((p - want[name]).abs().max()))
+    # other programs over the same plain tensors: forward only, and half the batch (each planned
+    # anew: a layout other than whole is cut from the plain tensor, its gradient gathered back)
+    with torch.no_grad():
+        out["no_grad_err"] = abs(float(pmodel(*batch)) - float(serial(*batch)))
+    half = tuple(t[: len(t) // 2] for t in batch)
+    loss, serial_loss = pmodel(*half), serial(*half)
+    loss.backward()
+    serial_loss.backward()
+    out["half_err"] = max(
+        abs(float(loss) - float(serial_loss)),
+        *(float((p.grad - want[name].grad).abs().max()) for name, p in pmodel.named_parameters()),
+    )
+    out["programs"] = len(pmodel.programs)
     state = pmodel.state_dict()
     out["state_keys"] = list(state) == list(serial.state_dict())
     out["state_err"] = max(
-        float((v.full_tensor() if isinstance(v, DTensor) else v).sub(serial.state_dict()[k]).abs().max())
+        float(v.sub(serial.state_dict()[k]).abs().max())
         for k, v in state.items()
     )
     # checkpoints: DCP loads into the serial model's state dict; safetensors holds each weight once
@@ -230,6 +248,8 @@ def test_replicated_plan_trains_as_serial_on_gloo(tmp_path: Path) -> None:
     for r in results:
         assert r["replicated"], results[0]["note"]
         assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["param_err"] < 1e-5, r
+        assert r["norm_err"] < 1e-5, r  # clip_grad_norm_ over the plain tensors: the serial norm
+        assert r["no_grad_err"] < 1e-5 and r["half_err"] < 1e-5 and r["programs"] == 3, r
         assert r["state_keys"] and r["state_err"] < 1e-5, r
         assert r["dcp_err"] < 1e-6 and r["st_err"] < 1e-6, r
         # a replicated weight is saved once, whatever the number of ranks holding it (the tied

@@ -39,7 +39,7 @@ MATMULS = [
 GROUPED_MM = torch.ops.transformers.grouped_mm_fallback.default
 GROUPED_MM_BACKWARD = torch.ops.transformers.grouped_mm_fallback_backward.default
 LIBRARY_OPS = [GROUPED_MM, GROUPED_MM_BACKWARD]
-COVERED_OPS = [*MATMULS, *LIBRARY_OPS]
+COVERED_OPS = [*MATMULS, *LIBRARY_OPS, aten._grouped_mm.default]  # the last: test_torch_grouped_mm
 
 
 @pytest.mark.parametrize("op", MATMULS, ids=str)
@@ -110,3 +110,38 @@ def test_grouped_matmul_expert_split(data: st.DataObject, mesh: tuple[int, ...],
     for strategy in [data.draw(st.sampled_from(split), label="strategy") for _ in range(3)]:
         assert strategy.inputs[0].shard_axes(0) == () and strategy.inputs[2].is_replicated
         check_strategy(op, args, {}, strategy, mesh, REGISTRY)
+
+
+TORCH_GROUPED_MM = aten._grouped_mm.default
+
+
+@pytest.mark.parametrize("form", ["rows", "experts_gradient"])
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes(max_axes=3).filter(lambda m: max(m) > 1))
+def test_torch_grouped_mm(data: st.DataObject, mesh: tuple[int, ...], form: str) -> None:
+    """`torch._grouped_mm` of a hand-written MoE layer, in its two forms with `offs`: rows (S, K)
+    times experts (E, K, N) (forward and the input's gradient), and rows transposed (K, S) times
+    (S, N) giving the experts' gradient (E, K, N). Random strategies of its rule, and then strategies
+    splitting the experts (alone or beside a split inside them on another axis), equal the whole op
+    under random routings: uneven, an expert with no rows, one with most of them, all rows to one.
+    float32 (the op has no float64), K and N multiples of 4 (its strides must be of 16 bytes)."""
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    experts = data.draw(dim_sizes(mesh, cap=8, allow_one=False), label="experts")
+    k, n = 4 * data.draw(st.integers(1, 3), label="k/4"), 4 * data.draw(st.integers(1, 3), label="n/4")
+    offs = torch.tensor(expert_routings(data, experts)).cumsum(0).to(torch.int32)
+    tokens = int(offs[-1])
+    x = random_tensor((tokens, k), dtype=torch.float32, generator=g)
+    if form == "rows":
+        args: tuple = (x, random_tensor((experts, k, n), dtype=torch.float32, generator=g), offs)
+    else:
+        args = (x.T, random_tensor((tokens, n), dtype=torch.float32, generator=g), offs)
+    assert check_random_strategies(data, TORCH_GROUPED_MM, args, {}, mesh, REGISTRY)
+    options = candidate_strategies(TORCH_GROUPED_MM, args, {}, mesh, REGISTRY)
+    experts_of = (lambda s: s.inputs[1]) if form == "rows" else (lambda s: s.outputs[0])
+    split = [s for s in options if experts_of(s).shard_axes(0)]
+    if not split:  # uneven blocks with an empty one are not offered
+        assert not any(a > 1 and chunks_nonempty(experts, a) for a in mesh), (experts, mesh)
+        return
+    for strategy in [data.draw(st.sampled_from(split), label="strategy") for _ in range(3)]:
+        assert strategy.inputs[2].is_replicated
+        check_strategy(TORCH_GROUPED_MM, args, {}, strategy, mesh, REGISTRY)

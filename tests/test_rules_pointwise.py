@@ -54,6 +54,7 @@ ARGS: dict[object, tuple[object, ...]] = {
     aten.clamp_min.default: ("f", -0.25),
     aten.clamp_max.default: ("f", 0.25),
     aten.logical_not.default: ("b",),
+    aten.isnan.default: ("f",),
     aten.bitwise_not.default: ("i",),
     aten.eq.Scalar: ("i", 1),
     aten.ne.Scalar: ("i", 1),

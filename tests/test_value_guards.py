@@ -6,6 +6,7 @@ before any collective; a batch that goes the other way gets its own program, and
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,13 @@ from autopar.compiler.driver import compile_for_rank
 from autopar.core.mesh import Mesh
 from autopar.passes.random_guards import RANDOM_ORDER_HINT
 from autopar.passes.value_guards import WEIGHT_GUARD_HINT
+from examples import hf_zoo
+
+
+def _line(marker: str) -> str:
+    """`test_value_guards.py:<n>`, n the line of this file marked `# line: <marker>`."""
+    lines = Path(__file__).read_text().splitlines()
+    return f"test_value_guards.py:{next(i for i, text in enumerate(lines, 1) if text.endswith(f'# line: {marker}'))}"
 
 
 class _Checks(nn.Module):
@@ -32,9 +40,9 @@ class _Checks(nn.Module):
         self.head = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        assert (y >= 0).all(), "negative label"
+        assert (y >= 0).all(), "negative label"  # line: ASSERT
         h = torch.relu(self.proj(x))
-        if x.sum() > 0:
+        if x.sum() > 0:  # line: BRANCH
             h = h * 2
         return F.cross_entropy(self.head(h), y)
 
@@ -54,8 +62,8 @@ def test_the_branch_the_example_takes_runs_equal_to_serial_with_the_guards_out_o
     for run in compiled.values():
         guards = run.program.value_guards
         assert guards is not None and guards.inputs == (0, 1)
-        assert any("test_value_guards.py:35" in c for c in guards.conditions), guards.conditions
-        assert any("test_value_guards.py:37" in c for c in guards.conditions), guards.conditions
+        assert any(_line("ASSERT") in c for c in guards.conditions), guards.conditions
+        assert any(_line("BRANCH") in c for c in guards.conditions), guards.conditions
         # the distributed program reads no value: the guards run apart, on the global inputs
         for gm in (run.program.forward, run.program.backward):
             targets = {n.target for n in gm.graph.nodes}
@@ -65,7 +73,7 @@ def test_the_branch_the_example_takes_runs_equal_to_serial_with_the_guards_out_o
     assert guards is not None
     assert guards.hold(list(_batch(sign, seed=1)))
     assert not guards.hold(list(_batch(-sign, seed=1)))
-    assert all("test_value_guards.py:37" in c for c in guards.failing(list(_batch(-sign, seed=1))))
+    assert all(_line("BRANCH") in c for c in guards.failing(list(_batch(-sign, seed=1))))
     x, y = _batch(sign, seed=1)
     assert not guards.hold([x, y - 4])  # the assert's condition is a guard too
 
@@ -79,7 +87,7 @@ class _ChecksItsActivations(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.proj(x)
-        if not torch.isfinite(h).all():
+        if not torch.isfinite(h).all():  # line: ACTIVATIONS
             raise ValueError("non-finite activations")
         return F.cross_entropy(h, y)
 
@@ -94,7 +102,7 @@ class _DrawsByValues(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.proj(x)
-        picked = torch.multinomial(torch.softmax(h, -1), 1)
+        picked = torch.multinomial(torch.softmax(h, -1), 1)  # line: DRAW
         if torch.rand([]) >= 0.5:
             h = h * 2
         return F.cross_entropy(h, y) + picked.sum() * 0
@@ -103,8 +111,8 @@ class _DrawsByValues(nn.Module):
 @pytest.mark.parametrize(
     ("model", "line", "says", "hint"),
     [
-        (_ChecksItsActivations(), "test_value_guards.py:82", "depends on the model's weights", WEIGHT_GUARD_HINT),
-        (_DrawsByValues(), "test_value_guards.py:97", "input values decide", RANDOM_ORDER_HINT),
+        (_ChecksItsActivations(), _line("ACTIVATIONS"), "depends on the model's weights", WEIGHT_GUARD_HINT),
+        (_DrawsByValues(), _line("DRAW"), "input values decide", RANDOM_ORDER_HINT),
     ],
 )
 def test_a_value_not_computed_from_the_inputs_alone_is_refused_naming_the_line(
@@ -142,7 +150,7 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
     x, y = _batch(1.0, seed=9)
     with pytest.raises(AssertionError, match="negative label") as err:  # as serial raises it
         pmodel(x, y - 4)
-    assert isinstance(err.value, autopar.ModelAssertionError) and "test_value_guards.py:35" in str(err.value.where)
+    assert isinstance(err.value, autopar.ModelAssertionError) and _line("ASSERT") in str(err.value.where)
     with pytest.raises(AssertionError, match="negative label"):  # again: the failure compiled nothing
         pmodel(x, y - 4)
     return {"max_error": max(errors), "programs": [why for why, _ in pmodel.programs]}
@@ -156,7 +164,7 @@ def test_each_branch_gets_its_program_and_trains_like_serial_on_two_ranks() -> N
         first, other = result["programs"]
         assert first == "example inputs", (rank, result)
         assert other.startswith("new input values (the value Python reads at") and "decides another branch" in other
-        assert "test_value_guards.py:37" in other, (rank, result)
+        assert _line("BRANCH") in other, (rank, result)
 
 
 class _PicksEndOfSequence(nn.Module):
@@ -195,6 +203,56 @@ def test_boolean_indexing_by_an_input_mask_is_static_at_the_examples_count(per_r
     for run in compiled.values():
         targets = {n.target for n in run.program.forward.graph.nodes}
         assert torch.ops.aten.nonzero.default not in targets and torch.ops.aten.nonzero_static.default in targets
+
+
+class _LabelledRows(nn.Module):
+    """DeBERTa's classifier loss as transformers writes it: the rows whose label is set (>= 0),
+    found by `nonzero`, and a Python branch on how many there are (a size the inputs decide)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x)
+        index = (labels >= 0).nonzero()
+        if index.size(0) > 0:
+            picked = torch.gather(logits, 0, index.expand(index.size(0), logits.size(1)))
+            return F.cross_entropy(picked, torch.gather(labels, 0, index.view(-1)))
+        return logits.sum() * 0.0
+
+
+def _labelled_batch(unset: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(3, (8,), generator=gen)
+    labels[torch.randperm(8, generator=gen)[:unset]] = -1
+    return torch.randn(8, 8, generator=gen), labels
+
+
+@pytest.mark.parametrize("unset", [0, 3])
+def test_a_branch_on_a_count_the_inputs_decide_takes_the_examples_count_as_a_guard(unset: int) -> None:
+    """torch.export refuses Python branching on a size-like symbol (`u0 > 0`); the trace on the
+    example's values takes the branch, makes the size static at the example's count and guards
+    the count: a batch with as many labelled rows runs this program, another count gets its own."""
+    torch.manual_seed(0)
+    compiled = assert_call_matches_serial(_LabelledRows(), (2, 2), _labelled_batch(unset))
+    guards = next(iter(compiled.values())).program.value_guards
+    assert guards is not None
+    assert guards.hold(list(_labelled_batch(unset, seed=1)))
+    assert not guards.hold(list(_labelled_batch(unset + 1, seed=1)))
+    for run in compiled.values():
+        targets = {n.target for n in run.program.forward.graph.nodes}
+        assert torch.ops.aten.nonzero.default not in targets and torch.ops.aten.nonzero_static.default in targets
+
+
+def test_deberta_v2_classifier_with_unlabelled_rows_equals_serial() -> None:
+    """transformers' DebertaV2ForSequenceClassification at its defaults (sizes shrunk), labels
+    with unset rows (-1, which its loss skips by counting the set ones)."""
+    model, kwargs, _ = hf_zoo.build_working(hf_zoo.find("DebertaV2ForSequenceClassification"))
+    kwargs["labels"][:2] = -1
+    compiled = assert_call_matches_serial(model, (2,), (), kwargs)
+    guards = next(iter(compiled.values())).program.value_guards
+    assert guards is not None and any(guards.counts)
 
 
 class _LayerDrop(nn.Module):

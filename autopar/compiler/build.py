@@ -54,6 +54,7 @@ class ModuleOptions:
     compile: bool = False
     storage: str = "auto"
     decompose_matmuls: str = "auto"
+    token_dispatch: str = "allgather"
 
 
 def compile_module(
@@ -69,6 +70,7 @@ def compile_module(
     autocast: AutocastState,
     seeded: torch.Tensor,
     init_model: nn.Module | None = None,
+    plain_when_replicated: bool = False,
 ) -> ParallelModule:
     """Plan `model` on `autopar_mesh` (whose process groups are `groups`), emit this rank's program
     and wrap it in the module the user calls. Every rank of `groups.world` calls it together.
@@ -76,6 +78,10 @@ def compile_module(
     Meta tensors are made from the random state `seeded` by the initialization of `init_model`
     (default `model`): a pipeline stage's module holds some of the user's model's tensors under
     their names there, and only the whole model's initialization draws the serial numbers.
+
+    `plain_when_replicated`: a plan storing every tensor whole on every rank gives the module plain
+    tensors, not DTensors (`ParallelModule`); a pipeline's stages keep DTensors, which its runtime
+    and checkpoints read on the stage's sub-mesh.
 
     A rank that fails or dies in here (trace, plan, materialization) ends the others' waits with a
     `RankFailureError` naming it and its error (`parallelize_failures_named`)."""
@@ -109,6 +115,7 @@ def compile_module(
             mixed_precision=opts.mixed_precision,
             storage=opts.storage,
             decompose_matmuls=opts.decompose_matmuls,
+            token_dispatch=opts.token_dispatch,
         )
         compiled = compile_for_rank(
             model,
@@ -175,6 +182,7 @@ def compile_module(
             local_inputs=inputs == LOCAL,
             autocast=autocast,
             inductor=opts.compile,
+            plain_when_replicated=plain_when_replicated,
         )
         return result
 

@@ -62,6 +62,7 @@ def decompose_chosen(
     timeline, scheduled = scheduled_step(_graph_copy(gm))
     exposed = exposed_by_collective(scheduled, timeline)
     records = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, rewrite=False).meta[DECOMPOSED_KEY]
+    pieces = {r.collective: r.chunks for r in records}  # the trials cut each pair as it was priced
     shorter = frozenset(r.collective for r in records if r.kept)
     sets = {"whole": frozenset[str](), "pairs priced shorter": shorter, "every pair": frozenset(r.collective for r in records)}
     steps = {"whole": timeline.step_time}
@@ -69,11 +70,13 @@ def decompose_chosen(
     if shorter:
         for name in ("pairs priced shorter", "every pair"):
             if name == "pairs priced shorter" or (every_pair and sets[name] != shorter):
-                trial = decompose_pass(_graph_copy(gm), work, coords, hardware=table, only=sets[name])
+                trial = decompose_pass(_graph_copy(gm), work, coords, hardware=table, only=sets[name], pieces=pieces)
                 trial_timeline, graphs[name] = scheduled_step(trial)
                 steps[name] = trial_timeline.step_time
     best = min(steps, key=lambda k: (steps[k], len(sets[k])))
-    gm = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, only=sets[best], rewrite=best != "whole")
+    gm = decompose_pass(
+        gm, work, coords, hardware=table, exposed=exposed, only=sets[best], rewrite=best != "whole", pieces=pieces
+    )
     gm.meta[DECOMPOSED_STEPS_KEY] = steps
     if not schedule:
         return gm, None

@@ -57,6 +57,7 @@ from autopar.reporting.report import PlanReport, build_report
 from autopar.rules.base import RuleRegistry
 from autopar.rules.context_parallel import CP_AXIS, FORWARD, context_parallel_registry
 from autopar.rules.registry import default_registry
+from autopar.rules.routed_experts import ROUTED_OPS, require_dispatcher
 from autopar.runtime.program import EmittedProgram
 
 AUTO_CHUNKS = (1, 2, 4)  # batch chunks per rank that over_decompose="auto" compares
@@ -106,6 +107,20 @@ def compile_conditions(fn: Callable[_P, _R]) -> Callable[_P, _R]:
                 gc.enable()
 
     return wrapper
+
+
+def _check_token_dispatch(gm: fx.GraphModule, mesh: Mesh, token_dispatch: str) -> None:
+    """token_dispatch="alltoall" on a model none of whose experts the op could take is an error,
+    not a silent all-gather dispatcher."""
+    if token_dispatch != "alltoall" or mesh.size == 1:
+        return
+    if not any(n.op == "call_function" and n.target in ROUTED_OPS for n in gm.graph.nodes):
+        raise AutoparError(
+            "token_dispatch='alltoall' but the model has no experts module the all-to-all dispatcher takes",
+            op="PlanOptions.token_dispatch",
+            hint="it takes transformers' gated experts (gate_up_proj (E, 2I, H), down_proj (E, H, I), silu, gelu "
+            "or relu, no bias); use token_dispatch='allgather' for other models",
+        )
 
 
 def _check_context_parallel(gm: fx.GraphModule, mesh: Mesh) -> None:
@@ -170,6 +185,7 @@ def compile_for_rank(
     mixed_precision: MixedPrecision | None = None,
     storage: str = "auto",
     decompose_matmuls: str = "auto",
+    token_dispatch: str = "allgather",
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -203,6 +219,11 @@ def compile_for_rank(
     "on" or "off"): which all-gather -> matmul and matmul -> reduce-scatter pairs are cut into
     pieces that overlap each other (`autopar.passes.decompose_matmul`); "auto": where the modeled
     step is shorter.
+    `token_dispatch` ("allgather", "alltoall" or "auto"): how MoE layers' tokens reach their
+    experts (`autopar.rules.routed_experts`): "allgather" traces transformers' experts as their
+    ops (the all-gather dispatcher, or splits inside the experts); the others trace each experts
+    module as one op, "alltoall" requiring the all-to-all dispatcher wherever the experts are split
+    and "auto" letting the planner price both.
     `traced`, when given, is `trace_for(...)` of this model, inputs and options, made once: it
     is copied instead of traced again (an in-process run of every rank's program compiles each
     rank from one trace, as each process of a real job traces once).
@@ -210,18 +231,20 @@ def compile_for_rank(
     example_inputs = example_tuple(example_inputs, example_kwargs)
     check_options(model, mesh, coords, memory_limit, in_flight_bytes)
     check_decompose(decompose_matmuls)
-    registry = registry if registry is not None else default_registry()
+    registry = require_dispatcher(registry if registry is not None else default_registry(), token_dispatch)
     candidates = _chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
     if traced is None:
         gm = trace_for(
-            model, mesh, example_inputs, example_kwargs, planner, split_fused, forward_only, autocast, mixed_precision
+            model, mesh, example_inputs, example_kwargs, planner, split_fused, forward_only, autocast, mixed_precision,
+            token_dispatch,
         )
     else:
         gm = copy.deepcopy(traced)  # the later stages rewrite the graph in place
     write_stage(path, "1_trace", gm, mesh)
     registry = context_parallel_registry(registry, mesh.axis_names)
     _check_context_parallel(gm, mesh)
+    _check_token_dispatch(gm, mesh, token_dispatch)
     if planner not in ("search", "greedy"):
         raise AutoparError(f"unknown planner {planner!r}", hint='use "search" or "greedy"')
 
@@ -294,6 +317,8 @@ def compile_for_rank(
         getattr(searched, "experts_split_cost", None),
         getattr(searched, "experts_whole_cost", None),
         getattr(searched, "cost_unit", "elements"),
+        getattr(searched, "dispatcher_costs", None),
+        getattr(searched, "experts_axes_costs", None),
     )
     write_collectives(path, report)
     timelines = None
@@ -418,6 +443,7 @@ def trace_for(
     forward_only: bool = False,
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
+    token_dispatch: str = "allgather",
 ) -> fx.GraphModule:
     """The trace stage as `compile_for_rank` runs it with these options (the same for every rank)."""
     with stage("trace"):
@@ -430,6 +456,7 @@ def trace_for(
             forward_only=forward_only,
             autocast=autocast,
             mixed_precision=mixed_precision,
+            routed_experts=token_dispatch != "allgather" and mesh.size > 1,
         )
 
 

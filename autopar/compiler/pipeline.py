@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,19 +25,24 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.compiler.pipeline_batch import (
     DepositGradients,
     as_output,
+    broadcast_outputs,
     clip_pipelined_grad_norm,
+    deposit_targets,
     gather_outputs,
-    input_gradients,
     program_key,
+    rebuild_outputs,
     split_microbatches,
-    sum_shared_copies,
+    step_gradients,
 )
 from autopar.compiler.pipeline_checkpoint import pipelined_buffers, pipelined_state_dict
 from autopar.compiler.pipeline_choice import PipelineDecision, ScheduleChoice, decide_pipeline
 from autopar.compiler.pipeline_guards import export_for_branch, serving
 from autopar.compiler.pipeline_meta import make_stage_tensors
+from autopar.compiler.pipeline_outputs import TrainedOutputs, attach_backward, outside_loss_schedule
 from autopar.compiler.pipeline_random import PipelineDropout
+from autopar.compiler.pipeline_reports import PipelineReports
 from autopar.compiler.pipeline_split import (
+    OutputLayout,
     PipelineSplitError,
     StageProgram,
     batch_random_ops,
@@ -56,24 +60,19 @@ from autopar.compiler.pipeline_stage import (
 )
 from autopar.core.errors import UsageError
 from autopar.core.pipeline_schedule import Schedule
-from autopar.core.pipeline_simulate import Timeline, simulate
 from autopar.planning.stage_result import StageCut
 from autopar.reporting.dump import dump_dir_from
-from autopar.reporting.pipeline_views import (
-    PipelineTimelineReport,
-    timeline_report,
-    write_pipeline_chrome_trace,
-    write_pipeline_png,
-)
 from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.materialize import InitFn
 from autopar.runtime.module_state import NotCopyable
 from autopar.runtime.pipeline_runtime import (
     BoundaryScatter,
     StageRunner,
+    StepResult,
     broadcast_loss,
     check_supported,
     run_step,
+    start_step,
 )
 from autopar.runtime.run_program import WeightDeferral
 
@@ -83,7 +82,7 @@ __all__ = ["MAX_PROGRAMS", "PipelinedModule", "pipeline_parallelize", "split_mic
 MAX_PROGRAMS = 8
 
 
-class PipelinedModule(NotCopyable, nn.Module):
+class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
     """This rank's stages of a pipelined model. `pmodel(*batch)` runs one training step of the
     schedule and returns the batch's loss; under `torch.no_grad()` it runs the forwards only. A
     call without a loss (logits, a transformers model without labels) runs the forwards only and
@@ -130,6 +129,8 @@ class PipelinedModule(NotCopyable, nn.Module):
         self._programs: dict[tuple[Any, ...], list[StageProgram]] = {}
         self._variants: dict[tuple[Any, ...], int] = {}  # programs made per signature (`variant`)
         self._dropout = PipelineDropout()
+        self._order_warned = [False]  # a named schedule run in GPipe's order for a loss outside
+        self.schedule_named = False  # whether the user named the schedule (parallelize sets it)
         self._init_fn = init_fn
         self._seeded = torch.random.get_rng_state() if seeded is None else seeded
         self.materialized_bytes = 0  # what this rank made of a model built on meta (its stages')
@@ -170,42 +171,6 @@ class PipelinedModule(NotCopyable, nn.Module):
         for module in self.__dict__["stage_parallel"].values():
             module.train(mode)
         return self
-
-    # -- the modeled step ---------------------------------------------------------------------
-
-    def _modeled(self) -> tuple[Timeline, str]:
-        """The stage cut's simulated step (seconds), or the schedule at unit durations when the
-        user forced the cut."""
-        if self.stage_cut is not None:
-            return self.stage_cut.timeline, "s"
-        return simulate(self.schedule), "units"
-
-    @property
-    def timeline_report(self) -> PipelineTimelineReport:
-        """The modeled step's bubble beside (p-1)/(v*m), busy time per stage and rank."""
-        timeline, unit = self._modeled()
-        return timeline_report(timeline, time_unit=unit)
-
-    def write_pipeline_timeline(self, path: str | os.PathLike[str]) -> None:
-        """pipeline.json (Chrome / Perfetto trace), pipeline.png and pipeline.txt in `path`."""
-        where = Path(path)
-        timeline, unit = self._modeled()
-        write_pipeline_chrome_trace(where / "pipeline.json", timeline, time_unit=unit)
-        write_pipeline_png(where / "pipeline.png", timeline, time_unit=unit)
-        (where / "pipeline.txt").write_text(str(timeline_report(timeline, time_unit=unit)) + "\n")
-
-    def plan_summary(self) -> str:
-        """The schedule, the stage cut and the modeled timeline, then each of this rank's stages'
-        own plan summary when tensor axes run inside them."""
-        parts = [str(self.schedule).splitlines()[0]]
-        if self.stage_cut is not None:
-            parts.append(str(self.stage_cut))
-        parts.append(str(self.timeline_report))
-        for s, parallel in sorted(self.__dict__["stage_parallel"].items()):
-            summary = getattr(parallel, "plan_summary", None)
-            if callable(summary):
-                parts.append(f"stage {s} on its sub-mesh:\n{summary()}")
-        return "\n\n".join(parts)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Refused: a rank holds only its stages' tensors; `autopar.load_checkpoint` loads a
@@ -405,16 +370,16 @@ class PipelinedModule(NotCopyable, nn.Module):
         if self.training:
             self._draw_masks(programs, (args, kwargs))
         rule = programs[0].loss
+        forward_only = not torch.is_grad_enabled()
+        given = pytree.tree_leaves((args, kwargs))
+        wanted = [] if forward_only else [i for i, t in enumerate(given) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if rule is None and self.training and not forward_only:  # the loss is the user's, outside
+            return self._train_outputs(programs, flats, given, wanted)
         if rule is None:  # a call without a loss (inference): its outputs, microbatched
             return self._infer(programs, flats)
         counts = [rule.count(f) for f in flats]  # (microbatches' programs share the loss rule)
         denominator = 1 if rule.kind == "one" else sum(counts)
-        forward_only = not torch.is_grad_enabled()
-        given = pytree.tree_leaves((args, kwargs))
-        wanted = [] if forward_only else [i for i, t in enumerate(given) if isinstance(t, torch.Tensor) and t.requires_grad]
-        for f in flats:  # inputs that require grad: a leaf per microbatch, whose gradient the step returns
-            for i in wanted:
-                f[i] = f[i].detach().requires_grad_(True)
+        _input_leaves(flats, wanted)
         runners = {s: self._runner(s, programs, flats, forward_only, wanted) for s in self.stages}
         result = run_step(
             schedule,
@@ -431,20 +396,12 @@ class PipelinedModule(NotCopyable, nn.Module):
         loss = broadcast_loss(total, last_rank, self.group, programs[0].loss_dtype, self.device)
         if forward_only:
             return as_output(loss, programs[0].output_type)
-        grads: dict[int, torch.Tensor] = {}
-        for s, stage_grads in result.grads.items():
-            for p, g in zip(runners[s].params, stage_grads, strict=True):
-                if g is not None:
-                    grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
-        sum_shared_copies(self._shared, grads, self.group, self.device)
-        params: list[torch.Tensor] = [p for _, p in self._local]
-        ordered = [grads.get(id(p)) for p in params]
-        if wanted:  # the inputs' gradients: every microbatch's rows, summed over the stages
-            params += [given[i] for i in wanted]
-            ordered += input_gradients(result.input_grads, wanted, flats, given, self.group)
-        if not params:  # a rank without trainable parameters: the loss still takes .backward()
-            params = [nn.Parameter(torch.zeros(()))]
-            ordered = [None]
+        local = [p for _, p in self._local]
+        params = deposit_targets(local, given, wanted)
+        stage_params = {s: runner.params for s, runner in runners.items()}
+        ordered = step_gradients(
+            result, stage_params, self._shared, local, wanted, flats, given, self.group, self.device
+        )
         out: torch.Tensor = DepositGradients.apply(loss, ordered, *params)  # type: ignore[no-untyped-call]
         return as_output(out, programs[0].output_type)
 
@@ -462,19 +419,38 @@ class PipelinedModule(NotCopyable, nn.Module):
     def _infer(self, programs: list[StageProgram], flats: list[list[Any]]) -> Any:
         """The forwards of every microbatch through the stages; the model's outputs, put back
         together on dim 0, on every rank (`gather_outputs`)."""
-        layouts = [p.outputs for p in programs]
-        if any(layout is None for layout in layouts):
-            raise PipelineSplitError(
-                "some microbatches of this call return a loss and others do not",
-                hint="pass the labels for every sample of the batch, or for none",
-            )
+        layouts = _output_layouts(programs)
         runners = {s: self._runner(s, programs, flats, True) for s in self.stages}
         result = run_step(
             self.schedule, self.rank, runners, self.group, loss_scale=1.0, forward_only=True,
             device=self.device, scatter=self._scatter, keep_outputs=True,
         )  # fmt: skip
         last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
-        return gather_outputs(result.outputs, [x for x in layouts if x is not None], last_rank, self.group, self.device)
+        return gather_outputs(result.outputs, layouts, last_rank, self.group, self.device)
+
+    def _train_outputs(
+        self, programs: list[StageProgram], flats: list[list[Any]], given: list[Any], wanted: list[int]
+    ) -> Any:
+        """A training call whose loss the user computes from the outputs: every microbatch's
+        forward, kept for its backward; the outputs whole on every rank, whose backward runs the
+        step's backwards (docs/pipeline.md#a-loss-outside-the-model)."""
+        layouts = _output_layouts(programs)
+        schedule = outside_loss_schedule(self.schedule, self.schedule_named, self._order_warned)
+        _input_leaves(flats, wanted)
+        runners = {s: self._runner(s, programs, flats, False, wanted, split=False) for s in self.stages}
+        pending = start_step(schedule, self.rank, runners, self.group, device=self.device, scatter=self._scatter)
+        last_rank = schedule.placement.rank_of(schedule.num_stages - 1)
+        whole = broadcast_outputs(pending.outputs, layouts, last_rank, self.group, self.device)
+        local = [p for _, p in self._local]
+        stage_params = {s: runner.params for s, runner in runners.items()}
+
+        def gradients(result: StepResult) -> list[torch.Tensor | None]:
+            return step_gradients(
+                result, stage_params, self._shared, local, wanted, flats, given, self.group, self.device
+            )
+
+        trained = TrainedOutputs(pending, layouts, gradients)
+        return rebuild_outputs(attach_backward(whole, trained, deposit_targets(local, given, wanted)), layouts[0])
 
     def _runner(
         self,
@@ -483,8 +459,11 @@ class PipelinedModule(NotCopyable, nn.Module):
         flats: list[list[Any]],
         forward_only: bool,
         wanted: Sequence[int] = (),
+        split: bool | None = None,
     ) -> StageRunner:
-        """Stage `stage` as the runtime calls it for this step's microbatches."""
+        """Stage `stage` as the runtime calls it for this step's microbatches; `split`: whether its
+        backward runs in two parts (default: the schedule's)."""
+        split = self.schedule.split_backward if split is None else split
         params = tuple(self._stage_params(programs[0], stage))
         parallel = self.__dict__["stage_parallel"].get(stage)
         backward_weight = None
@@ -494,14 +473,14 @@ class PipelinedModule(NotCopyable, nn.Module):
         else:
             # zero-bubble: each microbatch's backward leaves its weight part here until its W action
             deferrals: dict[int, WeightDeferral] | None = None
-            if self.schedule.split_backward and not forward_only:
+            if split and not forward_only:
                 deferrals = {}
 
                 def backward_weight(m: int) -> list[torch.Tensor | None]:
                     assert deferrals is not None
                     return parallel.weight_gradients(deferrals.pop(m), params)
 
-            if not self.schedule.split_backward and not forward_only and parallel.can_accumulate_gradients:
+            if not split and not forward_only and parallel.can_accumulate_gradients:
                 accumulation = GradAccumulation()  # reduced once per step, after the last backward
 
                 def reduce_grads() -> list[torch.Tensor | None]:
@@ -521,6 +500,25 @@ class PipelinedModule(NotCopyable, nn.Module):
             reduce_grads=reduce_grads if accumulation is not None else None,
             input_leaves=(lambda m: [flats[m][i] for i in wanted]) if wanted else None,
         )
+
+
+def _output_layouts(programs: list[StageProgram]) -> list[OutputLayout]:
+    """The outputs of every microbatch of a call without a loss; refused where some have one."""
+    layouts = [p.outputs for p in programs]
+    found = [x for x in layouts if x is not None]
+    if len(found) != len(layouts):
+        raise PipelineSplitError(
+            "some microbatches of this call return a loss and others do not",
+            hint="pass the labels for every sample of the batch, or for none",
+        )
+    return found
+
+
+def _input_leaves(flats: list[list[Any]], wanted: Sequence[int]) -> None:
+    """Inputs that require grad (`wanted`): a leaf per microbatch, whose gradient the step returns."""
+    for f in flats:
+        for i in wanted:
+            f[i] = f[i].detach().requires_grad_(True)
 
 
 def pipeline_parallelize(

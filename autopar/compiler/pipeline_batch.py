@@ -6,7 +6,7 @@ a loss (inference), the outputs put back together from the microbatches' on ever
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.compiler.pipeline_split import OutputLayout, PipelineLossError
 from autopar.core.errors import UsageError
-from autopar.runtime.pipeline_runtime import sum_shared_grads
+from autopar.runtime.pipeline_runtime import StepResult, sum_shared_grads
 
 
 def split_microbatches(args: Any, microbatches: int) -> list[Any]:
@@ -81,20 +81,18 @@ class DepositGradients(torch.autograd.Function):
         return (None, None, *(None if g is None else g * scale for g in ctx.grads))
 
 
-def gather_outputs(
+def broadcast_outputs(
     kept: dict[int, list[torch.Tensor]],
     layouts: Sequence[OutputLayout],
     src: int,
     group: dist.ProcessGroup | None,
     device: torch.device | str,
-) -> Any:
-    """An inference call's outputs as the model returns them, on every rank: the last stage's
-    outputs of every microbatch (`kept`, on pipeline rank `src`) concatenated on dim 0, broadcast
-    over the pp group (every rank knows their shapes from its own copy of the stage programs), and
-    rebuilt in the model's structure (a `ModelOutput` with its logits, a tensor, a tuple)."""
-    first = layouts[0]
+) -> list[torch.Tensor]:
+    """A call's outputs without a loss, whole on every rank: the last stage's outputs of every
+    microbatch (`kept`, on pipeline rank `src`) concatenated on dim 0 and broadcast over the pp
+    group (every rank knows their shapes from its own copy of the stage programs)."""
     whole = []
-    for i, spec in enumerate(first.specs):
+    for i, spec in enumerate(layouts[0].specs):
         if kept:
             value = torch.cat([kept[m][i] for m in range(len(layouts))], dim=0)
         else:
@@ -104,18 +102,36 @@ def gather_outputs(
             value = value.contiguous()
             dist.broadcast(value, src=dist.get_global_rank(group, src), group=group)
         whole.append(value)
+    return whole
+
+
+def rebuild_outputs(whole: list[torch.Tensor], layout: OutputLayout) -> Any:
+    """The outputs in the model's structure (a `ModelOutput` with its logits, a tensor, a tuple)."""
+    rebuilt = pytree.tree_unflatten(whole, layout.structure)
+    if layout.output_type is None or layout.output_type is dict:
+        return rebuilt
+    return layout.output_type(**rebuilt)
+
+
+def gather_outputs(
+    kept: dict[int, list[torch.Tensor]],
+    layouts: Sequence[OutputLayout],
+    src: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device | str,
+) -> Any:
+    """An inference call's outputs as the model returns them, on every rank (`broadcast_outputs`);
+    under grad mode they carry a backward that refuses (`NoPipelineBackward`)."""
+    whole = broadcast_outputs(kept, layouts, src, group, device)
     if torch.is_grad_enabled():  # a backward through them is refused with what to do
         anchor = torch.zeros((), requires_grad=True)
         whole = [NoPipelineBackward.apply(t, anchor) for t in whole]  # type: ignore[no-untyped-call]
-    rebuilt = pytree.tree_unflatten(whole, first.structure)
-    if first.output_type is None or first.output_type is dict:
-        return rebuilt
-    return first.output_type(**rebuilt)
+    return rebuild_outputs(whole, layouts[0])
 
 
 class NoPipelineBackward(torch.autograd.Function):
-    """An inference call's outputs under grad mode: they carry a backward that refuses, because
-    the pipeline ran the forwards only (its backward is the step's, from a loss inside forward)."""
+    """An inference call's outputs under grad mode (in eval()): they carry a backward that refuses,
+    because the pipeline ran the forwards only and kept nothing for a backward."""
 
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
@@ -124,10 +140,11 @@ class NoPipelineBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         raise PipelineLossError(
-            "backward through a pipelined model's outputs: the call returned outputs without a loss, "
-            "so the pipeline ran the forwards only",
-            hint="compute the loss inside forward (a transformers model: pass its labels) and call "
-            "backward on the loss the pipelined model returns; each step runs its own backward",
+            "backward through a pipelined model's outputs: the call returned outputs without a loss "
+            "in eval(), so the pipeline ran the forwards only",
+            hint="train in train() mode (a call without a loss then runs the backwards from the "
+            "outputs' gradient), or compute the loss inside forward (a transformers model: pass its "
+            "labels) and call backward on the loss the pipelined model returns",
         )
 
 
@@ -211,3 +228,38 @@ def sum_shared_copies(
                 grads[id(copy)] = distribute_tensor(g, copy.device_mesh, copy.placements, src_data_rank=None)
             else:
                 grads[id(copy)] = g
+
+
+def deposit_targets(local: Sequence[torch.Tensor], given: Sequence[Any], wanted: Sequence[int]) -> list[torch.Tensor]:
+    """What a step's gradients go to on this rank: its trained tensors, then the call's inputs that
+    require grad (`given[i]` for i in `wanted`); a rank with neither gets a 0-d stand-in parameter, so
+    that what the call returns still takes a backward (whose messages the other ranks wait for)."""
+    targets = list(local) + [given[i] for i in wanted]
+    return targets if targets else [nn.Parameter(torch.zeros(()))]
+
+
+def step_gradients(
+    result: StepResult,
+    stage_params: Mapping[int, Sequence[torch.Tensor]],
+    shared: Sequence[tuple[str, nn.Parameter, list[nn.Parameter]]],
+    local: Sequence[torch.Tensor],
+    wanted: Sequence[int],
+    flats: Sequence[Sequence[Any]],
+    given: Sequence[Any],
+    group: dist.ProcessGroup | None,
+    device: str,
+) -> list[torch.Tensor | None]:
+    """A step's gradients in `deposit_targets`' order: each of this rank's trained tensors (`local`)
+    summed over the stages that read it (`stage_params[s]` are stage s's, `result.grads[s]` their
+    gradients) and, for a weight several stages read, over the pp group (`sum_shared_copies`); then
+    the inputs' gradients (`input_gradients`). None where a tensor got none."""
+    grads: dict[int, torch.Tensor] = {}
+    for s, stage_grads in result.grads.items():
+        for p, g in zip(stage_params[s], stage_grads, strict=True):
+            if g is not None:
+                grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
+    sum_shared_copies(shared, grads, group, device)
+    ordered: list[torch.Tensor | None] = [grads.get(id(p)) for p in local]
+    if wanted:  # the inputs' gradients: every microbatch's rows, summed over the stages
+        ordered += input_gradients(result.input_grads, wanted, flats, given, group)
+    return ordered if ordered else [None]

@@ -23,7 +23,7 @@ from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_pe
 from autopar.cost.timeline import overlap_summary
 from autopar.cost.work import compute_rate, global_work, work_split
 from autopar.planning.mesh_choice import MeshChoice
-from autopar.planning.ring_cost import ring_exchange_cost
+from autopar.planning.ring_cost import ring_exchange_cost, routed_exchange_cost
 from autopar.planning.search_cost import TimeCost
 
 
@@ -249,7 +249,8 @@ def _node_compute(node: fx.Node, cost: TimeCost, shape: tuple[int, ...]) -> floa
     strategy = info(node).strategy
     assert strategy is not None
     work, rate = global_work(node), compute_rate(node)
-    return cost.compute(work, work_split(strategy, shape), rate) + ring_exchange_cost(node.target, strategy, work, rate, cost)
+    exchanges = ring_exchange_cost(node.target, strategy, work, rate, cost) + routed_exchange_cost(node.target, strategy, cost)
+    return cost.compute(work, work_split(strategy, shape), rate) + exchanges
 
 
 def _bytes(node: fx.Node) -> int:

@@ -214,6 +214,21 @@ def gpipe(pp: int, microbatches: int) -> Schedule:
     return _schedule("gpipe", placement, microbatches, compute)
 
 
+def forwards_then_backwards(placement: Placement, microbatches: int) -> Schedule:
+    """GPipe's order on any placement: every rank runs all its forwards (stage by stage in model
+    order, each stage's microbatches in order), then all its backwards (stages in reverse). The
+    order a step needs when its loss is computed outside the model: no backward can start before
+    the user has every microbatch's outputs. With one stage per rank it is `gpipe`; each rank holds
+    all microbatches' activations of all its stages."""
+    _check_counts(placement.pp, placement.v, microbatches)
+    ms = range(microbatches)
+    compute = []
+    for r in range(placement.pp):
+        stages = placement.stages_of(r)
+        compute.append([_f(s, m) for s in stages for m in ms] + [_b(s, m) for s in reversed(stages) for m in ms])
+    return _schedule("gpipe", placement, microbatches, compute)
+
+
 def _one_f_one_b_order(forwards: Sequence[Action], backwards: Sequence[Action], warmup: int) -> list[Action]:
     """`warmup` forwards, then one forward and one backward alternately, then the backwards left."""
     warmup = min(warmup, len(forwards))

@@ -27,6 +27,12 @@ from autopar.cost.formulas import VOLUME_FACTOR, collective_time
 from autopar.cost.hardware import Link
 
 DISPATCHERS = ("all_gather", "all_to_all")
+# The all-to-all dispatcher as compiled plans run it (`autopar.rules.routed_experts`: the layer is
+# one op per phase, nothing of run-time shape saved between them): per phase, the width of each
+# row exchange in hidden sizes per routed pair. Forward: the token rows out, the experts' results
+# back; backward: each pair's token row and output gradient out, the token's gradient and the
+# pair's output back. Each phase also exchanges the counts (E numbers per rank) first.
+PLANNED_EXCHANGES = {"forward": (1, 1), "backward": (2, 2)}
 
 
 @dataclass(frozen=True)
@@ -49,9 +55,12 @@ def dispatch_cost(
     link: Link,
     dtype: torch.dtype = torch.float32,
     imbalance: float = 1.0,
+    planned: bool = False,
 ) -> DispatchCost:
     """Seconds and bytes per rank of one MoE layer's dispatch and combine, forward and backward,
-    with `tokens` tokens per rank of `hidden` values routed top-`top_k` over `experts` experts."""
+    with `tokens` tokens per rank of `hidden` values routed top-`top_k` over `experts` experts.
+    `planned`: the all-to-all as compiled plans run it (`PLANNED_EXCHANGES`: counts once per
+    phase, wider rows in backward) rather than as the runtime library does."""
     if dispatcher not in DISPATCHERS:
         raise AutoparError(
             f"no token dispatcher {dispatcher!r}",
@@ -70,7 +79,17 @@ def dispatch_cost(
         ]
     else:
         routed = float(tokens * top_k * hidden) * imbalance  # the rows the busiest rank exchanges
-        calls = [("all_to_all", float(experts), ids), *[("all_to_all", routed, dtype)] * 4]
+        if planned:
+            calls = [
+                call
+                for phase in ("forward", "backward")
+                for call in [
+                    ("all_to_all", float(experts), ids),
+                    *[("all_to_all", routed * width, dtype) for width in PLANNED_EXCHANGES[phase]],
+                ]
+            ]
+        else:
+            calls = [("all_to_all", float(experts), ids), *[("all_to_all", routed, dtype)] * 4]
     seconds = sum(collective_time(kind, n, dt, ep, link) for kind, n, dt in calls)
     sent = sum(
         VOLUME_FACTOR[kind] * (ep - 1) / ep * n * torch.empty((), dtype=dt).element_size() for kind, n, dt in calls

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.core.collectives import BYTES_KEY, COLLECTIVES, MATMUL_FLOPS_KEY, bucket_members
+from autopar.core.collectives import BYTES_KEY, COLLECTIVES, MATMUL_FLOPS_KEY, PIECE_KEY, bucket_members
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
 from autopar.core.redistribute import CommStep
@@ -58,6 +58,7 @@ class CollectiveTiming:
     overlapped: int  # compute nodes that ran while it was on the wire
     overlapped_names: tuple[str, ...]  # the first few of them
     overlap_time: float  # compute time inside [start, end]
+    piece: str = ""  # a decomposed pair's piece: "<original collective>:<index>" (PIECE_KEY); "" whole
 
     @property
     def modeled(self) -> float:
@@ -178,6 +179,7 @@ def simulate(
                 overlapped=len(inside),
                 overlapped_names=tuple(s.name for s in inside[:4]),
                 overlap_time=sum(min(s.end, end) - max(s.start, start) for s in inside),
+                piece=str(coll.meta.get(PIECE_KEY, "")),
             )
         )
     return timeline

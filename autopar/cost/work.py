@@ -54,7 +54,7 @@ def compute_rate(node: fx.Node) -> Rate:
     name = str(node.target)
     if getattr(node.target, "overloadpacket", None) in flop_registry:
         return dtype
-    if "scaled_dot_product" in name or "grouped_mm" in name:
+    if "scaled_dot_product" in name or "grouped_mm" in name or "routed_experts" in name:
         return dtype
     return Elementwise(dtype, runs=not is_view(node))
 
@@ -79,18 +79,35 @@ def global_work(node: fx.Node) -> float:
             return 4.0 * b * h * s * s * d * (2.5 if "backward" in name else 1.0)
     if "grouped_mm" in name:
         return _grouped_mm_flops(node, backward="backward" in name)
+    if "routed_experts" in name:
+        return _routed_experts_flops(node, backward="backward" in name)
     numel = sum(v.numel() for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor))
     return float(numel)
+
+
+def _routed_experts_flops(node: fx.Node, backward: bool) -> float:
+    """One MoE layer's routed experts as one op (`autopar::routed_experts`: x (t, H), ids (t, k),
+    weights, gate_up (E, 2I, H), down (E, H, I)): each of the t·k pairs runs its expert's gated MLP,
+    2·H·2I + 2·I·H = 6·H·I flops forward; the backward op recomputes that and takes both matmuls'
+    two gradients, 18·H·I, whatever the routing."""
+    at = 1 if backward else 0
+    ids, down = node.args[at + 1], node.args[at + 4]
+    if not isinstance(ids, fx.Node) or not isinstance(down, fx.Node):
+        return 0.0
+    tokens, top_k = ids.meta["val"].shape
+    _, hidden, inner = down.meta["val"].shape
+    return (18.0 if backward else 6.0) * tokens * top_k * hidden * inner
 
 
 def _grouped_mm_flops(node: fx.Node, backward: bool) -> float:
     """A grouped matmul of mixture-of-experts layers (transformers' `grouped_mm_fallback` and its
     backward; input (S, K), weight (E, K, N)): every row meets one expert's (K, N) matrix, so
     2 S K N flops forward, twice that backward (the input's and the weight's gradients), whatever
-    the routing."""
+    the routing. `torch._grouped_mm`'s other forms cost the same per element of the first operand
+    times N: (K, S) x (S, N) -> (E, K, N) sums each of the S rows once (2 K S N), and the batched
+    (E, M, K) x (E, K, N) is 2 E M K N."""
     first, weight = node.args[0], node.args[1]
     if not isinstance(first, fx.Node) or not isinstance(weight, fx.Node):
         return 0.0
-    rows, k = first.meta["val"].shape
-    n = weight.meta["val"].shape[2]
-    return 2.0 * rows * k * n * (2.0 if backward else 1.0)
+    n = weight.meta["val"].shape[-1]
+    return 2.0 * first.meta["val"].numel() * n * (2.0 if backward else 1.0)

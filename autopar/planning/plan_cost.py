@@ -17,7 +17,7 @@ from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
 from autopar.cost.hardware import Rate
 from autopar.cost.work import compute_rate, global_work, work_split
-from autopar.planning.ring_cost import ring_exchange_cost
+from autopar.planning.ring_cost import ring_exchange_cost, routed_exchange_cost
 from autopar.planning.search_cost import ElementCost
 from autopar.rules.calls import tensor_inputs
 
@@ -88,6 +88,7 @@ def plan_cost_parts(
         if split is None:
             split = splits[strategy] = work_split(strategy, shape)
         compute += cost.compute(work, split, dtype) + ring_exchange_cost(op, strategy, work, dtype, cost)
+        compute += routed_exchange_cost(op, strategy, cost)
     for src_name, wanted in zip(facts.outputs, plan.output_layouts):
         if src_name is not None and wanted is not None:
             comm += cost.redistribute(layouts[src_name][0], wanted)

@@ -1,4 +1,5 @@
-"""The price of ring attention's exchanges, which no redistribution between layouts shows.
+"""The price of the exchanges inside an op, which no redistribution between layouts shows: ring
+attention's and the all-to-all token dispatcher's (`routed_exchange_cost`, below).
 
 A ring-attention candidate (`rules.ring_attention`) takes its queries, keys and values split along
 the sequence as its producers give them, so the edges into it cost nothing; its exchanges happen
@@ -13,11 +14,15 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from autopar.core.layout import Layout, R
+import torch
+
+from autopar.core.layout import Layout, R, Shard
 from autopar.core.strategy import Strategy
+from autopar.cost.dispatch import PLANNED_EXCHANGES
 from autopar.cost.hardware import Rate
 from autopar.cost.work import work_split
 from autopar.rules.ring_attention import BACKWARD, exposed_exchange_seconds, key_index, ring_axis
+from autopar.rules.routed_experts import ROUTED_EXPERTS_BACKWARD, all_to_all_axis, tokens_index
 
 
 class _Cost(Protocol):
@@ -39,3 +44,29 @@ def ring_exchange_cost(op: Any, strategy: Strategy, work: float, rate: Rate, cos
     whole = cost.redistribute(k, k.with_placement(axis, R)) + cost.redistribute(v, v.with_placement(axis, R))
     block = cost.compute(work, work_split(strategy, cost.shape), rate) / p
     return exposed_exchange_seconds(op == BACKWARD, p, whole / (p - 1), block)
+
+
+def routed_exchange_cost(op: Any, strategy: Strategy, cost: _Cost) -> float:
+    """What an all-to-all token dispatcher candidate (`rules.routed_experts`) exchanges inside the
+    op, priced as the all-to-alls they are: the counts (E numbers per rank), then each row
+    exchange of `cost.dispatch.PLANNED_EXCHANGES` as a balanced all-to-all of the rank's routed
+    pairs (t·k rows of that width over the axis: the routing spread evenly, as
+    `cost.dispatch.dispatch_cost` prices it). 0 for every other candidate. Nothing overlaps
+    them: the experts' matmuls wait for their rows."""
+    axis = all_to_all_axis(op, strategy)
+    if axis is None:
+        return 0.0
+    at = tokens_index(op)
+    x, ids, experts = strategy.inputs[at], strategy.inputs[at + 1], strategy.inputs[at + 3]
+    ranks = cost.shape[axis]
+    counts = Layout(
+        tuple(Shard(0) if a == axis else R for a in range(len(cost.shape))),
+        (ranks, experts.shape[0]),
+        torch.int64,
+    )
+    total = cost.redistribute(counts, counts.with_placement(axis, Shard(1)))
+    rows = x.shape[0] * ids.shape[1]
+    for width in PLANNED_EXCHANGES["backward" if op == ROUTED_EXPERTS_BACKWARD else "forward"]:
+        pairs = Layout(x.placements, (rows, width * x.shape[1]), x.dtype)
+        total += cost.redistribute(pairs, pairs.with_placement(axis, Shard(1)))
+    return total

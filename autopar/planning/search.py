@@ -52,7 +52,16 @@ from autopar.planning.recompute import (
 )
 from autopar.planning.search_cost import ElementCost, TimeCost, even_factor, even_steps
 from autopar.planning.search_problem import Problem, Shared, regather_cost
-from autopar.planning.search_seeds import expert_seeds, fixed_seeds, has_grouped_mm, splits_experts
+from autopar.planning.search_seeds import (
+    expert_axes,
+    expert_seeds,
+    fixed_seeds,
+    has_grouped_mm,
+    has_routed_experts,
+    note_cheapest,
+    splits_experts,
+    uses_all_to_all,
+)
 from autopar.planning.storage import REPLICATED, SHARDED, STORAGE_MODES, replicate_storage
 from autopar.rules.base import RuleRegistry
 
@@ -125,6 +134,13 @@ class SearchReport:
     # (or are not) split, in the search's own units (`cost_unit`).
     experts_split_cost: float | None = None
     experts_whole_cost: float | None = None
+    # with MoE layers traced as routed-experts ops: the cheapest plan splitting the experts with
+    # each token dispatcher ("all-to-all", "all-gather")
+    dispatcher_costs: dict[str, float] = field(default_factory=dict)
+    # the cheapest plan found per set of mesh axes holding the experts ((): whole on every rank),
+    # over every start's fitting options (the expert seed's start is the cheapest of the expert
+    # split over every axis and over each axis alone, `search_seeds.expert_seeds`)
+    experts_axes_costs: dict[tuple[int, ...], float] = field(default_factory=dict)
     cost_unit: str = "elements"
 
 
@@ -228,6 +244,11 @@ def search_layouts(
             field_name = "experts_split_cost" if splits_experts(gm, option.plan) else "experts_whole_cost"
             if getattr(report, field_name) is None or option.cost < getattr(report, field_name):
                 setattr(report, field_name, option.cost)
+            if field_name == "experts_split_cost" and has_routed_experts(gm):
+                kind = "all-to-all" if uses_all_to_all(gm, option.plan) else "all-gather"
+                if option.cost < report.dispatcher_costs.get(kind, math.inf):
+                    report.dispatcher_costs[kind] = option.cost
+            note_cheapest(report.experts_axes_costs, expert_axes(gm, option.plan), option.cost)
     report.memory = final.memory.total if final.memory is not None else 0.0
     report.regathered = best.regather
     report.recomputed = best.savings.units
@@ -305,17 +326,19 @@ def _starts(
     starts = [best] if best is not None else []
     if fixed:
         cheapest: tuple[str, Plan, float] | None = None
-        experts: tuple[str, Plan, float] | None = None
+        # the cheapest expert split over every axis, and the cheapest over one axis alone: both
+        # searched from in any case (moves from other seeds do not reach them, nor each other)
+        experts: dict[bool, tuple[str, Plan, float]] = {}
         for name, found in expert_seeds(gm, mesh, registry, shared.expand, shared.greedy):
             if isinstance(found, AutoparError):
                 report.failed_fixed[name] = found.message.splitlines()[0]
                 continue
             found = _stored(gm, found, mesh, storage)
             value = report.seeds[prefix + name] = plan_cost(gm, found, mesh, cost, facts)
-            if experts is None or value < experts[2]:
-                experts = (name, found, value)
-        if experts is not None:  # searched from in any case: moves from other seeds do not reach it
-            starts.append(experts)
+            alone = "@" in name
+            if alone not in experts or value < experts[alone][2]:
+                experts[alone] = (name, found, value)
+        starts.extend(experts.values())
         for name, found in fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy):
             if isinstance(found, AutoparError):
                 report.failed_fixed[name] = found.message.splitlines()[0]

@@ -11,7 +11,7 @@ the 8x8 grids of 2-D) can seed it; a graph without paired linears has none.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.fx as fx
@@ -24,7 +24,7 @@ from autopar.core.strategy import Strategy
 from autopar.planning.fixed import SCHEMES, find_linears, forced_strategies, pair_linears, variants_on
 from autopar.planning.greedy import greedy_plan
 from autopar.planning.greedy_scores import GreedyMemo
-from autopar.rules import expert_parallel
+from autopar.rules import expert_parallel, routed_experts
 from autopar.rules.base import RuleRegistry
 from autopar.rules.calls import expand_cached, op_call, tensor_inputs
 
@@ -89,35 +89,114 @@ def expert_seeds(
     greedy pass then decides where the pending sums are reduced)."""
     if mesh.size == 1:
         return
+    yield from _dispatcher_seeds(gm, mesh, registry, expand_cache, memo)
     grouped = _grouped_mms(gm)
     if not grouped:
         return
-    split_axes = tuple(a for a, size in enumerate(mesh.shape) if size > 1)
+    every_axis = tuple(a for a, size in enumerate(mesh.shape) if size > 1)
     disjoint = _may_be_disjoint(gm)
-    for name, prefer_disjoint in ((EXPERTS, True), (EXPERTS + ":R", False)):
-        forced: dict[str, Strategy] = {}
-        for node in grouped:
-            rule = registry.get(node.target)
-            if rule is None:
-                break
+    # the experts over every axis (E/p per rank), with D or R inputs; then, on a mesh of several
+    # axes, over each one alone (the others free to split inside the experts or the batch)
+    variants = [(EXPERTS, every_axis, True), (EXPERTS + ":R", every_axis, False)]
+    if len(every_axis) > 1:
+        variants += [(f"{EXPERTS}@{mesh.axis_names[a]}", (a,), True) for a in every_axis]
+    for name, split_axes, prefer_disjoint in variants:
+
+        def pick(
+            node: fx.Node,
+            candidates: list[Strategy],
+            split_axes: tuple[int, ...] = split_axes,
+            prefer_disjoint: bool = prefer_disjoint,
+        ) -> Strategy | None:
             options = [
                 s
-                for s in expand_cached(node, rule, op_call(node), mesh.shape, expand_cache)
-                if s.inputs[1].shard_axes(expert_parallel.EXPERT_DIM) == split_axes
+                for s in candidates
+                if (experts := expert_parallel.experts_layout(node.target, s)) is not None
+                and experts.shard_axes(expert_parallel.EXPERT_DIM) == split_axes
             ]
-            if not options:
-                break
-            inputs = tensor_inputs(node)
-            want = [prefer_disjoint and x in disjoint for x in inputs]
-            forced[node.name] = max(options, key=lambda s: _agreement(s, want))
-        else:
-            try:
-                yield (
-                    name,
-                    greedy_plan(gm, mesh, registry, forced=forced, expand_cache=expand_cache, memo=memo),
+            want = [prefer_disjoint and x in disjoint for x in tensor_inputs(node)]
+            return max(options, key=lambda s: _agreement(s, want)) if options else None
+
+        yield from _forced_seed(gm, mesh, registry, expand_cache, memo, name, grouped, pick)
+
+
+def _dispatcher_seeds(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    expand_cache: dict[Any, list[Strategy]],
+    memo: GreedyMemo | None,
+) -> Iterator[tuple[str, Plan | AutoparError]]:
+    """For MoE layers traced as `autopar::routed_experts` ops: every op's experts over one mesh
+    axis with each dispatcher its rule offers there ("experts:alltoall:<axis>", the tokens
+    exchanged inside the op; "experts:allgather:<axis>", the tokens gathered), the rest laid out by
+    the greedy pass. The greedy pass cannot price the exchanges inside the op, so each dispatcher
+    gets a start of its own and the search's objective (which does) compares them."""
+    routed = _routed(gm)
+    for axis, size in enumerate(mesh.shape):
+        if size == 1 or not routed:
+            continue
+        for kind in ("alltoall", "allgather"):
+
+            def pick(
+                node: fx.Node, candidates: list[Strategy], axis: int = axis, kind: str = kind
+            ) -> Strategy | None:
+                return next(
+                    (
+                        s
+                        for s in candidates
+                        if routed_experts.expert_axes(node.target, s) == (axis,)
+                        and (routed_experts.all_to_all_axis(node.target, s) == axis) == (kind == "alltoall")
+                    ),
+                    None,
                 )
-            except AutoparError as exc:
-                yield name, exc
+
+            name = f"{EXPERTS}:{kind}:{mesh.axis_names[axis]}"
+            yield from _forced_seed(gm, mesh, registry, expand_cache, memo, name, routed, pick)
+
+
+def _forced_seed(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    expand_cache: dict[Any, list[Strategy]],
+    memo: GreedyMemo | None,
+    name: str,
+    nodes: list[fx.Node],
+    pick: Callable[[fx.Node, list[Strategy]], Strategy | None],
+) -> Iterator[tuple[str, Plan | AutoparError]]:
+    """One start named `name`: each of `nodes` forced to the strategy `pick` chooses among its
+    rule's candidates, the rest laid out by the greedy pass; no start where a node has no rule or
+    `pick` finds nothing."""
+    forced: dict[str, Strategy] = {}
+    for node in nodes:
+        rule = registry.get(node.target)
+        choice = pick(node, expand_cached(node, rule, op_call(node), mesh.shape, expand_cache)) if rule else None
+        if choice is None:
+            return
+        forced[node.name] = choice
+    try:
+        yield name, greedy_plan(gm, mesh, registry, forced=forced, expand_cache=expand_cache, memo=memo)
+    except AutoparError as exc:
+        yield name, exc
+
+
+def _routed(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in routed_experts.ROUTED_OPS]
+
+
+def has_routed_experts(gm: fx.GraphModule) -> bool:
+    """Whether the graph's MoE layers are traced as routed-experts ops (PlanOptions.token_dispatch)."""
+    return bool(_routed(gm))
+
+
+def uses_all_to_all(gm: fx.GraphModule, plan: Plan) -> bool:
+    """Whether `plan` exchanges some MoE layer's tokens inside its op (the all-to-all dispatcher)."""
+    return any(
+        routed_experts.all_to_all_axis(n.target, plan.strategies[n.name]) is not None
+        for n in _routed(gm)
+        if n.name in plan.strategies
+    )
 
 
 def _grouped_mms(gm: fx.GraphModule) -> list[fx.Node]:
@@ -131,17 +210,30 @@ def _grouped_mms(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def has_grouped_mm(gm: fx.GraphModule) -> bool:
-    """Whether the graph has an MoE layer's grouped matmul (an expert dim a plan could split)."""
-    return bool(_grouped_mms(gm))
+    """Whether the graph has an MoE layer's grouped matmul or routed-experts op (an expert dim a
+    plan could split)."""
+    return bool(_grouped_mms(gm) or _routed(gm))
 
 
 def splits_experts(gm: fx.GraphModule, plan: Plan) -> bool:
-    """Whether `plan` splits some grouped matmul's experts over a mesh axis."""
-    return any(
-        expert_parallel.is_expert_split(n.target, plan.strategies[n.name])
-        for n in _grouped_mms(gm)
-        if n.name in plan.strategies
-    )
+    """Whether `plan` splits some grouped matmul's (or routed-experts op's) experts over a mesh axis."""
+    return bool(expert_axes(gm, plan))
+
+
+def expert_axes(gm: fx.GraphModule, plan: Plan) -> tuple[int, ...]:
+    """The mesh axes over which `plan` splits the experts of its first grouped matmul (or
+    routed-experts op) that splits them; () where none does."""
+    for n in _grouped_mms(gm):
+        strategy = plan.strategies.get(n.name)
+        layout = expert_parallel.experts_layout(n.target, strategy) if strategy is not None else None
+        if layout is not None and layout.shard_axes(expert_parallel.EXPERT_DIM):
+            return layout.shard_axes(expert_parallel.EXPERT_DIM)
+    for n in _routed(gm):
+        strategy = plan.strategies.get(n.name)
+        axes = routed_experts.expert_axes(n.target, strategy) if strategy is not None else ()
+        if axes:
+            return tuple(axes)
+    return ()
 
 
 def _may_be_disjoint(gm: fx.GraphModule) -> set[fx.Node]:
@@ -170,3 +262,10 @@ def _agreement(strategy: Strategy, want: list[bool]) -> int:
         any(isinstance(p, RowDisjoint) for p in lay.placements) == wanted
         for lay, wanted in zip(strategy.inputs, want)
     )
+
+
+def note_cheapest(costs: dict[tuple[int, ...], float], axes: tuple[int, ...], value: float) -> None:
+    """Keeps in `costs` the cheapest price seen for a plan holding the experts on `axes`."""
+    known = costs.get(axes)
+    if known is None or value < known:
+        costs[axes] = value

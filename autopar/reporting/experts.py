@@ -5,7 +5,8 @@ Shard(0) on some mesh axes) holds E/ep of each layer's experts per rank. A user 
 wants to know which axis that is, how many experts each rank holds, and why the planner chose it;
 the reasons are the expert weights per rank, the bytes the expert layers send per step, and the
 search's cheapest plan with and without the split (`SearchReport.experts_split_cost` and
-`experts_whole_cost`, handed in by the driver).
+`experts_whole_cost`, handed in by the driver), and its cheapest plan for each set of mesh axes it
+tried for the experts (`experts_axes_costs`: over every axis, over each axis alone, none).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from autopar.core.meta import has_info, info
 from autopar.cost.dispatch import dispatch_cost
 from autopar.cost.formulas import format_bytes
 from autopar.cost.hardware import Link
-from autopar.rules import expert_parallel
+from autopar.rules import expert_parallel, routed_experts
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,17 @@ class ExpertPlacement:
     # modeled bytes per rank per step of the token traffic, every layer: (all-gather dispatcher,
     # all-to-all dispatcher); None where the layers' token count could not be read
     dispatch_bytes: tuple[float, float] | None = None
+    # which token dispatcher the plan runs where the experts are split: "all-gather" (insert_comm's
+    # collectives) or "all-to-all" (inside `autopar::routed_experts`, PlanOptions.token_dispatch)
+    dispatcher: str = "all-gather"
+    # the search's cheapest plan with the experts split and each dispatcher (routed-experts ops)
+    dispatcher_costs: tuple[tuple[str, float], ...] = ()
+    # modeled bytes per rank per step the all-to-all dispatcher's exchanges inside the ops send
+    # (not among the collectives' records: they run inside the op)
+    inside_bytes: float = 0.0
+    # the search's cheapest plan per placement of the experts it priced: (mesh axis names holding
+    # them, none: whole on every rank; cost), cheapest first
+    axes_costs: tuple[tuple[tuple[str, ...], float], ...] = ()
 
     @property
     def ranks(self) -> int:
@@ -67,13 +79,27 @@ class ExpertPlacement:
             gather, to_all = self.dispatch_bytes
             line += (
                 f"; token dispatch modeled with the tokens split over these ranks: all-gather "
-                f"{gather / 1e6:.3f} MB, all-to-all {to_all / 1e6:.3f} MB per rank per step (the "
-                "all-to-all dispatcher is not planned yet)"
+                f"{gather / 1e6:.3f} MB, all-to-all {to_all / 1e6:.3f} MB per rank per step"
             )
+        line += f"; the plan dispatches tokens by {self.dispatcher}"
+        if self.inside_bytes:
+            line += f" (its exchanges inside the ops send {self.inside_bytes / 1e6:.3f} MB per rank per step, modeled)"
+        if len(self.dispatcher_costs) > 1:
+            prices = ", ".join(f"{kind} {price:.4g} {self.cost_unit}" for kind, price in self.dispatcher_costs)
+            line += f", the search's cheapest plan with each: {prices}"
         return f"{line}; {self.reason()}"
 
     def reason(self) -> str:
-        """Why, in the search's numbers."""
+        """Why, in the search's numbers: with the split or without, then which axes."""
+        because = self._split_or_whole()
+        if len(self.axes_costs) < 2:
+            return because
+        shown = ", ".join(
+            f"{' and '.join(axes) if axes else 'whole on every rank'} {cost:.4g}" for axes, cost in self.axes_costs
+        )
+        return f"{because}; by the mesh axes holding the experts, its cheapest plans cost: {shown}"
+
+    def _split_or_whole(self) -> str:
         unit = self.cost_unit
         if not self.axes:
             if self.split_cost is None:
@@ -110,6 +136,8 @@ def expert_placement(
     split_cost: float | None = None,
     whole_cost: float | None = None,
     cost_unit: str = "elements",
+    dispatcher_costs: dict[str, float] | None = None,
+    axes_costs: dict[tuple[int, ...], float] | None = None,
 ) -> ExpertPlacement | None:
     """The expert split of the plan laid out on `gm` (the joint graph after propagate); where no
     grouped matmul splits its experts, a placement on no axes if the search priced a split (why
@@ -119,15 +147,19 @@ def expert_placement(
     for n in gm.graph.nodes:
         strategy = info(n).strategy if n.op == "call_function" and has_info(n) else None
         name = getattr(n.target, "name", None)
-        if strategy is not None and callable(name) and name() in expert_parallel.GROUPED_MM_OPS:
+        if strategy is not None and callable(name) and name() in expert_parallel.GROUPED_MM_OPS or strategy is not None and n.target in routed_experts.ROUTED_OPS:
             grouped.append((n, strategy))
-    split = [(n, s) for n, s in grouped if expert_parallel.is_expert_split(n.target, s)]
+    split = [(n, s) for n, s in grouped if s.inputs[_weight_index(n)].shard_axes(expert_parallel.EXPERT_DIM)]
     if not split and (not grouped or whole_cost is None):
         return None
-    weight = (split or grouped)[0][1].inputs[1]
+    first, first_strategy = (split or grouped)[0]
+    weight = first_strategy.inputs[_weight_index(first)]
     axes = weight.shard_axes(expert_parallel.EXPERT_DIM)
     layers = tuple(dict.fromkeys(info(n).module_path for n, _ in grouped if info(n).module_path))
-    weights = {_parameter(n.args[1]) for n, _ in grouped if len(n.args) > 1}
+    weights = {_parameter(n.args[_weight_index(n)]) for n, _ in grouped if len(n.args) > _weight_index(n)}
+    if first.target in routed_experts.ROUTED_OPS:
+        weights |= {_parameter(n.args[_weight_index(n) + 1]) for n, _ in grouped}
+    to_all = any(routed_experts.all_to_all_axis(n.target, s) is not None for n, s in split)
     layouts = dict(zip(program.param_names, program.param_layouts))
     held = [layouts[name] for name in weights if name in layouts]
     comm = sum(
@@ -147,7 +179,39 @@ def expert_placement(
         whole_cost=whole_cost,
         cost_unit=cost_unit,
         dispatch_bytes=_dispatch_bytes(split, math.prod(mesh.shape[a] for a in axes)) if split else None,
+        dispatcher="all-to-all" if to_all else "all-gather",
+        dispatcher_costs=tuple(sorted((dispatcher_costs or {}).items())),
+        inside_bytes=_inside_bytes(split, mesh),
+        axes_costs=tuple(
+            (tuple(mesh.axis_names[a] for a in held), cost)
+            for held, cost in sorted((axes_costs or {}).items(), key=lambda item: item[1])
+        ),
     )
+
+
+def _inside_bytes(split: Sequence[tuple[fx.Node, Any]], mesh: Mesh) -> float:
+    """What the all-to-all dispatcher's exchanges inside the forward ops send per rank per step,
+    forward and backward (`dispatch_cost(..., planned=True)`, routing spread evenly)."""
+    total = 0.0
+    link = Link(alpha=0.0, bandwidth=1.0)  # bytes do not depend on the link
+    for node, strategy in split:
+        axis = routed_experts.all_to_all_axis(node.target, strategy)
+        if axis is None or node.target is not routed_experts.ROUTED_EXPERTS:
+            continue
+        x, ids, gate_up = strategy.inputs[0], strategy.inputs[1], strategy.inputs[3]
+        tokens = x.local_shape(mesh.shape, (0,) * mesh.ndim)[0]
+        ep = mesh.shape[axis]
+        total += dispatch_cost(
+            "all_to_all", tokens, x.shape[1], ids.shape[1], gate_up.shape[0], ep, link, x.dtype, planned=True
+        ).bytes_sent
+    return total
+
+
+def _weight_index(node: fx.Node) -> int:
+    """Where a grouped matmul's (or a routed-experts op's gate_up) expert weight is among its inputs."""
+    if node.target in routed_experts.ROUTED_OPS:
+        return routed_experts.tokens_index(node.target) + 3
+    return 1
 
 
 def _dispatch_bytes(split: Sequence[tuple[fx.Node, Any]], ranks: int) -> tuple[float, float] | None:
@@ -160,11 +224,17 @@ def _dispatch_bytes(split: Sequence[tuple[fx.Node, Any]], ranks: int) -> tuple[f
         path = info(node).module_path
         if path in per_layer or "backward" in str(node.target):
             continue
-        rows, hidden = strategy.inputs[0].shape
-        tokens = _gathered_tokens(node.args[0])
-        if tokens is None or tokens <= 0 or rows % tokens or tokens % ranks:
-            return None
-        top_k, experts = rows // tokens, strategy.inputs[1].shape[expert_parallel.EXPERT_DIM]
+        if node.target in routed_experts.ROUTED_OPS:  # (t, H) tokens, (t, k) routing, (E, ...) experts
+            tokens, hidden = strategy.inputs[0].shape
+            top_k, experts = strategy.inputs[1].shape[1], strategy.inputs[3].shape[0]
+            if tokens % ranks:
+                return None
+        else:
+            rows, hidden = strategy.inputs[0].shape
+            found = _gathered_tokens(node.args[0])
+            if found is None or found <= 0 or rows % found or found % ranks:
+                return None
+            tokens, top_k, experts = found, rows // found, strategy.inputs[1].shape[expert_parallel.EXPERT_DIM]
         link = Link(alpha=0.0, bandwidth=1.0)  # bytes do not depend on the link
         per_layer[path] = (
             dispatch_cost("all_gather", tokens // ranks, hidden, top_k, experts, ranks, link).bytes_sent,

@@ -28,7 +28,7 @@ def overlap_text(before: Timeline, after: Timeline, limit: int | None = None) ->
     ]
     rows = after.collectives if limit is None else after.collectives[:limit]
     for c in rows:
-        kind = c.kind + (f" x{c.members}" if c.members > 1 else "")
+        kind = c.kind + (f" x{c.members}" if c.members > 1 else "") + (" piece" if c.piece else "")
         first = ", ".join(c.overlapped_names) + (", ..." if c.overlapped > len(c.overlapped_names) else "")
         lines.append(
             f"{c.name:<36} {kind:<14} {c.axis:<4} {c.phase:<8} {c.bytes:>12.0f} {c.modeled * us:>9.2f} "
@@ -76,7 +76,7 @@ def chrome_trace(timeline: Timeline, rank: int = 0) -> dict[str, Any]:
             {"name": c.name, "cat": c.kind, "ph": "X", "ts": c.start * us, "dur": c.modeled * us, "pid": rank,
              "tid": tids[c.stream], "args": {"kind": c.kind, "axis": c.axis, "phase": c.phase, "bytes": c.bytes,
                                 "members": c.members, "issue_us": c.issue * us, "exposed_us": c.exposed * us,
-                                "overlapped_compute_nodes": c.overlapped}}
+                                "overlapped_compute_nodes": c.overlapped, "piece_of": c.piece}}
         )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"hardware": timeline.hardware,
                                                                            **timeline.totals()}}
@@ -87,8 +87,9 @@ def write_chrome_trace(timeline: Timeline, path: str | Path, rank: int = 0) -> N
 
 
 def write_png(path: str | Path, after: Timeline, before: Timeline | None = None) -> None:
-    """Lanes per step (compute above, communication below); collectives colored by kind, exposed
-    waits red. With `before`, the unscheduled step is drawn above the scheduled one, same time axis."""
+    """Lanes per step (compute above, communication below); collectives colored by kind, the pieces
+    of a decomposed collective matmul hatched, exposed waits red. With `before`, the unscheduled
+    step is drawn above the scheduled one, same time axis."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -108,9 +109,16 @@ def write_png(path: str | Path, after: Timeline, before: Timeline | None = None)
                        facecolors="#d62728", hatch="//")
         for lane, stream in enumerate(reversed(lanes)):
             for kind, color in KIND_COLORS.items():
-                spans = [(c.start * ms, c.modeled * ms) for c in t.collectives if c.kind == kind and c.stream == stream]
-                if spans:
-                    ax.broken_barh(spans, (lane + 0.1, 0.8), facecolors=color, edgecolor="white", linewidth=0.3)
+                for pieces, hatch in ((False, None), (True, "..")):
+                    spans = [
+                        (c.start * ms, c.modeled * ms)
+                        for c in t.collectives
+                        if c.kind == kind and c.stream == stream and bool(c.piece) == pieces
+                    ]
+                    if spans:
+                        ax.broken_barh(
+                            spans, (lane + 0.1, 0.8), facecolors=color, edgecolor="white", linewidth=0.3, hatch=hatch
+                        )
         ax.set_yticks([i + 0.5 for i in range(top + 1)], [*reversed(lanes), "compute"])
         ax.set_ylim(0, top + 1)
         ax.set_title(
@@ -121,6 +129,8 @@ def write_png(path: str | Path, after: Timeline, before: Timeline | None = None)
     axes[-1].set_xlabel(f"ms (modeled on {after.hardware}, mesh {after.mesh})")
     handles = [Patch(color="#9e9e9e", label="compute"), Patch(color="#d62728", label="exposed wait")]
     handles += [Patch(color=c, label=k) for k, c in KIND_COLORS.items()]
+    if any(c.piece for t in (after, before) if t is not None for c in t.collectives):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="..", label="piece of a decomposed matmul"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(str(path), dpi=110)

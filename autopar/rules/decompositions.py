@@ -264,6 +264,21 @@ def refuse_target_dtypes(gm: torch.fx.GraphModule, model_name: str) -> None:
             )
 
 
+LOSS_DECOMPOSED = (
+    aten.binary_cross_entropy_with_logits.default,
+    aten.binary_cross_entropy.default,
+    aten.binary_cross_entropy_backward.default,
+    aten.smooth_l1_loss.default,
+    aten.smooth_l1_loss_backward.default,
+    aten.huber_loss.default,
+    aten.huber_loss_backward.default,
+    aten.xlogy.Tensor,
+    aten.log_sigmoid_forward.default,
+    aten.log_sigmoid_backward.default,
+    aten.vdot.default,
+)
+
+
 def sharding_decompositions() -> dict[Any, Callable[..., Any]]:
     from torch._decomp import decomposition_table
 
@@ -284,6 +299,10 @@ def sharding_decompositions() -> dict[Any, Callable[..., Any]]:
         aten.nll_loss2d_backward.default,
         aten.mse_loss.default,
         aten.mse_loss_backward.default,
+        # the losses models compute inside forward (transformers' multi-label classification, KL
+        # divergence, robust regression) and spectral_norm's power iteration: fused kernels without
+        # sharding rules, written by torch as pointwise ops and sums, which have them
+        *LOSS_DECOMPOSED,
     ):
         table[op] = decomposition_table[op]
     for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default):

@@ -37,9 +37,9 @@ output, as the split inside the experts does, with whole-expert matmuls and 1/ep
 values combine only with the same row owners (same `offs`, same expert split):
 `autopar.passes.propagate` checks every plan for that.
 
-Not built: planning the all-to-all dispatcher (moving only the routed rows, split sizes known at
-run time: `autopar.rules.token_dispatch` runs it, but no plan places it), and a token split inside
-the grouped matmul (rows and experts are tied by `offs`).
+The all-to-all dispatcher (moving only the routed rows, split sizes known at run time) is planned
+on the layer traced as one op instead (`autopar.rules.routed_experts`, PlanOptions.token_dispatch).
+Not built: a token split inside the grouped matmul (rows and experts are tied by `offs`).
 """
 
 from __future__ import annotations
@@ -62,19 +62,32 @@ EXPERT_DIM = 0  # the expert dim of the (E, K, N) weight and of its gradient
 _ARGUMENTS = ("input", "weight", "offs", "grad_output")
 
 
-# `OpOverload.name()` of the grouped matmuls whose `localize_grouped_mm` multiplies a rank's experts
-GROUPED_MM_OPS = ("transformers::grouped_mm_fallback", "transformers::grouped_mm_fallback_backward")
+# `OpOverload.name()` of the grouped matmuls whose localizers multiply a rank's experts
+GROUPED_MM_OPS = (
+    "transformers::grouped_mm_fallback",
+    "transformers::grouped_mm_fallback_backward",
+    "aten::_grouped_mm",
+)
+
+
+def experts_layout(target: object, strategy: Strategy) -> Layout | None:
+    """The layout whose dim 0 is a grouped matmul's experts: its (E, K, N) weight, or the output
+    of `torch._grouped_mm`'s 2D x 2D form (the experts' gradient, (E, K, N)); None for other ops
+    and for the batched form (no `offs`: no rows tied to experts)."""
+    name = getattr(target, "name", None)
+    if not callable(name) or name() not in GROUPED_MM_OPS or len(strategy.inputs) < 3:
+        return None
+    if len(strategy.inputs[1].shape) == 3:
+        return strategy.inputs[1]
+    if len(strategy.inputs[1].shape) == 2 and strategy.outputs and len(strategy.outputs[0].shape) == 3:
+        return strategy.outputs[0]
+    return None
 
 
 def is_expert_split(target: object, strategy: Strategy) -> bool:
     """Whether a node runs a grouped matmul with its experts split (on some mesh axis)."""
-    name = getattr(target, "name", None)
-    return (
-        callable(name)
-        and name() in GROUPED_MM_OPS
-        and len(strategy.inputs) >= 3
-        and bool(strategy.inputs[1].shard_axes(EXPERT_DIM))
-    )
+    layout = experts_layout(target, strategy)
+    return layout is not None and bool(layout.shard_axes(EXPERT_DIM))
 
 
 def expert_owners(weight: Layout, axis: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
@@ -118,6 +131,15 @@ def expert_split_backward(call: OpCall) -> list[AxisStrategy]:
         for rows in (R, D)
         for grads in (R, D)
     ]
+
+
+def expert_split_weight_gradient(call: OpCall) -> list[AxisStrategy]:
+    """`torch._grouped_mm(a (K, S), b (S, N), offs) -> (E, K, N)` (the experts' gradient): a R,
+    b R or D, offs R -> output Shard(0). Each rank sums over the rows of its own experts only,
+    which a D b holds whole on their owner."""
+    if call.inputs[0].ndim != 2 or call.outputs[0].ndim != 3:
+        return []
+    return [AxisStrategy((R, rows, R), (Shard(EXPERT_DIM),)) for rows in (R, D)]
 
 
 # ---- the row-disjoint strategies of the ops between two grouped matmuls -------------------------
@@ -250,3 +272,22 @@ def localize_grouped_mm(ctx: LocalContext) -> LocalCall:
     tensors = tuple(ctx.args[i] if i < len(ctx.args) else ctx.kwargs[name] for i, name in enumerate(names))
     target = local_ops.grouped_mm_experts_backward if len(names) == 4 else local_ops.grouped_mm_experts
     return LocalCall(target, (*tensors, first_expert), {})
+
+
+def localize_aten_grouped_mm(ctx: LocalContext) -> LocalCall:
+    """`torch._grouped_mm` on a rank's blocks, as a loop of matmuls over the rank's experts
+    (`local_ops`): the whole op's kernel wants every stride a multiple of 16 bytes, which a block
+    of a split K or N need not be, and a rank holding a block of the experts multiplies only their
+    rows (starting at its first expert's global index). The batched form (no `offs`) is the op itself."""
+    if len(ctx.call.inputs) < 3:
+        return LocalCall(ctx.call.op, ctx.args, ctx.kwargs)
+    a, b = ctx.args[0], ctx.args[1]
+    offs = ctx.args[2] if len(ctx.args) > 2 else ctx.kwargs["offs"]
+    if len(ctx.strategy.inputs[1].shape) == 3:
+        weight = ctx.strategy.inputs[1]
+        first = weight.local_offsets(ctx.mesh_shape, ctx.coords)[EXPERT_DIM] if weight.shard_axes(EXPERT_DIM) else 0
+        return LocalCall(local_ops.grouped_mm_experts, (a, b, offs, first), {})
+    out = ctx.strategy.outputs[0]
+    first = out.local_offsets(ctx.mesh_shape, ctx.coords)[EXPERT_DIM]
+    count = out.local_shape(ctx.mesh_shape, ctx.coords)[EXPERT_DIM]
+    return LocalCall(local_ops.grouped_mm_experts_weight, (a, b, offs, first, count), {})

@@ -291,6 +291,23 @@ def _grouped_mm_experts_backward_fake(
     )
 
 
+@torch.library.custom_op("autopar::grouped_mm_experts_weight", mutates_args=())
+def _grouped_mm_experts_weight(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, first_expert: int, experts: int
+) -> torch.Tensor:
+    out = a.new_zeros(experts, a.shape[0], b.shape[1])
+    for j, start, end in _expert_rows(offs, first_expert, experts):
+        out[j] = torch.mm(a[:, start:end], b[start:end])
+    return out
+
+
+@_grouped_mm_experts_weight.register_fake
+def _grouped_mm_experts_weight_fake(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, first_expert: int, experts: int
+) -> torch.Tensor:
+    return a.new_empty(experts, a.shape[0], b.shape[1])
+
+
 # Grouped matmul on a block of experts (`weight` holds experts first_expert.. of them): the rows of
 # those experts get their products, every other row zeros (output Partial over the expert split;
 # each row's product lives on exactly one rank).
@@ -298,3 +315,7 @@ grouped_mm_experts = torch.ops.autopar.grouped_mm_experts.default
 # Its backward: the input's gradient on this rank's experts' rows (zeros elsewhere: Partial) and
 # the whole gradient of this rank's block of experts.
 grouped_mm_experts_backward = torch.ops.autopar.grouped_mm_experts_backward.default
+# `torch._grouped_mm(a (K, S), b (S, N), offs)` for `experts` experts starting at `first_expert`:
+# expert j's (K, N) sums a's columns times b's rows of that expert (the experts' gradient of a
+# block of them; the rows of other experts are not read).
+grouped_mm_experts_weight = torch.ops.autopar.grouped_mm_experts_weight.default

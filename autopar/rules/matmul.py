@@ -128,6 +128,37 @@ def grouped_mm_backward_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, [*result, *expert_parallel.expert_split_backward(call)])
 
 
+def aten_grouped_mm_rule(call: OpCall) -> list[AxisStrategy]:
+    """`torch._grouped_mm(a, b, offs)` of a hand-written mixture-of-experts layer (torchtitan's), in
+    the three forms its forward and backward trace to (no bias, no out_dtype; else replicated only):
+
+    - a (S, K) rows sorted by expert, b (E, K, N) experts, offs (E,) -> (S, N): the forward and the
+      input's gradient (`_grouped_mm_mat1_backward`: grad (S, N) times b transposed). The splits of
+      transformers' `grouped_mm_fallback` (`grouped_mm_rule`), the expert split among them.
+    - a (K, S) (the rows transposed), b (S, N), offs (E,) -> (E, K, N): the experts' gradient
+      (`_grouped_mm_mat2_backward`). Experts split: the output Shard(0), each rank summing only its
+      experts' rows of b (R, or D: its own rows); K or N split inside every expert; linear in
+      either operand. a cannot be D (its rows are its second dim).
+    - a (E, M, K), b (E, K, N), no offs -> (E, M, N): a batched matmul, the experts its batch."""
+    if call.arg(3, "bias") is not None or call.arg(4, "out_dtype") is not None:
+        return with_replicated(call, [])
+    dims = tuple(x.ndim for x in call.inputs)
+    if dims == (2, 3, 1):
+        return grouped_mm_rule(call)
+    if dims == (3, 3):
+        return einsum_strategies(call, "bmk,bkn->bmn", (0, 1), None)
+    if dims != (2, 2, 1) or call.outputs[0].ndim != 3:
+        return with_replicated(call, [])
+    result = [
+        AxisStrategy((Shard(0), R, R), (Shard(1),)),
+        AxisStrategy((R, Shard(1), R), (Shard(2),)),
+    ]
+    if partial_ok(call.inputs[:2], call.outputs):
+        result += [AxisStrategy((P, R, R), (P,)), AxisStrategy((R, P, R), (P,))]
+        result += expert_parallel.expert_split_weight_gradient(call)
+    return with_replicated(call, result)
+
+
 def library_op(namespace: str, name: str) -> object | None:
     """`torch.ops.<namespace>.<name>.default` if a library has registered it in this process
     (transformers registers its MoE ops when its modeling code is imported), else None."""
@@ -151,6 +182,7 @@ def register(registry: RuleRegistry) -> None:
     rules = registry.family(FAMILY, uneven=True)
     for op, (spec, operands, bias) in SPECS.items():
         rules.register(op, spec_rule(spec, operands, bias), anchor=True)
+    rules.register(aten._grouped_mm.default, aten_grouped_mm_rule, localize=expert_parallel.localize_aten_grouped_mm, anchor=True)
     for (namespace, name), (rule, localize) in LIBRARY_OPS.items():
         found = library_op(namespace, name)
         if found is not None:

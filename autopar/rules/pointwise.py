@@ -166,6 +166,7 @@ TABLE: dict[object, Linearity] = {
     aten.clamp_min.default: NONE,  # Swin v2's logit scale, EfficientFormer
     aten.clamp_max.default: NONE,
     aten.logical_not.default: NONE,
+    aten.isnan.default: NONE,  # xlogy (F.kl_div) as decomposed
     aten.bitwise_not.default: NONE,
     # comparisons (bool outputs are never Partial)
     aten.eq.Scalar: NONE,

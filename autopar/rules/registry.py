@@ -12,12 +12,13 @@ from autopar.rules import (
     pooling,
     random,
     reduction,
+    routed_experts,
     views,
 )
 from autopar.rules.base import RuleRegistry
 
 # expert_parallel last: it adds row-disjoint strategies to rules the others registered
-FAMILIES = (matmul, pointwise, reduction, views, nn, ctc, pooling, factory, random, expert_parallel)
+FAMILIES = (matmul, pointwise, reduction, views, nn, ctc, pooling, factory, random, routed_experts, expert_parallel)
 
 
 def default_registry() -> RuleRegistry:

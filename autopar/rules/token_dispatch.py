@@ -25,9 +25,9 @@ the permutations are ordinary indexing ops, differentiated by autograd.
 
 The collective is behind `Exchange`, so the same code runs on a process group
 (`GroupExchange`: gloo or NCCL) and in one process with a thread per rank
-(`autopar.testing.threads.ThreadExchange`). It is a runtime library of its own: the compiler's
-planned MoE layers (transformers' `grouped_mm_fallback`) still use the all-gather dispatcher, see
-docs/expert-parallel.md.
+(`autopar.testing.threads.ThreadExchange`). It is a runtime library of its own; compiled plans
+run the same scheme on (token, choice) pairs inside one op per MoE layer
+(`autopar.rules.routed_experts`), see docs/expert-parallel.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from autopar.core.precision import AutocastState
+from autopar.core.errors import InputMismatchError
+from autopar.core.precision import AutocastState, describe
 
 
 @dataclass(frozen=True)
@@ -85,3 +86,57 @@ def value_only_differences(key: tuple[Any, ...], others: Sequence[tuple[Any, ...
             for i in differ:
                 found.setdefault(i, set()).update((leaves[i][2], other_leaves[i][2]))
     return found
+
+
+def difference_from(last_key: tuple[Any, ...], key: tuple[Any, ...]) -> str:
+    """What is new about a call (`key`): its inputs, or its mode, next to the last program's."""
+    spec, leaves, mode = key
+    last_spec, last_leaves, last = last_key
+    changes = []
+    if spec != last_spec:
+        changes.append("another structure of arguments")
+    else:
+        changes += [
+            f"input {i}: {leaf_text(new, i)} (was {leaf_text(old, i)})"
+            for i, (new, old) in enumerate(zip(leaves, last_leaves))
+            if new != old
+        ]
+    if mode.training != last.training:
+        changes.append("train() mode" if mode.training else "eval() mode")
+    flipped = [path for (path, new), (_, old) in zip(mode.flags, last.flags) if new != old]
+    if flipped and mode.training == last.training:
+        now = "train()" if dict(mode.flags)[flipped[0]] else "eval()"
+        more = f" (and {len(flipped) - 1} more submodules)" if len(flipped) > 1 else ""
+        changes.append(f"submodule {flipped[0]} in {now}{more}")
+    if mode.forward_only != last.forward_only:
+        changes.append("torch.no_grad(): forward only" if mode.forward_only else "gradients on")
+    if mode.autocast != last.autocast:
+        changes.append(describe(mode.autocast))
+    changed = [name for (name, new), (_, old) in zip(mode.dtypes, last.dtypes) if new != old]
+    if changed:
+        changes.append(
+            f"{changed[0]} is {str(dict(mode.dtypes)[changed[0]]).removeprefix('torch.')}"
+            + (f" (and {len(changed) - 1} more tensors)" if len(changed) > 1 else "")
+        )
+    return "; ".join(changes) or "a call seen before, compiled again"
+
+
+def check_example_call(
+    flat: Sequence[Any], spec: Any, in_spec: Any, example_specs: Sequence[tuple[tuple[int, ...], torch.dtype] | None]
+) -> None:
+    """For a module without a compiler: the call must be the example's (structure, shapes, dtypes)."""
+    if spec != in_spec:
+        raise InputMismatchError(
+            f"inputs have structure {spec}, but the module was compiled for {in_spec}",
+            hint="call with the same arguments as example_inputs, or parallelize again",
+        )
+    for index, (value, expected) in enumerate(zip(flat, example_specs)):
+        if expected is None:
+            continue
+        got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
+        if got != expected:
+            raise InputMismatchError(
+                f"input {index} is {describe_spec(got)}, but the module was compiled for {describe_spec(expected)}",
+                hint="shapes are compiled into the plan: pass inputs shaped like example_inputs, "
+                "or call autopar.parallelize again with the new shapes",
+            )

@@ -1,7 +1,12 @@
 """What `parallelize` returns: a module that runs this rank's emitted graphs under autograd.
 
 Parameters are DTensors (original names, global shapes, local storage shards), so torch
-optimizers, `clip_grad_norm_` and distributed checkpointing work on them unchanged. `forward`
+optimizers, `clip_grad_norm_` and distributed checkpointing work on them unchanged. Where the
+plan stores every parameter and buffer whole on every rank (DDP's plan), they are plain tensors
+instead, as under DDP: each rank's copy is the whole value, so nothing needs DTensor's global view,
+and the user's optimizer, gradient accumulation and clipping run at plain tensors' speed (each
+DTensor op costs tens of microseconds of dispatch on top, which on a CPU rank was a third of the
+step's overhead: docs/benchmarks.md). `forward`
 runs the emitted forward graph inside an autograd.Function whose backward runs the emitted backward
 graph; the local gradients it returns flow through `DTensor.to_local` into DTensor `.grad`s.
 """
@@ -18,14 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import AutoparError, InputMismatchError, UsageError
 from autopar.core.layout import Layout
 from autopar.core.mesh import Mesh
 from autopar.core.meta import OutputStructure
-from autopar.core.precision import AutocastState, autocast_off, compilable_autocast, describe
+from autopar.core.precision import AutocastState, autocast_off, compilable_autocast
 from autopar.core.user_warning import warn_at_caller, without_gloo_alltoall_notice
 from autopar.runtime.agreement import Fingerprint, fingerprint, stored_disagreement
 from autopar.runtime.call_checks import (
@@ -37,7 +42,13 @@ from autopar.runtime.call_checks import (
     refuse_input_gradients,
     structure_digest,
 )
-from autopar.runtime.call_keys import CallMode, call_key, describe_spec, leaf_text, value_only_differences
+from autopar.runtime.call_keys import (
+    CallMode,
+    call_key,
+    check_example_call,
+    difference_from,
+    value_only_differences,
+)
 from autopar.runtime.checkpoint_names import transformers_renamer
 from autopar.runtime.checkpoint_prefix import model_prefixes
 from autopar.runtime.defer_reduction import GradAccumulation, ReductionSplit, add_grads, params_grads
@@ -54,6 +65,7 @@ from autopar.runtime.param_feed import (
     to_dtensor_placements,
 )
 from autopar.runtime.program import EmittedProgram, local_value
+from autopar.runtime.program_cache import CacheThrash
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
 from autopar.runtime.source_attributes import SourceAttributes
 from autopar.runtime.source_watch import SourceWatch
@@ -117,6 +129,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         local_inputs: bool = False,
         autocast: AutocastState = (),
         inductor: bool = False,
+        plain_when_replicated: bool = False,
     ) -> None:
         super().__init__()
         assert mesh.device_mesh is not None
@@ -141,13 +154,18 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         self._programs: OrderedDict[Any, _Program] = OrderedDict()
         self._values_seen: dict[tuple[int, type], set[Any]] = {}  # plain arguments that compiled programs by value
         self._values_warned: set[int] = set()
+        self._thrash = CacheThrash(MAX_PROGRAMS)  # warns once when a dropped program compiles again
         self._first = first = self._prepared(program, outputs)
+        self._holders: dict[str, tuple[nn.Module, str]] = {}  # tensor name -> its submodule, leaf (`_held`)
+        self._dtype_names: list[str] | None = None  # the names `_tensor_dtypes` reads
         device_type = mesh.device_mesh.device_type
         self._autocast_devices = tuple(dict.fromkeys(("cpu", device_type)))
         full: dict[str, torch.Tensor] = dict(source.named_parameters(remove_duplicate=False))
         buffers = dict(source.named_buffers(remove_duplicate=False))
         full.update(buffers)
         layouts = program.source_layouts()  # a fused parameter's parts make one layout
+        # DDP's plan: every stored tensor whole on every rank, held as plain tensors (module doc)
+        self.plain_storage = plain_when_replicated and all(lay.is_replicated for lay in layouts.values())
         saved = set(source.state_dict(keep_vars=True))  # buffers outside it are not persistent
         self.aliases = dict(aliases)  # tied name -> the name it is stored under
         self.not_stored: list[str] = []  # the source's tensors that no program reads
@@ -171,6 +189,12 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
                     raise AssertionError(f"{name} is on the meta device and was not initialized")
             else:
                 local = local_value(tensor, layout, mesh.shape, program.coords).clone().contiguous()
+            if self.plain_storage:
+                if name in buffers:
+                    register_at(self, name, local, buffer=True, persistent=name in saved)
+                else:
+                    register_at(self, name, nn.Parameter(local, requires_grad=full[name].requires_grad))
+                continue
             dt = DTensor.from_local(
                 local,
                 mesh.device_mesh,
@@ -194,7 +218,9 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         self.checkpoint_renamer = transformers_renamer(source)  # save_pretrained's own names (load_checkpoint)
         if example_flat is not None:
             mode = CallMode(self.training, False, autocast, self._tensor_dtypes(), self.module_flags())
-            self._programs[call_key(in_spec, example_flat, mode)] = first
+            first_key = call_key(in_spec, example_flat, mode)
+            self._programs[first_key] = first
+            self._thrash.signatures.add(first_key)
 
     @contextlib.contextmanager
     def deferring_weights(self, deferral: WeightDeferral) -> Iterator[None]:
@@ -364,7 +390,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         """The compiled program for this call, compiling one if none fits (see the class doc)."""
         grad = torch.is_grad_enabled()
         if self._compile is None:  # a module built around one program: it takes only that call
-            self._check_inputs(flat, spec)
+            check_example_call(flat, spec, self._in_spec, self._example_specs)
             guards = self._first.program.value_guards
             if guards is not None and not guards.hold(flat, self._device_type):
                 raise InputMismatchError(
@@ -392,9 +418,10 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             assert guards is not None  # only a guarded program can fail to hold
             why = f"new input values ({guards.failing(flat, self._device_type)[0]} decides another branch)"
         else:
-            why = self._difference(key)
+            why = difference_from(next(reversed(self._programs)), key) if self._programs else "this call"
             self._note_values(key)
         _LOG.info("autopar: compiling a program for %s", why)
+        self._thrash.compiling(key)
         program, outputs = self._compile(args, kwargs, mode)
         compiled = self._prepared(program, outputs, why)
         self._refuse_other_branch(compiled, flat)
@@ -404,7 +431,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             return compiled
         self._programs[key] = compiled
         if len(self._programs) > MAX_PROGRAMS:
-            self._programs.popitem(last=False)
+            self._thrash.dropping(self._programs.popitem(last=False)[0])
         return compiled
 
     @property
@@ -455,41 +482,30 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         return tuple((path, module.training) for path, module in self._flagged)
 
     def _tensor_dtypes(self) -> tuple[tuple[str, torch.dtype], ...]:
-        return tuple((name, t.dtype) for name, t in [*self.named_parameters(), *self.named_buffers()])
+        """The dtype of every parameter and buffer now (after `.to()`, `.half()`, `p.data = ...`):
+        the names come from one walk of the module, each tensor from its holder every call."""
+        if self._dtype_names is None:
+            self._dtype_names = [name for name, _ in [*self.named_parameters(), *self.named_buffers()]]
+        found = [(name, self._held(name)) for name in self._dtype_names]
+        if any(t is None for _, t in found):  # the user removed one: walk again
+            self._dtype_names = None
+            return tuple((name, t.dtype) for name, t in [*self.named_parameters(), *self.named_buffers()])
+        return tuple((name, t.dtype) for name, t in found if t is not None)
 
-    def _difference(self, key: Any) -> str:
-        """What is new about a call: its inputs, or its mode, next to the last program compiled."""
-        if not self._programs:
-            return "this call"
-        spec, leaves, mode = key
-        last_spec, last_leaves, last = next(reversed(self._programs))
-        changes = []
-        if spec != last_spec:
-            changes.append("another structure of arguments")
-        else:
-            changes += [
-                f"input {i}: {leaf_text(new, i)} (was {leaf_text(old, i)})"
-                for i, (new, old) in enumerate(zip(leaves, last_leaves))
-                if new != old
-            ]
-        if mode.training != last.training:
-            changes.append("train() mode" if mode.training else "eval() mode")
-        flipped = [path for (path, new), (_, old) in zip(mode.flags, last.flags) if new != old]
-        if flipped and mode.training == last.training:
-            now = "train()" if dict(mode.flags)[flipped[0]] else "eval()"
-            more = f" (and {len(flipped) - 1} more submodules)" if len(flipped) > 1 else ""
-            changes.append(f"submodule {flipped[0]} in {now}{more}")
-        if mode.forward_only != last.forward_only:
-            changes.append("torch.no_grad(): forward only" if mode.forward_only else "gradients on")
-        if mode.autocast != last.autocast:
-            changes.append(describe(mode.autocast))
-        changed = [name for (name, new), (_, old) in zip(mode.dtypes, last.dtypes) if new != old]
-        if changed:
-            changes.append(
-                f"{changed[0]} is {str(dict(mode.dtypes)[changed[0]]).removeprefix('torch.')}"
-                + (f" (and {len(changed) - 1} more tensors)" if len(changed) > 1 else "")
-            )
-        return "; ".join(changes) or "a call seen before, compiled again"
+    def _held(self, name: str) -> torch.Tensor | None:
+        """The parameter or buffer `name` as its holder (the submodule) holds it now, None if it
+        holds none: one dict read where `lookup` walks every attribute of the path (a call reads
+        every stored tensor, ~70 for a small GPT: half a millisecond of walks)."""
+        found = self._holders.get(name)
+        if found is None:
+            prefix, _, leaf = name.rpartition(".")
+            holder = lookup(self, prefix) if prefix else self
+            if not isinstance(holder, nn.Module):
+                return None
+            found = self._holders[name] = (holder, leaf)
+        holder, leaf = found
+        value = holder._parameters.get(leaf)
+        return value if value is not None else holder._buffers.get(leaf)
 
     @property
     def programs(self) -> list[tuple[str, EmittedProgram]]:
@@ -529,7 +545,9 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             if constant is not None:
                 sources.append(constant)
                 continue
-            value = lookup(self, name)
+            value = self._held(name)
+            if value is None:
+                value = lookup(self, name)
             if isinstance(value, DTensor) and value._spec.placements == placements:
                 sources.append(value)
             else:
@@ -538,8 +556,16 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         return sources
 
     def _local_as(self, value: Any, layout: Layout) -> torch.Tensor:
+        """This rank's block of stored `value` in `layout`, differentiably: a plain (whole) stored
+        tensor that a later program reads split goes through a replicated DTensor, so that its
+        gradient is gathered back whole as a stored DTensor's would be."""
         if not isinstance(value, DTensor):
-            return value  # type: ignore[no-any-return]
+            if layout.is_replicated:
+                return value  # type: ignore[no-any-return]
+            assert self._mesh.device_mesh is not None
+            value = DTensor.from_local(
+                value, self._mesh.device_mesh, [Replicate()] * self._mesh.device_mesh.ndim, run_check=False
+            )
         placements = to_dtensor_placements(layout)
         if list(value.placements) != placements:
             with without_gloo_alltoall_notice():
@@ -562,24 +588,6 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         # every rank: the output treats it as replicated; with local ones it is this rank's
         # shard, and the output refuses it (autopar/runtime/outputs.py)
         return as_output(value, self._local_inputs)
-
-    def _check_inputs(self, flat: list[Any], spec: Any) -> None:
-        """For a module without a compiler: the call must be the example's."""
-        if spec != self._in_spec:
-            raise InputMismatchError(
-                f"inputs have structure {spec}, but the module was compiled for {self._in_spec}",
-                hint="call with the same arguments as example_inputs, or parallelize again",
-            )
-        for index, (value, expected) in enumerate(zip(flat, self._example_specs)):
-            if expected is None:
-                continue
-            got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
-            if got != expected:
-                raise InputMismatchError(
-                    f"input {index} is {describe_spec(got)}, but the module was compiled for {describe_spec(expected)}",
-                    hint="shapes are compiled into the plan: pass inputs shaped like example_inputs, "
-                    "or call autopar.parallelize again with the new shapes",
-                )
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False

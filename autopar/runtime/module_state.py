@@ -18,7 +18,26 @@ from autopar.core.errors import CheckpointError, UsageError
 from autopar.runtime.groups import failures_named
 
 
-class NotCopyable:
+class NotDataParallel:
+    """Wrapping the module in `DistributedDataParallel` (as transformers' `Trainer` and
+    accelerate do under torchrun) raises `UsageError`: the parallel module already splits the
+    batch and reduces gradients across ranks, and DDP's broadcast of its parameters (DTensors)
+    has no sharding strategy (torch's raw NotImplementedError otherwise). DDP reads this
+    attribute at construction, before any collective."""
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> NoReturn:
+        raise UsageError(
+            f"DistributedDataParallel around a {type(self).__name__}: the parallel module already "
+            "splits the work over the mesh and reduces gradients across ranks; DDP cannot wrap it",
+            hint="train the parallel module itself in your own loop (loss = ...(pmodel(batch)); "
+            "loss.backward(); optimizer.step() with an optimizer over pmodel.parameters()); "
+            "transformers' Trainer wraps the model in DDP under torchrun, so write the loop instead "
+            "(docs/api.md: transformers' Trainer and accelerate)",
+        )
+
+
+class NotCopyable(NotDataParallel):
     """`pickle.dumps`, `torch.save` and `copy.deepcopy` of the module raise `UsageError`."""
 
     def _refuse(self, how: str) -> NoReturn:

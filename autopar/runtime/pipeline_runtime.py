@@ -183,6 +183,9 @@ class _Step:
         self.in_grads: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradients of a stage's inputs
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # the tensor stays alive until waited
         self.loss: torch.Tensor | None = None
+        # a step whose loss is outside the model: the gradients of the last stage's outputs, per
+        # microbatch (None for an output no gradient reaches), given by `PendingStep.finish`
+        self.output_grads: dict[int, list[torch.Tensor | None]] = {}
         self.grads: dict[int, list[torch.Tensor | None]] = {
             s: [None] * len(st.params) for s, st in stages.items()
         }
@@ -193,17 +196,20 @@ class _Step:
             dist.get_global_rank(group, r) if group is not None else r for r in range(schedule.pp)
         ]
 
-    def run(self, actions: Sequence[Action]) -> StepResult:
+    def run(self, actions: Sequence[Action], final: bool = True) -> StepResult:
+        """Run `actions` and wait for their sends; `final=False` (the forwards of a step whose
+        backwards run later) leaves the gradient reductions to the call that runs the rest."""
         try:
             for action in actions:
                 self.do(action)
                 if not self.forward_only:
                     self.reduce_ready()
-            if not self.forward_only:
+            if not self.forward_only and final:
                 self.reduce_ready(final=True)
         finally:
             for work, _ in self.sends:
                 work.wait()
+            self.sends.clear()
         return StepResult(self.loss, {} if self.forward_only else self.grads, self.outputs, self.input_grads)
 
     def do(self, a: Action) -> None:
@@ -288,6 +294,9 @@ class _Step:
         outputs = list(runner.forward(m, received))
         if stage == self.last and self.keep_outputs:
             self.outputs[m] = [t.detach() for t in outputs]
+            if not self.forward_only:
+                self.kept[(stage, m)] = (received, outputs)
+            return
         elif stage == self.last:
             (term,) = outputs
             value = term.detach()
@@ -304,7 +313,11 @@ class _Step:
         `backward_weight`."""
         runner = self.stages[stage]
         received, outputs = self.kept.pop((stage, m))
-        if stage == self.last:
+        if stage == self.last and self.keep_outputs:  # the user's loss gave these
+            given = self.output_grads.pop(m)
+            outputs = [o for o, g in zip(outputs, given, strict=True) if g is not None]
+            grads_out = [g for g in given if g is not None]
+        elif stage == self.last:
             grads_out = [torch.full_like(outputs[0], self.loss_scale)]
         elif (stage, m) in self.out_grads:
             grads_out = self.out_grads.pop((stage, m))
@@ -373,7 +386,10 @@ def run_step(
     (inference, forward only): the last stage returns outputs, not a loss term; the step keeps
     them per microbatch (`StepResult.outputs`)."""
     if keep_outputs and not forward_only:
-        raise PipelineRuntimeError("a step that keeps the last stage's outputs runs the forwards only")
+        raise PipelineRuntimeError(
+            "a step that keeps the last stage's outputs runs the forwards only; start_step runs one "
+            "whose backwards start from the outputs' gradients"
+        )
     if not forward_only:  # (a forward-only step has no backward to split)
         check_supported(schedule, stages)
     missing = sorted(set(schedule.placement.stages_of(rank)) - set(stages))
@@ -393,6 +409,80 @@ def run_step(
             return step.run(actions)
     with torch.enable_grad():
         return step.run(actions)
+
+
+_BACKWARD_KINDS = frozenset(
+    {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT, ActionKind.SEND_B, ActionKind.RECV_B}
+)
+
+
+class PendingStep:
+    """A training step whose forwards have run and whose backwards wait for the gradients of the
+    last stage's outputs: the step of a call whose loss the user computes from the outputs
+    (docs/pipeline.md#a-loss-outside-the-model). `outputs[m]`: what the last stage returned for
+    microbatch m (on the rank that holds it). `finish` runs the backwards, once."""
+
+    def __init__(self, step: _Step, backwards: Sequence[Action]) -> None:
+        self._step: _Step | None = step
+        self._backwards = tuple(backwards)
+        self.outputs = step.outputs
+
+    @property
+    def finished(self) -> bool:
+        return self._step is None
+
+    def finish(self, output_grads: Mapping[int, Sequence[torch.Tensor | None]]) -> StepResult:
+        """The backwards of every microbatch, microbatch m's last stage starting from
+        `output_grads[m]` (one per output of the last stage, None where none reaches it; ignored
+        on ranks without the last stage); returns the parameters' gradients summed over the
+        microbatches, reduced as a whole step's are. The kept activations are dropped after."""
+        step = self._step
+        if step is None:
+            raise PipelineRuntimeError(
+                "this pipelined step's backward already ran: its kept activations are gone",
+                hint="call the pipelined model again for another backward (each call is one step)",
+            )
+        self._step = None
+        if step.last in step.stages:
+            step.output_grads = {m: list(g) for m, g in output_grads.items()}
+        with torch.enable_grad():
+            return step.run(self._backwards)
+
+
+def start_step(
+    schedule: Schedule,
+    rank: int,
+    stages: Mapping[int, StageRunner],
+    group: dist.ProcessGroup | None,
+    *,
+    device: torch.device | str = "cpu",
+    scatter: BoundaryScatter | None = None,
+) -> PendingStep:
+    """Run the forwards of rank `rank`'s action list of `schedule`, keeping what the backwards
+    need, and return the step with its backwards still to run (`PendingStep.finish`). The last
+    stage returns outputs, not a loss term. Every forward of the schedule must come before its
+    first backward action (`forwards_then_backwards`: the loss is not known until the user has
+    every microbatch's outputs)."""
+    if schedule.split_backward:
+        raise UnsupportedScheduleError(
+            f"a step whose backwards start from its outputs' gradients runs whole backwards, not the "
+            f"{schedule.name!r} schedule's split ones",
+            hint="run it in forwards_then_backwards' order",
+        )
+    missing = sorted(set(schedule.placement.stages_of(rank)) - set(stages))
+    if missing:
+        raise PipelineRuntimeError(f"rank {rank} runs stages {missing} of the schedule but was not given them")
+    actions = schedule.actions[rank]
+    first = next((i for i, a in enumerate(actions) if a.kind in _BACKWARD_KINDS), len(actions))
+    if any(a.kind not in _BACKWARD_KINDS for a in actions[first:]):
+        raise PipelineRuntimeError(
+            f"the {schedule.name!r} schedule interleaves forwards and backwards on rank {rank}",
+            hint="a step whose loss is outside the model runs forwards_then_backwards' order",
+        )
+    step = _Step(schedule, rank, stages, group, 1.0, False, torch.device(device), scatter, keep_outputs=True)
+    with torch.enable_grad():
+        step.run(actions[:first], final=False)
+    return PendingStep(step, actions[first:])
 
 
 def broadcast_loss(

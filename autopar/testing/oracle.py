@@ -331,9 +331,10 @@ def check_strategy(
     row only on that owner, zeros elsewhere."""
     expected = op(*args, **kwargs)
     call = make_call(op, args, kwargs, expected)
-    if row_owners is None and expert_parallel.is_expert_split(op, strategy):
+    experts = expert_parallel.experts_layout(op, strategy)
+    if row_owners is None and experts is not None and experts.shard_axes(expert_parallel.EXPERT_DIM):
         offs = args[2] if len(args) > 2 else kwargs["offs"]
-        row_owners = expert_parallel.row_owners(offs, strategy.inputs[1], mesh_shape)
+        row_owners = expert_parallel.row_owners(offs, experts, mesh_shape)
     outputs, _ = run_local(
         call, strategy, args, kwargs, mesh_shape, registry, generator, memory_layouts, row_owners
     )

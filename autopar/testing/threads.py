@@ -1,8 +1,9 @@
 """Ranks as threads of one process, for runtime code that calls collectives (the all-to-all token
 dispatcher, `autopar.rules.token_dispatch`): every rank's code runs at once, as processes would,
 and each collective meets the other ranks at a barrier. The lockstep runner of the compiled
-programs cannot run such code: it steps the ranks one op at a time in one thread, and a
-collective inside an op would wait for ranks that never reach it."""
+programs steps the ranks one op at a time in one thread, where a collective inside an op would
+wait for ranks that never reach it: it runs such an op (`autopar::routed_experts`) on thread
+ranks, one group of its axis at a time."""
 
 from __future__ import annotations
 

@@ -1,0 +1,78 @@
+"""Issue 36 item 4's models with each context-parallel strategy forced: transformers'
+Qwen3ForCausalLM (q/k norms) and MistralForCausalLM (a sliding window of 4 keys, which transformers
+writes into the mask) at their defaults, 4 query heads and 2 key/value heads, called with a padding
+`attention_mask` (left padding in one sample), with `"allgather"`, `"ring"` and `"ulysses"` asked for
+on a (4,) ("cp",) mesh and a (2, 2, 2) ("dp", "tp", "cp") mesh. Every attention call, forward and
+backward, takes the layout asked for on "cp" (which cases run on which mesh: `CASES`); in lockstep, two SGD-with-momentum steps on the
+gradients the ranks' programs computed give serial's loss, every gradient and every parameter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from pass_fixtures import compile_every_rank
+from train_fixtures import train_hf_in_lockstep
+
+from autopar.core.layout import R, Shard
+from autopar.core.meta import info
+from autopar.rules.context_parallel import BACKWARD, EMBEDDING, FORWARD, require_context_parallel
+from autopar.rules.registry import default_registry
+from examples.hf_models import VOCAB, tiny_causal_lm
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SEQ, BATCH, STEPS = 16, 2, 2
+# the (query, key) placements on "cp" each strategy asks for
+ASKED = {"allgather": (Shard(2), R), "ring": (Shard(2), Shard(2)), "ulysses": (Shard(1), Shard(1))}
+MESHES = {"cp4": ((4,), ("cp",)), "dp2xtp2xcp2": ((2, 2, 2), ("dp", "tp", "cp"))}
+
+
+def _qwen3() -> torch.nn.Module:
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    return transformers.Qwen3ForCausalLM(config)
+
+
+def _mistral() -> torch.nn.Module:
+    """A window of 4 keys in a sequence of 16: rows see at most their 4 latest keys."""
+    return tiny_causal_lm("mistral", n_layer=1, heads=4, kv_heads=2, sliding_window=4)
+
+
+MODELS = {"qwen3": _qwen3, "mistral_sliding_window": _mistral}
+# Each model with each strategy on (4,); on (2, 2, 2) (8 lockstep ranks, minutes of CPU each on
+# the shared machine) Mistral's window with the ring, the strategy with the most exchanges
+# (test_context_parallel_axis runs the all-gather and Ulysses on (2, 4)).
+CASES = [(family, strategy, "cp4") for family in sorted(MODELS) for strategy in sorted(ASKED)] + [
+    ("mistral_sliding_window", "ring", "dp2xtp2xcp2")
+]
+
+
+@pytest.mark.parametrize(("family", "strategy", "mesh"), CASES, ids=["-".join(case) for case in CASES])
+def test_forced_strategy_trains_like_serial(family: str, strategy: str, mesh: str) -> None:
+    shape, names = MESHES[mesh]
+    cp = names.index("cp")
+    torch.manual_seed(0)
+    model = MODELS[family]()
+    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[0, :5] = 0
+    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    registry = require_context_parallel(default_registry(), cp, strategy)
+    compiled = compile_every_rank(model, shape, (), kwargs, names=names, registry=registry)
+    graph = next(iter(compiled.values())).graph.graph
+    calls = [n for n in graph.nodes if n.target in (FORWARD, BACKWARD)]
+    assert len(calls) == 2, "one layer, forward and backward"
+    for node in calls:
+        chosen = info(node).strategy
+        assert chosen is not None
+        at = 1 if node.target is BACKWARD else 0
+        query, key = chosen.inputs[at], chosen.inputs[at + 1]
+        assert (query.placements[cp], key.placements[cp]) == ASKED[strategy], (node.name, chosen)
+    embeddings = [n for n in graph.nodes if n.target is EMBEDDING]
+    assert embeddings and all(info(n).layouts[0].placements[cp] == Shard(1) for n in embeddings)
+    train_hf_in_lockstep(compiled, model, kwargs, shape, STEPS)

@@ -1,0 +1,147 @@
+"""The all-to-all token dispatcher in compiled plans (`autopar.rules.routed_experts`): each experts
+module traced as one `autopar::routed_experts` op whose local call exchanges the routed rows.
+
+- the op's four per-axis strategies against the serial layer on thread ranks, random routings
+  (hot and cold experts included), float64;
+- transformers' MixtralForCausalLM at its defaults (8 experts, top 2) with
+  `token_dispatch="alltoall"` on (4,) and (2, 2): loss, every gradient and every parameter after 2
+  SGD-momentum steps equal serial, and the plan holds the op with its experts and tokens split
+  on one axis, and no collective on the tokens it takes;
+- `token_dispatch="auto"` prices both dispatchers and picks the all-to-all one where it sends less.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+from test_expert_parallel import _compile_rank0, _mixtral, _train_like_serial
+
+from autopar.compiler.driver import compile_for_rank
+from autopar.core.errors import AutoparError
+from autopar.core.mesh import Mesh
+from autopar.core.meta import has_info, info
+from autopar.rules import routed_experts
+from examples.models import make_mlp
+
+c10d = torch.ops._c10d_functional
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def test_an_activation_the_op_lacks_is_refused_by_name() -> None:
+    x = torch.zeros(2, 3)
+    with pytest.raises(AutoparError, match="activation 'tanh'"):
+        routed_experts.experts_forward(
+            x, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), torch.zeros(2, 4, 3), torch.zeros(2, 3, 2),
+            "tanh", 0, routed_experts.SingleExchange(),
+        )
+
+
+def _routed_nodes(compiled) -> list:  # type: ignore[no-untyped-def]
+    graph = next(iter(compiled.values())).graph.graph if isinstance(compiled, dict) else compiled.graph.graph
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in routed_experts.ROUTED_OPS]
+
+
+def _assert_all_to_all_plan(compiled, shape: tuple[int, ...]) -> None:  # type: ignore[no-untyped-def]
+    nodes = _routed_nodes(compiled)
+    assert len(nodes) == 4, "two MoE layers, one forward and one backward op each"
+    graph = next(iter(compiled.values())).graph.graph
+    assert not [n for n in graph.nodes if "grouped_mm" in str(n.target)], "no traced grouped matmul is left"
+    for node in nodes:
+        strategy = info(node).strategy
+        assert strategy is not None
+        axis = routed_experts.all_to_all_axis(node.target, strategy)
+        assert axis is not None, f"{node.name} uses the all-to-all dispatcher: {strategy}"
+        tokens = node.args[1] if node.target is routed_experts.ROUTED_EXPERTS_BACKWARD else node.args[0]
+        # the tokens reach the op split over the experts' axis: no all-gather of them there
+        assert not _gathered(tokens, axis), f"{node.name} takes tokens gathered over the experts' axis"
+
+
+def _gathered(node: fx.Node, axis: int) -> bool:
+    """Whether an all-gather over mesh axis `axis` feeds `node` through the nodes insert_comm
+    added before it."""
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n.op == "call_function" and n.target is c10d.all_gather_into_tensor.default:
+            step = info(n).comm
+            if step is not None and step.axis == axis:
+                return True
+        if has_info(n) and info(n).role == "comm":
+            todo.extend(n.all_input_nodes)
+    return False
+
+
+# layer 0's router logits are COLD * (u . h) for one direction u: a token picks experts 0 and 1
+# (u . h > 0) or 6 and 5 (u . h < 0), so experts 2, 3, 4 and 7 get no row, and on 4 ranks rank 1
+# (experts 2 and 3) receives nothing while ranks 0 and 3 receive every row
+COLD = torch.tensor([5.0, 4.0, -1.0, -2.0, -3.0, -4.0, -5.0, 0.0])
+
+
+def _mixtral_with_cold_experts() -> torch.nn.Module:
+    model = _mixtral()
+    with torch.no_grad():
+        router = model.model.layers[0].mlp.gate.weight
+        direction = torch.randn(router.shape[1], generator=torch.Generator().manual_seed(3))
+        router.copy_(torch.outer(COLD, direction))
+    return model
+
+
+def _routed_ids(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Layer 0's top-k expert indices of the model's forward on `batch`."""
+    seen: list[torch.Tensor] = []
+    hook = model.model.layers[0].mlp.experts.register_forward_hook(lambda m, a, out: seen.append(a[1]))
+    try:
+        with torch.no_grad():
+            model(input_ids=batch)
+    finally:
+        hook.remove()
+    return seen[0]
+
+
+def test_the_steered_router_leaves_experts_without_tokens() -> None:
+    """(What the cold-experts case below trains on: its first step's batch.)"""
+    torch.manual_seed(0)
+    ids = _routed_ids(_mixtral_with_cold_experts(), torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(10)))
+    assert set(ids.unique().tolist()) == {0, 1, 5, 6}, ids.unique()
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"), [(_mixtral_with_cold_experts, (4,)), (_mixtral, (2, 2))], ids=["4-cold-experts", "2x2"]
+)
+def test_mixtral_with_the_all_to_all_dispatcher_trains_like_serial(make: Any, shape: tuple[int, ...]) -> None:
+    """MixtralForCausalLM at its defaults (8 experts, top 2), token_dispatch="alltoall": two steps
+    of SGD with momentum equal serial, and the plan exchanges tokens inside the op. On (4,) layer
+    0's router is steered so that half the experts get no token (one rank receives no row, two
+    receive all); on (2, 2) the tiny batch routes unevenly by itself."""
+    compiled = _train_like_serial(make, shape, token_dispatch="alltoall")
+    _assert_all_to_all_plan(compiled, shape)
+
+
+def test_all_to_all_forced_on_a_model_without_experts_is_refused() -> None:
+    model, inputs = make_mlp(0)
+    with pytest.raises(AutoparError, match="no experts module"):
+        compile_for_rank(model, Mesh.from_shape((2,)), inputs, token_dispatch="alltoall")
+
+
+@pytest.mark.parametrize(("shape", "wanted"), [((4,), "all-to-all"), ((2,), "all-gather")], ids=["4", "2"])
+def test_auto_prices_both_dispatchers_and_picks_the_cheaper(shape: tuple[int, ...], wanted: str) -> None:
+    """token_dispatch="auto" on the toy Mixtral (top 2), element counts: on 4 ranks the all-to-all
+    moves k/ep = 1/2 of the all-gather's rows and wins (backward's wider rows included); on 2 ranks
+    it moves as many in forward and more in backward, so the all-gather wins. The experts line
+    says which and the search's price of each."""
+    compiled = _compile_rank0(_mixtral, shape, token_dispatch="auto")
+    nodes = _routed_nodes(compiled)
+    assert len(nodes) == 4
+    axes = {routed_experts.all_to_all_axis(n.target, info(n).strategy) for n in nodes}
+    assert axes == ({0} if wanted == "all-to-all" else {None}), axes
+    experts = compiled.report.experts
+    assert experts is not None and experts.dispatcher == wanted
+    costs = dict(experts.dispatcher_costs)
+    assert set(costs) == {"all-to-all", "all-gather"}, costs
+    assert min(costs, key=costs.__getitem__) == wanted, costs
+    assert f"the plan dispatches tokens by {wanted}" in str(experts)

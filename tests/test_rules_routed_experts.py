@@ -1,0 +1,100 @@
+"""Property test of `autopar::routed_experts` and its backward (`autopar.rules.routed_experts`):
+every strategy the op's rule offers (the all-to-all over thread ranks, the all-gather blocks, the
+op whole) against the serial experts loop, with random routings (hot and cold experts, ranks
+without tokens), in float64."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.rules import routed_experts
+from autopar.testing.threads import run_threads
+
+COVERED_OPS = list(routed_experts.ROUTED_OPS)
+
+
+def _serial_layer(x, ids, weights, gate_up, down):  # type: ignore[no-untyped-def]
+    """The experts loop as transformers' eager experts compute it (one token and choice at a time)."""
+    out = x * 0.0  # (in the autograd graph even without tokens)
+    for t in range(ids.shape[0]):
+        for c in range(ids.shape[1]):
+            e = int(ids[t, c])
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            out[t] = out[t] + weights[t, c] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+@st.composite
+def _layers(draw):  # type: ignore[no-untyped-def]
+    ranks = draw(st.sampled_from([2, 4]))
+    local = draw(st.sampled_from([1, 2]))
+    experts = ranks * local
+    top_k = draw(st.sampled_from([1, 2]))
+    per_rank = draw(st.integers(0, 5))
+    tokens = ranks * per_rank
+    kind = draw(st.sampled_from(["uniform", "hot", "cold"]))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    pool = list(range(experts - 1 if kind == "cold" and experts - 1 >= top_k else experts))
+    rows = []
+    for _ in range(tokens):
+        chosen = [pool[int(i)] for i in torch.randperm(len(pool), generator=g)[:top_k]]
+        if kind == "hot" and float(torch.rand((), generator=g)) < 0.9:  # nine in ten choose expert 0 first
+            chosen = [0, *[e for e in chosen if e != 0]][:top_k]
+        rows.append(chosen)
+    ids = torch.tensor(rows, dtype=torch.long).reshape(tokens, top_k)
+    hidden, inner = 3, 2
+    tensors = [
+        torch.randn(tokens, hidden, generator=g, dtype=torch.float64),
+        torch.rand(tokens, top_k, generator=g, dtype=torch.float64),
+        torch.randn(experts, 2 * inner, hidden, generator=g, dtype=torch.float64),
+        torch.randn(experts, hidden, inner, generator=g, dtype=torch.float64),
+        torch.randn(tokens, hidden, generator=g, dtype=torch.float64),
+    ]
+    return ranks, ids, tensors
+
+
+@settings(max_examples=25, deadline=None)
+@given(_layers())
+def test_every_strategy_of_the_op_equals_the_serial_layer(layer) -> None:  # type: ignore[no-untyped-def]
+    """All-to-all over thread ranks (tokens and experts split), all-gather blocks (tokens whole,
+    each rank's experts, outputs summed), and the serial op: output and the gradients of the
+    tokens, the router weights and both expert weights, against the serial loop's autograd."""
+    ranks, ids, (x, weights, gate_up, down, grad) = layer
+    leaves = [t.clone().requires_grad_() for t in (x, weights, gate_up, down)]
+    want = _serial_layer(leaves[0], ids, *leaves[1:])
+    wants = [want, *torch.autograd.grad(want, leaves, grad, allow_unused=True)]
+    wants = [w if w is not None else torch.zeros_like(t) for w, t in zip(wants, [want, *leaves])]
+
+    def close(got: list[torch.Tensor], what: str) -> None:
+        for g, w, name in zip(got, wants, ("output", "grad x", "grad weights", "grad gate_up", "grad down")):
+            torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10, msg=f"{what}: {name}")
+
+    # the serial op and its registered backward
+    leaves2 = [t.clone().requires_grad_() for t in (x, weights, gate_up, down)]
+    out = routed_experts.routed_experts(leaves2[0], ids, leaves2[1], leaves2[2], leaves2[3], "silu")
+    got = torch.autograd.grad(out, leaves2, grad) if out.requires_grad and out.numel() else (None,) * 4
+    close([out.detach(), *[g if g is not None else torch.zeros_like(t) for g, t in zip(got, leaves2)]], "serial op")
+
+    tokens, local = x.shape[0] // ranks, gate_up.shape[0] // ranks
+
+    def rank_call(r: int, exchange: routed_experts.Exchange) -> list[torch.Tensor]:
+        rows, experts = slice(r * tokens, (r + 1) * tokens), slice(r * local, (r + 1) * local)
+        args = (x[rows], ids[rows], weights[rows], gate_up[experts], down[experts], "silu", 0, exchange)
+        fwd = routed_experts.experts_forward(*args)
+        return [fwd, *routed_experts.experts_backward(grad[rows], *args)]
+
+    shards = run_threads(ranks, rank_call)
+    close([torch.cat([s[i] for s in shards]) for i in range(5)], "all-to-all")
+
+    single = routed_experts.SingleExchange()
+    blocks = []
+    for r in range(ranks):
+        experts = slice(r * local, (r + 1) * local)
+        args = (x, ids, weights, gate_up[experts], down[experts], "silu", r * local, single)
+        blocks.append([routed_experts.experts_forward(*args), *routed_experts.experts_backward(grad, *args)])
+    summed = [sum(b[i] for b in blocks) for i in (0, 1, 2)]  # P: output, grad x, grad weights
+    stacked = [torch.cat([b[i] for b in blocks]) for i in (3, 4)]  # S(0): the experts' gradients
+    close([*summed, *stacked], "all-gather blocks")  # type: ignore[list-item]
