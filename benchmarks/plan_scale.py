@@ -41,6 +41,8 @@ from __future__ import annotations
 import argparse
 import gc
 import multiprocessing
+import os
+import signal
 import sys
 import time
 import traceback
@@ -82,9 +84,13 @@ def measure_gpt(
     original = api.choose_pipeline_mesh
     if not bound:
         api.choose_pipeline_mesh = lambda *a, **k: original(*a, **k, bound_depths=False)  # type: ignore[assignment]
+    stages = _time_stages()
+    out["stages"] = stages  # filled as the run goes (a run stopped by the CPU limit reports them too)
     used = time.process_time()
     if cpu_limit > 0:
+        signal.signal(signal.SIGXCPU, _out_of_cpu)  # stop with what was measured, not killed
         resource.setrlimit(resource.RLIMIT_CPU, (int(used + cpu_limit) + 1, resource.RLIM_INFINITY))
+    out["load_average_start"] = os.getloadavg()
     wall, cpu = time.perf_counter(), time.process_time()
     try:
         result = autopar.plan(
@@ -92,10 +98,13 @@ def measure_gpt(
             planning=autopar.PlanOptions(hardware="a100-cluster"),
             pipeline=autopar.PipelineOptions(microbatches=microbatches) if microbatches else None,
         )  # fmt: skip
-    except Exception as exc:
+    except (Exception, OutOfCpu) as exc:
         out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        out["cpu_s"] = time.process_time() - cpu
+        out["load_average_end"] = os.getloadavg()
         return out
     out["wall_s"], out["cpu_s"] = time.perf_counter() - wall, time.process_time() - cpu
+    out["load_average_end"] = os.getloadavg()
     depth = result.pipeline_choice
     if depth is not None:
         best = depth.chosen
@@ -107,6 +116,60 @@ def measure_gpt(
         chosen = result.mesh_choice.chosen
         out.update(mesh=chosen.label, schedule="-", step_ms=chosen.rank_time * 1e3)
     return out
+
+
+class OutOfCpu(BaseException):
+    """The run's CPU limit (`--cpu-limit`) was reached (a BaseException: the planner's own
+    `except Exception` around a seed must not swallow it)."""
+
+
+def _out_of_cpu(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGXCPU, signal.SIG_IGN)  # (the soft limit signals again every second)
+    raise OutOfCpu(f"not finished in the CPU limit ({time.process_time():.0f} s CPU in this process)")
+
+
+def _time_stages() -> dict[str, list[float]]:
+    """Wrap the parts of `plan(..., "auto", microbatches=M)` whose CPU time matters at scale, in
+    place: name -> [calls, inclusive CPU s]. `choose_mesh` is the tensor-only choice (its world
+    size is the job's) or a depth's sub-mesh choice; inside each, the screen, the searches of the
+    meshes kept and the schedule stage; beside them the depths' cuts and the traces."""
+    import autopar.compiler.pipeline_mesh as pipeline_mesh
+    import autopar.planning.mesh_choice as mesh_choice
+
+    stages: dict[str, list[float]] = {}
+
+    def timed(module: Any, attr: str, label: Callable[..., str]) -> None:
+        inner = getattr(module, attr)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                entry = stages.setdefault(label(*args, **kwargs), [0, 0.0])
+                entry[0] += 1
+                entry[1] += time.process_time() - start
+
+        setattr(module, attr, wrapper)
+
+    world: list[int] = []
+
+    def choice_label(model: Any, world_size: int, *args: Any, **kwargs: Any) -> str:
+        world.append(world_size)
+        return "tensor-only choice" if len(world) == 1 else "sub-mesh choices"
+
+    def inner_label(what: str) -> Callable[..., str]:
+        return lambda *a, **k: f"{what} ({'tensor-only' if len(world) == 1 else 'sub-meshes'})"
+
+    timed(pipeline_mesh, "choose_mesh", choice_label)
+    timed(mesh_choice, "screen", inner_label("  screen"))
+    timed(mesh_choice, "complete", inner_label("  screen completed"))
+    timed(mesh_choice, "_evaluate", inner_label("  search of the kept meshes"))
+    timed(mesh_choice, "_scheduled", inner_label("  schedule stage"))
+    timed(pipeline_mesh, "_cuts", lambda *a, **k: "depths' cuts")
+    timed(pipeline_mesh, "trace", lambda *a, **k: "full-depth trace")
+    timed(pipeline_mesh, "trace_for_choice", lambda *a, **k: "microbatch trace")
+    return stages
 
 
 def measure_cuts(name: str, ranks: int, layers: int, microbatches: int) -> dict[str, Any]:
@@ -428,6 +491,8 @@ def gpt_main(args: argparse.Namespace, clock: RunClock, ctx: Any) -> None:
             print(f"  {args.model} ranks={ranks} layers={layers}: {done}", flush=True)
             if "table" in run:
                 print(run["table"], flush=True)
+            for stage, (calls, spent) in run.get("stages", {}).items():
+                print(f"    {stage}: {spent:.1f} s CPU in {calls} call(s)", flush=True)
     rows = [
         [r["model"], r["ranks"], r["layers"], r["microbatches"] or "-", "yes" if r["bound_depths"] else "no",
          r.get("error", "")[:60] or f"{r['cpu_s']:.1f}", r.get("mesh", ""), r.get("schedule", ""),
