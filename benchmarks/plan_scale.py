@@ -23,7 +23,10 @@ chosen mesh's modeled step with overlap, "step ms" its no-overlap sum of the com
 with an 80 GB limit; `--microbatches M` makes pipeline depths compete
 (`autopar.compiler.pipeline_mesh.choose_pipeline_mesh`, every factorization up to 4 axes for every
 stage sub-mesh), `--no-bound` prices every depth (no branch and bound). `--cpu-limit S` stops a
-run after S CPU seconds and records it as not finished. `--cuts-only` times the part of the pipeline
+run after S CPU seconds and records it as not finished, with what it measured so far. GPT runs
+record the CPU seconds of each stage (`stages`: the traces, the tensor-only choice and the depths'
+sub-mesh choices, inside them the screen, the searches of the meshes kept and the schedule stage,
+and the depths' cuts; inclusive, so nested stages are also in their parent's time). `--cuts-only` times the part of the pipeline
 choice that prices every depth's ideal cuts (every schedule of `AUTO_CANDIDATES`, work divided
 ideally by the stage sub-mesh) on the full-depth trace, without the sub-mesh choices.
 `--screen-only K` times the tensor-only choice's screen (a cheap plan per mesh) on K of the
@@ -142,11 +145,11 @@ def _time_stages() -> dict[str, list[float]]:
         inner = getattr(module, attr)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            entry = stages.setdefault(label(*args, **kwargs), [0, 0.0])  # (named before the call runs)
             start = time.process_time()
             try:
                 return inner(*args, **kwargs)
             finally:
-                entry = stages.setdefault(label(*args, **kwargs), [0, 0.0])
                 entry[0] += 1
                 entry[1] += time.process_time() - start
 
@@ -155,7 +158,7 @@ def _time_stages() -> dict[str, list[float]]:
     world: list[int] = []
 
     def choice_label(model: Any, world_size: int, *args: Any, **kwargs: Any) -> str:
-        world.append(world_size)
+        world.append(world_size)  # the first choice asked for is the tensor-only one
         return "tensor-only choice" if len(world) == 1 else "sub-mesh choices"
 
     def inner_label(what: str) -> Callable[..., str]:
