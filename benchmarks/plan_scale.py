@@ -23,7 +23,10 @@ chosen mesh's modeled step with overlap, "step ms" its no-overlap sum of the com
 with an 80 GB limit; `--microbatches M` makes pipeline depths compete
 (`autopar.compiler.pipeline_mesh.choose_pipeline_mesh`, every factorization up to 4 axes for every
 stage sub-mesh), `--no-bound` prices every depth (no branch and bound). `--cpu-limit S` stops a
-run after S CPU seconds and records it as not finished. `--cuts-only` times the part of the pipeline
+run after S CPU seconds and records it as not finished, with what it measured so far. GPT runs
+record the CPU seconds of each stage (`stages`: the traces, the tensor-only choice and the depths'
+sub-mesh choices, inside them the screen, the searches of the meshes kept and the schedule stage,
+and the depths' cuts; inclusive, so nested stages are also in their parent's time). `--cuts-only` times the part of the pipeline
 choice that prices every depth's ideal cuts (every schedule of `AUTO_CANDIDATES`, work divided
 ideally by the stage sub-mesh) on the full-depth trace, without the sub-mesh choices.
 `--screen-only K` times the tensor-only choice's screen (a cheap plan per mesh) on K of the
@@ -41,6 +44,8 @@ from __future__ import annotations
 import argparse
 import gc
 import multiprocessing
+import os
+import signal
 import sys
 import time
 import traceback
@@ -82,9 +87,13 @@ def measure_gpt(
     original = api.choose_pipeline_mesh
     if not bound:
         api.choose_pipeline_mesh = lambda *a, **k: original(*a, **k, bound_depths=False)  # type: ignore[assignment]
+    stages = _time_stages()
+    out["stages"] = stages  # filled as the run goes (a run stopped by the CPU limit reports them too)
     used = time.process_time()
     if cpu_limit > 0:
+        signal.signal(signal.SIGXCPU, _out_of_cpu)  # stop with what was measured, not killed
         resource.setrlimit(resource.RLIMIT_CPU, (int(used + cpu_limit) + 1, resource.RLIM_INFINITY))
+    out["load_average_start"] = os.getloadavg()
     wall, cpu = time.perf_counter(), time.process_time()
     try:
         result = autopar.plan(
@@ -92,10 +101,13 @@ def measure_gpt(
             planning=autopar.PlanOptions(hardware="a100-cluster"),
             pipeline=autopar.PipelineOptions(microbatches=microbatches) if microbatches else None,
         )  # fmt: skip
-    except Exception as exc:
+    except (Exception, OutOfCpu) as exc:
         out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        out["cpu_s"] = time.process_time() - cpu
+        out["load_average_end"] = os.getloadavg()
         return out
     out["wall_s"], out["cpu_s"] = time.perf_counter() - wall, time.process_time() - cpu
+    out["load_average_end"] = os.getloadavg()
     depth = result.pipeline_choice
     if depth is not None:
         best = depth.chosen
@@ -107,6 +119,60 @@ def measure_gpt(
         chosen = result.mesh_choice.chosen
         out.update(mesh=chosen.label, schedule="-", step_ms=chosen.rank_time * 1e3)
     return out
+
+
+class OutOfCpu(BaseException):
+    """The run's CPU limit (`--cpu-limit`) was reached (a BaseException: the planner's own
+    `except Exception` around a seed must not swallow it)."""
+
+
+def _out_of_cpu(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGXCPU, signal.SIG_IGN)  # (the soft limit signals again every second)
+    raise OutOfCpu(f"not finished in the CPU limit ({time.process_time():.0f} s CPU in this process)")
+
+
+def _time_stages() -> dict[str, list[float]]:
+    """Wrap the parts of `plan(..., "auto", microbatches=M)` whose CPU time matters at scale, in
+    place: name -> [calls, inclusive CPU s]. `choose_mesh` is the tensor-only choice (its world
+    size is the job's) or a depth's sub-mesh choice; inside each, the screen, the searches of the
+    meshes kept and the schedule stage; beside them the depths' cuts and the traces."""
+    import autopar.compiler.pipeline_mesh as pipeline_mesh
+    import autopar.planning.mesh_choice as mesh_choice
+
+    stages: dict[str, list[float]] = {}
+
+    def timed(module: Any, attr: str, label: Callable[..., str]) -> None:
+        inner = getattr(module, attr)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            entry = stages.setdefault(label(*args, **kwargs), [0, 0.0])  # (named before the call runs)
+            start = time.process_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                entry[0] += 1
+                entry[1] += time.process_time() - start
+
+        setattr(module, attr, wrapper)
+
+    world: list[int] = []
+
+    def choice_label(model: Any, world_size: int, *args: Any, **kwargs: Any) -> str:
+        world.append(world_size)  # the first choice asked for is the tensor-only one
+        return "tensor-only choice" if len(world) == 1 else "sub-mesh choices"
+
+    def inner_label(what: str) -> Callable[..., str]:
+        return lambda *a, **k: f"{what} ({'tensor-only' if len(world) == 1 else 'sub-meshes'})"
+
+    timed(pipeline_mesh, "choose_mesh", choice_label)
+    timed(mesh_choice, "screen", inner_label("  screen"))
+    timed(mesh_choice, "complete", inner_label("  screen completed"))
+    timed(mesh_choice, "_evaluate", inner_label("  search of the kept meshes"))
+    timed(mesh_choice, "_scheduled", inner_label("  schedule stage"))
+    timed(pipeline_mesh, "_cuts", lambda *a, **k: "depths' cuts")
+    timed(pipeline_mesh, "trace", lambda *a, **k: "full-depth trace")
+    timed(pipeline_mesh, "trace_for_choice", lambda *a, **k: "microbatch trace")
+    return stages
 
 
 def measure_cuts(name: str, ranks: int, layers: int, microbatches: int) -> dict[str, Any]:
@@ -149,6 +215,7 @@ def measure_screen(name: str, ranks: int, layers: int, meshes: int) -> dict[str,
     """The tensor-only mesh choice's screen (`mesh_screen.screen`) on `meshes` of the default
     candidates (every `len // meshes`-th, in `mesh_candidates`' order), CPU seconds per mesh."""
     import hashlib
+    import math
 
     import torch
 
@@ -180,8 +247,13 @@ def measure_screen(name: str, ranks: int, layers: int, meshes: int) -> dict[str,
     spent = time.process_time() - cpu
     gc.enable()
     values = [(list(m.shape), e.value, e.seed) for m, e in zip(chosen, estimates)]
+    estimated = sum(e.screened for e in estimates)
+    first = sum(not e.screened and not math.isnan(e.first) for e in estimates)
     return {"model": name, "ranks": ranks, "layers": layers, "trace_cpu_s": traced, "candidates": len(every),
             "screened": len(chosen), "screen_cpu_s": spent, "per_mesh_cpu_s": spent / len(chosen),
+            "estimated_in_full": estimated, "first_estimate_only": first,
+            "skipped_by_bound": len(chosen) - estimated - first,
+            "firsts": [(list(m.shape), e.first) for m, e in zip(chosen, estimates) if not math.isnan(e.first)],
             "best": [values[i] for i in order[:4]],
             "estimates_md5": hashlib.md5(repr(values).encode()).hexdigest(), "estimates": values}  # fmt: skip
 
@@ -422,6 +494,8 @@ def gpt_main(args: argparse.Namespace, clock: RunClock, ctx: Any) -> None:
             print(f"  {args.model} ranks={ranks} layers={layers}: {done}", flush=True)
             if "table" in run:
                 print(run["table"], flush=True)
+            for stage, (calls, spent) in run.get("stages", {}).items():
+                print(f"    {stage}: {spent:.1f} s CPU in {calls} call(s)", flush=True)
     rows = [
         [r["model"], r["ranks"], r["layers"], r["microbatches"] or "-", "yes" if r["bound_depths"] else "no",
          r.get("error", "")[:60] or f"{r['cpu_s']:.1f}", r.get("mesh", ""), r.get("schedule", ""),

@@ -28,3 +28,6 @@ class Plan:
     deferred_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # a deferred value -> (the decided node that laid it out, that node's input index)
     resolved_by: dict[str, tuple[str, int]] = field(default_factory=dict)
+    # a parameter stored by the greedy pass -> the layout it computes with, which its storage
+    # splits further (`planning.storage`): its storage on a mesh of other sizes is derived from it
+    stored_from: dict[str, Layout] = field(default_factory=dict)

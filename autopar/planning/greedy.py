@@ -85,6 +85,28 @@ def greedy_plan(
     return _Greedy(gm, mesh, registry, roles=roles, forced=forced, expand_cache=expand_cache, memo=memo).run()
 
 
+def batch_error(gm: fx.GraphModule, mesh: Mesh, roles: tuple[str, ...]) -> ShardingError | None:
+    """Why the first input's dim 0 (the batch, which the token axes split) does not divide evenly
+    over `roles`' token axes; None if it does. A plan found on another mesh is held to it too."""
+    shape = tuple(mesh.shape)
+    token_axes = [a for a, r in enumerate(roles) if r == "token" and shape[a] > 1]
+    factor = math.prod(shape[a] for a in token_axes)
+    first = next((n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "input"), None)
+    if first is None or factor == 1:
+        return None
+    val = first.meta["val"]
+    if val.dim() >= 1 and val.shape[0] % factor:
+        names = "".join(mesh.axis_names[a] for a in token_axes)
+        return ShardingError(
+            f"the batch dim of input 0 ({val.shape[0]}, shape {list(val.shape)}) is not divisible "
+            f"by the token axes {names} of mesh {mesh} ({factor} ranks)",
+            op="input",
+            layouts=[f"wanted: dim 0 split {factor} ways over {names}"],
+            hint=f"use a batch size that is a multiple of {factor}, or a mesh with smaller token axes",
+        )
+    return None
+
+
 @functools.lru_cache(maxsize=200_000)
 def _redist(src: Layout, dst: Layout, mesh_shape: tuple[int, ...]) -> float:
     """`redistribute_cost`; between even layouts from the steps of their placements alone."""
@@ -158,24 +180,9 @@ class _Greedy:
         return self.plan
 
     def _check_batch(self) -> None:
-        """The first input's dim 0 is the batch; the token axes split it, so it must divide evenly."""
-        token_axes = [a for a, r in enumerate(self.plan.roles) if r == "token" and self.shape[a] > 1]
-        factor = math.prod(self.shape[a] for a in token_axes)
-        first = next(
-            (n for n in self.gm.graph.nodes if n.op == "placeholder" and info(n).role == "input"), None
-        )
-        if first is None or factor == 1:
-            return
-        val = first.meta["val"]
-        if val.dim() >= 1 and val.shape[0] % factor:
-            names = "".join(self.mesh.axis_names[a] for a in token_axes)
-            raise ShardingError(
-                f"the batch dim of input 0 ({val.shape[0]}, shape {list(val.shape)}) is not divisible "
-                f"by the token axes {names} of mesh {self.mesh} ({factor} ranks)",
-                op="input",
-                layouts=[f"wanted: dim 0 split {factor} ways over {names}"],
-                hint=f"use a batch size that is a multiple of {factor}, or a mesh with smaller token axes",
-            )
+        error = batch_error(self.gm, self.mesh, self.plan.roles)
+        if error is not None:
+            raise error
 
     def _check_storage(self) -> None:
         """Weights (2-D and up) must be stored split on every axis; vectors, and tables too small
@@ -468,6 +475,7 @@ class _Greedy:
         if node.op == "placeholder":
             dim = self.part_dims.get(node.name)
             storage = _storage(want, self.shape, dim)
+            self.plan.stored_from[node.name] = want
             self._set(node, (storage,), f"stored split over all axes; computes as {want.per_axis_str()}")
             return
         if node.target is operator.getitem:

@@ -311,6 +311,9 @@ def _screened_out(mesh: Mesh, estimates: list[Estimate] | None, order: list[int]
     """Candidate `i`, ranked below the ones searched by the screen (`order`)."""
     assert estimates is not None  # only a screen leaves candidates unsearched
     found, where = estimates[i], f"screened {order.index(i) + 1} of {len(order)}"
+    if not found.screened and not math.isnan(found.first):
+        why = f"not screened: first estimate {found.first * 1e3:.4g} ms (other meshes' plans priced here)"
+        return MeshCandidate(mesh.shape, mesh.axis_names, error=why, bound=found.bound, searched=False)
     if not found.screened:
         why = f"not screened: bound {found.bound * 1e3:.4g} ms above the searched ones' estimates"
         return MeshCandidate(mesh.shape, mesh.axis_names, error=why, bound=found.bound, searched=False)

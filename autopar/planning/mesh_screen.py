@@ -13,6 +13,19 @@ seed and never ends above it, so a candidate's estimate is an upper bound on its
 searching only the best few (`mesh_choice.SEARCHED_CANDIDATES`) is a heuristic. The greedy
 passes' candidate lists and answers (`Shared`) are handed to the search of the candidates kept,
 so screening them costs nothing twice.
+
+With hundreds of meshes (1536 ranks: 463, 444 of them with three or four axes) the estimate itself
+is too dear for every mesh (about a second each on a 96-layer graph: the greedy pass asks its
+first layer's questions again at every mesh's sizes). The screen then runs in two stages:
+meshes of one or two axes (whose fixed-scheme seeds a plan of another mesh does not stand for) and,
+per number of axes, the `REPRESENTATIVES` meshes with the lowest bounds get their full estimate;
+every other mesh gets a first estimate, the cheapest of those representatives' plans priced on
+its own sizes (`plan_transplant.PlanPattern`: a few hundred cost questions instead of a graph
+walk), and only the `SECOND_STAGE` best by that first estimate get the full one. A first estimate
+is the price of a valid plan there, not of the mesh's own seeds, so this is a heuristic, like
+searching only the best few estimates; `tests/test_plan_scale.py` holds it to the whole screen's
+choice on spaces small enough to screen exhaustively. Below that many meshes the screen estimates
+every mesh (save those the bound skips).
 """
 
 from __future__ import annotations
@@ -32,11 +45,20 @@ from autopar.planning.greedy import axis_roles, greedy_plan
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.mesh_bound import Bounds
 from autopar.planning.plan_cost import GraphFacts, plan_cost
+from autopar.planning.plan_transplant import PlanPattern
 from autopar.planning.search_cost import ElementCost
 from autopar.planning.search_problem import Shared
 from autopar.planning.search_seeds import dispatcher_seeds, fixed_seeds
 from autopar.rules.base import RuleRegistry
 from autopar.rules.calls import ExpandCache
+
+# Meshes with at least this many axes can be ranked first by other meshes' plans (two-stage
+# screen); those with fewer get their full estimate (their fixed 1-D / 2-D seeds win there).
+FIRST_STAGE_AXES = 3
+# Per number of axes and roles: meshes estimated in full first, whose plans the others are priced by.
+REPRESENTATIVES = 4
+# Meshes estimated in full after the first stage, the best by their first estimate.
+SECOND_STAGE = 16
 
 
 @dataclass
@@ -48,6 +70,9 @@ class Estimate:
     shared: Shared | None  # what its greedy passes worked out, for the search of this mesh
     screened: bool = True  # False: skipped by the bound (`value` nan)
     bound: float = math.nan  # `mesh_bound` lower bound on `value`; nan: not computed
+    # the cheapest representative's plan priced on this mesh (`plan_transplant`); nan: not priced
+    first: float = math.nan
+    pattern: PlanPattern | None = None  # a representative's best plan, to price on other meshes
 
 
 def estimate(
@@ -58,21 +83,24 @@ def estimate(
     facts: GraphFacts,
     calls: GreedyMemo | None = None,
     library: dict[Any, list[Strategy]] | None = None,
+    keep_pattern: bool = False,
 ) -> Estimate:
     """The modeled cost (`plan_cost`) of the cheapest of the default-role greedy plan, the fixed
     schemes' plans and the token dispatchers' seeds (MoE layers as routed-experts ops) on `mesh`:
-    an upper bound on what the search finds there. `calls`: a memo whose nodes' op calls and inputs (the same on every mesh) this mesh's passes share.
-    `library`: candidate lists shared by meshes whose sizes divide the same dims (`ExpandCache`)."""
+    an upper bound on what the search finds there. `calls`: a memo whose nodes' op calls and
+    inputs (the same on every mesh) this mesh's passes share. `library`: candidate lists shared
+    by meshes whose sizes divide the same dims (`ExpandCache`). `keep_pattern`: keep the cheapest
+    plan's `PlanPattern` (a representative's)."""
     work = {name: work for name, _, work, _, _ in facts.calls}
     shared = Shared(expand=ExpandCache(library), work=work, greedy=graph_memo(calls))
-    best, seed = math.inf, ""
+    best, seed, chosen = math.inf, "", None
     roles = axis_roles(mesh)
     try:
         plan = greedy_plan(gm, mesh, registry, roles=roles, expand_cache=shared.expand, memo=shared.greedy)
     except Exception:  # noqa: BLE001 - as in the search: other roles may still split this model
         pass
     else:
-        best, seed = plan_cost(gm, plan, mesh, cost, facts), "/".join(roles)
+        best, seed, chosen = plan_cost(gm, plan, mesh, cost, facts), "/".join(roles), plan
     seeds = itertools.chain(
         fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy),
         dispatcher_seeds(gm, mesh, registry, shared.expand, shared.greedy),
@@ -82,8 +110,11 @@ def estimate(
             continue
         value = plan_cost(gm, found, mesh, cost, facts)
         if value < best:
-            best, seed = value, name
-    return Estimate(best, seed, shared)
+            best, seed, chosen = value, name, found
+    pattern = None
+    if keep_pattern and chosen is not None:
+        pattern = PlanPattern.of(gm, chosen, registry, facts, shared.greedy)
+    return Estimate(best, seed, shared, pattern=pattern)
 
 
 def graph_memo(calls: GreedyMemo | None) -> GreedyMemo:
@@ -111,6 +142,8 @@ def screen(
     keep: int,
     library: dict[Any, list[Strategy]] | None = None,
     bound: bool = True,
+    representatives: int | None = None,
+    second_stage: int | None = None,
 ) -> tuple[list[int], list[Estimate]]:
     """The meshes' indices by estimate (ties: the earlier one) and every mesh's `Estimate`. Only
     the `keep` best so far keep their `Shared` (the rest are searched only if those fail).
@@ -120,7 +153,15 @@ def screen(
     screen stops at the first whose bound exceeds the `keep`-th best estimate found: its estimate,
     and every later one's, is at least its bound, so the `keep` best are those the whole screen
     finds, in the same order. The meshes left are ranked after, by bound (`Estimate.screened`
-    False); `complete` screens them."""
+    False); `complete` screens them.
+
+    With more than `second_stage` meshes of `FIRST_STAGE_AXES` or more axes left besides
+    `representatives` per number of axes, the screen runs in two stages (module doc): the meshes
+    only first-estimated are ranked after the screened ones, by first estimate (`Estimate.first`).
+    `representatives` and `second_stage` default to the module's `REPRESENTATIVES` and
+    `SECOND_STAGE` (read at the call)."""
+    representatives = REPRESENTATIVES if representatives is None else representatives
+    second_stage = SECOND_STAGE if second_stage is None else second_stage
     run = Screening(gm, registry, library)
     estimates = [Estimate(math.nan, "", None, screened=False) for _ in meshes]
     visit = list(range(len(meshes)))
@@ -128,18 +169,89 @@ def screen(
         for i, (mesh, cost) in enumerate(zip(meshes, costs)):
             estimates[i].bound = run.bounds.bound(mesh, cost)
         visit.sort(key=lambda i: (estimates[i].bound, i))
-    best: list[float] = []  # the `keep` lowest estimates so far, sorted
+    groups: dict[tuple[str, ...], list[int]] = {}
     for i in visit:
-        if len(best) >= keep and estimates[i].bound > best[keep - 1]:
-            break
-        found = run.estimate(meshes[i], costs[i])
-        found.bound = estimates[i].bound
-        estimates[i] = found
-        best = sorted([*best, found.value])[:keep]
-        ranked = sorted((j for j in visit if estimates[j].screened), key=lambda j: (estimates[j].value, j))
-        for j in ranked[keep:]:
-            estimates[j].shared = None
+        if meshes[i].ndim >= FIRST_STAGE_AXES:
+            groups.setdefault(axis_roles(meshes[i]), []).append(i)
+    rest = sum(max(0, len(members) - representatives) for members in groups.values())
+    if rest <= second_stage:
+        best = _Best(keep)
+        for i in visit:
+            if best.beats(estimates[i].bound):
+                break
+            best.add(i, run.estimate(meshes[i], costs[i]), estimates)
+        return _order(estimates), estimates
+    return _two_stages(run, meshes, costs, keep, estimates, visit, groups, representatives, second_stage)
+
+
+def _two_stages(
+    run: Screening,
+    meshes: Sequence[Mesh],
+    costs: Sequence[ElementCost],
+    keep: int,
+    estimates: list[Estimate],
+    visit: list[int],
+    groups: dict[tuple[str, ...], list[int]],
+    representatives: int,
+    second_stage: int,
+) -> tuple[list[int], list[Estimate]]:
+    """`screen`'s two stages; `visit`: the meshes by bound, `groups`: those of `FIRST_STAGE_AXES`
+    or more axes by their default roles, in `visit`'s order. A mesh whose bound exceeds the
+    `keep`-th best estimate found is skipped at any stage (its estimate could not be kept)."""
+    best = _Best(keep)
+    patterns: dict[tuple[str, ...], list[PlanPattern]] = {roles: [] for roles in groups}
+    group_of = {i: roles for roles, members in groups.items() for i in members}
+    chosen = {i for members in groups.values() for i in members[:representatives]}
+    full = [i for i in visit if i not in group_of or i in chosen]
+    for i in full:
+        if best.beats(estimates[i].bound):
+            continue
+        found = best.add(i, run.estimate(meshes[i], costs[i], keep_pattern=i in group_of), estimates)
+        if found.pattern is not None:
+            patterns[group_of[i]].append(found.pattern)
+            found.pattern = None
+    firsts = []
+    for i in visit:
+        if i not in group_of or i in chosen or best.beats(estimates[i].bound):
+            continue
+        prices = [p.price(run.gm, meshes[i], costs[i]) for p in patterns[group_of[i]]]
+        valid = [v for v in prices if v is not None]
+        if not valid:  # no representative's plan lays out here: a representative of its own
+            found = best.add(i, run.estimate(meshes[i], costs[i], keep_pattern=True), estimates)
+            if found.pattern is not None:
+                patterns[group_of[i]].append(found.pattern)
+                found.pattern = None
+            continue
+        estimates[i].first = min(valid)
+        firsts.append(i)
+    firsts.sort(key=lambda i: (estimates[i].first, i))
+    for i in firsts[:second_stage]:
+        if not best.beats(estimates[i].bound):
+            best.add(i, run.estimate(meshes[i], costs[i]), estimates)
     return _order(estimates), estimates
+
+
+class _Best:
+    """The `keep` lowest estimates found so far; only their meshes keep their `Shared`."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.values: list[float] = []  # sorted
+        self.found: list[int] = []  # the meshes estimated
+
+    def beats(self, bound: float) -> bool:
+        """Whether `keep` estimates at or below `bound` are known (a mesh bounded by it cannot be kept)."""
+        return len(self.values) >= self.keep and bound > self.values[self.keep - 1]
+
+    def add(self, i: int, found: Estimate, estimates: list[Estimate]) -> Estimate:
+        found.bound, found.first = estimates[i].bound, estimates[i].first
+        estimates[i] = found
+        self.values = sorted([*self.values, found.value])[: self.keep]
+        self.found.append(i)
+        ranked = sorted(self.found, key=lambda j: (estimates[j].value, j))
+        for j in ranked[self.keep :]:
+            estimates[j].shared = None
+        return found
 
 
 def complete(
@@ -156,7 +268,7 @@ def complete(
     for i, (mesh, cost) in enumerate(zip(meshes, costs)):
         if not estimates[i].screened:
             found = run.estimate(mesh, cost)
-            found.bound, found.shared = estimates[i].bound, None
+            found.bound, found.first, found.shared = estimates[i].bound, estimates[i].first, None
             estimates[i] = found
     return _order(estimates)
 
@@ -173,14 +285,18 @@ class Screening:
         self.library = library if library is not None else {}
         self.bounds = Bounds(gm, self.facts)
 
-    def estimate(self, mesh: Mesh, cost: ElementCost) -> Estimate:
-        return estimate(self.gm, mesh, self.registry, cost, self.facts, self.calls, self.library)
+    def estimate(self, mesh: Mesh, cost: ElementCost, keep_pattern: bool = False) -> Estimate:
+        return estimate(self.gm, mesh, self.registry, cost, self.facts, self.calls, self.library, keep_pattern)
 
 
 def _order(estimates: Sequence[Estimate]) -> list[int]:
-    """Screened meshes by estimate, then the others by bound (ties: the earlier one)."""
+    """Screened meshes by estimate, then those first-estimated by their first estimate, then the
+    others by bound (ties: the earlier one)."""
     screened = [i for i, e in enumerate(estimates) if e.screened]
-    rest = [i for i, e in enumerate(estimates) if not e.screened]
-    return sorted(screened, key=lambda i: (estimates[i].value, i)) + sorted(
-        rest, key=lambda i: (estimates[i].bound, i)
+    first = [i for i, e in enumerate(estimates) if not e.screened and not math.isnan(e.first)]
+    rest = [i for i, e in enumerate(estimates) if not e.screened and math.isnan(e.first)]
+    return (
+        sorted(screened, key=lambda i: (estimates[i].value, i))
+        + sorted(first, key=lambda i: (estimates[i].first, i))
+        + sorted(rest, key=lambda i: (estimates[i].bound, i))
     )
