@@ -17,6 +17,8 @@ from torch.utils.flop_counter import flop_registry
 from autopar.core.layout import Replicate
 from autopar.core.strategy import Strategy
 from autopar.cost.hardware import Elementwise, Rate
+from autopar.rules.device_attention import CPU_BACKWARD as BACKWARD
+from autopar.rules.device_attention import CPU_FORWARD as FORWARD
 
 
 def work_split(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
@@ -76,7 +78,8 @@ def global_work(node: fx.Node) -> float:
         q = node.args[0]
         if isinstance(q, fx.Node):
             b, h, s, d = q.meta["val"].shape
-            return 4.0 * b * h * s * s * d * (2.5 if "backward" in name else 1.0)
+            full = 4.0 * b * h * s * s * d * (2.5 if "backward" in name else 1.0)
+            return full * causal_fraction(s) if is_causal_attention(node) else full
     if "grouped_mm" in name:
         return _grouped_mm_flops(node, backward="backward" in name)
     if "routed_experts" in name:
@@ -97,6 +100,23 @@ def _routed_experts_flops(node: fx.Node, backward: bool) -> float:
     tokens, top_k = ids.meta["val"].shape
     _, hidden, inner = down.meta["val"].shape
     return (18.0 if backward else 6.0) * tokens * top_k * hidden * inner
+
+
+def is_causal_attention(node: fx.Node) -> bool:
+    """Whether a node is the CPU attention pair (what the trace records) with its `is_causal` flag:
+    torch's causal mask, which the kernels skip rather than compute."""
+    if node.target not in (FORWARD, BACKWARD):
+        return False
+    at = 7 if node.target == BACKWARD else 4
+    flag = node.args[at] if len(node.args) > at else node.kwargs.get("is_causal", False)
+    return bool(flag)
+
+
+def causal_fraction(seq: int) -> float:
+    """The share of the (seq, seq) scores a causal kernel computes: the lower triangle with its
+    diagonal, (seq + 1) / (2 seq). The flash kernels skip the tiles above the diagonal, so a causal
+    call costs about half of the same call without the mask."""
+    return (seq + 1) / (2 * seq)
 
 
 def _grouped_mm_flops(node: fx.Node, backward: bool) -> float:
