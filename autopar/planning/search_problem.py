@@ -29,7 +29,7 @@ from autopar.core.meta import signature
 from autopar.core.plan import Plan
 from autopar.core.strategy import OpCall, Strategy
 from autopar.cost.hardware import Rate
-from autopar.cost.work import compute_rate, global_work, work_split
+from autopar.cost.work import compute_rate, global_work, is_causal_attention, work_split
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.memory import SavedValue, plan_memory, saved_nodes, weight_chain
 from autopar.planning.ring_cost import causal_imbalance_cost, ring_exchange_cost, routed_exchange_cost
@@ -38,7 +38,6 @@ from autopar.planning.search_vars import Edge, Tally, Var
 from autopar.planning.storage import part_dim_at, part_dims, part_storage, replicated_storage
 from autopar.rules.base import RuleRegistry
 from autopar.rules.calls import call_key, expand_cached, op_call, output_index, tensor_inputs
-from autopar.rules.context_parallel import BACKWARD, FORWARD, is_causal
 
 MAX_CANDIDATES = 512
 _getitem = operator.getitem
@@ -131,7 +130,7 @@ class Problem:
                 cands, key, at = [*listed, chosen], (id(listed), chosen), len(listed)
             work = shared.work[name] if name in shared.work else global_work(node)
             dtype = compute_rate(node)
-            causal = is_causal(call) if node.target in (FORWARD, BACKWARD) else False
+            causal = is_causal_attention(node)
             base = self._cached(
                 ("compute", key, work, dtype, causal),
                 lambda c=cands, w=work, d=dtype, op=node.target, k=causal: self._compute(c, w, d, op, k),  # type: ignore[misc]
