@@ -16,7 +16,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
 from autopar.cost.hardware import Rate
-from autopar.cost.work import compute_rate, global_work, is_causal_attention, work_split
+from autopar.cost.work import causal_skipped, compute_rate, global_work, work_split
 from autopar.planning.ring_cost import causal_imbalance_cost, ring_exchange_cost, routed_exchange_cost
 from autopar.planning.search_cost import ElementCost
 from autopar.rules.calls import tensor_inputs
@@ -40,7 +40,7 @@ class GraphFacts:
             if node.op == "call_function":
                 inputs = tuple(src.name for src in tensor_inputs(node))
                 calls.append((node.name, inputs, global_work(node), compute_rate(node), node.target))
-                if is_causal_attention(node):
+                if causal_skipped(node):
                     causal.add(node.name)
             elif node.op == "output":
                 outputs = tuple(src.name if isinstance(src, fx.Node) else None for src in node.args[0])

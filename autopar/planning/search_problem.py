@@ -29,7 +29,7 @@ from autopar.core.meta import signature
 from autopar.core.plan import Plan
 from autopar.core.strategy import OpCall, Strategy
 from autopar.cost.hardware import Rate
-from autopar.cost.work import compute_rate, global_work, is_causal_attention, work_split
+from autopar.cost.work import causal_skipped, compute_rate, global_work, work_split
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.memory import SavedValue, plan_memory, saved_nodes, weight_chain
 from autopar.planning.ring_cost import causal_imbalance_cost, ring_exchange_cost, routed_exchange_cost
@@ -130,7 +130,7 @@ class Problem:
                 cands, key, at = [*listed, chosen], (id(listed), chosen), len(listed)
             work = shared.work[name] if name in shared.work else global_work(node)
             dtype = compute_rate(node)
-            causal = is_causal_attention(node)
+            causal = causal_skipped(node)
             base = self._cached(
                 ("compute", key, work, dtype, causal),
                 lambda c=cands, w=work, d=dtype, op=node.target, k=causal: self._compute(c, w, d, op, k),  # type: ignore[misc]
