@@ -214,7 +214,8 @@ def main() -> None:
     print(f"this run's fit rows give: eta {refit.eta}, phi {refit.phi}")
     consts = refit if args.fit else TABLE
     if args.fit and args.write_tables:
-        write_tables(consts, comps, f"{len(comps)} rows, {time.strftime('%Y-%m-%d')}")
+        write_tables(consts, comps, f"{len(comps)} rows, {time.strftime('%Y-%m-%d')}, "
+                     "causal attention priced as each row's kernel ran it")
     rows, summary = report(comps, consts)
     headers = ["row", "GPUs", "t", "p", "d", "m", "attention", "published", "unit", "modeled (unfitted)", "modeled",
                "ratio", "bubble", "DP exp. s", "split"]  # fmt: skip

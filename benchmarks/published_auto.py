@@ -24,8 +24,8 @@ How the two sides are made comparable (`auto_call` is the mapping, tested in tes
 - the same kernels: autopar's runtime pays the table's element-wise time unscaled (phi = 1) and
   runs causal attention on torch's flash kernels (`cost.work.PLANNED_ATTENTION`: the masked blocks
   skipped), so the expert is priced with phi = 1 and flash attention too (`expert_step_s`);
-  `expert_framework_step_s` is the row's own framework constant (Megatron-Core's fused kernels:
-  0.8) and attention kernel (Megatron-LM 2021's full scores: `Row.attention`), which autopar's
+  `expert_framework_step_s` is the row's own framework constant (`kernels.elementwise_factor`)
+  and attention kernel (Megatron-LM 2021's full scores: `Row.attention`), which autopar's
   runtime does not have.
 
 "auto" is what `choose_pipeline_mesh` ranks first, what plan() compiles, over the depths plan()
