@@ -5,8 +5,9 @@ Megatron-Core r0.8's weak scaling on up to 6144 H100s, torchtitan's Llama 3.1 8B
 H100s; BF16 only) is priced by the library's step model, `autopar.planning.step_model` (the one
 the planner's pipeline cut ends its step with; docs/planning.md, "The step model"), with the
 row's configuration (`config`: t, p, d, microbatches, schedule, recomputation, data-parallel
-reduction), on the calibrated tables (`a100-calibrated`, `h100-calibrated`), and printed beside
-the published figure. This file only builds each row's model on the meta device in bfloat16
+reduction; `attention`: how its kernel did a causal mask, all the scores for Megatron-LM 2021,
+the triangle for the rest), on the calibrated tables (`a100-calibrated`, `h100-calibrated`), and
+printed beside the published figure. This file only builds each row's model on the meta device in bfloat16
 (`examples.models.GPT` or `examples.zoo.Llama`), traces one microbatch of one data-parallel
 replica, and hands it to `stage_parts` / `price_step`.
 
@@ -140,6 +141,7 @@ def report(comps: list[Components], consts: Constants) -> tuple[list[dict[str, A
             "microbatch": r.microbatch, "microbatches": r.microbatches, "t": r.t, "p": r.p, "d": r.d, "v": r.v,
             "schedule": r.schedule, "recompute": r.recompute, "dp": r.dp, "seq": r.seq, "unit": r.unit,
             "convention": r.convention, "source": r.source, "assumed": list(r.assumed), "split": r.split,
+            "attention": r.attention, "attention_source": r.attention_source,
             "published": r.published, "published_step_s": published_step(r),
             "modeled_unfitted": figure(r, raw.step), "modeled": figure(r, cal.step), "modeled_step_s": cal.step,
             "ratio": published_step(r) / cal.step, "ratio_unfitted": published_step(r) / raw.step,
@@ -212,11 +214,12 @@ def main() -> None:
     print(f"this run's fit rows give: eta {refit.eta}, phi {refit.phi}")
     consts = refit if args.fit else TABLE
     if args.fit and args.write_tables:
-        write_tables(consts, comps, f"{len(comps)} rows, {time.strftime('%Y-%m-%d')}")
+        write_tables(consts, comps, f"{len(comps)} rows, {time.strftime('%Y-%m-%d')}, "
+                     "causal attention priced as each row's kernel ran it")
     rows, summary = report(comps, consts)
-    headers = ["row", "GPUs", "t", "p", "d", "m", "published", "unit", "modeled (unfitted)", "modeled", "ratio",
-               "bubble", "DP exp. s", "split"]  # fmt: skip
-    body = [[x["key"], str(x["gpus"]), str(x["t"]), str(x["p"]), str(x["d"]), str(x["microbatches"]),
+    headers = ["row", "GPUs", "t", "p", "d", "m", "attention", "published", "unit", "modeled (unfitted)", "modeled",
+               "ratio", "bubble", "DP exp. s", "split"]  # fmt: skip
+    body = [[x["key"], str(x["gpus"]), str(x["t"]), str(x["p"]), str(x["d"]), str(x["microbatches"]), x["attention"],
              f"{x['published']:g}", x["unit"], f"{x['modeled_unfitted']:.0f}", f"{x['modeled']:.0f}",
              f"{x['ratio']:.2f}", f"{x['bubble']:.3f}", f"{x['dp_exposed_s']:.3f}", x["split"]]
             for x in rows]  # fmt: skip

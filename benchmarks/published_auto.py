@@ -21,9 +21,12 @@ How the two sides are made comparable (`auto_call` is the mapping, tested in tes
   too, with its optimizer step; recomputation is the planner's choice (`recompute="auto"`: none,
   selective or full, the fastest that fits; the tensor-only candidate what its search recomputes
   to fit), the expert's is the run's;
-- the same kernels: autopar's runtime pays the table's element-wise time unscaled (phi = 1), so the
-  expert is priced with phi = 1 too (`expert_step_s`); `expert_framework_step_s` is the row's own
-  framework constant (Megatron-Core's fused kernels: 0.8), which autopar's runtime does not have.
+- the same kernels: autopar's runtime pays the table's element-wise time unscaled (phi = 1) and
+  runs causal attention on torch's flash kernels (`cost.work.PLANNED_ATTENTION`: the masked blocks
+  skipped), so the expert is priced with phi = 1 and flash attention too (`expert_step_s`);
+  `expert_framework_step_s` is the row's own framework constant (`kernels.elementwise_factor`)
+  and attention kernel (Megatron-LM 2021's full scores: `Row.attention`), which autopar's
+  runtime does not have.
 
 "auto" is what `choose_pipeline_mesh` ranks first, what plan() compiles, over the depths plan()
 ranks (every divisor of the world from 2) up to `MAX_DEPTH`, with the library's branch and bound.
@@ -39,7 +42,7 @@ from __future__ import annotations
 import multiprocessing
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,6 +50,7 @@ from published_model import build_model, components, config
 from published_rows import Row
 
 from autopar.compiler.pipeline_mesh import choose_pipeline_mesh
+from autopar.cost.work import PLANNED_ATTENTION
 from autopar.planning.step_accounting import MIXED_ADAMW, WeightState
 from autopar.planning.step_model import price_step
 
@@ -118,7 +122,8 @@ def run_row(row: Row) -> dict[str, Any]:
     call = auto_call(row)
     start = time.process_time()
     comp = components(row)
-    same = price_step(comp.stages, config(row), comp.hw, phi=1.0)
+    ours = comp if row.attention == PLANNED_ATTENTION else components(row, PLANNED_ATTENTION)
+    same = price_step(ours.stages, replace(config(row), attention=PLANNED_ATTENTION), comp.hw, phi=1.0)
     own = price_step(comp.stages, config(row), comp.hw)
     expert_cpu = time.process_time() - start
     start = time.process_time()

@@ -6,13 +6,14 @@ one data-parallel replica traced and cut into the row's stages, before the fitte
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from _common import on_meta
 from published_rows import Row
 
 from autopar.cost.hardware import Hardware, load_hardware
+from autopar.cost.work import AttentionKernel
 from autopar.planning.step_model import StageParts, StepConfig, stage_parts
 
 RECOMPUTE = {"full": "full", "selective-op": "selective", "none": "none"}
@@ -24,7 +25,7 @@ def config(row: Row) -> StepConfig:
         tensor=row.t, pipeline=row.p, data=row.d, microbatches=row.microbatches, v=row.v, schedule=row.schedule,
         tp_elements=row.microbatch * row.seq * row.hidden, tp_overlap=row.overlap_tp,
         recompute=RECOMPUTE[row.recompute], reduction=row.dp, reduction_overlap=row.overlap_dp,
-        framework=row.framework,
+        framework=row.framework, attention=row.attention,
     )  # fmt: skip
 
 
@@ -57,8 +58,10 @@ def build_model(row: Row) -> torch.nn.Module:
     return on_meta(lambda: Llama(lcfg)).to(torch.bfloat16)
 
 
-def components(row: Row) -> Components:
-    """Trace one microbatch of one replica and split it into the row's stages (`stage_parts`)."""
+def components(row: Row, attention: AttentionKernel | None = None) -> Components:
+    """Trace one microbatch of one replica and split it into the row's stages (`stage_parts`),
+    its causal attention priced as the row's kernel did it, or as `attention` says (`--auto`
+    prices the expert's configuration with autopar's own kernel too)."""
     from autopar.passes.trace import trace
 
     hw = load_hardware(row.gpu)
@@ -67,5 +70,6 @@ def components(row: Row) -> Components:
     gm = trace(build_model(row), (idx, idx), decompose=True)
     trace_s = time.process_time() - start
     start = time.process_time()
-    parts = stage_parts(gm, hw, config(row))
+    cfg = config(row) if attention is None else replace(config(row), attention=attention)
+    parts = stage_parts(gm, hw, cfg)
     return Components(row, parts, hw, trace_s, time.process_time() - start)

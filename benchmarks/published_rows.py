@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autopar.cost.work import AttentionKernel
+
 PTDP_URL = (
     "https://github.com/NVIDIA/Megatron-LM/blob/306eb24e27/README.md (images/cases_april2021.png), "
     "= Narayanan et al., SC'21 (arXiv 2104.04473) Table 1"
@@ -21,6 +23,21 @@ TITAN_URL = "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h
 PTDP_FLOPS = "96 B s l h^2 (1 + s/(6h) + V/(16 l h)) per step (the paper's count: forward run twice, recomputation)"
 MCORE_FLOPS = "72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per step (model FLOPs, no recomputation; MFU = x / 989)"
 TOKENS = "tokens per second per GPU (local batch x sequence / step time)"
+
+FULL_SCORES = (
+    "attention computes all s x s scores, then masks them: Megatron-LM of 2021 has no flash attention "
+    "(https://github.com/NVIDIA/Megatron-LM/blob/306eb24e27/megatron/model/transformer.py, ParallelSelfAttention: "
+    "torch.baddbmm of the whole [b np, sq, sk] scores, FusedScaleMaskSoftmax's upper-triangular masked softmax, "
+    "torch.bmm with the values)"
+)
+FLASH_MCORE = (
+    "attention skips the masked blocks: Megatron-Core r0.8 runs Transformer Engine's DotProductAttention, "
+    "whose flash and cuDNN fused backends skip the blocks above the diagonal of a causal mask"
+)
+FLASH_TITAN = (
+    "attention skips the masked blocks: torchtitan's Llama 3 calls F.scaled_dot_product_attention(is_causal=True), "
+    "the flash kernel on H100"
+)
 
 
 class ParallelShape:
@@ -77,7 +94,8 @@ class Row(ParallelShape):
     source: str = ""
     assumed: tuple[str, ...] = field(default_factory=tuple)
     split: str = "fit"  # "fit" or "held-out"
-
+    attention: AttentionKernel = "flash"  # how its kernel does causal attention: "flash" (skips the masked blocks) or "full"
+    attention_source: str = ""  # why: the code the run used
 
 
 def _ptdp(key: str, hidden: int, layers: int, heads: int, mp: int, gpus: int, batch: int, tflops: float,
@@ -86,7 +104,8 @@ def _ptdp(key: str, hidden: int, layers: int, heads: int, mp: int, gpus: int, ba
     return Row(
         key=f"PTD-P {key}", gpu="a100-calibrated", framework="megatron-2021", arch="gpt", layers=layers,
         hidden=hidden, heads=heads, vocab=51200, seq=2048, gpus=gpus, batch=batch, microbatch=1, t=t, p=p,
-        recompute="full", dp="allreduce", published=tflops, convention=PTDP_FLOPS,
+        recompute="full", dp="allreduce", published=tflops, convention=PTDP_FLOPS, attention="full",
+        attention_source=FULL_SCORES,
         source=f"{PTDP_URL}, row {key}: hidden {hidden}, {layers} layers, model-parallel size {mp}, "
         f"{gpus} GPUs, batch {batch}, {tflops:g} TFLOP/s per GPU",
         assumed=(
@@ -105,7 +124,7 @@ def _mcore(key: str, heads: int, hidden: int, layers: int, t: int, p: int, gpus:
         key=f"Mcore {key}", gpu="h100-calibrated", framework="mcore-r0.8", arch="gpt", layers=layers,
         hidden=hidden, heads=heads, vocab=131072, seq=4096, gpus=gpus, batch=batch, microbatch=1, t=t, p=p,
         tied=False, recompute="none", dp="distopt", overlap_dp=True, overlap_tp=True, published=tflops,
-        convention=MCORE_FLOPS,
+        convention=MCORE_FLOPS, attention="flash", attention_source=FLASH_MCORE,
         source=f"{MCORE_URL}, row {key}: {heads} heads, hidden {hidden}, {layers} layers, TP {t}, PP {p}, "
         f"DP 48, {gpus} GPUs, batch {batch}, {tflops:g} TFLOP/s per GPU",
         assumed=(
@@ -150,7 +169,7 @@ def _titan(gpus: int, tps: float, table: str) -> Row:
         key=f"torchtitan 8B x{gpus}", gpu="h100-calibrated", framework="torchtitan-eager", arch="llama",
         layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192, gpus=gpus,
         batch=2 * gpus, microbatch=2, t=1, p=1, tied=False, recompute="selective-op", dp="fsdp", overlap_dp=True,
-        published=tps, unit="tokens/s/GPU", convention=TOKENS,
+        published=tps, unit="tokens/s/GPU", convention=TOKENS, attention="flash", attention_source=FLASH_TITAN,
         source=f"{TITAN_URL}, {table}, row 'FSDP': Llama 3.1 8B, {gpus} GPUs, local batch 2, "
         f"{tps:,.0f} TPS/GPU (BF16, eager)",
         assumed=(

@@ -10,11 +10,24 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+import torch.fx as fx
 
+from autopar.core.errors import AutoparError
+from autopar.cost.formulas import compute_time
 from autopar.cost.hardware import TABLES_DIR, load_hardware, span_link
+from autopar.cost.work import (
+    PLANNED_ATTENTION,
+    AttentionKernel,
+    compute_rate,
+    global_work,
+    is_causal_attention,
+)
+from autopar.passes.trace import trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+from _common import on_meta  # noqa: E402
 from published import config  # noqa: E402
 from published_rows import PTDP, ROWS, published_step  # noqa: E402
 from test_step_accounting import STAGE0, STAGE1, gpt_bf16  # noqa: E402
@@ -22,6 +35,48 @@ from test_step_accounting import STAGE0, STAGE1, gpt_bf16  # noqa: E402
 from autopar.planning.stage_cut import Stage  # noqa: E402
 from autopar.planning.stage_units import stage_graph  # noqa: E402
 from autopar.planning.step_model import StageParts, StepConfig, price_step, stage_parts, unscaled  # noqa: E402
+from examples.models import GPT, GPTConfig  # noqa: E402
+
+
+def test_each_row_says_how_its_kernel_did_causal_attention() -> None:
+    """Megatron-LM of 2021 computed every score and masked them (no flash attention): its rows
+    are priced at full attention; Megatron-Core and torchtitan skip the masked blocks, as the
+    planner assumes autopar's own runs do; every row names why."""
+    for r in ROWS:
+        assert r.attention == ("full" if r.framework == "megatron-2021" else "flash"), r.key
+        assert config(r).attention == r.attention and r.attention_source, r.key
+    assert StepConfig(tensor=1, pipeline=1, data=1, microbatches=1).attention == PLANNED_ATTENTION == "flash"
+
+
+def test_a_causal_attention_is_priced_as_the_runs_kernel_does_it() -> None:
+    """One GPT block at sequence 4096 (attention well above the launch floor): under "full" its
+    forward and backward matmul time grows by exactly what its two attention calls cost at all
+    the scores rather than their triangle, (s + 1) / (2 s) of the flops; element-wise time and
+    the rest of the graph do not move."""
+    model = on_meta(lambda: GPT(GPTConfig(vocab_size=256, block_size=4096, n_layer=1, n_head=4, n_embd=256)))
+    idx = torch.zeros(1, 4096, dtype=torch.long)
+    gm = trace(model.to(torch.bfloat16), (idx, idx), decompose=True)
+    hw = load_hardware("a100-calibrated")
+    cfg = StepConfig(tensor=1, pipeline=1, data=1, microbatches=1)
+    (flash,) = stage_parts(gm, hw, cfg)
+    (full,) = stage_parts(gm, hw, replace(cfg, attention="full"))
+    calls = [n for n in gm.graph.nodes if is_causal_attention(n)]
+    assert len(calls) == 2  # the forward call and its backward
+    for n in calls:
+        assert global_work(n, "flash") == pytest.approx(global_work(n, "full") * 4097 / 8192)
+        assert global_work(n) == global_work(n, "flash")  # the planner's default
+
+    def seconds(n: fx.Node, kernel: AttentionKernel) -> float:
+        return compute_time(global_work(n, kernel), 0.0, compute_rate(n), unscaled(hw))
+
+    fwd, bwd = calls
+    assert full.mm_f - flash.mm_f == pytest.approx(seconds(fwd, "full") - seconds(fwd, "flash"))
+    assert full.mm_b - flash.mm_b == pytest.approx(seconds(bwd, "full") - seconds(bwd, "flash"))
+    assert full.mm_f - flash.mm_f > 0.15 * flash.mm_f  # the masked half is a fifth of the forward here
+    assert (full.el_f, full.el_b) == pytest.approx((flash.el_f, flash.el_b))
+    assert price_step((full,), replace(cfg, attention="full"), hw).step > price_step((flash,), cfg, hw).step
+    with pytest.raises(AutoparError, match="attention"):
+        StepConfig(tensor=1, pipeline=1, data=1, microbatches=1, attention="math")  # type: ignore[arg-type]
 
 
 def test_rows_are_well_formed_and_sourced() -> None:

@@ -8,15 +8,38 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
+from autopar.core.errors import AutoparError
 from autopar.core.layout import Replicate
 from autopar.core.strategy import Strategy
 from autopar.cost.hardware import Elementwise, Rate
+from autopar.rules.device_attention import CPU_BACKWARD as BACKWARD
+from autopar.rules.device_attention import CPU_FORWARD as FORWARD
+
+AttentionKernel = Literal["flash", "full"]
+ATTENTION_KERNELS: tuple[AttentionKernel, ...] = ("flash", "full")
+PLANNED_ATTENTION: AttentionKernel = "flash"
+"""How a causal attention call (`is_causal=True`) is priced, a property of the run priced:
+
+- "flash": the kernel skips the key blocks above the diagonal, so the call costs its lower
+  triangle (`causal_fraction`) and a contiguous sequence split leaves the last rank the most work
+  (`planning.ring_cost.causal_imbalance_cost`). FlashAttention 2/3, the memory-efficient and cuDNN
+  kernels torch's SDPA picks for a causal call on GPUs, and torch's CPU flash kernel (the op the
+  trace records) all do; so do Megatron-Core with Transformer Engine's fused attention, torchtitan
+  and NeMo.
+- "full": the kernel computes all s x s scores and masks them (Megatron-LM of 2021: `baddbmm` of
+  the whole scores, then an upper-triangular masked softmax; no flash attention); the causal call
+  costs what the same call without the mask does, on every rank alike.
+
+Every planner prices a plan with PLANNED_ATTENTION, which is what autopar runs: torch's SDPA with
+`is_causal=True` on the flash / efficient kernels. The step model takes the run's own
+(`planning.step_model.StepConfig.attention`); benchmarks/published.py sets it per published row."""
 
 
 def work_split(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
@@ -59,8 +82,10 @@ def compute_rate(node: fx.Node) -> Rate:
     return Elementwise(dtype, runs=not is_view(node))
 
 
-def global_work(node: fx.Node) -> float:
-    """Flops of the full op (matmuls, attention) or elements produced (everything else)."""
+def global_work(node: fx.Node, attention: AttentionKernel = PLANNED_ATTENTION) -> float:
+    """Flops of the full op (matmuls, attention) or elements produced (everything else). A causal
+    attention call costs its lower triangle where the run's kernel skips the masked blocks
+    (`attention`, see PLANNED_ATTENTION)."""
     target = node.target
     packet = getattr(target, "overloadpacket", None)
     out = node.meta.get("val")
@@ -76,7 +101,8 @@ def global_work(node: fx.Node) -> float:
         q = node.args[0]
         if isinstance(q, fx.Node):
             b, h, s, d = q.meta["val"].shape
-            return 4.0 * b * h * s * s * d * (2.5 if "backward" in name else 1.0)
+            full = 4.0 * b * h * s * s * d * (2.5 if "backward" in name else 1.0)
+            return full * causal_fraction(s) if causal_skipped(node, attention) else full
     if "grouped_mm" in name:
         return _grouped_mm_flops(node, backward="backward" in name)
     if "routed_experts" in name:
@@ -97,6 +123,35 @@ def _routed_experts_flops(node: fx.Node, backward: bool) -> float:
     tokens, top_k = ids.meta["val"].shape
     _, hidden, inner = down.meta["val"].shape
     return (18.0 if backward else 6.0) * tokens * top_k * hidden * inner
+
+
+def is_causal_attention(node: fx.Node) -> bool:
+    """Whether a node is the CPU attention pair (what the trace records) with its `is_causal` flag:
+    torch's causal mask, which the kernels skip rather than compute."""
+    if node.target not in (FORWARD, BACKWARD):
+        return False
+    at = 7 if node.target == BACKWARD else 4
+    flag = node.args[at] if len(node.args) > at else node.kwargs.get("is_causal", False)
+    return bool(flag)
+
+
+def causal_skipped(node: fx.Node, attention: AttentionKernel = PLANNED_ATTENTION) -> bool:
+    """Whether `node` is a causal attention call whose masked blocks the run's kernel skips: what
+    prices it at its triangle and a contiguous sequence split of it at its busiest rank."""
+    if attention not in ATTENTION_KERNELS:
+        raise AutoparError(
+            f"attention kernel {attention!r} is not one the cost model knows",
+            op=str(node.target),
+            hint=f"use one of {ATTENTION_KERNELS} (cost.work.PLANNED_ATTENTION says what each prices)",
+        )
+    return attention == "flash" and is_causal_attention(node)
+
+
+def causal_fraction(seq: int) -> float:
+    """The share of the (seq, seq) scores a causal kernel computes: the lower triangle with its
+    diagonal, (seq + 1) / (2 seq). The flash kernels skip the tiles above the diagonal, so a causal
+    call costs about half of the same call without the mask."""
+    return (seq + 1) / (2 * seq)
 
 
 def _grouped_mm_flops(node: fx.Node, backward: bool) -> float:

@@ -16,8 +16,8 @@ from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
 from autopar.cost.hardware import Rate
-from autopar.cost.work import compute_rate, global_work, work_split
-from autopar.planning.ring_cost import ring_exchange_cost, routed_exchange_cost
+from autopar.cost.work import causal_skipped, compute_rate, global_work, work_split
+from autopar.planning.ring_cost import causal_imbalance_cost, ring_exchange_cost, routed_exchange_cost
 from autopar.planning.search_cost import ElementCost
 from autopar.rules.calls import tensor_inputs
 
@@ -29,18 +29,22 @@ class GraphFacts:
 
     calls: tuple[tuple[str, tuple[str, ...], float, Rate, Any], ...]
     outputs: tuple[str | None, ...]
+    causal: frozenset[str] = frozenset()  # the attention calls with torch's causal mask
 
     @staticmethod
     def of(gm: fx.GraphModule) -> GraphFacts:
         calls = []
+        causal: set[str] = set()
         outputs: tuple[str | None, ...] = ()
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 inputs = tuple(src.name for src in tensor_inputs(node))
                 calls.append((node.name, inputs, global_work(node), compute_rate(node), node.target))
+                if causal_skipped(node):
+                    causal.add(node.name)
             elif node.op == "output":
                 outputs = tuple(src.name if isinstance(src, fx.Node) else None for src in node.args[0])
-        return GraphFacts(tuple(calls), outputs)
+        return GraphFacts(tuple(calls), outputs, frozenset(causal))
 
 
 def plan_cost(
@@ -87,7 +91,11 @@ def plan_cost_parts(
         split = splits.get(strategy)
         if split is None:
             split = splits[strategy] = work_split(strategy, shape)
-        compute += cost.compute(work, split, dtype) + ring_exchange_cost(op, strategy, work, dtype, cost)
+        compute += (
+            cost.compute(work, split, dtype)
+            + ring_exchange_cost(op, strategy, work, dtype, cost)
+            + causal_imbalance_cost(op, name in facts.causal, strategy, work, dtype, cost)
+        )
         compute += routed_exchange_cost(op, strategy, cost, work, dtype)
     for src_name, wanted in zip(facts.outputs, plan.output_layouts):
         if src_name is not None and wanted is not None:

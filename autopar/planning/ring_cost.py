@@ -1,6 +1,7 @@
-"""The price of the exchanges inside an op, which no redistribution between layouts shows: ring
-attention's and the all-to-all token dispatcher's (`routed_exchange_cost`, below, which also charges
-an expert split for the routing's imbalance, `cost.dispatch.ROUTING_IMBALANCE`).
+"""What an op costs beyond its work divided over the ranks, which no redistribution between
+layouts shows: ring attention's exchanges, the all-to-all token dispatcher's
+(`routed_exchange_cost`, below, which also charges an expert split for the routing's imbalance,
+`cost.dispatch.ROUTING_IMBALANCE`), and the causal imbalance of a contiguous sequence split.
 
 A ring-attention candidate (`rules.ring_attention`) takes its queries, keys and values split along
 the sequence as its producers give them, so the edges into it cost nothing; its exchanges happen
@@ -9,6 +10,10 @@ moves a rank's key/value block to the next rank, which costs what one of the p-1
 all-gather of the keys and values costs (`cost.redistribute(S(seq) -> R) / (p-1)`), and each
 overlaps one block's computation (the call's work on the rank, over p blocks), so only the excess
 shows (`ring_attention.exposed_exchange_seconds`).
+
+A causal call's work is its lower triangle (`cost.work.causal_fraction`); split contiguously along
+the sequence over p ranks, the last rank's queries see the most keys: it does (2p-1)/p of the mean
+share (`rules.context_parallel.contiguous_causal_imbalance`), and the step waits for it.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from typing import Any, Protocol
 
 import torch
 
-from autopar.core.layout import Layout, R, Shard
+from autopar.core.layout import Layout, R, Shard, is_balanced_sequence
 from autopar.core.strategy import Strategy
 from autopar.cost.dispatch import PLANNED_EXCHANGES
 from autopar.cost.hardware import Rate
 from autopar.cost.work import work_split
-from autopar.rules.ring_attention import BACKWARD, exposed_exchange_seconds, key_index, ring_axis
+from autopar.rules.context_parallel import SEQ, contiguous_causal_imbalance
+from autopar.rules.ring_attention import BACKWARD, FORWARD, exposed_exchange_seconds, key_index, ring_axis
 from autopar.rules.routed_experts import (
     ROUTED_EXPERTS_BACKWARD,
     ROUTED_OPS,
@@ -94,3 +100,20 @@ def routed_exchange_cost(
         pairs = Layout(x.placements, (rows, width * x.shape[1]), x.dtype)
         total += cost.redistribute(pairs, pairs.with_placement(axis, Shard(1)))
     return total
+
+
+def causal_imbalance_cost(op: Any, causal: bool, strategy: Strategy, work: float, rate: Rate, cost: _Cost) -> float:
+    """What the busiest rank of a causal call split contiguously along the query sequence adds to
+    the even share the compute price gives every rank: (imbalance - 1) of that share, over the
+    ranks of every axis that splits the queries' sequence (0 for every other call, and for the
+    load-balanced order, where every rank has the same (2p+1)/(4p) of a full block of rows)."""
+    if not causal or op not in (FORWARD, BACKWARD):
+        return 0.0
+    query = strategy.inputs[1 if op == BACKWARD else 0]
+    if is_balanced_sequence(query):
+        return 0.0
+    p = math.prod(cost.shape[a] for a in query.shard_axes(SEQ))
+    if p <= 1:
+        return 0.0
+    share = cost.compute(work, work_split(strategy, cost.shape), rate)
+    return share * (contiguous_causal_imbalance(p) - 1.0)

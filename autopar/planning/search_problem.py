@@ -29,10 +29,10 @@ from autopar.core.meta import signature
 from autopar.core.plan import Plan
 from autopar.core.strategy import OpCall, Strategy
 from autopar.cost.hardware import Rate
-from autopar.cost.work import compute_rate, global_work, work_split
+from autopar.cost.work import causal_skipped, compute_rate, global_work, work_split
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.memory import SavedValue, plan_memory, saved_nodes, weight_chain
-from autopar.planning.ring_cost import ring_exchange_cost, routed_exchange_cost
+from autopar.planning.ring_cost import causal_imbalance_cost, ring_exchange_cost, routed_exchange_cost
 from autopar.planning.search_blocks import Clock, chains, make_blocks, sweep, trees
 from autopar.planning.search_vars import Edge, Tally, Var
 from autopar.planning.storage import part_dim_at, part_dims, part_storage, replicated_storage
@@ -131,9 +131,10 @@ class Problem:
                 cands, key, at = [*listed, chosen], (id(listed), chosen), len(listed)
             work = shared.work[name] if name in shared.work else global_work(node)
             dtype = compute_rate(node)
+            causal = causal_skipped(node)
             base = self._cached(
-                ("compute", key, work, dtype),
-                lambda c=cands, w=work, d=dtype, op=node.target: self._compute(c, w, d, op),  # type: ignore[misc]
+                ("compute", key, work, dtype, causal),
+                lambda c=cands, w=work, d=dtype, op=node.target, k=causal: self._compute(c, w, d, op, k),  # type: ignore[misc]
             )
             self.vars.append(Var(name, cands, key, base.copy(), base.copy(), at))
         self._part_dims = part_dims(gm)
@@ -176,13 +177,19 @@ class Problem:
             found = self._vectors[key] = make()
         return found
 
-    def _compute(self, cands: list[Strategy], work: float, dtype: torch.dtype, op: Any = None) -> np.ndarray:
-        """Each candidate's compute; a ring-attention candidate's with its exchanges' exposed time."""
+    def _compute(
+        self, cands: list[Strategy], work: float, dtype: torch.dtype, op: Any = None, causal: bool = False
+    ) -> np.ndarray:
+        """Each candidate's compute; a ring-attention candidate's with its exchanges' exposed time,
+        a causal call split along the sequence at its busiest rank's share."""
         splits = [work_split(s, self.shape) for s in cands]
         by_split = {s: self.cost.compute(work, s, dtype) for s in set(splits)}
         return np.array(
             [
-                by_split[split] + ring_exchange_cost(op, s, work, dtype, self.cost) + routed_exchange_cost(op, s, self.cost, work, dtype)
+                by_split[split]
+                + ring_exchange_cost(op, s, work, dtype, self.cost)
+                + routed_exchange_cost(op, s, self.cost, work, dtype)
+                + causal_imbalance_cost(op, causal, s, work, dtype, self.cost)
                 for s, split in zip(cands, splits)
             ],
             dtype=float,

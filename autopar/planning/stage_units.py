@@ -35,7 +35,7 @@ from autopar.core.layout import itemsize
 from autopar.core.meta import has_info, info, signature
 from autopar.cost.formulas import compute_time
 from autopar.cost.hardware import Elementwise, Hardware, load_hardware
-from autopar.cost.work import compute_rate, global_work
+from autopar.cost.work import PLANNED_ATTENTION, AttentionKernel, compute_rate, global_work
 from autopar.planning.memory import saved_nodes
 
 ROOT_PATHS = ("", "<root>")
@@ -157,11 +157,15 @@ def _path(node: fx.Node) -> str:
 
 
 def stage_graph(
-    gm: fx.GraphModule, hardware: str | Hardware = "h100-nvlink-ib", tensor_size: int = 1
+    gm: fx.GraphModule,
+    hardware: str | Hardware = "h100-nvlink-ib",
+    tensor_size: int = 1,
+    attention: AttentionKernel = PLANNED_ATTENTION,
 ) -> StageGraph:
     """Units, their modeled times and memory, and the candidate cuts of a traced joint graph
     (`autopar.passes.trace.trace`). `tensor_size`: ranks of a stage's tensor sub-mesh; work and
-    memory are divided by it ideally (the per-stage tensor plan is not made here)."""
+    memory are divided by it ideally (the per-stage tensor plan is not made here). `attention`:
+    how the run's kernel does a causal attention call (`cost.work.PLANNED_ATTENTION`)."""
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     nodes = list(gm.graph.nodes)
     computes = [n for n in nodes if n.op == "call_function" and has_info(n)]
@@ -256,7 +260,7 @@ def stage_graph(
     count = [0] * n_units
     for n in computes:
         rate = compute_rate(n)
-        seconds = compute_time(global_work(n) / t, 0.0, rate, hw)
+        seconds = compute_time(global_work(n, attention) / t, 0.0, rate, hw)
         u = unit[n]
         count[u] += 1
         if info(n).phase == "forward":

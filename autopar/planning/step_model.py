@@ -4,8 +4,10 @@ configuration with. docs/planning.md, "The step model", works one row by hand.
 
 A run is traced for ONE microbatch of one data-parallel replica and cut into its pipeline stages
 (`stage_parts`); each stage's forward and backward are split into matmul time and element-wise
-time (a second stage graph on the table with element-wise ops free). `price_step` then adds, in
-order:
+time (a second stage graph on the table with element-wise ops free); a causal attention call is
+priced as the run's kernel does it (`StepConfig.attention`: its lower triangle under flash
+attention, all the scores under Megatron-LM 2021's masked softmax; `cost.work.PLANNED_ATTENTION`).
+`price_step` then adds, in order:
 
 1. compute: matmul time over the table's `kernels.sustained_matmul` (eta) plus element-wise time
    times the framework's `kernels.elementwise_factor` (phi, 1 for autopar's own unfused runtime);
@@ -44,6 +46,7 @@ from autopar.core.pipeline_schedule import ActionKind, schedule_by_name
 from autopar.core.pipeline_simulate import simulate
 from autopar.cost.formulas import collective_time
 from autopar.cost.hardware import Hardware, KernelRates, span_link
+from autopar.cost.work import ATTENTION_KERNELS, PLANNED_ATTENTION, AttentionKernel
 from autopar.planning.stage_cut import cut_graph
 from autopar.planning.stage_result import Stage, stage_durations
 from autopar.planning.stage_units import StageGraph, stage_graph
@@ -77,14 +80,15 @@ class StepConfig:
     reduction: str = "allreduce"  # REDUCTION
     reduction_overlap: bool = False
     framework: str = "autopar"  # the key of `kernels.elementwise_factor`
+    attention: AttentionKernel = PLANNED_ATTENTION  # how its kernel does causal attention (`cost.work`)
     weight_state: WeightState = MIXED_ADAMW
     itemsize: int = 2  # the traced parameters' bytes per element
 
     def __post_init__(self) -> None:
-        if self.recompute not in RECOMPUTE or self.reduction not in REDUCTION:
+        if self.recompute not in RECOMPUTE or self.reduction not in REDUCTION or self.attention not in ATTENTION_KERNELS:
             raise AutoparError(
-                f"step model: recompute={self.recompute!r}, reduction={self.reduction!r}",
-                hint=f"recompute is one of {RECOMPUTE}, reduction one of {REDUCTION}",
+                f"step model: recompute={self.recompute!r}, reduction={self.reduction!r}, attention={self.attention!r}",
+                hint=f"recompute is one of {RECOMPUTE}, reduction one of {REDUCTION}, attention one of {ATTENTION_KERNELS}",
             )
 
 
@@ -147,8 +151,8 @@ def stage_parts(gm: fx.GraphModule, hw: Hardware, config: StepConfig) -> tuple[S
     """Cut the joint graph of one microbatch of one replica (`trace`) into the run's stages and
     split each stage's time (see the module docstring)."""
     base = unscaled(hw)
-    full = stage_graph(gm, base, config.tensor)
-    mm = stage_graph(gm, _matmul_only(base), config.tensor)
+    full = stage_graph(gm, base, config.tensor, config.attention)
+    mm = stage_graph(gm, _matmul_only(base), config.tensor, config.attention)
     cut = cut_graph(
         full, pp=config.pipeline, microbatches=1, v=config.v, schedule=config.schedule, memory_limit=math.inf
     )

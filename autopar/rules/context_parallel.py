@@ -72,8 +72,16 @@ def _dropout_p(call: OpCall) -> float:
     return float(call.arg(6 if call.op == BACKWARD else 3, "dropout_p", 0.0))
 
 
-def _is_causal(call: OpCall) -> bool:
+def is_causal(call: OpCall) -> bool:
+    """Whether the call has torch's own causal mask (`is_causal=True`)."""
     return bool(call.arg(7 if call.op == BACKWARD else 4, "is_causal", False))
+
+
+def contiguous_causal_imbalance(p: int) -> float:
+    """The busiest rank's causal work over the mean, with the sequence split into p contiguous
+    blocks: block i's queries see the keys of blocks 0..i (i + 1/2 blocks of work, the diagonal
+    block half), so the last does p - 1/2 of the mean p/2: (2p - 1) / p, up to 2 for many ranks."""
+    return (2 * p - 1) / p if p > 1 else 1.0
 
 
 def sequence_split_refusal(call: OpCall) -> str | None:
@@ -158,7 +166,7 @@ def _localize_balanced(ctx: LocalContext, q_layout: Layout) -> LocalCall:
     other, so only a causal call needs its rows' places, one causal block per chunk at the chunk's
     offset (`device_attention.attention_forward_chunks`); a mask's rows came balanced too."""
     call = ctx.call
-    if not _is_causal(call):
+    if not is_causal(call):
         return LocalCall(call.op, ctx.args, ctx.kwargs)
     offsets = tuple(start for start, _ in q_layout.local_chunks(ctx.mesh_shape, ctx.coords, SEQ))
     backward = call.op == BACKWARD
@@ -182,7 +190,7 @@ def localize_attention(ctx: LocalContext) -> LocalCall | LocalGraph:
     q_layout = ctx.strategy.inputs[_query_index(call)]
     if q_layout.balanced_dims():
         return _localize_balanced(ctx, q_layout)
-    if not _is_causal(call) or not q_layout.shard_axes(SEQ):
+    if not is_causal(call) or not q_layout.shard_axes(SEQ):
         return LocalCall(call.op, ctx.args, ctx.kwargs)
     offset = q_layout.local_offsets(ctx.mesh_shape, ctx.coords)[SEQ]
     backward = call.op == BACKWARD

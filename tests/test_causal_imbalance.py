@@ -1,0 +1,85 @@
+"""The price of causal attention over a split sequence: a causal call's work is its lower triangle
+(`cost.work.causal_fraction`: the kernels skip the tiles above the diagonal), and a contiguous
+sequence split over p ranks leaves the last rank (2p-1)/p of the mean share
+(`rules.context_parallel.contiguous_causal_imbalance`), which every planner adds
+(`planning.ring_cost.causal_imbalance_cost`). Counted against the scores each rank's causal rows
+really reach, and checked on the candidates of one attention call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.cost.work import causal_fraction, global_work, work_split
+from autopar.planning.ring_cost import causal_imbalance_cost
+from autopar.planning.search_cost import TimeCost
+from autopar.rules.base import expand, make_call
+from autopar.rules.context_parallel import FORWARD, contiguous_causal_imbalance
+from autopar.rules.registry import default_registry
+
+
+def _reached(seq: int, rows: range) -> int:
+    """Scores a causal kernel computes for these query rows: row i reaches keys 0..i."""
+    return sum(i + 1 for i in rows)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(2, 16), n=st.integers(1, 64))
+def test_the_busiest_rank_of_a_contiguous_split(p: int, n: int) -> None:
+    """Counted: the last of p contiguous blocks of n queries reaches (2p-1)/p of the mean,
+    up to the diagonal's own half row (within 1/n of it), never more."""
+    seq = p * n
+    per_rank = [_reached(seq, range(r * n, (r + 1) * n)) for r in range(p)]
+    assert max(per_rank) == per_rank[-1]
+    ratio = per_rank[-1] / (sum(per_rank) / p)
+    assert ratio <= contiguous_causal_imbalance(p) + 1e-12
+    assert ratio >= contiguous_causal_imbalance(p) * (1 - 1 / n) - 1e-12
+    assert sum(per_rank) == pytest.approx(seq * seq * causal_fraction(seq))
+
+
+def _attention_node(seq: int, causal: bool) -> fx.Node:
+    graph = fx.Graph()
+    q = torch.empty(1, 2, seq, 8, device="meta")
+    inputs = []
+    for name in "qkv":
+        node = graph.placeholder(name)
+        node.meta["val"] = q
+        inputs.append(node)
+    call = graph.call_function(FORWARD, (*inputs, 0.0, causal))
+    call.meta["val"] = FORWARD(q, q, q, 0.0, causal)[:2]
+    return call
+
+
+def test_a_causal_call_is_priced_at_its_triangle() -> None:
+    full = global_work(_attention_node(64, causal=False))
+    assert global_work(_attention_node(64, causal=True)) == pytest.approx(full * 65 / 128)
+
+
+@pytest.mark.parametrize(("shape", "split"), [((4,), 4), ((2, 4), 8)])
+def test_only_a_causal_sequence_split_pays_the_imbalance(shape: tuple[int, ...], split: int) -> None:
+    """Every candidate of a causal forward call on `shape`: those with the queries split along
+    the sequence over `split` ranks in all pay (2p-1)/p - 1 of their share on top; batch and
+    heads splits, and the same candidates of a call without the causal flag, pay nothing."""
+    q = torch.empty(2, 8, 64, 16, device="meta")
+    out, lse = FORWARD(q, q, q, 0.0, True)[:2]
+    call = make_call(FORWARD, (q, q, q, 0.0, True), {}, (out, lse))
+    cost = TimeCost("h100-nvlink-ib", shape)
+    rule = default_registry().get(FORWARD)
+    assert rule is not None
+    work = 1e12
+    seen = set()
+    for strategy in expand(call, rule.strategies(call), shape, rule.uneven):
+        extra = causal_imbalance_cost(FORWARD, True, strategy, work, torch.float32, cost)
+        assert causal_imbalance_cost(FORWARD, False, strategy, work, torch.float32, cost) == 0.0
+        axes = strategy.inputs[0].shard_axes(2)
+        p = 1
+        for a in axes:
+            p *= shape[a]
+        share = cost.compute(work, work_split(strategy, shape), torch.float32)
+        assert extra == pytest.approx(share * (contiguous_causal_imbalance(p) - 1)), strategy
+        assert (extra > 0) == bool(axes), strategy
+        seen.add(p)
+    assert split in seen and 1 in seen, "the candidates hold both a whole-mesh sequence split and none"
