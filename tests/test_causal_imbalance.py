@@ -13,6 +13,8 @@ import torch.fx as fx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autopar.core.layout import BalancedShard, Layout
+from autopar.core.strategy import Strategy
 from autopar.cost.work import causal_fraction, global_work, work_split
 from autopar.planning.ring_cost import causal_imbalance_cost
 from autopar.planning.search_cost import TimeCost
@@ -83,3 +85,26 @@ def test_only_a_causal_sequence_split_pays_the_imbalance(shape: tuple[int, ...],
         assert (extra > 0) == bool(axes), strategy
         seen.add(p)
     assert split in seen and 1 in seen, "the candidates hold both a whole-mesh sequence split and none"
+
+
+def test_the_load_balanced_order_pays_no_imbalance() -> None:
+    """The same causal candidate with its queries in the load-balanced order (`BalancedShard`:
+    every rank the same share of the triangle) pays nothing on top, where the contiguous one pays
+    (2p-1)/p - 1 of its share."""
+    q = torch.empty(2, 8, 64, 16, device="meta")
+    out, lse = FORWARD(q, q, q, 0.0, True)[:2]
+    call = make_call(FORWARD, (q, q, q, 0.0, True), {}, (out, lse))
+    cost = TimeCost("h100-nvlink-ib", (4,))
+    rule = default_registry().get(FORWARD)
+    assert rule is not None
+    contiguous = next(
+        s
+        for s in expand(call, rule.strategies(call), (4,), rule.uneven)
+        if s.inputs[0].shard_axes(2) == (0,) and not s.inputs[1].shard_axes(2)
+    )
+    query = contiguous.inputs[0]
+    balanced = Strategy(
+        (Layout((BalancedShard(2),), query.shape, query.dtype), *contiguous.inputs[1:]), contiguous.outputs
+    )
+    assert causal_imbalance_cost(FORWARD, True, contiguous, 1e12, torch.float32, cost) > 0
+    assert causal_imbalance_cost(FORWARD, True, balanced, 1e12, torch.float32, cost) == 0.0
