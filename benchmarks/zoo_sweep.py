@@ -20,6 +20,14 @@ killed).
     python benchmarks/zoo_sweep.py --max-minutes 45        # as many as fit, tasks interleaved
     python benchmarks/zoo_sweep.py --only BertForMaskedLM,LlamaForCausalLM
     python benchmarks/zoo_sweep.py --resume                # go on where a previous run stopped
+    python benchmarks/zoo_sweep.py --only T5ForSequenceClassification --budget-clock cpu \
+        --out /tmp/rerun.json --update benchmarks/results/zoo_sweep.json  # re-run rows alone
+
+`--budget-clock cpu` counts the budget in the child's CPU seconds (all its threads), not wall
+seconds: on a machine other jobs load, a model's wall time grows with their load and a wall budget
+would time out models that fit it on an idle machine. Every row records both (`seconds`, `cpu_s`).
+`--update MAIN.json` puts the rows just run into MAIN (replacing that architecture's row, marked
+as re-run alone, with the date and the budget's clock) and rewrites MAIN's tables.
 
 Writes benchmarks/results/zoo_sweep.json (after every model) and zoo_sweep.md beside it.
 """
@@ -57,6 +65,7 @@ from examples import hf_zoo  # noqa: E402
 MESH = (2, 2, 2)
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "zoo_sweep.json"
 DEFAULT_BUDGET_S = 120.0
+WALL_CAP = 10.0  # --budget-clock cpu: a child is still killed after this many budgets of wall time
 VERBOSE = False  # --verbose: the children's stderr (library warnings, torch.export's graph dumps)
 
 
@@ -113,6 +122,7 @@ def _run_one(arch: hf_zoo.Arch, conn: Connection) -> None:
         lambda: assert_call_matches_serial(model.double(), MESH, (), _as_float64(kwargs), atol=1e-9, rtol=1e-9),
     )
     row["check_s"] = round(time.perf_counter() - start, 1)
+    row["cpu_s"] = round(time.process_time(), 1)  # build included, as a killed child's count has it
     conn.send(row)
 
 
@@ -142,11 +152,15 @@ def _as_float64(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
 
 
-def run_forked(target: Callable[..., None], args: tuple[Any, ...], budget_s: float) -> dict[str, Any]:
+def run_forked(
+    target: Callable[..., None], args: tuple[Any, ...], budget_s: float, clock: str = "wall"
+) -> dict[str, Any]:
     """`target(*args, conn)` in a forked child, killed after `budget_s` seconds: the last row it
     sent, with `result` and `reason` filled in where the child died or ran out of time, and
-    `seconds`. The child sends `{"phase": ...}` rows as it goes and a row with `result` at the end
-    (shared by the diffusers sweep)."""
+    `seconds` (wall) and `cpu_s` (the child's CPU time, all threads). The child sends
+    `{"phase": ...}` rows as it goes and a row with `result` at the end (shared by the diffusers
+    sweep). `clock`: "wall", or "cpu" for a budget of the child's CPU seconds (capped at
+    `WALL_CAP` budgets of wall time)."""
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=target, args=(*args, child), daemon=True)
@@ -154,38 +168,54 @@ def run_forked(target: Callable[..., None], args: tuple[Any, ...], budget_s: flo
     proc.start()
     child.close()
     row: dict[str, Any] = {}
-    deadline = start + budget_s
+    deadline = start + (budget_s * WALL_CAP if clock == "cpu" else budget_s)
+    cpu = 0.0
+    over = False
     while "result" not in row and (left := deadline - time.perf_counter()) > 0:
+        cpu = _cpu_seconds(proc.pid) or cpu
+        if clock == "cpu" and cpu >= budget_s:
+            over = True
+            break
         if parent.poll(min(left, 1.0)):
             try:
                 row = parent.recv()
             except EOFError:  # the child is gone without its result
                 break
+    over = over or time.perf_counter() >= deadline
     if proc.is_alive():
+        cpu = _cpu_seconds(proc.pid) or cpu
         proc.kill()
     proc.join()
     parent.close()
     seconds = time.perf_counter() - start
+    cpu = row.get("cpu_s", cpu)
     if "result" not in row:
         phase = row.get("phase", "build")
-        what = (
-            f"over the {budget_s:.0f} s budget"
-            if seconds >= budget_s
-            else f"child died (exit code {proc.exitcode})"
-        )
+        unit = "CPU s" if clock == "cpu" else "s"
+        what = f"over the {budget_s:.0f} {unit} budget" if over else f"child died (exit code {proc.exitcode})"
         if phase == "build":
             row.update(result="skipped", reason=f"TIMEOUT building or calling serially: {what}")
-        elif seconds >= budget_s:
+        elif over:
             row.update(result="timeout", reason=f"TIMEOUT: {what} (compile + lockstep check)")
         else:
             row.update(result="fail", reason=f"INTERNAL crash: {what}")
     row.pop("phase", None)
-    return {**row, "seconds": round(seconds, 1)}
+    return {**row, "seconds": round(seconds, 1), "cpu_s": round(cpu, 1)}
 
 
-def run_arch(arch: hf_zoo.Arch, budget_s: float) -> dict[str, Any]:
-    """One architecture in a forked child, killed after `budget_s` seconds."""
-    row = run_forked(_run_one, (arch,), budget_s)
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of process `pid` so far, all its threads (Linux /proc); None
+    where it cannot be read (gone, or not Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_arch(arch: hf_zoo.Arch, budget_s: float, clock: str = "wall") -> dict[str, Any]:
+    """One architecture in a forked child, killed after `budget_s` seconds of `clock`."""
+    row = run_forked(_run_one, (arch,), budget_s, clock)
     return {"task": arch.task, "model_type": arch.model_type, "architecture": arch.model_class, **row}
 
 
@@ -254,6 +284,14 @@ def markdown(payload: dict[str, Any]) -> str:
         f"{settings['transformers']}, budget {settings['budget_s']:.0f} s per model, sweep wall time "
         f"{settings.get('wall_minutes', 0):.1f} min on {payload['environment']['cpus']} shared CPU cores.",
     ]
+    reruns = [r for r in results if r.get("rerun")]
+    if reruns:
+        lines += [
+            "",
+            f"{len(reruns)} rows were re-run alone after the sweep, on later code (each row's own "
+            "run, its wall and CPU seconds, in the section \"Re-run alone\" below); the counts "
+            "above include them.",
+        ]
     if settings.get("not_run"):
         lines += ["", f"Not run (the sweep's time ran out): {settings['not_run']} architectures."]
     per_task = []
@@ -297,6 +335,14 @@ def markdown(payload: dict[str, Any]) -> str:
         "",
         table(["task", "architecture", "params", "ops", "result", "s", "reason"], rows),
     ]
+    if reruns:
+        lines += ["", "## Re-run alone", ""]
+        lines.append(
+            table(
+                ["architecture", "result", "wall s", "CPU s", "when", "reason"],
+                [[r["architecture"], r["result"], r["seconds"], r.get("cpu_s", ""), r["rerun"], _cell(r["reason"], 120)] for r in reruns],
+            )
+        )
     skipped = [r for r in results if r["result"] == "skipped"]
     if skipped:
         lines += ["", "## Skipped (do not build or return no loss at toy size; not counted)", ""]
@@ -319,11 +365,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated class names or model types")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON path; the .md goes beside it")
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds per model")
+    parser.add_argument(
+        "--budget-clock", choices=("wall", "cpu"), default="wall", help="what --budget counts: wall or child CPU s"
+    )
     parser.add_argument("--max-minutes", type=float, default=None, help="start no model after this long")
     parser.add_argument("--resume", action="store_true", help="keep --out's rows, run the rest")
     parser.add_argument(
         "--retry", default="", help="with --resume: run again the kept rows of these results (fail,timeout)"
     )
+    parser.add_argument("--update", type=Path, default=None, help="merge the rows run into this sweep JSON")
     parser.add_argument("--tables-only", action="store_true", help="rewrite the .md from --out's JSON")
     parser.add_argument("--verbose", action="store_true", help="keep the children's stderr")
     args = parser.parse_args(argv)
@@ -363,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             "mesh": list(MESH),
             "transformers": transformers.__version__,
             "budget_s": args.budget,
+            "budget_clock": args.budget_clock,
             "batch": hf_zoo.BATCH,
             "seq": hf_zoo.SEQ,
             "architectures": len(archs),
@@ -377,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             payload["settings"]["not_run"] = len(todo) - i
             print(f"stopping after {elapsed:.1f} min: {len(todo) - i} not run", flush=True)
             break
-        row = run_arch(arch, args.budget)
+        row = run_arch(arch, args.budget, args.budget_clock)
         results.append(row)
         print(
             f"[{len(results)}/{len(archs)}] {row['architecture']}: {row['result']} {row['seconds']} s {row['reason']}",
@@ -388,7 +439,20 @@ def main(argv: list[str] | None = None) -> int:
     payload["settings"]["wall_minutes"] = prior_minutes + (time.perf_counter() - start) / 60
     write(args.out, payload)
     print(summary_line(results), flush=True)
+    if args.update is not None:
+        stamp = f"re-run alone {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.budget:.0f} {args.budget_clock} s budget"
+        update(args.update, [r for r in results if r["architecture"] in {a.model_class for a in archs}], stamp)
+        print(f"{args.update}: {summary_line(json.loads(args.update.read_text())['results'])}", flush=True)
     return 0
+
+
+def update(main_json: Path, rows: list[dict[str, Any]], stamp: str) -> None:
+    """Replace `main_json`'s rows of the architectures in `rows` by those, each marked `rerun`
+    (`stamp`: when, alone, which budget), and rewrite its tables."""
+    payload = json.loads(main_json.read_text())
+    fresh = {r["architecture"]: {**r, "rerun": stamp} for r in rows}
+    payload["results"] = [fresh.pop(r["architecture"], r) for r in payload["results"]] + list(fresh.values())
+    write(main_json, payload)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ errors it raises named for the user; and the constants an export on real values 
 
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch.nn as nn
 from autopar.core.meta import NodeInfo, info, set_info, signature
 from autopar.passes.ctc import CTCRoute
 from autopar.passes.eager_checks import model_error
+from autopar.passes.masked_writes import is_view_op
 from autopar.passes.trace_errors import export_error, raised_in_user_code, without_partial_graph
 from autopar.passes.value_guards import quiet_symbolic_shapes, reading_real_values
 
@@ -64,3 +66,41 @@ def export_model(
         raise export_error(model, exc) from exc
 
 
+
+
+def outputs_as_copies_of_views(module: fx.GraphModule) -> int:
+    """Where several outputs of `module` (torch.export's module) are views of one intermediate
+    value, make all but the first copies, in place; returns how many. The joint export returns
+    the base of such views as an extra output, with a tangent of the base's shape, for torch's
+    runtime to rebuild the views (ProphetNet's logits and n-gram logits, slices of its predicting
+    streams); a copy is the same values, and a lone view of an intermediate the joint export
+    already returns as a plain output. Views of inputs and weights are left: torch handles those
+    without an extra output."""
+    graph = module.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    seen: dict[fx.Node, fx.Node] = {}  # base -> the first output viewing it
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def base_of(node: fx.Node) -> fx.Node | None:
+        base = node
+        while base.op == "call_function" and (is_view_op(base) or base.target is operator.getitem):
+            if not base.args or not isinstance(base.args[0], fx.Node):
+                return None
+            base = base.args[0]
+        return base if base is not node and base.op == "call_function" else None
+
+    def copied(node: fx.Node) -> fx.Node:
+        base = base_of(node)
+        if base is None or seen.setdefault(base, node) is node:
+            return node
+        if node not in copies:
+            with graph.inserting_before(output):
+                copies[node] = graph.call_function(torch.ops.aten.clone.default, (node,))
+            copies[node].meta.update(node.meta)
+        return copies[node]
+
+    output.args = fx.map_arg(output.args, copied)
+    if copies:
+        graph.lint()
+        module.recompile()
+    return len(copies)

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.errors import TraceError
 from autopar.core.graph_order import ancestors, reachable
 from autopar.core.value_guards import ValueGuards, generators_kept
+from autopar.passes.masked_writes import masked_writes_as_where
 from autopar.passes.random_guards import copy_drawing, draws, draws_before, replayable, value_ancestors
 
 _ASSERT = torch.ops.aten._assert_scalar.default
@@ -60,19 +61,19 @@ def split_value_guards(
 ) -> ValueGuards | None:
     """Cut every runtime assertion and the value reads only they use out of `module` (an unlifted
     exported module: parameters as get_attr, the flat user inputs as placeholders), in place, and
-    return them as `ValueGuards`; None where the graph has none. `where(node)`: the user's module
+    return them as `ValueGuards`; None where the graph has none. Writes through a boolean mask
+    become `torch.where` first (`autopar.passes.masked_writes`). `where(node)`: the user's module
     path and source line of a node, for the errors. `example`: the example's flat inputs, whose
     values fix the sizes of `nonzero` on the inputs alone (`_fix_input_sizes`)."""
     graph = module.graph
+    masked_writes_as_where(module)  # `x[mask] = v`: no size the mask decides, so no guard either
     counted = _fix_input_sizes(module, example) if example is not None else set()
     checks = [n for n in graph.nodes if n.target is _ASSERT or n.target in _CONSTRAINTS]
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     asserts = []
     for check in checks:
         chain = value_ancestors([check])
-        outside = next(
-            (n for n in chain if n.op in ("get_attr", "call_module") or (draws(n) and not replayable(n))), None
-        )
+        outside = next((n for n in chain if reads_state(module, n) or (draws(n) and not replayable(n))), None)
         if outside is None:  # a function of the inputs and of draws that depend on shapes alone: a guard
             asserts.append(check)
             continue
@@ -108,6 +109,7 @@ def split_value_guards(
         removable = node.op == "call_function" and not draws(node)
         if (node in chain or unused_part) and not node.users and removable:
             graph.erase_node(node)
+    _erase_constant_reads(module)
     left = [n for n in graph.nodes if n.op == "call_function" and n.target in _VALUE_READS]
     if left:
         raise TraceError(
@@ -119,6 +121,38 @@ def split_value_guards(
     graph.lint()
     module.recompile()
     return ValueGuards(guard_module, inputs, conditions, draws=any(draws(n) for n in chain), counts=counts)
+
+
+def _erase_constant_reads(module: fx.GraphModule) -> None:
+    """Erase the value reads nothing uses whose value no input, weight or draw decides, with the
+    ops only they used: Longformer's chunk count, `torch.div(seq_len, w) - 1` on Python ints, is a
+    tensor whose value Python reads as a size; torch.export took the number (the same in every
+    call of these shapes) and left the read behind, dead."""
+    graph = module.graph
+    for read in [n for n in graph.nodes if n.target in _VALUE_READS and not n.users]:
+        chain = ancestors([read])
+        if any(n.op == "placeholder" or reads_state(module, n) or draws(n) for n in chain):
+            continue
+        for dead in reversed(list(graph.nodes)):  # the read, then what only it used
+            if dead in chain and not dead.users and dead.op == "call_function":
+                graph.erase_node(dead)
+
+
+def reads_state(module: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node` reads the model's state: a parameter or buffer (`get_attr`), a submodule. A
+    tensor constant the forward made from Python data (torch.export's `lifted_tensor_0`: the
+    `torch.tensor(...)` a mask's arithmetic makes, as Longformer's global-attention flag reads) is
+    not state: it is the same in every call, so a guard may compute with it."""
+    if node.op == "call_module":
+        return True
+    if node.op != "get_attr":
+        return False
+    target = str(node.target)
+    owner_path, _, name = target.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    if name in owner._parameters or name in owner._buffers:
+        return True
+    return not isinstance(getattr(owner, name, None), torch.Tensor)
 
 
 def _first_read(chain: set[fx.Node], near: fx.Node) -> fx.Node | None:
@@ -157,7 +191,7 @@ def _fix_input_sizes(module: fx.GraphModule, example: Sequence[Any]) -> set[fx.N
     checks: set[fx.Node] = set()
 
     def input_only(node: fx.Node) -> bool:
-        return not any(n.op in ("get_attr", "call_module") or draws(n) for n in ancestors([node]))
+        return not any(reads_state(module, n) or draws(n) for n in ancestors([node]))
 
     def static_nonzero(mask: fx.Node, near: fx.Node) -> fx.Node:
         program, inputs = _subprogram(module, placeholders, ancestors([mask]), [mask])
@@ -268,7 +302,14 @@ def _subprogram(
         elif node in chain and node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] if isinstance(n, fx.Node) else n for n in outputs))
-    return fx.GraphModule(torch.nn.Module(), graph), tuple(inputs)
+    # the tensor constants the chain reads (`reads_state`: no parameter or buffer gets this far)
+    constants = {str(n.target): _attr(module, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
+    return fx.GraphModule(constants, graph), tuple(inputs)
+
+
+def _attr(module: nn.Module, target: str) -> Any:
+    owner_path, _, name = target.rpartition(".")
+    return getattr(module.get_submodule(owner_path) if owner_path else module, name)
 
 
 def _guard_program(

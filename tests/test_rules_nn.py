@@ -58,6 +58,7 @@ COVERED_OPS = [
     aten.mse_loss_backward.default,
     *GATHER_SCATTER,
     aten.index_add.default,
+    aten.scatter_reduce.two,
     aten.index_select.default,
     *BATCH_NORM,
     aten.convolution.default,
@@ -249,6 +250,24 @@ def test_gather_scatter(data: st.DataObject, mesh: tuple[int, ...], op: object) 
     else:
         args = (x, dim, index, data.draw(st.sampled_from([0.0, -1.0])))
     assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=mesh_shapes())
+def test_scatter_reduce(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """src reduced into self at index along `dim`, every reduction TAPAS's segments use, with and
+    without self's own values; repeated positions along `dim` (several src values to one place)."""
+    g = _gen(data)
+    shape = data.draw(tensor_shapes(mesh, min_dims=1, max_dims=3, allow_one=False))
+    n = len(shape)
+    dim = data.draw(st.integers(-n, n - 1))
+    index_shape = list(shape)
+    index_shape[dim] = data.draw(dim_sizes(mesh))
+    index = random_tensor(index_shape, torch.int64, generator=g, high=shape[dim])
+    reduce = data.draw(st.sampled_from(["sum", "prod", "mean", "amax", "amin"]))
+    include_self = data.draw(st.booleans())
+    args = (random_tensor(shape, generator=g), dim, index, random_tensor(index_shape, generator=g), reduce)
+    assert check_random_strategies(data, aten.scatter_reduce.two, args, {"include_self": include_self}, mesh, REGISTRY)
 
 
 @SETTINGS

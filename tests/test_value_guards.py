@@ -342,3 +342,49 @@ def test_a_forward_that_updates_its_input_in_place_is_refused_naming_the_line() 
     assert "decoder_input_ids" in err.value.hint
     assert err.value.where is not None and "test_value_guards.py:" in err.value.where, err.value.where
     assert torch.equal(y, before)  # the user's tensor is left as it was
+
+
+class _GlobalTokens(nn.Module):
+    """Longformer's encoder: a branch on whether any token is marked global, read from the mask
+    through a tensor the forward makes (a constant of the program, not a weight), and a chunk
+    count that `torch.div` makes of Python ints and Python reads as a size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local = nn.Linear(8, 8)
+        self.glob = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        marked = mask * torch.tensor(2)
+        h = self.local(x)
+        if (marked > 2).flatten().any().item():  # line: GLOBAL
+            h = h + self.glob(x)
+        chunks = torch.div(x.size(1), 4, rounding_mode="trunc") - 1
+        h = h.view(x.size(0), int(chunks) + 1, -1, h.size(-1)).mean(2)
+        return F.cross_entropy(self.head(h.mean(1)), y)
+
+
+def _global_batch(marked: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.ones(4, 8, dtype=torch.long)
+    if marked:
+        mask[:, 0] = 2  # the first token of every row attends globally
+    return torch.randn(4, 8, 8, generator=gen), mask, torch.randint(3, (4,), generator=gen)
+
+
+@pytest.mark.parametrize("marked", [False, True])
+def test_a_flag_read_through_a_constant_the_forward_makes_is_a_guard(marked: bool) -> None:
+    """The constant (`torch.tensor(2)`) is the same in every call, so the flag is a function of
+    the inputs: a guard, not a refusal as a weight would be; the chunk count's read, which no
+    input decides, is dropped from the program. Each branch equals serial; the other batch fails
+    the guard (another program)."""
+    torch.manual_seed(0)
+    compiled = assert_call_matches_serial(_GlobalTokens(), (2,), _global_batch(marked))
+    guards = next(iter(compiled.values())).program.value_guards
+    assert guards is not None and any(_line("GLOBAL") in c for c in guards.conditions), guards
+    assert guards.hold(list(_global_batch(marked, seed=1)))
+    assert not guards.hold(list(_global_batch(not marked, seed=1)))
+    for run in compiled.values():
+        targets = {n.target for n in run.program.forward.graph.nodes}
+        assert torch.ops.aten.item.default not in targets

@@ -277,6 +277,23 @@ def scatter_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, result)
 
 
+def scatter_reduce_rule(call: OpCall) -> list[AxisStrategy]:
+    """scatter_reduce.two(self, dim, index, src, reduce, include_self): each position of self
+    reduces the src values its index sends there along `dim` (TAPAS's segment sums, means and
+    maxima): dims other than `dim` split on all three alike, each rank reducing its own columns;
+    for "sum" linear in (self, src) together."""
+    at = normalize_dim(call.arg(1, "dim"), max(call.inputs[0].ndim, 1))
+    tensors = call.inputs
+    result = [
+        AxisStrategy((Shard(d),) * len(tensors), (Shard(d),))
+        for d in range(tensors[0].ndim)
+        if d != at and all(t.ndim == tensors[0].ndim and t.shape[d] == tensors[0].shape[d] for t in tensors)
+    ]
+    if call.arg(4, "reduce") == "sum":
+        result += passthrough_partial(call, [0, 2])
+    return with_replicated(call, result)
+
+
 def index_add_rule(call: OpCall) -> list[AxisStrategy]:
     """index_add(self, dim, index, source): rows of source added into self at index along `dim`
     (mixture-of-experts combine). Other dims split on self and source alike, the 1-D index whole;
@@ -426,6 +443,7 @@ RULES: dict[object, Callable[[OpCall], list[AxisStrategy]]] = {
     aten.scatter.src: scatter_rule,
     aten.scatter.value: scatter_rule,
     aten.scatter_add.default: scatter_rule,
+    aten.scatter_reduce.two: scatter_reduce_rule,
     aten.index_add.default: index_add_rule,
     aten._native_batch_norm_legit_functional.default: batch_norm_rule,
     aten._native_batch_norm_legit_no_training.default: batch_norm_rule,
