@@ -40,7 +40,7 @@ from autopar.rules.routed_experts import ROUTED_OPS
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.testing import all_coords, assemble
 from autopar.testing.threads import run_threads
-from examples.models import make_gpt, make_mlp
+from examples.models import GPT, GPTConfig, make_gpt, make_mlp
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -755,3 +755,13 @@ def _compare_input_grads(
         for c, values in bwd.items():
             got = values[len(first.param_names) + k]
             torch.testing.assert_close(got, want, atol=max(atol, rtol * scale), rtol=rtol, msg=f"input {index} on {c}")
+
+
+def gpt_meta_graph(n_embd: int, n_head: int, batch: int, seq: int, n_layer: int = 2) -> fx.GraphModule:
+    """The example GPT built on meta, traced as the planners plan it (decomposed, fused ops split):
+    the graph of the mesh screen's and bound's tests, at any size with no memory."""
+    cfg = GPTConfig(vocab_size=256, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    idx = torch.zeros(batch, seq, dtype=torch.long)
+    return trace(model, (idx, idx), decompose=True, split_fused=True)

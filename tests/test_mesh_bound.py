@@ -10,12 +10,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pass_fixtures import gpt_meta_graph
 
 import autopar.planning.mesh_screen as mesh_screen
 from autopar.compiler.driver import scheduled_step_time
 from autopar.core.errors import MemoryLimitError
 from autopar.core.mesh import Mesh
-from autopar.passes.trace import trace
 from autopar.planning.mesh_bound import Bounds
 from autopar.planning.mesh_choice import mesh_candidates, rank_meshes
 from autopar.planning.mesh_screen import complete, screen
@@ -23,15 +23,6 @@ from autopar.planning.plan_cost import GraphFacts
 from autopar.planning.search_cost import TimeCost
 from autopar.planning.search_steps import StepCache
 from autopar.rules.registry import default_registry
-from examples.models import GPT, GPTConfig
-
-
-def _graph(n_embd: int, n_head: int, batch: int, seq: int, n_layer: int = 2) -> torch.fx.GraphModule:
-    cfg = GPTConfig(vocab_size=256, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    idx = torch.zeros(batch, seq, dtype=torch.long)
-    return trace(model, (idx, idx), decompose=True, split_fused=True)
 
 
 def _space(world: int, hardware: str) -> tuple[list[Mesh], list[TimeCost]]:
@@ -66,7 +57,7 @@ def _check_against_whole_screen(gm: torch.fx.GraphModule, world: int, hardware: 
 def test_the_bound_is_below_every_estimate_and_the_screen_keeps_the_same_meshes(
     hardware: str, world: int, shape: tuple[int, int, int, int]
 ) -> None:
-    _check_against_whole_screen(_graph(*shape, n_layer=1), world, hardware, keep=2)
+    _check_against_whole_screen(gpt_meta_graph(*shape, n_layer=1), world, hardware, keep=2)
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -81,14 +72,14 @@ def test_the_bound_is_below_every_estimate_and_the_screen_keeps_the_same_meshes(
 def test_the_bound_never_exceeds_the_estimate_on_random_small_models(
     n_head: int, head_dim: int, batch: int, seq: int, world: int, hardware: str
 ) -> None:
-    gm = _graph(n_head * head_dim, n_head, batch, seq, n_layer=1)
+    gm = gpt_meta_graph(n_head * head_dim, n_head, batch, seq, n_layer=1)
     _check_against_whole_screen(gm, world, hardware, keep=1)
 
 
 def test_the_screen_stops_at_the_first_bound_above_the_kth_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the estimate itself as the bound (a bound that holds with equality) the screen visits
     meshes from the cheapest up and stops after the `keep` best: the skipping, not the bound."""
-    gm = _graph(64, 4, 8, 64, n_layer=1)
+    gm = gpt_meta_graph(64, 4, 8, 64, n_layer=1)
     meshes, costs = _space(8, "h100-nvlink-ib")
     registry = default_registry()
     _, whole = screen(gm, meshes, registry, costs, 2, bound=False)
@@ -105,7 +96,7 @@ def test_the_screen_stops_at_the_first_bound_above_the_kth_estimate(monkeypatch:
 def test_a_choice_that_fits_nowhere_screens_every_mesh_before_giving_up() -> None:
     """When none of the searched meshes fits, the choice goes on in the whole screen's order: the
     meshes the bound skipped are screened then, and every candidate is in the error's table."""
-    gm = _graph(64, 4, 8, 64, n_layer=1)
+    gm = gpt_meta_graph(64, 4, 8, 64, n_layer=1)
     with pytest.raises(MemoryLimitError) as caught:
         rank_meshes(gm, 4, default_registry(), scheduled_step_time, hardware="h100-nvlink-ib",
                     memory_limit=1.0, overlap_candidates=0, searched=1)  # fmt: skip

@@ -23,7 +23,7 @@ from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_pe
 from autopar.cost.timeline import overlap_summary
 from autopar.cost.work import causal_skipped, compute_rate, global_work, work_split
 from autopar.planning.mesh_choice import MeshChoice
-from autopar.planning.ring_cost import causal_imbalance_cost, ring_exchange_cost, routed_exchange_cost
+from autopar.planning.ring_cost import op_extra_cost
 from autopar.planning.search_cost import TimeCost
 
 
@@ -249,11 +249,8 @@ def _node_compute(node: fx.Node, cost: TimeCost, shape: tuple[int, ...]) -> floa
     strategy = info(node).strategy
     assert strategy is not None
     work, rate = global_work(node), compute_rate(node)
-    exchanges = ring_exchange_cost(node.target, strategy, work, rate, cost) + routed_exchange_cost(
-        node.target, strategy, cost, work, rate
-    )
-    imbalance = causal_imbalance_cost(node.target, causal_skipped(node), strategy, work, rate, cost)
-    return cost.compute(work, work_split(strategy, shape), rate) + exchanges + imbalance
+    extra = op_extra_cost(node.target, causal_skipped(node), strategy, work, rate, cost)
+    return cost.compute(work, work_split(strategy, shape), rate) + extra
 
 
 def _bytes(node: fx.Node) -> int:

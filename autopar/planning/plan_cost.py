@@ -17,7 +17,7 @@ from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
 from autopar.cost.hardware import Rate
 from autopar.cost.work import causal_skipped, compute_rate, global_work, work_split
-from autopar.planning.ring_cost import causal_imbalance_cost, ring_exchange_cost, routed_exchange_cost
+from autopar.planning.ring_cost import op_extra_cost
 from autopar.planning.search_cost import ElementCost
 from autopar.rules.calls import tensor_inputs
 
@@ -91,12 +91,9 @@ def plan_cost_parts(
         split = splits.get(strategy)
         if split is None:
             split = splits[strategy] = work_split(strategy, shape)
-        compute += (
-            cost.compute(work, split, dtype)
-            + ring_exchange_cost(op, strategy, work, dtype, cost)
-            + causal_imbalance_cost(op, name in facts.causal, strategy, work, dtype, cost)
+        compute += cost.compute(work, split, dtype) + op_extra_cost(
+            op, name in facts.causal, strategy, work, dtype, cost
         )
-        compute += routed_exchange_cost(op, strategy, cost, work, dtype)
     for src_name, wanted in zip(facts.outputs, plan.output_layouts):
         if src_name is not None and wanted is not None:
             comm += cost.redistribute(layouts[src_name][0], wanted)

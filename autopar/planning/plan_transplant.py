@@ -36,7 +36,7 @@ from autopar.cost.work import work_split
 from autopar.planning.greedy import SMALL_PARAM_FRACTION, batch_error
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.plan_cost import GraphFacts
-from autopar.planning.ring_cost import ring_exchange_cost
+from autopar.planning.ring_cost import op_extra_cost
 from autopar.planning.search_cost import ElementCost
 from autopar.planning.storage import part_dims, part_storage, storage_layout
 from autopar.rules.base import RuleRegistry, admissible
@@ -56,7 +56,7 @@ class PlanPattern:
     checks: tuple[tuple[Strategy, bool, Any, OpCall | None], ...]  # (strategy, uneven, admits, call)
     stored: tuple[Stored, ...]  # every distinct parameter storage to work out
     comm: tuple[tuple[Source, Source, int], ...]  # (source, wanted, count)
-    compute: tuple[tuple[float, Strategy, Rate, Any, int], ...]  # (work, strategy, rate, op, count)
+    compute: tuple[tuple[float, Strategy, Rate, Any, bool, int], ...]  # (work, strategy, rate, op, causal, count)
 
     @staticmethod
     def of(
@@ -81,7 +81,7 @@ class PlanPattern:
         nodes = {n.name: n for n in gm.graph.nodes}
         checks: dict[tuple[Any, ...], tuple[Strategy, bool, Any, OpCall | None]] = {}
         comm: Counter[tuple[Source, Source]] = Counter()
-        compute: Counter[tuple[float, Strategy, Rate, Any]] = Counter()
+        compute: Counter[tuple[float, Strategy, Rate, Any, bool]] = Counter()
         made: set[tuple[str, Layout]] = set()
         for name, inputs, work, rate, op in facts.calls:
             strategy = plan.strategies.get(name)
@@ -101,7 +101,7 @@ class PlanPattern:
                 if (src, want) not in made:
                     made.add((src, want))
                     comm[(source(src), want)] += 1
-            compute[(work, strategy, rate, op)] += 1
+            compute[(work, strategy, rate, op, name in facts.causal)] += 1
         for src_name, wanted in _outputs(gm, plan, facts, stored):
             comm[(source(src_name), wanted)] += 1
         return PlanPattern(
@@ -109,7 +109,7 @@ class PlanPattern:
             tuple(checks.values()),
             tuple(set(stored.values())),
             tuple((src, want, count) for (src, want), count in comm.items()),
-            tuple((work, s, rate, op, count) for (work, s, rate, op), count in compute.items()),
+            tuple((*key, count) for key, count in compute.items()),
         )
 
     def price(self, gm: fx.GraphModule, mesh: Mesh, cost: ElementCost) -> float | None:
@@ -133,9 +133,9 @@ class PlanPattern:
             have = src if isinstance(src, Layout) else storage[src]
             comm += count * cost.redistribute(have, want if isinstance(want, Layout) else storage[want])
         compute = 0.0
-        for work, strategy, rate, op, count in self.compute:
+        for work, strategy, rate, op, causal, count in self.compute:
             split = work_split(strategy, shape)
-            compute += count * (cost.compute(work, split, rate) + ring_exchange_cost(op, strategy, work, rate, cost))
+            compute += count * (cost.compute(work, split, rate) + op_extra_cost(op, causal, strategy, work, rate, cost))
         return comm + compute
 
 

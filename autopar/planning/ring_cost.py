@@ -102,6 +102,18 @@ def routed_exchange_cost(
     return total
 
 
+def op_extra_cost(op: Any, causal: bool, strategy: Strategy, work: float, rate: Rate, cost: _Cost) -> float:
+    """What a candidate adds to its even share of the work (`cost.compute`) in every planner's
+    price: ring attention's exposed exchanges, the token dispatcher's exchanges and routing
+    imbalance, and a contiguous causal split's busiest rank. One sum, so that the search, the
+    lowered plan's pricing, `plan_cost` and the screen's transplanted plans price alike."""
+    return (
+        ring_exchange_cost(op, strategy, work, rate, cost)
+        + routed_exchange_cost(op, strategy, cost, work, rate)
+        + causal_imbalance_cost(op, causal, strategy, work, rate, cost)
+    )
+
+
 def causal_imbalance_cost(op: Any, causal: bool, strategy: Strategy, work: float, rate: Rate, cost: _Cost) -> float:
     """What the busiest rank of a causal call split contiguously along the query sequence adds to
     the even share the compute price gives every rank: (imbalance - 1) of that share, over the

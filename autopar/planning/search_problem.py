@@ -32,7 +32,7 @@ from autopar.cost.hardware import Rate
 from autopar.cost.work import causal_skipped, compute_rate, global_work, work_split
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.memory import SavedValue, plan_memory, saved_nodes, weight_chain
-from autopar.planning.ring_cost import causal_imbalance_cost, ring_exchange_cost, routed_exchange_cost
+from autopar.planning.ring_cost import op_extra_cost
 from autopar.planning.search_blocks import Clock, chains, make_blocks, sweep, trees
 from autopar.planning.search_vars import Edge, Tally, Var
 from autopar.planning.storage import part_dim_at, part_dims, part_storage, replicated_storage
@@ -186,10 +186,7 @@ class Problem:
         by_split = {s: self.cost.compute(work, s, dtype) for s in set(splits)}
         return np.array(
             [
-                by_split[split]
-                + ring_exchange_cost(op, s, work, dtype, self.cost)
-                + routed_exchange_cost(op, s, self.cost, work, dtype)
-                + causal_imbalance_cost(op, causal, s, work, dtype, self.cost)
+                by_split[split] + op_extra_cost(op, causal, s, work, dtype, self.cost)
                 for s, split in zip(cands, splits)
             ],
             dtype=float,

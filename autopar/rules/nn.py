@@ -260,16 +260,22 @@ def index_select_rule(call: OpCall) -> list[AxisStrategy]:
     return with_replicated(call, result)
 
 
-def scatter_rule(call: OpCall) -> list[AxisStrategy]:
-    """scatter.src / scatter.value / scatter_add: dims other than `dim` split on all tensors when
-    they agree; linear in (self, src) together."""
+def _split_beside_dim(call: OpCall) -> list[AxisStrategy]:
+    """A scatter's strategies that split one dim other than its `dim` on every tensor alike, where
+    every tensor has that dim at one length: each rank scatters within its own columns."""
     at = normalize_dim(call.arg(1, "dim"), max(call.inputs[0].ndim, 1))
     tensors = call.inputs
-    result = [
+    return [
         AxisStrategy((Shard(d),) * len(tensors), (Shard(d),))
         for d in range(tensors[0].ndim)
         if d != at and all(t.ndim == tensors[0].ndim and t.shape[d] == tensors[0].shape[d] for t in tensors)
     ]
+
+
+def scatter_rule(call: OpCall) -> list[AxisStrategy]:
+    """scatter.src / scatter.value / scatter_add: dims other than `dim` split on all tensors when
+    they agree; linear in (self, src) together."""
+    result = _split_beside_dim(call)
     if call.op in (aten.scatter.src, aten.scatter_add.default):
         result += passthrough_partial(call, [0, 2])
     elif float(call.arg(3, "value")) == 0.0:
@@ -282,13 +288,7 @@ def scatter_reduce_rule(call: OpCall) -> list[AxisStrategy]:
     reduces the src values its index sends there along `dim` (TAPAS's segment sums, means and
     maxima): dims other than `dim` split on all three alike, each rank reducing its own columns;
     for "sum" linear in (self, src) together."""
-    at = normalize_dim(call.arg(1, "dim"), max(call.inputs[0].ndim, 1))
-    tensors = call.inputs
-    result = [
-        AxisStrategy((Shard(d),) * len(tensors), (Shard(d),))
-        for d in range(tensors[0].ndim)
-        if d != at and all(t.ndim == tensors[0].ndim and t.shape[d] == tensors[0].shape[d] for t in tensors)
-    ]
+    result = _split_beside_dim(call)
     if call.arg(4, "reduce") == "sum":
         result += passthrough_partial(call, [0, 2])
     return with_replicated(call, result)
