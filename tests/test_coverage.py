@@ -26,50 +26,50 @@ from autopar.rules.registry import default_registry
 aten = torch.ops.aten
 
 
-class Roller(nn.Module):
-    """`torch.roll` has no sharding rule (yet): the tool must say so."""
+class MatrixExp(nn.Module):
+    """`torch.linalg.matrix_exp` has no sharding rule (yet): the tool must say so."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x).roll(1, -1).square().mean()
+        return torch.linalg.matrix_exp(self.fc(x)).square().mean()
 
 
-def make_roller(seed: int) -> tuple[Roller, tuple[torch.Tensor]]:
+def make_matrix_exp(seed: int) -> tuple[MatrixExp, tuple[torch.Tensor]]:
     torch.manual_seed(seed)
-    return Roller(), (torch.randn(8, 8),)
+    return MatrixExp(), (torch.randn(8, 8),)
 
 
 def test_missing_op_is_reported_with_its_count() -> None:
-    rows = op_coverage(*make_roller(0), mesh_shape=(2,))
+    rows = op_coverage(*make_matrix_exp(0), mesh_shape=(2,))
     by_op = {r.op: r for r in rows}
-    roll = by_op[str(aten.roll.default)]
-    assert roll.missing and roll.family == MISSING
-    assert roll.count == 2  # forward, and roll back in backward
-    assert rows[0] is roll  # missing ops come first
+    matrix_exp = by_op[str(aten.linalg_matrix_exp.default)]
+    assert matrix_exp.missing and matrix_exp.family == MISSING
+    assert matrix_exp.count == 2  # forward, and in its backward (the exponential of a block matrix)
+    assert rows[0] is matrix_exp  # missing ops come first
     assert by_op[str(aten.addmm.default)].family == "matmul"
-    assert not any(r.missing for r in rows if r is not roll)
+    assert not any(r.missing for r in rows if r is not matrix_exp)
     assert "1 missing" in format_rows(rows)
 
 
 def test_rows_count_every_node_and_say_what_can_be_split() -> None:
-    model, batch = make_roller(0)
+    model, batch = make_matrix_exp(0)
     rows = op_coverage(model, batch, mesh_shape=(2,))
     mm = next(r for r in rows if r.op == str(aten.mm.default))
     assert mm.splittable == mm.count > 0
     registry = default_registry()
-    registry.register(aten.roll.default, lambda call: [], family="mine")
+    registry.register(aten.linalg_matrix_exp.default, lambda call: [], family="mine")
     rows = op_coverage(model, batch, mesh_shape=(2,), registry=registry)
-    roll = next(r for r in rows if r.op == str(aten.roll.default))
-    assert roll.family == "mine" and roll.splittable == 0  # no strategy at all: nothing to split
+    matrix_exp = next(r for r in rows if r.op == str(aten.linalg_matrix_exp.default))
+    assert matrix_exp.family == "mine" and matrix_exp.splittable == 0  # no strategy at all: nothing to split
 
 
 def test_command_exit_status_and_output(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["coverage", "test_coverage:make_roller", "--mesh", "2,2"]) == 1
+    assert main(["coverage", "test_coverage:make_matrix_exp", "--mesh", "2,2"]) == 1
     out = capsys.readouterr().out
-    assert "aten.roll.default" in out and MISSING in out
+    assert "aten.linalg_matrix_exp.default" in out and MISSING in out
     assert main(["coverage", "examples.models:make_mlp", "--mesh", "8"]) == 0
     out = capsys.readouterr().out
     assert "aten.addmm.default" in out and "0 missing" in out
@@ -103,16 +103,16 @@ def test_every_op_of_the_zoo_has_a_rule(spec: str, mesh: tuple[int, ...]) -> Non
         assert all(r.splittable == r.count for r in rows if r.family == "matmul")
 
 
-def roller_registry() -> RuleRegistry:
-    """A user's registry: the built-in rules plus one for roll (for `--registry`)."""
+def matrix_exp_registry() -> RuleRegistry:
+    """A user's registry: the built-in rules plus one for matrix_exp (for `--registry`)."""
     registry = default_registry()
-    registry.register(aten.roll.default, lambda call: [], family="mine")
+    registry.register(aten.linalg_matrix_exp.default, lambda call: [], family="mine")
     return registry
 
 
 def test_command_takes_the_users_registry(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = "test_coverage:make_roller"
-    assert main(["coverage", spec, "--mesh", "2", "--registry", "test_coverage:roller_registry"]) == 0
+    spec = "test_coverage:make_matrix_exp"
+    assert main(["coverage", spec, "--mesh", "2", "--registry", "test_coverage:matrix_exp_registry"]) == 0
     out = capsys.readouterr().out
     assert "mine" in out and "0 missing" in out
     with pytest.raises(TypeError, match="not a RuleRegistry"):
