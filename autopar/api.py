@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
@@ -26,10 +26,8 @@ from autopar.compiler.driver import compile_for_rank, example_tuple
 from autopar.compiler.fixed import compare_fixed
 from autopar.compiler.pipeline import PipelinedModule, split_microbatches
 from autopar.compiler.pipeline_checkpoint import load_pipelined_checkpoint
-from autopar.compiler.pipeline_choice import decide_pipeline
-from autopar.compiler.pipeline_entry import pipeline_parallelize
+from autopar.compiler.pipeline_entry import parallelize_on_pipeline_mesh
 from autopar.compiler.pipeline_mesh import auto_pipeline_mesh, choose_pipeline_mesh
-from autopar.compiler.pipeline_stage import StageModule
 from autopar.compiler.pricing import Compared, PlanResult, price
 from autopar.core.errors import AutoparError, CheckpointError, MeshError, UsageError
 from autopar.core.mesh import Mesh
@@ -48,7 +46,6 @@ from autopar.planning.memory import MEMORY_HEADROOM
 from autopar.rules.base import RuleRegistry
 from autopar.rules.context_parallel import CP_AXIS, context_parallel_registry
 from autopar.rules.registry import default_registry
-from autopar.rules.routed_experts import ROUTED_OPS
 from autopar.runtime.checkpoint import LoadResult
 from autopar.runtime.checkpoint import load_checkpoint as load_parallel_checkpoint
 from autopar.runtime.checkpoint_save import save_dcp, save_safetensors
@@ -56,14 +53,13 @@ from autopar.runtime.device_memory import rank_memory
 from autopar.runtime.groups import (
     DEFAULT_TIMEOUT_S,
     as_timeout,
+    check_device_mesh,
     make_groups,
-    make_pipeline_groups,
     names_parallelize_failures,
 )
 from autopar.runtime.local_batch import GLOBAL, INPUT_MODES, LOCAL, global_stand_ins
 from autopar.runtime.materialize import InitFn
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.pipeline_runtime import BoundaryScatter
 from autopar.runtime.slips import watch_optimizers
 
 
@@ -190,7 +186,7 @@ def parallelize(
                 hint="drop mesh_shape, or pass the world size / a mesh without a \"pp\" axis",
             )
         assert isinstance(mesh, DeviceMesh)
-        pipelined_module = _pipeline(
+        pipelined_module = parallelize_on_pipeline_mesh(
             model, mesh, example_inputs, example_kwargs, schedule, microbatches, stage_boundaries,
             virtual_stages, hardware, options, timeout,
         )
@@ -225,7 +221,7 @@ def parallelize(
             token_dispatch=planning.token_dispatch,
         )
         options = dataclasses.replace(options, hardware=choice.hardware)  # the layouts the choice priced
-    autopar_mesh = _check_mesh(mesh)
+    autopar_mesh = check_device_mesh(mesh)
     assert autopar_mesh.device_mesh is not None
     groups = make_groups(autopar_mesh.device_mesh, as_timeout(timeout))
     result = compile_module(
@@ -255,27 +251,6 @@ def _asked_registry(
     return context_parallel_registry(base, axis_names, planning.context_parallel)
 
 
-def _check_mesh(mesh: Any) -> Mesh:
-    if not isinstance(mesh, DeviceMesh):
-        raise MeshError(
-            f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}",
-            hint='build one with torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2, 2))',
-        )
-    if not dist.is_initialized():
-        raise MeshError(
-            "torch.distributed is not initialized", hint="run under torchrun or init_process_group first"
-        )
-    world = dist.get_world_size()
-    if mesh.size() != world:
-        raise MeshError(
-            f"mesh {tuple(mesh.shape)} has {mesh.size()} ranks but the job has {world}",
-            hint=f"use a mesh whose axis sizes multiply to {world}",
-        )
-    if not 1 <= mesh.ndim <= 4:
-        raise MeshError(f"meshes of 1 to 4 axes are supported, got {mesh.ndim}", hint="merge or drop axes")
-    return Mesh.from_device_mesh(mesh)
-
-
 def default_memory_limit(device_type: str) -> float | None:
     """`parallelize`'s default `memory_limit`: `MEMORY_HEADROOM` of one rank's memory on
     `device_type` (`runtime.device_memory`), None where that is not known."""
@@ -288,7 +263,7 @@ def _device_type(mesh: DeviceMesh | int) -> str:
     if isinstance(mesh, DeviceMesh):
         return mesh.device_type
     if isinstance(mesh, bool) or not isinstance(mesh, int):
-        _check_mesh(mesh)  # raises: not a DeviceMesh
+        check_device_mesh(mesh)  # raises: not a DeviceMesh
     return job_world(mesh)[1]
 
 
@@ -298,109 +273,6 @@ def _check_model(model: nn.Module) -> None:
             f"model must be an nn.Module, got {type(model).__name__}",
             hint="wrap a function in an nn.Module whose forward calls it",
         )
-
-
-def _pipeline(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    example_inputs: Sequence[Any],
-    example_kwargs: dict[str, Any] | None,
-    schedule: str | None,
-    microbatches: int | None,
-    stage_boundaries: Sequence[str] | None,
-    virtual_stages: int,
-    hardware: str,
-    options: ModuleOptions,
-    timeout: float | timedelta,
-) -> PipelinedModule:
-    """`parallelize` on a mesh with a "pp" axis: the pipeline runtime (`autopar.compiler.pipeline`),
-    each stage compiled on the other axes by `compile_module` when there are any."""
-    if microbatches is None or isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise UsageError(
-            f"a pipeline needs microbatches= (a positive int), got {microbatches!r}",
-            hint="parallelize(model, mesh, example_inputs=..., pipeline=autopar.PipelineOptions(microbatches=8))",
-        )
-    name = "1f1b" if schedule is None else schedule
-    if not isinstance(name, str):
-        raise UsageError(
-            f"PipelineOptions(schedule={schedule!r}) on a pipeline mesh: name the pipeline schedule",
-            hint='schedule="1f1b", "gpipe", "interleaved-1f1b", "zero-bubble" or "auto"',
-        )
-    if name == "zero-bubble" and options.compile:
-        raise UsageError(
-            "a zero-bubble pipeline splits each stage's backward program in two, which compile=True "
-            "(Inductor compiles the whole backward) does not do yet",
-            hint='drop compile=True, or use schedule="1f1b" / "interleaved-1f1b" / "auto"',
-        )
-    if options.inputs != GLOBAL:
-        raise UsageError(
-            'a pipeline takes the global batch on every rank (inputs="local" is not supported with a "pp" axis)',
-            hint='drop inputs="local"',
-        )
-    seeded = torch.random.get_rng_state()  # what a meta-device model's stages are initialized from
-    names = tuple(mesh.mesh_dim_names or ())
-    pp = mesh.size(names.index("pp"))
-    decision = decide_pipeline(
-        model,
-        tuple(example_inputs),
-        pp=pp,
-        microbatches=microbatches,
-        schedule=name,
-        virtual_stages=virtual_stages,
-        hardware=hardware,
-        tensor_size=mesh.size() // pp,
-        stage_boundaries=stage_boundaries,
-        memory_limit=options.memory_limit,
-        split_backward=not options.compile,  # Inductor-compiled stages do not split their backward
-        example_kwargs=example_kwargs,
-    )
-    build_stage = None
-    pp_group = None
-    scatter = None
-    if mesh.ndim == 1 and (decision.schedule.split_backward or options.compile):
-        # zero-bubble splits each stage's backward program, and compile=True runs each stage's
-        # programs through Inductor: every stage is compiled by `compile_module`, on one rank
-        mesh = init_device_mesh(mesh.device_type, (mesh.size(), 1), mesh_dim_names=("pp", "stage"))
-    if mesh.ndim > 1:
-        names = tuple(mesh.mesh_dim_names or ())
-        _check_mesh(mesh)
-        groups = make_pipeline_groups(mesh, names.index("pp"), as_timeout(timeout))
-        stage_mesh = Mesh.from_device_mesh(mesh[tuple(n for n in names if n != "pp")])
-        autocast = compilable_autocast(("cpu", mesh.device_type))
-        stage_options = dataclasses.replace(options, check_inputs=False)  # stages' inputs are the runtime's
-
-        def build_stage(module: nn.Module, args: tuple[Any, ...]) -> ParallelModule:
-            chosen = stage_options
-            if isinstance(module, StageModule) and not module.calls_any(ROUTED_OPS):  # a stage without MoE layers
-                chosen = dataclasses.replace(stage_options, token_dispatch="allgather")
-            return compile_module(
-                module, stage_mesh, groups.stage, chosen, args, None, args, None,
-                autocast=autocast, seeded=seeded, init_model=model,
-            )
-
-        pp_group = groups.pp
-        scatter = BoundaryScatter(groups.stage.world, stage_mesh.size, dist.get_rank(groups.stage.world))
-    pmodel = pipeline_parallelize(
-        model,
-        mesh,
-        tuple(example_inputs),
-        microbatches=microbatches,
-        schedule=name,
-        stage_boundaries=stage_boundaries,
-        virtual_stages=virtual_stages,
-        hardware=hardware,
-        pp_group=pp_group,
-        build_stage=build_stage,
-        scatter=scatter,
-        dump_dir=options.dump_dir,
-        decision=decision,
-        example_kwargs=example_kwargs,
-        init_fn=options.init_fn,
-        seeded=seeded,
-        token_dispatch=options.token_dispatch,
-    )
-    pmodel.schedule_named = schedule not in (None, "auto")  # a loss outside runs GPipe's order: warned
-    return pmodel
 
 
 def plan(

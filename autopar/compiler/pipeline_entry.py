@@ -4,27 +4,36 @@ that the module's runtime and its construction read as two things."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopar.compiler.build import ModuleOptions, compile_module
 from autopar.compiler.pipeline import PipelinedModule
 from autopar.compiler.pipeline_batch import split_microbatches
 from autopar.compiler.pipeline_choice import PipelineDecision, decide_pipeline
 from autopar.compiler.pipeline_split import PipelineSplitError
-from autopar.compiler.pipeline_stage import StageBuilder
+from autopar.compiler.pipeline_stage import StageBuilder, StageModule
 from autopar.core.errors import UsageError
+from autopar.core.mesh import Mesh
+from autopar.core.precision import compilable_autocast
 from autopar.reporting.dump import dump_dir_from
+from autopar.rules.routed_experts import ROUTED_OPS
+from autopar.runtime.groups import as_timeout, check_device_mesh, make_pipeline_groups
+from autopar.runtime.local_batch import GLOBAL
 from autopar.runtime.materialize import InitFn
+from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_runtime import BoundaryScatter, check_supported
 
-__all__ = ["pipeline_parallelize"]
+__all__ = ["parallelize_on_pipeline_mesh", "pipeline_parallelize"]
 
 
 def pipeline_parallelize(
@@ -112,4 +121,107 @@ def pipeline_parallelize(
         path = dump_dir_from(dump_dir, 0)
         if path is not None:
             pmodel.write_pipeline_timeline(path)
+    return pmodel
+
+
+def parallelize_on_pipeline_mesh(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    example_inputs: Sequence[Any],
+    example_kwargs: dict[str, Any] | None,
+    schedule: str | None,
+    microbatches: int | None,
+    stage_boundaries: Sequence[str] | None,
+    virtual_stages: int,
+    hardware: str,
+    options: ModuleOptions,
+    timeout: float | timedelta,
+) -> PipelinedModule:
+    """`parallelize` on a mesh with a "pp" axis: the pipeline runtime (`autopar.compiler.pipeline`),
+    each stage compiled on the other axes by `compile_module` when there are any."""
+    if microbatches is None or isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise UsageError(
+            f"a pipeline needs microbatches= (a positive int), got {microbatches!r}",
+            hint="parallelize(model, mesh, example_inputs=..., pipeline=autopar.PipelineOptions(microbatches=8))",
+        )
+    name = "1f1b" if schedule is None else schedule
+    if not isinstance(name, str):
+        raise UsageError(
+            f"PipelineOptions(schedule={schedule!r}) on a pipeline mesh: name the pipeline schedule",
+            hint='schedule="1f1b", "gpipe", "interleaved-1f1b", "zero-bubble" or "auto"',
+        )
+    if name == "zero-bubble" and options.compile:
+        raise UsageError(
+            "a zero-bubble pipeline splits each stage's backward program in two, which compile=True "
+            "(Inductor compiles the whole backward) does not do yet",
+            hint='drop compile=True, or use schedule="1f1b" / "interleaved-1f1b" / "auto"',
+        )
+    if options.inputs != GLOBAL:
+        raise UsageError(
+            'a pipeline takes the global batch on every rank (inputs="local" is not supported with a "pp" axis)',
+            hint='drop inputs="local"',
+        )
+    seeded = torch.random.get_rng_state()  # what a meta-device model's stages are initialized from
+    names = tuple(mesh.mesh_dim_names or ())
+    pp = mesh.size(names.index("pp"))
+    decision = decide_pipeline(
+        model,
+        tuple(example_inputs),
+        pp=pp,
+        microbatches=microbatches,
+        schedule=name,
+        virtual_stages=virtual_stages,
+        hardware=hardware,
+        tensor_size=mesh.size() // pp,
+        stage_boundaries=stage_boundaries,
+        memory_limit=options.memory_limit,
+        split_backward=not options.compile,  # Inductor-compiled stages do not split their backward
+        example_kwargs=example_kwargs,
+    )
+    build_stage = None
+    pp_group = None
+    scatter = None
+    if mesh.ndim == 1 and (decision.schedule.split_backward or options.compile):
+        # zero-bubble splits each stage's backward program, and compile=True runs each stage's
+        # programs through Inductor: every stage is compiled by `compile_module`, on one rank
+        mesh = init_device_mesh(mesh.device_type, (mesh.size(), 1), mesh_dim_names=("pp", "stage"))
+    if mesh.ndim > 1:
+        names = tuple(mesh.mesh_dim_names or ())
+        check_device_mesh(mesh)
+        groups = make_pipeline_groups(mesh, names.index("pp"), as_timeout(timeout))
+        stage_mesh = Mesh.from_device_mesh(mesh[tuple(n for n in names if n != "pp")])
+        autocast = compilable_autocast(("cpu", mesh.device_type))
+        stage_options = dataclasses.replace(options, check_inputs=False)  # stages' inputs are the runtime's
+
+        def build_stage(module: nn.Module, args: tuple[Any, ...]) -> ParallelModule:
+            chosen = stage_options
+            if isinstance(module, StageModule) and not module.calls_any(ROUTED_OPS):  # a stage without MoE layers
+                chosen = dataclasses.replace(stage_options, token_dispatch="allgather")
+            return compile_module(
+                module, stage_mesh, groups.stage, chosen, args, None, args, None,
+                autocast=autocast, seeded=seeded, init_model=model,
+            )
+
+        pp_group = groups.pp
+        scatter = BoundaryScatter(groups.stage.world, stage_mesh.size, dist.get_rank(groups.stage.world))
+    pmodel = pipeline_parallelize(
+        model,
+        mesh,
+        tuple(example_inputs),
+        microbatches=microbatches,
+        schedule=name,
+        stage_boundaries=stage_boundaries,
+        virtual_stages=virtual_stages,
+        hardware=hardware,
+        pp_group=pp_group,
+        build_stage=build_stage,
+        scatter=scatter,
+        dump_dir=options.dump_dir,
+        decision=decision,
+        example_kwargs=example_kwargs,
+        init_fn=options.init_fn,
+        seeded=seeded,
+        token_dispatch=options.token_dispatch,
+    )
+    pmodel.schedule_named = schedule not in (None, "auto")  # a loss outside runs GPipe's order: warned
     return pmodel

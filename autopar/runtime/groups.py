@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.core.errors import AutoparError, RankFailureError, UsageError
+from autopar.core.errors import AutoparError, MeshError, RankFailureError, UsageError
+from autopar.core.mesh import Mesh
 
 DEFAULT_TIMEOUT_S = 300.0  # a step of a large model on slow links stays well under this
 # The store's failure records are kept per `parallelize` call of the job ("generation"): a failure
@@ -272,3 +273,26 @@ def is_collective_failure(exc: BaseException) -> bool:
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
+
+
+def check_device_mesh(mesh: Any) -> Mesh:
+    """The torch DeviceMesh `parallelize` was given, checked against the job (a DeviceMesh, an
+    initialized process group of its size, 1 to 4 axes), as the compiler's `Mesh`."""
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(
+            f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}",
+            hint='build one with torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2, 2))',
+        )
+    if not dist.is_initialized():
+        raise MeshError(
+            "torch.distributed is not initialized", hint="run under torchrun or init_process_group first"
+        )
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise MeshError(
+            f"mesh {tuple(mesh.shape)} has {mesh.size()} ranks but the job has {world}",
+            hint=f"use a mesh whose axis sizes multiply to {world}",
+        )
+    if not 1 <= mesh.ndim <= 4:
+        raise MeshError(f"meshes of 1 to 4 axes are supported, got {mesh.ndim}", hint="merge or drop axes")
+    return Mesh.from_device_mesh(mesh)

@@ -17,7 +17,6 @@ import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,7 +64,7 @@ from autopar.runtime.param_feed import (
     to_dtensor_placements,
 )
 from autopar.runtime.program import EmittedProgram, local_value
-from autopar.runtime.program_cache import CacheThrash
+from autopar.runtime.program_cache import CachedProgram, CacheThrash
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
 from autopar.runtime.source_attributes import SourceAttributes
 from autopar.runtime.source_watch import SourceWatch
@@ -78,29 +77,6 @@ Compile = Callable[
 ]
 MAX_PROGRAMS = 8  # programs kept per module (input signatures x modes), least recently used dropped
 _LOG = logging.getLogger("autopar")
-
-
-@dataclass
-class _Program:
-    """A compiled program and what calling it needs besides the parameters."""
-
-    program: EmittedProgram
-    outputs: OutputStructure | None
-    source_layouts: dict[str, Layout]
-    constants: dict[str, torch.Tensor]
-    feed: FeedPlan
-    why: str = ""
-    # programs for the same call signature traced under other input values (`ValueGuards`)
-    others: list[_Program] = field(default_factory=list)
-
-    def holding(self, flat: Sequence[Any], device: str) -> _Program | None:
-        """This program or one of `others` whose value guards hold for the call's `flat` inputs
-        (and, for guards on random draws, the generators' state now) on `device`."""
-        for run in (self, *self.others):
-            guards = run.program.value_guards
-            if guards is None or guards.hold(flat, device):
-                return run
-        return None
 
 
 class ParallelModule(FullState, SourceAttributes, nn.Module):
@@ -151,7 +127,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         self._history = CallHistory()  # ranks a call apart are named as such (call_checks)
         self.report = report
         self.training = source.training
-        self._programs: OrderedDict[Any, _Program] = OrderedDict()
+        self._programs: OrderedDict[Any, CachedProgram] = OrderedDict()
         self._values_seen: dict[tuple[int, type], set[Any]] = {}  # plain arguments that compiled programs by value
         self._values_warned: set[int] = set()
         self._thrash = CacheThrash(MAX_PROGRAMS)  # warns once when a dropped program compiles again
@@ -386,7 +362,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
 
     def _program_for(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], spec: Any
-    ) -> _Program:
+    ) -> CachedProgram:
         """The compiled program for this call, compiling one if none fits (see the class doc)."""
         grad = torch.is_grad_enabled()
         if self._compile is None:  # a module built around one program: it takes only that call
@@ -439,7 +415,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         assert self._mesh.device_mesh is not None
         return self._mesh.device_mesh.device_type
 
-    def _refuse_other_branch(self, run: _Program, flat: Sequence[Any]) -> None:
+    def _refuse_other_branch(self, run: CachedProgram, flat: Sequence[Any]) -> None:
         """A program compiled for this call must take this call's branches: its trace ran the
         model on the call's values and the generators' state now, as its guards do."""
         guards = run.program.value_guards
@@ -466,7 +442,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
                         "kept); pass it as a tensor (torch.tensor(t)) and one program serves every value"
                     )
 
-    def _refuse_local_guards(self, run: _Program) -> None:
+    def _refuse_local_guards(self, run: CachedProgram) -> None:
         """A guard is evaluated on the global inputs, which a call with `inputs="local"` does not
         hand every rank."""
         guards = run.program.value_guards
@@ -513,7 +489,7 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         runs = [run for first in self._programs.values() for run in (first, *first.others)]
         return [(run.why or "example inputs", run.program) for run in runs]
 
-    def _prepared(self, program: EmittedProgram, outputs: OutputStructure | None, why: str = "") -> _Program:
+    def _prepared(self, program: EmittedProgram, outputs: OutputStructure | None, why: str = "") -> CachedProgram:
         program.forward.meta["autopar_mesh_shape"] = tuple(self._mesh.shape)
         assert self._mesh.device_mesh is not None
         device = self._mesh.device_mesh.device_type
@@ -522,9 +498,9 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         if self._inductor:
             program = compiled_by_inductor(program)
         layouts = program.source_layouts()
-        return _Program(program, outputs, layouts, constants, plan_feed(program, constants, layouts), why)
+        return CachedProgram(program, outputs, layouts, constants, plan_feed(program, constants, layouts), why)
 
-    def _local_param(self, run: _Program, name: str) -> torch.Tensor:
+    def _local_param(self, run: CachedProgram, name: str) -> torch.Tensor:
         """This rank's block of program parameter `name` in the layout the program wants: stored
         parameters are redistributed when a later program wants another layout (autograd brings
         the gradient back), and a part of a fused parameter is a chunk of the whole parameter's
