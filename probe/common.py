@@ -20,9 +20,11 @@ from torch.distributed.tensor import DTensor
 
 
 def setup(shape: tuple[int, ...] | None = None) -> DeviceMesh:
-    """Initialize gloo and a mesh of all ranks (default: 1-D of the world size)."""
+    """Initialize gloo and a mesh of all ranks (default: 1-D of the world size, or MESH=2,2)."""
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    if shape is None and os.environ.get("MESH"):
+        shape = tuple(int(n) for n in os.environ["MESH"].split(","))
     shape = shape or (world,)
     names = ("x", "y", "z", "w")[: len(shape)]
     return init_device_mesh("cpu", shape, mesh_dim_names=names)

@@ -3,6 +3,8 @@ docs/api.md's loop writes it: `loss = pmodel(**batch).loss`. One wrapped in the 
 with an extra head and the loss outside (`wrapped`).
 
 torchrun --standalone --nproc_per_node=4 probe/hf_models.py whisper|vit|t5|bert-mlm|wrapped [fp32|fp64]
+bert-mlm-frozen: BERT MLM with the word embeddings (tied to the decoder) frozen, transformers'
+gradient_checkpointing_enable(), and batches padded each to its own longest sentence.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ elif kind == "t5":
         mask[2, -4:] = 0
         return {"input_ids": torch.randint(2, 100, (B, 12), generator=g), "attention_mask": mask,
                 "labels": labels}
-elif kind in ("bert-mlm", "wrapped"):
+elif kind in ("bert-mlm", "wrapped", "bert-mlm-frozen"):
     from transformers import (
         BertConfig,
         BertForMaskedLM,
@@ -95,14 +97,18 @@ elif kind in ("bert-mlm", "wrapped"):
     tok = BertTokenizer(vocab)
     cfg = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=37, max_position_embeddings=32)
-    model = BertForMaskedLM(cfg) if kind == "bert-mlm" else Wrapped(BertModel(cfg), 3)
+    model = Wrapped(BertModel(cfg), 3) if kind == "wrapped" else BertForMaskedLM(cfg)
+    if kind == "bert-mlm-frozen":
+        model.bert.embeddings.word_embeddings.requires_grad_(False)
+        model.gradient_checkpointing_enable()
     collator = DataCollatorForLanguageModeling(tok, mlm_probability=0.3)
 
     def make():
         # sentences of varying length, padded by the collator to the longest (fixed at 12 here)
         texts = []
+        lengths = [int(n) for n in torch.randint(5, 11, (B,), generator=g)]
         for i in range(B):
-            n = 10 if i else 8
+            n = lengths[i] if kind == "bert-mlm-frozen" else (10 if i else 8)
             texts.append(" ".join(words[j] for j in torch.randint(0, 90, (n,), generator=g).tolist()))
         enc = [tok(t) for t in texts]
         if kind == "wrapped":
@@ -116,7 +122,8 @@ else:
 model = model.to(dtype).train()
 serial = copy.deepcopy(model)
 data = [make() for _ in range(3)]
-say(f"{kind}: batch " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in data[0].items()))
+for b in data:
+    say(f"{kind}: batch " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in b.items()))
 
 
 def loss_of(m, batch):
@@ -132,8 +139,8 @@ with Timer() as tm:
     pmodel = autopar.parallelize(model, mesh, example_kwargs=ex)
 say(f"{kind} {dtype}: parallelize cpu {tm.cpu:.1f}s wall {tm.wall:.1f}s")
 say(pmodel.plan_summary())
-opt_s = torch.optim.SGD(serial.parameters(), lr=0.05, momentum=0.9)
-opt_p = torch.optim.SGD(pmodel.parameters(), lr=0.05, momentum=0.9)
+opt_s = torch.optim.SGD([p for p in serial.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+opt_p = torch.optim.SGD([p for p in pmodel.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
 tol = 2e-4 if dtype == torch.float32 else 1e-9
 ok = True
 for step, batch in enumerate(data):

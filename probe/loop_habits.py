@@ -13,6 +13,11 @@ FEATURE:
   freeze-late  emb.requires_grad_(False) on both models after step 1
   keep-grads   zero_grad(set_to_none=False)
   adamw        AdamW instead of SGD with momentum
+  scaler       float16 autocast with torch.amp.GradScaler("cpu"): scale, unscale_, step, update
+  clip-inf     clip_grad_norm_ with norm_type=inf (with clip)
+  reentrant    torch.utils.checkpoint(..., use_reentrant=True) (with ckpt)
+  tied         the head's weight is the embedding's (tied), so `frozen` freezes both
+  auto         parallelize(model, world_size, mesh_shape="auto") instead of the given mesh
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ class Block(nn.Module):
 
 
 class LM(nn.Module):
-    def __init__(self, checkpointed: bool) -> None:
+    def __init__(self, checkpointed: bool, reentrant: bool) -> None:
         super().__init__()
         self.emb = nn.Embedding(V, D)
         self.pos = nn.Parameter(torch.randn(T, D) * 0.02)
@@ -59,17 +64,20 @@ class LM(nn.Module):
         self.ln = nn.LayerNorm(D)
         self.head = nn.Linear(D, V)
         self.checkpointed = checkpointed
+        self.reentrant = reentrant
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.drop(self.emb(idx) + self.pos[: idx.shape[1]])
         for blk in self.blocks:
-            x = cp.checkpoint(blk, x, use_reentrant=False) if self.checkpointed else blk(x)
+            x = cp.checkpoint(blk, x, use_reentrant=self.reentrant) if self.checkpointed else blk(x)
         logits = self.head(self.ln(x))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 torch.manual_seed(0)
-model = LM("ckpt" in features).to(dtype)
+model = LM("ckpt" in features, "reentrant" in features).to(dtype)
+if "tied" in features:
+    model.head.weight = model.emb.weight
 if "frozen" in features:
     model.emb.requires_grad_(False)
 serial = copy.deepcopy(model)
@@ -80,8 +88,12 @@ data = [(torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), g
 micro = 2 if "accum" in features else 1
 example = tuple(t[: B // micro] for t in data[0])
 with Timer() as tm:
-    pmodel = autopar.parallelize(model, mesh, example_inputs=example)
+    if "auto" in features:
+        pmodel = autopar.parallelize(model, mesh.size(), example_inputs=example, mesh_shape="auto")
+    else:
+        pmodel = autopar.parallelize(model, mesh, example_inputs=example)
 say(f"{sorted(features)} {dtype}: parallelize cpu {tm.cpu:.1f}s wall {tm.wall:.1f}s")
+say(pmodel.plan_summary().splitlines()[:3])
 
 
 def make_opt(m: nn.Module) -> torch.optim.Optimizer:
@@ -95,8 +107,19 @@ opt_s, opt_p = make_opt(serial), make_opt(pmodel)
 ema_s = [p.detach().clone() for p in serial.parameters()]
 ema_p = [p.detach().clone() for p in pmodel.parameters()]
 tol = 2e-4 if dtype == torch.float32 else 1e-9
+if "scaler" in features:
+    tol = 2e-2  # float16 matmuls
 ok = True
 set_to_none = "keep-grads" not in features
+norm_type = float("inf") if "clip-inf" in features else 2.0
+scaler_s = torch.amp.GradScaler("cpu", enabled="scaler" in features)
+scaler_p = torch.amp.GradScaler("cpu", enabled="scaler" in features)
+
+
+def ctx():
+    return torch.autocast("cpu", dtype=torch.float16, enabled="scaler" in features)
+
+
 for step, (idx, tgt) in enumerate(data):
     if "freeze-late" in features and step == 2:
         serial.emb.requires_grad_(False)
@@ -112,24 +135,32 @@ for step, (idx, tgt) in enumerate(data):
         for m in range(micro):
             sl = slice(m * B // micro, (m + 1) * B // micro)
             rng = torch.get_rng_state()
-            ls = serial(idx[sl], tgt[sl]) / micro
-            ls.backward()
+            with ctx():
+                ls = serial(idx[sl], tgt[sl]) / micro
+            scaler_s.scale(ls).backward()
             torch.set_rng_state(rng)
-            lp = pmodel(idx[sl], tgt[sl]) / micro
-            lp.backward()
+            with ctx():
+                lp = pmodel(idx[sl], tgt[sl]) / micro
+            scaler_p.scale(lp).backward()
             ls_total += ls.item()
             lp_total += lp.item()
     say(f"step {step}: loss serial {ls_total:.6f} par {lp_total:.6f} diff {abs(ls_total - lp_total):.2e}"
         f" cpu {tm.cpu:.2f}s")
     ok &= abs(ls_total - lp_total) <= tol
+    scaler_s.unscale_(opt_s)
+    scaler_p.unscale_(opt_p)
     if "clip" in features:
-        ns = torch.nn.utils.clip_grad_norm_([p for p in serial.parameters() if p.grad is not None], 0.05)
-        npar = torch.nn.utils.clip_grad_norm_([p for p in pmodel.parameters() if p.grad is not None], 0.05)
+        ns = torch.nn.utils.clip_grad_norm_([p for p in serial.parameters() if p.grad is not None], 0.05,
+                                            norm_type=norm_type)
+        npar = torch.nn.utils.clip_grad_norm_([p for p in pmodel.parameters() if p.grad is not None], 0.05,
+                                              norm_type=norm_type)
         say(f"  clip_grad_norm_: serial {float(ns):.6f} par {float(full(npar)):.6f}")
         ok &= maxdiff(ns, npar) <= tol
     ok &= compare(serial, pmodel, f"grads step {step}", tol) <= tol
-    opt_s.step()
-    opt_p.step()
+    scaler_s.step(opt_s)
+    scaler_p.step(opt_p)
+    scaler_s.update()
+    scaler_p.update()
     if "ema" in features:
         with torch.no_grad():
             torch._foreach_lerp_(ema_s, list(serial.parameters()), 0.1)

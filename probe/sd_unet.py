@@ -71,6 +71,11 @@ def ctx():
     return torch.autocast("cpu", enabled=False)
 
 
+def up(x):
+    """float32 for the loss under autocast, as diffusers' script writes it; float64 stays."""
+    return x.float() if mode == "autocast" else x
+
+
 for step, (ids, noisy, noise, t) in enumerate(data):
     opt_s.zero_grad()
     opt_p.zero_grad(set_to_none=True)
@@ -83,10 +88,10 @@ for step, (ids, noisy, noise, t) in enumerate(data):
         else:
             penc = enc
     with ctx():
-        ls = F.mse_loss(serial(noisy, t, enc).sample.float(), noise.float())
+        ls = F.mse_loss(up(serial(noisy, t, enc).sample), up(noise))
     ls.backward()
     with Timer() as tm, ctx():
-        lp = F.mse_loss(pmodel(noisy, t, penc).sample.float(), noise.float())
+        lp = F.mse_loss(up(pmodel(noisy, t, penc).sample), up(noise))
     lp.backward()
     say(f"step {step}: loss serial {ls.item():.6f} par {lp.item():.6f} diff {maxdiff(ls, lp):.2e}"
         f" fwd cpu {tm.cpu:.2f}s")
