@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import warnings
@@ -30,6 +29,7 @@ from autopar.compiler.pipeline_entry import parallelize_on_pipeline_mesh
 from autopar.compiler.pipeline_mesh import auto_pipeline_mesh, choose_pipeline_mesh
 from autopar.compiler.pricing import Compared, PlanResult, price
 from autopar.core.errors import AutoparError, CheckpointError, MeshError, UsageError
+from autopar.core.graph_copy import graph_copy
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.precision import Autocast, MixedPrecision, compilable_autocast
@@ -383,7 +383,7 @@ def plan(
 
     def keep_traced(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Plan:
         if compare:  # the joint graph as traced, before planning annotates it
-            traced.append(copy.deepcopy(gm))
+            traced.append(graph_copy(gm))
         if kept is None:
             return make_plan()
         gm.meta["autopar_search"] = kept.report

@@ -37,6 +37,9 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
     with pytest.raises(ModuleAttributeError) as err:
         pmodel.num_parameters()
     found["method"] = (isinstance(err.value, AttributeError), err.value.message, err.value.hint)
+    with pytest.raises(ModuleAttributeError) as err, pmodel.no_sync():  # a DDP loop's accumulation
+        pass
+    found["no_sync"] = (err.value.message, err.value.hint)
     return found
 
 
@@ -50,6 +53,9 @@ def test_config_dtype_device_and_a_named_refusal_for_the_sources_methods() -> No
     assert is_attribute_error
     assert "BertForSequenceClassification.num_parameters is a method of the source model" in message
     assert "model.num_parameters" in hint
+    message, hint = found["no_sync"]
+    assert "DistributedDataParallel's no_sync()" in message and "BertForSequenceClassification" in message
+    assert "(loss / n).backward() on each micro-step" in hint
 
 
 class _Scaled(torch.nn.Module):

@@ -4,13 +4,11 @@ the modeled step, scheduled as the schedule stage would schedule it."""
 
 from __future__ import annotations
 
-import copy
-import warnings
-
 import torch.fx as fx
 
 from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
 from autopar.core.errors import UsageError
+from autopar.core.graph_copy import graph_copy
 from autopar.core.mesh import Mesh
 from autopar.cost.timeline import Timeline, exposed_by_collective, simulate
 from autopar.passes.decompose_matmul import MODES as DECOMPOSE_MODES
@@ -59,7 +57,7 @@ def decompose_chosen(
             graph = schedule_pass(graph, work, hardware=table, in_flight_bytes=in_flight_bytes)
         return simulate(graph, work, table), graph
 
-    timeline, scheduled = scheduled_step(_graph_copy(gm))
+    timeline, scheduled = scheduled_step(graph_copy(gm))
     exposed = exposed_by_collective(scheduled, timeline)
     records = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, rewrite=False).meta[DECOMPOSED_KEY]
     pieces = {r.collective: r.chunks for r in records}  # the trials cut each pair as it was priced
@@ -70,7 +68,7 @@ def decompose_chosen(
     if shorter:
         for name in ("pairs priced shorter", "every pair"):
             if name == "pairs priced shorter" or (every_pair and sets[name] != shorter):
-                trial = decompose_pass(_graph_copy(gm), work, coords, hardware=table, only=sets[name], pieces=pieces)
+                trial = decompose_pass(graph_copy(gm), work, coords, hardware=table, only=sets[name], pieces=pieces)
                 trial_timeline, graphs[name] = scheduled_step(trial)
                 steps[name] = trial_timeline.step_time
     best = min(steps, key=lambda k: (steps[k], len(sets[k])))
@@ -84,12 +82,3 @@ def decompose_chosen(
     for key in (DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY):
         chosen.meta[key] = gm.meta[key]
     return gm, chosen
-
-
-def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of the lowered graph to price a choice on. torch 2.13's GraphModule deepcopy warns
-    that its own pytree specs use a deprecated `LeafSpec` check: torch's internals, nothing a user
-    can act on (and a user running with warnings as errors must not get an error from it)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
-        return copy.deepcopy(gm)

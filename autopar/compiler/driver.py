@@ -27,6 +27,7 @@ import torch.nn as nn
 from autopar.compiler.decompose_choice import check_decompose, decompose_chosen
 from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
 from autopar.core.errors import AutoparError, InternalError, UsageError
+from autopar.core.graph_copy import graph_copy
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, where_of
 from autopar.core.plan import Plan
@@ -240,7 +241,7 @@ def compile_for_rank(
             token_dispatch,
         )
     else:
-        gm = copy.deepcopy(traced)  # the later stages rewrite the graph in place
+        gm = graph_copy(traced)  # the later stages rewrite the graph in place
     write_stage(path, "1_trace", gm, mesh)
     registry = context_parallel_registry(registry, mesh.axis_names)
     _check_context_parallel(gm, mesh)
@@ -476,7 +477,7 @@ def _lower(
         work, chosen = mesh.with_chunks(chunks), chunk_plan(gm, plan, mesh, registry, chunks)
     gm = propagate(gm, chosen, work.shape)
     write_stage(path, "2_propagate", gm, work)
-    copies = [gm] + [copy.deepcopy(gm) for _ in range(chunks - 1)]
+    copies = [gm] + [graph_copy(gm) for _ in range(chunks - 1)]
     for c, one in enumerate(copies):
         insert_comm(one, work, (*coords, c) if chunks > 1 else coords)
         if isinstance(plan, SearchPlan):
@@ -569,7 +570,7 @@ def _chunk_step_times(
     times: dict[int, float] = {}
     for k in candidates:
         try:
-            lowered, work = _lower(copy.deepcopy(gm), plan, mesh, registry, coords, k)
+            lowered, work = _lower(graph_copy(gm), plan, mesh, registry, coords, k)
         except OverDecompositionError:
             continue
         lowered, prescheduled = decompose_chosen(

@@ -16,6 +16,28 @@ from autopar.core.errors import AutoparError
 # nn.Module keeps these in __dict__ itself; never forwarded
 _OWN = frozenset({"training", "call_super_init", "dump_patches"})
 
+# What a loop written for DDP or FSDP2 reads off its wrapper, and what replaces it here (a probe's
+# `with pmodel.no_sync():` got "neither the parallel module nor Sequential has an attribute
+# 'no_sync'", hint "check the name").
+WRAPPER_HABITS = {
+    "no_sync": (
+        "DistributedDataParallel's no_sync()",
+        "no context is needed for gradient accumulation: the parallel module reduces each "
+        "gradient in every backward, so call (loss / n).backward() on each micro-step and "
+        "opt.step() after the last",
+    ),
+    "set_requires_gradient_sync": (
+        "FSDP2's set_requires_gradient_sync()",
+        "no switch is needed for gradient accumulation: call (loss / n).backward() on each "
+        "micro-step and opt.step() after the last",
+    ),
+    "module": (
+        "DistributedDataParallel's and FSDP's .module",
+        "the parallel module stands for the model itself: pmodel.config and the submodules "
+        "(pmodel.encoder) are offered, pmodel.full_state_dict() gives the whole trained weights",
+    ),
+}
+
 
 class ModuleAttributeError(AutoparError, AttributeError):
     """An attribute the source model has (a method, a property computed from its weights) that
@@ -75,6 +97,13 @@ class SourceAttributes(nn.Module):
         if isinstance(kind, property) and source is not None and name == "config":
             return getattr(source, name)  # diffusers' config: a property over a frozen dict
         model = source_type.__name__
+        if name in WRAPPER_HABITS and kind is None:
+            habit, hint = WRAPPER_HABITS[name]
+            raise ModuleAttributeError(
+                f"{habit} belongs to a wrapper the parallel module is not (it is the parallel "
+                f"{model}, not a DDP or FSDP wrapper around it)",
+                hint=hint,
+            )
         if kind is None and source is not None and not hasattr(source, name):
             raise ModuleAttributeError(
                 f"neither the parallel module nor {model} has an attribute {name!r}",
