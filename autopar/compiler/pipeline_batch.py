@@ -66,7 +66,13 @@ def as_output(loss: torch.Tensor, output_type: type | None) -> Any:
 
 class DepositGradients(torch.autograd.Function):
     """The returned loss's backward: hands the gradients the step computed to autograd, times the
-    incoming gradient, so they accumulate into `.grad` as torch's own would."""
+    incoming gradient, so they accumulate into `.grad` as torch's own would.
+
+    It hands them over once: the loss the user keeps (until the next call returns) holds this
+    node, and a node that still held the step's gradients would keep a second copy of every
+    gradient beside `.grad` through the next step's schedule, its memory peak. With an incoming
+    gradient of 1 (`loss.backward()`) the tensors themselves go, so `.grad` takes them without a
+    copy."""
 
     @staticmethod
     def forward(
@@ -77,8 +83,18 @@ class DepositGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        scale = grad.item() if any(isinstance(g, DTensor) for g in ctx.grads) else grad
-        return (None, None, *(None if g is None else g * scale for g in ctx.grads))
+        grads: list[torch.Tensor | None] | None = ctx.grads
+        if grads is None:
+            raise UsageError(
+                "this pipelined call's loss was already differentiated: its step's gradients went to "
+                "the parameters then (a pipelined call is one training step)",
+                hint="call the pipelined model again for another backward, or sum the losses before one backward",
+            )
+        ctx.grads = None
+        if not grad.requires_grad and float(grad) == 1.0:
+            return (None, None, *grads)
+        scale = grad.item() if any(isinstance(g, DTensor) for g in grads) else grad
+        return (None, None, *(None if g is None else g * scale for g in grads))
 
 
 def broadcast_outputs(
