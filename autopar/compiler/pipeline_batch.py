@@ -229,15 +229,19 @@ def sum_shared_copies(
     (`grads`, by the copy's id): whole tensors summed over the pp `group`, each copy then given
     its block."""
     whole = []
+    owned = []  # whether the whole gradient is a tensor made here (gathered or summed), not a step's
     for _, user, copies in shared:
-        total = None
+        total, made = None, False
         for copy in copies:
             g = grads.get(id(copy))
             if g is not None:
+                gathered = isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements)
                 g = g.full_tensor() if isinstance(g, DTensor) else g
+                made = gathered if total is None else True
                 total = g if total is None else total + g
         whole.append((user.shape, user.dtype, total))
-    summed = sum_shared_grads(whole, group, device)
+        owned.append(made)
+    summed = sum_shared_grads(whole, group, device, owned)
     for (_, _, copies), g in zip(shared, summed, strict=True):
         for copy in copies:
             if isinstance(copy, DTensor):

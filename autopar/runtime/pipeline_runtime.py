@@ -519,13 +519,19 @@ def sum_shared_grads(
     shared: Sequence[tuple[torch.Size, torch.dtype, torch.Tensor | None]],
     group: dist.ProcessGroup | None,
     device: torch.device | str = "cpu",
+    owned: Sequence[bool] = (),
 ) -> list[torch.Tensor]:
     """Sum the gradient copies of parameters held by several stages (a tied embedding and head)
     over the pp group. Every rank passes every shared parameter in the same order: its gradient
-    where it holds one, else None (it adds zeros). One all-reduce per parameter."""
+    where it holds one, else None (it adds zeros). One all-reduce per parameter, into the gradient
+    itself where `owned[i]` says nobody else reads it (a whole tensor gathered or summed for this),
+    else into a copy."""
     out = []
-    for shape, dtype, grad in shared:
-        buf = torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad.detach().clone()
+    for i, (shape, dtype, grad) in enumerate(shared):
+        if grad is None:
+            buf = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            buf = grad.detach() if i < len(owned) and owned[i] else grad.detach().clone()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(buf, group=group)
         out.append(buf)
