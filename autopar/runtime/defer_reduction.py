@@ -77,6 +77,23 @@ _LINEAR = {
     aten._to_copy.default,
 }
 _SCALED = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}  # by a number only
+# Linear ops whose output is as large as their gradient inputs together: moved from L to R in
+# front of a reduction, they leave its frontier no larger (a cast or a sum would change its size).
+_GATHERING = {
+    aten.cat.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+}
 
 
 @dataclass(frozen=True)
@@ -141,6 +158,21 @@ def split_reductions(program: EmittedProgram) -> ReductionSplit:
         follows = is_wait(n) or n.target is operator.getitem
         if n in reduce_side and follows and any(i not in reduce_side for i in n.all_input_nodes):
             reduce_side.discard(n)
+    # a bucket's concatenation of gradient values that only R reads (and the views and copies
+    # before it) goes to R as well: L then returns the weight gradients themselves, which the step
+    # sums, instead of copying them into a bucket in every microbatch's backward (the gradients
+    # and their bucket copy alive at once); R concatenates the sums once
+    changed = bool(reduce_side)
+    while changed:
+        changed = False
+        for n in reversed(nodes):
+            if (
+                n.target in _GATHERING and n not in reduce_side and n not in feeds_inputs
+                and n.users and all(u in reduce_side for u in n.users)
+                and all(i in tangent_side for i in n.all_input_nodes)
+            ):  # fmt: skip
+                reduce_side.add(n)
+                changed = True
 
     frontier: list[fx.Node] = []
     for n in nodes:
