@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.compiler.pipeline_random import DropoutMasks, PipelineDropout, attention_dropped
+from autopar.compiler.pipeline_random import DropoutMasks, PipelineDropout, RandomOp, attention_dropped
 from autopar.compiler.pipeline_split import split_stages
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -135,7 +135,7 @@ def test_masks_cut_rows_along_the_batch_dim() -> None:
     """In process: microbatch m's rows of a whole-batch mask, along dim 0 or a flattened dim; the
     generator advances as one whole-batch draw per op; inputs that are not row cuts are refused."""
     masks = DropoutMasks()
-    whole = [((6, 4), torch.float32, 0.5), ((12, 2), torch.float32, 0.25)]
+    whole = [RandomOp(0, "a", (6, 4), torch.float32, 0.5, True), RandomOp(1, "b", (12, 2), torch.float32, 0.25, True)]
     micro = [[(4, 4), (8, 2)], [(2, 4), (4, 2)]]
     torch.manual_seed(3)
     assert masks.draw(whole, {0, 1}, micro, "cpu")

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.runtime.defer_reduction import ReductionSplit, split_reductions
+from autopar.runtime.defer_reduction import GradAccumulation, ReductionSplit, owned_buffers, split_reductions
 from autopar.runtime.split_backward import is_collective
 from examples.models import make_gpt
 
@@ -125,3 +125,55 @@ def test_the_cut_moves_linear_reductions_and_keeps_the_others() -> None:
     torch.testing.assert_close(grad_x[0], g @ w.t())
     kept = split_reductions(_Program(_backward(nonlinear=True)))  # type: ignore[arg-type]
     assert (kept.num_reductions, _collectives(kept.local_part), _collectives(kept.reduce_part)) == (0, 1, 0)
+
+
+def test_accumulation_adds_in_place_into_buffers_it_owns() -> None:
+    """In process: a step's microbatch terms are added into one buffer per frontier value (the
+    first microbatch's own result), not rebuilt by `a + b` each microbatch; a view, a value
+    sharing another's storage and a value that is the backward's own argument are copied first,
+    so nothing the caller still reads changes."""
+    program = _Program(_backward(nonlinear=False))
+    terms = [torch.randn(2, 4) for _ in range(3)]
+    first = terms[0].clone()
+    accumulation = GradAccumulation()
+    for term in terms:
+        accumulation.add(program, [term], (), None)  # type: ignore[arg-type]
+    (found,) = accumulation.by_program.values()
+    assert found.sums[0] is terms[0]  # one buffer for the whole step
+    torch.testing.assert_close(found.sums[0], first + terms[1] + terms[2])
+    base, argument, plain = torch.randn(4, 4), torch.randn(3), torch.randn(3)
+    owned = owned_buffers([base[:2], base[2:], argument, plain], frozenset({2}))
+    assert [o is v for o, v in zip(owned, [base[:2], base[2:], argument, plain])] == [False, False, False, True]
+    assert owned[3] is plain and all(o._base is None for o in owned)
+    owned[0].add_(1.0)
+    owned[2].add_(1.0)
+    assert not torch.equal(owned[0], base[:2]) and not torch.equal(owned[2], argument)
+
+
+def test_a_buckets_concatenation_moves_to_the_reduction_part() -> None:
+    """In process: two weight gradients flattened and concatenated into one bucket before its
+    all_reduce: the local part returns the two gradients (the step sums them), and the flattening
+    and the concatenation run once per step in the reduction part, not in every microbatch's."""
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    graph = fx.Graph()
+    x1, x2, g = graph.placeholder("saved_x1"), graph.placeholder("saved_x2"), graph.placeholder("tangent")
+    grads = [graph.call_function(aten.mm.default, (graph.call_function(aten.t.default, (x,)), g)) for x in (x1, x2)]
+    flat = [graph.call_function(aten.view.default, (w, [-1])) for w in grads]
+    bucket = graph.call_function(aten.cat.default, (flat,))
+    reduced = graph.call_function(c10d.wait_tensor.default, (graph.call_function(c10d.all_reduce.default, (bucket, "sum", "0")),))
+    outs = [graph.call_function(aten.view.default, (graph.call_function(aten.slice.Tensor, (reduced, 0, 8 * i, 8 * i + 8)), [2, 4])) for i in range(2)]
+    graph.output((*outs, graph.call_function(aten.mul.Tensor, (g, 2.0))))
+
+    class Program:
+        backward = fx.GraphModule(torch.nn.Module(), graph)
+        param_names = ["w1", "w2"]
+        num_saved = 2
+
+    split = split_reductions(Program())  # type: ignore[arg-type]
+    local_ops = [n.target for n in split.local_part.graph.nodes]
+    reduce_ops = [n.target for n in split.reduce_part.graph.nodes]
+    assert aten.cat.default not in local_ops and aten.cat.default in reduce_ops
+    assert split.num_frontier == 2 and split.num_reductions == 1
+    xa, xb, tangent = torch.randn(3, 2), torch.randn(3, 2), torch.randn(3, 4)
+    _, frontier = split.run_local((xa, xb), (tangent,))
+    torch.testing.assert_close(frontier, [xa.t() @ tangent, xb.t() @ tangent])

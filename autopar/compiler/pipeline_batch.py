@@ -66,7 +66,13 @@ def as_output(loss: torch.Tensor, output_type: type | None) -> Any:
 
 class DepositGradients(torch.autograd.Function):
     """The returned loss's backward: hands the gradients the step computed to autograd, times the
-    incoming gradient, so they accumulate into `.grad` as torch's own would."""
+    incoming gradient, so they accumulate into `.grad` as torch's own would.
+
+    It hands them over once: the loss the user keeps (until the next call returns) holds this
+    node, and a node that still held the step's gradients would keep a second copy of every
+    gradient beside `.grad` through the next step's schedule, its memory peak. With an incoming
+    gradient of 1 (`loss.backward()`) the tensors themselves go, so `.grad` takes them without a
+    copy."""
 
     @staticmethod
     def forward(
@@ -77,8 +83,18 @@ class DepositGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        scale = grad.item() if any(isinstance(g, DTensor) for g in ctx.grads) else grad
-        return (None, None, *(None if g is None else g * scale for g in ctx.grads))
+        grads: list[torch.Tensor | None] | None = ctx.grads
+        if grads is None:
+            raise UsageError(
+                "this pipelined call's loss was already differentiated: its step's gradients went to "
+                "the parameters then (a pipelined call is one training step)",
+                hint="call the pipelined model again for another backward, or sum the losses before one backward",
+            )
+        ctx.grads = None
+        if not grad.requires_grad and float(grad) == 1.0:
+            return (None, None, *grads)
+        scale = grad.item() if any(isinstance(g, DTensor) for g in grads) else grad
+        return (None, None, *(None if g is None else g * scale for g in grads))
 
 
 def broadcast_outputs(
@@ -213,15 +229,19 @@ def sum_shared_copies(
     (`grads`, by the copy's id): whole tensors summed over the pp `group`, each copy then given
     its block."""
     whole = []
+    owned = []  # whether the whole gradient is a tensor made here (gathered or summed), not a step's
     for _, user, copies in shared:
-        total = None
+        total, made = None, False
         for copy in copies:
             g = grads.get(id(copy))
             if g is not None:
+                gathered = isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements)
                 g = g.full_tensor() if isinstance(g, DTensor) else g
+                made = gathered if total is None else True
                 total = g if total is None else total + g
         whole.append((user.shape, user.dtype, total))
-    summed = sum_shared_grads(whole, group, device)
+        owned.append(made)
+    summed = sum_shared_grads(whole, group, device, owned)
     for (_, _, copies), g in zip(shared, summed, strict=True):
         for copy in copies:
             if isinstance(copy, DTensor):

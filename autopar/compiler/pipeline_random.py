@@ -1,4 +1,4 @@
-"""Dropout in a pipeline with the serial model's numbers (docs/pipeline.md#dropout).
+"""Dropout and other random ops in a pipeline with the serial model's numbers (docs/pipeline.md#dropout).
 
 The serial step draws each dropout mask once, over the whole batch, in the order of the model's
 ops; a pipeline runs each microbatch apart, on the rank of each stage. So every rank, at the start
@@ -16,6 +16,13 @@ Attention's own dropout (`scaled_dot_product_attention` with `dropout_p > 0`, GP
 (the fused CPU kernel takes no dropout), which draws `bernoulli_(1 - p)` over the probabilities'
 `[..., L, S]` shape after the softmax, as an eager dropout would. The node becomes that math with
 the microbatch's rows of the mask (`attention_dropped`): the serial numbers, bit for bit.
+
+`rand`, `randn` (and their `_like` forms) and `bernoulli(x, p)` draw numbers that depend only on
+their shape, so they are drawn whole the same way and the node becomes its microbatch's rows; a
+draw without the batch's rows (`torch.rand([])`, a per-call scalar) is the whole draw itself, the
+one value serial's batch shares, given to every microbatch. `bernoulli` of a tensor of
+probabilities is, on the CPU, one uniform draw per element compared with its probability, so the
+node becomes `rows < probabilities`.
 """
 
 from __future__ import annotations
@@ -38,6 +45,16 @@ aten = torch.ops.aten
 _DROPOUTS = {aten.dropout.default: False, aten.native_dropout.default: True}
 # Attention with dropout inside: exact on the CPU in float32 / float64 (`attention_dropped`).
 _ATTENTION = aten.scaled_dot_product_attention.default
+# Ops whose numbers depend only on their output's shape and dtype (and the generator), by the kind
+# of draw that makes them; `bernoulli` (a tensor of probabilities) is `rand < p` on the CPU.
+_SHAPED = {
+    aten.rand.default: "rand",
+    aten.rand_like.default: "rand",
+    aten.randn.default: "randn",
+    aten.randn_like.default: "randn",
+    aten.bernoulli.p: "bernoulli_p",
+    aten.bernoulli.default: "bernoulli",
+}
 
 
 def attention_dropped(
@@ -76,8 +93,11 @@ def attention_dropped(
 @dataclass(frozen=True)
 class RandomOp:
     """One op of a stage program that draws random numbers: `name` its node in stage `stage`'s
-    module, `shape` / `dtype` its input's for this microbatch, `p` the dropout rate; `exact` False
-    for an op the pipeline cannot draw as serial does (not a dropout, a non-contiguous input)."""
+    module, `shape` / `dtype` what it draws for this microbatch (a dropout's input), `p` the
+    dropout rate or `bernoulli`'s probability; `kind` how it draws (`draw_whole`): "dropout",
+    "attention", "rand", "randn", "bernoulli_p" (a number p) or "bernoulli" (a tensor of
+    probabilities), "other" for the ops it does not draw; `exact` False for an op the pipeline cannot draw as serial does (another random
+    op, a non-contiguous tensor, attention's dropout off the CPU or below float32)."""
 
     stage: int
     name: str
@@ -85,6 +105,7 @@ class RandomOp:
     dtype: torch.dtype
     p: float
     exact: bool
+    kind: str = "dropout"
 
 
 def _arguments(node: fx.Node) -> dict[str, Any]:
@@ -100,9 +121,11 @@ def _arguments(node: fx.Node) -> dict[str, Any]:
 
 def draws(node: fx.Node) -> bool:
     """Whether a graph node draws random numbers when run (a dropout with p = 0 or train=False
-    draws none, as eager dropout returns its input then)."""
+    draws none, as eager dropout returns its input then; `bernoulli(x, 0)` still draws)."""
     if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False
+    if node.target not in _DROPOUTS and node.target is not _ATTENTION:
+        return True
     arguments = _arguments(node)
     rate = arguments.get("p", arguments.get("dropout_p"))
     if isinstance(rate, (int, float)) and rate == 0:
@@ -110,8 +133,34 @@ def draws(node: fx.Node) -> bool:
     return arguments.get("train", True) is not False
 
 
+def _shaped_op(node: fx.Node, stage: int) -> RandomOp:
+    """A `_SHAPED` op: exact when serial's draw is one over its output's shape in memory order
+    (contiguous), and for `bernoulli` of a tensor when that is `rand < p` (the CPU kernel, float32
+    / float64 probabilities; checked in tests/test_pipeline_random.py)."""
+    kind = _SHAPED[node.target]  # type: ignore[index]
+    val = node.meta.get("val")
+    arguments = _arguments(node)
+    if not isinstance(val, torch.Tensor):
+        return RandomOp(stage, node.name, (), torch.float32, 0.0, False, kind)
+    exact = val.is_contiguous() and val.dtype.is_floating_point and arguments.get("generator") is None
+    p = 0.0
+    if kind == "bernoulli_p":
+        rate = arguments["p"]
+        exact = exact and isinstance(rate, (int, float))
+        p = float(rate) if isinstance(rate, (int, float)) else 0.0
+    elif kind == "bernoulli":
+        probs = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        exact = (
+            exact and isinstance(probs, torch.Tensor) and probs.is_contiguous() and probs.dtype == val.dtype
+            and val.device.type == "cpu" and val.dtype in (torch.float32, torch.float64)
+        )  # fmt: skip
+    return RandomOp(stage, node.name, tuple(int(d) for d in val.shape), val.dtype, p, exact, kind)
+
+
 def random_op(node: fx.Node, stage: int) -> RandomOp:
     """`node` (which `draws`) as stage `stage`'s random op."""
+    if node.target in _SHAPED:
+        return _shaped_op(node, stage)
     val = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
     if node.target is _ATTENTION and isinstance(val, torch.Tensor):
         key = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
@@ -121,23 +170,35 @@ def random_op(node: fx.Node, stage: int) -> RandomOp:
             and val.dtype in (torch.float32, torch.float64) and 0 < p < 1
         )  # fmt: skip
         shape = (*val.shape[:-1], int(key.shape[-2])) if isinstance(key, torch.Tensor) else ()
-        return RandomOp(stage, node.name, tuple(int(d) for d in shape), val.dtype, p, exact)
+        return RandomOp(stage, node.name, tuple(int(d) for d in shape), val.dtype, p, exact, "attention")
     if node.target not in _DROPOUTS or not isinstance(val, torch.Tensor):
-        return RandomOp(stage, node.name, (), torch.float32, 0.0, False)
+        return RandomOp(stage, node.name, (), torch.float32, 0.0, False, "other")
     p = float(_arguments(node)["p"])
     exact = val.is_contiguous() and 0 < p < 1
     return RandomOp(stage, node.name, tuple(int(d) for d in val.shape), val.dtype, p, exact)
 
 
-def whole_shapes(gm: fx.GraphModule) -> list[tuple[tuple[int, ...], torch.dtype, float] | None]:
-    """The whole batch's random ops in graph order: their input shape, dtype and rate (None for
-    one the pipeline cannot draw as serial does)."""
-    out: list[tuple[tuple[int, ...], torch.dtype, float] | None] = []
-    for n in gm.graph.nodes:
-        if draws(n):
-            op = random_op(n, 0)
-            out.append((op.shape, op.dtype, op.p) if op.exact else None)
-    return out
+def whole_shapes(gm: fx.GraphModule) -> list[RandomOp | None]:
+    """The whole batch's random ops in graph order (None for one the pipeline cannot draw as
+    serial does)."""
+    return [op if op.exact else None for op in (random_op(n, 0) for n in gm.graph.nodes if draws(n))]
+
+
+def draw_whole(op: RandomOp, device: torch.device | str) -> torch.Tensor:
+    """What op draws, over its whole `shape`, as the eager op draws it (the same kernel on the
+    same shape from the same generator state gives the same numbers): a dropout's noise scaled by
+    1 / (1 - p), `bernoulli(x, p)`'s zeros and ones, `rand` / `randn`'s numbers, and for `bernoulli`
+    of a tensor the uniform numbers its CPU kernel compares with the probabilities."""
+    empty = torch.empty(op.shape, dtype=op.dtype, device=device)
+    if op.kind in ("dropout", "attention"):
+        return empty.bernoulli_(1 - op.p).div_(1 - op.p)
+    if op.kind == "bernoulli_p":
+        return empty.bernoulli_(op.p)
+    if op.kind in ("rand", "bernoulli"):
+        return empty.uniform_()
+    if op.kind == "randn":
+        return empty.normal_()
+    raise AutoparError(f"no whole-batch draw for random op {op.name} ({op.kind})", hint="this is a bug in autopar's pipeline")
 
 
 class DropoutMasks:
@@ -154,7 +215,7 @@ class DropoutMasks:
 
     def draw(
         self,
-        whole: Sequence[tuple[tuple[int, ...], torch.dtype, float]],
+        whole: Sequence[RandomOp],
         keep: set[int],
         micro: Sequence[Sequence[tuple[int, ...]]],
         device: torch.device | str,
@@ -163,7 +224,8 @@ class DropoutMasks:
         nothing drawn) when some op's microbatch inputs are not cuts of its batch input along
         one dim, so their rows cannot be told apart."""
         cuts: dict[tuple[int, int], tuple[int, int, int] | None] = {}
-        for k, (shape, _, _) in enumerate(whole):
+        for k, op in enumerate(whole):
+            shape = op.shape
             dims = {d for shapes in micro for d in range(len(shape)) if shapes[k][d] != shape[d]}
             if any(len(shapes[k]) != len(shape) for shapes in micro) or len(dims) > 1:
                 return False
@@ -180,10 +242,10 @@ class DropoutMasks:
         self.cuts = cuts
         self.drawn = True
         self.masks = {}
-        for k, (shape, dtype, p) in enumerate(whole):
-            noise = torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - p)
+        for k, op in enumerate(whole):
+            noise = draw_whole(op, device)  # every op's, in the serial order: the generator advances as serial's
             if k in keep:
-                self.masks[k] = noise.div_(1 - p)
+                self.masks[k] = noise
         return True
 
     def draw_per_microbatch(
@@ -196,8 +258,7 @@ class DropoutMasks:
         for m, ops in enumerate(micro):
             for k, op in enumerate(ops):
                 if k in keep:
-                    noise = torch.empty(op.shape, dtype=op.dtype, device=device).bernoulli_(1 - op.p).div_(1 - op.p)
-                    self.own[(k, m)] = noise
+                    self.own[(k, m)] = draw_whole(op, device)
 
     def rows(self, op: int) -> torch.Tensor:
         """Op `op`'s mask (scaled by 1 / (1 - p)) for the current microbatch's rows."""
@@ -210,9 +271,11 @@ class DropoutMasks:
 
 def install_masks(stages: Sequence[tuple[fx.GraphModule, list[tuple[str, Any]]]], ops: Sequence[RandomOp]) -> None:
     """Replace each random op `ops[k]` in its stage's module (`stages[stage]`: the module and its
-    sources) by a product with a new input, the microbatch's rows of op k's scaled mask (source
-    `("mask", k)`), as eager dropout multiplies by its noise; `native_dropout`'s boolean mask is
-    `mask != 0`. As an input, the mask is planned like any (split with the batch on tensor axes)."""
+    sources) by a new input, the microbatch's rows of op k's whole-batch draw (source
+    `("mask", k)`): a dropout by a product with its scaled mask, as eager dropout multiplies by its
+    noise (`native_dropout`'s boolean mask is `mask != 0`); `rand`, `randn` and `bernoulli(x, p)` by
+    the rows themselves; `bernoulli` of probabilities by `rows < probabilities`. As an input, the
+    mask is planned like any (split with the batch on tensor axes)."""
     for k, op in enumerate(ops):
         gm, sources = stages[op.stage]
         graph = gm.graph
@@ -227,6 +290,23 @@ def install_masks(stages: Sequence[tuple[fx.GraphModule, list[tuple[str, Any]]]]
                 options: dict[str, Any] = {name: arguments[name] for name in ("is_causal", "scale", "enable_gqa")}
                 out = graph.call_function(attention_dropped, (*node.args[:3], arguments["attn_mask"], mask), options)
             node.replace_all_uses_with(out)
+            graph.erase_node(node)
+            continue
+        if op.kind != "dropout":  # rand, randn, bernoulli: the rows drawn are the op's values
+            replacement: fx.Node = mask
+            if op.kind in ("bernoulli", "bernoulli_p"):
+                with graph.inserting_before(node):
+                    source = node.args[0]
+                    if op.kind == "bernoulli":  # as its CPU kernel: uniform < probability, in its dtype
+                        below = graph.call_function(aten.lt.Tensor, (mask, source))
+                        replacement = graph.call_function(aten._to_copy.default, (below,), {"dtype": op.dtype})
+                    else:  # (sign: finite for any finite or infinite input)
+                        source = graph.call_function(aten.sign.default, (source,))
+                    # bernoulli's derivative is zeros for its input: the input's producers get a
+                    # zero gradient from it, as serial's do (None would skip weight decay)
+                    zero = graph.call_function(aten.mul.Tensor, (source, 0))
+                    replacement = graph.call_function(aten.add.Tensor, (replacement, zero))
+            node.replace_all_uses_with(replacement)
             graph.erase_node(node)
             continue
         with graph.inserting_before(node):
@@ -249,7 +329,7 @@ def install_masks(stages: Sequence[tuple[fx.GraphModule, list[tuple[str, Any]]]]
         gm.recompile()
 
 
-WholeOps = list[tuple[tuple[int, ...], torch.dtype, float] | None]
+WholeOps = list[RandomOp | None]
 
 
 class PipelineDropout:
@@ -281,9 +361,10 @@ class PipelineDropout:
         inexact = [op.name for op in ops if not op.exact]
         if inexact:
             self.warn(
-                f"{', '.join(inexact[:3])}: not a dropout on a contiguous input (rand, bernoulli, "
-                "attention's own dropout off the CPU or below float32), which the pipeline cannot draw as "
-                "the serial model does"
+                f"{', '.join(inexact[:3])}: not a dropout, rand, randn or bernoulli on a contiguous "
+                "tensor (randint, normal, multinomial, an explicit generator, attention's own dropout "
+                "off the CPU or below float32, bernoulli of probabilities off the CPU), which the "
+                "pipeline cannot draw as the serial model does"
             )
         else:
             install_masks(stages, ops)
@@ -305,7 +386,10 @@ class PipelineDropout:
             whole = self.whole[key] = export_batch()
         exact = [w for w in whole if w is not None]
         keep = {k for k, op in enumerate(micro[0]) if op.stage in stages}
-        if len(exact) != len(whole) or len(whole) != len(micro[0]):
+        if (
+            len(exact) != len(whole) or len(whole) != len(micro[0])
+            or any(w.kind != op.kind for w, op in zip(exact, micro[0]))
+        ):  # fmt: skip
             self.warn("its random ops on the whole batch are not those of a microbatch")
             self.masks.draw_per_microbatch(micro, keep, device)
             return

@@ -463,10 +463,9 @@ def split_stages(
 
 def batch_random_ops(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None, *, training: bool
-) -> list[tuple[tuple[int, ...], torch.dtype, float] | None]:
+) -> list[RandomOp | None]:
     """The random ops of the model called on the whole batch in mode `training`, in the serial
-    order: each one's input shape, dtype and rate (None: one the pipeline cannot draw as serial
-    does). Exported once per batch shape, for the step's dropout masks (`pipeline_random`)."""
+    order (None: one the pipeline cannot draw as serial does). Exported once per batch shape, for the step's dropout masks (`pipeline_random`)."""
     was = model.training
     model.train(training)
     try:

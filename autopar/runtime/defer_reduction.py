@@ -77,6 +77,23 @@ _LINEAR = {
     aten._to_copy.default,
 }
 _SCALED = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}  # by a number only
+# Linear ops whose output is as large as their gradient inputs together: moved from L to R in
+# front of a reduction, they leave its frontier no larger (a cast or a sum would change its size).
+_GATHERING = {
+    aten.cat.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+}
 
 
 @dataclass(frozen=True)
@@ -93,6 +110,9 @@ class ReductionSplit:
     num_input_grads: int
     num_frontier: int
     num_reductions: int
+    # frontier positions that are the backward's own arguments (a tangent R reads as it is): the
+    # accumulation copies those before adding into them, the others are L's fresh results
+    frontier_arguments: frozenset[int] = frozenset()
 
     def run_local(
         self, saved: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor]
@@ -101,9 +121,12 @@ class ReductionSplit:
         out = list(self.local_part(*saved, *tangents))
         return out[: self.num_input_grads], out[self.num_input_grads :]
 
-    def run_reduce(self, frontier: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Run R on the accumulated frontier: the parameter gradients in storage layout."""
-        return list(self.reduce_part(*frontier))
+    def run_reduce(self, frontier: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Run R on the accumulated frontier: the parameter gradients in storage layout. R takes
+        the list (it is emptied) and drops each value after its last read, so an accumulated sum
+        is freed once a bucket has copied it, not held until every reduction has run (the sums,
+        the buckets and the reduced gradients are all a stage's gradient size)."""
+        return list(fx.Interpreter(self.reduce_part, garbage_collect_values=True).boxed_run(frontier))
 
 
 def split_reductions(program: EmittedProgram) -> ReductionSplit:
@@ -135,6 +158,21 @@ def split_reductions(program: EmittedProgram) -> ReductionSplit:
         follows = is_wait(n) or n.target is operator.getitem
         if n in reduce_side and follows and any(i not in reduce_side for i in n.all_input_nodes):
             reduce_side.discard(n)
+    # a bucket's concatenation of gradient values that only R reads (and the views and copies
+    # before it) goes to R as well: L then returns the weight gradients themselves, which the step
+    # sums, instead of copying them into a bucket in every microbatch's backward (the gradients
+    # and their bucket copy alive at once); R concatenates the sums once
+    changed = bool(reduce_side)
+    while changed:
+        changed = False
+        for n in reversed(nodes):
+            if (
+                n.target in _GATHERING and n not in reduce_side and n not in feeds_inputs
+                and n.users and all(u in reduce_side for u in n.users)
+                and all(i in tangent_side for i in n.all_input_nodes)
+            ):  # fmt: skip
+                reduce_side.add(n)
+                changed = True
 
     frontier: list[fx.Node] = []
     for n in nodes:
@@ -154,6 +192,7 @@ def split_reductions(program: EmittedProgram) -> ReductionSplit:
         num_input_grads=len(input_values),
         num_frontier=len(frontier),
         num_reductions=sum(1 for n in reduce_side if is_collective(n)),
+        frontier_arguments=frozenset(i for i, n in enumerate(frontier) if n.op == "placeholder"),
     )
 
 
@@ -231,25 +270,46 @@ class GradAccumulation:
         local_params: tuple[torch.Tensor, ...],
         timeout: timedelta | None,
     ) -> None:
-        """Add one microbatch's frontier (each value a gradient term: a sum of them is exact)."""
+        """Add one microbatch's frontier (each value a gradient term: a sum of them is exact), in
+        place: one buffer per value for the whole step. `sums = [a + b ...]` would hold the old sums,
+        this microbatch's terms and the new sums at once, three unreduced gradients at the last
+        backward of the step (docs/large-models.md#pipelined-pp2-x-22 measures it)."""
         key = id(program.backward)
         found = self.by_program.get(key)
+        split = self.split(program)
         if found is None:
-            self.by_program[key] = _Accumulated(self.split(program), list(frontier), local_params, timeout)
+            sums = owned_buffers(frontier, split.frontier_arguments)
+            self.by_program[key] = _Accumulated(split, sums, local_params, timeout)
             return
-        found.sums = [a + b for a, b in zip(found.sums, frontier, strict=True)]
+        for total, term in zip(found.sums, frontier, strict=True):
+            total.add_(term)
         found.local_params = local_params
 
     def reduce(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """Run every program's reduction once on its sums and return the gradients of `params`
-        (the module's parameters: DTensors), summed over programs; empties the accumulation."""
+        (the module's parameters: DTensors), summed over programs; empties the accumulation, each
+        program's sums as soon as its reduction has run."""
         totals: list[torch.Tensor | None] = [None] * len(params)
-        for acc in self.by_program.values():
+        for key in list(self.by_program):
+            acc = self.by_program.pop(key)
             with failures_named(acc.timeout), autocast_off():
-                local_grads = acc.split.run_reduce(acc.sums)
+                local_grads = acc.split.run_reduce(acc.sums)  # (takes the sums: freed as R reads them)
             add_grads(totals, params_grads(acc.local_params, local_grads, params))
-        self.by_program.clear()
         return totals
+
+
+def owned_buffers(values: Sequence[torch.Tensor], copy: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+    """`values` as buffers an accumulation may add into in place: each kept as it is where it is a
+    tensor of its own (contiguous, not a view, no storage shared with another), copied otherwise
+    and at the positions `copy` (values someone else may still read)."""
+    seen: set[int] = set()
+    out = []
+    for i, v in enumerate(values):
+        storage = v.untyped_storage().data_ptr()
+        shared = storage in seen or v._base is not None or not v.is_contiguous() or i in copy
+        seen.add(storage)
+        out.append(v.clone(memory_format=torch.contiguous_format) if shared else v)
+    return out
 
 
 def params_grads(

@@ -189,6 +189,7 @@ class _Step:
         self.grads: dict[int, list[torch.Tensor | None]] = {
             s: [None] * len(st.params) for s, st in stages.items()
         }
+        self.owned: set[tuple[int, int]] = set()  # (stage, i): a sum of this step's, added into in place
         # stages whose gradients are reduced once, after their last backward: backwards left to run
         self.to_reduce = {s: schedule.microbatches for s, st in stages.items() if st.reduce_grads is not None}
         # A global rank per pp rank: isend / irecv name global ranks.
@@ -253,11 +254,21 @@ class _Step:
         return stage > 0 and self.schedule.placement.rank_of(stage - 1) != self.rank
 
     def _add_grads(self, stage: int, found: Sequence[torch.Tensor | None]) -> None:
+        """Add a backward's parameter gradients to the step's: the first kept as autograd gave it
+        (it may be another parameter's too: an add's backward hands one tensor to both), the
+        second summed into a new tensor of the step's own, later ones added into that in place."""
         acc = self.grads[stage]
         for i, g in enumerate(found):
-            if g is not None:
-                before = acc[i]
-                acc[i] = g if before is None else before + g
+            if g is None:
+                continue
+            before = acc[i]
+            if before is None:
+                acc[i] = g
+            elif (stage, i) in self.owned:
+                before.add_(g)
+            else:
+                acc[i] = before + g
+                self.owned.add((stage, i))
 
     def send(self, a: Action, tensors: Sequence[torch.Tensor]) -> None:
         assert a.peer is not None
@@ -508,13 +519,19 @@ def sum_shared_grads(
     shared: Sequence[tuple[torch.Size, torch.dtype, torch.Tensor | None]],
     group: dist.ProcessGroup | None,
     device: torch.device | str = "cpu",
+    owned: Sequence[bool] = (),
 ) -> list[torch.Tensor]:
     """Sum the gradient copies of parameters held by several stages (a tied embedding and head)
     over the pp group. Every rank passes every shared parameter in the same order: its gradient
-    where it holds one, else None (it adds zeros). One all-reduce per parameter."""
+    where it holds one, else None (it adds zeros). One all-reduce per parameter, into the gradient
+    itself where `owned[i]` says nobody else reads it (a whole tensor gathered or summed for this),
+    else into a copy."""
     out = []
-    for shape, dtype, grad in shared:
-        buf = torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad.detach().clone()
+    for i, (shape, dtype, grad) in enumerate(shared):
+        if grad is None:
+            buf = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            buf = grad.detach() if i < len(owned) and owned[i] else grad.detach().clone()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(buf, group=group)
         out.append(buf)
