@@ -10,10 +10,12 @@ Per layer we count the elements SENT per rank by every collective of the emitted
 backward graphs (`PlanReport.collectives`) whose module path lies inside `blocks.<MID>` for the
 middle layer of an L-layer stack ("layer"). Collectives that the compiler attributes to no module
 (`<root>`, e.g. some gradient redistributions of the residual stream in backward) are missed by that
-filter, so for the best mesh of each (p, planner) and for the AxoNN grid we also compile L - 1
-layers and report the difference of the whole step's volume ("marginal", what one more layer costs).
+filter, so every configuration is also compiled with L - 1 layers and the difference of the whole
+step's volume ("marginal", what one more layer costs) is the per-layer count that the ratios and
+the best plan per p use (`--best-marginal`: only for the best mesh of each (p, planner) by the
+module-path count and for the AxoNN grid, the others ranked by that count).
 
-    python benchmarks/plan_quality.py            # default mesh list, ~3 min on 2 cores
+    python benchmarks/plan_quality.py            # default mesh list, ~6 min on 2 cores
     python benchmarks/plan_quality.py --all      # every ordered 3-axis factorization (slow)
     python benchmarks/plan_quality.py --p 8 --planners greedy
     python benchmarks/plan_quality.py --planners greedy greedy+split search search+fused
@@ -142,6 +144,10 @@ def main() -> None:
     parser.add_argument("--planners", nargs="*", default=["greedy", "search"])
     parser.add_argument("--all", action="store_true", help="every ordered factorization into 3 axes")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (compiles run in parallel)")
+    parser.add_argument(
+        "--best-marginal", action="store_true",
+        help="the 2-layer compile only for the best mesh per (p, planner) and the AxoNN grid (faster)",
+    )
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -160,15 +166,19 @@ def main() -> None:
             r = runs[-1]
             status = r.get("error", "")[:60] or f"{r['layer_elements'] / 1e6:.1f} M/layer, {r['seconds']:.1f} s"
             print(f"  {'x'.join(map(str, shape)):<8} {planner:<7} {status}", flush=True)
-        # the marginal check: best mesh per (p, planner) and the AxoNN grid, one layer fewer
+        # the marginal: every configuration (or, with --best-marginal, the best mesh per (p,
+        # planner) by the module-path count and the AxoNN grid) again with one layer fewer
         hands = {p: hand_schemes(p) for p in args.p}
         extra: set[tuple[tuple[int, ...], str]] = set()
         for p in args.p:
             for planner in args.planners:
                 ok = [r for r in runs if "error" not in r and r["planner"] == planner and _p(r) == p]
-                if ok:
-                    extra.add((tuple(min(ok, key=lambda r: r["layer_elements"])["mesh"]), planner))
-                extra.add((tuple(hands[p]["axonn_grid"]), planner))
+                if args.best_marginal:
+                    if ok:
+                        extra.add((tuple(min(ok, key=lambda r: r["layer_elements"])["mesh"]), planner))
+                    extra.add((tuple(hands[p]["axonn_grid"]), planner))
+                else:
+                    extra.update((tuple(r["mesh"]), planner) for r in ok)
         fewer = {key: pool.submit(measure, key[0], key[1], LAYERS - 1) for key in sorted(extra)}
         for key, fut in fewer.items():
             small = fut.result()
@@ -185,7 +195,7 @@ def main() -> None:
             errors.setdefault(r["error"], []).append(f"{'x'.join(map(str, r['mesh']))} {r['planner']}")
             rows.append([p, "x".join(map(str, r["mesh"])), r["planner"], f"error {len(errors)}"] + [""] * 7)
             continue
-        layer = r["layer_elements"]
+        layer = _per_layer(r)
         r["ratio_floor"] = layer / hand["practical_floor"]
         r["ratio_best_hand"] = layer / hand["best_hand"]
         r["ratio_megatron_1d"] = layer / hand["megatron_1d"]
@@ -224,8 +234,8 @@ def main() -> None:
         best = {}
         for planner in args.planners:
             ok = [r for r in runs if "error" not in r and r["planner"] == planner and _p(r) == p]
-            best[planner] = min(ok, key=lambda r: r["layer_elements"]) if ok else None
-        best_rows[p] = {k: (v["mesh"], v["layer_elements"]) if v else None for k, v in best.items()}
+            best[planner] = min(ok, key=_per_layer) if ok else None
+        best_rows[p] = {k: (v["mesh"], _per_layer(v)) if v else None for k, v in best.items()}
         cube = "n/a" if hand["cube_3d"] is None else f"{hand['cube_3d'] / 1e6:.0f}"
         if hand["cube_3d_note"]:
             cube += f" ({hand['cube_3d_note']})"
@@ -240,8 +250,8 @@ def main() -> None:
                 f"{hand['axonn_kept'] / 1e6:.0f} ({','.join(map(str, hand['axonn_kept_grid']))})",
                 f"{hand['practical_floor'] / 1e6:.0f}",
                 *[
-                    f"{b['layer_elements'] / 1e6:.0f} ({'x'.join(map(str, b['mesh']))}) "
-                    f"= {b['layer_elements'] / hand['best_hand']:.2f}x best hand"
+                    f"{_per_layer(b) / 1e6:.1f} ({'x'.join(map(str, b['mesh']))}) "
+                    f"= {_per_layer(b) / hand['practical_floor']:.2f}x floor, {_per_layer(b) / hand['best_hand']:.2f}x best hand"
                     if (b := best[planner])
                     else "none"
                     for planner in args.planners
@@ -271,6 +281,13 @@ def main() -> None:
         },
     )
     print(f"wrote {path}")
+
+
+def _per_layer(run: dict[str, Any]) -> float:
+    """Elements per rank that one layer costs: the marginal (step at L layers minus L - 1) where
+    measured, since the module-path count misses the collectives attributed to `<root>` (the
+    residual stream's gradient reductions), else the module-path count."""
+    return float(run.get("marginal_elements", run["layer_elements"]))
 
 
 def _p(run: dict[str, Any]) -> int:

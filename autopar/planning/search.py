@@ -392,13 +392,13 @@ def _from_seed(
     unmoved = problem.snapshot()
     sweeps = problem.optimize(max_sweeps)
 
-    def materialize() -> Plan:
+    def materialize(moved: Problem = problem) -> Plan:
         plan = greedy_plan(
             gm,
             mesh,
             registry,
             roles=seed.roles,
-            forced=problem.forced(),
+            forced=moved.forced(),
             expand_cache=shared.expand,
             memo=shared.greedy,
         )
@@ -414,6 +414,17 @@ def _from_seed(
     if (options[0] is None or options[0].savings.traded) and math.isfinite(limit):
         priced, lean = _price_memory(gm, mesh, cost, facts, limit, problem, max_sweeps, materialize, report)
         options += priced
+    # from there, moves that price a value read by k ops of one phase at 1/k per reader (insert_comm
+    # redistributes it once per wanted layout): the pairwise objective above counts one
+    # redistribution per reader and misses sums that should stay pending until their fan-out
+    # (`Problem._count_readers`); the plan they give is one more option, priced exactly (`plan_cost`)
+    shared_moves = Problem(
+        gm, mesh, registry, first, cost, shared.expand, shared, replicated=storage == REPLICATED, share_readers=True
+    )
+    before = shared_moves.snapshot()
+    shared_moves.optimize(max_sweeps)
+    if shared_moves.snapshot() != before:
+        options.append(_fit(gm, materialize(shared_moves), mesh, cost, limit, facts=facts))
     kept = [o for o in options if o is not None]
     for option in kept:
         option.storage = storage

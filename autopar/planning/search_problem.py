@@ -15,6 +15,7 @@ solve, which is what keeps a 32-layer search close to a 4-layer one.
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,7 +26,7 @@ import torch.fx as fx
 
 from autopar.core.layout import Layout, settled
 from autopar.core.mesh import Mesh
-from autopar.core.meta import signature
+from autopar.core.meta import has_info, info, signature
 from autopar.core.plan import Plan
 from autopar.core.strategy import OpCall, Strategy
 from autopar.cost.hardware import Rate
@@ -77,6 +78,8 @@ class Shared:
     tables: dict[Any, np.ndarray] = field(default_factory=dict)
     # per table (by id: `tables` keeps it alive): its layout lists and which cells are priced
     filled: dict[int, tuple[tuple[Layout, ...], tuple[Layout, ...], np.ndarray]] = field(default_factory=dict)
+    # per table (by id) read by k consumers of one value in one phase: k (`Problem._count_readers`); cells are 1/k
+    shares: dict[int, int] = field(default_factory=dict)
     vectors: dict[Any, Any] = field(default_factory=dict)  # per candidate list: layouts, costs
     positions: dict[int, dict[Strategy, int]] = field(default_factory=dict)
     interned: dict[tuple[Layout, ...], tuple[Layout, ...]] = field(default_factory=dict)
@@ -96,6 +99,7 @@ class Problem:
         expand_cache: dict[Any, list[Strategy]],
         shared: Shared | None = None,
         replicated: bool = False,
+        share_readers: bool = False,
     ) -> None:
         """`replicated`: the plan stores its weights as they compute ("replicated" storage,
         `planning.storage`; `seed` already stored so): a weight's readers pay for moving it from
@@ -138,6 +142,7 @@ class Problem:
             )
             self.vars.append(Var(name, cands, key, base.copy(), base.copy(), at))
         self._part_dims = part_dims(gm)
+        self._readers = self._count_readers(nodes, seed) if share_readers else Counter()
         for name in seed.decided:
             self._inputs(nodes[name], seed)
         self._outputs(gm, seed)
@@ -244,7 +249,27 @@ class Problem:
                 )
                 continue
             u, side, k = producer
-            self._edge(u, v, self._layouts(self.vars[u], side, k), self._layouts(var, "in", j))
+            share = max(1, self._readers[(*producer, _phase(node))])
+            self._edge(u, v, self._layouts(self.vars[u], side, k), self._layouts(var, "in", j), share)
+
+    def _count_readers(self, nodes: dict[str, fx.Node], seed: Plan) -> Counter[tuple[int, str, int, str]]:
+        """Per producer layout (var, side, index): how many decided inputs read it. insert_comm
+        redistributes a value once per wanted layout, not once per reader (`plan_cost` prices it
+        so), so each of its k readers' edges is priced at 1/k: exact where they want one layout
+        (the common case: a layer norm's backward reads its input gradient three times), low where
+        they differ; `plan_cost` compares the plans the moves give with their seeds exactly."""
+        readers: Counter[tuple[int, str, int, str]] = Counter()
+        for name in seed.decided:
+            node = nodes[name]
+            inputs = self.shared.greedy.inputs.get(node)
+            kinds = seed.deferred_inputs[name]
+            for src, kind in zip(inputs if inputs is not None else tensor_inputs(node), kinds):
+                if kind in ("param", "replica"):
+                    continue
+                producer = self._producer(src, seed)
+                if producer is not None:
+                    readers[(*producer, _phase(node))] += 1
+        return readers
 
     def _producer(self, src: fx.Node, seed: Plan) -> tuple[int, str, int] | None:
         if src.name in self.index:
@@ -307,13 +332,15 @@ class Problem:
         v: int,
         outs: tuple[tuple[Layout, ...], np.ndarray],
         ins: tuple[tuple[Layout, ...], np.ndarray],
+        share: int = 1,
     ) -> None:
         (out_keys, out_index), (in_keys, in_index) = outs, ins
-        key = (id(out_keys), id(in_keys))
+        key = (id(out_keys), id(in_keys), share)
         table = self._tables.get(key)
         if table is None:  # edges between the same layout lists share one table, filled by `_fill`
             table = self._tables[key] = np.full((len(out_keys), len(in_keys)), np.nan)
             self.shared.filled[id(table)] = (out_keys, in_keys, np.zeros(table.shape, dtype=bool))
+            self.shared.shares[id(table)] = share
         edge = Edge(u, v, table, out_index, in_index)
         self.edges.append(edge)
         self.vars[u].edges.append(edge)
@@ -334,7 +361,7 @@ class Problem:
             if have.all():
                 continue
             rows, cols = rows[~have.all(axis=1)], cols[~have.all(axis=0)]
-            table[np.ix_(rows, cols)] = self.cost.redistribute_table(outs, ins, rows, cols)
+            table[np.ix_(rows, cols)] = self.cost.redistribute_table(outs, ins, rows, cols) / self.shared.shares[id(table)]
             done[np.ix_(rows, cols)] = True
 
     def _prune(self, var: Var) -> None:
@@ -468,3 +495,9 @@ def reduce_cost(layout: Layout, shape: Sequence[int]) -> float:
 def regather_cost(saved: SavedValue, cost: Cost) -> float:
     """What gathering a saved weight chain again in backward costs (its forward gather once more)."""
     return cost.gather_from_storage(saved.layout)
+
+
+def _phase(node: fx.Node) -> str:
+    """Forward or backward: readers of one value share its redistribution only within a phase (a
+    forward activation that the backward also reads is mostly wanted there in another layout)."""
+    return info(node).phase if has_info(node) else ""
