@@ -67,11 +67,16 @@ class Constants:
     phi: dict[str, float]
 
     def of(self, row: Row) -> tuple[float | None, float | None]:
-        return self.eta.get(row.gpu), self.phi.get(row.framework)
+        return self.eta.get(SAME_SILICON.get(row.gpu, row.gpu)), self.phi.get(row.framework)
+
+
+# a table whose eta is another's fit: the same chip at a lower power limit (its own peak, bandwidth
+# and memory; the share of the microbenchmarked rates a step sustains is the silicon's)
+SAME_SILICON = {"h100-500w-calibrated": "h100-calibrated"}
 
 
 TABLE = Constants(eta={}, phi={})  # the constants the hardware tables hold
-UNFITTED = Constants(eta={"a100-calibrated": 1.0, "h100-calibrated": 1.0},
+UNFITTED = Constants(eta={"a100-calibrated": 1.0, "h100-calibrated": 1.0},  # h100-500w: as h100's
                      phi={"megatron-2021": 1.0, "mcore-r0.8": 1.0, "torchtitan-eager": 1.0})  # fmt: skip
 
 
@@ -129,6 +134,13 @@ def write_tables(consts: Constants, comps: list[Components], note: str) -> None:
         data["source"]["kernels.elementwise_factor"] = where + "; a framework without an entry pays 1"
         path.write_text(json.dumps(data, indent=indent) + "\n")
         print(f"wrote {path}: sustained_matmul {eta:.4f}, elementwise_factor {factors}")
+        for twin in (t for t, of in SAME_SILICON.items() if of == gpu):
+            path = TABLES_DIR / f"{twin}.json"
+            data = json.loads(path.read_text())
+            data["kernels"]["sustained_matmul"] = round(eta, 4)
+            data["source"]["kernels.sustained_matmul"] = f"the fitted value of {gpu}.json (same silicon; no fit rows of its own): {where}"
+            path.write_text(json.dumps(data, indent=2) + "\n")
+            print(f"wrote {path}: sustained_matmul {eta:.4f} (of {gpu})")
 
 
 def report(comps: list[Components], consts: Constants) -> tuple[list[dict[str, Any]], dict[str, Any]]:

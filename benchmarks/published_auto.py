@@ -14,16 +14,17 @@ How the two sides are made comparable (`auto_call` is the mapping, tested in tes
   `row.microbatches` microbatches: the expert's m = B / (d b) per pipeline replica; in autopar a
   microbatch of B / M sequences is split over the stage sub-mesh's data axis, so with the
   expert's d it is the expert's b;
-- the same calibrated table (`row.gpu`: its eta applies to both), `memory_limit` = 80e9 bytes per
-  rank (A100 80GB, H100 80GB SXM; torchtitan's H100s have 96 GB, priced at 80 GB here);
+- the same calibrated table (`row.gpu`: its eta applies to both), `memory_limit` = its
+  `memory_capacity` (80 GB A100 and H100 SXM; torchtitan's 500 W H100s have 96 GB);
 - the same weight state (`MIXED_ADAMW`: bf16 weights, fp32 gradients, master and AdamW, what
   `PlanOptions(weight_state=None)` gives a bf16 model) for every candidate, the tensor-only one
   too, with its optimizer step; recomputation is the planner's choice (`recompute="auto"`: none,
   selective or full, the fastest that fits; the tensor-only candidate what its search recomputes
   to fit), the expert's is the run's;
 - the same kernels: autopar's runtime pays the table's element-wise time unscaled (phi = 1) and
-  runs causal attention on torch's flash kernels (`cost.work.PLANNED_ATTENTION`: the masked blocks
-  skipped), so the expert is priced with phi = 1 and flash attention too (`expert_step_s`);
+  runs causal attention on torch's flash kernel (`cost.work.PLANNED_ATTENTION`: the masked blocks
+  skipped, at the table's default attention rates, FlashAttention-2's), so the expert is priced
+  with phi = 1 and that kernel too (`expert_step_s`);
   `expert_framework_step_s` is the row's own framework constant (`kernels.elementwise_factor`)
   and attention kernel (Megatron-LM 2021's full scores: `Row.attention`), which autopar's
   runtime does not have.
@@ -50,12 +51,13 @@ from published_model import build_model, components, config
 from published_rows import Row
 
 from autopar.compiler.pipeline_mesh import choose_pipeline_mesh
+from autopar.cost.hardware import load_hardware
 from autopar.cost.work import PLANNED_ATTENTION
 from autopar.planning.step_accounting import MIXED_ADAMW, WeightState
 from autopar.planning.step_model import price_step
 
 MAX_DEPTH = 8  # every depth priced costs one stage sub-mesh choice: bounded to keep a row in minutes
-MEMORY_LIMIT = 80e9  # bytes per rank: A100 80GB and H100 80GB SXM (torchtitan's 96 GB H100s priced at 80 GB)
+MEMORY_LIMIT = "the row's table's memory_capacity"  # 80 GB A100 / H100 SXM, 96 GB for torchtitan's H100s
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def auto_call(row: Row) -> AutoCall:
     """The row's model, batch, sequence, microbatch count, cluster and memory, as the planner takes them."""
     return AutoCall(
         world_size=row.gpus, batch=row.batch, seq=row.seq, microbatches=row.microbatches, hardware=row.gpu,
-        memory_limit=MEMORY_LIMIT, weight_state=MIXED_ADAMW, recompute="auto",
+        memory_limit=load_hardware(row.gpu).memory_capacity, weight_state=MIXED_ADAMW, recompute="auto",
     )  # fmt: skip
 
 
@@ -122,7 +124,7 @@ def run_row(row: Row) -> dict[str, Any]:
     call = auto_call(row)
     start = time.process_time()
     comp = components(row)
-    ours = comp if row.attention == PLANNED_ATTENTION else components(row, PLANNED_ATTENTION)
+    ours = components(row, PLANNED_ATTENTION, framework="autopar")  # torch SDPA's kernel, as autopar runs
     same = price_step(ours.stages, replace(config(row), attention=PLANNED_ATTENTION), comp.hw, phi=1.0)
     own = price_step(comp.stages, config(row), comp.hw)
     expert_cpu = time.process_time() - start

@@ -14,6 +14,7 @@ from published_rows import Row
 
 from autopar.cost.hardware import Hardware, load_hardware
 from autopar.cost.work import AttentionKernel
+from autopar.planning.step_accounting import MIXED_ADAMW
 from autopar.planning.step_model import StageParts, StepConfig, stage_parts
 
 RECOMPUTE = {"full": "full", "selective-op": "selective", "none": "none"}
@@ -26,6 +27,7 @@ def config(row: Row) -> StepConfig:
         tp_elements=row.microbatch * row.seq * row.hidden, tp_overlap=row.overlap_tp,
         recompute=RECOMPUTE[row.recompute], reduction=row.dp, reduction_overlap=row.overlap_dp,
         framework=row.framework, attention=row.attention,
+        weight_state=replace(MIXED_ADAMW, grad=float(row.grad_bytes)),
     )  # fmt: skip
 
 
@@ -58,10 +60,11 @@ def build_model(row: Row) -> torch.nn.Module:
     return on_meta(lambda: Llama(lcfg)).to(torch.bfloat16)
 
 
-def components(row: Row, attention: AttentionKernel | None = None) -> Components:
+def components(row: Row, attention: AttentionKernel | None = None, framework: str | None = None) -> Components:
     """Trace one microbatch of one replica and split it into the row's stages (`stage_parts`),
-    its causal attention priced as the row's kernel did it, or as `attention` says (`--auto`
-    prices the expert's configuration with autopar's own kernel too)."""
+    its causal attention priced as the row's kernel did it, or as `attention` and `framework`
+    say (`--auto` prices the expert's configuration with autopar's own kernels too: flash
+    attention by torch's SDPA, `framework="autopar"`)."""
     from autopar.passes.trace import trace
 
     hw = load_hardware(row.gpu)
@@ -71,5 +74,6 @@ def components(row: Row, attention: AttentionKernel | None = None) -> Components
     trace_s = time.process_time() - start
     start = time.process_time()
     cfg = config(row) if attention is None else replace(config(row), attention=attention)
+    cfg = cfg if framework is None else replace(cfg, framework=framework)
     parts = stage_parts(gm, hw, cfg)
     return Components(row, parts, hw, trace_s, time.process_time() - start)

@@ -88,6 +88,7 @@ class Row(ParallelShape):
     dp: str = "allreduce"  # "allreduce" (grads after the flush), "distopt" (RS grads + AG params), "fsdp"
     overlap_dp: bool = False
     overlap_tp: bool = False
+    grad_bytes: int = 4  # bytes per gradient element the data axis reduces (4: fp32, 2: bf16)
     published: float = 0.0
     unit: str = "TFLOP/s/GPU"  # or "tokens/s/GPU"
     convention: str = ""
@@ -123,7 +124,7 @@ def _mcore(key: str, heads: int, hidden: int, layers: int, t: int, p: int, gpus:
     return Row(
         key=f"Mcore {key}", gpu="h100-calibrated", framework="mcore-r0.8", arch="gpt", layers=layers,
         hidden=hidden, heads=heads, vocab=131072, seq=4096, gpus=gpus, batch=batch, microbatch=1, t=t, p=p,
-        tied=False, recompute="none", dp="distopt", overlap_dp=True, overlap_tp=True, published=tflops,
+        tied=False, recompute="none", dp="distopt", overlap_dp=True, overlap_tp=True, grad_bytes=2, published=tflops,
         convention=MCORE_FLOPS, attention="flash", attention_source=FLASH_MCORE,
         source=f"{MCORE_URL}, row {key}: {heads} heads, hidden {hidden}, {layers} layers, TP {t}, PP {p}, "
         f"DP 48, {gpus} GPUs, batch {batch}, {tflops:g} TFLOP/s per GPU",
@@ -131,6 +132,9 @@ def _mcore(key: str, heads: int, hidden: int, layers: int, t: int, p: int, gpus:
             "BF16: MFU column = TFLOP/s / 989 (H100 SXM dense BF16 peak)",
             "untied embeddings (the parameter counts in the table match untied GELU-4h GPTs)",
             "microbatch 1, 1F1B (not interleaved), no recomputation, distributed optimizer",
+            "gradients reduced in bf16: Megatron-Core's default (megatron/core/distributed/distributed_data_parallel_config.py, "
+            "grad_reduce_in_fp32 = False; --accumulate-allreduce-grads-in-fp32 is off unless given), fp32 master weights "
+            "and AdamW states sharded by the distributed optimizer",
             "overlapped DP reduce-scatter/all-gather and TP collectives (README: --overlap-grad-reduce, "
             "--overlap-param-gather, --tp-comm-overlap)",
         ),
@@ -166,7 +170,7 @@ MCORE = [
 
 def _titan(gpus: int, tps: float, table: str) -> Row:
     return Row(
-        key=f"torchtitan 8B x{gpus}", gpu="h100-calibrated", framework="torchtitan-eager", arch="llama",
+        key=f"torchtitan 8B x{gpus}", gpu="h100-500w-calibrated", framework="torchtitan-eager", arch="llama",
         layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192, gpus=gpus,
         batch=2 * gpus, microbatch=2, t=1, p=1, tied=False, recompute="selective-op", dp="fsdp", overlap_dp=True,
         published=tps, unit="tokens/s/GPU", convention=TOKENS, attention="flash", attention_source=FLASH_TITAN,
@@ -176,7 +180,9 @@ def _titan(gpus: int, tps: float, table: str) -> Row:
             "sequence 8192 (train_configs/llama3_8b.toml at torchtitan 9dec370, the commit the table names)",
             "selective activation checkpointing 'op': every second matmul and the element-wise ops recomputed",
             "FSDP2: bf16 all-gather in forward and backward, fp32 reduce-scatter, overlapped with compute",
-            "their H100s are 96 GB HBM2e at 500 W (2.4 TB/s), not the table's 700 W SXM5: priced on h100-calibrated",
+            "their H100s are 96 GB HBM2e at the default 500 W power limit (2.4 TB/s), not 700 W SXM5s: priced on "
+            "h100-500w-calibrated (its peak between the SXM's and the NVL's, as the benchmark page bounds it)",
+            "attention by FlashAttention-2 (torch's SDPA flash backend on an H100), at its published H100 rates",
         ),
         split="held-out",
     )  # fmt: skip

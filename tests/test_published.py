@@ -67,7 +67,7 @@ def test_a_causal_attention_is_priced_as_the_runs_kernel_does_it() -> None:
         assert global_work(n) == global_work(n, "flash")  # the planner's default
 
     def seconds(n: fx.Node, kernel: AttentionKernel) -> float:
-        return compute_time(global_work(n, kernel), 0.0, compute_rate(n), unscaled(hw))
+        return compute_time(global_work(n, kernel), 0.0, compute_rate(n, kernel), unscaled(hw))
 
     fwd, bwd = calls
     assert full.mm_f - flash.mm_f == pytest.approx(seconds(fwd, "full") - seconds(fwd, "flash"))
@@ -81,7 +81,7 @@ def test_a_causal_attention_is_priced_as_the_runs_kernel_does_it() -> None:
 
 def test_rows_are_well_formed_and_sourced() -> None:
     assert len(ROWS) >= 10
-    assert {r.gpu for r in ROWS} == {"a100-calibrated", "h100-calibrated"}
+    assert {r.gpu for r in ROWS} == {"a100-calibrated", "h100-calibrated", "h100-500w-calibrated"}
     assert min(r.gpus for r in ROWS) == 8 and max(r.gpus for r in ROWS) >= 1000
     keys = [r.key for r in ROWS]
     assert len(set(keys)) == len(keys)
@@ -112,12 +112,14 @@ def test_span_link_by_group_span() -> None:
     assert span_link(a100, 64, 1).bandwidth == min(a100.intra_node.bandwidth, 8 * a100.inter_node.bandwidth)
 
 
-@pytest.mark.parametrize("name", ["a100-calibrated", "h100-calibrated"])
+@pytest.mark.parametrize("name", ["a100-calibrated", "h100-calibrated", "h100-500w-calibrated"])
 def test_calibrated_tables_say_where_each_number_comes_from(name: str) -> None:
     data = json.loads((TABLES_DIR / f"{name}.json").read_text())
     needed = {"peak_flops", "memory_bandwidth", "memory_capacity", "intra_node.bandwidth", "intra_node.alpha",
-              "inter_node.bandwidth", "inter_node.alpha", "kernels.matmul", "kernels.memory", "kernels.launch"}  # fmt: skip
+              "inter_node.bandwidth", "inter_node.alpha", "kernels.matmul", "kernels.memory", "kernels.launch",
+              "kernels.attention.fa2", "kernels.attention.default", "kernels.attention.by_framework"}  # fmt: skip
     assert needed <= set(data["source"])
+    assert "2407.08608" in data["source"]["kernels.attention.fa2"]  # the FlashAttention-3 paper's figures
     hw = load_hardware(name)
     assert hw.kernels is not None and hw.intra_node.bandwidth < 450e9  # bus bandwidth, not line rate
 
@@ -227,7 +229,7 @@ def test_auto_gets_each_rows_model_batch_microbatches_cluster_and_memory() -> No
     by_key = {r.key: r for r in ROWS}
     ptdp = auto_call(by_key["PTD-P 1.7B"])  # 32 A100s, batch 512, t=1 p=1 d=32, full recomputation
     assert (ptdp.world_size, ptdp.batch, ptdp.seq, ptdp.microbatches) == (32, 512, 2048, 16)
-    assert ptdp.hardware == "a100-calibrated" and ptdp.memory_limit == 80e9
+    assert ptdp.hardware == "a100-calibrated" and ptdp.memory_limit == 80e9  # the table's memory
     # the same weight state as the expert's; every recomputation the planner has, the fastest that fits
     assert ptdp.weight_state == MIXED_ADAMW and ptdp.recompute == "auto"
     assert ptdp.depths() == [2, 4, 8]  # beside the tensor-only choice (pp 1), as plan() ranks, up to 8
@@ -237,6 +239,7 @@ def test_auto_gets_each_rows_model_batch_microbatches_cluster_and_memory() -> No
     assert (mcore.world_size, mcore.microbatches, mcore.hardware) == (768, 8, "h100-calibrated")
     titan = auto_call(by_key["torchtitan 8B x8"])  # selective recomputation: in the planner's space too
     assert (titan.batch, titan.seq, titan.microbatches, titan.recompute) == (16, 8192, 1, "auto")
+    assert (titan.hardware, titan.memory_limit) == ("h100-500w-calibrated", 96e9)  # 96 GB HBM2e at 500 W
     # where auto does not win by 10 %, the reason names its pick and the candidate at the expert's depth
     expert = {"p": 2}
     cands = [
@@ -249,3 +252,43 @@ def test_auto_gets_each_rows_model_batch_microbatches_cluster_and_memory() -> No
     )
     assert "not among the depths priced" in why({"p": 4}, cands, 0.9)
     assert why(expert, [cands[1]], 0.0) == "no candidate fits: not priced: ideal cut 2 s > best 1 s"
+
+
+def test_attention_is_priced_at_its_kernels_published_rates() -> None:
+    """A flash attention call runs at the published rate of the kernel its framework uses (the
+    FlashAttention-3 paper's H100 figures), far below a matmul of the same flops: FA2 (torch's
+    SDPA) by default, cuDNN under Megatron-Core's Transformer Engine; between two measured head
+    dims the rate is interpolated; the 500 W H100 runs the same fractions of its lower peak; a
+    table without curves, and Megatron-LM 2021's full scores, price it as a matmul."""
+    from autopar.cost.hardware import Attention
+
+    h100 = unscaled(load_hardware("h100-calibrated"))
+    flops = 4.0 * 2 * 32 * 4096 * 4096 * 128 * 4097 / 8192  # one causal forward, b=2, h=32, s=4096, d=128
+    fwd = Attention(torch.bfloat16, 128, 4096, backward=False, causal=True)
+    assert compute_time(flops, 0.0, fwd, h100) == pytest.approx(flops / 319e12, rel=1e-3)  # FA2's bar: 319 TFLOP/s
+    mcore = unscaled(load_hardware("h100-calibrated"), "mcore-r0.8")
+    assert compute_time(flops, 0.0, fwd, mcore) == pytest.approx(flops / 518e12, rel=1e-3)  # cuDNN's bar: 518
+    matmul = compute_time(flops, 0.0, torch.bfloat16, h100)
+    assert compute_time(flops, 0.0, fwd, h100) > 1.8 * matmul  # FA2 reaches a third of the peak
+    # non-causal backward at 8k, head dim 64 (FA2: 287); the causal one derived below it
+    bwd = Attention(torch.bfloat16, 64, 8192, backward=True, causal=False)
+    assert compute_time(1e12, 0.0, bwd, h100) == pytest.approx(1e12 / 287e12, rel=1e-3)
+    assert compute_time(1e12, 0.0, replace(bwd, causal=True), h100) > compute_time(1e12, 0.0, bwd, h100)
+    # the fractions are the bars' labels over 989, to 4 digits
+    # head dim 96 lies between 64 (321) and 128 (368) at 4k, non-causal forward, linear in log(d)
+    rate = h100.kernels.attention_fraction(Attention(torch.bfloat16, 96, 4096)) * 989  # type: ignore[union-attr]
+    assert rate == pytest.approx(321 + (368 - 321) * 0.5849625, rel=1e-3)  # log2(96/64) = 0.585
+    # the power-capped H100: the same fractions of its own 912 TFLOP/s
+    capped = unscaled(load_hardware("h100-500w-calibrated"))
+    assert compute_time(flops, 0.0, fwd, capped) == pytest.approx(flops / (319e12 * 912 / 989), rel=1e-3)
+    # no curves (a spec-sheet table): the peak, as for a matmul
+    sheet = load_hardware("h100-nvlink-ib")
+    assert compute_time(flops, 0.0, fwd, sheet) == compute_time(flops, 0.0, torch.bfloat16, sheet)
+    # the traced call: flash -> its Attention key; Megatron-LM 2021's full scores -> the matmul rate
+    model = on_meta(lambda: GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=1, n_head=4, n_embd=256)))
+    idx = torch.zeros(1, 256, dtype=torch.long)
+    gm = trace(model.to(torch.bfloat16), (idx, idx), decompose=True)
+    f, b = [n for n in gm.graph.nodes if is_causal_attention(n)]
+    assert compute_rate(f) == Attention(torch.bfloat16, 64, 256, backward=False, causal=True)
+    assert compute_rate(b) == Attention(torch.bfloat16, 64, 256, backward=True, causal=True)
+    assert compute_rate(f, "full") == torch.bfloat16

@@ -26,7 +26,7 @@ import torch
 
 from autopar.core.layout import Layout, itemsize
 from autopar.core.redistribute import CommStep, plan_redistribute
-from autopar.cost.hardware import Elementwise, Hardware, Link, Rate, axis_links, dtype_key
+from autopar.cost.hardware import Attention, Elementwise, Hardware, Link, Rate, axis_links, dtype_key
 
 # Message steps of a ring algorithm over g ranks, each paying the link latency alpha once.
 LATENCY_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "forbidden": 1, "ring_shift": 1}
@@ -49,7 +49,9 @@ def compute_time(flops: float, bytes_moved: float, rate: Rate, hw: Hardware) -> 
     flops at peak and bytes at full bandwidth. With `hw.kernels` (a calibrated table), a matmul
     runs at the fraction of the peak its size reaches, an element-wise op moves its bytes (when
     not given: two operands read and one result written) at the fraction of the bandwidth its
-    size reaches, and no kernel takes less than a launch."""
+    size reaches, a fused attention call (`Attention`) at the fraction its kernel's published curve
+    gives for its head dimension, sequence length, pass and mask (on the matmul curve where the
+    table has none), and no kernel takes less than a launch."""
     kernels = hw.kernels
     if isinstance(rate, Elementwise):
         if kernels is None:
@@ -58,10 +60,14 @@ def compute_time(flops: float, bytes_moved: float, rate: Rate, hw: Hardware) -> 
             return 0.0
         moved = bytes_moved if bytes_moved > 0 else 3.0 * flops * _bytes_per_element(rate.dtype)
         return max(moved / (hw.memory_bandwidth * kernels.memory_fraction(moved)), kernels.launch)
+    dtype = rate.dtype if isinstance(rate, Attention) else rate
     if kernels is None:
-        return max(flops / hw.peak(rate), bytes_moved / hw.memory_bandwidth)
-    key = dtype_key(rate)
-    seconds = flops / (hw.peak(rate) * kernels.matmul_fraction(key, flops))
+        return max(flops / hw.peak(dtype), bytes_moved / hw.memory_bandwidth)
+    key = dtype_key(dtype)
+    fraction = kernels.attention_fraction(rate) if isinstance(rate, Attention) else None
+    if fraction is None:
+        fraction = kernels.matmul_fraction(key, flops)
+    seconds = flops / (hw.peak(dtype) * fraction)
     return max(seconds, bytes_moved / (hw.memory_bandwidth * kernels.memory_fraction(bytes_moved)), kernels.launch)
 
 

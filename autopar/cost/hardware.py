@@ -10,7 +10,7 @@ import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,25 @@ class Elementwise:
     runs: bool = True  # False: a view (no kernel, no bytes), free where kernel rates are measured
 
 
-Rate = torch.dtype | str | Elementwise
+@dataclass(frozen=True)
+class Attention:
+    """The rate key of a fused attention call (flash attention and its kin): priced by its flops at
+    the rate its kernel reaches for its head dimension and sequence length, forward or backward,
+    causal or not (`KernelRates.attention_fraction`), which is well below a matmul of the same
+    flops (FlashAttention-2 on an H100 reaches a third of the bf16 peak). `seq` is the call's
+    traced sequence length (a context-parallel split of it is priced at the whole sequence's rate)."""
+
+    dtype: torch.dtype
+    head_dim: int
+    seq: int
+    backward: bool = False
+    causal: bool = False
+
+
+Rate = torch.dtype | str | Elementwise | Attention
+
+# the four curves of one attention kernel in a table: pass and mask
+ATTENTION_CURVES = ("forward", "forward_causal", "backward", "backward_causal")
 
 
 def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
@@ -94,6 +112,38 @@ class KernelRates:
     # fused kernels; a framework without an entry (autopar's own runtime) pays all of it
     sustained_matmul: float = 1.0
     elementwise_factor: Mapping[str, float] = field(default_factory=dict)
+    # published microbenchmarks of fused attention kernels: kernel name -> curve (ATTENTION_CURVES)
+    # -> head dim -> ((sequence length, fraction of the bf16 peak), ...); `attention_kernel` is the
+    # one torch's SDPA runs here (autopar's runtime), `attention_by_framework` a framework's own
+    attention: Mapping[str, Mapping[str, Mapping[int, tuple[tuple[float, float], ...]]]] = field(default_factory=dict)
+    attention_kernel: str = ""
+    attention_by_framework: Mapping[str, str] = field(default_factory=dict)
+
+    def attention_fraction(self, key: Attention) -> float | None:
+        """The fraction of the peak the table's attention kernel (`attention_kernel`) reaches on a
+        call like `key`, times `sustained_matmul`: the published curve of its pass and mask,
+        piecewise linear in log(sequence) and, between two measured head dims, in log(head dim).
+        None when the table has no such curve (the call is then priced as a matmul)."""
+        curves = self.attention.get(self.attention_kernel, {})
+        name = ("backward" if key.backward else "forward") + ("_causal" if key.causal else "")
+        by_dim = curves.get(name)
+        if not by_dim:
+            return None
+        dims = sorted(by_dim)
+        below = [d for d in dims if d <= key.head_dim] or dims[:1]
+        above = [d for d in dims if d >= key.head_dim] or dims[-1:]
+        lo, hi = below[-1], above[0]
+        f_lo = _interpolate(by_dim[lo], key.seq)
+        if hi == lo:
+            return f_lo * self.sustained_matmul
+        f_hi = _interpolate(by_dim[hi], key.seq)
+        return _interpolate(((lo, f_lo), (hi, f_hi)), key.head_dim) * self.sustained_matmul
+
+    def for_framework(self, framework: str) -> KernelRates:
+        """These rates with the attention kernel `framework` runs (`attention_by_framework`;
+        the table's default, torch's SDPA, for any other)."""
+        kernel = self.attention_by_framework.get(framework, self.attention_kernel)
+        return self if kernel == self.attention_kernel else replace(self, attention_kernel=kernel)
 
     def matmul_fraction(self, dtype: str, flops: float) -> float:
         """The fraction of the peak a matmul of `flops` reaches in a training step: the measured
@@ -169,7 +219,38 @@ def _kernels_json(kernels: KernelRates) -> dict[str, Any]:
         "launch": kernels.launch,
         **({"sustained_matmul": kernels.sustained_matmul} if kernels.sustained_matmul != 1.0 else {}),
         **({"elementwise_factor": dict(kernels.elementwise_factor)} if kernels.elementwise_factor else {}),
+        **({"attention": _attention_json(kernels)} if kernels.attention else {}),
     }
+
+
+def _attention_json(kernels: KernelRates) -> dict[str, Any]:
+    return {
+        "default": kernels.attention_kernel,
+        "by_framework": dict(kernels.attention_by_framework),
+        **{
+            name: {curve: {str(d): [list(p) for p in pts] for d, pts in dims.items()} for curve, dims in curves.items()}
+            for name, curves in kernels.attention.items()
+        },
+    }
+
+
+def _attention(entry: Mapping[str, Any], points: Any) -> dict[str, Any]:
+    """The `attention` entry of a table's `kernels`: {"default": kernel, "by_framework": {...},
+    kernel: {curve: {head dim: [[sequence, fraction of peak], ...]}}}; curves are ATTENTION_CURVES."""
+    kernels: dict[str, dict[str, dict[int, tuple[tuple[float, float], ...]]]] = {}
+    for name, curves in entry.items():
+        if name in ("default", "by_framework"):
+            continue
+        unknown = set(curves) - set(ATTENTION_CURVES)
+        if unknown:
+            raise ValueError(f"attention kernel {name!r}: unknown curves {sorted(unknown)}; known: {ATTENTION_CURVES}")
+        kernels[str(name)] = {c: {int(d): points(p) for d, p in dims.items()} for c, dims in curves.items()}
+    default = str(entry.get("default", ""))
+    by_framework = {str(k): str(v) for k, v in entry.get("by_framework", {}).items()}
+    missing = [k for k in (default, *by_framework.values()) if k and k not in kernels]
+    if missing:
+        raise ValueError(f"attention kernels {missing} are named but have no curves")
+    return {"attention": kernels, "attention_kernel": default, "attention_by_framework": by_framework}
 
 
 def _kernels(entry: Mapping[str, Any] | None) -> KernelRates | None:
@@ -188,6 +269,7 @@ def _kernels(entry: Mapping[str, Any] | None) -> KernelRates | None:
         launch=float(entry.get("launch", 0.0)),
         sustained_matmul=float(entry.get("sustained_matmul", 1.0)),
         elementwise_factor={str(k): float(v) for k, v in entry.get("elementwise_factor", {}).items()},
+        **_attention(entry.get("attention", {}), points),
     )
 
 

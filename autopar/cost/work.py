@@ -18,7 +18,7 @@ from torch.utils.flop_counter import flop_registry
 from autopar.core.errors import AutoparError
 from autopar.core.layout import Replicate
 from autopar.core.strategy import Strategy
-from autopar.cost.hardware import Elementwise, Rate
+from autopar.cost.hardware import Attention, Elementwise, Rate
 from autopar.rules.device_attention import CPU_BACKWARD as BACKWARD
 from autopar.rules.device_attention import CPU_FORWARD as FORWARD
 
@@ -64,11 +64,14 @@ def is_view(node: fx.Node) -> bool:
     return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
-def compute_rate(node: fx.Node) -> Rate:
-    """How an op is priced (`autopar.cost.formulas.compute_time`): matmuls (grouped ones too) and
-    attention by their flops at their dtype's rate, every other op as `Elementwise`, by the bytes
-    it moves. The dtype is the op's first floating-point result's (under autocast a matmul's
-    result is bfloat16, a cast's the dtype it casts to); float32 otherwise."""
+def compute_rate(node: fx.Node, attention: AttentionKernel = PLANNED_ATTENTION) -> Rate:
+    """How an op is priced (`autopar.cost.formulas.compute_time`): matmuls (grouped ones too) by
+    their flops at their dtype's rate; a fused attention call under flash kernels (`attention`,
+    see PLANNED_ATTENTION) as `Attention`, at its kernel's rate for its head dimension, sequence,
+    pass and mask; under "full" (all the scores by batched matmuls) at the matmul rate; every
+    other op as `Elementwise`, by the bytes it moves. The dtype is the op's first floating-point
+    result's (under autocast a matmul's result is bfloat16, a cast's the dtype it casts to);
+    float32 otherwise."""
     dtype = torch.float32
     for value in pytree.tree_leaves(node.meta.get("val")):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -77,6 +80,11 @@ def compute_rate(node: fx.Node) -> Rate:
     name = str(node.target)
     if getattr(node.target, "overloadpacket", None) in flop_registry:
         return dtype
+    if "scaled_dot_product" in name and attention == "flash":
+        q = node.args[0]
+        if isinstance(q, fx.Node) and isinstance(q.meta.get("val"), torch.Tensor) and q.meta["val"].dim() == 4:
+            _, _, seq, head_dim = q.meta["val"].shape
+            return Attention(dtype, int(head_dim), int(seq), "backward" in name, is_causal_attention(node))
     if "scaled_dot_product" in name or "grouped_mm" in name or "routed_experts" in name:
         return dtype
     return Elementwise(dtype, runs=not is_view(node))

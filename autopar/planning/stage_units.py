@@ -259,7 +259,7 @@ def stage_graph(
     cheap_time = [0.0] * n_units
     count = [0] * n_units
     for n in computes:
-        rate = compute_rate(n)
+        rate = compute_rate(n, attention)
         seconds = compute_time(global_work(n, attention) / t, 0.0, rate, hw)
         u = unit[n]
         count[u] += 1

@@ -6,7 +6,10 @@ A run is traced for ONE microbatch of one data-parallel replica and cut into its
 (`stage_parts`); each stage's forward and backward are split into matmul time and element-wise
 time (a second stage graph on the table with element-wise ops free); a causal attention call is
 priced as the run's kernel does it (`StepConfig.attention`: its lower triangle under flash
-attention, all the scores under Megatron-LM 2021's masked softmax; `cost.work.PLANNED_ATTENTION`).
+attention, at the published rate of the kernel the run's framework uses for its head dimension
+and sequence (`KernelRates.attention_fraction`: FlashAttention-2 under torch's SDPA, cuDNN under
+Transformer Engine on Hopper), counted with the matmul time; all the scores under Megatron-LM
+2021's masked softmax, as batched matmuls; `cost.work.PLANNED_ATTENTION`).
 `price_step` then adds, in order:
 
 1. compute: matmul time over the table's `kernels.sustained_matmul` (eta) plus element-wise time
@@ -136,10 +139,12 @@ def _kernels(hw: Hardware) -> KernelRates:
     return hw.kernels
 
 
-def unscaled(hw: Hardware) -> Hardware:
+def unscaled(hw: Hardware, framework: str = "autopar") -> Hardware:
     """`hw` without its fitted constants (eta = 1, no element-wise factors): the rates the
-    microbenchmarks measured, what `stage_parts` splits so the constants apply after."""
-    return replace(hw, kernels=replace(_kernels(hw), sustained_matmul=1.0, elementwise_factor={}))
+    microbenchmarks measured, what `stage_parts` splits so the constants apply after; attention
+    at the rates of the kernel `framework` runs (`KernelRates.for_framework`)."""
+    kernels = _kernels(hw).for_framework(framework)
+    return replace(hw, kernels=replace(kernels, sustained_matmul=1.0, elementwise_factor={}))
 
 
 def _matmul_only(hw: Hardware) -> Hardware:
@@ -150,7 +155,7 @@ def _matmul_only(hw: Hardware) -> Hardware:
 def stage_parts(gm: fx.GraphModule, hw: Hardware, config: StepConfig) -> tuple[StageParts, ...]:
     """Cut the joint graph of one microbatch of one replica (`trace`) into the run's stages and
     split each stage's time (see the module docstring)."""
-    base = unscaled(hw)
+    base = unscaled(hw, config.framework)
     full = stage_graph(gm, base, config.tensor, config.attention)
     mm = stage_graph(gm, _matmul_only(base), config.tensor, config.attention)
     cut = cut_graph(
