@@ -352,6 +352,11 @@ class _Greedy:
         else:
             key = (call.op, call_key(call) if key_of_call is None else key_of_call)
             candidates = self._beam(call, rule.strategies(call), current, rule.uneven, key)
+            if rule.admits is not None:  # the rule's whole-mesh filter (a balanced split's axis, nesting)
+                candidates = [s for s in candidates if rule.admits(call, s, self.shape)]
+                if not candidates:
+                    shared = True
+                    candidates = expand_cached(node, rule, call, self.shape, self.expand_cache, key_of_call)
         if not candidates:
             raise self._no_strategy(node, call, rule)
         facts = self._list_facts(candidates) if shared else ListFacts.of(candidates, self._facts)
