@@ -346,17 +346,14 @@ class _Greedy:
     ) -> tuple[Strategy, str]:
         """The lowest-cost candidate strategy for `call` given its inputs' current layouts."""
         # a whole list, shared by repeated ops and passes (a rule with a requirement: filtered)
-        shared = rule.anchor or len(current) == 0 or rule.requirement is not None
+        # (a rule with a whole-mesh filter, `admits`: its filtered list, which the per-axis beam
+        # cannot apply: a balanced split off the "cp" axis, or over a merge of two samples)
+        shared = rule.anchor or len(current) == 0 or rule.requirement is not None or rule.admits is not None
         if shared:
             candidates = expand_cached(node, rule, call, self.shape, self.expand_cache, key_of_call)
         else:
             key = (call.op, call_key(call) if key_of_call is None else key_of_call)
             candidates = self._beam(call, rule.strategies(call), current, rule.uneven, key)
-            if rule.admits is not None:  # the rule's whole-mesh filter (a balanced split's axis, nesting)
-                candidates = [s for s in candidates if rule.admits(call, s, self.shape)]
-                if not candidates:
-                    shared = True
-                    candidates = expand_cached(node, rule, call, self.shape, self.expand_cache, key_of_call)
         if not candidates:
             raise self._no_strategy(node, call, rule)
         facts = self._list_facts(candidates) if shared else ListFacts.of(candidates, self._facts)
