@@ -106,18 +106,20 @@ class _Inserter:
         if is_balanced(step.after.placements[step.axis]) and step.kind in ("slice", "reduce_scatter", "all_to_all"):
             cut = step.dst_dim if step.kind == "all_to_all" else step.dim
             assert cut is not None
-            x = self._reorder(x, cut, step.before.shape[cut], balanced_order(g), base)
+            length = step.before.local_shape(self.shape)[cut]  # the block of the outer axes
+            x = self._reorder(x, cut, length, balanced_order(g), base)
         out = self._emit_plain_step(x, step, base)
         if is_balanced(step.before.placements[step.axis]) and step.kind in ("all_gather", "all_to_all"):
             assert step.dim is not None
             order = balanced_order(g)
-            out = self._reorder(out, step.dim, step.before.shape[step.dim], [order.index(j) for j in range(2 * g)], base)
+            length = step.after.local_shape(self.shape)[step.dim]
+            out = self._reorder(out, step.dim, length, [order.index(j) for j in range(2 * g)], base)
         return out
 
     def _reorder(self, x: fx.Node, dim: int, length: int, positions: Sequence[int], base: NodeInfo) -> fx.Node:
-        """`x` (whole along `dim`, of `length`: a balanced dim is split by one axis only) cut into
-        `len(positions)` equal chunks there and put back together in the order `positions` names
-        (chunk `positions[k]` of `x` becomes chunk `k`)."""
+        """`x` (of `length` along `dim`: the block of the axes outside the balanced one, whole
+        along the balanced axis) cut into `len(positions)` equal chunks there and put back
+        together in the order `positions` names (chunk `positions[k]` of `x` becomes chunk `k`)."""
         chunk = length // len(positions)
         pieces = [self._node(aten.slice.Tensor, (x, dim, j * chunk, (j + 1) * chunk), base) for j in positions]
         return self._node(aten.cat.default, (pieces, dim), base)

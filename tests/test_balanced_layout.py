@@ -64,7 +64,7 @@ def test_balanced_split_is_alone_on_its_dim_in_equal_chunks() -> None:
     assert Layout((BalancedShard(1),), SEQ_SHAPE).is_even((4,))
     assert not Layout((BalancedShard(1),), (2, 12, 3)).is_even((4,))  # 12 is not 8 equal chunks
     assert not Layout((BalancedShard(1),), (2, 12, 3)).fits((4,))
-    assert not Layout((Shard(1), BalancedShard(1)), SEQ_SHAPE).is_even((2, 2))
+    assert not Layout((BalancedShard(1), Shard(1)), SEQ_SHAPE).is_even((2, 2))  # balanced innermost only
     assert BalancedShard(1) != Shard(1) and hash(BalancedShard(1)) != hash(Shard(1))
 
 
@@ -105,3 +105,19 @@ def test_balanced_redistributions_round_trip(case: tuple, seed: int) -> None:
     out = simulate_steps(shard_tensor(full, src, mesh, torch.Generator().manual_seed(seed + 1)), steps, mesh)
     torch.testing.assert_close(assemble(out, dst, mesh, atol=1e-9, rtol=1e-9), full, atol=1e-9, rtol=1e-9)
     _check_redistribution(src, dst, mesh, seed)
+
+
+def test_nested_inside_the_batch_split_each_block_is_balanced() -> None:
+    """`[S(0), Sb(0)]` on (2 samples * 16 tokens) over (2, 4) ("dp", "cp"): the "dp" rank's sample,
+    its 8 chunks of 2 tokens in the balanced order; the round trip to the contiguous split and to
+    whole through insert_comm's nodes and the oracle gives the tensor back."""
+    tokens = Layout((Shard(0), BalancedShard(0)), (32, 3), torch.float64)
+    assert tokens.is_even((2, 4)) and tokens.fits((2, 4))
+    assert tokens.local_chunks((2, 4), (1, 1), 0) == ((16 + 2, 2), (16 + 12, 2))
+    assert tokens.local_chunks((2, 4), (0, 3), 0) == ((6, 2), (8, 2))
+    assert not Layout((Shard(0), BalancedShard(0)), (24, 3)).is_even((2, 4))  # 12 tokens a sample: not 8 chunks
+    assert not Layout((BalancedShard(0), Shard(0)), (32, 3)).is_even((2, 4))  # balanced innermost only
+    for other in ((Shard(0), Shard(0)), (Shard(0), R), (R, R), (R, Shard(0)), (Shard(0), P)):
+        if P not in other:  # a pending sum is a source only
+            _check_redistribution(tokens, Layout(other, (32, 3), torch.float64), (2, 4))  # type: ignore[arg-type]
+        _check_redistribution(Layout(other, (32, 3), torch.float64), tokens, (2, 4))  # type: ignore[arg-type]

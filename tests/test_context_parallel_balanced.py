@@ -20,7 +20,7 @@ from torch import nn
 from train_fixtures import train_hf_in_lockstep
 
 import autopar
-from autopar.core.layout import BalancedShard, R, is_balanced
+from autopar.core.layout import BalancedShard, R, Shard, is_balanced
 from autopar.core.meta import info
 from autopar.rules.context_parallel import BACKWARD, EMBEDDING, FORWARD, require_context_parallel
 from autopar.rules.registry import default_registry
@@ -94,6 +94,34 @@ def test_causal_block_trains_like_serial() -> None:
         names=("cp",), registry=registry,
     )  # fmt: skip
     _assert_balanced_attention(next(iter(result["compiled"].values())).graph.graph, 0)
+    assert result["loss_err"] < 1e-5 and result["grad_err"] < 1e-4 and result["param_err"] < 1e-5, result
+
+
+def test_tokens_stay_balanced_through_the_flatten_with_one_sample_per_dp_rank() -> None:
+    """On a (2, 4) ("dp", "cp") mesh with batch 2 (one sample per "dp" rank), the linears'
+    flatten of (batch, sequence) into tokens keeps the balanced split nested in the batch split:
+    some matmul's activation is `[S(0), Sb(0)]` (each sample's tokens in the balanced order), and
+    two SGD-with-momentum steps in lockstep equal serial."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    seq = 2 * SEQ  # each sample's 32 tokens in 8 chunks of 4
+    batches = [(torch.randint(32, (BATCH, seq), generator=g), torch.randint(32, (BATCH, seq), generator=g))]
+    batches.append(batches[0])
+    registry = require_context_parallel(default_registry(), 1, "balanced")
+    result = train_in_lockstep(
+        CausalBlock(), (2, CP), batches, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        names=("dp", "cp"), registry=registry,
+    )  # fmt: skip
+    graph = next(iter(result["compiled"].values())).graph.graph
+    _assert_balanced_attention(graph, 1)
+    nested = [
+        n.name
+        for n in graph.nodes
+        if n.target is aten.mm.default
+        and (chosen := info(n).strategy) is not None
+        and chosen.inputs[0].placements == (Shard(0), BalancedShard(0))
+    ]
+    assert nested, "no matmul over the tokens balanced inside the batch split"
     assert result["loss_err"] < 1e-5 and result["grad_err"] < 1e-4 and result["param_err"] < 1e-5, result
 
 

@@ -15,7 +15,7 @@ import torch
 from pass_fixtures import compile_every_rank
 from train_fixtures import train_hf_in_lockstep
 
-from autopar.core.layout import R, Shard
+from autopar.core.layout import BalancedShard, R, Shard
 from autopar.core.meta import info
 from autopar.rules.context_parallel import BACKWARD, EMBEDDING, FORWARD, require_context_parallel
 from autopar.rules.registry import default_registry
@@ -75,4 +75,30 @@ def test_forced_strategy_trains_like_serial(family: str, strategy: str, mesh: st
         assert (query.placements[cp], key.placements[cp]) == ASKED[strategy], (node.name, chosen)
     embeddings = [n for n in graph.nodes if n.target is EMBEDDING]
     assert embeddings and all(info(n).layouts[0].placements[cp] == Shard(1) for n in embeddings)
+    train_hf_in_lockstep(compiled, model, kwargs, shape, STEPS)
+
+
+def test_balanced_sliding_window_at_sequence_128_on_dp_cp() -> None:
+    """Issue 36 item 4 at its sequence: Mistral (8 query heads, 2 key/value heads, a window of 32
+    keys in the mask, 37 tokens of left padding in one sample) at sequence 128 with the
+    load-balanced layout forced on a (2, 4) ("dp", "cp") mesh: every attention call's queries
+    balanced on "cp" with keys and values gathered, and two SGD-with-momentum steps in lockstep
+    equal serial (loss, every gradient, every parameter)."""
+    shape, names, seq = (2, 4), ("dp", "cp"), 128
+    torch.manual_seed(0)
+    model = tiny_causal_lm("mistral", n_layer=1, heads=8, kv_heads=2, sliding_window=32)
+    ids = torch.randint(VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(BATCH, seq, dtype=torch.long)
+    mask[0, :37] = 0
+    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    registry = require_context_parallel(default_registry(), 1, "balanced")
+    compiled = compile_every_rank(model, shape, (), kwargs, names=names, registry=registry)
+    graph = next(iter(compiled.values())).graph.graph
+    calls = [n for n in graph.nodes if n.target in (FORWARD, BACKWARD)]
+    assert len(calls) == 2
+    for node in calls:
+        chosen = info(node).strategy
+        assert chosen is not None
+        at = 1 if node.target is BACKWARD else 0
+        assert (chosen.inputs[at].placements[1], chosen.inputs[at + 1].placements[1]) == (BalancedShard(2), R)
     train_hf_in_lockstep(compiled, model, kwargs, shape, STEPS)

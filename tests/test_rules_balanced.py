@@ -139,3 +139,42 @@ def test_what_reads_offsets_is_not_offered_it() -> None:
     q = torch.randn(1, 2, 16, 4)
     for s in _balanced(FORWARD, (q, q, q, 0.0, True), {}, (4,)):
         assert s.inputs[1].is_replicated and s.inputs[2].is_replicated, s  # keys gathered: no ring
+
+
+def _tokens_balanced(options: list[Strategy]) -> list[Strategy]:
+    """The strategies whose (batch * sequence) tokens are split balanced."""
+    return [
+        s
+        for s in options
+        if any(len(lay.shape) == 2 and d == 0 for lay in (*s.inputs, *s.outputs) for d, _ in lay.balanced_dims())
+    ]
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), cp=st.sampled_from([2, 3, 4]), merging=st.booleans())
+def test_flattened_tokens_keep_the_balanced_sequence(data: st.DataObject, cp: int, merging: bool) -> None:
+    """(batch, sequence, width) <-> (batch * sequence, width), as the linears flatten, on a
+    ("dp", "cp") mesh with one sample per "dp" rank: `[S(0), Sb(1)]` <-> `[S(0), Sb(0)]` is
+    offered, and every offered strategy with the tokens balanced computes what the oracle says."""
+    mesh = (2, cp)
+    t = _seq(data, mesh)
+    g = torch.Generator().manual_seed(data.draw(seeds()))
+    x = random_tensor((2, t, 4), generator=g) if merging else random_tensor((2 * t, 4), generator=g)
+    args = (x, [2 * t, 4] if merging else [2, t, 4])
+    options = _tokens_balanced(_balanced(aten.view.default, args, {}, mesh))
+    nested = [str(s) for s in options]
+    want = "([S(0), Sb(1)]) -> ([S(0), Sb(0)])" if merging else "([S(0), Sb(0)]) -> ([S(0), Sb(1)])"
+    assert want in nested, nested
+    check_some(data, aten.view.default, args, {}, mesh, options, _registry(len(mesh) - 1))
+
+
+def test_flattened_tokens_of_several_samples_are_not_balanced() -> None:
+    """Where a rank's block of tokens holds two samples (batch 2 on a (4,) "cp" mesh, batch 4 on
+    (2, 2)), a balanced split of the tokens would not be each sample's sequence balanced: the
+    merge carries no balanced sequence split (and the contiguous layout after the cut,
+    `[S(0), S(0)]`, splits the batch outside the sequence as before)."""
+    for mesh, batch in (((4,), 2), ((2, 2), 4), ((2, 4), 4)):
+        x = torch.randn(batch, 16, 4)
+        assert not _tokens_balanced(_balanced(aten.view.default, (x, [batch * 16, 4]), {}, mesh)), mesh
+        flat = torch.randn(batch * 16, 4)
+        assert not _tokens_balanced(_balanced(aten._unsafe_view.default, (flat, [batch, 16, 4]), {}, mesh)), mesh

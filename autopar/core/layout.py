@@ -76,11 +76,17 @@ class BalancedShard(Shard):
     same work, `(2p+1)/(4p)` of a full block of rows, where a contiguous split gives the last rank
     `(2p-1)/p` times the average.
 
+    Nested inside contiguous splits of the same dim by earlier mesh axes, it cuts each of their
+    blocks so: where the linears flatten (batch, sequence) into tokens and the batch is split
+    down to one sample per rank, `[S(0), Sb(0)]` on the tokens is each sample's sequence
+    balanced, the layout `[S(0), Sb(1)]` has on (batch, sequence).
+
     It is a `Shard` for everything that reads sizes (local shapes, volumes, memory); what differs
     is where a rank's rows lie in the whole dim: `Layout.local_offsets` refuses such a layout
     (`BalancedShardError`), and the code that handles it reads `Layout.local_chunks`. It is only
-    ever the sole axis splitting its dim, in equal chunks (`Layout.balanced_fits`), and never
-    equal to the contiguous `Shard` of the same dim: redistributions between the two reorder."""
+    ever the innermost axis splitting its dim, into equal chunks of every outer block
+    (`Layout.balanced_fits`), and never equal to the contiguous `Shard` of the same dim:
+    redistributions between the two reorder."""
 
     __slots__ = ()
     _kind = 3
@@ -320,9 +326,11 @@ class Layout:
         return tuple((p.dim, a) for a, p in enumerate(self.placements) if type(p) is BalancedShard)
 
     def balanced_fits(self, mesh_shape: Sequence[int]) -> bool:
-        """Every balanced dim is split by its one axis alone, into `2p` equal chunks."""
+        """Every balanced dim is split by its axis last (innermost), each block of the axes
+        before it evenly into `2p` equal chunks."""
         for d, a in self.balanced_dims():
-            if self.shard_axes(d) != (a,) or self.shape[d] % (2 * mesh_shape[a]):
+            axes = self.shard_axes(d)
+            if axes[-1] != a or self.shape[d] % (self.split_factor(d, mesh_shape) * 2):
                 return False
         return True
 
@@ -395,13 +403,20 @@ class Layout:
     def local_chunks(self, mesh_shape: Sequence[int], coords: Sequence[int], dim: int) -> tuple[tuple[int, int], ...]:
         """(start, length) of each run of the whole dim this rank holds along `dim`, in local
         order: one run for a contiguous split (or none), two for a load-balanced one (chunk i
-        and chunk 2p-1-i of 2p on an axis of p ranks, rank i)."""
+        and chunk 2p-1-i of the 2p chunks of its block of the outer axes, on an axis of p ranks,
+        rank i)."""
         for d, a in self.balanced_dims():
             if d == dim:
                 g = mesh_shape[a]
-                c = self.shape[d] // (2 * g)
+                outer = self.shard_axes(d)[:-1]
+                block = self.shape[d] // math.prod(mesh_shape[b] for b in outer)
+                start = 0
+                for b in outer:
+                    start = start * mesh_shape[b] + coords[b]
+                start *= block
+                c = block // (2 * g)
                 i = coords[a]
-                return ((i * c, c), ((2 * g - 1 - i) * c, c))
+                return ((start + i * c, c), (start + (2 * g - 1 - i) * c, c))
         block = self.local_shape(mesh_shape)[dim]
         start = self.block_index(dim, mesh_shape, coords) * block
         return ((start, self.local_shape(mesh_shape, coords)[dim]),)

@@ -346,7 +346,9 @@ class _Greedy:
     ) -> tuple[Strategy, str]:
         """The lowest-cost candidate strategy for `call` given its inputs' current layouts."""
         # a whole list, shared by repeated ops and passes (a rule with a requirement: filtered)
-        shared = rule.anchor or len(current) == 0 or rule.requirement is not None
+        # (a rule with a whole-mesh filter, `admits`: its filtered list, which the per-axis beam
+        # cannot apply: a balanced split off the "cp" axis, or over a merge of two samples)
+        shared = rule.anchor or len(current) == 0 or rule.requirement is not None or rule.admits is not None
         if shared:
             candidates = expand_cached(node, rule, call, self.shape, self.expand_cache, key_of_call)
         else:

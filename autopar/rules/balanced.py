@@ -15,6 +15,12 @@ What is not offered it, and why (each would compute with contiguous offsets):
   rows at each chunk's offset; `arange` its own (`arange_balanced`), each chunk's values.
 Anything else that reads `Layout.local_offsets` on such a layout raises `BalancedShardError`.
 
+A reshape that merges (batch, sequence) into tokens, or splits tokens back (the linears of
+transformers and the zoo), carries a balanced sequence split over the merge only where every rank
+holds one sample: `[S(0), Sb(1)]` on (B, T) is `[S(0), Sb(0)]` on (B*T) when the batch's axes
+split it down to one row each and come before the balanced one, so that each outer block of the
+tokens is one sample's sequence (`merged_balanced`, `one_sample_per_block`).
+
 `balanced_registry` offers all of it on one mesh axis (the "cp" axis): a per-axis rule cannot
 see the axis, so the rules' whole-mesh filters (`OpRule.admits`) drop balanced splits elsewhere.
 """
@@ -26,10 +32,11 @@ from collections.abc import Callable
 
 import torch
 
-from autopar.core.layout import BalancedShard, Placement, Shard, is_balanced
+from autopar.core.layout import BalancedShard, Layout, Placement, Shard, is_balanced
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
 from autopar.rules import factory, local_ops
 from autopar.rules.base import Admits, LocalCall, LocalContext, RuleRegistry
+from autopar.rules.views import reshape_groups
 
 aten = torch.ops.aten
 
@@ -38,6 +45,7 @@ UNBALANCED_FAMILIES = frozenset({"random", "routed_experts", "expert_parallel", 
 EMBEDDING = aten.embedding.default
 EMBEDDING_BACKWARD = aten.embedding_dense_backward.default
 UNBALANCED_OPS = frozenset({aten.eye.default, aten.eye.m, *factory.ARANGES})
+RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
 
 
 def _balanced(p: Placement) -> Placement:
@@ -67,6 +75,68 @@ def _with_variants(strategies: Callable[[OpCall], list[AxisStrategy]]) -> Callab
         return balanced_variants(call, strategies(call))
 
     return offered
+
+
+def merged_runs(call: OpCall) -> list[tuple[int, int, int, bool]]:
+    """The reshape's runs that merge two dims into one or split one into two: (outer dim, inner
+    dim, merged dim, whether the two dims are the input's), size-1 dims ignored."""
+    src, dst = call.inputs[0].shape, call.outputs[0].shape
+    if 0 in src:
+        return []
+    runs = []
+    for ga, gb in reshape_groups(src, dst):
+        if len(ga) == 2 and len(gb) == 1:
+            runs.append((ga[0], ga[1], gb[0], True))
+        elif len(ga) == 1 and len(gb) == 2:
+            runs.append((gb[0], gb[1], ga[0], False))
+    return runs
+
+
+def merged_balanced(call: OpCall) -> list[AxisStrategy]:
+    """The balanced split of the inner dim (the sequence) of a merged run, carried to the merged
+    dim (the tokens) and back; whole-mesh, only where each rank has one row of the outer dim
+    (`one_sample_per_block`)."""
+    found = []
+    for _, inner, merged, merging in merged_runs(call):
+        if merging:
+            found.append(AxisStrategy((BalancedShard(inner),), (BalancedShard(merged),)))
+        else:
+            found.append(AxisStrategy((BalancedShard(merged),), (BalancedShard(inner),)))
+    return found
+
+
+def one_sample_per_block(call: OpCall, strategy: Strategy, mesh_shape: tuple[int, ...]) -> bool:
+    """A balanced split on a merged run's dims: the outer dim (the batch) split by the axes
+    outside the balanced one down to one row per rank, so that each of their blocks of the
+    merged dim is one row's inner dim in the balanced order."""
+    for outer, inner, merged, merging in merged_runs(call):
+        two: Layout = strategy.inputs[0] if merging else strategy.outputs[0]
+        one: Layout = strategy.outputs[0] if merging else strategy.inputs[0]
+        if not any(d == merged for d, _ in one.balanced_dims()):
+            continue
+        if not any(d == inner for d, _ in two.balanced_dims()):
+            return False
+        if two.split_factor(outer, mesh_shape) != two.shape[outer]:
+            return False
+        if one.shard_axes(merged)[:-1] != two.shard_axes(outer):
+            return False
+    return True
+
+
+def _reshape_with_variants(
+    strategies: Callable[[OpCall], list[AxisStrategy]],
+) -> Callable[[OpCall], list[AxisStrategy]]:
+    def offered(call: OpCall) -> list[AxisStrategy]:
+        return [*balanced_variants(call, strategies(call)), *merged_balanced(call)]
+
+    return offered
+
+
+def _also(admits: Admits | None, more: Admits) -> Admits:
+    def admitted(call: OpCall, strategy: Strategy, mesh_shape: tuple[int, ...]) -> bool:
+        return more(call, strategy, mesh_shape) and (admits is None or admits(call, strategy, mesh_shape))
+
+    return admitted
 
 
 def arange_balanced(call: OpCall) -> list[AxisStrategy]:
@@ -112,8 +182,11 @@ def balanced_registry(registry: RuleRegistry, axis: int, skip: frozenset[object]
             new = dataclasses.replace(rule, strategies=arange_balanced, localize=localize_arange_balanced)
         elif rule.op in UNBALANCED_OPS:
             continue
+        elif rule.op in RESHAPES:
+            new = dataclasses.replace(rule, strategies=_reshape_with_variants(rule.strategies))
+            new = dataclasses.replace(new, admits=_also(rule.admits, one_sample_per_block))
         else:
             new = dataclasses.replace(rule, strategies=_with_variants(rule.strategies))
-        offered.replace(dataclasses.replace(new, admits=only_on_axis(axis, rule.admits)))
+        offered.replace(dataclasses.replace(new, admits=only_on_axis(axis, new.admits)))
     return offered
 

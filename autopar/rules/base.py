@@ -334,8 +334,8 @@ class _Walk:
             if not isinstance(p, Shard):
                 continue
             size, before = self.specs[t].shape[p.dim], factors[t][p.dim]
-            if is_balanced(p) and (before != 1 or size % (2 * g)):
-                return None  # a load-balanced split: its axis alone, 2g equal chunks
+            if is_balanced(p) and size % (before * 2 * g):
+                return None  # a load-balanced split: 2g equal chunks of each outer block
             if size % (before * g):
                 if not self.uneven or before != 1 or not chunks_nonempty(size, g):
                     return None

@@ -127,7 +127,7 @@ def layout_pairs(
     """(mesh shape, src, dst): any placements on 1..max_axes axes of size 1..3, with a global
     shape that both layouts split evenly, or with `uneven`, sometimes one more than that where
     both layouts still fit (`torch.chunk` blocks); what a redistribution test needs. With
-    `balanced`, load-balanced splits (`BalancedShard`) too, each the only axis on its dim."""
+    `balanced`, load-balanced splits (`BalancedShard`) too, each the last axis on its dim."""
     mesh = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=max_axes)))
     ndim = draw(st.integers(1 if balanced else 0, max_ndim))
     choices: list[Placement] = [Replicate(), Partial(), *(Shard(d) for d in range(ndim))]
@@ -139,7 +139,8 @@ def layout_pairs(
     for d in range(ndim):
         f_src = math.prod(g for g, p in zip(mesh, src) if isinstance(p, Shard) and p.dim == d)
         f_dst = math.prod(g for g, p in zip(mesh, dst) if isinstance(p, Shard) and p.dim == d)
-        chunks = [2 * g for g, p in (*zip(mesh, src), *zip(mesh, dst)) if p == BalancedShard(d)]
+        # a balanced split cuts each block of the axes outside it into 2g chunks
+        chunks = [2 * f for f, layout in ((f_src, src), (f_dst, dst)) if BalancedShard(d) in layout]
         shape.append(math.lcm(f_src, f_dst, *chunks) * draw(st.integers(1, 2)))
     for d in range(ndim):
         if not uneven or not draw(st.booleans()):
@@ -151,10 +152,12 @@ def layout_pairs(
 
 
 def _balanced_alone(chosen: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    """A load-balanced split kept only where it is the one axis on its dim (else contiguous)."""
-    dims = [p.dim for p in chosen if isinstance(p, Shard)]
+    """A load-balanced split kept only where it is the last axis on its dim, nested inside the
+    contiguous splits of the earlier axes (else contiguous)."""
+    last = {p.dim: a for a, p in enumerate(chosen) if isinstance(p, Shard)}
     return tuple(
-        Shard(p.dim) if isinstance(p, Shard) and is_balanced(p) and dims.count(p.dim) > 1 else p for p in chosen
+        Shard(p.dim) if isinstance(p, Shard) and is_balanced(p) and last[p.dim] != a else p
+        for a, p in enumerate(chosen)
     )
 
 
