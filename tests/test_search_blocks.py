@@ -121,7 +121,8 @@ def test_a_fork_join_becomes_a_tree_trimmed_at_the_fork() -> None:
 
 @st.composite
 def _trees(draw: st.DrawFn) -> tuple[list[_Var], list[_Edge], list[tuple[int, int]]]:
-    """A random tree of 2..6 variables (2..3 candidates each) plus fixed outside neighbours."""
+    """A random tree of 2..6 variables (2..3 candidates each), a member sometimes linked to its
+    parent by two edges, plus fixed outside neighbours."""
     n = draw(st.integers(2, 6))
     costs = st.floats(0, 10, allow_nan=False, allow_infinity=False)
     vars = [_var(f"v{i}", draw(st.lists(costs, min_size=2, max_size=3)), 0) for i in range(n)]
@@ -143,6 +144,10 @@ def _trees(draw: st.DrawFn) -> tuple[list[_Var], list[_Edge], list[tuple[int, in
         )
         u, w = (p, v) if draw(st.booleans()) else (v, p)
         edges.append(_connect(vars, u, w, table if u == p else table.T))
+        if draw(st.booleans()):  # a second edge between the same two (two inputs of one value)
+            cells = draw(st.lists(costs, min_size=table.size, max_size=table.size))
+            twin = np.array(cells).reshape(table.shape)
+            edges.append(_connect(vars, w, u, twin.T if u == p else twin))
     for v in range(n):  # an edge to the fixed variable outside the block
         if draw(st.booleans()):
             table = np.array(
