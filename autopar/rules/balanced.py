@@ -170,10 +170,13 @@ def only_on_axis(axis: int, admits: Admits | None) -> Admits:
     return admitted
 
 
-def balanced_registry(registry: RuleRegistry, axis: int, skip: frozenset[object] = frozenset()) -> RuleRegistry:
+def balanced_registry(
+    registry: RuleRegistry, axis: int, skip: frozenset[object] = frozenset(), merges: bool = True
+) -> RuleRegistry:
     """A copy of `registry` that also offers the balanced split on mesh axis `axis`: the
     order-indifferent rules' balanced variants and arange's (`skip`: ops whose rule the caller
-    gives a balanced strategy of its own, attention)."""
+    gives a balanced strategy of its own, attention), and with `merges` the balanced split carried
+    over a (batch, sequence) merge (`merged_balanced`)."""
     offered = registry.copy()
     for rule in registry.rules():
         if rule.op in skip or rule.family in UNBALANCED_FAMILIES:
@@ -182,7 +185,7 @@ def balanced_registry(registry: RuleRegistry, axis: int, skip: frozenset[object]
             new = dataclasses.replace(rule, strategies=arange_balanced, localize=localize_arange_balanced)
         elif rule.op in UNBALANCED_OPS:
             continue
-        elif rule.op in RESHAPES:
+        elif rule.op in RESHAPES and merges:
             new = dataclasses.replace(rule, strategies=_reshape_with_variants(rule.strategies))
             new = dataclasses.replace(new, admits=_also(rule.admits, one_sample_per_block))
         else:
