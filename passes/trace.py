@@ -77,7 +77,12 @@ from autopar.passes.trace_errors import (
     user_frame,
     user_frame_of,
 )
-from autopar.passes.trace_export import export_model, foreign_buffers_as_constants, outputs_as_copies_of_views
+from autopar.passes.trace_export import (
+    export_model,
+    foreign_buffers_as_constants,
+    outputs_as_copies_of_views,
+    windows_as_slices,
+)
 from autopar.passes.value_guards import (
     flat_values,
     inputs_have_values,
@@ -280,6 +285,7 @@ class _Joint:
         from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
         outputs_as_copies_of_views(forward)  # no output the joint export rebuilds from a hidden base
+        windows_as_slices(forward)  # overlapping windows of as_strided: slices and a cat
         parts: dict[str, ParamPart] = {}
         if self.split_fused:
             parts = split_fused_linears(
