@@ -113,12 +113,18 @@ def windows_as_slices(module: fx.GraphModule) -> int:
     LED's sliding-window chunks: windows of W rows every `step` rows, W a multiple of `step`)
     rewritten as a view into blocks of `step` rows and the cat of W / step slices of them, one
     block further each: the same values through ops that have rules, where an `as_strided` of
-    overlapping windows has none. Only where nothing writes into the windows in place (the cat is
-    a copy, the `as_strided` a view); returns how many were rewritten."""
+    overlapping windows has none; one that is its input as it is (a single window) replaced by
+    the input. Only where nothing writes into the windows in place (the cat is a copy, the
+    `as_strided` a view); returns how many were rewritten."""
     graph = module.graph
     rewritten = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.as_strided.default:
+            continue
+        if _same_view(node) and not _written_through(node):  # one window: the tensor as it is
+            node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
+            graph.erase_node(node)
+            rewritten += 1
             continue
         window = _window_of(node)
         if window is None or _written_through(node):
@@ -174,6 +180,20 @@ def _window_of(node: fx.Node) -> tuple[int, int, list[int]] | None:
             continue
         return k, step, [*size[:k], length // step, step, *size[k + 2 :]]
     return None
+
+
+def _same_view(node: fx.Node) -> bool:
+    """Whether `as_strided(x, size, stride)` is x itself: x's shape, and x's strides on every dim
+    longer than 1 (Longformer's chunks of a sequence one window long)."""
+    base = node.args[0]
+    val = base.meta.get("val") if isinstance(base, fx.Node) else None
+    size, stride = _ints(node.args[1]), _ints(node.args[2])
+    offset = node.args[3] if len(node.args) > 3 else None
+    if not isinstance(val, torch.Tensor) or size is None or stride is None or size != list(val.shape):
+        return False
+    if offset is not None and offset != val.storage_offset():
+        return False
+    return all(n == 1 or s == t for n, s, t in zip(size, stride, val.stride()))
 
 
 def _ints(value: Any) -> list[int] | None:

@@ -275,7 +275,8 @@ def test_whole_buffer_strided_ops_become_views_and_the_model_matches_serial() ->
 
 class _SlidingWindows(nn.Module):
     """Longformer's chunking: overlapping windows of 2w rows every w rows cut by `as_strided` from
-    a contiguous view, and windows of 3w rows from the padded values."""
+    a contiguous view, windows of 3w rows from the padded values, and a single window (the
+    tensor itself, with a stride of its own on the one-window dim)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -292,7 +293,8 @@ class _SlidingWindows(nn.Module):
         padded = nn.functional.pad(h, (0, 0, w, w), value=-1.0)
         triples = padded.as_strided((b, s // w, 3 * w, d), (padded.stride(0), w * d, d, 1))
         weights = torch.arange(1.0, 2 * w + 1)[None, None, :, None]
-        pooled = (pairs * weights).mean(dim=(1, 2)) + triples.amax(dim=2).mean(dim=1)
+        single = h.view(b, 1, s, d).as_strided([b, 1, s, d], [s * d, 7, d, 1])
+        pooled = (pairs * weights).mean(dim=(1, 2)) + triples.amax(dim=2).mean(dim=1) + single.std(dim=(1, 2))
         return nn.functional.cross_entropy(self.head(pooled), y)
 
 
