@@ -40,7 +40,12 @@ from autopar.core.meta import (
 )
 from autopar.core.precision import AutocastState, MixedPrecision, autocast_as, autocast_off
 from autopar.core.value_guards import generators_kept
-from autopar.passes.autograd_functions import custom_functions, definition_of, first_node_of, qualified_name
+from autopar.passes.autograd_functions import (
+    custom_function_error,
+    custom_functions,
+    functions_as_ops,
+    verify_function_splits,
+)
 from autopar.passes.checkpoint_regions import CheckpointWatch, mark_checkpoint_regions
 from autopar.passes.eager_checks import eager_error, eager_run
 from autopar.passes.fused import split_fused_linears
@@ -72,7 +77,12 @@ from autopar.passes.trace_errors import (
     user_frame,
     user_frame_of,
 )
-from autopar.passes.trace_export import export_model, foreign_buffers_as_constants, outputs_as_copies_of_views
+from autopar.passes.trace_export import (
+    export_model,
+    foreign_buffers_as_constants,
+    outputs_as_copies_of_views,
+    windows_as_slices,
+)
 from autopar.passes.value_guards import (
     flat_values,
     inputs_have_values,
@@ -113,7 +123,7 @@ def trace(
     (`autopar.passes.mixed_precision`).
     `routed_experts`: transformers' experts modules are traced as one `autopar::routed_experts` op
     each (`autopar.passes.routed_experts_trace`), so the plan can place the all-to-all dispatcher."""
-    with autocast_off(), routed_experts_traced(model, routed_experts):
+    with autocast_off(), routed_experts_traced(model, routed_experts), functions_as_ops(not forward_only):
         try:
             return _trace(
                 model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast,
@@ -223,7 +233,7 @@ def _trace(
         raise
     if outputs.functions:
         restore()
-        raise _custom_function_error(outputs.functions, exported.graph_module.graph)
+        raise custom_function_error(outputs.functions, exported.graph_module.graph)
     decompositions = sharding_decompositions() if decompose else None
     in_spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1]
     joint = _Joint(model, fake_mode, fake_args, fake_kwargs, decompositions, tied, split_fused, in_spec, outputs)
@@ -245,6 +255,7 @@ def _trace(
     simplify_strided(gm)
     merge_repeated_calls(gm)
     signature(gm).index_checks = find_index_checks(gm)
+    verify_function_splits(gm)
     signature(gm).value_guards = guards
     gm.graph.lint()
     # Python code for the joint graph is generated only when someone runs or prints it: the later
@@ -274,6 +285,7 @@ class _Joint:
         from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
         outputs_as_copies_of_views(forward)  # no output the joint export rebuilds from a hidden base
+        windows_as_slices(forward)  # overlapping windows of as_strided: slices and a cat
         parts: dict[str, ParamPart] = {}
         if self.split_fused:
             parts = split_fused_linears(
@@ -581,22 +593,3 @@ def _lift_constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
         constants[name] = value.detach().clone()
         last_placeholder = lifted
     return constants
-
-
-def _custom_function_error(functions: list[type], graph: fx.Graph) -> TraceError:
-    cls = functions[0]
-    node = first_node_of(graph, cls)
-    where = None
-    if node is not None:
-        where = f"{module_path(node) or '<root>'} @ {user_frame(node.meta.get('stack_trace') or '')}"
-    others = f" (and {', '.join(c.__qualname__ for c in functions[1:])})" if functions[1:] else ""
-    return TraceError(
-        f"{cls.__qualname__} is a custom torch.autograd.Function{others}: torch.export records the "
-        f"ops of its forward ({definition_of(cls)}) and drops its backward, so training would use "
-        "the derivative of the forward instead of the Function's backward",
-        op=f"autograd.Function {qualified_name(cls)}",
-        where=where,
-        hint="make it a torch.library.custom_op with register_autograd and a sharding rule "
-        "(examples/custom_op.py), or write a straight-through estimator as x + (f(x) - x).detach(); for torch.utils.checkpoint, pass use_reentrant=False",
-    )
-

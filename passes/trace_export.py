@@ -4,6 +4,8 @@ errors it raises named for the user; and the constants an export on real values 
 
 from __future__ import annotations
 
+import contextlib
+import math
 import operator
 import warnings
 from typing import Any
@@ -104,3 +106,119 @@ def outputs_as_copies_of_views(module: fx.GraphModule) -> int:
         graph.lint()
         module.recompile()
     return len(copies)
+
+
+def windows_as_slices(module: fx.GraphModule) -> int:
+    """`as_strided` that cuts a contiguous tensor into overlapping windows (Longformer's and
+    LED's sliding-window chunks: windows of W rows every `step` rows, W a multiple of `step`)
+    rewritten as a view into blocks of `step` rows and the cat of W / step slices of them, one
+    block further each: the same values through ops that have rules, where an `as_strided` of
+    overlapping windows has none; one that is its input as it is (a single window) replaced by
+    the input. Only where nothing writes into the windows in place (the cat is a copy, the
+    `as_strided` a view); returns how many were rewritten."""
+    graph = module.graph
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.as_strided.default:
+            continue
+        if _same_view(node) and not _written_through(node):  # one window: the tensor as it is
+            node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
+            graph.erase_node(node)
+            rewritten += 1
+            continue
+        window = _window_of(node)
+        if window is None or _written_through(node):
+            continue
+        k, step, blocks_shape = window
+        size = _ints(node.args[1]) or []
+        with graph.inserting_before(node):
+            blocks = graph.call_function(torch.ops.aten.view.default, (node.args[0], blocks_shape))
+            parts = [
+                graph.call_function(torch.ops.aten.slice.Tensor, (blocks, k, j, j + size[k]))
+                for j in range(size[k + 1] // step)
+            ]
+            cat = graph.call_function(torch.ops.aten.cat.default, (parts, k + 1))
+        for new in (blocks, *parts, cat):
+            new.meta.update({key: value for key, value in node.meta.items() if key != "val"})
+        base_val = node.args[0].meta["val"]  # type: ignore[union-attr]
+        with base_val.fake_mode if hasattr(base_val, "fake_mode") else contextlib.nullcontext():
+            blocks.meta["val"] = base_val.view(blocks_shape)
+            for part, j in zip(parts, range(len(parts))):
+                part.meta["val"] = blocks.meta["val"][(slice(None),) * k + (slice(j, j + size[k]),)]
+            cat.meta["val"] = torch.cat([p.meta["val"] for p in parts], k + 1)
+        node.replace_all_uses_with(cat)
+        graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        module.recompile()
+    return rewritten
+
+
+def _window_of(node: fx.Node) -> tuple[int, int, list[int]] | None:
+    """(k, step, blocks' shape) when `as_strided(x, size, stride, 0)` reads, along dims k and k+1,
+    windows of size[k+1] rows every `step` rows of a contiguous x that they cover exactly."""
+    base = node.args[0]
+    val = base.meta.get("val") if isinstance(base, fx.Node) else None
+    offset = node.args[3] if len(node.args) > 3 else 0
+    if not isinstance(val, torch.Tensor) or not val.is_contiguous() or val.storage_offset() != 0 or offset not in (0, None):
+        return None
+    size, stride = _ints(node.args[1]), _ints(node.args[2])
+    if size is None or stride is None:
+        return None
+    for k in range(len(size) - 1):
+        count, width, inner = size[k], size[k + 1], stride[k + 1]
+        if inner <= 0 or stride[k] % inner or count < 2:
+            continue
+        step = stride[k] // inner
+        if step >= width or width % step:
+            continue  # not overlapping, or windows not made of whole blocks
+        length = (count - 1) * step + width
+        merged_size = [*size[:k], length, *size[k + 2 :]]
+        merged_stride = [*stride[:k], inner, *stride[k + 2 :]]
+        if math.prod(merged_size) != val.numel() or merged_stride != _row_major_strides(merged_size):
+            continue
+        return k, step, [*size[:k], length // step, step, *size[k + 2 :]]
+    return None
+
+
+def _same_view(node: fx.Node) -> bool:
+    """Whether `as_strided(x, size, stride)` is x itself: x's shape, and x's strides on every dim
+    longer than 1 (Longformer's chunks of a sequence one window long)."""
+    base = node.args[0]
+    val = base.meta.get("val") if isinstance(base, fx.Node) else None
+    size, stride = _ints(node.args[1]), _ints(node.args[2])
+    offset = node.args[3] if len(node.args) > 3 else None
+    if not isinstance(val, torch.Tensor) or size is None or stride is None or size != list(val.shape):
+        return False
+    if offset is not None and offset != val.storage_offset():
+        return False
+    return all(n == 1 or s == t for n, s, t in zip(size, stride, val.stride()))
+
+
+def _ints(value: Any) -> list[int] | None:
+    """`value` as a list of Python ints, if it is a list or tuple of them."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) for v in value):
+        return None
+    return [int(v) for v in value]
+
+
+def _row_major_strides(size: list[int]) -> list[int]:
+    strides, running = [], 1
+    for n in reversed(size):
+        strides.append(running)
+        running *= n
+    return strides[::-1]
+
+
+def _written_through(node: fx.Node) -> bool:
+    """Whether an op writes in place into `node`'s value or a view of it."""
+    stack = list(node.users)
+    while stack:
+        user = stack.pop()
+        schema = getattr(user.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return True
+        if user.op == "call_function" and (is_view_op(user) or user.target is operator.getitem):
+            stack.extend(user.users)
+    return False

@@ -1,9 +1,12 @@
 """Custom autograd.Functions: never trained with the derivative of their forward in place of their
-own backward (a straight-through estimator, a gradient-reversal layer); refused with the Function's
-name, module and line, while Functions that do compute their forward's derivative are traced."""
+own backward. A straight-through estimator and a gradient-reversal layer train equal to serial (each
+is traced as one op with its own backward); a Function that cannot be one (an object argument, a
+random draw in its forward) is refused with its name, module and line; Functions that do compute
+their forward's derivative are traced as their ops."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -38,22 +41,52 @@ class GradientReversal(torch.autograd.Function):
         return -grad
 
 
+@dataclass(frozen=True)
+class Rounding:
+    scale: float
+
+
+class ConfiguredRound(torch.autograd.Function):
+    """A straight-through estimator configured by an object: an argument the op cannot carry."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+        return torch.round(x * rounding.scale) / rounding.scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class DitheredRound(torch.autograd.Function):
+    """Rounding after uniform noise: its backward would be run after a forward drawn again."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x + torch.rand_like(x) - 0.5)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 class Quantizer(nn.Module):
-    def __init__(self, function: type[torch.autograd.Function] | None) -> None:
+    def __init__(self, function: type[torch.autograd.Function] | None, extra: tuple[Any, ...] = ()) -> None:
         super().__init__()
         self.function = function
+        self.extra = extra
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.function is None:  # the same estimator without a Function: traceable as it is
             return x + (torch.round(x) - x).detach()
-        return self.function.apply(x)
+        return self.function.apply(x, *self.extra)
 
 
 class QuantizedMLP(nn.Module):
-    def __init__(self, function: type[torch.autograd.Function] | None) -> None:
+    def __init__(self, function: type[torch.autograd.Function] | None, extra: tuple[Any, ...] = ()) -> None:
         super().__init__()
         self.up = nn.Linear(16, 32)
-        self.quant = Quantizer(function)
+        self.quant = Quantizer(function, extra)
         self.down = nn.Linear(32, 4)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -66,16 +99,30 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("function", [RoundStraightThrough, GradientReversal])
-def test_a_function_whose_backward_is_not_its_derivative_is_refused_by_name(function: type) -> None:
+def test_a_function_whose_backward_is_not_its_derivative_trains_with_it(function: type) -> None:
+    """Traced as its forward's ops, the estimator would give `up` no gradient (round's derivative
+    is zero) and the reversal layer the gradient's sign flipped back."""
+    torch.manual_seed(0)
+    assert_call_matches_serial(QuantizedMLP(function), (2, 2), _batch())
+
+
+def test_a_function_taking_an_object_is_refused_by_name() -> None:
     torch.manual_seed(0)
     with pytest.raises(TraceError) as caught:
-        trace(QuantizedMLP(function), _batch())
+        trace(QuantizedMLP(ConfiguredRound, (Rounding(4.0),)), _batch())
     error = caught.value
-    assert error.op == f"autograd.Function {qualified_name(function)}"
-    assert function.__name__ in error.message and "drops its backward" in error.message
+    assert error.op == f"autograd.Function {qualified_name(ConfiguredRound)}"
+    assert "drops its backward" in error.message and "takes a Rounding argument" in error.message
     assert error.where is not None and error.where.startswith("quant @ ")
     assert f"{__file__}:" in error.where  # the line inside the Function's forward
-    assert "custom_op" in (error.hint or "")
+    assert "plain data" in (error.hint or "")
+
+
+def test_a_function_drawing_random_numbers_is_refused_by_name() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(TraceError, match="DitheredRound draws random numbers") as caught:
+        trace(QuantizedMLP(DitheredRound), _batch())
+    assert caught.value.where is not None and caught.value.where.startswith("quant @ ")
 
 
 def test_the_straight_through_estimator_written_with_detach_matches_serial() -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from multirank import run_ranks
-from test_autograd_functions import Checkpointed, QuantizedMLP, RoundStraightThrough
+from test_autograd_functions import Checkpointed, ConfiguredRound, QuantizedMLP, Rounding
 
 import autopar
 from autopar.api import compile_for_rank
@@ -143,7 +143,7 @@ IN_PROCESS: list[tuple[str, Callable[[], Any], type, str]] = [
     ("dump-dir-unwritable", lambda: _compile(dump_dir="/proc/autopar-dumps"), UsageError, "/proc/autopar-dumps"),
     ("control-flow-on-a-value", lambda: _compile(model=ChecksItsInput()), TraceError, "that value depends on the model's weights"),
     ("data-dependent-size", lambda: _compile(torch_models.SparseMoE(), torch_models.batch()), TraceError, "SparseMoE"),
-    ("custom-autograd-function", lambda: _compile(QuantizedMLP(RoundStraightThrough), _mlp_batch()), TraceError, "RoundStraightThrough"),
+    ("custom-autograd-function", lambda: _compile(QuantizedMLP(ConfiguredRound, (Rounding(4.0),)), _mlp_batch()), TraceError, "ConfiguredRound"),
     ("reentrant-checkpoint", lambda: _compile(Checkpointed(True), _grad_batch()), TraceError, "CheckpointFunction"),
     ("random-op-without-rule", lambda: _compile(model=Poisson()), MissingRuleError, "aten.poisson"),
     ("hook-on-parameter", lambda: _compile(model=_hooked("register_hook")), UsageError, "fc1.weight has a gradient hook, test_bad_inputs._clip_gradient (register_hook)"),

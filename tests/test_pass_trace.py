@@ -271,3 +271,38 @@ def test_whole_buffer_strided_ops_become_views_and_the_model_matches_serial() ->
     compiled = assert_call_matches_serial(model, (2, 2, 2), batch)
     report = str(next(iter(compiled.values())).report)
     assert "too small to split): table" in report, report
+
+
+class _SlidingWindows(nn.Module):
+    """Longformer's chunking: overlapping windows of 2w rows every w rows cut by `as_strided` from
+    a contiguous view, windows of 3w rows from the padded values, and a single window (the
+    tensor itself, with a stride of its own on the one-window dim)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)  # (batch, 16 tokens, 8)
+        w, (b, s, d) = 2, h.shape
+        blocks = h.view(b, s // (2 * w), 2 * w, d)
+        stride = list(blocks.stride())
+        stride[1] //= 2
+        pairs = blocks.as_strided([b, s // w - 1, 2 * w, d], stride)
+        padded = nn.functional.pad(h, (0, 0, w, w), value=-1.0)
+        triples = padded.as_strided((b, s // w, 3 * w, d), (padded.stride(0), w * d, d, 1))
+        weights = torch.arange(1.0, 2 * w + 1)[None, None, :, None]
+        single = h.view(b, 1, s, d).as_strided([b, 1, s, d], [s * d, 7, d, 1])
+        pooled = (pairs * weights).mean(dim=(1, 2)) + triples.amax(dim=2).mean(dim=1) + single.std(dim=(1, 2))
+        return nn.functional.cross_entropy(self.head(pooled), y)
+
+
+def test_overlapping_windows_become_slices_and_the_model_matches_serial() -> None:
+    torch.manual_seed(0)
+    model = _SlidingWindows()
+    batch = (torch.randn(8, 16, 16), torch.randint(4, (8,)))
+    gm = trace(model, batch)
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.as_strided.default not in targets and torch.ops.aten.cat.default in targets
+    assert_call_matches_serial(model, (2, 2), batch)

@@ -28,6 +28,8 @@ COVERED_OPS = [
     aten.rand_like.default,
     aten.randn_like.default,
     aten.bernoulli.p,
+    aten.exponential.default,
+    aten.uniform.default,
 ]
 REGISTRY = default_registry()
 
@@ -110,11 +112,15 @@ def _nth(index: int, strategies: list) -> object:
 
 
 def _check_random_factory(op, mesh, shape, order, seed, p, pick) -> None:  # type: ignore[no-untyped-def]
-    like = op in (aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p)
+    like = op in (aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p, aten.exponential.default, aten.uniform.default)
     x = torch.empty([shape[d] for d in order], dtype=torch.float64).permute([order.index(d) for d in range(len(shape))])
     args: tuple = (x,) if like else (list(shape),)
     if op == aten.bernoulli.p:
         args = (x, p)
+    if op == aten.exponential.default:
+        args = (x, 1.0 + p)  # a rate, > 0
+    if op == aten.uniform.default:
+        args = (x, -p, 2.0)
     kwargs = {} if like else {"dtype": torch.float64}
     torch.manual_seed(seed)
     want = op(*args, **kwargs)

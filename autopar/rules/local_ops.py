@@ -154,9 +154,10 @@ def random_block(
     device: torch.device | str | None = None,
     memory_order: list[int] | None = None,
     p: float = 0.5,
+    high: float = 1.0,
 ) -> torch.Tensor:
-    """This rank's block of `torch.rand`/`randn(global_shape)` or of `bernoulli(x, p)`, with the
-    serial numbers.
+    """This rank's block of `torch.rand`/`randn(global_shape)`, of `bernoulli(x, p)`, of
+    `exponential(x, p)` (p the rate) or of `uniform(x, p, high)`, with the serial numbers.
 
     Like `dropout_block`: the global tensor is drawn from the generator's current state and cut.
     It is laid out as the serial one (`randn_like` of a transposed view, say) and filled in
@@ -171,6 +172,10 @@ def random_block(
         block.normal_()
     elif kind == "bernoulli":
         block.bernoulli_(p)
+    elif kind == "exponential":
+        block.exponential_(p)
+    elif kind == "uniform":
+        block.uniform_(p, high)
     else:
         block.uniform_()
     for d, (offset, size) in enumerate(zip(offsets, lengths)):

@@ -165,6 +165,9 @@ TABLE: dict[object, Linearity] = {
     aten.clamp.default: NONE,
     aten.clamp_min.default: NONE,  # Swin v2's logit scale, EfficientFormer
     aten.clamp_max.default: NONE,
+    aten.clamp.Tensor: NONE,  # bounds as tensors (PhiMoE's sparse mixer: scores.abs().clamp(min=threshold))
+    aten.clamp_min.Tensor: NONE,
+    aten.clamp_max.Tensor: NONE,
     aten.logical_not.default: NONE,
     aten.isnan.default: NONE,  # xlogy (F.kl_div) as decomposed
     aten.bitwise_not.default: NONE,

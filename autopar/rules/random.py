@@ -45,8 +45,9 @@ def dropout_backward_rule(call: OpCall) -> list[AxisStrategy]:
 
 
 def random_factory_rule(call: OpCall) -> list[AxisStrategy]:
-    """rand/randn(size), rand_like/randn_like(x) and bernoulli(x, p): the output may be split on
-    any dim; an input gives only its shape, so it may be split alike or arrive with a pending sum."""
+    """rand/randn(size), rand_like/randn_like(x), bernoulli(x, p), exponential(x, rate) and
+    uniform(x, low, high): the output may be split on any dim; an input gives only its shape, so
+    it may be split alike or arrive with a pending sum."""
     out = call.outputs[0]
     if call.kwargs.get("generator") is not None:  # the user's own generator: every rank draws all
         return with_replicated(call, [])
@@ -80,7 +81,7 @@ def localize_random_factory(ctx: LocalContext) -> LocalCall:
         call.outputs[0].dtype,
         ctx.kwargs.get("device"),
         order,
-        float(call.arg(1, "p", 0.5)) if kind == "bernoulli" else 0.5,
+        *(float(call.arg(i + 1, name, default)) for i, (name, default) in enumerate(PARAMETERS[kind])),
     )
     return LocalCall(local_ops.random_block, args, {})
 
@@ -91,6 +92,16 @@ KINDS = {
     aten.rand_like.default: "rand",
     aten.randn_like.default: "randn",
     aten.bernoulli.p: "bernoulli",  # x.new_empty(shape).bernoulli_(keep): stochastic depth
+    aten.exponential.default: "exponential",  # Gumbel noise, -log(exponential): PhiMoE's expert sampling
+    aten.uniform.default: "uniform",  # rand_like(x).uniform_(): PhiMoE's Heun mask
+}
+# each kind's numbers after its input, by their schema names, with their defaults
+PARAMETERS: dict[str, tuple[tuple[str, float], ...]] = {
+    "rand": (),
+    "randn": (),
+    "bernoulli": (("p", 0.5),),
+    "exponential": (("lambd", 1.0),),
+    "uniform": (("from", 0.0), ("to", 1.0)),
 }
 
 

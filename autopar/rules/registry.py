@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from autopar.rules import (
+    autograd_function,
     ctc,
     expert_parallel,
     factory,
@@ -18,7 +19,7 @@ from autopar.rules import (
 from autopar.rules.base import RuleRegistry
 
 # expert_parallel last: it adds row-disjoint strategies to rules the others registered
-FAMILIES = (matmul, pointwise, reduction, views, nn, ctc, pooling, factory, random, routed_experts, expert_parallel)
+FAMILIES = (autograd_function, matmul, pointwise, reduction, views, nn, ctc, pooling, factory, random, routed_experts, expert_parallel)
 
 
 def default_registry() -> RuleRegistry:
