@@ -22,9 +22,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
-from autopar.rules.routed_experts import ACTIVATIONS, routed_experts
+from autopar.cost.dispatch import routing_imbalance
+from autopar.rules.routed_experts import ACTIVATIONS, IMBALANCE_META, ROUTED_OPS, routed_experts
 
 
 def activation_name(module: nn.Module) -> str | None:
@@ -81,3 +82,17 @@ def routed_experts_traced(model: nn.Module, enabled: bool) -> Iterator[list[str]
                 module.forward = old  # type: ignore[method-assign]
             else:
                 del module.forward
+
+
+def mark_routing_imbalance(gm: fx.GraphModule, model: nn.Module) -> int:
+    """Record on every routed-experts node of `gm` the routing imbalance of the model it was traced
+    from (`cost.dispatch.routing_imbalance`: bias-balanced routers like DeepSeek-V3's measure far
+    nearer the mean than auxiliary-loss ones), which the planners charge its expert splits
+    (`planning.ring_cost.routed_exchange_cost`). Returns how many nodes were marked."""
+    factor = routing_imbalance(model)
+    marked = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in ROUTED_OPS:
+            node.meta[IMBALANCE_META] = factor
+            marked += 1
+    return marked

@@ -62,7 +62,7 @@ from autopar.passes.mixed_precision import cast_inputs, cast_outputs, cast_param
 from autopar.passes.random_guards import eager_draw_states, serial_draws
 from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
 from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
-from autopar.passes.routed_experts_trace import routed_experts_traced
+from autopar.passes.routed_experts_trace import mark_routing_imbalance, routed_experts_traced
 from autopar.passes.trace_errors import (
     CAUSAL_MASK_HINT,
     CTC_HINT,
@@ -125,10 +125,12 @@ def trace(
     each (`autopar.passes.routed_experts_trace`), so the plan can place the all-to-all dispatcher."""
     with autocast_off(), routed_experts_traced(model, routed_experts), functions_as_ops(not forward_only):
         try:
-            return _trace(
+            gm = _trace(
                 model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast,
                 mixed_precision,
             )
+            mark_routing_imbalance(gm, model)
+            return gm
         except TraceError as failed:
             # a batch the model itself rejects (a check torch.export defers to run time, as BART's
             # end-of-sequence count) fails the trace later, somewhere else: the model's own error

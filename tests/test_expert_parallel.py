@@ -225,6 +225,7 @@ CASES = [
     (_qwen3_moe, (2, 4)),
     (_deepseek_v3, (8,)),
     (_deepseek_v3, (2, 4)),
+    (_mixtral, (2, 2, 2)),
     (_qwen3_moe, (2, 2, 2)),
     (_deepseek_v3, (2, 2, 2)),
 ]
@@ -235,6 +236,7 @@ IDS = [
     "qwen3moe-2x4",
     "deepseek-v3-8",
     "deepseek-v3-2x4",
+    "mixtral-2x2x2",
     "qwen3moe-2x2x2",
     "deepseek-v3-2x2x2",
 ]

@@ -8,11 +8,13 @@ import math
 
 import pytest
 import torch
+import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pass_fixtures import gpt_meta_graph
 
 import autopar.planning.mesh_screen as mesh_screen
+from autopar.compiler.auto_mesh import trace_for_choice
 from autopar.compiler.driver import scheduled_step_time
 from autopar.core.errors import MemoryLimitError
 from autopar.core.mesh import Mesh
@@ -103,3 +105,32 @@ def test_a_choice_that_fits_nowhere_screens_every_mesh_before_giving_up() -> Non
     table = str(caught.value)
     assert "not screened" not in table
     assert all("x".join(map(str, shape)) in table for shape, _ in mesh_candidates(4))
+
+
+def _meta_mixtral(world: int) -> torch.fx.GraphModule:
+    """Mixtral (8 experts, top 2, hidden 1024, one layer) on the meta device, traced with
+    routed-experts ops (`token_dispatch="auto"`), one 256-token sequence per rank."""
+    config = transformers.MixtralConfig(
+        vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=16,
+        num_key_value_heads=16, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
+    ids = torch.randint(1024, (world, 256), generator=torch.Generator().manual_seed(0))
+    return trace_for_choice(model, world, (), example_kwargs={"input_ids": ids, "labels": ids}, token_dispatch="auto")
+
+
+def test_the_bound_holds_for_moe_layers_with_their_experts_on_a_data_axis() -> None:
+    """MoE layers as routed-experts ops: the screen's dispatcher seeds include layouts with every
+    axis a data axis (`search_seeds.dispatcher_seeds`, "...:data": experts and tokens over the
+    ranks, no weight split), which on this model are the cheapest plan of the 1-D mesh (whose
+    default role is tensor) and of (4, 2). They pay none of the tensor-axis collectives the bound
+    claims for the default roles, so the bound claims none for such a graph
+    (`Bounds.tensor_axes`); it stays under every mesh's estimate and the screen with it keeps the
+    whole screen's meshes."""
+    gm = _meta_mixtral(8)
+    meshes, costs = _space(8, "h100-nvlink-ib")
+    _, whole = screen(gm, meshes, default_registry(), costs, 2, bound=False)
+    seeds = {mesh.shape: found.seed for mesh, found in zip(meshes, whole)}
+    assert seeds[(8,)] == "experts:alltoall:x:data" and seeds[(4, 2)] == "experts:alltoall:x:data", seeds
+    _check_against_whole_screen(gm, 8, "h100-nvlink-ib", keep=2)

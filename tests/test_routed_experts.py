@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 import torch
 import torch.fx as fx
-from test_expert_parallel import _compile_rank0, _mixtral, _train_like_serial
+from test_expert_parallel import _compile_rank0, _deepseek_v3, _mixtral, _qwen3_moe, _train_like_serial
 
 from autopar.compiler.driver import compile_for_rank
+from autopar.compiler.pricing import price
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
-from autopar.cost.dispatch import ROUTING_IMBALANCE
+from autopar.cost.dispatch import LOSS_FREE_ROUTING_IMBALANCE, ROUTING_IMBALANCE, routing_imbalance
 from autopar.planning.search_cost import ElementCost
 from autopar.rules import routed_experts
 from examples.models import make_mlp
@@ -157,3 +158,28 @@ def test_auto_prices_both_dispatchers_and_picks_the_cheaper(
     assert set(costs) == {"all-to-all", "all-gather"}, costs
     assert min(costs, key=costs.__getitem__) == wanted, costs
     assert f"the plan dispatches tokens by {wanted}" in str(experts)
+
+
+def test_the_routing_imbalance_follows_the_router() -> None:
+    """DeepSeek-V3's router balances by a score-correction bias (no auxiliary loss), whose busiest
+    expert measures 1.04 times the mean, Mixtral's and Qwen3-MoE's by an auxiliary loss (1.52):
+    `cost.dispatch.routing_imbalance`. The trace records the model's figure on every routed-experts
+    node, the compiled program's nodes keep it, and the lowered plan's pricing charges it: the
+    same program priced with the auxiliary-loss figure on its nodes costs more compute (the toy
+    layer's experts are a sliver of its step, so by little)."""
+    assert routing_imbalance(_deepseek_v3()) == LOSS_FREE_ROUTING_IMBALANCE
+    assert routing_imbalance(_mixtral()) == routing_imbalance(_qwen3_moe()) == ROUTING_IMBALANCE
+    compiled = _compile_rank0(_deepseek_v3, (4,), token_dispatch="alltoall")
+    assert [routed_experts.node_routing_imbalance(n) for n in _routed_nodes(compiled)] == [1.04] * 4
+    program = [
+        n
+        for gm in (compiled.program.forward, compiled.program.backward)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target in routed_experts.ROUTED_OPS
+    ]
+    assert [routed_experts.node_routing_imbalance(n) for n in program] == [1.04] * 4
+    mesh = Mesh.from_shape((4,))
+    loss_free = price(compiled, mesh, "h100-nvlink-ib", "search").compute_time
+    for node in _routed_nodes(compiled):  # the lowered graph, which the pricing reads
+        node.meta[routed_experts.IMBALANCE_META] = ROUTING_IMBALANCE
+    assert price(compiled, mesh, "h100-nvlink-ib", "search").compute_time > loss_free

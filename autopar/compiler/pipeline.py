@@ -59,7 +59,7 @@ from autopar.compiler.pipeline_stage import (
     stage_specs,
 )
 from autopar.core.pipeline_schedule import Schedule
-from autopar.passes.routed_experts_trace import routed_experts_traced
+from autopar.passes.routed_experts_trace import mark_routing_imbalance, routed_experts_traced
 from autopar.planning.stage_result import StageCut
 from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.materialize import InitFn, meta_tensor_names
@@ -306,9 +306,12 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         def export(example_flat: Sequence[Any], example: tuple[tuple[Any, ...], dict[str, Any]]) -> StageProgram:
             args, kwargs = example
             with routed_experts_traced(self._model, self._routed_experts):
-                return split_stages(
+                split = split_stages(
                     self._model, example_flat, args, self.boundaries, self.schedule.num_stages, example_kwargs=kwargs
                 )
+            for stage_graph in split.stages:  # each stage's routed-experts nodes priced at its model's imbalance
+                mark_routing_imbalance(stage_graph.module, self._model)
+            return split
 
         def same_key(example_flat: Sequence[Any], example: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
             return program_key(example_flat, self.training, pytree.tree_structure(example)) == key

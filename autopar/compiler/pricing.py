@@ -25,6 +25,7 @@ from autopar.cost.work import causal_skipped, compute_rate, global_work, work_sp
 from autopar.planning.mesh_choice import MeshChoice
 from autopar.planning.ring_cost import op_extra_cost
 from autopar.planning.search_cost import TimeCost
+from autopar.rules.routed_experts import node_routing_imbalance
 
 
 @dataclass
@@ -249,7 +250,7 @@ def _node_compute(node: fx.Node, cost: TimeCost, shape: tuple[int, ...]) -> floa
     strategy = info(node).strategy
     assert strategy is not None
     work, rate = global_work(node), compute_rate(node)
-    extra = op_extra_cost(node.target, causal_skipped(node), strategy, work, rate, cost)
+    extra = op_extra_cost(node.target, causal_skipped(node), strategy, work, rate, cost, node_routing_imbalance(node))
     return cost.compute(work, work_split(strategy, shape), rate) + extra
 
 

@@ -30,12 +30,42 @@ DISPATCHERS = ("all_gather", "all_to_all")
 # How many times the mean number of routed rows the busiest expert receives, which the planners
 # charge to the busiest rank of an expert split (`planning.ring_cost.routed_exchange_cost`): the
 # all-to-all's row exchanges wait for the rank receiving the most rows, and every rank's step waits
-# for the one with the most expert matmuls. From Wang et al., "Auxiliary-Loss-Free Load Balancing
-# Strategy for Mixture-of-Experts" (arXiv 2408.15664, Table 2): a 3B-parameter MoE (64 experts,
-# top 6) trained with the usual auxiliary balancing loss keeps its busiest expert at MaxVio_global
-# = 0.52 above the mean load (0.72 at 1B; 0.04 with their loss-free bias balancing, DeepSeek-V3's).
-# An expert's excess is taken as its rank's: an upper bound where a rank holds several experts.
-ROUTING_IMBALANCE = 1.52
+# for the one with the most expert matmuls. An expert's excess is taken as its rank's: an upper
+# bound where a rank holds several experts. Two published figures, by how the router balances:
+#
+# - Routers trained with an auxiliary balancing loss (Mixtral, Qwen3-MoE, OLMoE, ...): Wang, Gao,
+#   Zhao, Sun, Dai, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts" (arXiv
+#   2408.15664), Table 2: a 3B-parameter DeepSeekMoE model (64 experts, top 6, 200B tokens)
+#   trained with the auxiliary loss keeps its busiest expert at MaxVio_global = 0.52 above the
+#   mean load (0.72 for the 1B model on 100B tokens).
+# - Routers with auxiliary-loss-free bias balancing (a per-expert bias added to the scores for the
+#   top-k choice only, updated from each batch's load: DeepSeek-V3's, transformers'
+#   `e_score_correction_bias`): the same table, Loss-Free Balancing on the 3B model,
+#   MaxVio_global = 0.04. DeepSeek-V3's report (arXiv 2412.19437, 2.1.2) adopts this strategy.
+#
+# The paper, its authors, its 1B/100B-token and 3B/200B-token DeepSeekMoE runs and its MaxVio
+# metric were found again through the stored public pages (pith.science and paperium.net
+# summaries of arXiv 2408.15664); the table's numbers themselves were not in the stored corpus,
+# so the figures above are as read from the paper, not re-checked there.
+ROUTING_IMBALANCE = 1.52  # auxiliary-loss routers: 1 + MaxVio_global 0.52 (arXiv 2408.15664, Table 2, 3B)
+LOSS_FREE_ROUTING_IMBALANCE = 1.04  # bias-balanced routers: 1 + MaxVio_global 0.04 (ibid., Loss-Free, 3B)
+# The buffer transformers' bias-balanced routers keep the per-expert bias in (DeepSeek-V3, dots1,
+# Kimi-Linear, ...): its presence says the router balances without an auxiliary loss.
+LOSS_FREE_BIAS = "e_score_correction_bias"
+
+
+def routing_imbalance(model: torch.nn.Module) -> float:
+    """The busiest expert's load over the mean that planning charges `model`'s expert splits:
+    `LOSS_FREE_ROUTING_IMBALANCE` where its routers balance by a score-correction bias
+    (`LOSS_FREE_BIAS`, a buffer or parameter anywhere in the model), else `ROUTING_IMBALANCE`,
+    the auxiliary-loss figure. The model's code says which balancing its training uses; a router
+    with neither (no balancing at all) would be worse than either figure, and is not told apart."""
+    named = [*model.named_buffers(), *model.named_parameters()]
+    if any(name.rsplit(".", 1)[-1] == LOSS_FREE_BIAS for name, _ in named):
+        return LOSS_FREE_ROUTING_IMBALANCE
+    return ROUTING_IMBALANCE
+
+
 # The all-to-all dispatcher as compiled plans run it (`autopar.rules.routed_experts`: the layer is
 # one op per phase, nothing of run-time shape saved between them): per phase, the width of each
 # row exchange in hidden sizes per routed pair. Forward: the token rows out, the experts' results

@@ -49,6 +49,7 @@ from autopar.planning.fixed import SCHEMES, Linear, find_linears, pair_linears, 
 from autopar.planning.greedy import axis_roles
 from autopar.planning.plan_cost import GraphFacts
 from autopar.planning.search_cost import ElementCost, TimeCost
+from autopar.rules.routed_experts import ROUTED_OPS
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,9 @@ class Bounds:
     def __init__(self, gm: fx.GraphModule, facts: GraphFacts) -> None:
         self.gm = gm
         self.facts = BoundFacts.of(gm, facts)
+        # MoE layers traced as routed-experts ops: the screen's dispatcher seeds include layouts
+        # with every axis a data axis (`search_seeds.dispatcher_seeds`), which split no weight
+        self.routed = any(op in ROUTED_OPS for *_, op in facts.calls)
         self._compute: dict[tuple[str, int], float] = {}
         self._variants: dict[int, list[tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]]] = {}
 
@@ -127,7 +131,11 @@ class Bounds:
     def tensor_axes(self, mesh: Mesh) -> Iterable[tuple[int, ...]]:
         """Per seed of the screen, the axes that split the weights of both linears of every pair:
         the default roles' tensor axes where every paired linear can be split by them (else none
-        are claimed), and each fixed scheme variant's axes lettered k or n in both linears."""
+        are claimed), each fixed scheme variant's axes lettered k or n in both linears, and, for a
+        graph with routed-experts ops, none: its dispatcher seeds laid out with every axis a data
+        axis split no weight of a pair, so they claim no tensor-axis collective."""
+        if self.routed:
+            yield ()
         shape = tuple(mesh.shape)
         roles = axis_roles(mesh)
         tensor = tuple(a for a, r in enumerate(roles) if r == "tensor" and shape[a] > 1)

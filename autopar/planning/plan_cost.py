@@ -20,6 +20,7 @@ from autopar.cost.work import causal_skipped, compute_rate, global_work, work_sp
 from autopar.planning.ring_cost import op_extra_cost
 from autopar.planning.search_cost import ElementCost
 from autopar.rules.calls import tensor_inputs
+from autopar.rules.routed_experts import node_routing_imbalance
 
 
 @dataclass(frozen=True)
@@ -30,11 +31,14 @@ class GraphFacts:
     calls: tuple[tuple[str, tuple[str, ...], float, Rate, Any], ...]
     outputs: tuple[str | None, ...]
     causal: frozenset[str] = frozenset()  # the attention calls with torch's causal mask
+    # routed-experts calls' routing imbalance recorded by the trace (`routed_experts.IMBALANCE_META`)
+    imbalance: tuple[tuple[str, float], ...] = ()
 
     @staticmethod
     def of(gm: fx.GraphModule) -> GraphFacts:
         calls = []
         causal: set[str] = set()
+        imbalance: list[tuple[str, float]] = []
         outputs: tuple[str | None, ...] = ()
         for node in gm.graph.nodes:
             if node.op == "call_function":
@@ -42,9 +46,12 @@ class GraphFacts:
                 calls.append((node.name, inputs, global_work(node), compute_rate(node), node.target))
                 if causal_skipped(node):
                     causal.add(node.name)
+                factor = node_routing_imbalance(node)
+                if factor is not None:
+                    imbalance.append((node.name, factor))
             elif node.op == "output":
                 outputs = tuple(src.name if isinstance(src, fx.Node) else None for src in node.args[0])
-        return GraphFacts(tuple(calls), outputs, frozenset(causal))
+        return GraphFacts(tuple(calls), outputs, frozenset(causal), tuple(imbalance))
 
 
 def plan_cost(
@@ -77,6 +84,7 @@ def plan_cost_parts(
     comm = compute = 0.0
     layouts, strategies = plan.layouts, plan.strategies
     splits: dict[Strategy, int] = {}
+    imbalance = dict(facts.imbalance)
     made: set[tuple[str, Layout]] = set()
     for name, inputs, work, dtype, op in facts.calls:
         strategy = strategies.get(name)
@@ -92,7 +100,7 @@ def plan_cost_parts(
         if split is None:
             split = splits[strategy] = work_split(strategy, shape)
         compute += cost.compute(work, split, dtype) + op_extra_cost(
-            op, name in facts.causal, strategy, work, dtype, cost
+            op, name in facts.causal, strategy, work, dtype, cost, imbalance.get(name)
         )
     for src_name, wanted in zip(facts.outputs, plan.output_layouts):
         if src_name is not None and wanted is not None:

@@ -56,7 +56,8 @@ class PlanPattern:
     checks: tuple[tuple[Strategy, bool, Any, OpCall | None], ...]  # (strategy, uneven, admits, call)
     stored: tuple[Stored, ...]  # every distinct parameter storage to work out
     comm: tuple[tuple[Source, Source, int], ...]  # (source, wanted, count)
-    compute: tuple[tuple[float, Strategy, Rate, Any, bool, int], ...]  # (work, strategy, rate, op, causal, count)
+    # (work, strategy, rate, op, causal, routing imbalance or None, count)
+    compute: tuple[tuple[float, Strategy, Rate, Any, bool, float | None, int], ...]
 
     @staticmethod
     def of(
@@ -81,7 +82,8 @@ class PlanPattern:
         nodes = {n.name: n for n in gm.graph.nodes}
         checks: dict[tuple[Any, ...], tuple[Strategy, bool, Any, OpCall | None]] = {}
         comm: Counter[tuple[Source, Source]] = Counter()
-        compute: Counter[tuple[float, Strategy, Rate, Any, bool]] = Counter()
+        compute: Counter[tuple[float, Strategy, Rate, Any, bool, float | None]] = Counter()
+        imbalance = dict(facts.imbalance)
         made: set[tuple[str, Layout]] = set()
         for name, inputs, work, rate, op in facts.calls:
             strategy = plan.strategies.get(name)
@@ -101,7 +103,7 @@ class PlanPattern:
                 if (src, want) not in made:
                     made.add((src, want))
                     comm[(source(src), want)] += 1
-            compute[(work, strategy, rate, op, name in facts.causal)] += 1
+            compute[(work, strategy, rate, op, name in facts.causal, imbalance.get(name))] += 1
         for src_name, wanted in _outputs(gm, plan, facts, stored):
             comm[(source(src_name), wanted)] += 1
         return PlanPattern(
@@ -133,9 +135,10 @@ class PlanPattern:
             have = src if isinstance(src, Layout) else storage[src]
             comm += count * cost.redistribute(have, want if isinstance(want, Layout) else storage[want])
         compute = 0.0
-        for work, strategy, rate, op, causal, count in self.compute:
+        for work, strategy, rate, op, causal, imbalance, count in self.compute:
             split = work_split(strategy, shape)
-            compute += count * (cost.compute(work, split, rate) + op_extra_cost(op, causal, strategy, work, rate, cost))
+            extra = op_extra_cost(op, causal, strategy, work, rate, cost, imbalance)
+            compute += count * (cost.compute(work, split, rate) + extra)
         return comm + compute
 
 

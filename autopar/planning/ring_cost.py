@@ -25,7 +25,7 @@ import torch
 
 from autopar.core.layout import Layout, R, Shard, is_balanced_sequence
 from autopar.core.strategy import Strategy
-from autopar.cost.dispatch import PLANNED_EXCHANGES
+from autopar.cost.dispatch import PLANNED_EXCHANGES, ROUTING_IMBALANCE
 from autopar.cost.hardware import Rate
 from autopar.cost.work import work_split
 from autopar.rules.context_parallel import SEQ, contiguous_causal_imbalance
@@ -41,7 +41,7 @@ from autopar.rules.routed_experts import (
 
 class _Cost(Protocol):
     shape: tuple[int, ...]
-    routing_imbalance: float
+    routing_imbalance: float | None
 
     def redistribute(self, src: Layout, dst: Layout) -> float: ...
 
@@ -62,15 +62,18 @@ def ring_exchange_cost(op: Any, strategy: Strategy, work: float, rate: Rate, cos
 
 
 def routed_exchange_cost(
-    op: Any, strategy: Strategy, cost: _Cost, work: float, rate: Rate
+    op: Any, strategy: Strategy, cost: _Cost, work: float, rate: Rate, imbalance: float | None = None
 ) -> float:
     """What a routed-experts candidate (`rules.routed_experts`) adds to its compute for the
     routing's imbalance and, with the all-to-all dispatcher, for the exchanges inside the op; 0
     for every other op and for candidates keeping every expert on every rank.
 
     - Imbalance: where the experts are split, every rank waits for the busiest one, whose experts
-      receive `cost.routing_imbalance` times the mean rows (by default
-      `cost.dispatch.ROUTING_IMBALANCE`), so the op's `work` on a rank is charged that many times its even share.
+      receive that many times the mean rows: `cost.routing_imbalance` where the cost sets one,
+      else `imbalance`, the model's figure the trace recorded on the node
+      (`cost.dispatch.routing_imbalance`), else the auxiliary-loss figure
+      `cost.dispatch.ROUTING_IMBALANCE`; the op's `work` on a rank is charged that many times its
+      even share.
     - All-to-all: the counts (E numbers per rank), then each row exchange of
       `cost.dispatch.PLANNED_EXCHANGES` as an all-to-all of the rank's routed pairs (t·k rows of
       that width over the axis), its rows scaled by the imbalance: the exchange ends when the
@@ -78,7 +81,10 @@ def routed_exchange_cost(
       their rows."""
     if op not in ROUTED_OPS or not expert_axes(op, strategy):
         return 0.0
-    imbalance = cost.routing_imbalance
+    if cost.routing_imbalance is not None:
+        imbalance = cost.routing_imbalance
+    elif imbalance is None:
+        imbalance = ROUTING_IMBALANCE
     total = (imbalance - 1.0) * cost.compute(work, work_split(strategy, cost.shape), rate)
     axis = all_to_all_axis(op, strategy)
     if axis is None:
@@ -102,14 +108,17 @@ def routed_exchange_cost(
     return total
 
 
-def op_extra_cost(op: Any, causal: bool, strategy: Strategy, work: float, rate: Rate, cost: _Cost) -> float:
+def op_extra_cost(
+    op: Any, causal: bool, strategy: Strategy, work: float, rate: Rate, cost: _Cost, imbalance: float | None = None
+) -> float:
     """What a candidate adds to its even share of the work (`cost.compute`) in every planner's
     price: ring attention's exposed exchanges, the token dispatcher's exchanges and routing
     imbalance, and a contiguous causal split's busiest rank. One sum, so that the search, the
-    lowered plan's pricing, `plan_cost` and the screen's transplanted plans price alike."""
+    lowered plan's pricing, `plan_cost` and the screen's transplanted plans price alike.
+    `imbalance`: a routed-experts node's own routing imbalance (`routed_experts.node_routing_imbalance`)."""
     return (
         ring_exchange_cost(op, strategy, work, rate, cost)
-        + routed_exchange_cost(op, strategy, cost, work, rate)
+        + routed_exchange_cost(op, strategy, cost, work, rate, imbalance)
         + causal_imbalance_cost(op, causal, strategy, work, rate, cost)
     )
 

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from autopar.core.layout import Layout, Placement, itemsize
-from autopar.cost.dispatch import ROUTING_IMBALANCE
 from autopar.cost.formulas import MeshCost, latency_steps, redistribute_time
 from autopar.cost.hardware import Link, Rate, load_hardware
 from autopar.planning.greedy import FLOP_WEIGHT, _redist
@@ -39,8 +38,9 @@ class ElementCost:
 
     memory_capacity: float | None = None  # no device, so no default memory limit
     # the busiest rank's routed rows over the mean, charged to every expert split of a routed-experts
-    # op (`ring_cost.routed_exchange_cost`); a cost's own value overrides the published default
-    routing_imbalance: float = ROUTING_IMBALANCE
+    # op (`ring_cost.routed_exchange_cost`): None prices each op at its model's published figure
+    # (recorded by the trace, `cost.dispatch.routing_imbalance`); a number overrides it everywhere
+    routing_imbalance: float | None = None
 
     def __init__(self, mesh_shape: Sequence[int], steps: StepCache | None = None) -> None:
         self.shape = tuple(mesh_shape)

@@ -39,6 +39,7 @@ from autopar.planning.search_vars import Edge, Tally, Var
 from autopar.planning.storage import part_dim_at, part_dims, part_storage, replicated_storage
 from autopar.rules.base import RuleRegistry
 from autopar.rules.calls import call_key, expand_cached, op_call, output_index, tensor_inputs
+from autopar.rules.routed_experts import node_routing_imbalance
 
 MAX_CANDIDATES = 512
 _getitem = operator.getitem
@@ -46,7 +47,7 @@ _getitem = operator.getitem
 
 class Cost(Protocol):
     shape: tuple[int, ...]
-    routing_imbalance: float  # routed-experts ops' busiest rank over the mean (`ring_cost.routed_exchange_cost`)
+    routing_imbalance: float | None  # routed-experts ops' busiest rank over the mean (`ring_cost.routed_exchange_cost`)
 
     def redistribute(self, src: Layout, dst: Layout) -> float: ...
 
@@ -136,9 +137,10 @@ class Problem:
             work = shared.work[name] if name in shared.work else global_work(node)
             dtype = compute_rate(node)
             causal = causal_skipped(node)
+            imbalance = node_routing_imbalance(node)
             base = self._cached(
-                ("compute", key, work, dtype, causal),
-                lambda c=cands, w=work, d=dtype, op=node.target, k=causal: self._compute(c, w, d, op, k),  # type: ignore[misc]
+                ("compute", key, work, dtype, causal, imbalance),
+                lambda c=cands, w=work, d=dtype, op=node.target, k=causal, i=imbalance: self._compute(c, w, d, op, k, i),  # type: ignore[misc]
             )
             self.vars.append(Var(name, cands, key, base.copy(), base.copy(), at))
         self._part_dims = part_dims(gm)
@@ -183,7 +185,13 @@ class Problem:
         return found
 
     def _compute(
-        self, cands: list[Strategy], work: float, dtype: torch.dtype, op: Any = None, causal: bool = False
+        self,
+        cands: list[Strategy],
+        work: float,
+        dtype: torch.dtype,
+        op: Any = None,
+        causal: bool = False,
+        imbalance: float | None = None,
     ) -> np.ndarray:
         """Each candidate's compute; a ring-attention candidate's with its exchanges' exposed time,
         a causal call split along the sequence at its busiest rank's share."""
@@ -191,7 +199,7 @@ class Problem:
         by_split = {s: self.cost.compute(work, s, dtype) for s in set(splits)}
         return np.array(
             [
-                by_split[split] + op_extra_cost(op, causal, s, work, dtype, self.cost)
+                by_split[split] + op_extra_cost(op, causal, s, work, dtype, self.cost, imbalance)
                 for s, split in zip(cands, splits)
             ],
             dtype=float,

@@ -10,6 +10,7 @@ the 8x8 grids of 2-D) can seed it; a graph without paired linears has none.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,7 +23,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
 from autopar.planning.fixed import SCHEMES, find_linears, forced_strategies, pair_linears, variants_on
-from autopar.planning.greedy import greedy_plan
+from autopar.planning.greedy import axis_roles, greedy_plan
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.rules import expert_parallel, routed_experts
 from autopar.rules.base import RuleRegistry
@@ -131,12 +132,26 @@ def dispatcher_seeds(
     axis with each dispatcher its rule offers there ("experts:alltoall:<axis>", the tokens
     exchanged inside the op; "experts:allgather:<axis>", the tokens gathered), the rest laid out by
     the greedy pass. The greedy pass cannot price the exchanges inside the op, so each dispatcher
-    gets a start of its own and the search's objective (which does) compares them."""
+    gets a start of its own and the search's objective (which does) compares them.
+
+    Each such start is laid out twice where the mesh's default roles are not all data: with those
+    roles, and with every axis a data ("token") axis ("...:data"), the experts sharing the data
+    axis as DeepSeek-V3 and torchtitan train (expert and data parallelism, no tensor split). The
+    greedy pass splits weights on every tensor axis it is given, and on an auto mesh's unnamed
+    axes (x, y: tensor by default) the first layout would split attention over every rank: the
+    screen, which ranks meshes by their cheapest start, would rank a mesh whose best plan is
+    expert plus data parallelism by that layout's price (DeepSeek-V3's published (2, 64) stage
+    mesh: 8.2 s against 0.64 s searched)."""
     routed = _routed(gm)
+    default = axis_roles(mesh)
+    data = ("token",) * mesh.ndim
+    layouts: list[tuple[str, tuple[str, ...] | None]] = [("", None)]
+    if default != data:
+        layouts.append((":data", data))
     for axis, size in enumerate(mesh.shape):
         if size == 1 or not routed:
             continue
-        for kind in ("alltoall", "allgather"):
+        for (suffix, roles), kind in itertools.product(layouts, ("alltoall", "allgather")):
 
             def pick(
                 node: fx.Node, candidates: list[Strategy], axis: int = axis, kind: str = kind
@@ -151,8 +166,8 @@ def dispatcher_seeds(
                     None,
                 )
 
-            name = f"{EXPERTS}:{kind}:{mesh.axis_names[axis]}"
-            yield from _forced_seed(gm, mesh, registry, expand_cache, memo, name, routed, pick)
+            name = f"{EXPERTS}:{kind}:{mesh.axis_names[axis]}{suffix}"
+            yield from _forced_seed(gm, mesh, registry, expand_cache, memo, name, routed, pick, roles)
 
 
 def _forced_seed(
@@ -164,10 +179,11 @@ def _forced_seed(
     name: str,
     nodes: list[fx.Node],
     pick: Callable[[fx.Node, list[Strategy]], Strategy | None],
+    roles: tuple[str, ...] | None = None,
 ) -> Iterator[tuple[str, Plan | AutoparError]]:
     """One start named `name`: each of `nodes` forced to the strategy `pick` chooses among its
-    rule's candidates, the rest laid out by the greedy pass; no start where a node has no rule or
-    `pick` finds nothing."""
+    rule's candidates, the rest laid out by the greedy pass (with `roles`, default: the mesh's);
+    no start where a node has no rule or `pick` finds nothing."""
     forced: dict[str, Strategy] = {}
     for node in nodes:
         rule = registry.get(node.target)
@@ -176,7 +192,7 @@ def _forced_seed(
             return
         forced[node.name] = choice
     try:
-        yield name, greedy_plan(gm, mesh, registry, forced=forced, expand_cache=expand_cache, memo=memo)
+        yield name, greedy_plan(gm, mesh, registry, roles=roles, forced=forced, expand_cache=expand_cache, memo=memo)
     except AutoparError as exc:
         yield name, exc
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import fx
 
 from autopar.core.errors import AutoparError
 from autopar.core.layout import P, R, Shard
@@ -315,6 +316,17 @@ _routed_experts.register_autograd(_backward, setup_context=_setup_context)
 ROUTED_EXPERTS = torch.ops.autopar.routed_experts.default
 ROUTED_EXPERTS_BACKWARD = torch.ops.autopar.routed_experts_backward.default
 ROUTED_OPS = (ROUTED_EXPERTS, ROUTED_EXPERTS_BACKWARD)
+
+# node.meta key of a routed-experts node: the busiest expert's load over the mean for the model
+# it was traced from (`cost.dispatch.routing_imbalance`, set by the trace stage). Untagged nodes
+# are priced at the cost object's `routing_imbalance`.
+IMBALANCE_META = "autopar_routing_imbalance"
+
+
+def node_routing_imbalance(node: fx.Node) -> float | None:
+    """The routing imbalance the trace recorded on a routed-experts node, if any."""
+    value = node.meta.get(IMBALANCE_META)
+    return float(value) if value is not None else None
 
 
 def routed_experts(
