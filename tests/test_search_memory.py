@@ -17,7 +17,10 @@ import torch.fx as fx
 from pass_fixtures import train_in_lockstep
 
 import autopar
-from autopar.core.meta import has_info, info
+from autopar.compiler.pipeline_stage import StageBudget, stage_budget
+from autopar.core.graph_copy import graph_copy
+from autopar.core.meta import activation_copies, has_info, info, set_activation_copies
+from autopar.core.pipeline_schedule import schedule_by_name
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, memory_per_rank
 from autopar.passes.trace import trace
 from autopar.planning.greedy import choose_layouts
@@ -111,6 +114,35 @@ def test_limit_makes_backward_gather_weights_again(setup: dict[str, Any]) -> Non
     assert report.final_cost == pytest.approx(plan_cost(gm, plan, mesh, cost))
     assert report.final_cost == pytest.approx(plan_cost(gm, layouts_only, mesh, cost) + again)
     assert report.memory == pytest.approx(lean.total)
+
+
+def test_each_microbatch_in_flight_counts_its_saved_activations(setup: dict[str, Any]) -> None:
+    """A pipeline stage whose rank holds two microbatches' activations at once (1F1B's first stage
+    of two) plans for both copies: a limit the one-copy plan fits makes the two-copy plan save less."""
+    gm, mesh, cost = setup["gm"], setup["mesh"], setup["cost"]
+    held = graph_copy(gm)
+    set_activation_copies(held, 2)
+    assert activation_copies(gm) == 1 and activation_copies(held) == 2
+    one = plan_memory(gm, setup["free"], SHAPE).breakdown()
+    two = plan_memory(held, setup["free"], SHAPE).breakdown()
+    assert two.activations == pytest.approx(2 * one.activations) and two.params == one.params
+    limit = _limit(setup, 1.4)  # the unlimited plan fits with one copy, not with two
+    assert one.total <= limit < two.total
+    alone = search_layouts(gm, mesh, default_registry(), cost=cost, memory_limit=limit, storage="sharded")
+    assert not alone.regather and not alone.recompute
+    both = search_layouts(held, mesh, default_registry(), cost=cost, memory_limit=limit, storage="sharded")
+    assert both.regather or both.recompute
+    assert both.memory is not None and both.memory.total <= limit
+    assert both.memory.activations <= limit - setup["static"]
+
+
+def test_a_stage_budget_is_the_schedule_in_flight_per_stage() -> None:
+    one_f_one_b, interleaved = schedule_by_name("1f1b", 2, 1, 4), schedule_by_name("interleaved-1f1b", 2, 2, 4)
+    assert stage_budget(one_f_one_b, 0, 1, loss_inside=True) == StageBudget(1.0, 2)  # pp microbatches
+    assert stage_budget(one_f_one_b, 1, 1, loss_inside=True) == StageBudget(1.0, 1)
+    assert stage_budget(one_f_one_b, 1, 1, loss_inside=False) == StageBudget(1.0, 4)  # every forward first
+    first = stage_budget(interleaved, 0, 2, loss_inside=True)
+    assert first.memory_share == 0.5 and 2 <= first.activation_copies <= 4
 
 
 def _below_replicated(gm: fx.GraphModule) -> float:

@@ -55,6 +55,8 @@ class ModuleOptions:
     storage: str = "auto"
     decompose_matmuls: str = "auto"
     token_dispatch: str = "allgather"
+    # a pipeline stage's microbatches in flight on this rank: its saved activations count that often
+    activation_copies: int = 1
 
 
 def compile_module(
@@ -116,6 +118,7 @@ def compile_module(
             storage=opts.storage,
             decompose_matmuls=opts.decompose_matmuls,
             token_dispatch=opts.token_dispatch,
+            activation_copies=opts.activation_copies,
         )
         compiled = compile_for_rank(
             model,

@@ -29,7 +29,7 @@ from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
 from autopar.core.errors import AutoparError, InternalError, UsageError
 from autopar.core.graph_copy import graph_copy
 from autopar.core.mesh import Mesh
-from autopar.core.meta import has_info, where_of
+from autopar.core.meta import has_info, set_activation_copies, where_of
 from autopar.core.plan import Plan
 from autopar.core.precision import AutocastState, MixedPrecision, autocast_off
 from autopar.cost.formulas import MeshCost
@@ -187,6 +187,7 @@ def compile_for_rank(
     storage: str = "auto",
     decompose_matmuls: str = "auto",
     token_dispatch: str = "allgather",
+    activation_copies: int = 1,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -225,6 +226,8 @@ def compile_for_rank(
     ops (the all-gather dispatcher, or splits inside the experts); the others trace each experts
     module as one op, "alltoall" requiring the all-to-all dispatcher wherever the experts are split
     and "auto" letting the planner price both.
+    `activation_copies`: how many microbatches' saved activations the rank holds at once (a
+    pipeline stage's in-flight count): the plan's memory under `memory_limit` counts each copy.
     `traced`, when given, is `trace_for(...)` of this model, inputs and options, made once: it
     is copied instead of traced again (an in-process run of every rank's program compiles each
     rank from one trace, as each process of a real job traces once).
@@ -242,6 +245,7 @@ def compile_for_rank(
         )
     else:
         gm = graph_copy(traced)  # the later stages rewrite the graph in place
+    set_activation_copies(gm, activation_copies)
     write_stage(path, "1_trace", gm, mesh)
     registry = context_parallel_registry(registry, mesh.axis_names)
     _check_context_parallel(gm, mesh)

@@ -55,6 +55,7 @@ from autopar.compiler.pipeline_stage import (
     check_same_tensors,
     parallel_stage_forward,
     stage_arguments,
+    stage_budget,
     stage_forward,
     stage_specs,
 )
@@ -357,6 +358,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         def example_mask(k: int) -> torch.Tensor:  # a dropout's mask is an input: one of its shape
             return torch.ones(ops[k].shape, dtype=ops[k].dtype, device=self.device)
 
+        budget = stage_budget(self.schedule, self.rank, len(self.stages), program.loss is not None)
         for s in self.stages:
             graph = program.stages[s]
             received = [
@@ -373,7 +375,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
             wrapper.train(self.training)
             wrapper.add(graph, args, self.training, program.variant)
             wrappers[s] = wrapper
-            parallel[s] = self._build_stage(wrapper, args)
+            parallel[s] = self._build_stage(wrapper, args, budget)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         schedule = self.schedule

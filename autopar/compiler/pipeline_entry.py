@@ -21,7 +21,7 @@ from autopar.compiler.pipeline import PipelinedModule
 from autopar.compiler.pipeline_batch import split_microbatches
 from autopar.compiler.pipeline_choice import PipelineDecision, decide_pipeline
 from autopar.compiler.pipeline_split import PipelineSplitError
-from autopar.compiler.pipeline_stage import StageBuilder, StageModule
+from autopar.compiler.pipeline_stage import StageBudget, StageBuilder, StageModule
 from autopar.core.errors import UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.precision import compilable_autocast
@@ -193,10 +193,15 @@ def parallelize_on_pipeline_mesh(
         autocast = compilable_autocast(("cpu", mesh.device_type))
         stage_options = dataclasses.replace(options, check_inputs=False)  # stages' inputs are the runtime's
 
-        def build_stage(module: nn.Module, args: tuple[Any, ...]) -> ParallelModule:
-            chosen = stage_options
+        def build_stage(module: nn.Module, args: tuple[Any, ...], budget: StageBudget) -> ParallelModule:
+            limit = stage_options.memory_limit
+            chosen = dataclasses.replace(
+                stage_options,
+                memory_limit=None if limit is None else limit * budget.memory_share,
+                activation_copies=budget.activation_copies,
+            )
             if isinstance(module, StageModule) and not module.calls_any(ROUTED_OPS):  # a stage without MoE layers
-                chosen = dataclasses.replace(stage_options, token_dispatch="allgather")
+                chosen = dataclasses.replace(chosen, token_dispatch="allgather")
             return compile_module(
                 module, stage_mesh, groups.stage, chosen, args, None, args, None,
                 autocast=autocast, seeded=seeded, init_model=model,

@@ -10,7 +10,9 @@ so later shapes (a smaller last batch) compile through the parallel module's own
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,14 +22,40 @@ from torch.distributed.tensor import DTensor
 from autopar.compiler.pipeline_random import DropoutMasks
 from autopar.compiler.pipeline_split import PipelineSplitError, StageGraph, StageProgram, get_attr
 from autopar.core.errors import AutoparError
+from autopar.core.pipeline_schedule import Schedule
+from autopar.core.pipeline_simulate import simulate
 from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_runtime import TensorSpec
 from autopar.runtime.run_program import WeightDeferral
 
-# Compiles a stage module on the stage's tensor sub-mesh, given its example arguments, and returns
-# the parallel module this rank runs; every rank of the stage's slice calls it together.
-StageBuilder = Callable[[nn.Module, tuple[Any, ...]], ParallelModule]
+
+@dataclass(frozen=True)
+class StageBudget:
+    """What one stage module's plan may take of its rank's memory: a share of the rank's
+    `memory_limit` (its stages split it evenly) and how many microbatches' saved activations the
+    rank holds at once (`activation_copies`: the schedule's peak in flight, per stage)."""
+
+    memory_share: float
+    activation_copies: int
+
+
+def stage_budget(schedule: Schedule, rank: int, stage_count: int, loss_inside: bool) -> StageBudget:
+    """The budget of each of `rank`'s `stage_count` stages under `schedule`. A call whose loss is
+    outside the model runs every forward before any backward (`outside_loss_schedule`): each
+    stage then holds every microbatch's activations."""
+    if loss_inside:
+        in_flight = simulate(schedule).peak_in_flight[rank]  # (stage, microbatch) pairs
+        copies = math.ceil(in_flight / stage_count)
+    else:
+        copies = schedule.microbatches
+    return StageBudget(1.0 / stage_count, max(1, copies))
+
+
+# Compiles a stage module on the stage's tensor sub-mesh, given its example arguments and its
+# memory budget, and returns the parallel module this rank runs; every rank of the stage's slice
+# calls it together.
+StageBuilder = Callable[[nn.Module, tuple[Any, ...], StageBudget], ParallelModule]
 
 Signature = tuple[tuple[tuple[int, ...], torch.dtype] | str, ...]
 

@@ -25,6 +25,7 @@ NODE_KEY = "autopar"
 # the serial model's numbers needs it (a transposed view in nn.MultiheadAttention, for one).
 MEMORY_ORDER_KEY = "autopar_memory_order"
 SIGNATURE_KEY = "autopar_signature"
+ACTIVATION_COPIES_KEY = "autopar_activation_copies"
 
 # "constant": a tensor the forward made from Python data (`torch.tensor([])` in a cache), lifted by
 # export; its value is in `JointSignature.constants` and every rank holds it whole.
@@ -165,6 +166,17 @@ def update_info(node: fx.Node, **changes: Any) -> NodeInfo:
 
 def signature(gm: fx.GraphModule) -> JointSignature:
     return gm.meta[SIGNATURE_KEY]  # type: ignore[no-any-return]
+
+
+def activation_copies(gm: fx.GraphModule) -> int:
+    """How many copies of what this graph's forward saves for its backward one rank holds at once:
+    1, or a pipeline stage's microbatches in flight (set by the compiler before planning, so that
+    the plan's memory model counts every copy, `autopar.planning.memory`)."""
+    return int(gm.meta.get(ACTIVATION_COPIES_KEY, 1))
+
+
+def set_activation_copies(gm: fx.GraphModule, copies: int) -> None:
+    gm.meta[ACTIVATION_COPIES_KEY] = copies
 
 
 def where_of(node: fx.Node) -> str:

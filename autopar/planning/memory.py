@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.layout import Layout
-from autopar.core.meta import info, is_backward, signature
+from autopar.core.meta import activation_copies, info, is_backward, signature
 from autopar.core.plan import MAX_REGATHER_NODES, Plan
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_per_rank
 from autopar.rules.calls import tensor_inputs
@@ -46,6 +46,7 @@ class PlanMemory:
 
     param_bytes: float  # stored shards of parameters and buffers
     saved: list[SavedValue] = field(default_factory=list)
+    activation_copies: int = 1  # microbatches whose saved values the rank holds at once (a pipeline stage's)
 
     def activation_bytes(self, regather: Collection[str] = ()) -> float:
         return sum(s.bytes for s in self.saved if s.name not in regather)
@@ -54,8 +55,11 @@ class PlanMemory:
         return self.with_activations(self.activation_bytes(regather))
 
     def with_activations(self, activation_bytes: float) -> MemoryBreakdown:
-        """The breakdown with `activation_bytes` saved (what recomputation leaves, `planning.recompute`)."""
-        return memory_per_rank(self.param_bytes, self.param_bytes, ADAMW_STATE_FACTOR, activation_bytes)
+        """The breakdown with `activation_bytes` saved per microbatch (what recomputation leaves,
+        `planning.recompute`), held `activation_copies` times."""
+        return memory_per_rank(
+            self.param_bytes, self.param_bytes, ADAMW_STATE_FACTOR, self.activation_copies * activation_bytes
+        )
 
 
 def saved_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -119,7 +123,7 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> Pl
         )
     )
     decided = set(plan.decided)
-    memory = PlanMemory(param_bytes)
+    memory = PlanMemory(param_bytes, activation_copies=activation_copies(gm))
     for node in saved_nodes(gm):
         have = plan.layouts[node.name][0]
         forward_wants: set[Layout] = set()
