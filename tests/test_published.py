@@ -243,12 +243,14 @@ def test_auto_gets_each_rows_model_batch_microbatches_cluster_and_memory() -> No
     # where auto does not win by 10 %, the reason names its pick and the candidate at the expert's depth
     expert = {"p": 2}
     cands = [
-        {"pp": 1, "stage_mesh": "8x4 (x,y)", "schedule": "-", "v": 1, "error": "", "fits": True},
+        {"pp": 1, "stage_mesh": "8x4 (x,y)", "schedule": "-", "v": 1, "error": "", "fits": True, "recompute": "search",
+         "bubble": 0.0, "factor": 1.0},
         {"pp": 2, "stage_mesh": "16 ranks", "schedule": "-", "v": 1, "error": "not priced: ideal cut 2 s > best 1 s"},
     ]
     assert why(expert, cands, 1.5) == ""
     assert why(expert, cands, 1.0) == (
-        "auto picks pp 1 8x4 (x,y) - v1; at the expert's depth pp 2: not priced: ideal cut 2 s > best 1 s"
+        "auto picks pp 1 8x4 (x,y) - v1 (recompute search, bubble 0.00, sub-mesh factor 1.00); "
+        "at the expert's depth pp 2: not priced: ideal cut 2 s > best 1 s"
     )
     assert "not among the depths priced" in why({"p": 4}, cands, 0.9)
     assert why(expert, [cands[1]], 0.0) == "no candidate fits: not priced: ideal cut 2 s > best 1 s"
