@@ -53,6 +53,7 @@ from published_rows import Row
 from autopar.compiler.pipeline_mesh import choose_pipeline_mesh
 from autopar.cost.hardware import load_hardware
 from autopar.cost.work import PLANNED_ATTENTION
+from autopar.planning.mesh_choice import MeshChoice
 from autopar.planning.step_accounting import MIXED_ADAMW, WeightState
 from autopar.planning.step_model import price_step
 
@@ -102,7 +103,10 @@ def why(expert: dict[str, Any], candidates: list[dict[str, Any]], speedup: float
     if not fitting:
         return "no candidate fits: " + "; ".join(sorted({c["error"] for c in candidates if c["error"]}))[:300]
     chosen = fitting[0]
-    parts = [f"auto picks pp {chosen['pp']} {chosen['stage_mesh']} {chosen['schedule']} v{chosen['v']}"]
+    parts = [
+        f"auto picks pp {chosen['pp']} {chosen['stage_mesh']} {chosen['schedule']} v{chosen['v']} "
+        f"(recompute {chosen['recompute']}, bubble {chosen['bubble']:.2f}, sub-mesh factor {chosen['factor']:.2f})"
+    ]
     at_depth = [c for c in candidates if c["pp"] == expert["p"]]
     if at_depth:
         best = at_depth[0]
@@ -155,8 +159,20 @@ def run_row(row: Row) -> dict[str, Any]:
         "auto_schedule": best.schedule, "auto_v": best.v, "auto_recompute": best.recompute,
         "auto_memory_gb": best.memory / 1e9 if auto_ok else None,
         "speedup": speedup, "why": why(expert, candidates, speedup),
-        "expert_cpu_s": expert_cpu, "auto_cpu_s": auto_cpu, "candidates": candidates, "table": choice.table(),
+        "expert_cpu_s": expert_cpu, "auto_cpu_s": auto_cpu, "candidates": candidates,
+        "tensor_only": tensor_only_breakdown(choice.tensor_only), "table": choice.table(),
     }  # fmt: skip
+
+
+def tensor_only_breakdown(choice: MeshChoice | None) -> dict[str, Any] | None:
+    """The tensor-only choice's pick as its search left it: how it stores the weights, its memory
+    (the row's weight state counted), its step's parts (s; `reduce_s`: its gradient reduction)."""
+    if choice is None:
+        return None
+    c = choice.chosen
+    return {"mesh": c.label, "storage": c.storage, "fits": c.fits, "memory_gb": c.memory / 1e9,
+            "param_gb": c.param_bytes / 1e9, "comm_s": c.comm_time, "compute_s": c.compute_time,
+            "reduce_s": c.reduce_time, "scheduled_s": c.scheduled_time}  # fmt: skip
 
 
 def _child(row: Row, cpu_limit: int, conn: Any) -> None:

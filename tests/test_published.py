@@ -243,15 +243,32 @@ def test_auto_gets_each_rows_model_batch_microbatches_cluster_and_memory() -> No
     # where auto does not win by 10 %, the reason names its pick and the candidate at the expert's depth
     expert = {"p": 2}
     cands = [
-        {"pp": 1, "stage_mesh": "8x4 (x,y)", "schedule": "-", "v": 1, "error": "", "fits": True},
+        {"pp": 1, "stage_mesh": "8x4 (x,y)", "schedule": "-", "v": 1, "error": "", "fits": True, "recompute": "search",
+         "bubble": 0.0, "factor": 1.0},
         {"pp": 2, "stage_mesh": "16 ranks", "schedule": "-", "v": 1, "error": "not priced: ideal cut 2 s > best 1 s"},
     ]
     assert why(expert, cands, 1.5) == ""
     assert why(expert, cands, 1.0) == (
-        "auto picks pp 1 8x4 (x,y) - v1; at the expert's depth pp 2: not priced: ideal cut 2 s > best 1 s"
+        "auto picks pp 1 8x4 (x,y) - v1 (recompute search, bubble 0.00, sub-mesh factor 1.00); "
+        "at the expert's depth pp 2: not priced: ideal cut 2 s > best 1 s"
     )
     assert "not among the depths priced" in why({"p": 4}, cands, 0.9)
     assert why(expert, [cands[1]], 0.0) == "no candidate fits: not priced: ideal cut 2 s > best 1 s"
+
+
+def test_a_plan_over_the_memory_limit_is_never_reported_as_the_winner() -> None:
+    """`run_row` hands `report` no step where the chosen candidate does not fit (`auto_step_s` None):
+    the table says so, with no speedup, and the summary counts it apart from the rows auto wins or
+    loses."""
+    from published_auto import report
+
+    row = {"key": "r", "gpus": 32, "expert": {"t": 1, "p": 1, "d": 32}, "expert_step_s": 3.0,
+           "expert_framework_step_s": 3.1, "auto_mesh": "4x8 (x,y)", "auto_schedule": "-", "auto_v": 1,
+           "auto_recompute": "search", "auto_step_s": None, "auto_memory_gb": None, "speedup": 0.0,
+           "why": "no candidate fits: over the memory limit"}  # fmt: skip
+    _, body, summary = report([row])
+    assert body[0][5] == "none fits" and body[0][8] == "-" and body[0][9] == "-"
+    assert summary["no_fitting_candidate"] == 1 and summary["slower"] == summary["at_least_1.1x"] == 0
 
 
 def test_attention_is_priced_at_its_kernels_published_rates() -> None:

@@ -17,12 +17,18 @@ import torch.fx as fx
 
 from autopar.compiler.pipeline_mesh import StateBytes, per_microbatch, per_step_best, tensor_only_candidate
 from autopar.core.errors import AutoparError
+from autopar.core.graph_copy import graph_copy
 from autopar.core.layout import Layout, Partial, Replicate
+from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.cost.formulas import collective_time
 from autopar.cost.hardware import axis_links, load_hardware
 from autopar.passes.trace import trace
+from autopar.planning.greedy import choose_layouts
+from autopar.planning.memory import StateRatios, plan_memory, set_state_ratios, state_ratios
 from autopar.planning.mesh_choice import MeshCandidate, MeshChoice
+from autopar.planning.search import search_layouts, weight_state_bytes
+from autopar.planning.search_cost import TimeCost
 from autopar.planning.stage_cut import StageCut, cut_graph
 from autopar.planning.stage_units import StageGraph, stage_graph
 from autopar.planning.step_accounting import (
@@ -32,6 +38,7 @@ from autopar.planning.step_accounting import (
     gradient_reduction_time,
     weight_state_for,
 )
+from autopar.rules.registry import default_registry
 from examples.models import make_gpt, make_mlp
 
 HW = "a100-cluster"
@@ -204,20 +211,41 @@ def test_weight_state_by_name_or_by_the_parameters_dtype() -> None:
 
 def test_the_tensor_only_candidate_is_priced_with_the_weight_state_and_its_optimizer_step() -> None:
     # the 2-layer bf16 GPT holds 28032 parameter elements (the tied head once), 2 bytes each; the
-    # plan search counts 4 bytes per stored byte (weight, gradient, AdamW in bf16: 8 per element),
-    # mixed precision keeps 18 per element: 9 per stored byte, 5 more; AdamW moves 30 per element
+    # plain count keeps 4 bytes per stored byte (weight, gradient, AdamW in bf16: 8 per element),
+    # mixed precision keeps 18 per element: 9 per stored byte, 5 more (fp32 gradient: 2 per stored
+    # byte; master and AdamW: 6); AdamW moves 30 per element
     state = StateBytes.of(gpt_bf16(), MIXED_ADAMW)
     elements = STAGE0 + STAGE1 - 2048
     assert state.stored == elements * 2
     assert state.extra == pytest.approx(18 / 2 - 4) and state.step == pytest.approx(30 / 2)
+    assert state.ratios == StateRatios(grad=pytest.approx(2.0), optimizer=pytest.approx(6.0))
+    assert state.ratios.total == pytest.approx(9.0)
     hw = load_hardware(HW)
     stored = state.stored / 8  # a plan that splits every parameter over 8 ranks
+    # its search counted its memory with those ratios (`set_state_ratios`): taken as it is
     best = MeshCandidate((2, 4), ("x", "y"), comm_time=2e-3, compute_time=5e-3, memory=1e6, fits=True,
                          scheduled_time=6e-3, reduce_time=1e-3, param_bytes=stored)  # fmt: skip
-    row = tensor_only_candidate(best, state, hw, limit=1e6 + 5 * stored, world_size=8)
-    assert row.memory == pytest.approx(1e6 + 5 * stored) and row.fits
+    row = tensor_only_candidate(best, state, hw, limit=1e6, world_size=8)
+    assert row.memory == pytest.approx(1e6) and row.fits
     assert row.step_time == pytest.approx(6e-3 + 15 * stored / hw.memory_bandwidth)
-    assert not tensor_only_candidate(best, state, hw, limit=1e6 + 5 * stored - 1, world_size=8).fits
+    assert not tensor_only_candidate(best, state, hw, limit=1e6 - 1, world_size=8).fits
+
+
+def test_plans_are_counted_with_the_weight_state_recorded_on_their_graph() -> None:
+    # the same plan of a copy of the graph, plainly and with mixed precision's ratios: params as
+    # stored, gradient 2 and optimizer 6 bytes per stored byte instead of 1 and 2, same activations
+    gm = gpt_bf16()
+    mixed = graph_copy(gm)
+    set_state_ratios(mixed, StateBytes.of(gm, MIXED_ADAMW).ratios)
+    assert state_ratios(gm) == StateRatios()
+    plan = choose_layouts(gm, Mesh.from_shape((2,), ("x",)), default_registry())
+    plain, counted = plan_memory(gm, plan, (2,)), plan_memory(mixed, plan, (2,))
+    assert counted.param_bytes == plain.param_bytes > 0
+    assert counted.activation_bytes() == plain.activation_bytes()
+    p = plain.param_bytes
+    assert plain.breakdown().total == pytest.approx(4 * p + plain.activation_bytes())
+    assert counted.breakdown().grads == pytest.approx(2 * p) and counted.breakdown().optimizer == pytest.approx(6 * p)
+    assert weight_state_bytes(mixed) == pytest.approx(9 / 4 * weight_state_bytes(gm))
 
 
 def test_the_stage_sub_mesh_is_ranked_with_its_gradient_reduction_once_per_step() -> None:
@@ -231,3 +259,22 @@ def test_the_stage_sub_mesh_is_ranked_with_its_gradient_reduction_once_per_step(
     assert per_microbatch(data) == pytest.approx(2e-3) and per_microbatch(tensor) == pytest.approx(5e-3)
     assert per_step_best(choice, 16) is data
     assert per_step_best(choice, 1) is tensor  # one microbatch: 2 + 8 = 10 ms against 5 + 1 = 6 ms
+
+
+def test_the_search_fits_replicated_weights_with_the_weight_state_they_hold() -> None:
+    # on (8,) the search stores the 2-layer GPT's weights replicated (DDP's pattern: 56 KB of
+    # bf16, 224 KB counted plainly). Under mixed precision replicas hold 9 bytes per stored byte,
+    # 504 KB: over a 400 KB limit a plain count fits under. The search of the graph with the
+    # ratios recorded counts them, and stores the weights sharded instead (PTD-P 1.7B on 4x8 was
+    # handed 95.8 GB of 80 by the plain count)
+    mesh, limit = Mesh.from_shape((8,), ("x",)), 4e5
+    cost = TimeCost("a100-calibrated", mesh.shape)
+    plain = search_layouts(gpt_bf16(), mesh, default_registry(), cost=cost, memory_limit=limit)
+    assert plain.storage == "replicated" and plain.memory is not None and plain.memory.total <= limit
+    assert plain.memory.total + 5 * plain.memory.params > limit  # what the replicas would hold
+    mixed = graph_copy(gpt_bf16())
+    set_state_ratios(mixed, StateBytes.of(mixed, MIXED_ADAMW).ratios)
+    counted = search_layouts(mixed, mesh, default_registry(), cost=cost, memory_limit=limit)
+    assert counted.storage == "sharded" and counted.memory is not None
+    assert counted.memory.total == pytest.approx(9 * counted.memory.params + counted.memory.activations)
+    assert counted.memory.total <= limit

@@ -8,11 +8,12 @@ masters and AdamW states for a 16-bit model), the data axis's gradient reduction
 the optimizer step, and recomputation.
 
 - The tensor-only candidate (pp = 1) is the tensor mesh choice (`choose_mesh`) on the whole batch
-  as one step (what `parallelize` then runs: no microbatches). Its plan search counts AdamW states
-  in the traced dtype, so the weight state's further bytes are taken off its memory limit (the
-  search stores every parameter split over all ranks) and added to its memory after, with the
-  optimizer step over the state it stores (`tensor_only_candidate`). It recomputes what its search
-  chooses to fit the limit.
+  as one step (what `parallelize` then runs: no microbatches). Its plan search counts every plan
+  with the weight state's bytes per stored byte (`StateBytes.ratios`, recorded on the graph it
+  plans: `planning.memory.set_state_ratios`), so each plan's storage is counted as it stores (a
+  replicated plan holds p times a sharded one's state) and the search recomputes what it must to fit
+  the limit with it; its step adds the optimizer step over the state it stores
+  (`tensor_only_candidate`).
 - A pipeline candidate's stage sub-mesh is the tensor mesh choice for t ranks on one microbatch,
   re-ranked for a step of M microbatches that reduces its gradients once (`per_step_best`: M times
   its time per microbatch without its gradient reduction, plus that reduction once). Its modeled
@@ -57,7 +58,7 @@ from autopar.core.errors import AutoparError, MeshError
 from autopar.core.meta import has_info, info, signature
 from autopar.cost.hardware import Hardware, load_hardware
 from autopar.passes.trace import trace
-from autopar.planning.memory import MEMORY_HEADROOM
+from autopar.planning.memory import MEMORY_HEADROOM, StateRatios, set_state_ratios
 from autopar.planning.mesh_choice import SEARCHED_CANDIDATES, MeshCandidate, MeshChoice
 from autopar.planning.search_steps import StepCache
 from autopar.planning.stage_cut import cut_graph
@@ -185,11 +186,13 @@ def choose_pipeline_mesh(
     tensor_only: MeshChoice | None = None
     steps = StepCache()  # pairs of placements, shared by every choice below (they depend on ndim only)
     try:
-        # the search counts AdamW states in the traced dtype; the rest of the weight state's bytes
-        # are taken off its limit (it stores every parameter split over all ranks) and checked after
-        search_limit = limit - max(0.0, state.extra) * state.stored / world_size
-        tensor_only = choose_mesh(model, world_size, example, hardware=hardware, memory_limit=search_limit,
-                                  example_kwargs=example_kwargs, registry=registry,
+        # every plan the search weighs is counted with the weight state (module doc): a limit taken
+        # down by the sharded share, as before, let replicated storage through 5 bytes per stored
+        # byte over it (PTD-P 1.7B on 4x8: 95.8 GB of 80)
+        whole = trace_for_choice(model, world_size, example, example_kwargs=example_kwargs, token_dispatch=token_dispatch)
+        set_state_ratios(whole, state.ratios)
+        tensor_only = choose_mesh(model, world_size, example, hardware=hardware, memory_limit=limit,
+                                  example_kwargs=example_kwargs, registry=registry, traced=whole,
                                   searched_candidates=searched_candidates, steps=steps,
                                   token_dispatch=token_dispatch)  # fmt: skip
         candidates.append(tensor_only_candidate(tensor_only.chosen, state, hw, limit, world_size))
@@ -271,19 +274,26 @@ def choose_pipeline_mesh(
 @dataclass(frozen=True)
 class StateBytes:
     """The model's weight state under `weight_state`, whole: `stored` bytes of parameters and
-    buffers as traced, `extra` bytes of state per stored byte beyond the plan search's count (the
-    parameter, its gradient and two AdamW states in the traced dtype: 4 per byte), and `step`
-    bytes the optimizer step moves per stored byte."""
+    buffers as traced, `extra` bytes of state per stored byte beyond the plain count (the
+    parameter, its gradient and two AdamW states in the traced dtype: 4 per byte), `step` bytes
+    the optimizer step moves per stored byte, and `grad` gradient bytes per stored byte."""
 
     weight_state: WeightState
     stored: float
     extra: float
     step: float
+    grad: float = 1.0
+
+    @property
+    def ratios(self) -> StateRatios:
+        """Gradient and optimizer bytes per stored byte, as the plan search counts a plan's state
+        (`planning.memory.StateRatios`): the gradient's, and the rest of the state beyond it."""
+        return StateRatios(grad=self.grad, optimizer=3.0 + self.extra - self.grad)
 
     @staticmethod
     def of(gm: fx.GraphModule, weight_state: WeightState) -> StateBytes:
         sig = signature(gm)
-        stored = held = step = 0.0
+        stored = held = step = grad = 0.0
         for n in gm.graph.nodes:
             if n.op != "placeholder" or not has_info(n) or info(n).role not in ("param", "buffer", "constant"):
                 continue
@@ -293,21 +303,24 @@ class StateBytes:
             if info(n).role == "param" and sig.requires_grad.get(info(n).param_name or n.name, True):
                 held += val.numel() * weight_state.bytes(size)
                 step += val.numel() * weight_state.step_bytes(size)
+                grad += val.numel() * weight_state.grad_bytes(size)
             else:
-                held += 4 * val.numel() * size  # a buffer: counted by the search as it counts it
+                held += 4 * val.numel() * size  # a buffer: counted as the plain count counts it
+                grad += val.numel() * size
         if stored <= 0:
             return StateBytes(weight_state, 0.0, 0.0, 0.0)
-        return StateBytes(weight_state, stored, held / stored - 4.0, step / stored)
+        return StateBytes(weight_state, stored, held / stored - 4.0, step / stored, grad / stored)
 
 
 def tensor_only_candidate(
     best: MeshCandidate, state: StateBytes, hw: Hardware, limit: float, world_size: int
 ) -> PipelineCandidate:
     """The tensor-only mesh choice's best (the whole batch in one step, its gradient reduction in
-    it) under the weight state's accounting: its memory with the state's bytes beyond the search's
-    count, its step with the optimizer step over the state it stores."""
+    it) under the weight state's accounting: its memory as its search counted it (with the
+    state's ratios, `StateBytes.ratios`), its step with the optimizer step over the state it
+    stores."""
     stored = best.param_bytes if math.isfinite(best.param_bytes) else state.stored / world_size
-    memory = best.memory + state.extra * stored
+    memory = best.memory
     step = best.rank_time + optimizer_seconds(state.step * stored, hw)
     return PipelineCandidate(
         1, best.label, "-", 1, step, memory, memory <= limit, stage_shape=best.shape, stage_names=best.names,

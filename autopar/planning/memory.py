@@ -1,7 +1,13 @@
 """Memory per rank of a plan, before any collective exists: what the plan search constrains.
 
 It counts what `autopar.plan` measures on the emitted program: stored parameter shards, their
-gradients and AdamW states (fp32), and the activations the forward hands to the backward. Backward
+gradients and AdamW states (in the parameter's dtype: 4 bytes kept per stored byte), and the
+activations the forward hands to the backward. A choice that prices another weight state (the
+mesh choice with pipeline depths under `PlanOptions.weight_state`: mixed precision's float32
+gradient, master and AdamW states beside a bfloat16 weight, 9 bytes per stored byte) records its
+`StateRatios` on the traced graph (`set_state_ratios`), and every plan of that graph is counted with
+them, so the search fits the limit with the state the step will hold, whatever storage a plan picks
+(replicated weights hold p times the sharded state). Backward
 reuses a redistribution made in forward (insert_comm makes each (value, layout) once), so a value
 that forward gathered and backward wants gathered is saved gathered; this is where the gathered
 weights that the search keeps for backward come from.
@@ -24,10 +30,37 @@ import torch.fx as fx
 from autopar.core.layout import Layout
 from autopar.core.meta import activation_copies, info, is_backward, signature
 from autopar.core.plan import MAX_REGATHER_NODES, Plan
-from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_per_rank
+from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown
 from autopar.rules.calls import tensor_inputs
 
 MEMORY_HEADROOM = 0.9  # default limit: this share of device memory (as MemoryBreakdown.fits)
+STATE_RATIOS_KEY = "autopar_state_ratios"  # gm.meta: the graph's `StateRatios`, when not plain
+
+
+@dataclass(frozen=True)
+class StateRatios:
+    """Bytes a rank keeps per byte of stored parameter beyond the parameter itself: its gradient
+    and its optimizer state (a float32 master and AdamW's two states). The default is what
+    `parallelize` keeps: gradient and AdamW states in the parameter's dtype (1 + 2)."""
+
+    grad: float = 1.0
+    optimizer: float = ADAMW_STATE_FACTOR
+
+    @property
+    def total(self) -> float:
+        """Bytes kept per stored byte, the parameter included."""
+        return 1.0 + self.grad + self.optimizer
+
+
+def state_ratios(gm: fx.GraphModule) -> StateRatios:
+    """The weight state the plans of `gm` are counted with (module doc); plain if none was set."""
+    ratios = gm.meta.get(STATE_RATIOS_KEY)
+    return ratios if isinstance(ratios, StateRatios) else StateRatios()
+
+
+def set_state_ratios(gm: fx.GraphModule, ratios: StateRatios) -> None:
+    """Count every plan of `gm` with `ratios` (a choice pricing a weight state other than plain)."""
+    gm.meta[STATE_RATIOS_KEY] = ratios
 
 
 @dataclass(frozen=True)
@@ -46,6 +79,7 @@ class PlanMemory:
 
     param_bytes: float  # stored shards of parameters and buffers
     saved: list[SavedValue] = field(default_factory=list)
+    ratios: StateRatios = field(default_factory=StateRatios)  # gradient and optimizer bytes per stored byte
     activation_copies: int = 1  # microbatches whose saved values the rank holds at once (a pipeline stage's)
 
     def activation_bytes(self, regather: Collection[str] = ()) -> float:
@@ -57,9 +91,8 @@ class PlanMemory:
     def with_activations(self, activation_bytes: float) -> MemoryBreakdown:
         """The breakdown with `activation_bytes` saved per microbatch (what recomputation leaves,
         `planning.recompute`), held `activation_copies` times."""
-        return memory_per_rank(
-            self.param_bytes, self.param_bytes, ADAMW_STATE_FACTOR, self.activation_copies * activation_bytes
-        )
+        params, ratios, held = self.param_bytes, self.ratios, self.activation_copies * activation_bytes
+        return MemoryBreakdown(params, params * ratios.grad, params * ratios.optimizer, float(held))
 
 
 def saved_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -123,7 +156,7 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> Pl
         )
     )
     decided = set(plan.decided)
-    memory = PlanMemory(param_bytes, activation_copies=activation_copies(gm))
+    memory = PlanMemory(param_bytes, ratios=state_ratios(gm), activation_copies=activation_copies(gm))
     for node in saved_nodes(gm):
         have = plan.layouts[node.name][0]
         forward_wants: set[Layout] = set()

@@ -39,9 +39,9 @@ from autopar.core.errors import AutoparError, MemoryLimitError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import info
 from autopar.core.plan import Plan
-from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown, format_bytes, memory_per_rank
+from autopar.cost.formulas import MemoryBreakdown, format_bytes
 from autopar.planning.greedy import axis_roles, greedy_plan
-from autopar.planning.memory import MEMORY_HEADROOM, PlanMemory, plan_memory
+from autopar.planning.memory import MEMORY_HEADROOM, PlanMemory, plan_memory, state_ratios
 from autopar.planning.plan_cost import GraphFacts, plan_cost, plan_cost_parts
 from autopar.planning.recompute import (
     RecomputeModel,
@@ -454,14 +454,15 @@ def replicated_fits(gm: fx.GraphModule, limit: float) -> bool:
 
 
 def weight_state_bytes(gm: fx.GraphModule) -> float:
-    """Bytes of every parameter whole, with its gradient and AdamW states: what each rank holds
-    when weights are stored replicated and no axis splits them."""
+    """Bytes of every parameter whole, with its gradient and AdamW states (as the graph's plans are
+    counted, `memory.state_ratios`): what each rank holds when weights are stored replicated and no
+    axis splits them."""
     params = sum(
         n.meta["val"].numel() * n.meta["val"].element_size()
         for n in gm.graph.nodes
         if n.op == "placeholder" and info(n).role == "param" and isinstance(n.meta.get("val"), torch.Tensor)
     )
-    return memory_per_rank(params, params, ADAMW_STATE_FACTOR).total
+    return params * state_ratios(gm).total
 
 
 def _leanest_need(memory: PlanMemory) -> float:
