@@ -91,6 +91,7 @@ from autopar.passes.value_guards import (
     split_value_guards,
     valued_copy,
 )
+from autopar.rules.autograd_function import FunctionTable
 from autopar.rules.decompositions import refuse_target_dtypes, sharding_decompositions
 
 __all__ = ["CAUSAL_MASK_HINT", "CTC_HINT", "DATA_DEPENDENT_HINT", "VALUE_DEPENDENT_HINT", "fake_clone", "trace"]
@@ -123,11 +124,11 @@ def trace(
     (`autopar.passes.mixed_precision`).
     `routed_experts`: transformers' experts modules are traced as one `autopar::routed_experts` op
     each (`autopar.passes.routed_experts_trace`), so the plan can place the all-to-all dispatcher."""
-    with autocast_off(), routed_experts_traced(model, routed_experts), functions_as_ops(not forward_only):
+    with autocast_off(), routed_experts_traced(model, routed_experts), functions_as_ops(not forward_only) as functions:
         try:
             gm = _trace(
                 model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast,
-                mixed_precision,
+                mixed_precision, functions,
             )
             mark_routing_imbalance(gm, model)
             return gm
@@ -150,6 +151,7 @@ def _trace(
     forward_only: bool,
     autocast: AutocastState,
     mixed_precision: MixedPrecision | None,
+    functions: FunctionTable,
 ) -> fx.GraphModule:
     example_kwargs = example_kwargs or {}
     if not forward_only:  # hooks on gradients would be dropped: refused by name (passes/hooks.py)
@@ -235,7 +237,7 @@ def _trace(
         raise
     if outputs.functions:
         restore()
-        raise custom_function_error(outputs.functions, exported.graph_module.graph)
+        raise custom_function_error(outputs.functions, exported.graph_module.graph, functions)
     decompositions = sharding_decompositions() if decompose else None
     in_spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1]
     joint = _Joint(model, fake_mode, fake_args, fake_kwargs, decompositions, tied, split_fused, in_spec, outputs)
@@ -257,7 +259,7 @@ def _trace(
     simplify_strided(gm)
     merge_repeated_calls(gm)
     signature(gm).index_checks = find_index_checks(gm)
-    verify_function_splits(gm)
+    verify_function_splits(gm, functions)
     signature(gm).value_guards = guards
     gm.graph.lint()
     # Python code for the joint graph is generated only when someone runs or prints it: the later

@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.layout import Layout
 from autopar.core.redistribute import CommStep
-from autopar.core.strategy import Strategy
+from autopar.core.strategy import Strategy, TracedKernel
 from autopar.core.value_guards import ValueGuards
 
 NODE_KEY = "autopar"
@@ -47,6 +47,7 @@ class NodeInfo:
     note: str = ""  # why this layout (planner's reason), shown in dumps
     chunk: int | None = None  # over-decomposition: the batch chunk (in-process coordinate) it computes
     checkpoint: str | None = None  # forward ops in a user's torch.utils.checkpoint region: its module path
+    traced: TracedKernel | None = None  # a custom-Function op: its trace's splits and kernel (OpCall.traced)
 
     @property
     def layout(self) -> Layout:
