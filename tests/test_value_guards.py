@@ -388,3 +388,29 @@ def test_a_flag_read_through_a_constant_the_forward_makes_is_a_guard(marked: boo
     for run in compiled.values():
         targets = {n.target for n in run.program.forward.graph.nodes}
         assert torch.ops.aten.item.default not in targets
+
+
+class _ReadsThroughData(nn.Module):
+    """A branch on an input read through `.data` (I-BERT reads its activations' range so):
+    `.data` makes a tensor without dispatching an op, which torch.export would lift as a constant;
+    the trace reads it as `detach()`, so the condition is a guard on the input like any other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if x.data.max() > 0.5:  # line: DATA
+            h = h * 2
+        return F.cross_entropy(h, y)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_a_branch_on_an_inputs_data_is_a_guard(scale: float) -> None:
+    torch.manual_seed(0)
+    x, y = _batch(1.0)
+    compiled = assert_call_matches_serial(_ReadsThroughData(), (2,), (x * scale, y))
+    guards = next(iter(compiled.values())).program.value_guards
+    assert guards is not None and any(_line("DATA") in c for c in guards.conditions), guards
+    assert guards.hold([x * scale, y]) and not guards.hold([x * (1.25 - scale), y])
