@@ -453,6 +453,8 @@ def _annotate(
     user: list[Any] = []
     updates: list[Any] = []  # new values of buffers the forward updates (BatchNorm running stats)
     buffer_updates: list[str] = []
+    new_inputs: list[Any] = []  # new values of inputs the forward writes into (FSMT's labels)
+    input_updates: list[int] = []
     grads: list[Any] = []
     grad_of: list[str] = []
     input_grads: list[Any] = []  # gradients of user inputs that require grad, after the parameters'
@@ -478,7 +480,8 @@ def _annotate(
         elif kind == "GradAOTOutput" or (kind == "None" and value is None):
             continue  # absent gradients: the input does not reach the outputs
         elif kind == "InputMutationAOTOutput" and _desc_kind(desc.mutated_input) == "PlainAOTInput":
-            raise _input_update_error(model, value, int(input_index[desc.mutated_input.idx]))  # type: ignore[arg-type]
+            input_updates.append(int(input_index[desc.mutated_input.idx]))  # type: ignore[arg-type]
+            new_inputs.append(value)
         elif kind == "InputMutationAOTOutput" and _desc_kind(desc.mutated_input) == "ParamAOTInput":
             raise _parameter_update_error(model, value, str(desc.mutated_input.target))
         else:
@@ -487,9 +490,10 @@ def _annotate(
                 hint="the forward may update its own buffers (BatchNorm running statistics), "
                 "not its inputs or parameters in place",
             )
-    # the buffers' new values count as forward outputs, after the user's
-    num_user_outputs = len(user) + len(updates)
-    output.args = (tuple(user + updates + grads + input_grads),)
+    # the inputs' and the buffers' new values count as forward outputs, after the user's (the
+    # buffers' last: the planners find them at the end)
+    num_user_outputs = len(user) + len(new_inputs) + len(updates)
+    output.args = (tuple(user + new_inputs + updates + grads + input_grads),)
     set_info(output, NodeInfo(role="output", phase="backward"))
 
     tangent_nodes = {n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "tangent"}
@@ -528,24 +532,8 @@ def _annotate(
         constants=_lift_constants(gm),
         outputs=outputs,
         buffer_updates=buffer_updates,
+        input_updates=input_updates,
         input_grads=input_grad_of,
-    )
-
-
-def _input_update_error(model: nn.Module, value: Any, index: int) -> TraceError:
-    """The forward writes into one of its inputs in place (FSMT's `shift_tokens_right` replaces
-    -100 in `labels` by the pad id): the serial model changes the caller's tensor, which autopar
-    would have to write back, whole, after the call; it does not yet, so it refuses rather than
-    leave the caller's tensor different from what serial leaves."""
-    where = node_where(value) if isinstance(value, fx.Node) else None  # the new value: the op's line
-    return TraceError(
-        f"{type(model).__name__} writes into its tensor input {index} in place (the serial model "
-        "changes the caller's tensor); autopar does not write an input back to the caller yet",
-        op="in-place update of an input",
-        where=where,
-        hint="compute what the model derives from the input outside forward and pass that instead "
-        "(FSMT: pass decoder_input_ids built from a copy of labels, as shift_tokens_right builds "
-        "them), or have the model update a copy (x = x.clone() before the in-place op)",
     )
 
 

@@ -122,12 +122,16 @@ class JointSignature:
     buffer_names: list[str]
     num_inputs: int
     num_tangents: int
-    num_user_outputs: int  # forward outputs: the user's tensors, then `buffer_updates`' new values
+    num_user_outputs: int  # forward outputs: the user's tensors, `input_updates`', `buffer_updates`' new values
     grad_of: list[str]  # parameter name of each gradient output, in output order
     in_spec: Any = None  # pytree spec of the user's (args, kwargs)
     outputs: OutputStructure | None = None  # how the user's output is rebuilt from the tensor outputs
     # buffers the forward updates (BatchNorm running stats), in the order of the last forward outputs
     buffer_updates: list[str] = field(default_factory=list)
+    # user inputs (tensor input index) the forward writes into in place (FSMT's `labels.masked_fill_`):
+    # their new values are forward outputs after the user's, before the buffers', written back
+    # into the caller's tensors as serial leaves them
+    input_updates: list[int] = field(default_factory=list)
     requires_grad: dict[str, bool] = field(default_factory=dict)
     param_parts: dict[str, ParamPart] = field(default_factory=dict)  # part name -> where it comes from
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # constant placeholder -> value
