@@ -10,6 +10,10 @@ application whose backward matters (grad on, a tensor argument requiring grad) o
 (`autopar.rules.autograd_function`). After the joint export, `verify_function_splits` finds, for
 each such op, the splits its ops allow by autopar's own rules.
 
+Each trace has its own `FunctionTable` (`functions_as_ops` yields it): the entries its ops name
+and the Functions refused, with why. After the trace, every Function op node carries its splits
+and kernel in its metadata (`NodeInfo.traced`), so the table is read by nothing after the trace.
+
 A Function that cannot be made an op (a tensor hidden in a container argument, a non-plain
 argument such as a module, a random draw in its forward, which recomputing it in backward would
 draw again) stays as torch.export traces it and is refused by name (`custom_function_error`),
@@ -34,15 +38,18 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import TraceError
 from autopar.core.layout import Placement, Replicate, Shard
+from autopar.core.meta import has_info, update_info
 from autopar.core.strategy import AxisStrategy
 from autopar.passes.trace_errors import module_path, user_frame
 from autopar.rules.autograd_function import (
     AUTOGRAD_FUNCTION,
-    ENTRIES,
+    AUTOGRAD_FUNCTION_BACKWARD,
     PLAIN_TYPES,
     FunctionEntry,
+    FunctionTable,
     autograd_function,
     entry_key,
+    tracing_functions,
 )
 from autopar.rules.base import RuleRegistry, make_call
 from autopar.rules.registry import default_registry
@@ -107,16 +114,17 @@ def _why_not_an_op(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return None
 
 
-# Function classes not made ops in the current trace, and why
-_REFUSED: dict[type, str] = {}
-
-
 @contextmanager
-def functions_as_ops(enabled: bool) -> Iterator[None]:
+def functions_as_ops(enabled: bool) -> Iterator[FunctionTable]:
     """While open (when `enabled`), every application of a custom Function whose backward
-    matters computes with `autopar::autograd_function`; others run as torch runs them."""
+    matters computes with `autopar::autograd_function`, recorded in the table it yields (one per
+    trace); others run as torch runs them. `Function.apply` is swapped for the block alone (the
+    only way in: torch calls no mode or hook before a Function runs) and restored on exit."""
+    table = FunctionTable()
+    if not enabled:
+        yield table
+        return
     original = torch.autograd.function.Function.__dict__["apply"]
-    _REFUSED.clear()
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -125,13 +133,13 @@ def functions_as_ops(enabled: bool) -> Iterator[None]:
             return original.__func__(cls, *args, **kwargs)
         reason = _why_not_an_op(cls, args, kwargs)
         if reason is not None:
-            _REFUSED[cls] = reason
+            table.refused[cls] = reason
             return original.__func__(cls, *args, **kwargs)
         grad_inputs = tuple(
             i for i, t in enumerate(tensors) if t.requires_grad and (t.is_floating_point() or t.is_complex())
         )
         key = entry_key(cls, args, grad_inputs)
-        found = ENTRIES.setdefault(
+        found = table.entries.setdefault(
             key,
             FunctionEntry(
                 cls,
@@ -143,32 +151,34 @@ def functions_as_ops(enabled: bool) -> Iterator[None]:
         outputs = autograd_function(tensors, key)
         return outputs[0] if found.single else tuple(outputs)
 
-    if not enabled:
-        yield
-        return
     torch.autograd.function.Function.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
     try:
-        yield
+        with tracing_functions(table):
+            yield table
     finally:
         torch.autograd.function.Function.apply = original  # type: ignore[method-assign]
 
 
-def verify_function_splits(gm: fx.GraphModule, registry: RuleRegistry | None = None) -> None:
-    """For each Function op of `gm` not verified yet, the splits (per mesh axis) its forward and
-    its backward allow: its forward and backward are traced with make_fx on fake tensors of the
-    op's shapes, refused if they draw random numbers, and a split of one dim of the inputs is
-    kept where autopar's rule of every op they are made of places it (`_propagate`)."""
+def verify_function_splits(gm: fx.GraphModule, table: FunctionTable, registry: RuleRegistry | None = None) -> None:
+    """For each Function op of `gm` (entries of the trace's `table`), the splits (per mesh axis)
+    its forward and its backward allow: its forward and backward are traced with make_fx on fake
+    tensors of the op's shapes, refused if they draw random numbers, and a split of one dim of
+    the inputs is kept where autopar's rule of every op they are made of places it
+    (`_propagate`). Each op node then carries its splits and kernel (`NodeInfo.traced`), so
+    nothing after the trace looks the table up."""
     registry = registry or default_registry()
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not AUTOGRAD_FUNCTION:
-            continue
-        found = ENTRIES[node.args[1]]
-        if not found.verified:
-            _verify(found, [arg.meta["val"] for arg in node.args[0]], list(node.meta["val"]), registry, gm)
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (AUTOGRAD_FUNCTION, AUTOGRAD_FUNCTION_BACKWARD)]
+    for node in ops:  # verified at a forward op's shapes (a backward op's outputs are its inputs' gradients)
+        found = table.entry(node.args[-1])
+        if node.target is AUTOGRAD_FUNCTION and not found.verified:
+            _verify(found, [arg.meta["val"] for arg in node.args[0]], list(node.meta["val"]), registry, node)
+    for node in ops:
+        if has_info(node):
+            update_info(node, traced=table.entry(node.args[-1]).traced(backward=node.target is AUTOGRAD_FUNCTION_BACKWARD))
 
 
 def _verify(
-    found: FunctionEntry, inputs: list[torch.Tensor], outputs: list[torch.Tensor], registry: RuleRegistry, gm: fx.GraphModule
+    found: FunctionEntry, inputs: list[torch.Tensor], outputs: list[torch.Tensor], registry: RuleRegistry, node: fx.Node
 ) -> None:
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fakes = [mode.from_tensor(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")) for t in inputs]
@@ -185,7 +195,7 @@ def _verify(
                 f"the custom autograd.Function {found.function.__qualname__} draws random numbers "
                 f"({random.target}): running its forward again for its backward would draw others",
                 op=f"autograd.Function {found.name}",
-                where=_where_of(gm, found),
+                where=f"{module_path(node) or '<root>'} @ {user_frame(node.meta.get('stack_trace') or '')}",
                 hint="draw the random tensor outside the Function and pass it in as an argument",
             )
     forward_strategies: list[AxisStrategy] = []
@@ -263,13 +273,6 @@ def _placed(node: fx.Node, env: dict[fx.Node, Any], registry: RuleRegistry) -> A
     return None
 
 
-def _where_of(gm: fx.GraphModule, found: FunctionEntry) -> str | None:
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is AUTOGRAD_FUNCTION and ENTRIES.get(node.args[1]) is found:
-            return f"{module_path(node) or '<root>'} @ {user_frame(node.meta.get('stack_trace') or '')}"
-    return None
-
-
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
 
 
@@ -298,7 +301,7 @@ def first_node_of(graph: fx.Graph, cls: type) -> fx.Node | None:
     return None
 
 
-def custom_function_error(functions: list[type], graph: fx.Graph) -> TraceError:
+def custom_function_error(functions: list[type], graph: fx.Graph, table: FunctionTable) -> TraceError:
     """The refusal of the Functions traced as their forward's ops, with why each was not made one."""
     cls = functions[0]
     node = first_node_of(graph, cls)
@@ -306,7 +309,7 @@ def custom_function_error(functions: list[type], graph: fx.Graph) -> TraceError:
     if node is not None:
         where = f"{module_path(node) or '<root>'} @ {user_frame(node.meta.get('stack_trace') or '')}"
     others = f" (and {', '.join(c.__qualname__ for c in functions[1:])})" if functions[1:] else ""
-    reason = _REFUSED.get(cls)
+    reason = table.refused.get(cls)
     why = f"; it is not traced as one op with its backward because {reason}" if reason else ""
     return TraceError(
         f"{cls.__qualname__} is a custom torch.autograd.Function{others}: torch.export records the "

@@ -101,6 +101,7 @@ def emit(
             n: sig.param_parts[n] for n in (info(p).param_name for p in params) if n in sig.param_parts
         },
         buffer_updates=list(sig.buffer_updates),
+        input_updates=list(sig.input_updates),
         constants={
             name: sig.constants[name]
             for name in (info(p).param_name or p.name for p in params if info(p).role == "constant")

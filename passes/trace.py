@@ -91,6 +91,7 @@ from autopar.passes.value_guards import (
     split_value_guards,
     valued_copy,
 )
+from autopar.rules.autograd_function import FunctionTable
 from autopar.rules.decompositions import refuse_target_dtypes, sharding_decompositions
 
 __all__ = ["CAUSAL_MASK_HINT", "CTC_HINT", "DATA_DEPENDENT_HINT", "VALUE_DEPENDENT_HINT", "fake_clone", "trace"]
@@ -123,11 +124,11 @@ def trace(
     (`autopar.passes.mixed_precision`).
     `routed_experts`: transformers' experts modules are traced as one `autopar::routed_experts` op
     each (`autopar.passes.routed_experts_trace`), so the plan can place the all-to-all dispatcher."""
-    with autocast_off(), routed_experts_traced(model, routed_experts), functions_as_ops(not forward_only):
+    with autocast_off(), routed_experts_traced(model, routed_experts), functions_as_ops(not forward_only) as functions:
         try:
             gm = _trace(
                 model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast,
-                mixed_precision,
+                mixed_precision, functions,
             )
             mark_routing_imbalance(gm, model)
             return gm
@@ -150,6 +151,7 @@ def _trace(
     forward_only: bool,
     autocast: AutocastState,
     mixed_precision: MixedPrecision | None,
+    functions: FunctionTable,
 ) -> fx.GraphModule:
     example_kwargs = example_kwargs or {}
     if not forward_only:  # hooks on gradients would be dropped: refused by name (passes/hooks.py)
@@ -235,7 +237,7 @@ def _trace(
         raise
     if outputs.functions:
         restore()
-        raise custom_function_error(outputs.functions, exported.graph_module.graph)
+        raise custom_function_error(outputs.functions, exported.graph_module.graph, functions)
     decompositions = sharding_decompositions() if decompose else None
     in_spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1]
     joint = _Joint(model, fake_mode, fake_args, fake_kwargs, decompositions, tied, split_fused, in_spec, outputs)
@@ -257,7 +259,7 @@ def _trace(
     simplify_strided(gm)
     merge_repeated_calls(gm)
     signature(gm).index_checks = find_index_checks(gm)
-    verify_function_splits(gm)
+    verify_function_splits(gm, functions)
     signature(gm).value_guards = guards
     gm.graph.lint()
     # Python code for the joint graph is generated only when someone runs or prints it: the later
@@ -451,6 +453,8 @@ def _annotate(
     user: list[Any] = []
     updates: list[Any] = []  # new values of buffers the forward updates (BatchNorm running stats)
     buffer_updates: list[str] = []
+    new_inputs: list[Any] = []  # new values of inputs the forward writes into (FSMT's labels)
+    input_updates: list[int] = []
     grads: list[Any] = []
     grad_of: list[str] = []
     input_grads: list[Any] = []  # gradients of user inputs that require grad, after the parameters'
@@ -476,7 +480,8 @@ def _annotate(
         elif kind == "GradAOTOutput" or (kind == "None" and value is None):
             continue  # absent gradients: the input does not reach the outputs
         elif kind == "InputMutationAOTOutput" and _desc_kind(desc.mutated_input) == "PlainAOTInput":
-            raise _input_update_error(model, value, int(input_index[desc.mutated_input.idx]))  # type: ignore[arg-type]
+            input_updates.append(int(input_index[desc.mutated_input.idx]))  # type: ignore[arg-type]
+            new_inputs.append(value)
         elif kind == "InputMutationAOTOutput" and _desc_kind(desc.mutated_input) == "ParamAOTInput":
             raise _parameter_update_error(model, value, str(desc.mutated_input.target))
         else:
@@ -485,9 +490,10 @@ def _annotate(
                 hint="the forward may update its own buffers (BatchNorm running statistics), "
                 "not its inputs or parameters in place",
             )
-    # the buffers' new values count as forward outputs, after the user's
-    num_user_outputs = len(user) + len(updates)
-    output.args = (tuple(user + updates + grads + input_grads),)
+    # the inputs' and the buffers' new values count as forward outputs, after the user's (the
+    # buffers' last: the planners find them at the end)
+    num_user_outputs = len(user) + len(new_inputs) + len(updates)
+    output.args = (tuple(user + new_inputs + updates + grads + input_grads),)
     set_info(output, NodeInfo(role="output", phase="backward"))
 
     tangent_nodes = {n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "tangent"}
@@ -526,24 +532,8 @@ def _annotate(
         constants=_lift_constants(gm),
         outputs=outputs,
         buffer_updates=buffer_updates,
+        input_updates=input_updates,
         input_grads=input_grad_of,
-    )
-
-
-def _input_update_error(model: nn.Module, value: Any, index: int) -> TraceError:
-    """The forward writes into one of its inputs in place (FSMT's `shift_tokens_right` replaces
-    -100 in `labels` by the pad id): the serial model changes the caller's tensor, which autopar
-    would have to write back, whole, after the call; it does not yet, so it refuses rather than
-    leave the caller's tensor different from what serial leaves."""
-    where = node_where(value) if isinstance(value, fx.Node) else None  # the new value: the op's line
-    return TraceError(
-        f"{type(model).__name__} writes into its tensor input {index} in place (the serial model "
-        "changes the caller's tensor); autopar does not write an input back to the caller yet",
-        op="in-place update of an input",
-        where=where,
-        hint="compute what the model derives from the input outside forward and pass that instead "
-        "(FSMT: pass decoder_input_ids built from a copy of labels, as shift_tokens_right builds "
-        "them), or have the model update a copy (x = x.clone() before the in-place op)",
     )
 
 

@@ -8,11 +8,13 @@ import contextlib
 import math
 import operator
 import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from autopar.core.meta import NodeInfo, info, set_info, signature
 from autopar.passes.ctc import CTCRoute
@@ -20,6 +22,23 @@ from autopar.passes.eager_checks import model_error
 from autopar.passes.masked_writes import is_view_op
 from autopar.passes.trace_errors import export_error, raised_in_user_code, without_partial_graph
 from autopar.passes.value_guards import quiet_symbolic_shapes, reading_real_values
+
+_DATA_GETTER = torch._C.TensorBase.data.__get__  # type: ignore[attr-defined]
+
+
+class DataAsDetach(TorchFunctionMode):
+    """`tensor.data` read as `tensor.detach()` while torch.export traces: the same values without
+    the autograd history, but `.data` makes its tensor without dispatching an op, so the export
+    cannot see where it comes from and lifts it as a constant (a fake one: "We found a fake tensor
+    in the exported program constant's list"; on real values, the constant of a model that reads
+    an activation's range, I-BERT's `x_act.data.min()`). `detach` is an op the graph records."""
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Sequence[type], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func == _DATA_GETTER:  # a fresh method-wrapper each time: equal, never identical
+            return args[0].detach()
+        return func(*args, **(kwargs or {}))
 
 
 def foreign_buffers_as_constants(gm: fx.GraphModule, forward: nn.Module, model: nn.Module) -> None:
@@ -53,7 +72,7 @@ def export_model(
     Python reads, each condition kept as a runtime assertion (`autopar.passes.value_guards`)."""
     try:
         # CTCRoute: F.ctc_loss as autopar's fixed-shape op (torch's sizes an output by values)
-        with warnings.catch_warnings(), CTCRoute(), quiet_symbolic_shapes(), without_partial_graph():
+        with warnings.catch_warnings(), CTCRoute(), DataAsDetach(), quiet_symbolic_shapes(), without_partial_graph():
             # nn.LSTM / nn.GRU re-assign their weight list
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
             if not reading_values:

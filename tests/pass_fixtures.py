@@ -681,7 +681,8 @@ def assert_compiled_matches_serial(
     serial[0].backward()
     first = next(iter(programs.values()))
     buffers = dict(model.named_buffers())  # after the serial call: updated
-    wanted = [t.detach() for t in serial] + [buffers[name] for name in first.buffer_updates]
+    written = [flat_inputs[i] for i in first.input_updates]  # after the serial call: as serial left them
+    wanted = [t.detach() for t in serial] + written + [buffers[name] for name in first.buffer_updates]
     assert len(first.output_layouts) == len(wanted)
     try:
         _compare_with_serial(model, first, fwd, bwd, wanted, shape, atol, rtol)

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from pass_fixtures import train_in_lockstep
 
+from autopar.core.errors import AutoparError
 from autopar.core.layout import Shard
-from autopar.rules.autograd_function import AUTOGRAD_FUNCTION, AUTOGRAD_FUNCTION_BACKWARD, ENTRIES
+from autopar.rules.autograd_function import AUTOGRAD_FUNCTION, FunctionEntry
 
 MAX_SQRT_GRADIENT = 10.0
 
@@ -67,21 +70,45 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+def _kernels(graphs: tuple[fx.GraphModule, ...]) -> list[tuple[FunctionEntry, str]]:
+    """The Function kernels a rank's program calls: (the trace's entry, "forward" or "backward")."""
+    found = []
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            owner = getattr(node.target, "__self__", None)
+            if node.op == "call_function" and isinstance(owner, FunctionEntry):
+                found.append((owner, node.target.__name__.removesuffix("_kernel")))
+    return found
+
+
 def test_functions_train_equal_to_serial_with_their_own_backward() -> None:
+    traced: list[list[tuple[FunctionEntry, str]]] = []
     for shape in [(2,), (2, 2)]:
         torch.manual_seed(0)
         model = Recurrent()
         result = train_in_lockstep(model, shape, _batches(), _sgd)
         assert result["loss_err"] < 1e-5 and result["grad_err"] < 1e-4 and result["param_err"] < 1e-5, (shape, result)
         program = next(iter(result["compiled"].values())).program
-        graphs = (program.forward, program.backward)
-        targets = [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
-        assert targets.count(AUTOGRAD_FUNCTION) == 2 and targets.count(AUTOGRAD_FUNCTION_BACKWARD) == 2
+        kernels = _kernels((program.forward, program.backward))
+        assert sorted(kind for _, kind in kernels) == ["backward", "backward", "forward", "forward"], kernels
+        traced.append(kernels)
+    # each trace owns its entries: the two compiles share none (nothing kept in the process)
+    assert not {id(e) for e, _ in traced[0]} & {id(e) for e, _ in traced[1]}
     # the splits offered are the ones each Function's ops allow: any dim of the elementwise sqrt,
     # never the summed dim of the running sum
-    entries = {e.function: e for e in ENTRIES.values()}
+    entries = {e.function: e for e, _ in traced[1]}
     sqrt_splits = {s.inputs[0] for s in entries[ClippedSqrt].forward_strategies}
     sum_splits = {s.inputs[0] for s in entries[DampedCumsum].forward_strategies}
     assert sqrt_splits == {Shard(0), Shard(1), Shard(2)}, sqrt_splits
     assert sum_splits == {Shard(0), Shard(2)}, sum_splits
     assert {s.inputs[0] for s in entries[DampedCumsum].backward_strategies} == {Shard(0), Shard(2)}
+
+
+def test_function_op_outside_its_trace_is_refused() -> None:
+    """The op's kernel finds its Function in the trace that made it: called after that trace, or
+    without one, it names the op instead of running another trace's Function."""
+    with pytest.raises(AutoparError, match="outside the trace that made it"):
+        AUTOGRAD_FUNCTION([torch.ones(2)], "tests.ClippedSqrt:000000000000")
+    assert "apply" in torch.autograd.Function.__dict__ and ClippedSqrt.apply.__func__ is (  # type: ignore[attr-defined]
+        torch.autograd.function.Function.__dict__["apply"].__func__
+    )

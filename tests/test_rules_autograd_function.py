@@ -18,9 +18,10 @@ from autopar.passes.autograd_functions import functions_as_ops, verify_function_
 from autopar.rules.autograd_function import (
     AUTOGRAD_FUNCTION,
     AUTOGRAD_FUNCTION_BACKWARD,
-    ENTRIES,
+    FunctionTable,
     autograd_function,
     entry_key,
+    tracing_functions,
 )
 from autopar.rules.registry import default_registry
 from autopar.testing.strategies import check_random_strategies, dim_sizes, mesh_shapes, random_tensor, seeds
@@ -49,17 +50,17 @@ CASES: dict[str, tuple[type, tuple[Any, ...]]] = {
 }
 
 
-def _verified_key(function: type, x: torch.Tensor, extra: tuple[Any, ...]) -> str:
-    """The op key of `function` applied to `x` (as the trace registers it), its splits verified."""
+def _verified_key(function: type, x: torch.Tensor, extra: tuple[Any, ...]) -> tuple[str, FunctionTable]:
+    """The op key of `function` applied to `x` (as a trace records it) and that trace's table,
+    its splits verified at this example's shapes."""
     leaf = x.detach().requires_grad_(True)
-    ENTRIES.pop(entry_key(function, (leaf, *extra), (0,)), None)  # verified at this example's shapes
-    with functions_as_ops(True):
+    with functions_as_ops(True) as table:
         function.apply(leaf, *extra)  # type: ignore[attr-defined]
-    key = entry_key(function, (leaf, *extra), (0,))
-    assert key in ENTRIES
-    gm = make_fx(lambda t: autograd_function([t], key)[0], tracing_mode="fake")(x)
-    verify_function_splits(gm, REGISTRY)
-    return key
+        key = entry_key(function, (leaf, *extra), (0,))
+        assert key in table.entries
+        gm = make_fx(lambda t: autograd_function([t], key)[0], tracing_mode="fake")(x)
+    verify_function_splits(gm, table, REGISTRY)
+    return key, table
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -70,11 +71,12 @@ def test_function_ops(data: st.DataObject, mesh: tuple[int, ...], case: str) -> 
     g = torch.Generator().manual_seed(data.draw(seeds()))
     shape = tuple(data.draw(dim_sizes(mesh)) for _ in range(3))
     x = random_tensor(shape, generator=g)
-    key = _verified_key(function, x, extra)
-    found = ENTRIES[key]
+    key, table = _verified_key(function, x, extra)
+    found = table.entries[key]
     split_dims = {p.dim for s in found.forward_strategies for p in s.inputs if isinstance(p, Shard)}
     allowed = {0, 2} if case == "damped_cumsum" else {0, 1, 2}  # never the running dim
     assert split_dims <= allowed and {d for d in allowed if shape[d] > 1} <= split_dims, (shape, split_dims)
-    assert check_random_strategies(data, AUTOGRAD_FUNCTION, ([x], key), {}, mesh, REGISTRY)
     grad = random_tensor(shape, generator=g)
-    assert check_random_strategies(data, AUTOGRAD_FUNCTION_BACKWARD, ([x], [grad], key), {}, mesh, REGISTRY)
+    with tracing_functions(table):  # the op's calls made here name no node: they read the trace's table
+        assert check_random_strategies(data, AUTOGRAD_FUNCTION, ([x], key), {}, mesh, REGISTRY)
+        assert check_random_strategies(data, AUTOGRAD_FUNCTION_BACKWARD, ([x], [grad], key), {}, mesh, REGISTRY)

@@ -332,16 +332,45 @@ class _UpdatesItsLabels(nn.Module):
         return F.cross_entropy(self.head(x), y)
 
 
-def test_a_forward_that_updates_its_input_in_place_is_refused_naming_the_line() -> None:
-    x, y = _batch(1.0)
-    y[0] = -100
+def _labels_with_ignored(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _batch(1.0, seed)
+    y[::3] = -100
+    return x, y
+
+
+def test_an_input_the_forward_writes_into_comes_out_as_serial_leaves_it() -> None:
+    """Compiling leaves the caller's labels as they were; the program's outputs hold the labels'
+    new value (each rank's block, assembled), equal to what serial leaves in the tensor."""
+    x, y = _labels_with_ignored(0)
     before = y.clone()
-    with pytest.raises(autopar.TraceError) as err:
-        compile_for_rank(_UpdatesItsLabels(), Mesh.from_shape((2,)), (x, y), coords=(0,))
-    assert "writes into its tensor input 1 in place" in str(err.value), str(err.value)
-    assert "decoder_input_ids" in err.value.hint
-    assert err.value.where is not None and "test_value_guards.py:" in err.value.where, err.value.where
-    assert torch.equal(y, before)  # the user's tensor is left as it was
+    torch.manual_seed(0)
+    compiled = assert_call_matches_serial(_UpdatesItsLabels(), (2,), (x, y))
+    assert not torch.equal(y, before) and not (y == -100).any()  # serial's call wrote into it
+    program = next(iter(compiled.values())).program
+    assert program.input_updates == [1] and len(program.output_layouts) == 2
+
+
+def _writes_back_job(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+    torch.manual_seed(0)
+    model = _UpdatesItsLabels()
+    serial = copy.deepcopy(model)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=_labels_with_ignored(0))
+    errors: list[float] = []
+    labels_equal = []
+    for step in range(2):
+        x, y = _labels_with_ignored(step + 1)
+        x_serial, y_serial = x.clone(), y.clone()
+        loss, want = pmodel(x, y), serial(x_serial, y_serial)
+        errors.append(abs(float(loss) - float(want)))
+        labels_equal.append(torch.equal(y, y_serial) and not (y == -100).any())  # as serial leaves them
+    return {"max_error": max(errors), "labels_equal": labels_equal}
+
+
+@pytest.mark.multirank
+def test_the_callers_input_is_written_back_on_two_ranks() -> None:
+    for rank, result in enumerate(run_ranks(2, _writes_back_job, timeout=300)):
+        assert result["max_error"] < 1e-6 and result["labels_equal"] == [True, True], (rank, result)
 
 
 class _GlobalTokens(nn.Module):
@@ -388,3 +417,29 @@ def test_a_flag_read_through_a_constant_the_forward_makes_is_a_guard(marked: boo
     for run in compiled.values():
         targets = {n.target for n in run.program.forward.graph.nodes}
         assert torch.ops.aten.item.default not in targets
+
+
+class _ReadsThroughData(nn.Module):
+    """A branch on an input read through `.data` (I-BERT reads its activations' range so):
+    `.data` makes a tensor without dispatching an op, which torch.export would lift as a constant;
+    the trace reads it as `detach()`, so the condition is a guard on the input like any other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if x.data.max() > 0.5:  # line: DATA
+            h = h * 2
+        return F.cross_entropy(h, y)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_a_branch_on_an_inputs_data_is_a_guard(scale: float) -> None:
+    torch.manual_seed(0)
+    x, y = _batch(1.0)
+    compiled = assert_call_matches_serial(_ReadsThroughData(), (2,), (x * scale, y))
+    guards = next(iter(compiled.values())).program.value_guards
+    assert guards is not None and any(_line("DATA") in c for c in guards.conditions), guards
+    assert guards.hold([x * scale, y]) and not guards.hold([x * (1.25 - scale), y])

@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.layout import Layout
 from autopar.core.redistribute import CommStep
-from autopar.core.strategy import Strategy
+from autopar.core.strategy import Strategy, TracedKernel
 from autopar.core.value_guards import ValueGuards
 
 NODE_KEY = "autopar"
@@ -48,6 +48,7 @@ class NodeInfo:
     note: str = ""  # why this layout (planner's reason), shown in dumps
     chunk: int | None = None  # over-decomposition: the batch chunk (in-process coordinate) it computes
     checkpoint: str | None = None  # forward ops in a user's torch.utils.checkpoint region: its module path
+    traced: TracedKernel | None = None  # a custom-Function op: its trace's splits and kernel (OpCall.traced)
 
     @property
     def layout(self) -> Layout:
@@ -122,12 +123,16 @@ class JointSignature:
     buffer_names: list[str]
     num_inputs: int
     num_tangents: int
-    num_user_outputs: int  # forward outputs: the user's tensors, then `buffer_updates`' new values
+    num_user_outputs: int  # forward outputs: the user's tensors, `input_updates`', `buffer_updates`' new values
     grad_of: list[str]  # parameter name of each gradient output, in output order
     in_spec: Any = None  # pytree spec of the user's (args, kwargs)
     outputs: OutputStructure | None = None  # how the user's output is rebuilt from the tensor outputs
     # buffers the forward updates (BatchNorm running stats), in the order of the last forward outputs
     buffer_updates: list[str] = field(default_factory=list)
+    # user inputs (tensor input index) the forward writes into in place (FSMT's `labels.masked_fill_`):
+    # their new values are forward outputs after the user's, before the buffers', written back
+    # into the caller's tensors as serial leaves them
+    input_updates: list[int] = field(default_factory=list)
     requires_grad: dict[str, bool] = field(default_factory=dict)
     param_parts: dict[str, ParamPart] = field(default_factory=dict)  # part name -> where it comes from
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # constant placeholder -> value

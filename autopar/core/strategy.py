@@ -7,6 +7,7 @@ the vocabulary because node metadata, the planners and the cost model all carry 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,9 @@ class OpCall:
     kwargs: dict[str, Any]
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    # an op that runs code of the model (a custom autograd.Function): what the trace recorded for
+    # this node (`NodeInfo.traced`); None for every op with a fixed kernel
+    traced: TracedKernel | None = None
 
     def arg(self, index: int, name: str, default: Any = None) -> Any:
         """Argument by position or keyword, falling back to the schema default."""
@@ -57,6 +61,17 @@ class AxisStrategy:
 
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class TracedKernel:
+    """What one trace recorded for an op whose kernel is code of the model (one custom
+    autograd.Function application): the splits per mesh axis it verified for that code, and the
+    callable a rank runs in place of the op (same arguments). It travels on the node, so the op's
+    rule and its localization read this trace's record, never a registry of the process."""
+
+    strategies: tuple[AxisStrategy, ...]
+    kernel: Callable[..., Any]
 
 
 @dataclass(frozen=True)

@@ -9,25 +9,33 @@ one opaque op (`autopar.passes.autograd_functions` swaps `Function.apply` for th
     autopar::autograd_function(inputs: Tensor[], key: str) -> Tensor[]
     autopar::autograd_function_backward(inputs: Tensor[], grads: Tensor[], key: str) -> Tensor[]
 
-`key` names a `FunctionEntry` of this process (`ENTRIES`): the Function class, the non-tensor
+`key` names a `FunctionEntry` of the trace's `FunctionTable`: the Function class, the non-tensor
 arguments of the application (plain data only) and which tensor arguments get a gradient. The
 forward op runs the Function's forward; the backward op runs the forward again on the saved
 inputs, to rebuild the context its backward reads (`ctx.saved_tensors`, attributes), then the
 Function's backward: nothing of the Function's inner values crosses between the two ops, at the
 price of computing its forward twice.
 
+The table belongs to one trace. While the trace runs, the ops' kernels (which receive only the key
+string) find it through `tracing_functions`; after it, each op node carries its entry's verified
+splits and a kernel bound to the entry (`NodeInfo.traced`, read by the rule through
+`OpCall.traced`), and emit makes each rank's program call that kernel. No registry outlives the
+trace, and two traces of the same Function never share an entry.
+
 Per mesh axis each op offers the all-replicated strategy (every rank runs the Function on the
 whole tensors, as serial does) and the splits the trace verified for this Function
-(`FunctionEntry.forward_strategies` / `backward_strategies`): the trace runs the Function's
+(`TracedKernel.strategies`, from `FunctionEntry.forward_strategies` / `backward_strategies`): the trace runs the Function's
 forward and backward through `make_fx` and propagates a candidate split through autopar's own
 rules for the ops they are made of, so a split is offered only where each of its ops is
-(`autopar.passes.autograd_functions.verify_splits`).
+(`autopar.passes.autograd_functions.verify_function_splits`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +44,8 @@ from torch.autograd.function import FunctionCtx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.core.errors import AutoparError, TraceError
-from autopar.core.strategy import AxisStrategy, OpCall
-from autopar.rules.base import RuleRegistry, with_replicated
+from autopar.core.strategy import AxisStrategy, OpCall, TracedKernel
+from autopar.rules.base import LocalCall, LocalContext, RuleRegistry, with_replicated
 
 # plain data a Function application may take besides its tensors (a config dict, flags, a dim)
 PLAIN_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
@@ -56,7 +64,7 @@ class PlainContext(FunctionCtx):
         return tuple(self.to_save)
 
 
-@dataclass
+@dataclass(eq=False)  # one application of one trace: compared (and hashed, in kernels) by identity
 class FunctionEntry:
     """One application's Function and everything but its tensors, keyed by `key`.
 
@@ -127,6 +135,20 @@ class FunctionEntry:
             out.append(grad.to(tensor.dtype))
         return _unaliased(out, [*tensors, *grads])
 
+    def forward_kernel(self, inputs: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+        """What a rank runs in place of `autograd_function(inputs, key)`."""
+        return self.run_forward(inputs)[0]
+
+    def backward_kernel(self, inputs: list[torch.Tensor], grads: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+        """What a rank runs in place of `autograd_function_backward(inputs, grads, key)`."""
+        return self.run_backward(inputs, grads)
+
+    def traced(self, backward: bool) -> TracedKernel:
+        """The record its forward (or backward) op's node carries after the trace."""
+        if backward:
+            return TracedKernel(self.backward_strategies, self.backward_kernel)
+        return TracedKernel(self.forward_strategies, self.forward_kernel)
+
     def error(self, what: str) -> TraceError:
         return TraceError(
             f"the custom autograd.Function {self.function.__qualname__} {what}",
@@ -156,8 +178,41 @@ def _unaliased(outputs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> l
     return result
 
 
-# key -> entry, for the Function applications traced in this process (every rank traces its own)
-ENTRIES: dict[str, FunctionEntry] = {}
+@dataclass
+class FunctionTable:
+    """The Function applications one trace made ops (`entries`, by key) and the Function classes
+    it left as torch.export traces them, with why (`refused`). A trace owns its table; after the
+    trace, each op node carries its entry's splits and kernel (`NodeInfo.traced`)."""
+
+    entries: dict[str, FunctionEntry] = field(default_factory=dict)
+    refused: dict[type, str] = field(default_factory=dict)
+
+    def entry(self, key: str) -> FunctionEntry:
+        found = self.entries.get(key)
+        if found is None:
+            raise AutoparError(
+                f"no custom autograd.Function is traced under {key!r} in this trace",
+                op="autopar::autograd_function",
+                hint="a graph holding Function ops runs through the kernels its nodes record (NodeInfo.traced)",
+            )
+        return found
+
+
+# The table of the trace running in this context, while it runs (`tracing_functions`): the ops'
+# kernels receive only the key, a string, as a custom op's schema allows. Nothing else reads it,
+# and it is reset when the trace ends, so no table outlives its trace.
+_TRACING: ContextVar[FunctionTable | None] = ContextVar("autopar_tracing_functions", default=None)
+
+
+@contextmanager
+def tracing_functions(table: FunctionTable) -> Iterator[FunctionTable]:
+    """While open, the Function ops that run (torch.export's calls of their kernels and of
+    their autograd formula) find their entries in `table`."""
+    token = _TRACING.set(table)
+    try:
+        yield table
+    finally:
+        _TRACING.reset(token)
 
 
 def entry_key(function: type, args: tuple[Any, ...], grad_inputs: tuple[int, ...]) -> str:
@@ -169,14 +224,15 @@ def entry_key(function: type, args: tuple[Any, ...], grad_inputs: tuple[int, ...
 
 
 def entry(key: str) -> FunctionEntry:
-    found = ENTRIES.get(key)
-    if found is None:
+    """The entry of `key` in the trace running now."""
+    table = _TRACING.get()
+    if table is None:
         raise AutoparError(
-            f"no custom autograd.Function is traced under {key!r} in this process",
+            f"the custom autograd.Function op {key!r} runs outside the trace that made it",
             op="autopar::autograd_function",
-            hint="programs holding Function ops run in the process that traced them",
+            hint="a graph holding Function ops runs through the kernels its nodes record (NodeInfo.traced)",
         )
-    return found
+    return table.entry(key)
 
 
 @torch.library.custom_op("autopar::autograd_function", mutates_args=())
@@ -227,17 +283,26 @@ AUTOGRAD_FUNCTION = torch.ops.autopar.autograd_function.default
 AUTOGRAD_FUNCTION_BACKWARD = torch.ops.autopar.autograd_function_backward.default
 
 
-def forward_rule(call: OpCall) -> list[AxisStrategy]:
-    """All-replicated, and the splits verified for this Function's forward."""
-    return with_replicated(call, entry(call.arg(1, "key")).forward_strategies)
+def _traced(call: OpCall) -> TracedKernel:
+    """The record on the op's node; for a call not made from a node, the entry of the trace
+    running now (`entry` refuses when none runs)."""
+    if call.traced is not None:
+        return call.traced
+    return entry(call.args[-1]).traced(backward=call.op is AUTOGRAD_FUNCTION_BACKWARD)
 
 
-def backward_rule(call: OpCall) -> list[AxisStrategy]:
-    """All-replicated, and the splits verified for this Function's backward."""
-    return with_replicated(call, entry(call.arg(2, "key")).backward_strategies)
+def function_rule(call: OpCall) -> list[AxisStrategy]:
+    """All-replicated, and the splits the trace verified for this Function's forward (or backward)."""
+    return with_replicated(call, _traced(call).strategies)
+
+
+def localize_function(ctx: LocalContext) -> LocalCall:
+    """Each rank runs the Function's own code on its local tensors, through the kernel its trace
+    recorded on the node (the key argument stays, unread)."""
+    return LocalCall(_traced(ctx.call).kernel, ctx.args, ctx.kwargs)
 
 
 def register(registry: RuleRegistry) -> None:
     family = registry.family("autograd_function")
-    family.register(AUTOGRAD_FUNCTION, forward_rule)
-    family.register(AUTOGRAD_FUNCTION_BACKWARD, backward_rule)
+    family.register(AUTOGRAD_FUNCTION, function_rule, localize=localize_function)
+    family.register(AUTOGRAD_FUNCTION_BACKWARD, function_rule, localize=localize_function)

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from autopar.core.meta import has_info, info
 from autopar.core.strategy import OpCall, Strategy, TensorSpec
 from autopar.rules.base import expand, expand_signature, spec_of
 
@@ -47,7 +48,8 @@ def op_call(node: fx.Node) -> OpCall:
         outputs: tuple[TensorSpec, ...] = (spec_of(out),)  # type: ignore[assignment]
     else:
         outputs = tuple(s for s in (spec_of(x) for x in pytree.tree_leaves(out)) if s is not None)
-    return OpCall(node.target, tuple(args), dict(kwargs), tuple(inputs), outputs)
+    traced = info(node).traced if has_info(node) else None
+    return OpCall(node.target, tuple(args), dict(kwargs), tuple(inputs), outputs, traced)
 
 
 def output_index(node: fx.Node) -> int:

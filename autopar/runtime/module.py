@@ -52,6 +52,7 @@ from autopar.runtime.checkpoint_names import transformers_renamer
 from autopar.runtime.checkpoint_prefix import model_prefixes
 from autopar.runtime.defer_reduction import GradAccumulation, ReductionSplit, add_grads, params_grads
 from autopar.runtime.groups import Groups, failures_named
+from autopar.runtime.input_updates import write_inputs_back
 from autopar.runtime.local_batch import batch_tensor, global_stand_ins, shard_rows
 from autopar.runtime.module_state import FullState, load_serial_state
 from autopar.runtime.module_tree import flag_containers, lookup, register_at
@@ -332,10 +333,11 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         outputs = RunProgram.apply(
             program, feed, num_outputs, timeout, deferral, *sources, *local_inputs, *wanting
         )
-        user = num_outputs - len(program.buffer_updates)
+        user = num_outputs - len(program.buffer_updates) - len(program.input_updates)
         with torch.no_grad():  # the forward's updates of its buffers (BatchNorm running stats)
-            for name, value in zip(program.buffer_updates, outputs[user:]):
+            for name, value in zip(program.buffer_updates, outputs[user + len(program.input_updates) :]):
                 _local(lookup(self, name)).copy_(value)
+        write_inputs_back(program, outputs[:num_outputs], tensors, self._mesh.device_mesh, self._local_inputs)
         results = [self._wrap(o, lay) for o, lay in zip(outputs[:user], program.output_layouts)]
         if run.outputs is not None:  # the structure the model returned (a dict, a ModelOutput)
             return run.outputs.rebuild(results)

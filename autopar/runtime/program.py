@@ -32,6 +32,9 @@ class EmittedProgram:
     param_parts: dict[str, ParamPart] = field(default_factory=dict)
     # buffers the forward updates: their new values are the last forward outputs, in this order
     buffer_updates: list[str] = field(default_factory=list)
+    # inputs the forward writes into in place: their new values are the forward outputs before the
+    # buffers', written back into the caller's tensors (`JointSignature.input_updates`)
+    input_updates: list[int] = field(default_factory=list)
     # tensors the forward made from Python data (lifted by export): name -> value, whole on every rank
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     # inputs whose values index a tensor: checked before the forward runs (`IndexCheck`)
