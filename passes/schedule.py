@@ -56,7 +56,8 @@ class ScheduleReport:
     in_flight_cap: int | None = None  # the cap on buffers in flight (bytes; None: no mesh, no cap)
     filled: int = 0  # compute nodes moved up to run before a wait (the lookahead)
     deferred: int = 0  # backward nodes feeding only the output, put off until their inputs exist
-    yielded: int = 0  # times a ready gradient collective gave way to a collective needed sooner
+    yielded: int = 0  # times a ready collective gave way to a collective needed sooner
+    gave_way: list[str] = field(default_factory=list)  # on the clock: collectives held back so, in order
 
 
 def schedule(
@@ -250,6 +251,8 @@ def schedule(
                 capped.append(c)
             elif order_on_link is not None and give_way(c):
                 report.yielded += 1
+                if c.name not in report.gave_way:
+                    report.gave_way.append(c.name)
                 order_on_link.held.append(c)
             else:
                 emit_chain(c)
