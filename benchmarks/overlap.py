@@ -10,8 +10,9 @@ model (`autopar.cost.timeline`) runs one step with a compute stream and one comm
 - "after": the schedule stage (bucketing, issue early, wait late, lookahead, one collective in
   flight per process group), exactly as `autopar.plan` compiles it;
 - "floor": max(0, comm - compute) / comm, the least exposure any order can reach on one stream;
-- "links": the scheduled step with one communication stream per link (NVLink, network), as NCCL's
-  per-group streams on different links would run;
+- "links": one communication stream per link (NVLink, network), as NCCL's per-group streams on
+  different links would run, in the schedule stage's clock (`schedule(..., streams="link")`) and in
+  the model;
 - ablations of the schedule on the same graph: no bucketing, no lookahead, two in flight per group;
 - "over-decomposed (auto)": `over_decompose="auto"`, the batch cut into 1, 2 or 4 chunks per rank
   (those that divide it), each lowered, scheduled and modeled; the fastest step is kept;
@@ -78,7 +79,6 @@ def measure(mesh_shape: tuple[int, ...]) -> dict[str, Any]:
     assert result.compiled.timelines is not None
     before, after = result.compiled.timelines
     mesh = result.mesh
-    links = simulate(result.compiled.graph, mesh, HARDWARE, streams="link")
 
     # the same compile without the schedule stage, to schedule its graph in other ways
     base = compile_for_rank(
@@ -90,6 +90,9 @@ def measure(mesh_shape: tuple[int, ...]) -> dict[str, Any]:
         variants[name] = simulate(scheduled, mesh, HARDWARE)
     # scheduling that graph here is what autopar.plan does: same step, to rounding
     assert abs(variants["default"].step_time - after.step_time) <= 1e-9 * after.step_time
+    # one communication stream per link, in the schedule stage's clock and in the model
+    by_link = schedule(copy.deepcopy(base), mesh, hardware=HARDWARE, streams="link")
+    links = simulate(by_link, mesh, HARDWARE, streams="link")
 
     def totals(t: Timeline) -> dict[str, float]:
         return t.totals()

@@ -7,7 +7,9 @@ bucketed, collectives issued early and waited on late) and `overlap=False` (inse
 every collective waited on right after it is issued). `--reorder-only` adds a variant, the
 schedule stage with bucketing off, to tell the two effects apart; `--chunks K` adds one with the
 batch over-decomposed into K chunks (`PlanOptions(over_decompose=K)`, scheduled), whose collectives can overlap
-the other chunks' compute. After warm-up, repetitions time
+the other chunks' compute; `--decompose on|off` adds one compiled with `decompose_matmuls` "on"
+(every all-gather -> matmul and matmul -> reduce-scatter pair cut into pieces) or "off" beside the
+default "auto". After warm-up, repetitions time
 `--steps` forward+backward steps of each variant, the order rotating from one repetition to the
 next, so that drifts in machine load hit all alike. A block's time is the slowest rank's; we report
 the median step time per variant and the median over repetitions of the ratio variant / scheduled
@@ -41,6 +43,7 @@ so the gain under stretch is a function of k, not a prediction for a given GPU.
     python benchmarks/step_time.py --mesh 2,2,2 --reps 3 --stretch 0   # quick, plain only
     python benchmarks/step_time.py --mesh 2,2,2 --reorder-only --reps 6 --name step_time_reorder_only
     python benchmarks/step_time.py --mesh 2,2,2 --chunks 2 --name step_time_chunks   # ~4 min
+    python benchmarks/step_time.py --mesh 2,4 --decompose on --decompose off --name step_time_decomposed
 
 Writes benchmarks/results/step_time.json (or <name>.json).
 """
@@ -163,6 +166,9 @@ def _alternate(
 
 
 def _compile(model: torch.nn.Module, mesh: Any, batch: Any, variant: str) -> ParallelModule:
+    if variant.startswith("decompose "):  # scheduled, collective matmuls decomposed "on" / "off"
+        mode = variant.split()[1]
+        return autopar.parallelize(model, mesh, example_inputs=batch, planning=autopar.PlanOptions(decompose_matmuls=mode))
     if variant.endswith(" chunks"):  # scheduled, the batch over-decomposed into k chunks
         k = int(variant.split()[0])
         return autopar.parallelize(model, mesh, example_inputs=batch, planning=autopar.PlanOptions(over_decompose=k))
@@ -256,6 +262,10 @@ def main() -> int:
     parser.add_argument(
         "--chunks", type=int, action="append", default=[], help="also time over_decompose=K (repeatable)"
     )
+    parser.add_argument(
+        "--decompose", action="append", default=[], choices=["on", "off"],
+        help='also time decompose_matmuls="on" / "off" (the scheduled default is "auto"; repeatable)',
+    )  # fmt: skip
     parser.add_argument("--name", default="step_time", help="writes benchmarks/results/<name>.json")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--n-embd", type=int, default=32)
@@ -268,6 +278,7 @@ def main() -> int:
         *VARIANTS,
         *(("reorder-only",) if args.reorder_only else ()),
         *(f"{k} chunks" for k in args.chunks),
+        *(f"decompose {mode}" for mode in args.decompose),
     )
     cfg = {"n_embd": args.n_embd, "block_size": args.block_size, "n_layer": args.n_layer}
 

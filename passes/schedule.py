@@ -26,6 +26,7 @@ from autopar.core.meta import has_info, info
 from autopar.cost.hardware import Hardware
 from autopar.cost.timeline import StepClock
 from autopar.passes.bucket import BUCKET_BYTES, BUCKET_COUNT, bucket, prep_chain
+from autopar.passes.link_order import LinkOrder
 
 c10d = torch.ops._c10d_functional
 # Bound on the output buffers of issued, not yet waited collectives (bytes per rank) where no
@@ -55,7 +56,8 @@ class ScheduleReport:
     in_flight_cap: int | None = None  # the cap on buffers in flight (bytes; None: no mesh, no cap)
     filled: int = 0  # compute nodes moved up to run before a wait (the lookahead)
     deferred: int = 0  # backward nodes feeding only the output, put off until their inputs exist
-    yielded: int = 0  # times a ready gradient collective gave way to a collective needed sooner
+    yielded: int = 0  # times a ready collective gave way to a collective needed sooner
+    gave_way: list[str] = field(default_factory=list)  # on the clock: collectives held back so, in order
 
 
 def schedule(
@@ -68,6 +70,7 @@ def schedule(
     lookahead: int = LOOKAHEAD,
     max_in_flight: int = 1,
     hardware: str | Hardware | None = None,
+    streams: str = "single",
 ) -> fx.GraphModule:
     """Bucket, then reorder in one list-scheduling pass (linear in the graph size).
 
@@ -88,9 +91,13 @@ def schedule(
     Gradients on their way to the output (nodes that feed one output only) are never waited for
     on their own behalf, and their collectives give way to collectives that other work needs soon
     on the same group: within `lookahead` nodes. With `hardware` and a mesh the pass keeps the
-    modeled clock of `autopar.cost.timeline` (one communication stream): "soon" is then before the
-    gradient's transfer would end, on any group, and a gradient's collective is waited on as soon
-    as the clock says it is done, which frees its group for the next.
+    modeled clock of `autopar.cost.timeline` (`streams`: one communication stream, or one per
+    link), and the order in which collectives take a link is chosen on it, earliest deadline first:
+    a ready collective (a gradient, a weight prefetch, an activation alike) is held back while a
+    collective due sooner (its result needed earlier) reaches the same stream before it would end
+    and the clock says the pair's exposed time is shorter that way round (`autopar.passes.link_order`). A
+    collective whose group holds one back is waited on as soon as the clock says it is done (a
+    gradient's always), which frees its group for the next.
     """
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight}")
@@ -100,7 +107,7 @@ def schedule(
         bucketing = bucket(gm, mesh.shape, max_bytes=bucket_bytes, max_count=bucket_count, clock=timing)
     sizes = _buffer_bytes(gm, mesh)
     nodes = list(gm.graph.nodes)
-    clock = StepClock(mesh, hardware) if mesh is not None and hardware is not None else None
+    clock = StepClock(mesh, hardware, streams) if mesh is not None and hardware is not None else None
     elapsed = [0.0]  # compute seconds of the nodes before each position, in the original order
     if clock is not None:
         for node in nodes:
@@ -140,10 +147,11 @@ def schedule(
     for c in chains:
         if c not in tail:
             urgent.setdefault(_group(c), []).append(original[c])
-            urgent.setdefault("*", []).append(original[c])
     for positions in urgent.values():
         positions.sort()
-    low: dict[str, list[fx.Node]] = {}  # ready gradient collectives giving way to urgent ones
+    # on the clock, the order collectives take a link: earliest deadline first (all of them)
+    order_on_link = LinkOrder(clock, nodes, original, externals, tail, elapsed) if clock is not None else None
+    low: dict[str, list[fx.Node]] = {}  # without a clock: ready gradient collectives giving way
     deferred: dict[fx.Node, int] = {}  # tail node put off -> its inputs not yet emitted
     deferred_by: dict[fx.Node, list[fx.Node]] = {}  # input -> the deferred nodes it holds up
 
@@ -180,7 +188,11 @@ def schedule(
             missing[c] -= 1
             if missing[c] == 0:
                 heapq.heappush(ready, (original[c], c))
+                if order_on_link is not None:
+                    order_on_link.ready(c)
         if node in waits:
+            if order_on_link is not None:
+                order_on_link.events += 1
             group = _group(node.args[0])  # type: ignore[arg-type]
             flying = in_flight.get(group, [])
             done = node.args[0]
@@ -203,24 +215,8 @@ def schedule(
             return
         state["flushing"] = True
         try:
-            while ready:
-                _, c = heapq.heappop(ready)
-                if c in emitted:
-                    continue
-                if not state["backward"] and info(c).phase == "backward":
-                    held.append(c)
-                elif c in tail and urgent_soon(_group(c), c):
-                    low.setdefault(_group(c), []).append(c)
-                    report.yielded += 1
-                elif group_full(_group(c)):
-                    blocked.setdefault(_group(c), []).append(c)
-                elif over_cap(c):
-                    if c not in delayed:
-                        delayed.add(c)
-                        report.cap_delayed.append(c.name)
-                    capped.append(c)
-                else:
-                    emit_chain(c)
+            while take_ready():
+                pass
             for group, queue in low.items():  # gradients go when the group has nothing urgent
                 while (
                     queue
@@ -234,28 +230,72 @@ def schedule(
         finally:
             state["flushing"] = False
 
-    def urgent_soon(group: str, gradient: fx.Node) -> bool:
-        """Whether a collective that something other than the output needs is ready on `group`, or
-        comes soon: issuing `gradient` now would hold it up. On the clock, whose one communication
-        stream every group shares, any group counts, and soon means before `gradient` would end."""
-        shared = clock is not None  # on the modeled clock all groups share one comm stream
-        if any(c not in tail for g, cs in blocked.items() if shared or g == group for c in cs):
+    def take_ready() -> bool:
+        """Issue or set aside every ready collective, then let one held collective go if none need
+        hold it any more; whether that one went (its issue may have made others ready)."""
+        while ready:
+            _, c = heapq.heappop(ready)
+            if c in emitted:
+                continue
+            if not state["backward"] and info(c).phase == "backward":
+                held.append(c)
+            elif order_on_link is None and c in tail and urgent_soon(_group(c), c):
+                low.setdefault(_group(c), []).append(c)
+                report.yielded += 1
+            elif group_full(_group(c)):
+                blocked.setdefault(_group(c), []).append(c)
+            elif over_cap(c):
+                if c not in delayed:
+                    delayed.add(c)
+                    report.cap_delayed.append(c.name)
+                capped.append(c)
+            elif order_on_link is not None and give_way(c):
+                report.yielded += 1
+                if c.name not in report.gave_way:
+                    report.gave_way.append(c.name)
+                order_on_link.held.append(c)
+            else:
+                emit_chain(c)
+        return order_on_link is not None and release_held()
+
+    def give_way(c: fx.Node) -> bool:
+        assert order_on_link is not None
+        order_on_link.priced(c)
+        return order_on_link.hold(c, cursor[0], emitted, in_flight)
+
+    def release_held() -> bool:
+        """Issue the first held collective that need not give way any more (its issue may make
+        others ready: the caller's loop takes those, then comes back here)."""
+        assert order_on_link is not None
+        kept = order_on_link.held
+        kept[:] = [c for c in kept if c not in emitted]
+        for c in kept:
+            if group_full(_group(c)) or over_cap(c) or not order_on_link.look_again(c) or give_way(c):
+                continue
+            kept.remove(c)
+            emit_chain(c)
             return True
-        positions = urgent.get("*" if shared else group, [])
+        return False
+
+    def urgent_soon(group: str, gradient: fx.Node) -> bool:
+        """Without a clock: whether a collective that something other than the output needs is
+        ready on `group`, or comes within `lookahead` nodes: issuing `gradient` now would hold it up."""
+        if any(c not in tail for c in blocked.get(group, ())):
+            return True
+        positions = urgent.get(group, [])
         i = bisect.bisect_left(positions, cursor[0])
-        if i == len(positions):
-            return False
-        if clock is not None:
-            return elapsed[positions[i]] - elapsed[cursor[0]] < clock.duration(gradient)
-        return positions[i] <= cursor[0] + max(lookahead, 1)
+        return i < len(positions) and positions[i] <= cursor[0] + max(lookahead, 1)
 
     def collect_finished() -> None:
-        """Wait on gradient collectives the clock says are done: free, and it frees their group."""
+        """Wait on gradient collectives the clock says are done, and on any done collective whose
+        group a ready one is waiting for: free, and it frees their group."""
         if clock is None:
             return
-        for flying in list(in_flight.values()):
+        queued = {_group(c) for c in order_on_link.held if c not in emitted} if order_on_link is not None else set()
+        queued.update(g for g, cs in blocked.items() if cs)
+        for group, flying in list(in_flight.items()):
             for c in list(flying):
-                if c in tail and clock.finished(c):
+                if (c in tail or group in queued) and clock.finished(c):
                     ensure(next(iter(c.users)))
 
     delayed: set[fx.Node] = set()
@@ -278,6 +318,8 @@ def schedule(
             state["flushing"] = flushing
         in_flight.setdefault(group, []).append(c)  # before emitting: nothing else may take its place
         issued[c] = len(issued)
+        if order_on_link is not None:
+            order_on_link.issued(c)
         load[0] += sizes.get(c, 0)
         for member in chains[c]:
             if member not in emitted:
@@ -447,3 +489,4 @@ def _report(
         report.issues_moved += int(final[c] < original[c])
         report.waits_moved += int(final[wait] > original[wait])
         report.overlapped_ops += computes[final[wait]] - computes[final[c] + 1]
+

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.fx as fx
-from pass_fixtures import gpt_compiled
+from pass_fixtures import gpt_compiled, run_lockstep
 
+from autopar.core.collectives import COLLECTIVES
 from autopar.core.layout import Layout, P, R
 from autopar.core.mesh import Mesh
 from autopar.core.meta import NodeInfo, set_info
@@ -20,6 +21,7 @@ from autopar.cost.timeline import StepClock, Timeline, simulate
 from autopar.passes.schedule import schedule
 from autopar.reporting.timeline_views import chrome_trace, overlap_text, write_chrome_trace, write_png
 from autopar.rules.base import Strategy
+from autopar.testing import all_coords
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -277,3 +279,70 @@ def test_a_collectives_own_time_on_its_rank_is_not_overlapped() -> None:
     for node in schedule(_two_matmuls()).graph.nodes:
         clock.place(node)
     assert clock.now == pytest.approx(after.step_time, rel=1e-12)
+
+
+# ---- the order collectives take the link (the schedule stage on the clock) -----------------------
+N3 = 1024
+
+
+def _prefetch_and_activation() -> fx.GraphModule:
+    """A large sum ready at the start and needed at the end (a weight prefetch's slack) on group y,
+    and a small activation sum on group x that the compute needs right after the next matmul."""
+    graph = fx.Graph()
+    rep = lambda *s: Layout((R, R), s)  # noqa: E731
+    a = _tensor(graph, graph.placeholder("a"), (M, K), role="input", layouts=(rep(M, K),))
+    weights = [
+        _tensor(graph, graph.placeholder(f"w{i}"), (K, n), role="param", layouts=(rep(K, n),))
+        for i, n in ((1, N1), (2, N2), (3, N3))
+    ]
+    big = _tensor(graph, graph.placeholder("b"), (M, N3), role="param", layouts=(rep(M, N3),))
+    mm1 = _mm(graph, "mm1", a, weights[0], N1, 2)
+    act = _all_reduce(graph, "ar", mm1, 0, 2)
+    mm2 = _mm(graph, "mm2", a, weights[1], N2, 2)
+    use1 = _tensor(graph, graph.call_function(aten.add.Tensor, (act, 1.0)), (M, N1), role="compute")
+    mm3 = _mm(graph, "mm3", a, weights[2], N3, 2)
+    step = CommStep("all_reduce", 1, Layout((R, P), (M, N3)), rep(M, N3))
+    pre = graph.create_node("call_function", c10d.all_reduce.default, (big, "sum", "<y>"), {}, name="pre")
+    set_info(pre, NodeInfo(role="comm", phase="forward", comm=step, comm_group="<y>"))
+    got = graph.create_node("call_function", c10d.wait_tensor.default, (pre,), {}, name="wait_pre")
+    set_info(got, NodeInfo(role="comm", phase="forward", layouts=(step.after,)))
+    use2 = _tensor(graph, graph.call_function(aten.add.Tensor, (got, mm3)), (M, N3), role="compute")
+    out = graph.output((mm2, use1, use2))
+    set_info(out, NodeInfo(role="output", phase="forward"))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_a_collective_due_sooner_takes_the_link_before_a_prefetch_with_slack() -> None:
+    """Issued as soon as ready, the prefetch holds the one link when the activation sum arrives and
+    the compute waits for both; on the clock the schedule holds the prefetch back (it has slack),
+    the sum goes first and the prefetch right after it, still before its use."""
+    mesh = Mesh.from_shape((2, 2))
+    plain = schedule(_prefetch_and_activation(), mesh)  # no clock: issued in the order they are ready
+    assert [n.name for n in collectives_of(plain)] == ["pre", "ar"]
+    ordered = schedule(_prefetch_and_activation(), mesh, hardware=HW)
+    names = [n.name for n in ordered.graph.nodes]
+    assert names[names.index("mm1") + 1 : names.index("mm1") + 3] == ["ar", "pre"]
+    assert names.index("pre") < names.index("mm2") and ordered.meta["autopar_schedule"].yielded == 1
+    before, after = simulate(plain, mesh, HW), simulate(ordered, mesh, HW)
+    t_pre = collective_time("all_reduce", M * N3, 4, 2, HW.intra_node)
+    by_name = {c.name: c for c in after.collectives}
+    assert by_name["ar"].start == pytest.approx(T1, rel=1e-12)
+    assert by_name["ar"].exposed == pytest.approx(T_AR - T2, rel=1e-9)  # mm2 hides all but this
+    assert by_name["pre"].start == pytest.approx(T1 + T_AR, rel=1e-12)
+    assert by_name["pre"].end == pytest.approx(T1 + T_AR + t_pre, rel=1e-12)
+    assert {c.name: c.start for c in before.collectives}["ar"] == pytest.approx(t_pre, rel=1e-12)
+    assert after.exposed_comm < before.exposed_comm and after.step_time < before.step_time
+    # the same results: a reorder only (every rank runs the same program, so sums agree)
+    args = {c: [torch.randn(s, generator=torch.Generator().manual_seed(sum(c) + i)) for i, s in enumerate(SHAPES)]
+            for c in all_coords((2, 2))}  # fmt: skip
+    want = run_lockstep({c: _prefetch_and_activation() for c in args}, args, (2, 2))
+    got = run_lockstep({c: ordered for c in args}, args, (2, 2))
+    for c in args:
+        assert all(torch.equal(x, y) for x, y in zip(got[c], want[c]))
+
+
+SHAPES = [(M, K), (K, N1), (K, N2), (K, N3), (M, N3)]
+
+
+def collectives_of(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVES]

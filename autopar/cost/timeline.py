@@ -111,8 +111,7 @@ def simulate(
     gm: fx.GraphModule, mesh: Mesh, hardware: str | Hardware | MeshCost, streams: str = "single"
 ) -> Timeline:
     """Model one step of the joint graph `gm` (after insert_comm, scheduled or not) on `hardware`."""
-    if streams not in ("single", "link"):
-        raise ValueError(f"streams must be 'single' or 'link', not {streams!r}")
+    _check_streams(streams)
     cost = _mesh_cost(hardware, mesh)
     shape = tuple(mesh.shape)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and has_info(n)]
@@ -132,9 +131,7 @@ def simulate(
                 timeline.compute.append(Span(node.name, now, now + issuing, info(node).phase))
                 now += issuing
                 duration -= issuing
-            stream = "comm"
-            if streams == "link" and step is not None:
-                stream = f"comm {cost.links[step.axis].name or step.axis}"
+            stream = stream_of(step, cost, streams)
             start = max(now, comm_free.get(stream, 0.0))
             comm_free[stream] = start + duration
             pending[node] = (now, start, start + duration, stream)
@@ -188,14 +185,19 @@ def simulate(
 class StepClock:
     """The timeline model advanced one placed node at a time: the schedule stage's sense of time.
 
-    One communication stream, as `simulate`; `now` is the compute stream's clock.
+    Communication streams as `simulate` has them (`streams`: one, or one per link), each a queue
+    of the collectives placed on it, in placement order; `now` is the compute stream's clock. The
+    schedule stage asks it when a stream is free and when a collective would end if placed now
+    (`free`, `stream`), so that it can choose which collective takes a busy link first.
     """
 
-    def __init__(self, mesh: Mesh, hardware: str | Hardware | MeshCost) -> None:
+    def __init__(self, mesh: Mesh, hardware: str | Hardware | MeshCost, streams: str = "single") -> None:
+        _check_streams(streams)
         self.cost = _mesh_cost(hardware, mesh)
         self.shape = tuple(mesh.shape)
+        self.streams = streams
         self.now = 0.0
-        self.comm_free = 0.0
+        self.comm_free: dict[str, float] = {}  # stream -> when its last placed collective ends
         self.ends: dict[fx.Node, float] = {}
         self._sizes: dict[fx.Node, float] = {}
         self._durations: dict[fx.Node, float] = {}
@@ -215,14 +217,28 @@ class StepClock:
         self._durations[node] = value
         return value
 
+    def issuing(self, collective: fx.Node) -> float:
+        """Seconds of a collective its own rank spends on the compute stream (`Link.call`)."""
+        return _issuing(info(collective).comm, self.cost) if has_info(collective) else 0.0
+
+    def stream(self, collective: fx.Node) -> str:
+        """The communication stream a collective queues on."""
+        return stream_of(info(collective).comm if has_info(collective) else None, self.cost, self.streams)
+
+    def free(self, stream: str) -> float:
+        """When `stream` has sent everything placed on it so far."""
+        return self.comm_free.get(stream, 0.0)
+
     def place(self, node: fx.Node) -> None:
         if node.op != "call_function" or not has_info(node):
             return
         if node.target in COLLECTIVES:
-            issuing = _issuing(info(node).comm, self.cost)
+            issuing = self.issuing(node)
             self.now += issuing
-            self.comm_free = max(self.now, self.comm_free) + self.duration(node) - issuing
-            self.ends[node] = self.comm_free
+            stream = self.stream(node)
+            end = max(self.now, self.free(stream)) + self.duration(node) - issuing
+            self.comm_free[stream] = end
+            self.ends[node] = end
         elif node.target is c10d.wait_tensor.default:
             coll = node.args[0]
             if isinstance(coll, fx.Node):
@@ -233,6 +249,19 @@ class StepClock:
     def finished(self, collective: fx.Node) -> bool:
         end = self.ends.get(collective)
         return end is not None and end <= self.now
+
+
+def stream_of(step: CommStep | None, cost: MeshCost, streams: str) -> str:
+    """The communication stream of a collective: "comm", or under `streams="link"` its axis's link
+    ("comm nvlink", "comm ib": collectives on one link queue, on different links they overlap)."""
+    if streams == "link" and step is not None:
+        return f"comm {cost.links[step.axis].name or step.axis}"
+    return "comm"
+
+
+def _check_streams(streams: str) -> None:
+    if streams not in ("single", "link"):
+        raise ValueError(f"streams must be 'single' or 'link', not {streams!r}")
 
 
 def _issuing(step: CommStep | None, cost: MeshCost) -> float:
