@@ -85,7 +85,7 @@ def test_grouped_mm_experts_split_over_the_ranks_train_like_serial(shape: tuple[
     assert layouts and all(lay == placements for lay in layouts.values()), layouts
 
 
-@pytest.mark.parametrize(("shape", "axis"), [((2, 4), "x")], ids=["2x4"])
+@pytest.mark.parametrize(("shape", "axis"), [((2, 4), "x"), ((2, 2, 2), "z")], ids=["2x4", "2x2x2"])
 def test_search_splits_the_experts_over_one_axis_and_trains_like_serial(shape: tuple[int, ...], axis: str) -> None:
     """At the defaults (element counts) the search holds the experts over one axis of size 2 (4 of
     the 8 per rank; on (2, 4) 3.10e4 elements against 3.26e4 whole and 5.35e4 over both axes, on
