@@ -19,8 +19,13 @@ MoE) on 8 to 256 GPUs.
     python benchmarks/moe.py --shapes wide-16 --meshes 8 8x8
     python benchmarks/moe.py --dispatch-only                   # the dispatcher table alone
     python benchmarks/moe.py --gloo 4 --steps 2                # part (a) on 4 gloo ranks (~4 min)
+    python benchmarks/moe.py --placements --shapes wide-16 --meshes 8 2x4   # EP / expert TP / replicated
 
-Writes benchmarks/results/moe.json (--gloo: moe_gloo.json). Issue 35 (b), Mixtral 8x7B and DeepSeek-V3
+`--placements`: each shape and mesh planned three times with one placement of the experts forced
+(split over the ranks, split inside every expert, replicated) and once by the search, to show
+where each wins and what the search picks.
+
+Writes benchmarks/results/moe.json (--gloo: moe_gloo.json, --placements: moe_placements.json). Issue 35 (b), Mixtral 8x7B and DeepSeek-V3
 against their published configurations: benchmarks/moe_published.py.
 """
 
@@ -49,7 +54,7 @@ from multirank import run_ranks  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.core.layout import Shard  # noqa: E402
+from autopar.core.layout import R, Shard  # noqa: E402
 from autopar.core.strategy import AxisStrategy, OpCall  # noqa: E402
 from autopar.cost.dispatch import DISPATCHERS, dispatch_cost  # noqa: E402
 from autopar.cost.hardware import load_hardware, span_link  # noqa: E402
@@ -231,7 +236,67 @@ def _inside_only() -> RuleRegistry:
     return registry
 
 
+def _replicated_only() -> RuleRegistry:
+    """The default rules with the grouped matmuls holding every expert whole on every rank (their
+    weights replicated: each rank multiplies its own tokens' rows by every expert)."""
+    registry = default_registry()
+    for name in ("grouped_mm_fallback", "grouped_mm_fallback_backward"):
+        op = library_op("transformers", name)
+        rule = registry.get(op)
+        assert rule is not None, name
+
+        def whole(call: OpCall, strategies: Any = rule.strategies) -> list[AxisStrategy]:
+            return [s for s in strategies(call) if s.inputs[1] == R]
+
+        registry.register(
+            op, whole, family=rule.family, localize=rule.localize, anchor=rule.anchor, uneven=rule.uneven
+        )
+    return registry
+
+
 GLOO_PLANS = {"expert split": experts_only, "split inside experts": _inside_only}
+# issue 35 item 3's three placements of the experts, each forced, against the search's own choice
+PLACEMENTS: dict[str, Callable[[], RuleRegistry] | None] = {
+    "expert split (EP)": experts_only,
+    "split inside (expert TP)": _inside_only,
+    "replicated": _replicated_only,
+    "search": None,
+}
+
+
+def _expert_placement(layout: str) -> str:
+    """What a `gate_up_proj` layout says: the experts split (S(0) on some axis), split inside
+    (S(1)/S(2)), or whole on every rank."""
+    if "S(0)" in layout:
+        return "EP"
+    return "expert TP" if "S(" in layout else "replicated"
+
+
+def placement_rows(shapes: list[str], meshes: list[str]) -> list[dict[str, Any]]:
+    """Each shape and mesh planned with each placement of `PLACEMENTS` forced and by the search:
+    modeled step (no overlap), bytes sent and expert weights held per rank."""
+    rows = []
+    for shape_name in shapes:
+        make, batch, seq = SHAPES[shape_name]
+        ids = torch.randint(VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+        for mesh_name in meshes:
+            for label, registry in PLACEMENTS.items():
+                torch.manual_seed(0)
+                planning = autopar.PlanOptions(hardware=HARDWARE, registry=registry() if registry else None)
+                result = autopar.plan(make(), MESHES[mesh_name], (), example_kwargs={"input_ids": ids, "labels": ids},
+                                      planning=planning)  # fmt: skip
+                program = result.compiled.program
+                layouts = dict(zip(program.param_names, program.param_layouts))
+                gate_up = next(str(v) for k, v in layouts.items() if k.endswith("layers.0.mlp.experts.gate_up_proj"))
+                experts = result.compiled.report.experts
+                rows.append({
+                    "shape": shape_name, "mesh": mesh_name, "plan": label, "gate_up_proj": gate_up,
+                    "placement": _expert_placement(gate_up), "step_ms": 1e3 * result.step_time,
+                    "comm_ms": 1e3 * result.comm_time, "MB_per_rank": result.comm_bytes / 1e6,
+                    "expert_MiB_per_rank": experts.weight_bytes_local / 2**20 if experts is not None else 0.0,
+                })  # fmt: skip
+                print(rows[-1], flush=True)
+    return rows
 
 
 def _gloo_job(rank: int, world_size: int, shape_name: str, steps: int) -> dict[str, Any]:
@@ -308,6 +373,7 @@ def main() -> None:
         choices=["allgather", "alltoall", "auto"],
         help="PlanOptions.token_dispatch of the search's plans (each one a row)",
     )
+    parser.add_argument("--placements", action="store_true", help="only EP / expert TP / replicated / search")
     parser.add_argument("--gloo", type=int, default=0, help="only part (a): this many gloo ranks")
     parser.add_argument("--gloo-shape", default="gloo-mixtral", choices=list(SHAPES))
     parser.add_argument("--steps", type=int, default=3, help="timed steps per plan (--gloo)")
@@ -318,6 +384,13 @@ def main() -> None:
         print(table(heads, [[f"{r[c]:.3f}" if isinstance(r[c], float) else r[c] for c in heads] for r in gloo]))
         print(f"load average (1 min) before, after: {load[0]:.1f}, {load[1]:.1f}")
         write_result("moe_gloo", {"rows": gloo, "load_average_1min": load, "steps": args.steps})
+        return
+    if args.placements:
+        placed = placement_rows(args.shapes, args.meshes)
+        heads = ["shape", "mesh", "plan", "gate_up_proj", "placement", "step_ms", "comm_ms", "MB_per_rank",
+                 "expert_MiB_per_rank"]  # fmt: skip
+        print(table(heads, [[f"{r[c]:.3f}" if isinstance(r[c], float) else r[c] for c in heads] for r in placed]))
+        write_result("moe_placements", {"hardware": HARDWARE, "layers": LAYERS, "rows": placed})
         return
     dispatch = dispatch_rows()
     heads = ["shape", "ep", "tokens_per_rank", "dispatcher", "dispatch_ms", "MB_per_rank"]

@@ -62,9 +62,10 @@ SEQ = 4096
 MEMORY_LIMIT = 0.9 * 80e9
 
 
-def mixtral_8x7b() -> torch.nn.Module:
+def mixtral_8x7b(layers: int = LAYERS) -> torch.nn.Module:
+    """Mixtral 8x7B at its published sizes with `layers` transformer layers (32 in the model)."""
     config = transformers.MixtralConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=LAYERS,
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
         max_position_embeddings=SEQ, attention_dropout=0.0,
     )  # fmt: skip
@@ -72,10 +73,12 @@ def mixtral_8x7b() -> torch.nn.Module:
         return transformers.MixtralForCausalLM(config).to(torch.bfloat16)
 
 
-def deepseek_v3() -> torch.nn.Module:
+def deepseek_v3(layers: int = LAYERS) -> torch.nn.Module:
+    """DeepSeek-V3 at its published sizes with `layers` layers, every one MoE (61 in the model, the
+    first 3 dense), without multi-token prediction."""
     config = transformers.DeepseekV3Config(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-        num_hidden_layers=LAYERS, first_k_dense_replace=0, num_attention_heads=128, num_key_value_heads=128,
+        num_hidden_layers=layers, first_k_dense_replace=0, num_attention_heads=128, num_key_value_heads=128,
         n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         max_position_embeddings=SEQ, attention_dropout=0.0,

@@ -7,6 +7,7 @@ process (`autopar.plan` allocates no weights)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -78,3 +79,22 @@ def test_pipeline_depths_price_their_stage_meshes_with_the_dispatcher_asked_for(
         gathered = rows["allgather"][schedule]
         assert exchanged.stage_shape == gathered.stage_shape == (2,)
         assert exchanged.factor != pytest.approx(gathered.factor, rel=1e-3), schedule
+
+
+def test_pipeline_choice_prices_a_given_layout_when_its_space_is_restricted() -> None:
+    """A published pipelined job priced by the same accounting as the choice
+    (`benchmarks/moe_pipelined.py`): one depth, one stage sub-mesh with its axis names, one
+    schedule, no tensor-only candidate. The only candidate is that layout, priced as the choice
+    prices the same depth and stage shape when the sub-mesh is left to it."""
+    kwargs = {"example_kwargs": _batch(1, False), "microbatches": 2, "recompute": "none", "bound_depths": False}
+    restricted = {"depths": [2], "schedules": [("1f1b", 1)], "with_tensor_only": False}
+    torch.manual_seed(0)
+    given = choose_pipeline_mesh(_mixtral(), 4, (), stage_meshes=[((2,), ("ep",))], **restricted, **kwargs)
+    assert given.tensor_only is None and len(given.candidates) == 1, given.table()
+    only = given.chosen
+    assert (only.pp, only.schedule, only.v, only.mesh_names, only.mesh_shape) == (2, "1f1b", 1, ("pp", "ep"), (2, 2))
+    assert only.fits and math.isfinite(only.step_time) and not only.error
+    torch.manual_seed(0)
+    free = choose_pipeline_mesh(_mixtral(), 4, (), **restricted, **kwargs)
+    assert [c.mesh_names for c in free.candidates] == [("pp", "x")], free.table()
+    assert free.chosen.step_time == pytest.approx(only.step_time, rel=1e-9)

@@ -157,6 +157,9 @@ def choose_pipeline_mesh(
     bound_depths: bool = True,
     searched_candidates: int = SEARCHED_CANDIDATES,
     token_dispatch: str = "allgather",
+    stage_meshes: Sequence[tuple[tuple[int, ...], tuple[str, ...]]] | None = None,
+    schedules: Sequence[tuple[str, int]] = AUTO_CANDIDATES,
+    with_tensor_only: bool = True,
 ) -> PipelineMeshChoice:
     """Rank the tensor-only mesh choice's best beside every pipeline depth of `depths` (default:
     every divisor of `world_size` above 1 that the model has modules enough for) and schedule.
@@ -175,7 +178,14 @@ def choose_pipeline_mesh(
     (`tests/test_plan_scale.py` holds the default's choice to it). `token_dispatch`
     (`PlanOptions.token_dispatch`): how the tensor-only choice and every stage sub-mesh's choice
     dispatch MoE layers' tokens (`choose_mesh`), so a depth's sub-mesh is priced with the
-    dispatcher its stages will run."""
+    dispatcher its stages will run.
+
+    Restricting the space prices a given layout with the same accounting (a published job against
+    the choice, `benchmarks/moe_pipelined.py`): `stage_meshes` (shape, names) are the only stage
+    sub-meshes each depth's choice considers (`choose_mesh(candidates=...)`), `schedules` the
+    (schedule, virtual stages) pairs priced (default `AUTO_CANDIDATES`), and `with_tensor_only=False`
+    leaves the tensor-only candidate out (a pipeline is wanted: its mesh choice on every rank is
+    the costliest part at thousands of ranks)."""
     example = tuple(example_inputs)
     modes = RECOMPUTE_MODES if recompute == "auto" else (recompute_mode(recompute),)
     hw = load_hardware(hardware)
@@ -185,25 +195,26 @@ def choose_pipeline_mesh(
     candidates: list[PipelineCandidate] = []
     tensor_only: MeshChoice | None = None
     steps = StepCache()  # pairs of placements, shared by every choice below (they depend on ndim only)
-    try:
-        # every plan the search weighs is counted with the weight state (module doc): a limit taken
-        # down by the sharded share, as before, let replicated storage through 5 bytes per stored
-        # byte over it (PTD-P 1.7B on 4x8: 95.8 GB of 80)
-        whole = trace_for_choice(model, world_size, example, example_kwargs=example_kwargs, token_dispatch=token_dispatch)
-        set_state_ratios(whole, state.ratios)
-        tensor_only = choose_mesh(model, world_size, example, hardware=hardware, memory_limit=limit,
-                                  example_kwargs=example_kwargs, registry=registry, traced=whole,
-                                  searched_candidates=searched_candidates, steps=steps,
-                                  token_dispatch=token_dispatch)  # fmt: skip
-        candidates.append(tensor_only_candidate(tensor_only.chosen, state, hw, limit, world_size))
-    except AutoparError as exc:
-        candidates.append(PipelineCandidate(1, "-", "-", 1, error=str(exc).splitlines()[0], recompute="search"))
+    if with_tensor_only:
+        try:
+            # every plan the search weighs is counted with the weight state (module doc): a limit taken
+            # down by the sharded share, as before, let replicated storage through 5 bytes per stored
+            # byte over it (PTD-P 1.7B on 4x8: 95.8 GB of 80)
+            whole = trace_for_choice(model, world_size, example, example_kwargs=example_kwargs, token_dispatch=token_dispatch)
+            set_state_ratios(whole, state.ratios)
+            tensor_only = choose_mesh(model, world_size, example, hardware=hardware, memory_limit=limit,
+                                      example_kwargs=example_kwargs, registry=registry, traced=whole,
+                                      searched_candidates=searched_candidates, steps=steps,
+                                      token_dispatch=token_dispatch)  # fmt: skip
+            candidates.append(tensor_only_candidate(tensor_only.chosen, state, hw, limit, world_size))
+        except AutoparError as exc:
+            candidates.append(PipelineCandidate(1, "-", "-", 1, error=str(exc).splitlines()[0], recompute="search"))
     piece_args, piece_kwargs = split_microbatches((example, dict(example_kwargs or {})), microbatches)[0]
     wanted = depths if depths is not None else [p for p in range(2, world_size + 1) if world_size % p == 0]
     graphs = _StageGraphs(gm, hw)  # one analysis per stage sub-mesh size, shared by its schedules
     cut_all = functools.partial(
         _cuts, graphs, microbatches=microbatches, limit=limit, weight_state=state.weight_state,
-        modes=modes,
+        modes=modes, schedules=schedules,
     )  # fmt: skip
     # every depth's ideal cuts first: they do not need the stage sub-mesh's plan, which only slows them
     cuts = {pp: cut_all(pp, world_size // pp) for pp in wanted}
@@ -234,7 +245,7 @@ def choose_pipeline_mesh(
                 sub = choose_mesh(
                     model, t, piece_args, hardware=hardware, registry=registry, example_kwargs=piece_kwargs,
                     memory_limit=math.inf, traced=piece[0], searched_candidates=searched_candidates,
-                    steps=steps, token_dispatch=token_dispatch,
+                    steps=steps, token_dispatch=token_dispatch, candidates=stage_meshes,
                 )  # fmt: skip
             except AutoparError as exc:
                 rows[pp] = [PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0], recompute="-")]
@@ -392,15 +403,16 @@ def _cuts(
     limit: float,
     weight_state: WeightState,
     modes: Sequence[str],
+    schedules: Sequence[tuple[str, int]] = AUTO_CANDIDATES,
     shards: float | None = None,
     grad: float | None = None,
 ) -> list[tuple[str, int, str, StageCut | AutoparError]]:
-    """Each schedule of `AUTO_CANDIDATES` under each recomputation mode of `modes`, cut at depth
+    """Each schedule of `schedules` under each recomputation mode of `modes`, cut at depth
     `pp` with work divided ideally by `t`, or why it cannot be. Without the sub-mesh plan's `shards`
     (how many ways it splits the weight state) and `grad` (its gradient reduction, priced once per
     step) the cut is the ideal one: state split t ways, no reduction."""
     out: list[tuple[str, int, str, StageCut | AutoparError]] = []
-    for name, v in AUTO_CANDIDATES:
+    for name, v in schedules:
         for mode in modes:
             try:
                 cut = cut_graph(
