@@ -75,18 +75,24 @@ def test_split_programs_equal_serial_and_store_parts_with_the_cut_dim_whole(shap
     assert_matches_serial(first, fwd, bwd, model, inputs, shape)
 
 
-def test_partial_sum_reduce_scatters_after_moving_the_outer_axis() -> None:
-    """[S(0) on y, P on z] -> [S(1) on y, S(1) on z]: all-to-all y (summands), then reduce-scatter z,
-    instead of all-reduce z then all-to-all y (twice the volume on z)."""
+def test_partial_sum_reduce_scatters_before_moving_the_outer_axis() -> None:
+    """[S(0) on y, P on z] -> [S(1) on y, S(1) on z] (a part's gradient into its storage):
+    reduce-scatter z into dim 1 with its blocks in (z, y) order, then all-to-all y on the reduced
+    block, instead of all-to-all y on the summands then reduce-scatter z (4 times the exchange's
+    volume here), or all-reduce z then all-to-all y."""
     mesh = (1, 4, 4)
     src = Layout((Replicate(), Shard(0), Partial()), (64, 64))
     dst = Layout((Replicate(), Shard(1), Shard(1)), (64, 64))
     steps = plan_redistribute(src, dst, mesh)
-    assert [(s.kind, s.axis) for s in steps] == [("all_to_all", 1), ("reduce_scatter", 2)]
+    assert [(s.kind, s.axis, s.swap) for s in steps] == [("reduce_scatter", 2, (4, 4)), ("all_to_all", 1, None)]
     assert steps[-1].after == dst
     n = 64 * 64 / 4
-    assert redistribute_cost(src, dst, mesh) == pytest.approx(3 / 4 * n + 3 / 4 * n)
+    assert redistribute_cost(src, dst, mesh) == pytest.approx(3 / 4 * n + 3 / 4 * n / 4)
     assert sum(s.elements_sent(mesh) for s in steps) == redistribute_cost(src, dst, mesh)
+    # and the gather of the part from that storage to heads on y: exchanged before it is gathered
+    back = plan_redistribute(dst, Layout((Replicate(), Shard(0), Replicate()), (64, 64)), mesh)
+    assert [(s.kind, s.axis, s.swap) for s in back] == [("all_to_all", 1, None), ("all_gather", 2, (4, 4))]
+    assert sum(s.elements_sent(mesh) for s in back) == pytest.approx(3 / 4 * n / 4 + 3 * n / 4)
 
 
 def test_the_search_prices_parts_in_the_storage_they_get() -> None:
