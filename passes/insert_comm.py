@@ -108,13 +108,29 @@ class _Inserter:
             assert cut is not None
             length = step.before.local_shape(self.shape)[cut]  # the block of the outer axes
             x = self._reorder(x, cut, length, balanced_order(g), base)
+        if step.swap is not None and step.kind == "reduce_scatter":
+            x = self._swap(x, step, step.before, base)
         out = self._emit_plain_step(x, step, base)
+        if step.swap is not None and step.kind == "all_gather":
+            out = self._swap(out, step, step.after, base)
         if is_balanced(step.before.placements[step.axis]) and step.kind in ("all_gather", "all_to_all"):
             assert step.dim is not None
             order = balanced_order(g)
             length = step.after.local_shape(self.shape)[step.dim]
             out = self._reorder(out, step.dim, length, [order.index(j) for j in range(2 * g)], base)
         return out
+
+    def _swap(self, x: fx.Node, step: CommStep, layout: Layout, base: NodeInfo) -> fx.Node:
+        """`layout.swap_blocks` on the local block `x` (laid out as `layout` says for its sizes):
+        `step.dim` seen as (outer, inner) blocks and transposed."""
+        assert step.swap is not None and step.dim is not None
+        outer, inner = step.swap
+        local = list(layout.local_shape(self.shape, self.coords))
+        d = step.dim
+        blocks = [*local[:d], outer, inner, local[d] // (outer * inner), *local[d + 1 :]]
+        viewed = self._node(aten.view.default, (self._contiguous(x, base), blocks), base)
+        swapped = self._contiguous(self._node(aten.transpose.int, (viewed, d, d + 1), base), base)
+        return self._node(aten.view.default, (swapped, local), base)
 
     def _reorder(self, x: fx.Node, dim: int, length: int, positions: Sequence[int], base: NodeInfo) -> fx.Node:
         """`x` (of `length` along `dim`: the block of the axes outside the balanced one, whole

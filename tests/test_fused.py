@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pass_fixtures import assert_matches_serial, gpt_case, run_programs
+from pass_fixtures import assert_matches_serial, gpt_case, model_case, run_programs
 
 from autopar.api import compile_for_rank
 from autopar.core.layout import Layout, Partial, Replicate, Shard
 from autopar.core.mesh import Mesh
-from autopar.core.meta import info, signature
+from autopar.core.meta import has_info, info, signature
 from autopar.core.redistribute import plan_redistribute, redistribute_cost
 from autopar.passes.trace import trace
 from autopar.planning.search import ElementCost, plan_cost_parts, search_layouts
@@ -75,18 +75,43 @@ def test_split_programs_equal_serial_and_store_parts_with_the_cut_dim_whole(shap
     assert_matches_serial(first, fwd, bwd, model, inputs, shape)
 
 
-def test_partial_sum_reduce_scatters_after_moving_the_outer_axis() -> None:
-    """[S(0) on y, P on z] -> [S(1) on y, S(1) on z]: all-to-all y (summands), then reduce-scatter z,
-    instead of all-reduce z then all-to-all y (twice the volume on z)."""
+def test_partial_sum_reduce_scatters_before_moving_the_outer_axis() -> None:
+    """[S(0) on y, P on z] -> [S(1) on y, S(1) on z] (a part's gradient into its storage):
+    reduce-scatter z into dim 1 with its blocks in (z, y) order, then all-to-all y on the reduced
+    block, instead of all-to-all y on the summands then reduce-scatter z (4 times the exchange's
+    volume here), or all-reduce z then all-to-all y."""
     mesh = (1, 4, 4)
     src = Layout((Replicate(), Shard(0), Partial()), (64, 64))
     dst = Layout((Replicate(), Shard(1), Shard(1)), (64, 64))
     steps = plan_redistribute(src, dst, mesh)
-    assert [(s.kind, s.axis) for s in steps] == [("all_to_all", 1), ("reduce_scatter", 2)]
+    assert [(s.kind, s.axis, s.swap) for s in steps] == [("reduce_scatter", 2, (4, 4)), ("all_to_all", 1, None)]
     assert steps[-1].after == dst
     n = 64 * 64 / 4
-    assert redistribute_cost(src, dst, mesh) == pytest.approx(3 / 4 * n + 3 / 4 * n)
+    assert redistribute_cost(src, dst, mesh) == pytest.approx(3 / 4 * n + 3 / 4 * n / 4)
     assert sum(s.elements_sent(mesh) for s in steps) == redistribute_cost(src, dst, mesh)
+    # and the gather of the part from that storage to heads on y: exchanged before it is gathered
+    back = plan_redistribute(dst, Layout((Replicate(), Shard(0), Replicate()), (64, 64)), mesh)
+    assert [(s.kind, s.axis, s.swap) for s in back] == [("all_to_all", 1, None), ("all_gather", 2, (4, 4))]
+    assert sum(s.elements_sent(mesh) for s in back) == pytest.approx(3 / 4 * n / 4 + 3 * n / 4)
+
+
+def test_programs_that_exchange_before_gathering_equal_serial() -> None:
+    """On (4, 2) the search's GPT plan has a value split on one dim by both axes whose outer axis
+    moves to another dim: the emitted program exchanges the small block first, then gathers and
+    swaps the blocks back (`CommStep.swap`), and every rank's program still equals serial."""
+    model, inputs = model_case("gpt1")
+    shape = (4, 2)
+    mesh = Mesh.from_shape(shape)
+    compiled = {c: compile_for_rank(model, mesh, inputs, coords=c, planner="search") for c in all_coords(shape)}
+    steps = [info(n).comm for n in compiled[(1, 1)].graph.graph.nodes if has_info(n) and info(n).comm is not None]
+    swapped = [s for s in steps if s.swap is not None]
+    assert swapped and all(s.kind == "all_gather" and s.swap == (2, 4) for s in swapped)
+    for gather in swapped:  # the exchange before it ran on the block the gather starts from
+        exchange = next(s for s in steps if s.kind == "all_to_all" and s.after == gather.before)
+        assert exchange.before.local_numel(shape) == gather.before.local_numel(shape)
+    programs = {c: comp.program for c, comp in compiled.items()}
+    fwd, bwd = run_programs(programs, model, inputs, shape)
+    assert_matches_serial(programs[(0, 0)], fwd, bwd, model, inputs, shape)
 
 
 def test_the_search_prices_parts_in_the_storage_they_get() -> None:

@@ -228,6 +228,10 @@ def _check_redistribution(src: Layout, dst: Layout, mesh: tuple[int, ...], seed:
         ((Shard(0), Shard(2)), (Shard(1), Shard(0)), ["all_to_all", "all_to_all"]),
         ((Shard(2), Shard(0)), (Shard(1), Shard(2)), ["all_gather", "all_to_all"]),
         ((R, R), (Shard(1), P), []),
+        # a fused weight's part from storage (cut dim 0 whole) to heads on axis 0: exchanged on
+        # the stored block, then gathered, the blocks swapped back; its gradient the other way
+        ((Shard(1), Shard(1)), (Shard(0), R), ["all_to_all", "all_gather"]),
+        ((Shard(0), P), (Shard(1), Shard(1)), ["reduce_scatter", "all_to_all"]),
     ],
 )
 def test_lowered_steps_on_a_2x3_mesh(src: tuple, dst: tuple, kinds: list[str]) -> None:

@@ -150,6 +150,18 @@ def from_balanced(ordered: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
     return torch.cat([chunks[position[j]] for j in range(2 * parts)], dim)
 
 
+def swap_blocks(whole: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Tensor:
+    """`whole`'s dim seen as `outer` x `inner` equal blocks, transposed to `inner` x `outer`.
+
+    A redistribution that exchanges a dim's outer axis before gathering its inner ones gathers
+    the blocks in (inner, outer) order and puts them back so (`CommStep.swap`); one that
+    reduce-scatters an inner axis before exchanging an outer one into the dim puts the blocks in
+    that order first."""
+    shape = list(whole.shape)
+    blocks = whole.reshape(*shape[:dim], outer, inner, shape[dim] // (outer * inner), *shape[dim + 1 :])
+    return blocks.transpose(dim, dim + 1).reshape(shape)
+
+
 class Replicate(_Placement):
     __slots__ = ()
     _instance: Replicate | None = None

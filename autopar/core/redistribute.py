@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from autopar.core.layout import Layout, Partial, Replicate, RowDisjoint, Shard, itemsize
+from autopar.core.layout import Layout, Partial, Replicate, RowDisjoint, Shard, is_balanced, itemsize
 
 StepKind = Literal[
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "ring_shift", "slice", "zero_partial", "forbidden"
@@ -39,6 +39,10 @@ class CommStep:
     after: Layout
     dim: int | None = None  # tensor dim gathered / scattered / sliced; all_to_all: the dim given up
     dst_dim: int | None = None  # all_to_all: the dim that becomes split
+    # (outer, inner): `dim`'s blocks are transposed (`layout.swap_blocks`) after an all_gather /
+    # before a reduce_scatter, where an exchange over an outer axis of the dim runs on the small
+    # block (`_exchange_first`, `_reduce_first`); the layouts name the sizes, not this order
+    swap: tuple[int, int] | None = None
 
     @property
     def is_collective(self) -> bool:
@@ -68,7 +72,8 @@ class CommStep:
         if self.kind == "all_to_all":
             return f"all_to_all[{axis}] dim {self.dim}->{self.dst_dim}"
         if self.dim is not None:
-            return f"{self.kind}[{axis}] dim {self.dim}"
+            swapped = f" (blocks {self.swap[0]}x{self.swap[1]} swapped)" if self.swap else ""
+            return f"{self.kind}[{axis}] dim {self.dim}{swapped}"
         return f"{self.kind}[{axis}]"
 
 
@@ -129,6 +134,54 @@ def exchanges_before(
     return moves
 
 
+def _reduce_first(
+    cur: Layout, dst: Layout, axis: int, moves: Sequence[tuple[int, int]], mesh_shape: Sequence[int]
+) -> bool:
+    """Whether `axis`'s pending sum reduce-scatters into its target dim before the one exchange
+    `moves` names brings the axis nesting outside it there: the exchange then moves the reduced
+    block, 1/g of the summands' (the dim's blocks are put in (axis, exchanged axis) order first).
+    Not with a load-balanced split involved (its chunk order is a second reordering)."""
+    if len(moves) != 1 or any(map(is_balanced, (*cur.placements, *dst.placements))):
+        return False
+    (b, _), t = moves[0], dst.placements[axis]
+    assert isinstance(t, Shard)
+    want = dst.shard_axes(t.dim)
+    split = math.prod(mesh_shape[c] for c in cur.shard_axes(t.dim)) * mesh_shape[b] * mesh_shape[axis]
+    return _is_prefix((*cur.shard_axes(t.dim), b, axis), want) and cur.shape[t.dim] % split == 0
+
+
+def _exchange_first(
+    cur: Layout,
+    dst: Layout,
+    dim: int,
+    removed: Sequence[int],
+    axes_of: Callable[[int], Sequence[int]],
+    mesh_shape: Sequence[int],
+) -> int | None:
+    """Where `dim` gives up the axes `removed` (outermost first) and only the outermost moves to
+    another dim by an all-to-all, the others being gathered: that dim, so that the exchange runs
+    on the stored block before the gathers grow it (they then gather the dim's blocks in (inner,
+    outer) order, which the last gather swaps back). None where the usual order (innermost axis
+    first) is taken. `axes_of`: the current axes of each dim, outermost first."""
+    if len(removed) < 2 or any(map(is_balanced, (*cur.placements, *dst.placements))):
+        return None
+    a = removed[0]
+    target = dst.placements[a]
+    if not isinstance(target, Shard) or target.dim == dim:
+        return None
+    inner = [dst.placements[c] for c in removed[1:]]
+    if any(isinstance(p, Shard) and p.dim != dim for p in inner):
+        return None  # an inner axis moves too: the usual order
+    there = axes_of(target.dim)
+    if not (
+        all(b < a for b in there)
+        and _is_prefix((*there, a), dst.shard_axes(target.dim))
+        and _even_exchange(cur.shape, dim, target.dim, axes_of, a, mesh_shape)
+    ):
+        return None
+    return target.dim
+
+
 def plan_redistribute(
     src: Layout, dst: Layout, mesh_shape: Sequence[int], sums_first: Sequence[int] = ()
 ) -> list[CommStep]:
@@ -151,11 +204,16 @@ def plan_redistribute(
         return [CommStep("forbidden", a, src, dst) for a in forbidden]
 
     def step(
-        kind: StepKind, axis: int, new: Layout, dim: int | None = None, dst_dim: int | None = None
+        kind: StepKind,
+        axis: int,
+        new: Layout,
+        dim: int | None = None,
+        dst_dim: int | None = None,
+        swap: tuple[int, int] | None = None,
     ) -> None:
         nonlocal cur
         if mesh_shape[axis] > 1 or kind in ("slice", "zero_partial"):
-            steps.append(CommStep(kind, axis, cur, new, dim, dst_dim))
+            steps.append(CommStep(kind, axis, cur, new, dim, dst_dim, swap))
         cur = new
 
     # 1. pending sums: reduce-scatter straight into the target split where the nesting allows.
@@ -168,7 +226,14 @@ def plan_redistribute(
         if isinstance(target, Shard):
             by_dim = {d: cur.shard_axes(d) for d in range(len(cur.shape))}
             want = dst.shard_axes(target.dim)
-            for b, d in exchanges_before(by_dim, a, want, target.dim, cur.shape, mesh_shape):
+            moves = exchanges_before(by_dim, a, want, target.dim, cur.shape, mesh_shape)
+            if _reduce_first(cur, dst, a, moves, mesh_shape):
+                (b, d), g = moves[0], mesh_shape[a]
+                swap = (mesh_shape[b], g) if mesh_shape[b] > 1 else None
+                step("reduce_scatter", a, cur.with_placement(a, target), dim=target.dim, swap=swap)
+                step("all_to_all", b, cur.with_placement(b, target), dim=d, dst_dim=target.dim)
+                continue
+            for b, d in moves:
                 step("all_to_all", b, cur.with_placement(b, target), dim=d, dst_dim=target.dim)
         if isinstance(target, Shard) and _is_prefix(
             (*cur.shard_axes(target.dim), a), dst.shard_axes(target.dim)
@@ -188,7 +253,18 @@ def plan_redistribute(
             and cur.placements[src_axes[keep]] == dst.placements[src_axes[keep]]  # the same order too
         ):
             keep += 1
-        for a in reversed(src_axes[keep:]):
+        removed = src_axes[keep:]
+        moved = _exchange_first(cur, dst, d, removed, cur.shard_axes, mesh_shape)
+        if moved is not None:
+            a = removed[0]
+            step("all_to_all", a, cur.with_placement(a, dst.placements[a]), dim=d, dst_dim=moved)
+            gathered = [c for c in reversed(removed[1:]) if mesh_shape[c] > 1]
+            inner = math.prod(mesh_shape[c] for c in gathered)
+            for c in reversed(removed[1:]):
+                swap = (inner, mesh_shape[a]) if gathered and c == gathered[-1] and mesh_shape[a] > 1 else None
+                step("all_gather", c, cur.with_placement(c, Replicate()), dim=d, swap=swap)
+            continue
+        for a in reversed(removed):
             target = dst.placements[a]
             if (
                 isinstance(target, Shard)
@@ -260,7 +336,17 @@ def redistribute_cost(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> fl
         t = target[a]
         if isinstance(t, Shard) and not _is_prefix((*axes(t.dim), a), dst.shard_axes(t.dim)):
             by_dim = {d: axes(d) for d in range(len(src.shape))}  # only where a move may help
-            for b, _ in exchanges_before(by_dim, a, dst.shard_axes(t.dim), t.dim, src.shape, mesh_shape):
+            moves = exchanges_before(by_dim, a, dst.shard_axes(t.dim), t.dim, src.shape, mesh_shape)
+            if _reduce_first(Layout(tuple(cur), src.shape, src.dtype), dst, a, moves, mesh_shape):
+                (b, _), gb = moves[0], mesh_shape[moves[0][0]]
+                total += (g - 1) / g * n
+                cur[a] = t
+                n = block() if exact else n / g
+                total += (gb - 1) / gb * n
+                cur[b] = t
+                n = block() if exact else n
+                continue
+            for b, _ in moves:
                 total += (mesh_shape[b] - 1) / mesh_shape[b] * n
                 cur[b] = t
                 n = block() if exact else n
@@ -281,7 +367,20 @@ def redistribute_cost(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> fl
             and cur[src_axes[keep]] == target[src_axes[keep]]
         ):
             keep += 1
-        for a in reversed(src_axes[keep:]):
+        removed = src_axes[keep:]
+        if len(removed) > 1 and _exchange_first(
+            Layout(tuple(cur), src.shape, src.dtype), dst, d, removed, axes, mesh_shape
+        ) is not None:
+            a = removed[0]
+            total += (mesh_shape[a] - 1) / mesh_shape[a] * n
+            cur[a] = target[a]
+            n = block() if exact else n
+            for c in reversed(removed[1:]):
+                total += n * (mesh_shape[c] - 1)
+                cur[c] = Replicate()
+                n = block() if exact else n * mesh_shape[c]
+            continue
+        for a in reversed(removed):
             g = mesh_shape[a]
             t = target[a]
             if (

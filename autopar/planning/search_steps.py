@@ -223,7 +223,16 @@ def coded_template(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[Template
             if c not in (PARTIAL, DISJOINT) or t in (PARTIAL, DISJOINT):
                 continue
             if t >= 0:  # move the axes nesting outside `a` there first (even: no shape check)
-                for b, home in exchanges_before(have, a, want.get(t, ()), t):
+                moves = exchanges_before(have, a, want.get(t, ()), t)
+                if len(moves) == 1 and _extends((*have.get(t, ()), moves[0][0]), a, want.get(t, ())):
+                    (b, home) = moves[0]  # reduce first, then exchange the reduced block
+                    steps.append(("reduce_scatter", a, num, den))
+                    den = (*den, a)
+                    steps.append(("all_to_all", b, num, den))
+                    have[home].pop()
+                    have.setdefault(t, []).extend((b, a))
+                    continue
+                for b, home in moves:
                     have[home].pop()
                     have.setdefault(t, []).append(b)
                     steps.append(("all_to_all", b, num, den))
@@ -241,7 +250,17 @@ def coded_template(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[Template
         keep = 0
         while keep < len(axes) and keep < len(kept) and axes[keep] == kept[keep]:
             keep += 1
-        for a in reversed(axes[keep:]):
+        removed = axes[keep:]
+        moved = _exchange_first(removed, d, dst, have, want)
+        if moved is not None:  # the outermost axis exchanged on the small block, then the gathers
+            del axes[keep:]
+            steps.append(("all_to_all", removed[0], num, den))
+            have.setdefault(moved, []).append(removed[0])
+            for c in reversed(removed[1:]):
+                steps.append(("all_gather", c, num, den))
+                num = (*num, c)
+            continue
+        for a in reversed(removed):
             t = dst[a]
             axes.pop()
             if t >= 0 and t != d:
@@ -253,6 +272,26 @@ def coded_template(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[Template
             steps.append(("all_gather", a, num, den))
             num = (*num, a)
     return tuple(steps)  # 3. slicing and zeroing replicas send nothing
+
+
+def _exchange_first(
+    removed: Sequence[int],
+    d: int,
+    dst: tuple[int, ...],
+    have: dict[int, list[int]],
+    want: dict[int, tuple[int, ...]],
+) -> int | None:
+    """`redistribute._exchange_first` on codes: the dim the outermost of `removed` (the axes
+    leaving dim `d`) moves to by an all-to-all before the others are gathered, or None."""
+    if len(removed) < 2:
+        return None
+    a, t = removed[0], dst[removed[0]]
+    if t < 0 or t == d or any(dst[c] >= 0 and dst[c] != d for c in removed[1:]):
+        return None
+    there = have.get(t, ())
+    if (there and there[-1] > a) or not _extends(there, a, want.get(t, ())):
+        return None
+    return t
 
 
 @functools.lru_cache(maxsize=4096)

@@ -32,6 +32,7 @@ from autopar.core.layout import (
     Shard,
     from_balanced,
     is_balanced,
+    swap_blocks,
     to_balanced,
 )
 from autopar.core.meta import NODE_KEY, NodeInfo
@@ -410,12 +411,16 @@ def _simulate_step(pieces: Pieces, step: CommStep, mesh_shape: Sequence[int]) ->
         if step.kind == "all_gather":
             assert step.dim is not None
             whole = torch.cat(group, dim=step.dim)
+            if step.swap is not None:
+                whole = swap_blocks(whole, step.dim, *step.swap)
             out[coords] = from_balanced(whole, step.dim, g) if gathered_balanced else whole
         elif step.kind == "all_reduce":
             out[coords] = sum(group[1:], group[0].clone())
         elif step.kind == "reduce_scatter":
             assert step.dim is not None
             total = sum(group[1:], group[0].clone())
+            if step.swap is not None:
+                total = swap_blocks(total, step.dim, *step.swap)
             if cut_balanced:
                 total = to_balanced(total, step.dim, g)
             out[coords] = total.chunk(g, dim=step.dim)[me].clone()
