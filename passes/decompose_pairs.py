@@ -66,6 +66,8 @@ def find_pairs(
         assert step is not None
         if is_balanced(step.before.placements[step.axis]) or is_balanced(step.after.placements[step.axis]):
             continue  # its rank blocks are reordered around it (`BalancedShard`): not rows in rank order
+        if step.swap is not None:
+            continue  # its blocks are swapped back locally around it (`CommStep.swap`): not rows in rank order
         wait = next(iter(node.users), None)
         if wait is None or len(node.users) != 1 or wait.target is not c10d.wait_tensor.default:
             continue
