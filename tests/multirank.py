@@ -3,7 +3,9 @@
 Forking from a parent that has already imported torch starts 8 ranks in under a second, where
 `mp.spawn`/`torchrun` pay ~15 s to import torch in every rank. The heavy modules are imported below,
 in the parent, so that the forks inherit them (the first functional collective would otherwise
-import torch._dynamo, ~1 s in every rank).
+import torch._dynamo, ~1 s in every rank), and before its first fork the parent compiles a small
+GPT once (`_warm_parent`), so that every rank inherits what a process's first trace and compile
+set up once instead of repeating it.
 
 The harness must never hang pytest: a rank that fails gets the others killed after a short grace
 period (they are usually stuck in a collective waiting for it), and on timeout every rank is
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -29,6 +32,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -37,9 +41,15 @@ from typing import Any
 
 import torch
 import torch._dynamo  # noqa: F401
+import torch._inductor.config
 import torch.distributed as dist
 import torch.distributed.device_mesh  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
+from torch.distributed.tensor import DTensor
+
+from autopar.api import compile_for_rank
+from autopar.core.mesh import Mesh
+from examples.models import make_gpt
 
 # Once one rank has failed, how long the others get to finish before they are killed.
 FAILURE_GRACE_S = 1.0
@@ -74,6 +84,9 @@ def _child(
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         os.environ.update(LOCAL_WORLD_SIZE=str(world_size))
         torch.set_num_threads(1)  # N ranks share few cores; more threads only contend
+        # and for the same reason Inductor (compile=True) compiles in the rank itself: a pool of
+        # compile workers per rank would start fresh Pythons that each import torch again
+        torch._inductor.config.compile_threads = 1
         try:
             store = dist.FileStore(os.path.join(tmp, "store"), world_size)
             dist.init_process_group(
@@ -97,6 +110,23 @@ def _child(
                 with contextlib.suppress(Exception):
                     dist.barrier()
             dist.destroy_process_group()
+
+
+@functools.cache
+def _warm_parent() -> None:
+    """Compile a one-layer GPT for one rank of a (2, 2) planning mesh, once, in the parent.
+
+    A process's first trace and compile pays for lazy imports, dispatch and decomposition tables
+    and autopar's caches of pure functions (~0.8 s CPU of a 7 s GPT compile, measured); done here,
+    before the first fork, every rank of every job inherits it instead of paying it again, on the
+    few cores all ranks share. Nothing a rank checks is skipped: each still traces, plans and
+    compiles its own model in full. The generator state and the warning filters are restored, so
+    that no rank sees what this compile drew or warned (a cold process is README command 1's, run
+    as a subprocess by tests/test_examples.py)."""
+    with torch.random.fork_rng(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, batch = make_gpt(0, n_layer=1)
+        compile_for_rank(model, Mesh.from_shape((2, 2)), batch, coords=(0, 0))
 
 
 class _RankKilledBySignal(AssertionError):
@@ -125,6 +155,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
 
 def _run_ranks_once(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float) -> list[Any]:
     _require_marker()
+    _warm_parent()
     ctx = mp.get_context("fork")
     procs: list[Any] = []
     unanswered = list(range(world_size))  # until collected, any exit kills every child at once
@@ -204,6 +235,31 @@ def _collect(readers: dict[Connection, int], procs: list[Any], timeout: float) -
     return results
 
 
+def run_scenarios(
+    world_size: int, scenarios: dict[str, Callable[[int, int], Any]], timeout: float = 120.0
+) -> dict[str, list[Any]]:
+    """Several scenarios, `fn(rank, world_size)` each, on one forked job of `world_size` ranks:
+    every rank runs them in order, so the job's start (fork, rendezvous, a process's first use of
+    each kind of work) is paid once. Returns each scenario's per-rank results, by its name.
+
+    Meant for a module-scoped fixture whose tests each assert on their own scenario's results.
+    Scenarios must leave nothing behind that another one reads; one that raises fails the job
+    (its peers may be waiting in a collective), and the error names it with the rank's traceback.
+    """
+    per_rank = run_ranks(world_size, _run_in_order, list(scenarios.items()), timeout=timeout)
+    return {name: [results[i] for results in per_rank] for i, name in enumerate(scenarios)}
+
+
+def _run_in_order(rank: int, world_size: int, scenarios: list[tuple[str, Callable[[int, int], Any]]]) -> list[Any]:
+    results = []
+    for name, fn in scenarios:
+        try:
+            results.append(fn(rank, world_size))
+        except BaseException as error:
+            raise AssertionError(f"scenario {name} failed on rank {rank}") from error
+    return results
+
+
 def _own_frames(dump: str) -> str:
     """A faulthandler dump without the frames below ``_child``, which the fork copied from the parent."""
     lines = dump.strip().splitlines()
@@ -219,6 +275,7 @@ def run_ranks_with_faults(
     it answered or died); status is "ok", "raised", "died", or "hung" for a rank still running at
     `timeout` (then killed)."""
     _require_marker()
+    _warm_parent()
     ctx = mp.get_context("fork")
     procs: list[Any] = []
     ended: dict[int, tuple[str, Any, float]] = {}
@@ -274,3 +331,44 @@ def train_side_by_side(
             optimizer.step()
             losses.append(float(loss.detach()))
     return losses
+
+
+def seeded_steps_beside_serial(
+    pmodel: torch.nn.Module,
+    serial: torch.nn.Module,
+    batch: tuple[Any, ...],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    tol: dict[str, float],
+    what: str = "",
+    steps: int = 2,
+) -> None:
+    """`steps` optimizer steps of the parallel module and its serial copy side by side, the
+    generator seeded alike (100 + step) before each one's call, so that random ops in both draw
+    from the same state: each step's losses must be equal, and the generator must be left where
+    the serial step leaves it (the parallel module draws what serial draws, no more, no less)."""
+    optimizers = [make_optimizer(m.parameters()) for m in (pmodel, serial)]
+    for step in range(steps):
+        losses, after = [], []
+        for module, optimizer in zip((pmodel, serial), optimizers):
+            torch.manual_seed(100 + step)  # every rank and the serial model: the same state
+            optimizer.zero_grad()
+            loss = module(*batch)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+            after.append(torch.get_rng_state())
+        torch.testing.assert_close(losses[0], losses[1], **tol, msg=f"{what} step {step}")
+        assert torch.equal(after[0], after[1]), f"{what} step {step}: the generator is left elsewhere than serial's"
+
+
+def assert_parameters_equal_serial(
+    pmodel: torch.nn.Module, serial: torch.nn.Module, tol: dict[str, float], what: str = ""
+) -> None:
+    """Every gradient and parameter of the parallel module (DTensors gathered whole) equals the
+    serial copy's of the same name."""
+    ref = dict(serial.named_parameters())
+    for name, p in pmodel.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        value = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+        torch.testing.assert_close(grad, ref[name].grad, **tol, msg=f"{what} grad {name}")
+        torch.testing.assert_close(value, ref[name].detach(), **tol, msg=f"{what} param {name}")

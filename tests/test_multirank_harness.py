@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import time
 from pathlib import Path
@@ -42,6 +43,25 @@ def test_device_mesh_groups_work_in_forked_ranks() -> None:
     # Rank r has coordinates (r // 4, r // 2 % 2, r % 2); the partner along x is r ^ 4, and so on.
     results = run_ranks(8, _mesh_axis_sums, timeout=60)
     assert results == [[float(r + (r ^ 4)), float(r + (r ^ 2)), float(r + (r ^ 1))] for r in range(8)]
+
+
+def _broken_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("the scenario's own check")
+
+
+def test_scenarios_share_one_job_and_a_failing_one_is_named_with_its_error() -> None:
+    """`run_scenarios`: each scenario's results by name, in rank order; a scenario that raises
+    fails the job, named, with the rank's error (the tests sharing its fixture then all fail)."""
+    scenarios = {"first": _mesh_axis_sums, "second": functools.partial(_all_reduce, scale=1.0)}
+    results = multirank.run_scenarios(8, scenarios, timeout=60)
+    assert results["first"] == [[float(r + (r ^ 4)), float(r + (r ^ 2)), float(r + (r ^ 1))] for r in range(8)]
+    assert results["second"] == [(rank, 8, 36.0) for rank in range(8)]
+    with pytest.raises(AssertionError) as info:
+        multirank.run_scenarios(2, {"fine": functools.partial(_all_reduce, scale=1.0), "broken": _broken_on_rank_one}, timeout=60)
+    message = str(info.value)
+    assert "scenario broken failed on rank 1" in message and "the scenario's own check" in message, message
+    assert "scenario fine" not in message, message
 
 
 def _fail_on_rank_two_while_others_are_stuck(rank: int, world_size: int) -> None:

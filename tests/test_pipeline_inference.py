@@ -5,12 +5,13 @@ the stages and put back together on every rank, equal to serial (docs/pipeline.m
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from multirank import run_ranks, train_side_by_side
+from multirank import run_ranks, run_scenarios, train_side_by_side
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
@@ -122,10 +123,23 @@ def _llama(rank: int, world: int) -> None:
     torch.testing.assert_close(labelled.loss, serial(input_ids=ids, labels=ids).loss, **TOL)
 
 
+@pytest.fixture(scope="module")
+def on_two_ranks() -> dict[str, list[None]]:
+    """This file's pp=2 jobs, run in one forked job: each scenario asserts on its ranks, and the
+    job fails naming the scenario that raised (each test below checks that its own ran)."""
+    scenarios = {
+        "1f1b": functools.partial(_classifier, schedule="1f1b"),
+        "gpipe": functools.partial(_classifier, schedule="gpipe"),
+        "logits_only": _logits_only,
+        "llama": _llama,
+    }
+    return run_scenarios(2, scenarios, timeout=540)
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_logits_without_labels_equal_serial(schedule: str) -> None:
-    run_ranks(2, _classifier, schedule, timeout=120)
+def test_logits_without_labels_equal_serial(schedule: str, on_two_ranks: dict[str, list[None]]) -> None:
+    assert on_two_ranks[schedule] == [None, None]
 
 
 @pytest.mark.multirank
@@ -135,13 +149,13 @@ def test_logits_with_tensor_axes_in_each_stage() -> None:
 
 
 @pytest.mark.multirank
-def test_a_model_without_a_loss_pipelines_its_outputs() -> None:
-    run_ranks(2, _logits_only, timeout=120)
+def test_a_model_without_a_loss_pipelines_its_outputs(on_two_ranks: dict[str, list[None]]) -> None:
+    assert on_two_ranks["logits_only"] == [None, None]
 
 
 @pytest.mark.multirank
-def test_transformers_model_without_labels_returns_its_model_output() -> None:
-    run_ranks(2, _llama, timeout=180)
+def test_transformers_model_without_labels_returns_its_model_output(on_two_ranks: dict[str, list[None]]) -> None:
+    assert on_two_ranks["llama"] == [None, None]
 
 
 def test_outputs_without_the_batch_on_dim_0_are_refused() -> None:

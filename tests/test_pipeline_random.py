@@ -9,15 +9,15 @@ microbatches of 3, 3 and 2 samples."""
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from multirank import run_ranks
+from multirank import assert_parameters_equal_serial, run_ranks, seeded_steps_beside_serial
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.compiler.pipeline_random import PipelineDropout, RandomOp, draw_whole
@@ -68,25 +68,9 @@ def _compare(rank: int, world: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # exact: no "in distribution" warning
         pmodel = autopar.parallelize(model, mesh, example_inputs=(idx, targets), pipeline=options)
-        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01) for m in (pmodel, serial)]
-        for step in range(2):
-            losses, after = [], []
-            for module, optimizer in zip((pmodel, serial), optimizers):
-                torch.manual_seed(100 + step)  # every rank and the serial model: the same state
-                optimizer.zero_grad()
-                loss = module(idx, targets)
-                loss.backward()
-                optimizer.step()
-                losses.append(loss.detach())
-                after.append(torch.get_rng_state())
-            torch.testing.assert_close(losses[0], losses[1], **TOL, msg=f"step {step}")
-            assert torch.equal(after[0], after[1]), "the generator is left where the serial step leaves it"
-    ref = dict(serial.named_parameters())
-    for name, p in pmodel.named_parameters():
-        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        value = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
-        torch.testing.assert_close(grad, ref[name].grad, **TOL, msg=f"grad {name}")
-        torch.testing.assert_close(value, ref[name].detach(), **TOL, msg=f"param {name}")
+        sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.01)
+        seeded_steps_beside_serial(pmodel, serial, (idx, targets), sgd, TOL)
+    assert_parameters_equal_serial(pmodel, serial, TOL)
     loss = pmodel(idx, targets)  # its gradients go to the parameters once, not kept beside .grad
     loss.backward(retain_graph=True)
     with pytest.raises(autopar.AutoparError, match="already differentiated"):

@@ -5,13 +5,14 @@ schedules the runtime refuses, in process. See docs/pipeline.md#runtime-pipeline
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from multirank import run_ranks, train_side_by_side
+from multirank import run_ranks, run_scenarios, train_side_by_side
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -133,25 +134,34 @@ def _every_param_somewhere(results: list[list[list[str]]], cases: list[dict[str,
         assert held == {n for n, _ in model.named_parameters()}
 
 
+PP2_CASES: list[dict[str, Any]] = [
+    {"layers": 3, "M": 4, "schedule": "1f1b", "boundaries": ["blocks.2"]},
+    {"layers": 3, "M": 3, "schedule": "gpipe", "boundaries": ["blocks.1"]},
+    {
+        "layers": 4,
+        "M": 4,
+        "schedule": "interleaved-1f1b",
+        "v": 2,
+        "boundaries": ["blocks.1", "blocks.2", "blocks.3"],
+    },
+    {"layers": 4, "M": 2, "schedule": "1f1b"},
+    {"layers": 4, "M": 4, "schedule": "auto"},
+]
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks() -> dict[str, list[Any]]:
+    """This file's pp=2 jobs, run in one forked job (each test checks its own)."""
+    scenarios = {"cases": functools.partial(_job, cases=PP2_CASES), "accumulate": _accumulate}
+    return run_scenarios(2, scenarios, timeout=420)
+
+
 @pytest.mark.multirank
-def test_pp2_schedules_uneven_depth_and_chosen_cut() -> None:
+def test_pp2_schedules_uneven_depth_and_chosen_cut(on_two_ranks: dict[str, list[Any]]) -> None:
     """pp=2: 1F1B and GPipe on 3 layers (an uneven cut), interleaved 1F1B (4 stages on 2 ranks),
     the cut chosen by the cost model (no stage_boundaries), and schedule="auto"."""
-    cases = [
-        {"layers": 3, "M": 4, "schedule": "1f1b", "boundaries": ["blocks.2"]},
-        {"layers": 3, "M": 3, "schedule": "gpipe", "boundaries": ["blocks.1"]},
-        {
-            "layers": 4,
-            "M": 4,
-            "schedule": "interleaved-1f1b",
-            "v": 2,
-            "boundaries": ["blocks.1", "blocks.2", "blocks.3"],
-        },
-        {"layers": 4, "M": 2, "schedule": "1f1b"},
-        {"layers": 4, "M": 4, "schedule": "auto"},
-    ]
-    results = run_ranks(2, _job, cases, timeout=240)
-    _every_param_somewhere(results, cases)
+    results = on_two_ranks["cases"]
+    _every_param_somewhere(results, PP2_CASES)
     # GPT's tied embedding/head weight: on the first and the last stage's rank
     assert all("wte.weight" in rank[0] for rank in results)
 
@@ -217,8 +227,8 @@ def _accumulate(rank: int, world: int) -> None:
 
 
 @pytest.mark.multirank
-def test_gradient_accumulation_scaling_and_no_grad() -> None:
-    run_ranks(2, _accumulate, timeout=180)
+def test_gradient_accumulation_scaling_and_no_grad(on_two_ranks: dict[str, list[Any]]) -> None:
+    assert on_two_ranks["accumulate"] == [None, None]
 
 
 def test_loss_weights_and_sum_rewrite() -> None:

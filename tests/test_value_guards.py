@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from multirank import run_ranks
+from multirank import run_scenarios
 from pass_fixtures import assert_call_matches_serial
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -156,9 +156,15 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
     return {"max_error": max(errors), "programs": [why for why, _ in pmodel.programs]}
 
 
+@pytest.fixture(scope="module")
+def on_two_ranks() -> dict[str, list[dict[str, Any]]]:
+    """This file's two gloo jobs, run in one forked job (each test checks its own)."""
+    return run_scenarios(2, {"branches": _job, "layerdrop": _layerdrop_job}, timeout=600)
+
+
 @pytest.mark.multirank
-def test_each_branch_gets_its_program_and_trains_like_serial_on_two_ranks() -> None:
-    for rank, result in enumerate(run_ranks(2, _job, timeout=300)):
+def test_each_branch_gets_its_program_and_trains_like_serial_on_two_ranks(on_two_ranks: dict[str, list[Any]]) -> None:
+    for rank, result in enumerate(on_two_ranks["branches"]):
         assert result["max_error"] < 1e-5, (rank, result)
         # compiled once per branch, not per call
         first, other = result["programs"]
@@ -309,8 +315,10 @@ def _layerdrop_job(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.multirank
-def test_layerdrop_draws_each_step_from_the_serial_stream_and_trains_like_serial_on_two_ranks() -> None:
-    results = run_ranks(2, _layerdrop_job, timeout=300)
+def test_layerdrop_draws_each_step_from_the_serial_stream_and_trains_like_serial_on_two_ranks(
+    on_two_ranks: dict[str, list[Any]],
+) -> None:
+    results = on_two_ranks["layerdrop"]
     for rank, result in enumerate(results):
         assert result["max_error"] < 1e-5, (rank, result)
         assert all(result["same_stream"]), (rank, result)  # the generator ends where serial's does
