@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from multirank import run_scenarios
+from multirank import run_ranks, run_scenarios
 from pass_fixtures import assert_call_matches_serial
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
