@@ -48,8 +48,10 @@ from torch.utils.flop_counter import flop_registry
 from autopar.core.layout import Layout
 from autopar.core.meta import has_info, info, is_backward, signature
 from autopar.core.plan import Plan
+from autopar.core.strategy import Strategy
 from autopar.cost.work import compute_rate, global_work, work_split
 from autopar.planning.memory import SavedValue, weight_chain
+from autopar.planning.plan_cost import GraphFacts
 from autopar.planning.search_cost import ElementCost
 from autopar.rules.calls import tensor_inputs
 
@@ -448,14 +450,24 @@ def _recomputable(node: fx.Node, decided: Collection[str], ops: Collection[str])
     return weight_chain(node, decided) is None
 
 
-def compute_seconds(cost: ElementCost, mesh_shape: Sequence[int], plan: Plan) -> Callable[[fx.Node], float]:
-    """An op's modeled compute on this plan's layouts (as `plan_cost` prices it)."""
+def compute_seconds(
+    cost: ElementCost, mesh_shape: Sequence[int], plan: Plan, facts: GraphFacts | None = None
+) -> Callable[[fx.Node], float]:
+    """An op's modeled compute on this plan's layouts (as `plan_cost` prices it). `facts`: the
+    graph's `GraphFacts`, whose work and rate per call are read instead of worked out again (the
+    search fits many plans of one graph)."""
     shape = tuple(mesh_shape)
+    known = {name: (work, rate) for name, _, work, rate, _ in facts.calls} if facts is not None else {}
+    splits: dict[Strategy, int] = {}
 
     def seconds(node: fx.Node) -> float:
         strategy = plan.strategies.get(node.name)
         if strategy is None:
             return 0.0
-        return float(cost.compute(global_work(node), work_split(strategy, shape), compute_rate(node)))
+        split = splits.get(strategy)
+        if split is None:
+            split = splits[strategy] = work_split(strategy, shape)
+        work, rate = known.get(node.name) or (global_work(node), compute_rate(node))
+        return float(cost.compute(work, split, rate))
 
     return seconds
