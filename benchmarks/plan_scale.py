@@ -17,6 +17,7 @@ chosen mesh's modeled step with overlap, "step ms" its no-overlap sum of the com
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --microbatches 96 --cuts-only
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --screen-only 24
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --bounds-only 54.94
+    python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --search-only 192x8
 
 `--model gpt3-175b` / `gpt-1t` is the PTD-P shape of benchmarks/ptdp_modeled.py (GPT, hidden 12288 /
 25600, 96 / 160 heads, sequence 2048, vocabulary 51200, bfloat16, batch = ranks) on the A100 table
@@ -34,7 +35,9 @@ candidate meshes, evenly spaced in the candidates' order (CPU seconds per mesh, 
 `--bounds-only S` computes every candidate's lower bound on its screen estimate
 (`autopar.planning.mesh_bound`, what the screen's branch and bound orders meshes by) and counts
 those above S seconds: given an estimate S known to be at or above the screen's 4th best, the
-screen skips at least those.
+screen skips at least those. `--search-only SHAPE` times one kept mesh's search (`search_layouts`
+on that mesh, as the mesh choice runs it) and records an md5 of the plan it finds, to compare
+two versions of the code.
 
 Writes benchmarks/results/plan_scale.json (`--name` to change).
 """
@@ -295,6 +298,45 @@ def measure_bounds(name: str, ranks: int, layers: int, above: float) -> dict[str
             "lowest": found[:4], "highest": found[-4:], "bounds": found}  # fmt: skip
 
 
+def measure_search(name: str, ranks: int, layers: int, shape: str) -> dict[str, Any]:
+    """One kept mesh's search (`search.search_layouts`, as the mesh choice's `_evaluate` runs it:
+    a100-cluster, 80 GB, gc off) on the `trace_for_choice` trace; CPU seconds and an md5 of the
+    plan (every strategy, the regathers and recomputed ops, memory, cost and the prices tried)."""
+    import hashlib
+
+    import torch
+
+    from autopar.compiler.auto_mesh import trace_for_choice
+    from autopar.core.mesh import Mesh
+    from autopar.planning.search import search_layouts
+    from autopar.planning.search_cost import TimeCost
+    from autopar.rules.registry import default_registry
+    from examples.models import GPT, GPTConfig
+
+    hidden, heads = MODELS[name]
+    cfg = GPTConfig(vocab_size=51200, block_size=SEQ, n_layer=layers, n_head=heads, n_embd=hidden)
+    model = on_meta(lambda: GPT(cfg)).to(torch.bfloat16)
+    idx = torch.zeros(ranks, SEQ, dtype=torch.long)
+    import_lazy_modules()
+    cpu = time.process_time()
+    gm = trace_for_choice(model, ranks, (idx, idx))
+    traced = time.process_time() - cpu
+    sizes = tuple(int(s) for s in shape.split("x"))
+    mesh = Mesh.from_shape(sizes, tuple("xyzw"[: len(sizes)]))
+    gc.disable()
+    cpu = time.process_time()
+    plan = search_layouts(gm, mesh, default_registry(), cost=TimeCost("a100-cluster", mesh.shape), memory_limit=80e9)
+    spent = time.process_time() - cpu
+    gc.enable()
+    report = gm.meta["autopar_search"]
+    seen = (sorted((k, repr(v)) for k, v in plan.strategies.items()), plan.regather, plan.recompute, plan.savings,
+            plan.memory, report.final_cost, report.prices)  # fmt: skip
+    return {"model": name, "ranks": ranks, "layers": layers, "mesh": shape, "trace_cpu_s": traced,
+            "search_cpu_s": spent, "plan_md5": hashlib.md5(repr(seen).encode()).hexdigest(),
+            "search": plan.notes["__search__"], "solves": report.solves, "memo_hits": report.memo_hits,
+            "prices": len(report.prices), "load_average_end": os.getloadavg()}  # fmt: skip
+
+
 def measure(ranks: int, layers: int, hardware: str, searched: int | None) -> dict[str, Any]:
     """Build, then `autopar.plan(..., "auto")`, in this (fresh) process."""
     import torch
@@ -389,9 +431,13 @@ def main() -> None:
         "--bounds-only", type=float, default=None, metavar="S",
         help="every candidate's screen bound, and how many exceed S seconds",
     )  # fmt: skip
+    parser.add_argument("--search-only", default="", metavar="SHAPE", help="time one mesh's search (e.g. 192x8)")
     args = parser.parse_args()
     clock = RunClock()
     ctx = multiprocessing.get_context("spawn")
+    if args.search_only:
+        _each_size(args, clock, ctx, measure_search, args.search_only, hidden=None)
+        return
     if args.bounds_only is not None:
         _each_size(args, clock, ctx, measure_bounds, args.bounds_only, hidden="bounds")
         return
