@@ -108,8 +108,13 @@ class RecomputeModel:
         mesh_shape: Sequence[int],
         compute: Callable[[fx.Node], float],
         redistribute: Callable[[Layout, Layout], float],
+        facts: GraphFacts | None = None,
     ) -> None:
+        """`facts`: the graph's `GraphFacts`, whose tensor inputs per call are read instead of
+        walked again (the search builds one model per plan it fits)."""
         self.shape = tuple(mesh_shape)
+        # call -> its tensor inputs' names
+        self._names = {name: inputs for name, inputs, *_ in facts.calls} if facts is not None else {}
         self._redistribute = redistribute
         self.values: dict[str, _Value] = {}
         self.inputs: dict[str, list[tuple[str, Layout]]] = {}  # candidate op -> (input, layout it reads)
@@ -135,9 +140,9 @@ class RecomputeModel:
             if node.op != "call_function" or not _recomputable(node, decided, self.inputs):
                 continue
             strategy = plan.strategies.get(node.name)
-            sources = tensor_inputs(node)
-            reads = strategy.inputs if strategy is not None else [plan.layouts[i.name][0] for i in sources]
-            self.inputs[node.name] = [(i.name, w) for i, w in zip(sources, reads)]
+            sources = self._input_names(node)
+            reads = strategy.inputs if strategy is not None else [plan.layouts[i][0] for i in sources]
+            self.inputs[node.name] = list(zip(sources, reads))
             self.seconds[node.name] = compute(node)
             source = _tuple_source(node)
             if source is not None:  # one result of a several-result op: recomputed with the op
@@ -161,13 +166,23 @@ class RecomputeModel:
         self.units += [Unit(f"op:{n}", frozenset((n, self.partner.get(n, n)))) for n in selective]
         self.units += [Unit(f"block:{path}", frozenset(names)) for path, names in sorted(blocks.items())]
 
-    @staticmethod
-    def _value(node: fx.Node, plan: Plan, grads: Collection[fx.Node]) -> _Value:
+    def _input_names(self, node: fx.Node) -> tuple[str, ...]:
+        found = self._names.get(node.name)
+        if found is None:
+            found = self._names[node.name] = tuple(i.name for i in tensor_inputs(node))
+        return found
+
+    def _value(self, node: fx.Node, plan: Plan, grads: Collection[fx.Node]) -> _Value:
         have = plan.layouts[node.name][0]
         value = _Value(have, node.op == "placeholder", set(), set())
+        name = node.name
         for user in node.users:
             strategy = plan.strategies.get(user.name)
-            wants = [have] if strategy is None else [w for i, w in zip(tensor_inputs(user), strategy.inputs) if i is node]
+            wants = (
+                [have]
+                if strategy is None
+                else [w for i, w in zip(self._input_names(user), strategy.inputs) if i == name]
+            )
             if is_backward(user):
                 value.backward.update(wants)
             else:
