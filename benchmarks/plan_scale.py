@@ -214,21 +214,12 @@ def measure_cuts(name: str, ranks: int, layers: int, microbatches: int) -> dict[
             "priced": priced, "best_ideal_ms": best * 1e3}  # fmt: skip
 
 
-def measure_screen(name: str, ranks: int, layers: int, meshes: int) -> dict[str, Any]:
-    """The tensor-only mesh choice's screen (`mesh_screen.screen`) on `meshes` of the default
-    candidates (every `len // meshes`-th, in `mesh_candidates`' order), CPU seconds per mesh."""
-    import hashlib
-    import math
-
+def _choice_trace(name: str, ranks: int, layers: int) -> tuple[Any, float]:
+    """The GPT shape's trace as the mesh choice makes it (`trace_for_choice`, batch = ranks), on
+    meta, and the CPU seconds it took."""
     import torch
 
     from autopar.compiler.auto_mesh import trace_for_choice
-    from autopar.core.mesh import Mesh
-    from autopar.planning.mesh_choice import mesh_candidates
-    from autopar.planning.mesh_screen import screen
-    from autopar.planning.search_cost import TimeCost
-    from autopar.planning.search_steps import StepCache
-    from autopar.rules.registry import default_registry
     from examples.models import GPT, GPTConfig
 
     hidden, heads = MODELS[name]
@@ -238,7 +229,23 @@ def measure_screen(name: str, ranks: int, layers: int, meshes: int) -> dict[str,
     import_lazy_modules()
     cpu = time.process_time()
     gm = trace_for_choice(model, ranks, (idx, idx))
-    traced = time.process_time() - cpu
+    return gm, time.process_time() - cpu
+
+
+def measure_screen(name: str, ranks: int, layers: int, meshes: int) -> dict[str, Any]:
+    """The tensor-only mesh choice's screen (`mesh_screen.screen`) on `meshes` of the default
+    candidates (every `len // meshes`-th, in `mesh_candidates`' order), CPU seconds per mesh."""
+    import hashlib
+    import math
+
+    from autopar.core.mesh import Mesh
+    from autopar.planning.mesh_choice import mesh_candidates
+    from autopar.planning.mesh_screen import screen
+    from autopar.planning.search_cost import TimeCost
+    from autopar.planning.search_steps import StepCache
+    from autopar.rules.registry import default_registry
+
+    gm, traced = _choice_trace(name, ranks, layers)
     every = mesh_candidates(ranks)
     picked = every[:: max(1, len(every) // meshes)][:meshes]
     steps = StepCache()
@@ -265,25 +272,15 @@ def measure_bounds(name: str, ranks: int, layers: int, above: float) -> dict[str
     """Every default candidate's `mesh_bound` lower bound on its screen estimate (what the screen's
     branch and bound orders the meshes by), and how many exceed `above` seconds: an estimate the
     screen's `keep`-th best is known to be under skips at least those."""
-    import torch
 
-    from autopar.compiler.auto_mesh import trace_for_choice
     from autopar.core.mesh import Mesh
     from autopar.planning.mesh_bound import Bounds
     from autopar.planning.mesh_choice import mesh_candidates
     from autopar.planning.plan_cost import GraphFacts
     from autopar.planning.search_cost import TimeCost
     from autopar.planning.search_steps import StepCache
-    from examples.models import GPT, GPTConfig
 
-    hidden, heads = MODELS[name]
-    cfg = GPTConfig(vocab_size=51200, block_size=SEQ, n_layer=layers, n_head=heads, n_embd=hidden)
-    model = on_meta(lambda: GPT(cfg)).to(torch.bfloat16)
-    idx = torch.zeros(ranks, SEQ, dtype=torch.long)
-    import_lazy_modules()
-    cpu = time.process_time()
-    gm = trace_for_choice(model, ranks, (idx, idx))
-    traced = time.process_time() - cpu
+    gm, traced = _choice_trace(name, ranks, layers)
     cpu = time.process_time()
     bounds, steps = Bounds(gm, GraphFacts.of(gm)), StepCache()
     every = mesh_candidates(ranks)
@@ -304,23 +301,12 @@ def measure_search(name: str, ranks: int, layers: int, shape: str) -> dict[str, 
     plan (every strategy, the regathers and recomputed ops, memory, cost and the prices tried)."""
     import hashlib
 
-    import torch
-
-    from autopar.compiler.auto_mesh import trace_for_choice
     from autopar.core.mesh import Mesh
     from autopar.planning.search import search_layouts
     from autopar.planning.search_cost import TimeCost
     from autopar.rules.registry import default_registry
-    from examples.models import GPT, GPTConfig
 
-    hidden, heads = MODELS[name]
-    cfg = GPTConfig(vocab_size=51200, block_size=SEQ, n_layer=layers, n_head=heads, n_embd=hidden)
-    model = on_meta(lambda: GPT(cfg)).to(torch.bfloat16)
-    idx = torch.zeros(ranks, SEQ, dtype=torch.long)
-    import_lazy_modules()
-    cpu = time.process_time()
-    gm = trace_for_choice(model, ranks, (idx, idx))
-    traced = time.process_time() - cpu
+    gm, traced = _choice_trace(name, ranks, layers)
     sizes = tuple(int(s) for s in shape.split("x"))
     mesh = Mesh.from_shape(sizes, tuple("xyzw"[: len(sizes)]))
     gc.disable()
