@@ -182,19 +182,12 @@ def measure_cuts(name: str, ranks: int, layers: int, microbatches: int) -> dict[
     """Every depth's ideal cuts, as `choose_pipeline_mesh` prices them before any sub-mesh choice."""
     import math
 
-    import torch
-
     from autopar.compiler.pipeline_mesh import _cuts, _StageGraphs
     from autopar.cost.hardware import load_hardware
     from autopar.passes.trace import trace
     from autopar.planning.step_accounting import PLAIN
-    from examples.models import GPT, GPTConfig
 
-    hidden, heads = MODELS[name]
-    cfg = GPTConfig(vocab_size=51200, block_size=SEQ, n_layer=layers, n_head=heads, n_embd=hidden)
-    model = on_meta(lambda: GPT(cfg)).to(torch.bfloat16)
-    idx = torch.zeros(ranks, SEQ, dtype=torch.long)
-    import_lazy_modules()
+    model, idx = _gpt(name, ranks, layers)
     cpu = time.process_time()
     gm = trace(model, (idx, idx), decompose=True)
     traced = time.process_time() - cpu
@@ -217,9 +210,18 @@ def measure_cuts(name: str, ranks: int, layers: int, microbatches: int) -> dict[
 def _choice_trace(name: str, ranks: int, layers: int) -> tuple[Any, float]:
     """The GPT shape's trace as the mesh choice makes it (`trace_for_choice`, batch = ranks), on
     meta, and the CPU seconds it took."""
+    from autopar.compiler.auto_mesh import trace_for_choice
+
+    model, idx = _gpt(name, ranks, layers)
+    cpu = time.process_time()
+    gm = trace_for_choice(model, ranks, (idx, idx))
+    return gm, time.process_time() - cpu
+
+
+def _gpt(name: str, ranks: int, layers: int) -> tuple[Any, Any]:
+    """The GPT shape on meta in bfloat16 and its token batch (batch = ranks); lazy imports done."""
     import torch
 
-    from autopar.compiler.auto_mesh import trace_for_choice
     from examples.models import GPT, GPTConfig
 
     hidden, heads = MODELS[name]
@@ -227,9 +229,7 @@ def _choice_trace(name: str, ranks: int, layers: int) -> tuple[Any, float]:
     model = on_meta(lambda: GPT(cfg)).to(torch.bfloat16)
     idx = torch.zeros(ranks, SEQ, dtype=torch.long)
     import_lazy_modules()
-    cpu = time.process_time()
-    gm = trace_for_choice(model, ranks, (idx, idx))
-    return gm, time.process_time() - cpu
+    return model, idx
 
 
 def measure_screen(name: str, ranks: int, layers: int, meshes: int) -> dict[str, Any]:
