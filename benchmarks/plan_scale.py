@@ -17,6 +17,7 @@ chosen mesh's modeled step with overlap, "step ms" its no-overlap sum of the com
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --microbatches 96 --cuts-only
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --screen-only 24
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --bounds-only 54.94
+    python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --search-only 192x8
 
 `--model gpt3-175b` / `gpt-1t` is the PTD-P shape of benchmarks/ptdp_modeled.py (GPT, hidden 12288 /
 25600, 96 / 160 heads, sequence 2048, vocabulary 51200, bfloat16, batch = ranks) on the A100 table
@@ -34,7 +35,9 @@ candidate meshes, evenly spaced in the candidates' order (CPU seconds per mesh, 
 `--bounds-only S` computes every candidate's lower bound on its screen estimate
 (`autopar.planning.mesh_bound`, what the screen's branch and bound orders meshes by) and counts
 those above S seconds: given an estimate S known to be at or above the screen's 4th best, the
-screen skips at least those.
+screen skips at least those. `--search-only SHAPE` times one kept mesh's search (`search_layouts`
+on that mesh, as the mesh choice runs it) and records an md5 of the plan it finds, to compare
+two versions of the code.
 
 Writes benchmarks/results/plan_scale.json (`--name` to change).
 """
@@ -179,19 +182,12 @@ def measure_cuts(name: str, ranks: int, layers: int, microbatches: int) -> dict[
     """Every depth's ideal cuts, as `choose_pipeline_mesh` prices them before any sub-mesh choice."""
     import math
 
-    import torch
-
     from autopar.compiler.pipeline_mesh import _cuts, _StageGraphs
     from autopar.cost.hardware import load_hardware
     from autopar.passes.trace import trace
     from autopar.planning.step_accounting import PLAIN
-    from examples.models import GPT, GPTConfig
 
-    hidden, heads = MODELS[name]
-    cfg = GPTConfig(vocab_size=51200, block_size=SEQ, n_layer=layers, n_head=heads, n_embd=hidden)
-    model = on_meta(lambda: GPT(cfg)).to(torch.bfloat16)
-    idx = torch.zeros(ranks, SEQ, dtype=torch.long)
-    import_lazy_modules()
+    model, idx = _gpt(name, ranks, layers)
     cpu = time.process_time()
     gm = trace(model, (idx, idx), decompose=True)
     traced = time.process_time() - cpu
@@ -211,21 +207,21 @@ def measure_cuts(name: str, ranks: int, layers: int, microbatches: int) -> dict[
             "priced": priced, "best_ideal_ms": best * 1e3}  # fmt: skip
 
 
-def measure_screen(name: str, ranks: int, layers: int, meshes: int) -> dict[str, Any]:
-    """The tensor-only mesh choice's screen (`mesh_screen.screen`) on `meshes` of the default
-    candidates (every `len // meshes`-th, in `mesh_candidates`' order), CPU seconds per mesh."""
-    import hashlib
-    import math
+def _choice_trace(name: str, ranks: int, layers: int) -> tuple[Any, float]:
+    """The GPT shape's trace as the mesh choice makes it (`trace_for_choice`, batch = ranks), on
+    meta, and the CPU seconds it took."""
+    from autopar.compiler.auto_mesh import trace_for_choice
 
+    model, idx = _gpt(name, ranks, layers)
+    cpu = time.process_time()
+    gm = trace_for_choice(model, ranks, (idx, idx))
+    return gm, time.process_time() - cpu
+
+
+def _gpt(name: str, ranks: int, layers: int) -> tuple[Any, Any]:
+    """The GPT shape on meta in bfloat16 and its token batch (batch = ranks); lazy imports done."""
     import torch
 
-    from autopar.compiler.auto_mesh import trace_for_choice
-    from autopar.core.mesh import Mesh
-    from autopar.planning.mesh_choice import mesh_candidates
-    from autopar.planning.mesh_screen import screen
-    from autopar.planning.search_cost import TimeCost
-    from autopar.planning.search_steps import StepCache
-    from autopar.rules.registry import default_registry
     from examples.models import GPT, GPTConfig
 
     hidden, heads = MODELS[name]
@@ -233,9 +229,23 @@ def measure_screen(name: str, ranks: int, layers: int, meshes: int) -> dict[str,
     model = on_meta(lambda: GPT(cfg)).to(torch.bfloat16)
     idx = torch.zeros(ranks, SEQ, dtype=torch.long)
     import_lazy_modules()
-    cpu = time.process_time()
-    gm = trace_for_choice(model, ranks, (idx, idx))
-    traced = time.process_time() - cpu
+    return model, idx
+
+
+def measure_screen(name: str, ranks: int, layers: int, meshes: int) -> dict[str, Any]:
+    """The tensor-only mesh choice's screen (`mesh_screen.screen`) on `meshes` of the default
+    candidates (every `len // meshes`-th, in `mesh_candidates`' order), CPU seconds per mesh."""
+    import hashlib
+    import math
+
+    from autopar.core.mesh import Mesh
+    from autopar.planning.mesh_choice import mesh_candidates
+    from autopar.planning.mesh_screen import screen
+    from autopar.planning.search_cost import TimeCost
+    from autopar.planning.search_steps import StepCache
+    from autopar.rules.registry import default_registry
+
+    gm, traced = _choice_trace(name, ranks, layers)
     every = mesh_candidates(ranks)
     picked = every[:: max(1, len(every) // meshes)][:meshes]
     steps = StepCache()
@@ -262,25 +272,15 @@ def measure_bounds(name: str, ranks: int, layers: int, above: float) -> dict[str
     """Every default candidate's `mesh_bound` lower bound on its screen estimate (what the screen's
     branch and bound orders the meshes by), and how many exceed `above` seconds: an estimate the
     screen's `keep`-th best is known to be under skips at least those."""
-    import torch
 
-    from autopar.compiler.auto_mesh import trace_for_choice
     from autopar.core.mesh import Mesh
     from autopar.planning.mesh_bound import Bounds
     from autopar.planning.mesh_choice import mesh_candidates
     from autopar.planning.plan_cost import GraphFacts
     from autopar.planning.search_cost import TimeCost
     from autopar.planning.search_steps import StepCache
-    from examples.models import GPT, GPTConfig
 
-    hidden, heads = MODELS[name]
-    cfg = GPTConfig(vocab_size=51200, block_size=SEQ, n_layer=layers, n_head=heads, n_embd=hidden)
-    model = on_meta(lambda: GPT(cfg)).to(torch.bfloat16)
-    idx = torch.zeros(ranks, SEQ, dtype=torch.long)
-    import_lazy_modules()
-    cpu = time.process_time()
-    gm = trace_for_choice(model, ranks, (idx, idx))
-    traced = time.process_time() - cpu
+    gm, traced = _choice_trace(name, ranks, layers)
     cpu = time.process_time()
     bounds, steps = Bounds(gm, GraphFacts.of(gm)), StepCache()
     every = mesh_candidates(ranks)
@@ -293,6 +293,34 @@ def measure_bounds(name: str, ranks: int, layers: int, above: float) -> dict[str
     return {"model": name, "ranks": ranks, "layers": layers, "trace_cpu_s": traced, "bounds_cpu_s": spent,
             "candidates": len(every), "above_s": above, "bounded_above": sum(b > above for b, _ in found),
             "lowest": found[:4], "highest": found[-4:], "bounds": found}  # fmt: skip
+
+
+def measure_search(name: str, ranks: int, layers: int, shape: str) -> dict[str, Any]:
+    """One kept mesh's search (`search.search_layouts`, as the mesh choice's `_evaluate` runs it:
+    a100-cluster, 80 GB, gc off) on the `trace_for_choice` trace; CPU seconds and an md5 of the
+    plan (every strategy, the regathers and recomputed ops, memory, cost and the prices tried)."""
+    import hashlib
+
+    from autopar.core.mesh import Mesh
+    from autopar.planning.search import search_layouts
+    from autopar.planning.search_cost import TimeCost
+    from autopar.rules.registry import default_registry
+
+    gm, traced = _choice_trace(name, ranks, layers)
+    sizes = tuple(int(s) for s in shape.split("x"))
+    mesh = Mesh.from_shape(sizes, tuple("xyzw"[: len(sizes)]))
+    gc.disable()
+    cpu = time.process_time()
+    plan = search_layouts(gm, mesh, default_registry(), cost=TimeCost("a100-cluster", mesh.shape), memory_limit=80e9)
+    spent = time.process_time() - cpu
+    gc.enable()
+    report = gm.meta["autopar_search"]
+    seen = (sorted((k, repr(v)) for k, v in plan.strategies.items()), plan.regather, plan.recompute, plan.savings,
+            plan.memory, report.final_cost, report.prices)  # fmt: skip
+    return {"model": name, "ranks": ranks, "layers": layers, "mesh": shape, "trace_cpu_s": traced,
+            "search_cpu_s": spent, "plan_md5": hashlib.md5(repr(seen).encode()).hexdigest(),
+            "search": plan.notes["__search__"], "solves": report.solves, "memo_hits": report.memo_hits,
+            "prices": len(report.prices), "load_average_end": os.getloadavg()}  # fmt: skip
 
 
 def measure(ranks: int, layers: int, hardware: str, searched: int | None) -> dict[str, Any]:
@@ -389,9 +417,13 @@ def main() -> None:
         "--bounds-only", type=float, default=None, metavar="S",
         help="every candidate's screen bound, and how many exceed S seconds",
     )  # fmt: skip
+    parser.add_argument("--search-only", default="", metavar="SHAPE", help="time one mesh's search (e.g. 192x8)")
     args = parser.parse_args()
     clock = RunClock()
     ctx = multiprocessing.get_context("spawn")
+    if args.search_only:
+        _each_size(args, clock, ctx, measure_search, args.search_only, hidden=None)
+        return
     if args.bounds_only is not None:
         _each_size(args, clock, ctx, measure_bounds, args.bounds_only, hidden="bounds")
         return

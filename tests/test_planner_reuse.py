@@ -1,14 +1,17 @@
 """The greedy planner answers a repeated question (same op call, same input layouts) once.
 
 Repeated blocks ask the same questions; the memoized plan must be the plan the planner makes when
-it works every node out afresh. `op_call` (what rules see of a node) must be `make_call`'s.
+it works every node out afresh. `op_call` (what rules see of a node) must be `make_call`'s, and
+`tensor_inputs` pytree's leaves.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import pytest
+import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -18,7 +21,7 @@ from autopar.core.plan import Plan
 from autopar.passes.trace import trace
 from autopar.planning.greedy import _Greedy
 from autopar.rules.base import TensorSpec, make_call
-from autopar.rules.calls import op_call
+from autopar.rules.calls import op_call, tensor_inputs
 from autopar.rules.registry import default_registry
 from examples.models import make_gpt
 from examples.zoo import make_llama
@@ -87,3 +90,26 @@ def test_op_call_is_make_call_on_the_node_values(name: str) -> None:
     assert len(op_call(cat).inputs) == len(cat.args[0]) and all(
         isinstance(s, TensorSpec) for s in op_call(cat).args[0]
     )
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_tensor_inputs_are_pytrees_leaves(name: str) -> None:
+    """`tensor_inputs` walks fx's containers itself: the same nodes in the same order as
+    pytree's leaves of (args, kwargs), on every node, and on nested and named-tuple arguments."""
+    gm, _ = _traced(name)
+
+    def by_pytree(node: fx.Node) -> list[fx.Node]:
+        leaves = pytree.tree_leaves((node.args, node.kwargs))
+        return [x for x in leaves if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
+
+    nodes = [n for n in gm.graph.nodes if n.op != "placeholder"]
+    assert sum(len(tensor_inputs(n)) > 1 for n in nodes) > 20
+    for node in nodes:
+        assert tensor_inputs(node) == by_pytree(node), node.name
+    Pair = collections.namedtuple("Pair", "a b")
+    first, second, third = [n for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)][:3]
+    graph = fx.Graph()
+    made = graph.call_function(
+        torch.add, ((first, [second, {"k": third, "j": first}]), Pair(third, slice(0, 1)), 2.0, None), {"x": [second]}
+    )
+    assert tensor_inputs(made) == by_pytree(made) == [first, second, third, first, third, second]

@@ -35,6 +35,7 @@ sequence do not: the split of the sequence (context parallelism) is what shrinks
 from __future__ import annotations
 
 import heapq
+import math
 import operator
 import re
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -47,8 +48,10 @@ from torch.utils.flop_counter import flop_registry
 from autopar.core.layout import Layout
 from autopar.core.meta import has_info, info, is_backward, signature
 from autopar.core.plan import Plan
+from autopar.core.strategy import Strategy
 from autopar.cost.work import compute_rate, global_work, work_split
 from autopar.planning.memory import SavedValue, weight_chain
+from autopar.planning.plan_cost import GraphFacts
 from autopar.planning.search_cost import ElementCost
 from autopar.rules.calls import tensor_inputs
 
@@ -105,8 +108,13 @@ class RecomputeModel:
         mesh_shape: Sequence[int],
         compute: Callable[[fx.Node], float],
         redistribute: Callable[[Layout, Layout], float],
+        facts: GraphFacts | None = None,
     ) -> None:
+        """`facts`: the graph's `GraphFacts`, whose tensor inputs per call are read instead of
+        walked again (the search builds one model per plan it fits)."""
         self.shape = tuple(mesh_shape)
+        # call -> its tensor inputs' names
+        self._names = {name: inputs for name, inputs, *_ in facts.calls} if facts is not None else {}
         self._redistribute = redistribute
         self.values: dict[str, _Value] = {}
         self.inputs: dict[str, list[tuple[str, Layout]]] = {}  # candidate op -> (input, layout it reads)
@@ -114,6 +122,7 @@ class RecomputeModel:
         self.units: list[Unit] = []
         self.partner: dict[str, str] = {}  # a getitem -> the several-result op it reads
         self.group: dict[str, str] = {}  # candidate op -> the block or region backward remakes it with
+        self._plain: dict[str, float] = {}  # value -> its kept bytes while none of its users is recomputed
         decided = set(plan.decided)
         output = next(n for n in gm.graph.nodes if n.op == "output")
         grads = {v for v in list(output.args[0])[signature(gm).num_user_outputs :] if isinstance(v, fx.Node)}
@@ -131,9 +140,9 @@ class RecomputeModel:
             if node.op != "call_function" or not _recomputable(node, decided, self.inputs):
                 continue
             strategy = plan.strategies.get(node.name)
-            sources = tensor_inputs(node)
-            reads = strategy.inputs if strategy is not None else [plan.layouts[i.name][0] for i in sources]
-            self.inputs[node.name] = [(i.name, w) for i, w in zip(sources, reads)]
+            sources = self._input_names(node)
+            reads = strategy.inputs if strategy is not None else [plan.layouts[i][0] for i in sources]
+            self.inputs[node.name] = list(zip(sources, reads))
             self.seconds[node.name] = compute(node)
             source = _tuple_source(node)
             if source is not None:  # one result of a several-result op: recomputed with the op
@@ -157,13 +166,23 @@ class RecomputeModel:
         self.units += [Unit(f"op:{n}", frozenset((n, self.partner.get(n, n)))) for n in selective]
         self.units += [Unit(f"block:{path}", frozenset(names)) for path, names in sorted(blocks.items())]
 
-    @staticmethod
-    def _value(node: fx.Node, plan: Plan, grads: Collection[fx.Node]) -> _Value:
+    def _input_names(self, node: fx.Node) -> tuple[str, ...]:
+        found = self._names.get(node.name)
+        if found is None:
+            found = self._names[node.name] = tuple(i.name for i in tensor_inputs(node))
+        return found
+
+    def _value(self, node: fx.Node, plan: Plan, grads: Collection[fx.Node]) -> _Value:
         have = plan.layouts[node.name][0]
         value = _Value(have, node.op == "placeholder", set(), set())
+        name = node.name
         for user in node.users:
             strategy = plan.strategies.get(user.name)
-            wants = [have] if strategy is None else [w for i, w in zip(tensor_inputs(user), strategy.inputs) if i is node]
+            wants = (
+                [have]
+                if strategy is None
+                else [w for i, w in zip(self._input_names(user), strategy.inputs) if i == name]
+            )
             if is_backward(user):
                 value.backward.update(wants)
             else:
@@ -181,10 +200,20 @@ class RecomputeModel:
         value = self.values.get(name)
         if value is None:
             return 0.0
+        readers = [user for user in value.users if user in recompute]
+        if not readers:  # (most calls: worked out once per value)
+            plain = self._plain.get(name)
+            if plain is None:
+                plain = self._plain[name] = self._bytes_of(value, value.backward)
+            return plain
         wants = set(value.backward)
-        for user in value.users:
-            if user in recompute:
-                wants.update(value.by_user[user])
+        for user in readers:
+            wants.update(value.by_user[user])
+        return self._bytes_of(value, wants)
+
+    def _bytes_of(self, value: _Value, wants: Collection[Layout]) -> float:
+        """Bytes of `value` kept in the layouts `wants`: each one the forward has it in (a
+        redistribution's result, reused), otherwise its own layout, which the copy starts from."""
         kept = {w if w in value.forward else value.have for w in wants}
         if value.is_placeholder:
             kept.discard(value.have)
@@ -219,7 +248,10 @@ class RecomputeModel:
         return freed, self._seconds(new, after)
 
     def _seconds(self, new: Sequence[str], after: Collection[str]) -> float:
-        seconds = sum(self.seconds[n] for n in new)
+        """The ops' compute and the redistributions run again, summed exactly rounded (`fsum`):
+        the terms come out of sets, whose order changes from one process to the next (layouts
+        hash their dtype by identity), and a plain sum's last bits with it, which flipped the
+        choice between identical blocks from run to run."""
         moved: set[tuple[str, Layout]] = set()  # redistributions between recomputed ops, run again
         for n in new:
             for src, want in self.inputs[n]:
@@ -232,7 +264,61 @@ class RecomputeModel:
                 if user in after and user not in new:
                     moved.update((n, w) for w in value.by_user[user])
             moved.update((n, w) for w in value.backward if w != value.have)  # backward's own layouts of it
-        return seconds + sum(self._redistribute(self.values[s].have, w) for s, w in moved)
+        again = [self._redistribute(self.values[s].have, w) for s, w in moved]
+        return math.fsum([*(self.seconds[n] for n in new), *again])
+
+
+class RemadeBytes:
+    """`RecomputeModel.rematerialized` kept up to date while a choice grows and shrinks its sets,
+    rather than summed afresh over every recomputed op at each check: the choice checks the peak
+    once per option it weighs, and at 96 layers that re-summing (thousands of recomputed ops,
+    hundreds of checks, at every memory price the search tries) was most of a mesh's search.
+
+    It holds the choice's own `recompute` and `regather` sets, which change only through `change`. A recomputed value's bytes made again do not depend on what else is
+    recomputed (`kept_bytes` with nothing recomputed), only on whether it is regathered, so each
+    group's sum moves by whole values; the bytes are integers, so the sums are exact in any order
+    and equal `rematerialized` bit for bit (tested on random choices)."""
+
+    def __init__(self, model: RecomputeModel, recompute: set[str], regather: set[str]) -> None:
+        self.model, self.recompute, self.regather = model, recompute, regather
+        self.sums: dict[str, float] = {}  # group -> bytes its recomputed values take again
+        for name in recompute:
+            self._add(name, self._bytes(name))
+
+    def _bytes(self, name: str) -> float:
+        if name not in self.recompute or name not in self.model.values:
+            return 0.0
+        return self.model.kept_bytes(name, (), self.regather)
+
+    def _add(self, name: str, delta: float) -> None:
+        if delta:
+            key = self.model.group.get(name, name)
+            self.sums[key] = self.sums.get(key, 0.0) + delta
+
+    def change(self, target: set[str], names: Collection[str], add: bool = True) -> None:
+        """Add `names` to `target` (`self.recompute` or `self.regather`), or take them out of it,
+        and update the sums."""
+        before = [self._bytes(n) for n in names]
+        if add:
+            target.update(names)
+        else:
+            target.difference_update(names)
+        for name, old in zip(names, before):
+            self._add(name, self._bytes(name) - old)
+
+    def largest(self, without: Collection[str] = ()) -> float:
+        """`model.rematerialized(recompute - without, regather)`. (A group whose values all left
+        keeps a sum of 0 here, where `rematerialized` has no entry: no sum is negative, so the
+        largest is the same.)"""
+        if not without:
+            return max(self.sums.values(), default=0.0)
+        sums = dict(self.sums)
+        for name in set(without):
+            drop = self._bytes(name)
+            if drop:
+                key = self.model.group.get(name, name)
+                sums[key] -= drop
+        return max(sums.values(), default=0.0)
 
 
 def choose_savings(
@@ -249,12 +335,13 @@ def choose_savings(
     taken."""
     recompute: set[str] = set()
     regather: set[str] = set()
+    remade = RemadeBytes(model, recompute, regather)
     before = activation = model.total_bytes()
     forced = 0.0
     chosen: list[str] = []
     for unit in (u for u in model.units if u.forced):
         freed, extra = model.marginal(unit.nodes, recompute, regather)
-        recompute |= unit.nodes
+        remade.change(recompute, unit.nodes)
         activation -= freed
         forced += extra
         chosen.append(unit.name)
@@ -270,18 +357,19 @@ def choose_savings(
         name = saved.name
         return model.kept_bytes(name, recompute, regather), regather_seconds(saved)
 
-    def peak(activation_bytes: float, recomputed: Collection[str]) -> float:
-        """The total with `activation_bytes` kept and the largest recomputed group made again."""
-        return param_bytes_total(activation_bytes + model.rematerialized(recomputed, regather))
+    def peak(activation_bytes: float, without: Collection[str] = ()) -> float:
+        """The total with `activation_bytes` kept and the largest recomputed group made again
+        (`without` those ops recomputed)."""
+        return param_bytes_total(activation_bytes + remade.largest(without))
 
     heap: list[tuple[float, str]] = []
-    if peak(activation, recompute) > limit:
+    if peak(activation) > limit:
         for key in options:
             freed, extra = price(key)
             if freed > 0:
                 heapq.heappush(heap, (extra / freed, key))
     taken: list[tuple[str, float]] = []  # option, seconds it added
-    while heap and peak(activation, recompute) > limit:
+    while heap and peak(activation) > limit:
         _, key = heapq.heappop(heap)
         freed, extra = price(key)
         if freed <= 0:
@@ -291,10 +379,10 @@ def choose_savings(
             heapq.heappush(heap, (ratio, key))  # stale: someone else is cheaper now
             continue
         nodes, saved = options[key]
-        (regather if saved is not None else recompute).update(nodes)
+        remade.change(regather if saved is not None else recompute, nodes)
         activation -= freed
         taken.append((key, extra))
-    if peak(activation, recompute) > limit:
+    if peak(activation) > limit:
         return None
     for key, extra in sorted(taken, key=lambda t: (-t[1], t[0])):  # drop what is no longer needed
         nodes, saved = options[key]
@@ -305,8 +393,8 @@ def choose_savings(
             model.kept_bytes(n, *trial) - model.kept_bytes(n, recompute, regather)
             for n in _touched(model, nodes)
         )
-        if peak(activation + loss, trial[0]) <= limit:
-            target -= nodes
+        if peak(activation + loss, nodes if saved is None else ()) <= limit:
+            remade.change(target, nodes, add=False)
             activation += loss
             taken.remove((key, extra))
     chosen += [key for key, _ in taken if not key.startswith("regather:")]
@@ -316,7 +404,7 @@ def choose_savings(
         tuple(sorted(regather)),
         tuple(sorted(recompute)),
         tuple(chosen),
-        activation + model.rematerialized(recompute, regather),
+        activation + remade.largest(),
         before,
         recomputing + regathering,
         recomputing,
@@ -377,14 +465,24 @@ def _recomputable(node: fx.Node, decided: Collection[str], ops: Collection[str])
     return weight_chain(node, decided) is None
 
 
-def compute_seconds(cost: ElementCost, mesh_shape: Sequence[int], plan: Plan) -> Callable[[fx.Node], float]:
-    """An op's modeled compute on this plan's layouts (as `plan_cost` prices it)."""
+def compute_seconds(
+    cost: ElementCost, mesh_shape: Sequence[int], plan: Plan, facts: GraphFacts | None = None
+) -> Callable[[fx.Node], float]:
+    """An op's modeled compute on this plan's layouts (as `plan_cost` prices it). `facts`: the
+    graph's `GraphFacts`, whose work and rate per call are read instead of worked out again (the
+    search fits many plans of one graph)."""
     shape = tuple(mesh_shape)
+    known = {name: (work, rate) for name, _, work, rate, _ in facts.calls} if facts is not None else {}
+    splits: dict[Strategy, int] = {}
 
     def seconds(node: fx.Node) -> float:
         strategy = plan.strategies.get(node.name)
         if strategy is None:
             return 0.0
-        return float(cost.compute(global_work(node), work_split(strategy, shape), compute_rate(node)))
+        split = splits.get(strategy)
+        if split is None:
+            split = splits[strategy] = work_split(strategy, shape)
+        work, rate = known.get(node.name) or (global_work(node), compute_rate(node))
+        return float(cost.compute(work, split, rate))
 
     return seconds

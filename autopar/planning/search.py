@@ -526,7 +526,8 @@ def _fit(
     if memory.breakdown().total <= limit and not regions:
         plain = memory.activation_bytes()
         return _Fitted(plan, Savings(activation_bytes=plain, activation_bytes_before=plain), memory, value)
-    model = RecomputeModel(gm, plan, mesh.shape, compute_seconds(cost, mesh.shape, plan), cost.redistribute)
+    seconds = compute_seconds(cost, mesh.shape, plan, facts)
+    model = RecomputeModel(gm, plan, mesh.shape, seconds, cost.redistribute, facts)
     savings = choose_savings(
         model,
         lambda activations: memory.with_activations(activations).total,
