@@ -195,7 +195,7 @@ def measure_cuts(name: str, ranks: int, layers: int, microbatches: int) -> dict[
     graphs = _StageGraphs(gm, load_hardware("a100-cluster"))
     depths = [p for p in range(2, ranks + 1) if ranks % p == 0]
     cuts = {
-        pp: _cuts(graphs, pp, ranks // pp, microbatches=microbatches, limit=80e9, weight_state=PLAIN, recompute=False)
+        pp: _cuts(graphs, pp, ranks // pp, microbatches=microbatches, limit=80e9, weight_state=PLAIN, modes=("none",))
         for pp in depths
     }
     spent = time.process_time() - cpu
