@@ -272,9 +272,11 @@ def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = 
     token embeddings (B, T, E) split along T there, so the activations after them are split along
     the sequence, and every attention call, forward and backward, splits its queries there along
     the sequence (`strategy` "allgather": keys and values gathered; "ring": keys and values split
-    too, passed around the ring) or along the heads
+    too, passed around the ring; "balanced" and "ring_balanced": the same two in the load-balanced
+    causal order, the embeddings too) or along the heads
     ("ulysses": the all-to-all from the sequence split to the heads split and back, which
-    insert_comm makes of the redistribution), or any ("auto": the cheapest, by the search).
+    insert_comm makes of the redistribution), or any ("auto": the cheapest, by the search; the
+    ring is offered there only in the contiguous order).
     Other ops keep every strategy: the search lays them out around these."""
     if strategy not in CP_STRATEGIES:
         raise ValueError(f"context parallel strategy {strategy!r}: one of {', '.join(CP_STRATEGIES)}")
