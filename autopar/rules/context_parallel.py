@@ -211,7 +211,13 @@ CP_AXIS = "cp"  # the mesh axis name that asks for context parallelism
 HEADS = 1  # the heads dim of the (B, H, L, E) query: Ulysses' split inside attention
 # PlanOptions.context_parallel -> the (query, key) placements attention may take on the "cp" axis
 CP_STRATEGIES: dict[str, tuple[tuple[Placement, Placement], ...]] = {
-    "auto": ((Shard(SEQ), R), (Shard(SEQ), Shard(SEQ)), (Shard(HEADS), Shard(HEADS)), (BalancedShard(SEQ), R)),
+    "auto": (
+        (Shard(SEQ), R),
+        (Shard(SEQ), Shard(SEQ)),
+        (Shard(HEADS), Shard(HEADS)),
+        (BalancedShard(SEQ), R),
+        (BalancedShard(SEQ), BalancedShard(SEQ)),
+    ),
     "allgather": ((Shard(SEQ), R),),
     "balanced": ((BalancedShard(SEQ), R),),
     "ring": ((Shard(SEQ), Shard(SEQ)),),
@@ -275,8 +281,7 @@ def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = 
     too, passed around the ring; "balanced" and "ring_balanced": the same two in the load-balanced
     causal order, the embeddings too) or along the heads
     ("ulysses": the all-to-all from the sequence split to the heads split and back, which
-    insert_comm makes of the redistribution), or any ("auto": the cheapest, by the search; the
-    ring is offered there only in the contiguous order).
+    insert_comm makes of the redistribution), or any ("auto": the cheapest, by the search).
     Other ops keep every strategy: the search lays them out around these."""
     if strategy not in CP_STRATEGIES:
         raise ValueError(f"context parallel strategy {strategy!r}: one of {', '.join(CP_STRATEGIES)}")
