@@ -72,6 +72,8 @@ class PlanOptions:
           the all-to-all from the sequence split to a heads split around attention and back
           (DeepSpeed-Ulysses); "balanced", "allgather" in the load-balanced causal order (rank i
           holds chunk i and chunk 2p-1-i of 2p: equal causal work per rank) over the whole block;
+          "ring_balanced", "ring" in that load-balanced order (each rank's two chunks travel as one
+          block, every step half a block of causal work);
           "auto", the cheapest by the search's cost. Without a "cp" axis it must be
           "auto" (the search may still split the sequence where it prices best).
       storage (str) ["auto"]: how the search planner stores the weights (`planning.storage`):

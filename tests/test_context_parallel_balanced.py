@@ -20,11 +20,19 @@ from torch import nn
 from train_fixtures import train_hf_in_lockstep
 
 import autopar
+from autopar.compiler.driver import trace_for
 from autopar.core.layout import BalancedShard, R, Shard, is_balanced
+from autopar.core.mesh import Mesh
 from autopar.core.meta import info
+from autopar.core.plan import Plan
+from autopar.planning.search import search_layouts
+from autopar.planning.search_cost import TimeCost
+from autopar.rules import balanced
+from autopar.rules.calls import tensor_inputs
 from autopar.rules.context_parallel import BACKWARD, EMBEDDING, FORWARD, require_context_parallel
 from autopar.rules.registry import default_registry
 from examples.hf_models import VOCAB, tiny_causal_lm
+from examples.zoo import make_llama
 
 SEQ, BATCH, STEPS, CP = 16, 2, 2, 4
 aten = torch.ops.aten
@@ -83,16 +91,22 @@ def _reorder_near(collective: torch.fx.Node, step: Callable[[torch.fx.Node], lis
     return False
 
 
-def test_causal_block_trains_like_serial() -> None:
+def _train_block(shape: tuple[int, ...], names: tuple[str, ...], strategy: str, seq: int) -> dict:
+    """The causal block trained for two SGD-with-momentum steps in lockstep against serial, the
+    last axis "cp" asking for `strategy`."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(32, (BATCH, SEQ), generator=g), torch.randint(32, (BATCH, SEQ), generator=g))]
+    batches = [(torch.randint(32, (BATCH, seq), generator=g), torch.randint(32, (BATCH, seq), generator=g))]
     batches.append(batches[0])
-    registry = require_context_parallel(default_registry(), 0, "balanced")
-    result = train_in_lockstep(
-        CausalBlock(), (CP,), batches, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-        names=("cp",), registry=registry,
+    registry = require_context_parallel(default_registry(), len(shape) - 1, strategy)
+    return train_in_lockstep(
+        CausalBlock(), shape, batches, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        names=names, registry=registry,
     )  # fmt: skip
+
+
+def test_causal_block_trains_like_serial() -> None:
+    result = _train_block((CP,), ("cp",), "balanced", SEQ)
     _assert_balanced_attention(next(iter(result["compiled"].values())).graph.graph, 0)
     assert result["loss_err"] < 1e-5 and result["grad_err"] < 1e-4 and result["param_err"] < 1e-5, result
 
@@ -102,16 +116,7 @@ def test_tokens_stay_balanced_through_the_flatten_with_one_sample_per_dp_rank() 
     flatten of (batch, sequence) into tokens keeps the balanced split nested in the batch split:
     some matmul's activation is `[S(0), Sb(0)]` (each sample's tokens in the balanced order), and
     two SGD-with-momentum steps in lockstep equal serial."""
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    seq = 2 * SEQ  # each sample's 32 tokens in 8 chunks of 4
-    batches = [(torch.randint(32, (BATCH, seq), generator=g), torch.randint(32, (BATCH, seq), generator=g))]
-    batches.append(batches[0])
-    registry = require_context_parallel(default_registry(), 1, "balanced")
-    result = train_in_lockstep(
-        CausalBlock(), (2, CP), batches, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-        names=("dp", "cp"), registry=registry,
-    )  # fmt: skip
+    result = _train_block((2, CP), ("dp", "cp"), "balanced", 2 * SEQ)  # each sample's 32 tokens in 8 chunks of 4
     graph = next(iter(result["compiled"].values())).graph.graph
     _assert_balanced_attention(graph, 1)
     nested = [
@@ -160,14 +165,101 @@ transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def test_llama_with_left_padding_trains_like_serial() -> None:
+def _llama_on_cp(strategy: str) -> tuple[torch.nn.Module, dict, dict]:
+    """LlamaForCausalLM at its defaults (1 layer, 4 query heads, 2 key/value heads), its batch with
+    left padding in one sample, and every rank's programs on a (4,) "cp" mesh with `strategy`."""
     torch.manual_seed(0)
     model = tiny_causal_lm("llama", n_layer=1, heads=4, kv_heads=2)
     ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(BATCH, SEQ, dtype=torch.long)
     mask[0, :5] = 0
     kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
-    registry = require_context_parallel(default_registry(), 0, "balanced")
-    compiled = compile_every_rank(model, (CP,), (), kwargs, names=("cp",), registry=registry)
+    registry = require_context_parallel(default_registry(), 0, strategy)
+    return model, kwargs, compile_every_rank(model, (CP,), (), kwargs, names=("cp",), registry=registry)
+
+
+def test_llama_with_left_padding_trains_like_serial() -> None:
+    model, kwargs, compiled = _llama_on_cp("balanced")
     _assert_balanced_attention(next(iter(compiled.values())).graph.graph, 0)
     train_hf_in_lockstep(compiled, model, kwargs, (CP,), STEPS)
+
+
+# ---------------------------------------------------------------- ring attention in the balanced order
+
+A2A = torch.ops._c10d_functional.all_to_all_single.default
+
+
+def _assert_balanced_ring(compiled: dict, axis: int, layers: int) -> None:
+    """Every attention call's q, k, v and results balanced on `axis` (no pending sums: the ring
+    hands dk and dv to their owners), and each rank's programs pass key/value blocks p-1 times per
+    layer in forward and p+1 in backward, gathering no keys."""
+    graph = next(iter(compiled.values())).graph.graph
+    calls = [n for n in graph.nodes if n.target in (FORWARD, BACKWARD)]
+    assert len(calls) == 2 * layers
+    for node in calls:
+        chosen = info(node).strategy
+        assert chosen is not None
+        at = 1 if node.target is BACKWARD else 0
+        assert all(lay.placements[axis] == BalancedShard(2) for lay in (*chosen.inputs[at : at + 3], *chosen.outputs))
+    for coords, each in compiled.items():
+        p = CP
+        for program, count in ((each.program.forward.graph, p - 1), (each.program.backward.graph, p + 1)):
+            shifts = [n for n in program.nodes if n.target is A2A and info(n).comm is not None and info(n).comm.kind == "ring_shift"]  # type: ignore[union-attr]
+            assert len(shifts) == layers * count, coords
+
+
+def test_causal_block_with_ring_attention_balanced_trains_like_serial() -> None:
+    """`is_causal=True` on a (2, 4) ("dp", "cp") mesh: the ring in the balanced order skips the
+    key chunks a query chunk cannot see, and two SGD-with-momentum steps equal serial."""
+    result = _train_block((2, CP), ("dp", "cp"), "ring_balanced", 2 * SEQ)
+    _assert_balanced_ring(result["compiled"], 1, 1)
+    assert result["loss_err"] < 1e-5 and result["grad_err"] < 1e-4 and result["param_err"] < 1e-5, result
+
+
+def test_llama_with_left_padding_and_ring_attention_balanced_trains_like_serial() -> None:
+    """`PlanOptions(context_parallel="ring_balanced")` on LlamaForCausalLM at its defaults with left
+    padding: the causal and padding mask's balanced rows cut to each block's key chunks."""
+    model, kwargs, compiled = _llama_on_cp("ring_balanced")
+    _assert_balanced_ring(compiled, 0, 1)
+    train_hf_in_lockstep(compiled, model, kwargs, (CP,), STEPS)
+
+
+def _conversions(gm: torch.fx.GraphModule, plan: Plan) -> int:
+    """Edges of `plan` that move a value between the balanced and the contiguous split of a dim on
+    one axis (each an all-gather and a cut)."""
+    count = 0
+    for node in gm.graph.nodes:
+        chosen = plan.strategies.get(node.name)
+        if chosen is None:
+            continue
+        for src, want in zip(tensor_inputs(node), chosen.inputs):
+            have = plan.layouts[src.name][0]
+            for p, q in zip(have.placements, want.placements):
+                if isinstance(p, Shard) and isinstance(q, Shard) and p.dim == q.dim and is_balanced(p) != is_balanced(q):
+                    count += 1
+    return count
+
+
+def test_balanced_plan_keeps_the_residual_stream_balanced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The zoo's LLaMA (2 layers, sequence 256) on (2, 4) ("dp", "cp") with "balanced" asked for:
+    the searched plan lays the residual stream, norms and linears out balanced too, so it hardly
+    converts between the two orders. With the balanced copies of each op's strategies listed after
+    the contiguous ones (as before), the greedy seeds were contiguous wherever nothing forced the
+    balanced order, and the search, a local improvement, kept converting around every attention
+    call: more conversions and a dearer plan."""
+    model, batch = make_llama(0, batch_size=2, n_head=4, n_kv_head=2, seq_len=256, dim=64, hidden=128, vocab_size=128)
+    mesh = Mesh.from_shape((2, CP), ("dp", "cp"))
+    gm = trace_for(model, mesh, batch)
+    cost = TimeCost("h100-nvlink-ib", (2, CP))
+
+    def searched() -> tuple[int, float]:
+        registry = require_context_parallel(default_registry(), 1, "balanced")
+        plan = search_layouts(gm, mesh, registry, cost=cost, memory_limit=float("inf"))
+        return _conversions(gm, plan), gm.meta["autopar_search"].final_cost
+
+    count, objective = searched()
+    listed_after = balanced.balanced_variants
+    monkeypatch.setattr(balanced, "balanced_variants", lambda call, found, first=False: listed_after(call, found))
+    old_count, old_objective = searched()
+    assert count <= 4 < old_count, (count, old_count)
+    assert objective < 0.9 * old_objective, (objective, old_objective)

@@ -1,10 +1,13 @@
 """Property tests: ring attention (queries, keys and values split along the sequence, key/value
 blocks passed around the ring, partial outputs merged by their log-sum-exps), forward and backward,
-against the oracle, which runs every rank's ring nodes in step with their exchanges. Causal
+against the oracle, which runs every rank's ring nodes in step with their exchanges; contiguous
+and in the load-balanced order (each rank's front and mirror chunks travelling as one block). Causal
 offsets, padding masks that hide whole blocks from some rows, broadcast and additive masks,
 grouped-query attention, and meshes where another axis splits the batch or the queries too."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.fx as fx
@@ -14,10 +17,17 @@ from hypothesis import strategies as st
 
 from autopar.core.meta import NodeInfo, info
 from autopar.core.strategy import Strategy
-from autopar.rules.base import LocalContext, LocalGraph, make_call
-from autopar.rules.context_parallel import BACKWARD, FORWARD, localize_attention
+from autopar.rules.base import LocalContext, LocalGraph, RuleRegistry, make_call
+from autopar.rules.context_parallel import BACKWARD, FORWARD, localize_attention, require_context_parallel
 from autopar.rules.registry import default_registry
-from autopar.rules.ring_attention import exposed_exchange_seconds, merge_blocks, ring_admissible, ring_axis
+from autopar.rules.ring_attention import (
+    _visible,
+    exposed_exchange_seconds,
+    key_index,
+    merge_blocks,
+    ring_admissible,
+    ring_axis,
+)
 from autopar.testing.strategies import candidate_strategies, mesh_shapes, random_tensor
 
 REGISTRY = default_registry()
@@ -126,3 +136,60 @@ def test_only_what_a_block_does_not_hide_is_priced() -> None:
     assert exposed_exchange_seconds(False, 4, exchange=3.0, block=2.0) == 3.0
     assert exposed_exchange_seconds(True, 4, exchange=1.0, block=2.0) == 1.0
     assert exposed_exchange_seconds(True, 4, exchange=1.0, block=0.0) == 2 + 2 * 2 + 1
+
+
+# ---------------------------------------------------------------- the ring in the load-balanced order
+
+
+@functools.cache
+def _balanced_registry(axis: int) -> RuleRegistry:
+    """The rules a mesh whose axis `axis` is "cp" asks for the ring in the balanced order with."""
+    return require_context_parallel(default_registry(), axis, "ring_balanced")
+
+
+def _check_balanced(data: st.DataObject, op: object, args: tuple, kwargs: dict, mesh: tuple[int, ...]) -> None:
+    registry = _balanced_registry(len(mesh) - 1)
+    options = [
+        s
+        for s in _ring(candidate_strategies(op, args, kwargs, mesh, registry), op)
+        if s.inputs[key_index(op)].balanced_dims()
+    ]
+    assume(options)
+    check_some(data, op, args, kwargs, mesh, options, registry)
+
+
+BALANCED_MESHES = st.sampled_from([(2,), (3,), (4,), (2, 2), (3, 2), (2, 3)])
+
+
+@SETTINGS
+@given(data=st.data(), mesh=BALANCED_MESHES)
+def test_ring_balanced_forward(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """Each rank's two chunks (front and mirror) travel as one block; each run of query rows
+    attends only the key runs it can see (causal skipping), merged by log-sum-exp."""
+    args, kwargs, _ = attention_case(data, mesh, 2 * mesh[-1] * data.draw(st.integers(1, 2)))
+    _check_balanced(data, FORWARD, args, kwargs, mesh)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=BALANCED_MESHES)
+def test_ring_balanced_backward(data: st.DataObject, mesh: tuple[int, ...]) -> None:
+    """dq, dk and dv balanced like q, k and v: each chunk's gradient summed around the ring."""
+    (q, k, v, dropout, causal), kwargs, g = attention_case(data, mesh, 2 * mesh[-1] * data.draw(st.integers(1, 2)))
+    out, lse = FORWARD(q, k, v, dropout, causal, **kwargs)
+    grad = random_tensor(out.shape, generator=g)
+    _check_balanced(data, BACKWARD, (grad, q, k, v, out, lse, dropout, causal), kwargs, mesh)
+
+
+def test_ring_balanced_skips_what_the_causal_mask_hides() -> None:
+    """On 4 ranks (8 chunks of 2 rows), rank 1 holds chunks 1 and 6. Its diagonal step computes
+    both query chunks (the front against its own chunk only); a block from rank 0 (chunks 0, 7)
+    is seen only through its front chunk; a block from rank 3 (chunks 3, 4) only by the back
+    query chunk. Every step computes the same 2 x 2 chunk pairs minus the hidden ones: half."""
+    q_chunks = ((2, 2), (12, 2))
+    assert _visible(q_chunks[0], ((2, 2), (12, 2)), True) == [0]
+    assert _visible(q_chunks[1], ((2, 2), (12, 2)), True) == [0, 1]
+    assert _visible(q_chunks[0], ((0, 2), (14, 2)), True) == [0]
+    assert _visible(q_chunks[1], ((0, 2), (14, 2)), True) == [0]
+    assert _visible(q_chunks[0], ((6, 2), (8, 2)), True) == []
+    assert _visible(q_chunks[1], ((6, 2), (8, 2)), True) == [0, 1]
+    assert _visible(q_chunks[0], ((6, 2), (8, 2)), False) == [0, 1]

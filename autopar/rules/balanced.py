@@ -52,9 +52,10 @@ def _balanced(p: Placement) -> Placement:
     return BalancedShard(p.dim) if isinstance(p, Shard) else p
 
 
-def balanced_variants(call: OpCall, strategies: list[AxisStrategy]) -> list[AxisStrategy]:
+def balanced_variants(call: OpCall, strategies: list[AxisStrategy], first: bool = False) -> list[AxisStrategy]:
     """`strategies` and, for each that splits tensors of the call along dims of one length (at
-    least 2), its copy with those splits balanced."""
+    least 2), its copy with those splits balanced (with `first`, the copies ahead of the
+    contiguous strategies: the greedy pass keeps the first of equally priced strategies)."""
     specs = (*call.inputs, *call.outputs)
     extra = []
     for s in strategies:
@@ -67,12 +68,14 @@ def balanced_variants(call: OpCall, strategies: list[AxisStrategy]) -> list[Axis
         if call.op is EMBEDDING_BACKWARD and isinstance(s.outputs[0], Shard):
             continue
         extra.append(AxisStrategy(tuple(map(_balanced, s.inputs)), tuple(map(_balanced, s.outputs))))
-    return [*strategies, *extra]
+    return [*extra, *strategies] if first else [*strategies, *extra]
 
 
-def _with_variants(strategies: Callable[[OpCall], list[AxisStrategy]]) -> Callable[[OpCall], list[AxisStrategy]]:
+def _with_variants(
+    strategies: Callable[[OpCall], list[AxisStrategy]], first: bool
+) -> Callable[[OpCall], list[AxisStrategy]]:
     def offered(call: OpCall) -> list[AxisStrategy]:
-        return balanced_variants(call, strategies(call))
+        return balanced_variants(call, strategies(call), first)
 
     return offered
 
@@ -124,9 +127,11 @@ def one_sample_per_block(call: OpCall, strategy: Strategy, mesh_shape: tuple[int
 
 
 def _reshape_with_variants(
-    strategies: Callable[[OpCall], list[AxisStrategy]],
+    strategies: Callable[[OpCall], list[AxisStrategy]], first: bool
 ) -> Callable[[OpCall], list[AxisStrategy]]:
     def offered(call: OpCall) -> list[AxisStrategy]:
+        if first:
+            return [*merged_balanced(call), *balanced_variants(call, strategies(call), first)]
         return [*balanced_variants(call, strategies(call)), *merged_balanced(call)]
 
     return offered
@@ -186,10 +191,10 @@ def balanced_registry(
         elif rule.op in UNBALANCED_OPS:
             continue
         elif rule.op in RESHAPES and merges:
-            new = dataclasses.replace(rule, strategies=_reshape_with_variants(rule.strategies))
+            new = dataclasses.replace(rule, strategies=_reshape_with_variants(rule.strategies, merges))
             new = dataclasses.replace(new, admits=_also(rule.admits, one_sample_per_block))
         else:
-            new = dataclasses.replace(rule, strategies=_with_variants(rule.strategies))
+            new = dataclasses.replace(rule, strategies=_with_variants(rule.strategies, merges))
         offered.replace(dataclasses.replace(new, admits=only_on_axis(axis, new.admits)))
     return offered
 

@@ -133,8 +133,9 @@ def sequence_strategies(call: OpCall) -> list[AxisStrategy]:
 def balanced_strategies(call: OpCall) -> list[AxisStrategy]:
     """The query-sequence split of `sequence_strategies` (keys and values gathered) in the
     load-balanced order (`BalancedShard`): q, out, logsumexp, dq and a mask's query dim split
-    balanced, k and v whole, dk and dv partial sums. Offered on a "cp" axis only
-    (`require_context_parallel`); the ring is not offered balanced."""
+    balanced, k and v whole, dk and dv partial sums; and ring attention in that order (k, v, dk
+    and dv balanced too, `ring_attention.ring_strategies`). Offered on a "cp" axis only
+    (`require_context_parallel`)."""
     if sequence_split_refusal(call) is not None:
         return []
     q = call.inputs[_query_index(call)]
@@ -147,11 +148,12 @@ def balanced_strategies(call: OpCall) -> list[AxisStrategy]:
         BalancedShard(m.ndim - 2) if isinstance(_mask_placement(m, q.shape[SEQ]), Shard) else R
         for m in call.inputs[n_main:]
     )
+    ring = ring_attention.ring_strategies(call, masks, balanced=True)
     if backward:
         if not partial_ok(call.inputs, call.outputs[1:]):
-            return []
-        return [AxisStrategy((b, b, R, R, b, b, *masks), (b, P, P))]
-    return [AxisStrategy((b, R, R, *masks), (b, b))]
+            return ring
+        return [AxisStrategy((b, b, R, R, b, b, *masks), (b, P, P)), *ring]
+    return [AxisStrategy((b, R, R, *masks), (b, b)), *ring]
 
 
 def _with_balanced(strategies: Callable[[OpCall], list[AxisStrategy]]) -> Callable[[OpCall], list[AxisStrategy]]:
@@ -209,13 +211,21 @@ CP_AXIS = "cp"  # the mesh axis name that asks for context parallelism
 HEADS = 1  # the heads dim of the (B, H, L, E) query: Ulysses' split inside attention
 # PlanOptions.context_parallel -> the (query, key) placements attention may take on the "cp" axis
 CP_STRATEGIES: dict[str, tuple[tuple[Placement, Placement], ...]] = {
-    "auto": ((Shard(SEQ), R), (Shard(SEQ), Shard(SEQ)), (Shard(HEADS), Shard(HEADS)), (BalancedShard(SEQ), R)),
+    "auto": (
+        (Shard(SEQ), R),
+        (Shard(SEQ), Shard(SEQ)),
+        (Shard(HEADS), Shard(HEADS)),
+        (BalancedShard(SEQ), R),
+        (BalancedShard(SEQ), BalancedShard(SEQ)),
+    ),
     "allgather": ((Shard(SEQ), R),),
     "balanced": ((BalancedShard(SEQ), R),),
     "ring": ((Shard(SEQ), Shard(SEQ)),),
+    "ring_balanced": ((BalancedShard(SEQ), BalancedShard(SEQ)),),
     "ulysses": ((Shard(HEADS), Shard(HEADS)),),
 }
 EMBEDDING = torch.ops.aten.embedding.default
+BALANCED = ("balanced", "ring_balanced")  # the strategies that lay the whole block out in the balanced order
 
 
 def _attention_requirement(axis: int, strategy: str) -> Requirement:
@@ -235,6 +245,10 @@ def _attention_requirement(axis: int, strategy: str) -> Requirement:
         "ring": "the queries', keys' and values' sequence (dim 2 of (batch, heads, sequence, head_dim)) must "
         "split evenly over the cp axis, in self-attention (keys as long as the queries, keys and values of "
         "one head size), without dropout inside attention",
+        "ring_balanced": "the queries', keys' and values' sequence (dim 2 of (batch, heads, sequence, head_dim)) "
+        "must split over the cp axis in the load-balanced order, into 2 * (cp axis size) equal chunks, in "
+        "self-attention (keys as long as the queries, keys and values of one head size), without dropout "
+        "inside attention",
         "ulysses": "the query and key/value heads must split over the cp axis: as many key/value heads as "
         "query heads (repeated before the call), a multiple of the cp axis size",
     }
@@ -244,13 +258,14 @@ def _attention_requirement(axis: int, strategy: str) -> Requirement:
 
 
 def _embedding_requirement(axis: int, strategy: str) -> Requirement:
-    splits = {"balanced": (BalancedShard(1),), "auto": (Shard(1), BalancedShard(1))}.get(strategy, (Shard(1),))
+    balanced_split: tuple[Placement, ...] = (BalancedShard(1),)
+    splits = {"auto": (Shard(1), BalancedShard(1)), **dict.fromkeys(BALANCED, balanced_split)}.get(strategy, (Shard(1),))
 
     def admits(call: OpCall, chosen: Strategy) -> bool:
         out = chosen.outputs[0]
         return len(out.shape) < 3 or out.placements[axis] in splits
 
-    balanced = " (balanced: a multiple of twice the cp axis size)" if strategy == "balanced" else ""
+    balanced = " (balanced: a multiple of twice the cp axis size)" if strategy in BALANCED else ""
     return Requirement(
         admits,
         'the mesh\'s "cp" axis splits the token activations (batch, sequence, width) along the sequence: '
@@ -263,30 +278,31 @@ def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = 
     token embeddings (B, T, E) split along T there, so the activations after them are split along
     the sequence, and every attention call, forward and backward, splits its queries there along
     the sequence (`strategy` "allgather": keys and values gathered; "ring": keys and values split
-    too, passed around the ring) or along the heads
+    too, passed around the ring; "balanced" and "ring_balanced": the same two in the load-balanced
+    causal order, the embeddings too) or along the heads
     ("ulysses": the all-to-all from the sequence split to the heads split and back, which
     insert_comm makes of the redistribution), or any ("auto": the cheapest, by the search).
     Other ops keep every strategy: the search lays them out around these."""
     if strategy not in CP_STRATEGIES:
         raise ValueError(f"context parallel strategy {strategy!r}: one of {', '.join(CP_STRATEGIES)}")
     constrained = registry.copy()
-    if strategy in ("auto", "balanced"):  # the load-balanced split is offered on the "cp" axis only
+    if strategy in ("auto", *BALANCED):  # the load-balanced split is offered on the "cp" axis only
         # (carried over the linears' (batch, sequence) merge only when asked for: under "auto" the
         # extra strategies led the search to a dearer local optimum, 0.489 against 0.388 ms on the
         # zoo LLaMA on (2,4) dp,cp; docs/context-parallel.md)
         constrained = balanced_registry(
-            registry, axis, skip=frozenset({FORWARD, BACKWARD}), merges=strategy == "balanced"
+            registry, axis, skip=frozenset({FORWARD, BACKWARD}), merges=strategy in BALANCED
         )
     for op in (FORWARD, BACKWARD):
         rule = constrained.get(op)
         if rule is None:
             continue
-        if strategy in ("auto", "balanced"):
+        if strategy in ("auto", *BALANCED):
             constrained.replace(dataclasses.replace(rule, strategies=_with_balanced(rule.strategies)))
         constrained.require(op, _attention_requirement(axis, strategy))
-        if strategy in ("auto", "ring"):  # the ring is offered where a "cp" axis asks for it
+        if strategy in ("auto", "ring", "ring_balanced"):  # the ring is offered where a "cp" axis asks for it
             constrained.admit(op, ring_attention.ring_admissible)
-        if strategy in ("auto", "balanced"):
+        if strategy in ("auto", *BALANCED):
             admits = constrained.get(op).admits  # type: ignore[union-attr]
             constrained.admit(op, only_on_axis(axis, admits))
     if EMBEDDING in constrained:

@@ -19,7 +19,14 @@ of the queries, keys and values (dim 2 of (B, H, L, E)); the attention call beco
   the last block;
 - **causal attention**: block j of keys is hidden from every query of block i < j (the step only
   yields an empty partial: zero output, logsumexp -inf, no kernel call), wholly visible to block
-  i > j (no mask), and the diagonal block takes the causal mask at its offsets;
+  i > j (no mask), and the diagonal block takes the causal mask at its offsets. The last rank
+  computes p blocks, the first one: the contiguous split's imbalance;
+- **the load-balanced order** (`BalancedShard`: rank r holds chunks r and 2p-1-r of 2p): the
+  blocks travel as they are, two chunks each, and each run of query rows attends only the runs
+  of keys it can see. At every step a rank computes half a block of scores (the diagonal step:
+  both chunks' triangles and the back chunk against the front; a block from an earlier rank:
+  both query chunks against its front chunk; from a later rank: the back query chunk against
+  both), so every rank does the same causal work and every exchange hides behind the same share;
 - **masks** (padding, sliding window) are split on their query dim with the queries, whole along
   the keys; each step cuts out the columns of the block it holds. A row that a block masks
   entirely gets logsumexp -inf for it (the kernel reports 0), so it weighs nothing in the merge;
@@ -43,7 +50,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.errors import ShardingError
-from autopar.core.layout import Layout, Placement, Shard
+from autopar.core.layout import BalancedShard, Layout, Placement, Shard
 from autopar.core.meta import NodeInfo, set_info
 from autopar.core.redistribute import CommStep
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
@@ -63,18 +70,20 @@ def key_index(op: Any) -> int:
     return 2 if op == BACKWARD else 1
 
 
-def ring_strategies(call: OpCall, masks: tuple[Placement, ...]) -> list[AxisStrategy]:
+def ring_strategies(call: OpCall, masks: tuple[Placement, ...], balanced: bool = False) -> list[AxisStrategy]:
     """The ring split of one self-attention call on one axis: every (B, H, L, E) tensor and the
-    logsumexp along the sequence; `masks` as the query-sequence split places them (query rows with
-    the queries, whole along the keys). None where keys and queries differ in length (cross
+    logsumexp along the sequence (with `balanced`, in the load-balanced order: each rank's two
+    chunks travel together); `masks` as the query-sequence split places them (query rows with the
+    queries, whole along the keys). None where keys and queries differ in length (cross
     attention) or keys and values in head size or dtype (they travel as one block)."""
     backward = call.op == BACKWARD
     q, k, v = call.inputs[1:4] if backward else call.inputs[:3]
     if q.shape[SEQ] != k.shape[SEQ] or k.shape != v.shape or k.dtype != v.dtype:
         return []
+    split = BalancedShard(SEQ) if balanced else Shard(SEQ)
     if backward:
-        return [AxisStrategy((Shard(SEQ),) * 6 + masks, (Shard(SEQ),) * 3)]
-    return [AxisStrategy((Shard(SEQ),) * 3 + masks, (Shard(SEQ), Shard(SEQ)))]
+        return [AxisStrategy((split,) * 6 + masks, (split,) * 3)]
+    return [AxisStrategy((split,) * 3 + masks, (split, split))]
 
 
 def ring_axis(op: Any, strategy: Strategy) -> int | None:
@@ -96,65 +105,116 @@ def without_ring(call: OpCall, strategy: Strategy, mesh_shape: Sequence[int]) ->
 
 def ring_admissible(call: OpCall, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
     """Whether the ring of `strategy` can run: the keys split along the sequence by one axis at most
-    (a ring passes whole blocks of one axis), into equal blocks (the exchange's shapes are fixed)."""
+    (a ring passes whole blocks of one axis), into equal blocks (the exchange's shapes are fixed;
+    in the load-balanced order, equal chunks: twice as many)."""
     k = strategy.inputs[key_index(call.op)]
     axes = k.shard_axes(SEQ)
     if not axes:
         return True
-    return len(axes) == 1 and k.shape[SEQ] % mesh_shape[axes[0]] == 0
+    blocks = mesh_shape[axes[0]] * (2 if k.balanced_dims() else 1)
+    return len(axes) == 1 and k.shape[SEQ] % blocks == 0
 
 
 # ---------------------------------------------------------------- what one step computes
 
 
+Chunks = tuple[tuple[int, int], ...]  # (start, length) of each run of the sequence, in local order
+
+
+def _visible(q_chunk: tuple[int, int], k_chunks: Chunks, causal: bool) -> list[int]:
+    """The runs of a block's keys that a run of query rows sees: all of them, or with a causal mask
+    those not wholly after its last query (causal skipping: a hidden run is never computed)."""
+    start, rows = q_chunk
+    return [j for j, (k_start, _) in enumerate(k_chunks) if not (causal and k_start > start + rows - 1)]
+
+
+def _starts(chunks: Chunks) -> list[int]:
+    """Where each run begins in the local tensor (the runs lie end to end)."""
+    found, at = [], 0
+    for _, n in chunks:
+        found.append(at)
+        at += n
+    return found
+
+
 def _block_mask(
-    rows: int, q_offset: int, keys: int, k_offset: int, causal: bool, mask: torch.Tensor | None, like: torch.Tensor
+    q_chunk: tuple[int, int], k_chunks: Chunks, causal: bool, mask: torch.Tensor | None, like: torch.Tensor
 ) -> torch.Tensor | None:
-    """The additive mask of one block: the model's mask cut to the block's key columns, plus the
-    causal mask at the block's offsets where the diagonal crosses it."""
+    """The additive mask of one run of query rows against some runs of keys: the model's mask
+    (already cut to the run's rows) cut to those keys' columns, plus the causal mask at their
+    positions in the sequence where some key lies after some query."""
+    start, rows = q_chunk
     block = None
     if mask is not None:
-        block = mask if mask.shape[-1] == 1 else mask.narrow(-1, k_offset, keys)
+        block = mask
+        if mask.shape[-1] != 1:
+            block = torch.cat([mask.narrow(-1, k, n) for k, n in k_chunks], -1) if len(k_chunks) > 1 else (
+                mask.narrow(-1, k_chunks[0][0], k_chunks[0][1])
+            )
         if block.dtype == torch.bool:
             block = torch.zeros(block.shape, dtype=like.dtype, device=like.device).masked_fill(~block, NEG_INF)
         else:
             block = block.to(like.dtype)
-    if causal and k_offset + keys - 1 > q_offset:
-        i = torch.arange(rows, device=like.device).unsqueeze(1) + q_offset
-        j = torch.arange(keys, device=like.device).unsqueeze(0) + k_offset
-        tri = torch.zeros(rows, keys, dtype=like.dtype, device=like.device).masked_fill(j > i, NEG_INF)
+    if causal and max(k + n - 1 for k, n in k_chunks) > start:
+        i = torch.arange(rows, device=like.device).unsqueeze(1) + start
+        j = torch.cat([torch.arange(k, k + n, device=like.device) for k, n in k_chunks]).unsqueeze(0)
+        tri = torch.zeros(rows, j.shape[1], dtype=like.dtype, device=like.device).masked_fill(j > i, NEG_INF)
         block = tri if block is None else block + tri
     return block
 
 
-def _hidden(rows: int, q_offset: int, k_offset: int, causal: bool) -> bool:
-    """Whether a causal block of keys lies wholly after every query of the rank's block."""
-    return causal and k_offset > q_offset + rows - 1
+def _mask_rows(mask: torch.Tensor | None, at: int, rows: int) -> torch.Tensor | None:
+    """Query rows `at..at+rows` of a mask (dim -2); one that broadcasts along the queries (size 1
+    there, or 1-D) goes whole."""
+    if mask is None or mask.dim() < 2 or mask.shape[-2] == 1:
+        return mask
+    return mask.narrow(-2, at, rows)
+
+
+def _keys(kv: torch.Tensor, k_chunks: Chunks, runs: list[int]) -> torch.Tensor:
+    """The stacked keys and values of the visible runs `runs` of a block, end to end."""
+    if len(runs) == len(k_chunks):
+        return kv
+    starts = _starts(k_chunks)
+    parts = [kv.narrow(SEQ + 1, starts[j], k_chunks[j][1]) for j in runs]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, SEQ + 1)
 
 
 def block_forward(
     q: torch.Tensor,
     kv: torch.Tensor,
     mask: torch.Tensor | None,
-    q_offset: int,
-    k_offset: int,
+    q_chunks: Chunks,
+    k_chunks: Chunks,
     causal: bool,
     scale: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One ring step: the rank's queries against one key/value block (`kv`: keys and values
-    stacked on a new dim 0): (output in float32, logsumexp), a row the block masks wholly at
-    logsumexp -inf and output 0, both in float32 at least (the merge's accumulation)."""
-    rows, keys = q.shape[SEQ], kv.shape[SEQ + 1]
+    """One ring step: the rank's queries (runs of the sequence at `q_chunks`: one for a contiguous
+    split, two for the load-balanced one) against one key/value block (`kv`: keys and values
+    stacked on a new dim 0, its runs at `k_chunks`): (output, logsumexp) in float32 at least (the
+    merge's accumulation). Each run of rows attends only the runs of keys it can see; a row that
+    sees no key of the block has logsumexp -inf and output 0."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    if _hidden(rows, q_offset, k_offset, causal):
-        return q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:-1], NEG_INF, dtype=acc)
-    block = _block_mask(rows, q_offset, keys, k_offset, causal, mask, q)
-    out, lse = device_attention.attention_forward(q, kv[0], kv[1], 0.0, False, attn_mask=block, scale=scale)
-    lse = lse.to(acc)
-    if block is not None:
-        dead = torch.isneginf(block).all(-1)
-        lse = torch.where(dead, NEG_INF, lse)
-    return out.to(acc), lse
+    outs, lses = [], []
+    for at, q_chunk in zip(_starts(q_chunks), q_chunks):
+        rows = q_chunk[1]
+        runs = _visible(q_chunk, k_chunks, causal)
+        q_run = q.narrow(SEQ, at, rows)
+        if not runs:
+            outs.append(q_run.new_zeros(q_run.shape, dtype=acc))
+            lses.append(q_run.new_full(q_run.shape[:-1], NEG_INF, dtype=acc))
+            continue
+        keys = _keys(kv, k_chunks, runs)
+        block = _block_mask(q_chunk, tuple(k_chunks[j] for j in runs), causal, _mask_rows(mask, at, rows), q)
+        out, lse = device_attention.attention_forward(q_run, keys[0], keys[1], 0.0, False, attn_mask=block, scale=scale)
+        lse = lse.to(acc)
+        if block is not None:
+            lse = torch.where(torch.isneginf(block).all(-1), NEG_INF, lse)
+        outs.append(out.to(acc))
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, SEQ), torch.cat(lses, SEQ)
 
 
 def merge_blocks(
@@ -184,21 +244,44 @@ def block_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     mask: torch.Tensor | None,
-    q_offset: int,
-    k_offset: int,
+    q_chunks: Chunks,
+    k_chunks: Chunks,
     causal: bool,
     scale: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One backward ring step: the block's share of the query gradient and of its own key/value
-    gradient (stacked like `kv`), from the whole rows' output and logsumexp."""
-    rows, keys = q.shape[SEQ], kv.shape[SEQ + 1]
-    if _hidden(rows, q_offset, k_offset, causal):
-        return torch.zeros_like(q), torch.zeros_like(kv)
-    block = _block_mask(rows, q_offset, keys, k_offset, causal, mask, q)
-    dq, dk, dv = device_attention.attention_backward(
-        grad_out, q, kv[0], kv[1], out, lse, 0.0, False, attn_mask=block, scale=scale
-    )
-    return dq, torch.stack([dk, dv])
+    gradient (stacked like `kv`), from the whole rows' output and logsumexp; each run of rows
+    against the runs of keys it sees, as in `block_forward`."""
+    grads_q = []
+    grads_kv: list[torch.Tensor | None] = [None] * len(k_chunks)
+    k_starts = _starts(k_chunks)
+    for at, q_chunk in zip(_starts(q_chunks), q_chunks):
+        rows = q_chunk[1]
+        runs = _visible(q_chunk, k_chunks, causal)
+        q_run = q.narrow(SEQ, at, rows)
+        if not runs:
+            grads_q.append(torch.zeros_like(q_run))
+            continue
+        keys = _keys(kv, k_chunks, runs)
+        block = _block_mask(q_chunk, tuple(k_chunks[j] for j in runs), causal, _mask_rows(mask, at, rows), q)
+        dq, dk, dv = device_attention.attention_backward(
+            grad_out.narrow(SEQ, at, rows), q_run, keys[0], keys[1], out.narrow(SEQ, at, rows),
+            lse.narrow(SEQ, at, rows), 0.0, False, attn_mask=block, scale=scale,
+        )  # fmt: skip
+        grads_q.append(dq)
+        dkv = torch.stack([dk, dv])
+        at_key = 0
+        for j in runs:
+            part = dkv if len(runs) == 1 else dkv.narrow(SEQ + 1, at_key, k_chunks[j][1])
+            at_key += k_chunks[j][1]
+            held = grads_kv[j]
+            grads_kv[j] = part if held is None else held + part
+    whole = [
+        g if g is not None else kv.new_zeros(kv.narrow(SEQ + 1, k_starts[j], k_chunks[j][1]).shape)
+        for j, g in enumerate(grads_kv)
+    ]
+    grad_q = grads_q[0] if len(grads_q) == 1 else torch.cat(grads_q, SEQ)
+    return grad_q, whole[0] if len(whole) == 1 else torch.cat(whole, SEQ + 1)
 
 
 # ---------------------------------------------------------------- the rank's nodes
@@ -262,12 +345,12 @@ def ring_graph(ctx: LocalContext, axis: int) -> LocalGraph:
             op=str(call.op),
             hint='pad the sequence to a multiple of the axis size, or use PlanOptions(context_parallel="allgather")',
         )
-    q_offset = q_layout.local_offsets(ctx.mesh_shape, ctx.coords)[SEQ]
-    k_offsets = []
+    q_chunks = q_layout.local_chunks(ctx.mesh_shape, ctx.coords, SEQ)
+    k_chunks = []  # the runs of the sequence in the block the rank holds at each step
     for s in range(p):
         source = list(ctx.coords)
         source[axis] = (me - s) % p
-        k_offsets.append(k_layout.local_offsets(ctx.mesh_shape, source)[SEQ])
+        k_chunks.append(k_layout.local_chunks(ctx.mesh_shape, source, SEQ))
     causal = bool(call.arg(7 if backward else 4, "is_causal", False))
     scale = ctx.kwargs.get("scale")
     group = ctx.groups[axis] if ctx.groups else f"<axis {axis}>"
@@ -276,21 +359,21 @@ def ring_graph(ctx: LocalContext, axis: int) -> LocalGraph:
         b = _Builder(graph, base, axis, p, me, group, k_layout)
         mask = kwargs.get("attn_mask")
         if backward:
-            return _backward(b, args, mask, q_offset, k_offsets, causal, scale)
-        return _forward(b, args, mask, q_offset, k_offsets, causal, scale)
+            return _backward(b, args, mask, q_chunks, k_chunks, causal, scale)
+        return _forward(b, args, mask, q_chunks, k_chunks, causal, scale)
 
     return LocalGraph(build)
 
 
 def _forward(
-    b: _Builder, args: tuple[Any, ...], mask: Any, q_offset: int, k_offsets: list[int], causal: bool, scale: Any
+    b: _Builder, args: tuple[Any, ...], mask: Any, q_chunks: Chunks, k_chunks: list[Chunks], causal: bool, scale: Any
 ) -> fx.Node:
     q, k, v = args[:3]
     kv = b.node(aten.stack.default, [k, v])
     acc = None
     for s in range(b.p):
         incoming = b.shift(kv, 2) if s + 1 < b.p else None  # issued first: it overlaps the block
-        part = b.node(block_forward, q, kv, mask, q_offset, k_offsets[s], causal, scale)
+        part = b.node(block_forward, q, kv, mask, q_chunks, k_chunks[s], causal, scale)
         acc = part if acc is None else b.node(merge_blocks, acc, part)
         if incoming is not None:
             kv = incoming
@@ -298,7 +381,7 @@ def _forward(
 
 
 def _backward(
-    b: _Builder, args: tuple[Any, ...], mask: Any, q_offset: int, k_offsets: list[int], causal: bool, scale: Any
+    b: _Builder, args: tuple[Any, ...], mask: Any, q_chunks: Chunks, k_chunks: list[Chunks], causal: bool, scale: Any
 ) -> fx.Node:
     """Step s holds block me-s and, from the previous rank, the gradient accumulated so far for it
     (arriving in the same exchange as the next block); the rank adds its share and passes it on."""
@@ -310,7 +393,7 @@ def _backward(
         payload = [x for x in (kv if s + 1 < b.p else None, carried) if x is not None]
         sent = b.node(aten.cat.default, payload) if len(payload) > 1 else payload[0]
         incoming = b.shift(sent, 2 * len(payload))
-        part = b.node(block_backward, grad_out, q, kv, out, lse, mask, q_offset, k_offsets[s], causal, scale)
+        part = b.node(block_backward, grad_out, q, kv, out, lse, mask, q_chunks, k_chunks[s], causal, scale)
         dq = b.get(part, 0)
         grad_q = dq if grad_q is None else b.node(aten.add.Tensor, grad_q, dq)
         mine = b.get(part, 1)
