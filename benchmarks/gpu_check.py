@@ -225,6 +225,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--hardware", default=None, help="the table the prediction uses")
+    parser.add_argument(
+        "--modeled", nargs="*", default=None, metavar="TABLE",
+        help="further tables to predict the step with (default on a GPU: h100-calibrated when --hardware is not given)",
+    )  # fmt: skip
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu_check.json"))
     args = parser.parse_args(argv)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device(args.device)
@@ -250,7 +254,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["attention_pair_max_error"] = attention_pair_errors(device)
     print("attention pair", json.dumps(report["attention_pair_max_error"]), flush=True)
     report["modeled"] = []
-    for name in [hardware, *(["h100-calibrated"] if device.type == "cuda" and args.hardware is None else [])]:
+    further = args.modeled
+    if further is None:
+        further = ["h100-calibrated"] if device.type == "cuda" and args.hardware is None else []
+    for name in [hardware, *further]:
         try:
             report["modeled"].append(modeled(cfg, args.batch, name, dtype))
         except Exception as exc:  # a measurement: keep going and say what failed

@@ -80,8 +80,9 @@ def test_fractions_outside_zero_to_one_are_refused() -> None:
         hardware_from_dict(table)
 
 
-def test_the_checked_in_calibrated_h100_table_is_slower_than_the_spec_sheet() -> None:
-    spec, measured = load_hardware("h100-nvlink-ib"), load_hardware("h100-calibrated")
+@pytest.mark.parametrize("spec_name, measured_name", [("h100-nvlink-ib", "h100-calibrated"), ("h200-nvlink-ib", "h200-calibrated")])
+def test_the_checked_in_calibrated_tables_are_slower_than_the_spec_sheet(spec_name: str, measured_name: str) -> None:
+    spec, measured = load_hardware(spec_name), load_hardware(measured_name)
     assert measured.kernels is not None and measured.peak_flops == spec.peak_flops
     for flops in (1e9, 1e11, 1e13):
         assert compute_time(flops, 0.0, torch.bfloat16, measured) > compute_time(flops, 0.0, torch.bfloat16, spec)

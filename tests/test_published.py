@@ -112,7 +112,7 @@ def test_span_link_by_group_span() -> None:
     assert span_link(a100, 64, 1).bandwidth == min(a100.intra_node.bandwidth, 8 * a100.inter_node.bandwidth)
 
 
-@pytest.mark.parametrize("name", ["a100-calibrated", "h100-calibrated", "h100-500w-calibrated"])
+@pytest.mark.parametrize("name", ["a100-calibrated", "h100-calibrated", "h100-500w-calibrated", "h200-calibrated"])
 def test_calibrated_tables_say_where_each_number_comes_from(name: str) -> None:
     data = json.loads((TABLES_DIR / f"{name}.json").read_text())
     needed = {"peak_flops", "memory_bandwidth", "memory_capacity", "intra_node.bandwidth", "intra_node.alpha",
