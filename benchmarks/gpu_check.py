@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -89,6 +91,43 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class PhaseMarks:
+    """Time marks between a step's phases: CUDA events on a GPU (read after the step's sync),
+    wall-clock otherwise."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def milliseconds(self) -> list[float]:
+        pairs = zip(self.marks, self.marks[1:])
+        if self.cuda:
+            return [float(a.elapsed_time(b)) for a, b in pairs]
+        return [1e3 * (b - a) for a, b in pairs]
+
+
+def profile_step(step: Callable[[], Any], device: torch.device, path: Path) -> None:
+    """One more step under torch.profiler: the top ops by self device time (CPU time off a GPU)
+    and how many kernels and ops one step launches, written to `path`."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+    events = prof.key_averages()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    kernels = sum(e.count for e in events if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type))
+    ops = sum(e.count for e in events if str(getattr(e, "device_type", "")).endswith("CPU") and e.key.startswith("aten::"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"device kernels: {kernels}, aten ops: {ops}\n" + events.table(sort_by=sort, row_limit=30) + "\n")
+
+
 def measure_variant(
     name: str,
     cfg: LlamaConfig,
@@ -118,22 +157,32 @@ def measure_variant(
     wrap_s = time.perf_counter() - wrap_start
     opt = torch.optim.AdamW(params, lr=1e-4)
 
-    def step() -> float:
+    def step() -> tuple[float, torch.Tensor, list[float]]:
+        """One step; its wall seconds, loss, and forward / backward / optimizer milliseconds
+        (CUDA events on a GPU, so the phases are the device's time, not the launch's)."""
+        marks = PhaseMarks(device)
         start = time.perf_counter()
+        marks.mark()
         loss = run(*inputs)
+        marks.mark()
         loss.backward()
+        marks.mark()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        marks.mark()
         sync(device)
-        return time.perf_counter() - start, loss
+        return time.perf_counter() - start, loss, marks.milliseconds()
 
-    first_s, _ = step()
+    first_s, _, _ = step()
     for _ in range(args.warmup - 1):
         step()
-    times, loss = [], None
+    times, loss, phases = [], None, []
     for _ in range(args.steps):
-        seconds, loss = step()
+        seconds, loss, split = step()
         times.append(seconds)
+        phases.append(split)
+    if args.profile:
+        profile_step(step, device, Path(args.out).with_name(f"{Path(args.out).stem}_profile_{name.replace(' ', '_').replace('=', '')}.txt"))
     step_s = statistics.median(times)
     tokens = inputs[0].numel()
     out = {
@@ -145,6 +194,10 @@ def measure_variant(
         "tokens_per_s": tokens / step_s,
         "model_tflops_per_s": model_flops_per_token(cfg) * tokens / step_s / 1e12,
         "loss": float(loss.detach().float()) if loss is not None else None,
+        "phase_ms": {
+            phase: statistics.median(split[i] for split in phases)
+            for i, phase in enumerate(("forward", "backward", "optimizer"))
+        },
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
     if name.startswith("autopar"):
@@ -183,18 +236,15 @@ def attention_pair_errors(device: torch.device) -> dict[str, float]:
         on = [t.to(device, dtype) for t in (q, k, v)]
         out, lse = device_attention.attention_forward(*on, 0.0, True)
         grads = device_attention.attention_backward(grad.to(device, dtype), *on, out, lse, 0.0, True)
-        path = (
-            "cpu kernel"
-            if device.type == "cpu"
-            else "flash"
-            if device_attention.flash_fits(*on, 0.0, True, None)
-            else "math"
-        )
+        path = "cpu kernel" if device.type == "cpu" else device_attention.fused_kernel(*on, 0.0, True, None, None)
         name = f"{str(dtype).removeprefix('torch.')} ({path})"
         errors[name] = max(
             (got.double().cpu() - want).abs().max().item()
             for got, want in zip((out, *grads), (expected, *(leaf.grad for leaf in leaves)))
         )
+        scores = (leaves[0] @ leaves[1].transpose(-2, -1) / math.sqrt(q.shape[-1])).detach()
+        scores = scores.masked_fill(torch.ones(128, 128, dtype=torch.bool).triu(1), float("-inf"))
+        errors[f"{name} logsumexp"] = (lse.double().cpu() - scores.logsumexp(-1)).abs().max().item()
     return errors
 
 
@@ -225,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--hardware", default=None, help="the table the prediction uses")
+    parser.add_argument("--profile", action="store_true", help="profile one more step per variant (top ops, beside --out)")
     parser.add_argument(
         "--modeled", nargs="*", default=None, metavar="TABLE",
         help="further tables to predict the step with (default on a GPU: h100-calibrated when --hardware is not given)",
@@ -298,6 +349,12 @@ def render(report: dict[str, Any]) -> str:
             lines.append(
                 f"| step model ({m['hardware']}) | {m['step_ms']:.1f} | | | {m['memory_gib']:.1f} | | plan {m['plan_s']:.1f} | |"
             )
+    timed = [r for r in report["rows"] if "phase_ms" in r]
+    if timed:
+        lines += ["", "| variant | forward ms | backward ms | optimizer ms |", "|---|---|---|---|"]
+        for r in timed:
+            ph = r["phase_ms"]
+            lines.append(f"| {r['variant']} | {ph['forward']:.1f} | {ph['backward']:.1f} | {ph['optimizer']:.1f} |")
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ benchmarks/gpu_check.py where a GPU is lent."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -91,3 +92,25 @@ def test_programs_for_a_cuda_mesh_call_the_device_pair_not_the_cpu_kernels() -> 
         assert forward in forward_targets and backward in backward_targets, device_type
         if device_type == "cuda":
             assert not set(da.ON_DEVICE) & (forward_targets | backward_targets)
+
+
+def test_the_cudnn_pair_keeps_the_cpu_pairs_contract(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch would run cuDNN's attention (Hopper GPUs), the pair returns the CPU pair's
+    (B, H, L) logsumexp, hands cuDNN back its (B, H, L, 1) one, and gives each input's gradient
+    its input's shape (checked on meta tensors, whose shapes are cuDNN's; the values were held
+    against float64 autograd on an H200 by benchmarks/gpu_check.py)."""
+    seen: list[tuple[int, ...]] = []
+    backward = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+
+    def recording_backward(*args: object, **kwargs: object) -> object:
+        seen.append(tuple(args[5].shape))  # type: ignore[attr-defined]
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(da, "fused_kernel", lambda *args: "cudnn")
+    monkeypatch.setattr(da.aten._scaled_dot_product_cudnn_attention_backward, "default", recording_backward)
+    q, k, v = (torch.empty(2, 4, 64, 32, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = da.attention_forward(q, k, v, 0.0, True)
+    assert out.shape == q.shape and lse.shape == (2, 4, 64) and lse.dtype == torch.float32
+    grads = da.attention_backward(torch.empty_like(out), q, k, v, out, lse, 0.0, True)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert seen == [(2, 4, 64, 1)]

@@ -8,9 +8,13 @@ logsumexp `(B, H, L)` in the accumulation dtype; backward takes them back) on ev
 layouts, saved tensors and collectives planned around the CPU pair stay valid unchanged:
 
 - on the CPU they are the CPU kernels themselves;
-- on CUDA, where flash attention fits (half precision, no mask, no dropout, equal head dims that
-  are a multiple of 8 up to 256, a square causal mask), they are the CUDA flash kernels, whose
-  logsumexp has the same shape and dtype;
+- on CUDA, where a fused kernel fits (half precision, no mask, no dropout, equal head dims that
+  are a multiple of 8 up to 256, a square causal mask), they are the fused kernels torch's own
+  `scaled_dot_product_attention` would pick for the same arguments (`fused_kernel`): cuDNN's where
+  torch prefers it (Hopper), whose logsumexp carries a trailing dim of 1 that is dropped here and
+  put back for its backward, else the flash kernels, whose logsumexp has the CPU pair's shape and
+  dtype. On one H200, cuDNN's pair ran a 0.85 B LLaMA step's attention in 9.6 ms where flash's
+  took 16.5 (docs/benchmarks.md);
 - elsewhere they compute attention from its definition (scores, logsumexp, softmax) and its
   backward from the saved logsumexp: exact, with the memory of the scores.
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.nn.attention import SDPBackend
 
 aten = torch.ops.aten
 CPU_FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -53,6 +58,28 @@ def flash_fits(
     )
 
 
+def fused_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+) -> str:
+    """The kernel pair attention runs on a CUDA device: "cudnn" or "flash" where torch's own
+    SDPA would pick that fused kernel for these arguments (under the user's `sdpa_kernel`
+    settings too), "flash" where flash fits but torch would take another path, else "math".
+    Forward and backward ask with the same tensors, so they always agree; under `compile=True`
+    (where both graphs are compiled) both take flash."""
+    if not flash_fits(q, k, v, dropout_p, is_causal, attn_mask):
+        return "math"
+    if torch.compiler.is_compiling():  # dynamo cannot trace torch's choice (an int): flash compiles
+        return "flash"
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)
+    return "cudnn" if choice == SDPBackend.CUDNN_ATTENTION.value else "flash"
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -74,7 +101,13 @@ def attention_forward(
         is_causal = False
     if q.device.type == "cpu":
         return CPU_FORWARD(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-    if flash_fits(q, k, v, dropout_p, is_causal, attn_mask):
+    kernel = fused_kernel(q, k, v, dropout_p, is_causal, attn_mask, scale)
+    if kernel == "cudnn":
+        results = aten._scaled_dot_product_cudnn_attention.default(
+            q, k, v, None, True, 0.0, is_causal, False, scale=scale
+        )
+        return results[0], results[1].squeeze(-1)  # (B, H, L, 1) -> the pair's (B, H, L)
+    if kernel == "flash":
         results = aten._scaled_dot_product_flash_attention.default(
             q, k, v, 0.0, is_causal, False, scale=scale
         )
@@ -115,7 +148,20 @@ def attention_backward(
         return CPU_BACKWARD(
             grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
         )
-    if flash_fits(q, k, v, dropout_p, is_causal, attn_mask):
+    kernel = fused_kernel(q, k, v, dropout_p, is_causal, attn_mask, scale)
+    if kernel == "cudnn":
+        # cuDNN reads the output's gradient in the output's layout; without dropout it never
+        # reads the random state, and dense attention has no bias or sequence offsets.
+        if grad_out.stride() != out.stride():
+            grad_out = torch.empty_like(out).copy_(grad_out)
+        seed = torch.empty((), dtype=torch.long, device=q.device)
+        offset = torch.empty((), dtype=torch.long, device=q.device)
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward.default(
+            grad_out, q, k, v, out, logsumexp.unsqueeze(-1), seed, offset, None, None, None,
+            q.shape[2], k.shape[2], 0.0, is_causal, scale=scale,
+        )  # fmt: skip
+        return dq, dk, dv
+    if kernel == "flash":
         # Dense attention has no cumulative sequence lengths, and without dropout the kernel never
         # reads the random state: empty placeholders of the types the forward would have returned.
         seed = torch.empty(2, dtype=torch.uint64, device=q.device)
