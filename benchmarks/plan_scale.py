@@ -199,8 +199,8 @@ def measure_cuts(name: str, ranks: int, layers: int, microbatches: int) -> dict[
         for pp in depths
     }
     spent = time.process_time() - cpu
-    priced = sum(1 for found in cuts.values() for _, _, c in found if not isinstance(c, Exception))
-    best = min((c.step_time for found in cuts.values() for _, _, c in found
+    priced = sum(1 for found in cuts.values() for *_, c in found if not isinstance(c, Exception))
+    best = min((c.step_time for found in cuts.values() for *_, c in found
                 if not isinstance(c, Exception) and c.fits), default=math.inf)  # fmt: skip
     return {"model": name, "ranks": ranks, "layers": layers, "microbatches": microbatches, "trace_cpu_s": traced,
             "cuts_cpu_s": spent, "depths": len(depths), "cuts": len(depths) * len(next(iter(cuts.values()))),

@@ -23,6 +23,7 @@ from autopar.cost.hardware import load_hardware
 from autopar.cost.work import compute_rate, global_work
 from autopar.passes.trace import trace
 from autopar.planning.stage_cut import (
+    Schedules,
     StageCut,
     StageCutError,
     StageMemoryError,
@@ -342,6 +343,28 @@ def test_forced_cut_is_kept_and_checked() -> None:
     assert isinstance(e.value, AutoparError) and isinstance(e.value, ValueError)
     with pytest.raises(StageCutError, match="only 11 units"):
         cut_graph(g, pp=12, microbatches=12)
+
+
+def test_shared_schedules_give_the_same_cuts_and_too_deep_builds_none() -> None:
+    """A pipeline choice cuts every depth under every recomputation mode with one `Schedules`:
+    each schedule is built once, the cuts are those of fresh schedules, and a depth with more
+    stages than units is refused before its schedule is built (ZB-V's took seconds at 1536 ranks)."""
+    g = analysed(5)
+    shared = Schedules()
+    for name, v in (("1f1b", 1), ("zero-bubble", 2), ("interleaved-1f1b", 2)):
+        for mode in ("none", "selective", "full"):
+            fresh = cut_graph(g, pp=2, microbatches=4, v=v, schedule=name, recompute=mode)
+            again = cut_graph(g, pp=2, microbatches=4, v=v, schedule=name, recompute=mode, schedules=shared)
+            assert str(again) == str(fresh) and again.step_time == fresh.step_time
+            assert again.rank_memory == fresh.rank_memory
+    assert len(shared._built) == 3
+    too_deep = Schedules()
+    with pytest.raises(StageCutError, match="only 9 units"):
+        cut_graph(g, pp=5, microbatches=8, v=2, schedule="zero-bubble", schedules=too_deep)
+    assert not too_deep._built
+    # argument errors come first, as before
+    with pytest.raises(AutoparError, match="unknown pipeline schedule"):
+        cut_graph(g, pp=50, microbatches=8, schedule="nope", schedules=too_deep)
 
 
 # ------------------------------------------------------------------------------ memory limit

@@ -61,7 +61,7 @@ from autopar.passes.trace import trace
 from autopar.planning.memory import MEMORY_HEADROOM, StateRatios, set_state_ratios
 from autopar.planning.mesh_choice import SEARCHED_CANDIDATES, MeshCandidate, MeshChoice
 from autopar.planning.search_steps import StepCache
-from autopar.planning.stage_cut import cut_graph
+from autopar.planning.stage_cut import Schedules, cut_graph
 from autopar.planning.stage_result import StageCut, format_seconds
 from autopar.planning.stage_units import StageGraph, stage_graph
 from autopar.planning.step_accounting import (
@@ -386,6 +386,7 @@ class _StageGraphs:
     def __init__(self, gm: fx.GraphModule, hardware: Hardware) -> None:
         self.gm, self.hardware = gm, hardware
         self.by_size: dict[int, StageGraph] = {}
+        self.schedules = Schedules()  # each (schedule, depth) built once for every mode and cut
 
     def of(self, t: int) -> StageGraph:
         found = self.by_size.get(t)
@@ -417,7 +418,7 @@ def _cuts(
             try:
                 cut = cut_graph(
                     graphs.of(t), pp=pp, microbatches=microbatches, v=v, schedule=name, memory_limit=limit, weight_state=weight_state, state_shards=shards,
-                    grad_reduce=grad, recompute=mode,
+                    grad_reduce=grad, recompute=mode, schedules=graphs.schedules,
                 )  # fmt: skip
             except AutoparError as exc:
                 out.append((name, v, mode, exc))

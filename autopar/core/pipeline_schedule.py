@@ -374,6 +374,13 @@ SCHEDULES: Mapping[str, Callable[[int, int, int], Schedule]] = MappingProxyType(
 def schedule_by_name(name: str, pp: int, v: int, microbatches: int) -> Schedule:
     """The schedule `parallelize(schedule=...)` names. "zero-bubble" is ZB-H1 with v=1 and ZB-V
     with v=2; gpipe, 1f1b and zero-bubble with v=1 hold one stage per rank."""
+    check_schedule(name, pp, v, microbatches)
+    return SCHEDULES[name](pp, v, microbatches)
+
+
+def check_schedule(name: str, pp: int, v: int, microbatches: int) -> None:
+    """Raise what `schedule_by_name` raises for these arguments, without building the schedule
+    (at a thousand ranks ZB-V's action lists take seconds to build)."""
     if name not in SCHEDULES:
         raise ScheduleArgumentError(
             f"unknown pipeline schedule {name!r}", hint=f"one of {', '.join(SCHEDULES)}"
@@ -384,4 +391,4 @@ def schedule_by_name(name: str, pp: int, v: int, microbatches: int) -> Schedule:
             f"schedule {name!r} holds {' or '.join(map(str, allowed))} stage(s) per rank, got v={v}",
             hint='use "interleaved-1f1b" for more stages per rank',
         )
-    return SCHEDULES[name](pp, v, microbatches)
+    _check_counts(pp, v, microbatches)

@@ -30,7 +30,7 @@ from typing import Any
 import torch.fx as fx
 
 from autopar.core.errors import AutoparError, MemoryLimitError
-from autopar.core.pipeline_schedule import Schedule, schedule_by_name
+from autopar.core.pipeline_schedule import Schedule, check_schedule, schedule_by_name
 from autopar.core.pipeline_simulate import Durations, simulate
 from autopar.cost.formulas import collective_time, format_bytes
 from autopar.cost.hardware import Hardware, axis_links
@@ -108,6 +108,7 @@ def cut_graph(
     state_shards: float | None = None,
     grad_reduce: float | None = None,
     recompute: bool | str = False,
+    schedules: Schedules | None = None,
 ) -> StageCut:
     """`cut_stages` on an analysed graph (`stage_units.stage_graph`), to try several pipeline
     shapes without tracing again.
@@ -120,9 +121,10 @@ def cut_graph(
     replaces that price: seconds to reduce the whole model's gradients once on one rank of a stage
     sub-mesh (each pp rank pays its stages' share of it by gradient bytes), e.g. the sub-mesh
     plan's gradient collectives; `recompute`: "full" or "selective" recomputation of every block
-    (`step_accounting.RECOMPUTE_MODES`; True is "full", False "none")."""
-    plan = schedule_by_name(schedule, pp, v, microbatches)
-    num = plan.num_stages
+    (`step_accounting.RECOMPUTE_MODES`; True is "full", False "none"). `schedules`: built schedules
+    to share between cuts of the same shape (a pipeline choice's modes and depths)."""
+    check_schedule(schedule, pp, v, microbatches)
+    num = pp * v
     hw = graph.hardware
     limit = hw.memory_capacity * MEMORY_HEADROOM if memory_limit is None else float(memory_limit)
     if data_parallel < 1 or graph.tensor_size % data_parallel:
@@ -130,17 +132,19 @@ def cut_graph(
             f"data_parallel={data_parallel} does not divide the {graph.tensor_size} ranks of a stage",
             hint="data_parallel must divide tensor_size (a stage's ranks: tensor x data)",
         )
+    if stage_boundaries is None and num > len(graph.candidates()) + 1:
+        # before the schedule is built: at a thousand ranks ZB-V's takes seconds, for nothing
+        raise StageCutError(
+            f"{num} stages asked, but the model has only {len(graph.candidates()) + 1} units that can "
+            f"start one: {compact(graph.names)}",
+            hint="use fewer pipeline stages (pp * v)",
+        )
+    plan, flight = (schedules or Schedules()).get(schedule, pp, v, microbatches)
     shards = graph.tensor_size / data_parallel if state_shards is None else float(state_shards)
-    model = _StageModel(graph, plan, microbatches, weight_state, shards, recompute)
+    model = _StageModel(graph, plan, microbatches, weight_state, shards, recompute, flight)
     if stage_boundaries is not None:
         cuts = forced_cut(graph, stage_boundaries, num)
     else:
-        if num > len(graph.candidates()) + 1:
-            raise StageCutError(
-                f"{num} stages asked, but the model has only {len(graph.candidates()) + 1} units that can "
-                f"start one: {compact(graph.names)}",
-                hint="use fewer pipeline stages (pp * v)",
-            )
         share = limit / v  # each of a rank's v stages gets an equal share (exact for v = 1)
         found = balance(
             [u.time for u in model.units],
@@ -259,6 +263,24 @@ def _segment_memo(graph: StageGraph, *accounting: Any) -> Segments:
     return found[1]
 
 
+class Schedules:
+    """Schedules built once per (name, pp, v, microbatches), with their in-flight counts
+    (`stage_balance.in_flight`). A pipeline choice cuts each depth under every recomputation mode,
+    and again once its sub-mesh is chosen: at 1536 ranks building ZB-V and interleaved 1F1B
+    again for each was most of the cuts' time. Held by the caller, one per choice."""
+
+    def __init__(self) -> None:
+        self._built: dict[tuple[str, int, int, int], tuple[Schedule, tuple[int, ...]]] = {}
+
+    def get(self, name: str, pp: int, v: int, microbatches: int) -> tuple[Schedule, tuple[int, ...]]:
+        key = (name, pp, v, microbatches)
+        found = self._built.get(key)
+        if found is None:
+            plan = schedule_by_name(name, pp, v, microbatches)
+            found = self._built[key] = (plan, in_flight(plan))
+        return found
+
+
 class _StageModel:
     """Prices a run of units as one stage of a schedule."""
 
@@ -270,6 +292,7 @@ class _StageModel:
         weight_state: WeightState = PLAIN,
         shards: float | None = None,
         recompute: bool | str = False,
+        flight: tuple[int, ...] | None = None,
     ) -> None:
         self.graph = graph
         self.schedule = schedule
@@ -278,7 +301,7 @@ class _StageModel:
         self.weight_state = weight_state
         self.shards = float(self.t if shards is None else shards)
         self.recompute = recompute_mode(recompute)
-        self.flight = in_flight(schedule)
+        self.flight = in_flight(schedule) if flight is None else flight
         # a recomputed block runs its forward (selective: its element-wise ops) again before its
         # backward, on the input-gradient path
         self.again = tuple(self.recompute != "none" and is_recomputed(u.name) for u in graph.units)
