@@ -80,13 +80,18 @@ def forced_strategies() -> None:
     print(f"mesh {shape} (dp, cp), sequence {seq}, batch {batch}, heads {heads} ({kv_heads})\n")
     print("| context_parallel | first attention's inputs, searched | objective (ms) | activations per rank (MiB) |")
     print("| --- | --- | --- | --- |")
+    results = []
     for strategy in CP_STRATEGIES:
         registry = require_context_parallel(default_registry(), 1, strategy)
         plan = search_layouts(gm, mesh, registry, cost=TimeCost("h100-nvlink-ib", shape), memory_limit=float("inf"))
         first = next(n for n in gm.graph.nodes if n.target is FORWARD)
         inputs = str(plan.strategies[first.name]).split(" ->")[0]
         activations = plan.memory.activations / 2**20 if plan.memory is not None else float("nan")
-        print(f"| {strategy} | `{inputs}` | {gm.meta['autopar_search'].final_cost * 1e3:.3f} | {activations:.1f} |")
+        objective = gm.meta["autopar_search"].final_cost
+        print(f"| {strategy} | `{inputs}` | {objective * 1e3:.3f} | {activations:.1f} |", flush=True)
+        results.append({"strategy": strategy, "attention_inputs": inputs, "objective_s": objective,
+                        "activations_mib": activations})  # fmt: skip
+    write_result("context_parallel_cp", {"case": CP_CASE, "rows": results})
 
 
 MEMORY_CASE = ((2, 4), 1024, 2, 2, 2)  # mesh, sequence, batch, query heads, k/v heads: neither fills 4 ranks

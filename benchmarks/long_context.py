@@ -31,6 +31,7 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -96,19 +97,31 @@ def _priced(result: autopar.PlanResult) -> dict[str, Any]:
             "attention_inputs": _attention(result)}  # fmt: skip
 
 
-def _restricted(model: torch.nn.Module, batch: tuple, meshes: list[tuple[int, ...]]) -> autopar.PlanResult:
+def _restricted(
+    model: torch.nn.Module,
+    batch: tuple,
+    meshes: list[tuple[int, ...]],
+    tried: list[dict[str, Any]],
+    saved: Callable[[], None],
+) -> autopar.PlanResult:
     """`auto` over the listed meshes only (axes unnamed: the search gives each its role, context
     parallelism included): the fastest plan that fits, where `mesh_shape="auto"` over every
-    factorization takes too long to plan on the shared machine."""
+    factorization takes too long to plan on the shared machine. Each mesh's outcome is appended to
+    `tried`, and `saved()` called, as it is known."""
     best: autopar.PlanResult | None = None
     for shape in meshes:
+        start = time.process_time()
         try:
             result = autopar.plan(model, shape, batch, memory_limit=MEMORY_LIMIT,
                                   planning=autopar.PlanOptions(hardware=TABLE))  # fmt: skip
         except autopar.AutoparError as error:
             print(shape, "refused:", str(error).splitlines()[0][:200], flush=True)
+            tried.append({"mesh": list(shape), "error": str(error).splitlines()[0][:300]})
+            saved()
             continue
         print(shape, result.step_time, result.memory.total / 1e9, flush=True)
+        tried.append({**_priced(result), "cpu_s": time.process_time() - start})
+        saved()
         if best is None or result.step_time < best.step_time:
             best = result
     if best is None:
@@ -116,7 +129,11 @@ def _restricted(model: torch.nn.Module, batch: tuple, meshes: list[tuple[int, ..
     return best
 
 
-def run_row(row: Row, meshes: list[tuple[int, ...]] | None = None) -> dict[str, Any]:
+def run_row(
+    row: Row, meshes: list[tuple[int, ...]] | None = None, save: Callable[[dict[str, Any]], None] = lambda out: None
+) -> dict[str, Any]:
+    """Both sides of `row`; `save(out)` after each side and each mesh tried, so that a run stopped
+    part way (the machine's memory, its time) keeps what it priced."""
     model = build(row)
     ids = torch.zeros(row.dp, row.seq, dtype=torch.long, device="meta")
     batch = (ids, ids)
@@ -125,8 +142,9 @@ def run_row(row: Row, meshes: list[tuple[int, ...]] | None = None) -> dict[str, 
         start = time.process_time()
         try:
             if side == "auto" and meshes:
-                result = _restricted(model, batch, meshes)
                 out["auto_meshes"] = [list(m) for m in meshes]
+                out["auto_tried"] = []
+                result = _restricted(model, batch, meshes, out["auto_tried"], lambda: save(out))
             elif side == "auto":
                 result = autopar.plan(model, "auto", batch, world_size=row.gpus, memory_limit=MEMORY_LIMIT,
                                       planning=autopar.PlanOptions(hardware=TABLE))  # fmt: skip
@@ -140,6 +158,7 @@ def run_row(row: Row, meshes: list[tuple[int, ...]] | None = None) -> dict[str, 
             out[side] = {"error": str(error).splitlines()[0][:300]}
         out[side]["cpu_s"] = time.process_time() - start
         print(row.key, side, out[side], flush=True)
+        save(out)
     return out
 
 
@@ -173,7 +192,13 @@ def main() -> None:
     args = parser.parse_args()
     chosen = [r for r in ROWS if args.rows is None or r.key in args.rows]
     meshes = [tuple(int(n) for n in m.split("x")) for m in args.meshes] if args.meshes else None
-    results = [run_row(r, meshes) for r in chosen]
+    results: list[dict[str, Any]] = []
+
+    def save(partial: dict[str, Any]) -> None:
+        write_result(args.name, {"rows": [*results, partial], "memory_limit": MEMORY_LIMIT, "table": TABLE})
+
+    for r in chosen:
+        results.append(run_row(r, meshes, save))
     print(report(results))
     write_result(args.name, {"rows": results, "memory_limit": MEMORY_LIMIT, "table": TABLE})
 

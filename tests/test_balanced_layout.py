@@ -25,6 +25,8 @@ from autopar.core.layout import (
 )
 from autopar.core.meta import info
 from autopar.core.redistribute import plan_redistribute, redistribute_cost
+from autopar.planning.search_cost import TimeCost
+from autopar.planning.storage import gather_from_storage, replicated_storage, storage_layout
 from autopar.runtime.program import local_value
 from autopar.testing import assemble, shard_tensor, simulate_steps
 from autopar.testing.strategies import layout_pairs
@@ -121,3 +123,18 @@ def test_nested_inside_the_batch_split_each_block_is_balanced() -> None:
         if P not in other:  # a pending sum is a source only
             _check_redistribution(tokens, Layout(other, (32, 3), torch.float64), (2, 4))  # type: ignore[arg-type]
         _check_redistribution(Layout(other, (32, 3), torch.float64), tokens, (2, 4))  # type: ignore[arg-type]
+
+
+def test_a_weight_is_stored_contiguous_and_reading_it_balanced_is_priced() -> None:
+    """A stored weight is the user's parameter, a DTensor, so both storage modes keep a balanced
+    compute layout's split in the contiguous order, and reading it back in the balanced order costs
+    the gather and cut, in elements (the greedy pass) and in time (the search), where reading the
+    contiguous split costs nothing."""
+    mesh = (2, 4)
+    balanced, contiguous = (Layout((Shard(0), BalancedShard(1)), (64, 32)), Layout((Shard(0), Shard(1)), (64, 32)))
+    for stored in (storage_layout(balanced, mesh), replicated_storage(balanced)):
+        assert stored == contiguous and not is_balanced_sequence(stored)
+    assert gather_from_storage(contiguous, mesh) == 0
+    assert gather_from_storage(balanced, mesh) == redistribute_cost(contiguous, balanced, mesh) > 0
+    cost = TimeCost("h100-nvlink-ib", mesh)
+    assert cost.gather_from_storage(contiguous) == 0 < cost.gather_from_storage(balanced)

@@ -21,7 +21,7 @@ from train_fixtures import train_hf_in_lockstep
 
 import autopar
 from autopar.compiler.driver import trace_for
-from autopar.core.layout import BalancedShard, R, Shard, is_balanced
+from autopar.core.layout import BalancedShard, R, Shard, is_balanced, is_balanced_sequence
 from autopar.core.mesh import Mesh
 from autopar.core.meta import info
 from autopar.core.plan import Plan
@@ -31,6 +31,7 @@ from autopar.rules import balanced
 from autopar.rules.calls import tensor_inputs
 from autopar.rules.context_parallel import BACKWARD, EMBEDDING, FORWARD, require_context_parallel
 from autopar.rules.registry import default_registry
+from autopar.runtime.param_feed import plan_feed
 from examples.hf_models import VOCAB, tiny_causal_lm
 from examples.zoo import make_llama
 
@@ -52,7 +53,9 @@ class CausalBlock(nn.Module):
         self.head = nn.Linear(width, vocab)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
+        return self.attend(self.embed(ids), labels)
+
+    def attend(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = (
             y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
@@ -61,6 +64,19 @@ class CausalBlock(nn.Module):
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(attended.transpose(1, 2).reshape(b, t, c))
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+class PositionBlock(CausalBlock):
+    """The causal block with a learned position table (sequence, width) added to the token
+    embeddings: a weight whose rows follow the sequence, so the balanced plan adds it in the
+    balanced order."""
+
+    def __init__(self, seq: int, width: int = 16) -> None:
+        super().__init__(width=width)
+        self.pos = nn.Parameter(torch.randn(seq, width))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.attend(self.embed(ids) + self.pos, labels)
 
 
 def _assert_balanced_attention(graph: torch.fx.Graph, axis: int) -> None:
@@ -91,16 +107,23 @@ def _reorder_near(collective: torch.fx.Node, step: Callable[[torch.fx.Node], lis
     return False
 
 
-def _train_block(shape: tuple[int, ...], names: tuple[str, ...], strategy: str, seq: int) -> dict:
-    """The causal block trained for two SGD-with-momentum steps in lockstep against serial, the
-    last axis "cp" asking for `strategy`."""
+def _train_block(
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    strategy: str,
+    seq: int,
+    make: Callable[[int], nn.Module] = lambda seq: CausalBlock(),
+) -> dict:
+    """The causal block (or `make(seq)`, a variant of it) trained for two SGD-with-momentum steps in
+    lockstep against serial, the last axis "cp" asking for `strategy`."""
     torch.manual_seed(0)
+    model = make(seq)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(32, (BATCH, seq), generator=g), torch.randint(32, (BATCH, seq), generator=g))]
     batches.append(batches[0])
     registry = require_context_parallel(default_registry(), len(shape) - 1, strategy)
     return train_in_lockstep(
-        CausalBlock(), shape, batches, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        model, shape, batches, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
         names=names, registry=registry,
     )  # fmt: skip
 
@@ -127,6 +150,23 @@ def test_tokens_stay_balanced_through_the_flatten_with_one_sample_per_dp_rank() 
         and chosen.inputs[0].placements == (Shard(0), BalancedShard(0))
     ]
     assert nested, "no matmul over the tokens balanced inside the batch split"
+    assert result["loss_err"] < 1e-5 and result["grad_err"] < 1e-4 and result["param_err"] < 1e-5, result
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "ring_balanced"])
+def test_a_weight_along_the_sequence_is_stored_contiguous(strategy: str) -> None:
+    """The position table, added to balanced embeddings on (2, 4) ("dp", "cp"), is stored in the
+    contiguous order: stored tensors are the parameters the user gets, DTensors, which have no
+    balanced split, and the runtime's feed of them (`plan_feed`, what `parallelize` builds on every
+    rank) takes each one's DTensor placements. The plan used to store it `[S(1), Sb(0)]`, which
+    lockstep runs computed with but `parallelize` refused on real ranks. Two SGD-with-momentum steps
+    in lockstep equal serial (the table gathered from its contiguous storage into the balanced
+    order, its gradient put back)."""
+    result = _train_block((2, CP), ("dp", "cp"), strategy, 2 * SEQ, PositionBlock)
+    program = next(iter(result["compiled"].values())).program
+    stored = program.source_layouts()
+    assert not [(name, str(layout)) for name, layout in stored.items() if is_balanced_sequence(layout)]
+    plan_feed(program, program.constants, stored)  # raises on a balanced stored layout
     assert result["loss_err"] < 1e-5 and result["grad_err"] < 1e-4 and result["param_err"] < 1e-5, result
 
 

@@ -462,9 +462,19 @@ class Layout:
         return self.per_axis_str()
 
 
+def summed(layout: Layout) -> Layout:
+    """`layout` with its pending sums done, its splits kept (a load-balanced one in its order):
+    what a stored weight is gathered to for a reader that wants it with pending sums (a bias
+    added before a split contraction is read whole)."""
+    return Layout(
+        tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements), layout.shape, layout.dtype
+    )
+
+
 def settled(layout: Layout) -> Layout:
     """`layout` with its pending sums done and a load-balanced split in the natural order (what
-    a user output is handed over as: a DTensor, which knows only contiguous splits)."""
+    a user output is handed over as, and what a weight is stored in: a DTensor, which knows only
+    contiguous splits)."""
     if len(layout.shape) == 0:
         return Layout.replicated((), len(layout.placements), layout.dtype)
     return Layout(

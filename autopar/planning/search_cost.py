@@ -19,11 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from autopar.core.layout import Layout, Placement, itemsize
+from autopar.core.layout import Layout, Placement, itemsize, summed
 from autopar.cost.formulas import MeshCost, latency_steps, redistribute_time
 from autopar.cost.hardware import Link, Rate, load_hardware
 from autopar.planning.greedy import FLOP_WEIGHT, _redist
-from autopar.planning.search_problem import settled
 from autopar.planning.search_steps import StepCache, element_factor, even_steps, instantiate
 from autopar.planning.storage import gather_from_storage, storage_layout
 
@@ -159,7 +158,7 @@ class TimeCost(ElementCost):
         return redistribute_time(src, dst, self.shape, self._bulk_links)
 
     def gather_from_storage(self, want: Layout) -> float:
-        return self.redistribute(storage_layout(want, self.shape), settled(want))
+        return self.redistribute(storage_layout(want, self.shape), summed(want))
 
     def compute(self, work: float, split: int, rate: Rate = torch.float32) -> float:
         """`work` divided over `split` ranks at its rate (`cost.work.compute_rate`): bfloat16

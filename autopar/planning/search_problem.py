@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopar.core.layout import Layout, settled
+from autopar.core.layout import Layout, settled, summed
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info, signature
 from autopar.core.plan import Plan
@@ -321,14 +321,18 @@ class Problem:
                 )
             else:  # a gradient: reduced into the parameter's storage
                 part = sig.param_parts.get(sig.grad_of[i - nu])
-                reduce = (
-                    (lambda o: reduce_cost(o, self.shape)) if part is None else self._part_reduce(part.dim)
-                )
+                reduce = self._reduce if part is None else self._part_reduce(part.dim)
                 var.base += self._per_candidate(var, side, k, ("reduce", part and part.dim), reduce)
+
+    def _reduce(self, grad: Layout) -> float:
+        """Reducing a gradient into its weight's storage: its pending sums reduce-scattered, and a
+        load-balanced split put in the contiguous order the weight is stored in
+        (`storage.storage_layout`)."""
+        return reduce_cost(grad, self.shape) + self.cost.redistribute(summed(grad), settled(grad))
 
     def _part_gather(self, dim: int) -> Callable[[Layout], float]:
         """Gathering a part of a fused parameter from its storage (`storage.part_storage`)."""
-        return lambda want: self.cost.redistribute(part_storage(want, dim, self.shape), settled(want))
+        return lambda want: self.cost.redistribute(part_storage(want, dim, self.shape), summed(want))
 
     def _part_reduce(self, dim: int) -> Callable[[Layout], float]:
         """Reducing a part's gradient into its storage: the cut dim's axes move elsewhere."""

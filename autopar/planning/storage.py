@@ -22,10 +22,20 @@ from typing import TypeVar
 import torch
 import torch.fx as fx
 
-from autopar.core.layout import Layout, Partial, Placement, Replicate, RowDisjoint, Shard
+from autopar.core.layout import (
+    Layout,
+    Partial,
+    Placement,
+    Replicate,
+    RowDisjoint,
+    Shard,
+    is_balanced_sequence,
+    settled,
+    summed,
+)
 from autopar.core.meta import info, signature
 from autopar.core.plan import Plan
-from autopar.core.redistribute import FORBIDDEN_FACTOR
+from autopar.core.redistribute import FORBIDDEN_FACTOR, redistribute_cost
 from autopar.rules.calls import tensor_inputs
 
 PlanT = TypeVar("PlanT", bound=Plan)
@@ -42,12 +52,12 @@ def storage_layout(compute: Layout, mesh_shape: Sequence[int]) -> Layout:
     weight takes `torch.chunk` blocks on its largest unsplit dim (GPT-2's 50257-row embedding on
     an axis of 8: seven blocks of 6283 and one of 6276). Vectors and tensors too small for that stay
     replicated on the axis.
+
+    A load-balanced split (`BalancedShard`) is stored as the contiguous split of its dim: the
+    stored tensor is the user's parameter, a DTensor, which has only contiguous blocks. A reader
+    that wants the balanced order gathers the dim and cuts it (`gather_from_storage` prices it).
     """
-    layout = Layout(
-        tuple(Replicate() if isinstance(p, Partial) else p for p in compute.placements),
-        compute.shape,
-        compute.dtype,
-    )
+    layout = settled(compute)
     for a, p in enumerate(layout.placements):
         if not isinstance(p, Replicate) or mesh_shape[a] == 1:
             continue
@@ -81,8 +91,11 @@ def gather_from_storage(want: Layout, mesh_shape: Sequence[int]) -> float:
     """Elements a rank receives to build `want` from its ~1/p storage (all-gathers on R axes).
 
     A Partial axis (a bias added before a split contraction) costs nothing extra: the stored value
-    is zeroed on all but one rank of that axis.
+    is zeroed on all but one rank of that axis. A load-balanced split, stored contiguous, is the
+    redistribution's elements (the dim gathered on its axis and cut in the balanced order).
     """
+    if is_balanced_sequence(want):
+        return redistribute_cost(storage_layout(want, mesh_shape), summed(want), mesh_shape)
     replicated = math.prod(mesh_shape[a] for a, p in enumerate(want.placements) if not isinstance(p, Shard))
     return want.local_numel(mesh_shape) * (1 - 1 / replicated)
 
@@ -188,12 +201,9 @@ def unify_part_storage(gm: fx.GraphModule, plan: PlanT, mesh_shape: Sequence[int
 
 def replicated_storage(compute: Layout) -> Layout:
     """Where a weight computing as `compute` is stored under "replicated" storage: that layout
-    with its pending sums done (a bias added before a split contraction is stored whole)."""
-    return Layout(
-        tuple(Replicate() if isinstance(p, Partial) else p for p in compute.placements),
-        compute.shape,
-        compute.dtype,
-    )
+    with its pending sums done (a bias added before a split contraction is stored whole) and a
+    load-balanced split in the contiguous order (`storage_layout` says why)."""
+    return settled(compute)
 
 
 def replicated_part_storage(compute: Layout, dim: int) -> Layout:
