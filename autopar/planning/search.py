@@ -89,10 +89,6 @@ __all__ = [
 ]
 
 MAX_SWEEPS = 8
-# Role seeds the chain moves start from, cheapest first: the greedy pass is myopic, and the seed it
-# prices cheapest need not lead the moves furthest (GPT at h = 4096 on 4x8x16: from the cheapest,
-# 0.827e9; from the second, 0.801e9 elements plus flops)
-ROLE_STARTS = 2
 TIE = 1e-9  # relative cost difference below which two plans tie (the leaner wins)
 
 
@@ -244,14 +240,14 @@ def _starts(
     fixed: bool = True,
     storage: str = SHARDED,
 ) -> list[tuple[str, Plan, float]]:
-    """Where the chain moves start: the `ROLE_STARTS` cheapest greedy plans over role assignments, and (`fixed`)
+    """Where the chain moves start: the cheapest greedy plan over role assignments, and (`fixed`)
     the cheapest fixed scheme's plan on this mesh when it is cheaper still. Both are searched from,
     so the result is never worse than any seed, nor than the search from the role seeds alone (a
     cheaper start can end higher). Every seed's cost is in `report.seeds` (under "replicated"
     storage named "replicated:<seed>", each seed with its weights stored as they compute); if no
     role assignment and no scheme works, the most telling error of the role assignments is raised."""
     prefix = "" if storage == SHARDED else storage + ":"
-    roled: list[tuple[str, Plan, float]] = []
+    best: tuple[str, Plan, float] | None = None
     errors: list[tuple[tuple[str, ...], Exception]] = []
     for roles in role_assignments(mesh):
         try:
@@ -264,10 +260,9 @@ def _starts(
             continue
         plan = _stored(gm, plan, mesh, storage)
         value = report.seeds[prefix + "/".join(roles)] = plan_cost(gm, plan, mesh, cost, facts)
-        roled.append(("/".join(roles), plan, value))
-    # the cheapest ROLE_STARTS role seeds (stable: ties keep the assignments' order)
-    starts = sorted(roled, key=lambda start: start[2])[:ROLE_STARTS]
-    best = starts[0] if starts else None
+        if best is None or value < best[2]:
+            best = ("/".join(roles), plan, value)
+    starts = [best] if best is not None else []
     if fixed:
         cheapest: tuple[str, Plan, float] | None = None
         # the cheapest expert split over every axis, and the cheapest over one axis alone: both
