@@ -14,9 +14,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from multirank import run_ranks
+from multirank import assert_parameters_equal_serial, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.compiler.pipeline_split import PipelineSplitError, split_stages
@@ -127,12 +126,7 @@ def _bart(rank: int, world: int) -> None:
             optimizer.step()
             losses.append(loss.detach())
         torch.testing.assert_close(losses[0], losses[1], **TOL, msg=f"step {step}")
-    ref = dict(serial.named_parameters())
-    for name, p in pmodel.named_parameters():
-        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        value = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
-        torch.testing.assert_close(grad, ref[name].grad, **TOL, msg=f"grad {name}")
-        torch.testing.assert_close(value, ref[name].detach(), **TOL, msg=f"param {name}")
+    assert_parameters_equal_serial(pmodel, serial, TOL)
 
 
 @pytest.mark.multirank
