@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from multirank import run_scenarios
+from multirank import run_ranks, run_scenarios
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
