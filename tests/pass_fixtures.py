@@ -569,7 +569,7 @@ def lockstep_step(
 def train_in_lockstep(
     model: nn.Module,
     shape: tuple[int, ...],
-    batches: list[tuple[torch.Tensor, ...]],
+    batches: list[tuple[torch.Tensor, ...]] | list[dict[str, torch.Tensor]],
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     **options: Any,
 ) -> dict[str, Any]:
@@ -580,9 +580,15 @@ def train_in_lockstep(
     parameters hold), the serial copy one on its own. Returns `compiled`, every rank's (loss,
     serial loss) per step (`losses`), the worst loss difference, the worst gradient error relative
     to the tensor's largest entry (`grad_err`) and the worst parameter difference after the last
-    step (`param_err`)."""
+    step (`param_err`). A batch is the positional arguments, or a dict of keyword arguments (a
+    model output's `.loss` is the serial loss then). Each step draws from seed 0 on the ranks and
+    serially, so dropout takes the same masks; frozen parameters take no step."""
+
+    def call_args(batch: tuple[torch.Tensor, ...] | dict[str, torch.Tensor]) -> tuple[tuple, dict]:
+        return ((), batch) if isinstance(batch, dict) else (batch, {})
+
     serial = copy.deepcopy(model)
-    compiled = compile_every_rank(model, shape, batches[0], **options)
+    compiled = compile_every_rank(model, shape, *call_args(batches[0]), **options)
     first = next(iter(compiled.values())).program
     loss_layout = first.output_layouts[0]
     assert not loss_layout.partial_axes() and loss_layout.shape == (), loss_layout  # each rank's loss whole
@@ -590,8 +596,11 @@ def train_in_lockstep(
     opt, serial_opt = make_optimizer(list(params.values())), make_optimizer(list(serial_params.values()))
     result: dict[str, Any] = {"compiled": compiled, "losses": [], "loss_err": 0.0, "grad_err": 0.0}
     for batch in batches:
-        fwd, bwd = lockstep_step(compiled, model, shape, batch, {})
-        serial_loss = serial(*batch)
+        args, kwargs = call_args(batch)
+        fwd, bwd = lockstep_step(compiled, model, shape, args, kwargs)
+        torch.manual_seed(0)  # the ranks' seed (lockstep_step)
+        out = serial(*args, **kwargs)
+        serial_loss = out if isinstance(out, torch.Tensor) else out.loss
         serial_loss.backward()
         for c in compiled:
             result["losses"].append((float(fwd[c][0]), float(serial_loss)))
@@ -599,7 +608,7 @@ def train_in_lockstep(
         for i, (name, layout) in enumerate(zip(first.param_names, first.param_layouts)):
             part = first.param_parts.get(name)
             target = params.get(part.source if part is not None else name)
-            if target is None:  # a buffer or constant
+            if target is None or not target.requires_grad:  # a buffer, constant or frozen weight
                 continue
             grad = assemble({c: bwd[c][i] for c in compiled}, layout, shape, atol=1e-4, rtol=1e-4)
             if part is None:

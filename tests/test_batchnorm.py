@@ -1,6 +1,8 @@
 """A ResNet-style CNN with BatchNorm in training mode: batch statistics over the global batch (the
 ranks that split the batch add their sums), running statistics updated as the serial model's,
-visible in `state_dict()`, and used by `eval()`."""
+visible in `state_dict()`, and used by `eval()`. Every rank's program on (2,2,2), (8,) and (1,) in
+lockstep checks a step's numbers and running statistics; two gloo ranks that split the batch check
+the runtime around them over three steps (the buffers written back, `state_dict()`, `eval()`)."""
 
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ def test_one_step_with_running_stats_matches_serial(shape: tuple[int, ...]) -> N
 
 
 def _job(rank: int, world_size: int) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("x", "y", "z"))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
     torch.manual_seed(0)
     model = ResNet()
     serial = copy.deepcopy(model)
@@ -97,8 +99,8 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.multirank
-def test_trains_like_serial_on_eight_ranks_and_evaluates_with_running_stats() -> None:
-    for rank, r in enumerate(run_ranks(8, _job, timeout=600)):
+def test_trains_like_serial_on_two_ranks_and_evaluates_with_running_stats() -> None:
+    for rank, r in enumerate(run_ranks(2, _job, timeout=600)):
         for loss, want in r["losses"]:
             assert loss == pytest.approx(want, rel=1e-5, abs=1e-6), (rank, r["losses"])
         assert r["grad_err"] < 1e-4, (rank, r["grad_err"])

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from multirank import run_ranks
+from multirank import run_ranks, run_scenarios
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
@@ -115,16 +115,22 @@ def _assert_trained_like_serial(rank: int, r: dict[str, Any]) -> None:
     assert r["param_err"] < 1e-5, (rank, r["param_err"])
 
 
-def test_causal_llama_with_a_split_sequence_trains_like_serial() -> None:
-    for rank, r in enumerate(run_ranks(4, _job, timeout=600)):
+@pytest.fixture(scope="module")
+def on_four_ranks() -> dict[str, list[dict[str, Any]]]:
+    """Both jobs below, run in one forked job of 4 ranks (each test checks its own)."""
+    return run_scenarios(4, {"split": _job, "ring": _ring_job}, timeout=1200)
+
+
+def test_causal_llama_with_a_split_sequence_trains_like_serial(on_four_ranks: dict[str, list[Any]]) -> None:
+    for rank, r in enumerate(on_four_ranks["split"]):
         assert r["local_attention"] == (2, 2), (rank, r["local_attention"])
         _assert_trained_like_serial(rank, r)
 
 
-def test_causal_llama_with_ring_attention_trains_like_serial() -> None:
+def test_causal_llama_with_ring_attention_trains_like_serial(on_four_ranks: dict[str, list[Any]]) -> None:
     """The same on a "cp" axis with the ring asked for: each rank's programs pass key/value blocks
     to the next rank over gloo (3 exchanges per layer in forward, 5 in backward, 2 layers)."""
-    for rank, r in enumerate(run_ranks(4, _ring_job, timeout=600)):
+    for rank, r in enumerate(on_four_ranks["ring"]):
         assert r["exchanges"] == (2 * 3, 2 * 5), (rank, r["exchanges"])
         _assert_trained_like_serial(rank, r)
 

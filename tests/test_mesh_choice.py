@@ -211,9 +211,12 @@ def _auto_job(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.mark.multirank
 def test_parallelize_auto_mesh_agrees_on_every_rank() -> None:
-    results = run_ranks(8, _auto_job, timeout=600)
+    """The runtime path of `mesh_shape="auto"` (the mesh built from the world size, every rank
+    agreeing on the choice) on 4 gloo ranks; the choice among 8's factorizations is priced in
+    process above."""
+    results = run_ranks(4, _auto_job, timeout=600)
     assert len({(r["shape"], r["names"]) for r in results}) == 1
-    assert math.prod(results[0]["shape"]) == 8 and results[0]["hardware"] == "cpu-gloo"
+    assert math.prod(results[0]["shape"]) == 4 and results[0]["hardware"] == "cpu-gloo"
     for r in results:
         assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5) and r["grad_err"] < 1e-4, r
 

@@ -4,12 +4,13 @@ mixed-precision training loop is written, and weights cast with `.to(dtype)` bef
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
 import torch.fx as fx
-from multirank import run_ranks, train_side_by_side
+from multirank import run_ranks, run_scenarios, train_side_by_side
 
 import autopar
 from autopar.core.errors import UsageError
@@ -95,9 +96,21 @@ def _train_with_autocast(rank: int, world_size: int) -> dict[str, Any]:
     return result
 
 
+@pytest.fixture(scope="module")
+def on_four_ranks() -> dict[str, list[dict[str, Any]]]:
+    """This file's jobs on a (2, 2) mesh, run in one forked job (each test checks its own)."""
+    scenarios = {
+        "autocast": _train_with_autocast,
+        "before": functools.partial(_train_cast, when="before"),
+        "after": functools.partial(_train_cast, when="after"),
+        "policy": _train_with_policy,
+    }
+    return run_scenarios(4, scenarios, timeout=900)
+
+
 @pytest.mark.multirank
-def test_autocast_around_each_call_trains_equal_to_serial_autocast() -> None:
-    for result in run_ranks(4, _train_with_autocast, timeout=300):
+def test_autocast_around_each_call_trains_equal_to_serial_autocast(on_four_ranks: dict[str, list[Any]]) -> None:
+    for result in on_four_ranks["autocast"]:
         losses = result["losses"]
         for parallel, serial in zip(losses[0::2], losses[1::2]):
             assert abs(parallel - serial) <= 1e-2 * abs(serial), losses  # bfloat16 keeps 8 bits
@@ -130,8 +143,10 @@ def _train_cast(rank: int, world_size: int, when: str) -> dict[str, Any]:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("when", ["before", "after"])
-def test_a_model_cast_to_bfloat16_before_or_after_parallelize_trains_equal_to_serial(when: str) -> None:
-    for result in run_ranks(4, _train_cast, when, timeout=300):
+def test_a_model_cast_to_bfloat16_before_or_after_parallelize_trains_equal_to_serial(
+    when: str, on_four_ranks: dict[str, list[Any]]
+) -> None:
+    for result in on_four_ranks[when]:
         losses = result["losses"]
         for parallel, serial in zip(losses[0::2], losses[1::2]):
             assert abs(parallel - serial) <= 2e-2 * abs(serial), losses  # all arithmetic in bfloat16
@@ -245,10 +260,12 @@ def test_a_bfloat16_parameter_policy_on_one_rank_is_the_serial_model_reading_bfl
 
 
 @pytest.mark.multirank
-def test_a_bfloat16_parameter_policy_trains_equal_to_serial_to_bfloat16_rounding() -> None:
+def test_a_bfloat16_parameter_policy_trains_equal_to_serial_to_bfloat16_rounding(
+    on_four_ranks: dict[str, list[Any]],
+) -> None:
     # bfloat16 partial sums meet in another order on 4 ranks: the loss may move by one bfloat16
     # step (1/32 at 4.0), the parameters by as much as bfloat16 and float32 training differ
-    for result in run_ranks(4, _train_with_policy, timeout=300):
+    for result in on_four_ranks["policy"]:
         for parallel, serial, dtype, serial_dtype in result["losses"]:
             assert dtype == serial_dtype == "torch.bfloat16", result["losses"]
             assert abs(parallel - serial) <= 1.01 * 2.0**-8 * 2 * abs(serial), result["losses"]

@@ -12,6 +12,7 @@ numbers checked, every rank's program run in lockstep in one process; so do the 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from multirank import run_ranks
+from multirank import run_ranks, run_scenarios
 from pass_fixtures import assert_compiled_matches_serial, compile_every_rank, lockstep_step, train_in_lockstep
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -196,9 +197,20 @@ def _api_job(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
     return out
 
 
+@pytest.fixture(scope="module")
+def on_eight_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """The two gloo jobs below on 2x2x2, run in one forked job (each test checks its own)."""
+    checkpoint_dir = str(tmp_path_factory.mktemp("api") / "ckpt")
+    scenarios = {
+        "api": functools.partial(_api_job, checkpoint_dir=checkpoint_dir),
+        "train": functools.partial(_job, shape=(2, 2, 2), models=("gpt", "mlp")),
+    }
+    return run_scenarios(8, scenarios, timeout=1200)
+
+
 @pytest.mark.multirank
-def test_api_outputs_clipping_checkpoint_and_tied_weights(tmp_path: Any) -> None:
-    results = run_ranks(8, _api_job, str(tmp_path / "ckpt"), timeout=600)
+def test_api_outputs_clipping_checkpoint_and_tied_weights(on_eight_ranks: dict[str, list[Any]]) -> None:
+    results = on_eight_ranks["api"]
     for rank, r in enumerate(results):
         assert r["logits_is_dtensor"], rank
         assert r["logits_err"] < 1e-5, (rank, r["logits_err"])
@@ -240,10 +252,10 @@ def test_sharded_dropout_draws_the_serial_models_masks_in_lockstep() -> None:
 
 
 @pytest.mark.multirank
-def test_matches_serial_on_eight_ranks() -> None:
+def test_matches_serial_on_eight_ranks(on_eight_ranks: dict[str, list[Any]]) -> None:
     """Real gloo ranks: the runtime (DTensor parameters, AdamW on them, names, state_dict) around
     the programs."""
-    results = run_ranks(8, _job, (2, 2, 2), ("gpt", "mlp"), "greedy", 1, False, timeout=600)
+    results = on_eight_ranks["train"]
     for rank, per_model in enumerate(results):
         for name, r in per_model.items():
             assert r["parts"] == 0, (rank, name, r["parts"])

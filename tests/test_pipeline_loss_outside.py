@@ -7,6 +7,7 @@ a second backward through one call's outputs refused."""
 from __future__ import annotations
 
 import copy
+import functools
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from multirank import run_ranks
+from multirank import run_ranks, run_scenarios
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -192,20 +193,29 @@ def _job(rank: int, world: int, cases: list[dict[str, Any]]) -> None:
         assert "call the pipelined model again" in (info.value.hint or "")
 
 
+PP2_CASES: list[dict[str, Any]] = [
+    {"model": "conv", "M": 4, "boundaries": ["blocks.1"], "steps": 3, "input_grad": True},
+    {"model": "conv", "M": 2, "schedule": "interleaved-1f1b", "v": 2, "calls": 2,
+     "boundaries": ["blocks.0", "blocks.1", "blocks.2"]},
+    {"model": "noise", "M": 3, "schedule": "gpipe", "boundaries": ["layers.1"]},
+    {"model": "gpt", "M": 2, "boundaries": ["blocks.2"]},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks() -> dict[str, list[Any]]:
+    """This file's pp=2 jobs, run in one forked job (each test checks its own)."""
+    scenarios = {"cases": functools.partial(_job, cases=PP2_CASES), "llama": _llama_outside}
+    return run_scenarios(2, scenarios, timeout=480)
+
+
 @pytest.mark.multirank
-def test_loss_outside_the_model_equals_serial() -> None:
+def test_loss_outside_the_model_equals_serial(on_two_ranks: dict[str, list[Any]]) -> None:
     """pp=2: the conv net with dropout on the default schedule (1F1B, run in GPipe's order) and an
     input that requires grad, three steps; the same net accumulating two calls per step on
     interleaved 1F1B (4 stages, warned once); the denoiser's mean-squared error on GPipe; the GPT
     whose tied embedding and head sit on the first and the last stage."""
-    cases = [
-        {"model": "conv", "M": 4, "boundaries": ["blocks.1"], "steps": 3, "input_grad": True},
-        {"model": "conv", "M": 2, "schedule": "interleaved-1f1b", "v": 2, "calls": 2,
-         "boundaries": ["blocks.0", "blocks.1", "blocks.2"]},
-        {"model": "noise", "M": 3, "schedule": "gpipe", "boundaries": ["layers.1"]},
-        {"model": "gpt", "M": 2, "boundaries": ["blocks.2"]},
-    ]  # fmt: skip
-    run_ranks(2, _job, cases, timeout=240)
+    assert on_two_ranks["cases"] == [None, None]  # each rank asserted every case
 
 
 @pytest.mark.multirank
@@ -249,8 +259,8 @@ def _llama_outside(rank: int, world: int) -> None:
 
 
 @pytest.mark.multirank
-def test_transformers_model_without_labels_trains_from_its_logits() -> None:
-    run_ranks(2, _llama_outside, timeout=240)
+def test_transformers_model_without_labels_trains_from_its_logits(on_two_ranks: dict[str, list[Any]]) -> None:
+    assert on_two_ranks["llama"] == [None, None]
 
 
 def _runners(layers: nn.ModuleList, x: torch.Tensor, microbatches: int) -> dict[int, StageRunner]:

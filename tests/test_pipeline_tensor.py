@@ -6,6 +6,7 @@ real gloo ranks; each rank stores its stages' blocks only and sends only its chu
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import tempfile
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import run_ranks, train_side_by_side
+from multirank import run_ranks, run_scenarios, train_side_by_side
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -131,33 +132,43 @@ def _check_storage_and_messages(results: list[list[dict[str, Any]]], cases: list
 FOUR = ["blocks.1", "blocks.2", "blocks.3"]
 
 
-@pytest.mark.multirank
-def test_pp2_by_2x2_chosen_cut_interleaved_and_zero_bubble_v() -> None:
-    """pp=2 x (2,2): 1F1B on 3 layers with the cost model's cut (uneven depth); interleaved 1F1B
-    with two virtual stages per rank and M = p; zero-bubble ZB-V (v=2: the first and last stage on
-    rank 0, so the tied embedding and head are two copies on one rank)."""
-    mesh = {"shape": (2, 2, 2), "names": ("pp", "x", "y")}
-    cases: list[dict[str, Any]] = [
-        {**mesh, "layers": 3, "M": 4, "dump_dir": tempfile.mkdtemp()},
-        {**mesh, "layers": 4, "M": 2, "schedule": "interleaved-1f1b", "v": 2, "boundaries": FOUR},
-        {**mesh, "layers": 4, "M": 4, "schedule": "zero-bubble", "v": 2, "boundaries": FOUR},
-    ]
-    results = run_ranks(8, _job, cases, timeout=500)
-    _check_storage_and_messages(results, cases)
+# pp=2 x (2,2): 1F1B on 3 layers with the cost model's cut (uneven depth); interleaved 1F1B with two
+# virtual stages per rank and M = p; zero-bubble ZB-V (v=2: the first and last stage on rank 0, so
+# the tied embedding and head are two copies on one rank).
+_PP2 = {"shape": (2, 2, 2), "names": ("pp", "x", "y")}
+PP2_BY_2X2: list[dict[str, Any]] = [
+    {**_PP2, "layers": 3, "M": 4},
+    {**_PP2, "layers": 4, "M": 2, "schedule": "interleaved-1f1b", "v": 2, "boundaries": FOUR},
+    {**_PP2, "layers": 4, "M": 4, "schedule": "zero-bubble", "v": 2, "boundaries": FOUR},
+]
+# pp=4 x 2: 1F1B with M = 6 (not a multiple of p; microbatches of 2 and 1 samples, one with every
+# target ignored: two microbatch shapes, so every stage compiles a second program), and
+# zero-bubble ZB-H1 with M = p.
+_PP4 = {"shape": (4, 2), "names": ("pp", "tp")}
+PP4_BY_2: list[dict[str, Any]] = [
+    {**_PP4, "layers": 4, "M": 6, "boundaries": FOUR},
+    {**_PP4, "layers": 4, "M": 4, "schedule": "zero-bubble", "boundaries": FOUR},
+]
+
+
+@pytest.fixture(scope="module")
+def on_eight_ranks() -> dict[str, list[Any]]:
+    """The two 8-rank meshes' cases, run in one forked job (each test checks its own)."""
+    first = [{**PP2_BY_2X2[0], "dump_dir": tempfile.mkdtemp()}, *PP2_BY_2X2[1:]]
+    scenarios = {"pp2x2x2": functools.partial(_job, cases=first), "pp4x2": functools.partial(_job, cases=PP4_BY_2)}
+    return run_scenarios(8, scenarios, timeout=1000)
 
 
 @pytest.mark.multirank
-def test_pp4_by_2_uneven_microbatches_and_zero_bubble() -> None:
-    """pp=4 x 2: 1F1B with M = 6 (not a multiple of p; microbatches of 2 and 1 samples, one with
-    every target ignored: two microbatch shapes, so every stage compiles a second program), and
-    zero-bubble ZB-H1 with M = p."""
-    mesh = {"shape": (4, 2), "names": ("pp", "tp")}
-    cases: list[dict[str, Any]] = [
-        {**mesh, "layers": 4, "M": 6, "boundaries": FOUR},
-        {**mesh, "layers": 4, "M": 4, "schedule": "zero-bubble", "boundaries": FOUR},
-    ]
-    results = run_ranks(8, _job, cases, timeout=500)
-    _check_storage_and_messages(results, cases)
+def test_pp2_by_2x2_chosen_cut_interleaved_and_zero_bubble_v(on_eight_ranks: dict[str, list[Any]]) -> None:
+    """pp=2 x (2,2): the cases of PP2_BY_2X2."""
+    _check_storage_and_messages(on_eight_ranks["pp2x2x2"], PP2_BY_2X2)
+
+
+@pytest.mark.multirank
+def test_pp4_by_2_uneven_microbatches_and_zero_bubble(on_eight_ranks: dict[str, list[Any]]) -> None:
+    """pp=4 x 2: the cases of PP4_BY_2."""
+    _check_storage_and_messages(on_eight_ranks["pp4x2"], PP4_BY_2)
 
 
 def test_boundary_chunks_cover_the_tensor() -> None:

@@ -7,6 +7,7 @@ instead of one rank raising while its peers wait in a send. Real gloo ranks."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from multirank import run_ranks
+from multirank import run_ranks, run_scenarios
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -106,15 +107,28 @@ def _train_both_branches(rank: int, world: int, case: dict[str, Any]) -> dict[st
     }  # fmt: skip
 
 
+PP2 = {"shape": (2,), "names": ("pp",)}
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks() -> dict[str, list[Any]]:
+    """This file's pp=2 jobs in one forked job (each test checks its own scenario; every error a
+    scenario provokes is caught on every rank, so the next one starts from ranks in step)."""
+    scenarios = {"branches": functools.partial(_train_both_branches, case=PP2), "split": _refuse_split_branch, "bart": _bart}
+    return run_scenarios(2, scenarios, timeout=1100)  # the three jobs' own limits together
+
+
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param({"shape": (2,), "names": ("pp",)}, id="pp2"),
-        pytest.param({"shape": (2, 2), "names": ("pp", "tp")}, id="pp2xtp2"),
-    ],
+    [pytest.param(PP2, id="pp2"), pytest.param({"shape": (2, 2), "names": ("pp", "tp")}, id="pp2xtp2")],
 )
-def test_both_branches_train_equal_to_serial_and_a_rejected_batch_raises_on_every_rank(case: dict[str, Any]) -> None:
-    results = run_ranks(math.prod(case["shape"]), _train_both_branches, case, timeout=400)
+def test_both_branches_train_equal_to_serial_and_a_rejected_batch_raises_on_every_rank(
+    request: pytest.FixtureRequest, case: dict[str, Any]
+) -> None:
+    if case == PP2:
+        results = request.getfixturevalue("on_two_ranks")["branches"]
+    else:
+        results = run_ranks(math.prod(case["shape"]), _train_both_branches, case, timeout=400)
     for result in results:
         pairs = list(zip(result["losses"][0::2], result["losses"][1::2]))
         assert all(abs(p - s) <= 1e-5 * max(1.0, abs(s)) for p, s in pairs), pairs
@@ -144,11 +158,11 @@ def _refuse_split_branch(rank: int, world: int) -> list[str]:
     return []
 
 
-def test_a_branch_no_microbatch_takes_as_the_whole_batch_is_refused_on_every_rank() -> None:
+def test_a_branch_no_microbatch_takes_as_the_whole_batch_is_refused_on_every_rank(on_two_ranks: dict[str, list[Any]]) -> None:
     """Each microbatch's rows alone go below the threshold, the whole batch above it: no program
     traced on a microbatch takes the serial branch, so the call is refused, the same on every
     rank and before any stage runs."""
-    for message, where in run_ranks(2, _refuse_split_branch, timeout=300):
+    for message, where in on_two_ranks["split"]:
         assert "takes another branch at" in message and f"test_pipeline_value_guards.py:{BRANCH_LINE}" in where, (message, where)
 
 
@@ -190,12 +204,13 @@ def _bart(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_bart_classifier_on_a_pipeline_raises_the_models_value_error_for_uneven_eos_counts() -> None:
+def test_bart_classifier_on_a_pipeline_raises_the_models_value_error_for_uneven_eos_counts(
+    on_two_ranks: dict[str, list[Any]],
+) -> None:
     """transformers' BART sequence classifier at its defaults (dropout on) on pp=2: one step equals
     serial; a batch whose rows have different end-of-sequence counts raises BART's ValueError on
     every rank, also where each microbatch alone is even (only the whole batch is not)."""
-    pytest.importorskip("transformers")
-    for result in run_ranks(2, _bart, timeout=400):
+    for result in on_two_ranks["bart"]:
         assert abs(result["loss"] - result["expected"]) < 1e-5, result
         for name in ("one_row", "one_microbatch"):
             assert "same number of <eos> tokens" in result[name], result[name]

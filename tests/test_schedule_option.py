@@ -2,27 +2,26 @@
 
 In process: the unscheduled compile leaves every wait immediately after its collective in the joint
 graph and in both emitted graphs, while the scheduled one moves waits later; both hold the same
-compute nodes. On 8 gloo ranks: the two compiles give bit-identical losses and gradients, and both match
-the serial model.
+compute nodes. Every rank of (2,2,2) run in lockstep: the two compiles give bit-identical losses and
+gradients, and both match the serial model. (Real gloo ranks run the scheduled programs, the
+default, in every `parallelize` job: tests/test_parallelize_multirank.py.)
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 import torch
 import torch.fx as fx
-from multirank import run_ranks
-from pass_fixtures import gpt_case, gpt_compiled
-from torch.distributed.device_mesh import init_device_mesh
+from pass_fixtures import compile_every_rank, gpt_case, gpt_compiled, lockstep_step
 
 import autopar
 from autopar.api import compile_for_rank
 from autopar.core.collectives import COLLECTIVES
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
+from autopar.testing import assemble
 from examples.models import make_gpt
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -67,36 +66,6 @@ def test_unscheduled_waits_follow_their_collectives_and_scheduled_ones_move() ->
     assert scheduled.report.schedule is not None and scheduled.report.schedule.waits_moved > 0
 
 
-def _compare_job(rank: int, world_size: int) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("x", "y", "z"))
-    model, batch = make_gpt(0, n_layer=1)
-    serial = copy.deepcopy(model)
-    variants = {
-        flag: autopar.parallelize(copy.deepcopy(model), mesh, example_inputs=batch, planning=autopar.PlanOptions(overlap=flag))
-        for flag in (True, False)
-    }
-    losses, grads = {}, {}
-    for flag, pmodel in variants.items():
-        loss = pmodel(*batch)
-        loss.backward()
-        losses[flag] = loss.detach()
-        grads[flag] = {n: p.grad.full_tensor() for n, p in pmodel.named_parameters()}
-    serial_loss = serial(*batch)
-    serial_loss.backward()
-    want = dict(serial.named_parameters())
-    return {
-        "loss_bitwise": bool(torch.equal(losses[True], losses[False])),
-        "grads_bitwise": all(torch.equal(grads[True][n], grads[False][n]) for n in grads[True]),
-        "losses": (float(losses[True]), float(losses[False]), float(serial_loss)),
-        "grad_err": max(
-            float((g - want[n].grad).abs().max() / (want[n].grad.abs().max() + 1e-6))
-            for flag in (True, False)
-            for n, g in grads[flag].items()
-        ),
-        "names": sorted(grads[True]) == sorted(n for n, _ in serial.named_parameters()),
-    }
-
-
 def test_in_flight_cap_defaults_to_the_memory_limits_headroom_over_the_plan() -> None:
     """The schedule may prefetch into what the memory limit leaves after the plan's modeled memory,
     never more: the cap moves one for one with the limit, stays below it, and an explicit
@@ -123,13 +92,34 @@ def test_in_flight_cap_defaults_to_the_memory_limits_headroom_over_the_plan() ->
         cap(memory_limit=need // 4)
 
 
-@pytest.mark.multirank
 def test_scheduled_and_unscheduled_are_bitwise_equal_and_serial() -> None:
-    results = run_ranks(8, _compare_job, timeout=600)
-    for rank, r in enumerate(results):
-        assert r["loss_bitwise"] and r["grads_bitwise"], (rank, r)
-        scheduled, unscheduled, serial = r["losses"]
-        assert scheduled == unscheduled, rank
-        assert scheduled == pytest.approx(serial, rel=1e-5, abs=1e-6), (rank, r["losses"])
-        assert r["grad_err"] < 1e-4, (rank, r["grad_err"])
-        assert r["names"], rank
+    model, batch = make_gpt(0, n_layer=1)
+    steps = {}
+    for flag in (True, False):
+        compiled = compile_every_rank(model, MESH, batch, schedule=flag)
+        steps[flag] = (compiled, *lockstep_step(compiled, model, MESH, batch, {}))
+    (compiled, fwd, bwd), (_, plain_fwd, plain_bwd) = steps[True], steps[False]
+    program = next(iter(compiled.values())).program
+    assert next(iter(steps[False][0].values())).program.param_names == program.param_names
+    grads = range(len(program.param_names))
+    for c in compiled:
+        assert torch.equal(fwd[c][0], plain_fwd[c][0]), c
+        assert all(torch.equal(bwd[c][i], plain_bwd[c][i]) for i in grads), c
+    torch.manual_seed(0)  # as lockstep_step seeds the ranks' forward
+    serial_loss = model(*batch)
+    serial_loss.backward()
+    params = dict(model.named_parameters())
+    for c in compiled:
+        assert float(fwd[c][0]) == pytest.approx(float(serial_loss), rel=1e-5, abs=1e-6), c
+    compared: set[str] = set()
+    for i, (name, layout) in enumerate(zip(program.param_names, program.param_layouts)):
+        part = program.param_parts.get(name)  # a chunk of a fused parameter (split_fused)
+        source = part.source if part is not None else name
+        if source not in params:  # a buffer
+            continue
+        grad, want = assemble({c: bwd[c][i] for c in compiled}, layout, MESH), params[source].grad
+        assert want is not None
+        want = part.of(want) if part is not None else want
+        assert float((grad - want).abs().max() / (want.abs().max() + 1e-6)) < 1e-4, name
+        compared.add(source)
+    assert compared == set(params)
