@@ -2,7 +2,10 @@
 
 It counts what `autopar.plan` measures on the emitted program: stored parameter shards, their
 gradients and AdamW states (in the parameter's dtype: 4 bytes kept per stored byte), and the
-activations the forward hands to the backward. A choice that prices another weight state (the
+activations the forward hands to the backward. A pipeline stage counts its saved activations once
+per microbatch in flight, and where it sums its microbatches' gradients before one reduction, two
+copies of the gradients as the backward computes them (`unreduced_grad_bytes`: the sums and the
+last backward's terms) in place of the stored gradient, when they are more. A choice that prices another weight state (the
 mesh choice with pipeline depths under `PlanOptions.weight_state`: mixed precision's float32
 gradient, master and AdamW states beside a bfloat16 weight, 9 bytes per stored byte) records its
 `StateRatios` on the traced graph (`set_state_ratios`), and every plan of that graph is counted with
@@ -28,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.layout import Layout
-from autopar.core.meta import activation_copies, info, is_backward, signature
+from autopar.core.meta import activation_copies, gradient_copies, info, is_backward, signature
 from autopar.core.plan import MAX_REGATHER_NODES, Plan
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown
 from autopar.rules.calls import tensor_inputs
@@ -81,6 +84,8 @@ class PlanMemory:
     saved: list[SavedValue] = field(default_factory=list)
     ratios: StateRatios = field(default_factory=StateRatios)  # gradient and optimizer bytes per stored byte
     activation_copies: int = 1  # microbatches whose saved values the rank holds at once (a pipeline stage's)
+    # a stage summing its microbatches' gradients: the unreduced gradients' bytes times their copies
+    unreduced_grad_bytes: float = 0.0
 
     def activation_bytes(self, regather: Collection[str] = ()) -> float:
         return sum(s.bytes for s in self.saved if s.name not in regather)
@@ -92,7 +97,8 @@ class PlanMemory:
         """The breakdown with `activation_bytes` saved per microbatch (what recomputation leaves,
         `planning.recompute`), held `activation_copies` times."""
         params, ratios, held = self.param_bytes, self.ratios, self.activation_copies * activation_bytes
-        return MemoryBreakdown(params, params * ratios.grad, params * ratios.optimizer, float(held))
+        grads = max(params * ratios.grad, self.unreduced_grad_bytes)
+        return MemoryBreakdown(params, grads, params * ratios.optimizer, float(held))
 
 
 def saved_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -145,6 +151,22 @@ def weight_chain(node: fx.Node, decided: Collection[str]) -> list[fx.Node] | Non
     return closure if params else None
 
 
+def unreduced_grad_bytes(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> float:
+    """Per rank, the parameter gradients as the backward computes them, before any collective takes
+    them to their storage layout (a Partial one is the whole local block): what a pipeline stage
+    sums over its microbatches before reducing once (`runtime.defer_reduction`)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    sig = signature(gm)
+    grads = list(output.args[0])[sig.num_user_outputs : sig.num_param_grads_end]
+    shape = tuple(mesh_shape)
+    total = 0.0
+    for node in grads:
+        layouts = plan.layouts.get(node.name) if isinstance(node, fx.Node) else None
+        if layouts:
+            total += layouts[0].local_bytes(shape)
+    return total
+
+
 def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> PlanMemory:
     """Memory per rank of `plan` on `gm` (see the module docstring for what is counted)."""
     shape = tuple(mesh_shape)
@@ -157,6 +179,8 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> Pl
     )
     decided = set(plan.decided)
     memory = PlanMemory(param_bytes, ratios=state_ratios(gm), activation_copies=activation_copies(gm))
+    if gradient_copies(gm) > 1:
+        memory.unreduced_grad_bytes = gradient_copies(gm) * unreduced_grad_bytes(gm, plan, shape)
     for node in saved_nodes(gm):
         have = plan.layouts[node.name][0]
         forward_wants: set[Layout] = set()
