@@ -1,7 +1,7 @@
 """Where a pipelined training step's memory goes, action by action (docs/large-models.md#pipelined-pp2-x-22).
 
-The GPT of benchmarks/large_model.py, built on meta and pipelined on 8 gloo ranks (pp=2 x (2,2),
-1F1B), trains two SGD-with-momentum steps. Each rank records the bytes glibc's malloc has handed
+The GPT of benchmarks/large_model.py, built on meta and pipelined on gloo ranks (pp=2 x `--mesh`,
+default (2,2): 8 ranks; 1F1B), trains two SGD-with-momentum steps. Each rank records the bytes glibc's malloc has handed
 out and not taken back (`mallinfo2`: torch's CPU tensors live there, so this is the live tensor
 bytes plus the interpreter's, without the freed-but-kept pages an RSS counts) before and after
 every schedule action of the second step, and the most it reached during the action (a sampler
@@ -11,6 +11,7 @@ the optimizer's momentum. Tracemalloc sees none of torch's allocations, hence ma
 
     python benchmarks/pipeline_step_memory.py                         # n_embd 1024: ~4 minutes
     python benchmarks/pipeline_step_memory.py --n-embd 2048 --name pipeline_step_memory_032b
+    python benchmarks/pipeline_step_memory.py --n-layer 4 --mesh 2 --memory-limit-mib 335 --name pipeline_step_memory_proxy
 
 Writes benchmarks/results/<name>.json and one table per stage (its first rank) on stdout.
 """
