@@ -57,8 +57,8 @@ class ModuleOptions:
     token_dispatch: str = "allgather"
     # a pipeline stage's microbatches in flight on this rank: its saved activations count that often
     activation_copies: int = 1
-    # 2 where a pipeline stage sums its microbatches' unreduced gradients: the sums and one's terms
-    gradient_copies: int = 1
+    # 1 where a pipeline stage sums its microbatches' unreduced gradients (0: the stored gradient only)
+    gradient_copies: int = 0
 
 
 def compile_module(

@@ -188,7 +188,7 @@ def compile_for_rank(
     decompose_matmuls: str = "auto",
     token_dispatch: str = "allgather",
     activation_copies: int = 1,
-    gradient_copies: int = 1,
+    gradient_copies: int = 0,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -226,7 +226,7 @@ def compile_for_rank(
     experts module as one op, "alltoall" requiring the all-to-all dispatcher wherever the experts
     are split and "auto" letting the planner price both.
     `activation_copies`, `gradient_copies`: copies of the saved activations (a pipeline stage's
-    microbatches in flight) and of the unreduced gradients (2: summed over microbatches) a rank holds.
+    microbatches in flight) and of the unreduced gradients (1: summed over microbatches) a rank holds.
     `traced`, when given, is `trace_for(...)` of this model, inputs and options, made once: it is
     copied instead of traced again (an in-process run of every rank's program compiles each rank
     from one trace, as each process of a real job traces once).

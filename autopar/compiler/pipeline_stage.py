@@ -36,8 +36,8 @@ class StageBudget:
     `memory_limit` (its stages split it evenly), how many microbatches' saved activations the
     rank holds at once (`activation_copies`: the schedule's peak in flight, per stage) and whether
     the stage sums its microbatches' unreduced gradients before one reduction (`accumulates`:
-    more than one microbatch and a backward run whole; the last backward's terms then exist beside
-    the sums, docs/pipeline.md#a-pipelined-ranks-memory)."""
+    more than one microbatch and a backward run whole; the sums are held through the step,
+    docs/pipeline.md#a-pipelined-ranks-memory)."""
 
     memory_share: float
     activation_copies: int

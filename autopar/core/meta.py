@@ -186,11 +186,11 @@ def set_activation_copies(gm: fx.GraphModule, copies: int) -> None:
 
 
 def gradient_copies(gm: fx.GraphModule) -> int:
-    """How many copies of its unreduced parameter gradients one rank holds at its step's peak: 1,
-    or 2 for a pipeline stage that sums its microbatches' gradients before reducing them once (the
-    sums and the last backward's terms, alive together until they are added; set by the compiler
+    """How many copies of its parameter gradients as the backward computes them (before any
+    reduction) one rank holds through its step: 0, the stored gradient only, or 1 for a pipeline
+    stage that sums its microbatches' gradients before reducing them once (set by the compiler
     before planning, `autopar.planning.memory`)."""
-    return int(gm.meta.get(GRADIENT_COPIES_KEY, 1))
+    return int(gm.meta.get(GRADIENT_COPIES_KEY, 0))
 
 
 def set_gradient_copies(gm: fx.GraphModule, copies: int) -> None:

@@ -3,9 +3,10 @@
 It counts what `autopar.plan` measures on the emitted program: stored parameter shards, their
 gradients and AdamW states (in the parameter's dtype: 4 bytes kept per stored byte), and the
 activations the forward hands to the backward. A pipeline stage counts its saved activations once
-per microbatch in flight, and where it sums its microbatches' gradients before one reduction, two
-copies of the gradients as the backward computes them (`unreduced_grad_bytes`: the sums and the
-last backward's terms) in place of the stored gradient, when they are more. A choice that prices another weight state (the
+per microbatch in flight, and where it sums its microbatches' gradients before one reduction, the
+sums (`unreduced_grad_bytes`: the gradients as the backward computes them, a Partial one whole) in
+place of the stored gradient when they are more (the backward adds each term into its sum as it
+makes it, `runtime.defer_reduction`, so one term at a time exists beside them). A choice that prices another weight state (the
 mesh choice with pipeline depths under `PlanOptions.weight_state`: mixed precision's float32
 gradient, master and AdamW states beside a bfloat16 weight, 9 bytes per stored byte) records its
 `StateRatios` on the traced graph (`set_state_ratios`), and every plan of that graph is counted with
@@ -84,7 +85,7 @@ class PlanMemory:
     saved: list[SavedValue] = field(default_factory=list)
     ratios: StateRatios = field(default_factory=StateRatios)  # gradient and optimizer bytes per stored byte
     activation_copies: int = 1  # microbatches whose saved values the rank holds at once (a pipeline stage's)
-    # a stage summing its microbatches' gradients: the unreduced gradients' bytes times their copies
+    # a stage summing its microbatches' gradients: the sums' bytes (unreduced gradients times copies)
     unreduced_grad_bytes: float = 0.0
 
     def activation_bytes(self, regather: Collection[str] = ()) -> float:
@@ -179,7 +180,7 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> Pl
     )
     decided = set(plan.decided)
     memory = PlanMemory(param_bytes, ratios=state_ratios(gm), activation_copies=activation_copies(gm))
-    if gradient_copies(gm) > 1:
+    if gradient_copies(gm) > 0:
         memory.unreduced_grad_bytes = gradient_copies(gm) * unreduced_grad_bytes(gm, plan, shape)
     for node in saved_nodes(gm):
         have = plan.layouts[node.name][0]
