@@ -19,6 +19,13 @@ on that rank), beside
 the RSS of a rank that has only imported torch and joined the job (the runtime's fixed overhead),
 and the time to parallelize, to load and per step. The losses must equal the serial ones.
 
+The ranks fix glibc's mmap threshold (`--mmap-threshold-kib`, default 128, its starting value):
+left to itself glibc raises the threshold to the size of each large block freed (up to 32 MiB), so
+a step's weight-sized tensors come from the heap, and what they free there stays in the RSS (100-150
+MiB a rank at 60-120 MiB of weights, docs/pipeline.md#a-pipelined-ranks-memory); fixed, every
+block above it is returned when freed. `MALLOC_MMAP_THRESHOLD_=131072` in the environment does the
+same for any job.
+
     python benchmarks/large_model.py                          # ~1 B parameters (4 GB in fp32)
     python benchmarks/large_model.py --n-layer 2 --n-embd 256 --name large_model_small   # a minute
     python benchmarks/large_model.py --pp 2 --mesh 2,2 --name large_model_pipelined       # pp=2 x (2,2)
@@ -29,6 +36,7 @@ Writes benchmarks/results/large_model.json (or <name>.json) and a table on stdou
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -51,6 +59,7 @@ from autopar.core.pipeline_simulate import simulate  # noqa: E402
 from examples.models import GPT, GPTConfig, gpt_batch  # noqa: E402
 
 GiB = 1024**3
+M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 
 
 def _two_timed_steps(module: Any, batch: tuple[Any, ...], lr: float) -> tuple[list[float], list[float]]:
@@ -101,10 +110,13 @@ def _saved_bytes(program: Any) -> int:
 
 
 def _rank(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tensor, ...], shape: tuple[int, ...],
-          directory: str, load: bool, lr: float, pp: int = 0, microbatches: int = 2) -> dict[str, Any]:
+          directory: str, load: bool, lr: float, pp: int = 0, microbatches: int = 2,
+          mmap_threshold: int = 0) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
+    if mmap_threshold:  # a fixed threshold: glibc then unmaps every freed block above it (module doc)
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, mmap_threshold)
     if pp:
         names = ("pp", *(f"t{i}" for i in range(len(shape))))
         mesh = init_device_mesh("cpu", (pp, *shape), mesh_dim_names=names)
@@ -163,6 +175,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=0, help="pipeline stages: the mesh becomes (pp, *mesh)")
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--starts", default="checkpoint,init", help="which starts to run: checkpoint, init")
+    parser.add_argument("--mmap-threshold-kib", type=int, default=128,
+                        help="fix glibc's mmap threshold in the ranks (0: glibc's own, rising with what is freed)")
     args = parser.parse_args()
     config = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     shape = tuple(int(s) for s in args.mesh.split(","))
@@ -174,7 +188,7 @@ def main() -> None:
         for mode in args.starts.split(","):
             ranks = run_ranks(
                 max(args.pp, 1) * int(torch.tensor(shape).prod()), _rank, config, batch, shape, directory,
-                mode == "checkpoint", args.lr, args.pp, args.microbatches, timeout=3600,
+                mode == "checkpoint", args.lr, args.pp, args.microbatches, args.mmap_threshold_kib * 1024, timeout=3600,
             )  # fmt: skip
             runs[mode] = ranks
     result = {"config": vars(args), "serial": serial, "runs": runs, "environment": environment()}

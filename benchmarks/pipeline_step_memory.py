@@ -1,7 +1,7 @@
 """Where a pipelined training step's memory goes, action by action (docs/large-models.md#pipelined-pp2-x-22).
 
-The GPT of benchmarks/large_model.py, built on meta and pipelined on 8 gloo ranks (pp=2 x (2,2),
-1F1B), trains two SGD-with-momentum steps. Each rank records the bytes glibc's malloc has handed
+The GPT of benchmarks/large_model.py, built on meta and pipelined on gloo ranks (pp=2 x `--mesh`,
+default (2,2): 8 ranks; 1F1B), trains two SGD-with-momentum steps. Each rank records the bytes glibc's malloc has handed
 out and not taken back (`mallinfo2`: torch's CPU tensors live there, so this is the live tensor
 bytes plus the interpreter's, without the freed-but-kept pages an RSS counts) before and after
 every schedule action of the second step, and the most it reached during the action (a sampler
@@ -11,6 +11,7 @@ the optimizer's momentum. Tracemalloc sees none of torch's allocations, hence ma
 
     python benchmarks/pipeline_step_memory.py                         # n_embd 1024: ~4 minutes
     python benchmarks/pipeline_step_memory.py --n-embd 2048 --name pipeline_step_memory_032b
+    python benchmarks/pipeline_step_memory.py --n-layer 4 --mesh 2 --memory-limit-mib 335 --name pipeline_step_memory_proxy
 
 Writes benchmarks/results/<name>.json and one table per stage (its first rank) on stdout.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import sys
 import threading
 import time
@@ -83,16 +85,18 @@ def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def _rank(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tensor, ...], microbatches: int) -> dict[str, Any]:
+def _rank(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tensor, ...], microbatches: int,
+          shape: tuple[int, ...] = (2, 2), memory_limit: float | None = None) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "t0", "t1"))
+    names = ("pp", *(f"t{i}" for i in range(len(shape))))
+    mesh = init_device_mesh("cpu", (2, *shape), mesh_dim_names=names)
     with torch.device("meta"):
         model = GPT(config)
     torch.manual_seed(0)
     pipeline = autopar.PipelineOptions(microbatches=microbatches, schedule="1f1b")
-    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, pipeline=pipeline)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, pipeline=pipeline, memory_limit=memory_limit)
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.01, momentum=0.9)
     params = list(pmodel.parameters())
     sampler = _Sampler()
@@ -188,18 +192,22 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--mesh", default="2,2", help="the tensor axes beside pp=2")
+    parser.add_argument("--memory-limit-mib", type=float, default=None, help="parallelize's memory_limit")
     parser.add_argument("--name", default="pipeline_step_memory")
     args = parser.parse_args()
     config = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     batch = gpt_batch(config, args.batch, torch.Generator().manual_seed(1))
-    ranks = run_ranks(8, _rank, config, batch, args.microbatches, timeout=3600)
+    shape = tuple(int(s) for s in args.mesh.split(","))
+    limit = None if args.memory_limit_mib is None else args.memory_limit_mib * MiB
+    ranks = run_ranks(2 * math.prod(shape), _rank, config, batch, args.microbatches, shape, limit, timeout=3600)
     result = {"config": vars(args), "ranks": ranks, "environment": environment()}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2))
     print(f"losses {ranks[0]['losses']}")
     print(table(result, 0))
     print()
-    print(table(result, 4))
+    print(table(result, len(ranks) // 2))
 
 
 if __name__ == "__main__":

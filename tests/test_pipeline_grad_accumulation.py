@@ -177,3 +177,48 @@ def test_a_buckets_concatenation_moves_to_the_reduction_part() -> None:
     xa, xb, tangent = torch.randn(3, 2), torch.randn(3, 2), torch.randn(3, 4)
     _, frontier = split.run_local((xa, xb), (tangent,))
     torch.testing.assert_close(frontier, [xa.t() @ tangent, xb.t() @ tangent])
+
+
+def test_later_microbatches_add_each_term_into_its_sum_as_the_backward_makes_it() -> None:
+    """In process: from the second microbatch on, each weight gradient the local part computes is
+    added into the step's sum before the next one is computed (a probe between the two sees the
+    first sum already grown), and the sum stands in its place: the backward holds the sums and one
+    term, not every term beside the sums (docs/pipeline.md#a-pipelined-ranks-memory)."""
+    aten = torch.ops.aten
+    seen: list[torch.Tensor] = []
+    sums: list[torch.Tensor] = []
+
+    def probe(g: torch.Tensor) -> torch.Tensor:  # runs between the two gradients, in graph order
+        if sums:
+            seen.append(sums[0].clone())
+        return g
+
+    graph = fx.Graph()
+    x1, x2, g = graph.placeholder("saved_x1"), graph.placeholder("saved_x2"), graph.placeholder("tangent")
+    grad1 = graph.call_function(aten.mm.default, (graph.call_function(aten.t.default, (x1,)), g))
+    later = graph.call_function(probe, (g,))
+    grad2 = graph.call_function(aten.mm.default, (graph.call_function(aten.t.default, (x2,)), later))
+    graph.output((grad1, grad2, graph.call_function(aten.mul.Tensor, (g, 2.0))))
+
+    class Program:
+        backward = fx.GraphModule(torch.nn.Module(), graph)
+        param_names = ["w1", "w2"]
+        num_saved = 2
+
+    program = Program()
+    accumulation = GradAccumulation()
+    split = accumulation.split(program)  # type: ignore[arg-type]
+    batches = [(torch.randn(3, 2), torch.randn(3, 4), torch.randn(3, 5)) for _ in range(3)]
+    for x1_, x2_, g_ in batches:
+        into = accumulation.sums_of(program)  # type: ignore[arg-type]
+        (grad_x,), frontier = split.run_local((x1_, x2_), (g_,), into)
+        torch.testing.assert_close(grad_x, 2.0 * g_)
+        if into is None:
+            sums.extend(frontier)  # the first microbatch's terms become the sums
+        else:
+            assert frontier[0] is into[0] and frontier[1] is into[1]  # added already, in place
+            torch.testing.assert_close(seen[-1], into[0])  # the first sum grew before grad2 existed
+        accumulation.add(program, frontier, (), None)  # type: ignore[arg-type]  # (added once, not twice)
+    torch.testing.assert_close(sums[0], sum(x1_.t() @ g_ for x1_, _, g_ in batches))
+    torch.testing.assert_close(sums[1], sum(x2_.t() @ g_ for _, x2_, g_ in batches))
+    assert len(seen) == 2

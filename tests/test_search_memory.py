@@ -19,12 +19,19 @@ from pass_fixtures import train_in_lockstep
 import autopar
 from autopar.compiler.pipeline_stage import StageBudget, stage_budget
 from autopar.core.graph_copy import graph_copy
-from autopar.core.meta import activation_copies, has_info, info, set_activation_copies
+from autopar.core.meta import activation_copies, has_info, info, set_activation_copies, set_gradient_copies
 from autopar.core.pipeline_schedule import schedule_by_name
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, memory_per_rank
 from autopar.passes.trace import trace
 from autopar.planning.greedy import choose_layouts
-from autopar.planning.memory import MEMORY_HEADROOM, plan_memory, weight_chain
+from autopar.planning.memory import (
+    MEMORY_HEADROOM,
+    plan_memory,
+    saved_nodes,
+    unreduced_grad_bytes,
+    views_stored,
+    weight_chain,
+)
 from autopar.planning.search import (
     ElementCost,
     SearchPlan,
@@ -138,11 +145,39 @@ def test_each_microbatch_in_flight_counts_its_saved_activations(setup: dict[str,
 
 def test_a_stage_budget_is_the_schedule_in_flight_per_stage() -> None:
     one_f_one_b, interleaved = schedule_by_name("1f1b", 2, 1, 4), schedule_by_name("interleaved-1f1b", 2, 2, 4)
-    assert stage_budget(one_f_one_b, 0, 1, loss_inside=True) == StageBudget(1.0, 2)  # pp microbatches
-    assert stage_budget(one_f_one_b, 1, 1, loss_inside=True) == StageBudget(1.0, 1)
-    assert stage_budget(one_f_one_b, 1, 1, loss_inside=False) == StageBudget(1.0, 4)  # every forward first
+    assert stage_budget(one_f_one_b, 0, 1, loss_inside=True) == StageBudget(1.0, 2, True)  # pp microbatches
+    assert stage_budget(one_f_one_b, 1, 1, loss_inside=True) == StageBudget(1.0, 1, True)
+    assert stage_budget(one_f_one_b, 1, 1, loss_inside=False) == StageBudget(1.0, 4, True)  # every forward first
     first = stage_budget(interleaved, 0, 2, loss_inside=True)
-    assert first.memory_share == 0.5 and 2 <= first.activation_copies <= 4
+    assert first.memory_share == 0.5 and 2 <= first.activation_copies <= 4 and first.accumulates
+    # gradients are summed over microbatches where there are several and backwards run whole
+    assert not stage_budget(schedule_by_name("1f1b", 2, 1, 1), 0, 1, loss_inside=True).accumulates
+    assert not stage_budget(schedule_by_name("zero-bubble", 2, 1, 4), 0, 1, loss_inside=True).accumulates
+
+
+def test_a_stage_summing_its_microbatches_gradients_counts_the_sums(setup: dict[str, Any]) -> None:
+    """A stage that sums its microbatches' gradients holds them as the backward computes them,
+    before any reduction, through the step (one copy: later backwards add each term into its sum
+    as they make it, test_pipeline_grad_accumulation.py); the count takes copies, and the search
+    fits a limit with them."""
+    gm, mesh, cost, free = setup["gm"], setup["mesh"], setup["cost"], setup["free"]
+    one = plan_memory(gm, free, SHAPE).breakdown()
+    unreduced = unreduced_grad_bytes(gm, free, SHAPE)
+    # each stored gradient is its computed value or a reduce-scatter of it
+    assert unreduced >= one.grads == one.params > 0
+    summed = graph_copy(gm)
+    set_gradient_copies(summed, 1)
+    assert plan_memory(summed, free, SHAPE).breakdown().grads == pytest.approx(max(one.grads, unreduced))
+    set_gradient_copies(summed, 2)
+    two = plan_memory(summed, free, SHAPE).breakdown()
+    assert two.grads == pytest.approx(2 * unreduced)
+    assert (two.params, two.optimizer, two.activations) == (one.params, one.optimizer, one.activations)
+    # a limit the stored gradient fits, the two copies do not: the search saves activations instead
+    limit = one.total + (two.grads - one.grads) / 2
+    assert not free.regather and not free.recompute and one.total <= limit < two.total
+    both = search_layouts(summed, mesh, default_registry(), cost=cost, memory_limit=limit, storage="sharded")
+    assert both.memory is not None and both.memory.total <= limit
+    assert both.memory.grads >= 2 * one.grads and both.memory.activations < one.activations
 
 
 def _below_replicated(gm: fx.GraphModule) -> float:
@@ -250,3 +285,19 @@ def test_a_plan_under_a_memory_limit_trains_like_the_serial_model() -> None:
     r = train_in_lockstep(model, SHAPE, [batch, batch], adamw, memory_limit=limit)
     numbers = {k: r[k] for k in ("loss_err", "grad_err", "param_err")}
     assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["param_err"] < 1e-5, numbers
+
+
+def test_a_stored_weights_transpose_saved_for_backward_costs_nothing(setup: dict[str, Any]) -> None:
+    """On one axis the plan keeps weights as they are stored (column and row splits), and the
+    backward saves their transposes: views of the stored blocks, which hold no memory of their own
+    (a 4-rank proxy's step never allocated the 48 MiB per microbatch they were counted at,
+    docs/pipeline.md#a-pipelined-ranks-memory). Gathered weights (the (2, 2, 2) plan) still count."""
+    gm = setup["gm"]
+    plan = search_layouts(gm, autopar.Mesh.from_shape((2,)), default_registry(), cost=ElementCost((2,)),
+                          memory_limit=math.inf, storage="sharded")  # fmt: skip
+    views = [n for n in saved_nodes(gm) if n.op != "placeholder" and views_stored(n, plan)]
+    assert views and all(n.target is torch.ops.aten.t.default for n in views)
+    counted = {s.name: s.bytes for s in plan_memory(gm, plan, (2,)).saved}
+    # saved in their own layout only: nothing counted (a layout backward gathers to would be)
+    assert all(counted.get(n.name, 0.0) == 0.0 for n in views)
+    assert not any(views_stored(n, setup["free"]) for n in saved_nodes(gm) if n.target is torch.ops.aten.t.default)

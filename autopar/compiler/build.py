@@ -57,6 +57,8 @@ class ModuleOptions:
     token_dispatch: str = "allgather"
     # a pipeline stage's microbatches in flight on this rank: its saved activations count that often
     activation_copies: int = 1
+    # 1 where a pipeline stage sums its microbatches' unreduced gradients (0: the stored gradient only)
+    gradient_copies: int = 0
 
 
 def compile_module(
@@ -119,6 +121,7 @@ def compile_module(
             decompose_matmuls=opts.decompose_matmuls,
             token_dispatch=opts.token_dispatch,
             activation_copies=opts.activation_copies,
+            gradient_copies=opts.gradient_copies,
         )
         compiled = compile_for_rank(
             model,

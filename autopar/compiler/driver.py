@@ -29,7 +29,7 @@ from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
 from autopar.core.errors import AutoparError, InternalError, UsageError
 from autopar.core.graph_copy import graph_copy
 from autopar.core.mesh import Mesh
-from autopar.core.meta import has_info, set_activation_copies, where_of
+from autopar.core.meta import has_info, set_activation_copies, set_gradient_copies, where_of
 from autopar.core.plan import Plan
 from autopar.core.precision import AutocastState, MixedPrecision, autocast_off
 from autopar.cost.formulas import MeshCost
@@ -188,6 +188,7 @@ def compile_for_rank(
     decompose_matmuls: str = "auto",
     token_dispatch: str = "allgather",
     activation_copies: int = 1,
+    gradient_copies: int = 0,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -199,11 +200,10 @@ def compile_for_rank(
     `planner` is "search" (the default: the whole-graph search over every op's strategy, seeded by
     the greedy pass under every axis-role assignment and by the fixed schemes, priced on `hardware`
     or by element counts without one) or "greedy" (op by op, the first heuristic: faster to plan,
-    more communication). `agree`,
-    when given, decides how ranks settle on one plan (parallelize: rank 0 plans, all check).
-    `table` names the table the schedule stage and the in-flight budget model on when `hardware`
-    is None (layouts by element counts; default: cpu-gloo for a CPU DeviceMesh, else
-    h100-nvlink-ib): `plan(device_type="cpu")` passes cpu-gloo, as a CPU job's mesh gives it.
+    more communication). `agree`, when given, decides how ranks settle on one plan (parallelize:
+    rank 0 plans, all check). `table` names the table the schedule stage and the in-flight budget
+    model on when `hardware` is None (layouts by element counts; default: cpu-gloo for a CPU
+    DeviceMesh, else h100-nvlink-ib): `plan(device_type="cpu")` passes cpu-gloo, as a CPU job's.
     `schedule=False` skips the schedule stage (bucketing and reordering): insert_comm's order stays,
     each collective waited on right after it is issued (no overlap), for measuring what it buys.
     `memory_limit` (bytes per rank) bounds the plan's modeled memory: the search trades time for
@@ -220,17 +220,16 @@ def compile_for_rank(
     stores the weights (`search_layouts`, `PlanOptions.storage`). `decompose_matmuls` ("auto",
     "on" or "off"): which all-gather -> matmul and matmul -> reduce-scatter pairs are cut into
     pieces that overlap each other (`autopar.passes.decompose_matmul`); "auto": where the modeled
-    step is shorter.
-    `token_dispatch` ("allgather", "alltoall" or "auto"): how MoE layers' tokens reach their
-    experts (`autopar.rules.routed_experts`): "allgather" traces transformers' experts as their
-    ops (the all-gather dispatcher, or splits inside the experts); the others trace each experts
-    module as one op, "alltoall" requiring the all-to-all dispatcher wherever the experts are split
-    and "auto" letting the planner price both.
-    `activation_copies`: how many microbatches' saved activations the rank holds at once (a
-    pipeline stage's in-flight count): the plan's memory under `memory_limit` counts each copy.
-    `traced`, when given, is `trace_for(...)` of this model, inputs and options, made once: it
-    is copied instead of traced again (an in-process run of every rank's program compiles each
-    rank from one trace, as each process of a real job traces once).
+    step is shorter. `token_dispatch` ("allgather", "alltoall" or "auto"): how MoE layers' tokens
+    reach their experts (`autopar.rules.routed_experts`): "allgather" traces transformers' experts
+    as their ops (the all-gather dispatcher, or splits inside the experts); the others trace each
+    experts module as one op, "alltoall" requiring the all-to-all dispatcher wherever the experts
+    are split and "auto" letting the planner price both.
+    `activation_copies`, `gradient_copies`: copies of the saved activations (a pipeline stage's
+    microbatches in flight) and of the unreduced gradients (1: summed over microbatches) a rank holds.
+    `traced`, when given, is `trace_for(...)` of this model, inputs and options, made once: it is
+    copied instead of traced again (an in-process run of every rank's program compiles each rank
+    from one trace, as each process of a real job traces once).
     """
     example_inputs = example_tuple(example_inputs, example_kwargs)
     check_options(model, mesh, coords, memory_limit, in_flight_bytes)
@@ -246,6 +245,7 @@ def compile_for_rank(
     else:
         gm = graph_copy(traced)  # the later stages rewrite the graph in place
     set_activation_copies(gm, activation_copies)
+    set_gradient_copies(gm, gradient_copies)
     write_stage(path, "1_trace", gm, mesh)
     registry = context_parallel_registry(registry, mesh.axis_names)
     _check_context_parallel(gm, mesh)

@@ -199,6 +199,8 @@ def parallelize_on_pipeline_mesh(
                 stage_options,
                 memory_limit=None if limit is None else limit * budget.memory_share,
                 activation_copies=budget.activation_copies,
+                # Inductor-compiled stages reduce each microbatch's gradients (can_accumulate_gradients)
+                gradient_copies=1 if budget.accumulates and not stage_options.compile else 0,
             )
             if isinstance(module, StageModule) and not module.calls_any(ROUTED_OPS):  # a stage without MoE layers
                 chosen = dataclasses.replace(chosen, token_dispatch="allgather")

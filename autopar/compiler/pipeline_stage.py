@@ -33,11 +33,15 @@ from autopar.runtime.run_program import WeightDeferral
 @dataclass(frozen=True)
 class StageBudget:
     """What one stage module's plan may take of its rank's memory: a share of the rank's
-    `memory_limit` (its stages split it evenly) and how many microbatches' saved activations the
-    rank holds at once (`activation_copies`: the schedule's peak in flight, per stage)."""
+    `memory_limit` (its stages split it evenly), how many microbatches' saved activations the
+    rank holds at once (`activation_copies`: the schedule's peak in flight, per stage) and whether
+    the stage sums its microbatches' unreduced gradients before one reduction (`accumulates`:
+    more than one microbatch and a backward run whole; the sums are held through the step,
+    docs/pipeline.md#a-pipelined-ranks-memory)."""
 
     memory_share: float
     activation_copies: int
+    accumulates: bool = False
 
 
 def stage_budget(schedule: Schedule, rank: int, stage_count: int, loss_inside: bool) -> StageBudget:
@@ -49,7 +53,8 @@ def stage_budget(schedule: Schedule, rank: int, stage_count: int, loss_inside: b
         copies = math.ceil(in_flight / stage_count)
     else:
         copies = schedule.microbatches
-    return StageBudget(1.0 / stage_count, max(1, copies))
+    accumulates = schedule.microbatches > 1 and not schedule.split_backward  # zero-bubble reduces per W
+    return StageBudget(1.0 / stage_count, max(1, copies), accumulates)
 
 
 # Compiles a stage module on the stage's tensor sub-mesh, given its example arguments and its

@@ -26,6 +26,7 @@ NODE_KEY = "autopar"
 MEMORY_ORDER_KEY = "autopar_memory_order"
 SIGNATURE_KEY = "autopar_signature"
 ACTIVATION_COPIES_KEY = "autopar_activation_copies"
+GRADIENT_COPIES_KEY = "autopar_gradient_copies"
 
 # "constant": a tensor the forward made from Python data (`torch.tensor([])` in a cache), lifted by
 # export; its value is in `JointSignature.constants` and every rank holds it whole.
@@ -182,6 +183,18 @@ def activation_copies(gm: fx.GraphModule) -> int:
 
 def set_activation_copies(gm: fx.GraphModule, copies: int) -> None:
     gm.meta[ACTIVATION_COPIES_KEY] = copies
+
+
+def gradient_copies(gm: fx.GraphModule) -> int:
+    """How many copies of its parameter gradients as the backward computes them (before any
+    reduction) one rank holds through its step: 0, the stored gradient only, or 1 for a pipeline
+    stage that sums its microbatches' gradients before reducing them once (set by the compiler
+    before planning, `autopar.planning.memory`)."""
+    return int(gm.meta.get(GRADIENT_COPIES_KEY, 0))
+
+
+def set_gradient_copies(gm: fx.GraphModule, copies: int) -> None:
+    gm.meta[GRADIENT_COPIES_KEY] = copies
 
 
 def where_of(node: fx.Node) -> str:

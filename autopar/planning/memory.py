@@ -2,7 +2,11 @@
 
 It counts what `autopar.plan` measures on the emitted program: stored parameter shards, their
 gradients and AdamW states (in the parameter's dtype: 4 bytes kept per stored byte), and the
-activations the forward hands to the backward. A choice that prices another weight state (the
+activations the forward hands to the backward. A pipeline stage counts its saved activations once
+per microbatch in flight, and where it sums its microbatches' gradients before one reduction, the
+sums (`unreduced_grad_bytes`: the gradients as the backward computes them, a Partial one whole) in
+place of the stored gradient when they are more (the backward adds each term into its sum as it
+makes it, `runtime.defer_reduction`, so one term at a time exists beside them). A choice that prices another weight state (the
 mesh choice with pipeline depths under `PlanOptions.weight_state`: mixed precision's float32
 gradient, master and AdamW states beside a bfloat16 weight, 9 bytes per stored byte) records its
 `StateRatios` on the traced graph (`set_state_ratios`), and every plan of that graph is counted with
@@ -28,9 +32,10 @@ import torch
 import torch.fx as fx
 
 from autopar.core.layout import Layout
-from autopar.core.meta import activation_copies, info, is_backward, signature
+from autopar.core.meta import activation_copies, gradient_copies, info, is_backward, signature
 from autopar.core.plan import MAX_REGATHER_NODES, Plan
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown
+from autopar.cost.work import is_view
 from autopar.rules.calls import tensor_inputs
 
 MEMORY_HEADROOM = 0.9  # default limit: this share of device memory (as MemoryBreakdown.fits)
@@ -81,6 +86,8 @@ class PlanMemory:
     saved: list[SavedValue] = field(default_factory=list)
     ratios: StateRatios = field(default_factory=StateRatios)  # gradient and optimizer bytes per stored byte
     activation_copies: int = 1  # microbatches whose saved values the rank holds at once (a pipeline stage's)
+    # a stage summing its microbatches' gradients: the sums' bytes (unreduced gradients times copies)
+    unreduced_grad_bytes: float = 0.0
 
     def activation_bytes(self, regather: Collection[str] = ()) -> float:
         return sum(s.bytes for s in self.saved if s.name not in regather)
@@ -92,7 +99,8 @@ class PlanMemory:
         """The breakdown with `activation_bytes` saved per microbatch (what recomputation leaves,
         `planning.recompute`), held `activation_copies` times."""
         params, ratios, held = self.param_bytes, self.ratios, self.activation_copies * activation_bytes
-        return MemoryBreakdown(params, params * ratios.grad, params * ratios.optimizer, float(held))
+        grads = max(params * ratios.grad, self.unreduced_grad_bytes)
+        return MemoryBreakdown(params, grads, params * ratios.optimizer, float(held))
 
 
 def saved_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -145,6 +153,43 @@ def weight_chain(node: fx.Node, decided: Collection[str]) -> list[fx.Node] | Non
     return closure if params else None
 
 
+def unreduced_grad_bytes(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> float:
+    """Per rank, the parameter gradients as the backward computes them, before any collective takes
+    them to their storage layout (a Partial one is the whole local block): what a pipeline stage
+    sums over its microbatches before reducing once (`runtime.defer_reduction`)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    sig = signature(gm)
+    grads = list(output.args[0])[sig.num_user_outputs : sig.num_param_grads_end]
+    shape = tuple(mesh_shape)
+    total = 0.0
+    for node in grads:
+        layouts = plan.layouts.get(node.name) if isinstance(node, fx.Node) else None
+        if layouts:
+            total += layouts[0].local_bytes(shape)
+    return total
+
+
+def views_stored(node: fx.Node, plan: Plan) -> bool:
+    """Whether `node`, in its own layout, is a view of a stored tensor's block (a parameter's
+    transpose taken without gathering it first): saving it for backward keeps no memory of its own.
+    The proxies of docs/pipeline.md#a-pipelined-ranks-memory saved 48 MiB of such transposes per
+    microbatch that the step never allocated."""
+    current = node
+    while current.op != "placeholder":
+        inputs = current.all_input_nodes
+        if current.op != "call_function" or len(inputs) != 1 or not is_view(current) or is_backward(current):
+            return False
+        strategy = plan.strategies.get(current.name)
+        source = plan.layouts.get(inputs[0].name)
+        if strategy is None or not source:
+            return False
+        wants = [w for i, w in zip(tensor_inputs(current), strategy.inputs) if i is inputs[0]]
+        if any(w != source[0] for w in wants):  # redistributed first: a new tensor
+            return False
+        current = inputs[0]
+    return info(current).role in ("param", "buffer", "constant")
+
+
 def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> PlanMemory:
     """Memory per rank of `plan` on `gm` (see the module docstring for what is counted)."""
     shape = tuple(mesh_shape)
@@ -157,6 +202,8 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> Pl
     )
     decided = set(plan.decided)
     memory = PlanMemory(param_bytes, ratios=state_ratios(gm), activation_copies=activation_copies(gm))
+    if gradient_copies(gm) > 0:
+        memory.unreduced_grad_bytes = gradient_copies(gm) * unreduced_grad_bytes(gm, plan, shape)
     for node in saved_nodes(gm):
         have = plan.layouts[node.name][0]
         forward_wants: set[Layout] = set()
@@ -169,7 +216,7 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> Pl
                 wants = [w for i, w in zip(tensor_inputs(user), strategy.inputs) if i is node]
             (backward_wants.extend if is_backward(user) else forward_wants.update)(wants)
         kept = {w if w in forward_wants else have for w in backward_wants} or {have}
-        if node.op == "placeholder":
+        if node.op == "placeholder" or views_stored(node, plan):  # its own layout is memory held anyway
             kept.discard(have)
             if not kept:
                 continue

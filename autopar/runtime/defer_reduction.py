@@ -31,6 +31,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -115,11 +116,39 @@ class ReductionSplit:
     frontier_arguments: frozenset[int] = frozenset()
 
     def run_local(
-        self, saved: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor]
+        self,
+        saved: Sequence[torch.Tensor],
+        tangents: Sequence[torch.Tensor],
+        sums: Sequence[torch.Tensor] | None = None,
     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
-        """Run L: (input gradients, this microbatch's frontier values to accumulate)."""
-        out = list(self.local_part(*saved, *tangents))
+        """Run L: (input gradients, this microbatch's frontier values to accumulate).
+
+        With the step's `sums` (every microbatch after the first), each frontier value L computes
+        for the output alone is added into its sum as soon as it exists and dropped, and the sum
+        stands in its place in the result (`GradAccumulation.add` skips it): the backward then
+        holds the sums and one term, not the sums and every term of the microbatch at once."""
+        if sums is None:
+            out = list(self.local_part(*saved, *tangents))
+        else:
+            adds = {node: sums[i] for i, node in self._added_as_computed().items()}
+            out = list(_AddingAsComputed(self.local_part, adds).run(*saved, *tangents))
         return out[: self.num_input_grads], out[self.num_input_grads :]
+
+    def _added_as_computed(self) -> dict[int, fx.Node]:
+        """Frontier positions whose value L computes for its output alone, at one position (not
+        an argument, not an input gradient too): those the backward may add into their sums as it
+        makes them."""
+        output = next(n for n in self.local_part.graph.nodes if n.op == "output")
+        values = list(output.args[0])
+        inputs, frontier = values[: self.num_input_grads], values[self.num_input_grads :]
+        found: dict[int, fx.Node] = {}
+        for i, node in enumerate(frontier):
+            if (
+                isinstance(node, fx.Node) and node.op == "call_function" and i not in self.frontier_arguments
+                and list(node.users) == [output] and frontier.count(node) == 1 and node not in inputs
+            ):  # fmt: skip
+                found[i] = node
+        return found
 
     def run_reduce(self, frontier: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """Run R on the accumulated frontier: the parameter gradients in storage layout. R takes
@@ -127,6 +156,23 @@ class ReductionSplit:
         is freed once a bucket has copied it, not held until every reduction has run (the sums,
         the buckets and the reduced gradients are all a stage's gradient size)."""
         return list(fx.Interpreter(self.reduce_part, garbage_collect_values=True).boxed_run(frontier))
+
+
+class _AddingAsComputed(fx.Interpreter):
+    """Runs a local part, adding each of `adds`' values into its sum as soon as it is computed;
+    the sum takes the value's place, so the term is freed at once (`ReductionSplit.run_local`)."""
+
+    def __init__(self, module: fx.GraphModule, adds: dict[fx.Node, torch.Tensor]) -> None:
+        super().__init__(module, garbage_collect_values=True)
+        self.adds = adds
+
+    def run_node(self, n: fx.Node) -> Any:
+        value = super().run_node(n)
+        total = self.adds.get(n)
+        if total is None:
+            return value
+        total.add_(value)
+        return total
 
 
 def split_reductions(program: EmittedProgram) -> ReductionSplit:
@@ -273,7 +319,8 @@ class GradAccumulation:
         """Add one microbatch's frontier (each value a gradient term: a sum of them is exact), in
         place: one buffer per value for the whole step. `sums = [a + b ...]` would hold the old sums,
         this microbatch's terms and the new sums at once, three unreduced gradients at the last
-        backward of the step (docs/large-models.md#pipelined-pp2-x-22 measures it)."""
+        backward of the step (docs/large-models.md#pipelined-pp2-x-22 measures it). The terms
+        `run_local` added as it computed them are the sums themselves here, and are skipped."""
         key = id(program.backward)
         found = self.by_program.get(key)
         split = self.split(program)
@@ -282,8 +329,15 @@ class GradAccumulation:
             self.by_program[key] = _Accumulated(split, sums, local_params, timeout)
             return
         for total, term in zip(found.sums, frontier, strict=True):
-            total.add_(term)
+            if term is not total:  # (a sum the backward added its term into, `run_local`)
+                total.add_(term)
         found.local_params = local_params
+
+    def sums_of(self, program: EmittedProgram) -> list[torch.Tensor] | None:
+        """The step's sums of `program`'s frontier so far (None before its first backward):
+        `ReductionSplit.run_local` adds the next microbatch's terms into them as it computes them."""
+        found = self.by_program.get(id(program.backward))
+        return found.sums if found is not None else None
 
     def reduce(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """Run every program's reduction once on its sums and return the gradients of `params`

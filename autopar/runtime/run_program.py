@@ -109,7 +109,7 @@ class RunProgram(torch.autograd.Function):
         if isinstance(deferral, GradAccumulation):  # pipelines: reduce the gradients once per step
             split_r = deferral.split(program)
             with failures_named(ctx.timeout), autocast_off():
-                input_grads, frontier = split_r.run_local(tuple(ctx.saved_tensors), tangents)
+                input_grads, frontier = split_r.run_local(tuple(ctx.saved_tensors), tangents, deferral.sums_of(program))
             deferral.add(program, frontier, ctx.local_params, ctx.timeout)
             return (*none, *input_grads)
         if deferral is not None:  # zero-bubble: the input gradients now, the weights' later
