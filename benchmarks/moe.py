@@ -163,24 +163,45 @@ def dispatch_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def experts_only() -> RuleRegistry:
-    """The default rules with the grouped matmuls offering only the expert split."""
+def _grouped_mm_keeping(keep: Callable[[AxisStrategy], bool], anchor: bool | None = None) -> RuleRegistry:
+    """The default rules with transformers' grouped matmuls (forward and backward) offering only the
+    strategies `keep` admits; `anchor` overrides the rules' own (None keeps it)."""
     registry = default_registry()
-    for name, strategies in (
-        ("grouped_mm_fallback", expert_parallel.expert_split_forward),
-        ("grouped_mm_fallback_backward", expert_parallel.expert_split_backward),
-    ):
+    for name in ("grouped_mm_fallback", "grouped_mm_fallback_backward"):
         op = library_op("transformers", name)
         rule = registry.get(op)
         assert rule is not None, name
 
-        def only(call: OpCall, strategies: Any = strategies) -> list[AxisStrategy]:
-            return list(strategies(call))
+        def kept(call: OpCall, strategies: Any = rule.strategies) -> list[AxisStrategy]:
+            return [s for s in strategies(call) if keep(s)]
 
         registry.register(
-            op, only, family=rule.family, localize=rule.localize, anchor=True, uneven=rule.uneven
-        )
+            op, kept, family=rule.family, localize=rule.localize,
+            anchor=rule.anchor if anchor is None else anchor, uneven=rule.uneven,
+        )  # fmt: skip
     return registry
+
+
+def _weight_experts_split(strategy: AxisStrategy) -> bool:
+    """Whether a grouped matmul strategy splits the weight's experts (its input 1, (E, K, N))."""
+    return strategy.inputs[1] == Shard(expert_parallel.EXPERT_DIM)
+
+
+def experts_only() -> RuleRegistry:
+    """The default rules with the grouped matmuls offering only the expert split (an anchor, as
+    tests/test_expert_parallel.py forces it)."""
+    return _grouped_mm_keeping(_weight_experts_split, anchor=True)
+
+
+def _inside_only() -> RuleRegistry:
+    """The default rules with the grouped matmuls never splitting their experts (only inside them)."""
+    return _grouped_mm_keeping(lambda s: not _weight_experts_split(s))
+
+
+def _replicated_only() -> RuleRegistry:
+    """The default rules with the grouped matmuls holding every expert whole on every rank (their
+    weights replicated: each rank multiplies its own tokens' rows by every expert)."""
+    return _grouped_mm_keeping(lambda s: s.inputs[1] == R)
 
 
 def measure(shape_name: str, mesh: tuple[int, ...], forced: bool, token_dispatch: str = "allgather") -> dict[str, Any]:
@@ -217,41 +238,6 @@ def measure(shape_name: str, mesh: tuple[int, ...], forced: bool, token_dispatch
         "MB_per_rank": result.comm_bytes / 1e6,
         "plan_cpu_s": time.process_time() - start,
     }
-
-
-def _inside_only() -> RuleRegistry:
-    """The default rules with the grouped matmuls never splitting their experts (only inside them)."""
-    registry = default_registry()
-    for name in ("grouped_mm_fallback", "grouped_mm_fallback_backward"):
-        op = library_op("transformers", name)
-        rule = registry.get(op)
-        assert rule is not None, name
-
-        def inside(call: OpCall, strategies: Any = rule.strategies) -> list[AxisStrategy]:
-            return [s for s in strategies(call) if s.inputs[1] != Shard(expert_parallel.EXPERT_DIM)]
-
-        registry.register(
-            op, inside, family=rule.family, localize=rule.localize, anchor=rule.anchor, uneven=rule.uneven
-        )
-    return registry
-
-
-def _replicated_only() -> RuleRegistry:
-    """The default rules with the grouped matmuls holding every expert whole on every rank (their
-    weights replicated: each rank multiplies its own tokens' rows by every expert)."""
-    registry = default_registry()
-    for name in ("grouped_mm_fallback", "grouped_mm_fallback_backward"):
-        op = library_op("transformers", name)
-        rule = registry.get(op)
-        assert rule is not None, name
-
-        def whole(call: OpCall, strategies: Any = rule.strategies) -> list[AxisStrategy]:
-            return [s for s in strategies(call) if s.inputs[1] == R]
-
-        registry.register(
-            op, whole, family=rule.family, localize=rule.localize, anchor=rule.anchor, uneven=rule.uneven
-        )
-    return registry
 
 
 GLOO_PLANS = {"expert split": experts_only, "split inside experts": _inside_only}

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.planning.search_blocks import Clock, chains, make_blocks, solve, sweep, trees
+from autopar.planning.search_vars import CACHED_ENTRIES, Tally
 from autopar.planning.search_vars import Edge as _Edge
-from autopar.planning.search_vars import Tally
 from autopar.planning.search_vars import Var as _Var
 
 
@@ -219,3 +219,18 @@ def test_sweeps_that_skip_unmoved_blocks_end_where_full_sweeps_end(graph: tuple[
     sweep(blocks, vars, {}, skipping, clock)  # nothing moved since: every block is skipped
     assert skipping.solves == before
     assert skipping.solves <= full.solves
+
+
+def test_an_edge_keeps_small_pair_tables_and_gathers_large_ones_again() -> None:
+    """`Edge.matrix()` is every (u, v) candidate pair's cost from the table of distinct layouts. A
+    small one is kept for the next solve; one above `CACHED_ENTRIES` (a routed-experts op's 512
+    candidates against its neighbour's) is gathered again each time, so a search over thousands of
+    such edges holds their small tables only, and both give the same numbers."""
+    rng = np.random.default_rng(0)
+    table = rng.random((3, 4))
+    for n in (8, 600):
+        out_index, in_index = rng.integers(0, 3, n), rng.integers(0, 4, n)
+        edge = _Edge(0, 1, table, out_index, in_index)
+        want = np.array([[table[out_index[i], in_index[j]] for j in range(n)] for i in range(n)])
+        assert np.array_equal(edge.matrix(), want) and np.array_equal(edge.matrix(), want)
+        assert (edge.cached is not None) == (n * n <= CACHED_ENTRIES), n

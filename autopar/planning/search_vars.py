@@ -13,6 +13,9 @@ import numpy as np
 
 from autopar.core.strategy import Strategy
 
+# the largest pair table an edge keeps between solves (float64 entries: 512 KiB)
+CACHED_ENTRIES = 1 << 16
+
 
 @dataclass
 class Var:
@@ -44,9 +47,16 @@ class Edge:
         return self.table[self.out_index, self.in_index[v_choice]]
 
     def matrix(self) -> np.ndarray:
-        if self.cached is None:
-            self.cached = self.table[np.ix_(self.out_index, self.in_index)]
-        return self.cached
+        """The cost of every (u candidate, v candidate) pair. Kept for the next solve only up to
+        `CACHED_ENTRIES`; a larger one is gathered again from the small `table` of distinct
+        layouts. Keeping every pair table (up to 512 x 512, 2 MiB each) grew the stage sub-mesh
+        choice of Mixtral 8x7B's pipelined job (8 layers, benchmarks/moe_pipelined.py) past 9 GB."""
+        if self.cached is not None:
+            return self.cached
+        matrix = self.table[np.ix_(self.out_index, self.in_index)]
+        if matrix.size <= CACHED_ENTRIES:
+            self.cached = matrix
+        return matrix
 
     def value(self, u_choice: int, v_choice: int) -> float:
         return float(self.table[self.out_index[u_choice], self.in_index[v_choice]])
