@@ -24,7 +24,14 @@ from autopar.core.pipeline_schedule import schedule_by_name
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, memory_per_rank
 from autopar.passes.trace import trace
 from autopar.planning.greedy import choose_layouts
-from autopar.planning.memory import MEMORY_HEADROOM, plan_memory, unreduced_grad_bytes, weight_chain
+from autopar.planning.memory import (
+    MEMORY_HEADROOM,
+    plan_memory,
+    saved_nodes,
+    unreduced_grad_bytes,
+    views_stored,
+    weight_chain,
+)
 from autopar.planning.search import (
     ElementCost,
     SearchPlan,
@@ -278,3 +285,19 @@ def test_a_plan_under_a_memory_limit_trains_like_the_serial_model() -> None:
     r = train_in_lockstep(model, SHAPE, [batch, batch], adamw, memory_limit=limit)
     numbers = {k: r[k] for k in ("loss_err", "grad_err", "param_err")}
     assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["param_err"] < 1e-5, numbers
+
+
+def test_a_stored_weights_transpose_saved_for_backward_costs_nothing(setup: dict[str, Any]) -> None:
+    """On one axis the plan keeps weights as they are stored (column and row splits), and the
+    backward saves their transposes: views of the stored blocks, which hold no memory of their own
+    (a 4-rank proxy's step never allocated the 48 MiB per microbatch they were counted at,
+    docs/pipeline.md#a-pipelined-ranks-memory). Gathered weights (the (2, 2, 2) plan) still count."""
+    gm = setup["gm"]
+    plan = search_layouts(gm, autopar.Mesh.from_shape((2,)), default_registry(), cost=ElementCost((2,)),
+                          memory_limit=math.inf, storage="sharded")  # fmt: skip
+    views = [n for n in saved_nodes(gm) if n.op != "placeholder" and views_stored(n, plan)]
+    assert views and all(n.target is torch.ops.aten.t.default for n in views)
+    counted = {s.name: s.bytes for s in plan_memory(gm, plan, (2,)).saved}
+    # saved in their own layout only: nothing counted (a layout backward gathers to would be)
+    assert all(counted.get(n.name, 0.0) == 0.0 for n in views)
+    assert not any(views_stored(n, setup["free"]) for n in saved_nodes(gm) if n.target is torch.ops.aten.t.default)

@@ -35,6 +35,7 @@ from autopar.core.layout import Layout
 from autopar.core.meta import activation_copies, gradient_copies, info, is_backward, signature
 from autopar.core.plan import MAX_REGATHER_NODES, Plan
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown
+from autopar.cost.work import is_view
 from autopar.rules.calls import tensor_inputs
 
 MEMORY_HEADROOM = 0.9  # default limit: this share of device memory (as MemoryBreakdown.fits)
@@ -168,6 +169,27 @@ def unreduced_grad_bytes(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[in
     return total
 
 
+def views_stored(node: fx.Node, plan: Plan) -> bool:
+    """Whether `node`, in its own layout, is a view of a stored tensor's block (a parameter's
+    transpose taken without gathering it first): saving it for backward keeps no memory of its own.
+    The proxies of docs/pipeline.md#a-pipelined-ranks-memory saved 48 MiB of such transposes per
+    microbatch that the step never allocated."""
+    current = node
+    while current.op != "placeholder":
+        inputs = current.all_input_nodes
+        if current.op != "call_function" or len(inputs) != 1 or not is_view(current) or is_backward(current):
+            return False
+        strategy = plan.strategies.get(current.name)
+        source = plan.layouts.get(inputs[0].name)
+        if strategy is None or not source:
+            return False
+        wants = [w for i, w in zip(tensor_inputs(current), strategy.inputs) if i is inputs[0]]
+        if any(w != source[0] for w in wants):  # redistributed first: a new tensor
+            return False
+        current = inputs[0]
+    return info(current).role in ("param", "buffer", "constant")
+
+
 def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> PlanMemory:
     """Memory per rank of `plan` on `gm` (see the module docstring for what is counted)."""
     shape = tuple(mesh_shape)
@@ -194,7 +216,7 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> Pl
                 wants = [w for i, w in zip(tensor_inputs(user), strategy.inputs) if i is node]
             (backward_wants.extend if is_backward(user) else forward_wants.update)(wants)
         kept = {w if w in forward_wants else have for w in backward_wants} or {have}
-        if node.op == "placeholder":
+        if node.op == "placeholder" or views_stored(node, plan):  # its own layout is memory held anyway
             kept.discard(have)
             if not kept:
                 continue
