@@ -50,7 +50,7 @@ from autopar.core.meta import has_info, info, is_backward, signature
 from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
 from autopar.cost.work import compute_rate, global_work, work_split
-from autopar.planning.memory import SavedValue, weight_chain
+from autopar.planning.memory import SavedValue, views_stored, weight_chain
 from autopar.planning.plan_cost import GraphFacts
 from autopar.planning.search_cost import ElementCost
 from autopar.rules.calls import tensor_inputs
@@ -72,7 +72,7 @@ class _Value:
     """What keeping one forward value costs, per state of the recompute set."""
 
     have: Layout
-    is_placeholder: bool
+    is_placeholder: bool  # or a view of a stored block (`views_stored`): its own layout is held anyway
     backward: set[Layout]  # layouts backward reads it in (its own, or a forward redistribution)
     forward: set[Layout]  # layouts forward ops read it in
     by_user: dict[str, list[Layout]] = field(default_factory=dict)  # forward user -> layouts it reads
@@ -174,7 +174,7 @@ class RecomputeModel:
 
     def _value(self, node: fx.Node, plan: Plan, grads: Collection[fx.Node]) -> _Value:
         have = plan.layouts[node.name][0]
-        value = _Value(have, node.op == "placeholder", set(), set())
+        value = _Value(have, node.op == "placeholder" or views_stored(node, plan), set(), set())
         name = node.name
         for user in node.users:
             strategy = plan.strategies.get(user.name)
