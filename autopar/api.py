@@ -90,8 +90,7 @@ def parallelize(
     mesh_shape: "auto" with the job's DeviceMesh or world size as `mesh`: every factorization is
         planned and the fastest that fits runs; the ranked table is `result.mesh_choice`.
     memory_limit: bytes per rank the plan's modeled memory must fit (default: 90% of a rank's
-        device memory; a CPU rank's is the machine's memory over the job's ranks on it, less what
-        the process holds beside the model: torch, gloo, the interpreter).
+        device memory; a CPU rank's is the machine's memory over the job's ranks on it).
     mp_policy: torch's `MixedPrecisionPolicy(param_dtype=...)`: float32 master weights, compute in
         `param_dtype` (docs/architecture.md).
     compile: True runs every program's graphs through `torch.compile` (Inductor).
@@ -143,8 +142,8 @@ def parallelize(
         )
     # hardware=None: by the mesh's device type, as `plan(device_type=...)` resolves it
     hardware, layout_hardware = default_tables(planning.hardware, _device_type(mesh))
-    if memory_limit is None:  # the device's memory (a CPU rank: the machine's over its local ranks, less the runtime's)
-        memory_limit = default_memory_limit(_device_type(mesh), model)
+    if memory_limit is None:  # the device's memory (a CPU rank: the machine's over its local ranks)
+        memory_limit = default_memory_limit(_device_type(mesh))
     options = ModuleOptions(
         registry=registry,
         planner=planner,
@@ -252,12 +251,10 @@ def _asked_registry(
     return context_parallel_registry(base, axis_names, planning.context_parallel)
 
 
-def default_memory_limit(device_type: str, model: nn.Module | None = None) -> float | None:
+def default_memory_limit(device_type: str) -> float | None:
     """`parallelize`'s default `memory_limit`: `MEMORY_HEADROOM` of one rank's memory on
-    `device_type` (`runtime.device_memory`: on CPU, less what the process holds beside `model`'s
-    tensors), None where that is not known."""
-    tensors = [*model.parameters(), *model.buffers()] if model is not None else []
-    memory = rank_memory(device_type, tensors)
+    `device_type` (`runtime.device_memory`), None where that is not known."""
+    memory = rank_memory(device_type)
     return None if memory is None else MEMORY_HEADROOM * memory
 
 
