@@ -31,6 +31,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -130,14 +131,15 @@ class ReductionSplit:
         if sums is None:
             out = list(self.local_part(*saved, *tangents))
         else:
-            adds = {node: sums[i] for i, node in self._added_as_computed().items()}
+            adds = {node: sums[i] for i, node in self._added_as_computed.items()}
             out = list(_AddingAsComputed(self.local_part, adds).run(*saved, *tangents))
         return out[: self.num_input_grads], out[self.num_input_grads :]
 
+    @cached_property
     def _added_as_computed(self) -> dict[int, fx.Node]:
         """Frontier positions whose value L computes for its output alone, at one position (not
         an argument, not an input gradient too): those the backward may add into their sums as it
-        makes them."""
+        makes them. Found once per split, not on every microbatch's backward."""
         output = next(n for n in self.local_part.graph.nodes if n.op == "output")
         values = list(output.args[0])
         inputs, frontier = values[: self.num_input_grads], values[self.num_input_grads :]
