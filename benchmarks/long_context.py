@@ -319,6 +319,8 @@ def _modeled(small: Small, variant: str, limit: float | None, ranks: int) -> dic
 
 
 def measure(small: Small, variants: list[str], limit: float | None, ranks: int, rounds: int) -> dict[str, Any]:
+    """Part (a): each plan modeled here, then measured on `ranks` gloo ranks; the serial model's
+    first loss beside the plans' (every plan's losses are compared with the first plan's)."""
     clock = RunClock()
     model, batch = small.build()
     with torch.no_grad():
