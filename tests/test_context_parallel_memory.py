@@ -5,19 +5,24 @@ keys, values and output whole for backward; the search at no limit prefers that 
 limit that no plan without the sequence split meets, even recomputing every block (whose values
 exist again while its backward runs, `planning.recompute`), the search splits attention's
 queries along the sequence by itself, and the program trains equal to serial. The modeled
-numbers are the H100 table's, as `autopar.plan` prices a CUDA mesh by default."""
+numbers are the H100 table's, as `autopar.plan` prices a CUDA mesh by default. The same for
+transformers' LlamaForCausalLM at its defaults, called with a padding mask, at sequence 128."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from pass_fixtures import assert_call_matches_serial
+from pass_fixtures import assert_call_matches_serial, compile_every_rank
+from train_fixtures import train_hf_in_lockstep
 
 import autopar
 from autopar.core.errors import AutoparError, MemoryLimitError
 from autopar.core.meta import info
 from autopar.rules.context_parallel import BACKWARD, FORWARD, without_sequence_split
 from autopar.rules.registry import default_registry
+from examples.hf_models import VOCAB, tiny_causal_lm
 from examples.zoo import make_llama
 
 SHAPE = (2, 4)
@@ -78,3 +83,35 @@ def test_cp_axis_with_auto_mesh_is_refused() -> None:
     with pytest.raises(AutoparError, match='cannot keep a "cp" axis') as refused:
         autopar.plan(model, "auto", batch, world_size=8, mesh_names=("dp", "cp"))
     assert "mesh_names" in (refused.value.hint or "")
+
+
+HF_LIMIT = 0.2 * 2**20  # bytes per rank: the leanest plan without CP needs 0.27 MiB, the CP plan 0.12
+
+
+def test_memory_limit_splits_the_sequence_of_transformers_llama() -> None:
+    """LlamaForCausalLM at its defaults (1 layer, 2 query heads, 2 key/value heads), called as its
+    docs call it with left padding in one sample (the causal and padding structure in a (B, 1, T, T)
+    mask), batch 2, sequence 128, on (2, 4) ranks without a "cp" axis: at no limit the search keeps
+    attention whole on the 4-rank axis; under a limit no plan without the sequence split meets, it
+    splits every attention call's queries (and the mask's query rows) along the sequence there by
+    itself, and two SGD-with-momentum steps of the ranks' programs in lockstep equal serial (loss,
+    every gradient, every parameter)."""
+    pytest.importorskip("transformers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+    model = tiny_causal_lm("llama", n_layer=1, heads=2, kv_heads=2)
+    ids = torch.randint(VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 128, dtype=torch.long)
+    mask[0, :37] = 0
+    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    free = autopar.plan(model, SHAPE, (), example_kwargs=kwargs, planning=autopar.PlanOptions(hardware=TABLE))
+    assert all(q[1] != autopar.Shard(2) for q in _query_placements(free.compiled.graph.graph))
+    without = autopar.PlanOptions(hardware=TABLE, registry=without_sequence_split(default_registry()))
+    with pytest.raises(MemoryLimitError):
+        autopar.plan(model, SHAPE, (), example_kwargs=kwargs, memory_limit=HF_LIMIT, planning=without)
+    compiled = compile_every_rank(model, SHAPE, (), kwargs, memory_limit=HF_LIMIT, hardware=TABLE)
+    graph = next(iter(compiled.values())).graph
+    queries = _query_placements(graph.graph)
+    assert len(queries) >= 2 and all(q[1] == autopar.Shard(2) for q in queries), queries
+    assert graph.meta["autopar_search"].memory <= HF_LIMIT
+    train_hf_in_lockstep(compiled, model, kwargs, SHAPE, steps=2)

@@ -78,20 +78,36 @@ def test_forced_strategy_trains_like_serial(family: str, strategy: str, mesh: st
     train_hf_in_lockstep(compiled, model, kwargs, shape, STEPS)
 
 
-def test_balanced_sliding_window_at_sequence_128_on_dp_cp() -> None:
-    """Issue 36 item 4 at its sequence: Mistral (8 query heads, 2 key/value heads, a window of 32
-    keys in the mask, 37 tokens of left padding in one sample) at sequence 128 with the
-    load-balanced layout forced on a (2, 4) ("dp", "cp") mesh: every attention call's queries
-    balanced on "cp" with keys and values gathered, and two SGD-with-momentum steps in lockstep
-    equal serial (loss, every gradient, every parameter)."""
-    shape, names, seq = (2, 4), ("dp", "cp"), 128
+AT_128 = {  # the model, the strategy forced, the mesh and its "cp" axis, the (query, key) layouts on "cp"
+    "mistral-balanced-dp2xcp4": (
+        lambda: tiny_causal_lm("mistral", n_layer=1, heads=8, kv_heads=2, sliding_window=32),
+        "balanced", (2, 4), ("dp", "cp"), (BalancedShard(2), R),
+    ),
+    "llama-ring-dp2xtp2xcp2": (
+        lambda: tiny_causal_lm("llama", n_layer=1, heads=8, kv_heads=2),
+        "ring", (2, 2, 2), ("dp", "tp", "cp"), ASKED["ring"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(AT_128))
+def test_forced_strategy_at_sequence_128(case: str) -> None:
+    """Issue 36 item 4 at its sequence: 8 query heads, 2 key/value heads, 37 tokens of left
+    padding in one sample, sequence 128. Mistral (a window of 32 keys in the mask) with the
+    load-balanced layout forced on a (2, 4) ("dp", "cp") mesh; Llama with the ring forced on
+    (2, 2, 2) ("dp", "tp", "cp"), where the search nests the ring's sequence split inside another
+    axis's split of the sequence (each rank's blocks at their nested offsets). Every attention
+    call's queries and keys take the layout asked for on "cp", and two SGD-with-momentum steps in
+    lockstep equal serial (loss, every gradient, every parameter)."""
+    build, strategy, shape, names, asked = AT_128[case]
+    cp, seq = names.index("cp"), 128
     torch.manual_seed(0)
-    model = tiny_causal_lm("mistral", n_layer=1, heads=8, kv_heads=2, sliding_window=32)
+    model = build()
     ids = torch.randint(VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(BATCH, seq, dtype=torch.long)
     mask[0, :37] = 0
     kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
-    registry = require_context_parallel(default_registry(), 1, "balanced")
+    registry = require_context_parallel(default_registry(), cp, strategy)
     compiled = compile_every_rank(model, shape, (), kwargs, names=names, registry=registry)
     graph = next(iter(compiled.values())).graph.graph
     calls = [n for n in graph.nodes if n.target in (FORWARD, BACKWARD)]
@@ -100,5 +116,5 @@ def test_balanced_sliding_window_at_sequence_128_on_dp_cp() -> None:
         chosen = info(node).strategy
         assert chosen is not None
         at = 1 if node.target is BACKWARD else 0
-        assert (chosen.inputs[at].placements[1], chosen.inputs[at + 1].placements[1]) == (BalancedShard(2), R)
+        assert (chosen.inputs[at].placements[cp], chosen.inputs[at + 1].placements[cp]) == asked, (node.name, chosen)
     train_hf_in_lockstep(compiled, model, kwargs, shape, STEPS)
