@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ from autopar.core.graph_copy import graph_copy
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.precision import Autocast, MixedPrecision, compilable_autocast
+from autopar.cost.hardware import load_hardware
 from autopar.options import (
     PLAN_FIELDS,
     DebugOptions,
@@ -90,7 +92,8 @@ def parallelize(
     mesh_shape: "auto" with the job's DeviceMesh or world size as `mesh`: every factorization is
         planned and the fastest that fits runs; the ranked table is `result.mesh_choice`.
     memory_limit: bytes per rank the plan's modeled memory must fit (default: 90% of a rank's
-        device memory; a CPU rank's is the machine's memory over the job's ranks on it).
+        device memory; a CPU rank's is the machine's memory over the job's ranks on it, less the
+        runtime's fixed 286 MiB, `core.host_memory.RUNTIME_RESERVE`).
     mp_policy: torch's `MixedPrecisionPolicy(param_dtype=...)`: float32 master weights, compute in
         `param_dtype` (docs/architecture.md).
     compile: True runs every program's graphs through `torch.compile` (Inductor).
@@ -142,7 +145,7 @@ def parallelize(
         )
     # hardware=None: by the mesh's device type, as `plan(device_type=...)` resolves it
     hardware, layout_hardware = default_tables(planning.hardware, _device_type(mesh))
-    if memory_limit is None:  # the device's memory (a CPU rank: the machine's over its local ranks)
+    if memory_limit is None:  # the device's memory (a CPU rank: the machine's over its local ranks, less the runtime's)
         memory_limit = default_memory_limit(_device_type(mesh))
     options = ModuleOptions(
         registry=registry,
@@ -251,10 +254,12 @@ def _asked_registry(
     return context_parallel_registry(base, axis_names, planning.context_parallel)
 
 
-def default_memory_limit(device_type: str) -> float | None:
+def default_memory_limit(device_type: str, ranks: int | None = None) -> float | None:
     """`parallelize`'s default `memory_limit`: `MEMORY_HEADROOM` of one rank's memory on
-    `device_type` (`runtime.device_memory`), None where that is not known."""
-    memory = rank_memory(device_type)
+    `device_type` (`runtime.device_memory`; a CPU rank's: the machine's over `ranks` on it, default
+    the job's local ranks, less the runtime's reserve), None where that is not known. `plan` with
+    `device_type="cpu"` takes it for its mesh's ranks, so both plan under one limit."""
+    memory = rank_memory(device_type, ranks)
     return None if memory is None else MEMORY_HEADROOM * memory
 
 
@@ -300,7 +305,9 @@ def plan(
     `device_type` ("cuda", default, or "cpu") stands for the mesh's device type, which decides
     what `PlanOptions.hardware=None` means, as in `parallelize` (`autopar.options.default_tables`).
     `mesh_shape="auto"` with `world_size=N` plans every factorization of N and compiles the fastest
-    that fits `memory_limit` (bytes per rank, default 90% of the table's device memory); the ranked
+    that fits `memory_limit` (bytes per rank, default 90% of the table's device memory; with
+    `device_type="cpu"` or a CPU table, `parallelize`'s default on a CPU job of the mesh's ranks on
+    this machine: its memory over the ranks, less the runtime's reserve); the ranked
     table is `result.mesh_choice`. With `pipeline=PipelineOptions(microbatches=M)` too, pipeline
     depths compete (`result.pipeline_choice`); when one wins, the plan compiled is its stage
     sub-mesh's plan for one microbatch. `compare=True` also prices the fixed 1-D Megatron, 2-D
@@ -321,6 +328,10 @@ def plan(
     if not isinstance(device_type, str):
         raise UsageError(f"plan(): device_type must be a str, got {device_type!r}", hint='device_type="cuda" or "cpu"')
     hardware, layout_hardware = default_tables(planning.hardware, device_type)
+    if memory_limit is None and (device_type == "cpu" or load_hardware(hardware).memory_shared):
+        # CPU ranks share the machine they run on: parallelize's default on a job of these ranks here
+        ranks = world_size if isinstance(mesh_shape, str) else math.prod(mesh_shape)
+        memory_limit = default_memory_limit("cpu", ranks)
     planner, registry, microbatches = planning.planner, planning.registry, pipeline.microbatches
     over_decompose, split_fused, in_flight_bytes = planning.over_decompose, planning.split_fused, planning.in_flight_bytes
     mixed_precision = MixedPrecision.of(mp_policy)

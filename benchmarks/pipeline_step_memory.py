@@ -25,6 +25,7 @@ import math
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -100,7 +101,11 @@ def _rank(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tens
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.01, momentum=0.9)
     params = list(pmodel.parameters())
     sampler = _Sampler()
-    sums: list[Any] = []  # the step's accumulations, as the stages add to them
+    # the step's accumulations and its schedule, held weakly: a strong reference would keep the
+    # step's gradients alive beside `.grad`, so autograd would copy them at `loss.backward()` (it
+    # takes a gradient as `.grad` only where nothing else holds it) and the table would show a copy
+    # that a user's step never makes
+    sums: list[weakref.ref[Any]] = []
     steps: list[list[dict[str, Any]]] = []
     record: list[dict[str, Any]] | None = None
     step_state: dict[str, Any] = {}
@@ -108,13 +113,14 @@ def _rank(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tens
     def snapshot(label: str, before: int) -> None:
         if record is None:
             return
-        step = step_state.get("step")
+        step = step_state["step"]() if "step" in step_state else None
+        accumulations = [acc for acc in (ref() for ref in sums) if acc is not None]
         record.append({
             "action": label,
             "before": before,
             "peak": max(sampler.peak, in_use()),
             "after": in_use(),
-            "accumulated": sum(_bytes(a.sums) for acc in sums for a in acc.by_program.values()),
+            "accumulated": sum(_bytes(a.sums) for acc in accumulations for a in acc.by_program.values()),
             "sends": _bytes(d for _, d in step.sends) if step is not None else 0,
             "kept": len(step.kept) if step is not None else 0,
             "grads": _bytes(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None),
@@ -132,11 +138,11 @@ def _rank(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tens
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        step_state["step"] = self
+        step_state["step"] = weakref.ref(self)
 
     def add(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not any(s is self for s in sums):
-            sums.append(self)
+        if not any(ref() is self for ref in sums):
+            sums.append(weakref.ref(self))
         original_add(self, *args, **kwargs)
 
     pipeline_runtime._Step.do = do  # type: ignore[method-assign]

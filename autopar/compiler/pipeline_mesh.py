@@ -189,7 +189,8 @@ def choose_pipeline_mesh(
     example = tuple(example_inputs)
     modes = RECOMPUTE_MODES if recompute == "auto" else (recompute_mode(recompute),)
     hw = load_hardware(hardware)
-    limit = hw.memory_capacity * MEMORY_HEADROOM if memory_limit is None else float(memory_limit)
+    # a rank's memory: the device's, or on a CPU table the machine's over the job's ranks, less the runtime's
+    limit = hw.rank_memory(world_size) * MEMORY_HEADROOM if memory_limit is None else float(memory_limit)
     gm = trace(model, example, decompose=True, example_kwargs=example_kwargs)
     state = StateBytes.of(gm, weight_state_for(gm, weight_state))
     candidates: list[PipelineCandidate] = []

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from autopar.core.errors import UnknownHardwareError
+from autopar.core.host_memory import cpu_rank_memory
 
 TABLES_DIR = Path(__file__).parent / "tables"
 
@@ -182,11 +183,13 @@ class Hardware:
     memory_shared: bool = False
 
     def rank_memory(self, ranks: int) -> float:
-        """Bytes of memory one of `ranks` ranks has: a device's own, or on a table whose memory
-        the local ranks share, the machine's over the ranks on it (at most `devices_per_node`)."""
+        """Bytes of memory one of `ranks` ranks has for a plan's tensors: a device's own, or on a
+        table whose memory the local ranks share (CPU processes), the machine's over the ranks on
+        it (at most `devices_per_node`) less the runtime's fixed reserve per process
+        (`core.host_memory.cpu_rank_memory`, as `parallelize`'s default limit on CPU counts it)."""
         if not self.memory_shared:
             return self.memory_capacity
-        return self.memory_capacity / max(1, min(ranks, self.devices_per_node))
+        return cpu_rank_memory(self.memory_capacity, min(ranks, self.devices_per_node))
 
     def peak(self, dtype: torch.dtype | str) -> float:
         """FLOP/s for `dtype`; the float32 rate when the table has no entry for it."""

@@ -126,7 +126,8 @@ def cut_graph(
     check_schedule(schedule, pp, v, microbatches)
     num = pp * v
     hw = graph.hardware
-    limit = hw.memory_capacity * MEMORY_HEADROOM if memory_limit is None else float(memory_limit)
+    # a rank's memory: the device's, or on a CPU table the machine's over the job's ranks, less the runtime's
+    limit = hw.rank_memory(pp * graph.tensor_size) * MEMORY_HEADROOM if memory_limit is None else float(memory_limit)
     if data_parallel < 1 or graph.tensor_size % data_parallel:
         raise StageCutError(
             f"data_parallel={data_parallel} does not divide the {graph.tensor_size} ranks of a stage",

@@ -346,8 +346,15 @@ class _Step:
         if pairs and wrt:
             found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
         elif pairs and (not weights or runner.reduce_grads is not None):
-            # nothing to return, but the backward must run (it keeps W's inputs / adds its gradients)
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            # nothing to return, but the backward must run (it keeps W's inputs / adds its gradients).
+            # Asked of the parameters (which get none here: W or the step's reduction gives them),
+            # never as `.backward()`: that would run the parameters' accumulation with no gradient,
+            # firing a user's post-accumulate-grad hooks once per microbatch with `.grad` empty
+            held = [p for p in runner.params if p.requires_grad]
+            if held:
+                torch.autograd.grad([o for o, _ in pairs], held, [g for _, g in pairs], allow_unused=True)
+            else:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             found = ()
         else:
             found = tuple(None for _ in wrt)

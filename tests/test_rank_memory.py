@@ -1,0 +1,89 @@
+"""The default memory limit of a CPU rank (autopar/core/host_memory.py): its share of the machine
+less the runtime's fixed reserve, one number in `parallelize` (`api.default_memory_limit`) and in
+`autopar.plan` (the cpu-gloo table's `rank_memory`, which the in-flight budget, the search and the
+pipeline cut read), so both plan under one limit."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import autopar
+from autopar.api import default_memory_limit
+from autopar.core.host_memory import RUNTIME_RESERVE, cpu_rank_memory
+from autopar.cost.hardware import load_hardware
+from autopar.passes.trace import trace
+from autopar.planning.memory import MEMORY_HEADROOM
+from autopar.planning.search_cost import TimeCost
+from autopar.planning.search_fit import default_memory_limit as search_default_limit
+from autopar.planning.stage_cut import cut_graph
+from autopar.planning.stage_units import stage_graph
+from autopar.runtime.device_memory import machine_memory, rank_memory
+from examples.models import make_gpt
+
+MiB = 1024**2
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 8])
+def test_parallelize_and_plan_default_to_one_cpu_limit_without_the_runtime_reserve(
+    ranks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    machine = machine_memory()
+    # the reserve (the runtime: torch, gloo, the interpreter) is subtracted from each rank's share
+    assert rank_memory("cpu") == machine / ranks - RUNTIME_RESERVE
+    parallelize_limit = default_memory_limit("cpu")
+    assert parallelize_limit == MEMORY_HEADROOM * (machine / ranks - RUNTIME_RESERVE)
+    # what autopar.plan(device_type="cpu") plans under: the cpu-gloo table, for this machine
+    table = dataclasses.replace(load_hardware("cpu-gloo"), memory_capacity=machine)
+    assert MEMORY_HEADROOM * table.rank_memory(ranks) == parallelize_limit
+    assert search_default_limit(TimeCost(table, (ranks,))) == parallelize_limit
+    # a table of a device's own memory keeps all of it: the reserve is the CPU processes'
+    h100 = load_hardware("h100-nvlink-ib")
+    assert h100.rank_memory(ranks) == h100.memory_capacity
+
+
+@pytest.mark.parametrize(
+    "how", [{"device_type": "cpu"}, {"planning": autopar.PlanOptions(hardware="cpu-gloo")}], ids=["cpu", "cpu-table"]
+)
+def test_plan_on_cpu_searches_under_the_limit_parallelize_gives_its_ranks(
+    how: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`autopar.plan` for CPU ranks (the device type, or a CPU table on the default "cuda") counts
+    this machine's memory as `parallelize` on its ranks does, not the table's recorded figure."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # a planning process: one rank of its own
+    model, batch = make_gpt(0, n_layer=1)
+    planned = autopar.plan(model, (2,), batch, mesh_names=("x",), **how)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # a rank of the 2-rank job parallelize runs on
+    assert planned.compiled.graph.meta["autopar_search"].memory_limit == default_memory_limit("cpu")
+
+
+def test_the_reserve_is_what_a_joined_rank_holds_in_the_benchmark_it_cites() -> None:
+    """`RUNTIME_RESERVE` against its source: the RSS of every rank of
+    `benchmarks/pipeline_rank_memory.py` once it has joined the job, before any model exists."""
+    result = json.loads((RESULTS / "pipeline_rank_memory.json").read_text())
+    joined = [r["phases"][0] for r in result["ranks"]]
+    assert {p["phase"] for p in joined} == {"joined (torch, gloo)"}
+    rss = sorted(p["rss"] for p in joined)
+    assert rss[0] * 0.97 <= RUNTIME_RESERVE <= rss[-1] * 1.03, [round(b / MiB) for b in rss]
+
+
+def test_a_share_smaller_than_the_reserve_leaves_nothing() -> None:
+    assert cpu_rank_memory(4 * RUNTIME_RESERVE, 8) == 0.0
+    assert cpu_rank_memory(4 * RUNTIME_RESERVE, 2) == RUNTIME_RESERVE
+    assert cpu_rank_memory(4 * RUNTIME_RESERVE, 0) == 3 * RUNTIME_RESERVE  # no ranks known: the machine's
+
+
+def test_a_pipeline_cut_on_the_cpu_table_defaults_to_a_ranks_share_less_the_reserve() -> None:
+    """`autopar.plan`'s pipeline depths (`cut_graph` without a limit) count a CPU rank's share of
+    the machine, as `parallelize` passes it, not the whole machine."""
+    model, batch = make_gpt(0, n_layer=2)
+    graph = stage_graph(trace(model, batch, decompose=True), "cpu-gloo", 2)
+    cut = cut_graph(graph, pp=2, microbatches=2)
+    table = load_hardware("cpu-gloo")
+    assert cut.memory_limit == MEMORY_HEADROOM * (table.memory_capacity / 4 - RUNTIME_RESERVE)
