@@ -21,6 +21,7 @@ import autopar
 from autopar.compiler.driver import compile_for_rank
 from autopar.core.mesh import Mesh
 from autopar.passes.random_guards import RANDOM_ORDER_HINT
+from autopar.passes.trace_errors import DATA_DEPENDENT_HINT
 from autopar.passes.value_guards import WEIGHT_GUARD_HINT
 from examples import hf_zoo
 
@@ -108,10 +109,27 @@ class _DrawsByValues(nn.Module):
         return F.cross_entropy(h, y) + picked.sum() * 0
 
 
+class _SplitByRouter(nn.Module):
+    """Rows per expert read by Python and fed to `split` (JetMoE's `expert_size.tolist()`): a
+    size the router's weights set anew every step, which no guard can pin."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 16, 4) / 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        expert = self.router(x).argmax(-1)
+        rows = F.one_hot(expert, 4).sum(0).tolist()  # line: ROUTED
+        pieces = x[expert.argsort()].split(rows)
+        return F.cross_entropy(torch.cat([p @ self.experts[i] for i, p in enumerate(pieces)]), y)
+
+
 @pytest.mark.parametrize(
     ("model", "line", "says", "hint"),
     [
         (_ChecksItsActivations(), _line("ACTIVATIONS"), "depends on the model's weights", WEIGHT_GUARD_HINT),
+        (_SplitByRouter(), _line("ROUTED"), "uses it as a size", DATA_DEPENDENT_HINT),
         (_DrawsByValues(), _line("DRAW"), "input values decide", RANDOM_ORDER_HINT),
     ],
 )
