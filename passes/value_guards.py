@@ -91,23 +91,19 @@ def split_value_guards(
                 where=where(read),
                 hint=WEIGHT_GUARD_HINT,
             )
-        if _sets_a_size(read):
-            raise TraceError(
-                "Python reads a tensor's value here and the model uses it as a size (rows per "
-                "expert split out of a tensor, a count), and that value depends on the model's "
-                "weights: the weights and the activations they compute set it anew every step "
-                "(tokens per expert of a router), so no program made for one value could serve "
-                "the next, and no guard on it can be checked before the program runs",
-                op=str(read.target),
-                where=where(read),
-                hint=DATA_DEPENDENT_HINT,
-            )
+        sized = _sets_a_size(read)
         raise TraceError(
-            "Python reads a tensor's value here to choose a branch or check a condition, and "
+            "Python reads a tensor's value here and the model uses it as a size (rows per expert "
+            "split out of a tensor, a count), and that value depends on the model's weights: the "
+            "weights and the activations they compute set it anew every step (tokens per expert of "
+            "a router), so no program made for one value could serve the next, and no guard on it "
+            "can be checked before the program runs"
+            if sized
+            else "Python reads a tensor's value here to choose a branch or check a condition, and "
             "that value depends on the model's weights",
             op=str(read.target),
             where=where(read),
-            hint=WEIGHT_GUARD_HINT,
+            hint=DATA_DEPENDENT_HINT if sized else WEIGHT_GUARD_HINT,
         )
     if not asserts:
         return None
