@@ -41,6 +41,31 @@ class DataAsDetach(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+_NONZERO = (torch.Tensor.nonzero, torch.nonzero)
+
+
+class NonzeroAsColumns(TorchFunctionMode):
+    """`x.nonzero(as_tuple=True)` (and one-argument `torch.where(x)`) computed as the columns of
+    `x.nonzero()` while torch.export traces: the same index tensors, but torch's tuple form loses
+    the unknown row count of its result on the example's real values ("Pending unbacked symbols
+    {u1} not in returned outputs", Longformer's global-attention indices), where the plain
+    `nonzero` keeps it, so that autopar can pin it as a count guard (`autopar.passes.value_guards`).
+    A 0-d `x` is left to torch (its tuple form treats it as 1-d)."""
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Sequence[type], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        as_tuple = (func in _NONZERO and kwargs.get("as_tuple") is True and set(kwargs) == {"as_tuple"}) or (
+            func is torch.where and len(args) == 1 and not kwargs
+        )
+        x = args[0] if args else None
+        if as_tuple and isinstance(x, torch.Tensor) and x.dim() > 0:
+            found = x.nonzero()
+            return tuple(found[:, i] for i in range(x.dim()))
+        return func(*args, **kwargs)
+
+
 def foreign_buffers_as_constants(gm: fx.GraphModule, forward: nn.Module, model: nn.Module) -> None:
     """Tensors the forward made on the example's real values (`torch.tensor(pad_id)` in
     transformers' `shift_tokens_right`) come out of torch.export's unlifted module as attributes
@@ -72,7 +97,7 @@ def export_model(
     Python reads, each condition kept as a runtime assertion (`autopar.passes.value_guards`)."""
     try:
         # CTCRoute: F.ctc_loss as autopar's fixed-shape op (torch's sizes an output by values)
-        with warnings.catch_warnings(), CTCRoute(), DataAsDetach(), quiet_symbolic_shapes(), without_partial_graph():
+        with warnings.catch_warnings(), CTCRoute(), DataAsDetach(), NonzeroAsColumns(), quiet_symbolic_shapes(), without_partial_graph():
             # nn.LSTM / nn.GRU re-assign their weight list
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
             if not reading_values:

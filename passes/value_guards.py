@@ -34,6 +34,7 @@ from autopar.core.graph_order import ancestors, reachable
 from autopar.core.value_guards import ValueGuards, generators_kept
 from autopar.passes.masked_writes import masked_writes_as_where
 from autopar.passes.random_guards import copy_drawing, draws, draws_before, replayable, value_ancestors
+from autopar.passes.trace_errors import DATA_DEPENDENT_HINT
 
 _ASSERT = torch.ops.aten._assert_scalar.default
 # ops that only constrain a symbolic value: part of a guard's chain, never of the model's result
@@ -90,12 +91,19 @@ def split_value_guards(
                 where=where(read),
                 hint=WEIGHT_GUARD_HINT,
             )
+        sized = _sets_a_size(read)
         raise TraceError(
-            "Python reads a tensor's value here to choose a branch or check a condition, and "
+            "Python reads a tensor's value here and the model uses it as a size (rows per expert "
+            "split out of a tensor, a count), and that value depends on the model's weights: the "
+            "weights and the activations they compute set it anew every step (tokens per expert of "
+            "a router), so no program made for one value could serve the next, and no guard on it "
+            "can be checked before the program runs"
+            if sized
+            else "Python reads a tensor's value here to choose a branch or check a condition, and "
             "that value depends on the model's weights",
             op=str(read.target),
             where=where(read),
-            hint=WEIGHT_GUARD_HINT,
+            hint=DATA_DEPENDENT_HINT if sized else WEIGHT_GUARD_HINT,
         )
     if not asserts:
         return None
@@ -153,6 +161,25 @@ def reads_state(module: fx.GraphModule, node: fx.Node) -> bool:
     if name in owner._parameters or name in owner._buffers:
         return True
     return not isinstance(getattr(owner, name, None), torch.Tensor)
+
+
+def _sets_a_size(read: fx.Node) -> bool:
+    """Whether the value `read` takes is used by a tensor op (a split's sizes, a view's shape),
+    directly or through Python arithmetic on it, and not only by the checks on it: JetMoE's
+    `expert_size.tolist()` feeding `split`, where a branch's read feeds only its condition."""
+    frontier = list(read.users)
+    seen: set[fx.Node] = set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen or node.target is _ASSERT or node.target in _CONSTRAINTS:
+            continue
+        seen.add(node)
+        value = node.meta.get("val")
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, torch.Tensor) for v in values):
+            return True
+        frontier.extend(node.users)
+    return False
 
 
 def _first_read(chain: set[fx.Node], near: fx.Node) -> fx.Node | None:

@@ -21,6 +21,7 @@ import autopar
 from autopar.compiler.driver import compile_for_rank
 from autopar.core.mesh import Mesh
 from autopar.passes.random_guards import RANDOM_ORDER_HINT
+from autopar.passes.trace_errors import DATA_DEPENDENT_HINT
 from autopar.passes.value_guards import WEIGHT_GUARD_HINT
 from examples import hf_zoo
 
@@ -108,10 +109,27 @@ class _DrawsByValues(nn.Module):
         return F.cross_entropy(h, y) + picked.sum() * 0
 
 
+class _SplitByRouter(nn.Module):
+    """Rows per expert read by Python and fed to `split` (JetMoE's `expert_size.tolist()`): a
+    size the router's weights set anew every step, which no guard can pin."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 16, 4) / 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        expert = self.router(x).argmax(-1)
+        rows = F.one_hot(expert, 4).sum(0).tolist()  # line: ROUTED
+        pieces = x[expert.argsort()].split(rows)
+        return F.cross_entropy(torch.cat([p @ self.experts[i] for i, p in enumerate(pieces)]), y)
+
+
 @pytest.mark.parametrize(
     ("model", "line", "says", "hint"),
     [
         (_ChecksItsActivations(), _line("ACTIVATIONS"), "depends on the model's weights", WEIGHT_GUARD_HINT),
+        (_SplitByRouter(), _line("ROUTED"), "uses it as a size", DATA_DEPENDENT_HINT),
         (_DrawsByValues(), _line("DRAW"), "input values decide", RANDOM_ORDER_HINT),
     ],
 )
@@ -209,6 +227,42 @@ def test_boolean_indexing_by_an_input_mask_is_static_at_the_examples_count(per_r
     for run in compiled.values():
         targets = {n.target for n in run.program.forward.graph.nodes}
         assert torch.ops.aten.nonzero.default not in targets and torch.ops.aten.nonzero_static.default in targets
+
+
+class _GlobalRows(nn.Module):
+    """Longformer's global-attention indices: the (row, column) pairs an input mask flags, in
+    `nonzero(as_tuple=True)`'s tuple form, behind a branch on whether any is flagged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, flags: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if flags.flatten().any().item():
+            rows, cols = flags.nonzero(as_tuple=True)
+            h = h + (h[rows] * cols[:, None]).sum(0) / 8
+        return F.cross_entropy(h, y)
+
+
+def _flagged_batch(flagged: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    flags = torch.zeros(8, 16, dtype=torch.long)
+    flags[:flagged, 3] = 1
+    return torch.rand(8, 16, generator=gen), flags, torch.randint(4, (8,), generator=gen)
+
+
+@pytest.mark.parametrize("flagged", [2, 5])
+def test_the_tuple_form_of_nonzero_on_an_input_mask_is_a_count_guard(flagged: int) -> None:
+    """torch.export on real values loses the row count of `nonzero(as_tuple=True)` ("Pending
+    unbacked symbols"); the trace takes it as the columns of `nonzero()`, which the count guard
+    pins: equal to serial, and a batch with another count fails the guards."""
+    torch.manual_seed(0)
+    compiled = assert_call_matches_serial(_GlobalRows(), (2, 2), _flagged_batch(flagged))
+    guards = next(iter(compiled.values())).program.value_guards
+    assert guards is not None
+    assert guards.hold(list(_flagged_batch(flagged, seed=1)))
+    assert not guards.hold(list(_flagged_batch(7 - flagged, seed=1)))
 
 
 class _LabelledRows(nn.Module):
