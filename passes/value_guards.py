@@ -27,6 +27,7 @@ import torch
 import torch._functorch.config as functorch_config
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses import meta_utils
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import TraceError
@@ -439,8 +440,29 @@ def quiet_symbolic_shapes() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def reading_real_values() -> Any:
+@contextlib.contextmanager
+def reading_real_values() -> Iterator[None]:
     """torch.export's real-tensor propagation (what its draft export uses): fake tensors carry the
     real values, so a value Python reads is known, the branch it picks is taken and the condition
-    is kept as a runtime assertion."""
-    return functorch_config.patch(fake_tensor_propagate_real_tensors=True)
+    is kept as a runtime assertion.
+
+    torch 2.13 fakes a parameter with uninitialized memory as its real value: the meta converter
+    copies the real data only from a tensor whose type is exactly `torch.Tensor`
+    (`meta_utils._safe_copy`), and an `nn.Parameter` is not. A value computed from the weights
+    then differed from run to run (a softmax of garbage made `multinomial` raise, I-BERT's range
+    check saw NaN). While the export runs, the copy takes parameters too
+    (docs/debugging.md#value-guards; tests/test_value_guards.py)."""
+    original = meta_utils._safe_copy
+
+    def copy_parameters_too(dst: torch.Tensor, src: torch.Tensor | None) -> None:
+        if isinstance(src, nn.Parameter):
+            dst.copy_(src.detach())
+            return
+        original(dst, src)
+
+    meta_utils._safe_copy = copy_parameters_too
+    try:
+        with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+            yield
+    finally:
+        meta_utils._safe_copy = original

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from multirank import run_ranks, run_scenarios
 from pass_fixtures import assert_call_matches_serial
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
@@ -22,7 +23,7 @@ from autopar.compiler.driver import compile_for_rank
 from autopar.core.mesh import Mesh
 from autopar.passes.random_guards import RANDOM_ORDER_HINT
 from autopar.passes.trace_errors import DATA_DEPENDENT_HINT
-from autopar.passes.value_guards import WEIGHT_GUARD_HINT
+from autopar.passes.value_guards import WEIGHT_GUARD_HINT, reading_real_values
 from examples import hf_zoo
 
 
@@ -505,3 +506,13 @@ def test_a_branch_on_an_inputs_data_is_a_guard(scale: float) -> None:
     guards = next(iter(compiled.values())).program.value_guards
     assert guards is not None and any(_line("DATA") in c for c in guards.conditions), guards
     assert guards.hold([x * scale, y]) and not guards.hold([x * (1.25 - scale), y])
+
+
+def test_a_trace_on_real_values_reads_the_parameters_values() -> None:
+    """torch 2.13's real-value propagation fakes an `nn.Parameter` with uninitialized memory as its
+    real value; `reading_real_values` makes it the parameter's own, so a value computed from the
+    weights is the same on every trace (it made `_DrawsByValues` fail now and then)."""
+    weight = nn.Parameter(torch.arange(6.0).reshape(2, 3))
+    with reading_real_values():
+        fake = FakeTensorMode().from_tensor(weight, static_shapes=True)
+    assert torch.equal(fake.real_tensor, weight.detach())
