@@ -4,7 +4,9 @@ The plan names forward ops (`autopar.planning.recompute`: cheap ops one by one, 
 user's `torch.utils.checkpoint` regions). After insert_comm, each backward use of such an op's
 result, or of a forward redistribution of it, switches to a copy made in backward: the op and its
 redistributions are copied, their inputs being copies too where those are recomputed, and the kept
-forward values (or the forward's redistribution of them) otherwise. Each copy is placed just before
+forward values otherwise. A kept input's forward redistribution that only copies read (no backward
+op reads it itself) is copied too, so backward keeps the input in its own layout, not in both
+(`autopar.planning.recompute` counts the same). Each copy is placed just before
 the first backward op that needs it, so a recomputed block lives only while its backward runs. The
 ops are the same ATen calls on the same inputs, so results are bit-identical; random ops are never
 recomputed (their results are kept), so no random state has to be replayed.
@@ -73,11 +75,25 @@ def recompute(gm: fx.GraphModule, names: Collection[str]) -> fx.GraphModule:
 
 
 def _copyable(nodes: list[fx.Node], chosen: Collection[str]) -> set[fx.Node]:
-    """The chosen forward ops, and the forward redistributions (insert_comm's nodes) of them."""
+    """The chosen forward ops, the forward redistributions (insert_comm's nodes) of them, and
+    those of kept values that reach chosen ops only and no backward op directly."""
     copied: set[fx.Node] = set()
     for node in nodes:
         if node.op != "call_function" or is_backward(node):
             continue
-        if node.name in chosen or has_info(node) and info(node).role == "comm" and any(i in copied for i in node.all_input_nodes):
+        if node.name in chosen or _is_comm(node) and any(i in copied for i in node.all_input_nodes):
+            copied.add(node)
+    for node in reversed(nodes):  # (a chain's later steps first)
+        if (
+            _is_comm(node)
+            and not is_backward(node)
+            and node not in copied
+            and any(u in copied for u in node.users)
+            and not any(is_backward(u) for u in node.users)
+        ):
             copied.add(node)
     return copied
+
+
+def _is_comm(node: fx.Node) -> bool:
+    return node.op == "call_function" and has_info(node) and info(node).role == "comm"

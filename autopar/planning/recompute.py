@@ -16,10 +16,13 @@ carries a choice out). Three kinds of choice, each a *unit* of forward ops:
   stage, `NodeInfo.checkpoint`): always recomputed, but the region's outputs stay kept, as torch
   keeps a checkpointed function's outputs.
 
-Bytes are exact per unit and state: a value is kept in each layout that backward or a recomputed
-op reads it in (the forward's redistribution of it, which the copy reuses), as `plan_memory`
-counts, so freeing a value can keep its inputs. Seconds are the units' compute on this plan's
-layouts plus the redistributions between recomputed ops, run again. `choose_savings` brings a plan
+Bytes are exact per unit and state: a value is kept in each layout that backward reads it in (the
+forward's redistribution of it, reused), as `plan_memory` counts, and in its own layout where a
+recomputed op reads it, so freeing a value can keep its inputs. A recomputed op that reads a kept
+input in another layout redistributes it again (unless backward keeps that layout anyway): keeping
+the forward's gathered copy instead would leave a block's input kept twice, split and gathered, and
+recomputing the block would not shrink it to its input. Seconds are the units' compute on this
+plan's layouts plus the redistributions they run again (between recomputed ops, and of kept inputs). `choose_savings` brings a plan
 under a memory limit with the cheapest seconds per byte first, across recomputation and the
 weight-chain regathers of `autopar.planning.memory`.
 
@@ -206,18 +209,22 @@ class RecomputeModel:
             if plain is None:
                 plain = self._plain[name] = self._bytes_of(value, value.backward)
             return plain
-        wants = set(value.backward)
-        for user in readers:
-            wants.update(value.by_user[user])
-        return self._bytes_of(value, wants)
+        kept = self._kept(value, value.backward)
+        for user in readers:  # a copy redistributes again what backward does not keep anyway
+            kept.update(w if w in kept else value.have for w in value.by_user[user])
+        return self._sum(value, kept)
 
     def _bytes_of(self, value: _Value, wants: Collection[Layout]) -> float:
-        """Bytes of `value` kept in the layouts `wants`: each one the forward has it in (a
-        redistribution's result, reused), otherwise its own layout, which the copy starts from."""
-        kept = {w if w in value.forward else value.have for w in wants}
-        if value.is_placeholder:
-            kept.discard(value.have)
-        return float(sum(lay.local_bytes(self.shape) for lay in kept))
+        return self._sum(value, self._kept(value, wants))
+
+    @staticmethod
+    def _kept(value: _Value, wants: Collection[Layout]) -> set[Layout]:
+        """The layouts `value` is kept in for backward's reads in `wants`: each one the forward has
+        it in (a redistribution's result, reused), otherwise its own layout."""
+        return {w if w in value.forward else value.have for w in wants}
+
+    def _sum(self, value: _Value, kept: Collection[Layout]) -> float:
+        return float(sum(lay.local_bytes(self.shape) for lay in kept if not (value.is_placeholder and lay == value.have)))
 
     def total_bytes(self, recompute: Collection[str] = (), regather: Collection[str] = ()) -> float:
         return sum(self.kept_bytes(n, recompute, regather) for n in self.values)
@@ -255,7 +262,7 @@ class RecomputeModel:
         moved: set[tuple[str, Layout]] = set()  # redistributions between recomputed ops, run again
         for n in new:
             for src, want in self.inputs[n]:
-                if src in after:
+                if src in after or self._redistributed_again(src, want):
                     moved.add((src, want))
             value = self.values.get(n)
             if value is None:  # a several-result op: its results are the getitems after it
@@ -266,6 +273,14 @@ class RecomputeModel:
             moved.update((n, w) for w in value.backward if w != value.have)  # backward's own layouts of it
         again = [self._redistribute(self.values[s].have, w) for s, w in moved]
         return math.fsum([*(self.seconds[n] for n in new), *again])
+
+
+    def _redistributed_again(self, source: str, want: Layout) -> bool:
+        """Whether a recomputed op's copy redistributes a kept input again (from the input's own
+        layout, which is kept instead): where backward does not keep the forward's redistribution
+        of it for its own reads (`autopar.passes.recompute`)."""
+        value = self.values.get(source)
+        return value is not None and want != value.have and not (want in value.backward and want in value.forward)
 
 
 class RemadeBytes:

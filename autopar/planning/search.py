@@ -54,6 +54,7 @@ from autopar.planning.search_fit import (
     replicated_fits,
     weight_state_bytes,
 )
+from autopar.planning.search_polish import polish
 from autopar.planning.search_problem import Problem, Shared
 from autopar.planning.search_seeds import (
     expert_axes,
@@ -361,7 +362,12 @@ def _from_seed(
     )
     before = shared_moves.snapshot()
     shared_moves.optimize(max_sweeps)
-    if shared_moves.snapshot() != before:
+    moved = shared_moves.snapshot()
+    if moved != before:
+        options.append(fit(gm, materialize(shared_moves), mesh, cost, limit, facts=facts))
+    # and from there, single ops moved where a value's readers want different layouts, priced once
+    # per wanted layout as insert_comm emits them (`search_polish`): one more option
+    if polish(shared_moves) and shared_moves.snapshot() != moved:
         options.append(fit(gm, materialize(shared_moves), mesh, cost, limit, facts=facts))
     kept = [o for o in options if o is not None]
     for option in kept:
