@@ -1,4 +1,4 @@
-"""Folded mesh ranking (`autopar.planning.mesh_fold`, `choose_mesh(..., fold=True)`).
+"""Folded mesh ranking (`autopar.planning.mesh_fold`, `choose_mesh(..., fold=True)`; off by default).
 
 - On an 8-layer GPT (the fold's minimum depth forced down to 8), the folded choice picks the mesh
   and the plan the whole graph's ranking picks, layout for layout, with the same sum, scheduled
@@ -37,8 +37,8 @@ def test_the_folded_choice_picks_the_whole_graphs_mesh_and_plan(monkeypatch: pyt
     monkeypatch.setattr(mesh_fold, "MIN_FOLDED", 8)
     model, example = _gpt(8)
     gm = trace_for_choice(model, 8, example)
-    whole = choose_mesh(model, 8, example, hardware="a100-cluster", traced=gm, fold=False, keep_plan=True)
-    folded = choose_mesh(model, 8, example, hardware="a100-cluster", traced=gm, keep_plan=True)
+    whole = choose_mesh(model, 8, example, hardware="a100-cluster", traced=gm, keep_plan=True)
+    folded = choose_mesh(model, 8, example, hardware="a100-cluster", traced=gm, keep_plan=True, fold=True)
     assert list(gm.meta[SHALLOW_KEY]) == list(DEPTHS)  # the fold ran on the two copies
     assert folded.chosen.folded == 0 and any(c.folded == 8 for c in folded.candidates)
     a, b = whole.chosen, folded.chosen
@@ -87,7 +87,7 @@ def test_blocks_that_differ_are_not_folded(monkeypatch: pytest.MonkeyPatch) -> N
     model = _Stack([64, 128] * 4)  # every other block wider
     gm = trace_for_choice(model, 4, (idx, idx))
     assert folded_blocks(gm) is None
-    choice = choose_mesh(model, 4, (idx, idx), hardware="a100-cluster", traced=gm)
+    choice = choose_mesh(model, 4, (idx, idx), hardware="a100-cluster", traced=gm, fold=True)
     assert SHALLOW_KEY not in gm.meta and not any(c.folded for c in choice.candidates)
     assert choice.chosen.fits
 

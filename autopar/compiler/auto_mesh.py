@@ -53,7 +53,7 @@ def choose_mesh(
     steps: StepCache | None = None,
     storage: str = "auto",
     token_dispatch: str = "allgather",
-    fold: bool = True,
+    fold: bool = False,
 ) -> MeshChoice:
     """Trace `model` once and rank every candidate mesh of `world_size` ranks on it
     (`autopar.planning.mesh_choice.rank_meshes`, with `scheduled_step_time` for the overlap step).
@@ -76,7 +76,8 @@ def choose_mesh(
     `fold`: a model of `mesh_fold.MIN_FOLDED` or more identical blocks is ranked on its graph cut
     to `mesh_fold.DEPTHS` blocks, numbers taken to the whole depth, and only its best candidates
     searched on the whole graph (`autopar.planning.mesh_fold`; it ranks on the whole graph where
-    the fold cannot tell); False ranks every candidate on the whole graph.
+    the fold cannot tell). Off by default: on the LLaMA-7B shape at 64 ranks the fold could not
+    tell and its two shallow choices cost 80 % more CPU (docs/planning.md).
 
     Raises `MemoryLimitError` when no candidate fits (with the leanest candidate's need) and
     `ShardingError`-like `AutoparError`s when no candidate has a plan at all.
