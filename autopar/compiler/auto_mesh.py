@@ -22,6 +22,8 @@ from autopar.passes.trace import trace
 from autopar.planning.memory import STATE_RATIOS_KEY
 from autopar.planning.mesh_choice import OVERLAP_CANDIDATES, SEARCHED_CANDIDATES, MeshChoice, rank_meshes
 from autopar.planning.mesh_fold import DEPTHS, deep_enough, rank_folded
+from autopar.planning.search import default_memory_limit
+from autopar.planning.search_cost import TimeCost
 from autopar.planning.search_steps import StepCache
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
@@ -110,7 +112,10 @@ def choose_mesh(
             ))  # fmt: skip
             for depth in DEPTHS
         ]
-        choice = rank_folded(gm, group, shallow, rank, searched=searched_candidates, keep_plan=keep_plan)
+        limit = memory_limit if memory_limit is not None else default_memory_limit(TimeCost(hardware, (world_size,)))
+        choice = rank_folded(
+            gm, group, shallow, rank, searched=searched_candidates, keep_plan=keep_plan, limit=float(limit)
+        )
     if choice is None:
         choice = rank(gm)
     if choice.chosen_plan is not None:

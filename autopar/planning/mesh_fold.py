@@ -20,11 +20,11 @@ folded: the caller ranks on the whole graph as before.
 
 It is a ranking, not the plan: the caller searches the best candidates again on the whole graph,
 in the folded order, until the best whole-depth result is no slower than the next candidate's
-folded number (`autopar.compiler.auto_mesh`), and compiles that search's plan. The shallow
-searches run under the job's memory limit, which a shallow graph meets more easily; a candidate
-whose folded memory is over the limit is ranked as not fitting, and if such a candidate is folded
-faster than the one chosen the fold cannot tell (its whole-depth plan would recompute or store
-otherwise): the caller then ranks on the whole graph.
+folded number (`autopar.compiler.auto_mesh`), and compiles that search's plan. Each copy is
+searched under its depth's share of the job's memory limit (`_share`); a candidate whose folded
+memory is over the limit is ranked as not fitting, and if such a candidate is folded faster than
+the one chosen the fold cannot tell (its whole-depth plan would recompute or store otherwise): the
+caller then ranks on the whole graph.
 """
 
 from __future__ import annotations
@@ -75,21 +75,28 @@ def rank_folded(
     *,
     searched: int,
     keep_plan: bool,
+    limit: float,
 ) -> MeshChoice | None:
     """The mesh choice of `gm` (traced with `group`, one container of identical blocks) ranked on
     `shallow` (its model cut to `DEPTHS` blocks, traced alike),
     its best candidates confirmed on `gm` itself (module doc); None where the fold cannot rank:
     no candidate fits at the deeper copy, a fitting candidate is not steady, or one that a limit
     the folded numbers exceed would rank first. `rank(graph, candidates=, searched=,
-    overlap_candidates=, keep_plan=, keep_plans=)` is `rank_meshes` with the job's other arguments."""
+    overlap_candidates=, keep_plan=, keep_plans=, memory_limit=)` is `rank_meshes` with the job's
+    other arguments; `limit` the job's memory limit per rank (each copy is searched under its
+    depth's share of it, `_share`)."""
     assert len(shallow) == len(DEPTHS)
     try:
-        deep = rank(shallow[1], candidates=None, searched=searched, keep_plans=True)
+        # each copy searched under its share of the limit (a copy 5 blocks deep under the whole
+        # limit stores 5 blocks' weights replicated where the whole depth cannot)
+        deep = rank(shallow[1], candidates=None, searched=searched, keep_plans=True, memory_limit=_share(limit, 1, group))
         both = [(c.shape, c.names) for c in deep.candidates if (c.shape, c.names) in deep.plans]
-        near = rank(shallow[0], candidates=both, searched=0, overlap_candidates=len(both), keep_plans=True)
+        near = rank(
+            shallow[0], candidates=both, searched=0, overlap_candidates=len(both), keep_plans=True,
+            memory_limit=_share(limit, 0, group),
+        )  # fmt: skip
     except AutoparError:  # (nothing fits even cut short: the whole graph's choice says why)
         return None
-    limit = deep.memory_limit
     other = {(c.shape, c.names): c for c in near.candidates}
     folded: list[MeshCandidate] = []
     for c in deep.candidates:
@@ -109,7 +116,7 @@ def rank_folded(
     best = fitting[0].rank_time
     if any(not c.fits and key_of(c) in deep.plans and c.error.endswith("(folded)") and c.rank_time < best for c in folded):
         return None  # over the limit where it is folded faster: its whole-depth plan is unknown
-    return _confirmed(gm, rank, deep, folded, fitting, keep_plan)
+    return _confirmed(gm, rank, deep, folded, fitting, keep_plan, limit)
 
 
 def _confirmed(
@@ -119,6 +126,7 @@ def _confirmed(
     folded: list[MeshCandidate],
     fitting: list[MeshCandidate],
     keep_plan: bool,
+    limit: float,
 ) -> MeshChoice | None:
     """The folded ranking with its best candidates searched and priced on `gm`, in the folded
     order, until the best whole-depth one is no slower than the next candidate's folded number."""
@@ -144,9 +152,15 @@ def _confirmed(
     ranked = [whole.get(key_of(c), c) for c in folded]
     order = sorted(range(len(ranked)), key=lambda i: (*rank_key(ranked[i]), ranked[i].folded > 0, i))
     first = ranked[order[0]]
-    choice = MeshChoice(deep.world_size, deep.hardware, deep.planner, deep.memory_limit, [ranked[i] for i in order])
+    choice = MeshChoice(deep.world_size, deep.hardware, deep.planner, limit, [ranked[i] for i in order])
     choice.chosen_plan = kept.get(key_of(first))
     return choice
+
+
+def _share(limit: float, which: int, group: RepeatedBlocks) -> float:
+    """The limit copy `which` of `DEPTHS` is searched under: its share of the blocks (a heuristic:
+    what lies outside the blocks is counted shared too, so the share is a little tight)."""
+    return limit * DEPTHS[which] / group.count
 
 
 def key_of(c: MeshCandidate) -> Key:
