@@ -12,6 +12,7 @@ chosen mesh's modeled step with overlap, "step ms" its no-overlap sum of the com
     python benchmarks/plan_scale.py                           # 8, 64, 512 ranks at 32 layers
     python benchmarks/plan_scale.py --ranks 64 --layers 2 32
     python benchmarks/plan_scale.py --searched 0 --ranks 64   # search every candidate (slow)
+    python benchmarks/plan_scale.py --ranks 64 --fold         # rank on the model cut to 4 and 5 blocks
     python benchmarks/plan_scale.py --model gpt3-175b --layers 4 --ranks 64 --microbatches 8
     python benchmarks/plan_scale.py --model gpt3-175b --ranks 1536 --microbatches 96 --cpu-limit 900
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --microbatches 96 --cuts-only
@@ -323,7 +324,7 @@ def measure_search(name: str, ranks: int, layers: int, shape: str) -> dict[str, 
             "prices": len(report.prices), "load_average_end": os.getloadavg()}  # fmt: skip
 
 
-def measure(ranks: int, layers: int, hardware: str, searched: int | None) -> dict[str, Any]:
+def measure(ranks: int, layers: int, hardware: str, searched: int | None, fold: bool = False) -> dict[str, Any]:
     """Build, then `autopar.plan(..., "auto")`, in this (fresh) process."""
     import torch
 
@@ -336,6 +337,7 @@ def measure(ranks: int, layers: int, hardware: str, searched: int | None) -> dic
         "layers": layers,
         "hardware": hardware,
         "searched_at_most": searched,
+        "fold": fold,
     }
     cfg = LlamaConfig(
         vocab_size=32000, seq_len=SEQ, dim=4096, n_layer=layers, n_head=32, n_kv_head=32, hidden=11008
@@ -349,6 +351,7 @@ def measure(ranks: int, layers: int, hardware: str, searched: int | None) -> dic
     def timed_choice(*args: Any, **kwargs: Any) -> Any:
         if searched is not None:
             kwargs["searched_candidates"] = searched
+        kwargs["fold"] = fold
         wall, cpu = time.perf_counter(), time.process_time()
         try:
             return chosen_mesh(*args, **kwargs)
@@ -408,6 +411,9 @@ def main() -> None:
     parser.add_argument(
         "--no-bound", action="store_true", help="price every pipeline depth (no branch and bound)"
     )
+    parser.add_argument(
+        "--fold", action="store_true", help="rank on the graph cut to 4 and 5 blocks (`choose_mesh(fold=True)`)"
+    )
     parser.add_argument("--cpu-limit", type=float, default=0.0, help="CPU seconds per run (0: none)")
     parser.add_argument("--cuts-only", action="store_true", help="time every depth's ideal cuts only")
     parser.add_argument(
@@ -440,7 +446,7 @@ def main() -> None:
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
         for layers in args.layers:
             for ranks in args.ranks:
-                run = pool.submit(measure, ranks, layers, args.hardware, args.searched).result()
+                run = pool.submit(measure, ranks, layers, args.hardware, args.searched, args.fold).result()
                 runs.append(run)
                 status = run.get("error") or (
                     f"{run['wall_s']:.1f} s ({run['cpu_s']:.1f} s CPU), {run['mesh']}, "

@@ -13,7 +13,7 @@ import contextlib
 import copy
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -60,7 +60,7 @@ from autopar.passes.joint_rewrites import (
 )
 from autopar.passes.mixed_precision import cast_inputs, cast_outputs, cast_parameters_on_read
 from autopar.passes.random_guards import eager_draw_states, serial_draws
-from autopar.passes.repeats import NotRepeated, RepeatedBlocks, stamp_repeated_blocks
+from autopar.passes.repeats import MIN_BLOCKS, NotRepeated, RepeatedBlocks, stamp_repeated_blocks
 from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
 from autopar.passes.routed_experts_trace import mark_routing_imbalance, routed_experts_traced
 from autopar.passes.trace_errors import (
@@ -110,6 +110,7 @@ def trace(
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
     routed_experts: bool = False,
+    depth: int | None = None,
 ) -> fx.GraphModule:
     """Joint graph of `model`: placeholders (params, buffers, inputs, tangents) -> (outputs, grads).
 
@@ -123,12 +124,15 @@ def trace(
     `mixed_precision`: every parameter read in the forward is read as a copy in its `param_dtype`
     (`autopar.passes.mixed_precision`).
     `routed_experts`: transformers' experts modules are traced as one `autopar::routed_experts` op
-    each (`autopar.passes.routed_experts_trace`), so the plan can place the all-to-all dispatcher."""
+    each (`autopar.passes.routed_experts_trace`), so the plan can place the all-to-all dispatcher.
+    `depth`: identical blocks are copied only up to this many per container (at least
+    `repeats.MIN_BLOCKS`): the graph of the same model cut to `depth` blocks, which a planner can
+    price in place of the whole depth (`autopar.compiler.auto_mesh`); None: every block."""
     with autocast_off(), routed_experts_traced(model, routed_experts), functions_as_ops(not forward_only) as functions:
         try:
             gm = _trace(
                 model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast,
-                mixed_precision, functions,
+                mixed_precision, functions, depth,
             )
             mark_routing_imbalance(gm, model)
             return gm
@@ -152,6 +156,7 @@ def _trace(
     autocast: AutocastState,
     mixed_precision: MixedPrecision | None,
     functions: FunctionTable,
+    depth: int | None = None,
 ) -> fx.GraphModule:
     example_kwargs = example_kwargs or {}
     if not forward_only:  # hooks on gradients would be dropped: refused by name (passes/hooks.py)
@@ -168,6 +173,8 @@ def _trace(
     tied = tied_groups(model)
     containers = find_repeated_blocks(fake_model, fake_args, fake_kwargs, fake_mode, tied) if repeats else []
     groups = [group for group, _ in containers]
+    if depth is not None:  # copy fewer blocks: the graph of the model cut to `depth` blocks
+        groups = [replace(g, count=min(g.count, max(depth, MIN_BLOCKS))) for g in groups]
     watch = CheckpointWatch(fake_model)  # the user's torch.utils.checkpoint regions
     restore = cut_to_two_blocks(containers)
     guards = None

@@ -4,7 +4,7 @@ scheduled step; under `parallelize`, rank 0 chooses and every rank builds the ch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,13 +17,20 @@ from autopar.compiler.driver import compile_conditions, scheduled_step_time
 from autopar.core.errors import MeshError
 from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.passes import fused
+from autopar.passes.repeats import REPEATS_KEY, RepeatedBlocks
 from autopar.passes.trace import trace
+from autopar.planning.memory import STATE_RATIOS_KEY
 from autopar.planning.mesh_choice import OVERLAP_CANDIDATES, SEARCHED_CANDIDATES, MeshChoice, rank_meshes
+from autopar.planning.mesh_fold import DEPTHS, deep_enough, rank_folded
+from autopar.planning.search import default_memory_limit
+from autopar.planning.search_cost import TimeCost
 from autopar.planning.search_steps import StepCache
 from autopar.rules.base import RuleRegistry
 from autopar.rules.registry import default_registry
 from autopar.rules.routed_experts import require_dispatcher
 from autopar.runtime.agreement import decided_on_rank0
+
+SHALLOW_KEY = "autopar_shallow_traces"  # gm.meta: depth -> the model cut to that many blocks, traced
 
 
 @compile_conditions
@@ -48,6 +55,7 @@ def choose_mesh(
     steps: StepCache | None = None,
     storage: str = "auto",
     token_dispatch: str = "allgather",
+    fold: bool = False,
 ) -> MeshChoice:
     """Trace `model` once and rank every candidate mesh of `world_size` ranks on it
     (`autopar.planning.mesh_choice.rank_meshes`, with `scheduled_step_time` for the overlap step).
@@ -67,6 +75,11 @@ def choose_mesh(
     traced as routed-experts ops and every candidate mesh is screened and searched with the
     dispatchers that asks for (the screen and the search start from each dispatcher on each axis),
     so the mesh chosen is the fastest with its best dispatcher, not the all-gather one's.
+    `fold`: a model of `mesh_fold.MIN_FOLDED` or more identical blocks is ranked on its graph cut
+    to `mesh_fold.DEPTHS` blocks, numbers taken to the whole depth, and only its best candidates
+    searched on the whole graph (`autopar.planning.mesh_fold`; it ranks on the whole graph where
+    the fold cannot tell). Off by default: on the LLaMA-7B shape at 64 ranks the fold could not
+    tell and its two shallow choices cost 80 % more CPU (docs/planning.md).
 
     Raises `MemoryLimitError` when no candidate fits (with the leanest candidate's need) and
     `ShardingError`-like `AutoparError`s when no candidate has a plan at all.
@@ -77,21 +90,34 @@ def choose_mesh(
         split_fused=split_fused, autocast=autocast, mixed_precision=mixed_precision,
         token_dispatch=token_dispatch,
     )  # fmt: skip
-    choice = rank_meshes(
-        gm,
-        world_size,
-        registry,
-        scheduled_step_time,
-        hardware=hardware,
-        planner=planner,
-        memory_limit=memory_limit,
-        candidates=candidates,
-        overlap_candidates=overlap_candidates,
-        searched=searched_candidates,
-        keep_plan=keep_plan,
-        steps=steps,
-        storage=storage,
-    )
+    asked: dict[str, Any] = dict(
+        hardware=hardware, planner=planner, memory_limit=memory_limit, candidates=candidates,
+        overlap_candidates=overlap_candidates, searched=searched_candidates, keep_plan=keep_plan,
+        steps=steps if steps is not None else StepCache(), storage=storage,
+    )  # fmt: skip
+
+    def rank(graph: fx.GraphModule, **changed: Any) -> MeshChoice:
+        args = {**asked, **changed}
+        args["candidates"] = candidates if args["candidates"] is None else args["candidates"]
+        return rank_meshes(graph, world_size, registry, scheduled_step_time, **args)
+
+    choice = None
+    group = folded_blocks(gm)
+    if planner == "search" and fold and group is not None:  # deep: ranked cut short first
+        shallow = [
+            _shallow(gm, depth, lambda d: trace_for_choice(
+                model, world_size, example_inputs, example_kwargs=example_kwargs, planner=planner,
+                split_fused=split_fused, autocast=autocast, mixed_precision=mixed_precision,
+                token_dispatch=token_dispatch, depth=d,
+            ))  # fmt: skip
+            for depth in DEPTHS
+        ]
+        limit = memory_limit if memory_limit is not None else default_memory_limit(TimeCost(hardware, (world_size,)))
+        choice = rank_folded(
+            gm, group, shallow, rank, searched=searched_candidates, keep_plan=keep_plan, limit=float(limit)
+        )
+    if choice is None:
+        choice = rank(gm)
     if choice.chosen_plan is not None:
         gm.meta.pop("autopar_search", None)  # (the last search's report: not the chosen mesh's)
         choice.chosen_plan.graph = gm
@@ -109,11 +135,13 @@ def trace_for_choice(
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
     token_dispatch: str = "allgather",
+    depth: int | None = None,
 ) -> fx.GraphModule:
     """The joint graph `choose_mesh` plans (for `choose_mesh(..., traced=)`): traced once, it can be
     handed to every choice on the same inputs (the pipeline choice's stage sub-meshes).
     `token_dispatch` other than "allgather": MoE layers as routed-experts ops, as `compile_for_rank`
-    traces them (`driver.trace_for`)."""
+    traces them (`driver.trace_for`). `depth`: the model cut to that many identical blocks
+    (`trace(..., depth=)`)."""
     return trace(
         model,
         tuple(example_inputs),
@@ -123,7 +151,31 @@ def trace_for_choice(
         autocast=autocast,
         mixed_precision=mixed_precision,
         routed_experts=token_dispatch != "allgather" and world_size > 1,
+        depth=depth,
     )
+
+
+def folded_blocks(gm: fx.GraphModule) -> RepeatedBlocks | None:
+    """The one container of identical blocks `gm` was traced with, if it is deep enough to fold
+    (`mesh_fold.MIN_FOLDED`); None for a model with no repeated blocks (blocks that differ) or
+    several containers."""
+    groups: tuple[RepeatedBlocks, ...] = gm.meta.get(REPEATS_KEY, ())
+    return groups[0] if len(groups) == 1 and deep_enough(groups[0]) else None
+
+
+def _shallow(gm: fx.GraphModule, depth: int, make: Callable[[int], fx.GraphModule]) -> fx.GraphModule:
+    """`gm`'s model cut to `depth` blocks, traced by `make` once per graph (kept in its meta: the
+    pipeline choice hands one trace to every depth's sub-mesh choice), with the weight state the
+    caller set on `gm` (`planning.memory.set_state_ratios`)."""
+    kept: dict[int, fx.GraphModule] = gm.meta.setdefault(SHALLOW_KEY, {})
+    if depth not in kept:
+        kept[depth] = make(depth)
+    shallow = kept[depth]
+    if STATE_RATIOS_KEY in gm.meta:
+        shallow.meta[STATE_RATIOS_KEY] = gm.meta[STATE_RATIOS_KEY]
+    else:
+        shallow.meta.pop(STATE_RATIOS_KEY, None)
+    return shallow
 
 
 def default_hardware(device_type: str) -> str:

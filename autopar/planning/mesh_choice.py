@@ -84,6 +84,9 @@ class MeshCandidate:
     param_bytes: float = math.nan  # stored parameter and buffer bytes per rank
     # s per step below which the screen's estimate cannot be (`mesh_bound`); nan: not bounded
     bound: float = math.nan
+    # > 0: its numbers are those of the model cut to a few blocks, taken to this many blocks
+    # (`planning.mesh_fold`); 0: priced on the whole graph
+    folded: int = 0
 
     @property
     def step_time(self) -> float:
@@ -122,6 +125,8 @@ class MeshChoice:
     candidates: list[MeshCandidate] = field(default_factory=list)
     # the chosen candidate's searched plan (search planner), for `autopar.plan` to compile as it is
     chosen_plan: ChosenPlan | None = field(default=None, repr=False, compare=False)
+    # every searched candidate's plan by (shape, names), when asked for (`rank_meshes(keep_plans=)`)
+    plans: dict[tuple[tuple[int, ...], tuple[str, ...]], Plan] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def chosen(self) -> MeshCandidate:
@@ -154,7 +159,8 @@ class MeshChoice:
                         f"{c.comm_time * 1e3:.4f}",
                         f"{c.compute_time * 1e3:.4f}",
                         format_bytes(c.memory),
-                        "/".join(c.roles) + (f", weights {c.storage}" if c.storage else ""),
+                        "/".join(c.roles) + (f", weights {c.storage}" if c.storage else "")
+                        + (f", folded to {c.folded} blocks" if c.folded else ""),
                     )
                 )
             else:
@@ -185,6 +191,7 @@ class MeshChoice:
                 "searched": c.searched,
                 "estimate_seconds": c.estimate if math.isfinite(c.estimate) else None,
                 "bound_seconds": c.bound if math.isfinite(c.bound) else None,
+                "folded_blocks": c.folded,
             }
             for c in self.candidates
         ]
@@ -232,6 +239,7 @@ def rank_meshes(
     keep_plan: bool = False,
     steps: StepCache | None = None,
     storage: str = "auto",
+    keep_plans: bool = False,
 ) -> MeshChoice:
     """Plan the traced joint graph `gm` on every candidate mesh of `world_size` ranks and rank them
     (module doc). `step_time(gm, plan, mesh, registry, hardware, memory_limit)` is the modeled step
@@ -242,7 +250,8 @@ def rank_meshes(
     `keep_plan`: keep the chosen candidate's searched plan in `choice.chosen_plan`. `steps`: the
     pairs of placements already worked out (a cache shared by several choices: the pipeline
     choice's sub-meshes; they depend on the number of axes only). `storage`: how every
-    candidate's search stores the weights (`search_layouts`).
+    candidate's search stores the weights (`search_layouts`). `keep_plans`: keep every searched
+    candidate's plan in `choice.plans` (`planning.mesh_fold` compares them across depths).
     """
     meshes = []
     for shape, names in candidates if candidates is not None else mesh_candidates(world_size):
@@ -285,17 +294,19 @@ def rank_meshes(
     ranked = _scheduled(
         gm, ranked, plans, costs, registry, hardware, overlap_candidates, memory_limit, step_time
     )
-    order = sorted(range(len(ranked)), key=lambda i: (*_rank_key(ranked[i]), i))
+    order = sorted(range(len(ranked)), key=lambda i: (*rank_key(ranked[i]), i))
     choice = MeshChoice(world_size, hardware, planner, limit, [ranked[i] for i in order])
     if not choice.candidates or not choice.chosen.fits:
         raise _no_mesh_error(choice)
     kept = plans[order[0]]
     if keep_plan and planner == "search" and kept is not None:  # (greedy: fitted to the limit here only)
         choice.chosen_plan = ChosenPlan(kept, reports[order[0]])
+    if keep_plans:
+        choice.plans = {(m.shape, m.axis_names): p for m, p in zip(meshes, plans) if p is not None}
     return choice
 
 
-def _rank_key(c: MeshCandidate) -> tuple[int, int, float]:
+def rank_key(c: MeshCandidate) -> tuple[int, int, float]:
     """Fitting candidates first (those modeled with overlap first, by the step they are ranked
     by), then those that do not fit (by memory), those with no plan, and those not searched."""
     if c.fits:
