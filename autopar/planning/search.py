@@ -66,6 +66,7 @@ from autopar.planning.search_seeds import (
     splits_experts,
     uses_all_to_all,
 )
+from autopar.planning.search_vars import Tally
 from autopar.planning.storage import REPLICATED, SHARDED, STORAGE_MODES, replicate_storage
 from autopar.rules.base import RuleRegistry
 
@@ -190,11 +191,10 @@ def search_layouts(
             or start.storage != best.storage
         ):
             final.start = start.search_plan(gm, mesh)
-    problem = run.problem
     prefix = "" if run.storage == SHARDED else run.storage + ":"  # (as `report.seeds` names it)
     report.chosen_seed, report.chosen_roles, report.sweeps = prefix + run.name, run.seed.roles, run.sweeps
     report.storage = final.storage = run.storage
-    report.variables, report.chains = len(problem.vars), len(problem.chains)
+    report.variables, report.chains = run.variables, run.chains
     report.final_cost = best.cost
     report.cost_unit = "seconds" if isinstance(cost, TimeCost) else "elements"
     if has_grouped_mm(gm):
@@ -210,9 +210,9 @@ def search_layouts(
     report.memory = final.memory.total if final.memory is not None else 0.0
     report.regathered = best.regather
     report.recomputed = best.savings.units
-    report.solves = sum(r.problem.tally.solves for r in runs)
-    report.memo_hits = sum(r.problem.tally.memo_hits for r in runs)
-    report.distinct_chains = problem.tally.distinct_chains
+    report.solves = sum(r.tally.solves for r in runs)
+    report.memo_hits = sum(r.tally.memo_hits for r in runs)
+    report.distinct_chains = run.tally.distinct_chains
     memory_note = (
         f"; memory {format_bytes(report.memory)} per rank of {format_bytes(limit)}, "
         f"{len(best.regather)} gathered weights gathered again in backward"
@@ -296,11 +296,15 @@ def _starts(
 
 @dataclass
 class _Run:
-    """The chain moves from one start: its problem and the plans it offers (fitting the limit)."""
+    """The chain moves from one start: what its problem counted and the plans it offers (fitting
+    the limit). Not the problem itself: `search_layouts` keeps every start's run until it picks one,
+    and a problem holds its edges' pair tables (tens of MB on a four-axis mesh)."""
 
     name: str
     seed: Plan
-    problem: Problem
+    tally: Tally
+    variables: int
+    chains: int
     sweeps: int
     options: list[Fitted]
     start: Fitted | None  # the seed itself, fitted (None: it does not fit)
@@ -372,7 +376,8 @@ def _from_seed(
     kept = [o for o in options if o is not None]
     for option in kept:
         option.storage = storage
-    return _Run(name, seed, problem, sweeps, kept, fitted_seed, first, lean, storage)
+    counts = (problem.tally, len(problem.vars), len(problem.chains))
+    return _Run(name, seed, *counts, sweeps, kept, fitted_seed, first, lean, storage)
 
 
 def _stored(gm: fx.GraphModule, plan: Plan, mesh: Mesh, storage: str) -> Plan:

@@ -35,7 +35,7 @@ from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.memory import SavedValue, plan_memory, saved_nodes, weight_chain
 from autopar.planning.ring_cost import op_extra_cost
 from autopar.planning.search_blocks import Clock, chains, make_blocks, sweep, trees
-from autopar.planning.search_vars import Edge, Tally, Var
+from autopar.planning.search_vars import Edge, PairTable, Tally, Var
 from autopar.planning.storage import part_dim_at, part_dims, part_storage, replicated_storage
 from autopar.rules.base import RuleRegistry
 from autopar.rules.calls import call_key, expand_cached, op_call, output_index, tensor_inputs
@@ -75,12 +75,9 @@ class Shared:
     expand: dict[Any, list[Strategy]] = field(default_factory=dict)
     work: dict[str, float] = field(default_factory=dict)  # node -> `global_work`, where known
     greedy: GreedyMemo = field(default_factory=GreedyMemo)
-    # edge tables by their two layout lists, filled where a kept candidate reads them (`_fill`)
-    tables: dict[Any, np.ndarray] = field(default_factory=dict)
-    # per table (by id: `tables` keeps it alive): its layout lists and which cells are priced
-    filled: dict[int, tuple[tuple[Layout, ...], tuple[Layout, ...], np.ndarray]] = field(default_factory=dict)
-    # per table (by id) read by k consumers of one value in one phase: k (`Problem._count_readers`); cells are 1/k
-    shares: dict[int, int] = field(default_factory=dict)
+    # edge tables by their two layout lists and share (read by k consumers of one value in one
+    # phase: cells are 1/k, `Problem._count_readers`), priced where a kept candidate reads them (`_fill`)
+    tables: dict[Any, PairTable] = field(default_factory=dict)
     vectors: dict[Any, Any] = field(default_factory=dict)  # per candidate list: layouts, costs
     positions: dict[int, dict[Strategy, int]] = field(default_factory=dict)
     interned: dict[tuple[Layout, ...], tuple[Layout, ...]] = field(default_factory=dict)
@@ -117,6 +114,7 @@ class Problem:
         self.index = {name: i for i, name in enumerate(seed.decided)}
         self.vars: list[Var] = []
         self.edges: list[Edge] = []
+        self._pairs: list[PairTable] = []  # per edge: its table (`Edge.table` is set by `_fill`)
         self.shared = shared = shared if shared is not None else Shared()
         self._tables = shared.tables
         self._vectors = shared.vectors
@@ -350,31 +348,30 @@ class Problem:
         key = (id(out_keys), id(in_keys), share)
         table = self._tables.get(key)
         if table is None:  # edges between the same layout lists share one table, filled by `_fill`
-            table = self._tables[key] = np.full((len(out_keys), len(in_keys)), np.nan)
-            self.shared.filled[id(table)] = (out_keys, in_keys, np.zeros(table.shape, dtype=bool))
-            self.shared.shares[id(table)] = share
-        edge = Edge(u, v, table, out_index, in_index)
+            table = self._tables[key] = PairTable(out_keys, in_keys, share)
+        # indices into the full layout lists until `_fill` (after `_prune`) makes them compact
+        edge = Edge(u, v, table.data, out_index, in_index)
         self.edges.append(edge)
+        self._pairs.append(table)
         self.vars[u].edges.append(edge)
         self.vars[v].edges.append(edge)
 
     def _fill(self) -> None:
         """Price the cells of the edge tables that the candidates kept after `_prune` read (most
-        of a four-axis mesh's pairs belong to candidates pruned away), each cell once per search."""
-        needed: dict[int, tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]] = {}
-        for edge in self.edges:
-            found = needed.setdefault(id(edge.table), (edge.table, [], []))
+        of a four-axis mesh's pairs belong to candidates pruned away), each cell once per search,
+        and point every edge at its table's compact rows and columns (`PairTable`)."""
+        needed: dict[int, tuple[PairTable, list[np.ndarray], list[np.ndarray]]] = {}
+        for edge, table in zip(self.edges, self._pairs):
+            found = needed.setdefault(id(table), (table, [], []))
             found[1].append(edge.out_index)
             found[2].append(edge.in_index)
         for table, out_indices, in_indices in needed.values():
-            outs, ins, done = self.shared.filled[id(table)]
-            rows, cols = np.unique(np.concatenate(out_indices)), np.unique(np.concatenate(in_indices))
-            have = done[np.ix_(rows, cols)]
-            if have.all():
-                continue
-            rows, cols = rows[~have.all(axis=1)], cols[~have.all(axis=0)]
-            table[np.ix_(rows, cols)] = self.cost.redistribute_table(outs, ins, rows, cols) / self.shared.shares[id(table)]
-            done[np.ix_(rows, cols)] = True
+            table.fill(out_indices, in_indices, self.cost.redistribute_table)
+        for edge, table in zip(self.edges, self._pairs):
+            edge.table = table.data
+            edge.out_index, edge.in_index = table.compact(edge.out_index, "out"), table.compact(edge.in_index, "in")
+            edge.cached = None
+        self._pairs = []
 
     def _prune(self, var: Var) -> None:
         """Keep the candidates that are cheapest on their own (and the current one)."""

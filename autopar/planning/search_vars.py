@@ -6,11 +6,13 @@ them; both read these types from here.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from autopar.core.layout import Layout
 from autopar.core.strategy import Strategy
 
 # the largest pair table an edge keeps between solves (float64 entries: 512 KiB)
@@ -60,6 +62,63 @@ class Edge:
 
     def value(self, u_choice: int, v_choice: int) -> float:
         return float(self.table[self.out_index[u_choice], self.in_index[v_choice]])
+
+
+# prices the cells (rows x cols, indices into the two layout lists) of a pair table
+PriceCells = Callable[[Sequence[Layout], Sequence[Layout], np.ndarray, np.ndarray], np.ndarray]
+
+
+class PairTable:
+    """The redistribution costs between two layout lists (a producer's side and a consumer's), for
+    every edge between them in one search, held compactly: a row per producer layout and a column
+    per consumer layout that some kept candidate reads, priced once each.
+
+    The lists are those of the unpruned candidates: on a four-axis mesh thousands of layouts each,
+    of which the 512 candidates `Problem._prune` keeps read a few hundred. A full table per pair of
+    lists, mostly never priced, held 1.2 GB for a 2-layer Mixtral stage on 2x2x2x2 (226 tables) and
+    grew the 8-layer job's (4, 2, 2, 2) search past 2.5 GB (`tests/test_search_tables.py`)."""
+
+    def __init__(self, outs: tuple[Layout, ...], ins: tuple[Layout, ...], share: int) -> None:
+        self.outs, self.ins, self.share = outs, ins, share
+        self.row_at = np.full(len(outs), -1, dtype=np.intp)  # per layout of `outs`: its row, or -1
+        self.col_at = np.full(len(ins), -1, dtype=np.intp)
+        self.data = np.empty((0, 0))  # rows x columns in the order they were first wanted; nan: not priced
+        self.done = np.zeros((0, 0), dtype=bool)
+        # id of a full index array -> (that array, kept alive so the id stays its own; its compact one)
+        self._compact: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def fill(self, out_indices: list[np.ndarray], in_indices: list[np.ndarray], price: PriceCells) -> None:
+        """Price every cell the full index arrays can read that is not priced yet. Rows and columns
+        only ever get added, so earlier compact indices stay valid; growing makes a new `data`
+        array (edges of earlier searches keep the old one, which has every cell they read)."""
+        rows, cols = np.unique(np.concatenate(out_indices)), np.unique(np.concatenate(in_indices))
+        new_rows, new_cols = rows[self.row_at[rows] < 0], cols[self.col_at[cols] < 0]
+        if len(new_rows) or len(new_cols):
+            n, m = self.data.shape
+            self.row_at[new_rows] = np.arange(n, n + len(new_rows))
+            self.col_at[new_cols] = np.arange(m, m + len(new_cols))
+            data = np.full((n + len(new_rows), m + len(new_cols)), np.nan)
+            done = np.zeros(data.shape, dtype=bool)
+            data[:n, :m], done[:n, :m] = self.data, self.done
+            self.data, self.done = data, done
+        at_rows, at_cols = self.row_at[rows], self.col_at[cols]
+        have = self.done[np.ix_(at_rows, at_cols)]
+        if have.all():
+            return
+        keep_rows, keep_cols = ~have.all(axis=1), ~have.all(axis=0)
+        rows, cols, at_rows, at_cols = rows[keep_rows], cols[keep_cols], at_rows[keep_rows], at_cols[keep_cols]
+        self.data[np.ix_(at_rows, at_cols)] = price(self.outs, self.ins, rows, cols) / self.share
+        self.done[np.ix_(at_rows, at_cols)] = True
+
+    def compact(self, index: np.ndarray, side: str) -> np.ndarray:
+        """`index` (into the full `outs` or `ins` list, every entry filled) as rows or columns of
+        `data`; one array per full one, so blocks of repeated layers keep one signature."""
+        key = id(index)
+        found = self._compact.get(key)
+        if found is None:
+            at = self.row_at if side == "out" else self.col_at
+            found = self._compact[key] = (index, at[index])
+        return found[1]
 
 
 @dataclass
