@@ -80,16 +80,17 @@ def _group_cost(problem: Problem, edges: list[Edge], trial: Mapping[int, int]) -
     """One producer layout's redistributions, once per distinct wanted layout, with the ops in
     `trial` at the given candidates and every other at its current one."""
     vars_ = problem.vars
-    shared = problem.shared
     u = edges[0].u
     cu = trial.get(u, vars_[u].current)
     made: dict[Layout, float] = {}
     for edge in edges:
         cv = trial.get(edge.v, vars_[edge.v].current)
         col = int(edge.in_index[cv])
-        want = shared.filled[id(edge.table)][1][col]
+        pairs = edge.pairs
+        assert pairs is not None, "an edge is read after Problem._fill"
+        want = pairs.wanted(col)
         if want in made:
             continue
         cell = float(edge.table[edge.out_index[cu], col])
-        made[want] = math.inf if np.isnan(cell) else cell * shared.shares[id(edge.table)]
+        made[want] = math.inf if np.isnan(cell) else cell * pairs.share
     return sum(made.values())

@@ -368,7 +368,7 @@ class Problem:
         for table, out_indices, in_indices in needed.values():
             table.fill(out_indices, in_indices, self.cost.redistribute_table)
         for edge, table in zip(self.edges, self._pairs):
-            edge.table = table.data
+            edge.table, edge.pairs = table.data, table
             edge.out_index, edge.in_index = table.compact(edge.out_index, "out"), table.compact(edge.in_index, "in")
             edge.cached = None
         self._pairs = []

@@ -41,6 +41,8 @@ class Edge:
     out_index: np.ndarray  # per candidate of u: row of `table`
     in_index: np.ndarray  # per candidate of v: column of `table`
     cached: np.ndarray | None = field(default=None, repr=False)  # `matrix()`, once computed
+    # the table `table` is the data of (set by `Problem._fill`): its layout lists and share
+    pairs: PairTable | None = field(default=None, repr=False)
 
     def for_consumer(self, u_choice: int) -> np.ndarray:
         return self.table[self.out_index[u_choice], self.in_index]
@@ -83,6 +85,7 @@ class PairTable:
         self.row_at = np.full(len(outs), -1, dtype=np.intp)  # per layout of `outs`: its row, or -1
         self.col_at = np.full(len(ins), -1, dtype=np.intp)
         self.data = np.empty((0, 0))  # rows x columns in the order they were first wanted; nan: not priced
+        self.col_layout = np.empty(0, dtype=np.intp)  # per column of `data`: its index in `ins`
         self.done = np.zeros((0, 0), dtype=bool)
         # id of a full index array -> (that array, kept alive so the id stays its own; its compact one)
         self._compact: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -97,6 +100,7 @@ class PairTable:
             n, m = self.data.shape
             self.row_at[new_rows] = np.arange(n, n + len(new_rows))
             self.col_at[new_cols] = np.arange(m, m + len(new_cols))
+            self.col_layout = np.concatenate([self.col_layout, new_cols])
             data = np.full((n + len(new_rows), m + len(new_cols)), np.nan)
             done = np.zeros(data.shape, dtype=bool)
             data[:n, :m], done[:n, :m] = self.data, self.done
@@ -109,6 +113,10 @@ class PairTable:
         rows, cols, at_rows, at_cols = rows[keep_rows], cols[keep_cols], at_rows[keep_rows], at_cols[keep_cols]
         self.data[np.ix_(at_rows, at_cols)] = price(self.outs, self.ins, rows, cols) / self.share
         self.done[np.ix_(at_rows, at_cols)] = True
+
+    def wanted(self, column: int) -> Layout:
+        """The consumer's layout of a column of `data`."""
+        return self.ins[int(self.col_layout[column])]
 
     def compact(self, index: np.ndarray, side: str) -> np.ndarray:
         """`index` (into the full `outs` or `ins` list, every entry filled) as rows or columns of
