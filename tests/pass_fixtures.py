@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.api import compile_for_rank
+from autopar.compiler.decompose_choice import DecompositionChoice
 from autopar.compiler.driver import Compiled, trace_for
 from autopar.core.collectives import COLLECTIVES
 from autopar.core.layout import Layout, P, R
@@ -523,14 +524,22 @@ def compile_every_rank(
     **options: Any,
 ) -> dict[Coords, Compiled]:
     """`compile_for_rank` for every coordinate of a mesh of `shape` (axes named `names`, default
-    x, y, z), all with the plan made for the first (as `parallelize` makes rank 0's plan everyone's)."""
+    x, y, z), all with the plan and the collective-matmul decomposition chosen for the first (as
+    `parallelize` makes rank 0's choices everyone's)."""
     chosen: list[Plan] = []
+    decomposition: list[DecompositionChoice] = []
 
     def plan_once(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Plan:
         if not chosen:
             chosen.append(make_plan())
         return chosen[0]
 
+    def decompose_once(decide: Callable[[], DecompositionChoice]) -> DecompositionChoice:
+        if not decomposition:
+            decomposition.append(decide())
+        return decomposition[0]
+
+    decide = options.pop("agree_decomposition", decompose_once)  # a test's own choice, else the first rank's
     mesh = Mesh.from_shape(shape, names)
     trace_options = {
         k: options[k] for k in ("planner", "split_fused", "forward_only", "token_dispatch") if k in options
@@ -540,7 +549,15 @@ def compile_every_rank(
         traced = trace_for(model, mesh, args, kwargs, **trace_options)  # once, as each process of a job
     return {
         c: compile_for_rank(
-            model, mesh, args, example_kwargs=kwargs, coords=c, agree=plan_once, traced=traced, **options
+            model,
+            mesh,
+            args,
+            example_kwargs=kwargs,
+            coords=c,
+            agree=plan_once,
+            agree_decomposition=decide,
+            traced=traced,
+            **options,
         )
         for c in all_coords(shape)
     }

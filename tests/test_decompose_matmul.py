@@ -4,6 +4,7 @@ training steps of every rank in lockstep equal to serial (and to the undecompose
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from multirank import run_ranks
 from pass_fixtures import Coords, compile_every_rank, lockstep_step, two_linear_case
 
 from autopar.api import compile_for_rank, parallelize
+from autopar.compiler import decompose_choice
+from autopar.compiler.decompose_choice import DecompositionChoice
 from autopar.compiler.driver import scheduled_step_time, trace_for
 from autopar.core.collectives import (
     COLLECTIVES,
@@ -20,8 +23,9 @@ from autopar.core.collectives import (
     DECOMPOSED_STEPS_KEY,
     MATMUL_FLOPS_KEY,
     PIECE_KEY,
+    DecomposedPair,
 )
-from autopar.core.errors import UsageError
+from autopar.core.errors import AutoparError, UsageError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import info
 from autopar.options import PlanOptions
@@ -352,3 +356,55 @@ def test_the_mesh_choices_step_prices_the_decomposition() -> None:
             assert step == pytest.approx(steps["off"], rel=1e-9)
         else:
             assert step <= steps["auto"] * (1 + 1e-9) and any(r.kept for r in compiled.report.decomposed)
+
+
+def test_auto_decides_once_for_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" chooses the pairs once per program, not per rank: on a (4,) mesh (H100 table, a GPT
+    whose pairs model shorter alone, so every trial runs) the trials' steps are modeled for the
+    first rank only, and every rank reports the same pairs, pieces and modeled steps."""
+    modeled: list[object] = []
+    simulate = decompose_choice.simulate
+    monkeypatch.setattr(decompose_choice, "simulate", lambda *a: modeled.append(a) or simulate(*a))
+    with torch.device("meta"):  # nothing runs: weights not allocated
+        model = GPT(GPTConfig(vocab_size=4096, block_size=256, n_layer=1, n_head=8, n_embd=1024))
+    idx = torch.zeros(8, 256, dtype=torch.long)
+    compiled = compile_every_rank(model, (4,), (idx, idx), hardware=HW)
+    first = compiled[(0,)].graph.meta
+    assert len(first[DECOMPOSED_STEPS_KEY]) == 3 and len(modeled) == 3, (first[DECOMPOSED_STEPS_KEY], len(modeled))
+    for comp in compiled.values():
+        assert comp.graph.meta[DECOMPOSED_KEY] == first[DECOMPOSED_KEY] and comp.report.decomposed
+        assert comp.graph.meta[DECOMPOSED_STEPS_KEY] == first[DECOMPOSED_STEPS_KEY]
+
+
+def _agreed_by_on() -> tuple[object, tuple, tuple[DecomposedPair, ...]]:
+    """A small GPT, its batch, and the pairs "on" decomposes on a (2, 2) mesh (records, all kept)."""
+    model, batch = make_gpt(0, n_layer=1)
+    records = compile_every_rank(model, (2, 2), batch, hardware=HW, decompose_matmuls="on")[(0, 0)].report.decomposed
+    assert records and all(r.kept for r in records)
+    return model, batch, tuple(records)
+
+
+def test_every_rank_applies_the_agreed_pairs() -> None:
+    """A choice made elsewhere (here: the pairs "on" cuts, handed to "auto" as if rank 0 had chosen
+    them) is applied alike on every rank of a (2, 2) mesh: the same collectives cut into the same
+    pieces, the same report, and the programs train as serial in lockstep."""
+    _, _, records = _agreed_by_on()
+    choice = DecompositionChoice(records)
+    losses_s, losses_p, grad_diff, param_diff, compiled = _train_in_lockstep(
+        lambda: make_gpt(0, n_layer=1), (2, 2), steps=1, hardware=HW, agree_decomposition=lambda decide: choice
+    )
+    pieces = {c: [(n.name, n.target) for n in _pieces(comp.graph)] for c, comp in compiled.items()}  # type: ignore[attr-defined]
+    assert pieces[(0, 0)] and all(p == pieces[(0, 0)] for p in pieces.values()), pieces
+    assert all(tuple(comp.report.decomposed) == records for comp in compiled.values())  # type: ignore[attr-defined]
+    assert abs(losses_s[0] - losses_p[0]) < 1e-5 and grad_diff < 2e-5 and param_diff < 1e-5
+
+
+def test_a_rank_that_cannot_cut_the_agreed_pieces_is_refused() -> None:
+    """A rank handed a choice its own block cannot follow (another piece count) raises, naming the
+    collective and its source line, before any collective could go unmatched."""
+    model, batch, records = _agreed_by_on()
+    kept = records[0]
+    choice = DecompositionChoice((replace(kept, chunks=kept.chunks + 1), *records[1:]))
+    with pytest.raises(AutoparError, match=f"{kept.collective}.*cannot be cut") as err:
+        compile_every_rank(model, (2, 2), batch, hardware=HW, agree_decomposition=lambda decide: choice)
+    assert kept.where in str(err.value) and 'decompose_matmuls="off"' in str(err.value)

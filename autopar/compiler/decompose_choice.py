@@ -4,10 +4,13 @@ the modeled step, scheduled as the schedule stage would schedule it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch.fx as fx
 
-from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
-from autopar.core.errors import UsageError
+from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY, DecomposedPair
+from autopar.core.errors import AutoparError, UsageError
 from autopar.core.graph_copy import graph_copy
 from autopar.core.mesh import Mesh
 from autopar.cost.timeline import Timeline, exposed_by_collective, simulate
@@ -26,6 +29,25 @@ def check_decompose(mode: object) -> None:
         )
 
 
+@dataclass(frozen=True)
+class DecompositionChoice:
+    """What "auto" decided for the program, made once and the same on every rank (a rank that
+    chose for its own coordinates could pick other pairs than its peers, or cut them into other
+    piece counts, and their collectives would no longer match): the pairs as priced, which kept
+    and in how many pieces, and the modeled steps the choice compared. Pairs are named by their
+    collective's node name, which every rank's lowered graph gives alike (one trace, one plan, the
+    same stages)."""
+
+    records: tuple[DecomposedPair, ...] = ()
+    steps: tuple[tuple[str, float], ...] = ()
+
+
+# how ranks settle on one choice: given the function that decides (at this rank), the choice every
+# rank applies (parallelize: rank 0 decides and broadcasts; an in-process run of every rank: the
+# first rank compiled decides)
+DecompositionAgreement = Callable[[Callable[[], DecompositionChoice]], DecompositionChoice]
+
+
 def decompose_chosen(
     gm: fx.GraphModule,
     work: Mesh,
@@ -35,11 +57,73 @@ def decompose_chosen(
     schedule: bool,
     in_flight_bytes: int,
     every_pair: bool = True,
+    agree: DecompositionAgreement | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     """The decomposition pass on the lowered graph; returns the graph and, where "auto" scheduled
     the graph it chose to decide so, that scheduled copy (the schedule stage's result).
 
-    "auto" prices each pair against the time its collective stays exposed in the step scheduled
+    "auto" decides once per program (`agree`; None: this rank decides alone) and every rank
+    applies that choice to its own graph; the rank that decided keeps the graph it scheduled to
+    decide. "on" rewrites every pair that qualifies on each rank, "off" none."""
+    if mode == "off" or work.in_process:
+        return gm, None
+    if mode == "on":
+        if not find_pairs(gm, tuple(work.shape), coords):
+            return gm, None
+        return decompose_pass(gm, work, coords, hardware=table, mode="on"), None
+    decided: list[tuple[fx.GraphModule, fx.GraphModule | None]] = []
+
+    def decide() -> DecompositionChoice:
+        chosen, scheduled = _auto(gm, work, coords, table, schedule, in_flight_bytes, every_pair)
+        decided.append((chosen, scheduled))
+        steps = chosen.meta.get(DECOMPOSED_STEPS_KEY, {})
+        return DecompositionChoice(tuple(chosen.meta.get(DECOMPOSED_KEY, ())), tuple(steps.items()))
+
+    choice = agree(decide) if agree is not None else decide()
+    if decided:  # this rank decided: its graph (and scheduled copy) is the choice applied
+        return decided[0]
+    return _applied(gm, work, coords, table, choice), None
+
+
+def _applied(gm: fx.GraphModule, work: Mesh, coords: tuple[int, ...], table: str, choice: DecompositionChoice) -> fx.GraphModule:
+    """The choice another rank made, applied to this rank's graph: the same pairs rewritten into
+    the same piece counts (else an error, before any collective could mismatch), and the same
+    records and steps for the report."""
+    kept = {r.collective: r.chunks for r in choice.records if r.kept}
+    if kept:
+        gm = decompose_pass(
+            gm, work, coords, hardware=table, only=frozenset(kept), pieces={r.collective: r.chunks for r in choice.records}
+        )
+        mine = {r.collective: r.chunks for r in gm.meta[DECOMPOSED_KEY] if r.kept}
+        differing = [r for r in choice.records if r.kept and mine.get(r.collective) != r.chunks]
+        if differing:
+            pair = differing[0]
+            raise AutoparError(
+                f"the {pair.kind} {pair.collective} into {', '.join(pair.matmuls)} at {pair.where} was decomposed into"
+                f" {pair.chunks} pieces for the program, but rank {coords}'s block cannot be cut so"
+                f" ({mine.get(pair.collective, 'no')} pieces)",
+                hint='decompose_matmuls="off" (or "on") compiles it; a block that divides alike on every rank decomposes',
+            )
+    if choice.records:
+        gm.meta[DECOMPOSED_KEY] = choice.records
+    if choice.steps:
+        gm.meta[DECOMPOSED_STEPS_KEY] = dict(choice.steps)
+    return gm
+
+
+def _auto(
+    gm: fx.GraphModule,
+    work: Mesh,
+    coords: tuple[int, ...],
+    table: str,
+    schedule: bool,
+    in_flight_bytes: int,
+    every_pair: bool,
+) -> tuple[fx.GraphModule, fx.GraphModule | None]:
+    """"auto" at this rank's coordinates: the graph with the pairs it keeps rewritten and, where
+    it scheduled that graph to decide, the scheduled copy.
+
+    It prices each pair against the time its collective stays exposed in the step scheduled
     without the rewrite (a scheduled copy, modeled on `table`). Where some pairs price shorter, the
     whole step is modeled, scheduled, with those pairs rewritten and (`every_pair`) with every pair
     rewritten, and the shortest of the steps is kept: a pair that prices faster alone can still
@@ -47,10 +131,8 @@ def decompose_chosen(
     (`scheduled_step_time`) leaves out the every-pair trial, which a search's plans seldom win, to
     price each candidate with one scheduled trial. Batch chunks (over-decomposition) overlap their
     collectives already: not there."""
-    if mode == "off" or work.in_process or not find_pairs(gm, tuple(work.shape), coords):
+    if not find_pairs(gm, tuple(work.shape), coords):
         return gm, None
-    if mode == "on":
-        return decompose_pass(gm, work, coords, hardware=table, mode="on"), None
 
     def scheduled_step(graph: fx.GraphModule) -> tuple[Timeline, fx.GraphModule]:
         if schedule:

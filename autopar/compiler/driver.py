@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.compiler.decompose_choice import check_decompose, decompose_chosen
+from autopar.compiler.decompose_choice import DecompositionAgreement, check_decompose, decompose_chosen
 from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
 from autopar.core.errors import AutoparError, InternalError, UsageError
 from autopar.core.graph_copy import graph_copy
@@ -173,6 +173,7 @@ def compile_for_rank(
     rank: int = 0,
     planner: str = "search",
     agree: Callable[[fx.GraphModule, Callable[[], Plan]], Plan] | None = None,
+    agree_decomposition: DecompositionAgreement | None = None,
     hardware: str | None = None,
     table: str | None = None,
     schedule: bool = True,
@@ -220,7 +221,8 @@ def compile_for_rank(
     stores the weights (`search_layouts`, `PlanOptions.storage`). `decompose_matmuls` ("auto",
     "on" or "off"): which all-gather -> matmul and matmul -> reduce-scatter pairs are cut into
     pieces that overlap each other (`autopar.passes.decompose_matmul`); "auto": where the modeled
-    step is shorter. `token_dispatch` ("allgather", "alltoall" or "auto"): how MoE layers' tokens
+    step is shorter, decided once per program: `agree_decomposition` settles it across ranks as `agree`
+    the plan (None: this rank decides). `token_dispatch` ("allgather", "alltoall" or "auto"): how MoE layers' tokens
     reach their experts (`autopar.rules.routed_experts`): "allgather" traces transformers' experts
     as their ops (the all-gather dispatcher, or splits inside the experts); the others trace each
     experts module as one op, "alltoall" requiring the all-to-all dispatcher wherever the experts
@@ -287,7 +289,7 @@ def compile_for_rank(
     with stage("propagate / insert_comm"):
         gm, work = _lower(gm, plan, mesh, registry, base, chunks, path)
     with stage("decompose matmuls"):
-        gm, prescheduled = decompose_chosen(gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes)
+        gm, prescheduled = decompose_chosen(gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes, agree=agree_decomposition)
     write_stage(path, "3_insert_comm", gm, work)
     modeled_on = table if hardware is not None or path is not None else None
     # modeled before the schedule stage, which reorders the graph in place
