@@ -4,6 +4,7 @@ scheduled step; under `parallelize`, rank 0 chooses and every rank builds the ch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -85,11 +86,12 @@ def choose_mesh(
     `ShardingError`-like `AutoparError`s when no candidate has a plan at all.
     """
     registry = require_dispatcher(registry if registry is not None else default_registry(), token_dispatch)
-    gm = traced if traced is not None else trace_for_choice(
-        model, world_size, example_inputs, example_kwargs=example_kwargs, planner=planner,
+    traced_at = functools.partial(
+        trace_for_choice, model, world_size, example_inputs, example_kwargs=example_kwargs, planner=planner,
         split_fused=split_fused, autocast=autocast, mixed_precision=mixed_precision,
         token_dispatch=token_dispatch,
     )  # fmt: skip
+    gm = traced if traced is not None else traced_at()
     asked: dict[str, Any] = dict(
         hardware=hardware, planner=planner, memory_limit=memory_limit, candidates=candidates,
         overlap_candidates=overlap_candidates, searched=searched_candidates, keep_plan=keep_plan,
@@ -104,14 +106,7 @@ def choose_mesh(
     choice = None
     group = folded_blocks(gm)
     if planner == "search" and fold and group is not None:  # deep: ranked cut short first
-        shallow = [
-            _shallow(gm, depth, lambda d: trace_for_choice(
-                model, world_size, example_inputs, example_kwargs=example_kwargs, planner=planner,
-                split_fused=split_fused, autocast=autocast, mixed_precision=mixed_precision,
-                token_dispatch=token_dispatch, depth=d,
-            ))  # fmt: skip
-            for depth in DEPTHS
-        ]
+        shallow = [_shallow(gm, depth, lambda d: traced_at(depth=d)) for depth in DEPTHS]
         limit = memory_limit if memory_limit is not None else default_memory_limit(TimeCost(hardware, (world_size,)))
         choice = rank_folded(
             gm, group, shallow, rank, searched=searched_candidates, keep_plan=keep_plan, limit=float(limit)
