@@ -3,7 +3,8 @@
 sequence split over p ranks leaves the last rank (2p-1)/p of the mean share
 (`rules.context_parallel.contiguous_causal_imbalance`), which every planner adds
 (`planning.ring_cost.causal_imbalance_cost`). Counted against the scores each rank's causal rows
-really reach, and checked on the candidates of one attention call."""
+really reach, against the kernel calls a rank's causal rows make, and checked on the candidates
+of one attention call."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import torch
 import torch.fx as fx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.core.layout import BalancedShard, Layout
 from autopar.core.strategy import Strategy
 from autopar.cost.work import causal_fraction, global_work, work_split
 from autopar.planning.ring_cost import causal_imbalance_cost
 from autopar.planning.search_cost import TimeCost
+from autopar.rules import device_attention, ring_attention
 from autopar.rules.base import expand, make_call
-from autopar.rules.context_parallel import FORWARD, contiguous_causal_imbalance
+from autopar.rules.context_parallel import BACKWARD, FORWARD, contiguous_causal_imbalance
 from autopar.rules.registry import default_registry
 
 
@@ -108,3 +111,81 @@ def test_the_load_balanced_order_pays_no_imbalance() -> None:
     )
     assert causal_imbalance_cost(FORWARD, True, contiguous, 1e12, torch.float32, cost) > 0
     assert causal_imbalance_cost(FORWARD, True, balanced, 1e12, torch.float32, cost) == 0.0
+
+
+class _KernelCalls(TorchDispatchMode):
+    """Records each attention kernel call: (query rows, keys, causal flag, whether a mask was passed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, int, bool, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in (FORWARD, BACKWARD):
+            at, flag = (1, 7) if func == BACKWARD else (0, 4)
+            q, k = args[at], args[at + 1]
+            causal = bool(args[flag] if len(args) > flag else kwargs.get("is_causal", False))
+            self.calls.append((q.shape[-2], k.shape[-2], causal, kwargs.get("attn_mask") is not None))
+        return func(*args, **kwargs)
+
+
+def _scores(calls: list[tuple[int, int, bool, bool]]) -> int:
+    """Scores the kernel computes over these calls: a flagged call its (square) lower triangle."""
+    return sum(rows * (rows + 1) // 2 if causal else rows * keys for rows, keys, causal, _ in calls)
+
+
+@settings(max_examples=15, deadline=None)
+@given(p=st.integers(1, 5), n=st.integers(1, 7), kv_heads=st.sampled_from([1, 2]), transposed=st.booleans())
+def test_a_contiguous_causal_block_runs_the_kernels_flag_on_its_diagonal(
+    p: int, n: int, kv_heads: int, transposed: bool
+) -> None:
+    """Every rank's causal rows (`device_attention.attention_forward` / `_backward` with a
+    `row_offset`) equal the serial kernel's rows (output, logsumexp, every gradient summed over the
+    ranks), and run the kernel with no mask: the keys before the block without the flag, the
+    diagonal block with it. So the scores computed are exactly the block's rows of the triangle,
+    what the price counts (`causal_fraction`, `contiguous_causal_imbalance`): the last rank's are
+    (2p-1)/p of the mean, not a whole row block against every key before it."""
+    seq, gen = p * n, torch.Generator().manual_seed(p * 100 + n * 10 + kv_heads)
+
+    def rand(heads: int) -> torch.Tensor:
+        if transposed:
+            return torch.randn(2, seq, heads, 8, generator=gen, dtype=torch.float64).transpose(1, 2)
+        return torch.randn(2, heads, seq, 8, generator=gen, dtype=torch.float64)
+
+    q, k, v = rand(2), rand(kv_heads), rand(kv_heads)
+    out, lse = FORWARD(q, k, v, 0.0, True)[:2]
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    dq, dk, dv = BACKWARD(grad, q, k, v, out, lse, 0.0, True)
+    dk_sum, dv_sum = torch.zeros_like(dk), torch.zeros_like(dv)
+    for r in range(p):
+        rows = slice(r * n, (r + 1) * n)
+        with _KernelCalls() as forward:
+            o, ls = device_attention.attention_forward(q[:, :, rows], k, v, 0.0, True, row_offset=r * n)
+        torch.testing.assert_close(o, out[:, :, rows])
+        torch.testing.assert_close(ls, lse[:, :, rows])
+        with _KernelCalls() as backward:
+            gq, gk, gv = device_attention.attention_backward(
+                grad[:, :, rows], q[:, :, rows], k, v, o, ls, 0.0, True, row_offset=r * n
+            )
+        torch.testing.assert_close(gq, dq[:, :, rows])
+        dk_sum, dv_sum = dk_sum + gk, dv_sum + gv
+        for calls in (forward.calls, backward.calls):
+            assert not any(masked for *_, masked in calls)
+            assert [causal for *_, causal, _ in calls].count(True) == 1
+            assert _scores(calls) == _reached(seq, range(r * n, (r + 1) * n))
+    torch.testing.assert_close(dk_sum, dk)
+    torch.testing.assert_close(dv_sum, dv)
+
+
+def test_the_rings_diagonal_step_runs_the_kernels_flag() -> None:
+    """The contiguous ring's step on the rank's own block (`ring_attention.block_forward`) runs the
+    kernel with its causal flag and no mask; a block before the rank's runs without either."""
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    kv = torch.randn(2, 1, 2, 4, 8, dtype=torch.float64)
+    with _KernelCalls() as own:
+        ring_attention.block_forward(q, kv, None, ((4, 4),), ((4, 4),), True, None)
+    with _KernelCalls() as before:
+        ring_attention.block_forward(q, kv, None, ((4, 4),), ((0, 4),), True, None)
+    assert own.calls == [(4, 4, True, False)]
+    assert before.calls == [(4, 4, False, False)]

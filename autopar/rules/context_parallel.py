@@ -25,10 +25,13 @@ Causal attention (`is_causal=True`) is the case that needs care: torch's causal 
 the top left of the (Tq, Tk) scores, so query i of the whole sequence attends keys 0..i. A rank
 holding queries o..o+n-1 must attend keys 0..o+i for its query i, which the kernel's own causal
 flag (top-left aligned on the local (n, Tk) scores) does not give. The local call
-(`device_attention.attention_forward` with `row_offset=o`) therefore runs the kernel without its
-causal flag on the keys 0..o+n-1 only (the later ones are masked for every local query, so their work is skipped) with an additive
-mask that is -inf above the shifted diagonal, added to the user's mask if there is one; its
-backward pads the keys' and values' gradients with zeros for the keys it skipped.
+(`device_attention.attention_forward` with `row_offset=o`) therefore runs the kernel twice with no
+mask: on the keys 0..o-1 before the block without its causal flag, and on the diagonal block of
+keys o..o+n-1 (a square, where the flag's mask is the right one) with it, merged by their
+log-sum-exps; so it computes exactly the block's rows of the causal triangle, which is what the
+price counts. Where the model passes a mask as well, it runs once on the keys 0..o+n-1 with an
+additive mask that is -inf above the shifted diagonal, added to the model's. Its backward gives
+zero gradients for the keys after the block.
 
 Refused (the strategy is not offered, so the search picks a batch or head split or keeps
 attention whole; `sequence_split_refusal` says why): attention with dropout (the CPU pair is

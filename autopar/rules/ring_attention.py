@@ -163,6 +163,16 @@ def _block_mask(
     return block
 
 
+def _on_the_flag(
+    q_chunk: tuple[int, int], k_chunks: Chunks, runs: list[int], causal: bool, mask: torch.Tensor | None
+) -> bool:
+    """Whether a run of query rows sees exactly its own positions' keys (the diagonal block of a
+    causal ring step) with no mask of the model's: then the kernel's causal flag is its mask (the
+    square's top-left alignment is the sequence's), and the kernel skips the tiles above the
+    diagonal instead of computing and masking them."""
+    return causal and mask is None and [k_chunks[j] for j in runs] == [q_chunk]
+
+
 def _mask_rows(mask: torch.Tensor | None, at: int, rows: int) -> torch.Tensor | None:
     """Query rows `at..at+rows` of a mask (dim -2); one that broadcasts along the queries (size 1
     there, or 1-D) goes whole."""
@@ -205,8 +215,9 @@ def block_forward(
             lses.append(q_run.new_full(q_run.shape[:-1], NEG_INF, dtype=acc))
             continue
         keys = _keys(kv, k_chunks, runs)
-        block = _block_mask(q_chunk, tuple(k_chunks[j] for j in runs), causal, _mask_rows(mask, at, rows), q)
-        out, lse = device_attention.attention_forward(q_run, keys[0], keys[1], 0.0, False, attn_mask=block, scale=scale)
+        flag = _on_the_flag(q_chunk, k_chunks, runs, causal, mask)
+        block = None if flag else _block_mask(q_chunk, tuple(k_chunks[j] for j in runs), causal, _mask_rows(mask, at, rows), q)
+        out, lse = device_attention.attention_forward(q_run, keys[0], keys[1], 0.0, flag, attn_mask=block, scale=scale)
         lse = lse.to(acc)
         if block is not None:
             lse = torch.where(torch.isneginf(block).all(-1), NEG_INF, lse)
@@ -263,10 +274,11 @@ def block_backward(
             grads_q.append(torch.zeros_like(q_run))
             continue
         keys = _keys(kv, k_chunks, runs)
-        block = _block_mask(q_chunk, tuple(k_chunks[j] for j in runs), causal, _mask_rows(mask, at, rows), q)
+        flag = _on_the_flag(q_chunk, k_chunks, runs, causal, mask)
+        block = None if flag else _block_mask(q_chunk, tuple(k_chunks[j] for j in runs), causal, _mask_rows(mask, at, rows), q)
         dq, dk, dv = device_attention.attention_backward(
             grad_out.narrow(SEQ, at, rows), q_run, keys[0], keys[1], out.narrow(SEQ, at, rows),
-            lse.narrow(SEQ, at, rows), 0.0, False, attn_mask=block, scale=scale,
+            lse.narrow(SEQ, at, rows), 0.0, flag, attn_mask=block, scale=scale,
         )  # fmt: skip
         grads_q.append(dq)
         dkv = torch.stack([dk, dv])
