@@ -69,8 +69,8 @@ class PlanOptions:
           splits the sequence over it (docs/context-parallel.md): "allgather", queries split along
           the sequence with keys and values all-gathered (Llama 3's CP); "ring", queries, keys
           and values split, key/value blocks passed around the ring (ring attention); "ulysses",
-          the all-to-all from the sequence split to a heads split around attention and back
-          (DeepSpeed-Ulysses); "balanced", "allgather" in the load-balanced causal order (rank i
+          the all-to-all from the sequence split to a heads split around attention and back,
+          every weight whole on the axis and the tokens split (DeepSpeed-Ulysses); "balanced", "allgather" in the load-balanced causal order (rank i
           holds chunk i and chunk 2p-1-i of 2p: equal causal work per rank) over the whole block;
           "ring_balanced", "ring" in that load-balanced order (each rank's two chunks travel as one
           block, every step half a block of causal work);

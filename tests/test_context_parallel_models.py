@@ -15,8 +15,11 @@ import torch
 from pass_fixtures import compile_every_rank
 from train_fixtures import train_hf_in_lockstep
 
-from autopar.core.layout import BalancedShard, R, Shard
-from autopar.core.meta import info
+from autopar.compiler.driver import trace_for
+from autopar.core.layout import BalancedShard, R, Replicate, Shard
+from autopar.core.mesh import Mesh
+from autopar.core.meta import has_info, info
+from autopar.rules.calls import op_call
 from autopar.rules.context_parallel import BACKWARD, EMBEDDING, FORWARD, require_context_parallel
 from autopar.rules.registry import default_registry
 from examples.hf_models import VOCAB, tiny_causal_lm
@@ -90,6 +93,14 @@ AT_128 = {  # the model, the strategy forced, the mesh and its "cp" axis, the (q
 }  # fmt: skip
 
 
+def _padded_at(seq: int) -> dict[str, torch.Tensor]:
+    """The batch of the sequence-128 cases: 37 tokens of left padding in the first sample."""
+    ids = torch.randint(VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(BATCH, seq, dtype=torch.long)
+    mask[0, :37] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
 @pytest.mark.parametrize("case", sorted(AT_128))
 def test_forced_strategy_at_sequence_128(case: str) -> None:
     """Issue 36 item 4 at its sequence: 8 query heads, 2 key/value heads, 37 tokens of left
@@ -103,10 +114,7 @@ def test_forced_strategy_at_sequence_128(case: str) -> None:
     cp, seq = names.index("cp"), 128
     torch.manual_seed(0)
     model = build()
-    ids = torch.randint(VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(BATCH, seq, dtype=torch.long)
-    mask[0, :37] = 0
-    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    kwargs = _padded_at(seq)
     registry = require_context_parallel(default_registry(), cp, strategy)
     compiled = compile_every_rank(model, shape, (), kwargs, names=names, registry=registry)
     graph = next(iter(compiled.values())).graph.graph
@@ -118,3 +126,49 @@ def test_forced_strategy_at_sequence_128(case: str) -> None:
         at = 1 if node.target is BACKWARD else 0
         assert (chosen.inputs[at].placements[cp], chosen.inputs[at + 1].placements[cp]) == asked, (node.name, chosen)
     train_hf_in_lockstep(compiled, model, kwargs, shape, STEPS)
+
+
+def test_pure_ulysses_keeps_every_weight_whole_on_cp() -> None:
+    """`"ulysses"` forced is DeepSpeed-Ulysses: on "cp" every op reads its weights whole and its
+    tokens split (data parallel over the sequence), attention splits the heads, and the tokens
+    reach it and leave it by all-to-alls on "cp", forward and backward. Llama with 37 tokens of
+    left padding in one sample, sequence 128, on (2, 2, 2) ("dp", "tp", "cp"): two
+    SGD-with-momentum steps in lockstep equal serial (loss, every gradient, every parameter)."""
+    shape, names = (2, 2, 2), ("dp", "tp", "cp")
+    cp, seq = names.index("cp"), 128
+    torch.manual_seed(0)
+    model = tiny_causal_lm("llama", n_layer=1, heads=8, kv_heads=2)
+    kwargs = _padded_at(seq)
+    registry = require_context_parallel(default_registry(), cp, "ulysses")
+    compiled = compile_every_rank(model, shape, (), kwargs, names=names, registry=registry)
+    calls = {n.name: op_call(n) for n in trace_for(model, Mesh.from_shape(shape, names), (), kwargs).graph.nodes}
+    graph = next(iter(compiled.values())).graph.graph
+    reads = 0
+    for node in graph.nodes:
+        chosen = info(node).strategy if has_info(node) else None
+        call = calls.get(node.name)
+        if chosen is None or call is None or not any(call.weights):
+            continue
+        for weight, layout in zip(call.weights, chosen.inputs):
+            placement = layout.placements[cp]
+            if weight:
+                reads += 1
+                assert isinstance(placement, Replicate), (node.name, chosen)
+            elif layout.shape:
+                assert isinstance(placement, Shard), (node.name, chosen)
+    assert reads >= 9, "q, k, v, o, gate, up, down, lm_head and the norms read weights"
+    for node in graph.nodes:
+        if node.target in (FORWARD, BACKWARD):
+            at = 1 if node.target is BACKWARD else 0
+            assert info(node).strategy.inputs[at].placements[cp] == Shard(1), node.name  # type: ignore[union-attr]
+    exchanges = {
+        phase: [n for n in graph.nodes if has_info(n) and info(n).phase == phase and _all_to_all_on(n, cp)]
+        for phase in ("forward", "backward")
+    }
+    assert exchanges["forward"] and exchanges["backward"]
+    train_hf_in_lockstep(compiled, model, kwargs, shape, STEPS)
+
+
+def _all_to_all_on(node: torch.fx.Node, axis: int) -> bool:
+    step = info(node).comm
+    return step is not None and step.kind == "all_to_all" and step.axis == axis

@@ -8,7 +8,7 @@ the vocabulary because node metadata, the planners and the cost model all carry 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +40,10 @@ class OpCall:
     # an op that runs code of the model (a custom autograd.Function): what the trace recorded for
     # this node (`NodeInfo.traced`); None for every op with a fixed kernel
     traced: TracedKernel | None = None
+    # per tensor input, whether it is a parameter or a view or cast of one (`rules.calls.op_call`;
+    # empty where unknown): where the value came from, not what the op computes, so it is left out
+    # of equality; a requirement that keeps weights whole on an axis (pure Ulysses) reads it
+    weights: tuple[bool, ...] = field(default=(), compare=False)
 
     def arg(self, index: int, name: str, default: Any = None) -> Any:
         """Argument by position or keyword, falling back to the schema default."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from autopar.core.errors import AutoparError
+from autopar.core.errors import AutoparError, ShardingError
 from autopar.core.layout import RowDisjoint
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
@@ -57,6 +57,7 @@ def fixed_seeds(
             name = PREFIX + scheme.describe()
             try:
                 forced = forced_strategies(gm, scheme, pairs, registry, forcing)
+                _check_required(gm, registry, forced, name)
                 plan = greedy_plan(
                     gm,
                     mesh,
@@ -70,6 +71,23 @@ def fixed_seeds(
                 yield name, exc
                 continue
             yield name, plan
+
+
+def _check_required(gm: fx.GraphModule, registry: RuleRegistry, forced: dict[str, Strategy], name: str) -> None:
+    """A scheme's forced strategies must meet what the mesh asks of their ops (`OpRule.requirement`:
+    weights whole on a "cp" axis with `context_parallel="ulysses"`): the search adds a seed's
+    strategy to its op's candidates, so a seed that broke a requirement would bring it into the
+    plan. Raises for the first that does not (the scheme is then no seed)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for node_name, strategy in forced.items():
+        node = nodes[node_name]
+        rule = registry.get(node.target)
+        if rule is not None and rule.requirement is not None and not rule.requirement.admits(op_call(node), strategy):
+            raise ShardingError(
+                f"{name} splits {node.target} as the mesh does not allow",
+                op=str(node.target),
+                hint=rule.requirement.hint,
+            )
 
 
 def expert_seeds(

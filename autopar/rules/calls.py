@@ -54,19 +54,21 @@ def op_call(node: fx.Node) -> OpCall:
     """`make_call` on the node's argument and result values, without pytree (it runs once per
     node in the planner and again in emit; the equivalence is tested)."""
     inputs: list[TensorSpec] = []
+    weights: list[bool] = []
 
-    def to_spec(x: Any) -> Any:
+    def to_spec(x: Any, weight: bool = False) -> Any:
         spec = spec_of(x)
         if spec is None:
             return x
         inputs.append(spec)
+        weights.append(weight)
         return spec
 
     def leaf(x: Any) -> Any:
         value = x.meta["val"] if isinstance(x, fx.Node) else x
         if isinstance(value, (tuple, list, dict)):  # a node holding several values
             return pytree.tree_map(to_spec, value)
-        return to_spec(value)
+        return to_spec(value, isinstance(x, fx.Node) and is_weight(x))
 
     args = fx.node.map_aggregate(node.args, leaf)
     kwargs = fx.node.map_aggregate(node.kwargs, leaf)
@@ -76,7 +78,19 @@ def op_call(node: fx.Node) -> OpCall:
     else:
         outputs = tuple(s for s in (spec_of(x) for x in pytree.tree_leaves(out)) if s is not None)
     traced = info(node).traced if has_info(node) else None
-    return OpCall(node.target, tuple(args), dict(kwargs), tuple(inputs), outputs, traced)
+    return OpCall(node.target, tuple(args), dict(kwargs), tuple(inputs), outputs, traced, tuple(weights))
+
+
+def is_weight(node: fx.Node) -> bool:
+    """Whether `node` is a parameter, or a chain of one-input ops on one (a transpose, a cast, a
+    view): a weight as the op that reads it sees it."""
+    for _ in range(16):  # such chains are a few ops long
+        if node.op == "placeholder":
+            return has_info(node) and info(node).role == "param"
+        if node.op != "call_function" or len(node.all_input_nodes) != 1:
+            return False
+        node = node.all_input_nodes[0]
+    return False
 
 
 def output_index(node: fx.Node) -> int:
@@ -137,4 +151,4 @@ def _expanded(rule: Any, call: OpCall, shape: tuple[int, ...]) -> list[Strategy]
 
 def call_key(call: OpCall) -> tuple[Any, ...]:
     """What a rule sees of a call (argument specs and constants), as a dictionary key."""
-    return (repr(call.args), repr(sorted(call.kwargs.items())), call.inputs, call.outputs)
+    return (repr(call.args), repr(sorted(call.kwargs.items())), call.inputs, call.outputs, call.weights)

@@ -52,7 +52,7 @@ from collections.abc import Callable
 
 import torch
 
-from autopar.core.layout import BalancedShard, Layout, P, Placement, R, Shard
+from autopar.core.layout import BalancedShard, Layout, P, Placement, R, Replicate, Shard
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy, TensorSpec
 from autopar.rules import device_attention, ring_attention
 from autopar.rules.balanced import balanced_registry, only_on_axis
@@ -276,6 +276,43 @@ def _embedding_requirement(axis: int, strategy: str) -> Requirement:
     )
 
 
+def _weights_whole(axis: int) -> Requirement:
+    """Pure Ulysses (`context_parallel="ulysses"`): every op reads its weights (parameters and
+    their views and casts, `OpCall.weights`) whole on the "cp" axis, and its other tensors split
+    there (the tokens: the sequence, or the heads inside attention), as DeepSpeed-Ulysses does:
+    outside attention the axis is data parallel over the sequence (each rank its tokens, every
+    weight whole, each weight's gradient a pending sum the plan reduces over the axis), so the only
+    exchanges of activations on it are the all-to-alls around attention. Without it the search
+    prices Megatron's sequence parallelism (weights split, tokens gathered around the projections)
+    on the same axis and often prefers it."""
+
+    def admits(call: OpCall, chosen: Strategy) -> bool:
+        if not any(call.weights):
+            return True
+        for weight, layout in zip(call.weights, chosen.inputs):
+            placement = layout.placements[axis]
+            if weight and not isinstance(placement, Replicate):
+                return False  # a weight split over the axis (tensor or sequence parallelism)
+            if not weight and layout.shape and not isinstance(placement, Shard):
+                return False  # tokens whole on the axis: every rank would compute them all
+        return True
+
+    return Requirement(
+        admits,
+        'context_parallel="ulysses" keeps every weight whole on the "cp" axis (data parallel over the '
+        "sequence there, DeepSpeed-Ulysses); an op that cannot read its weight whole with its tokens "
+        'split cannot run so: use context_parallel="auto" or "allgather", or name the axis otherwise',
+    )
+
+
+def _both(first: Requirement | None, second: Requirement) -> Requirement:
+    """A requirement admitting what both admit (`first` None: `second`)."""
+    if first is None:
+        return second
+    return Requirement(lambda call, chosen: first.admits(call, chosen) and second.admits(call, chosen),
+                       f"{first.hint}; and {second.hint}")
+
+
 def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = "auto") -> RuleRegistry:
     """A copy of `registry` whose plans split the sequence over mesh axis `axis` (a "cp" axis):
     token embeddings (B, T, E) split along T there, so the activations after them are split along
@@ -284,7 +321,8 @@ def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = 
     too, passed around the ring; "balanced" and "ring_balanced": the same two in the load-balanced
     causal order, the embeddings too) or along the heads
     ("ulysses": the all-to-all from the sequence split to the heads split and back, which
-    insert_comm makes of the redistribution), or any ("auto": the cheapest, by the search).
+    insert_comm makes of the redistribution, with every op's weights whole on the axis:
+    `_weights_whole`), or any ("auto": the cheapest, by the search).
     Other ops keep every strategy: the search lays them out around these."""
     if strategy not in CP_STRATEGIES:
         raise ValueError(f"context parallel strategy {strategy!r}: one of {', '.join(CP_STRATEGIES)}")
@@ -310,6 +348,11 @@ def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = 
             constrained.admit(op, only_on_axis(axis, admits))
     if EMBEDDING in constrained:
         constrained.require(EMBEDDING, _embedding_requirement(axis, strategy))
+    if strategy == "ulysses":
+        whole = _weights_whole(axis)
+        for op in constrained.ops():
+            if op not in (FORWARD, BACKWARD):
+                constrained.require(op, _both(constrained.get(op).requirement, whole))  # type: ignore[union-attr]
     return constrained
 
 
