@@ -9,7 +9,10 @@ search's own choice at its defaults, each strategy forced on a `("cp",)` mesh, a
 (slowest rank, forward + backward + SGD-with-momentum), each rank's peak RSS during its steps (the
 kernel's high-water mark, reset before each step after `malloc_trim`) and its rise over the RSS
 before the step, every step's loss (equal across plans: each starts from the same weights on the
-same batch), and the plan as `autopar.plan` models it. Writes benchmarks/results/<name>.json:
+same batch), and the plan as `autopar.plan` models it. After the timed rounds, one more step per
+plan with malloc's bytes in use sampled after every ATen op (`_live_step`): the step's live peak
+over the bytes in use before it, which the tensors occupy, against the RSS rise, which adds what
+the allocator keeps. Writes benchmarks/results/<name>.json:
 
     python benchmarks/long_context.py --ranks 8 --seq 4096 --name long_context_ranks
 
@@ -59,6 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -212,6 +216,51 @@ def report(results: list[dict[str, Any]]) -> str:
 
 MiB = 2**20
 _libc = ctypes.CDLL("libc.so.6")
+
+
+class _MallInfo(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+_libc.mallinfo2.restype = _MallInfo
+
+
+def _live_bytes() -> int:
+    """Bytes malloc holds in use now: the heap's allocated chunks and the mmapped ones (what the
+    process's tensors and the rest really occupy; RSS adds what malloc keeps free)."""
+    info_ = _libc.mallinfo2()
+    return int(info_.uordblks + info_.hblkhd)
+
+
+class _LivePeak(TorchDispatchMode):
+    """The most bytes in use (`_live_bytes`) after any ATen op run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = _live_bytes()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, _live_bytes())
+        return out
+
+
+def _live_step(pmodel: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple) -> dict[str, float]:
+    """One more step (not timed) with malloc's bytes in use sampled after every op: the step's live
+    peak over the bytes in use before it, beside its RSS rise, to tell what the tensors hold from
+    what the allocator keeps (the modeled memory counts the former)."""
+    gc.collect()
+    _libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    before, rss_before = _live_bytes(), _kib("VmRSS")
+    dist.barrier()
+    with _LivePeak() as mode:
+        opt.zero_grad(set_to_none=True)
+        pmodel(*batch).backward()
+        opt.step()
+    return {"live_rise_mib": (mode.peak - before) / MiB, "rss_rise_mib": (_kib("VmHWM") - rss_before) / 1024}
 NO_CP, AUTO, LIMITED = "no CP", "auto", "auto, memory_limit"
 FORCED = ("allgather", "balanced", "ring", "ring_balanced", "ulysses")
 
@@ -304,6 +353,7 @@ def _rank_job(rank: int, world_size: int, small: Small, variants: list[str], lim
         order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
         for variant in reversed(order) if round_ % 2 else order:
             out["steps"][variant].append(_measured_step(pmodels[variant], opts[variant], batch))
+    out["live"] = {variant: _live_step(pmodels[variant], opts[variant], batch) for variant in variants}
     out["ru_maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
@@ -339,6 +389,8 @@ def measure(small: Small, variants: list[str], limit: float | None, ranks: int, 
             "median_step_ms": 1e3 * statistics.median(steps[0]["step_s"] for steps in timed),
             "peak_rss_mib_per_rank": [max(steps[k]["peak_rss_mib"] for steps in timed) for k in range(ranks)],
             "rise_mib_per_rank": [max(s[k]["peak_rss_mib"] - s[k]["rss_before_mib"] for s in timed) for k in range(ranks)],
+            "live_rise_mib_per_rank": [r["live"][v]["live_rise_mib"] for r in results],
+            "live_step_rss_rise_mib_per_rank": [r["live"][v]["rss_rise_mib"] for r in results],
             "losses": [results[0]["steps"][v][i]["loss"] for i in range(rounds)],
             "losses_agree_across_ranks": all(
                 r["steps"][v][i]["loss"] == results[0]["steps"][v][i]["loss"] for r in results for i in range(rounds)
@@ -357,11 +409,13 @@ def measured_table(result: dict[str, Any]) -> str:
         rows.append([
             variant, f"`{p['attention_inputs']}`", f"{p['modeled_memory_mib']:.1f}", f"{p['saved_activations_mib']:.1f}",
             p["recomputed"], f"{max(p['peak_rss_mib_per_rank']):.0f}", f"{max(p['rise_mib_per_rank']):.0f}",
+            f"{max(p['live_rise_mib_per_rank']):.0f}",
             f"{p['median_step_ms']:.0f}", f"{p['losses'][0]:.6f}",
         ])  # fmt: skip
     return table(
         ["plan", "first attention q, k, v", "modeled MiB/rank", "saved activations MiB", "recomputed",
-         "peak RSS MiB (max rank)", "step's rise MiB (max rank)", "step ms (median)", "loss, step 0"],
+         "peak RSS MiB (max rank)", "step's rise MiB (max rank)", "live heap rise MiB (max rank)", "step ms (median)",
+         "loss, step 0"],
         rows,
     )  # fmt: skip
 
