@@ -281,10 +281,12 @@ def _weights_whole(axis: int) -> Requirement:
     their views and casts, `OpCall.weights`) whole on the "cp" axis, and its other tensors split
     there (the tokens: the sequence, or the heads inside attention), as DeepSpeed-Ulysses does:
     outside attention the axis is data parallel over the sequence (each rank its tokens, every
-    weight whole, each weight's gradient a pending sum the plan reduces over the axis), so the only
-    exchanges of activations on it are the all-to-alls around attention. Without it the search
-    prices Megatron's sequence parallelism (weights split, tokens gathered around the projections)
-    on the same axis and often prefers it."""
+    weight whole, each weight's gradient a pending sum the plan reduces over the axis), and the
+    activations move on it only by the all-to-alls around attention (and, where a weight is stored
+    split over the axis, for its gradient's product if a gather prices cheaper than the pending
+    sum's reduce-scatter: that product reads no weight). Without it the search prices Megatron's
+    sequence parallelism (weights split, tokens gathered around the projections) on the same axis
+    and often prefers it."""
 
     def admits(call: OpCall, chosen: Strategy) -> bool:
         if not any(call.weights):
@@ -323,7 +325,8 @@ def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = 
     ("ulysses": the all-to-all from the sequence split to the heads split and back, which
     insert_comm makes of the redistribution, with every op's weights whole on the axis:
     `_weights_whole`), or any ("auto": the cheapest, by the search).
-    Other ops keep every strategy: the search lays them out around these."""
+    Other ops keep every strategy (with "ulysses", those that read their weights whole on the
+    axis): the search lays them out around these."""
     if strategy not in CP_STRATEGIES:
         raise ValueError(f"context parallel strategy {strategy!r}: one of {', '.join(CP_STRATEGIES)}")
     constrained = registry.copy()
