@@ -119,6 +119,8 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         self.schedule_choice: ScheduleChoice | None = None  # what schedule="auto" compared
         self.group = pp_group if pp_group is not None else mesh.get_group("pp")
         self.device = mesh.device_type
+        self._mesh_axes = mesh.ndim - 1  # the tensor axes beside pp, and a stage sub-mesh's ranks
+        self._stage_ranks = mesh.size() // mesh.size((mesh.mesh_dim_names or ()).index("pp"))
         self.rank = mesh.get_local_rank("pp")
         self.stages = schedule.placement.stages_of(self.rank)
         self.training = model.training
@@ -420,7 +422,8 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         params = deposit_targets(local, given, wanted)
         stage_params = {s: runner.params for s, runner in runners.items()}
         ordered = step_gradients(
-            result, stage_params, self._shared, local, wanted, flats, given, self.group, self.device
+            result, stage_params, self._shared, local, wanted, flats, given, self.group, self.device,
+            self._mesh_axes, self._stage_ranks,
         )
         out: torch.Tensor = DepositGradients.apply(loss, ordered, *params)  # type: ignore[no-untyped-call]
         return as_output(out, programs[0].output_type)
@@ -466,7 +469,8 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
 
         def gradients(result: StepResult) -> list[torch.Tensor | None]:
             return step_gradients(
-                result, stage_params, self._shared, local, wanted, flats, given, self.group, self.device
+                result, stage_params, self._shared, local, wanted, flats, given, self.group, self.device,
+                self._mesh_axes, self._stage_ranks,
             )
 
         trained = TrainedOutputs(pending, layouts, gradients)
