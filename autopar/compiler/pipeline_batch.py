@@ -15,7 +15,15 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autopar.compiler.pipeline_shared import BLOCKS, CHUNKS, WHOLE, agreed_ways, sum_blocks, sum_in_row_chunks
+from autopar.compiler.pipeline_shared import (
+    BLOCKS,
+    CHUNKS,
+    WHOLE,
+    agreed_ways,
+    held_alone,
+    sum_blocks,
+    sum_in_row_chunks,
+)
 from autopar.compiler.pipeline_split import OutputLayout, PipelineLossError
 from autopar.core.errors import UsageError
 from autopar.runtime.pipeline_runtime import StepResult, sum_shared_grads
@@ -248,17 +256,21 @@ def sum_shared_copies(
                 continue
             grads.update((id(c), g) for c, g in zip(copies, summed, strict=True))
     whole = []
-    owned = []  # whether the whole gradient is a tensor made here (gathered or summed), not a step's
+    owned = []  # whether the whole gradient may be summed into in place (made here, or held by it alone)
     rest = [entry for entry, (way, _) in zip(shared, ways, strict=True) if way == WHOLE]
     for _, user, copies in rest:
-        total, made = None, False
+        total, made, plain = None, False, True
         for copy in copies:
             g = grads.get(id(copy))
             if g is not None:
+                plain = plain and not isinstance(g, DTensor)
                 gathered = isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements)
                 g = g.full_tensor() if isinstance(g, DTensor) else g
                 made = gathered if total is None else True
                 total = g if total is None else total + g
+        if total is not None and not made and plain:  # a 1-D pipeline's gradient: copied only if shared
+            mine = {id(c) for c in copies}
+            made = held_alone(total, [g for key, g in grads.items() if key not in mine])
         whole.append((user.shape, user.dtype, total))
         owned.append(made)
     summed = sum_shared_grads(whole, group, device, owned)

@@ -116,16 +116,20 @@ def agreed_ways(
     return out
 
 
-def _own_block(
-    grads: Sequence[torch.Tensor], others: Sequence[torch.Tensor]
-) -> torch.Tensor:
-    """The first gradient's local block to sum into in place, or a copy of it where it is not
-    contiguous or shares its storage with one of `others` (the step's other gradients: an add's
-    backward hands one tensor to two parameters)."""
+def held_alone(t: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
+    """Whether `t` (a gradient's local tensor) may be summed into in place: contiguous, and no
+    storage shared with one of `others` (the step's other gradients: an add's backward hands one
+    tensor to two parameters)."""
+    storage = t.untyped_storage().data_ptr()
+    return t.is_contiguous() and not any(
+        (o.to_local() if isinstance(o, DTensor) else o).untyped_storage().data_ptr() == storage for o in others
+    )
+
+
+def _own_block(grads: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The first gradient's local block to sum into in place, or a copy of it (`held_alone`)."""
     first = grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]
-    storage = first.untyped_storage().data_ptr()
-    shared = any((o.to_local() if isinstance(o, DTensor) else o).untyped_storage().data_ptr() == storage for o in others)
-    return first if first.is_contiguous() and not shared else first.clone(memory_format=torch.contiguous_format)
+    return first if held_alone(first, others) else first.clone(memory_format=torch.contiguous_format)
 
 
 def _as_copy_grads(blocks: Sequence[torch.Tensor], copies: Sequence[torch.Tensor]) -> list[torch.Tensor]:
