@@ -102,6 +102,15 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
 
 
+def _assert_grads_equal_serial(pmodel: nn.Module, serial: nn.Module) -> None:
+    """Every parameter of this rank (at least one) has serial's `.grad`."""
+    ref = dict(serial.named_parameters())
+    names = [name for name, _ in pmodel.named_parameters()]
+    assert names
+    for name, p in pmodel.named_parameters():
+        torch.testing.assert_close(_grad(p), ref[name].grad, **TOL, msg=name)
+
+
 def _value(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if isinstance(p, DTensor) else p
 
@@ -245,11 +254,7 @@ def _two_calls_one_backward(rank: int, world: int) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (the default 1F1B runs GPipe's order: warned once)
             (F.mse_loss(module(x1, t1), n1) + F.mse_loss(module(x2, t2), n2)).backward()
-    ref = dict(serial.named_parameters())
-    names = [name for name, _ in pmodel.named_parameters()]
-    assert names
-    for name, p in pmodel.named_parameters():
-        torch.testing.assert_close(_grad(p), ref[name].grad, **TOL, msg=name)
+    _assert_grads_equal_serial(pmodel, serial)
 
 
 @pytest.mark.multirank
@@ -282,11 +287,7 @@ def _llama_outside(rank: int, world: int) -> None:
     for loss in losses:
         loss.backward()
     torch.testing.assert_close(losses[0].detach(), losses[1].detach(), **TOL)
-    ref = dict(serial.named_parameters())
-    names = [name for name, _ in pmodel.named_parameters()]
-    assert names
-    for name, p in pmodel.named_parameters():
-        torch.testing.assert_close(_grad(p), ref[name].grad, **TOL, msg=name)
+    _assert_grads_equal_serial(pmodel, serial)
 
 
 @pytest.mark.multirank
