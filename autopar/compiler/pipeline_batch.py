@@ -243,13 +243,14 @@ def sum_shared_copies(
     over the pp `group`, each copy then given its block."""
     ways: list[tuple[str, tuple[int, ...]]] = [(WHOLE, ())] * len(shared)
     if mesh_axes and group is not None and dist.get_world_size(group) > 1:
-        holders = [([grads[id(c)] for c in copies if id(c) in grads], copies) for _, _, copies in shared]
+        holders = [([grads.get(id(c)) for c in copies], copies) for _, _, copies in shared]
         ways = agreed_ways(holders, [user.shape for _, user, _ in shared], mesh_axes, group, device)
         for (_, user, _), (held, copies), (way, block) in zip(shared, holders, ways, strict=True):
             mine = {id(c) for c in copies}
             others = [g for key, g in grads.items() if key not in mine]
             if way == BLOCKS:
-                summed = sum_blocks(held, copies, block, user.dtype, others, group, device)
+                present = [g for g in held if g is not None]
+                summed = sum_blocks(present, copies, block, user.dtype, others, group, device)
             elif way == CHUNKS:
                 summed = sum_in_row_chunks(grads, copies, user.shape, user.dtype, chunks, others, group, device)
             else:

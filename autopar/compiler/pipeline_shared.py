@@ -35,7 +35,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 _ABSENT = -(2**62)  # a rank holding no copy: below any code under the all-reduce's max
 _UNSUPPORTED = -1  # a placement (or a mix of them) the block sum does not take: the whole way
 # The most a chunk of rows holds (and no more than a rank's block): the sum's working memory, two
-# chunks at once (the chunk and gloo's buffer for its all-reduce), against the whole gradient twice
+# chunks at once (the chunk and one more of its size while it is all-reduced), against the whole
+# gradient twice
 CHUNK_BYTES = 8 * 2**20
 
 
@@ -62,22 +63,28 @@ def placement_codes(grads: Sequence[torch.Tensor], copies: Sequence[torch.Tensor
 BLOCKS, CHUNKS, WHOLE = "blocks", "chunks", "whole"
 
 
-def _chunkable(copies: Sequence[torch.Tensor]) -> bool:
-    return all(
+def _chunkable(grads: Sequence[torch.Tensor | None], copies: Sequence[torch.Tensor]) -> bool:
+    """Whether the chunked sum takes these copies: DTensors of at least one dim split or replicated,
+    each gradient (`grads[i]`, copy i's, or None) placed as its copy."""
+    placed = all(
         isinstance(c, DTensor) and c.dim() > 0 and all(type(p) in (Shard, Replicate) for p in c.placements)
         for c in copies
+    )
+    return placed and all(
+        g is None or (isinstance(g, DTensor) and isinstance(c, DTensor) and g.placements == c.placements)
+        for g, c in zip(grads, copies, strict=True)
     )
 
 
 def agreed_ways(
-    holders: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+    holders: Sequence[tuple[Sequence[torch.Tensor | None], Sequence[torch.Tensor]]],
     shapes: Sequence[torch.Size],
     mesh_axes: int,
     group: dist.ProcessGroup,
     device: torch.device | str,
 ) -> list[tuple[str, tuple[int, ...]]]:
-    """For each shared weight (`holders[i]`: this rank's gradients of its copies and the copies,
-    empty where it holds none; `shapes[i]`: its global shape), how the ranks of `group` sum it
+    """For each shared weight (`holders[i]`: this rank's copies' gradients, None for one without,
+    and the copies, empty where it holds none; `shapes[i]`: its global shape), how the ranks of `group` sum it
     (module doc) and, for BLOCKS, the block's shape. Every rank gets the same answer: one all-reduce
     (max) of codes, each beside its negation so that the max gives the least too."""
     rows = []
@@ -86,11 +93,11 @@ def agreed_ways(
         if not copies:
             rows.append([_ABSENT] * width)
             continue
-        codes = placement_codes(grads, copies)
+        codes = placement_codes([g for g in grads if g is not None], copies)
         block = list(copies[0].to_local().shape) if isinstance(copies[0], DTensor) else list(shape)
         if codes is None or any(tuple(c.to_local().shape) != tuple(block) for c in copies if isinstance(c, DTensor)):
             codes = [_UNSUPPORTED] * mesh_axes
-        unchunkable = int(not _chunkable([*grads, *copies]))
+        unchunkable = int(not _chunkable(grads, copies))
         rows.append([*codes, *(-c for c in codes), *block, *(-b for b in block), unchunkable])
     flat = torch.tensor([v for row in rows for v in row], dtype=torch.int64, device=device)
     if flat.numel():
