@@ -395,7 +395,8 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         forward_only = not torch.is_grad_enabled()
         given = pytree.tree_leaves((args, kwargs))
         wanted = [] if forward_only else [i for i, t in enumerate(given) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if rule is None and self.training and not forward_only:  # the loss is the user's, outside
+        # the loss is the user's, outside; in eval(), a backward to an input (a saliency map)
+        if rule is None and (self.training or wanted) and not forward_only:
             return self._train_outputs(programs, flats, given, wanted)
         if rule is None:  # a call without a loss (inference): its outputs, microbatched
             return self._infer(programs, flats)
@@ -454,9 +455,10 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
     def _train_outputs(
         self, programs: list[StageProgram], flats: list[list[Any]], given: list[Any], wanted: list[int]
     ) -> Any:
-        """A training call whose loss the user computes from the outputs: every microbatch's
-        forward, kept for its backward; the outputs whole on every rank, whose backward runs the
-        step's backwards (docs/pipeline.md#a-loss-outside-the-model)."""
+        """A training call whose loss the user computes from the outputs (or a call in eval() whose
+        input requires grad: a saliency map): every microbatch's forward, kept for its backward;
+        the outputs whole on every rank, whose backward runs the step's backwards
+        (docs/pipeline.md#a-loss-outside-the-model)."""
         layouts = _output_layouts(programs)
         schedule = outside_loss_schedule(self.schedule, self.schedule_named, self._order_warned)
         _input_leaves(flats, wanted)

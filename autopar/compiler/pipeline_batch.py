@@ -155,8 +155,9 @@ def gather_outputs(
 
 
 class NoPipelineBackward(torch.autograd.Function):
-    """An inference call's outputs under grad mode (in eval()): they carry a backward that refuses,
-    because the pipeline ran the forwards only and kept nothing for a backward."""
+    """An inference call's outputs under grad mode (in eval(), no input requiring grad): they carry
+    a backward that refuses, because the pipeline ran the forwards only and kept nothing for a
+    backward."""
 
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
@@ -169,7 +170,8 @@ class NoPipelineBackward(torch.autograd.Function):
             "in eval(), so the pipeline ran the forwards only",
             hint="train in train() mode (a call without a loss then runs the backwards from the "
             "outputs' gradient), or compute the loss inside forward (a transformers model: pass its "
-            "labels) and call backward on the loss the pipelined model returns",
+            "labels) and call backward on the loss the pipelined model returns; in eval(), a call "
+            "whose input requires grad (a saliency map) keeps what its backward needs",
         )
 
 
