@@ -28,7 +28,8 @@ same for any job.
 
     python benchmarks/large_model.py                          # ~1 B parameters (4 GB in fp32)
     python benchmarks/large_model.py --n-layer 2 --n-embd 256 --name large_model_small   # a minute
-    python benchmarks/large_model.py --pp 2 --mesh 2,2 --name large_model_pipelined       # pp=2 x (2,2)
+    python benchmarks/large_model.py --pp 2 --mesh 2,2 --name large_model_pipelined_1b    # pp=2 x (2,2), the machine alone
+    python benchmarks/large_model.py --pp 2 --mesh 2,2 --n-layer 2 --n-embd 128 --n-head 4 --vocab 512 --name x  # a minute
 
 Writes benchmarks/results/large_model.json (or <name>.json) and a table on stdout.
 """
@@ -221,8 +222,9 @@ def table(result: dict[str, Any]) -> str:
             share = sum(r["modeled"].values())
             bound = 1.5 * share + r["baseline_rss"]
             equal = all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(r["losses"], serial["losses"]))
+            rank = f"{r['rank']} (stage {', '.join(map(str, r['stages']))})" if r.get("stages") else str(r["rank"])
             lines.append(
-                f"| {mode} | {r['rank']} | {share / GiB:.2f} | {r['baseline_rss'] / GiB:.2f} | {r['peak_rss'] / GiB:.2f} | "
+                f"| {mode} | {rank} | {share / GiB:.2f} | {r['baseline_rss'] / GiB:.2f} | {r['peak_rss'] / GiB:.2f} | "
                 f"{r['peak_rss'] / bound:.2f} | {r['parallelize_s']:.0f} | {r['load_s']:.1f} | "
                 f"{', '.join(f'{s:.1f}' for s in r['step_s'])} | {equal} ({', '.join(f'{x:.6f}' for x in r['losses'])}) |"
             )

@@ -129,9 +129,10 @@ def test_the_cut_moves_linear_reductions_and_keeps_the_others() -> None:
 
 def test_accumulation_adds_in_place_into_buffers_it_owns() -> None:
     """In process: a step's microbatch terms are added into one buffer per frontier value (the
-    first microbatch's own result), not rebuilt by `a + b` each microbatch; a view, a value
-    sharing another's storage and a value that is the backward's own argument are copied first,
-    so nothing the caller still reads changes."""
+    first microbatch's own result), not rebuilt by `a + b` each microbatch; a part of a larger
+    storage, a value sharing another's storage (or an input gradient's, an argument's) and a value
+    that is the backward's own argument are copied first, so nothing the caller still reads
+    changes; a view spanning its whole base is not."""
     program = _Program(_backward(nonlinear=False))
     terms = [torch.randn(2, 4) for _ in range(3)]
     first = terms[0].clone()
@@ -148,6 +149,15 @@ def test_accumulation_adds_in_place_into_buffers_it_owns() -> None:
     owned[0].add_(1.0)
     owned[2].add_(1.0)
     assert not torch.equal(owned[0], base[:2]) and not torch.equal(owned[2], argument)
+    # a view spanning its whole base (a weight gradient made as `t()` of a matmul) is kept as it
+    # is; one whose storage an input gradient or an argument of the backward shares is copied
+    spanning, sent = torch.randn(4, 3).t(), torch.randn(6)
+    whole_view, also_sent = torch.randn(3, 2).view(6), sent.view(2, 3)
+    contiguous_view = torch.randn(2, 6).view(12)
+    owned = owned_buffers([spanning, contiguous_view, whole_view, also_sent], others=[sent, whole_view])
+    assert [o is v for o, v in zip(owned, [spanning, contiguous_view, whole_view, also_sent])] == [
+        False, True, False, False,
+    ]  # fmt: skip  (the transpose is not contiguous; the others' storage is someone else's)
 
 
 def test_a_buckets_concatenation_moves_to_the_reduction_part() -> None:

@@ -1,11 +1,13 @@
 """A pipelined model called without a loss (inference): the model's outputs, microbatched through
 the stages and put back together on every rank, equal to serial (docs/pipeline.md#inference), on
-2 gloo ranks; and what such outputs refuse (a backward through them)."""
+2 gloo ranks; what such outputs refuse (a backward through them in eval(), unless an input
+requires grad: a saliency map, whose input gradient equals serial's)."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -65,6 +67,14 @@ def _classifier(rank: int, world: int, schedule: str) -> None:
     with pytest.raises(PipelineLossError, match="forwards only") as info:
         out.sum().backward()
     assert "loss inside forward" in (info.value.hint or "")
+    # an input that requires grad (a saliency map in eval()): the forwards keep what its backward
+    # needs, and the input gets serial's gradient
+    given = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a named schedule runs GPipe's order then: warned once)
+        pmodel(given[0])[:, 1].sum().backward()
+    serial(given[1])[:, 1].sum().backward()
+    torch.testing.assert_close(given[0].grad, given[1].grad, **TOL)
 
 
 class LogitsOnly(nn.Module):

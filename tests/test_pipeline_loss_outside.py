@@ -1,8 +1,8 @@
 """A loss computed outside a pipelined model (docs/pipeline.md#a-loss-outside-the-model), the loop
 of timm, torchvision and diffusers: `loss = F.cross_entropy(pmodel(x), y); loss.backward()`. Losses,
 every gradient and the parameters after SGD-momentum steps equal serial's on real gloo ranks (pp=2,
-pp=2 x tp=2), dropout included; gradient accumulation over two calls; an input that requires grad;
-a second backward through one call's outputs refused."""
+pp=2 x tp=2), dropout included; gradient accumulation over two calls; two calls' outputs under one
+backward; an input that requires grad; a second backward through one call's outputs refused."""
 
 from __future__ import annotations
 
@@ -100,6 +100,15 @@ def _noise_batch(step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
 def _grad(p: torch.Tensor) -> torch.Tensor:
     assert p.grad is not None
     return p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+
+
+def _assert_grads_equal_serial(pmodel: nn.Module, serial: nn.Module) -> None:
+    """Every parameter of this rank (at least one) has serial's `.grad`."""
+    ref = dict(serial.named_parameters())
+    names = [name for name, _ in pmodel.named_parameters()]
+    assert names
+    for name, p in pmodel.named_parameters():
+        torch.testing.assert_close(_grad(p), ref[name].grad, **TOL, msg=name)
 
 
 def _value(p: torch.Tensor) -> torch.Tensor:
@@ -205,7 +214,11 @@ PP2_CASES: list[dict[str, Any]] = [
 @pytest.fixture(scope="module")
 def on_two_ranks() -> dict[str, list[Any]]:
     """This file's pp=2 jobs, run in one forked job (each test checks its own)."""
-    scenarios = {"cases": functools.partial(_job, cases=PP2_CASES), "llama": _llama_outside}
+    scenarios = {
+        "cases": functools.partial(_job, cases=PP2_CASES),
+        "llama": _llama_outside,
+        "two calls": _two_calls_one_backward,
+    }
     return run_scenarios(2, scenarios, timeout=480)
 
 
@@ -224,6 +237,29 @@ def test_loss_outside_the_model_with_tensor_axes_in_each_stage() -> None:
     reduced once per step) accumulating two calls per step."""
     cases = [{"model": "noise", "M": 2, "schedule": "zero-bubble", "boundaries": ["layers.1"], "calls": 2}]
     run_ranks(4, _job, cases, timeout=300)
+
+
+def _two_calls_one_backward(rank: int, world: int) -> None:
+    """Two calls' outputs, one backward of their losses' sum: `.grad` is the sum of both calls'
+    gradients, as serial's (each call's pending step runs its backwards from its own outputs')."""
+    torch.manual_seed(0)
+    model = Denoiser()
+    serial = copy.deepcopy(model)
+    (x1, t1), n1 = _noise_batch(0)
+    (x2, t2), n2 = _noise_batch(1)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    options = autopar.PipelineOptions(microbatches=2, stage_boundaries=["layers.1"])
+    pmodel = autopar.parallelize(model, mesh, example_inputs=(x1, t1), pipeline=options)
+    for module in (pmodel, serial):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the default 1F1B runs GPipe's order: warned once)
+            (F.mse_loss(module(x1, t1), n1) + F.mse_loss(module(x2, t2), n2)).backward()
+    _assert_grads_equal_serial(pmodel, serial)
+
+
+@pytest.mark.multirank
+def test_two_calls_outputs_take_one_backward(on_two_ranks: dict[str, list[Any]]) -> None:
+    assert on_two_ranks["two calls"] == [None, None]
 
 
 def _llama_outside(rank: int, world: int) -> None:
@@ -251,11 +287,7 @@ def _llama_outside(rank: int, world: int) -> None:
     for loss in losses:
         loss.backward()
     torch.testing.assert_close(losses[0].detach(), losses[1].detach(), **TOL)
-    ref = dict(serial.named_parameters())
-    names = [name for name, _ in pmodel.named_parameters()]
-    assert names
-    for name, p in pmodel.named_parameters():
-        torch.testing.assert_close(_grad(p), ref[name].grad, **TOL, msg=name)
+    _assert_grads_equal_serial(pmodel, serial)
 
 
 @pytest.mark.multirank

@@ -119,6 +119,8 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         self.schedule_choice: ScheduleChoice | None = None  # what schedule="auto" compared
         self.group = pp_group if pp_group is not None else mesh.get_group("pp")
         self.device = mesh.device_type
+        self._mesh_axes = mesh.ndim - 1  # the tensor axes beside pp, and a stage sub-mesh's ranks
+        self._stage_ranks = mesh.size() // mesh.size((mesh.mesh_dim_names or ()).index("pp"))
         self.rank = mesh.get_local_rank("pp")
         self.stages = schedule.placement.stages_of(self.rank)
         self.training = model.training
@@ -393,7 +395,8 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         forward_only = not torch.is_grad_enabled()
         given = pytree.tree_leaves((args, kwargs))
         wanted = [] if forward_only else [i for i, t in enumerate(given) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if rule is None and self.training and not forward_only:  # the loss is the user's, outside
+        # the loss is the user's, outside; in eval(), a backward to an input (a saliency map)
+        if rule is None and (self.training or wanted) and not forward_only:
             return self._train_outputs(programs, flats, given, wanted)
         if rule is None:  # a call without a loss (inference): its outputs, microbatched
             return self._infer(programs, flats)
@@ -420,7 +423,8 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         params = deposit_targets(local, given, wanted)
         stage_params = {s: runner.params for s, runner in runners.items()}
         ordered = step_gradients(
-            result, stage_params, self._shared, local, wanted, flats, given, self.group, self.device
+            result, stage_params, self._shared, local, wanted, flats, given, self.group, self.device,
+            self._mesh_axes, self._stage_ranks,
         )
         out: torch.Tensor = DepositGradients.apply(loss, ordered, *params)  # type: ignore[no-untyped-call]
         return as_output(out, programs[0].output_type)
@@ -451,9 +455,10 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
     def _train_outputs(
         self, programs: list[StageProgram], flats: list[list[Any]], given: list[Any], wanted: list[int]
     ) -> Any:
-        """A training call whose loss the user computes from the outputs: every microbatch's
-        forward, kept for its backward; the outputs whole on every rank, whose backward runs the
-        step's backwards (docs/pipeline.md#a-loss-outside-the-model)."""
+        """A training call whose loss the user computes from the outputs (or a call in eval() whose
+        input requires grad: a saliency map): every microbatch's forward, kept for its backward;
+        the outputs whole on every rank, whose backward runs the step's backwards
+        (docs/pipeline.md#a-loss-outside-the-model)."""
         layouts = _output_layouts(programs)
         schedule = outside_loss_schedule(self.schedule, self.schedule_named, self._order_warned)
         _input_leaves(flats, wanted)
@@ -466,7 +471,8 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
 
         def gradients(result: StepResult) -> list[torch.Tensor | None]:
             return step_gradients(
-                result, stage_params, self._shared, local, wanted, flats, given, self.group, self.device
+                result, stage_params, self._shared, local, wanted, flats, given, self.group, self.device,
+                self._mesh_axes, self._stage_ranks,
             )
 
         trained = TrainedOutputs(pending, layouts, gradients)

@@ -15,6 +15,15 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.compiler.pipeline_shared import (
+    BLOCKS,
+    CHUNKS,
+    WHOLE,
+    agreed_ways,
+    held_alone,
+    sum_blocks,
+    sum_in_row_chunks,
+)
 from autopar.compiler.pipeline_split import OutputLayout, PipelineLossError
 from autopar.core.errors import UsageError
 from autopar.runtime.pipeline_runtime import StepResult, sum_shared_grads
@@ -146,8 +155,9 @@ def gather_outputs(
 
 
 class NoPipelineBackward(torch.autograd.Function):
-    """An inference call's outputs under grad mode (in eval()): they carry a backward that refuses,
-    because the pipeline ran the forwards only and kept nothing for a backward."""
+    """An inference call's outputs under grad mode (in eval(), no input requiring grad): they carry
+    a backward that refuses, because the pipeline ran the forwards only and kept nothing for a
+    backward."""
 
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
@@ -160,7 +170,8 @@ class NoPipelineBackward(torch.autograd.Function):
             "in eval(), so the pipeline ran the forwards only",
             hint="train in train() mode (a call without a loss then runs the backwards from the "
             "outputs' gradient), or compute the loss inside forward (a transformers model: pass its "
-            "labels) and call backward on the loss the pipelined model returns",
+            "labels) and call backward on the loss the pipelined model returns; in eval(), a call "
+            "whose input requires grad (a saliency map) keeps what its backward needs",
         )
 
 
@@ -223,26 +234,50 @@ def sum_shared_copies(
     grads: dict[int, torch.Tensor],
     group: dist.ProcessGroup | None,
     device: str,
+    mesh_axes: int = 0,
+    chunks: int = 1,
 ) -> None:
     """A weight several stages read (a tied embedding and head; `shared`: its name, the user's
     tensor, this rank's copies that stages train) gets the sum of their gradients on every copy
-    (`grads`, by the copy's id): whole tensors summed over the pp `group`, each copy then given
-    its block."""
+    (`grads`, by the copy's id). With tensor axes (`mesh_axes` of them beside pp, `chunks` ranks on
+    a stage's sub-mesh), in the copies' blocks or in chunks of rows (`pipeline_shared`: the whole
+    gradient is never made); otherwise (a 1-D pipeline, other placements) as whole tensors summed
+    over the pp `group`, each copy then given its block."""
+    ways: list[tuple[str, tuple[int, ...]]] = [(WHOLE, ())] * len(shared)
+    if mesh_axes and group is not None and dist.get_world_size(group) > 1:
+        holders = [([grads.get(id(c)) for c in copies], copies) for _, _, copies in shared]
+        ways = agreed_ways(holders, [user.shape for _, user, _ in shared], mesh_axes, group, device)
+        for (_, user, _), (held, copies), (way, block) in zip(shared, holders, ways, strict=True):
+            mine = {id(c) for c in copies}
+            others = [g for key, g in grads.items() if key not in mine]
+            if way == BLOCKS:
+                present = [g for g in held if g is not None]
+                summed = sum_blocks(present, copies, block, user.dtype, others, group, device)
+            elif way == CHUNKS:
+                summed = sum_in_row_chunks(grads, copies, user.shape, user.dtype, chunks, others, group, device)
+            else:
+                continue
+            grads.update((id(c), g) for c, g in zip(copies, summed, strict=True))
     whole = []
-    owned = []  # whether the whole gradient is a tensor made here (gathered or summed), not a step's
-    for _, user, copies in shared:
-        total, made = None, False
+    owned = []  # whether the whole gradient may be summed into in place (made here, or held by it alone)
+    rest = [entry for entry, (way, _) in zip(shared, ways, strict=True) if way == WHOLE]
+    for _, user, copies in rest:
+        total, made, plain = None, False, True
         for copy in copies:
             g = grads.get(id(copy))
             if g is not None:
+                plain = plain and not isinstance(g, DTensor)
                 gathered = isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements)
                 g = g.full_tensor() if isinstance(g, DTensor) else g
                 made = gathered if total is None else True
                 total = g if total is None else total + g
+        if total is not None and not made and plain:  # a 1-D pipeline's gradient: copied only if shared
+            mine = {id(c) for c in copies}
+            made = held_alone(total, [g for key, g in grads.items() if key not in mine])
         whole.append((user.shape, user.dtype, total))
         owned.append(made)
     summed = sum_shared_grads(whole, group, device, owned)
-    for (_, _, copies), g in zip(shared, summed, strict=True):
+    for (_, _, copies), g in zip(rest, summed, strict=True):
         for copy in copies:
             if isinstance(copy, DTensor):
                 grads[id(copy)] = distribute_tensor(g, copy.device_mesh, copy.placements, src_data_rank=None)
@@ -268,17 +303,20 @@ def step_gradients(
     given: Sequence[Any],
     group: dist.ProcessGroup | None,
     device: str,
+    mesh_axes: int = 0,
+    chunks: int = 1,
 ) -> list[torch.Tensor | None]:
     """A step's gradients in `deposit_targets`' order: each of this rank's trained tensors (`local`)
     summed over the stages that read it (`stage_params[s]` are stage s's, `result.grads[s]` their
     gradients) and, for a weight several stages read, over the pp group (`sum_shared_copies`); then
-    the inputs' gradients (`input_gradients`). None where a tensor got none."""
+    the inputs' gradients (`input_gradients`). None where a tensor got none. `mesh_axes`: the
+    tensor axes beside pp, `chunks`: the ranks of a stage's sub-mesh."""
     grads: dict[int, torch.Tensor] = {}
     for s, stage_grads in result.grads.items():
         for p, g in zip(stage_params[s], stage_grads, strict=True):
             if g is not None:
                 grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
-    sum_shared_copies(shared, grads, group, device)
+    sum_shared_copies(shared, grads, group, device, mesh_axes, chunks)
     ordered: list[torch.Tensor | None] = [grads.get(id(p)) for p in local]
     if wanted:  # the inputs' gradients: every microbatch's rows, summed over the stages
         ordered += input_gradients(result.input_grads, wanted, flats, given, group)

@@ -317,17 +317,20 @@ class GradAccumulation:
         frontier: Sequence[torch.Tensor],
         local_params: tuple[torch.Tensor, ...],
         timeout: timedelta | None,
+        others: Sequence[Any] = (),
     ) -> None:
         """Add one microbatch's frontier (each value a gradient term: a sum of them is exact), in
         place: one buffer per value for the whole step. `sums = [a + b ...]` would hold the old sums,
         this microbatch's terms and the new sums at once, three unreduced gradients at the last
         backward of the step (docs/large-models.md#pipelined-pp2-x-22 measures it). The terms
-        `run_local` added as it computed them are the sums themselves here, and are skipped."""
+        `run_local` added as it computed them are the sums themselves here, and are skipped.
+        `others`: the backward's arguments and input gradients (`owned_buffers` keeps no buffer
+        sharing their storage)."""
         key = id(program.backward)
         found = self.by_program.get(key)
         split = self.split(program)
         if found is None:
-            sums = owned_buffers(frontier, split.frontier_arguments)
+            sums = owned_buffers(frontier, split.frontier_arguments, others)
             self.by_program[key] = _Accumulated(split, sums, local_params, timeout)
             return
         for total, term in zip(found.sums, frontier, strict=True):
@@ -354,17 +357,29 @@ class GradAccumulation:
         return totals
 
 
-def owned_buffers(values: Sequence[torch.Tensor], copy: frozenset[int] = frozenset()) -> list[torch.Tensor]:
-    """`values` as buffers an accumulation may add into in place: each kept as it is where it is a
-    tensor of its own (contiguous, not a view, no storage shared with another), copied otherwise
-    and at the positions `copy` (values someone else may still read)."""
+def owned_buffers(
+    values: Sequence[torch.Tensor], copy: frozenset[int] = frozenset(), others: Sequence[Any] = ()
+) -> list[torch.Tensor]:
+    """`values` as buffers an accumulation may add into in place: each kept as it is where it holds
+    its storage alone (contiguous over the whole storage, a view of a base it spans included, no
+    storage shared with another value or with one of `others`: the backward's arguments and input
+    gradients, which are still read or sent), copied otherwise and at the positions `copy`.
+
+    A weight gradient the backward made as a view (`t()` of a matmul, a reshape) spans its base:
+    copying it held both until the backward's end, 52 MiB on the last stage of the proxies'
+    first backward (docs/pipeline.md#a-pipelined-ranks-memory)."""
+    taken = {t.untyped_storage().data_ptr() for t in others if isinstance(t, torch.Tensor)}
     seen: set[int] = set()
     out = []
     for i, v in enumerate(values):
-        storage = v.untyped_storage().data_ptr()
-        shared = storage in seen or v._base is not None or not v.is_contiguous() or i in copy
-        seen.add(storage)
-        out.append(v.clone(memory_format=torch.contiguous_format) if shared else v)
+        storage = v.untyped_storage()
+        pointer = storage.data_ptr()
+        alone = (
+            v.is_contiguous() and v.storage_offset() == 0 and v.numel() * v.element_size() == storage.nbytes()
+            and pointer not in seen and pointer not in taken and i not in copy
+        )  # fmt: skip
+        seen.add(pointer)
+        out.append(v if alone else v.clone(memory_format=torch.contiguous_format))
     return out
 
 

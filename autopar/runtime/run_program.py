@@ -108,9 +108,10 @@ class RunProgram(torch.autograd.Function):
         deferral: WeightDeferral | GradAccumulation | None = ctx.deferral
         if isinstance(deferral, GradAccumulation):  # pipelines: reduce the gradients once per step
             split_r = deferral.split(program)
+            saved_r = tuple(ctx.saved_tensors)
             with failures_named(ctx.timeout), autocast_off():
-                input_grads, frontier = split_r.run_local(tuple(ctx.saved_tensors), tangents, deferral.sums_of(program))
-            deferral.add(program, frontier, ctx.local_params, ctx.timeout)
+                input_grads, frontier = split_r.run_local(saved_r, tangents, deferral.sums_of(program))
+            deferral.add(program, frontier, ctx.local_params, ctx.timeout, (*saved_r, *tangents, *input_grads))
             return (*none, *input_grads)
         if deferral is not None:  # zero-bubble: the input gradients now, the weights' later
             split = deferral.split(program)
