@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar.compiler.pipeline_split import OutputLayout, PipelineLossError
 from autopar.core.errors import UsageError
 from autopar.runtime.pipeline_runtime import StepResult, sum_shared_grads
+from autopar.runtime.pipeline_transport import PipelineTransport, as_transport
 
 
 def split_microbatches(args: Any, microbatches: int) -> list[Any]:
@@ -101,12 +102,13 @@ def broadcast_outputs(
     kept: dict[int, list[torch.Tensor]],
     layouts: Sequence[OutputLayout],
     src: int,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     device: torch.device | str,
 ) -> list[torch.Tensor]:
     """A call's outputs without a loss, whole on every rank: the last stage's outputs of every
     microbatch (`kept`, on pipeline rank `src`) concatenated on dim 0 and broadcast over the pp
     group (every rank knows their shapes from its own copy of the stage programs)."""
+    transport = as_transport(group)
     whole = []
     for i, spec in enumerate(layouts[0].specs):
         if kept:
@@ -114,9 +116,9 @@ def broadcast_outputs(
         else:
             rows = sum(layout.specs[i].shape[0] for layout in layouts)
             value = torch.empty((rows, *spec.shape[1:]), dtype=spec.dtype, device=device)
-        if group is not None and dist.get_world_size(group) > 1:
+        if transport.size > 1:
             value = value.contiguous()
-            dist.broadcast(value, src=dist.get_global_rank(group, src), group=group)
+            transport.broadcast(value, src)
         whole.append(value)
     return whole
 
@@ -133,7 +135,7 @@ def gather_outputs(
     kept: dict[int, list[torch.Tensor]],
     layouts: Sequence[OutputLayout],
     src: int,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     device: torch.device | str,
 ) -> Any:
     """An inference call's outputs as the model returns them, on every rank (`broadcast_outputs`);
@@ -169,19 +171,19 @@ def input_gradients(
     wanted: Sequence[int],
     flats: Sequence[Sequence[Any]],
     given: Sequence[Any],
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
 ) -> list[torch.Tensor]:
     """The gradients of the call's inputs that require grad (`given[i]` for i in `wanted`): each
     microbatch's (`found[(m, j)]`, j the position in `wanted`; zeros where this rank's stages do
     not read it) put back on dim 0 (summed, for a 0-d input every microbatch shares), then summed
     over the pp group, whose stages may each read the input. One all-reduce per input, on every rank."""
+    transport = as_transport(group)
     out = []
     for j, i in enumerate(wanted):
         pieces = [found.get((m, j), torch.zeros_like(f[i])) for m, f in enumerate(flats)]
         whole = torch.cat(pieces, dim=0) if given[i].dim() > 0 else torch.stack(pieces).sum(0)
         whole = whole.detach().contiguous()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(whole, group=group)
+        transport.all_reduce(whole)
         out.append(whole.to(given[i].dtype))
     return out
 
@@ -191,7 +193,7 @@ def clip_pipelined_grad_norm(
     counted: Sequence[torch.Tensor],
     max_norm: float,
     norm_type: float,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     device: torch.device | str,
 ) -> torch.Tensor:
     """`PipelinedModule.clip_grad_norm_`: the norm of `counted`'s gradients (each stage's on its
@@ -206,9 +208,7 @@ def clip_pipelined_grad_norm(
         norm = torch.linalg.vector_norm(grad, p)
         value = (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(torch.float64)
         total = torch.maximum(total, value) if math.isinf(p) else total + value**p
-    if group is not None and dist.get_world_size(group) > 1:
-        op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-        dist.all_reduce(total, op=op, group=group)
+    as_transport(group).all_reduce(total, "max" if math.isinf(p) else "sum")
     norm_all = total if math.isinf(p) else total ** (1.0 / p)
     scale = min(1.0, max_norm / (float(norm_all) + 1e-6))
     if scale < 1.0:
@@ -221,7 +221,7 @@ def clip_pipelined_grad_norm(
 def sum_shared_copies(
     shared: Sequence[tuple[str, nn.Parameter, list[nn.Parameter]]],
     grads: dict[int, torch.Tensor],
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     device: str,
 ) -> None:
     """A weight several stages read (a tied embedding and head; `shared`: its name, the user's
@@ -266,7 +266,7 @@ def step_gradients(
     wanted: Sequence[int],
     flats: Sequence[Sequence[Any]],
     given: Sequence[Any],
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     device: str,
 ) -> list[torch.Tensor | None]:
     """A step's gradients in `deposit_targets`' order: each of this rank's trained tensors (`local`)
