@@ -136,6 +136,10 @@ def on_two_ranks() -> dict[str, list[None]]:
     return run_scenarios_in_lockstep(2, scenarios)
 
 
+ON_TWO_RANKS = pytest.mark.xdist_group("pipeline_inference_on_two_ranks")  # one worker runs the fixture once
+
+
+@ON_TWO_RANKS
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_logits_without_labels_equal_serial(schedule: str, on_two_ranks: dict[str, list[None]]) -> None:
     assert on_two_ranks[schedule] == [None, None]
@@ -147,10 +151,12 @@ def test_logits_with_tensor_axes_in_each_stage() -> None:
     run_ranks(4, _classifier, "zero-bubble", timeout=180)
 
 
+@ON_TWO_RANKS
 def test_a_model_without_a_loss_pipelines_its_outputs(on_two_ranks: dict[str, list[None]]) -> None:
     assert on_two_ranks["logits_only"] == [None, None]
 
 
+@ON_TWO_RANKS
 def test_transformers_model_without_labels_returns_its_model_output(on_two_ranks: dict[str, list[None]]) -> None:
     assert on_two_ranks["llama"] == [None, None]
 

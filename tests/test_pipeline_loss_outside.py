@@ -210,6 +210,10 @@ def on_two_ranks() -> dict[str, list[Any]]:
     return run_scenarios_in_lockstep(2, scenarios)
 
 
+ON_TWO_RANKS = pytest.mark.xdist_group("pipeline_loss_outside_on_two_ranks")  # one worker runs the fixture once
+
+
+@ON_TWO_RANKS
 def test_loss_outside_the_model_equals_serial(on_two_ranks: dict[str, list[Any]]) -> None:
     """pp=2: the conv net with dropout on the default schedule (1F1B, run in GPipe's order) and an
     input that requires grad, three steps; the same net accumulating two calls per step on
@@ -257,6 +261,7 @@ def _llama_outside(rank: int, world: int, transport: LockstepTransport | None = 
         torch.testing.assert_close(_grad(p), ref[name].grad, **TOL, msg=name)
 
 
+@ON_TWO_RANKS
 def test_transformers_model_without_labels_trains_from_its_logits(on_two_ranks: dict[str, list[Any]]) -> None:
     assert on_two_ranks["llama"] == [None, None]
 

@@ -113,6 +113,7 @@ def _train_both_branches(
 
 
 PP2 = {"shape": (2,), "names": ("pp",)}
+ON_TWO_RANKS = pytest.mark.xdist_group("pipeline_value_guards_on_two_ranks")  # one worker runs the fixture once
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,7 @@ def on_two_ranks() -> dict[str, list[Any]]:
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param(PP2, id="pp2"),
+        pytest.param(PP2, id="pp2", marks=ON_TWO_RANKS),
         pytest.param({"shape": (2, 2), "names": ("pp", "tp")}, id="pp2xtp2", marks=pytest.mark.multirank),
     ],
 )
@@ -163,6 +164,7 @@ def _refuse_split_branch(rank: int, world: int, transport: LockstepTransport | N
     return []
 
 
+@ON_TWO_RANKS
 def test_a_branch_no_microbatch_takes_as_the_whole_batch_is_refused_on_every_rank(on_two_ranks: dict[str, list[Any]]) -> None:
     """Each microbatch's rows alone go below the threshold, the whole batch above it: no program
     traced on a microbatch takes the serial branch, so the call is refused, the same on every
@@ -208,6 +210,7 @@ def _bart(rank: int, world: int, transport: LockstepTransport | None = None) -> 
     return out
 
 
+@ON_TWO_RANKS
 def test_bart_classifier_on_a_pipeline_raises_the_models_value_error_for_uneven_eos_counts(
     on_two_ranks: dict[str, list[Any]],
 ) -> None:
