@@ -123,6 +123,16 @@ def test_mismatched_messages_and_collectives_are_named_not_hung() -> None:
     with pytest.raises(LockstepDeadlock, match=r"rank 0 waits for message 9 from rank 1; rank 1 waits for message 9"):
         run_round_robin(2, both_receive)
 
+    def left_waiting(rank: int, t: LockstepTransport) -> None:
+        if rank == 0:  # returns after its receive, without the send rank 1 then waits for
+            t.recv(torch.zeros(1), 1, 0)
+        else:
+            t.isend(torch.zeros(1), 0, 0)
+            t.recv(torch.zeros(1), 0, 4)
+
+    with pytest.raises(LockstepDeadlock, match=r"rank 1 waits for message 4 from rank 0"):
+        run_round_robin(2, left_waiting)
+
     def other_collectives(rank: int, t: LockstepTransport) -> None:
         x = torch.zeros(1)
         t.all_reduce(x) if rank == 0 else t.broadcast(x, 0)

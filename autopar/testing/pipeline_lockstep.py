@@ -248,7 +248,6 @@ def run_round_robin(size: int, fn: Callable[[int, LockstepTransport], T], timeou
     (a `LockstepDeadlock` names what each rank waited for)."""
     hub = RoundRobin(size)
     results: list[Any] = [None] * size
-    errors: list[BaseException | None] = [None] * size
     state = _RankState.now()
 
     def body(rank: int) -> None:
@@ -258,7 +257,6 @@ def run_round_robin(size: int, fn: Callable[[int, LockstepTransport], T], timeou
             results[rank] = fn(rank, LockstepTransport(hub, rank))
         except BaseException as exc:  # noqa: BLE001  (handed to the caller below)
             error = exc
-        errors[rank] = error
         hub.end(rank, error)
 
     threads = [threading.Thread(target=body, args=(r,), name=f"lockstep-rank{r}", daemon=True) for r in range(size)]
@@ -269,10 +267,8 @@ def run_round_robin(size: int, fn: Callable[[int, LockstepTransport], T], timeou
     state.restore()
     if any(t.is_alive() for t in threads):
         raise LockstepDeadlock(f"the ranks did not finish within {timeout} s", hint="a rank loops or hangs")
-    first = next((e for e in errors if e is not None and not isinstance(e, LockstepAborted)), None)
-    first = first or next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
+    if hub.failed is not None:  # the first failure: a rank's own error, or the deadlock that stopped them
+        raise hub.failed
     return results
 
 
