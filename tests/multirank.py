@@ -45,10 +45,13 @@ import torch._inductor.config
 import torch.distributed as dist
 import torch.distributed.device_mesh  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+import autopar
 from autopar.api import compile_for_rank
 from autopar.core.mesh import Mesh
+from autopar.testing.pipeline_lockstep import LockstepTransport, parallelize_in_lockstep, run_round_robin
 from examples.models import make_gpt
 
 # Once one rank has failed, how long the others get to finish before they are killed.
@@ -372,3 +375,33 @@ def assert_parameters_equal_serial(
         value = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
         torch.testing.assert_close(grad, ref[name].grad, **tol, msg=f"{what} grad {name}")
         torch.testing.assert_close(value, ref[name].detach(), **tol, msg=f"{what} param {name}")
+
+
+def pipelined(
+    model: torch.nn.Module,
+    world: int,
+    transport: LockstepTransport | None = None,
+    *,
+    example_inputs: tuple[Any, ...] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    pipeline: autopar.PipelineOptions,
+) -> Any:
+    """`autopar.parallelize` of `model` on a ("pp",) mesh of `world` ranks: this gloo rank's, or,
+    given a lockstep `transport`, that rank's in this process (`parallelize_in_lockstep`)."""
+    if transport is not None:
+        return parallelize_in_lockstep(model, transport, example_inputs, example_kwargs, pipeline=pipeline)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    return autopar.parallelize(
+        model, mesh, example_inputs=example_inputs, example_kwargs=example_kwargs, pipeline=pipeline
+    )
+
+
+def run_in_lockstep(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """`fn(rank, world, *args, transport=...)` for every rank of a `world`-rank pipeline, in this
+    process (`run_round_robin`): a `run_ranks` job whose pipeline `pipelined` builds."""
+    return run_round_robin(world, lambda rank, transport: fn(rank, world, *args, transport=transport))
+
+
+def run_scenarios_in_lockstep(world: int, scenarios: dict[str, Callable[..., Any]]) -> dict[str, list[Any]]:
+    """`run_scenarios`' results, each scenario's ranks run in this process (`run_in_lockstep`)."""
+    return {name: run_in_lockstep(world, fn) for name, fn in scenarios.items()}

@@ -1,8 +1,9 @@
 """Dropout in a pipeline equals the serial step in value (docs/pipeline.md#dropout): each
 microbatch's mask is its rows of the serial batch's mask, drawn from the same generator state on
 every rank; loss, every gradient, the parameters after two SGD-momentum steps and the generator
-state after each step equal serial's, on 2 gloo ranks with 1F1B, GPipe and interleaved 1F1B, and
-on pp=2 x tp=2 with 1F1B and zero-bubble."""
+state after each step equal serial's, on 2 ranks run in this process
+(`autopar.testing.pipeline_lockstep`) with 1F1B, GPipe and interleaved 1F1B, and on pp=2 x tp=2
+gloo ranks with 1F1B and zero-bubble."""
 
 from __future__ import annotations
 
@@ -15,12 +16,19 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from multirank import assert_parameters_equal_serial, run_ranks, seeded_steps_beside_serial
+from multirank import (
+    assert_parameters_equal_serial,
+    pipelined,
+    run_in_lockstep,
+    run_ranks,
+    seeded_steps_beside_serial,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.compiler.pipeline_random import DropoutMasks, PipelineDropout, RandomOp, attention_dropped
 from autopar.compiler.pipeline_split import split_stages
+from autopar.testing.pipeline_lockstep import LockstepTransport
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -59,23 +67,23 @@ class DropNet(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
 
 
-def _compare(rank: int, world: int, case: dict[str, Any]) -> None:
+def _compare(rank: int, world: int, case: dict[str, Any], transport: LockstepTransport | None = None) -> None:
     torch.manual_seed(0)
     model = DropNet(case["layers"])
     serial = copy.deepcopy(model)
     idx = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(2))
-    if world == 4:  # tensor axes beside pp: each stage a parallel module, the masks its inputs
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    else:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     options = autopar.PipelineOptions(
         microbatches=case["M"], schedule=case["schedule"], stage_boundaries=case["boundaries"],
         virtual_stages=case.get("v", 1),
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # exact: no "in distribution" warning
-        pmodel = autopar.parallelize(model, mesh, example_inputs=(idx, targets), pipeline=options)
+        if world == 4:  # tensor axes beside pp: each stage a parallel module, the masks its inputs
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+            pmodel = autopar.parallelize(model, mesh, example_inputs=(idx, targets), pipeline=options)
+        else:
+            pmodel = pipelined(model, world, transport, example_inputs=(idx, targets), pipeline=options)
         sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
         seeded_steps_beside_serial(pmodel, serial, (idx, targets), sgd, TOL, what=str(case))
     assert_parameters_equal_serial(pmodel, serial, TOL, what=str(case))
@@ -87,12 +95,11 @@ def _compare(rank: int, world: int, case: dict[str, Any]) -> None:
         torch.testing.assert_close(got, serial(idx, targets), **TOL)
 
 
-def _job(rank: int, world: int, cases: list[dict[str, Any]]) -> None:
+def _job(rank: int, world: int, cases: list[dict[str, Any]], transport: LockstepTransport | None = None) -> None:
     for case in cases:
-        _compare(rank, world, case)
+        _compare(rank, world, case, transport)
 
 
-@pytest.mark.multirank
 def test_dropout_equals_serial_on_pp2() -> None:
     """1F1B with 3 microbatches of 3, 3 and 2 samples; GPipe; interleaved 1F1B (4 stages on 2
     ranks, the embedding's dropout on stage 0, blocks on stages 1-3)."""
@@ -101,7 +108,7 @@ def test_dropout_equals_serial_on_pp2() -> None:
         {"layers": 2, "M": 4, "schedule": "gpipe", "boundaries": ["blocks.0"]},
         {"layers": 3, "M": 2, "schedule": "interleaved-1f1b", "v": 2, "boundaries": ["blocks.0", "blocks.1", "blocks.2"]},
     ]  # fmt: skip
-    run_ranks(2, _job, cases, timeout=200)
+    run_in_lockstep(2, _job, cases)
 
 
 @pytest.mark.multirank

@@ -1,7 +1,8 @@
 """transformers' `GPT2LMHeadModel` at its defaults (tiny sizes; dropout on everywhere, attention's
 own `attn_pdrop` inside `scaled_dot_product_attention` included) built on meta, pipelined and
 loaded from a `save_pretrained` directory: two SGD-momentum steps with dropout equal the serial
-model loaded from the same files, in value (docs/pipeline.md#dropout)."""
+model loaded from the same files, in value (docs/pipeline.md#dropout). On pp=2 every rank runs in
+this process (`autopar.testing.pipeline_lockstep`); pp=2 x tp=2 on gloo ranks."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from multirank import run_ranks
+from multirank import pipelined, run_in_lockstep, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.compiler.pipeline import PipelinedModule
 from autopar.compiler.pipeline_random import attention_dropped
+from autopar.testing.pipeline_lockstep import LockstepTransport
 
 TOL: dict[str, Any] = {"rtol": 1e-4, "atol": 1e-6}
 GPT2 = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
@@ -34,19 +36,23 @@ def _ids() -> torch.Tensor:
     return torch.randint(0, GPT2["vocab_size"], (4, 8), generator=torch.Generator().manual_seed(3))
 
 
-def _gpt2_from_pretrained(rank: int, world: int, root: str, shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:
+def _gpt2_from_pretrained(
+    rank: int, world: int, root: str, shape: tuple[int, ...], names: tuple[str, ...], transport: LockstepTransport | None = None
+) -> dict[str, Any]:
     serial = transformers.GPT2LMHeadModel.from_pretrained(root)
     serial.train()  # from_pretrained returns a model in eval mode: dropout on, as in training
     ids = _ids()
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    options = autopar.PipelineOptions(microbatches=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pmodel = autopar.parallelize(
-            model, mesh, example_inputs=(), example_kwargs={"input_ids": ids, "labels": ids},
-            pipeline=autopar.PipelineOptions(microbatches=2),
-        )  # fmt: skip
+        example = {"input_ids": ids, "labels": ids}
+        if transport is None:
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            pmodel = autopar.parallelize(model, mesh, example_inputs=(), example_kwargs=example, pipeline=options)
+        else:
+            pmodel = pipelined(model, world, transport, example_kwargs=example, pipeline=options)
         assert isinstance(pmodel, PipelinedModule)
         loaded = autopar.load_checkpoint(pmodel, root)
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (pmodel, serial)]
@@ -75,8 +81,10 @@ def _gpt2_from_pretrained(rank: int, world: int, root: str, shape: tuple[int, ..
     }
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize(("shape", "names"), [((2,), ("pp",)), ((2, 2), ("pp", "tp"))], ids=["pp2", "pp2xtp2"])
+@pytest.mark.parametrize(
+    ("shape", "names"),
+    [pytest.param((2,), ("pp",), id="pp2"), pytest.param((2, 2), ("pp", "tp"), id="pp2xtp2", marks=pytest.mark.multirank)],
+)
 def test_gpt2_at_its_defaults_built_on_meta_trains_with_dropout_equal_to_serial(
     tmp_path: Path, shape: tuple[int, ...], names: tuple[str, ...]
 ) -> None:
@@ -88,7 +96,10 @@ def test_gpt2_at_its_defaults_built_on_meta_trains_with_dropout_equal_to_serial(
     config = transformers.GPT2Config(**GPT2)
     assert config.attn_pdrop == config.resid_pdrop == config.embd_pdrop == 0.1  # the defaults
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
-    results = run_ranks(math.prod(shape), _gpt2_from_pretrained, str(tmp_path), shape, names, timeout=400)
+    if shape == (2,):  # every rank in this process
+        results = run_in_lockstep(2, _gpt2_from_pretrained, str(tmp_path), shape, names)
+    else:
+        results = run_ranks(math.prod(shape), _gpt2_from_pretrained, str(tmp_path), shape, names, timeout=400)
     for result in results:
         assert result["loaded"] == ([], []), result["loaded"]
         assert result["warnings"] == [], result["warnings"]

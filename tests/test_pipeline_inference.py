@@ -1,7 +1,8 @@
 """A pipelined model called without a loss (inference): the model's outputs, microbatched through
 the stages and put back together on every rank, equal to serial (docs/pipeline.md#inference), on
-2 gloo ranks; what such outputs refuse (a backward through them in eval(), unless an input
-requires grad: a saliency map, whose input gradient equals serial's)."""
+2 ranks run in this process (`autopar.testing.pipeline_lockstep`) and, with tensor axes in each
+stage, on 4 gloo ranks; what such outputs refuse (a backward through them in eval(), unless an
+input requires grad: a saliency map, whose input gradient equals serial's)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from multirank import run_ranks, run_scenarios, train_side_by_side
+from multirank import pipelined, run_ranks, run_scenarios_in_lockstep, train_side_by_side
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.compiler.pipeline_split import PipelineLossError, split_stages
+from autopar.testing.pipeline_lockstep import LockstepTransport
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -39,17 +41,17 @@ class Classifier(nn.Module):
         return logits if y is None else F.cross_entropy(logits, y)
 
 
-def _classifier(rank: int, world: int, schedule: str) -> None:
+def _classifier(rank: int, world: int, schedule: str, transport: LockstepTransport | None = None) -> None:
     torch.manual_seed(0)
     model = Classifier()
     serial = copy.deepcopy(model)
     x, y = torch.randn(6, 8), torch.randint(0, 5, (6,))
+    options = autopar.PipelineOptions(microbatches=3, schedule=schedule, stage_boundaries=["layers.1"])
     if world == 4:  # tensor axes inside each stage: its parallel module's outputs made whole
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+        pmodel = autopar.parallelize(model, mesh, example_inputs=(x, y), pipeline=options)
     else:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
-    options = autopar.PipelineOptions(microbatches=3, schedule=schedule, stage_boundaries=["layers.1"])
-    pmodel = autopar.parallelize(model, mesh, example_inputs=(x, y), pipeline=options)
+        pmodel = pipelined(model, world, transport, example_inputs=(x, y), pipeline=options)
     losses = train_side_by_side([(pmodel, (x, y)), (serial, (x, y))], steps=1)
     torch.testing.assert_close(losses[0], losses[1], **TOL)
     with torch.no_grad():  # logits of the trained weights, every microbatch's rows in order
@@ -91,14 +93,13 @@ class LogitsOnly(nn.Module):
         return self.head(torch.relu(self.mid(h))), h
 
 
-def _logits_only(rank: int, world: int) -> None:
+def _logits_only(rank: int, world: int, transport: LockstepTransport | None = None) -> None:
     torch.manual_seed(1)
     model = LogitsOnly().eval()
     serial = copy.deepcopy(model)
     x = torch.randn(8, 8)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     options = autopar.PipelineOptions(microbatches=4, stage_boundaries=["mid"])
-    pmodel = autopar.parallelize(model, mesh, example_inputs=(x,), pipeline=options)
+    pmodel = pipelined(model, world, transport, example_inputs=(x,), pipeline=options)
     with torch.no_grad():
         got, hidden = pmodel(x)
         want, want_hidden = serial(x)
@@ -106,7 +107,7 @@ def _logits_only(rank: int, world: int) -> None:
     torch.testing.assert_close(hidden, want_hidden, **TOL)  # made in stage 0, passed to the last
 
 
-def _llama(rank: int, world: int) -> None:
+def _llama(rank: int, world: int, transport: LockstepTransport | None = None) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -116,10 +117,9 @@ def _llama(rank: int, world: int) -> None:
     model = transformers.LlamaForCausalLM(config)
     serial = copy.deepcopy(model)
     ids = torch.randint(0, 64, (4, 8))
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     options = autopar.PipelineOptions(microbatches=2, stage_boundaries=["model.layers.1"])
-    pmodel = autopar.parallelize(
-        model, mesh, example_inputs=(), example_kwargs={"input_ids": ids, "labels": ids}, pipeline=options
+    pmodel = pipelined(
+        model, world, transport, example_kwargs={"input_ids": ids, "labels": ids}, pipeline=options
     )
     pmodel.eval()
     serial.eval()
@@ -135,18 +135,21 @@ def _llama(rank: int, world: int) -> None:
 
 @pytest.fixture(scope="module")
 def on_two_ranks() -> dict[str, list[None]]:
-    """This file's pp=2 jobs, run in one forked job: each scenario asserts on its ranks, and the
-    job fails naming the scenario that raised (each test below checks that its own ran)."""
+    """This file's pp=2 jobs, each one's ranks run in this process: each scenario asserts on its
+    ranks (each test below checks that its own ran)."""
     scenarios = {
         "1f1b": functools.partial(_classifier, schedule="1f1b"),
         "gpipe": functools.partial(_classifier, schedule="gpipe"),
         "logits_only": _logits_only,
         "llama": _llama,
     }
-    return run_scenarios(2, scenarios, timeout=540)
+    return run_scenarios_in_lockstep(2, scenarios)
 
 
-@pytest.mark.multirank
+ON_TWO_RANKS = pytest.mark.xdist_group("pipeline_inference_on_two_ranks")  # one worker runs the fixture once
+
+
+@ON_TWO_RANKS
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_logits_without_labels_equal_serial(schedule: str, on_two_ranks: dict[str, list[None]]) -> None:
     assert on_two_ranks[schedule] == [None, None]
@@ -158,12 +161,12 @@ def test_logits_with_tensor_axes_in_each_stage() -> None:
     run_ranks(4, _classifier, "zero-bubble", timeout=180)
 
 
-@pytest.mark.multirank
+@ON_TWO_RANKS
 def test_a_model_without_a_loss_pipelines_its_outputs(on_two_ranks: dict[str, list[None]]) -> None:
     assert on_two_ranks["logits_only"] == [None, None]
 
 
-@pytest.mark.multirank
+@ON_TWO_RANKS
 def test_transformers_model_without_labels_returns_its_model_output(on_two_ranks: dict[str, list[None]]) -> None:
     assert on_two_ranks["llama"] == [None, None]
 

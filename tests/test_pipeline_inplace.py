@@ -2,8 +2,8 @@
 tensor filled through a slice with `copy_`, then `masked_fill_`) run in every pipeline stage that
 reads the value. Such a write has no users of its own, and the stage split once dropped it: BART's
 decoder read all-zero decoder input ids, and training on a pipeline differed from serial with no
-error (found by a user probe). Pass test on the cut graphs, BART at its defaults on 2 gloo ranks
-against serial, and the refusal where a stage's weights are written into such a value."""
+error (found by a user probe). Pass test on the cut graphs, BART at its defaults on 2 ranks run
+in this process (`autopar.testing.pipeline_lockstep`) against serial, and the refusal where a stage's weights are written into such a value."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from multirank import assert_parameters_equal_serial, run_ranks
-from torch.distributed.device_mesh import init_device_mesh
+from multirank import assert_parameters_equal_serial, pipelined, run_in_lockstep
 
 import autopar
 from autopar.compiler.pipeline_split import PipelineSplitError, split_stages
+from autopar.testing.pipeline_lockstep import LockstepTransport
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -96,7 +96,7 @@ def test_weights_written_into_a_value_other_stages_make_are_refused() -> None:
         split_stages(WritesWeights(), [x], (x,), ["second"], 2)
 
 
-def _bart(rank: int, world: int) -> None:
+def _bart(rank: int, world: int, transport: LockstepTransport | None = None) -> None:
     from transformers import BartConfig, BartForSequenceClassification
 
     torch.manual_seed(0)
@@ -112,9 +112,8 @@ def _bart(rank: int, world: int) -> None:
         ids = torch.randint(3, 96, (4, 12), generator=g)
         ids[:, -1] = config.eos_token_id
         batches.append({"input_ids": ids, "labels": torch.randint(0, config.num_labels, (4,), generator=g)})
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     options = autopar.PipelineOptions(microbatches=2)
-    pmodel = autopar.parallelize(model, mesh, example_inputs=(), example_kwargs=batches[0], pipeline=options)
+    pmodel = pipelined(model, world, transport, example_kwargs=batches[0], pipeline=options)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (pmodel, serial)]
     for step, batch in enumerate(batches):
         losses = []
@@ -129,6 +128,5 @@ def _bart(rank: int, world: int) -> None:
     assert_parameters_equal_serial(pmodel, serial, TOL)
 
 
-@pytest.mark.multirank
 def test_bart_classifier_at_its_defaults_trains_equal_to_serial_on_pp2() -> None:
-    run_ranks(2, _bart, timeout=600)
+    run_in_lockstep(2, _bart)

@@ -1,6 +1,7 @@
 """Inputs that require grad in a pipeline (docs/pipeline.md#inputs-that-require-grad): after
 `loss.backward()` the inputs' `.grad` (an input several stages read, on different ranks; a 0-d
-input every microbatch shares) and every parameter's gradient equal serial's, on 2 gloo ranks."""
+input every microbatch shares) and every parameter's gradient equal serial's, on 2 ranks run in this process
+(`autopar.testing.pipeline_lockstep`), and with tensor axes in each stage on 4 gloo ranks."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from multirank import run_ranks
+from multirank import pipelined, run_in_lockstep, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
+from autopar.testing.pipeline_lockstep import LockstepTransport
 
 TOL = {"rtol": 1e-4, "atol": 1e-6}
 
@@ -38,21 +40,22 @@ class ReadsInputTwice(nn.Module):
         return F.cross_entropy(logits, y)
 
 
-def _job(rank: int, world: int, cases: list[dict[str, Any]]) -> None:
+def _job(rank: int, world: int, cases: list[dict[str, Any]], transport: LockstepTransport | None = None) -> None:
     for case in cases:
         torch.manual_seed(0)
         model = ReadsInputTwice()
         serial = copy.deepcopy(model)
         x, y = torch.randn(8, 8), torch.randint(0, 8, (8,))
-        if world == 4:  # tensor axes beside pp: each stage a parallel module on its sub-mesh
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-        else:
-            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
         options = autopar.PipelineOptions(
             microbatches=case["M"], schedule=case["schedule"], stage_boundaries=case["boundaries"],
             virtual_stages=case.get("v", 1),
         )  # fmt: skip
-        pmodel = autopar.parallelize(model, mesh, example_inputs=(x, torch.tensor(2.0), y), pipeline=options)
+        example = (x, torch.tensor(2.0), y)
+        if world == 4:  # tensor axes beside pp: each stage a parallel module on its sub-mesh
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+            pmodel = autopar.parallelize(model, mesh, example_inputs=example, pipeline=options)
+        else:
+            pmodel = pipelined(model, world, transport, example_inputs=example, pipeline=options)
         grads = []
         for module in (pmodel, serial):
             xi = x.clone().requires_grad_(True)
@@ -68,14 +71,13 @@ def _job(rank: int, world: int, cases: list[dict[str, Any]]) -> None:
             torch.testing.assert_close(grad, ref[name].grad, **TOL, msg=f"{case} {name}")
 
 
-@pytest.mark.multirank
 def test_input_gradients_equal_serial() -> None:
     """1F1B with microbatches of 3, 3 and 2 samples; interleaved 1F1B with 4 stages on 2 ranks."""
     cases = [
         {"M": 3, "schedule": "1f1b", "boundaries": ["layers.1"]},
         {"M": 2, "schedule": "interleaved-1f1b", "v": 2, "boundaries": ["layers.0", "layers.1", "layers.2"]},
     ]
-    run_ranks(2, _job, cases, timeout=150)
+    run_in_lockstep(2, _job, cases)
 
 
 @pytest.mark.multirank

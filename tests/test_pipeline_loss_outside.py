@@ -1,8 +1,9 @@
 """A loss computed outside a pipelined model (docs/pipeline.md#a-loss-outside-the-model), the loop
 of timm, torchvision and diffusers: `loss = F.cross_entropy(pmodel(x), y); loss.backward()`. Losses,
-every gradient and the parameters after SGD-momentum steps equal serial's on real gloo ranks (pp=2,
-pp=2 x tp=2), dropout included; gradient accumulation over two calls; two calls' outputs under one
-backward; an input that requires grad; a second backward through one call's outputs refused."""
+every gradient and the parameters after SGD-momentum steps equal serial's on pp=2 (every rank run
+in this process, `autopar.testing.pipeline_lockstep`) and on pp=2 x tp=2 gloo ranks, dropout
+included; gradient accumulation over two calls; two calls' outputs under one backward; an input
+that requires grad; a second backward through one call's outputs refused."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from multirank import run_ranks, run_scenarios
+from multirank import pipelined, run_ranks, run_scenarios_in_lockstep
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.core.pipeline_schedule import Placement, forwards_then_backwards, one_f_one_b
 from autopar.runtime.pipeline_runtime import PipelineRuntimeError, StageRunner, TensorSpec, start_step
+from autopar.testing.pipeline_lockstep import LockstepTransport
 from examples.models import GPT, GPTConfig
 
 TOL = {"rtol": 1e-4, "atol": 1e-6}
@@ -150,7 +152,7 @@ def _train(
     return losses, grads, input_grads
 
 
-def _job(rank: int, world: int, cases: list[dict[str, Any]]) -> None:
+def _job(rank: int, world: int, cases: list[dict[str, Any]], transport: LockstepTransport | None = None) -> None:
     for case in cases:
         torch.manual_seed(0)
         make, batch, loss_fn = {
@@ -160,15 +162,15 @@ def _job(rank: int, world: int, cases: list[dict[str, Any]]) -> None:
         }[case["model"]]
         model: nn.Module = make()
         serial = copy.deepcopy(model)
-        if world == 4:  # tensor axes beside pp: each stage a parallel module on its sub-mesh
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-        else:
-            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
         options = autopar.PipelineOptions(
             microbatches=case["M"], schedule=case.get("schedule"), stage_boundaries=case["boundaries"],
             virtual_stages=case.get("v", 1),
         )  # fmt: skip
-        pmodel = autopar.parallelize(model, mesh, example_inputs=batch(0)[0], pipeline=options)
+        if world == 4:  # tensor axes beside pp: each stage a parallel module on its sub-mesh
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+            pmodel = autopar.parallelize(model, mesh, example_inputs=batch(0)[0], pipeline=options)
+        else:
+            pmodel = pipelined(model, world, transport, example_inputs=batch(0)[0], pipeline=options)
         kwargs = {"steps": case.get("steps", 2), "calls": case.get("calls", 1), "input_grad": case.get("input_grad", False)}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -213,16 +215,19 @@ PP2_CASES: list[dict[str, Any]] = [
 
 @pytest.fixture(scope="module")
 def on_two_ranks() -> dict[str, list[Any]]:
-    """This file's pp=2 jobs, run in one forked job (each test checks its own)."""
+    """This file's pp=2 jobs, each one's ranks run in this process (each test checks its own)."""
     scenarios = {
         "cases": functools.partial(_job, cases=PP2_CASES),
         "llama": _llama_outside,
         "two calls": _two_calls_one_backward,
     }
-    return run_scenarios(2, scenarios, timeout=480)
+    return run_scenarios_in_lockstep(2, scenarios)
 
 
-@pytest.mark.multirank
+ON_TWO_RANKS = pytest.mark.xdist_group("pipeline_loss_outside_on_two_ranks")  # one worker runs the fixture once
+
+
+@ON_TWO_RANKS
 def test_loss_outside_the_model_equals_serial(on_two_ranks: dict[str, list[Any]]) -> None:
     """pp=2: the conv net with dropout on the default schedule (1F1B, run in GPipe's order) and an
     input that requires grad, three steps; the same net accumulating two calls per step on
@@ -239,7 +244,7 @@ def test_loss_outside_the_model_with_tensor_axes_in_each_stage() -> None:
     run_ranks(4, _job, cases, timeout=300)
 
 
-def _two_calls_one_backward(rank: int, world: int) -> None:
+def _two_calls_one_backward(rank: int, world: int, transport: LockstepTransport | None = None) -> None:
     """Two calls' outputs, one backward of their losses' sum: `.grad` is the sum of both calls'
     gradients, as serial's (each call's pending step runs its backwards from its own outputs')."""
     torch.manual_seed(0)
@@ -247,9 +252,8 @@ def _two_calls_one_backward(rank: int, world: int) -> None:
     serial = copy.deepcopy(model)
     (x1, t1), n1 = _noise_batch(0)
     (x2, t2), n2 = _noise_batch(1)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     options = autopar.PipelineOptions(microbatches=2, stage_boundaries=["layers.1"])
-    pmodel = autopar.parallelize(model, mesh, example_inputs=(x1, t1), pipeline=options)
+    pmodel = pipelined(model, world, transport, example_inputs=(x1, t1), pipeline=options)
     for module in (pmodel, serial):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (the default 1F1B runs GPipe's order: warned once)
@@ -257,12 +261,12 @@ def _two_calls_one_backward(rank: int, world: int) -> None:
     _assert_grads_equal_serial(pmodel, serial)
 
 
-@pytest.mark.multirank
+@ON_TWO_RANKS
 def test_two_calls_outputs_take_one_backward(on_two_ranks: dict[str, list[Any]]) -> None:
     assert on_two_ranks["two calls"] == [None, None]
 
 
-def _llama_outside(rank: int, world: int) -> None:
+def _llama_outside(rank: int, world: int, transport: LockstepTransport | None = None) -> None:
     """A transformers causal LM called without labels in training: its `ModelOutput`'s logits carry
     the backward; the loop's own shifted cross entropy trains it equal to serial."""
     transformers = pytest.importorskip("transformers")
@@ -274,9 +278,8 @@ def _llama_outside(rank: int, world: int) -> None:
     model = transformers.LlamaForCausalLM(config)
     serial = copy.deepcopy(model)
     ids = torch.randint(0, 64, (4, 8))
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     options = autopar.PipelineOptions(microbatches=2, stage_boundaries=["model.layers.1"])
-    pmodel = autopar.parallelize(model, mesh, example_inputs=(), example_kwargs={"input_ids": ids}, pipeline=options)
+    pmodel = pipelined(model, world, transport, example_kwargs={"input_ids": ids}, pipeline=options)
 
     def loss_of(module: nn.Module) -> torch.Tensor:
         out = module(input_ids=ids)
@@ -290,7 +293,7 @@ def _llama_outside(rank: int, world: int) -> None:
     _assert_grads_equal_serial(pmodel, serial)
 
 
-@pytest.mark.multirank
+@ON_TWO_RANKS
 def test_transformers_model_without_labels_trains_from_its_logits(on_two_ranks: dict[str, list[Any]]) -> None:
     assert on_two_ranks["llama"] == [None, None]
 

@@ -1,11 +1,13 @@
-"""A model built on the meta device, pipelined (docs/pipeline.md#a-model-built-on-meta), on real
-gloo ranks: each rank makes only its own stages' tensors, the serial model's values from the same
+"""A model built on the meta device, pipelined (docs/pipeline.md#a-model-built-on-meta), on 2
+ranks run in this process (`autopar.testing.pipeline_lockstep`) and, with tensor axes or
+compile=True (stages compiled on process groups), on real gloo ranks: each rank makes only its own stages' tensors, the serial model's values from the same
 seed, and trains equal to serial; `autopar.load_checkpoint` fills them from a transformers
 `save_pretrained` directory or a DCP checkpoint, each rank reading only its stages' tensors, and a
 pipelined checkpoint round-trips through a tensor-only module built on meta."""
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -15,12 +17,13 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 import transformers
-from multirank import run_ranks, train_side_by_side
+from multirank import pipelined, run_in_lockstep, run_ranks, train_side_by_side
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.compiler.pipeline import PipelinedModule
+from autopar.testing.pipeline_lockstep import LockstepTransport
 from examples.models import GPT, GPTConfig, gpt_batch
 
 TOL: dict[str, Any] = {"rtol": 1e-4, "atol": 1e-6}
@@ -38,29 +41,44 @@ def _stored_bytes(module: torch.nn.Module) -> int:
     )
 
 
-def _gpt_on_meta(
-    rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], compile: bool = False
-) -> dict[str, Any]:
+def _counting_inductor(compiled: list[object]) -> None:
+    """Count the programs handed to Inductor into `compiled` (in this process, from now on)."""
     import autopar.runtime.module as module
 
-    compiled: list[object] = []  # the programs handed to Inductor
     by_inductor = module.compiled_by_inductor
 
     def counting(program: Any) -> Any:
         compiled.append(program)
         return by_inductor(program)
 
-    module.compiled_by_inductor = counting  # this rank's process only
+    module.compiled_by_inductor = counting
+
+
+def _gpt_on_meta(
+    rank: int,
+    world: int,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    compile: bool = False,
+    transport: LockstepTransport | None = None,
+    compiled: list[object] | None = None,
+) -> dict[str, Any]:
+    """`compiled`: the programs Inductor compiles, counted by the caller (every rank in one
+    process); else by this rank's process, counted here."""
+    if compiled is None:
+        compiled = []  # the programs handed to Inductor
+        _counting_inductor(compiled)  # this rank's process only
     config = GPTConfig(**GPT_CONFIG)
     batch = gpt_batch(config, 8, torch.Generator().manual_seed(1))
     with torch.device("meta"):
         model = GPT(config)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     torch.manual_seed(0)
-    pmodel = autopar.parallelize(
-        model, mesh, example_inputs=batch, compile=compile,
-        pipeline=autopar.PipelineOptions(microbatches=2, stage_boundaries=["blocks.1"]),
-    )  # fmt: skip
+    options = autopar.PipelineOptions(microbatches=2, stage_boundaries=["blocks.1"])
+    if transport is None:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        pmodel = autopar.parallelize(model, mesh, example_inputs=batch, compile=compile, pipeline=options)
+    else:
+        pmodel = pipelined(model, world, transport, example_inputs=batch, pipeline=options)
     after = torch.rand(3)
     torch.manual_seed(0)
     serial = GPT(config)
@@ -114,12 +132,17 @@ def _check_gpt(results: list[dict[str, Any]], tensor_size: int, compiled: bool =
             assert result["stored"] < 0.6 * result["share"], result  # 1/2 of the stage, and what it replicates
 
 
-@pytest.mark.multirank
-def test_a_gpt_built_on_meta_makes_only_its_stages_on_pp2() -> None:
+def test_a_gpt_built_on_meta_makes_only_its_stages_on_pp2(monkeypatch: pytest.MonkeyPatch) -> None:
     """pp=2, the user's own tensors: rank 0 makes block 0 and the embeddings, rank 1 block 1, ln_f
     and the tied head, each equal to serial's init from the same seed; two SGD-momentum steps
     equal serial's."""
-    _check_gpt(run_ranks(2, _gpt_on_meta, (2,), ("pp",), timeout=300), 1)
+    import autopar.runtime.module as module
+
+    monkeypatch.setattr(module, "compiled_by_inductor", module.compiled_by_inductor)  # undone after the test
+    compiled: list[object] = []  # by any rank: none should be
+    _counting_inductor(compiled)
+    _check_gpt(run_in_lockstep(2, functools.partial(_gpt_on_meta, compiled=compiled), (2,), ("pp",)), 1)
+    assert compiled == []
 
 
 @pytest.mark.multirank
@@ -282,15 +305,16 @@ class _Shifted(torch.nn.Module):
         return F.mse_loss(h + (self.shift if shift is None else shift), y)
 
 
-def _later_call_reads_another_tensor(rank: int, world: int, path: str) -> dict[str, Any]:
+def _later_call_reads_another_tensor(
+    rank: int, world: int, path: str, transport: LockstepTransport | None = None
+) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     x, y, shift, gain = (torch.randn(4, 8, generator=g) for _ in range(4))
     with torch.device("meta"):
         model = _Shifted()
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     torch.manual_seed(5)  # other weights than the checkpoint's: the load must fill them
-    pmodel = autopar.parallelize(
-        model, mesh, example_inputs=(x, y, shift), example_kwargs={"gain": gain},
+    pmodel = pipelined(
+        model, world, transport, example_inputs=(x, y, shift), example_kwargs={"gain": gain},
         pipeline=autopar.PipelineOptions(microbatches=2, stage_boundaries=["b"]),
     )  # fmt: skip
     autopar.load_checkpoint(pmodel, path)
@@ -323,7 +347,6 @@ def _later_call_reads_another_tensor(rank: int, world: int, path: str) -> dict[s
     }
 
 
-@pytest.mark.multirank
 def test_a_later_call_reading_a_tensor_another_rank_holds_gets_its_value(tmp_path: Path) -> None:
     """Built on meta on pp=2 and loaded from a checkpoint: the first call passes `shift`, the later
     ones leave it out, so the last stage (rank 1) reads the root's buffer, which rank 0 holds. It is
@@ -336,7 +359,7 @@ def test_a_later_call_reading_a_tensor_another_rank_holds_gets_its_value(tmp_pat
         serial.shift.fill_(0.75)  # no init draws this: only the checkpoint has it
     path = str(tmp_path / "shifted.safetensors")
     safetensors.torch.save_file(serial.state_dict(), path)
-    results = run_ranks(2, _later_call_reads_another_tensor, path, timeout=200)
+    results = run_in_lockstep(2, _later_call_reads_another_tensor, path)
     assert results[0]["made_first"] == ["a.bias", "a.weight", "gain", "shift"], results[0]["made_first"]
     assert results[1]["made_first"] == ["b.bias", "b.weight"], results[1]["made_first"]
     assert results[1]["real"] == ["b.bias", "b.weight", "shift"], results[1]["real"]

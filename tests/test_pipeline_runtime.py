@@ -1,6 +1,9 @@
 """The pipeline axis alone (autopar.compiler.pipeline): loss, every gradient and the parameters after
-two SGD-with-momentum steps equal the serial model's, on real gloo ranks; the loss weights and the
-schedules the runtime refuses, in process. See docs/pipeline.md#runtime-pipeline-axis-alone."""
+two SGD-with-momentum steps equal the serial model's, every rank run in one process round-robin
+(`autopar.testing.pipeline_lockstep`), and on real gloo ranks for one schedule of each family
+(1F1B, interleaved, zero-bubble) and what only processes show (gloo's tag matching); the loss
+weights and the schedules the runtime refuses, in process. See
+docs/pipeline.md#runtime-pipeline-axis-alone."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from autopar.compiler.pipeline_entry import pipeline_parallelize
 from autopar.compiler.pipeline_split import PipelineLossError, loss_weights, split_stages
 from autopar.core.pipeline_schedule import ActionKind, schedule_by_name
 from autopar.runtime.pipeline_runtime import UnsupportedScheduleError, check_supported, message_tag
+from autopar.testing.pipeline_lockstep import LockstepTransport, parallelize_in_lockstep, run_round_robin
 from examples.models import make_gpt, make_mlp
 
 TOL = {"rtol": 1e-4, "atol": 1e-6}
@@ -64,21 +68,28 @@ def _model(case: dict[str, Any]) -> tuple[torch.nn.Module, tuple[torch.Tensor, .
     return _gpt(case["layers"], 8)
 
 
-def _compare(rank: int, world: int, case: dict[str, Any]) -> list[str]:
-    """One configuration against serial: 2 steps, losses, last gradients, parameters."""
+def _on_gloo(world: int) -> Any:
+    """How a gloo rank parallelizes: the public entry (a ("pp",) mesh is a pipeline)."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+
+    def make(model: torch.nn.Module, batch: tuple[Any, ...], **pipeline: Any) -> Any:
+        return autopar.parallelize(model, mesh, example_inputs=batch, pipeline=autopar.PipelineOptions(**pipeline))
+
+    return make
+
+
+def _compare(rank: int, world: int, case: dict[str, Any], make: Any = None) -> list[str]:
+    """One configuration against serial: 2 steps, losses, last gradients, parameters. `make`:
+    how this rank parallelizes (default: on its gloo mesh)."""
     model, batch = _model(case)
     serial = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
-    pmodel = autopar.parallelize(  # the public entry: a ("pp",) mesh is a pipeline
+    pmodel = (make or _on_gloo(world))(
         model,
-        mesh,
-        example_inputs=batch,
-        pipeline=autopar.PipelineOptions(
-            microbatches=case["M"],
-            schedule=case.get("schedule", "1f1b"),
-            stage_boundaries=case.get("boundaries"),
-            virtual_stages=case.get("v", 1),
-        ),
+        batch,
+        microbatches=case["M"],
+        schedule=case.get("schedule", "1f1b"),
+        stage_boundaries=case.get("boundaries"),
+        virtual_stages=case.get("v", 1),
     )
     if case.get("boundaries") is None:  # the cost model's cut, the same on every rank
         assert pmodel.stage_cut is not None and pmodel.boundaries == pmodel.stage_cut.boundaries
@@ -127,6 +138,18 @@ def _job(rank: int, world: int, cases: list[dict[str, Any]]) -> list[list[str]]:
     return [_compare(rank, world, case) for case in cases]
 
 
+def _in_lockstep(world: int, cases: list[dict[str, Any]]) -> list[list[list[str]]]:
+    """`_job` for every rank of a `world`-rank pipeline, in this process (`run_round_robin`)."""
+
+    def body(rank: int, transport: LockstepTransport) -> list[list[str]]:
+        def make(model: torch.nn.Module, batch: tuple[Any, ...], **pipeline: Any) -> Any:
+            return parallelize_in_lockstep(model, transport, batch, pipeline=autopar.PipelineOptions(**pipeline))
+
+        return [_compare(rank, world, case, make) for case in cases]
+
+    return run_round_robin(world, body)
+
+
 def _every_param_somewhere(results: list[list[list[str]]], cases: list[dict[str, Any]]) -> None:
     for i, case in enumerate(cases):
         held = {name for rank in results for name in rank[i]}
@@ -134,9 +157,10 @@ def _every_param_somewhere(results: list[list[list[str]]], cases: list[dict[str,
         assert held == {n for n, _ in model.named_parameters()}
 
 
-PP2_CASES: list[dict[str, Any]] = [
+# one schedule of each family on gloo ranks; "auto" picks zero-bubble, whose stages are modules
+# compiled on process groups (as test_pp4_zero_bubble_on_gloo_ranks's)
+PP2_GLOO_CASES: list[dict[str, Any]] = [
     {"layers": 3, "M": 4, "schedule": "1f1b", "boundaries": ["blocks.2"]},
-    {"layers": 3, "M": 3, "schedule": "gpipe", "boundaries": ["blocks.1"]},
     {
         "layers": 4,
         "M": 4,
@@ -144,56 +168,71 @@ PP2_CASES: list[dict[str, Any]] = [
         "v": 2,
         "boundaries": ["blocks.1", "blocks.2", "blocks.3"],
     },
-    {"layers": 4, "M": 2, "schedule": "1f1b"},
     {"layers": 4, "M": 4, "schedule": "auto"},
+]
+PP2_CASES: list[dict[str, Any]] = [
+    {"layers": 3, "M": 3, "schedule": "gpipe", "boundaries": ["blocks.1"]},
+    {"layers": 4, "M": 2, "schedule": "1f1b"},
 ]
 
 
 @pytest.fixture(scope="module")
 def on_two_ranks() -> dict[str, list[Any]]:
-    """This file's pp=2 jobs, run in one forked job (each test checks its own)."""
-    scenarios = {"cases": functools.partial(_job, cases=PP2_CASES), "accumulate": _accumulate}
+    """This file's pp=2 jobs on gloo ranks, run in one forked job (each test checks its own)."""
+    scenarios = {"cases": functools.partial(_job, cases=PP2_GLOO_CASES), "accumulate": _accumulate}
     return run_scenarios(2, scenarios, timeout=420)
 
 
 @pytest.mark.multirank
-def test_pp2_schedules_uneven_depth_and_chosen_cut(on_two_ranks: dict[str, list[Any]]) -> None:
-    """pp=2: 1F1B and GPipe on 3 layers (an uneven cut), interleaved 1F1B (4 stages on 2 ranks),
-    the cut chosen by the cost model (no stage_boundaries), and schedule="auto"."""
+def test_pp2_1f1b_interleaved_and_auto_on_gloo_ranks(on_two_ranks: dict[str, list[Any]]) -> None:
+    """pp=2 on gloo ranks: 1F1B on 3 layers (an uneven cut), interleaved 1F1B (4 stages on 2
+    ranks) and schedule="auto" (which runs the fastest modeled candidate, zero-bubble)."""
     results = on_two_ranks["cases"]
-    _every_param_somewhere(results, PP2_CASES)
+    _every_param_somewhere(results, PP2_GLOO_CASES)
     # GPT's tied embedding/head weight: on the first and the last stage's rank
     assert all("wte.weight" in rank[0] for rank in results)
 
 
-@pytest.mark.multirank
+def test_pp2_gpipe_and_the_chosen_cut() -> None:
+    """pp=2, every rank in this process: GPipe on 3 layers (an uneven cut), and the cut chosen by
+    the cost model (no stage_boundaries)."""
+    results = _in_lockstep(2, PP2_CASES)
+    _every_param_somewhere(results, PP2_CASES)
+    assert all("wte.weight" in rank[0] for rank in results)
+
+
 def test_pp4_microbatch_counts() -> None:
     """pp=4 on a 4-layer GPT: M = pp, M = 6 (not a multiple: microbatches of 2 and 1 samples, one
-    with every target ignored) and M = 2 < pp, and zero-bubble ZB-H1 with M = 6; a model whose first stage's output skips to the last
+    with every target ignored) and M = 2 < pp; a model whose first stage's output skips to the last
     stage, with a mask every stage recomputes from the input (mean-squared error)."""
     bounds = ["blocks.1", "blocks.2", "blocks.3"]
     cases: list[dict[str, Any]] = [{"layers": 4, "M": m, "boundaries": bounds} for m in (4, 6, 2)]
-    cases.append({"layers": 4, "M": 6, "boundaries": bounds, "schedule": "zero-bubble"})
     cases.append({"model": "skip", "M": 4, "boundaries": ["layers.0", "layers.1", "layers.2"]})
-    results = run_ranks(4, _job, cases, timeout=300)
-    _every_param_somewhere(results, cases)
+    _every_param_somewhere(_in_lockstep(4, cases), cases)
 
 
 @pytest.mark.multirank
+def test_pp4_zero_bubble_on_gloo_ranks() -> None:
+    """pp=4, zero-bubble ZB-H1 with M = 6 on gloo ranks: each stage a module compiled on a 1-rank
+    sub-mesh, whose backward the runtime splits."""
+    cases: list[dict[str, Any]] = [
+        {"layers": 4, "M": 6, "boundaries": ["blocks.1", "blocks.2", "blocks.3"], "schedule": "zero-bubble"}
+    ]
+    _every_param_somewhere(run_ranks(4, _job, cases, timeout=300), cases)
+
+
 def test_pp8_alone_cost_model_cut() -> None:
     """pp=8 on a 6-layer GPT: eight stages cut by the cost model over its eight units (embeddings,
     blocks, final norm and head priced like the blocks), M = 8."""
     case = {"layers": 6, "M": 8}
-    results = run_ranks(8, _job, [case], timeout=300)
-    _every_param_somewhere(results, [case])
+    _every_param_somewhere(_in_lockstep(8, [case]), [case])
 
 
-@pytest.mark.multirank
 def test_two_stages_on_one_rank_pass_locally() -> None:
     """pp=1, v=2: adjacent stages on one rank hand activations and gradients over without a
     message, and the tied weight's two uses add up on the rank."""
     case = {"layers": 3, "M": 3, "schedule": "interleaved-1f1b", "v": 2, "boundaries": ["blocks.1"]}
-    (names,) = run_ranks(1, _job, [case], timeout=120)
+    (names,) = _in_lockstep(1, [case])
     _every_param_somewhere([names], [case])
 
 

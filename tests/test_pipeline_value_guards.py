@@ -2,7 +2,9 @@
 reads its inputs' values (an `assert` on the labels, a branch on the inputs' sum, BART's
 end-of-sequence check) trains on a "pp" mesh equal to serial on batches taking either branch, and
 a batch the model rejects raises the model's own error on every rank before any stage runs,
-instead of one rank raising while its peers wait in a send. Real gloo ranks."""
+instead of one rank raising while its peers wait in a send. On pp=2 every rank runs in this
+process (`autopar.testing.pipeline_lockstep`: a rank left waiting there is a deadlock named at
+once); pp=2 x tp=2 on real gloo ranks, under autopar's collective timeout."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from multirank import run_ranks, run_scenarios
+from multirank import pipelined, run_ranks, run_scenarios_in_lockstep
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -24,8 +26,8 @@ from torch.distributed.tensor import DTensor
 import autopar
 from autopar.compiler.pipeline_split import PipelineSplitError
 from autopar.core.errors import ModelAssertionError, ModelValueError
+from autopar.testing.pipeline_lockstep import LockstepTransport
 
-pytestmark = pytest.mark.multirank  # every test here forks gloo ranks
 BRANCH_LINE = next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if line.endswith("# BRANCH_LINE"))
 
 TIMEOUT_S = 90  # autopar's collective timeout: a rank left waiting for a peer would fail after it
@@ -70,16 +72,19 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train_both_branches(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", case["shape"], mesh_dim_names=case["names"])
+def _train_both_branches(
+    rank: int, world: int, case: dict[str, Any], transport: LockstepTransport | None = None
+) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Checks()
     serial = copy.deepcopy(model)
     batches = [_batch(signs, seed) for signs, seed in BATCHES]
-    pmodel = autopar.parallelize(
-        model, mesh, example_inputs=batches[0], timeout=TIMEOUT_S,
-        pipeline=autopar.PipelineOptions(microbatches=2, stage_boundaries=("mid",)),
-    )  # fmt: skip
+    options = autopar.PipelineOptions(microbatches=2, stage_boundaries=("mid",))
+    if transport is None:
+        mesh = init_device_mesh("cpu", case["shape"], mesh_dim_names=case["names"])
+        pmodel = autopar.parallelize(model, mesh, example_inputs=batches[0], timeout=TIMEOUT_S, pipeline=options)
+    else:
+        pmodel = pipelined(model, world, transport, example_inputs=batches[0], pipeline=options)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (pmodel, serial)]
     losses = []
     for batch in batches:
@@ -108,19 +113,23 @@ def _train_both_branches(rank: int, world: int, case: dict[str, Any]) -> dict[st
 
 
 PP2 = {"shape": (2,), "names": ("pp",)}
+ON_TWO_RANKS = pytest.mark.xdist_group("pipeline_value_guards_on_two_ranks")  # one worker runs the fixture once
 
 
 @pytest.fixture(scope="module")
 def on_two_ranks() -> dict[str, list[Any]]:
-    """This file's pp=2 jobs in one forked job (each test checks its own scenario; every error a
-    scenario provokes is caught on every rank, so the next one starts from ranks in step)."""
+    """This file's pp=2 jobs, each one's ranks run in this process (each test checks its own
+    scenario)."""
     scenarios = {"branches": functools.partial(_train_both_branches, case=PP2), "split": _refuse_split_branch, "bart": _bart}
-    return run_scenarios(2, scenarios, timeout=1100)  # the three jobs' own limits together
+    return run_scenarios_in_lockstep(2, scenarios)
 
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(PP2, id="pp2"), pytest.param({"shape": (2, 2), "names": ("pp", "tp")}, id="pp2xtp2")],
+    [
+        pytest.param(PP2, id="pp2", marks=ON_TWO_RANKS),
+        pytest.param({"shape": (2, 2), "names": ("pp", "tp")}, id="pp2xtp2", marks=pytest.mark.multirank),
+    ],
 )
 def test_both_branches_train_equal_to_serial_and_a_rejected_batch_raises_on_every_rank(
     request: pytest.FixtureRequest, case: dict[str, Any]
@@ -139,15 +148,12 @@ def test_both_branches_train_equal_to_serial_and_a_rejected_batch_raises_on_ever
         assert result["variants"] == [2], result["variants"]  # one program per branch, one shape
 
 
-def _refuse_split_branch(rank: int, world: int) -> list[str]:
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+def _refuse_split_branch(rank: int, world: int, transport: LockstepTransport | None = None) -> list[str]:
     torch.manual_seed(0)
     model = Checks(threshold=40.0)
     low = _batch((1.0,), 0)
-    pmodel = autopar.parallelize(
-        model, mesh, example_inputs=low, timeout=TIMEOUT_S,
-        pipeline=autopar.PipelineOptions(microbatches=2, stage_boundaries=("mid",)),
-    )  # fmt: skip
+    options = autopar.PipelineOptions(microbatches=2, stage_boundaries=("mid",))
+    pmodel = pipelined(model, world, transport, example_inputs=low, pipeline=options)
     pmodel(*low)
     x, y = low
     x = torch.full_like(x, 0.7)  # each microbatch sums to 22.4, the whole batch to 44.8: above 40
@@ -158,6 +164,7 @@ def _refuse_split_branch(rank: int, world: int) -> list[str]:
     return []
 
 
+@ON_TWO_RANKS
 def test_a_branch_no_microbatch_takes_as_the_whole_batch_is_refused_on_every_rank(on_two_ranks: dict[str, list[Any]]) -> None:
     """Each microbatch's rows alone go below the threshold, the whole batch above it: no program
     traced on a microbatch takes the serial branch, so the call is refused, the same on every
@@ -166,10 +173,9 @@ def test_a_branch_no_microbatch_takes_as_the_whole_batch_is_refused_on_every_ran
         assert "takes another branch at" in message and f"test_pipeline_value_guards.py:{BRANCH_LINE}" in where, (message, where)
 
 
-def _bart(rank: int, world: int) -> dict[str, Any]:
+def _bart(rank: int, world: int, transport: LockstepTransport | None = None) -> dict[str, Any]:
     import transformers
 
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     config = transformers.BartConfig(
         vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
@@ -182,8 +188,8 @@ def _bart(rank: int, world: int) -> dict[str, Any]:
     ids = torch.randint(4, 64, (4, 8), generator=gen)
     ids[:, -1] = config.eos_token_id
     labels = torch.tensor([0, 1, 2, 0])
-    pmodel = autopar.parallelize(
-        model, mesh, example_inputs=(), example_kwargs={"input_ids": ids, "labels": labels}, timeout=TIMEOUT_S,
+    pmodel = pipelined(
+        model, world, transport, example_kwargs={"input_ids": ids, "labels": labels},
         pipeline=autopar.PipelineOptions(microbatches=2),
     )  # fmt: skip
     state = torch.random.get_rng_state()
@@ -204,6 +210,7 @@ def _bart(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@ON_TWO_RANKS
 def test_bart_classifier_on_a_pipeline_raises_the_models_value_error_for_uneven_eos_counts(
     on_two_ranks: dict[str, list[Any]],
 ) -> None:

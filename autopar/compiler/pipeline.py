@@ -59,6 +59,7 @@ from autopar.compiler.pipeline_stage import (
     stage_forward,
     stage_specs,
 )
+from autopar.core.errors import UsageError
 from autopar.core.pipeline_schedule import Schedule
 from autopar.passes.routed_experts_trace import mark_routing_imbalance, routed_experts_traced
 from autopar.planning.stage_result import StageCut
@@ -73,6 +74,7 @@ from autopar.runtime.pipeline_runtime import (
     run_step,
     start_step,
 )
+from autopar.runtime.pipeline_transport import PipelineTransport, ProcessGroupTransport
 from autopar.runtime.run_program import WeightDeferral
 
 __all__ = ["MAX_PROGRAMS", "PipelinedModule", "split_microbatches"]
@@ -99,7 +101,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        mesh: DeviceMesh,
+        mesh: DeviceMesh | None,
         schedule: Schedule,
         boundaries: Sequence[str],
         stage_cut: StageCut | None,
@@ -110,6 +112,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         init_fn: InitFn | None = None,
         seeded: torch.Tensor | None = None,
         routed_experts: bool = False,
+        transport: PipelineTransport | None = None,
     ) -> None:
         super().__init__()
         self.__dict__["_model"] = model  # not a submodule: parameters() is this rank's only
@@ -117,11 +120,19 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         self.boundaries = tuple(boundaries)
         self.stage_cut = stage_cut
         self.schedule_choice: ScheduleChoice | None = None  # what schedule="auto" compared
-        self.group = pp_group if pp_group is not None else mesh.get_group("pp")
-        self.device = mesh.device_type
-        self._mesh_axes = mesh.ndim - 1  # the tensor axes beside pp, and a stage sub-mesh's ranks
-        self._stage_ranks = mesh.size() // mesh.size((mesh.mesh_dim_names or ()).index("pp"))
-        self.rank = mesh.get_local_rank("pp")
+        if mesh is None and transport is None:
+            raise UsageError("a pipelined module needs the mesh it runs on", hint="pass the DeviceMesh with the 'pp' axis")
+        if transport is None:  # a user's pipeline: the pp process group
+            assert mesh is not None
+            transport = ProcessGroupTransport(pp_group if pp_group is not None else mesh.get_group("pp"))
+        # the stages' messages and the pp group's sums: a process group's, or (in the tests) every
+        # rank's in one process (`autopar.testing.pipeline_lockstep`)
+        self.transport = transport
+        self.device = mesh.device_type if mesh is not None else "cpu"
+        self.rank = mesh.get_local_rank("pp") if mesh is not None else transport.rank
+        # the tensor axes beside pp, and a stage sub-mesh's ranks (none without a mesh: pp alone)
+        self._mesh_axes = mesh.ndim - 1 if mesh is not None else 0
+        self._stage_ranks = mesh.size() // mesh.size((mesh.mesh_dim_names or ()).index("pp")) if mesh is not None else 1
         self.stages = schedule.placement.stages_of(self.rank)
         self.training = model.training
         self._build_stage = build_stage
@@ -268,7 +279,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         Returns the total norm (the serial model's), on every rank."""
         params = [param for _, param in self._local]
         counted = [param for param in params if id(param) in self._in_norm]
-        return clip_pipelined_grad_norm(params, counted, max_norm, norm_type, self.group, self.device)
+        return clip_pipelined_grad_norm(params, counted, max_norm, norm_type, self.transport, self.device)
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -335,7 +346,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         elif self._build_stage is None:
             check_same_readers(self._readers, program, lambda s: self._user_params(program, s), self._names)
         if self._programs and self._holders is not None and self._holders.receive(
-            self._model, program, self.group, self.rank, self.device
+            self._model, program, self.transport, self.rank, self.device
         ):  # a tensor another rank holds, read by this rank's stage in this call only
             self._names = self._parameter_names()
         if self.training:  # dropout: the serial masks where the stages run their own graphs
@@ -408,7 +419,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
             schedule,
             self.rank,
             runners,
-            self.group,
+            self.transport,
             loss_scale=1.0 / denominator if denominator else math.inf,
             forward_only=forward_only,
             device=self.device,
@@ -416,14 +427,14 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         )
         last_rank = schedule.placement.rank_of(schedule.num_stages - 1)
         total = None if result.loss is None else result.loss / denominator
-        loss = broadcast_loss(total, last_rank, self.group, programs[0].loss_dtype, self.device)
+        loss = broadcast_loss(total, last_rank, self.transport, programs[0].loss_dtype, self.device)
         if forward_only:
             return as_output(loss, programs[0].output_type)
         local = [p for _, p in self._local]
         params = deposit_targets(local, given, wanted)
         stage_params = {s: runner.params for s, runner in runners.items()}
         ordered = step_gradients(
-            result, stage_params, self._shared, local, wanted, flats, given, self.group, self.device,
+            result, stage_params, self._shared, local, wanted, flats, given, self.transport, self.device,
             self._mesh_axes, self._stage_ranks,
         )
         out: torch.Tensor = DepositGradients.apply(loss, ordered, *params)  # type: ignore[no-untyped-call]
@@ -446,11 +457,11 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         layouts = _output_layouts(programs)
         runners = {s: self._runner(s, programs, flats, True) for s in self.stages}
         result = run_step(
-            self.schedule, self.rank, runners, self.group, loss_scale=1.0, forward_only=True,
+            self.schedule, self.rank, runners, self.transport, loss_scale=1.0, forward_only=True,
             device=self.device, scatter=self._scatter, keep_outputs=True,
         )  # fmt: skip
         last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
-        return gather_outputs(result.outputs, layouts, last_rank, self.group, self.device)
+        return gather_outputs(result.outputs, layouts, last_rank, self.transport, self.device)
 
     def _train_outputs(
         self, programs: list[StageProgram], flats: list[list[Any]], given: list[Any], wanted: list[int]
@@ -463,15 +474,15 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         schedule = outside_loss_schedule(self.schedule, self.schedule_named, self._order_warned)
         _input_leaves(flats, wanted)
         runners = {s: self._runner(s, programs, flats, False, wanted, split=False) for s in self.stages}
-        pending = start_step(schedule, self.rank, runners, self.group, device=self.device, scatter=self._scatter)
+        pending = start_step(schedule, self.rank, runners, self.transport, device=self.device, scatter=self._scatter)
         last_rank = schedule.placement.rank_of(schedule.num_stages - 1)
-        whole = broadcast_outputs(pending.outputs, layouts, last_rank, self.group, self.device)
+        whole = broadcast_outputs(pending.outputs, layouts, last_rank, self.transport, self.device)
         local = [p for _, p in self._local]
         stage_params = {s: runner.params for s, runner in runners.items()}
 
         def gradients(result: StepResult) -> list[torch.Tensor | None]:
             return step_gradients(
-                result, stage_params, self._shared, local, wanted, flats, given, self.group, self.device,
+                result, stage_params, self._shared, local, wanted, flats, given, self.transport, self.device,
                 self._mesh_axes, self._stage_ranks,
             )
 

@@ -27,6 +27,7 @@ from autopar.compiler.pipeline_shared import (
 from autopar.compiler.pipeline_split import OutputLayout, PipelineLossError
 from autopar.core.errors import UsageError
 from autopar.runtime.pipeline_runtime import StepResult, sum_shared_grads
+from autopar.runtime.pipeline_transport import PipelineTransport, ProcessGroupTransport, as_transport
 
 
 def split_microbatches(args: Any, microbatches: int) -> list[Any]:
@@ -110,12 +111,13 @@ def broadcast_outputs(
     kept: dict[int, list[torch.Tensor]],
     layouts: Sequence[OutputLayout],
     src: int,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     device: torch.device | str,
 ) -> list[torch.Tensor]:
     """A call's outputs without a loss, whole on every rank: the last stage's outputs of every
     microbatch (`kept`, on pipeline rank `src`) concatenated on dim 0 and broadcast over the pp
     group (every rank knows their shapes from its own copy of the stage programs)."""
+    transport = as_transport(group)
     whole = []
     for i, spec in enumerate(layouts[0].specs):
         if kept:
@@ -123,9 +125,9 @@ def broadcast_outputs(
         else:
             rows = sum(layout.specs[i].shape[0] for layout in layouts)
             value = torch.empty((rows, *spec.shape[1:]), dtype=spec.dtype, device=device)
-        if group is not None and dist.get_world_size(group) > 1:
+        if transport.size > 1:
             value = value.contiguous()
-            dist.broadcast(value, src=dist.get_global_rank(group, src), group=group)
+            transport.broadcast(value, src)
         whole.append(value)
     return whole
 
@@ -142,7 +144,7 @@ def gather_outputs(
     kept: dict[int, list[torch.Tensor]],
     layouts: Sequence[OutputLayout],
     src: int,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     device: torch.device | str,
 ) -> Any:
     """An inference call's outputs as the model returns them, on every rank (`broadcast_outputs`);
@@ -180,19 +182,19 @@ def input_gradients(
     wanted: Sequence[int],
     flats: Sequence[Sequence[Any]],
     given: Sequence[Any],
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
 ) -> list[torch.Tensor]:
     """The gradients of the call's inputs that require grad (`given[i]` for i in `wanted`): each
     microbatch's (`found[(m, j)]`, j the position in `wanted`; zeros where this rank's stages do
     not read it) put back on dim 0 (summed, for a 0-d input every microbatch shares), then summed
     over the pp group, whose stages may each read the input. One all-reduce per input, on every rank."""
+    transport = as_transport(group)
     out = []
     for j, i in enumerate(wanted):
         pieces = [found.get((m, j), torch.zeros_like(f[i])) for m, f in enumerate(flats)]
         whole = torch.cat(pieces, dim=0) if given[i].dim() > 0 else torch.stack(pieces).sum(0)
         whole = whole.detach().contiguous()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(whole, group=group)
+        transport.all_reduce(whole)
         out.append(whole.to(given[i].dtype))
     return out
 
@@ -202,7 +204,7 @@ def clip_pipelined_grad_norm(
     counted: Sequence[torch.Tensor],
     max_norm: float,
     norm_type: float,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     device: torch.device | str,
 ) -> torch.Tensor:
     """`PipelinedModule.clip_grad_norm_`: the norm of `counted`'s gradients (each stage's on its
@@ -217,9 +219,7 @@ def clip_pipelined_grad_norm(
         norm = torch.linalg.vector_norm(grad, p)
         value = (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(torch.float64)
         total = torch.maximum(total, value) if math.isinf(p) else total + value**p
-    if group is not None and dist.get_world_size(group) > 1:
-        op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-        dist.all_reduce(total, op=op, group=group)
+    as_transport(group).all_reduce(total, "max" if math.isinf(p) else "sum")
     norm_all = total if math.isinf(p) else total ** (1.0 / p)
     scale = min(1.0, max_norm / (float(norm_all) + 1e-6))
     if scale < 1.0:
@@ -232,7 +232,7 @@ def clip_pipelined_grad_norm(
 def sum_shared_copies(
     shared: Sequence[tuple[str, nn.Parameter, list[nn.Parameter]]],
     grads: dict[int, torch.Tensor],
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     device: str,
     mesh_axes: int = 0,
     chunks: int = 1,
@@ -244,17 +244,25 @@ def sum_shared_copies(
     gradient is never made); otherwise (a 1-D pipeline, other placements) as whole tensors summed
     over the pp `group`, each copy then given its block."""
     ways: list[tuple[str, tuple[int, ...]]] = [(WHOLE, ())] * len(shared)
-    if mesh_axes and group is not None and dist.get_world_size(group) > 1:
+    transport = as_transport(group)
+    if mesh_axes and transport.size > 1:
+        # stages with tensor axes run on process groups only (lockstep runs a pp axis alone)
+        if not isinstance(transport, ProcessGroupTransport) or transport.group is None:
+            raise UsageError(
+                "a pipeline whose stages have tensor axes sums tied weights over the pp process group",
+                hint="run pipelines with tensor axes on a DeviceMesh (torch.distributed), not in lockstep",
+            )
+        pp_group = transport.group
         holders = [([grads.get(id(c)) for c in copies], copies) for _, _, copies in shared]
-        ways = agreed_ways(holders, [user.shape for _, user, _ in shared], mesh_axes, group, device)
+        ways = agreed_ways(holders, [user.shape for _, user, _ in shared], mesh_axes, pp_group, device)
         for (_, user, _), (held, copies), (way, block) in zip(shared, holders, ways, strict=True):
             mine = {id(c) for c in copies}
             others = [g for key, g in grads.items() if key not in mine]
             if way == BLOCKS:
                 present = [g for g in held if g is not None]
-                summed = sum_blocks(present, copies, block, user.dtype, others, group, device)
+                summed = sum_blocks(present, copies, block, user.dtype, others, pp_group, device)
             elif way == CHUNKS:
-                summed = sum_in_row_chunks(grads, copies, user.shape, user.dtype, chunks, others, group, device)
+                summed = sum_in_row_chunks(grads, copies, user.shape, user.dtype, chunks, others, pp_group, device)
             else:
                 continue
             grads.update((id(c), g) for c, g in zip(copies, summed, strict=True))
@@ -301,7 +309,7 @@ def step_gradients(
     wanted: Sequence[int],
     flats: Sequence[Sequence[Any]],
     given: Sequence[Any],
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     device: str,
     mesh_axes: int = 0,
     chunks: int = 1,

@@ -32,13 +32,14 @@ from autopar.runtime.local_batch import GLOBAL
 from autopar.runtime.materialize import InitFn
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline_runtime import BoundaryScatter, check_supported
+from autopar.runtime.pipeline_transport import PipelineTransport
 
 __all__ = ["parallelize_on_pipeline_mesh", "pipeline_parallelize"]
 
 
 def pipeline_parallelize(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     example_inputs: Sequence[Any],
     *,
     microbatches: int,
@@ -55,6 +56,7 @@ def pipeline_parallelize(
     init_fn: InitFn | None = None,
     seeded: torch.Tensor | None = None,
     token_dispatch: str = "allgather",
+    transport: PipelineTransport | None = None,
 ) -> PipelinedModule:
     """Cut `model` into `pp * virtual_stages` stages over the axis "pp" of `mesh` and return this
     rank's part. Every rank calls it with the same model and example batch.
@@ -75,17 +77,27 @@ def pipeline_parallelize(
     the model's own initialization or `init_fn(module)` (docs/pipeline.md#a-model-built-on-meta).
     `token_dispatch` (`PlanOptions.token_dispatch`) other than "allgather", with stages built by
     `build_stage`: the stages are exported with transformers' experts modules as routed-experts
-    ops, whose dispatcher each stage's plan places."""
+    ops, whose dispatcher each stage's plan places. `transport` (with no mesh): the pipeline's
+    messages and sums go by it, not by a process group (every rank in one process, in the tests:
+    `autopar.testing.pipeline_lockstep`)."""
     if seeded is None:
         seeded = torch.random.get_rng_state()
-    names = tuple(mesh.mesh_dim_names or ())
-    if "pp" not in names or (mesh.ndim > 1 and build_stage is None):
-        raise UsageError(
-            f"pipeline_parallelize takes a mesh with an axis named 'pp' (and, beside it, a stage builder "
-            f"for the tensor axes), got dims {mesh.mesh_dim_names}",
-            hint='init_device_mesh("cpu", (p,), mesh_dim_names=("pp",)), or autopar.parallelize for more axes',
-        )
-    pp = mesh.size(names.index("pp"))
+    if mesh is None:  # a transport's pipeline: the pp axis alone, of the transport's ranks
+        if transport is None or build_stage is not None:
+            raise UsageError(
+                "pipeline_parallelize without a mesh runs the pp axis alone, over a transport",
+                hint='pass the mesh: init_device_mesh("cpu", (p,), mesh_dim_names=("pp",))',
+            )
+        pp = transport.size
+    else:
+        names = tuple(mesh.mesh_dim_names or ())
+        if "pp" not in names or (mesh.ndim > 1 and build_stage is None):
+            raise UsageError(
+                f"pipeline_parallelize takes a mesh with an axis named 'pp' (and, beside it, a stage builder "
+                f"for the tensor axes), got dims {mesh.mesh_dim_names}",
+                hint='init_device_mesh("cpu", (p,), mesh_dim_names=("pp",)), or autopar.parallelize for more axes',
+            )
+        pp = mesh.size(names.index("pp"))
     if decision is None:
         decision = decide_pipeline(
             model,
@@ -111,13 +123,14 @@ def pipeline_parallelize(
     pmodel = PipelinedModule(
         model, mesh, plan, boundaries, cut, pp_group=pp_group, build_stage=build_stage, scatter=scatter,
         init_fn=init_fn, seeded=seeded, routed_experts=token_dispatch != "allgather" and build_stage is not None,
+        transport=transport,
     )  # fmt: skip
     pmodel.schedule_choice = decision.choice
     pieces = split_microbatches((example, dict(example_kwargs or {})), microbatches)
     whole = (example, dict(example_kwargs or {}))
     pairs = [(pytree.tree_leaves(mb), mb) for mb in pieces]
     pmodel._program(*pairs[0], whole, 0, pairs)  # export and cut now: errors show here
-    if dist.get_rank() == 0:
+    if (dist.get_rank() if transport is None else transport.rank) == 0:
         path = dump_dir_from(dump_dir, 0)
         if path is not None:
             pmodel.write_pipeline_timeline(path)

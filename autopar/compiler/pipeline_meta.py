@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from autopar.compiler.pipeline_checkpoint import unit_stage
 from autopar.compiler.pipeline_split import PipelineSplitError, StageProgram, get_attr
 from autopar.runtime.materialize import InitFn, hold_whole, materialize_in_place, meta_tensor_names
+from autopar.runtime.pipeline_transport import PipelineTransport
 
 __all__ = ["MetaHolders", "held_names", "make_stage_tensors"]
 
@@ -88,7 +88,7 @@ class MetaHolders:
         self.stages_of = tuple(stages_of)
 
     def receive(
-        self, model: nn.Module, program: StageProgram, group: dist.ProcessGroup, rank: int, device: torch.device | str
+        self, model: nn.Module, program: StageProgram, transport: PipelineTransport, rank: int, device: torch.device | str
     ) -> int:
         """Send and receive the tensors that `program`'s stages read and their ranks do not hold
         (point to point on the pp group, in name order, the same on every rank); each received one
@@ -111,11 +111,13 @@ class MetaHolders:
             source = holders[0]
             for q in wanted[name]:
                 if rank == source:
-                    dist.send(get_attr(model, name).detach().contiguous(), group=group, group_dst=q)
+                    sent = transport.isend(get_attr(model, name).detach().contiguous(), q, 0)
+                    if sent is not None:
+                        sent.wait()
                 elif rank == q:
                     meta = get_attr(model, name)
                     value = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-                    dist.recv(value, group=group, group_src=source)
+                    transport.recv(value, source, 0)
                     hold_whole(model, name, value)
                     received += value.numel() * value.element_size()
                 self.held[q].add(name)

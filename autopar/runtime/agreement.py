@@ -24,7 +24,10 @@ def decided_on_rank0(decide: Callable[[], T], what: str, group: dist.ProcessGrou
     rank of the group. An AutoparError (a plan that cannot fit, an op without a rule) is raised
     alike on every rank; any other failure of rank 0 (an InternalError too) is rank 0's own,
     raised there with its traceback, and a `RankFailureError` naming rank 0 and the error on the
-    others."""
+    others. Without a process group (one process: every pipeline rank run there, in the tests'
+    `autopar.testing.pipeline_lockstep`) there is nobody to agree with: `decide()` itself."""
+    if group is None and not dist.is_initialized():
+        return decide()
     payload: list[Any] = [None]
     own: BaseException | None = None
     if dist.get_rank(group) == 0:

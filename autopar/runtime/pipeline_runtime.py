@@ -1,5 +1,6 @@
 """Runs one training step of a pipeline schedule on this rank: the action list of
-`autopar.core.pipeline_schedule` executed over the `pp` process group (docs/pipeline.md#runtime-pipeline-axis-alone).
+`autopar.core.pipeline_schedule` executed over the `pp` process group, or any other
+`pipeline_transport.PipelineTransport` (docs/pipeline.md#runtime-pipeline-axis-alone).
 
 The stages are plain callables (`StageRunner`); the backward is autograd's, from each stage's kept
 (inputs, outputs) per microbatch. Messages are tagged by (direction, stage, microbatch, tensor), so
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from autopar.core.errors import AutoparError
 from autopar.core.pipeline_schedule import Action, ActionKind, Schedule
+from autopar.runtime.pipeline_transport import Pending, PipelineTransport, as_transport
 
 
 class PipelineRuntimeError(AutoparError):
@@ -158,7 +160,7 @@ class _Step:
         schedule: Schedule,
         rank: int,
         stages: Mapping[int, StageRunner],
-        group: dist.ProcessGroup | None,
+        transport: PipelineTransport,
         loss_scale: float,
         forward_only: bool,
         device: torch.device,
@@ -173,7 +175,7 @@ class _Step:
         self.device = device
         self.rank = rank
         self.stages = stages
-        self.group = group
+        self.transport = transport
         self.loss_scale = loss_scale
         self.forward_only = forward_only
         self.last = schedule.num_stages - 1
@@ -181,7 +183,7 @@ class _Step:
         self.kept: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.out_grads: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradients of a stage's outputs
         self.in_grads: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradients of a stage's inputs
-        self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # the tensor stays alive until waited
+        self.sends: list[tuple[Pending, torch.Tensor]] = []  # the tensor stays alive until waited
         self.loss: torch.Tensor | None = None
         # a step whose loss is outside the model: the gradients of the last stage's outputs, per
         # microbatch (None for an output no gradient reaches), given by `PendingStep.finish`
@@ -192,10 +194,6 @@ class _Step:
         self.owned: set[tuple[int, int]] = set()  # (stage, i): a sum of this step's, added into in place
         # stages whose gradients are reduced once, after their last backward: backwards left to run
         self.to_reduce = {s: schedule.microbatches for s, st in stages.items() if st.reduce_grads is not None}
-        # A global rank per pp rank: isend / irecv name global ranks.
-        self.global_rank = [
-            dist.get_global_rank(group, r) if group is not None else r for r in range(schedule.pp)
-        ]
 
     def run(self, actions: Sequence[Action], final: bool = True) -> StepResult:
         """Run `actions` and wait for their sends; `final=False` (the forwards of a step whose
@@ -275,7 +273,7 @@ class _Step:
         for i, t in enumerate(tensors):
             tag = message_tag(a.kind, a.stage, a.microbatch, i, self.schedule)
             data = self.scatter.chunk(t) if self.scatter is not None else t.detach().contiguous()
-            work = dist.isend(data, self.global_rank[a.peer], group=self.group, tag=tag)
+            work = self.transport.isend(data, a.peer, tag)
             if work is not None:
                 self.sends.append((work, data))
 
@@ -286,9 +284,7 @@ class _Step:
             shape = (self.scatter.chunk_numel(spec),) if self.scatter is not None else spec.shape
             buf = torch.empty(shape, dtype=spec.dtype, device=self.device)
             tag = message_tag(a.kind, a.stage, a.microbatch, i, self.schedule)
-            work = dist.irecv(buf, self.global_rank[a.peer], group=self.group, tag=tag)
-            if work is not None:
-                work.wait()
+            self.transport.recv(buf, a.peer, tag)
             out.append(self.scatter.gather(buf, spec) if self.scatter is not None else buf)
         return out
 
@@ -385,7 +381,7 @@ def run_step(
     schedule: Schedule,
     rank: int,
     stages: Mapping[int, StageRunner],
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     *,
     loss_scale: float,
     forward_only: bool = False,
@@ -396,7 +392,7 @@ def run_step(
     """Run rank `rank`'s action list of `schedule` once: every forward and backward of the step.
 
     `stages` are this rank's stages by index; `group` the pp process group (its rank r is pipeline
-    rank r). Each microbatch's backward starts from `loss_scale` as the gradient of its loss term,
+    rank r), or the transport its messages go by (`pipeline_transport`). Each microbatch's backward starts from `loss_scale` as the gradient of its loss term,
     so the step's gradients are those of `loss_scale * sum of terms`. `forward_only` runs the
     forwards and their messages only (no autograd graph is kept). Receive buffers are made on
     `device` (the mesh's). `scatter`: with tensor axes, each rank sends its chunk of every
@@ -420,7 +416,8 @@ def run_step(
         keep = {ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F}
         actions = tuple(a for a in actions if a.kind in keep)
     step = _Step(
-        schedule, rank, stages, group, loss_scale, forward_only, torch.device(device), scatter, keep_outputs
+        schedule, rank, stages, as_transport(group), loss_scale, forward_only, torch.device(device), scatter,
+        keep_outputs,
     )
     if forward_only:
         with torch.no_grad():
@@ -471,7 +468,7 @@ def start_step(
     schedule: Schedule,
     rank: int,
     stages: Mapping[int, StageRunner],
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     *,
     device: torch.device | str = "cpu",
     scatter: BoundaryScatter | None = None,
@@ -497,7 +494,8 @@ def start_step(
             f"the {schedule.name!r} schedule interleaves forwards and backwards on rank {rank}",
             hint="a step whose loss is outside the model runs forwards_then_backwards' order",
         )
-    step = _Step(schedule, rank, stages, group, 1.0, False, torch.device(device), scatter, keep_outputs=True)
+    transport = as_transport(group)
+    step = _Step(schedule, rank, stages, transport, 1.0, False, torch.device(device), scatter, keep_outputs=True)
     with torch.enable_grad():
         step.run(actions[:first], final=False)
     return PendingStep(step, actions[first:])
@@ -506,7 +504,7 @@ def start_step(
 def broadcast_loss(
     loss: torch.Tensor | None,
     src: int,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
@@ -516,15 +514,13 @@ def broadcast_loss(
         if loss is None
         else loss.detach().reshape(()).to(dtype).clone()
     )
-    if group is None or dist.get_world_size(group) == 1:
-        return buf
-    dist.broadcast(buf, src=dist.get_global_rank(group, src), group=group)
+    as_transport(group).broadcast(buf, src)
     return buf
 
 
 def sum_shared_grads(
     shared: Sequence[tuple[torch.Size, torch.dtype, torch.Tensor | None]],
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | PipelineTransport | None,
     device: torch.device | str = "cpu",
     owned: Sequence[bool] = (),
 ) -> list[torch.Tensor]:
@@ -533,13 +529,13 @@ def sum_shared_grads(
     where it holds one, else None (it adds zeros). One all-reduce per parameter, into the gradient
     itself where `owned[i]` says nobody else reads it (a whole tensor gathered or summed for this),
     else into a copy."""
+    transport = as_transport(group)
     out = []
     for i, (shape, dtype, grad) in enumerate(shared):
         if grad is None:
             buf = torch.zeros(shape, dtype=dtype, device=device)
         else:
             buf = grad.detach() if i < len(owned) and owned[i] else grad.detach().clone()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(buf, group=group)
+        transport.all_reduce(buf)
         out.append(buf)
     return out
