@@ -29,9 +29,9 @@ Scaled down for CPU time, said in the output: `--layers` transformer layers (eve
 embedding and the LM head whole; the memory limit is not scaled. `--microbatches` overrides the
 published count (and the global batch with it).
 
-    python benchmarks/moe_pipelined.py --models mixtral-8x7b --layers 8 --depths 2 4 8
-    python benchmarks/moe_pipelined.py --models deepseek-v3 --layers 16 --depths 8 16 --no-tensor-only
-    python benchmarks/moe_pipelined.py --models deepseek-v3-256 --layers 4 --depths 2 4 --no-tensor-only
+    python benchmarks/moe_pipelined.py --models mixtral-8x7b --layers 32 --depths 4 8  # 280 CPU s
+    python benchmarks/moe_pipelined.py --models deepseek-v3-256 --layers 4 --depths 2 4 --no-tensor-only  # 187 CPU s
+    python benchmarks/moe_pipelined.py --models deepseek-v3 --layers 16 --depths 8 16 --no-tensor-only  # not run
 
 Writes benchmarks/results/moe_pipelined.json ("runs": each model's last run, kept across runs).
 """
