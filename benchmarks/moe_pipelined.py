@@ -30,10 +30,10 @@ embedding and the LM head whole; the memory limit is not scaled. `--microbatches
 published count (and the global batch with it).
 
     python benchmarks/moe_pipelined.py --models mixtral-8x7b --layers 32 --depths 4 8  # 280 CPU s
-    python benchmarks/moe_pipelined.py --models deepseek-v3-256 --layers 4 --depths 2 4 --no-tensor-only  # 187 CPU s
+    python benchmarks/moe_pipelined.py --models deepseek-v3-256 --layers 8 --depths 2 4 --no-tensor-only  # 281 CPU s
     python benchmarks/moe_pipelined.py --models deepseek-v3 --layers 16 --depths 8 16 --no-tensor-only  # not run
 
-Writes benchmarks/results/moe_pipelined.json ("runs": each model's last run, kept across runs).
+Writes benchmarks/results/moe_pipelined.json ("runs": the last run of each model and layer count).
 """
 
 from __future__ import annotations
@@ -172,11 +172,11 @@ def main() -> None:
     for r in rows:
         if "ratio_to_published" in r:
             print(f"{r['model']}: auto / published modeled step = {r['ratio_to_published']:.3f}")
-    # one run per model is what fits the CPU: keep the other models' last runs in the file
+    # one run per model and depth is what fits the CPU: keep the others' last runs in the file
     path = RESULTS / "moe_pipelined.json"
     runs = json.loads(path.read_text()).get("runs", {}) if path.exists() else {}
     for name in args.models:
-        runs[name] = {
+        runs[f"{name}, {args.layers} layers"] = {
             "layers": args.layers, "auto_depths": args.depths, "tensor_only": not args.no_tensor_only,
             "searched": args.searched, "rows": [r for r in rows if r["model"] == name], "auto_table": tables[name],
         }  # fmt: skip
