@@ -12,6 +12,10 @@ the data axis's gradient reduction once per step, the weight state and the optim
   stage runs on 128 ranks, (dp, ep) = (2, 64). The micro-batch is not published: one sequence per
   rank is taken (128 sequences per microbatch, 120 microbatches). DualPipe is not modeled: the
   published side gets the fastest of 1F1B and zero-bubble (1 and 2 stages per rank).
+- **DeepSeek-V3 on 256 GPUs** ("deepseek-v3-256"): two of the report's stages, PP 2 x (dp 2, ep 64),
+  with its 120 microbatches of 128 sequences; at `--layers 8` a stage holds 4 layers, as the
+  report's 61 over 16 stages (3.8). What the depth cut changes: the bubble's share (1 stage of 2
+  idle at the ends instead of 15 of 16) and the data axis's ranks (2 per stage either way).
 
 The published side is `choose_pipeline_mesh` restricted to its depth, its stage sub-mesh with the
 experts over "ep" by the all-to-all dispatcher (`moe_published.experts_on`: every other op placed
@@ -25,15 +29,17 @@ Scaled down for CPU time, said in the output: `--layers` transformer layers (eve
 embedding and the LM head whole; the memory limit is not scaled. `--microbatches` overrides the
 published count (and the global batch with it).
 
-    python benchmarks/moe_pipelined.py --models mixtral-8x7b --layers 8 --depths 2 4 8
-    python benchmarks/moe_pipelined.py --models deepseek-v3 --layers 16 --depths 8 16 --no-tensor-only
+    python benchmarks/moe_pipelined.py --models mixtral-8x7b --layers 32 --depths 4 8  # 280 CPU s
+    python benchmarks/moe_pipelined.py --models deepseek-v3-256 --layers 8 --depths 2 4 --no-tensor-only  # 281 CPU s
+    python benchmarks/moe_pipelined.py --models deepseek-v3 --layers 16 --depths 8 16 --no-tensor-only  # not run
 
-Writes benchmarks/results/moe_pipelined.json.
+Writes benchmarks/results/moe_pipelined.json ("runs": the last run of each model and layer count).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -45,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import table, write_result  # noqa: E402
+from _common import RESULTS, table, write_result  # noqa: E402
 from moe_published import HARDWARE, MEMORY_LIMIT, NAMES, SEQ, deepseek_v3, experts_on, mixtral_8x7b  # noqa: E402
 
 from autopar.compiler.pipeline_mesh import PipelineCandidate, choose_pipeline_mesh  # noqa: E402
@@ -75,6 +81,13 @@ JOBS = {
     "deepseek-v3": Job(
         deepseek_v3, "DeepSeek-V3 report (arXiv 2412.19437) 3.2/4.2: 2048 H800, PP16 DualPipe, EP64, "
         "ZeRO-1 DP, TP1, batch 15360 x 4096", 61, 2048, 16, (2, 64),
+        (("1f1b", 1), ("zero-bubble", 1), ("zero-bubble", 2)), 120, 129280,
+    ),  # fmt: skip
+    # 256 of the 2048 GPUs: two of the report's 128-rank stages (dp 2 x ep 64) and its 120 microbatches;
+    # at 8 layers a stage holds 4, as the report's 61 over 16 stages (3.8)
+    "deepseek-v3-256": Job(
+        deepseek_v3, "DeepSeek-V3 report (arXiv 2412.19437) 3.2/4.2, depth cut 16 -> 2: 256 GPUs, PP2, "
+        "stage dp 2 x EP64, ZeRO-1 DP, TP1, 120 microbatches of 128 x 4096", 61, 256, 2, (2, 64),
         (("1f1b", 1), ("zero-bubble", 1), ("zero-bubble", 2)), 120, 129280,
     ),  # fmt: skip
 }
@@ -159,16 +172,21 @@ def main() -> None:
     for r in rows:
         if "ratio_to_published" in r:
             print(f"{r['model']}: auto / published modeled step = {r['ratio_to_published']:.3f}")
+    # one run per model and depth is what fits the CPU: keep the others' last runs in the file
+    path = RESULTS / "moe_pipelined.json"
+    runs = json.loads(path.read_text()).get("runs", {}) if path.exists() else {}
+    for name in args.models:
+        runs[f"{name}, {args.layers} layers"] = {
+            "layers": args.layers, "auto_depths": args.depths, "tensor_only": not args.no_tensor_only,
+            "searched": args.searched, "rows": [r for r in rows if r["model"] == name], "auto_table": tables[name],
+        }  # fmt: skip
     write_result(
         "moe_pipelined",
         {
-            "hardware": HARDWARE, "layers": args.layers, "seq": SEQ, "memory_limit": MEMORY_LIMIT,
-            "auto_depths": args.depths, "tensor_only": not args.no_tensor_only, "searched": args.searched,
-            "jobs": {n: {**asdict(j), "make": j.make.__name__} for n, j in JOBS.items()},
-            "rows": rows, "auto_tables": tables,
+            "hardware": HARDWARE, "seq": SEQ, "memory_limit": MEMORY_LIMIT,
+            "jobs": {n: {**asdict(j), "make": j.make.__name__} for n, j in JOBS.items()}, "runs": runs,
         },
     )  # fmt: skip
-
 
 if __name__ == "__main__":
     main()
