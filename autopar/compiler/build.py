@@ -110,9 +110,7 @@ def compile_module(
             rank=dist.get_rank(),
             planner=opts.planner,
             agree=functools.partial(agree_across_ranks, group=groups.world),
-            agree_decomposition=functools.partial(
-                decided_on_rank0, what="the collective-matmul decomposition", group=groups.world
-            ),
+            agree_choice=functools.partial(decided_on_rank0, group=groups.world),
             schedule=opts.schedule,
             hardware=opts.hardware,
             memory_limit=opts.memory_limit,

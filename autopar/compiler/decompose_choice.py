@@ -4,7 +4,6 @@ the modeled step, scheduled as the schedule stage would schedule it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -18,6 +17,7 @@ from autopar.passes.decompose_matmul import MODES as DECOMPOSE_MODES
 from autopar.passes.decompose_matmul import decompose_matmuls as decompose_pass
 from autopar.passes.decompose_matmul import find_pairs
 from autopar.passes.schedule import schedule as schedule_pass
+from autopar.runtime.agreement import ChoiceAgreement
 
 
 def check_decompose(mode: object) -> None:
@@ -42,10 +42,7 @@ class DecompositionChoice:
     steps: tuple[tuple[str, float], ...] = ()
 
 
-# how ranks settle on one choice: given the function that decides (at this rank), the choice every
-# rank applies (parallelize: rank 0 decides and broadcasts; an in-process run of every rank: the
-# first rank compiled decides)
-DecompositionAgreement = Callable[[Callable[[], DecompositionChoice]], DecompositionChoice]
+DECOMPOSITION = "the collective-matmul decomposition"  # what the choice is called between ranks
 
 
 def decompose_chosen(
@@ -57,7 +54,7 @@ def decompose_chosen(
     schedule: bool,
     in_flight_bytes: int,
     every_pair: bool = True,
-    agree: DecompositionAgreement | None = None,
+    agree: ChoiceAgreement | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     """The decomposition pass on the lowered graph; returns the graph and, where "auto" scheduled
     the graph it chose to decide so, that scheduled copy (the schedule stage's result).
@@ -79,7 +76,7 @@ def decompose_chosen(
         steps = chosen.meta.get(DECOMPOSED_STEPS_KEY, {})
         return DecompositionChoice(tuple(chosen.meta.get(DECOMPOSED_KEY, ())), tuple(steps.items()))
 
-    choice = agree(decide) if agree is not None else decide()
+    choice = agree(decide, DECOMPOSITION) if agree is not None else decide()
     if decided:  # this rank decided: its graph (and scheduled copy) is the choice applied
         return decided[0]
     return _applied(gm, work, coords, table, choice), None

@@ -24,7 +24,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.compiler.decompose_choice import DecompositionAgreement, check_decompose, decompose_chosen
+from autopar.compiler.chunk_choice import chosen_chunks, chunk_candidates
+from autopar.compiler.decompose_choice import check_decompose, decompose_chosen
 from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
 from autopar.core.errors import AutoparError, InternalError, UsageError
 from autopar.core.graph_copy import graph_copy
@@ -59,9 +60,8 @@ from autopar.rules.base import RuleRegistry
 from autopar.rules.context_parallel import CP_AXIS, FORWARD, context_parallel_registry
 from autopar.rules.registry import default_registry
 from autopar.rules.routed_experts import ROUTED_OPS, require_dispatcher
+from autopar.runtime.agreement import ChoiceAgreement
 from autopar.runtime.program import EmittedProgram
-
-AUTO_CHUNKS = (1, 2, 4)  # batch chunks per rank that over_decompose="auto" compares
 
 
 @dataclass
@@ -173,7 +173,7 @@ def compile_for_rank(
     rank: int = 0,
     planner: str = "search",
     agree: Callable[[fx.GraphModule, Callable[[], Plan]], Plan] | None = None,
-    agree_decomposition: DecompositionAgreement | None = None,
+    agree_choice: ChoiceAgreement | None = None,
     hardware: str | None = None,
     table: str | None = None,
     schedule: bool = True,
@@ -212,7 +212,8 @@ def compile_for_rank(
     the greedy planner (only when given) keeps its layouts and gathers weights again in backward;
     `MemoryLimitError` is raised if no plan fits. `over_decompose=k` runs each rank's batch as k
     chunks one after another so that one chunk's collectives overlap the next one's compute
-    (`autopar.planning.overdecompose`); "auto" tries 1, 2 and 4 and keeps the fastest modeled step.
+    (`autopar.planning.overdecompose`); "auto" tries 1, 2 and 4 and keeps the fastest modeled step,
+    decided once per program (`agree_choice`).
     `split_fused=True` cuts fused linears split into equal pieces (GPT's qkv) into one linear per
     piece, so each can be split by heads (`autopar.passes.fused`); default: with the search planner.
     `in_flight_bytes` caps the output buffers of collectives issued and not yet waited on (how far
@@ -221,8 +222,8 @@ def compile_for_rank(
     stores the weights (`search_layouts`, `PlanOptions.storage`). `decompose_matmuls` ("auto",
     "on" or "off"): which all-gather -> matmul and matmul -> reduce-scatter pairs are cut into
     pieces that overlap each other (`autopar.passes.decompose_matmul`); "auto": where the modeled
-    step is shorter, decided once per program: `agree_decomposition` settles it across ranks as `agree`
-    the plan (None: this rank decides). `token_dispatch` ("allgather", "alltoall" or "auto"): how MoE layers' tokens
+    step is shorter, decided once per program. `agree_choice` settles such choices across ranks as
+    `agree` the plan (`ChoiceAgreement`; None: this rank decides). `token_dispatch` ("allgather", "alltoall" or "auto"): how MoE layers' tokens
     reach their experts (`autopar.rules.routed_experts`): "allgather" traces transformers' experts
     as their ops (the all-gather dispatcher, or splits inside the experts); the others trace each
     experts module as one op, "alltoall" requiring the all-to-all dispatcher wherever the experts
@@ -237,7 +238,7 @@ def compile_for_rank(
     check_options(model, mesh, coords, memory_limit, in_flight_bytes)
     check_decompose(decompose_matmuls)
     registry = require_dispatcher(registry if registry is not None else default_registry(), token_dispatch)
-    candidates = _chunk_candidates(over_decompose)
+    candidates = chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
     if traced is None:
         gm = trace_for(
@@ -277,19 +278,19 @@ def compile_for_rank(
     table = default_hardware(mesh, hardware if hardware is not None else table)
     if in_flight_bytes is None:
         in_flight_bytes = in_flight_budget(gm, plan, mesh, table, memory_limit)
-    step_times: dict[int, float] | None = None
-    if len(candidates) > 1:  # over_decompose="auto": lower, schedule and model every choice
-        with stage("over-decomposition"):
-            step_times = _chunk_step_times(
-                gm, plan, mesh, registry, base, candidates, table, schedule, in_flight_bytes, decompose_matmuls
-            )
-        chunks = min(step_times, key=lambda k: (step_times[k], k))  # type: ignore[index]
-    else:
-        chunks = candidates[0]
+    with stage("over-decomposition"):  # "auto": every count lowered, scheduled and modeled, once per program
+        chunking = chosen_chunks(
+            candidates,
+            lambda counts: _chunk_step_times(
+                gm, plan, mesh, registry, base, counts, table, schedule, in_flight_bytes, decompose_matmuls
+            ),
+            agree_choice,
+        )
+    chunks = chunking.chunks
     with stage("propagate / insert_comm"):
         gm, work = _lower(gm, plan, mesh, registry, base, chunks, path)
     with stage("decompose matmuls"):
-        gm, prescheduled = decompose_chosen(gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes, agree=agree_decomposition)
+        gm, prescheduled = decompose_chosen(gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes, agree=agree_choice)
     write_stage(path, "3_insert_comm", gm, work)
     modeled_on = table if hardware is not None or path is not None else None
     # modeled before the schedule stage, which reorders the graph in place
@@ -332,7 +333,7 @@ def compile_for_rank(
     if unscheduled is not None and modeled_on is not None:
         timelines = (unscheduled, simulate(gm, work, modeled_on))
         write_timeline(path, timelines, rank)
-    return Compiled(gm, program, report, timelines, work, chunks, step_times)
+    return Compiled(gm, program, report, timelines, work, chunks, dict(chunking.steps) if chunking.steps else None)
 
 
 def check_options(
@@ -427,17 +428,6 @@ def structure_copy(model: nn.Module) -> nn.Module:
         is_param = isinstance(tensor, nn.Parameter)
         memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if is_param else meta
     return copy.deepcopy(model, memo)
-
-
-def _chunk_candidates(over_decompose: int | str) -> list[int]:
-    if over_decompose == "auto":
-        return list(AUTO_CHUNKS)
-    if isinstance(over_decompose, int) and not isinstance(over_decompose, bool) and over_decompose >= 1:
-        return [over_decompose]
-    raise AutoparError(
-        f"over_decompose={over_decompose!r}",
-        hint='give the number of batch chunks per rank (1: off) or "auto" to let the cost model choose',
-    )
 
 
 def trace_for(

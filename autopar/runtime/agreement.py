@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,17 @@ from torch.distributed.tensor import DTensor
 from autopar.core.errors import AutoparError, InternalError, RankFailureError
 
 T = TypeVar("T")
+
+
+class ChoiceAgreement(Protocol):
+    """How the ranks of one program settle a choice the compiler makes once per program (which
+    collective matmuls to decompose, how many batch chunks to run): given the function that
+    decides at this rank and what the choice is called, the choice every rank applies. A choice
+    made by each rank for its own coordinates could differ between ranks, and their collectives
+    would no longer match. `parallelize`: rank 0 decides and broadcasts (`decided_on_rank0`); an
+    in-process run of every rank: the first rank compiled decides."""
+
+    def __call__(self, decide: Callable[[], T], what: str) -> T: ...
 
 
 def decided_on_rank0(decide: Callable[[], T], what: str, group: dist.ProcessGroup | None = None) -> T:
