@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import copy
 import functools
+import pickle
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from autopar.rules import routed_experts
 from autopar.rules.registry import default_registry
 from autopar.rules.routed_experts import ROUTED_OPS
 from autopar.runtime.program import EmittedProgram, local_value
+from autopar.runtime.wire import JsonWire, allowed_loads
 from autopar.testing import all_coords, assemble
 from autopar.testing.threads import run_threads
 from examples.models import GPT, GPTConfig, make_gpt, make_mlp
@@ -531,14 +533,14 @@ def compile_every_rank(
     choices: dict[str, Any] = {}
 
     def plan_once(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Plan:
-        if not chosen:
-            chosen.append(make_plan())
+        if not chosen:  # as the other ranks of a job read it: pickled, through the allow-list
+            chosen.append(allowed_loads(pickle.dumps(make_plan())))
         return chosen[0]
 
-    def choose_once(decide: Callable[[], _Choice], what: str) -> _Choice:
-        if what not in choices:
-            choices[what] = decide()
-        return choices[what]  # type: ignore[no-any-return]
+    def choose_once(decide: Callable[[], _Choice], wire: JsonWire[_Choice]) -> _Choice:
+        if wire.what not in choices:  # as every rank of a job applies it: through its JSON
+            choices[wire.what] = wire.carried(decide())
+        return choices[wire.what]  # type: ignore[no-any-return]
 
     decide = options.pop("agree_choice", choose_once)  # a test's own choice, else the first rank's
     mesh = Mesh.from_shape(shape, names)

@@ -196,7 +196,7 @@ def test_every_rank_runs_the_agreed_count(monkeypatch: pytest.MonkeyPatch) -> No
     model, inputs = model_case("mlp")
     compiled = compile_every_rank(
         model, (2, 2), inputs, over_decompose="auto",
-        agree_choice=lambda decide, what: agreed if what == OVER_DECOMPOSITION else decide(),
+        agree_choice=lambda decide, wire: agreed if wire is OVER_DECOMPOSITION else decide(),
     )  # fmt: skip
     assert all(c.chunks == 2 and c.chunk_step_times == {1: 2.0, 2: 1.0} for c in compiled.values())
     fwd, bwd = run_programs({c: comp.program for c, comp in compiled.items()}, model, inputs, (2, 2))

@@ -23,7 +23,13 @@ from autopar.core.meta import OutputStructure, signature
 from autopar.core.plan import Plan
 from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.rules.base import RuleRegistry
-from autopar.runtime.agreement import Fingerprint, decided_on_rank0, fingerprint, first_disagreement
+from autopar.runtime.agreement import (
+    Fingerprint,
+    choice_on_rank0,
+    decided_on_rank0,
+    fingerprint,
+    first_disagreement,
+)
 from autopar.runtime.call_checks import input_names, positional_names
 from autopar.runtime.call_keys import CallMode
 from autopar.runtime.groups import Groups, parallelize_failures_named
@@ -110,7 +116,7 @@ def compile_module(
             rank=dist.get_rank(),
             planner=opts.planner,
             agree=functools.partial(agree_across_ranks, group=groups.world),
-            agree_choice=functools.partial(decided_on_rank0, group=groups.world),
+            agree_choice=choice_on_rank0(groups.world),
             schedule=opts.schedule,
             hardware=opts.hardware,
             memory_limit=opts.memory_limit,

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from autopar.core.errors import AutoparError
 from autopar.runtime.agreement import ChoiceAgreement
+from autopar.runtime.wire import JsonWire, RefusedPayload, exact_fields, field_of, pairs_of
 
 AUTO_CHUNKS = (1, 2, 4)  # batch chunks per rank that over_decompose="auto" compares
-OVER_DECOMPOSITION = "the over-decomposition's batch chunks"  # what the choice is called between ranks
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,27 @@ class ChunkChoice:
 
     chunks: int
     steps: tuple[tuple[int, float], ...] = ()
+
+
+def _encoded(choice: ChunkChoice) -> dict[str, Any]:
+    return {"chunks": choice.chunks, "steps": [list(step) for step in choice.steps]}
+
+
+def _decoded(data: Any) -> ChunkChoice:
+    """A choice "auto" can make, else `RefusedPayload`: a count of `AUTO_CHUNKS` among the counts
+    modeled, each modeled once."""
+    what = "the over-decomposition's chunk count"
+    fields = exact_fields(data, frozenset({"chunks", "steps"}), what)
+    chunks = field_of(fields, "chunks", int, what)
+    steps = pairs_of(fields, "steps", int, what)
+    counts = [k for k, _ in steps]
+    if not set(counts) <= set(AUTO_CHUNKS) or len(set(counts)) != len(counts) or chunks not in counts:
+        raise RefusedPayload(f"{what}: {chunks} chunks among the modeled counts {counts}, not a choice of {AUTO_CHUNKS}")
+    return ChunkChoice(chunks, steps)
+
+
+# how the choice travels between ranks (`runtime.wire`); its `what` names it in messages
+OVER_DECOMPOSITION = JsonWire("the over-decomposition's batch chunks", _encoded, _decoded)
 
 
 def chunk_candidates(over_decompose: int | str) -> list[int]:

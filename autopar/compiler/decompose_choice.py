@@ -4,7 +4,8 @@ the modeled step, scheduled as the schedule stage would schedule it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch.fx as fx
 
@@ -18,6 +19,7 @@ from autopar.passes.decompose_matmul import decompose_matmuls as decompose_pass
 from autopar.passes.decompose_matmul import find_pairs
 from autopar.passes.schedule import schedule as schedule_pass
 from autopar.runtime.agreement import ChoiceAgreement
+from autopar.runtime.wire import JsonWire, RefusedPayload, exact_fields, field_of, pairs_of, strings_of
 
 
 def check_decompose(mode: object) -> None:
@@ -42,7 +44,40 @@ class DecompositionChoice:
     steps: tuple[tuple[str, float], ...] = ()
 
 
-DECOMPOSITION = "the collective-matmul decomposition"  # what the choice is called between ranks
+_PAIR_FIELDS = frozenset(f.name for f in fields(DecomposedPair))
+_KINDS = ("all_gather", "reduce_scatter")
+_DIMS = ("M", "N", "K")
+
+
+def _encoded(choice: DecompositionChoice) -> dict[str, Any]:
+    return {"records": [asdict(r) for r in choice.records], "steps": [list(step) for step in choice.steps]}
+
+
+def _decoded(data: Any) -> DecompositionChoice:
+    """The pairs and steps of a choice, else `RefusedPayload`: every field of every pair present
+    and of its type, kinds and dims the pass's, piece counts at least 1."""
+    what = "the collective-matmul decomposition"
+    whole = exact_fields(data, frozenset({"records", "steps"}), what)
+    records = []
+    for record in field_of(whole, "records", list, what):
+        pair = exact_fields(record, _PAIR_FIELDS, what)
+        kind, chunks = field_of(pair, "kind", str, what), field_of(pair, "chunks", int, what)
+        matmuls, dims = strings_of(pair, "matmuls", what), strings_of(pair, "dims", what)
+        if kind not in _KINDS or chunks < 1 or len(dims) != len(matmuls) or not set(dims) <= set(_DIMS):
+            raise RefusedPayload(f"{what}: not a pair the pass makes: {record!r}")
+        records.append(
+            DecomposedPair(
+                collective=field_of(pair, "collective", str, what), kind=kind, matmuls=matmuls, dims=dims,
+                where=field_of(pair, "where", str, what), chunks=chunks,
+                before=float(field_of(pair, "before", (int, float), what)),
+                after=float(field_of(pair, "after", (int, float), what)), kept=field_of(pair, "kept", bool, what),
+            )
+        )  # fmt: skip
+    return DecompositionChoice(tuple(records), pairs_of(whole, "steps", str, what))
+
+
+# how the choice travels between ranks (`runtime.wire`); its `what` names it in messages
+DECOMPOSITION = JsonWire("the collective-matmul decomposition", _encoded, _decoded)
 
 
 def decompose_chosen(
