@@ -16,7 +16,8 @@ from pass_fixtures import Coords, compile_every_rank, lockstep_step, two_linear_
 from autopar.api import compile_for_rank, parallelize
 from autopar.compiler import decompose_choice
 from autopar.compiler.decompose_choice import DecompositionChoice
-from autopar.compiler.driver import scheduled_step_time, trace_for
+from autopar.compiler.driver import trace_for
+from autopar.compiler.lowering import scheduled_step_time
 from autopar.core.collectives import (
     COLLECTIVES,
     DECOMPOSED_KEY,

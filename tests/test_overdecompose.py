@@ -174,9 +174,9 @@ def test_auto_decides_once_for_every_rank(monkeypatch: pytest.MonkeyPatch) -> No
     are lowered, scheduled and modeled for the first rank only, and every rank runs the count it
     chose, with the same modeled steps reported."""
     trials: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    step_times = driver._chunk_step_times
+    step_times = driver.chunk_step_times
     monkeypatch.setattr(
-        driver, "_chunk_step_times", lambda *a: trials.append((a[4], tuple(a[5]))) or step_times(*a)
+        driver, "chunk_step_times", lambda *a: trials.append((a[4], tuple(a[5]))) or step_times(*a)
     )
     model, inputs = model_case("mlp")
     compiled = compile_every_rank(model, (2, 2), inputs, over_decompose="auto")
@@ -191,7 +191,7 @@ def test_auto_decides_once_for_every_rank(monkeypatch: pytest.MonkeyPatch) -> No
 def test_every_rank_runs_the_agreed_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """A count chosen elsewhere (two chunks, as if rank 0 had modeled them fastest) is run by every
     rank of a (2, 2) mesh without trials of its own, and the programs equal serial."""
-    monkeypatch.setattr(driver, "_chunk_step_times", lambda *a: pytest.fail("a rank ran the trials itself"))
+    monkeypatch.setattr(driver, "chunk_step_times", lambda *a: pytest.fail("a rank ran the trials itself"))
     agreed = ChunkChoice(2, ((1, 2.0), (2, 1.0)))
     model, inputs = model_case("mlp")
     compiled = compile_every_rank(
