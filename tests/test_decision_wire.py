@@ -1,7 +1,8 @@
 """Decisions cross between ranks as data (`autopar.runtime.wire`): the chunk count and the
 collective-matmul decomposition as JSON read by validating decoders, a plan pickled and read by an
 allow-listed unpickler that names only autopar's data types; a payload naming anything else is
-refused before it is called, on a real 2-rank gloo job too (`decided_on_rank0`)."""
+refused before it is called, on a real 2-rank gloo job too (`decided_on_rank0`); what the ranks'
+checks gather is JSON (`all_gathered`)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from autopar.planning.search_cost import TimeCost
 from autopar.rules.registry import default_registry
 from autopar.runtime.agreement import choice_on_rank0, decided_on_rank0
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.wire import RefusedPayload, allowed_loads, broadcast_bytes
+from autopar.runtime.wire import RefusedPayload, all_gathered, allowed_loads, broadcast_bytes
 from examples.models import make_mlp
 
 PAIR = DecomposedPair("all_gather_3", "all_gather", ("mm_1", "mm_2"), ("M", "K"), "h.0.mlp @ model.py:12", 4, 2e-5, 1.5e-5, True)
@@ -150,6 +151,8 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
         decided_on_rank0(lambda: _NotData(), "a decision")
     except AutoparError as exc:
         found["not data"] = f"{type(exc).__name__}: {exc}"
+    gathered = all_gathered([f"rank {rank}", (1.5, float("nan")), None], None, torch.device("cpu"))
+    found["gathered"] = [[g[0], g[2], g[1][0], g[1][1] != g[1][1]] for g in gathered]
     # a rank 0 that sends what no autopar sends: the others refuse it, naming what it named
     if rank == 0:
         broadcast_bytes(pickle.dumps(("value", _Shell())), None, torch.device("cpu"))
@@ -166,6 +169,7 @@ def test_decisions_cross_a_gloo_job_as_data() -> None:
     first, second = run_ranks(2, _job, timeout=120)
     for found in (first, second):
         assert found["plan"] and found["decomposition"], found
+    assert first["gathered"] == second["gathered"] == [["rank 0", None, 1.5, True], ["rank 1", None, 1.5, True]]
     assert first["not data"].startswith("AutoparError: a decision failed on rank 0: RefusedPayload")
     assert second["not data"].startswith(f"{RankFailureError.__name__}: rank 0 failed in a decision")
     assert "test_decision_wire._NotData" in second["not data"]

@@ -26,6 +26,7 @@ from autopar.rules.base import RuleRegistry
 from autopar.runtime.agreement import (
     Fingerprint,
     choice_on_rank0,
+    collective_device,
     decided_on_rank0,
     fingerprint,
     first_disagreement,
@@ -37,6 +38,7 @@ from autopar.runtime.local_batch import GLOBAL, LOCAL
 from autopar.runtime.materialize import InitFn, initialized_blocks, meta_tensor_names
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.program import EmittedProgram
+from autopar.runtime.wire import all_gathered
 
 
 @dataclass(frozen=True)
@@ -209,8 +211,7 @@ def agree_across_ranks(
     waiting in a collective.
     """
     mine = graph_fingerprint(gm)
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = all_gathered(mine, group, collective_device(group))
     differing = [r for r, f in enumerate(everyone) if f != mine]
     if differing:
         raise AutoparError(

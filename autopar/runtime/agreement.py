@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import AutoparError, InternalError, RankFailureError
-from autopar.runtime.wire import JsonWire, RefusedPayload, allowed_loads, broadcast_bytes
+from autopar.runtime.wire import JsonWire, RefusedPayload, all_gathered, allowed_loads, broadcast_bytes
 
 T = TypeVar("T")
 
@@ -204,10 +204,9 @@ def first_disagreement_among_holders(
     slots = [(slot, count) for _, _, slot, count in named]
     if _all_agree(mine, slots, group):
         return None
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (mine, [slot for slot, _ in slots]), group=group)
+    everyone = all_gathered((mine, [slot for slot, _ in slots]), group, collective_device(group))
     for index, (name, _, _, count) in enumerate(named):
-        held = [(rank, prints[index], where[index]) for rank, (prints, where) in enumerate(everyone)]
+        held = [(rank, tuple(prints[index]), where[index]) for rank, (prints, where) in enumerate(everyone)]
         for block in range(count):
             holders = [(rank, value) for rank, value, at in held if at == block]
             for rank, value in holders[1:]:

@@ -171,3 +171,22 @@ def broadcast_bytes(data: bytes | None, group: dist.ProcessGroup | None, device:
         buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(buffer, group=group, group_src=0)
     return data if data is not None else buffer.cpu().numpy().tobytes()
+
+
+def all_gathered(value: Any, group: dist.ProcessGroup | None, device: torch.device) -> list[Any]:
+    """`value` (plain JSON data: strings, numbers, None, lists, dicts with string keys; tuples
+    arrive as lists) of every rank of `group`, in rank order, each read back by `json.loads`: the
+    JSON's lengths, then the JSON padded to the longest, as two tensor all-gathers on `device`.
+    What the ranks' checks compare (fingerprints, a trace's digest, a failure's text) is data, and
+    is never unpickled."""
+    data = json.dumps(value).encode()
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    buffer = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    gathered = [torch.empty_like(buffer) for _ in range(world)]
+    dist.all_gather(gathered, buffer, group=group)
+    return [json.loads(g[:n].cpu().numpy().tobytes()) for g, n in zip(gathered, lengths, strict=True)]
