@@ -70,8 +70,10 @@ def decided_on_rank0(
                 value = wire.loads(payload)
         except Exception as exc:  # every rank must hear about it, whatever it is
             own = exc
-            same_everywhere = isinstance(exc, AutoparError) and not isinstance(exc, InternalError)
-            data = _error_payload(exc if isinstance(exc, AutoparError) and same_everywhere else f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, AutoparError) and not isinstance(exc, InternalError):
+                data = _error_payload(exc)  # raised alike on every rank
+            else:
+                data = _error_payload(f"{type(exc).__name__}: {exc}")
     data = broadcast_bytes(data, group, collective_device(group))
     if own is not None:  # rank 0 raises its own error, with its traceback
         if isinstance(own, AutoparError):
