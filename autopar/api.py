@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from autopar.compiler import driver
+from autopar.compiler import driver, lowering
 from autopar.compiler.auto_mesh import auto_device_mesh, choose_mesh, job_world
 from autopar.compiler.build import ModuleOptions, compile_module
 from autopar.compiler.driver import compile_for_rank, example_tuple
@@ -491,16 +491,16 @@ def save_checkpoint(
     save_dcp(pmodel.state_dict(), Path(path), group)
 
 
-# Names that lived here before the compiler driver had its own package; kept one release.
-_MOVED_TO_DRIVER = ("Compiled", "in_flight_budget", "scheduled_step_time")
+# Names that lived here before the compiler had its own package; kept one release.
+_MOVED = {"Compiled": driver, "in_flight_budget": lowering, "scheduled_step_time": lowering}
 
 
 def __getattr__(name: str) -> object:
-    if name in _MOVED_TO_DRIVER:
+    if name in _MOVED:
         warnings.warn(
-            f"autopar.api.{name} is deprecated: import it from autopar.compiler.driver",
+            f"autopar.api.{name} is deprecated: import it from {_MOVED[name].__name__}",
             DeprecationWarning,
             stacklevel=2,
         )
-        return getattr(driver, name)
+        return getattr(_MOVED[name], name)
     raise AttributeError(f"module 'autopar.api' has no attribute {name!r}")

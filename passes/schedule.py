@@ -85,7 +85,7 @@ def schedule(
     Buffer sizes need the mesh: without `mesh` nothing is bucketed and the cap does not apply.
     With it, collectives are bucketed (`bucket_bytes`, `bucket_count`; 0 turns it off), and a
     collective is not issued early while the output buffers in flight would exceed `in_flight_bytes`
-    (`compile_for_rank` passes what the memory limit leaves after the plan, `api.in_flight_budget`;
+    (`compile_for_rank` passes what the memory limit leaves after the plan, `compiler.lowering.in_flight_budget`;
     `IN_FLIGHT_BYTES` is the default for graphs scheduled on their own).
 
     Gradients on their way to the output (nodes that feed one output only) are never waited for

@@ -76,6 +76,7 @@ from autopar.passes.trace_errors import (
     refuse_rnn_dropout,
     user_frame,
     user_frame_of,
+    without_example,
 )
 from autopar.passes.trace_export import (
     export_model,
@@ -140,6 +141,8 @@ def trace(
             # a batch the model itself rejects (a check torch.export defers to run time, as BART's
             # end-of-sequence count) fails the trace later, somewhere else: the model's own error
             own = eager_error(model, tuple(example_inputs), example_kwargs or {})
+            if not example_inputs and not example_kwargs:  # called with nothing: say to pass a batch
+                raise without_example(own or failed) from failed
             if own is None:
                 raise
             raise own from failed

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.core.errors import TraceError
+from autopar.core.errors import AutoparError, ModelAssertionError, ModelValueError, TraceError
 
 _TORCH_FRAME = re.compile(r"/(torch|torchvision)/")
 _LIBRARY_FRAME = re.compile(r"/(site-packages|dist-packages)/")  # a library model's own code
@@ -49,6 +49,21 @@ def export_error(model: nn.Module, exc: BaseException) -> TraceError:
             "tensor values, no unsupported Python side effects); see the torch.export docs",
         ),
     )
+
+
+NO_EXAMPLE_HINT = (
+    "no example batch was given (example_inputs=(), example_kwargs=None), so the model was traced on "
+    "a call with no arguments; pass a batch as the model's calls pass it: example_inputs=(x,) for "
+    "positional arguments, example_kwargs={\"input_ids\": ids, ...} for keywords"
+)
+
+
+def without_example(error: TraceError | ModelAssertionError | ModelValueError) -> AutoparError:
+    """`error` (the trace's failure, or the model's own check) where the caller gave no example
+    inputs at all: the same error with the hint to pass some. A model that needs an argument
+    fails on the empty call, and the failure's own hint (the batch, the model's traceability)
+    would send the user looking in the wrong place."""
+    return type(error)(error.message, op=error.op, where=error.where, layouts=error.layouts, hint=NO_EXAMPLE_HINT)
 
 
 def raised_in_user_code(exc: BaseException) -> bool:

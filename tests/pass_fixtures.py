@@ -9,11 +9,12 @@ from __future__ import annotations
 import atexit
 import copy
 import functools
+import pickle
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
@@ -21,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.api import compile_for_rank
-from autopar.compiler.decompose_choice import DecompositionChoice
 from autopar.compiler.driver import Compiled, trace_for
 from autopar.core.collectives import COLLECTIVES
 from autopar.core.layout import Layout, P, R
@@ -39,6 +39,7 @@ from autopar.rules import routed_experts
 from autopar.rules.registry import default_registry
 from autopar.rules.routed_experts import ROUTED_OPS
 from autopar.runtime.program import EmittedProgram, local_value
+from autopar.runtime.wire import JsonWire, allowed_loads
 from autopar.testing import all_coords, assemble
 from autopar.testing.threads import run_threads
 from examples.models import GPT, GPTConfig, make_gpt, make_mlp
@@ -48,6 +49,8 @@ c10d = torch.ops._c10d_functional
 
 # The two-linear MLP of the insert_comm tests: T tokens, hidden H, width 4H, no biases.
 T, H = 64, 64
+
+_Choice = TypeVar("_Choice")  # a choice compile_every_rank makes once for every rank
 
 
 class TwoLinear(nn.Module):
@@ -527,19 +530,19 @@ def compile_every_rank(
     x, y, z), all with the plan and the collective-matmul decomposition chosen for the first (as
     `parallelize` makes rank 0's choices everyone's)."""
     chosen: list[Plan] = []
-    decomposition: list[DecompositionChoice] = []
+    choices: dict[str, Any] = {}
 
     def plan_once(gm: fx.GraphModule, make_plan: Callable[[], Plan]) -> Plan:
-        if not chosen:
-            chosen.append(make_plan())
+        if not chosen:  # as the other ranks of a job read it: pickled, through the allow-list
+            chosen.append(allowed_loads(pickle.dumps(make_plan())))
         return chosen[0]
 
-    def decompose_once(decide: Callable[[], DecompositionChoice]) -> DecompositionChoice:
-        if not decomposition:
-            decomposition.append(decide())
-        return decomposition[0]
+    def choose_once(decide: Callable[[], _Choice], wire: JsonWire[_Choice]) -> _Choice:
+        if wire.what not in choices:  # as every rank of a job applies it: through its JSON
+            choices[wire.what] = wire.carried(decide())
+        return choices[wire.what]  # type: ignore[no-any-return]
 
-    decide = options.pop("agree_decomposition", decompose_once)  # a test's own choice, else the first rank's
+    decide = options.pop("agree_choice", choose_once)  # a test's own choice, else the first rank's
     mesh = Mesh.from_shape(shape, names)
     trace_options = {
         k: options[k] for k in ("planner", "split_fused", "forward_only", "token_dispatch") if k in options
@@ -555,7 +558,7 @@ def compile_every_rank(
             example_kwargs=kwargs,
             coords=c,
             agree=plan_once,
-            agree_decomposition=decide,
+            agree_choice=decide,
             traced=traced,
             **options,
         )

@@ -33,6 +33,7 @@ from autopar.core.errors import (
     MemoryLimitError,
     MeshError,
     MissingRuleError,
+    ModelValueError,
     ShardingError,
     TraceError,
     UnknownHardwareError,
@@ -40,6 +41,7 @@ from autopar.core.errors import (
 )
 from autopar.core.mesh import Mesh
 from autopar.passes.trace import DATA_DEPENDENT_HINT
+from autopar.passes.trace_errors import NO_EXAMPLE_HINT
 from autopar.passes.value_guards import WEIGHT_GUARD_HINT
 from examples import torch_models
 from examples.models import make_mlp
@@ -128,6 +130,7 @@ IN_PROCESS: list[tuple[str, Callable[[], Any], type, str]] = [
     ("hardware-unknown", lambda: autopar.plan(MLP, (2,), BATCH, planning=autopar.PlanOptions(hardware="nope")), UnknownHardwareError, "'nope'"),
     ("hardware-path", lambda: autopar.plan(MLP, (2,), BATCH, planning=autopar.PlanOptions(hardware="/no/such.json")), UnknownHardwareError, "/no/such.json"),
     ("inputs-none", lambda: _compile(inputs=None), UsageError, "example_inputs must be a tuple"),
+    ("inputs-none-given", lambda: _compile(inputs=()), TraceError, "missing a required argument: 'x'"),
     ("inputs-a-tensor", lambda: _compile(inputs=BATCH[0]), UsageError, "got Tensor"),
     ("kwargs-a-list", lambda: autopar.plan(MLP, (2,), BATCH, example_kwargs=[1]), UsageError, "example_kwargs must be a dict"),
     ("model-a-function", lambda: _compile(model=lambda x, y: x), UsageError, "model must be an nn.Module, got function"),
@@ -169,7 +172,11 @@ def _grad_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return x.requires_grad_(), y
 
 
-HINTS = {"control-flow-on-a-value": WEIGHT_GUARD_HINT, "data-dependent-size": DATA_DEPENDENT_HINT}
+HINTS = {
+    "control-flow-on-a-value": WEIGHT_GUARD_HINT,
+    "data-dependent-size": DATA_DEPENDENT_HINT,
+    "inputs-none-given": NO_EXAMPLE_HINT,
+}
 
 
 @pytest.mark.parametrize(("call", "error", "text"), [row[1:] for row in IN_PROCESS], ids=[row[0] for row in IN_PROCESS])
@@ -243,6 +250,16 @@ def _optimizer_slip(model: nn.Module, pmodel: nn.Module, batch: tuple[torch.Tens
     opt.step()
 
 
+def _tiny_bert() -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
 def _parallelize_rows(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     """Every row that needs a process group, in one single-rank job: row -> (error type, text)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -260,6 +277,8 @@ def _parallelize_rows(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "timeout-zero": lambda: autopar.parallelize(model, mesh, example_inputs=(x, y), timeout=0),
         "inputs-mode-unknown": lambda: autopar.parallelize(model, mesh, example_inputs=(x, y), inputs="sharded"),
         "compile-not-a-bool": lambda: autopar.parallelize(model, mesh, example_inputs=(x, y), compile="inductor"),  # type: ignore[arg-type]
+        # no batch at all: transformers' BERT raises its own ValueError on the empty call
+        "no-example-inputs-bert": lambda: autopar.parallelize(_tiny_bert(), mesh),
     }
     pmodel = autopar.parallelize(model, mesh, example_inputs=(x, y))
     bad_y = y.clone()
@@ -313,6 +332,7 @@ WITH_PROCESS_GROUP = {
     "timeout-zero": (UsageError, "timeout must be a positive number of seconds, got 0"),
     "inputs-mode-unknown": (UsageError, "inputs must be one of 'global', 'local', got 'sharded'"),
     "compile-not-a-bool": (UsageError, "compile must be True or False, got 'inductor'"),
+    "no-example-inputs-bert": (ModelValueError, "hint: " + NO_EXAMPLE_HINT),
     "call-target-out-of-range": (IndexOutOfRangeError, "y holds 99"),
     "call-negative-target": (IndexOutOfRangeError, "y holds -"),
     "call-keyword-unknown": (TraceError, "labels"),

@@ -16,7 +16,8 @@ from pass_fixtures import Coords, compile_every_rank, lockstep_step, two_linear_
 from autopar.api import compile_for_rank, parallelize
 from autopar.compiler import decompose_choice
 from autopar.compiler.decompose_choice import DecompositionChoice
-from autopar.compiler.driver import scheduled_step_time, trace_for
+from autopar.compiler.driver import trace_for
+from autopar.compiler.lowering import scheduled_step_time
 from autopar.core.collectives import (
     COLLECTIVES,
     DECOMPOSED_KEY,
@@ -391,7 +392,7 @@ def test_every_rank_applies_the_agreed_pairs() -> None:
     _, _, records = _agreed_by_on()
     choice = DecompositionChoice(records)
     losses_s, losses_p, grad_diff, param_diff, compiled = _train_in_lockstep(
-        lambda: make_gpt(0, n_layer=1), (2, 2), steps=1, hardware=HW, agree_decomposition=lambda decide: choice
+        lambda: make_gpt(0, n_layer=1), (2, 2), steps=1, hardware=HW, agree_choice=lambda decide, wire: choice
     )
     pieces = {c: [(n.name, n.target) for n in _pieces(comp.graph)] for c, comp in compiled.items()}  # type: ignore[attr-defined]
     assert pieces[(0, 0)] and all(p == pieces[(0, 0)] for p in pieces.values()), pieces
@@ -406,5 +407,5 @@ def test_a_rank_that_cannot_cut_the_agreed_pieces_is_refused() -> None:
     kept = records[0]
     choice = DecompositionChoice((replace(kept, chunks=kept.chunks + 1), *records[1:]))
     with pytest.raises(AutoparError, match=f"{kept.collective}.*cannot be cut") as err:
-        compile_every_rank(model, (2, 2), batch, hardware=HW, agree_decomposition=lambda decide: choice)
+        compile_every_rank(model, (2, 2), batch, hardware=HW, agree_choice=lambda decide, wire: choice)
     assert kept.where in str(err.value) and 'decompose_matmuls="off"' in str(err.value)

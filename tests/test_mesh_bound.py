@@ -15,7 +15,7 @@ from pass_fixtures import gpt_meta_graph
 
 import autopar.planning.mesh_screen as mesh_screen
 from autopar.compiler.auto_mesh import trace_for_choice
-from autopar.compiler.driver import scheduled_step_time
+from autopar.compiler.lowering import scheduled_step_time
 from autopar.core.errors import MemoryLimitError
 from autopar.core.mesh import Mesh
 from autopar.planning.mesh_bound import Bounds

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.compiler.auto_mesh import choose_mesh
-from autopar.compiler.driver import prefer_scheduled, scheduled_step_time
+from autopar.compiler.lowering import prefer_scheduled, scheduled_step_time
 from autopar.passes.trace import trace
 from autopar.planning.fixed import SCHEMES, plan_fixed
 from autopar.planning.mesh_choice import OVERLAP_CANDIDATES, MeshChoice, mesh_candidates

@@ -7,9 +7,11 @@ import functools
 import pytest
 import torch
 import torch.fx as fx
-from pass_fixtures import all_coords, model_case, run_programs
+from pass_fixtures import all_coords, compile_every_rank, model_case, run_programs
 
 from autopar.api import compile_for_rank
+from autopar.compiler import driver
+from autopar.compiler.chunk_choice import OVER_DECOMPOSITION, ChunkChoice
 from autopar.compiler.driver import Compiled
 from autopar.core.collectives import COLLECTIVES
 from autopar.core.errors import AutoparError
@@ -165,3 +167,47 @@ def test_auto_keeps_the_fastest_modeled_step() -> None:
     assert compiled.chunks == 2 and times[2] < times[1]
     assert compiled.timelines is not None
     assert compiled.timelines[1].step_time == pytest.approx(times[2], rel=1e-9)
+
+
+def test_auto_decides_once_for_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" chooses the chunk count once per program, not per rank: on a (2, 2) mesh the counts
+    are lowered, scheduled and modeled for the first rank only, and every rank runs the count it
+    chose, with the same modeled steps reported."""
+    trials: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    step_times = driver.chunk_step_times
+    monkeypatch.setattr(
+        driver, "chunk_step_times", lambda *a: trials.append((a[4], tuple(a[5]))) or step_times(*a)
+    )
+    model, inputs = model_case("mlp")
+    compiled = compile_every_rank(model, (2, 2), inputs, over_decompose="auto")
+    compared = [(coords, counts) for coords, counts in trials if len(counts) > 1]
+    assert compared == [((0, 0), (1, 2, 4))], trials
+    first = compiled[(0, 0)]
+    assert first.chunk_step_times is not None and set(first.chunk_step_times) == {1, 2}  # 4 do not fit the batch
+    for comp in compiled.values():
+        assert (comp.chunks, comp.chunk_step_times) == (first.chunks, first.chunk_step_times)
+
+
+def test_every_rank_runs_the_agreed_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A count chosen elsewhere (two chunks, as if rank 0 had modeled them fastest) is run by every
+    rank of a (2, 2) mesh without trials of its own, and the programs equal serial."""
+    monkeypatch.setattr(driver, "chunk_step_times", lambda *a: pytest.fail("a rank ran the trials itself"))
+    agreed = ChunkChoice(2, ((1, 2.0), (2, 1.0)))
+    model, inputs = model_case("mlp")
+    compiled = compile_every_rank(
+        model, (2, 2), inputs, over_decompose="auto",
+        agree_choice=lambda decide, wire: agreed if wire is OVER_DECOMPOSITION else decide(),
+    )  # fmt: skip
+    assert all(c.chunks == 2 and c.chunk_step_times == {1: 2.0, 2: 1.0} for c in compiled.values())
+    fwd, bwd = run_programs({c: comp.program for c, comp in compiled.items()}, model, inputs, (2, 2))
+    model.zero_grad()
+    serial = model(*inputs)
+    serial.backward()
+    assert all(float(out[0]) == pytest.approx(float(serial.detach()), rel=1e-6) for out in fwd.values())
+    first = compiled[(0, 0)].program
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for i, (name, layout) in enumerate(zip(first.param_names, first.param_layouts)):
+        want = first.param_value(name, grads)
+        assert want is not None
+        got = assemble({c: bwd[c][i] for c in compiled}, layout, (2, 2))
+        assert float((got - want).abs().max()) <= 1e-5 * (float(want.abs().max()) + 1e-4), name

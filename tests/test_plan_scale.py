@@ -27,7 +27,7 @@ import torch
 import autopar
 import autopar.compiler.driver as driver
 import autopar.planning.search_problem as search_problem
-from autopar.compiler.driver import scheduled_step_time
+from autopar.compiler.lowering import scheduled_step_time
 from autopar.core.layout import Layout, P, R, Shard
 from autopar.core.mesh import Mesh
 from autopar.core.redistribute import redistribute_cost

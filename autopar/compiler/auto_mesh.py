@@ -14,7 +14,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autopar.compiler.driver import compile_conditions, scheduled_step_time
+from autopar.compiler.driver import compile_conditions
+from autopar.compiler.lowering import scheduled_step_time
 from autopar.core.errors import MeshError
 from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.passes import fused

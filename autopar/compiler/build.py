@@ -23,7 +23,14 @@ from autopar.core.meta import OutputStructure, signature
 from autopar.core.plan import Plan
 from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.rules.base import RuleRegistry
-from autopar.runtime.agreement import Fingerprint, decided_on_rank0, fingerprint, first_disagreement
+from autopar.runtime.agreement import (
+    Fingerprint,
+    choice_on_rank0,
+    collective_device,
+    decided_on_rank0,
+    fingerprint,
+    first_disagreement,
+)
 from autopar.runtime.call_checks import input_names, positional_names
 from autopar.runtime.call_keys import CallMode
 from autopar.runtime.groups import Groups, parallelize_failures_named
@@ -31,6 +38,7 @@ from autopar.runtime.local_batch import GLOBAL, LOCAL
 from autopar.runtime.materialize import InitFn, initialized_blocks, meta_tensor_names
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.program import EmittedProgram
+from autopar.runtime.wire import all_gathered
 
 
 @dataclass(frozen=True)
@@ -110,9 +118,7 @@ def compile_module(
             rank=dist.get_rank(),
             planner=opts.planner,
             agree=functools.partial(agree_across_ranks, group=groups.world),
-            agree_decomposition=functools.partial(
-                decided_on_rank0, what="the collective-matmul decomposition", group=groups.world
-            ),
+            agree_choice=choice_on_rank0(groups.world),
             schedule=opts.schedule,
             hardware=opts.hardware,
             memory_limit=opts.memory_limit,
@@ -205,8 +211,7 @@ def agree_across_ranks(
     waiting in a collective.
     """
     mine = graph_fingerprint(gm)
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = all_gathered(mine, group, collective_device(group))
     differing = [r for r, f in enumerate(everyone) if f != mine]
     if differing:
         raise AutoparError(

@@ -4,8 +4,8 @@ the modeled step, scheduled as the schedule stage would schedule it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch.fx as fx
 
@@ -18,6 +18,8 @@ from autopar.passes.decompose_matmul import MODES as DECOMPOSE_MODES
 from autopar.passes.decompose_matmul import decompose_matmuls as decompose_pass
 from autopar.passes.decompose_matmul import find_pairs
 from autopar.passes.schedule import schedule as schedule_pass
+from autopar.runtime.agreement import ChoiceAgreement
+from autopar.runtime.wire import JsonWire, RefusedPayload, exact_fields, field_of, pairs_of, strings_of
 
 
 def check_decompose(mode: object) -> None:
@@ -42,10 +44,40 @@ class DecompositionChoice:
     steps: tuple[tuple[str, float], ...] = ()
 
 
-# how ranks settle on one choice: given the function that decides (at this rank), the choice every
-# rank applies (parallelize: rank 0 decides and broadcasts; an in-process run of every rank: the
-# first rank compiled decides)
-DecompositionAgreement = Callable[[Callable[[], DecompositionChoice]], DecompositionChoice]
+_PAIR_FIELDS = frozenset(f.name for f in fields(DecomposedPair))
+_KINDS = ("all_gather", "reduce_scatter")
+_DIMS = ("M", "N", "K")
+
+
+def _encoded(choice: DecompositionChoice) -> dict[str, Any]:
+    return {"records": [asdict(r) for r in choice.records], "steps": [list(step) for step in choice.steps]}
+
+
+def _decoded(data: Any) -> DecompositionChoice:
+    """The pairs and steps of a choice, else `RefusedPayload`: every field of every pair present
+    and of its type, kinds and dims the pass's, piece counts at least 1."""
+    what = "the collective-matmul decomposition"
+    whole = exact_fields(data, frozenset({"records", "steps"}), what)
+    records = []
+    for record in field_of(whole, "records", list, what):
+        pair = exact_fields(record, _PAIR_FIELDS, what)
+        kind, chunks = field_of(pair, "kind", str, what), field_of(pair, "chunks", int, what)
+        matmuls, dims = strings_of(pair, "matmuls", what), strings_of(pair, "dims", what)
+        if kind not in _KINDS or chunks < 1 or len(dims) != len(matmuls) or not set(dims) <= set(_DIMS):
+            raise RefusedPayload(f"{what}: not a pair the pass makes: {record!r}")
+        records.append(
+            DecomposedPair(
+                collective=field_of(pair, "collective", str, what), kind=kind, matmuls=matmuls, dims=dims,
+                where=field_of(pair, "where", str, what), chunks=chunks,
+                before=float(field_of(pair, "before", (int, float), what)),
+                after=float(field_of(pair, "after", (int, float), what)), kept=field_of(pair, "kept", bool, what),
+            )
+        )  # fmt: skip
+    return DecompositionChoice(tuple(records), pairs_of(whole, "steps", str, what))
+
+
+# how the choice travels between ranks (`runtime.wire`); its `what` names it in messages
+DECOMPOSITION = JsonWire("the collective-matmul decomposition", _encoded, _decoded)
 
 
 def decompose_chosen(
@@ -57,7 +89,7 @@ def decompose_chosen(
     schedule: bool,
     in_flight_bytes: int,
     every_pair: bool = True,
-    agree: DecompositionAgreement | None = None,
+    agree: ChoiceAgreement | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     """The decomposition pass on the lowered graph; returns the graph and, where "auto" scheduled
     the graph it chose to decide so, that scheduled copy (the schedule stage's result).
@@ -79,7 +111,7 @@ def decompose_chosen(
         steps = chosen.meta.get(DECOMPOSED_STEPS_KEY, {})
         return DecompositionChoice(tuple(chosen.meta.get(DECOMPOSED_KEY, ())), tuple(steps.items()))
 
-    choice = agree(decide) if agree is not None else decide()
+    choice = agree(decide, DECOMPOSITION) if agree is not None else decide()
     if decided:  # this rank decided: its graph (and scheduled copy) is the choice applied
         return decided[0]
     return _applied(gm, work, coords, table, choice), None

@@ -3,8 +3,9 @@
 
 It is the one place that knows the order of the stages and hands each its inputs: the plan choice
 (`autopar.planning`) picks a `Plan`, the driver gives it to propagate, and the stages then talk only
-through node metadata. It also lowers and schedules a plan on a copy of the graph to price it with
-overlap (`scheduled_step_time`), which the mesh choice ranks candidates by.
+through node metadata. Lowering a plan (propagate, insert_comm, per batch chunk) and pricing it
+lowered and scheduled on a copy of the graph (`scheduled_step_time`, which the mesh choice ranks
+candidates by) are `autopar.compiler.lowering`'s.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ import hashlib
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.compiler.decompose_choice import DecompositionAgreement, check_decompose, decompose_chosen
+from autopar.compiler.chunk_choice import chosen_chunks, chunk_candidates
+from autopar.compiler.decompose_choice import check_decompose, decompose_chosen
+from autopar.compiler.lowering import chunk_step_times, in_flight_budget, lower, prefer_scheduled
 from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
 from autopar.core.errors import AutoparError, InternalError, UsageError
 from autopar.core.graph_copy import graph_copy
@@ -32,22 +35,13 @@ from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, set_activation_copies, set_gradient_copies, where_of
 from autopar.core.plan import Plan
 from autopar.core.precision import AutocastState, MixedPrecision, autocast_off
-from autopar.cost.formulas import MeshCost
-from autopar.cost.hardware import load_hardware
 from autopar.cost.timeline import Timeline, default_hardware, simulate
 from autopar.passes import fused
-from autopar.passes.chunks import merge_chunks
 from autopar.passes.emit import emit
-from autopar.passes.insert_comm import insert_comm
-from autopar.passes.propagate import propagate
-from autopar.passes.recompute import RECOMPUTE_KEY, recompute
-from autopar.passes.regather import regather
-from autopar.passes.schedule import IN_FLIGHT_BYTES
+from autopar.passes.recompute import RECOMPUTE_KEY
 from autopar.passes.schedule import schedule as schedule_pass
 from autopar.passes.trace import trace
 from autopar.planning.greedy import choose_layouts
-from autopar.planning.memory import MEMORY_HEADROOM, plan_memory
-from autopar.planning.overdecompose import OverDecompositionError, chunk_plan
 from autopar.planning.recompute import has_checkpoint_regions
 from autopar.planning.search import SearchPlan, fit_memory, search_layouts
 from autopar.planning.search_cost import ElementCost, TimeCost
@@ -59,9 +53,8 @@ from autopar.rules.base import RuleRegistry
 from autopar.rules.context_parallel import CP_AXIS, FORWARD, context_parallel_registry
 from autopar.rules.registry import default_registry
 from autopar.rules.routed_experts import ROUTED_OPS, require_dispatcher
+from autopar.runtime.agreement import ChoiceAgreement
 from autopar.runtime.program import EmittedProgram
-
-AUTO_CHUNKS = (1, 2, 4)  # batch chunks per rank that over_decompose="auto" compares
 
 
 @dataclass
@@ -173,7 +166,7 @@ def compile_for_rank(
     rank: int = 0,
     planner: str = "search",
     agree: Callable[[fx.GraphModule, Callable[[], Plan]], Plan] | None = None,
-    agree_decomposition: DecompositionAgreement | None = None,
+    agree_choice: ChoiceAgreement | None = None,
     hardware: str | None = None,
     table: str | None = None,
     schedule: bool = True,
@@ -212,7 +205,8 @@ def compile_for_rank(
     the greedy planner (only when given) keeps its layouts and gathers weights again in backward;
     `MemoryLimitError` is raised if no plan fits. `over_decompose=k` runs each rank's batch as k
     chunks one after another so that one chunk's collectives overlap the next one's compute
-    (`autopar.planning.overdecompose`); "auto" tries 1, 2 and 4 and keeps the fastest modeled step.
+    (`autopar.planning.overdecompose`); "auto" tries 1, 2 and 4 and keeps the fastest modeled step,
+    decided once per program (`agree_choice`).
     `split_fused=True` cuts fused linears split into equal pieces (GPT's qkv) into one linear per
     piece, so each can be split by heads (`autopar.passes.fused`); default: with the search planner.
     `in_flight_bytes` caps the output buffers of collectives issued and not yet waited on (how far
@@ -221,8 +215,8 @@ def compile_for_rank(
     stores the weights (`search_layouts`, `PlanOptions.storage`). `decompose_matmuls` ("auto",
     "on" or "off"): which all-gather -> matmul and matmul -> reduce-scatter pairs are cut into
     pieces that overlap each other (`autopar.passes.decompose_matmul`); "auto": where the modeled
-    step is shorter, decided once per program: `agree_decomposition` settles it across ranks as `agree`
-    the plan (None: this rank decides). `token_dispatch` ("allgather", "alltoall" or "auto"): how MoE layers' tokens
+    step is shorter, decided once per program. `agree_choice` settles such choices across ranks as
+    `agree` the plan (`ChoiceAgreement`; None: this rank decides). `token_dispatch` ("allgather", "alltoall" or "auto"): how MoE layers' tokens
     reach their experts (`autopar.rules.routed_experts`): "allgather" traces transformers' experts
     as their ops (the all-gather dispatcher, or splits inside the experts); the others trace each
     experts module as one op, "alltoall" requiring the all-to-all dispatcher wherever the experts
@@ -237,7 +231,7 @@ def compile_for_rank(
     check_options(model, mesh, coords, memory_limit, in_flight_bytes)
     check_decompose(decompose_matmuls)
     registry = require_dispatcher(registry if registry is not None else default_registry(), token_dispatch)
-    candidates = _chunk_candidates(over_decompose)
+    candidates = chunk_candidates(over_decompose)
     path = dump_dir_from(dump_dir, rank)
     if traced is None:
         gm = trace_for(
@@ -277,19 +271,19 @@ def compile_for_rank(
     table = default_hardware(mesh, hardware if hardware is not None else table)
     if in_flight_bytes is None:
         in_flight_bytes = in_flight_budget(gm, plan, mesh, table, memory_limit)
-    step_times: dict[int, float] | None = None
-    if len(candidates) > 1:  # over_decompose="auto": lower, schedule and model every choice
-        with stage("over-decomposition"):
-            step_times = _chunk_step_times(
-                gm, plan, mesh, registry, base, candidates, table, schedule, in_flight_bytes, decompose_matmuls
-            )
-        chunks = min(step_times, key=lambda k: (step_times[k], k))  # type: ignore[index]
-    else:
-        chunks = candidates[0]
+    with stage("over-decomposition"):  # "auto": every count lowered, scheduled and modeled, once per program
+        chunking = chosen_chunks(
+            candidates,
+            lambda counts: chunk_step_times(
+                gm, plan, mesh, registry, base, counts, table, schedule, in_flight_bytes, decompose_matmuls
+            ),
+            agree_choice,
+        )
+    chunks = chunking.chunks
     with stage("propagate / insert_comm"):
-        gm, work = _lower(gm, plan, mesh, registry, base, chunks, path)
+        gm, work = lower(gm, plan, mesh, registry, base, chunks, path)
     with stage("decompose matmuls"):
-        gm, prescheduled = decompose_chosen(gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes, agree=agree_decomposition)
+        gm, prescheduled = decompose_chosen(gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes, agree=agree_choice)
     write_stage(path, "3_insert_comm", gm, work)
     modeled_on = table if hardware is not None or path is not None else None
     # modeled before the schedule stage, which reorders the graph in place
@@ -332,7 +326,7 @@ def compile_for_rank(
     if unscheduled is not None and modeled_on is not None:
         timelines = (unscheduled, simulate(gm, work, modeled_on))
         write_timeline(path, timelines, rank)
-    return Compiled(gm, program, report, timelines, work, chunks, step_times)
+    return Compiled(gm, program, report, timelines, work, chunks, dict(chunking.steps) if chunking.steps else None)
 
 
 def check_options(
@@ -429,17 +423,6 @@ def structure_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _chunk_candidates(over_decompose: int | str) -> list[int]:
-    if over_decompose == "auto":
-        return list(AUTO_CHUNKS)
-    if isinstance(over_decompose, int) and not isinstance(over_decompose, bool) and over_decompose >= 1:
-        return [over_decompose]
-    raise AutoparError(
-        f"over_decompose={over_decompose!r}",
-        hint='give the number of batch chunks per rank (1: off) or "auto" to let the cost model choose',
-    )
-
-
 def trace_for(
     model: nn.Module,
     mesh: Mesh,
@@ -465,129 +448,6 @@ def trace_for(
             mixed_precision=mixed_precision,
             routed_experts=token_dispatch != "allgather" and mesh.size > 1,
         )
-
-
-def _lower(
-    gm: fx.GraphModule,
-    plan: Plan,
-    mesh: Mesh,
-    registry: RuleRegistry,
-    coords: tuple[int, ...],
-    chunks: int,
-    path: Any = None,
-) -> tuple[fx.GraphModule, Mesh]:
-    """propagate and insert_comm (with the search's regathers); chunked: once per chunk, then
-    merged. Returns the graph and the mesh its layouts are on (with the chunk axis if chunked)."""
-    work, chosen = mesh, plan
-    if chunks > 1:
-        work, chosen = mesh.with_chunks(chunks), chunk_plan(gm, plan, mesh, registry, chunks)
-    gm = propagate(gm, chosen, work.shape)
-    write_stage(path, "2_propagate", gm, work)
-    copies = [gm] + [graph_copy(gm) for _ in range(chunks - 1)]
-    for c, one in enumerate(copies):
-        insert_comm(one, work, (*coords, c) if chunks > 1 else coords)
-        if isinstance(plan, SearchPlan):
-            recompute(one, plan.recompute)  # first: regather then serves the copies' weights too
-            regather(one, plan.regather)
-    return (merge_chunks(copies, work) if chunks > 1 else gm), work
-
-
-def scheduled_step_time(
-    gm: fx.GraphModule,
-    plan: Plan,
-    mesh: Mesh,
-    registry: RuleRegistry,
-    hardware: str,
-    memory_limit: float | None = None,
-    decompose_matmuls: str = "off",
-) -> float:
-    """Modeled step time of `plan` with overlap: lowered on a copy of `gm` for the rank at
-    coordinates 0, its collective matmuls decomposed where `decompose_matmuls` says, scheduled and
-    simulated on `hardware` as `compile_for_rank` runs it (the mesh choice ranks its best
-    candidates by this). "off" by default: pricing the decomposition ("auto") costs the mesh
-    choice 2-2.5 s more per candidate at GPT-2 small's 12 layers and changed no benchmark's choice
-    (docs/scheduling.md, "In the mesh choice")."""
-    plan = unify_part_storage(gm, plan, mesh.shape)
-    cap = in_flight_budget(gm, plan, mesh, hardware, memory_limit)
-    coords = (0,) * mesh.ndim
-    return _chunk_step_times(gm, plan, mesh, registry, coords, [1], hardware, True, cap, decompose_matmuls, False)[1]
-
-
-def prefer_scheduled(
-    gm: fx.GraphModule,
-    plan: SearchPlan,
-    mesh: Mesh,
-    registry: RuleRegistry,
-    hardware: str,
-    memory_limit: float | None = None,
-) -> SearchPlan:
-    """The searched plan or the search's cheapest start (`SearchPlan.start`), whichever models
-    faster lowered and scheduled on `hardware`: the search's objective prices every edge as its
-    own collective, and bucketing can make a start's many small parameter collectives a few (on
-    `cpu-gloo`, where a collective's own time on its rank is ~1 ms, FSDP's pattern on one axis
-    beats the plan the chain moves found from it). Only on tables whose links give a collective
-    such a time (`MeshCost.counts_calls`): elsewhere a collective's count weighs little against its bytes,
-    and the two extra lowerings would cost a large model's compile seconds for nothing."""
-    if plan.start is None or not MeshCost.build(load_hardware(hardware), mesh.shape).counts_calls:
-        return plan
-    searched = scheduled_step_time(gm, plan, mesh, registry, hardware, memory_limit)
-    start = scheduled_step_time(gm, plan.start, mesh, registry, hardware, memory_limit)
-    if start >= searched:
-        return plan
-    why = f"; kept its start, {start * 1e3:.4g} ms scheduled against {searched * 1e3:.4g} ms"
-    return replace(plan.start, notes={**plan.start.notes, "__search__": plan.notes.get("__search__", "") + why})
-
-
-def in_flight_budget(
-    gm: fx.GraphModule, plan: Plan, mesh: Mesh, hardware: str, memory_limit: float | None = None
-) -> int:
-    """The schedule's default cap on collective buffers in flight, bytes per rank: what the memory
-    limit (`memory_limit`, else `MEMORY_HEADROOM` of the table's device memory) leaves after the
-    plan's modeled memory (stored parameters, gradients, AdamW states, saved activations; the
-    search's own figure where it has one). Prefetching may use the headroom, never more; 0 when
-    there is none (one collective in flight at a time). `IN_FLIGHT_BYTES` without a limit (a table
-    without device memory, or `memory_limit=math.inf`)."""
-    hw = load_hardware(hardware)
-    limit = memory_limit if memory_limit is not None else MEMORY_HEADROOM * hw.rank_memory(math.prod(mesh.shape[: mesh.device_ndim]))
-    if limit <= 0 or not math.isfinite(limit):
-        return IN_FLIGHT_BYTES
-    memory = plan.memory if isinstance(plan, SearchPlan) else None
-    if memory is None:
-        memory = plan_memory(gm, plan, mesh.shape).breakdown()
-    return max(0, int(limit - memory.total))
-
-
-def _chunk_step_times(
-    gm: fx.GraphModule,
-    plan: Plan,
-    mesh: Mesh,
-    registry: RuleRegistry,
-    coords: tuple[int, ...],
-    candidates: Sequence[int],
-    table: str,
-    schedule: bool,
-    in_flight_bytes: int,
-    decompose_matmuls: str = "off",
-    every_pair: bool = True,
-) -> dict[int, float]:
-    """Modeled step time of each chunk count that fits, lowered (on a copy of `gm`), its
-    collective matmuls decomposed as `decompose_matmuls` says (batch chunks: never) and scheduled
-    like the real one."""
-    times: dict[int, float] = {}
-    for k in candidates:
-        try:
-            lowered, work = _lower(graph_copy(gm), plan, mesh, registry, coords, k)
-        except OverDecompositionError:
-            continue
-        lowered, prescheduled = decompose_chosen(
-            lowered, work, coords, table, decompose_matmuls, schedule, in_flight_bytes, every_pair
-        )
-        if prescheduled is not None:
-            lowered = prescheduled
-        elif schedule:
-            lowered = schedule_pass(lowered, work, hardware=table, in_flight_bytes=in_flight_bytes)
-        times[k] = simulate(lowered, work, table).step_time
-    return times
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:

@@ -295,7 +295,7 @@ class Layout:
 
     def __reduce__(self) -> tuple[type, tuple[tuple[Placement, ...], tuple[int, ...], torch.dtype]]:
         # Rebuild from the fields: the cached hash is per process (string hashing is salted), and
-        # plans travel between ranks pickled (broadcast_object_list under torchrun).
+        # plans travel between ranks pickled (runtime.wire, read by its allow-listed unpickler).
         return (Layout, (self.placements, self.shape, self.dtype))
 
     def __eq__(self, other: object) -> bool:

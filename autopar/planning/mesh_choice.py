@@ -352,7 +352,7 @@ def _scheduled(
     """The candidates with `scheduled_time` set on those worth modeling with overlap (module doc).
     On tables that price a collective's own time on its rank (`Link.call`), a searched plan's start
     (`SearchPlan.start`) is scheduled too, and replaces it in `plans` and in the candidate where it
-    models faster (the choice then compiles it; `compiler.driver.prefer_scheduled` decides alike)."""
+    models faster (the choice then compiles it; `compiler.lowering.prefer_scheduled` decides alike)."""
 
     out = list(evaluated)
     best = math.inf

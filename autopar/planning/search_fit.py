@@ -51,7 +51,7 @@ class SearchPlan(Plan):
     memory: MemoryBreakdown | None = None
     # the cheapest start, fitted, when the chain moves left it: the search's objective prices
     # every edge as its own collective and sees neither buckets nor overlap, so the schedule stage
-    # compares the two (`compiler.driver.prefer_scheduled`, the mesh choice's schedule stage)
+    # compares the two (`compiler.lowering.prefer_scheduled`, the mesh choice's schedule stage)
     start: SearchPlan | None = None
     storage: str = SHARDED  # how the plan stores its weights (`planning.storage`)
 

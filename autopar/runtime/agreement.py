@@ -6,51 +6,119 @@ in a collective; every rank raises the same error instead.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import AutoparError, InternalError, RankFailureError
+from autopar.runtime.wire import JsonWire, RefusedPayload, all_gathered, allowed_loads, broadcast_bytes
 
 T = TypeVar("T")
 
 
-def decided_on_rank0(decide: Callable[[], T], what: str, group: dist.ProcessGroup | None = None) -> T:
+class ChoiceAgreement(Protocol):
+    """How the ranks of one program settle a choice the compiler makes once per program (which
+    collective matmuls to decompose, how many batch chunks to run): given the function that
+    decides at this rank and how the choice travels (`JsonWire`: its name and JSON form), the
+    choice every rank applies. A choice made by each rank for its own coordinates could differ
+    between ranks, and their collectives would no longer match. `parallelize`: rank 0 decides and
+    broadcasts (`decided_on_rank0`); an in-process run of every rank: the first rank compiled
+    decides."""
+
+    def __call__(self, decide: Callable[[], T], wire: JsonWire[T]) -> T: ...
+
+
+def choice_on_rank0(group: dist.ProcessGroup | None = None) -> ChoiceAgreement:
+    """The `ChoiceAgreement` of a job: rank 0 of `group` decides, every rank applies its choice."""
+
+    def agree(decide: Callable[[], T], wire: JsonWire[T]) -> T:
+        return decided_on_rank0(decide, wire.what, group, wire)
+
+    return agree
+
+
+def decided_on_rank0(
+    decide: Callable[[], T], what: str, group: dist.ProcessGroup | None = None, wire: JsonWire[T] | None = None
+) -> T:
     """`decide()` on rank 0 of `group` (default: all ranks), its result (or its error) on every
     rank of the group. An AutoparError (a plan that cannot fit, an op without a rule) is raised
     alike on every rank; any other failure of rank 0 (an InternalError too) is rank 0's own,
     raised there with its traceback, and a `RankFailureError` naming rank 0 and the error on the
     others. Without a process group (one process: every pipeline rank run there, in the tests'
-    `autopar.testing.pipeline_lockstep`) there is nobody to agree with: `decide()` itself."""
+    `autopar.testing.pipeline_lockstep`) there is nobody to agree with: `decide()` itself.
+
+    The result travels as `wire`'s JSON, read back by its decoder on every rank, rank 0 too (so
+    all apply the same value); without a wire, pickled and read by the allow-listed unpickler
+    (`wire.allowed_loads`). Rank 0 reads its own payload back before sending it: a result that
+    could not be read is rank 0's failure, raised as one on every rank, not a refusal on the
+    others alone."""
     if group is None and not dist.is_initialized():
         return decide()
-    payload: list[Any] = [None]
+    data: bytes | None = None
     own: BaseException | None = None
-    if dist.get_rank(group) == 0:
+    value: Any = None
+    source = dist.get_rank(group) == 0
+    if source:
         try:
-            payload[0] = ("value", decide())
+            value = decide()
+            payload = wire.dumps(value) if wire is not None else value
+            data = pickle.dumps(("value", payload))
+            _, payload = _read(data)
+            if wire is not None:
+                value = wire.loads(payload)
         except Exception as exc:  # every rank must hear about it, whatever it is
             own = exc
-            same_everywhere = isinstance(exc, AutoparError) and not isinstance(exc, InternalError)
-            payload[0] = ("error", exc if same_everywhere else f"{type(exc).__name__}: {exc}")
-    dist.broadcast_object_list(payload, group=group, group_src=0)
-    kind, value = payload[0]
-    if kind == "value":
-        return value  # type: ignore[no-any-return]
-    if isinstance(value, AutoparError):
-        raise value
-    if own is not None:
+            if isinstance(exc, AutoparError) and not isinstance(exc, InternalError):
+                data = _error_payload(exc)  # raised alike on every rank
+            else:
+                data = _error_payload(f"{type(exc).__name__}: {exc}")
+    data = broadcast_bytes(data, group, collective_device(group))
+    if own is not None:  # rank 0 raises its own error, with its traceback
         if isinstance(own, AutoparError):
             raise own
-        raise AutoparError(f"{what} failed on rank 0: {value}") from own
+        raise AutoparError(f"{what} failed on rank 0: {type(own).__name__}: {own}") from own
+    if source:
+        return value  # type: ignore[no-any-return]
+    try:
+        kind, payload = _read(data)
+        if kind == "value":
+            return wire.loads(payload) if wire is not None else payload  # type: ignore[no-any-return]
+    except RefusedPayload as exc:
+        raise AutoparError(
+            f"rank 0 sent {what} in a form this rank refuses to read: {exc}",
+            hint="every rank must run the same autopar version; otherwise this is a bug in autopar, please report it",
+        ) from exc
+    if isinstance(payload, AutoparError):
+        raise payload
     raise RankFailureError(
-        f"rank 0 failed in {what}, inside parallelize: {value}",
+        f"rank 0 failed in {what}, inside parallelize: {payload}",
         hint="the error and its traceback are in rank 0's log",
     )
+
+
+def _read(data: bytes) -> tuple[str, Any]:
+    """The (kind, payload) pair rank 0 sent: ("value", the result or its JSON) or ("error", an
+    AutoparError or a failure's text)."""
+    message = allowed_loads(data)
+    if not (isinstance(message, tuple) and len(message) == 2 and message[0] in ("value", "error")):
+        raise RefusedPayload(f"expected ('value' | 'error', payload), got {type(message).__name__}")
+    return message
+
+
+def _error_payload(error: AutoparError | str) -> bytes:
+    """The pickled error rank 0 sends; an error that cannot be pickled, or read back (a value of
+    another type among its attributes), travels as its text."""
+    try:
+        data = pickle.dumps(("error", error))
+        _read(data)
+    except Exception:  # noqa: BLE001 - whatever stops it, the text still travels
+        return pickle.dumps(("error", f"{type(error).__name__}: {error}"))
+    return data
 
 
 Fingerprint = tuple[float, ...]
@@ -141,10 +209,9 @@ def first_disagreement_among_holders(
     slots = [(slot, count) for _, _, slot, count in named]
     if _all_agree(mine, slots, group):
         return None
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (mine, [slot for slot, _ in slots]), group=group)
+    everyone = all_gathered((mine, [slot for slot, _ in slots]), group, collective_device(group))
     for index, (name, _, _, count) in enumerate(named):
-        held = [(rank, prints[index], where[index]) for rank, (prints, where) in enumerate(everyone)]
+        held = [(rank, tuple(prints[index]), where[index]) for rank, (prints, where) in enumerate(everyone)]
         for block in range(count):
             holders = [(rank, value) for rank, value, at in held if at == block]
             for rank, value in holders[1:]:

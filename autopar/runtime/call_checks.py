@@ -19,8 +19,9 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import IndexOutOfRangeError, InputMismatchError
 from autopar.core.meta import IndexCheck
-from autopar.runtime.agreement import Fingerprint, fingerprint, first_disagreement
+from autopar.runtime.agreement import Fingerprint, collective_device, fingerprint, first_disagreement
 from autopar.runtime.local_batch import index_extremes
+from autopar.runtime.wire import all_gathered
 
 CALLS = "the count of calls"  # the name of the call counter among the fingerprints
 STRUCTURE = "the call's structure"  # arguments' nesting, keywords, shapes, dtypes, flag values
@@ -164,8 +165,7 @@ def refuse_differing_inputs(
             "tensor's shape or dtype, or a flag's value differ, so the ranks would run different programs",
             hint="call the module the same way on every rank, with the same arguments by position or keyword",
         )
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (prints, previous), group=group)  # every rank is here alike
+    everyone = all_gathered((prints, previous), group, collective_device(group))  # every rank is here alike
     for ahead in (False, True):  # a rank behind the others is its peers ahead of it: name it so
         for rank, (mine, before) in enumerate(everyone):
             others = [e for r, e in enumerate(everyone) if r != rank]

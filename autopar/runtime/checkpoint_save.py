@@ -33,8 +33,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import CheckpointError
+from autopar.runtime.agreement import collective_device
 from autopar.runtime.checkpoint import SAFETENSORS_FILE, SAFETENSORS_INDEX
 from autopar.runtime.checkpoint_safety import DCP_METADATA
+from autopar.runtime.wire import all_gathered
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -102,8 +104,7 @@ def publish(written: Path, path: Path) -> None:
 def _agreed(failure: str, group: dist.ProcessGroup | None) -> str:
     """Every rank's failure so far ('' for none), met in place of a barrier, so that one rank's
     failure raises on every rank instead of leaving the others waiting: the first, by rank."""
-    failures: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(failures, failure, group=group)
+    failures = all_gathered(failure, group, collective_device(group))
     return next((f"rank {r}: {f}" for r, f in enumerate(failures) if f), "")
 
 
