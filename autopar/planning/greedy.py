@@ -21,6 +21,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -32,6 +33,7 @@ from autopar.core.plan import Plan
 from autopar.core.redistribute import redistribute_cost
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
 from autopar.cost.work import global_work, work_split
+from autopar.planning.greedy_ahead import UNKNOWN, ReaderNeed, reader_need, rerank
 from autopar.planning.greedy_scores import GreedyMemo, ListFacts, ListShape, best, pending_elements, scores
 from autopar.planning.search_steps import even_redistribute_cost
 from autopar.planning.storage import (
@@ -326,10 +328,13 @@ class _Greedy:
         # where `_role_filter` applies): repeated layers ask the same question again and get the
         # same answer, and so do passes with other roles or forced nodes sharing `choices`.
         roled = rule.anchor and "param" in current and any(c != "param" for c in current)
-        key = (self._question(node, key_of_call), tuple(current), self.plan.roles if roled else None)
+        # ... and on what its readers take (`greedy_ahead`): their ops and other inputs now
+        readers = self._readers(node)
+        ahead = tuple(self._reader_key(r, j) for r, j in readers)
+        key = (self._question(node, key_of_call), tuple(current), self.plan.roles if roled else None, ahead)
         found = self.choices.get(key)
         if found is None:
-            found = self.choices[key] = self._pick(node, rule, call, current, key_of_call)
+            found = self.choices[key] = self._pick(node, rule, call, current, key_of_call, readers)
         best, note = found
         for node_in, want in zip(inputs, best.inputs):
             self._resolve(node_in, want)
@@ -343,8 +348,10 @@ class _Greedy:
         call: OpCall,
         current: list[Layout | str],
         key_of_call: tuple[Any, ...] | None = None,
+        readers: Sequence[tuple[fx.Node, int]] = (),
     ) -> tuple[Strategy, str]:
-        """The lowest-cost candidate strategy for `call` given its inputs' current layouts."""
+        """The lowest-cost candidate strategy for `call` given its inputs' current layouts, the
+        best few (one per output layout) ranked again with what `readers` pay to take their output."""
         # a whole list, shared by repeated ops and passes (a rule with a requirement: filtered)
         # (a rule with a whole-mesh filter, `admits`: its filtered list, which the per-axis beam
         # cannot apply: a balanced split off the "cp" axis, or over a merge of two samples)
@@ -361,8 +368,16 @@ class _Greedy:
             facts, current, global_work(node), self._input_cost, PARTIAL_WEIGHT, FLOP_WEIGHT
         )
         roled = rule.anchor and "param" in current and any(c != "param" for c in current)
+        needs = self._needs(readers) if len(call.outputs) == 1 else []
+        # where every use is a reader priced, its need reduces the pending sums: not charged twice
+        own = cost - PARTIAL_WEIGHT * facts.pending if needs and len(readers) == len(node.users) else cost
         if not roled:
-            return candidates[best(cost, facts.uneven, slices)], "lowest modeled cost"
+            if not needs:
+                return candidates[best(cost, facts.uneven, slices)], "lowest modeled cost"
+            order = np.lexsort((np.arange(len(cost)), slices, facts.uneven, cost)).tolist()
+            ahead = rerank(order, lambda i: candidates[i].outputs[0], needs, self._price)
+            chosen = min(ahead, key=lambda t: (own[t[0]] + t[1], facts.uneven[t[0]], slices[t[0]], t[0]))
+            return candidates[chosen[0]], "lowest modeled cost"
         columns = (cost.tolist(), facts.uneven.tolist(), slices.tolist(), range(len(cost)), candidates)
         scored = [(0, *row) for row in zip(*columns)]
         note = "lowest modeled cost"
@@ -371,7 +386,81 @@ class _Greedy:
             scored, note = constrained, "axis roles (tokens / tensor axes)"
         # (role preference, cost, uneven blocks (even splits win ties), slices, enumeration order)
         scored.sort(key=lambda t: t[:5])
+        if needs:
+            rows = {t[4]: t for t in scored}
+            ahead = rerank([t[4] for t in scored], lambda i: candidates[i].outputs[0], needs, self._price)
+            ranked = sorted((rows[i][0], own[i] + need, *rows[i][2:5]) for i, need in ahead)
+            return candidates[ranked[0][4]], note
         return scored[0][5], note
+
+    # ---- the look-ahead over a value's readers (`greedy_ahead`) ---------------------------------
+    def _price(self, have: Layout, want: Layout) -> float:
+        return _redist(have, want, self.shape)
+
+    def _readers(self, node: fx.Node) -> list[tuple[fx.Node, int]]:
+        """(reader, which of its tensor inputs) for each reader of `node` that constrains how it
+        takes it: a forced one, or an anchor that reads a parameter (the axis roles)."""
+        found = []
+        for user in node.users:
+            if user.op != "call_function" or user.target is operator.getitem:
+                continue
+            rule = self.registry.get(user.target)
+            for j, i in enumerate(self._tensor_inputs(user)):
+                if i is node and (
+                    user.name in self.forced or rule is not None and rule.anchor and "param" in self._others(user, j)
+                ):
+                    found.append((user, j))
+        return found
+
+    def _others(self, reader: fx.Node, position: int) -> list[Layout | str]:
+        """A reader's inputs now, laying nothing out (UNKNOWN: the value, or not known yet)."""
+        current: list[Layout | str] = []
+        for k, i in enumerate(self._tensor_inputs(reader)):
+            found = self.plan.layouts.get(i.name)
+            if k == position or i in self.tangents:
+                current.append(UNKNOWN)
+            elif found is not None:
+                current.append(found[0])
+            else:
+                current.append(self.deferred.get(self._param_chain(i), UNKNOWN))
+        return current
+
+    def _param_chain(self, node: fx.Node) -> fx.Node:
+        """The deferred value a value not yet visited will view (a weight's transpose, met after
+        the activation its linear reads): through one-input ops without an anchor rule."""
+        while node not in self.deferred and node.name not in self.plan.layouts and node.op == "call_function":
+            inputs = self._tensor_inputs(node)
+            rule = self.registry.get(node.target)
+            if len(inputs) != 1 or rule is None or rule.anchor:
+                break
+            node = inputs[0]
+        return node
+
+    def _reader_key(self, reader: fx.Node, position: int) -> tuple[Any, ...]:
+        """What a reader's need depends on: its forced strategy, or its question, its other
+        inputs now and the axis roles."""
+        if reader.name in self.forced:
+            return (self.forced[reader.name], position)
+        question = self._question(reader, self._op_call(reader)[1])
+        return (question, position, tuple(self._others(reader, position)), self.plan.roles)
+
+    def _needs(self, readers: Sequence[tuple[fx.Node, int]]) -> list[ReaderNeed]:
+        """Per reader, the layouts it takes the value in: a forced reader's own; an anchor's, of
+        the candidates its axis roles let it choose (`_role_filter`, the best kept)."""
+        needs = []
+        for reader, position in readers:
+            if reader.name in self.forced:
+                needs.append(ReaderNeed((self.forced[reader.name].inputs[position],), np.zeros(1)))
+                continue
+            call, key_of_call = self._op_call(reader)
+            candidates = expand_cached(reader, self._rule(reader), call, self.shape, self.expand_cache, key_of_call)
+            kept = self._role_filter([(0, 0, 0, 0, i, s) for i, s in enumerate(candidates)], self._others(reader, position))
+            if not kept:
+                continue
+            allowed = np.zeros(len(candidates), dtype=bool)
+            allowed[[t[4] for t in kept if t[0] == min(k[0] for k in kept)]] = True
+            needs.append(reader_need(self._list_facts(candidates), position, np.zeros(len(candidates)), allowed))
+        return needs
 
     def _list_facts(self, candidates: list[Strategy]) -> ListFacts:
         found = self.memo.lists.get(id(candidates))
