@@ -33,7 +33,8 @@ from autopar.core.plan import Plan
 from autopar.core.redistribute import redistribute_cost
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
 from autopar.cost.work import global_work, work_split
-from autopar.planning.greedy_ahead import UNKNOWN, ReaderNeed, reader_need, rerank
+from autopar.planning.greedy_ahead import Readers, rerank
+from autopar.planning.greedy_roles import axis_roles, batch_error
 from autopar.planning.greedy_scores import GreedyMemo, ListFacts, ListShape, best, pending_elements, scores
 from autopar.planning.search_steps import even_redistribute_cost
 from autopar.planning.storage import (
@@ -46,7 +47,6 @@ from autopar.planning.storage import (
 from autopar.rules.base import RuleRegistry, admissible, combine, expand
 from autopar.rules.calls import call_key, expand_cached, op_call, output_index, tensor_inputs
 
-DATA_AXIS_NAMES = ("dp", "data", "ddp", "fsdp", "batch")
 # Relative weights of the heuristic's cost terms, in "elements sent per rank".
 FLOP_WEIGHT = 1.0 / 200.0  # a rank does ~200 flops in the time it sends one element (CPU/gloo-like)
 PARTIAL_WEIGHT = 1.0  # a pending sum will cost at least a reduce-scatter later
@@ -55,17 +55,6 @@ BEAM = 3
 # a parameter at most this fraction of the model's elements may be stored whole where no split
 # fits it: what it adds to a rank's share is noise
 SMALL_PARAM_FRACTION = 1e-3
-
-
-def axis_roles(mesh: Mesh) -> tuple[str, ...]:
-    """'token' or 'tensor' per axis: by name for data axes, else by position (x, y tensor; z token)."""
-    n = mesh.ndim
-    by_position = {1: ("tensor",), 2: ("tensor", "tensor"), 3: ("tensor", "tensor", "token")}
-    roles = list(by_position.get(n, ("token",) + ("tensor", "tensor") + ("token",) * (n - 3)))
-    for a, name in enumerate(mesh.axis_names):
-        if name.lower() in DATA_AXIS_NAMES:
-            roles[a] = "token"
-    return tuple(roles)
 
 
 def choose_layouts(gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry) -> Plan:
@@ -85,28 +74,6 @@ def greedy_plan(
     """The greedy pass with other axis roles, or with some nodes' strategies fixed in advance.
     Passes over the same graph and mesh may share `memo` and `expand_cache`."""
     return _Greedy(gm, mesh, registry, roles=roles, forced=forced, expand_cache=expand_cache, memo=memo).run()
-
-
-def batch_error(gm: fx.GraphModule, mesh: Mesh, roles: tuple[str, ...]) -> ShardingError | None:
-    """Why the first input's dim 0 (the batch, which the token axes split) does not divide evenly
-    over `roles`' token axes; None if it does. A plan found on another mesh is held to it too."""
-    shape = tuple(mesh.shape)
-    token_axes = [a for a, r in enumerate(roles) if r == "token" and shape[a] > 1]
-    factor = math.prod(shape[a] for a in token_axes)
-    first = next((n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "input"), None)
-    if first is None or factor == 1:
-        return None
-    val = first.meta["val"]
-    if val.dim() >= 1 and val.shape[0] % factor:
-        names = "".join(mesh.axis_names[a] for a in token_axes)
-        return ShardingError(
-            f"the batch dim of input 0 ({val.shape[0]}, shape {list(val.shape)}) is not divisible "
-            f"by the token axes {names} of mesh {mesh} ({factor} ranks)",
-            op="input",
-            layouts=[f"wanted: dim 0 split {factor} ways over {names}"],
-            hint=f"use a batch size that is a multiple of {factor}, or a mesh with smaller token axes",
-        )
-    return None
 
 
 @functools.lru_cache(maxsize=200_000)
@@ -168,6 +135,10 @@ class _Greedy:
         self.part_dims = part_dims(gm)  # parts of fused parameters: stored with the cut dim whole
         self.output = next(n for n in gm.graph.nodes if n.op == "output")
         self.tangents: set[fx.Node] = set()
+        self.readers = Readers(
+            registry, self.forced, self.plan.layouts, self.deferred, self.tangents, self._tensor_inputs,
+            lambda r: self._question(r, self._op_call(r)[1]), self._reader_wants, self.plan.roles,
+        )
 
     # ---- driver -------------------------------------------------------------------------------
     def run(self) -> Plan:
@@ -329,8 +300,8 @@ class _Greedy:
         # same answer, and so do passes with other roles or forced nodes sharing `choices`.
         roled = rule.anchor and "param" in current and any(c != "param" for c in current)
         # ... and on what its readers take (`greedy_ahead`): their ops and other inputs now
-        readers = self._readers(node)
-        ahead = tuple(self._reader_key(r, j) for r, j in readers)
+        readers = self.readers.of(node)
+        ahead = tuple(self.readers.key(r, j) for r, j in readers)
         key = (self._question(node, key_of_call), tuple(current), self.plan.roles if roled else None, ahead)
         found = self.choices.get(key)
         if found is None:
@@ -368,7 +339,7 @@ class _Greedy:
             facts, current, global_work(node), self._input_cost, PARTIAL_WEIGHT, FLOP_WEIGHT
         )
         roled = rule.anchor and "param" in current and any(c != "param" for c in current)
-        needs = self._needs(readers) if len(call.outputs) == 1 else []
+        needs = self.readers.needs(readers) if len(call.outputs) == 1 else []
         # where every use is a reader priced, its need reduces the pending sums: not charged twice
         own = cost - PARTIAL_WEIGHT * facts.pending if needs and len(readers) == len(node.users) else cost
         if not roled:
@@ -397,70 +368,14 @@ class _Greedy:
     def _price(self, have: Layout, want: Layout) -> float:
         return _redist(have, want, self.shape)
 
-    def _readers(self, node: fx.Node) -> list[tuple[fx.Node, int]]:
-        """(reader, which of its tensor inputs) for each reader of `node` that constrains how it
-        takes it: a forced one, or an anchor that reads a parameter (the axis roles)."""
-        found = []
-        for user in node.users:
-            if user.op != "call_function" or user.target is operator.getitem:
-                continue
-            rule = self.registry.get(user.target)
-            for j, i in enumerate(self._tensor_inputs(user)):
-                if i is node and (
-                    user.name in self.forced or rule is not None and rule.anchor and "param" in self._others(user, j)
-                ):
-                    found.append((user, j))
-        return found
-
-    def _others(self, reader: fx.Node, position: int) -> list[Layout | str]:
-        """A reader's inputs now, laying nothing out (UNKNOWN: the value, or not known yet)."""
-        current: list[Layout | str] = []
-        for k, i in enumerate(self._tensor_inputs(reader)):
-            found = self.plan.layouts.get(i.name)
-            if k == position or i in self.tangents:
-                current.append(UNKNOWN)
-            elif found is not None:
-                current.append(found[0])
-            else:
-                current.append(self.deferred.get(self._param_chain(i), UNKNOWN))
-        return current
-
-    def _param_chain(self, node: fx.Node) -> fx.Node:
-        """The deferred value a value not yet visited will view (a weight's transpose, met after
-        the activation its linear reads): through one-input ops without an anchor rule."""
-        while node not in self.deferred and node.name not in self.plan.layouts and node.op == "call_function":
-            inputs = self._tensor_inputs(node)
-            rule = self.registry.get(node.target)
-            if len(inputs) != 1 or rule is None or rule.anchor:
-                break
-            node = inputs[0]
-        return node
-
-    def _reader_key(self, reader: fx.Node, position: int) -> tuple[Any, ...]:
-        """What a reader's need depends on: its forced strategy, or its question, its other
-        inputs now and the axis roles."""
-        if reader.name in self.forced:
-            return (self.forced[reader.name], position)
-        question = self._question(reader, self._op_call(reader)[1])
-        return (question, position, tuple(self._others(reader, position)), self.plan.roles)
-
-    def _needs(self, readers: Sequence[tuple[fx.Node, int]]) -> list[ReaderNeed]:
-        """Per reader, the layouts it takes the value in: a forced reader's own; an anchor's, of
-        the candidates its axis roles let it choose (`_role_filter`, the best kept)."""
-        needs = []
-        for reader, position in readers:
-            if reader.name in self.forced:
-                needs.append(ReaderNeed((self.forced[reader.name].inputs[position],), np.zeros(1)))
-                continue
-            call, key_of_call = self._op_call(reader)
-            candidates = expand_cached(reader, self._rule(reader), call, self.shape, self.expand_cache, key_of_call)
-            kept = self._role_filter([(0, 0, 0, 0, i, s) for i, s in enumerate(candidates)], self._others(reader, position))
-            if not kept:
-                continue
-            allowed = np.zeros(len(candidates), dtype=bool)
-            allowed[[t[4] for t in kept if t[0] == min(k[0] for k in kept)]] = True
-            needs.append(reader_need(self._list_facts(candidates), position, np.zeros(len(candidates)), allowed))
-        return needs
+    def _reader_wants(self, reader: fx.Node, position: int, current: list[Layout | str]) -> tuple[Layout, ...]:
+        """The layouts an anchor reading a parameter may take input `position` in: those of its
+        candidates that its axis roles keep, at the best role preference."""
+        call, key_of_call = self._op_call(reader)
+        candidates = expand_cached(reader, self._rule(reader), call, self.shape, self.expand_cache, key_of_call)
+        kept = self._role_filter([(0, 0, 0, 0, i, s) for i, s in enumerate(candidates)], current)
+        first = min((t[0] for t in kept), default=0)
+        return tuple(dict.fromkeys(t[5].inputs[position] for t in kept if t[0] == first))
 
     def _list_facts(self, candidates: list[Strategy]) -> ListFacts:
         found = self.memo.lists.get(id(candidates))
