@@ -32,7 +32,6 @@ import torch
 import torch.fx as fx
 
 from autopar.core.collectives import COLLECTIVES
-from autopar.core.graph_copy import graph_copy
 from autopar.core.meta import NODE_KEY, has_info, info
 from autopar.passes.emit import CallMemo
 
@@ -66,7 +65,7 @@ class _Form:
 class _Template:
     key: tuple[Any, ...]  # the schedule's own arguments
     forms: list[_Form]  # the lowered graph, before it was scheduled
-    scheduled: fx.GraphModule  # a copy of what the schedule made of it
+    scheduled: fx.GraphModule  # what the schedule made of it (the rank's own graph)
 
 
 @dataclass
@@ -99,7 +98,9 @@ class RankShare:
         out = run(gm)
         self.scheduled += 1
         if len(self.templates) < MAX_TEMPLATES and _kept_metadata(forms, out):
-            self.templates.append(_Template(key, forms, graph_copy(out)))
+            # the rank's own graph, not a copy: nothing after the schedule stage rewrites it
+            # (emit copies its nodes), and the rebuild only reads it
+            self.templates.append(_Template(key, forms, out))
         return out
 
 
