@@ -43,24 +43,25 @@ def _assert_same_programs(shared: dict[tuple[int, ...], Compiled], own: dict[tup
         assert a.graph.meta["autopar_schedule"] == b.graph.meta["autopar_schedule"], coords
 
 
-def test_every_ranks_program_is_the_one_its_own_compile_makes() -> None:
-    """GPT, one layer, with dropout: the first rank schedules its graph deciding the decomposition;
-    then two templates, the ranks that keep a pending sum where it is zeroed (a clone) and those
-    that zero it (zeros_like); the other five ranks are made from them."""
-    model, inputs = model_case("gpt1")
+def _shared_equals_own(key: str) -> tuple[int, int]:
+    """Every rank of `key`'s model compiled with a `RankShare` and each on its own, compared; the
+    share's (graphs scheduled, graphs made from a template)."""
+    model, inputs = model_case(key)
     share = RankShare()
     shared = compile_every_rank(model, SHAPE, inputs, share=share)
     own = compile_every_rank(model, SHAPE, inputs, share=None)
     _assert_same_programs(shared, own)
-    assert (share.scheduled, share.reused) == (2, 5)
+    return share.scheduled, share.reused
+
+
+def test_every_ranks_program_is_the_one_its_own_compile_makes() -> None:
+    """GPT, one layer, with dropout: the first rank schedules its graph deciding the decomposition;
+    then two templates, the ranks that keep a pending sum where it is zeroed (a clone) and those
+    that zero it (zeros_like); the other five ranks are made from them."""
+    assert _shared_equals_own("gpt1") == (2, 5)
 
 
 def test_ranks_of_other_block_sizes_are_scheduled_on_their_own() -> None:
     """Widths no axis divides (torch.chunk blocks): every rank's local sizes differ from the
     others' somewhere, so no rank's graph is made from another's, and each is its own compile's."""
-    model, inputs = model_case("mlp_uneven")
-    share = RankShare()
-    shared = compile_every_rank(model, SHAPE, inputs, share=share)
-    own = compile_every_rank(model, SHAPE, inputs, share=None)
-    _assert_same_programs(shared, own)
-    assert (share.scheduled, share.reused) == (8, 0)
+    assert _shared_equals_own("mlp_uneven") == (8, 0)
