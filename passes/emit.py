@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,9 +32,26 @@ from autopar.rules.localize import localize_sizes
 from autopar.runtime.program import EmittedProgram
 
 
+@dataclass
+class CallMemo:
+    """The shape check's fake results of op calls, by everything a fake kernel sees of the call
+    (`_SharedCallProp`), in the one fake mode that made them: one program's repeated layers reuse
+    them, and so do the other ranks' programs of an in-process compile of several ranks
+    (`autopar.compiler.rank_share.RankShare`), whose calls are mostly the same local calls."""
+
+    mode: FakeTensorMode = field(default_factory=lambda: FakeTensorMode(allow_non_fake_inputs=True))
+    results: dict[Any, Any] = field(default_factory=dict)
+
+
 def emit(
-    gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry, coords: Sequence[int] | None = None
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    coords: Sequence[int] | None = None,
+    calls: CallMemo | None = None,
 ) -> EmittedProgram:
+    """This rank's program (`coords`, default: the mesh's own rank); `calls`: the shape check's
+    results to reuse and add to (default: this program's own)."""
     coords = tuple(coords) if coords is not None else mesh.my_coords()
     sig = signature(gm)
     shape = tuple(mesh.shape)
@@ -111,7 +129,7 @@ def emit(
         input_grads=list(sig.input_grads),
         device_type=mesh.device_type,
     )
-    check_local_shapes(program, shape)
+    check_local_shapes(program, shape, calls)
     _place_on(program, torch.device(mesh.device_type))
     return program
 
@@ -181,18 +199,18 @@ def _local_node(
     return new
 
 
-def check_local_shapes(program: EmittedProgram, mesh_shape: tuple[int, ...]) -> None:
+def check_local_shapes(program: EmittedProgram, mesh_shape: tuple[int, ...], calls: CallMemo | None = None) -> None:
     """Propagate fake local tensors through both graphs; every laid-out node must match its layout.
 
     Each node is compared as soon as it is propagated, so the first wrong local shape is the one
-    reported (not a kernel error further down)."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    reported (not a kernel error further down). `calls`: results of op calls propagated before."""
+    calls = calls if calls is not None else CallMemo()
+    mode, memo = calls.mode, calls.results
     with mode:
         fwd_args = [
             torch.empty(lay.local_shape(mesh_shape, program.coords), dtype=lay.dtype)
             for lay in [*program.param_layouts, *program.input_layouts]
         ]
-    memo: dict[Any, Any] = {}
     _SharedCallProp(program.forward, mode, memo, mesh_shape, program.coords).propagate(*fwd_args)
     out = next(n for n in program.forward.graph.nodes if n.op == "output")
     saved_vals = [n.meta["val"] for n in list(out.args[0])[len(program.output_layouts) :]]  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ from torch import nn
 
 from autopar.api import compile_for_rank
 from autopar.compiler.driver import Compiled, trace_for
+from autopar.compiler.rank_share import RankShare
 from autopar.core.collectives import COLLECTIVES
 from autopar.core.layout import Layout, P, R
 from autopar.core.mesh import Mesh
@@ -528,7 +529,8 @@ def compile_every_rank(
 ) -> dict[Coords, Compiled]:
     """`compile_for_rank` for every coordinate of a mesh of `shape` (axes named `names`, default
     x, y, z), all with the plan and the collective-matmul decomposition chosen for the first (as
-    `parallelize` makes rank 0's choices everyone's)."""
+    `parallelize` makes rank 0's choices everyone's), and each distinct lowered graph scheduled
+    once (`RankShare`; `share=None` schedules every rank's own)."""
     chosen: list[Plan] = []
     choices: dict[str, Any] = {}
 
@@ -543,6 +545,7 @@ def compile_every_rank(
         return choices[wire.what]  # type: ignore[no-any-return]
 
     decide = options.pop("agree_choice", choose_once)  # a test's own choice, else the first rank's
+    share = options.pop("share", RankShare())
     mesh = Mesh.from_shape(shape, names)
     trace_options = {
         k: options[k] for k in ("planner", "split_fused", "forward_only", "token_dispatch") if k in options
@@ -560,6 +563,7 @@ def compile_every_rank(
             agree=plan_once,
             agree_choice=decide,
             traced=traced,
+            share=share,
             **options,
         )
         for c in all_coords(shape)

@@ -28,6 +28,8 @@ import torch.nn as nn
 from autopar.compiler.chunk_choice import chosen_chunks, chunk_candidates
 from autopar.compiler.decompose_choice import check_decompose, decompose_chosen
 from autopar.compiler.lowering import chunk_step_times, in_flight_budget, lower, prefer_scheduled
+from autopar.compiler.option_checks import check_context_parallel, check_options, check_token_dispatch
+from autopar.compiler.rank_share import RankShare
 from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
 from autopar.core.errors import AutoparError, InternalError, UsageError
 from autopar.core.graph_copy import graph_copy
@@ -50,9 +52,9 @@ from autopar.reporting.dump import dump_dir_from, write_collectives, write_stage
 from autopar.reporting.experts import expert_placement
 from autopar.reporting.report import PlanReport, build_report
 from autopar.rules.base import RuleRegistry
-from autopar.rules.context_parallel import CP_AXIS, FORWARD, context_parallel_registry
+from autopar.rules.context_parallel import context_parallel_registry
 from autopar.rules.registry import default_registry
-from autopar.rules.routed_experts import ROUTED_OPS, require_dispatcher
+from autopar.rules.routed_experts import require_dispatcher
 from autopar.runtime.agreement import ChoiceAgreement
 from autopar.runtime.program import EmittedProgram
 
@@ -103,56 +105,6 @@ def compile_conditions(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     return wrapper
 
 
-def _check_token_dispatch(gm: fx.GraphModule, mesh: Mesh, token_dispatch: str) -> None:
-    """token_dispatch="alltoall" on a model none of whose experts the op could take is an error,
-    not a silent all-gather dispatcher."""
-    if token_dispatch != "alltoall" or mesh.size == 1:
-        return
-    if not any(n.op == "call_function" and n.target in ROUTED_OPS for n in gm.graph.nodes):
-        raise AutoparError(
-            "token_dispatch='alltoall' but the model has no experts module the all-to-all dispatcher takes",
-            op="PlanOptions.token_dispatch",
-            hint="it takes transformers' gated experts (gate_up_proj (E, 2I, H), down_proj (E, H, I), silu, gelu "
-            "or relu, no bias); use token_dispatch='allgather' for other models",
-        )
-
-
-def _check_context_parallel(gm: fx.GraphModule, mesh: Mesh) -> None:
-    """A "cp" axis asks for the sequence split over it, which needs attention to split. Attention
-    with dropout (`dropout_p > 0` in training) is traced as its math (matmul, softmax, dropout),
-    not as the attention op: a sequence split could not give serial's numbers for it, so the error
-    names the dropout where the model draws one."""
-    if CP_AXIS not in mesh.axis_names or mesh.shape[mesh.axis_names.index(CP_AXIS)] == 1:
-        return
-    if any(node.target is FORWARD for node in gm.graph.nodes):
-        return
-    draws = [
-        node
-        for node in gm.graph.nodes
-        if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
-    ]
-    if draws:
-        raise UsageError(
-            f'mesh {mesh} has a "cp" axis, which asks for context parallelism (the sequence split over '
-            "it, attention exchanging keys and values), but the model's attention is not an attention "
-            "op the split can take: the model draws random numbers (dropout), and attention with "
-            "dropout is traced as its math (matmul, softmax, dropout), whose sequence split could not "
-            "give the serial model's numbers",
-            op=str(draws[0].target),
-            where=where_of(draws[0]),
-            hint="set the attention's dropout to 0 (transformers: attention_dropout=0.0; "
-            "nn.MultiheadAttention / nn.TransformerEncoderLayer: dropout=0.0), or train without a "
-            '"cp" axis (name it otherwise: the search then splits what it prices best)',
-        )
-    raise UsageError(
-        f'mesh {mesh} has a "cp" axis, which asks for context parallelism (the sequence split '
-        "over it, attention exchanging keys and values), but the model calls no "
-        "scaled_dot_product_attention: there is no sequence for it to split",
-        hint='name the axis otherwise (the search then splits what it prices best), or call '
-        "torch.nn.functional.scaled_dot_product_attention in the model's attention",
-    )
-
-
 @compile_conditions
 def compile_for_rank(
     model: nn.Module,
@@ -183,6 +135,7 @@ def compile_for_rank(
     token_dispatch: str = "allgather",
     activation_copies: int = 1,
     gradient_copies: int = 0,
+    share: RankShare | None = None,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -225,7 +178,8 @@ def compile_for_rank(
     microbatches in flight) and of the unreduced gradients (1: summed over microbatches) a rank holds.
     `traced`, when given, is `trace_for(...)` of this model, inputs and options, made once: it is
     copied instead of traced again (an in-process run of every rank's program compiles each rank
-    from one trace, as each process of a real job traces once).
+    from one trace, as each process of a real job traces once); `share`, the same `RankShare` for
+    every rank of such a run, schedules each distinct lowered graph once.
     """
     example_inputs = example_tuple(example_inputs, example_kwargs)
     check_options(model, mesh, coords, memory_limit, in_flight_bytes)
@@ -244,8 +198,8 @@ def compile_for_rank(
     set_gradient_copies(gm, gradient_copies)
     write_stage(path, "1_trace", gm, mesh)
     registry = context_parallel_registry(registry, mesh.axis_names)
-    _check_context_parallel(gm, mesh)
-    _check_token_dispatch(gm, mesh, token_dispatch)
+    check_context_parallel(gm, mesh)
+    check_token_dispatch(gm, mesh, token_dispatch)
     if planner not in ("search", "greedy"):
         raise AutoparError(f"unknown planner {planner!r}", hint='use "search" or "greedy"')
 
@@ -291,10 +245,19 @@ def compile_for_rank(
     if schedule:
         with stage("schedule"):
             # "auto" that kept the graph whole has scheduled it already, to decide
-            gm = prescheduled if prescheduled is not None else schedule_pass(gm, work, hardware=table, in_flight_bytes=in_flight_bytes)
+            def run(lowered: fx.GraphModule) -> fx.GraphModule:
+                return schedule_pass(lowered, work, hardware=table, in_flight_bytes=in_flight_bytes)
+
+            if prescheduled is not None:
+                gm = prescheduled
+            elif share is not None:
+                gm = share.schedule(gm, (work, table, in_flight_bytes), run)
+            else:
+                gm = run(gm)
     write_stage(path, "4_schedule", gm, work)
     with stage("emit"):
-        program = emit(gm, work, registry, (*base, *(0,) * work.in_process)).on_devices(mesh.ndim)
+        calls = share.calls if share is not None else None
+        program = emit(gm, work, registry, (*base, *(0,) * work.in_process), calls).on_devices(mesh.ndim)
     write_stage(path, "5_emit_forward", program.forward, work, local=True)
     write_stage(path, "5_emit_backward", program.backward, work, local=True)
     savings = plan.savings if isinstance(plan, SearchPlan) else None
@@ -327,36 +290,6 @@ def compile_for_rank(
         timelines = (unscheduled, simulate(gm, work, modeled_on))
         write_timeline(path, timelines, rank)
     return Compiled(gm, program, report, timelines, work, chunks, dict(chunking.steps) if chunking.steps else None)
-
-
-def check_options(
-    model: Any, mesh: Mesh, coords: Sequence[int] | None, memory_limit: float | None, in_flight_bytes: int | None
-) -> None:
-    """Arguments that cannot work, refused by name before anything is traced."""
-    if not isinstance(model, nn.Module):
-        raise UsageError(
-            f"model must be an nn.Module, got {type(model).__name__}",
-            hint="wrap a function in an nn.Module whose forward calls it",
-        )
-    if coords is not None:
-        coords = tuple(coords)
-        if len(coords) != mesh.ndim or any(not 0 <= c < n for c, n in zip(coords, mesh.shape)):
-            raise UsageError(
-                f"coords {coords} are not a rank of mesh {mesh}",
-                hint=f"give one coordinate per axis, each in 0..size-1 of mesh shape {mesh.shape}",
-            )
-    if "pp" in mesh.axis_names and mesh.shape[mesh.axis_names.index("pp")] > 1:
-        raise UsageError(
-            "the mesh has a pipeline axis \"pp\": compile_for_rank plans tensor and data axes only; a "
-            "pipeline runs through parallelize on a 1-D (\"pp\",) mesh (docs/pipeline.md)",
-            hint="name the axis otherwise to use it as a tensor or data axis, or leave it out of the mesh",
-        )
-    for name, value, least in (("memory_limit", memory_limit, 1), ("in_flight_bytes", in_flight_bytes, 0)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= least):
-            raise UsageError(
-                f"{name} must be a number of bytes >= {least}, got {value!r}",
-                hint=f"for example {name}=40e9, or leave it out",
-            )
 
 
 def example_tuple(example_inputs: Any, example_kwargs: Any = None) -> tuple[Any, ...]:
