@@ -1,8 +1,9 @@
 """Folded mesh ranking (`autopar.planning.mesh_fold`, `choose_mesh(..., fold=True)`; off by default).
 
-- On an 8-layer GPT (the fold's minimum depth forced down to 8), the folded choice picks the mesh
-  and the plan the whole graph's ranking picks, layout for layout, with the same sum, scheduled
-  step and memory; the other candidates' folded sums and memory are the whole graph's.
+- On a 6-layer GPT (the fold's minimum depth forced down to 6) and two meshes of 8 ranks, the
+  folded choice picks the mesh and the plan the whole graph's ranking picks, layout for layout,
+  with the same sum, scheduled step and memory; the other candidate's folded sums and memory are
+  the whole graph's.
 - Blocks that differ (widths alternate) are not found as repeated blocks, so nothing is folded.
 - Plans of the two shallow copies that differ in a middle block are not steady; the extrapolated
   line and its memory limit.
@@ -34,13 +35,15 @@ def _gpt(layers: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def test_the_folded_choice_picks_the_whole_graphs_mesh_and_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mesh_fold, "MIN_FOLDED", 8)
-    model, example = _gpt(8)
+    monkeypatch.setattr(mesh_fold, "MIN_FOLDED", 6)
+    model, example = _gpt(6)
     gm = trace_for_choice(model, 8, example)
-    whole = choose_mesh(model, 8, example, hardware="a100-cluster", traced=gm, keep_plan=True)
-    folded = choose_mesh(model, 8, example, hardware="a100-cluster", traced=gm, keep_plan=True, fold=True)
+    # two of the four meshes of 8 ranks: one chosen (searched again on the whole graph), one folded
+    asked = dict(hardware="a100-cluster", traced=gm, keep_plan=True, candidates=[((4, 2), ("x", "y")), ((2, 4), ("x", "y"))])
+    whole = choose_mesh(model, 8, example, **asked)  # type: ignore[arg-type]
+    folded = choose_mesh(model, 8, example, **asked, fold=True)  # type: ignore[arg-type]
     assert list(gm.meta[SHALLOW_KEY]) == list(DEPTHS)  # the fold ran on the two copies
-    assert folded.chosen.folded == 0 and any(c.folded == 8 for c in folded.candidates)
+    assert folded.chosen.folded == 0 and any(c.folded == 6 for c in folded.candidates)
     a, b = whole.chosen, folded.chosen
     assert (a.shape, a.roles, a.step_time, a.scheduled_time, a.memory) == (
         b.shape, b.roles, b.step_time, b.scheduled_time, b.memory,

@@ -12,10 +12,22 @@ heads; a pending input gradient reduce-scattered into heads moves 8.39 M and not
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+import pytest
 import torch
 
 from autopar.compiler.driver import compile_for_rank
+from autopar.core.layout import Layout
 from autopar.core.mesh import Mesh
+from autopar.passes.trace import trace
+from autopar.planning.greedy import greedy_plan
+from autopar.planning.search_cost import TimeCost
+from autopar.planning.search_polish import POLISH_SWEEPS, polish
+from autopar.planning.search_problem import Problem, Shared
+from autopar.planning.search_vars import Edge
+from autopar.rules.registry import default_registry
 from examples.models import GPT, GPTConfig
 
 H, HEADS, SEQ, BATCH, VOCAB = 4096, 32, 2048, 8, 512
@@ -47,3 +59,73 @@ def test_attention_projection_moves_the_floor_of_its_layout() -> None:
     ), kinds
     # 29.4 M per rank per layer (33.6 M before: the output gradient gathered, the weight exchanged)
     assert sum(c.elements for c in proj) == 2 * (weight + activation + bias)
+
+
+def _polish_reference(problem: Problem, max_sweeps: int = POLISH_SWEEPS) -> bool:
+    """`search_polish.polish` as first written: every candidate of every op priced in full, each
+    group's wanted layouts compared as layouts (the oracle of the shared-work version)."""
+    groups: dict[tuple[int, int], list[Edge]] = {}
+    for edge in problem.edges:
+        groups.setdefault((edge.u, id(edge.out_index)), []).append(edge)
+    touching: list[list[list[Edge]]] = [[] for _ in problem.vars]
+    for edges in groups.values():
+        for op in {edges[0].u, *(e.v for e in edges)}:
+            touching[op].append(edges)
+
+    def group_cost(edges: list[Edge], trial: dict[int, int]) -> float:
+        cu = trial.get(edges[0].u, problem.vars[edges[0].u].current)
+        made: dict[Layout, float] = {}
+        for edge in edges:
+            col = int(edge.in_index[trial.get(edge.v, problem.vars[edge.v].current)])
+            assert edge.pairs is not None
+            want = edge.pairs.wanted(col)
+            if want not in made:
+                cell = float(edge.table[edge.out_index[cu], col])
+                made[want] = math.inf if np.isnan(cell) else cell * edge.pairs.share
+        return sum(made.values())
+
+    moved = False
+    for _ in range(max_sweeps):
+        moves = 0
+        for v, var in enumerate(problem.vars):
+            if len(var.cands) < 2 or not touching[v]:
+                continue
+            now = float(var.unary[var.current]) + sum(group_cost(edges, {}) for edges in touching[v])
+            best, best_value = var.current, now
+            for c in range(len(var.cands)):
+                value = float(var.unary[c])
+                if c == var.current or value >= best_value:
+                    continue
+                value += sum(group_cost(edges, {v: c}) for edges in touching[v])
+                if value < best_value:
+                    best, best_value = c, value
+            if best != var.current and best_value < now - 1e-9 * max(1.0, abs(now)):
+                var.current, moves = best, moves + 1
+        if not moves:
+            break
+        moved = True
+    return moved
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (2, 2, 2)])
+def test_polish_moves_every_op_as_pricing_every_candidate_in_full(shape: tuple[int, ...]) -> None:
+    """The polish prices each group once per distinct row and columns of the op moved and stops
+    summing a candidate that cannot win: it moves every op where pricing every candidate in full
+    moves it (same sums, same order, same ties), from the search's second-round optimum."""
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    idx = torch.zeros(8, 16, dtype=torch.long)
+    gm = trace(model, (idx, idx), decompose=True)
+    mesh = Mesh.from_shape(shape)
+    registry, cost, shared = default_registry(), TimeCost("a100-cluster", mesh.shape), Shared()
+    seed = greedy_plan(gm, mesh, registry, expand_cache=shared.expand, memo=shared.greedy)
+    problems = []
+    for _ in range(2):
+        problem = Problem(gm, mesh, registry, seed, cost, shared.expand, shared, share_readers=True)
+        problem.optimize(8)
+        problems.append(problem)
+    assert problems[0].snapshot() == problems[1].snapshot()
+    assert _polish_reference(problems[0]) == polish(problems[1])
+    assert problems[0].snapshot() == problems[1].snapshot()
+    assert [v.current for v in problems[0].vars] == [v.current for v in problems[1].vars]
