@@ -356,7 +356,7 @@ def plan(
             model, world_size, example_inputs, microbatches=microbatches, hardware=hardware,
             memory_limit=memory_limit, registry=registry, example_kwargs=example_kwargs,
             weight_state=planning.weight_state, recompute=planning.recompute,
-            token_dispatch=planning.token_dispatch,
+            token_dispatch=planning.token_dispatch, keep_plan=True,
         )  # fmt: skip
         best = depth_choice.chosen
         if best.error:

@@ -140,4 +140,7 @@ def test_auto_with_microbatches_ranks_pipeline_depths() -> None:
     assert best.step_time == min(c.step_time for c in priced if c.fits)
     assert result.mesh.shape == best.stage_shape
     assert (result.mesh_choice is not None) == (best.pp == 1)
+    # the tensor-only choice keeps its trace and searched plan: where pp = 1 wins, the plan compiled
+    # is the one ranked (searched with the weight state's ratios), not a search of its own again
+    assert choice.tensor_only is not None and choice.tensor_only.chosen_plan is not None
     assert choice.table() in str(result)

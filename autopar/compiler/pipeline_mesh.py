@@ -160,6 +160,7 @@ def choose_pipeline_mesh(
     stage_meshes: Sequence[tuple[tuple[int, ...], tuple[str, ...]]] | None = None,
     schedules: Sequence[tuple[str, int]] = AUTO_CANDIDATES,
     with_tensor_only: bool = True,
+    keep_plan: bool = False,
 ) -> PipelineMeshChoice:
     """Rank the tensor-only mesh choice's best beside every pipeline depth of `depths` (default:
     every divisor of `world_size` above 1 that the model has modules enough for) and schedule.
@@ -185,7 +186,9 @@ def choose_pipeline_mesh(
     sub-meshes each depth's choice considers (`choose_mesh(candidates=...)`), `schedules` the
     (schedule, virtual stages) pairs priced (default `AUTO_CANDIDATES`), and `with_tensor_only=False`
     leaves the tensor-only candidate out (a pipeline is wanted: its mesh choice on every rank is
-    the costliest part at thousands of ranks)."""
+    the costliest part at thousands of ranks). `keep_plan`: the tensor-only choice keeps its trace and
+    searched plan (`choose_mesh(keep_plan=)`), so that where pp = 1 wins `autopar.plan` compiles the
+    plan that was ranked instead of searching again (a graph: never sent between ranks)."""
     example = tuple(example_inputs)
     modes = RECOMPUTE_MODES if recompute == "auto" else (recompute_mode(recompute),)
     hw = load_hardware(hardware)
@@ -206,7 +209,7 @@ def choose_pipeline_mesh(
             tensor_only = choose_mesh(model, world_size, example, hardware=hardware, memory_limit=limit,
                                       example_kwargs=example_kwargs, registry=registry, traced=whole,
                                       searched_candidates=searched_candidates, steps=steps,
-                                      token_dispatch=token_dispatch)  # fmt: skip
+                                      token_dispatch=token_dispatch, keep_plan=keep_plan)  # fmt: skip
             candidates.append(tensor_only_candidate(tensor_only.chosen, state, hw, limit, world_size))
         except AutoparError as exc:
             candidates.append(PipelineCandidate(1, "-", "-", 1, error=str(exc).splitlines()[0], recompute="search"))
