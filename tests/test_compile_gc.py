@@ -9,6 +9,7 @@ import pytest
 from pass_fixtures import two_linear_case
 
 import autopar.compiler.driver as driver
+import autopar.compiler.lowering as lowering
 from autopar.core.errors import InternalError
 from autopar.core.mesh import Mesh
 
@@ -43,7 +44,7 @@ def test_an_error_inside_the_compile_still_restores_the_collector(monkeypatch: p
     def failing(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(driver, "insert_comm", failing)
+    monkeypatch.setattr(lowering, "insert_comm", failing)  # (the driver lowers through it)
     model, inputs = two_linear_case()
     assert gc.isenabled()
     # a failure inside a stage reaches the user as an InternalError caused by it

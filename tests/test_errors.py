@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from multirank import run_ranks
 
 import autopar
-import autopar.compiler.driver as driver
+import autopar.compiler.lowering as lowering
 from autopar.api import compile_for_rank
 from autopar.core.errors import InternalError, MeshError, MissingRuleError, ShardingError, TraceError
 from autopar.core.mesh import Mesh
@@ -106,7 +106,7 @@ def test_a_branch_on_a_value_the_weights_compute_is_refused_with_its_line() -> N
 def test_an_internal_failure_names_the_stage_the_node_and_its_op(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug inside a stage (here a KeyError planted in insert_comm) reaches the user as an
     AutoparError naming the stage and the node it was working on, caused by the original."""
-    real = driver.insert_comm
+    real = lowering.insert_comm
     seen: list[torch.fx.Node] = []
 
     def broken(gm: torch.fx.GraphModule, *args: object) -> object:
@@ -116,7 +116,7 @@ def test_an_internal_failure_names_the_stage_the_node_and_its_op(monkeypatch: py
                 raise KeyError("_tensor_constant0")
         return real(gm, *args)
 
-    monkeypatch.setattr(driver, "insert_comm", broken)
+    monkeypatch.setattr(lowering, "insert_comm", broken)
     model, batch = make_mlp(0)
     with pytest.raises(InternalError) as err:
         compile_for_rank(model, Mesh.from_shape((2,)), batch, coords=(0,))
