@@ -50,7 +50,8 @@ def decided_on_rank0(
     alike on every rank; any other failure of rank 0 (an InternalError too) is rank 0's own,
     raised there with its traceback, and a `RankFailureError` naming rank 0 and the error on the
     others. Without a process group (one process: every pipeline rank run there, in the tests'
-    `autopar.testing.pipeline_lockstep`) there is nobody to agree with: `decide()` itself.
+    `autopar.testing.pipeline_lockstep`) there is nobody to agree with: `decide()` itself, read
+    back through the same encoding a job's ranks read it through.
 
     The result travels as `wire`'s JSON, read back by its decoder on every rank, rank 0 too (so
     all apply the same value); without a wire, pickled and read by the allow-listed unpickler
@@ -58,7 +59,9 @@ def decided_on_rank0(
     could not be read is rank 0's failure, raised as one on every rank, not a refusal on the
     others alone."""
     if group is None and not dist.is_initialized():
-        return decide()
+        alone = decide()
+        _, payload = _read(pickle.dumps(("value", wire.dumps(alone) if wire is not None else alone)))
+        return wire.loads(payload) if wire is not None else payload  # type: ignore[no-any-return]
     data: bytes | None = None
     own: BaseException | None = None
     value: Any = None
