@@ -31,6 +31,7 @@ from autopar.compiler.pipeline_mesh import auto_pipeline_mesh, choose_pipeline_m
 from autopar.compiler.pricing import Compared, PlanResult, price
 from autopar.core.errors import AutoparError, CheckpointError, MeshError, UsageError
 from autopar.core.graph_copy import graph_copy
+from autopar.core.host_memory import return_freed_memory
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.precision import Autocast, MixedPrecision, compilable_autocast
@@ -195,6 +196,7 @@ def parallelize(
         )
         pipelined_module.mesh_choice = depth_choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
         watch_optimizers(model, pipelined_module)
+        return_freed_memory()  # what planning and compiling freed, not kept resident through training
         return pipelined_module
     seeded = torch.random.get_rng_state()  # what a meta-device model is initialized from
     traced_inputs, traced_kwargs = example_inputs, example_kwargs
@@ -233,6 +235,7 @@ def parallelize(
     )
     result.mesh_choice = depth_choice if depth_choice is not None else choice  # type: ignore[assignment]
     watch_optimizers(model, result)  # an optimizer over model.parameters() is refused at its step
+    return_freed_memory()  # what planning and compiling freed, not kept resident through training
     return result
 
 

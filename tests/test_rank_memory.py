@@ -5,8 +5,10 @@ pipeline cut read), so both plan under one limit."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import pytest
 
 import autopar
 from autopar.api import default_memory_limit
-from autopar.core.host_memory import RUNTIME_RESERVE, cpu_rank_memory
+from autopar.core.host_memory import RUNTIME_RESERVE, cpu_rank_memory, return_freed_memory
 from autopar.cost.hardware import load_hardware
 from autopar.passes.trace import trace
 from autopar.planning.memory import MEMORY_HEADROOM
@@ -87,3 +89,26 @@ def test_a_pipeline_cut_on_the_cpu_table_defaults_to_a_ranks_share_less_the_rese
     cut = cut_graph(graph, pp=2, microbatches=2)
     table = load_hardware("cpu-gloo")
     assert cut.memory_limit == MEMORY_HEADROOM * (table.memory_capacity / 4 - RUNTIME_RESERVE)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        match = re.search(r"^VmRSS:\s+(\d+) kB", f.read(), re.MULTILINE)
+    assert match is not None
+    return int(match.group(1)) / 1024
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/status").exists() or not hasattr(ctypes.CDLL(None), "malloc_trim"),
+    reason="glibc on Linux: malloc_trim and /proc/self/status",
+)
+def test_what_a_compile_frees_goes_back_to_the_system_not_kept_resident() -> None:
+    # 64 MiB in blocks below malloc's mmap threshold come from its heap; a block allocated after
+    # them keeps the freed run away from the heap's top, where free() alone would give it back
+    blocks = [bytearray(64 * 1024) for _ in range(1024)]
+    pin = bytearray(64 * 1024)
+    del blocks
+    resident = _rss_mib()
+    return_freed_memory()  # what parallelize calls before it returns
+    assert resident - _rss_mib() > 32
+    del pin

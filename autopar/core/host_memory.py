@@ -13,6 +13,9 @@ different limits, docs/pipeline.md#a-pipelined-ranks-memory).
 
 from __future__ import annotations
 
+import ctypes
+import gc
+
 MiB = 1024**2
 
 # The runtime's fixed memory per CPU rank: 286 MiB of RSS on every rank of a 4-rank gloo job after
@@ -29,3 +32,27 @@ def cpu_rank_memory(machine: float, ranks: int) -> float:
     """Bytes a plan's tensors may take on one of `ranks` CPU ranks of a machine of `machine` bytes:
     its share of the machine less `RUNTIME_RESERVE` (0 where the share does not cover it)."""
     return max(0.0, machine / max(1, ranks) - RUNTIME_RESERVE)
+
+
+def return_freed_memory() -> None:
+    """Collect the cyclic garbage and hand the C library's free heap pages back to the system
+    (glibc's `malloc_trim(0)`; where the C library has none, the collection alone).
+
+    `parallelize` calls it before it returns. Planning and compiling run with the collector off
+    (`compiler.driver.compile_conditions`) and free most of what they allocated only when they
+    finish: the mesh choice's searches, each lowered copy of the graph. glibc keeps the freed
+    pages resident for later allocations, so without this a rank would carry them through training:
+    on benchmarks/peers.py's GPT, rank 0 of 8 (which chooses the mesh) kept ~90 MiB of RSS its
+    program does not use (`benchmarks/setup_memory.py`). The peak while planning is not lowered.
+    """
+    gc.collect()
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None)  # the symbols already loaded into this process, the C library's among them
+    except OSError:  # pragma: no cover - a platform without dlopen(NULL)
+        return None
