@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.planning.search_blocks import Clock, chains, make_blocks, solve, sweep, trees
-from autopar.planning.search_vars import CACHED_ENTRIES, Tally
+from autopar.planning.search_vars import CACHED_ENTRIES, SharedMatrices, Tally
 from autopar.planning.search_vars import Edge as _Edge
 from autopar.planning.search_vars import Var as _Var
 
@@ -234,3 +234,22 @@ def test_an_edge_keeps_small_pair_tables_and_gathers_large_ones_again() -> None:
         want = np.array([[table[out_index[i], in_index[j]] for j in range(n)] for i in range(n)])
         assert np.array_equal(edge.matrix(), want) and np.array_equal(edge.matrix(), want)
         assert (edge.cached is not None) == (n * n <= CACHED_ENTRIES), n
+
+
+def test_edges_reading_one_table_through_the_same_indices_share_one_kept_matrix() -> None:
+    """Repeated layers' edges read one pair table through the same index arrays: one search keeps
+    one matrix for all of them (`SharedMatrices`), the numbers each edge would gather itself; an
+    edge with other index arrays (equal values, another array) or another table gets its own."""
+    rng = np.random.default_rng(1)
+    table = rng.random((3, 4))
+    out_index, in_index = rng.integers(0, 3, 40), rng.integers(0, 4, 50)
+    matrices = SharedMatrices()
+    layers = [_Edge(2 * k, 2 * k + 1, table, out_index, in_index, matrices=matrices) for k in range(4)]
+    alone = _Edge(8, 9, table, out_index.copy(), in_index, matrices=matrices)
+    other = _Edge(10, 11, table.copy(), out_index, in_index, matrices=matrices)
+    want = table[np.ix_(out_index, in_index)]
+    for edge in (*layers, alone, other):
+        assert np.array_equal(edge.matrix(), want)
+    assert all(edge.matrix() is layers[0].matrix() for edge in layers)
+    assert alone.matrix() is not layers[0].matrix() and other.matrix() is not layers[0].matrix()
+    assert len(matrices) == 3

@@ -35,7 +35,7 @@ from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.memory import SavedValue, plan_memory, saved_nodes, weight_chain
 from autopar.planning.ring_cost import op_extra_cost
 from autopar.planning.search_blocks import Clock, chains, make_blocks, sweep, trees
-from autopar.planning.search_vars import Edge, PairTable, Tally, Var
+from autopar.planning.search_vars import Edge, PairTable, SharedMatrices, Tally, Var
 from autopar.planning.storage import part_dim_at, part_dims, part_storage, replicated_storage
 from autopar.rules.base import RuleRegistry
 from autopar.rules.calls import call_key, expand_cached, op_call, output_index, tensor_inputs
@@ -115,6 +115,7 @@ class Problem:
         self.vars: list[Var] = []
         self.edges: list[Edge] = []
         self._pairs: list[PairTable] = []  # per edge: its table (`Edge.table` is set by `_fill`)
+        self.matrices = SharedMatrices()  # the edges' kept pair matrices, one per distinct one
         self.shared = shared = shared if shared is not None else Shared()
         self._tables = shared.tables
         self._vectors = shared.vectors
@@ -370,7 +371,7 @@ class Problem:
         for edge, table in zip(self.edges, self._pairs):
             edge.table, edge.pairs = table.data, table
             edge.out_index, edge.in_index = table.compact(edge.out_index, "out"), table.compact(edge.in_index, "in")
-            edge.cached = None
+            edge.cached, edge.matrices = None, self.matrices
         self._pairs = []
 
     def _prune(self, var: Var) -> None:

@@ -43,6 +43,8 @@ class Edge:
     cached: np.ndarray | None = field(default=None, repr=False)  # `matrix()`, once computed
     # the table `table` is the data of (set by `Problem._fill`): its layout lists and share
     pairs: PairTable | None = field(default=None, repr=False)
+    # the pair matrices of the search this edge belongs to (set by `Problem._fill`)
+    matrices: SharedMatrices | None = field(default=None, repr=False)
 
     def for_consumer(self, u_choice: int) -> np.ndarray:
         return self.table[self.out_index[u_choice], self.in_index]
@@ -57,6 +59,9 @@ class Edge:
         choice of Mixtral 8x7B's pipelined job (8 layers, benchmarks/moe_pipelined.py) past 9 GB."""
         if self.cached is not None:
             return self.cached
+        if self.matrices is not None and len(self.out_index) * len(self.in_index) <= CACHED_ENTRIES:
+            self.cached = self.matrices.get(self.table, self.out_index, self.in_index)
+            return self.cached
         matrix = self.table[np.ix_(self.out_index, self.in_index)]
         if matrix.size <= CACHED_ENTRIES:
             self.cached = matrix
@@ -64,6 +69,30 @@ class Edge:
 
     def value(self, u_choice: int, v_choice: int) -> float:
         return float(self.table[self.out_index[u_choice], self.in_index[v_choice]])
+
+
+class SharedMatrices:
+    """The kept pair matrices of one search (`Edge.matrix`), one per (table, producer index,
+    consumer index): the edges of repeated layers read one table through the same index arrays
+    (`PairTable.compact`, `Problem._pruned_index`), so their matrices are equal, and one copy
+    serves them all. With one per edge, the 2x2x2 search of rank 0's mesh choice for
+    benchmarks/peers.py's 4-layer GPT set the process's peak: malloc's bytes in use rose from 144
+    to 273 MiB in it, 207 with one per distinct matrix (peak RSS 562 -> 495 MiB,
+    `benchmarks/setup_memory.py`). Callers only read the matrices."""
+
+    def __init__(self) -> None:
+        # keyed by the arrays' ids; the arrays are kept in the value, so no id is reused meanwhile
+        self._found: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def get(self, table: np.ndarray, out_index: np.ndarray, in_index: np.ndarray) -> np.ndarray:
+        key = (id(table), id(out_index), id(in_index))
+        found = self._found.get(key)
+        if found is None:
+            found = self._found[key] = (table, out_index, in_index, table[np.ix_(out_index, in_index)])
+        return found[3]
+
+    def __len__(self) -> int:
+        return len(self._found)
 
 
 # prices the cells (rows x cols, indices into the two layout lists) of a pair table
