@@ -17,7 +17,7 @@ What it measures, per variant:
 - parameters per rank: elements each rank stores (a DTensor's `to_local()`, tied weights once).
 - peak RSS per rank, measured apart for each variant: every variant is also built and trained
   alone (`--check-steps` steps) in a fresh 8-rank job, forked from the same light parent, so every
-  rank starts from the same RSS (the parent's torch import, ~230 MiB here). The table gives the
+  rank starts from the same RSS (the parent's torch and autopar imports, ~280 MiB here). The table gives the
   process peak (`ru_maxrss`: setup, autopar's compile and planning included) of the largest and
   the median rank. The JSON also has the RSS at start and after setup, the peak during setup and
   the peak over the training steps alone (reset after setup via /proc/self/clear_refs; it starts
