@@ -107,9 +107,9 @@ def export_model(
     except (AssertionError, ValueError) as exc:
         if reading_values and raised_in_user_code(exc):  # the model's own check failed on these values
             raise model_error(model, exc) from exc
-        raise export_error(model, exc) from exc
+        raise export_error(model, exc, fake_model) from exc
     except Exception as exc:  # torch raises many types; the user needs the location and the cause
-        raise export_error(model, exc) from exc
+        raise export_error(model, exc, fake_model) from exc
 
 
 
