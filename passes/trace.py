@@ -81,7 +81,7 @@ from autopar.passes.trace_export import (
     outputs_as_copies_of_views,
     windows_as_slices,
 )
-from autopar.passes.trace_outputs import OutputRecord, tensor_outputs
+from autopar.passes.trace_outputs import OutputRecord, hidden_tensors_error, tensor_outputs
 from autopar.passes.value_guards import (
     flat_values,
     inputs_have_values,
@@ -246,6 +246,9 @@ def _trace(
     if outputs.functions:
         restore()
         raise custom_function_error(outputs.functions, exported.graph_module.graph, functions)
+    if outputs.hidden:
+        restore()
+        raise hidden_tensors_error(model, outputs.hidden)
     decompositions = sharding_decompositions() if decompose else None
     in_spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1]
     joint = _Joint(model, fake_mode, fake_args, fake_kwargs, decompositions, tied, split_fused, in_spec, outputs)

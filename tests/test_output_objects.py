@@ -1,0 +1,71 @@
+"""A model that returns its own dataclass (`Out(loss, logits)`, as Lightning-style code writes):
+pytree sees no tensor in an unregistered one, so the program used to have no outputs at all and the
+parallel module returned None in its place (a user probe: 0 outputs compiled, no error). It is
+refused, named, with how to register it; registered, it trains like serial and comes back whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pass_fixtures import assert_call_matches_serial
+
+from autopar.core.errors import TraceError
+from autopar.core.meta import signature
+from autopar.passes.trace import trace
+
+
+@dataclass
+class _Out:
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+@dataclass
+class _RegisteredOut:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    note: str = "step"
+
+
+torch.export.register_dataclass(_RegisteredOut)  # what the error's hint says to do
+
+
+class _Net(nn.Module):
+    def __init__(self, out: type) -> None:
+        super().__init__()
+        self.out = out
+        self.l1, self.l2 = nn.Linear(12, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> object:
+        logits = self.l2(torch.relu(self.l1(x)))
+        return self.out(loss=F.cross_entropy(logits, y), logits=logits)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 12, generator=g), torch.randint(3, (8,), generator=g)
+
+
+def test_an_unregistered_dataclass_output_is_refused_with_how_to_register_it() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(TraceError) as raised:
+        trace(_Net(_Out), _batch())
+    error = raised.value
+    assert error.op == "return _Out" and "would return None" in error.message, error
+    assert error.where and "test_output_objects.py" in error.where, error.where
+    assert error.hint and "torch.export.register_dataclass(_Out)" in error.hint
+
+
+def test_a_registered_dataclass_output_trains_like_serial_and_comes_back_whole() -> None:
+    torch.manual_seed(0)
+    compiled = assert_call_matches_serial(_Net(_RegisteredOut), (2, 2), _batch())
+    first = next(iter(compiled.values()))
+    assert len(first.program.output_layouts) == 2  # the loss and the logits
+    structure = signature(first.graph).outputs
+    assert structure is not None
+    rebuilt = structure.rebuild([torch.tensor(1.0), torch.zeros(8, 3)])
+    assert isinstance(rebuilt, _RegisteredOut) and rebuilt.note == "step", rebuilt
