@@ -194,10 +194,22 @@ def joint_hint(exc: BaseException) -> str:
     return trace_hint(exc, "the model must be differentiable with a single output that backward() is called on")
 
 
+# torch.export's refusal of an argument whose class is no pytree container (a user's dataclass batch)
+_UNSUPPORTED_INPUT = re.compile(r"Unsupported input type <class '([\w.]+)'>")
+UNSUPPORTED_INPUT_HINT = (
+    "register the class of that argument before parallelize: torch.export.register_dataclass({name}) "
+    "for a dataclass (torch.utils._pytree.register_pytree_node for another class); the trace and the "
+    "parallel module then take it as the model does. Or pass its tensors as separate arguments"
+)
+
+
 def trace_hint(exc: BaseException, otherwise: str) -> str:
     """The hint for what failed: torch's causal-mask detection, CTC's alignment table, a value read
     by Python, a data-dependent shape; else `otherwise`."""
     text = f"{type(exc).__name__}: {exc}"
+    unsupported = _UNSUPPORTED_INPUT.search(text)
+    if unsupported:
+        return UNSUPPORTED_INPUT_HINT.format(name=unsupported.group(1).rpartition(".")[2])
     if "_detect_is_causal_mask" in _frames_of(exc):
         return CAUSAL_MASK_HINT
     if "_ctc_loss" in text:

@@ -1,7 +1,8 @@
 """A model that returns its own dataclass (`Out(loss, logits)`, as Lightning-style code writes):
 pytree sees no tensor in an unregistered one, so the program used to have no outputs at all and the
 parallel module returned None in its place (a user probe: 0 outputs compiled, no error). It is
-refused, named, with how to register it; registered, it trains like serial and comes back whole."""
+refused, named, with how to register it; registered, it trains like serial and comes back whole.
+A dataclass batch gets the same hint from torch.export's refusal, and registered trains like serial."""
 
 from __future__ import annotations
 
@@ -69,3 +70,33 @@ def test_a_registered_dataclass_output_trains_like_serial_and_comes_back_whole()
     assert structure is not None
     rebuilt = structure.rebuild([torch.tensor(1.0), torch.zeros(8, 3)])
     assert isinstance(rebuilt, _RegisteredOut) and rebuilt.note == "step", rebuilt
+
+
+@dataclass
+class _Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclass
+class _RegisteredBatch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+torch.export.register_dataclass(_RegisteredBatch)
+
+
+class _BatchNet(_Net):
+    def forward(self, batch: _Batch) -> object:  # type: ignore[override]
+        return super().forward(batch.x, batch.y).loss
+
+
+def test_a_dataclass_batch_gets_how_to_register_it_and_registered_trains_like_serial() -> None:
+    """torch.export's own refusal of the batch's class came with the generic "make the forward
+    traceable" hint; it now says to register the class, which then trains like serial."""
+    torch.manual_seed(0)
+    with pytest.raises(TraceError) as raised:
+        trace(_BatchNet(_Out), (_Batch(*_batch()),))
+    assert raised.value.hint and "torch.export.register_dataclass(_Batch)" in raised.value.hint, raised.value
+    assert_call_matches_serial(_BatchNet(_Out), (2, 2), (_RegisteredBatch(*_batch()),))
