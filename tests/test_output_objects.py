@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from pass_fixtures import assert_call_matches_serial
+from pass_fixtures import assert_call_matches_serial, compile_every_rank, lockstep_step
 
 from autopar.core.errors import TraceError
 from autopar.core.meta import signature
 from autopar.passes.trace import trace
+from autopar.testing import assemble
 
 
 @dataclass
@@ -100,3 +101,38 @@ def test_a_dataclass_batch_gets_how_to_register_it_and_registered_trains_like_se
         trace(_BatchNet(_Out), (_Batch(*_batch()),))
     assert raised.value.hint and "torch.export.register_dataclass(_Batch)" in raised.value.hint, raised.value
     assert_call_matches_serial(_BatchNet(_Out), (2, 2), (_RegisteredBatch(*_batch()),))
+
+
+class _TwoTowers(nn.Module):
+    """CLIP's outputs in small: `logits_per_image` is a view (the transpose) of `logits_per_text`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image, self.text = nn.Linear(6, 4), nn.Linear(5, 4)
+        self.logit_scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, images: torch.Tensor, texts: torch.Tensor) -> dict[str, torch.Tensor]:
+        per_text = self.text(texts) @ self.image(images).t() * self.logit_scale.exp()
+        return {"logits_per_image": per_text.t(), "logits_per_text": per_text}
+
+
+def test_a_loss_on_an_output_that_views_another_output_trains_every_weight_like_serial() -> None:
+    """A contrastive loss on `logits_per_image` alone (open_clip's loop over transformers' CLIP):
+    the joint export gave the view no tangent of its own, so its gradient was dropped and the text
+    tower and the logit scale got none (a user probe on CLIPModel, 4 gloo ranks)."""
+    torch.manual_seed(0)
+    model = _TwoTowers()
+    g = torch.Generator().manual_seed(1)
+    images, texts = torch.randn(8, 6, generator=g), torch.randn(8, 5, generator=g)
+    shape = (2, 2)
+    compiled = compile_every_rank(model, shape, (images, texts))
+    program = next(iter(compiled.values())).program
+    assert program.tangent_outputs == [0, 1], program.tangent_outputs  # the view has its own
+    _, grads = lockstep_step(compiled, model, shape, (images, texts), {})  # output 0's gradient: ones
+    model(images, texts)["logits_per_image"].backward(torch.ones(8, 8))
+    params = dict(model.named_parameters())
+    for i, (name, layout) in enumerate(zip(program.param_names, program.param_layouts)):
+        want = params[name].grad
+        assert want is not None
+        got = assemble({c: grads[c][i] for c in grads}, layout, shape)
+        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-4, msg=name)
