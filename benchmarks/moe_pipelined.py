@@ -70,6 +70,9 @@ class Job:
     schedules: tuple[tuple[str, int], ...]  # (name, virtual stages); v = 0: one layer per virtual stage
     microbatches: int
     vocab: int
+    names: tuple[str, str] = NAMES  # the stage sub-mesh's axes
+    experts: tuple[int, ...] = (1,)  # the stage axes holding the experts (tokens exchanged by all-to-all)
+    sequences: int = 0  # sequences per microbatch (0: one per stage rank)
 
 
 JOBS = {
@@ -90,6 +93,13 @@ JOBS = {
         "stage dp 2 x EP64, ZeRO-1 DP, TP1, 120 microbatches of 128 x 4096", 61, 256, 2, (2, 64),
         (("1f1b", 1), ("zero-bubble", 1), ("zero-bubble", 2)), 120, 129280,
     ),  # fmt: skip
+    # Megatron-Bridge's 32-node recipe: TP 2 x DP 16 per stage, the 32-way expert group spanning both
+    # (ETP 1), micro-batch 1 per data rank (16 sequences per microbatch), 4096 / 16 = 256 microbatches
+    "deepseek-v3-bridge": Job(
+        deepseek_v3, "Megatron-Bridge recipe deepseek_v3_pretrain_config_32nodes: 256 H100, TP2 PP8 EP32 "
+        "(ETP1: experts over DP x TP), SP, MBS 1, GBS 4096 x 4096, all-to-all, 1F1B, full recompute", 61, 256, 8,
+        (16, 2), (("1f1b", 1),), 256, 129280, names=("dp", "tp"), experts=(0, 1), sequences=16,
+    ),  # fmt: skip
 }
 
 
@@ -104,6 +114,7 @@ def _row(name: str, which: str, c: PipelineCandidate, cpu: float, tokens: int) -
         "plan": which,
         "pp": c.pp,
         "stage_mesh": c.stage_mesh,
+        "experts_on": c.experts_on,
         "schedule": f"{c.schedule} v{c.v}",
         "recompute": c.recompute,
         "step_s": c.step_time,
@@ -123,7 +134,7 @@ def compare(
     """The published job, then `auto` over `depths`, on the same model and batch."""
     job = JOBS[name]
     m = microbatches or job.microbatches
-    per_micro = job.stage[0] * job.stage[1]  # one sequence per stage rank per microbatch
+    per_micro = job.sequences or job.stage[0] * job.stage[1]  # default: one sequence per stage rank
     batch = m * per_micro
     # every sequence reads the same ids (a stride-0 view): the plan depends on shapes only
     ids = torch.randint(job.vocab, (1, SEQ), generator=torch.Generator().manual_seed(1)).expand(batch, SEQ)
@@ -136,8 +147,8 @@ def compare(
     start = time.process_time()
     torch.manual_seed(0)
     published = choose_pipeline_mesh(
-        job.make(layers), job.world, (), depths=[job.pp], stage_meshes=[(job.stage, NAMES)],
-        schedules=_schedules(job, layers), with_tensor_only=False, registry=experts_on(1), **common,
+        job.make(layers), job.world, (), depths=[job.pp], stage_meshes=[(job.stage, job.names)],
+        schedules=_schedules(job, layers), with_tensor_only=False, registry=experts_on(*job.experts), **common,
     )  # fmt: skip
     rows = [_row(name, "published", published.chosen, time.process_time() - start, tokens)]
     print(published.table(), flush=True)
@@ -165,7 +176,7 @@ def main() -> None:
         got, tables[name] = compare(name, args.layers, args.microbatches, args.depths, not args.no_tensor_only, args.searched)
         rows += got
         print(got, flush=True)
-    columns = ["model", "plan", "pp", "stage_mesh", "schedule", "recompute", "step_s", "bubble", "factor", "memory_GB"]
+    columns = ["model", "plan", "pp", "stage_mesh", "experts_on", "schedule", "recompute", "step_s", "bubble", "factor", "memory_GB"]
     print(f"{args.layers} layers, {HARDWARE}, bf16, memory limit {MEMORY_LIMIT / 1e9:.0f} GB, auto depths {args.depths}"
           f"{'' if not args.no_tensor_only else ' (no tensor-only candidate)'}:")  # fmt: skip
     print(table(columns, [[f"{r[c]:.3f}" if isinstance(r[c], float) else r[c] for c in columns] for r in rows]))

@@ -62,7 +62,7 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
         1
         for graph in (program.forward, program.backward)
         for n in graph.graph.nodes
-        if n.target in routed_experts.ROUTED_OPS and n.args[-2]
+        if n.target in routed_experts.ROUTED_OPS and routed_experts.exchange_axes(n.args)
     )
     return result
 
@@ -120,7 +120,7 @@ def _pipelined_job(rank: int, world_size: int) -> dict[str, Any]:
         for _, program in stage.programs
         for graph in (program.forward, program.backward)
         for n in graph.graph.nodes
-        if n.target in routed_experts.ROUTED_OPS and n.args[-2]
+        if n.target in routed_experts.ROUTED_OPS and routed_experts.exchange_axes(n.args)
     )
     return result
 
