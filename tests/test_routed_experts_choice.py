@@ -108,7 +108,8 @@ def test_pipeline_choice_rows_say_which_axes_hold_the_experts(
     """Issue 35: each priced row of the pipeline depth choice records the stage sub-mesh axes its
     plan splits the experts over (`PipelineCandidate.experts`, from the sub-mesh choice's own
     search), and the table prints them in its last column: the experts held over "ep" read
-    "ep (EP 2)", kept whole on every rank "whole"."""
+    "ep (EP 2)", kept whole on every rank "whole". (The placement is the registry's own
+    requirement, kept beside the one token_dispatch="alltoall" adds: `rules.base.both`.)"""
     kwargs = {"example_kwargs": _batch(1, False), "microbatches": 2, "recompute": "none", "bound_depths": False}
     torch.manual_seed(0)
     choice = choose_pipeline_mesh(

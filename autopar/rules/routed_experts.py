@@ -57,7 +57,7 @@ from torch import fx
 from autopar.core.errors import AutoparError
 from autopar.core.layout import P, R, Shard
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
-from autopar.rules.base import LocalCall, LocalContext, Requirement, RuleRegistry
+from autopar.rules.base import LocalCall, LocalContext, Requirement, RuleRegistry, both
 from autopar.rules.token_dispatch import Exchange, GroupExchange, TwoAxisExchange, _expert_major
 
 aten = torch.ops.aten
@@ -487,7 +487,8 @@ def register(registry: RuleRegistry) -> None:
 
 
 def require_dispatcher(registry: RuleRegistry, dispatcher: str) -> RuleRegistry:
-    """A copy of `registry` whose routed-experts ops offer what `dispatcher` admits."""
+    """A copy of `registry` whose routed-experts ops offer what `dispatcher` admits, and what a
+    requirement the registry already puts on them admits (a user's placement of the experts)."""
     if dispatcher not in TOKEN_DISPATCHERS:
         raise AutoparError(
             f"no token dispatcher {dispatcher!r}",
@@ -499,5 +500,6 @@ def require_dispatcher(registry: RuleRegistry, dispatcher: str) -> RuleRegistry:
         return registry
     registry = registry.copy()
     for op in ROUTED_OPS:
-        registry.require(op, requirement)
+        rule = registry.get(op)
+        registry.require(op, both(rule.requirement if rule is not None else None, requirement))
     return registry
