@@ -16,9 +16,15 @@ the data axis's gradient reduction once per step, the weight state and the optim
   with its 120 microbatches of 128 sequences; at `--layers 8` a stage holds 4 layers, as the
   report's 61 over 16 stages (3.8). What the depth cut changes: the bubble's share (1 stage of 2
   idle at the ends instead of 15 of 16) and the data axis's ranks (2 per stage either way).
+- **Megatron-Bridge's DeepSeek-V3 recipe on 32 nodes** ("deepseek-v3-bridge",
+  `deepseek_v3_pretrain_config_32nodes`): 256 H100, TP 2, PP 8, EP 32 with expert TP 1 (the expert
+  group spans each stage's 16 data and 2 tensor ranks), sequence parallel, micro-batch 1 x 4096 per
+  data rank, global batch 4096 (256 microbatches of 16 sequences), all-to-all dispatcher, 1F1B (no
+  virtual stages); the recipe recomputes fully (both sides here take the fastest mode that fits).
+  Each stage runs on (dp, tp) = (16, 2) with the experts over both axes (`experts_on(0, 1)`).
 
 The published side is `choose_pipeline_mesh` restricted to its depth, its stage sub-mesh with the
-experts over "ep" by the all-to-all dispatcher (`moe_published.experts_on`: every other op placed
+experts over its expert axes ("ep"; both axes for the Bridge recipe) by the all-to-all dispatcher (`moe_published.experts_on`: every other op placed
 by the search on that mesh) and its schedule(s), no tensor-only candidate. "auto" is the same call
 over the depths of `--depths` (and the tensor-only mesh choice unless `--no-tensor-only`), every
 stage sub-mesh, every schedule of `AUTO_CANDIDATES`, `token_dispatch="auto"`. Same model, batch,
@@ -31,6 +37,7 @@ published count (and the global batch with it).
 
     python benchmarks/moe_pipelined.py --models mixtral-8x7b --layers 32 --depths 4 8  # 280 CPU s
     python benchmarks/moe_pipelined.py --models deepseek-v3-256 --layers 8 --depths 2 4 --no-tensor-only  # 281 CPU s
+    python benchmarks/moe_pipelined.py --models deepseek-v3-bridge --layers 16 --depths 4 8 --no-tensor-only
     python benchmarks/moe_pipelined.py --models deepseek-v3 --layers 16 --depths 8 16 --no-tensor-only  # not run
 
 Writes benchmarks/results/moe_pipelined.json ("runs": the last run of each model and layer count).
