@@ -42,7 +42,7 @@ from autopar.rules.routed_experts import ROUTED_OPS
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.wire import JsonWire, allowed_loads
 from autopar.testing import all_coords, assemble
-from autopar.testing.threads import run_threads
+from autopar.testing.threads import run_routed_calls
 from examples.models import GPT, GPTConfig, make_gpt, make_mlp
 
 aten = torch.ops.aten
@@ -257,24 +257,8 @@ def _exchanging_op(
     nodes: dict[Coords, fx.Node], envs: dict[Coords, dict[fx.Node, object]], mesh_shape: tuple[int, ...]
 ) -> dict[Coords, object]:
     """An `autopar::routed_experts(_backward)` local call with its all-to-alls inside, on every
-    rank: the ranks of each group of its axis (its last argument) run it as threads, exchanging
-    through `ThreadExchange` as processes would through their group."""
-    axis = next(iter(nodes.values())).args[-1]
-    out: dict[Coords, object] = {}
-    for c in nodes:
-        if c in out:
-            continue
-        group = group_of(c, axis, mesh_shape)  # type: ignore[arg-type]
-        calls = [_load(envs[g], nodes[g].args) for g in group]
-        out.update(zip(group, run_threads(len(group), functools.partial(_run_exchanging, calls))))
-    return out
-
-
-def _run_exchanging(calls: list[Any], rank: int, exchange: Any) -> object:
-    """One rank's local call (tensors, act, first_expert, group, axis) through `exchange`."""
-    args = calls[rank]
-    impl = routed_experts.experts_backward if len(args) == 10 else routed_experts.experts_forward
-    return impl(*args[:-3], args[-3], exchange)
+    rank: the ranks of each group of its axes run it as threads (`run_routed_calls`)."""
+    return run_routed_calls({c: _load(envs[c], n.args) for c, n in nodes.items()}, mesh_shape)
 
 
 def _load(env: dict[fx.Node, object], tree: object) -> object:
@@ -325,7 +309,7 @@ def run_lockstep(
             for c, n in nodes.items():
                 envs[c][n] = _collective(n, c, inputs, mesh_shape, splits)  # type: ignore[arg-type]
             continue
-        if first.op == "call_function" and first.target in ROUTED_OPS and first.args[-2]:
+        if first.op == "call_function" and first.target in ROUTED_OPS and routed_experts.exchange_axes(first.args):
             # the all-to-all token dispatcher exchanges inside the op: its ranks run it at once
             for c, value in _exchanging_op(nodes, envs, mesh_shape).items():
                 envs[c][nodes[c]] = value

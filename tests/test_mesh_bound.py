@@ -124,7 +124,9 @@ def test_the_bound_holds_for_moe_layers_with_their_experts_on_a_data_axis() -> N
     """MoE layers as routed-experts ops: the screen's dispatcher seeds include layouts with every
     axis a data axis (`search_seeds.dispatcher_seeds`, "...:data": experts and tokens over the
     ranks, no weight split), which on this model are the cheapest plan of the 1-D mesh (whose
-    default role is tensor) and of (4, 2). They pay none of the tensor-axis collectives the bound
+    default role is tensor) and, over two axes ("experts:alltoall:x+y:data"), of (2, 4) and
+    (2, 2, 2); on (4, 2) the SUMMA start, whose routed-experts ops now hold the experts over both
+    axes, is cheaper still. They pay none of the tensor-axis collectives the bound
     claims for the default roles, so the bound claims none for such a graph
     (`Bounds.tensor_axes`); it stays under every mesh's estimate and the screen with it keeps the
     whole screen's meshes."""
@@ -132,5 +134,6 @@ def test_the_bound_holds_for_moe_layers_with_their_experts_on_a_data_axis() -> N
     meshes, costs = _space(8, "h100-nvlink-ib")
     _, whole = screen(gm, meshes, default_registry(), costs, 2, bound=False)
     seeds = {mesh.shape: found.seed for mesh, found in zip(meshes, whole)}
-    assert seeds[(8,)] == "experts:alltoall:x:data" and seeds[(4, 2)] == "experts:alltoall:x:data", seeds
+    assert seeds[(8,)] == "experts:alltoall:x:data", seeds
+    assert seeds[(2, 4)] == seeds[(2, 2, 2)] == "experts:alltoall:x+y:data", seeds
     _check_against_whole_screen(gm, 8, "h100-nvlink-ib", keep=2)

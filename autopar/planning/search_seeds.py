@@ -148,8 +148,9 @@ def dispatcher_seeds(
 ) -> Iterator[tuple[str, Plan | AutoparError]]:
     """For MoE layers traced as `autopar::routed_experts` ops: every op's experts over one mesh
     axis with each dispatcher its rule offers there ("experts:alltoall:<axis>", the tokens
-    exchanged inside the op; "experts:allgather:<axis>", the tokens gathered), the rest laid out by
-    the greedy pass. The greedy pass cannot price the exchanges inside the op, so each dispatcher
+    exchanged inside the op; "experts:allgather:<axis>", the tokens gathered), and over each pair
+    of axes with the all-to-all ("experts:alltoall:<axis>+<axis>"), the rest laid out by the
+    greedy pass. The greedy pass cannot price the exchanges inside the op, so each dispatcher
     gets a start of its own and the search's objective (which does) compares them.
 
     Each such start is laid out twice where the mesh's default roles are not all data: with those
@@ -166,26 +167,28 @@ def dispatcher_seeds(
     layouts: list[tuple[str, tuple[str, ...] | None]] = [("", None)]
     if default != data:
         layouts.append((":data", data))
-    for axis, size in enumerate(mesh.shape):
-        if size == 1 or not routed:
-            continue
-        for (suffix, roles), kind in itertools.product(layouts, ("alltoall", "allgather")):
+    split = [a for a, size in enumerate(mesh.shape) if size > 1] if routed else []
+    # each axis alone with either dispatcher; each pair of axes with the all-to-all (an expert group
+    # spanning two axes, Megatron-Core's EP over its data and tensor groups)
+    starts: list[tuple[tuple[int, ...], tuple[str, tuple[str, ...] | None], str]] = [((a,), layout, kind) for a in split for layout, kind in itertools.product(layouts, ("alltoall", "allgather"))]
+    starts += [(pair, layout, "alltoall") for pair in itertools.combinations(split, 2) for layout in layouts]
+    for axes, (suffix, roles), kind in starts:
 
-            def pick(
-                node: fx.Node, candidates: list[Strategy], axis: int = axis, kind: str = kind
-            ) -> Strategy | None:
-                return next(
-                    (
-                        s
-                        for s in candidates
-                        if routed_experts.expert_axes(node.target, s) == (axis,)
-                        and (routed_experts.all_to_all_axis(node.target, s) == axis) == (kind == "alltoall")
-                    ),
-                    None,
-                )
+        def pick(
+            node: fx.Node, candidates: list[Strategy], axes: tuple[int, ...] = axes, kind: str = kind
+        ) -> Strategy | None:
+            return next(
+                (
+                    s
+                    for s in candidates
+                    if routed_experts.expert_axes(node.target, s) == axes
+                    and bool(routed_experts.all_to_all_axes(node.target, s)) == (kind == "alltoall")
+                ),
+                None,
+            )
 
-            name = f"{EXPERTS}:{kind}:{mesh.axis_names[axis]}{suffix}"
-            yield from _forced_seed(gm, mesh, registry, expand_cache, memo, name, routed, pick, roles)
+        name = f"{EXPERTS}:{kind}:{'+'.join(mesh.axis_names[a] for a in axes)}{suffix}"
+        yield from _forced_seed(gm, mesh, registry, expand_cache, memo, name, routed, pick, roles)
 
 
 def _forced_seed(

@@ -81,6 +81,16 @@ class Requirement:
     hint: str
 
 
+def both(first: Requirement | None, second: Requirement) -> Requirement:
+    """A requirement admitting what both admit (`first` None: `second`): a registry's own
+    requirement kept when another is put on the same op."""
+    if first is None:
+        return second
+    return Requirement(
+        lambda call, chosen: first.admits(call, chosen) and second.admits(call, chosen), f"{first.hint}; and {second.hint}"
+    )
+
+
 @dataclass(frozen=True)
 class OpRule:
     op: Any
