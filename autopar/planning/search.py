@@ -115,6 +115,7 @@ class SearchReport:
     memo_hits: int = 0  # chain solves answered from an identical earlier one
     memory_limit: float = math.inf
     memory: float = 0.0  # bytes per rank of the chosen plan
+    working: float = 0.0  # of which the working memory at the step's peak op (`planning.working`)
     prices: list[float] = field(default_factory=list)  # memory prices tried (cost per byte)
     regathered: tuple[str, ...] = ()  # weight chains gathered again in backward
     recomputed: tuple[str, ...] = ()  # units recomputed in backward ("op:..", "block:..", "region:..")
@@ -211,6 +212,7 @@ def search_layouts(
                     report.dispatcher_costs[kind] = option.cost
             note_cheapest(report.experts_axes_costs, expert_axes(gm, option.plan), option.cost)
     report.memory = final.memory.total if final.memory is not None else 0.0
+    report.working = final.memory.working if final.memory is not None else 0.0
     report.regathered = best.regather
     report.recomputed = best.savings.units
     report.solves = sum(r.tally.solves for r in runs)
