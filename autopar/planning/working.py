@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -45,8 +44,6 @@ from autopar.core.plan import Plan
 from autopar.cost.work import is_view
 from autopar.rules.calls import tensor_inputs
 from autopar.rules.ring_attention import BACKWARD, FORWARD, key_index, ring_axis
-
-LIFETIMES_KEY = "autopar_working_lifetimes"  # gm.meta: the graph's `_Lifetimes`
 
 
 def _alias_of(node: fx.Node) -> fx.Node | None:
@@ -59,7 +56,7 @@ def _alias_of(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _root(node: fx.Node, aliases: Mapping[fx.Node, fx.Node | None]) -> fx.Node:
+def _root(node: fx.Node, aliases: dict[fx.Node, fx.Node | None]) -> fx.Node:
     found = node
     while (base := aliases.get(found)) is not None:
         found = base
@@ -81,50 +78,6 @@ def ring_scratch_bytes(op: object, inputs: Sequence[Layout], outputs: Sequence[L
     return blocks + outputs[0].local_bytes(shape) + outputs[1].local_bytes(shape)  # out and lse partials
 
 
-@dataclass(frozen=True)
-class _Lifetimes:
-    """What of the working memory depends on the graph alone, worked out once per graph (the search
-    counts the memory of many plans of one graph): the ops in order, each value's alias root, the
-    position of each root's last reader, each op's tensor inputs."""
-
-    count: int  # nodes in the graph when built (a changed graph is built again)
-    nodes: tuple[fx.Node, ...]
-    roots: dict[fx.Node, fx.Node]
-    values: frozenset[fx.Node]  # ops making memory of their own (no alias, a tensor or tuple value)
-    ends: dict[int, tuple[fx.Node, ...]]  # position -> the values whose last reader it is
-    inputs: dict[fx.Node, list[fx.Node]]
-
-    @staticmethod
-    def of(gm: fx.GraphModule) -> _Lifetimes:
-        found = gm.meta.get(LIFETIMES_KEY)
-        first = next(iter(gm.graph.nodes), None)
-        if isinstance(found, _Lifetimes) and found.count == len(gm.graph.nodes) and (
-            not found.nodes or found.nodes[0] is first
-        ):  # (a copy of the graph, which may carry its meta, has nodes of its own)
-            return found
-        nodes = tuple(n for n in gm.graph.nodes if n.op != "output")
-        aliases = {n: _alias_of(n) for n in nodes}
-        roots = {n: _root(n, aliases) for n in nodes}
-        values = frozenset(
-            n for n in nodes
-            if n.op == "call_function" and aliases[n] is None
-            and isinstance(n.meta.get("val"), (torch.Tensor, tuple, list))
-        )  # fmt: skip
-        last = {n: i for i, n in enumerate(nodes) if n in values}
-        for i, node in enumerate(nodes):
-            for source in node.all_input_nodes:
-                root = roots.get(source, source)
-                if root in last:
-                    last[root] = max(last[root], i)
-        ends: dict[int, list[fx.Node]] = {}
-        for root, at in last.items():
-            ends.setdefault(at, []).append(root)
-        inputs = {n: tensor_inputs(n) for n in nodes if n.op == "call_function"}
-        built = _Lifetimes(len(gm.graph.nodes), nodes, roots, values, {k: tuple(v) for k, v in ends.items()}, inputs)
-        gm.meta[LIFETIMES_KEY] = built
-        return built
-
-
 def op_working_bytes(
     gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int], held: Mapping[str, Collection[Layout]]
 ) -> list[tuple[str, float]]:
@@ -132,18 +85,36 @@ def op_working_bytes(
     order (module doc). `held`: the saved values (`memory.SavedValue.name`) and the layouts each is
     kept in, which are counted as saved activations, not here."""
     shape = tuple(mesh_shape)
-    graph = _Lifetimes.of(gm)
-    held_roots = {graph.roots[n] for n in graph.nodes if n.name in held}
-    size = {n: _output_bytes(n, plan, shape) for n in graph.values if n not in held_roots}
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    position = {n: i for i, n in enumerate(nodes)}
+    aliases = {n: _alias_of(n) for n in nodes}
+    held_roots = {_root(n, aliases) for n in nodes if n.name in held}
+    size: dict[fx.Node, float] = {}
+    last: dict[fx.Node, int] = {}
+    for node in nodes:
+        if node.op != "call_function" or aliases[node] is not None or node in held_roots:
+            continue
+        if not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
+            continue
+        size[node] = _output_bytes(node, plan, shape)
+        last[node] = position[node]
+    for node in nodes:
+        for source in node.all_input_nodes:
+            root = _root(source, aliases)
+            if root in last:
+                last[root] = max(last[root], position[node])
+    ends: dict[int, list[fx.Node]] = {}
+    for root, at in last.items():
+        ends.setdefault(at, []).append(root)
     live = 0.0
     found: list[tuple[str, float]] = []
-    for position, node in enumerate(graph.nodes):
+    for node in nodes:
         live += size.get(node, 0.0)
         strategy = plan.strategies.get(node.name)
         if strategy is not None:
             copies: set[tuple[str, Layout]] = set()
             extra = 0.0
-            for source, want in zip(graph.inputs.get(node, ()), strategy.inputs):
+            for source, want in zip(tensor_inputs(node), strategy.inputs):
                 have = plan.layouts.get(source.name)
                 if not have or want == have[0] or want in held.get(source.name, ()):
                     continue
@@ -153,8 +124,8 @@ def op_working_bytes(
             if node.target in (FORWARD, BACKWARD) and ring_axis(node.target, strategy) is not None:
                 extra += ring_scratch_bytes(node.target, strategy.inputs, strategy.outputs, shape)
             found.append((node.name, live + extra))
-        for root in graph.ends.get(position, ()):
-            live -= size.get(root, 0.0)
+        for root in ends.get(position[node], ()):
+            live -= size[root]
     return found
 
 
