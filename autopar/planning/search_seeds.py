@@ -31,6 +31,7 @@ from autopar.rules.calls import expand_cached, op_call, tensor_inputs
 
 PREFIX = "fixed:"
 EXPERTS = "experts"
+ORDER = "order:"  # seeds from a narrower registry (`order_seeds`)
 
 
 def fixed_seeds(
@@ -67,6 +68,36 @@ def fixed_seeds(
                     expand_cache=expand_cache,
                     memo=memo,
                 )
+            except AutoparError as exc:
+                yield name, exc
+                continue
+            yield name, plan
+
+
+def order_seeds(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    roles: list[tuple[str, ...]],
+    expand_cache: dict[Any, list[Strategy]],
+) -> Iterator[tuple[str, Plan | AutoparError]]:
+    """("order:<name>:<roles>", plan) for every registry `registry` seeds from
+    (`RuleRegistry.seed_from`) and every assignment of axis roles, or (name, why it failed).
+
+    Such a registry is a narrower copy of `registry` ("cp" axes: the balanced causal order asked
+    for, the linears' (batch, sequence) merge included), whose greedy plans lie where the chain
+    moves from `registry`'s own seeds do not go: those list the contiguous strategies first, the
+    balanced copies tie with them op by op, and the balanced order pays off only once the whole
+    residual stream takes it. Each registry's passes get a memo of their own (its answers depend
+    on the registry's lists; the expand cache is keyed by rule and may be shared). A seed that
+    breaks one of `registry`'s requirements is refused (`_check_required`)."""
+    for order, seeding in registry.seed_orders():
+        memo = GreedyMemo()
+        for assignment in roles:
+            name = f"{ORDER}{order}:{'/'.join(assignment)}"
+            try:
+                plan = greedy_plan(gm, mesh, seeding, roles=assignment, expand_cache=expand_cache, memo=memo)
+                _check_required(gm, registry, plan.strategies, name)
             except AutoparError as exc:
                 yield name, exc
                 continue

@@ -356,6 +356,11 @@ def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = 
         for op in constrained.ops():
             if op not in (FORWARD, BACKWARD):
                 constrained.require(op, _both(constrained.get(op).requirement, whole))  # type: ignore[union-attr]
+    if strategy == "auto":
+        # the search's seeds list the contiguous strategies first, and no chain move turns a whole
+        # residual stream balanced: the balanced plan (linears' merge included) seeds it too, and
+        # its strategies join the candidates (docs/context-parallel.md#asking-for-it-a-cp-axis)
+        constrained.seed_from("balanced", require_context_parallel(registry, axis, "balanced"))
     return constrained
 
 
