@@ -73,9 +73,10 @@ class ElementCost:
     ) -> np.ndarray:
         """`redistribute` between every pair (rows: `outs`, columns: `ins`, one tensor's layouts),
         or only between `outs[rows]` and `ins[cols]`: from the steps of each pair of placements
-        (`search_steps`) where all of `outs` and `ins` are even, pair by pair otherwise (uneven
-        blocks are recounted at every step). A cell's number does not depend on which others are
-        asked for, so a table may be filled piece by piece."""
+        (`search_steps`) between even layouts, pair by pair where a side is uneven (uneven blocks
+        are recounted at every step); in lists holding an uneven layout the even pairs' steps are
+        added up as `redistribute` adds them (`_even_table(exact=True)`). A cell's number does not
+        depend on which others are asked for, so a table may be filled piece by piece."""
         n, out_even = self._blocks(outs)
         in_even = self._blocks(ins)[1]
         out_even = out_even & (n > 0)
