@@ -23,7 +23,8 @@ from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
 from autopar.planning.fixed import SCHEMES, find_linears, forced_strategies, pair_linears, variants_on
-from autopar.planning.greedy import axis_roles, greedy_plan
+from autopar.planning.greedy import greedy_plan
+from autopar.planning.greedy_roles import axis_roles
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.rules import expert_parallel, routed_experts
 from autopar.rules.base import RuleRegistry
