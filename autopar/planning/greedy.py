@@ -301,7 +301,8 @@ class _Greedy:
         roled = rule.anchor and "param" in current and any(c != "param" for c in current)
         # ... and on what its readers take (`greedy_ahead`): their ops and other inputs now
         readers = self.readers.of(node)
-        ahead = tuple(self.readers.key(r, j) for r, j in readers)
+        # (and whether they are all its uses: `_pick` then charges no pending sum of its own)
+        ahead = (tuple(self.readers.key(r, j) for r, j in readers), len(readers) == len(node.users))
         key = (self._question(node, key_of_call), tuple(current), self.plan.roles if roled else None, ahead)
         found = self.choices.get(key)
         if found is None:
