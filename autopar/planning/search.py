@@ -38,7 +38,8 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.cost.formulas import format_bytes
-from autopar.planning.greedy import axis_roles, greedy_plan
+from autopar.planning.greedy import greedy_plan
+from autopar.planning.greedy_roles import axis_roles
 from autopar.planning.memory import PlanMemory, plan_memory
 from autopar.planning.plan_cost import GraphFacts, plan_cost, plan_cost_parts
 from autopar.planning.search_cost import ElementCost, TimeCost, even_factor, even_steps
