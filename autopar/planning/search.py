@@ -448,8 +448,6 @@ def role_assignments(mesh: Mesh) -> list[tuple[str, ...]]:
     return options
 
 
-
-
 def _searched_in(registry: RuleRegistry, start: str) -> RuleRegistry:
     """The registry whose candidates the chain moves from seed `start` choose among: a narrower
     registry's seed (`search_seeds.order_seeds`) is searched within that registry, since the
