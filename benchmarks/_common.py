@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 import autopar.compiler.driver as driver
+import autopar.compiler.lowering as lowering
 from autopar.compiler.driver import Compiled
 from autopar.core.mesh import Mesh
 
@@ -67,7 +68,11 @@ def staged_compile(
     """
     wall = dict.fromkeys(STAGES, 0.0)
     cpu = dict.fromkeys(STAGES, 0.0)
-    originals = {name: getattr(driver, name) for name in _STAGE_OF}
+    # (each where compile_for_rank calls it: the driver, or `compiler.lowering` for the passes
+    # between the plan and the schedule)
+    originals = {
+        (module, name): getattr(module, name) for name in _STAGE_OF for module in (driver, lowering) if hasattr(module, name)
+    }
 
     def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         stage = _STAGE_OF[name]
@@ -83,8 +88,8 @@ def staged_compile(
         return wrapper
 
     dump = os.environ.pop("AUTOPAR_DUMP_DIR", None)
-    for name, fn in originals.items():
-        setattr(driver, name, timed(name, fn))
+    for (module, name), fn in originals.items():
+        setattr(module, name, timed(name, fn))
     try:
         w, c = time.perf_counter(), time.process_time()
         compiled = driver.compile_for_rank(
@@ -92,8 +97,8 @@ def staged_compile(
         )
         total_wall, total_cpu = time.perf_counter() - w, time.process_time() - c
     finally:
-        for name, fn in originals.items():
-            setattr(driver, name, fn)
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
         if dump is not None:
             os.environ["AUTOPAR_DUMP_DIR"] = dump
     times = dict(wall)

@@ -28,7 +28,7 @@ same for any job.
 
     python benchmarks/large_model.py                          # ~1 B parameters (4 GB in fp32)
     python benchmarks/large_model.py --n-layer 2 --n-embd 256 --name large_model_small   # a minute
-    python benchmarks/large_model.py --pp 2 --mesh 2,2 --name large_model_pipelined_1b    # pp=2 x (2,2), the machine alone
+    python benchmarks/large_model.py --pp 2 --mesh 2,2 --n-layer 18 --name large_model_pipelined_1b  # 0.92 B, pp=2 x (2,2), alone
     python benchmarks/large_model.py --pp 2 --mesh 2,2 --n-layer 2 --n-embd 128 --n-head 4 --vocab 512 --name x  # a minute
 
 Writes benchmarks/results/large_model.json (or <name>.json) and a table on stdout.

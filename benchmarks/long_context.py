@@ -286,14 +286,16 @@ class Small:
 
 def plan_args(variant: str, limit: float | None) -> tuple[tuple[str], autopar.PlanOptions, float | None]:
     """Mesh axis name, planning options and memory limit of one of part (a)'s plans: `NO_CP`,
-    `AUTO`, `LIMITED` (the search's choice under `limit` bytes), or "cp <strategy>" (forced)."""
+    `AUTO`, `LIMITED` (the search's choice under `limit` bytes), or "cp <strategy>" (forced; "cp auto":
+    a "cp" axis at its defaults)."""
     if variant == NO_CP:
         return ("x",), autopar.PlanOptions(registry=without_sequence_split(default_registry())), None
     if variant in (AUTO, LIMITED):
         return ("x",), autopar.PlanOptions(), limit if variant == LIMITED else None
     strategy = variant.removeprefix("cp ")
-    if strategy not in FORCED:
-        raise ValueError(f"unknown plan {variant!r}: {NO_CP!r}, {AUTO!r}, {LIMITED!r} or 'cp <strategy>', one of {FORCED}")
+    if strategy not in (*FORCED, "auto"):  # "cp auto": a "cp" axis, the search choosing among all
+        raise ValueError(f"unknown plan {variant!r}: {NO_CP!r}, {AUTO!r}, {LIMITED!r} or 'cp <strategy>', one of "
+                         f"{(*FORCED, 'auto')}")
     return ("cp",), autopar.PlanOptions(context_parallel=strategy), None
 
 
@@ -365,7 +367,8 @@ def _modeled(small: Small, variant: str, limit: float | None, ranks: int) -> dic
     result = autopar.plan(model, (ranks,), batch, mesh_names=names, memory_limit=memory_limit, planning=planning,
                           device_type="cpu")  # fmt: skip
     return {"attention_inputs": _attention(result), "modeled_step_ms": result.step_time * 1e3,
-            "modeled_memory_mib": result.memory.total / MiB}  # fmt: skip
+            "modeled_memory_mib": result.memory.total / MiB, "modeled_working_mib": result.memory.working / MiB,
+            "modeled_activations_mib": result.memory.activations / MiB}  # fmt: skip
 
 
 def measure(small: Small, variants: list[str], limit: float | None, ranks: int, rounds: int) -> dict[str, Any]:
@@ -408,12 +411,12 @@ def measured_table(result: dict[str, Any]) -> str:
     for variant, p in result["plans"].items():
         rows.append([
             variant, f"`{p['attention_inputs']}`", f"{p['modeled_memory_mib']:.1f}", f"{p['saved_activations_mib']:.1f}",
-            p["recomputed"], f"{max(p['peak_rss_mib_per_rank']):.0f}", f"{max(p['rise_mib_per_rank']):.0f}",
-            f"{max(p['live_rise_mib_per_rank']):.0f}",
+            f"{p['modeled_working_mib']:.1f}", p["recomputed"], f"{max(p['peak_rss_mib_per_rank']):.0f}",
+            f"{max(p['rise_mib_per_rank']):.0f}", f"{max(p['live_rise_mib_per_rank']):.1f}",
             f"{p['median_step_ms']:.0f}", f"{p['losses'][0]:.6f}",
         ])  # fmt: skip
     return table(
-        ["plan", "first attention q, k, v", "modeled MiB/rank", "saved activations MiB", "recomputed",
+        ["plan", "first attention q, k, v", "modeled MiB/rank", "saved activations MiB", "working MiB (modeled)", "recomputed",
          "peak RSS MiB (max rank)", "step's rise MiB (max rank)", "live heap rise MiB (max rank)", "step ms (median)",
          "loss, step 0"],
         rows,

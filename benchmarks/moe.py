@@ -18,7 +18,7 @@ MoE) on 8 to 256 GPUs.
     python benchmarks/moe.py                                   # every shape on (8,) and (2, 4)
     python benchmarks/moe.py --shapes wide-16 --meshes 8 8x8
     python benchmarks/moe.py --dispatch-only                   # the dispatcher table alone
-    python benchmarks/moe.py --gloo 4 --steps 2                # part (a) on 4 gloo ranks (~4 min)
+    python benchmarks/moe.py --gloo 8 --steps 2                # part (a) on 8 gloo ranks (~3 min, 4 GB RSS)
     python benchmarks/moe.py --placements --shapes wide-16 --meshes 8 2x4   # EP / expert TP / replicated
 
 `--placements`: each shape and mesh planned three times with one placement of the experts forced

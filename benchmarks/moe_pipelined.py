@@ -16,9 +16,15 @@ the data axis's gradient reduction once per step, the weight state and the optim
   with its 120 microbatches of 128 sequences; at `--layers 8` a stage holds 4 layers, as the
   report's 61 over 16 stages (3.8). What the depth cut changes: the bubble's share (1 stage of 2
   idle at the ends instead of 15 of 16) and the data axis's ranks (2 per stage either way).
+- **Megatron-Bridge's DeepSeek-V3 recipe on 32 nodes** ("deepseek-v3-bridge",
+  `deepseek_v3_pretrain_config_32nodes`): 256 H100, TP 2, PP 8, EP 32 with expert TP 1 (the expert
+  group spans each stage's 16 data and 2 tensor ranks), sequence parallel, micro-batch 1 x 4096 per
+  data rank, global batch 4096 (256 microbatches of 16 sequences), all-to-all dispatcher, 1F1B (no
+  virtual stages); the recipe recomputes fully (both sides here take the fastest mode that fits).
+  Each stage runs on (dp, tp) = (16, 2) with the experts over both axes (`experts_on(0, 1)`).
 
 The published side is `choose_pipeline_mesh` restricted to its depth, its stage sub-mesh with the
-experts over "ep" by the all-to-all dispatcher (`moe_published.experts_on`: every other op placed
+experts over its expert axes ("ep"; both axes for the Bridge recipe) by the all-to-all dispatcher (`moe_published.experts_on`: every other op placed
 by the search on that mesh) and its schedule(s), no tensor-only candidate. "auto" is the same call
 over the depths of `--depths` (and the tensor-only mesh choice unless `--no-tensor-only`), every
 stage sub-mesh, every schedule of `AUTO_CANDIDATES`, `token_dispatch="auto"`. Same model, batch,
@@ -31,6 +37,7 @@ published count (and the global batch with it).
 
     python benchmarks/moe_pipelined.py --models mixtral-8x7b --layers 32 --depths 4 8  # 280 CPU s
     python benchmarks/moe_pipelined.py --models deepseek-v3-256 --layers 8 --depths 2 4 --no-tensor-only  # 281 CPU s
+    python benchmarks/moe_pipelined.py --models deepseek-v3-bridge --layers 16 --depths 4 8 --no-tensor-only
     python benchmarks/moe_pipelined.py --models deepseek-v3 --layers 16 --depths 8 16 --no-tensor-only  # not run
 
 Writes benchmarks/results/moe_pipelined.json ("runs": the last run of each model and layer count).
@@ -70,6 +77,9 @@ class Job:
     schedules: tuple[tuple[str, int], ...]  # (name, virtual stages); v = 0: one layer per virtual stage
     microbatches: int
     vocab: int
+    names: tuple[str, str] = NAMES  # the stage sub-mesh's axes
+    experts: tuple[int, ...] = (1,)  # the stage axes holding the experts (tokens exchanged by all-to-all)
+    sequences: int = 0  # sequences per microbatch (0: one per stage rank)
 
 
 JOBS = {
@@ -90,6 +100,13 @@ JOBS = {
         "stage dp 2 x EP64, ZeRO-1 DP, TP1, 120 microbatches of 128 x 4096", 61, 256, 2, (2, 64),
         (("1f1b", 1), ("zero-bubble", 1), ("zero-bubble", 2)), 120, 129280,
     ),  # fmt: skip
+    # Megatron-Bridge's 32-node recipe: TP 2 x DP 16 per stage, the 32-way expert group spanning both
+    # (ETP 1), micro-batch 1 per data rank (16 sequences per microbatch), 4096 / 16 = 256 microbatches
+    "deepseek-v3-bridge": Job(
+        deepseek_v3, "Megatron-Bridge recipe deepseek_v3_pretrain_config_32nodes: 256 H100, TP2 PP8 EP32 "
+        "(ETP1: experts over DP x TP), SP, MBS 1, GBS 4096 x 4096, all-to-all, 1F1B, full recompute", 61, 256, 8,
+        (16, 2), (("1f1b", 1),), 256, 129280, names=("dp", "tp"), experts=(0, 1), sequences=16,
+    ),  # fmt: skip
 }
 
 
@@ -104,6 +121,7 @@ def _row(name: str, which: str, c: PipelineCandidate, cpu: float, tokens: int) -
         "plan": which,
         "pp": c.pp,
         "stage_mesh": c.stage_mesh,
+        "experts_on": c.experts_on,
         "schedule": f"{c.schedule} v{c.v}",
         "recompute": c.recompute,
         "step_s": c.step_time,
@@ -123,7 +141,7 @@ def compare(
     """The published job, then `auto` over `depths`, on the same model and batch."""
     job = JOBS[name]
     m = microbatches or job.microbatches
-    per_micro = job.stage[0] * job.stage[1]  # one sequence per stage rank per microbatch
+    per_micro = job.sequences or job.stage[0] * job.stage[1]  # default: one sequence per stage rank
     batch = m * per_micro
     # every sequence reads the same ids (a stride-0 view): the plan depends on shapes only
     ids = torch.randint(job.vocab, (1, SEQ), generator=torch.Generator().manual_seed(1)).expand(batch, SEQ)
@@ -136,8 +154,8 @@ def compare(
     start = time.process_time()
     torch.manual_seed(0)
     published = choose_pipeline_mesh(
-        job.make(layers), job.world, (), depths=[job.pp], stage_meshes=[(job.stage, NAMES)],
-        schedules=_schedules(job, layers), with_tensor_only=False, registry=experts_on(1), **common,
+        job.make(layers), job.world, (), depths=[job.pp], stage_meshes=[(job.stage, job.names)],
+        schedules=_schedules(job, layers), with_tensor_only=False, registry=experts_on(*job.experts), **common,
     )  # fmt: skip
     rows = [_row(name, "published", published.chosen, time.process_time() - start, tokens)]
     print(published.table(), flush=True)
@@ -165,7 +183,7 @@ def main() -> None:
         got, tables[name] = compare(name, args.layers, args.microbatches, args.depths, not args.no_tensor_only, args.searched)
         rows += got
         print(got, flush=True)
-    columns = ["model", "plan", "pp", "stage_mesh", "schedule", "recompute", "step_s", "bubble", "factor", "memory_GB"]
+    columns = ["model", "plan", "pp", "stage_mesh", "experts_on", "schedule", "recompute", "step_s", "bubble", "factor", "memory_GB"]
     print(f"{args.layers} layers, {HARDWARE}, bf16, memory limit {MEMORY_LIMIT / 1e9:.0f} GB, auto depths {args.depths}"
           f"{'' if not args.no_tensor_only else ' (no tensor-only candidate)'}:")  # fmt: skip
     print(table(columns, [[f"{r[c]:.3f}" if isinstance(r[c], float) else r[c] for c in columns] for r in rows]))

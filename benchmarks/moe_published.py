@@ -117,18 +117,19 @@ PUBLISHED = {
 NAMES = ("dp", "ep")
 
 
-def experts_on(axis: int) -> RuleRegistry:
-    """The default rules with every routed-experts op's experts over mesh axis `axis` alone and
-    the tokens exchanged by all-to-all there (the published placement)."""
+def experts_on(*axes: int) -> RuleRegistry:
+    """The default rules with every routed-experts op's experts over exactly the mesh axes `axes`
+    (one, or two: an expert group spanning both) and the tokens exchanged by all-to-all over them
+    (the published placement)."""
     registry = default_registry().copy()
 
     def admits(call: OpCall, strategy: Strategy) -> bool:
-        return routed_experts.expert_axes(call.op, strategy) == (axis,) and (
-            routed_experts.all_to_all_axis(call.op, strategy) == axis
+        return routed_experts.expert_axes(call.op, strategy) == axes and (
+            routed_experts.all_to_all_axes(call.op, strategy) == axes
         )
 
     for op in routed_experts.ROUTED_OPS:
-        registry.require(op, Requirement(admits, f"the published placement: experts over mesh axis {axis}"))
+        registry.require(op, Requirement(admits, f"the published placement: experts over mesh axes {axes}"))
     return registry
 
 

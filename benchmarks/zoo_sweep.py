@@ -22,6 +22,7 @@ killed).
     python benchmarks/zoo_sweep.py --resume                # go on where a previous run stopped
     python benchmarks/zoo_sweep.py --only T5ForSequenceClassification --budget-clock cpu \
         --out /tmp/rerun.json --update benchmarks/results/zoo_sweep.json  # re-run rows alone
+    python benchmarks/zoo_sweep.py --only BitForImageClassification --max-rss-gib 3   # stop a child past 3 GiB
 
 `--budget-clock cpu` counts the budget in the child's CPU seconds (all its threads), not wall
 seconds: on a machine other jobs load, a model's wall time grows with their load and a wall budget
@@ -118,12 +119,23 @@ def _run_one(arch: hf_zoo.Arch, conn: Connection) -> None:
     start = time.perf_counter()
     check_float32_then_float64(
         row,
-        lambda: assert_call_matches_serial(model, MESH, (), kwargs),
+        lambda: assert_call_matches_serial(model, MESH, (), kwargs, explain=False),
         lambda: assert_call_matches_serial(model.double(), MESH, (), _as_float64(kwargs), atol=1e-9, rtol=1e-9),
     )
     row["check_s"] = round(time.perf_counter() - start, 1)
     row["cpu_s"] = round(time.process_time(), 1)  # build included, as a killed child's count has it
+    row["peak_rss_gib"] = peak_rss_gib()
     conn.send(row)
+
+
+def peak_rss_gib() -> float | None:
+    """This process's peak resident memory so far (Linux's VmHWM), GiB; None off Linux."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+    return round(int(found.group(1)) / 2**20, 2) if found else None
 
 
 def check_float32_then_float64(
@@ -131,21 +143,26 @@ def check_float32_then_float64(
 ) -> None:
     """Record in `row` whether the float32 check passes and, where it is off by a number, whether
     the float64 one does: in float64 rounding vanishes (1e-16 per op), so a float32 mismatch from
-    summing in another order passes there while a lowering bug stays a mismatch."""
+    summing in another order passes there while a lowering bug stays a mismatch. The float64 run
+    starts after the float32 one's exception is gone: its traceback held that run's frames (every
+    rank's programs and values), a whole check's memory more."""
     try:
         compiled = in_float32()
     except AssertionError as exc:
         row.update(result="fail", reason=reason_of(exc), traceback=traceback.format_exc(limit=-4))
-        try:
-            compiled = in_float64()
-        except Exception as again:
-            row.update(reason=f"{reason_of(exc)}; in float64: {reason_of(again)}")
-        else:
-            row.update(result="pass", reason=f"in float64 (float32: {first_line(exc)})", ops=_joint_ops(compiled))
+        reason, first = reason_of(exc), first_line(exc)
     except Exception as exc:
         row.update(result="fail", reason=reason_of(exc), traceback=traceback.format_exc(limit=-4))
+        return
     else:
         row.update(result="pass", reason="", ops=_joint_ops(compiled))
+        return
+    try:
+        compiled = in_float64()
+    except Exception as again:
+        row.update(reason=f"{reason}; in float64: {reason_of(again)}")
+    else:
+        row.update(result="pass", reason=f"in float64 (float32: {first})", ops=_joint_ops(compiled))
 
 
 def _as_float64(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -153,14 +170,21 @@ def _as_float64(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_forked(
-    target: Callable[..., None], args: tuple[Any, ...], budget_s: float, clock: str = "wall"
+    target: Callable[..., None],
+    args: tuple[Any, ...],
+    budget_s: float,
+    clock: str = "wall",
+    max_rss_gib: float | None = None,
 ) -> dict[str, Any]:
     """`target(*args, conn)` in a forked child, killed after `budget_s` seconds: the last row it
     sent, with `result` and `reason` filled in where the child died or ran out of time, and
     `seconds` (wall) and `cpu_s` (the child's CPU time, all threads). The child sends
     `{"phase": ...}` rows as it goes and a row with `result` at the end (shared by the diffusers
     sweep). `clock`: "wall", or "cpu" for a budget of the child's CPU seconds (capped at
-    `WALL_CAP` budgets of wall time)."""
+    `WALL_CAP` budgets of wall time). `max_rss_gib`: the child is also killed once its resident
+    memory passes this many GiB (read every second; a fail, its reason says where it was), so
+    that one model cannot take a shared machine's memory; the row's `max_rss_gib` is the most
+    seen by that polling, `peak_rss_gib` the child's own peak where it finished."""
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=target, args=(*args, child), daemon=True)
@@ -171,10 +195,16 @@ def run_forked(
     deadline = start + (budget_s * WALL_CAP if clock == "cpu" else budget_s)
     cpu = 0.0
     over = False
+    rss = 0.0
+    over_memory = False
     while "result" not in row and (left := deadline - time.perf_counter()) > 0:
         cpu = _cpu_seconds(proc.pid) or cpu
+        rss = max(rss, _rss_gib(proc.pid) or 0.0)
         if clock == "cpu" and cpu >= budget_s:
             over = True
+            break
+        if max_rss_gib is not None and rss > max_rss_gib:
+            over_memory = True
             break
         if parent.poll(min(left, 1.0)):
             try:
@@ -193,14 +223,28 @@ def run_forked(
         phase = row.get("phase", "build")
         unit = "CPU s" if clock == "cpu" else "s"
         what = f"over the {budget_s:.0f} {unit} budget" if over else f"child died (exit code {proc.exitcode})"
-        if phase == "build":
+        if over_memory:
+            row.update(
+                result="fail",
+                reason=f"OVER MEMORY: {rss:.2f} GiB resident, over the {max_rss_gib:g} GiB cap, at {cpu:.0f} CPU s ({phase})",
+            )
+        elif phase == "build":
             row.update(result="skipped", reason=f"TIMEOUT building or calling serially: {what}")
         elif over:
             row.update(result="timeout", reason=f"TIMEOUT: {what} (compile + lockstep check)")
         else:
             row.update(result="fail", reason=f"INTERNAL crash: {what}")
     row.pop("phase", None)
-    return {**row, "seconds": round(seconds, 1), "cpu_s": round(cpu, 1)}
+    return {**row, "seconds": round(seconds, 1), "cpu_s": round(cpu, 1), "max_rss_gib": round(rss, 2)}
+
+
+def _rss_gib(pid: int | None) -> float | None:
+    """Resident memory of process `pid` now, GiB (Linux /proc); None where it cannot be read."""
+    try:
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def _cpu_seconds(pid: int | None) -> float | None:
@@ -213,9 +257,12 @@ def _cpu_seconds(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_arch(arch: hf_zoo.Arch, budget_s: float, clock: str = "wall") -> dict[str, Any]:
-    """One architecture in a forked child, killed after `budget_s` seconds of `clock`."""
-    row = run_forked(_run_one, (arch,), budget_s, clock)
+def run_arch(
+    arch: hf_zoo.Arch, budget_s: float, clock: str = "wall", max_rss_gib: float | None = None
+) -> dict[str, Any]:
+    """One architecture in a forked child, killed after `budget_s` seconds of `clock` (or past
+    `max_rss_gib` of resident memory)."""
+    row = run_forked(_run_one, (arch,), budget_s, clock, max_rss_gib)
     return {"task": arch.task, "model_type": arch.model_type, "architecture": arch.model_class, **row}
 
 
@@ -368,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-clock", choices=("wall", "cpu"), default="wall", help="what --budget counts: wall or child CPU s"
     )
+    parser.add_argument(
+        "--max-rss-gib", type=float, default=None, help="kill a model's child past this resident memory"
+    )
     parser.add_argument("--max-minutes", type=float, default=None, help="start no model after this long")
     parser.add_argument("--resume", action="store_true", help="keep --out's rows, run the rest")
     parser.add_argument(
@@ -428,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             payload["settings"]["not_run"] = len(todo) - i
             print(f"stopping after {elapsed:.1f} min: {len(todo) - i} not run", flush=True)
             break
-        row = run_arch(arch, args.budget, args.budget_clock)
+        row = run_arch(arch, args.budget, args.budget_clock, args.max_rss_gib)
         results.append(row)
         print(
             f"[{len(results)}/{len(archs)}] {row['architecture']}: {row['result']} {row['seconds']} s {row['reason']}",

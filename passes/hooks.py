@@ -147,3 +147,43 @@ def _wrap(
             return result
 
         hooks[key] = run  # the same key: torch's with-kwargs and always-called flags stay with it
+
+
+RootHooks = Callable[[tuple[Any, ...], dict[str, Any], Any], Any]
+
+
+def take_root_forward_hooks(module: nn.Module) -> tuple[RootHooks, Callable[[], None]]:
+    """Take the forward hooks of `module` itself off it, for a trace that wraps its forward: returns
+    a function that runs them as `Module.__call__` does (in their order, each given the module, the
+    call's arguments, its keyword arguments where registered `with_kwargs`, and the output so far,
+    a hook's non-None result replacing the output), and one that puts them back.
+
+    The trace replaces the instance's forward with one that returns only the output's tensors (a
+    flat tuple, `passes.trace`) or only the loss (`compiler.pipeline_export`), and `__call__` would
+    hand the hooks that: a user's hook on the model itself (`model.register_forward_hook(fn)`)
+    would read `out.mean()` on a tuple, or a ModelOutput's `.logits` on a loss, and the trace
+    would fail in the user's hook. Run by the wrapper on the forward's own output, they see and
+    return what they do in serial. Pre-hooks are left on the module: they run before the forward
+    on the call's arguments, which the wrapper does not change."""
+    hooks = list(module._forward_hooks.items())
+    with_kwargs = dict(module._forward_hooks_with_kwargs)
+    always = dict(module._forward_hooks_always_called)
+    module._forward_hooks.clear()
+    module._forward_hooks_with_kwargs.clear()
+    module._forward_hooks_always_called.clear()
+
+    def run(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        for key, hook in hooks:
+            result = hook(module, args, kwargs, output) if with_kwargs.get(key) else hook(module, args, output)
+            if result is not None:
+                output = result
+        return output
+
+    def restore() -> None:
+        meanwhile = list(module._forward_hooks.items())  # registered while they were off: after them
+        module._forward_hooks.clear()
+        module._forward_hooks.update([*hooks, *meanwhile])
+        module._forward_hooks_with_kwargs.update(with_kwargs)
+        module._forward_hooks_always_called.update(always)
+
+    return run, restore

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,7 +25,6 @@ from torch.utils import _pytree as pytree
 from autopar.core.errors import ModelAssertionError, ModelValueError, TraceError
 from autopar.core.meta import (
     MEMORY_ORDER_KEY,
-    PLAIN_OUTPUT_TYPES,
     SIGNATURE_KEY,
     JointSignature,
     NodeInfo,
@@ -38,11 +36,10 @@ from autopar.core.meta import (
     set_info,
     signature,
 )
-from autopar.core.precision import AutocastState, MixedPrecision, autocast_as, autocast_off
+from autopar.core.precision import AutocastState, MixedPrecision, autocast_off
 from autopar.core.value_guards import generators_kept
 from autopar.passes.autograd_functions import (
     custom_function_error,
-    custom_functions,
     functions_as_ops,
     verify_function_splits,
 )
@@ -58,7 +55,7 @@ from autopar.passes.joint_rewrites import (
     simplify_strided,
     tied_groups,
 )
-from autopar.passes.mixed_precision import cast_inputs, cast_outputs, cast_parameters_on_read
+from autopar.passes.mixed_precision import cast_parameters_on_read
 from autopar.passes.random_guards import eager_draw_states, serial_draws
 from autopar.passes.repeats import MIN_BLOCKS, NotRepeated, RepeatedBlocks, stamp_repeated_blocks
 from autopar.passes.repeats_find import cut_to_two_blocks, find_repeated_blocks
@@ -84,6 +81,7 @@ from autopar.passes.trace_export import (
     outputs_as_copies_of_views,
     windows_as_slices,
 )
+from autopar.passes.trace_outputs import OutputRecord, hidden_tensors_error, tensor_outputs
 from autopar.passes.value_guards import (
     flat_values,
     inputs_have_values,
@@ -167,10 +165,10 @@ def _trace(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_model = fake_clone(model, fake_mode, frozen=forward_only)
     hooks_seen = recorded_forward_hooks(fake_model)
-    outputs = _OutputRecord()
+    outputs = OutputRecord()
     if mixed_precision is not None and mixed_precision.param_dtype is not None:
         cast_parameters_on_read(fake_model, mixed_precision.param_dtype)
-    fake_model.forward = _tensor_outputs(fake_model.forward, outputs, autocast, mixed_precision)  # type: ignore[method-assign]
+    fake_model.forward = tensor_outputs(fake_model, outputs, autocast, mixed_precision)  # type: ignore[method-assign]
     fake_args = tuple(_fakeify(x, fake_mode, forward_only) for x in example_inputs)
     fake_kwargs = {k: _fakeify(v, fake_mode, forward_only) for k, v in example_kwargs.items()}
     tied = tied_groups(model)
@@ -207,7 +205,7 @@ def _trace(
         restore, groups = (lambda: None), []
         if mixed_precision is not None and mixed_precision.param_dtype is not None:
             cast_parameters_on_read(real_model, mixed_precision.param_dtype)
-        real_model.forward = _tensor_outputs(real_model.forward, outputs, autocast, mixed_precision)  # type: ignore[method-assign]
+        real_model.forward = tensor_outputs(real_model, outputs, autocast, mixed_precision)  # type: ignore[method-assign]
         real_args, real_kwargs = private_inputs(tuple(example_inputs), example_kwargs, forward_only)
         try:
             # the trace draws what the serial model would from the generators' state now (a random
@@ -248,6 +246,9 @@ def _trace(
     if outputs.functions:
         restore()
         raise custom_function_error(outputs.functions, exported.graph_module.graph, functions)
+    if outputs.hidden:
+        restore()
+        raise hidden_tensors_error(model, outputs.hidden)
     decompositions = sharding_decompositions() if decompose else None
     in_spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs))[1]
     joint = _Joint(model, fake_mode, fake_args, fake_kwargs, decompositions, tied, split_fused, in_spec, outputs)
@@ -291,7 +292,7 @@ class _Joint:
     tied: list[list[str]]
     split_fused: bool
     in_spec: Any
-    outputs: _OutputRecord
+    outputs: OutputRecord
 
     def export(self, forward: fx.GraphModule, groups: list[RepeatedBlocks]) -> fx.GraphModule:
         """Joint-export torch.export's module, annotate, and copy block 1 of each of `groups` (the
@@ -323,43 +324,6 @@ class _Joint:
         if groups:
             stamp_repeated_blocks(gm, groups)
         return gm
-
-
-@dataclass
-class _OutputRecord:
-    structure: OutputStructure | None = None
-    functions: list[type] = field(default_factory=list)  # custom autograd.Functions in the forward
-
-
-def _tensor_outputs(
-    forward: Any, record: _OutputRecord, autocast: AutocastState = (), mixed_precision: MixedPrecision | None = None
-) -> Any:
-    """`forward` returning only the tensors of its output, flat; `record` keeps how to rebuild the
-    rest (`OutputStructure`). torch.export then traces any output (a transformers `ModelOutput`
-    with a cache object, a dict with flags) and the program returns just the tensors. The forward
-    runs in the `autocast` regions of the call being compiled."""
-
-    @functools.wraps(forward)
-    def tensors_only(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-        if mixed_precision is not None:
-            args, kwargs = cast_inputs(mixed_precision, args, kwargs)
-        with autocast_as(autocast):
-            result = forward(*args, **kwargs)
-        if mixed_precision is not None:
-            result = cast_outputs(mixed_precision, result)
-        leaves, spec = pytree.tree_flatten(result)
-        positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
-        others = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        dropped = []
-        for i, leaf in enumerate(others):
-            if leaf is not None and not isinstance(leaf, PLAIN_OUTPUT_TYPES):
-                dropped.append(type(leaf).__name__)
-                others[i] = None
-        record.structure = OutputStructure(spec, positions, tuple(others), tuple(dropped))
-        record.functions = custom_functions(leaves[i] for i in positions)
-        return tuple(leaves[i] for i in positions)
-
-    return tensors_only
 
 
 def fake_clone(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch.fx as fx
 import torch.nn as nn
+from torch.nn.utils.rnn import PackedSequence
 
 from autopar.core.errors import AutoparError, ModelAssertionError, ModelValueError, TraceError
 
@@ -39,7 +40,20 @@ _OWN_DIRS = tuple(
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
-def export_error(model: nn.Module, exc: BaseException) -> TraceError:
+def export_error(model: nn.Module, exc: BaseException, traced: nn.Module | None = None) -> TraceError:
+    """The error for a failed torch.export of `model` (`traced`: the copy the export ran, whose
+    submodules a failure's frames hold)."""
+    packed = packed_rnn(exc, traced or model)
+    if packed is not None:
+        rnn, path = packed
+        return TraceError(
+            f"{type(rnn).__name__} {path!r} of {type(model).__name__} is called on a PackedSequence "
+            "(pack_padded_sequence): its packed rows and batch_sizes are counted from the lengths' "
+            "values, and a plan is made for fixed shapes",
+            op=f"{type(rnn).__name__} on a PackedSequence",
+            where=user_frame_of(exc),
+            hint=PACKED_SEQUENCE_HINT,
+        )
     return TraceError(
         f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {first_lines(exc)}",
         where=user_frame_of(exc),
@@ -180,10 +194,22 @@ def joint_hint(exc: BaseException) -> str:
     return trace_hint(exc, "the model must be differentiable with a single output that backward() is called on")
 
 
+# torch.export's refusal of an argument whose class is no pytree container (a user's dataclass batch)
+_UNSUPPORTED_INPUT = re.compile(r"Unsupported input type <class '([\w.]+)'>")
+UNSUPPORTED_INPUT_HINT = (
+    "register the class of that argument before parallelize: torch.export.register_dataclass({name}) "
+    "for a dataclass (torch.utils._pytree.register_pytree_node for another class); the trace and the "
+    "parallel module then take it as the model does. Or pass its tensors as separate arguments"
+)
+
+
 def trace_hint(exc: BaseException, otherwise: str) -> str:
     """The hint for what failed: torch's causal-mask detection, CTC's alignment table, a value read
     by Python, a data-dependent shape; else `otherwise`."""
     text = f"{type(exc).__name__}: {exc}"
+    unsupported = _UNSUPPORTED_INPUT.search(text)
+    if unsupported:
+        return UNSUPPORTED_INPUT_HINT.format(name=unsupported.group(1).rpartition(".")[2])
     if "_detect_is_causal_mask" in _frames_of(exc):
         return CAUSAL_MASK_HINT
     if "_ctc_loss" in text:
@@ -258,3 +284,33 @@ def refuse_rnn_dropout(model: nn.Module, graph: fx.Graph) -> None:
                 "model.eval() for inference"
             ),
         )
+
+
+PACKED_SEQUENCE_HINT = (
+    "pass the padded batch itself to the RNN (batch, longest, features) and read each sequence's "
+    "last valid step from its output: out[torch.arange(len(lengths)), lengths - 1]; for a "
+    "unidirectional RNN the outputs up to each length do not depend on the padding after it, so "
+    "they equal the packed run's (a bidirectional RNN's backward direction does read the padding: "
+    "reverse each sequence within its length, or mask); the padded batch also splits over ranks"
+)
+
+
+def packed_rnn(exc: BaseException, model: nn.Module) -> tuple[nn.Module, str] | None:
+    """The RNN submodule of `model` (and its path) whose forward, in `exc`'s traceback or its
+    causes', was running on a PackedSequence: torch's RNNs size their initial state by the packed
+    batch's `batch_sizes[0]`, a tensor, so the export fails inside torch with a message about
+    sizes that names neither the RNN nor the packing."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None:
+            frame_locals = tb.tb_frame.f_locals
+            module = frame_locals.get("self")
+            if isinstance(module, nn.RNNBase) and any(isinstance(v, PackedSequence) for v in frame_locals.values()):
+                return module, paths.get(id(module), type(module).__name__)
+            tb = tb.tb_next
+        current = current.__cause__ or current.__context__
+    return None

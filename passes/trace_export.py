@@ -107,9 +107,9 @@ def export_model(
     except (AssertionError, ValueError) as exc:
         if reading_values and raised_in_user_code(exc):  # the model's own check failed on these values
             raise model_error(model, exc) from exc
-        raise export_error(model, exc) from exc
+        raise export_error(model, exc, fake_model) from exc
     except Exception as exc:  # torch raises many types; the user needs the location and the cause
-        raise export_error(model, exc) from exc
+        raise export_error(model, exc, fake_model) from exc
 
 
 
@@ -120,8 +120,11 @@ def outputs_as_copies_of_views(module: fx.GraphModule) -> int:
     the base of such views as an extra output, with a tangent of the base's shape, for torch's
     runtime to rebuild the views (ProphetNet's logits and n-gram logits, slices of its predicting
     streams); a copy is the same values, and a lone view of an intermediate the joint export
-    already returns as a plain output. Views of inputs and weights are left: torch handles those
-    without an extra output."""
+    already returns as a plain output. An output that is a view of another output (CLIP's
+    `logits_per_image = logits_per_text.t()`) gets no tangent of its own from the joint export,
+    which counts on torch's runtime to replay the view: its gradient (a loss on it alone) was
+    dropped, so the later of the two is copied too. Views of inputs and weights are left: torch
+    handles those without an extra output."""
     graph = module.graph
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     seen: dict[fx.Node, fx.Node] = {}  # base -> the first output viewing it
@@ -136,7 +139,8 @@ def outputs_as_copies_of_views(module: fx.GraphModule) -> int:
         return base if base is not node and base.op == "call_function" else None
 
     def copied(node: fx.Node) -> fx.Node:
-        base = base_of(node)
+        # an output that is itself the base of another output's view counts as viewing itself
+        base = base_of(node) or (node if node.op == "call_function" else None)
         if base is None or seen.setdefault(base, node) is node:
             return node
         if node not in copies:

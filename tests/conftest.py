@@ -22,7 +22,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the rank-forking tests for one xdist group. First among the hooks: an xdist worker
+    names each test by its group in its own `pytest_collection_modifyitems` (remote.py), which,
+    registered after this initial conftest, pluggy would otherwise call first, before any test
+    carries the group: the gloo tests would then spread over both workers, each worker computing
+    the module fixtures its share of them needs (twice the forked jobs) and two rank sets
+    competing for the cores."""
     for item in items:
         if item.get_closest_marker("multirank") is not None:
             item.add_marker(pytest.mark.xdist_group("gloo_ranks"))

@@ -7,18 +7,23 @@ Callers must not mutate what these functions return; tests that corrupt a graph 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import functools
+import gc
+import itertools
 import pickle
 import shutil
 import tempfile
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from lockstep_fixtures import Coords, first_divergence, run_lockstep
 from torch import nn
 
 from autopar.api import compile_for_rank
@@ -36,13 +41,10 @@ from autopar.passes.propagate import propagate
 from autopar.passes.schedule import schedule
 from autopar.passes.trace import trace
 from autopar.planning.greedy import choose_layouts
-from autopar.rules import routed_experts
 from autopar.rules.registry import default_registry
-from autopar.rules.routed_experts import ROUTED_OPS
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.wire import JsonWire, allowed_loads
 from autopar.testing import all_coords, assemble
-from autopar.testing.threads import run_threads
 from examples.models import GPT, GPTConfig, make_gpt, make_mlp
 
 aten = torch.ops.aten
@@ -216,198 +218,6 @@ def is_comm(node: fx.Node) -> bool:
     return has_info(node) and info(node).role == "comm"
 
 
-# ---- in-process lockstep execution of per-rank graphs -------------------------------------------
-Coords = tuple[int, ...]
-
-
-def group_of(coords: Coords, axis: int, mesh_shape: tuple[int, ...]) -> list[Coords]:
-    """The ranks that share every coordinate but `axis`, in axis order (the process group)."""
-    return [tuple(i if a == axis else c for a, c in enumerate(coords)) for i in range(mesh_shape[axis])]
-
-
-def _collective(
-    node: fx.Node,
-    coords: Coords,
-    inputs: dict[Coords, torch.Tensor],
-    mesh_shape: tuple[int, ...],
-    splits: dict[Coords, list[int]] | None = None,
-):
-    axis = info(node).comm.axis  # type: ignore[union-attr]
-    group = [inputs[c] for c in group_of(coords, axis, mesh_shape)]
-    me = coords[axis]
-    g = mesh_shape[axis]
-    if node.target is c10d.all_reduce.default:
-        assert node.args[1] == "sum"
-        return sum(group[1:], group[0].clone())
-    if node.target is c10d.all_gather_into_tensor.default:
-        assert node.args[1] == g
-        return torch.cat(group, dim=0)
-    if node.target is c10d.reduce_scatter_tensor.default:
-        assert node.args[1] == "sum" and node.args[2] == g
-        return sum(group[1:], group[0].clone()).chunk(g, dim=0)[me].clone()
-    if node.target is c10d.all_to_all_single.default:
-        # each sender splits by its own sizes (a ring attention pass sends to one rank only)
-        sizes = [splits[c] for c in group_of(coords, axis, mesh_shape)]
-        assert all(len(s) == g for s in sizes)
-        return torch.cat([x.split(list(s), dim=0)[me] for x, s in zip(group, sizes)], dim=0)
-    raise AssertionError(node.target)
-
-
-def _exchanging_op(
-    nodes: dict[Coords, fx.Node], envs: dict[Coords, dict[fx.Node, object]], mesh_shape: tuple[int, ...]
-) -> dict[Coords, object]:
-    """An `autopar::routed_experts(_backward)` local call with its all-to-alls inside, on every
-    rank: the ranks of each group of its axis (its last argument) run it as threads, exchanging
-    through `ThreadExchange` as processes would through their group."""
-    axis = next(iter(nodes.values())).args[-1]
-    out: dict[Coords, object] = {}
-    for c in nodes:
-        if c in out:
-            continue
-        group = group_of(c, axis, mesh_shape)  # type: ignore[arg-type]
-        calls = [_load(envs[g], nodes[g].args) for g in group]
-        out.update(zip(group, run_threads(len(group), functools.partial(_run_exchanging, calls))))
-    return out
-
-
-def _run_exchanging(calls: list[Any], rank: int, exchange: Any) -> object:
-    """One rank's local call (tensors, act, first_expert, group, axis) through `exchange`."""
-    args = calls[rank]
-    impl = routed_experts.experts_backward if len(args) == 10 else routed_experts.experts_forward
-    return impl(*args[:-3], args[-3], exchange)
-
-
-def _load(env: dict[fx.Node, object], tree: object) -> object:
-    """`tree` with each node replaced by its value in `env`. Called for every node of every rank,
-    it walks the plain tuples, lists and dicts of fx arguments itself: pytree's `tree_map` costs
-    five times the op it feeds, and was most of a lockstep run's time."""
-    kind = type(tree)
-    if kind is fx.Node:
-        return env[tree]  # type: ignore[index]
-    if kind is tuple or kind is list or kind is fx.immutable_collections.immutable_list:
-        return [_load(env, x) for x in tree] if kind is not tuple else tuple(_load(env, x) for x in tree)  # type: ignore[attr-defined]
-    if kind is dict or kind is fx.immutable_collections.immutable_dict:
-        return {k: _load(env, v) for k, v in tree.items()}  # type: ignore[attr-defined]
-    if isinstance(tree, (tuple, list, dict)):  # a named tuple or another container: pytree knows it
-        return torch.utils._pytree.tree_map(lambda x: env[x] if isinstance(x, fx.Node) else x, tree)
-    return tree
-
-
-def run_lockstep(
-    graphs: dict[Coords, fx.GraphModule],
-    args: dict[Coords, list],
-    mesh_shape: tuple[int, ...],
-    record: dict[Coords, dict[str, object]] | None = None,
-) -> dict[Coords, list]:
-    """Run one graph per rank, node by node in step, simulating collectives across the ranks.
-
-    The graphs must have the same structure (they do: only slice offsets and zero_partial differ
-    between ranks); a collective's group is read from the node's CommStep axis. Each node starts
-    from the same random generator state on every rank, as separate processes seeded alike do.
-    `record`, if given, receives every rank's value of every node, by node name.
-    """
-    order = {c: list(gm.graph.nodes) for c, gm in graphs.items()}
-    length = {len(nodes) for nodes in order.values()}
-    assert len(length) == 1, "per-rank graphs differ in length"
-    envs: dict[Coords, dict[fx.Node, object]] = {c: {} for c in graphs}
-    feeds = {c: iter(a) for c, a in args.items()}
-    result: dict[Coords, list] = {}
-    for i in range(length.pop()):
-        nodes = {c: order[c][i] for c in graphs}
-        first = next(iter(nodes.values()))
-        assert all(n.op == first.op for n in nodes.values())
-        # the same op at the same place on every rank (zero_partial: clone on one, zeros on others)
-        targets = {n.target for n in nodes.values()} - {aten.clone.default, aten.zeros_like.default}
-        assert first.op != "call_function" or len(targets) <= 1, [n.target for n in nodes.values()]
-        if first.op == "call_function" and first.target in COLLECTIVES:
-            inputs = {c: envs[c][n.args[0]] for c, n in nodes.items()}
-            splits = {c: n.args[2] for c, n in nodes.items()}  # all_to_all_single's input split sizes
-            for c, n in nodes.items():
-                envs[c][n] = _collective(n, c, inputs, mesh_shape, splits)  # type: ignore[arg-type]
-            continue
-        if first.op == "call_function" and first.target in ROUTED_OPS and first.args[-2]:
-            # the all-to-all token dispatcher exchanges inside the op: its ranks run it at once
-            for c, value in _exchanging_op(nodes, envs, mesh_shape).items():
-                envs[c][nodes[c]] = value
-            continue
-        # every rank is its own process with its own generator, at the same state: a random op
-        # draws the same numbers on each (`autopar.rules.random`)
-        rng = torch.get_rng_state()
-        for c, node in nodes.items():
-            torch.set_rng_state(rng)
-            env = envs[c]
-            if node.op == "placeholder":
-                env[node] = next(feeds[c])
-            elif node.op == "output":
-                result[c] = list(_load(env, node.args[0]))
-            elif node.target is c10d.wait_tensor.default:
-                env[node] = env[node.args[0]]
-            else:
-                a, k = _load(env, (node.args, node.kwargs))
-                env[node] = node.target(*a, **k)
-    if record is not None:
-        for c, env in envs.items():
-            record.setdefault(c, {}).update((n.name, v) for n, v in env.items())
-    return result
-
-
-def run_global(gm: fx.GraphModule, args: list) -> dict[str, object]:
-    """Every node's value of a joint graph run on global tensors (a redistribution's nodes are the
-    identity there: it does not change the value it carries), by node name. Random ops draw
-    in graph order from the current generator state, as every rank's program does."""
-    env: dict[fx.Node, object] = {}
-    feed = iter(args)
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            env[node] = next(feed)
-        elif node.op == "output":
-            break
-        elif has_info(node) and info(node).role == "comm":  # a collective, its wait or its glue
-            env[node] = env[node.all_input_nodes[0]]
-        else:
-            a, k = _load(env, (node.args, node.kwargs))
-            try:
-                env[node] = node.target(*a, **k)  # type: ignore[operator]
-            except Exception as exc:
-                raise RuntimeError(f"{node.name} = {node.target}{fx.map_arg(node.args, str)}: {exc}") from exc
-    return {n.name: v for n, v in env.items()}
-
-
-def first_divergence(
-    joint: fx.GraphModule,
-    joint_args: list,
-    ranks: dict[Coords, dict[str, object]],
-    mesh_shape: tuple[int, ...],
-    *,
-    atol: float,
-    rtol: float,
-) -> str | None:
-    """The first compute node (in joint-graph order) whose ranks' values, assembled by the node's
-    layout, differ from the global graph's value: its op, module path and source line, or None."""
-    torch.manual_seed(0)
-    try:
-        want = run_global(joint, joint_args)
-    except Exception as exc:  # a graph whose ops cannot run on global values (none known so far)
-        return f"the global graph does not replay: {type(exc).__name__}: {exc}"
-    for node in joint.graph.nodes:
-        if node.op != "call_function" or not has_info(node) or info(node).role == "comm":
-            continue
-        value, layouts = want.get(node.name), info(node).layouts
-        if not isinstance(value, torch.Tensor) or len(layouts) != 1 or not value.is_floating_point():
-            continue
-        pieces = {c: env.get(node.name) for c, env in ranks.items()}
-        if not all(isinstance(x, torch.Tensor) for x in pieces.values()):
-            continue
-        try:
-            got = assemble(pieces, layouts[0], mesh_shape, atol=atol, rtol=rtol)  # type: ignore[arg-type]
-            scale = float(value.abs().max()) if value.numel() else 0.0
-            torch.testing.assert_close(got, value, atol=max(atol, rtol * scale), rtol=rtol)
-        except AssertionError as exc:
-            first_line = str(exc).strip().splitlines()[0]
-            return f"first divergence at {node.name} = {node.target} [{info(node).where()}]: {first_line}"
-    return None
-
-
 # ---- hand-built graphs: nodes with the metadata the passes read -------------------------------------
 def call_node(
     graph: fx.Graph, name: str, target: object, args: tuple, role: str = "compute", **extra: object
@@ -530,7 +340,9 @@ def compile_every_rank(
     """`compile_for_rank` for every coordinate of a mesh of `shape` (axes named `names`, default
     x, y, z), all with the plan and the collective-matmul decomposition chosen for the first (as
     `parallelize` makes rank 0's choices everyone's), and each distinct lowered graph scheduled
-    once (`RankShare`; `share=None` schedules every rank's own)."""
+    once (`RankShare`; `share=None` schedules every rank's own). The cyclic garbage collector is
+    off for all of it, not only inside each rank's compile (`compile_conditions`): turned back on
+    between ranks, its full passes walked every earlier rank's graphs, fake tensors and plans."""
     chosen: list[Plan] = []
     choices: dict[str, Any] = {}
 
@@ -550,24 +362,38 @@ def compile_every_rank(
     trace_options = {
         k: options[k] for k in ("planner", "split_fused", "forward_only", "token_dispatch") if k in options
     }
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)  # a random branch (LayerDrop) takes the outcome the lockstep's seed draws
-        traced = trace_for(model, mesh, args, kwargs, **trace_options)  # once, as each process of a job
-    return {
-        c: compile_for_rank(
-            model,
-            mesh,
-            args,
-            example_kwargs=kwargs,
-            coords=c,
-            agree=plan_once,
-            agree_choice=decide,
-            traced=traced,
-            share=share,
-            **options,
-        )
-        for c in all_coords(shape)
-    }
+    with gc_paused():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # a random branch (LayerDrop) takes the outcome the lockstep's seed draws
+            traced = trace_for(model, mesh, args, kwargs, **trace_options)  # once, as each process of a job
+        return {
+            c: compile_for_rank(
+                model,
+                mesh,
+                args,
+                example_kwargs=kwargs,
+                coords=c,
+                agree=plan_once,
+                agree_choice=decide,
+                traced=traced,
+                share=share,
+                **options,
+            )
+            for c in all_coords(shape)
+        }
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off inside (as it was before, after)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def lockstep_step(
@@ -577,12 +403,16 @@ def lockstep_step(
     args: tuple,
     kwargs: dict,
     record: dict[Coords, dict[str, object]] | None = None,
+    *,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[Coords, list], dict[Coords, list]]:
     """Every rank's forward, then backward from the first output (the loss), in lockstep from the
-    model's current weights, with the generator seeded 0 (as the serial call it is compared with):
-    each rank's forward outputs (then saved values) and parameter gradients."""
+    model's current weights (or `state`'s, by name), with the generator seeded 0 (as the serial
+    call it is compared with): each rank's forward outputs and parameter gradients. The values
+    saved for backward are handed to it and freed after their last reader (`run_lockstep`)."""
     programs = {c: comp.program for c, comp in compiled.items()}
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    if state is None:
+        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     flat_inputs = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     fwd_args = {
         c: [local_value(p.param_value(n, state).detach(), lay, shape, c) for n, lay in zip(p.param_names, p.param_layouts)]
@@ -590,7 +420,7 @@ def lockstep_step(
         for c, p in programs.items()
     }
     torch.manual_seed(0)  # dropout draws the serial model's numbers: the serial call starts here too
-    fwd = run_lockstep({c: p.forward for c, p in programs.items()}, fwd_args, shape, record)
+    fwd = run_lockstep({c: p.forward for c, p in programs.items()}, fwd_args, shape, record, consume=True)
     bwd_args = {}
     for c, p in programs.items():
         tangents = [
@@ -598,7 +428,8 @@ def lockstep_step(
             for i in p.tangent_outputs
         ]
         bwd_args[c] = [*fwd[c][len(p.output_layouts) :], *tangents]
-    bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, shape, record)
+        del fwd[c][len(p.output_layouts) :]
+    bwd = run_lockstep({c: p.backward for c, p in programs.items()}, bwd_args, shape, record, consume=True)
     return fwd, bwd
 
 
@@ -678,16 +509,18 @@ def assert_call_matches_serial(
     *,
     atol: float = 2e-5,
     rtol: float = 1e-4,
+    explain: bool = True,
     **options: Any,
 ) -> dict[Coords, Compiled]:
     """One training step of every rank's program in lockstep against `model(*args, **kwargs)` called
     serially, backward from the first tensor of the output (the loss): every output tensor, every
     buffer the forward updates (BatchNorm running stats) and every parameter gradient, assembled
     from the ranks' blocks, and every rank's gradient of each input that requires grad, equals
-    serial."""
+    serial. `explain`: on a mismatch, name the first node where the ranks part from the global
+    graph (`first_divergence`: every rank runs again, every value kept)."""
     kwargs = kwargs or {}
     compiled = compile_every_rank(model, shape, args, kwargs, **options)
-    assert_compiled_matches_serial(compiled, model, shape, args, kwargs, atol=atol, rtol=rtol)
+    assert_compiled_matches_serial(compiled, model, shape, args, kwargs, atol=atol, rtol=rtol, explain=explain)
     return compiled
 
 
@@ -700,22 +533,24 @@ def assert_compiled_matches_serial(
     *,
     atol: float = 2e-5,
     rtol: float = 1e-4,
+    explain: bool = True,
 ) -> None:
     """`assert_call_matches_serial`'s check for programs compiled already: a later training step
     (new weights after an optimizer step, a new batch of the same shapes) runs the same programs."""
     kwargs = kwargs or {}
-    programs = {c: comp.program for c, comp in compiled.items()}
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    first = next(iter(compiled.values())).program
     flat_inputs = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    joint = next(iter(compiled.values())).graph
-    joint_args = _joint_args(joint, next(iter(programs.values())), state, flat_inputs)
-    record: dict[Coords, dict[str, object]] = {}
-    guards = next(iter(programs.values())).value_guards
+    # what the serial call updates in place (running statistics, inputs a model writes), as it is
+    # before: the search for the first divergence re-runs the ranks from it, and only on a failure
+    # (recording every rank's every value is most of a run's memory)
+    before = {name: b.detach().clone() for name, b in model.named_buffers()}
+    inputs_before = {i: flat_inputs[i].detach().clone() for i in first.input_updates}
+    guards = first.value_guards
     if guards is not None:  # the program is the one a call on these inputs (at seed 0) would pick
         torch.manual_seed(0)
         flat = torch.utils._pytree.tree_leaves((args, kwargs))
         assert guards.hold(flat), f"the program's guards fail at seed 0: {guards.failing(flat)}"
-    fwd, bwd = lockstep_step(compiled, model, shape, args, kwargs, record)
+    fwd, bwd = lockstep_step(compiled, model, shape, args, kwargs)
 
     model.zero_grad(set_to_none=True)
     for x in flat_inputs:
@@ -724,7 +559,6 @@ def assert_compiled_matches_serial(
     out = model(*args, **kwargs)
     serial = [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
     serial[0].backward()
-    first = next(iter(programs.values()))
     buffers = dict(model.named_buffers())  # after the serial call: updated
     written = [flat_inputs[i] for i in first.input_updates]  # after the serial call: as serial left them
     wanted = [t.detach() for t in serial] + written + [buffers[name] for name in first.buffer_updates]
@@ -733,8 +567,38 @@ def assert_compiled_matches_serial(
         _compare_with_serial(model, first, fwd, bwd, wanted, shape, atol, rtol)
         _compare_input_grads(first, bwd, flat_inputs, atol, rtol)
     except AssertionError as exc:
-        where = first_divergence(joint, joint_args, record, shape, atol=atol, rtol=rtol)
+        if not explain:
+            raise
+        del fwd, bwd, out, serial, wanted  # and the comparison's frames' references to them:
+        traceback.clear_frames(exc.__traceback__)
+        state = {**dict(model.named_parameters()), **before}
+        where = _where_ranks_part(compiled, model, shape, (args, kwargs), state, inputs_before, atol, rtol)
         raise AssertionError(f"{exc}; {where or 'every node agrees with the global graph'}") from exc
+
+
+def _where_ranks_part(
+    compiled: dict[Coords, Compiled],
+    model: nn.Module,
+    shape: tuple[int, ...],
+    call: tuple[tuple, dict],
+    state: dict[str, torch.Tensor],
+    inputs_before: dict[int, torch.Tensor],
+    atol: float,
+    rtol: float,
+) -> str | None:
+    """`first_divergence` of a step that did not match serial: the ranks run again from `state`
+    and the inputs as they were before the serial call (`inputs_before`: those it wrote, by their
+    index among the call's tensors), every value recorded, against the global joint graph."""
+    leaves, spec = torch.utils._pytree.tree_flatten(call)
+    tensor_index = itertools.count()
+    leaves = [inputs_before.get(next(tensor_index), x) if isinstance(x, torch.Tensor) else x for x in leaves]
+    args, kwargs = torch.utils._pytree.tree_unflatten(leaves, spec)
+    flat_inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
+    record: dict[Coords, dict[str, object]] = {}
+    lockstep_step(compiled, model, shape, args, kwargs, record, state=state)
+    joint = next(iter(compiled.values())).graph
+    joint_args = _joint_args(joint, next(iter(compiled.values())).program, state, flat_inputs)
+    return first_divergence(joint, joint_args, record, shape, atol=atol, rtol=rtol)
 
 
 def _joint_args(

@@ -26,7 +26,7 @@ from examples.hf_models import VOCAB, tiny_causal_lm
 from examples.zoo import make_llama
 
 SHAPE = (2, 4)
-LIMIT = 0.75 * 2**20  # bytes per rank: the CP plan's need is below, the leanest plan without CP's above
+LIMIT = 0.95 * 2**20  # bytes per rank: a plan with CP fits it (0.85 does not), none without CP does
 TABLE = "h100-nvlink-ib"
 
 
@@ -85,7 +85,7 @@ def test_cp_axis_with_auto_mesh_is_refused() -> None:
     assert "mesh_names" in (refused.value.hint or "")
 
 
-HF_LIMIT = 0.2 * 2**20  # bytes per rank: the leanest plan without CP needs 0.27 MiB, the CP plan 0.12
+HF_LIMIT = 0.3 * 2**20  # bytes per rank: the leanest plan without CP needs 0.35 MiB, the leanest with CP 0.26
 
 
 def test_memory_limit_splits_the_sequence_of_transformers_llama() -> None:

@@ -85,12 +85,13 @@ def test_grouped_mm_experts_split_over_the_ranks_train_like_serial(shape: tuple[
     assert layouts and all(lay == placements for lay in layouts.values()), layouts
 
 
-@pytest.mark.parametrize(("shape", "axis"), [((2, 4), "x"), ((2, 2, 2), "z")], ids=["2x4", "2x2x2"])
+@pytest.mark.parametrize(("shape", "axis"), [((2, 4), "x"), ((2, 2, 2), "x")], ids=["2x4", "2x2x2"])
 def test_search_splits_the_experts_over_one_axis_and_trains_like_serial(shape: tuple[int, ...], axis: str) -> None:
     """At the defaults (element counts) the search holds the experts over one axis of size 2 (4 of
     the 8 per rank; on (2, 4) 3.10e4 elements against 3.26e4 whole and 5.35e4 over both axes, on
-    (2, 2, 2) 3.45e4 over z against 3.86e4 whole) and uses the other axes for the rest; it trains
-    like serial, and the summary says where the experts are and why."""
+    (2, 2, 2) 3.318e4 over x against 3.342e4 whole, 7.75e4 over x and z; the search from the
+    experts-over-z seed ends at 3.420e4) and uses the other axes for the rest; it trains like
+    serial, and the summary says where the experts are and why."""
     result = _train(shape)
     experts = next(iter(result["compiled"].values())).report.experts
     assert experts is not None and experts.axes == (axis,), experts

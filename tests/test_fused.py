@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pass_fixtures import assert_matches_serial, gpt_case, model_case, run_programs
+from pass_fixtures import assert_matches_serial, compile_every_rank, gpt_case, model_case, run_programs
 
 from autopar.api import compile_for_rank
 from autopar.core.layout import Layout, Partial, Replicate, Shard
@@ -15,7 +15,6 @@ from autopar.passes.trace import trace
 from autopar.planning.search import ElementCost, plan_cost_parts, search_layouts
 from autopar.planning.storage import part_dim_at, part_dims
 from autopar.rules.registry import default_registry
-from autopar.testing import all_coords
 
 aten = torch.ops.aten
 
@@ -59,11 +58,9 @@ def test_trace_cuts_the_fused_qkv_into_three_linears() -> None:
 @pytest.mark.parametrize("shape", [(4,), (2, 2, 2)])
 def test_split_programs_equal_serial_and_store_parts_with_the_cut_dim_whole(shape: tuple[int, ...]) -> None:
     model, inputs = gpt_case()
-    mesh = Mesh.from_shape(shape)
-    programs = {
-        c: compile_for_rank(model, mesh, inputs, coords=c, planner="search", split_fused=True).program
-        for c in all_coords(shape)
-    }
+    # the ranks as a job compiles them: one trace and search, rank 0's plan for every rank
+    compiled = compile_every_rank(model, shape, inputs, planner="search", split_fused=True)
+    programs = {c: comp.program for c, comp in compiled.items()}
     first = next(iter(programs.values()))
     assert len(first.param_parts) == 12
     for name, part in first.param_parts.items():  # stored so that the parts make one plain shard
@@ -101,8 +98,7 @@ def test_programs_that_exchange_before_gathering_equal_serial() -> None:
     swaps the blocks back (`CommStep.swap`), and every rank's program still equals serial."""
     model, inputs = model_case("gpt1")
     shape = (4, 2)
-    mesh = Mesh.from_shape(shape)
-    compiled = {c: compile_for_rank(model, mesh, inputs, coords=c, planner="search") for c in all_coords(shape)}
+    compiled = compile_every_rank(model, shape, inputs, planner="search")  # one search, as a job runs it
     steps = [info(n).comm for n in compiled[(1, 1)].graph.graph.nodes if has_info(n) and info(n).comm is not None]
     swapped = [s for s in steps if s.swap is not None]
     assert swapped and all(s.kind == "all_gather" and s.swap == (2, 4) for s in swapped)

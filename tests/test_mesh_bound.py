@@ -18,12 +18,16 @@ from autopar.compiler.auto_mesh import trace_for_choice
 from autopar.compiler.lowering import scheduled_step_time
 from autopar.core.errors import MemoryLimitError
 from autopar.core.mesh import Mesh
+from autopar.core.plan import Plan
 from autopar.planning.mesh_bound import Bounds
 from autopar.planning.mesh_choice import mesh_candidates, rank_meshes
 from autopar.planning.mesh_screen import complete, screen
 from autopar.planning.plan_cost import GraphFacts
 from autopar.planning.search_cost import TimeCost
+from autopar.planning.search_seeds import dispatcher_seeds
 from autopar.planning.search_steps import StepCache
+from autopar.rules import routed_experts
+from autopar.rules.calls import ExpandCache
 from autopar.rules.registry import default_registry
 
 
@@ -124,13 +128,26 @@ def test_the_bound_holds_for_moe_layers_with_their_experts_on_a_data_axis() -> N
     """MoE layers as routed-experts ops: the screen's dispatcher seeds include layouts with every
     axis a data axis (`search_seeds.dispatcher_seeds`, "...:data": experts and tokens over the
     ranks, no weight split), which on this model are the cheapest plan of the 1-D mesh (whose
-    default role is tensor) and of (4, 2). They pay none of the tensor-axis collectives the bound
-    claims for the default roles, so the bound claims none for such a graph
-    (`Bounds.tensor_axes`); it stays under every mesh's estimate and the screen with it keeps the
-    whole screen's meshes."""
+    default role is tensor) and of every 2- and 3-axis mesh of 8 ranks (the experts over one or two
+    of its axes, the tokens split on the others: (2, 4) "experts:alltoall:y:data", (4, 2)
+    "x+y", (2, 2, 2) "y+z"). They pay
+    none of the tensor-axis collectives the bound claims for the default roles, so the bound
+    claims none for such a graph (`Bounds.tensor_axes`); it stays under every mesh's estimate and
+    the screen with it keeps the whole screen's meshes.
+
+    The one-axis data seed on (4, 2) splits the tokens over both axes (the experts' work once per
+    rank), not only over the experts' axis."""
     gm = _meta_mixtral(8)
     meshes, costs = _space(8, "h100-nvlink-ib")
     _, whole = screen(gm, meshes, default_registry(), costs, 2, bound=False)
     seeds = {mesh.shape: found.seed for mesh, found in zip(meshes, whole)}
-    assert seeds[(8,)] == "experts:alltoall:x:data" and seeds[(4, 2)] == "experts:alltoall:x:data", seeds
+    assert seeds[(8,)] == "experts:alltoall:x:data", seeds
+    assert all(seed.startswith("experts:alltoall:") and seed.endswith(":data") for seed in seeds.values()), seeds
+    mesh = next(m for m in meshes if m.shape == (4, 2))
+    data = dict(dispatcher_seeds(gm, mesh, default_registry(), ExpandCache()))["experts:alltoall:x:data"]
+    assert isinstance(data, Plan)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in routed_experts.ROUTED_OPS:
+            tokens = data.strategies[node.name].inputs[routed_experts.tokens_index(node.target)]
+            assert tokens.shard_axes(0) == (0, 1), (node.name, tokens)
     _check_against_whole_screen(gm, 8, "h100-nvlink-ib", keep=2)

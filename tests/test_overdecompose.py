@@ -25,9 +25,15 @@ c10d = torch.ops._c10d_functional
 
 
 @functools.cache
-def _compiled(key: str, shape: tuple[int, ...], chunks: int, coords: tuple[int, ...]) -> Compiled:
+def _every_rank(key: str, shape: tuple[int, ...], chunks: int) -> dict[tuple[int, ...], Compiled]:
+    """Every rank's program as a job compiles them (`compile_every_rank`: one trace, rank 0's plan,
+    each distinct lowered graph scheduled once), shared by this file's tests of the same case."""
     model, inputs = model_case(key)
-    return compile_for_rank(model, Mesh.from_shape(shape), inputs, coords=coords, over_decompose=chunks)
+    return compile_every_rank(model, shape, inputs, over_decompose=chunks)
+
+
+def _compiled(key: str, shape: tuple[int, ...], chunks: int, coords: tuple[int, ...]) -> Compiled:
+    return _every_rank(key, shape, chunks)[coords]
 
 
 def _step(key: str, shape: tuple[int, ...], chunks: int) -> tuple[list[float], float, float]:
@@ -62,10 +68,16 @@ def _collectives(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVES]
 
 
-def test_merged_graph_runs_each_chunk_and_shares_what_is_whole() -> None:
+@functools.cache
+def _unscheduled() -> Compiled:
+    """Rank (0, 0, 0)'s two-chunk GPT layer on 2x2x2 before scheduling: the graph as merged and
+    ordered by chunks (read, never changed, by the two tests below)."""
     model, inputs = model_case("gpt1")
-    mesh = Mesh.from_shape((2, 2, 2))
-    compiled = compile_for_rank(model, mesh, inputs, coords=(0, 0, 0), over_decompose=2, schedule=False)
+    return compile_for_rank(model, Mesh.from_shape((2, 2, 2)), inputs, coords=(0, 0, 0), over_decompose=2, schedule=False)
+
+
+def test_merged_graph_runs_each_chunk_and_shares_what_is_whole() -> None:
+    compiled = _unscheduled()
     gm = compiled.graph
     assert compiled.graph_mesh is not None and compiled.graph_mesh.shape == (2, 2, 2, 2)
     assert str(compiled.graph_mesh).endswith("chunk=2 in-process)")
@@ -91,9 +103,7 @@ def test_forward_chunks_take_whole_segments_in_turn() -> None:
     """Chunk 0 runs all its forward work between two of its waits before chunk 1 runs the same
     segment, so chunk 0's collective can overlap the whole of chunk 1's segment (zipped node by
     node, it overlapped only chunk 1's last node); the backward stays zipped."""
-    model, inputs = model_case("gpt1")
-    mesh = Mesh.from_shape((2, 2, 2))
-    gm = compile_for_rank(model, mesh, inputs, coords=(0, 0, 0), over_decompose=2, schedule=False).graph
+    gm = _unscheduled().graph
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and has_info(n)]
     depth: dict[fx.Node, int] = {}
     for n in gm.graph.nodes:  # waits on the longest path to the node

@@ -14,7 +14,7 @@ from autopar.compiler.driver import compile_for_rank
 from autopar.core.layout import Layout, Partial, Replicate, Shard
 from autopar.core.mesh import Mesh
 from autopar.core.meta import info, signature
-from autopar.planning.greedy import axis_roles
+from autopar.planning.greedy_roles import axis_roles
 from autopar.planning.storage import storage_layout
 
 MESHES = [(8,), (2, 4), (2, 2, 2), (2, 2, 2, 1)]

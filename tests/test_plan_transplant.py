@@ -26,7 +26,8 @@ from autopar.core.layout import Partial, Replicate
 from autopar.core.mesh import Mesh
 from autopar.core.meta import info, signature
 from autopar.core.plan import Plan
-from autopar.planning.greedy import SMALL_PARAM_FRACTION, axis_roles, greedy_plan
+from autopar.planning.greedy import SMALL_PARAM_FRACTION, greedy_plan
+from autopar.planning.greedy_roles import axis_roles
 from autopar.planning.mesh_choice import MeshChoice, mesh_candidates
 from autopar.planning.plan_cost import GraphFacts, plan_cost
 from autopar.planning.plan_transplant import PlanPattern

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,15 +24,20 @@ TIMEOUT_S = 10.0  # parallelize's bound in these jobs
 ENDED_WITHIN_S = 45.0  # start-up and compile of 4 forked ranks on 2 shared cores, plus the bound
 
 
-def _train(rank: int, world_size: int, fault: str) -> Any:
+def _train(rank: int, world_size: int, fault: str, peers_dir: str = "") -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
     model, batch = make_mlp(0)
     if fault == "absent" and rank == 3:  # busy elsewhere: it never calls parallelize in time
-        time.sleep(3 * TIMEOUT_S)
+        _stay_away_until_the_others_gave_up(peers_dir, world_size - 1)
         return "absent"
-    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, timeout=TIMEOUT_S)
+    try:
+        pmodel = autopar.parallelize(model, mesh, example_inputs=batch, timeout=TIMEOUT_S)
+    except autopar.AutoparError:
+        if peers_dir:  # this rank has given up waiting: the absent one may stop staying away
+            Path(peers_dir, f"gave_up.{rank}").touch()
+        raise
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
     for step in range(4):
         if step == 2 and rank == 3:
@@ -44,6 +50,15 @@ def _train(rank: int, world_size: int, fault: str) -> Any:
         opt.step()
         opt.zero_grad()
     return "finished"
+
+
+def _stay_away_until_the_others_gave_up(peers_dir: str, others: int) -> None:
+    """The absent rank's wait: until every other rank has raised from `parallelize` (each leaves a
+    file in `peers_dir`), at most three times their bound. It used to sleep the three bounds whole,
+    30 s of an idle rank that the job waited for after its peers had long failed."""
+    deadline = time.monotonic() + 3 * TIMEOUT_S
+    while len(list(Path(peers_dir).glob("gave_up.*"))) < others and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 @pytest.mark.multirank
@@ -60,8 +75,8 @@ def test_a_rank_that_dies_mid_training_ends_every_other_rank_in_bounded_time(fau
 
 
 @pytest.mark.multirank
-def test_parallelize_on_three_of_four_ranks_names_the_absent_rank() -> None:
-    results = run_ranks_with_faults(4, _train, "absent", timeout=180)
+def test_parallelize_on_three_of_four_ranks_names_the_absent_rank(tmp_path: Path) -> None:
+    results = run_ranks_with_faults(4, _train, "absent", str(tmp_path), timeout=180)
     assert results[3][:2] == ("ok", "absent"), results[3]
     for rank, (status, value, seconds) in enumerate(results[:3]):
         assert status == "raised" and "not every rank called parallelize within 10 s" in value, value

@@ -88,7 +88,9 @@ def test_a_memory_limit_recomputes_and_matches_serial() -> None:
     mesh = autopar.Mesh.from_shape(SHAPE)
     free = compile_for_rank(model, mesh, batch, coords=(0, 0), planner=planner, memory_limit=math.inf)
     saved = _saved_bytes(free)
-    limit = 4 * free.report.param_bytes_local + 0.5 * saved  # params, grads, AdamW's two states
+    # the free plan's modeled total (params, grads, AdamW's two states, saved activations, working
+    # memory) less half its saved activations
+    limit = free.graph.meta["autopar_search"].memory - 0.5 * saved
     compiled = assert_call_matches_serial(model, SHAPE, batch, planner=planner, memory_limit=limit)
     lean = compiled[(0, 0)]
     activations = lean.report.activations

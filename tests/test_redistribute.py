@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from autopar.core.layout import Layout, P, R, Shard
 from autopar.core.redistribute import COLLECTIVE_KINDS, plan_redistribute, redistribute_cost
+from autopar.planning.search_steps import element_factor, even_steps
 from autopar.testing import assemble, shard_tensor, simulate_steps
 from autopar.testing.strategies import layout_pairs
 
@@ -118,6 +119,33 @@ def test_two_partials_reduce_scatter_into_a_nested_split() -> None:
     assert _kinds(steps) == [("reduce_scatter", 0), ("reduce_scatter", 1)]
     assert [s.elements_sent(mesh) for s in steps] == [16, 8]
     _round_trip(torch.randn(8, 4, dtype=torch.float64), src, dst, mesh)
+
+
+def test_a_pending_sum_exchanges_its_target_dims_axes_away_then_reduce_scatters() -> None:
+    """x's pending sum cannot reduce-scatter into dim 0 while y and z split it, so it was
+    all-reduced and y and z exchanged after (as GPT's embedding output on 4x8x16 was, into the
+    residual stream's layout). The exchanges run on the summands first (an exchange of summands
+    is one of sums, the same block), then x reduce-scatters: half an all-reduce."""
+    mesh = (2, 2, 4)
+    src = Layout((P, Shard(0), Shard(0)), (16, 16, 16))
+    dst = Layout((Shard(0), Shard(1), Shard(2)), (16, 16, 16))
+    steps = plan_redistribute(src, dst, mesh)
+    assert [(s.kind, s.axis, s.dim, s.dst_dim) for s in steps] == [
+        ("all_to_all", 2, 0, 2),
+        ("all_to_all", 1, 0, 1),
+        ("reduce_scatter", 0, 0, None),
+    ]
+    n = 16**3 / 8  # the source block
+    sent = [s.elements_sent(mesh) for s in steps]
+    assert sent == [3 / 4 * n, 1 / 2 * n, 1 / 2 * n]  # (all-reduce first: n + 3/4 n + 1/2 n)
+    assert redistribute_cost(src, dst, mesh) == sum(sent) == 896
+    assert sum(element_factor(k, mesh[a]) * n * num / den for k, a, num, den in even_steps(src.placements, dst.placements, mesh)) == 896
+    _round_trip(torch.randn(16, 16, 16, dtype=torch.float64), src, dst, mesh)
+    # with a second pending sum reduced after it, the exchange would run before that one's
+    # reduce-scatter shrinks the block: the usual order
+    two = Layout((P, P, Shard(0)), (16, 16, 16))
+    kinds = [s.kind for s in plan_redistribute(two, dst, mesh) if s.is_collective]
+    assert kinds[0] == "all_reduce"
 
 
 def test_all_gather_volume_equals_ring_formula_of_the_gathered_size() -> None:

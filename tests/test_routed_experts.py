@@ -25,9 +25,12 @@ from autopar.compiler.pricing import price
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
+from autopar.core.strategy import OpCall, Strategy
 from autopar.cost.dispatch import LOSS_FREE_ROUTING_IMBALANCE, ROUTING_IMBALANCE, routing_imbalance
 from autopar.planning.search_cost import ElementCost
 from autopar.rules import routed_experts
+from autopar.rules.base import Requirement, RuleRegistry
+from autopar.rules.registry import default_registry
 from examples.models import make_mlp
 
 c10d = torch.ops._c10d_functional
@@ -133,19 +136,22 @@ def test_all_to_all_forced_on_a_model_without_experts_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("shape", "imbalance", "wanted"),
-    [((4,), 1.0, "all-to-all"), ((4,), ROUTING_IMBALANCE, "all-gather"), ((2,), 1.0, "all-gather")],
+    [((4,), 1.0, "all-gather"), ((4,), ROUTING_IMBALANCE, "all-gather"), ((2,), 1.0, "all-gather")],
     ids=["4-balanced", "4-published-imbalance", "2-balanced"],
 )
 def test_auto_prices_both_dispatchers_and_picks_the_cheaper(
     shape: tuple[int, ...], imbalance: float, wanted: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """token_dispatch="auto" on the toy Mixtral (top 2), element counts. Routing spread evenly
-    (imbalance 1): on 4 ranks the all-to-all moves k/ep = 1/2 of the all-gather's rows and wins
-    (backward's wider rows included); on 2 ranks it moves as many in forward and more in backward,
-    so the all-gather wins. At the published imbalance (`cost.dispatch.ROUTING_IMBALANCE`, the
-    planners' default: the busiest rank receives 1.52 times the mean rows) the all-to-all's rows
-    grow by that factor and the all-gather wins on 4 ranks too. The experts line says which and
-    the search's price of each."""
+    """token_dispatch="auto" on the toy Mixtral (top 2), element counts: the search prices the
+    cheapest whole plan with each dispatcher and keeps the cheaper. On 2 ranks the all-to-all
+    moves as many rows as the all-gather in forward and more in backward; at the published
+    imbalance (`cost.dispatch.ROUTING_IMBALANCE`, the planners' default: the busiest rank receives
+    1.52 times the mean rows) its rows grow by that factor. With routing spread evenly on 4 ranks
+    the all-to-all moves k/ep = 1/2 of the all-gather's rows (0.012 against 0.025 MB per rank per
+    step), but the plans around them differ: the search from the 1-D Megatron seed ends at
+    31590.0 elements dispatching by all-gather, the cheapest plan dispatching by all-to-all
+    (searched from the tensor-role seed) at 31697.5, so the all-gather wins there too. The
+    experts line says which and the search's price of each."""
     monkeypatch.setattr(ElementCost, "routing_imbalance", imbalance)
     compiled = _compile_rank0(_mixtral, shape, token_dispatch="auto")
     nodes = _routed_nodes(compiled)
@@ -183,3 +189,46 @@ def test_the_routing_imbalance_follows_the_router() -> None:
     for node in _routed_nodes(compiled):  # the lowered graph, which the pricing reads
         node.meta[routed_experts.IMBALANCE_META] = ROUTING_IMBALANCE
     assert price(compiled, mesh, "h100-nvlink-ib", "search").compute_time > loss_free
+
+
+def experts_placed(axes: tuple[int, ...], all_to_all: bool | None = None) -> RuleRegistry:
+    """The default rules with every routed-experts op's experts over exactly `axes` (none: whole)
+    and, where `all_to_all` says, the tokens exchanged inside the op over them (or gathered)."""
+    registry = default_registry().copy()
+
+    def admits(call: OpCall, s: Strategy) -> bool:
+        exchanged = bool(routed_experts.all_to_all_axes(call.op, s))
+        return routed_experts.expert_axes(call.op, s) == axes and all_to_all in (None, exchanged)
+
+    for op in routed_experts.ROUTED_OPS:
+        registry.require(op, Requirement(admits, f"experts over mesh axes {axes}"))
+    return registry
+
+
+@pytest.mark.parametrize(
+    ("make", "all_to_all"), [(_mixtral_with_cold_experts, True), (_mixtral, False)], ids=["alltoall-cold", "allgather"]
+)
+def test_experts_over_two_mesh_axes_train_like_serial(make: Any, all_to_all: bool) -> None:
+    """Issue 35: Mixtral's experts split over both axes of (2, 2), each rank holding 2 of the 8
+    (rank (i, j) experts block 2i + j), trained in lockstep against serial (loss, every gradient,
+    every parameter after 2 SGD-momentum steps), with each dispatcher: the all-to-all exchanging
+    the tokens over both axes' groups inside the op (`TwoAxisExchange`; layer 0's router steered so
+    that experts 2, 3, 4 and 7 get no token: rank (0, 1) receives no row), and the all-gather (the
+    tokens whole on both axes, the outputs summed over both). The experts line names both axes."""
+    compiled = _train_like_serial(
+        make, (2, 2), registry=experts_placed((0, 1), all_to_all), token_dispatch="auto" if not all_to_all else "alltoall"
+    )
+    nodes = _routed_nodes(compiled)
+    assert len(nodes) == 4, "two MoE layers, one forward and one backward op each"
+    for node in nodes:
+        strategy = info(node).strategy
+        assert strategy is not None and routed_experts.expert_axes(node.target, strategy) == (0, 1)
+        assert routed_experts.all_to_all_axes(node.target, strategy) == ((0, 1) if all_to_all else ())
+    program = next(iter(compiled.values())).program
+    local = [n for gm in (program.forward, program.backward) for n in gm.graph.nodes if n.target in routed_experts.ROUTED_OPS]
+    assert [routed_experts.exchange_axes(n.args) for n in local] == [(0, 1) if all_to_all else ()] * 4
+    layouts = {name: str(lay) for name, lay in zip(program.param_names, program.param_layouts) if ".experts." in name}
+    assert layouts and set(layouts.values()) == {"[S(0), S(0)]"}, layouts
+    line = next(iter(compiled.values())).report.experts
+    assert line is not None and line.axes == ("x", "y"), line
+    assert f"the plan dispatches tokens by {'all-to-all' if all_to_all else 'all-gather'}" in str(line)

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 from test_expert_parallel import _batch, _mixtral
+from test_routed_experts import experts_placed
 
 import autopar
 from autopar import PlanOptions
@@ -98,3 +99,24 @@ def test_pipeline_choice_prices_a_given_layout_when_its_space_is_restricted() ->
     free = choose_pipeline_mesh(_mixtral(), 4, (), **restricted, **kwargs)
     assert [c.mesh_names for c in free.candidates] == [("pp", "x")], free.table()
     assert free.chosen.step_time == pytest.approx(only.step_time, rel=1e-9)
+
+
+@pytest.mark.parametrize(("axes", "recorded", "shown"), [((0,), ("ep",), "ep (EP 2)"), ((), (), "whole")])
+def test_pipeline_choice_rows_say_which_axes_hold_the_experts(
+    axes: tuple[int, ...], recorded: tuple[str, ...], shown: str
+) -> None:
+    """Issue 35: each priced row of the pipeline depth choice records the stage sub-mesh axes its
+    plan splits the experts over (`PipelineCandidate.experts`, from the sub-mesh choice's own
+    search), and the table prints them in its last column: the experts held over "ep" read
+    "ep (EP 2)", kept whole on every rank "whole". (The placement is the registry's own
+    requirement, kept beside the one token_dispatch="alltoall" adds: `rules.base.both`.)"""
+    kwargs = {"example_kwargs": _batch(1, False), "microbatches": 2, "recompute": "none", "bound_depths": False}
+    torch.manual_seed(0)
+    choice = choose_pipeline_mesh(
+        _mixtral(), 4, (), stage_meshes=[((2,), ("ep",))], depths=[2], schedules=[("1f1b", 1)],
+        with_tensor_only=False, registry=experts_placed(axes), token_dispatch="alltoall", **kwargs,
+    )  # fmt: skip
+    row = choice.chosen
+    assert not row.error and row.experts == recorded, choice.table()
+    header, line = choice.table().splitlines()[1:3]
+    assert header.endswith("experts on") and line.endswith(f"  {shown}"), choice.table()

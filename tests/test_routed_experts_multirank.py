@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from multirank import run_ranks
+from test_routed_experts import experts_placed
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
@@ -24,7 +25,11 @@ VOCAB, SEQ, BATCH, STEPS = 64, 16, 2, 2
 
 
 def _job(rank: int, world_size: int) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("x",))
+    """On 2 ranks a (2,) mesh at the defaults; on 4 a (2, 2) mesh with the experts forced over both
+    axes (each rank 2 of the 8), the tokens exchanged over both axes' groups."""
+    shape, names = ((2, 2), ("x", "y")) if world_size == 4 else ((world_size,), ("x",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    registry = experts_placed((0, 1), all_to_all=True) if len(shape) == 2 else None
     torch.manual_seed(0)
     config = transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -35,7 +40,7 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
     ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     pmodel = autopar.parallelize(
         model, mesh, example_inputs=(), example_kwargs={"input_ids": ids, "labels": ids},
-        planning=autopar.PlanOptions(token_dispatch="alltoall"),
+        planning=autopar.PlanOptions(token_dispatch="alltoall", registry=registry),
     )
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
     serial_opt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
@@ -58,18 +63,22 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
     for name, p in pmodel.named_parameters():
         result["param_err"] = max(result["param_err"], float((p.full_tensor() - serial_params[name]).abs().max()))
     program = pmodel.programs[0][1]
-    result["routed"] = sum(
-        1
+    result["routed"] = [
+        routed_experts.exchange_axes(n.args)
         for graph in (program.forward, program.backward)
         for n in graph.graph.nodes
-        if n.target in routed_experts.ROUTED_OPS and n.args[-2]
-    )
+        if n.target in routed_experts.ROUTED_OPS
+    ]
     return result
 
 
-def test_mixtral_with_the_all_to_all_dispatcher_on_gloo_ranks_trains_like_serial() -> None:
-    for rank, r in enumerate(run_ranks(2, _job, timeout=600)):
-        assert r["routed"] == 4, (rank, "two layers' forward and backward ops exchange over a group")
+@pytest.mark.parametrize("world", [2, 4], ids=["2", "2x2-experts-over-both-axes"])
+def test_mixtral_with_the_all_to_all_dispatcher_on_gloo_ranks_trains_like_serial(world: int) -> None:
+    """On 4 ranks the experts span both axes of (2, 2): each op's local call resolves both axes'
+    process groups and exchanges through a `TwoAxisExchange` of two `GroupExchange`s."""
+    axes = (0, 1) if world == 4 else (0,)
+    for rank, r in enumerate(run_ranks(world, _job, timeout=600)):
+        assert r["routed"] == [axes] * 4, (rank, "two layers' forward and backward ops exchange over the groups")
         for loss, serial_loss in r["losses"]:
             assert loss == pytest.approx(serial_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
         assert r["grad_err"] < 1e-4, (rank, r["grad_err"])
@@ -120,7 +129,7 @@ def _pipelined_job(rank: int, world_size: int) -> dict[str, Any]:
         for _, program in stage.programs
         for graph in (program.forward, program.backward)
         for n in graph.graph.nodes
-        if n.target in routed_experts.ROUTED_OPS and n.args[-2]
+        if n.target in routed_experts.ROUTED_OPS and routed_experts.exchange_axes(n.args)
     )
     return result
 

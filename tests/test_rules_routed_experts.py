@@ -10,7 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.rules import routed_experts
-from autopar.testing.threads import run_threads
+from autopar.rules.base import LocalContext, make_call
+from autopar.rules.registry import default_registry
+from autopar.testing.oracle import all_coords, assemble, shard_tensor
+from autopar.testing.strategies import candidate_strategies
+from autopar.testing.threads import run_routed_calls, run_threads
 
 COVERED_OPS = list(routed_experts.ROUTED_OPS)
 
@@ -98,3 +102,75 @@ def test_every_strategy_of_the_op_equals_the_serial_layer(layer) -> None:  # typ
     summed = [sum(b[i] for b in blocks) for i in (0, 1, 2)]  # P: output, grad x, grad weights
     stacked = [torch.cat([b[i] for b in blocks]) for i in (3, 4)]  # S(0): the experts' gradients
     close([*summed, *stacked], "all-gather blocks")  # type: ignore[list-item]
+
+
+@st.composite
+def _layers_on_two_axes(draw):  # type: ignore[no-untyped-def]
+    """A layer for a 2-D mesh: experts and tokens that every split over both axes divides, routed
+    uniformly, "hot" (nine tokens in ten choose expert 0 first) or "cold" (the last expert never)."""
+    mesh = draw(st.sampled_from([(2, 2), (2, 3)]))
+    ranks = mesh[0] * mesh[1]
+    experts = ranks * draw(st.sampled_from([1, 2]))
+    top_k = draw(st.sampled_from([1, 2]))
+    tokens = ranks * draw(st.integers(0, 3))
+    kind = draw(st.sampled_from(["uniform", "hot", "cold"]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    pool = list(range(experts - 1 if kind == "cold" else experts))
+    rows = []
+    for _ in range(tokens):
+        chosen = [pool[int(i)] for i in torch.randperm(len(pool), generator=g)[:top_k]]
+        if kind == "hot" and float(torch.rand((), generator=g)) < 0.9:
+            chosen = [0, *[e for e in chosen if e != 0]][:top_k]
+        rows.append(chosen)
+    ids = torch.tensor(rows, dtype=torch.long).reshape(tokens, top_k)
+    hidden, inner = 3, 2
+    x, grad = (torch.randn(tokens, hidden, generator=g, dtype=torch.float64) for _ in range(2))
+    weights = torch.rand(tokens, top_k, generator=g, dtype=torch.float64)
+    gate_up = torch.randn(experts, 2 * inner, hidden, generator=g, dtype=torch.float64)
+    down = torch.randn(experts, hidden, inner, generator=g, dtype=torch.float64)
+    return mesh, (grad, x, ids, weights, gate_up, down)
+
+
+def _run_strategy(op, args, strategy, mesh):  # type: ignore[no-untyped-def]
+    """The op sharded by `strategy` on every rank of `mesh` through the rule's own `localize` (each
+    axis's group named), the ranks exchanging as processes would (`run_routed_calls`), assembled."""
+    registry = default_registry()
+    call = make_call(op, args, {}, op(*args))
+    pieces = [shard_tensor(t, lay, mesh) for t, lay in zip(args[:-1], strategy.inputs)]
+    calls = {}
+    for c in all_coords(mesh):
+        ctx = LocalContext(call, strategy, mesh, c, (*(p[c] for p in pieces), args[-1]), {}, groups=("x", "y"))
+        local = registry.get(op).localize(ctx)
+        assert local.target is op
+        calls[c] = local.args
+    outputs = run_routed_calls(calls, mesh)
+    results = [outputs[c] if isinstance(outputs[c], tuple) else (outputs[c],) for c in all_coords(mesh)]
+    return [
+        assemble(dict(zip(all_coords(mesh), (r[i] for r in results))), lay, mesh, atol=1e-10, rtol=1e-10)
+        for i, lay in enumerate(strategy.outputs)
+    ]
+
+
+@settings(max_examples=12, deadline=None)
+@given(_layers_on_two_axes())
+def test_experts_over_two_mesh_axes_equal_the_serial_op(layer) -> None:  # type: ignore[no-untyped-def]
+    """The rule written for one axis, expanded over a 2-D mesh: every strategy it admits, forward
+    and backward, run on the oracle's pieces through its own local calls and assembled by its
+    output layouts, equals the serial op. Among them the experts split over both axes (each rank
+    one block, the earlier axis outer) with the all-to-all exchanging over both axes' groups at
+    once (`TwoAxisExchange`) and with the all-gather; a mix of the two dispatchers is not offered."""
+    mesh, (grad, *inputs) = layer
+    forward = (*inputs, "silu")
+    backward = (grad, *inputs, "silu")
+    for op, args in ((routed_experts.ROUTED_EXPERTS, forward), (routed_experts.ROUTED_EXPERTS_BACKWARD, backward)):
+        options = candidate_strategies(op, args, {}, mesh, default_registry())
+        kinds = {
+            (routed_experts.expert_axes(op, s), routed_experts.all_to_all_axes(op, s)) for s in options
+        }
+        assert ((0, 1), (0, 1)) in kinds and ((0, 1), ()) in kinds, kinds
+        assert all(a2a in ((), axes) for axes, a2a in kinds), kinds
+        want = op(*args)
+        wants = want if isinstance(want, tuple) else (want,)
+        for strategy in options:
+            for got, expected in zip(_run_strategy(op, args, strategy, mesh), wants):
+                torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10, msg=f"{op} {strategy}")

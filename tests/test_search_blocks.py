@@ -8,7 +8,17 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.planning.search_blocks import Clock, chains, make_blocks, solve, sweep, trees
+from autopar.planning.search_blocks import (
+    Block,
+    Clock,
+    _grouped_message,
+    _tree_dp,
+    chains,
+    make_blocks,
+    solve,
+    sweep,
+    trees,
+)
 from autopar.planning.search_vars import CACHED_ENTRIES, SharedMatrices, Tally
 from autopar.planning.search_vars import Edge as _Edge
 from autopar.planning.search_vars import Var as _Var
@@ -253,3 +263,79 @@ def test_edges_reading_one_table_through_the_same_indices_share_one_kept_matrix(
     assert all(edge.matrix() is layers[0].matrix() for edge in layers)
     assert alone.matrix() is not layers[0].matrix() and other.matrix() is not layers[0].matrix()
     assert len(matrices) == 3
+
+
+def _message(value: np.ndarray, edge: _Edge, child_is_u: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The message through the candidates' whole pair matrix (what `_tree_dp(grouped=False)` sends)."""
+    total = value[:, None] + (edge.matrix() if child_is_u else edge.matrix().T)
+    arg = total.argmin(axis=0)
+    return arg, total[arg, np.arange(total.shape[1])]
+
+
+@st.composite
+def _wide_edges(draw: st.DrawFn) -> tuple[np.ndarray, _Edge, bool]:
+    """An edge between two ops of 65-200 candidates over 1-6 distinct layouts a side, costs drawn
+    from a few values and their next floats (exact ties, and ties only rounding tells apart)."""
+    n_child, n_parent = draw(st.integers(65, 200)), draw(st.integers(65, 200))
+    rows, cols = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    levels = draw(st.lists(st.sampled_from([0.0, 1.0, 3.0, 1e3, 1e9, 0.1]), min_size=1, max_size=4))
+    near = st.sampled_from(levels).flatmap(lambda x: st.sampled_from([x, np.nextafter(x, np.inf), x * 1.5]))
+    value = np.array(draw(st.lists(near, min_size=n_child, max_size=n_child)))
+    table = np.array(draw(st.lists(near, min_size=rows * cols, max_size=rows * cols))).reshape(rows, cols)
+    child_index = np.array(draw(st.lists(st.integers(0, rows - 1), min_size=n_child, max_size=n_child)))
+    parent_index = np.array(draw(st.lists(st.integers(0, cols - 1), min_size=n_parent, max_size=n_parent)))
+    child_is_u = draw(st.booleans())
+    if child_is_u:
+        return value, _Edge(0, 1, table, child_index, parent_index), True
+    return value, _Edge(1, 0, table.T.copy(), parent_index, child_index), False
+
+
+@settings(max_examples=200, deadline=None)
+@given(_wide_edges())
+def test_a_message_through_the_distinct_layouts_equals_the_whole_matrix_s(case: tuple[np.ndarray, _Edge, bool]) -> None:
+    """`_grouped_message` gives the whole pair matrix's argmin (lowest index on ties) and sums, bit
+    for bit, or declines (None) where rounding could tell a lower index apart."""
+    value, edge, child_is_u = case
+    want_arg, want_sum = _message(value, edge, child_is_u)
+    found = _grouped_message(value, edge, child_is_u)
+    if found is not None:
+        arg, sums = found
+        assert np.array_equal(arg, want_arg)
+        assert np.array_equal(sums, want_sum)
+
+
+def test_the_grouped_message_is_taken_where_layouts_repeat_and_declines_a_rounding_tie() -> None:
+    rng = np.random.default_rng(1)
+    table = rng.random((4, 5))
+    child, parent = rng.integers(0, 4, 300), rng.integers(0, 5, 300)
+    value = rng.random(300)
+    edge = _Edge(0, 1, table, child, parent)
+    found = _grouped_message(value, edge, True)
+    assert found is not None  # 4 x 5 distinct cells for 300 x 300 pairs
+    assert all(np.array_equal(a, b) for a, b in zip(found, _message(value, edge, True)))
+    # candidate 0 costs one ulp more than candidate 1 of the same layout, every other candidate far
+    # more: with an entry of 1.0 the two sums round alike, and the whole matrix picks 0, the lower
+    # index, for every parent candidate; the grouped message, which keeps only candidate 1 of that
+    # layout, declines
+    child[:2], value[:2], value[2:] = 0, (np.nextafter(0.25, 1.0), 0.25), value[2:] + 10.0
+    table[0, :] = 1.0
+    edge = _Edge(0, 1, table, child, parent)
+    assert np.nextafter(0.25, 1.0) + 1.0 == 0.25 + 1.0
+    assert _grouped_message(value, edge, True) is None
+    arg, _ = _message(value, edge, True)
+    assert (arg == 0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(_wide_edges())
+def test_tree_dp_grouped_or_not_chooses_alike(case: tuple[np.ndarray, _Edge, bool]) -> None:
+    """A two-member block (the parent the root): the same choices through either message."""
+    value, edge, child_is_u = case
+    parent_size = len(edge.in_index if child_is_u else edge.out_index)
+    rng = np.random.default_rng(len(value))
+    root = rng.choice([0.0, 1.0, 2.0], parent_size)
+    vars = [_var("p", list(root)), _var("c", list(value))]
+    edge.u, edge.v = (1, 0) if child_is_u else (0, 1)
+    block = Block((0, 1), (-1, 0), ((), ((edge, child_is_u),)), 0, (0, 1), ((), ()))
+    local = [vars[0].unary.copy(), vars[1].unary.copy()]
+    assert np.array_equal(_tree_dp(block, local, grouped=True), _tree_dp(block, local, grouped=False))

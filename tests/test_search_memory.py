@@ -61,7 +61,8 @@ def setup() -> dict[str, Any]:
     # (sharded storage: replicated weights, which the search may pick where they fit, need more)
     free = search_layouts(gm, mesh, default_registry(), cost=cost, memory_limit=math.inf, storage="sharded")
     memory = plan_memory(gm, free, SHAPE).breakdown()
-    static = memory.params + memory.grads + memory.optimizer
+    # everything but the saved activations: the weight state and the working memory (`planning.working`)
+    static = memory.params + memory.grads + memory.optimizer + memory.working
     return {
         "model": model,
         "batch": batch,
@@ -75,7 +76,7 @@ def setup() -> dict[str, Any]:
 
 
 def _limit(setup: dict[str, Any], share: float) -> float:
-    """Parameters, gradients and AdamW states, plus `share` of the unlimited plan's activations."""
+    """Parameters, gradients, AdamW states and working memory, plus `share` of the unlimited plan's activations."""
     return setup["static"] + share * setup["memory"].activations
 
 

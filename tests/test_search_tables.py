@@ -68,12 +68,33 @@ def test_tables_of_other_sizes_share_factors_and_stay_exact() -> None:
 
 
 def test_uneven_layouts_are_priced_pair_by_pair() -> None:
+    """(R: even on any mesh; Shard(0) of 10 rows over 3 ranks: uneven.)"""
     mesh = (3,)
     uneven = [Layout((Shard(0),), (10, 4)), Layout((R,), (10, 4))]
     cost = ElementCost(mesh)
     table = cost.redistribute_table(uneven, uneven)
     assert table.tolist() == [[redistribute_cost(s, d, mesh) for d in uneven] for s in uneven]
-    assert not cost._placement_ids  # nothing shared from uneven blocks
+    # the uneven layout's pairs are priced alone: only the even one's placements enter the steps
+    assert set(cost._placement_ids) == {(-2,)}
+
+
+@pytest.mark.parametrize("hardware", ["h100-nvlink-ib", "a100-cluster", "cpu-gloo", None])
+def test_lists_with_an_uneven_layout_price_their_even_pairs_from_steps_bit_for_bit(hardware: str | None) -> None:
+    """A table whose lists hold an uneven layout prices each pair as `redistribute` does alone, to
+    the last bit (on cpu-gloo each collective adds its own call time, so the order of the additions
+    shows), the even pairs from their placements' steps (the 3-rank axis splits dim 1 of 7 unevenly,
+    dim 0 of 12 evenly)."""
+    mesh = (2, 3, 2)
+    options = [R, P, Shard(0), Shard(1)]
+    layouts = [Layout((a, b, c), (12, 7), torch.bfloat16) for a in options for b in options for c in options]
+    cost = ElementCost(mesh) if hardware is None else TimeCost(hardware, mesh)
+    even = [lay.is_even(mesh) for lay in layouts]
+    assert any(even) and not all(even)
+    table = cost.redistribute_table(layouts, layouts)
+    assert table.tolist() == [[cost.redistribute(s, d) for d in layouts] for s in layouts]
+    assert cost._placement_ids  # the even pairs went through the shared steps
+    rows, cols = np.array([0, 5, 17, 40]), np.array([3, 9, 33, 63])
+    assert cost.redistribute_table(layouts, layouts, rows, cols).tolist() == table[np.ix_(rows, cols)].tolist()
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

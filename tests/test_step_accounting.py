@@ -243,7 +243,7 @@ def test_plans_are_counted_with_the_weight_state_recorded_on_their_graph() -> No
     assert counted.param_bytes == plain.param_bytes > 0
     assert counted.activation_bytes() == plain.activation_bytes()
     p = plain.param_bytes
-    assert plain.breakdown().total == pytest.approx(4 * p + plain.activation_bytes())
+    assert plain.breakdown().total == pytest.approx(4 * p + plain.activation_bytes() + plain.working_bytes)
     assert counted.breakdown().grads == pytest.approx(2 * p) and counted.breakdown().optimizer == pytest.approx(6 * p)
     assert weight_state_bytes(mixed) == pytest.approx(9 / 4 * weight_state_bytes(gm))
 
@@ -276,5 +276,5 @@ def test_the_search_fits_replicated_weights_with_the_weight_state_they_hold() ->
     set_state_ratios(mixed, StateBytes.of(mixed, MIXED_ADAMW).ratios)
     counted = search_layouts(mixed, mesh, default_registry(), cost=cost, memory_limit=limit)
     assert counted.storage == "sharded" and counted.memory is not None
-    assert counted.memory.total == pytest.approx(9 * counted.memory.params + counted.memory.activations)
+    assert counted.memory.total == pytest.approx(9 * counted.memory.params + counted.memory.activations + counted.memory.working)
     assert counted.memory.total <= limit

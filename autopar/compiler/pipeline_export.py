@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.core.errors import AutoparError
 from autopar.passes.eager_checks import eager_error, on_real_values
+from autopar.passes.hooks import take_root_forward_hooks
 from autopar.passes.trace import fake_clone
 from autopar.passes.trace_errors import user_frame_of, without_partial_graph
 from autopar.passes.value_guards import inputs_have_values
@@ -64,13 +65,16 @@ def _export_wrapped(
 ) -> Any:
     """torch.export of `model` whose forward returns only its loss (or its tensor outputs): the
     instance's forward is wrapped for the export and restored after it, as the tensor trace does
-    on its copy. `found` receives the output mapping's type and the returned structure."""
+    on its copy, and the model's own forward hooks run inside it, on the whole output as in serial
+    (`take_root_forward_hooks`), put back after it. `found` receives the output mapping's type and
+    the returned structure."""
     had_own = "forward" in model.__dict__
     original = model.forward
+    root_hooks, put_back = take_root_forward_hooks(model)
 
     @functools.wraps(original)
     def loss_only(*a: Any, **k: Any) -> Any:
-        result = original(*a, **k)
+        result = root_hooks(a, k, original(*a, **k))
         if isinstance(result, Mapping):
             found[0] = type(result)
             if result.get("loss") is not None:
@@ -85,6 +89,7 @@ def _export_wrapped(
         with without_partial_graph():  # torch's own page of generated code per failed export
             return torch.export.export(model, args, kwargs=kwargs or None, strict=False)
     finally:
+        put_back()
         if had_own:
             model.forward = original  # type: ignore[method-assign]
         else:

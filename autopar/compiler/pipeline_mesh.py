@@ -59,7 +59,8 @@ from autopar.core.meta import has_info, info, signature
 from autopar.cost.hardware import Hardware, load_hardware
 from autopar.passes.trace import trace
 from autopar.planning.memory import MEMORY_HEADROOM, StateRatios, set_state_ratios
-from autopar.planning.mesh_choice import SEARCHED_CANDIDATES, MeshCandidate, MeshChoice
+from autopar.planning.mesh_choice import SEARCHED_CANDIDATES, MeshCandidate, MeshChoice, experts_text
+from autopar.planning.search_seeds import has_grouped_mm
 from autopar.planning.search_steps import StepCache
 from autopar.planning.stage_cut import Schedules, cut_graph
 from autopar.planning.stage_result import StageCut, format_seconds
@@ -94,6 +95,14 @@ class PipelineCandidate:
     # what the blocks run again in backward (`step_accounting.RECOMPUTE_MODES`); the tensor-only
     # candidate: "search", what its plan search recomputes to fit the memory limit; "-": not priced
     recompute: str = "none"
+    # the stage sub-mesh's axis names holding the MoE layers' experts (`MeshCandidate.experts`): ()
+    # whole on every rank, None no expert dim or not priced
+    experts: tuple[str, ...] | None = None
+
+    @property
+    def experts_on(self) -> str:
+        """Where its plan holds the experts, as the table shows it (`mesh_choice.experts_text`)."""
+        return experts_text(self.experts, self.stage_names, self.stage_shape)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -120,20 +129,25 @@ class PipelineMeshChoice:
         return self.candidates[0]
 
     def table(self) -> str:
+        """One row per candidate; with MoE layers, a last column says which stage sub-mesh axes hold
+        the experts (`PipelineCandidate.experts_on`)."""
+        moe = any(c.experts is not None for c in self.candidates)
         lines = [
             f"mesh choice with pipeline depths: {self.world_size} ranks, {self.microbatches} microbatches, "
             f"on {self.hardware}",
-            "  pp  stage mesh            schedule          v  recompute  modeled step  bubble  factor  memory/rank  fits",
+            "  pp  stage mesh            schedule          v  recompute  modeled step  bubble  factor  memory/rank  fits"
+            + ("  experts on" if moe else ""),
         ]
         for c in self.candidates:
             head = f"{c.pp:>4}  {c.stage_mesh:<20}  {c.schedule:<16} {c.v}  {c.recompute:<9}"
             if c.error:
                 lines.append(f"{head}  {c.error}")
                 continue
-            lines.append(
+            row = (
                 f"{head}  {format_seconds(c.step_time):>12}  "
-                f"{c.bubble:>6.3f}  {c.factor:>6.2f}  {c.memory / 1e9:>8.2f} GB  {'yes' if c.fits else 'no'}"
+                f"{c.bubble:>6.3f}  {c.factor:>6.2f}  {c.memory / 1e9:>8.2f} GB  {'yes' if c.fits else 'no':<4}"
             )
+            lines.append(f"{row}  {c.experts_on}" if moe else row.rstrip())
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -196,6 +210,7 @@ def choose_pipeline_mesh(
     limit = hw.rank_memory(world_size) * MEMORY_HEADROOM if memory_limit is None else float(memory_limit)
     gm = trace(model, example, decompose=True, example_kwargs=example_kwargs)
     state = StateBytes.of(gm, weight_state_for(gm, weight_state))
+    moe = has_grouped_mm(gm)  # an expert dim: the rows say where each candidate holds the experts
     candidates: list[PipelineCandidate] = []
     tensor_only: MeshChoice | None = None
     steps = StepCache()  # pairs of placements, shared by every choice below (they depend on ndim only)
@@ -239,6 +254,7 @@ def choose_pipeline_mesh(
         shape: tuple[int, ...] = (1,)
         names: tuple[str, ...] = ("stage",)
         sub_time = 0.0
+        experts: tuple[str, ...] | None = () if moe else None  # one rank per stage: every expert of its layers on it
         if t > 1 and priced:
             try:
                 if not piece:
@@ -255,7 +271,7 @@ def choose_pipeline_mesh(
                 rows[pp] = [PipelineCandidate(pp, f"{t} ranks", "-", 1, error=str(exc).splitlines()[0], recompute="-")]
                 continue
             pick = per_step_best(sub, microbatches)
-            label, shape, names = pick.label, pick.shape, pick.names
+            label, shape, names, experts = pick.label, pick.shape, pick.names, pick.experts
             sub_time = per_microbatch(pick)  # its gradient reduction: once per step, by the cut
             shards = state.stored / pick.param_bytes if pick.param_bytes > 0 else None  # as the plan splits them
             cuts[pp] = cut_all(pp, t, shards=shards, grad=pick.reduce_time)
@@ -275,7 +291,7 @@ def choose_pipeline_mesh(
                 memory = max(cut.rank_memory)
                 options.append(PipelineCandidate(
                     pp, label, name, v, cut.step_time, memory, memory <= limit, cut.bubble, factor,
-                    stage_shape=shape, stage_names=names, recompute=mode,
+                    stage_shape=shape, stage_names=names, recompute=mode, experts=experts,
                 ))  # fmt: skip
             row = _best_option(options)
             rows[pp].append(row)
@@ -339,7 +355,7 @@ def tensor_only_candidate(
     step = best.rank_time + optimizer_seconds(state.step * stored, hw)
     return PipelineCandidate(
         1, best.label, "-", 1, step, memory, memory <= limit, stage_shape=best.shape, stage_names=best.names,
-        recompute="search",
+        recompute="search", experts=best.experts,
     )  # fmt: skip
 
 

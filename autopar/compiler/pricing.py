@@ -7,6 +7,7 @@ them with the compiled graph, explains layouts, and prints the comparison with t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,6 +112,7 @@ class PlanResult:
                 "grads": self.memory.grads,
                 "optimizer": self.memory.optimizer,
                 "activations": self.memory.activations,
+                "working": self.memory.working,
                 "total": self.memory.total,
             },
             "param_bytes": {"per_rank": report.param_bytes_local, "total": report.param_bytes_total},
@@ -144,7 +146,8 @@ class PlanResult:
             f"modeled on {self.hardware}: communication {self.comm_time * 1e3:.3f} ms + compute "
             f"{self.compute_time * 1e3:.3f} ms = {self.step_time * 1e3:.3f} ms per step (no overlap)",
             f"memory per rank: params {m.params / 1e6:.1f} MB, grads {m.grads / 1e6:.1f} MB, optimizer "
-            f"{m.optimizer / 1e6:.1f} MB, saved activations {m.activations / 1e6:.1f} MB, total {m.total / 1e6:.1f} MB",
+            f"{m.optimizer / 1e6:.1f} MB, saved activations {m.activations / 1e6:.1f} MB, working {m.working / 1e6:.1f} MB, "
+            f"total {m.total / 1e6:.1f} MB",
         ]
         overlap = self.overlap()
         if overlap is not None:
@@ -241,6 +244,8 @@ def price(compiled: Compiled, mesh: Mesh, hardware: str, planner: str) -> PlanRe
     activation_bytes = sum(_bytes(n) for n in saved if isinstance(n, fx.Node) and n.op != "placeholder")
     param_bytes = compiled.report.param_bytes_local
     memory = memory_per_rank(param_bytes, param_bytes, ADAMW_STATE_FACTOR, activation_bytes)
+    # the working memory the search counted for this plan (`planning.working`): not in the program's outputs
+    memory = dataclasses.replace(memory, working=getattr(compiled.graph.meta.get("autopar_search"), "working", 0.0))
     return PlanResult(mesh, hardware, planner, compiled, comm, compute, memory)
 
 

@@ -134,6 +134,60 @@ def exchanges_before(
     return moves
 
 
+def exchanges_ahead(
+    have: Mapping[int, Sequence[int]],
+    want: Mapping[int, Sequence[int]],
+    targets: Sequence[int | None],
+    axis: int,
+    later: Sequence[int],
+    shape: Sequence[int] | None = None,
+    mesh_shape: Sequence[int] = (),
+) -> list[tuple[int, int, int]]:
+    """All-to-alls (axis, from dim, to dim) that move away the axes splitting `axis`'s target dim
+    outside the target's nesting there, innermost first, each to the dim it splits in the target,
+    so that `axis`'s pending sum reduce-scatters into that dim instead of all-reducing: an exchange
+    of summands is one of sums and moves the block the un-sharding phase would move after the
+    all-reduce, and a reduce-scatter sends half an all-reduce (a GPT embedding's vocabulary-split
+    output, laid out for the residual stream on 4x8x16, went all-reduce then two exchanges).
+
+    Empty unless every such axis can move as the un-sharding phase exchanges it (innermost on the
+    dim it lands on, nesting as the target's there), and only for the last pending sum reduced
+    (`later`: those reduced after it): before another one's reduce-scatter the exchange would run
+    on the larger block, which can cost more (a pending sum over an axis of one rank is free to
+    all-reduce, and the choice cannot depend on axis sizes: `planning.search_steps` shares it
+    between meshes). `have` / `want`: each dim's axes now and in the target, outermost first;
+    `targets`: the dim each axis splits in the target (None: none). With `shape` given, each
+    exchange must move even blocks (without it the layouts are known to be even)."""
+    t = targets[axis]
+    assert t is not None
+    if later:
+        return []
+    axes, kept = list(have.get(t, ())), tuple(want.get(t, ()))
+    keep = 0
+    while keep < min(len(axes), len(kept)) and axes[keep] == kept[keep]:
+        keep += 1
+    if keep == len(axes) or not _is_prefix((*axes[:keep], axis), kept):
+        return []
+    trial = {d: list(v) for d, v in have.items()}
+    moves: list[tuple[int, int, int]] = []
+    for b in reversed(axes[keep:]):
+        home = targets[b]
+        there = trial.get(home, []) if home is not None else []
+        if (
+            home is None
+            or home == t
+            or not all(c < b for c in there)
+            or not _is_prefix((*there, b), want.get(home, ()))
+            or shape is not None
+            and not _even_exchange(shape, t, home, lambda x: trial.get(x, ()), b, mesh_shape)
+        ):
+            return []
+        trial[t].pop()
+        trial.setdefault(home, []).append(b)
+        moves.append((b, t, home))
+    return moves
+
+
 def _reduce_first(
     cur: Layout, dst: Layout, axis: int, moves: Sequence[tuple[int, int]], mesh_shape: Sequence[int]
 ) -> bool:
@@ -180,6 +234,22 @@ def _exchange_first(
     ):
         return None
     return target.dim
+
+
+def _ahead(
+    cur: Layout, dst: Layout, axis: int, order: Sequence[int], mesh_shape: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """`exchanges_ahead` between two layouts, pending sums reduced in `order` (not with a
+    load-balanced split: its chunk order is a second reordering)."""
+    if any(map(is_balanced, (*cur.placements, *dst.placements))):
+        return []
+    ndim = len(cur.shape)
+    targets = [p.dim if isinstance(p, Shard) else None for p in dst.placements]
+    pending = [b for b in order if isinstance(cur.placements[b], Partial) and targets[b] is not None]
+    later = pending[pending.index(axis) + 1 :]
+    have = {d: cur.shard_axes(d) for d in range(ndim) if cur.shard_axes(d)}
+    want = {d: dst.shard_axes(d) for d in range(ndim) if dst.shard_axes(d)}
+    return exchanges_ahead(have, want, targets, axis, later, cur.shape, mesh_shape)
 
 
 def plan_redistribute(
@@ -235,6 +305,9 @@ def plan_redistribute(
                 continue
             for b, d in moves:
                 step("all_to_all", b, cur.with_placement(b, target), dim=d, dst_dim=target.dim)
+            if not moves and not _is_prefix((*cur.shard_axes(target.dim), a), want):
+                for b, d, home in _ahead(cur, dst, a, order, mesh_shape):
+                    step("all_to_all", b, cur.with_placement(b, dst.placements[b]), dim=d, dst_dim=home)
         if isinstance(target, Shard) and _is_prefix(
             (*cur.shard_axes(target.dim), a), dst.shard_axes(target.dim)
         ):
@@ -350,6 +423,12 @@ def redistribute_cost(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> fl
                 total += (mesh_shape[b] - 1) / mesh_shape[b] * n
                 cur[b] = t
                 n = block() if exact else n
+            if not moves:
+                layout = Layout(tuple(cur), src.shape, src.dtype)
+                for b, _, _ in _ahead(layout, dst, a, range(len(mesh_shape)), mesh_shape):
+                    total += (mesh_shape[b] - 1) / mesh_shape[b] * n
+                    cur[b] = target[b]
+                    n = block() if exact else n
         if isinstance(t, Shard) and _is_prefix((*axes(t.dim), a), dst.shard_axes(t.dim)):
             total += (g - 1) / g * n
             cur[a] = t

@@ -136,10 +136,12 @@ class MemoryBreakdown:
     grads: float
     optimizer: float
     activations: float
+    # the working memory at the step's peak op beyond the saved activations (`planning.working`)
+    working: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations + self.working
 
     def fits(self, hw: Hardware, headroom: float = 0.9) -> bool:
         """Whether the total stays under `headroom` of device memory (allocator slack, workspaces)."""
@@ -149,8 +151,9 @@ class MemoryBreakdown:
         gib = 2.0**30
         return (
             f"params {self.params / gib:.2f} GiB + grads {self.grads / gib:.2f} GiB + optimizer "
-            f"{self.optimizer / gib:.2f} GiB + activations {self.activations / gib:.2f} GiB = "
-            f"{self.total / gib:.2f} GiB"
+            f"{self.optimizer / gib:.2f} GiB + activations {self.activations / gib:.2f} GiB"
+            + (f" + working {self.working / gib:.2f} GiB" if self.working else "")
+            + f" = {self.total / gib:.2f} GiB"
         )
 
 

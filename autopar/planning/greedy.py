@@ -21,6 +21,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -32,6 +33,8 @@ from autopar.core.plan import Plan
 from autopar.core.redistribute import redistribute_cost
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
 from autopar.cost.work import global_work, work_split
+from autopar.planning.greedy_ahead import Readers, rerank
+from autopar.planning.greedy_roles import axis_roles, batch_error
 from autopar.planning.greedy_scores import GreedyMemo, ListFacts, ListShape, best, pending_elements, scores
 from autopar.planning.search_steps import even_redistribute_cost
 from autopar.planning.storage import (
@@ -44,7 +47,6 @@ from autopar.planning.storage import (
 from autopar.rules.base import RuleRegistry, admissible, combine, expand
 from autopar.rules.calls import call_key, expand_cached, op_call, output_index, tensor_inputs
 
-DATA_AXIS_NAMES = ("dp", "data", "ddp", "fsdp", "batch")
 # Relative weights of the heuristic's cost terms, in "elements sent per rank".
 FLOP_WEIGHT = 1.0 / 200.0  # a rank does ~200 flops in the time it sends one element (CPU/gloo-like)
 PARTIAL_WEIGHT = 1.0  # a pending sum will cost at least a reduce-scatter later
@@ -53,17 +55,6 @@ BEAM = 3
 # a parameter at most this fraction of the model's elements may be stored whole where no split
 # fits it: what it adds to a rank's share is noise
 SMALL_PARAM_FRACTION = 1e-3
-
-
-def axis_roles(mesh: Mesh) -> tuple[str, ...]:
-    """'token' or 'tensor' per axis: by name for data axes, else by position (x, y tensor; z token)."""
-    n = mesh.ndim
-    by_position = {1: ("tensor",), 2: ("tensor", "tensor"), 3: ("tensor", "tensor", "token")}
-    roles = list(by_position.get(n, ("token",) + ("tensor", "tensor") + ("token",) * (n - 3)))
-    for a, name in enumerate(mesh.axis_names):
-        if name.lower() in DATA_AXIS_NAMES:
-            roles[a] = "token"
-    return tuple(roles)
 
 
 def choose_layouts(gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry) -> Plan:
@@ -83,28 +74,6 @@ def greedy_plan(
     """The greedy pass with other axis roles, or with some nodes' strategies fixed in advance.
     Passes over the same graph and mesh may share `memo` and `expand_cache`."""
     return _Greedy(gm, mesh, registry, roles=roles, forced=forced, expand_cache=expand_cache, memo=memo).run()
-
-
-def batch_error(gm: fx.GraphModule, mesh: Mesh, roles: tuple[str, ...]) -> ShardingError | None:
-    """Why the first input's dim 0 (the batch, which the token axes split) does not divide evenly
-    over `roles`' token axes; None if it does. A plan found on another mesh is held to it too."""
-    shape = tuple(mesh.shape)
-    token_axes = [a for a, r in enumerate(roles) if r == "token" and shape[a] > 1]
-    factor = math.prod(shape[a] for a in token_axes)
-    first = next((n for n in gm.graph.nodes if n.op == "placeholder" and info(n).role == "input"), None)
-    if first is None or factor == 1:
-        return None
-    val = first.meta["val"]
-    if val.dim() >= 1 and val.shape[0] % factor:
-        names = "".join(mesh.axis_names[a] for a in token_axes)
-        return ShardingError(
-            f"the batch dim of input 0 ({val.shape[0]}, shape {list(val.shape)}) is not divisible "
-            f"by the token axes {names} of mesh {mesh} ({factor} ranks)",
-            op="input",
-            layouts=[f"wanted: dim 0 split {factor} ways over {names}"],
-            hint=f"use a batch size that is a multiple of {factor}, or a mesh with smaller token axes",
-        )
-    return None
 
 
 @functools.lru_cache(maxsize=200_000)
@@ -166,6 +135,10 @@ class _Greedy:
         self.part_dims = part_dims(gm)  # parts of fused parameters: stored with the cut dim whole
         self.output = next(n for n in gm.graph.nodes if n.op == "output")
         self.tangents: set[fx.Node] = set()
+        self.readers = Readers(
+            registry, self.forced, self.plan.layouts, self.deferred, self.tangents, self._tensor_inputs,
+            lambda r: self._question(r, self._op_call(r)[1]), self._reader_wants, self.plan.roles,
+        )
 
     # ---- driver -------------------------------------------------------------------------------
     def run(self) -> Plan:
@@ -326,10 +299,14 @@ class _Greedy:
         # where `_role_filter` applies): repeated layers ask the same question again and get the
         # same answer, and so do passes with other roles or forced nodes sharing `choices`.
         roled = rule.anchor and "param" in current and any(c != "param" for c in current)
-        key = (self._question(node, key_of_call), tuple(current), self.plan.roles if roled else None)
+        # ... and on what its readers take (`greedy_ahead`): their ops and other inputs now
+        readers = self.readers.of(node)
+        # (and whether they are all its uses: `_pick` then charges no pending sum of its own)
+        ahead = (tuple(self.readers.key(r, j) for r, j in readers), len(readers) == len(node.users))
+        key = (self._question(node, key_of_call), tuple(current), self.plan.roles if roled else None, ahead)
         found = self.choices.get(key)
         if found is None:
-            found = self.choices[key] = self._pick(node, rule, call, current, key_of_call)
+            found = self.choices[key] = self._pick(node, rule, call, current, key_of_call, readers)
         best, note = found
         for node_in, want in zip(inputs, best.inputs):
             self._resolve(node_in, want)
@@ -343,8 +320,10 @@ class _Greedy:
         call: OpCall,
         current: list[Layout | str],
         key_of_call: tuple[Any, ...] | None = None,
+        readers: Sequence[tuple[fx.Node, int]] = (),
     ) -> tuple[Strategy, str]:
-        """The lowest-cost candidate strategy for `call` given its inputs' current layouts."""
+        """The lowest-cost candidate strategy for `call` given its inputs' current layouts, the
+        best few (one per output layout) ranked again with what `readers` pay to take their output."""
         # a whole list, shared by repeated ops and passes (a rule with a requirement: filtered)
         # (a rule with a whole-mesh filter, `admits`: its filtered list, which the per-axis beam
         # cannot apply: a balanced split off the "cp" axis, or over a merge of two samples)
@@ -361,8 +340,16 @@ class _Greedy:
             facts, current, global_work(node), self._input_cost, PARTIAL_WEIGHT, FLOP_WEIGHT
         )
         roled = rule.anchor and "param" in current and any(c != "param" for c in current)
+        needs = self.readers.needs(readers) if len(call.outputs) == 1 else []
+        # where every use is a reader priced, its need reduces the pending sums: not charged twice
+        own = cost - PARTIAL_WEIGHT * facts.pending if needs and len(readers) == len(node.users) else cost
         if not roled:
-            return candidates[best(cost, facts.uneven, slices)], "lowest modeled cost"
+            if not needs:
+                return candidates[best(cost, facts.uneven, slices)], "lowest modeled cost"
+            order = np.lexsort((np.arange(len(cost)), slices, facts.uneven, cost)).tolist()
+            ahead = rerank(order, lambda i: candidates[i].outputs[0], needs, self._price)
+            chosen = min(ahead, key=lambda t: (own[t[0]] + t[1], facts.uneven[t[0]], slices[t[0]], t[0]))
+            return candidates[chosen[0]], "lowest modeled cost"
         columns = (cost.tolist(), facts.uneven.tolist(), slices.tolist(), range(len(cost)), candidates)
         scored = [(0, *row) for row in zip(*columns)]
         note = "lowest modeled cost"
@@ -371,7 +358,25 @@ class _Greedy:
             scored, note = constrained, "axis roles (tokens / tensor axes)"
         # (role preference, cost, uneven blocks (even splits win ties), slices, enumeration order)
         scored.sort(key=lambda t: t[:5])
+        if needs:
+            rows = {t[4]: t for t in scored}
+            ahead = rerank([t[4] for t in scored], lambda i: candidates[i].outputs[0], needs, self._price)
+            ranked = sorted((rows[i][0], own[i] + need, *rows[i][2:5]) for i, need in ahead)
+            return candidates[ranked[0][4]], note
         return scored[0][5], note
+
+    # ---- the look-ahead over a value's readers (`greedy_ahead`) ---------------------------------
+    def _price(self, have: Layout, want: Layout) -> float:
+        return _redist(have, want, self.shape)
+
+    def _reader_wants(self, reader: fx.Node, position: int, current: list[Layout | str]) -> tuple[Layout, ...]:
+        """The layouts an anchor reading a parameter may take input `position` in: those of its
+        candidates that its axis roles keep, at the best role preference."""
+        call, key_of_call = self._op_call(reader)
+        candidates = expand_cached(reader, self._rule(reader), call, self.shape, self.expand_cache, key_of_call)
+        kept = self._role_filter([(0, 0, 0, 0, i, s) for i, s in enumerate(candidates)], current)
+        first = min((t[0] for t in kept), default=0)
+        return tuple(dict.fromkeys(t[5].inputs[position] for t in kept if t[0] == first))
 
     def _list_facts(self, candidates: list[Strategy]) -> ListFacts:
         found = self.memo.lists.get(id(candidates))

@@ -36,6 +36,7 @@ from autopar.core.meta import activation_copies, gradient_copies, info, is_backw
 from autopar.core.plan import MAX_REGATHER_NODES, Plan
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown
 from autopar.cost.work import is_view
+from autopar.planning.working import working_bytes
 from autopar.rules.calls import tensor_inputs
 
 MEMORY_HEADROOM = 0.9  # default limit: this share of device memory (as MemoryBreakdown.fits)
@@ -88,6 +89,9 @@ class PlanMemory:
     activation_copies: int = 1  # microbatches whose saved values the rank holds at once (a pipeline stage's)
     # a stage summing its microbatches' gradients: the sums' bytes (unreduced gradients times copies)
     unreduced_grad_bytes: float = 0.0
+    # the working memory at the step's peak op, beyond the saved values (`planning.working`):
+    # held once, whatever the microbatches in flight (one op runs at a time)
+    working_bytes: float = 0.0
 
     def activation_bytes(self, regather: Collection[str] = ()) -> float:
         return sum(s.bytes for s in self.saved if s.name not in regather)
@@ -100,7 +104,7 @@ class PlanMemory:
         `planning.recompute`), held `activation_copies` times."""
         params, ratios, held = self.param_bytes, self.ratios, self.activation_copies * activation_bytes
         grads = max(params * ratios.grad, self.unreduced_grad_bytes)
-        return MemoryBreakdown(params, grads, params * ratios.optimizer, float(held))
+        return MemoryBreakdown(params, grads, params * ratios.optimizer, float(held), self.working_bytes)
 
 
 def saved_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -204,6 +208,7 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> Pl
     memory = PlanMemory(param_bytes, ratios=state_ratios(gm), activation_copies=activation_copies(gm))
     if gradient_copies(gm) > 0:
         memory.unreduced_grad_bytes = gradient_copies(gm) * unreduced_grad_bytes(gm, plan, shape)
+    held: dict[str, set[Layout]] = {}  # saved values and the layouts they are kept in
     for node in saved_nodes(gm):
         have = plan.layouts[node.name][0]
         forward_wants: set[Layout] = set()
@@ -216,6 +221,7 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> Pl
                 wants = [w for i, w in zip(tensor_inputs(user), strategy.inputs) if i is node]
             (backward_wants.extend if is_backward(user) else forward_wants.update)(wants)
         kept = {w if w in forward_wants else have for w in backward_wants} or {have}
+        held[node.name] = {*kept, have}
         if node.op == "placeholder" or views_stored(node, plan):  # its own layout is memory held anyway
             kept.discard(have)
             if not kept:
@@ -228,4 +234,5 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> Pl
                 weight_chain(node, decided) is not None,
             )
         )
+    memory.working_bytes = working_bytes(gm, plan, shape, held)
     return memory

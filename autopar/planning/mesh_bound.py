@@ -46,7 +46,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
 from autopar.cost.hardware import Rate
 from autopar.planning.fixed import SCHEMES, Linear, find_linears, pair_linears, scheme_variants
-from autopar.planning.greedy import axis_roles
+from autopar.planning.greedy_roles import axis_roles
 from autopar.planning.plan_cost import GraphFacts
 from autopar.planning.search_cost import ElementCost, TimeCost
 from autopar.rules.routed_experts import ROUTED_OPS

@@ -49,6 +49,7 @@ from autopar.planning.plan_cost import plan_cost_parts
 from autopar.planning.search import SearchPlan, default_memory_limit, fit_memory, search_layouts
 from autopar.planning.search_cost import TimeCost
 from autopar.planning.search_problem import Shared
+from autopar.planning.search_seeds import expert_axes, has_grouped_mm
 from autopar.planning.search_steps import StepCache
 from autopar.planning.step_accounting import gradient_reduction_time
 from autopar.rules.base import RuleRegistry
@@ -60,6 +61,18 @@ OVERLAP_CANDIDATES = 4
 # Candidates searched at most when there are more: the best by the screen's cheap plans
 # (`autopar.planning.mesh_screen`); more are searched only if none of these has a plan that fits.
 SEARCHED_CANDIDATES = 4
+
+
+def experts_text(experts: tuple[str, ...] | None, names: Sequence[str], shape: Sequence[int]) -> str:
+    """Where a candidate's plan holds the MoE layers' experts, for the choice tables: the mesh axes
+    and the ranks they span ("ep (EP 64)", "dp,tp (EP 32)"), "whole" where every rank holds every
+    expert, "-" for a model without an expert dim (or a candidate without a plan)."""
+    if experts is None:
+        return "-"
+    if not experts:
+        return "whole"
+    sizes = dict(zip(names, shape))
+    return f"{','.join(experts)} (EP {math.prod(sizes.get(a, 1) for a in experts)})"
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,9 @@ class MeshCandidate:
     # > 0: its numbers are those of the model cut to a few blocks, taken to this many blocks
     # (`planning.mesh_fold`); 0: priced on the whole graph
     folded: int = 0
+    # the mesh axis names over which its plan splits the MoE layers' experts: () every rank holds
+    # every expert; None: the model has no expert dim (or the candidate has no plan)
+    experts: tuple[str, ...] | None = None
 
     @property
     def step_time(self) -> float:
@@ -160,7 +176,8 @@ class MeshChoice:
                         f"{c.compute_time * 1e3:.4f}",
                         format_bytes(c.memory),
                         "/".join(c.roles) + (f", weights {c.storage}" if c.storage else "")
-                        + (f", folded to {c.folded} blocks" if c.folded else ""),
+                        + (f", folded to {c.folded} blocks" if c.folded else "")
+                        + (f", experts on {experts_text(c.experts, c.names, c.shape)}" if c.experts is not None else ""),
                     )
                 )
             else:
@@ -192,6 +209,7 @@ class MeshChoice:
                 "estimate_seconds": c.estimate if math.isfinite(c.estimate) else None,
                 "bound_seconds": c.bound if math.isfinite(c.bound) else None,
                 "folded_blocks": c.folded,
+                "experts_axes": list(c.experts) if c.experts is not None else None,
             }
             for c in self.candidates
         ]
@@ -419,8 +437,9 @@ def _evaluate(
     stored = plan.memory.params if plan.memory is not None else math.nan
     reduce = gradient_reduction_time(gm, plan, mesh.shape, cost.mesh.hw)
     candidate = MeshCandidate(mesh.shape, mesh.axis_names, comm, compute, memory, True, plan.roles)
+    experts = tuple(mesh.axis_names[a] for a in expert_axes(gm, plan)) if has_grouped_mm(gm) else None
     return replace(
-        candidate, storage=getattr(plan, "storage", ""), reduce_time=reduce, param_bytes=stored
+        candidate, storage=getattr(plan, "storage", ""), reduce_time=reduce, param_bytes=stored, experts=experts
     ), plan
 
 

@@ -41,7 +41,8 @@ import torch.fx as fx
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
 from autopar.core.strategy import Strategy
-from autopar.planning.greedy import axis_roles, greedy_plan
+from autopar.planning.greedy import greedy_plan
+from autopar.planning.greedy_roles import axis_roles
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.mesh_bound import Bounds
 from autopar.planning.plan_cost import GraphFacts, plan_cost

@@ -33,7 +33,8 @@ from autopar.core.plan import Plan
 from autopar.core.strategy import OpCall, Strategy
 from autopar.cost.hardware import Rate
 from autopar.cost.work import work_split
-from autopar.planning.greedy import SMALL_PARAM_FRACTION, batch_error
+from autopar.planning.greedy import SMALL_PARAM_FRACTION
+from autopar.planning.greedy_roles import batch_error
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.plan_cost import GraphFacts
 from autopar.planning.ring_cost import op_extra_cost

@@ -33,7 +33,7 @@ from autopar.rules.ring_attention import BACKWARD, FORWARD, exposed_exchange_sec
 from autopar.rules.routed_experts import (
     ROUTED_EXPERTS_BACKWARD,
     ROUTED_OPS,
-    all_to_all_axis,
+    all_to_all_axes,
     expert_axes,
     tokens_index,
 )
@@ -78,7 +78,8 @@ def routed_exchange_cost(
       `cost.dispatch.PLANNED_EXCHANGES` as an all-to-all of the rank's routed pairs (t·k rows of
       that width over the axis), its rows scaled by the imbalance: the exchange ends when the
       busiest rank has received its rows. Nothing overlaps them: the experts' matmuls wait for
-      their rows."""
+      their rows. Over two mesh axes each exchange runs along the outer axis, then the inner one
+      (`token_dispatch.TwoAxisExchange`): both priced, with the counts each relays first."""
     if op not in ROUTED_OPS or not expert_axes(op, strategy):
         return 0.0
     if cost.routing_imbalance is not None:
@@ -86,25 +87,30 @@ def routed_exchange_cost(
     elif imbalance is None:
         imbalance = ROUTING_IMBALANCE
     total = (imbalance - 1.0) * cost.compute(work, work_split(strategy, cost.shape), rate)
-    axis = all_to_all_axis(op, strategy)
-    if axis is None:
+    axes = all_to_all_axes(op, strategy)
+    if not axes:
         return total
     at = tokens_index(op)
     x, ids, experts = strategy.inputs[at], strategy.inputs[at + 1], strategy.inputs[at + 3]
-    ranks = cost.shape[axis]
-    counts = Layout(
-        tuple(Shard(0) if a == axis else R for a in range(len(cost.shape))),
-        (ranks, experts.shape[0]),
-        torch.int64,
-    )
-    total += cost.redistribute(counts, counts.with_placement(axis, Shard(1)))
     # the busiest rank's rows: the pairs scaled, rounded up to a whole block per rank (an uneven
     # split would be priced as an all-gather instead)
     blocks = math.prod(cost.shape[a] for a in x.shard_axes(0))
     rows = math.ceil(x.shape[0] * ids.shape[1] * imbalance / blocks) * blocks
-    for width in PLANNED_EXCHANGES["backward" if op == ROUTED_EXPERTS_BACKWARD else "forward"]:
-        pairs = Layout(x.placements, (rows, width * x.shape[1]), x.dtype)
-        total += cost.redistribute(pairs, pairs.with_placement(axis, Shard(1)))
+    widths = PLANNED_EXCHANGES["backward" if op == ROUTED_EXPERTS_BACKWARD else "forward"]
+    for axis in axes:  # over two axes, the exchange runs along each in turn (`TwoAxisExchange`)
+        ranks = cost.shape[axis]
+        counts = Layout(
+            tuple(Shard(0) if a == axis else R for a in range(len(cost.shape))),
+            (ranks, experts.shape[0]),
+            torch.int64,
+        )
+        # the route's counts; over two axes, each exchange (the counts' and the rows') first relays its
+        # counts along the outer one (priced as the route's: an upper bound on their bytes)
+        relays = 1 + len(widths) if len(axes) > 1 and axis == axes[0] else 0
+        total += (1 + relays) * cost.redistribute(counts, counts.with_placement(axis, Shard(1)))
+        for width in widths:
+            pairs = Layout(x.placements, (rows, width * x.shape[1]), x.dtype)
+            total += cost.redistribute(pairs, pairs.with_placement(axis, Shard(1)))
     return total
 
 

@@ -216,17 +216,23 @@ def _local(block: Block, vars: Sequence[Var]) -> list[np.ndarray]:
     return local
 
 
-def _tree_dp(block: Block, local: list[np.ndarray]) -> np.ndarray:
+def _tree_dp(block: Block, local: list[np.ndarray], grouped: bool = True) -> np.ndarray:
     """The block's exact optimum: messages from the leaves to the root, then choices back out.
-    A member linked to its parent by one edge (most are) adds its cost to the edge's matrix
-    directly, with no zero-filled pair table: on 512 x 512 tables the extra pass was a third of
-    the search's dynamic program, and adding to zeros changes no sum (`x + 0.0 == x`)."""
+    A member linked to its parent by one edge (most are) sends its message through the edge's
+    small table of distinct layouts (`_grouped_message`; `grouped=False`: through the candidates'
+    whole pair matrix, which gives the same choices and sums), or where that is not smaller adds
+    its cost to the edge's matrix directly, with no zero-filled pair table (`x + 0.0 == x`)."""
     value = [vec.copy() for vec in local]
     back: list[np.ndarray | None] = [None] * len(local)
     for k in range(len(local) - 1, 0, -1):
         links = block.links[k]
         if len(links) == 1:
             edge, child_is_u = links[0]
+            message = _grouped_message(value[k], edge, child_is_u) if grouped else None
+            if message is not None:
+                back[k], best = message
+                value[block.parents[k]] += best
+                continue
             matrix = edge.matrix()
             total = value[k][:, None] + (matrix if child_is_u else matrix.T)
         else:
@@ -244,3 +250,46 @@ def _tree_dp(block: Block, local: list[np.ndarray]) -> np.ndarray:
         assert arg is not None
         choices[k] = arg[choices[block.parents[k]]]
     return choices
+
+
+# candidate pairs below which the whole matrix is as cheap (and kept: `Edge.matrix`)
+GROUPED_FROM = 4096
+# a ulp bound, relative to |cost| + the table's largest |entry|: two costs nearer than this may add
+# up to the same float with one table entry (then the lower candidate index must win the tie)
+_NEAR = 2.0**-50
+
+
+def _grouped_message(value: np.ndarray, edge: Edge, child_is_u: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """The message of a member linked to its parent by one edge, per parent candidate: the member's
+    best candidate (`back`) and the cost it adds, as the pair matrix's column argmin gives them
+    (ties: the lowest index), computed on the edge's table of distinct layouts.
+
+    Hundreds of candidates share a few layouts on each side, and an edge's cost depends on a
+    candidate only through its layout: the member's cheapest candidate per layout (the lowest index
+    among equal costs) is the only one of that layout that can win, so the min over candidates is a
+    min over its layouts, and each distinct parent layout is asked once. Adding a table entry is
+    monotone, so the sums are the matrix's, bit for bit. One case could pick another index: a
+    candidate of lower index whose cost is above its layout's cheapest by less than rounding can
+    tell after the addition; there (and where a cost is not finite, or the table is no smaller, or the matrix small) this
+    returns None and the caller takes the whole matrix."""
+    (rows, row_of), (cols, col_of) = edge.distinct(child_is_u), edge.distinct(not child_is_u)
+    pairs = len(row_of) * len(col_of)
+    if pairs <= GROUPED_FROM or 2 * len(rows) * len(cols) > pairs or not np.isfinite(value).all():
+        return None
+    table = edge.table if child_is_u else edge.table.T
+    small = table[np.ix_(rows, cols)]
+    n = len(value)
+    order = np.lexsort((np.arange(n), value, row_of))  # by layout, then cost, then index
+    starts = np.flatnonzero(np.diff(row_of[order], prepend=-1))
+    best_of = order[starts]  # per distinct layout (in `rows`' order): its cheapest candidate
+    best = value[best_of]
+    if not (np.isfinite(best).all() and np.isfinite(small).all()):
+        return None
+    slack = (np.abs(value) + np.abs(small).max(initial=0.0)) * _NEAR
+    if np.any((np.arange(n) < best_of[row_of]) & (value - best[row_of] <= slack)):
+        return None
+    by_index = np.argsort(best_of)  # layouts by their candidate's index: argmin's first is the lowest
+    total = best[by_index][:, None] + small[by_index]
+    arg = total.argmin(axis=0)
+    per_col = total[arg, np.arange(total.shape[1])]
+    return best_of[by_index][arg][col_of], per_col[col_of]

@@ -26,7 +26,9 @@ from autopar.planning.greedy import FLOP_WEIGHT, _redist
 from autopar.planning.search_steps import StepCache, element_factor, even_steps, instantiate
 from autopar.planning.storage import gather_from_storage, storage_layout
 
-_FIELDS = 5  # per step of a program: elements per block element, num, den, bandwidth, latency
+# per step of a program: elements per block element, num, den, bandwidth, latency plus call, latency
+# (latency steps x alpha), call
+_FIELDS = 7
 
 
 class ElementCost:
@@ -45,7 +47,7 @@ class ElementCost:
         self.shape = tuple(mesh_shape)
         self._templates = (steps if steps is not None else StepCache()).templates(len(self.shape))
         self._placement_ids = self._templates.placement_ids  # codes -> row of the pair tables
-        self._lists: dict[tuple[Layout, ...], tuple[np.ndarray, bool]] = {}  # `_blocks`
+        self._lists: dict[tuple[Layout, ...], tuple[np.ndarray, np.ndarray]] = {}  # `_blocks`
         self._programs = np.zeros((0, len(self.shape), _FIELDS))  # per template: its numbers here
 
     def redistribute(self, src: Layout, dst: Layout) -> float:
@@ -71,19 +73,39 @@ class ElementCost:
     ) -> np.ndarray:
         """`redistribute` between every pair (rows: `outs`, columns: `ins`, one tensor's layouts),
         or only between `outs[rows]` and `ins[cols]`: from the steps of each pair of placements
-        (`search_steps`) where all of `outs` and `ins` are even, pair by pair otherwise (uneven
-        blocks are recounted at every step). A cell's number does not depend on which others are
-        asked for, so a table may be filled piece by piece."""
-        n, even_outs = self._blocks(outs)
-        even = even_outs and n.all() and self._blocks(ins)[1]
+        (`search_steps`) between even layouts, pair by pair where a side is uneven (uneven blocks
+        are recounted at every step); in lists holding an uneven layout the even pairs' steps are
+        added up as `redistribute` adds them (`_even_table(exact=True)`). A cell's number does not
+        depend on which others are asked for, so a table may be filled piece by piece."""
+        n, out_even = self._blocks(outs)
+        in_even = self._blocks(ins)[1]
+        out_even = out_even & (n > 0)
+        even = out_even.all() and in_even.all()  # (the whole lists: a cell's number is its lists')
         if rows is not None:
-            outs, n = [outs[i] for i in rows.tolist()], n[rows]
+            outs, n, out_even = [outs[i] for i in rows.tolist()], n[rows], out_even[rows]
         if cols is not None:
-            ins = [ins[j] for j in cols.tolist()]
-        if not even:
-            return np.array([[self.redistribute(o, w) for w in ins] for o in outs], dtype=float).reshape(
-                len(outs), len(ins)
+            ins, in_even = [ins[j] for j in cols.tolist()], in_even[cols]
+        if even:
+            return self._even_table(outs, ins, n)
+        # lists with uneven layouts: their even pairs from their steps as `redistribute` adds them up
+        # (`exact`), the others pair by pair
+        table = np.empty((len(outs), len(ins)))
+        at_rows, at_cols = np.flatnonzero(out_even), np.flatnonzero(in_even)
+        if len(at_rows) and len(at_cols):
+            table[np.ix_(at_rows, at_cols)] = self._even_table(
+                [outs[i] for i in at_rows.tolist()], [ins[j] for j in at_cols.tolist()], n[at_rows], exact=True
             )
+        for i, o in enumerate(outs):
+            row = table[i]
+            for j in range(len(ins)) if not out_even[i] else np.flatnonzero(~in_even).tolist():
+                row[j] = self.redistribute(o, ins[j])
+        return table
+
+    def _even_table(self, outs: Sequence[Layout], ins: Sequence[Layout], n: np.ndarray, exact: bool = False) -> np.ndarray:
+        """`redistribute_table` between even layouts (`n`: the source blocks' elements, none 0) from
+        their placements' steps. `exact`: each step's seconds added up in `redistribute`'s order
+        (`TimeCost._step_cost`), so the cells are its numbers bit for bit, as pricing pair by pair
+        gives them in a table with uneven layouts."""
         templates = self._templates
         which = templates.programs(
             templates.ids([lay.placements for lay in outs]), templates.ids([lay.placements for lay in ins])
@@ -98,19 +120,20 @@ class ElementCost:
         for k in range(programs.shape[1]):  # step by step, in order: the sums of pricing alone
             step = programs[None, :, k]
             elements = step[..., 0] * (blocks[:, None] * step[..., 1] / step[..., 2])
-            value = value + self._step_cost(elements, step, outs[0])
+            value = value + self._step_cost(elements, step, outs[0], exact)
         return value[block_of.reshape(-1, 1), program_of.reshape(which.shape)]
 
-    def _step_cost(self, elements: np.ndarray, step: np.ndarray, layout: Layout) -> np.ndarray:
+    def _step_cost(self, elements: np.ndarray, step: np.ndarray, layout: Layout, exact: bool) -> np.ndarray:
         return elements
 
-    def _blocks(self, layouts: Sequence[Layout]) -> tuple[np.ndarray, bool]:
-        """(local elements of each layout, whether all are even), once per list of layouts."""
+    def _blocks(self, layouts: Sequence[Layout]) -> tuple[np.ndarray, np.ndarray]:
+        """(local elements of each layout, whether each is even), once per list of layouts."""
         key = tuple(layouts)
         found = self._lists.get(key)
         if found is None:
             n = np.array([lay.local_numel(self.shape) for lay in layouts], dtype=float)
-            found = self._lists[key] = (n, all(lay.is_even(self.shape) for lay in layouts))
+            even = np.array([lay.is_even(self.shape) for lay in layouts], dtype=bool)
+            found = self._lists[key] = (n, even)
         return found
 
     def _link(self, axis: int) -> tuple[float, float, float]:
@@ -127,7 +150,8 @@ class ElementCost:
             for k, (kind, a, num, den) in enumerate(instantiate(template, self.shape)):
                 g = self.shape[a]
                 bandwidth, alpha, call = self._link(a)
-                rows[i, k] = (element_factor(kind, g), num, den, bandwidth, latency_steps(kind, g) * alpha + call)
+                latency = latency_steps(kind, g) * alpha
+                rows[i, k] = (element_factor(kind, g), num, den, bandwidth, latency + call, latency, call)
         self._programs = np.concatenate([self._programs, rows])
 
 
@@ -170,9 +194,12 @@ class TimeCost(ElementCost):
         link = self.mesh.links[axis]
         return link.bandwidth, link.alpha, link.call
 
-    def _step_cost(self, elements: np.ndarray, step: np.ndarray, layout: Layout) -> np.ndarray:
+    def _step_cost(self, elements: np.ndarray, step: np.ndarray, layout: Layout, exact: bool) -> np.ndarray:
         # `formulas.step_time`: bytes sent / bandwidth + latency steps * alpha + the call's own time
-        return elements * itemsize(layout.dtype) / step[..., 3] + step[..., 4]
+        # (`exact`: added in its order; else the latency and the call as one term, as the even
+        # tables have always been priced: the same to a few ulps)
+        sent = elements * itemsize(layout.dtype) / step[..., 3]
+        return sent + step[..., 5] + step[..., 6] if exact else sent + step[..., 4]
 
 
 def _distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

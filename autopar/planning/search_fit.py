@@ -241,7 +241,8 @@ def memory_error(memory: PlanMemory, mesh: Mesh, limit: float, which: str) -> Me
     need = memory.breakdown([s.name for s in memory.saved if s.regatherable])
     parts = (
         f"params {format_bytes(need.params)} + grads {format_bytes(need.grads)} + AdamW states "
-        f"{format_bytes(need.optimizer)} + saved activations {format_bytes(need.activations)}"
+        f"{format_bytes(need.optimizer)} + saved activations {format_bytes(need.activations)} + working memory "
+        f"{format_bytes(need.working)}"
     )
     return MemoryLimitError(
         f"no plan fits the memory limit of {format_bytes(limit)} per rank on mesh {mesh}: {which} "

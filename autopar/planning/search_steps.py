@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from autopar.core.layout import Layout, Partial, Placement, RowDisjoint, Shard
-from autopar.core.redistribute import FORBIDDEN_FACTOR, exchanges_before
+from autopar.core.redistribute import FORBIDDEN_FACTOR, exchanges_ahead, exchanges_before
 from autopar.core.strategy import Strategy
 
 # per-axis codes of `codes`; a dim d >= 0 is Shard(d)
@@ -236,6 +236,14 @@ def coded_template(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[Template
                     have[home].pop()
                     have.setdefault(t, []).append(b)
                     steps.append(("all_to_all", b, num, den))
+                if not moves and not _extends(have.get(t, ()), a, want.get(t, ())):
+                    pending = [b for b, c in enumerate(src) if c in (PARTIAL, DISJOINT) and dst[b] >= 0]
+                    targets = [d if d >= 0 else None for d in dst]
+                    later = pending[pending.index(a) + 1 :]
+                    for b, home, dest in exchanges_ahead(have, want, targets, a, later):
+                        have[home].pop()
+                        have.setdefault(dest, []).append(b)
+                        steps.append(("all_to_all", b, num, den))
             if t >= 0 and _extends(have.get(t, ()), a, want.get(t, ())):
                 steps.append(("reduce_scatter", a, num, den))
                 have.setdefault(t, []).append(a)

@@ -67,6 +67,13 @@ class Edge:
             self.cached = matrix
         return matrix
 
+    def distinct(self, producer: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct rows (`producer`) or columns of `table` the candidates read, and each
+        candidate's position among them (`np.unique`); worked out once per index array where the
+        edge has its `PairTable` (repeated layers share their index arrays)."""
+        index = self.out_index if producer else self.in_index
+        return self.pairs.distinct(index) if self.pairs is not None else _distinct(index)
+
     def value(self, u_choice: int, v_choice: int) -> float:
         return float(self.table[self.out_index[u_choice], self.in_index[v_choice]])
 
@@ -118,6 +125,8 @@ class PairTable:
         self.done = np.zeros((0, 0), dtype=bool)
         # id of a full index array -> (that array, kept alive so the id stays its own; its compact one)
         self._compact: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # id of a compact index array -> (that array, kept alive; `_distinct` of it)
+        self._distinct: dict[int, tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]] = {}
 
     def fill(self, out_indices: list[np.ndarray], in_indices: list[np.ndarray], price: PriceCells) -> None:
         """Price every cell the full index arrays can read that is not priced yet. Rows and columns
@@ -156,6 +165,19 @@ class PairTable:
             at = self.row_at if side == "out" else self.col_at
             found = self._compact[key] = (index, at[index])
         return found[1]
+
+
+    def distinct(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`_distinct(index)`, once per index array."""
+        found = self._distinct.get(id(index))
+        if found is None:
+            found = self._distinct[id(index)] = (index, _distinct(index))
+        return found[1]
+
+
+def _distinct(index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    values, position = np.unique(index, return_inverse=True)
+    return values, position.reshape(-1)
 
 
 @dataclass

@@ -191,19 +191,20 @@ def expert_placement(
 
 def _inside_bytes(split: Sequence[tuple[fx.Node, Any]], mesh: Mesh) -> float:
     """What the all-to-all dispatcher's exchanges inside the forward ops send per rank per step,
-    forward and backward (`dispatch_cost(..., planned=True)`, routing spread evenly)."""
+    forward and backward (`dispatch_cost(..., planned=True)`, routing spread evenly); over two mesh
+    axes, the exchange along each (`token_dispatch.TwoAxisExchange` relays every row once)."""
     total = 0.0
     link = Link(alpha=0.0, bandwidth=1.0)  # bytes do not depend on the link
     for node, strategy in split:
-        axis = routed_experts.all_to_all_axis(node.target, strategy)
-        if axis is None or node.target is not routed_experts.ROUTED_EXPERTS:
+        if node.target is not routed_experts.ROUTED_EXPERTS:
             continue
         x, ids, gate_up = strategy.inputs[0], strategy.inputs[1], strategy.inputs[3]
         tokens = x.local_shape(mesh.shape, (0,) * mesh.ndim)[0]
-        ep = mesh.shape[axis]
-        total += dispatch_cost(
-            "all_to_all", tokens, x.shape[1], ids.shape[1], gate_up.shape[0], ep, link, x.dtype, planned=True
-        ).bytes_sent
+        for axis in routed_experts.all_to_all_axes(node.target, strategy):
+            total += dispatch_cost(
+                "all_to_all", tokens, x.shape[1], ids.shape[1], gate_up.shape[0], mesh.shape[axis], link, x.dtype,
+                planned=True,
+            ).bytes_sent  # fmt: skip
     return total
 
 

@@ -81,6 +81,16 @@ class Requirement:
     hint: str
 
 
+def both(first: Requirement | None, second: Requirement) -> Requirement:
+    """A requirement admitting what both admit (`first` None: `second`): a registry's own
+    requirement kept when another is put on the same op."""
+    if first is None:
+        return second
+    return Requirement(
+        lambda call, chosen: first.admits(call, chosen) and second.admits(call, chosen), f"{first.hint}; and {second.hint}"
+    )
+
+
 @dataclass(frozen=True)
 class OpRule:
     op: Any
@@ -104,6 +114,18 @@ class RuleRegistry:
 
     def __init__(self) -> None:
         self._rules: dict[Any, OpRule] = {}
+        self._seed_orders: tuple[tuple[str, RuleRegistry], ...] = ()
+
+    def seed_from(self, name: str, registry: RuleRegistry) -> None:
+        """Also seed the plan search with the greedy plans of `registry` (named `name`): a
+        narrower copy of this one whose plans lie in a region the search's local moves do not
+        reach from this registry's own seeds (`planning.search_seeds.order_seeds`: the
+        load-balanced causal order, which pays off only once a whole residual stream takes it)."""
+        self._seed_orders = (*self._seed_orders, (name, registry))
+
+    def seed_orders(self) -> tuple[tuple[str, RuleRegistry], ...]:
+        """The registries whose greedy plans also seed the search (`seed_from`)."""
+        return self._seed_orders
 
     def register(
         self,
@@ -150,6 +172,7 @@ class RuleRegistry:
     def copy(self) -> RuleRegistry:
         new = RuleRegistry()
         new._rules = dict(self._rules)
+        new._seed_orders = self._seed_orders
         return new
 
 

@@ -56,7 +56,7 @@ from autopar.core.layout import BalancedShard, Layout, P, Placement, R, Replicat
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy, TensorSpec
 from autopar.rules import device_attention, ring_attention
 from autopar.rules.balanced import balanced_registry, only_on_axis
-from autopar.rules.base import LocalCall, LocalContext, LocalGraph, Requirement, RuleRegistry
+from autopar.rules.base import LocalCall, LocalContext, LocalGraph, Requirement, RuleRegistry, both
 from autopar.rules.pointwise import partial_ok
 
 aten = torch.ops.aten
@@ -307,14 +307,6 @@ def _weights_whole(axis: int) -> Requirement:
     )
 
 
-def _both(first: Requirement | None, second: Requirement) -> Requirement:
-    """A requirement admitting what both admit (`first` None: `second`)."""
-    if first is None:
-        return second
-    return Requirement(lambda call, chosen: first.admits(call, chosen) and second.admits(call, chosen),
-                       f"{first.hint}; and {second.hint}")
-
-
 def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = "auto") -> RuleRegistry:
     """A copy of `registry` whose plans split the sequence over mesh axis `axis` (a "cp" axis):
     token embeddings (B, T, E) split along T there, so the activations after them are split along
@@ -355,7 +347,12 @@ def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = 
         whole = _weights_whole(axis)
         for op in constrained.ops():
             if op not in (FORWARD, BACKWARD):
-                constrained.require(op, _both(constrained.get(op).requirement, whole))  # type: ignore[union-attr]
+                constrained.require(op, both(constrained.get(op).requirement, whole))  # type: ignore[union-attr]
+    if strategy == "auto":
+        # the search's seeds list the contiguous strategies first, and no chain move turns a whole
+        # residual stream balanced: the balanced plan (linears' merge included) seeds it too, and
+        # its strategies join the candidates (docs/context-parallel.md#asking-for-it-a-cp-axis)
+        constrained.seed_from("balanced", require_context_parallel(registry, axis, "balanced"))
     return constrained
 
 

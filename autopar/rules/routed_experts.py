@@ -34,12 +34,18 @@ and the pair's expert output back (2H): nothing of run-time shape is saved betwe
 No insert_comm redistribution shows those exchanges, so the planners add
 `autopar.planning.ring_cost.routed_exchange_cost` to the candidate (as for ring attention).
 
-At most one mesh axis holds the experts split (`one_expert_axis`); others may split the tokens
-(data).
+The rule is written for one axis and expanded over the mesh as every rule is; the product may split
+the experts over two mesh axes (`expert_split_admitted`), nested as any dim's split (the earlier
+axis outer: rank (i, j) of axes of sizes (a, b) holds expert block i * b + j), with one dispatcher
+on both: the all-gather (tokens whole on both, each rank its own block's offset) or the all-to-all
+(tokens split on both; the exchange runs over the two axes' groups as one,
+`token_dispatch.TwoAxisExchange`: Megatron-Core's expert group spanning its data and tensor
+groups). Other axes may split the tokens (data).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -51,8 +57,8 @@ from torch import fx
 from autopar.core.errors import AutoparError
 from autopar.core.layout import P, R, Shard
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
-from autopar.rules.base import LocalCall, LocalContext, Requirement, RuleRegistry
-from autopar.rules.token_dispatch import Exchange, GroupExchange, _expert_major
+from autopar.rules.base import LocalCall, LocalContext, Requirement, RuleRegistry, both
+from autopar.rules.token_dispatch import Exchange, GroupExchange, TwoAxisExchange, _expert_major
 
 aten = torch.ops.aten
 
@@ -222,15 +228,21 @@ def experts_backward(
     return grad_x.to(x.dtype), grad_weights.to(weights.dtype), grad_gate_up, grad_down
 
 
-def _exchange(group: str) -> Exchange:
-    """The exchange of an all-to-all local call's process group ("" for none)."""
+def _exchange(group: str, inner_group: str = "") -> Exchange:
+    """The exchange of an all-to-all local call's process group ("" for none), over two mesh axes
+    where `inner_group` names the second one's (`TwoAxisExchange`)."""
     if not group:
         return SingleExchange()
-    return GroupExchange(dist.distributed_c10d._resolve_process_group(group))  # type: ignore[arg-type]
+    outer = GroupExchange(dist.distributed_c10d._resolve_process_group(group))  # type: ignore[arg-type]
+    if not inner_group:
+        return outer
+    inner = GroupExchange(dist.distributed_c10d._resolve_process_group(inner_group))  # type: ignore[arg-type]
+    return TwoAxisExchange(outer, inner)
 
 
 # Custom ops (with fake kernels and a registered backward): one node each in the joint graph.
-# `first_expert`, `group` and `axis` are the local call's: the global op leaves them at defaults.
+# `first_expert`, `group`, `axis`, `inner_group` and `inner_axis` are the local call's (`localize`):
+# the global op leaves them at defaults.
 @torch.library.custom_op("autopar::routed_experts", mutates_args=())
 def _routed_experts(
     x: torch.Tensor,
@@ -242,8 +254,10 @@ def _routed_experts(
     first_expert: int = 0,
     group: str = "",
     axis: int = -1,
+    inner_group: str = "",
+    inner_axis: int = -1,
 ) -> torch.Tensor:
-    return experts_forward(x, ids, weights, gate_up, down, act, first_expert, _exchange(group))
+    return experts_forward(x, ids, weights, gate_up, down, act, first_expert, _exchange(group, inner_group))
 
 
 @_routed_experts.register_fake
@@ -257,6 +271,8 @@ def _routed_experts_fake(
     first_expert: int = 0,
     group: str = "",
     axis: int = -1,
+    inner_group: str = "",
+    inner_axis: int = -1,
 ) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
@@ -273,8 +289,10 @@ def _routed_experts_backward(
     first_expert: int = 0,
     group: str = "",
     axis: int = -1,
+    inner_group: str = "",
+    inner_axis: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return experts_backward(grad, x, ids, weights, gate_up, down, act, first_expert, _exchange(group))
+    return experts_backward(grad, x, ids, weights, gate_up, down, act, first_expert, _exchange(group, inner_group))
 
 
 @_routed_experts_backward.register_fake
@@ -289,6 +307,8 @@ def _routed_experts_backward_fake(
     first_expert: int = 0,
     group: str = "",
     axis: int = -1,
+    inner_group: str = "",
+    inner_axis: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     contiguous = torch.contiguous_format
     return (
@@ -300,15 +320,15 @@ def _routed_experts_backward_fake(
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    x, ids, weights, gate_up, down, act, first_expert, group, axis = inputs
+    x, ids, weights, gate_up, down, *args = inputs
     ctx.save_for_backward(x, ids, weights, gate_up, down)
-    ctx.args = (act, first_expert, group, axis)
+    ctx.args = tuple(args)  # act, first_expert, group, axis, inner_group, inner_axis
 
 
 def _backward(ctx, grad):  # type: ignore[no-untyped-def]
     x, ids, weights, gate_up, down = ctx.saved_tensors
     grad_x, grad_weights, grad_gate_up, grad_down = ROUTED_EXPERTS_BACKWARD(grad, x, ids, weights, gate_up, down, *ctx.args)
-    return grad_x, None, grad_weights, grad_gate_up, grad_down, None, None, None, None
+    return grad_x, None, grad_weights, grad_gate_up, grad_down, *([None] * len(ctx.args))
 
 
 _routed_experts.register_autograd(_backward, setup_context=_setup_context)
@@ -376,41 +396,46 @@ def backward_strategies(call: OpCall) -> list[AxisStrategy]:
 
 
 def expert_axes(op: object, strategy: Strategy) -> tuple[int, ...]:
+    """The mesh axes splitting the experts (nested in mesh-axis order, as any dim's split)."""
     return strategy.inputs[tokens_index(op) + 3].shard_axes(0)
 
 
-def all_to_all_axis(op: object, strategy: Strategy) -> int | None:
-    """The mesh axis whose ranks exchange the tokens inside the op (tokens and experts split on
-    it), or None: the candidate uses the all-gather dispatcher, data or replication (or `op` is
-    not a routed-experts op)."""
+def all_to_all_axes(op: object, strategy: Strategy) -> tuple[int, ...]:
+    """The mesh axes whose ranks exchange the tokens inside the op (tokens and experts split on
+    each; admitted only where they are all of `expert_axes`), or (): the candidate uses the
+    all-gather dispatcher, data or replication (or `op` is not a routed-experts op)."""
     if op not in ROUTED_OPS:
-        return None
-    x = strategy.inputs[tokens_index(op)]
-    for axis in expert_axes(op, strategy):
-        if axis in x.shard_axes(0):
-            return axis
-    return None
+        return ()
+    tokens = strategy.inputs[tokens_index(op)].shard_axes(0)
+    return tuple(a for a in expert_axes(op, strategy) if a in tokens)
 
 
-def one_expert_axis(call: OpCall, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
-    """Experts split over one mesh axis at most, evenly: the local call knows one offset or one
-    group; tokens split evenly on the all-to-all axis."""
+def all_to_all_axis(op: object, strategy: Strategy) -> int | None:
+    """The first of `all_to_all_axes`, or None: whether the candidate exchanges tokens inside."""
+    axes = all_to_all_axes(op, strategy)
+    return axes[0] if axes else None
+
+
+MAX_EXPERT_AXES = 2  # the local call exchanges over one group or two (`TwoAxisExchange`)
+
+
+def expert_split_admitted(call: OpCall, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
+    """Experts split evenly over at most two mesh axes, and one dispatcher on all of them: the
+    tokens split on every expert axis (the all-to-all, one exchange over their ranks) or on none
+    (the all-gather: each rank its own offset, the others' pairs summed by the P output). A mix
+    would leave an exchange group holding experts that are not one contiguous block per rank.
+    Tokens split evenly over their axes."""
     axes = expert_axes(call.op, strategy)
-    if len(axes) > 1:
+    if len(axes) > MAX_EXPERT_AXES:
         return False
     at = _offset(call)
     experts = strategy.inputs[at + 3].shape[0]
     tokens = strategy.inputs[at].shape[0]
-    if axes and experts % mesh_shape[axes[0]]:
+    if experts % math.prod(mesh_shape[a] for a in axes):
         return False
-    x_axes = strategy.inputs[at].shard_axes(0)
-    if x_axes:
-        split = 1
-        for a in x_axes:
-            split *= mesh_shape[a]
-        if tokens % split:
-            return False
-    return True
+    if all_to_all_axes(call.op, strategy) not in ((), axes):
+        return False
+    return tokens % math.prod(mesh_shape[a] for a in strategy.inputs[at].shard_axes(0)) == 0
 
 
 def dispatcher_required(dispatcher: str) -> Requirement | None:
@@ -425,34 +450,45 @@ def dispatcher_required(dispatcher: str) -> Requirement | None:
 
 
 def localize(ctx: LocalContext) -> LocalCall:
-    """The op on the rank's blocks: its experts' offset (all-gather split) or the group of the
-    axis whose ranks exchange the tokens (all-to-all split)."""
+    """The op on the rank's blocks: its experts' offset (all-gather split) or the groups of the
+    one or two axes whose ranks exchange the tokens (all-to-all split; two: the earlier mesh axis
+    outer, `TwoAxisExchange`), as (..., act, first_expert, group, axis, inner_group, inner_axis)."""
     call = ctx.call
     tensors = ctx.args[: _offset(call) + 5]
     act = ctx.args[_offset(call) + 5] if len(ctx.args) > _offset(call) + 5 else ctx.kwargs["act"]
     axes = expert_axes(call.op, ctx.strategy)
-    a2a = all_to_all_axis(call.op, ctx.strategy)
-    if a2a is not None:
-        group = ctx.groups[a2a] if ctx.groups else ""
-        if not group:
+    a2a = all_to_all_axes(call.op, ctx.strategy)
+    if a2a:
+        groups = [ctx.groups[a] if ctx.groups else "" for a in a2a]
+        if not all(groups):
             raise AutoparError(
-                "the all-to-all token dispatcher needs the process group of its mesh axis",
+                "the all-to-all token dispatcher needs the process groups of its mesh axes",
                 op=str(call.op),
                 hint="compile through autopar (emit hands the rules the mesh's groups)",
             )
-        return LocalCall(call.op, (*tensors, act, 0, group, a2a), {})
+        inner = (groups[1], a2a[1]) if len(a2a) > 1 else ("", -1)
+        return LocalCall(call.op, (*tensors, act, 0, groups[0], a2a[0], *inner), {})
     first = ctx.strategy.inputs[_offset(call) + 3].local_offsets(ctx.mesh_shape, ctx.coords)[0] if axes else 0
-    return LocalCall(call.op, (*tensors, act, first, "", -1), {})
+    return LocalCall(call.op, (*tensors, act, first, "", -1, "", -1), {})
+
+
+def exchange_axes(local_args: Sequence[object]) -> tuple[int, ...]:
+    """The mesh axes of a local call's exchange (its `axis` and `inner_axis`, `localize`): ()
+    where it exchanges nothing (replicated, data, all-gather)."""
+    axis, inner = local_args[-3], local_args[-1]
+    return tuple(a for a in (axis, inner) if isinstance(a, int) and a >= 0)
 
 
 def register(registry: RuleRegistry) -> None:
     rules = registry.family("routed_experts")
-    rules.register(ROUTED_EXPERTS, forward_strategies, localize=localize, anchor=True, admits=one_expert_axis)
-    rules.register(ROUTED_EXPERTS_BACKWARD, backward_strategies, localize=localize, anchor=True, admits=one_expert_axis)
+    admits = expert_split_admitted
+    rules.register(ROUTED_EXPERTS, forward_strategies, localize=localize, anchor=True, admits=admits)
+    rules.register(ROUTED_EXPERTS_BACKWARD, backward_strategies, localize=localize, anchor=True, admits=admits)
 
 
 def require_dispatcher(registry: RuleRegistry, dispatcher: str) -> RuleRegistry:
-    """A copy of `registry` whose routed-experts ops offer what `dispatcher` admits."""
+    """A copy of `registry` whose routed-experts ops offer what `dispatcher` admits, and what a
+    requirement the registry already puts on them admits (a user's placement of the experts)."""
     if dispatcher not in TOKEN_DISPATCHERS:
         raise AutoparError(
             f"no token dispatcher {dispatcher!r}",
@@ -464,5 +500,6 @@ def require_dispatcher(registry: RuleRegistry, dispatcher: str) -> RuleRegistry:
         return registry
     registry = registry.copy()
     for op in ROUTED_OPS:
-        registry.require(op, requirement)
+        rule = registry.get(op)
+        registry.require(op, both(rule.requirement if rule is not None else None, requirement))
     return registry

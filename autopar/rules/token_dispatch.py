@@ -79,6 +79,38 @@ class GroupExchange:
         return out
 
 
+class TwoAxisExchange:
+    """`Exchange` among the ranks of two mesh axes at once, made of one exchange along each: rank
+    `outer.rank * inner.size + inner.rank`, the order in which two mesh axes split one dim (the
+    earlier axis into outer blocks), so that rank r of it holds expert block r of a weight split
+    over both axes. No process group spans the two axes: one all-to-all with split sizes runs as
+    two, first along the outer axis (to each outer peer, every row bound for its column, with the
+    counts per inner rank: `inner.size` numbers per peer), then along the inner one; each rank
+    regroups the rows it relays, and the receiver puts them back in source order."""
+
+    def __init__(self, outer: Exchange, inner: Exchange) -> None:
+        self.outer = outer
+        self.inner = inner
+
+    @property
+    def size(self) -> int:
+        return self.outer.size * self.inner.size
+
+    @property
+    def rank(self) -> int:
+        return self.outer.rank * self.inner.size + self.inner.rank
+
+    def all_to_all(self, x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> torch.Tensor:
+        outer, inner = self.outer.size, self.inner.size
+        sent = torch.tensor(list(in_splits), dtype=torch.int64).view(outer, inner)  # [to outer, to inner]
+        # relayed[s, j]: rows from outer peer s (this inner rank) bound for inner rank j of this outer rank
+        relayed = self.outer.all_to_all(sent.reshape(-1), [inner] * outer, [inner] * outer).view(outer, inner)
+        rows = self.outer.all_to_all(x, relayed.sum(1).tolist(), sent.sum(1).tolist())  # by (s, j)
+        got = torch.tensor(list(out_splits), dtype=torch.int64).view(outer, inner)  # [from outer, from inner]
+        back = self.inner.all_to_all(rows[_expert_major(relayed)], got.sum(0).tolist(), relayed.sum(0).tolist())
+        return back[_expert_major(got.T.contiguous())]  # (from inner, from outer) -> source order
+
+
 class _AllToAll(torch.autograd.Function):
     """The row exchange; its backward sends the gradients back along the same routes."""
 

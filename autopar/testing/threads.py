@@ -7,6 +7,8 @@ ranks, one group of its axis at a time."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,6 +16,8 @@ from typing import Any
 import torch
 
 from autopar.core.errors import AutoparError
+from autopar.rules import routed_experts
+from autopar.rules.token_dispatch import TwoAxisExchange
 
 
 class ThreadGroup:
@@ -67,19 +71,37 @@ class ThreadExchange:
         return torch.cat(got).clone()
 
 
-def run_threads(size: int, fn: Callable[[int, ThreadExchange], Any], timeout: float = 60.0) -> list[Any]:
+def run_threads(
+    size: int, fn: Callable[[int, Any], Any], timeout: float = 60.0, grid: tuple[int, int] | None = None
+) -> list[Any]:
     """`fn(rank, exchange)` on `size` thread ranks at once; their results in rank order. An
-    exception on one rank releases the others (their barrier breaks) and is raised here."""
-    group = ThreadGroup(size, timeout)
+    exception on one rank releases the others (their barriers break) and is raised here.
+
+    `grid=(outer, inner)`: the ranks are those of two mesh axes, rank `i * inner + j`, each
+    exchanging through a `TwoAxisExchange` of its column's group (i varies) and its row's (j
+    varies), as processes do through the two axes' process groups."""
+    if grid is None:
+        groups = [ThreadGroup(size, timeout)]
+        exchanges: list[Any] = [groups[0].exchange(r) for r in range(size)]
+    else:
+        outer, inner = grid
+        columns = [ThreadGroup(outer, timeout) for _ in range(inner)]
+        rows = [ThreadGroup(inner, timeout) for _ in range(outer)]
+        groups = columns + rows
+        exchanges = [
+            TwoAxisExchange(columns[r % inner].exchange(r // inner), rows[r // inner].exchange(r % inner))
+            for r in range(outer * inner)
+        ]
     results: list[Any] = [None] * size
     errors: list[BaseException | None] = [None] * size
 
     def body(rank: int) -> None:
         try:
-            results[rank] = fn(rank, group.exchange(rank))
+            results[rank] = fn(rank, exchanges[rank])
         except BaseException as error:  # noqa: BLE001  (handed to the caller below)
             errors[rank] = error
-            group.barrier.abort()
+            for group in groups:
+                group.barrier.abort()
 
     threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
     for t in threads:
@@ -91,3 +113,35 @@ def run_threads(size: int, fn: Callable[[int, ThreadExchange], Any], timeout: fl
     if first is not None:
         raise first
     return results
+
+
+def run_routed_calls(calls: dict[tuple[int, ...], Sequence[Any]], mesh_shape: Sequence[int]) -> dict[tuple[int, ...], Any]:
+    """Every rank's local call of an `autopar::routed_experts(_backward)` op (the arguments
+    `routed_experts.localize` gives it, by mesh coordinates): where it exchanges tokens, the
+    ranks of each group of its one or two axes (`routed_experts.exchange_axes`) run it at once as
+    threads, through `ThreadExchange` or, over two axes, a `TwoAxisExchange` of the two axes'
+    thread groups, as processes do through their process groups; elsewhere each rank alone."""
+    axes = routed_experts.exchange_axes(next(iter(calls.values())))
+    out: dict[tuple[int, ...], Any] = {}
+    for c in calls:
+        if c in out:
+            continue
+        group = [
+            tuple(ix[axes.index(a)] if a in axes else x for a, x in enumerate(c))
+            for ix in itertools.product(*(range(mesh_shape[a]) for a in axes))
+        ]  # the exchange's ranks in its order: the earlier mesh axis outer
+        grid = (mesh_shape[axes[0]], mesh_shape[axes[1]]) if len(axes) > 1 else None
+        ordered = [calls[g] for g in group]
+        out.update(zip(group, run_threads(len(group), functools.partial(_routed_call, ordered), grid=grid)))
+    return out
+
+
+def _routed_call(calls: list[Sequence[Any]], rank: int, exchange: Any) -> Any:
+    """One rank's local call (tensors, act, first_expert, group, axis, inner_group, inner_axis)
+    through `exchange`."""
+    args = calls[rank]
+    if len(args) == 12:  # the backward: the gradient first
+        grad, x, ids, weights, gate_up, down, act, first = args[:8]
+        return routed_experts.experts_backward(grad, x, ids, weights, gate_up, down, act, first, exchange)
+    x, ids, weights, gate_up, down, act, first = args[:7]
+    return routed_experts.experts_forward(x, ids, weights, gate_up, down, act, first, exchange)

@@ -1,0 +1,136 @@
+"""Working memory: what a step holds beyond its weight state and saved activations while ops run.
+
+`plan_memory` counts the weight state and the activations the forward keeps for the backward. A
+step also holds, while each op runs, the values that are neither: the intermediates of the
+forward nobody saves (alive from the op that makes them to their last reader), the gradients of
+the backward (the same), the copies insert_comm makes of an op's inputs in the layout the op
+reads them in (gathered keys and values, a gathered token block, a pending sum's reduction)
+unless backward keeps them anyway, and the op's own scratch: ring attention's blocks in flight.
+Measured on 2 gloo ranks at sequence 2048 (docs/long-context.md), a step's live heap rose its
+saved activations plus 7 to 16 MiB, most with the ring and the balanced all-gather: that is this
+term, and a `memory_limit` that left it out let plans through whose step does not fit.
+
+The term is the peak over the ops, in the traced order (forward, then backward), of:
+
+- the live transient values: every op output that is not saved, not a parameter or input, and not a
+  view of another (a view is its base's memory; a multi-output op's `getitem`s too), from the op
+  that makes it to its last reader. A graph output (the loss, a parameter's gradient) counts
+  while it is made and read: after that it is the step's gradient, counted with the weight state,
+  or the caller's;
+- the op's input copies: each (input, layout it reads) that differs from the input's own layout and
+  is not among the layouts the saved value is kept in;
+- ring attention's scratch (`ring_scratch_bytes`): the key/value block the rank computes on and
+  the one arriving (two blocks), the step's partial result before its merge (out and logsumexp in
+  forward, dq in backward), and in backward the two key/value gradient accumulators travelling
+  beside the blocks.
+
+Not counted: a kernel's internal workspace (the CPU flash kernel's per-thread score blocks, small
+against these), the allocator's cache (on CPU malloc keeps freed blocks, 1.5 to 1.7x the live
+rise measured), and saved values freed during the backward (they stay counted whole: the peak is
+bounded from above where it falls late in the backward). The order is the traced one, not the
+schedule's, which moves collectives and so their copies' lifetimes.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from autopar.core.layout import Layout
+from autopar.core.plan import Plan
+from autopar.cost.work import is_view
+from autopar.rules.calls import tensor_inputs
+from autopar.rules.ring_attention import BACKWARD, FORWARD, key_index, ring_axis
+
+
+def _alias_of(node: fx.Node) -> fx.Node | None:
+    """The tensor `node` aliases (a view's base, a `getitem`'s op), or None if it is its own."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem or is_view(node):
+        source = node.args[0] if node.args else None
+        return source if isinstance(source, fx.Node) else None
+    return None
+
+
+def _root(node: fx.Node, aliases: dict[fx.Node, fx.Node | None]) -> fx.Node:
+    found = node
+    while (base := aliases.get(found)) is not None:
+        found = base
+    return found
+
+
+def _output_bytes(node: fx.Node, plan: Plan, shape: tuple[int, ...]) -> float:
+    return float(sum(layout.local_bytes(shape) for layout in plan.layouts.get(node.name, ())))
+
+
+def ring_scratch_bytes(op: object, inputs: Sequence[Layout], outputs: Sequence[Layout], shape: tuple[int, ...]) -> float:
+    """Ring attention's working memory beyond its inputs and outputs, per rank (module doc): two
+    key/value blocks in flight, the step's partial result, and in backward two key/value gradient
+    accumulators. `inputs`/`outputs`: the strategy's layouts of the attention op `op`."""
+    k = key_index(op)
+    blocks = 2.0 * (inputs[k].local_bytes(shape) + inputs[k + 1].local_bytes(shape))
+    if op == BACKWARD:
+        return 2.0 * blocks + outputs[0].local_bytes(shape)  # blocks, accumulators, dq's partial
+    return blocks + outputs[0].local_bytes(shape) + outputs[1].local_bytes(shape)  # out and lse partials
+
+
+def op_working_bytes(
+    gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int], held: Mapping[str, Collection[Layout]]
+) -> list[tuple[str, float]]:
+    """(op name, working bytes per rank while it runs) for every op with a strategy, in the traced
+    order (module doc). `held`: the saved values (`memory.SavedValue.name`) and the layouts each is
+    kept in, which are counted as saved activations, not here."""
+    shape = tuple(mesh_shape)
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    position = {n: i for i, n in enumerate(nodes)}
+    aliases = {n: _alias_of(n) for n in nodes}
+    held_roots = {_root(n, aliases) for n in nodes if n.name in held}
+    size: dict[fx.Node, float] = {}
+    last: dict[fx.Node, int] = {}
+    for node in nodes:
+        if node.op != "call_function" or aliases[node] is not None or node in held_roots:
+            continue
+        if not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
+            continue
+        size[node] = _output_bytes(node, plan, shape)
+        last[node] = position[node]
+    for node in nodes:
+        for source in node.all_input_nodes:
+            root = _root(source, aliases)
+            if root in last:
+                last[root] = max(last[root], position[node])
+    ends: dict[int, list[fx.Node]] = {}
+    for root, at in last.items():
+        ends.setdefault(at, []).append(root)
+    live = 0.0
+    found: list[tuple[str, float]] = []
+    for node in nodes:
+        live += size.get(node, 0.0)
+        strategy = plan.strategies.get(node.name)
+        if strategy is not None:
+            copies: set[tuple[str, Layout]] = set()
+            extra = 0.0
+            for source, want in zip(tensor_inputs(node), strategy.inputs):
+                have = plan.layouts.get(source.name)
+                if not have or want == have[0] or want in held.get(source.name, ()):
+                    continue
+                if (source.name, want) not in copies:
+                    copies.add((source.name, want))
+                    extra += want.local_bytes(shape)
+            if node.target in (FORWARD, BACKWARD) and ring_axis(node.target, strategy) is not None:
+                extra += ring_scratch_bytes(node.target, strategy.inputs, strategy.outputs, shape)
+            found.append((node.name, live + extra))
+        for root in ends.get(position[node], ()):
+            live -= size[root]
+    return found
+
+
+def working_bytes(
+    gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int], held: Mapping[str, Collection[Layout]]
+) -> float:
+    """The step's working memory per rank: the most `op_working_bytes` gives (0 without ops)."""
+    return max((b for _, b in op_working_bytes(gm, plan, mesh_shape, held)), default=0.0)
