@@ -145,9 +145,11 @@ def parallelize(
             hint='"global": every rank passes the whole batch; "local": each rank its own shard of it',
         )
     # hardware=None: by the mesh's device type, as `plan(device_type=...)` resolves it
-    hardware, layout_hardware = default_tables(planning.hardware, _device_type(mesh))
+    device_type = _device_type(mesh)
+    cpu_ranks = device_type == "cpu"  # their step's buffers come from the C library's heap
+    hardware, layout_hardware = default_tables(planning.hardware, device_type)
     if memory_limit is None:  # the device's memory (a CPU rank: the machine's over its local ranks, less the runtime's)
-        memory_limit = default_memory_limit(_device_type(mesh))
+        memory_limit = default_memory_limit(device_type)
     options = ModuleOptions(
         registry=registry,
         planner=planner,
@@ -196,7 +198,7 @@ def parallelize(
         )
         pipelined_module.mesh_choice = depth_choice  # type: ignore[assignment]  # nn.Module types attributes as tensors
         watch_optimizers(model, pipelined_module)
-        return_freed_memory()  # what planning and compiling freed, not kept resident through training
+        return_freed_memory(cpu_ranks)  # what planning and compiling freed, not kept resident through training
         return pipelined_module
     seeded = torch.random.get_rng_state()  # what a meta-device model is initialized from
     traced_inputs, traced_kwargs = example_inputs, example_kwargs
@@ -235,7 +237,7 @@ def parallelize(
     )
     result.mesh_choice = depth_choice if depth_choice is not None else choice  # type: ignore[assignment]
     watch_optimizers(model, result)  # an optimizer over model.parameters() is refused at its step
-    return_freed_memory()  # what planning and compiling freed, not kept resident through training
+    return_freed_memory(cpu_ranks)  # what planning and compiling freed, not kept resident through training
     return result
 
 

@@ -60,7 +60,8 @@ from autopar.core.pipeline_simulate import simulate  # noqa: E402
 from examples.models import GPT, GPTConfig, gpt_batch  # noqa: E402
 
 GiB = 1024**3
-M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+GLIBC_TRIM_THRESHOLD = 128 * 1024  # its default
 
 
 def _two_timed_steps(module: Any, batch: tuple[Any, ...], lr: float) -> tuple[list[float], list[float]]:
@@ -131,6 +132,10 @@ def _rank(rank: int, world_size: int, config: GPTConfig, batch: tuple[torch.Tens
     pipeline = autopar.PipelineOptions(microbatches=microbatches, schedule="1f1b") if pp else None
     pmodel = autopar.parallelize(model, mesh, example_inputs=batch, pipeline=pipeline)
     parallelize_s = time.perf_counter() - start
+    if mmap_threshold:  # parallelize keeps CPU ranks' freed blocks (core.host_memory.keep_step_heap): this run's choice stands
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+        libc.mallopt(M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD)
     parallelize_peak = _rss_peak()  # the peak so far: planning, compiling, initializing
     load_s = 0.0
     if load:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -44,6 +45,7 @@ from examples.models import make_gpt  # noqa: E402
 WORLD = 8
 MODEL = {"n_embd": 256, "n_layer": 4, "n_head": 8, "block_size": 64, "vocab_size": 512}
 PHASES = ("forward", "backward", "optimizer")
+FAULTS = "page faults"  # minor page faults per step (`ru_minflt`): pages the allocator handed back and touched again
 
 
 def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.optim.Optimizer]:
@@ -64,10 +66,11 @@ def measure(steps: int) -> dict[str, dict[str, float]]:
             opt.zero_grad(set_to_none=True)
             module(*batch).backward()
             opt.step()
-    times: dict[str, dict[str, list[float]]] = {n: {p: [] for p in PHASES} for n in names}
+    times: dict[str, dict[str, list[float]]] = {n: {p: [] for p in (*PHASES, FAULTS)} for n in names}
     for step in range(steps):
         for name in names if step % 2 else names[::-1]:
             module, batch, opt = built[name]
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.process_time()
             opt.zero_grad(set_to_none=True)
             loss = module(*batch)
@@ -78,6 +81,7 @@ def measure(steps: int) -> dict[str, dict[str, float]]:
             t3 = time.process_time()
             for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
                 times[name][phase].append(seconds)
+            times[name][FAULTS].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 1e3)
     return {n: {p: 1e3 * statistics.median(v) for p, v in times[n].items()} for n in names}
 
 
@@ -94,11 +98,17 @@ def main() -> int:
     base = result["plain eager (1/8 batch)"]
     rows: list[list[Any]] = []
     for name, phases in result.items():
-        total = sum(phases.values())
+        total = sum(phases[p] for p in PHASES)
         rows.append(
-            [name, *(f"{phases[p]:.1f}" for p in PHASES), f"{total:.1f}", f"{total / sum(base.values()):.2f}"]
+            [
+                name,
+                *(f"{phases[p]:.1f}" for p in PHASES),
+                f"{total:.1f}",
+                f"{total / sum(base[p] for p in PHASES):.2f}",
+                f"{phases[FAULTS]:.0f}",
+            ]
         )
-    text = table(["rank 0 of 8, CPU ms", *PHASES, "step", "x plain"], rows)
+    text = table(["rank 0 of 8, CPU ms", *PHASES, "step", "x plain", f"{FAULTS} per step"], rows)
     print(text)
     print(f"load average (1 min) {load[0]:.1f} -> {load[1]:.1f}")
     payload = {"model": MODEL, "steps": args.steps, "ms": result, "load_average_1min": load, "git": git_state()}

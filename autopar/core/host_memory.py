@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 
 MiB = 1024**2
 
@@ -34,9 +35,22 @@ def cpu_rank_memory(machine: float, ranks: int) -> float:
     return max(0.0, machine / max(1, ranks) - RUNTIME_RESERVE)
 
 
-def return_freed_memory() -> None:
+# mallopt's parameters (glibc's malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+# What a CPU rank's heap is set to after `parallelize` (`return_freed_memory(cpu_ranks=True)`).
+# Blocks up to 32 MiB (glibc's own ceiling for its sliding mmap threshold on 64-bit) come from the
+# heap; free memory at the heap's top is given back only beyond 1 GiB (or by `malloc_trim`).
+STEP_MMAP_THRESHOLD = 32 * MiB
+STEP_TRIM_THRESHOLD = 1024 * MiB
+# The environment variables that set the same (glibc reads them at start): a user's own wins.
+MALLOC_ENVIRONMENT = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def return_freed_memory(cpu_ranks: bool = False) -> None:
     """Collect the cyclic garbage and hand the C library's free heap pages back to the system
-    (glibc's `malloc_trim(0)`; where the C library has none, the collection alone).
+    (glibc's `malloc_trim(0)`; where the C library has none, the collection alone); on CPU ranks
+    then keep the step's buffers resident from there on (`keep_step_heap`).
 
     `parallelize` calls it before it returns. Planning and compiling run with the collector off
     (`compiler.driver.compile_conditions`) and free most of what they allocated only when they
@@ -46,9 +60,37 @@ def return_freed_memory() -> None:
     program does not use (`benchmarks/setup_memory.py`). The peak while planning is not lowered.
     """
     gc.collect()
-    trim = getattr(_libc(), "malloc_trim", None)
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)
     if trim is not None:
         trim(0)
+    if cpu_ranks:
+        keep_step_heap(libc)
+
+
+def keep_step_heap(libc: ctypes.CDLL | None) -> bool:
+    """Fix glibc's thresholds so that a training step's freed buffers stay in the heap for the next
+    step instead of going back to the system and being faulted in again (True where set).
+
+    Left to itself glibc slides its mmap threshold up to the largest block freed so far and gives
+    the heap's free top back whenever it exceeds twice that. A step that allocates its largest
+    buffers last then moves the heap's top up and back down every step: on benchmarks/peers.py's
+    GPT under `auto` (DDP's plan), the gradient bucket's two 12.6 MiB flat buffers and ~8 MiB
+    more, ~8200 minor page faults a step, which took rank 0's backward from 29 to 42 ms of CPU
+    (`benchmarks/runtime_overhead.py`, "page faults per step"; with or without the trim above:
+    it is the heap's state after planning that decides). Plain eager PyTorch on the same rank
+    allocates less at the top and faults none. Fixed thresholds also stop the sliding, so the
+    step's blocks up to `STEP_MMAP_THRESHOLD` reuse the heap's pages (as a caching allocator
+    would), and larger ones are mapped and unmapped as before. The peak RSS is the step's, as
+    before; between steps the RSS stays at it. Not set where the user set any of
+    `MALLOC_ENVIRONMENT` (their choice stands) or the C library has no `mallopt`; a
+    `mallopt` call after `parallelize` overrides it. CPU ranks only: an accelerator's step
+    allocates its buffers on the device.
+    """
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None or any(name in os.environ for name in MALLOC_ENVIRONMENT):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, STEP_TRIM_THRESHOLD))
 
 
 def _libc() -> ctypes.CDLL | None:
