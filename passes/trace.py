@@ -47,6 +47,7 @@ from autopar.passes.checkpoint_regions import CheckpointWatch, mark_checkpoint_r
 from autopar.passes.eager_checks import eager_error, eager_run
 from autopar.passes.fused import split_fused_linears
 from autopar.passes.hooks import recorded_forward_hooks, refuse_gradient_hooks, warn_side_effect_hooks
+from autopar.passes.host_random import host_generators_kept
 from autopar.passes.index_checks import find_index_checks
 from autopar.passes.joint_rewrites import (
     drop_identities,
@@ -138,7 +139,8 @@ def trace(
         except TraceError as failed:
             # a batch the model itself rejects (a check torch.export defers to run time, as BART's
             # end-of-sequence count) fails the trace later, somewhere else: the model's own error
-            own = eager_error(model, tuple(example_inputs), example_kwargs or {})
+            with host_generators_kept():
+                own = eager_error(model, tuple(example_inputs), example_kwargs or {})
             if not example_inputs and not example_kwargs:  # called with nothing: say to pass a batch
                 raise without_example(own or failed) from failed
             if own is None:
@@ -210,7 +212,7 @@ def _trace(
         try:
             # the trace draws what the serial model would from the generators' state now (a random
             # branch takes the outcome a call's guards compute), and leaves the state as it was
-            with generators_kept(real_device):
+            with generators_kept(real_device), host_generators_kept():
                 draws = eager_draw_states(eager_run(model, real_device, tuple(example_inputs), example_kwargs), real_device)
             with generators_kept(real_device), serial_draws(draws, real_device):
                 exported = export_model(model, real_model, real_args, real_kwargs, reading_values=True)
