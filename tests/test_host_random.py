@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from pass_fixtures import train_in_lockstep
 
+from autopar.compiler.pipeline_export import export_loss
 from autopar.core.errors import TraceError
 from autopar.passes.trace import trace
 
@@ -88,3 +89,12 @@ def test_wav2vec2_spec_augment_is_refused_naming_its_mask() -> None:
     error = raised.value
     assert error.op == "numpy.random.rand", error  # its spans' random rounding
     assert error.where and "modeling_wav2vec2.py" in error.where and "in _compute_mask_indices" in error.where, error.where
+
+
+def test_the_pipeline_export_refuses_it_too() -> None:
+    """A pipeline exports the model apart (`export_loss`): the same draw, the same error."""
+    torch.manual_seed(0)
+    with pytest.raises(TraceError) as raised:
+        export_loss(_TimeMasked("numpy"), _batch(0), None)
+    assert raised.value.op == "numpy.random.rand", raised.value
+    assert raised.value.where and "test_host_random.py" in raised.value.where, raised.value.where
