@@ -24,11 +24,15 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
 
 from autopar.core.errors import TraceError
 from autopar.passes.trace_errors import user_frame
 
 T = TypeVar("T")
+
+# the generators' state for the second export that checks whether a draw reaches the program
+_OTHER_SEED = 20261130
 
 HOST_RANDOM_HINT = (
     "a draw from numpy's or Python's global random generator in forward runs once, while the model "
@@ -111,14 +115,50 @@ def _first_draw(run: Callable[[], object]) -> tuple[str, str] | None:
     return found[0] if found else None
 
 
+def _program_key(exported: Any) -> tuple[str, list[Any]] | None:
+    """What a draw could change in an ExportedProgram: its code and its constants' values (None:
+    not an ExportedProgram, compared as always changed)."""
+    module = getattr(exported, "graph_module", None)
+    if module is None:
+        return None
+    constants = getattr(exported, "constants", {})
+    return module.code, [(name, constants[name]) for name in sorted(constants)]
+
+
+def _same_program(a: Any, b: Any) -> bool:
+    key_a, key_b = _program_key(a), _program_key(b)
+    if key_a is None or key_b is None or key_a[0] != key_b[0] or len(key_a[1]) != len(key_b[1]):
+        return False
+    for (name_a, x), (name_b, y) in zip(key_a[1], key_b[1]):
+        if name_a != name_b or type(x) is not type(y):
+            return False
+        same = torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        if not same:
+            return False
+    return True
+
+
 def without_host_draws(model_name: str, run: Callable[[], T]) -> T:
     """`run()` (an export of the model), refused with a TraceError if it drew from numpy's or
-    Python's global generator; the generators are then put back as they were before it."""
+    Python's global generator and what it drew reaches the program: the export is run once more
+    from other generator states, and a program that differs (its code or a constant) is refused.
+    A draw that changes nothing (MusicGen's LayerDrop draw, `random.uniform(0, 1)` at every layer,
+    with layerdrop 0) is not. Either way the generators are put back as they were before it. (A
+    draw whose outcome only sometimes changes the program, LayerDrop at a small p, may take the
+    same branch both times and pass, as before this check.)"""
     before = _state()
     result = run()
     if _same(before, _state()):
         return result
+    random.seed(_OTHER_SEED)
+    np.random.seed(_OTHER_SEED)
+    try:
+        again = run()
+    except Exception:  # the other draw took the export elsewhere: it depends on the draw
+        again = None
     _restore(before)
+    if again is not None and _same_program(result, again):
+        return result
     site = _first_draw(run)
     _restore(before)
     where, op = site if site is not None else ("", "numpy.random / random")

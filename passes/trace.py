@@ -128,7 +128,8 @@ def trace(
     `depth`: identical blocks are copied only up to this many per container (at least
     `repeats.MIN_BLOCKS`): the graph of the same model cut to `depth` blocks, which a planner can
     price in place of the whole depth (`autopar.compiler.auto_mesh`); None: every block."""
-    with autocast_off(), routed_experts_traced(model, routed_experts), functions_as_ops(not forward_only) as functions:
+    # numpy's and Python's generators as the trace found them (a draw in forward is refused: host_random)
+    with autocast_off(), host_generators_kept(), routed_experts_traced(model, routed_experts), functions_as_ops(not forward_only) as functions:
         try:
             gm = _trace(
                 model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast,
@@ -139,8 +140,7 @@ def trace(
         except TraceError as failed:
             # a batch the model itself rejects (a check torch.export defers to run time, as BART's
             # end-of-sequence count) fails the trace later, somewhere else: the model's own error
-            with host_generators_kept():
-                own = eager_error(model, tuple(example_inputs), example_kwargs or {})
+            own = eager_error(model, tuple(example_inputs), example_kwargs or {})
             if not example_inputs and not example_kwargs:  # called with nothing: say to pass a batch
                 raise without_example(own or failed) from failed
             if own is None:
@@ -212,7 +212,7 @@ def _trace(
         try:
             # the trace draws what the serial model would from the generators' state now (a random
             # branch takes the outcome a call's guards compute), and leaves the state as it was
-            with generators_kept(real_device), host_generators_kept():
+            with generators_kept(real_device):
                 draws = eager_draw_states(eager_run(model, real_device, tuple(example_inputs), example_kwargs), real_device)
             with generators_kept(real_device), serial_draws(draws, real_device):
                 exported = export_model(model, real_model, real_args, real_kwargs, reading_values=True)

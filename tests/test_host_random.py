@@ -98,3 +98,36 @@ def test_the_pipeline_export_refuses_it_too() -> None:
         export_loss(_TimeMasked("numpy"), _batch(0), None)
     assert raised.value.op == "numpy.random.rand", raised.value
     assert raised.value.where and "test_host_random.py" in raised.value.where, raised.value.where
+
+
+class _DrawsButSkipsNothing(torch.nn.Module):
+    """MusicGen's LayerDrop pattern at layerdrop 0: `random.uniform(0, 1)` drawn at every layer,
+    compared with 0, never skipping one: the program does not depend on the draw."""
+
+    def __init__(self, layerdrop: float) -> None:
+        super().__init__()
+        self.layerdrop = layerdrop
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            p = random.uniform(0, 1)
+            if self.training and p < self.layerdrop:
+                continue
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def test_a_draw_the_program_does_not_depend_on_is_traced() -> None:
+    """Refused at layerdrop 0.5 (the skipped layers are fixed by the trace's draws); at 0 the draw
+    reaches nothing, the trace goes on, and the generator is left where it was."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    random.seed(1)
+    with pytest.raises(TraceError) as raised:
+        trace(_DrawsButSkipsNothing(0.5), (x,))
+    assert raised.value.op == "random.uniform", raised.value
+    random.seed(1)
+    before = random.getstate()
+    trace(_DrawsButSkipsNothing(0.0), (x,))
+    assert random.getstate() == before
