@@ -47,6 +47,7 @@ from autopar.passes.checkpoint_regions import CheckpointWatch, mark_checkpoint_r
 from autopar.passes.eager_checks import eager_error, eager_run
 from autopar.passes.fused import split_fused_linears
 from autopar.passes.hooks import recorded_forward_hooks, refuse_gradient_hooks, warn_side_effect_hooks
+from autopar.passes.host_random import host_generators_kept
 from autopar.passes.index_checks import find_index_checks
 from autopar.passes.joint_rewrites import (
     drop_identities,
@@ -127,7 +128,8 @@ def trace(
     `depth`: identical blocks are copied only up to this many per container (at least
     `repeats.MIN_BLOCKS`): the graph of the same model cut to `depth` blocks, which a planner can
     price in place of the whole depth (`autopar.compiler.auto_mesh`); None: every block."""
-    with autocast_off(), routed_experts_traced(model, routed_experts), functions_as_ops(not forward_only) as functions:
+    # numpy's and Python's generators as the trace found them (a draw in forward is refused: host_random)
+    with autocast_off(), host_generators_kept(), routed_experts_traced(model, routed_experts), functions_as_ops(not forward_only) as functions:
         try:
             gm = _trace(
                 model, example_inputs, decompose, example_kwargs, split_fused, repeats, forward_only, autocast,

@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from autopar.core.meta import NodeInfo, info, set_info, signature
 from autopar.passes.ctc import CTCRoute
 from autopar.passes.eager_checks import model_error
+from autopar.passes.host_random import without_host_draws
 from autopar.passes.masked_writes import is_view_op
 from autopar.passes.trace_errors import export_error, raised_in_user_code, without_partial_graph
 from autopar.passes.value_guards import quiet_symbolic_shapes, reading_real_values
@@ -95,7 +96,8 @@ def export_model(
     """torch.export of `fake_model` (the user's `model` with fake tensors); `reading_values`: of a
     copy holding the real tensors, run on the example's real values, which decide every value
     Python reads, each condition kept as a runtime assertion (`autopar.passes.value_guards`)."""
-    try:
+
+    def run() -> Any:
         # CTCRoute: F.ctc_loss as autopar's fixed-shape op (torch's sizes an output by values)
         with warnings.catch_warnings(), CTCRoute(), DataAsDetach(), NonzeroAsColumns(), quiet_symbolic_shapes(), without_partial_graph():
             # nn.LSTM / nn.GRU re-assign their weight list
@@ -104,14 +106,19 @@ def export_model(
                 return torch.export.export(fake_model, args, kwargs, strict=False)
             with reading_real_values():
                 return torch.export.export(fake_model, args, kwargs, strict=False)
-    except (AssertionError, ValueError) as exc:
-        if reading_values and raised_in_user_code(exc):  # the model's own check failed on these values
-            raise model_error(model, exc) from exc
-        raise export_error(model, exc, fake_model) from exc
-    except Exception as exc:  # torch raises many types; the user needs the location and the cause
-        raise export_error(model, exc, fake_model) from exc
 
+    def checked() -> Any:
+        try:
+            return run()
+        except (AssertionError, ValueError) as exc:
+            if reading_values and raised_in_user_code(exc):  # the model's own check failed on these values
+                raise model_error(model, exc) from exc
+            raise export_error(model, exc, fake_model) from exc
+        except Exception as exc:  # torch raises many types; the user needs the location and the cause
+            raise export_error(model, exc, fake_model) from exc
 
+    # a numpy or Python random draw would be a constant of the program: refused (host_random)
+    return without_host_draws(type(model).__name__, checked)
 
 
 def outputs_as_copies_of_views(module: fx.GraphModule) -> int:

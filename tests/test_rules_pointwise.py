@@ -138,7 +138,7 @@ INT_ARGS: dict[object, tuple[object, ...]] = {
 }
 
 COMPLEX_OPS = [aten.polar.default, aten._conj.default, aten.resolve_conj.default]
-COVERED_OPS = [*ARGS, aten.masked_fill.Scalar, aten.masked_fill.Tensor, *COMPLEX_OPS]
+COVERED_OPS = [*ARGS, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.div.Tensor_mode, *COMPLEX_OPS]
 
 
 @st.composite
@@ -193,6 +193,22 @@ def test_masked_fill(data: st.DataObject, mesh: tuple[int, ...], value: float) -
     assert check_random_strategies(data, aten.masked_fill.Scalar, (x, mask, value), {}, mesh, REGISTRY)
     as_tensor = torch.tensor(value, dtype=x.dtype)  # masked_fill(mask, tensor): the Tensor overload
     assert check_random_strategies(data, aten.masked_fill.Tensor, (x, mask, as_tensor), {}, mesh, REGISTRY)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), mesh=mesh_shapes(), mode=st.sampled_from(["floor", "trunc"]), ints=st.booleans())
+def test_div_with_rounding(data: st.DataObject, mesh: tuple[int, ...], mode: str, ints: bool) -> None:
+    """Rounded division, not linear: Wav2Vec2's conv output lengths from its attention mask,
+    `torch.div(length - kernel, stride, rounding_mode="floor")` on integers (a user probe's
+    MissingRuleError), and on floats."""
+    make = _maker(torch.Generator().manual_seed(data.draw(seeds())))
+    out = data.draw(tensor_shapes(mesh, min_dims=0, max_dims=3))
+    divisor_shape = data.draw(broadcast_shape(out))
+    if ints:
+        x, y = make("i", out), make("i", divisor_shape).abs() + 1  # type: ignore[operator]
+    else:
+        x, y = make("f", out), make("+", divisor_shape)
+    assert check_random_strategies(data, aten.div.Tensor_mode, (x, y), {"rounding_mode": mode}, mesh, REGISTRY)
 
 
 @pytest.mark.parametrize("op", COMPLEX_OPS, ids=str)

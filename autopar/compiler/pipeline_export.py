@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autopar.core.errors import AutoparError
 from autopar.passes.eager_checks import eager_error, on_real_values
 from autopar.passes.hooks import take_root_forward_hooks
+from autopar.passes.host_random import without_host_draws
 from autopar.passes.trace import fake_clone
 from autopar.passes.trace_errors import user_frame_of, without_partial_graph
 from autopar.passes.value_guards import inputs_have_values
@@ -87,7 +88,10 @@ def _export_wrapped(
     model.forward = loss_only  # type: ignore[method-assign]
     try:
         with without_partial_graph():  # torch's own page of generated code per failed export
-            return torch.export.export(model, args, kwargs=kwargs or None, strict=False)
+            # a numpy or Python random draw would be a constant of every stage's program: refused
+            return without_host_draws(
+                type(model).__name__, lambda: torch.export.export(model, args, kwargs=kwargs or None, strict=False)
+            )
     finally:
         put_back()
         if had_own:

@@ -193,6 +193,7 @@ TABLE: dict[object, Linearity] = {
     aten.minimum.default: NONE,
     aten.pow.Tensor_Tensor: NONE,
     aten.floor_divide.default: NONE,
+    aten.div.Tensor_mode: NONE,  # rounded division (Wav2Vec2's conv output lengths, rounding_mode="floor")
     aten.remainder.Scalar: NONE,  # CANINE's hash buckets
     aten.remainder.Tensor: NONE,
     aten.polar.default: NONE,  # complex rotary frequencies (DeepSeek-V2)
