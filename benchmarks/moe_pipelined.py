@@ -38,7 +38,7 @@ published count (and the global batch with it).
     python benchmarks/moe_pipelined.py --models mixtral-8x7b --layers 32 --depths 4 8  # 280 CPU s
     python benchmarks/moe_pipelined.py --models deepseek-v3-256 --layers 8 --depths 2 4 --no-tensor-only  # 281 CPU s
     python benchmarks/moe_pipelined.py --models deepseek-v3-bridge --layers 16 --depths 4 8 --no-tensor-only
-    python benchmarks/moe_pipelined.py --models deepseek-v3 --layers 16 --depths 8 16 --no-tensor-only  # not run
+    python benchmarks/moe_pipelined.py --models deepseek-v3 --layers 16 --depths 8 16 --no-tensor-only  # 576 CPU s
 
 Writes benchmarks/results/moe_pipelined.json ("runs": the last run of each model and layer count).
 """

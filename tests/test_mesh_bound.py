@@ -4,6 +4,7 @@ full estimate, and the screen with the bound keeps the same meshes in the same o
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -16,15 +17,17 @@ from pass_fixtures import gpt_meta_graph
 import autopar.planning.mesh_screen as mesh_screen
 from autopar.compiler.auto_mesh import trace_for_choice
 from autopar.compiler.lowering import scheduled_step_time
-from autopar.core.errors import MemoryLimitError
+from autopar.core.errors import AutoparError, MemoryLimitError
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
+from autopar.planning.greedy import greedy_plan
+from autopar.planning.greedy_roles import axis_roles
 from autopar.planning.mesh_bound import Bounds
 from autopar.planning.mesh_choice import mesh_candidates, rank_meshes
 from autopar.planning.mesh_screen import complete, screen
-from autopar.planning.plan_cost import GraphFacts
+from autopar.planning.plan_cost import GraphFacts, plan_cost
 from autopar.planning.search_cost import TimeCost
-from autopar.planning.search_seeds import dispatcher_seeds
+from autopar.planning.search_seeds import DATA, dispatcher_seeds, fixed_seeds
 from autopar.planning.search_steps import StepCache
 from autopar.rules import routed_experts
 from autopar.rules.calls import ExpandCache
@@ -151,3 +154,43 @@ def test_the_bound_holds_for_moe_layers_with_their_experts_on_a_data_axis() -> N
             tokens = data.strategies[node.name].inputs[routed_experts.tokens_index(node.target)]
             assert tokens.shard_axes(0) == (0, 1), (node.name, tokens)
     _check_against_whole_screen(gm, 8, "h100-nvlink-ib", keep=2)
+
+
+def test_the_screen_skips_the_default_role_dispatcher_starts_only_where_they_cannot_rank_the_mesh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The screen prices the dispatchers' ":data" starts first and the default-role ones only where
+    the mesh's weight-splitting plans (default-role greedy, fixed schemes) are no dearer than the
+    cheapest ":data" start (`mesh_screen` module doc). On every mesh of 8 ranks of the toy Mixtral
+    its estimate is still the cheapest of every start priced, and the default-role starts it skips
+    (on most meshes here) are all dearer than it."""
+    gm = _meta_mixtral(8)
+    meshes, costs = _space(8, "h100-nvlink-ib")
+    registry, facts = default_registry(), GraphFacts.of(gm)
+    asked: list[tuple[str, ...]] = []
+    real = mesh_screen.dispatcher_seeds
+
+    def recording(*args: object, suffixes: tuple[str, ...] = ("", DATA)) -> object:
+        asked.append(suffixes)
+        return real(*args, suffixes=suffixes)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mesh_screen, "dispatcher_seeds", recording)
+    skipped = 0
+    for mesh, cost in zip(meshes, costs):
+        asked.clear()
+        found = mesh_screen.estimate(gm, mesh, registry, cost, facts)
+        expand = ExpandCache()
+        every = [*fixed_seeds(gm, mesh, registry, expand), *real(gm, mesh, registry, expand)]
+        with contextlib.suppress(AutoparError):
+            every.append(("default roles", greedy_plan(gm, mesh, registry, expand_cache=expand)))
+        prices = {
+            name: plan_cost(gm, plan, mesh, cost, facts) for name, plan in every if isinstance(plan, Plan)
+        }
+        assert found.value == min(prices.values()), (mesh.shape, found.seed, prices)
+        if ("",) not in asked and axis_roles(mesh) != ("token",) * mesh.ndim:
+            skipped += 1
+            default_role_starts = [
+                v for name, v in prices.items() if name.startswith("experts:") and not name.endswith(DATA)
+            ]
+            assert default_role_starts and min(default_role_starts) > found.value, (mesh.shape, prices)
+    assert skipped >= len(meshes) // 2, skipped

@@ -26,13 +26,23 @@ is the price of a valid plan there, not of the mesh's own seeds, so this is a he
 searching only the best few estimates; `tests/test_plan_scale.py` holds it to the whole screen's
 choice on spaces small enough to screen exhaustively. Below that many meshes the screen estimates
 every mesh (save those the bound skips).
+
+The token dispatchers' starts come in two layouts (`search_seeds.dispatcher_seeds`): with the
+mesh's default roles (tensor axes splitting the weights around the MoE layers) and with every axis
+a data axis (":data"). On a four-axis mesh that is 28 greedy passes, most of a DeepSeek-V3 screen
+at 256 ranks. The screen prices the ":data" starts first and the default-role ones only where the
+mesh's own weight-splitting plans (the default-role greedy plan, the fixed schemes) are no dearer
+than the cheapest ":data" start: a default-role start is one of those plans with its MoE layers'
+dispatcher forced, so where the weight splits already lose to expert plus data parallelism, it is
+not what ranks the mesh. A heuristic like the others (the search of a kept mesh still starts from
+every layout); docs/moe-published.md measures what it changes.
 """
 
 from __future__ import annotations
 
-import itertools
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +50,7 @@ import torch.fx as fx
 
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
+from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
 from autopar.planning.greedy import greedy_plan
 from autopar.planning.greedy_roles import axis_roles
@@ -49,7 +60,7 @@ from autopar.planning.plan_cost import GraphFacts, plan_cost
 from autopar.planning.plan_transplant import PlanPattern
 from autopar.planning.search_cost import ElementCost
 from autopar.planning.search_problem import Shared
-from autopar.planning.search_seeds import dispatcher_seeds, fixed_seeds
+from autopar.planning.search_seeds import DATA, dispatcher_seeds, fixed_seeds
 from autopar.rules.base import RuleRegistry
 from autopar.rules.calls import ExpandCache
 
@@ -94,28 +105,60 @@ def estimate(
     plan's `PlanPattern` (a representative's)."""
     work = {name: work for name, _, work, _, _ in facts.calls}
     shared = Shared(expand=ExpandCache(library), work=work, greedy=graph_memo(calls))
-    best, seed, chosen = math.inf, "", None
+    found = _Cheapest()
     roles = axis_roles(mesh)
     try:
         plan = greedy_plan(gm, mesh, registry, roles=roles, expand_cache=shared.expand, memo=shared.greedy)
     except Exception:  # noqa: BLE001 - as in the search: other roles may still split this model
         pass
     else:
-        best, seed, chosen = plan_cost(gm, plan, mesh, cost, facts), "/".join(roles), plan
-    seeds = itertools.chain(
-        fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy),
-        dispatcher_seeds(gm, mesh, registry, shared.expand, shared.greedy),
-    )
-    for name, found in seeds:
-        if isinstance(found, AutoparError):
-            continue
-        value = plan_cost(gm, found, mesh, cost, facts)
-        if value < best:
-            best, seed, chosen = value, name, found
+        found.offer("/".join(roles), plan, plan_cost(gm, plan, mesh, cost, facts))
+    price = functools.partial(_priced, gm, mesh, cost, facts)
+    found.offer_all(price(fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy)))
+    starts = functools.partial(dispatcher_seeds, gm, mesh, registry, shared.expand, shared.greedy)
+    if all(role == "token" for role in roles):  # the default roles are the data layout: no second one
+        found.offer_all(price(starts()))
+    else:
+        weights_split = found.value  # the cheapest plan splitting weights by the default roles or a scheme
+        data = _Cheapest()
+        data.offer_all(price(starts(suffixes=(DATA,))))
+        if weights_split <= data.value:  # (module doc: the default-role starts)
+            found.offer_all(price(starts(suffixes=("",))))
+        found.offer(data.seed, data.chosen, data.value)
+    best, seed, chosen = found.value, found.seed, found.chosen
     pattern = None
     if keep_pattern and chosen is not None:
         pattern = PlanPattern.of(gm, chosen, registry, facts, shared.greedy)
     return Estimate(best, seed, shared, pattern=pattern)
+
+
+class _Cheapest:
+    """The cheapest of the plans offered (the first of equal ones)."""
+
+    def __init__(self) -> None:
+        self.value, self.seed = math.inf, ""
+        self.chosen: Plan | None = None
+
+    def offer(self, seed: str, plan: Plan | None, value: float) -> None:
+        if value < self.value:
+            self.value, self.seed, self.chosen = value, seed, plan
+
+    def offer_all(self, priced: Iterable[tuple[str, Plan, float]]) -> None:
+        for seed, plan, value in priced:
+            self.offer(seed, plan, value)
+
+
+def _priced(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    cost: ElementCost,
+    facts: GraphFacts,
+    seeds: Iterable[tuple[str, Plan | AutoparError]],
+) -> Iterator[tuple[str, Plan, float]]:
+    """(name, plan, `plan_cost`) of the seeds that laid out."""
+    for name, found in seeds:
+        if not isinstance(found, AutoparError):
+            yield name, found, plan_cost(gm, found, mesh, cost, facts)
 
 
 def graph_memo(calls: GreedyMemo | None) -> GreedyMemo:
@@ -287,7 +330,9 @@ class Screening:
         self.bounds = Bounds(gm, self.facts)
 
     def estimate(self, mesh: Mesh, cost: ElementCost, keep_pattern: bool = False) -> Estimate:
-        return estimate(self.gm, mesh, self.registry, cost, self.facts, self.calls, self.library, keep_pattern)
+        return estimate(
+            self.gm, mesh, self.registry, cost, self.facts, self.calls, self.library, keep_pattern
+        )
 
 
 def _order(estimates: Sequence[Estimate]) -> list[int]:

@@ -33,6 +33,7 @@ from autopar.rules.calls import expand_cached, op_call, tensor_inputs
 PREFIX = "fixed:"
 EXPERTS = "experts"
 ORDER = "order:"  # seeds from a narrower registry (`order_seeds`)
+DATA = ":data"  # a dispatcher start laid out with every mesh axis a data axis (`dispatcher_seeds`)
 
 
 def fixed_seeds(
@@ -177,6 +178,7 @@ def dispatcher_seeds(
     registry: RuleRegistry,
     expand_cache: dict[Any, list[Strategy]],
     memo: GreedyMemo | None = None,
+    suffixes: tuple[str, ...] = ("", DATA),
 ) -> Iterator[tuple[str, Plan | AutoparError]]:
     """For MoE layers traced as `autopar::routed_experts` ops: every op's experts over one mesh
     axis with each dispatcher its rule offers there ("experts:alltoall:<axis>", the tokens
@@ -192,13 +194,15 @@ def dispatcher_seeds(
     axes (x, y: tensor by default) the first layout would split attention over every rank: the
     screen, which ranks meshes by their cheapest start, would rank a mesh whose best plan is
     expert plus data parallelism by that layout's price (DeepSeek-V3's published (2, 64) stage
-    mesh: 8.2 s against 0.64 s searched)."""
+    mesh: 8.2 s against 0.64 s searched). `suffixes`: only the starts of these layouts ("" the
+    default roles, `DATA` every axis a data axis; the screen asks for them apart, `mesh_screen`)."""
     routed = _routed(gm)
     default = axis_roles(mesh)
     data = ("token",) * mesh.ndim
     layouts: list[tuple[str, tuple[str, ...] | None]] = [("", None)]
     if default != data:
-        layouts.append((":data", data))
+        layouts.append((DATA, data))
+    layouts = [(suffix, roles) for suffix, roles in layouts if suffix in suffixes]
     split = [a for a, size in enumerate(mesh.shape) if size > 1] if routed else []
     # each axis alone with either dispatcher; each pair of axes with the all-to-all (an expert group
     # spanning two axes, Megatron-Core's EP over its data and tensor groups)
