@@ -279,14 +279,13 @@ def block_backward(
     """One backward ring step: the block's share of the query gradient and of its own key/value
     gradient (stacked like `kv`), from the whole rows' output and logsumexp; each run of rows
     against the runs of keys it sees, as in `block_forward`."""
-    grads_q = []
-    grads_kv: list[torch.Tensor | None] = [None] * len(k_chunks)
+    grad_q = torch.zeros_like(q)
+    grad_kv = torch.zeros_like(kv)  # both summed into in place: no call's gradients outlive it
     k_starts = _starts(k_chunks)
     for at, q_chunk in zip(_starts(q_chunks), q_chunks):
         rows = q_chunk[1]
         runs = _visible(q_chunk, k_chunks, causal)
         q_run = q.narrow(SEQ, at, rows)
-        grad_q: torch.Tensor | None = None
         for group, flag in _kernel_calls(q_chunk, k_chunks, runs, causal, mask):
             keys = _keys(kv, k_chunks, group)
             block = None if flag else _block_mask(q_chunk, tuple(k_chunks[j] for j in group), causal, _mask_rows(mask, at, rows), q)
@@ -294,21 +293,15 @@ def block_backward(
                 grad_out.narrow(SEQ, at, rows), q_run, keys[0], keys[1], out.narrow(SEQ, at, rows),
                 lse.narrow(SEQ, at, rows), 0.0, flag, attn_mask=block, scale=scale,
             )  # fmt: skip
-            grad_q = dq if grad_q is None else grad_q + dq
-            dkv = torch.stack([dk, dv])
+            grad_q.narrow(SEQ, at, rows).add_(dq)
             at_key = 0
             for j in group:
-                part = dkv if len(group) == 1 else dkv.narrow(SEQ + 1, at_key, k_chunks[j][1])
-                at_key += k_chunks[j][1]
-                held = grads_kv[j]
-                grads_kv[j] = part if held is None else held + part
-        grads_q.append(grad_q if grad_q is not None else torch.zeros_like(q_run))
-    whole = [
-        g if g is not None else kv.new_zeros(kv.narrow(SEQ + 1, k_starts[j], k_chunks[j][1]).shape)
-        for j, g in enumerate(grads_kv)
-    ]
-    grad_q = grads_q[0] if len(grads_q) == 1 else torch.cat(grads_q, SEQ)
-    return grad_q, whole[0] if len(whole) == 1 else torch.cat(whole, SEQ + 1)
+                n = k_chunks[j][1]
+                grad_kv[0].narrow(SEQ, k_starts[j], n).add_(dk.narrow(SEQ, at_key, n))
+                grad_kv[1].narrow(SEQ, k_starts[j], n).add_(dv.narrow(SEQ, at_key, n))
+                at_key += n
+            del dq, dk, dv
+    return grad_q, grad_kv
 
 
 # ---------------------------------------------------------------- the rank's nodes
