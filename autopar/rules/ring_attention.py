@@ -19,12 +19,13 @@ of the queries, keys and values (dim 2 of (B, H, L, E)); the attention call beco
   the last block;
 - **causal attention**: block j of keys is hidden from every query of block i < j (the step only
   yields an empty partial: zero output, logsumexp -inf, no kernel call), wholly visible to block
-  i > j (no mask), and the diagonal block takes the causal mask at its offsets. The last rank
-  computes p blocks, the first one: the contiguous split's imbalance;
+  i > j (no mask), and the diagonal block runs the kernel's causal flag (`_kernel_calls`). The
+  last rank computes p blocks, the first one: the contiguous split's imbalance;
 - **the load-balanced order** (`BalancedShard`: rank r holds chunks r and 2p-1-r of 2p): the
   blocks travel as they are, two chunks each, and each run of query rows attends only the runs
   of keys it can see. At every step a rank computes half a block of scores (the diagonal step:
-  both chunks' triangles and the back chunk against the front; a block from an earlier rank:
+  both chunks' triangles, each with the kernel's causal flag, and the back chunk against the
+  front without a mask, so no half-block the mask hides is computed; a block from an earlier rank:
   both query chunks against its front chunk; from a later rank: the back query chunk against
   both), so every rank does the same causal work and every exchange hides behind the same share;
 - **masks** (padding, sliding window) are split on their query dim with the queries, whole along
