@@ -189,3 +189,40 @@ def test_the_rings_diagonal_step_runs_the_kernels_flag() -> None:
         ring_attention.block_forward(q, kv, None, ((4, 4),), ((0, 4),), True, None)
     assert own.calls == [(4, 4, True, False)]
     assert before.calls == [(4, 4, False, False)]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_the_balanced_rings_mirror_chunk_skips_its_hidden_half(p: int) -> None:
+    """In the load-balanced order rank r holds chunks r and 2p-1-r (n rows each). Over its p ring
+    steps, forward and backward, no kernel call takes a mask and the scores computed are exactly
+    its rows' part of the causal triangle: on the diagonal step the mirror chunk runs against the
+    front chunk without a mask and against its own chunk with the kernel's flag (before, one
+    masked call against both computed the hidden half of its own chunk too). The output equals
+    the serial kernel's rows."""
+    n, seq = 3, 6 * p
+    g = torch.Generator().manual_seed(p)
+    q, k, v = (torch.randn(1, 2, seq, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    whole, _ = FORWARD(q, k, v, 0.0, True)
+    for r in range(p):
+        q_chunks = ((r * n, n), ((2 * p - 1 - r) * n, n))
+        rows = [i for start, length in q_chunks for i in range(start, start + length)]
+        q_local = q[:, :, rows]
+        acc = None
+        for forward in (True, False):
+            with _KernelCalls() as kernels:
+                for s in range(p):
+                    j = (r - s) % p
+                    k_chunks = ((j * n, n), ((2 * p - 1 - j) * n, n))
+                    keys = [i for start, length in k_chunks for i in range(start, start + length)]
+                    kv = torch.stack([k[:, :, keys], v[:, :, keys]])
+                    if forward:
+                        part = ring_attention.block_forward(q_local, kv, None, q_chunks, k_chunks, True, None)
+                        acc = part if acc is None else ring_attention.merge_blocks(acc, part)
+                    else:
+                        assert acc is not None
+                        out, lse = ring_attention.finish_forward(acc, q_local)
+                        ring_attention.block_backward(out, q_local, kv, out, lse, None, q_chunks, k_chunks, True, None)
+            assert not any(masked for *_, masked in kernels.calls)
+            assert _scores(kernels.calls) == sum(_reached(seq, range(a, a + b)) for a, b in q_chunks)
+        assert acc is not None
+        torch.testing.assert_close(ring_attention.finish_forward(acc, q_local)[0], whole[:, :, rows])

@@ -25,6 +25,7 @@ from autopar.rules.base import expand, make_call
 from autopar.rules.context_parallel import BACKWARD, EMBEDDING, FORWARD, require_context_parallel
 from autopar.rules.registry import default_registry
 from autopar.rules.ring_attention import ring_axis
+from examples.zoo import make_llama
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -95,22 +96,27 @@ def test_plan_options_ask_for_the_ring() -> None:
         assert chosen is not None and chosen.inputs[1].placements[1] == Shard(2), chosen
 
 
-def _priced(seq: int) -> dict[str, tuple[float, float]]:
-    """(compute, exchanges) of the forward attention's all-gather and ring candidates on a (4,)
-    mesh of the h100-nvlink-ib table, modeled seconds."""
+def _priced(seq: int, table: str = "h100-nvlink-ib", op: object = FORWARD) -> dict[str, tuple[float, float]]:
+    """(compute, exchanges) of the forward (or backward) attention's all-gather and ring candidates
+    on a (4,) mesh of a hardware table, modeled seconds."""
     q = torch.empty(1, 8, seq, 64, device="meta")
     out, lse = FORWARD(q, q, q, 0.0, True)[:2]
-    call = make_call(FORWARD, (q, q, q, 0.0, True), {}, (out, lse))
+    if op == BACKWARD:
+        args, outs = (q, q, q, q, out, lse, 0.0, True), (q, q, q)
+    else:
+        args, outs = (q, q, q, 0.0, True), (out, lse)
+    call = make_call(op, args, {}, outs)
     work = 4 * seq * seq * 64 * 8  # the two matmuls of the scores and the output
-    cost = TimeCost("h100-nvlink-ib", (4,))
+    cost = TimeCost(table, (4,))
     found = {}
-    rule = default_registry().get(FORWARD)
+    rule = default_registry().get(op)
     assert rule is not None
+    at = 1 if op == BACKWARD else 0
     for strategy in expand(call, rule.strategies(call), (4,), rule.uneven):
-        name = "ring" if ring_axis(FORWARD, strategy) is not None else "allgather"
-        if strategy.inputs[0].shard_axes(2):
+        name = "ring" if ring_axis(op, strategy) is not None else "allgather"
+        if strategy.inputs[at].shard_axes(2):
             compute = cost.compute(work, work_split(strategy, (4,)), torch.float32)
-            found[name] = (compute, ring_exchange_cost(FORWARD, strategy, work, torch.float32, cost))
+            found[name] = (compute, ring_exchange_cost(op, strategy, work, torch.float32, cost))
     return found
 
 
@@ -121,3 +127,33 @@ def test_the_ring_is_priced_by_what_its_blocks_do_not_hide() -> None:
     assert short["allgather"][1] == long["allgather"][1] == 0.0
     assert short["ring"][1] > 0.0
     assert long["ring"][1] == 0.0 and long["ring"][0] == long["allgather"][0]
+
+
+def test_on_gloo_every_exchange_costs_its_rank_its_call() -> None:
+    """On cpu-gloo a collective costs its own rank 1 ms (`Link.call`: gloo's copies and queueing on
+    the rank's cores), which no compute hides: even where the blocks hide the wire time, the ring
+    pays it p-1 times in forward and p+1 in backward (4 ranks: 3 and 5 ms)."""
+    call = TimeCost("cpu-gloo", (4,)).mesh.links[0].call
+    assert call > 0
+    forward, backward = _priced(16384, "cpu-gloo")["ring"], _priced(16384, "cpu-gloo", BACKWARD)["ring"]
+    assert forward[1] == pytest.approx(3 * call)
+    assert backward[1] >= 5 * call
+
+
+def test_a_cp_axis_at_its_defaults_gathers_the_keys_where_the_ring_costs_more() -> None:
+    """The zoo's LLaMA (1 layer, width 256, 4 heads, 1 key/value head, sequence 1024, batch 1) on a
+    (4,) ("cp",) CPU mesh at the defaults (layouts planned by element counts): the ring's exchanges
+    send more than gathering the keys and values does (p-1 blocks forward, 2p-1 backward with the
+    gradient accumulators, against p-1 each way), and element counts hide none of them behind
+    compute, as none of any other collective. The plan gathers them (the balanced layout), where
+    the ring's exchanges counted as hidden behind its blocks' flops made it take the ring, which
+    ran slower on 8 gloo ranks (docs/long-context.md)."""
+    model, batch = make_llama(0, batch_size=1, vocab_size=256, seq_len=1024, dim=256, n_layer=1, n_head=4,
+                              n_kv_head=1, hidden=688)  # fmt: skip
+    result = autopar.plan(model, (4,), batch, mesh_names=("cp",), device_type="cpu")
+    attention = [n for n in result.compiled.graph.graph.nodes if n.target in (FORWARD, BACKWARD)]
+    assert attention
+    for node in attention:
+        chosen = info(node).strategy
+        assert chosen is not None and ring_axis(node.target, chosen) is None, chosen
+        assert chosen.inputs[1 if node.target is BACKWARD else 0].shard_axes(2) == (0,), chosen

@@ -41,12 +41,19 @@ def _search(gm: torch.fx.GraphModule, mesh: Mesh, strategy: str) -> tuple[object
 
 
 def test_auto_takes_the_balanced_layout_where_it_prices_lower() -> None:
+    """The balanced all-gather's and the balanced ring's plans both seed `"auto"` (the ring's since
+    its exchanges are priced as the emitted `ring_shift`, one latency each, which made it the
+    cheaper at sequence 2048 of the 2-layer model: docs/context-parallel.md), so `"auto"` is at
+    least as cheap as either asked for, in the balanced order."""
     gm, mesh = _traced()
     forced, balanced = _search(gm, mesh, "balanced")
+    _, ring = _search(gm, mesh, "ring_balanced")
     chosen, auto = _search(gm, mesh, "auto")
     assert any(name.startswith("order:balanced:") for name in auto.seeds), auto.seeds
-    # the balanced plan is the cheapest the search finds: "auto" is at least as cheap as asking for it
-    assert auto.final_cost <= balanced.final_cost * (1 + 1e-9), (auto.final_cost, balanced.final_cost)
+    assert any(name.startswith("order:ring_balanced:") for name in auto.seeds), auto.seeds
+    # the balanced plans are the cheapest the search finds: "auto" is at least as cheap as asking for either
+    best = min(balanced.final_cost, ring.final_cost)
+    assert auto.final_cost <= best * (1 + 1e-9), (auto.final_cost, balanced.final_cost, ring.final_cost)
     query = chosen.inputs[0].placements[NAMES.index("cp")]  # type: ignore[attr-defined]
     assert is_balanced(query), (chosen, forced)
-    assert "order:balanced:" in auto.chosen_seed, auto.chosen_seed
+    assert any(order in auto.chosen_seed for order in ("order:balanced:", "order:ring_balanced:")), auto.chosen_seed

@@ -131,11 +131,15 @@ def test_merge_of_a_block_no_key_reaches_is_the_other() -> None:
 
 def test_only_what_a_block_does_not_hide_is_priced() -> None:
     """p-1 forward exchanges, each hidden by one block's compute up to its length; the backward's
-    last accumulator pass follows the last block, so it always shows."""
-    assert exposed_exchange_seconds(False, 4, exchange=1.0, block=2.0) == 0.0
-    assert exposed_exchange_seconds(False, 4, exchange=3.0, block=2.0) == 3.0
-    assert exposed_exchange_seconds(True, 4, exchange=1.0, block=2.0) == 1.0
-    assert exposed_exchange_seconds(True, 4, exchange=1.0, block=0.0) == 2 + 2 * 2 + 1
+    last accumulator pass follows the last block, so it always shows. An exchange's own time on
+    its rank (gloo's per-call copies and queueing) shows whatever the overlap: once per exchange,
+    p-1 in forward, p+1 in backward."""
+    assert exposed_exchange_seconds(False, 4, (1.0, 0.0), (2.0, 0.0), block=2.0) == 0.0
+    assert exposed_exchange_seconds(False, 4, (3.0, 0.0), (6.0, 0.0), block=2.0) == 3.0
+    assert exposed_exchange_seconds(True, 4, (1.0, 0.0), (2.0, 0.0), block=2.0) == 1.0
+    assert exposed_exchange_seconds(True, 4, (1.0, 0.0), (2.0, 0.0), block=0.0) == 2 + 2 * 2 + 1
+    assert exposed_exchange_seconds(False, 4, (1.0, 0.5), (2.0, 0.5), block=2.0) == 3 * 0.5
+    assert exposed_exchange_seconds(True, 4, (1.0, 0.5), (2.0, 0.5), block=2.0) == 1.0 + 5 * 0.5
 
 
 # ---------------------------------------------------------------- the ring in the load-balanced order

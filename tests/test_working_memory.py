@@ -23,6 +23,7 @@ from autopar.planning.memory import plan_memory
 from autopar.planning.search import search_layouts
 from autopar.planning.search_cost import TimeCost
 from autopar.planning.working import op_working_bytes, ring_scratch_bytes
+from autopar.rules import ring_attention
 from autopar.rules.registry import default_registry
 from autopar.rules.ring_attention import BACKWARD, FORWARD
 from autopar.runtime.program import local_value
@@ -145,3 +146,38 @@ def test_saved_and_working_memory_meet_malloc() -> None:
     modeled = memory.activation_bytes() + memory.working_bytes
     assert modeled == pytest.approx(rise, rel=0.05), (modeled / 2**20, rise / 2**20)
     assert memory.activation_bytes() < 0.9 * rise
+
+
+def test_a_ring_backward_step_holds_its_results_and_one_calls_gradients() -> None:
+    """One backward ring step of the load-balanced ring (`ring_attention.block_backward`, rank 1 of
+    4, chunks of 256 rows, 4 heads of 64: a rank's q is u = 0.5 MiB) under a sampler of malloc's
+    bytes in use: its results (dq, and dk and dv stacked: 3u) are summed into in place, so the step
+    holds them and one kernel call's gradients (at most 2.5u: the mirror chunk's rows against a
+    whole block), never more than 6u. Before, each run's gradients were stacked, kept to the end
+    and concatenated: 8 to 9u a step, what the working memory model (`ring_scratch_bytes`) did not
+    count on the ring's 8 gloo ranks (docs/long-context.md)."""
+    live = _malloc_in_use()
+    if live is None:
+        pytest.skip("needs glibc's mallinfo2")
+    p, n, r = 4, 256, 1
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 2 * n, 64, generator=g)
+    kv = torch.randn(2, 1, 4, 2 * n, 64, generator=g)
+    u = q.numel() * q.element_size()
+    q_chunks = ((r * n, n), ((2 * p - 1 - r) * n, n))
+    steps = []
+    for s in range(p):
+        j = (r - s) % p
+        k_chunks = ((j * n, n), ((2 * p - 1 - j) * n, n))
+        out, lse = ring_attention.finish_forward(ring_attention.block_forward(q, kv, None, q_chunks, k_chunks, True, None), q)
+        steps.append((out, lse, k_chunks))
+    with torch.no_grad():
+        for out, lse, k_chunks in steps:  # the kernels' one-time allocations
+            ring_attention.block_backward(out, q, kv, out, lse, None, q_chunks, k_chunks, True, None)
+        for out, lse, k_chunks in steps:
+            gc.collect()
+            before = live()
+            with _LivePeak(live) as sampler:
+                grads = ring_attention.block_backward(out, q, kv, out, lse, None, q_chunks, k_chunks, True, None)
+            assert sampler.peak - before <= 6 * u, ((sampler.peak - before) / u, k_chunks)
+            del grads

@@ -6,10 +6,13 @@ layouts shows: ring attention's exchanges, the all-to-all token dispatcher's
 A ring-attention candidate (`rules.ring_attention`) takes its queries, keys and values split along
 the sequence as its producers give them, so the edges into it cost nothing; its exchanges happen
 inside the call. Every planner that prices a candidate's compute adds this to it: one exchange
-moves a rank's key/value block to the next rank, which costs what one of the p-1 steps of a ring
-all-gather of the keys and values costs (`cost.redistribute(S(seq) -> R) / (p-1)`), and each
-overlaps one block's computation (the call's work on the rank, over p blocks), so only the excess
-shows (`ring_attention.exposed_exchange_seconds`).
+moves a rank's keys and values (stacked, one message) to the next rank, priced as the emitted
+`ring_shift` step (`cost.ring_shift`: on a hardware table its bytes over the link plus one
+message's latency, which one block's computation hides up to its length, and the link's own time
+on the rank, `Link.call`, which nothing hides: 1 ms a collective on cpu-gloo, where the ring's 2p
+exchanges per layer are what made it slower than the all-gather measured; in element counts
+every element of it, as every other collective's, with no overlap) and only what shows is added
+(`ring_attention.exposed_exchange_seconds`).
 
 A causal call's work is its lower triangle (`cost.work.causal_fraction`); split contiguously along
 the sequence over p ranks, the last rank's queries see the most keys: it does (2p-1)/p of the mean
@@ -29,7 +32,14 @@ from autopar.cost.dispatch import PLANNED_EXCHANGES, ROUTING_IMBALANCE
 from autopar.cost.hardware import Rate
 from autopar.cost.work import work_split
 from autopar.rules.context_parallel import SEQ, contiguous_causal_imbalance
-from autopar.rules.ring_attention import BACKWARD, FORWARD, exposed_exchange_seconds, key_index, ring_axis
+from autopar.rules.ring_attention import (
+    BACKWARD,
+    FORWARD,
+    exchanged_block,
+    exposed_exchange_seconds,
+    key_index,
+    ring_axis,
+)
 from autopar.rules.routed_experts import (
     ROUTED_EXPERTS_BACKWARD,
     ROUTED_OPS,
@@ -47,18 +57,23 @@ class _Cost(Protocol):
 
     def compute(self, work: float, split: int, rate: Rate = ...) -> float: ...
 
+    def ring_shift(self, block: Layout, axis: int) -> tuple[float, float]: ...
+
 
 def ring_exchange_cost(op: Any, strategy: Strategy, work: float, rate: Rate, cost: _Cost) -> float:
-    """What a candidate's ring exchanges add to its compute (0 for every other candidate)."""
+    """What a candidate's ring exchanges add to its compute (0 for every other candidate): each
+    exchange priced as the emitted one (`cost.ring_shift` of the stacked block `ring_graph` sends),
+    its wire time hidden by one block's compute (the call's work on the rank, over p blocks) up to
+    that block's length, its own time on the rank (gloo's) never."""
     axis = ring_axis(op, strategy)
     if axis is None:
         return 0.0
     p = cost.shape[axis]
-    at = key_index(op)
-    k, v = strategy.inputs[at], strategy.inputs[at + 1]
-    whole = cost.redistribute(k, k.with_placement(axis, R)) + cost.redistribute(v, v.with_placement(axis, R))
+    k = strategy.inputs[key_index(op)]
+    pair = cost.ring_shift(exchanged_block(k, 2), axis)
+    double = cost.ring_shift(exchanged_block(k, 4), axis) if op == BACKWARD else pair
     block = cost.compute(work, work_split(strategy, cost.shape), rate) / p
-    return exposed_exchange_seconds(op == BACKWARD, p, whole / (p - 1), block)
+    return exposed_exchange_seconds(op == BACKWARD, p, pair, double, block)
 
 
 def routed_exchange_cost(

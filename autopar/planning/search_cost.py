@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from autopar.core.layout import Layout, Placement, itemsize, summed
+from autopar.core.redistribute import CommStep
 from autopar.cost.formulas import MeshCost, latency_steps, redistribute_time
 from autopar.cost.hardware import Link, Rate, load_hardware
 from autopar.planning.greedy import FLOP_WEIGHT, _redist
@@ -63,6 +64,12 @@ class ElementCost:
 
     def compute(self, work: float, split: int, rate: Rate = torch.float32) -> float:
         return FLOP_WEIGHT * work / split  # element counts: every dtype alike
+
+    def ring_shift(self, block: Layout, axis: int) -> tuple[float, float]:
+        """(what a block's compute can hide, what it cannot) of passing `block` to the next rank on
+        `axis` (ring attention's exchange, `ring_cost.ring_exchange_cost`): in element counts
+        nothing overlaps (every collective's elements count whole), so all of it shows."""
+        return 0.0, CommStep("ring_shift", axis, block, block).elements_sent(self.shape)
 
     def redistribute_table(
         self,
@@ -189,6 +196,14 @@ class TimeCost(ElementCost):
         matmuls at the tensor-core rate, float32 at the vector rate, element-wise ops by their
         bytes where the table has measured kernel rates."""
         return self.mesh.compute(work / split, 0.0, rate)
+
+    def ring_shift(self, block: Layout, axis: int) -> tuple[float, float]:
+        """Passing `block` to the next rank on `axis`, priced as `formulas.step_time` prices the
+        emitted step: its bytes over the link and one message's latency, which compute can hide,
+        and the link's own time on the rank (`Link.call`), which it cannot."""
+        link = self.mesh.links[axis]
+        sent = CommStep("ring_shift", axis, block, block).bytes_sent(self.shape)
+        return sent / link.bandwidth + link.alpha, link.call
 
     def _link(self, axis: int) -> tuple[float, float, float]:
         link = self.mesh.links[axis]

@@ -57,6 +57,8 @@ class Cost(Protocol):
 
     def compute(self, work: float, split: int, rate: Rate = ...) -> float: ...
 
+    def ring_shift(self, block: Layout, axis: int) -> tuple[float, float]: ...
+
     def redistribute_table(
         self,
         outs: Sequence[Layout],

@@ -351,8 +351,11 @@ def require_context_parallel(registry: RuleRegistry, axis: int, strategy: str = 
     if strategy == "auto":
         # the search's seeds list the contiguous strategies first, and no chain move turns a whole
         # residual stream balanced: the balanced plan (linears' merge included) seeds it too, and
-        # its strategies join the candidates (docs/context-parallel.md#asking-for-it-a-cp-axis)
+        # its strategies join the candidates (docs/context-parallel.md#asking-for-it-a-cp-axis); the
+        # balanced ring's plan too (its blocks hide its exchanges on fast links: no chain move from
+        # the all-gather's plan turns every attention call's keys and values split at once)
         constrained.seed_from("balanced", require_context_parallel(registry, axis, "balanced"))
+        constrained.seed_from("ring_balanced", require_context_parallel(registry, axis, "ring_balanced"))
     return constrained
 
 

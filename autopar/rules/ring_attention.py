@@ -19,12 +19,13 @@ of the queries, keys and values (dim 2 of (B, H, L, E)); the attention call beco
   the last block;
 - **causal attention**: block j of keys is hidden from every query of block i < j (the step only
   yields an empty partial: zero output, logsumexp -inf, no kernel call), wholly visible to block
-  i > j (no mask), and the diagonal block takes the causal mask at its offsets. The last rank
-  computes p blocks, the first one: the contiguous split's imbalance;
+  i > j (no mask), and the diagonal block runs the kernel's causal flag (`_kernel_calls`). The
+  last rank computes p blocks, the first one: the contiguous split's imbalance;
 - **the load-balanced order** (`BalancedShard`: rank r holds chunks r and 2p-1-r of 2p): the
   blocks travel as they are, two chunks each, and each run of query rows attends only the runs
   of keys it can see. At every step a rank computes half a block of scores (the diagonal step:
-  both chunks' triangles and the back chunk against the front; a block from an earlier rank:
+  both chunks' triangles, each with the kernel's causal flag, and the back chunk against the
+  front without a mask, so no half-block the mask hides is computed; a block from an earlier rank:
   both query chunks against its front chunk; from a later rank: the back query chunk against
   both), so every rank does the same causal work and every exchange hides behind the same share;
 - **masks** (padding, sliding window) are split on their query dim with the queries, whole along
@@ -163,14 +164,30 @@ def _block_mask(
     return block
 
 
-def _on_the_flag(
+def _kernel_calls(
     q_chunk: tuple[int, int], k_chunks: Chunks, runs: list[int], causal: bool, mask: torch.Tensor | None
-) -> bool:
-    """Whether a run of query rows sees exactly its own positions' keys (the diagonal block of a
-    causal ring step) with no mask of the model's: then the kernel's causal flag is its mask (the
-    square's top-left alignment is the sequence's), and the kernel skips the tiles above the
-    diagonal instead of computing and masking them."""
-    return causal and mask is None and [k_chunks[j] for j in runs] == [q_chunk]
+) -> list[tuple[list[int], bool]]:
+    """How a run of query rows computes against the visible runs `runs` of a block: a list of
+    (runs of keys, the kernel's causal flag), one kernel call each. With a causal mask and no mask
+    of the model's, the runs wholly before the rows (every key visible) are one call without a
+    mask, and the run at the rows' own positions (the diagonal) one call with the flag: its square's
+    top-left alignment is the sequence's, so the kernel skips the tiles above the diagonal instead
+    of computing and masking them. That is the load-balanced order's mirror chunk on the diagonal
+    step (its front chunk before it, its own chunk on the diagonal): two calls, about half the
+    scores of one masked call. Otherwise one call over all the runs, masked where needed; none
+    where the rows see no run of the block."""
+    if not runs:
+        return []
+    if not (causal and mask is None):
+        return [(runs, False)]
+    start = q_chunk[0]
+    before = [j for j in runs if k_chunks[j][0] + k_chunks[j][1] <= start]
+    rest = [j for j in runs if j not in before]
+    if not rest:
+        return [(runs, False)]
+    if [k_chunks[j] for j in rest] != [q_chunk]:
+        return [(runs, False)]
+    return ([(before, False)] if before else []) + [(rest, True)]
 
 
 def _mask_rows(mask: torch.Tensor | None, at: int, rows: int) -> torch.Tensor | None:
@@ -210,19 +227,19 @@ def block_forward(
         rows = q_chunk[1]
         runs = _visible(q_chunk, k_chunks, causal)
         q_run = q.narrow(SEQ, at, rows)
-        if not runs:
-            outs.append(q_run.new_zeros(q_run.shape, dtype=acc))
-            lses.append(q_run.new_full(q_run.shape[:-1], NEG_INF, dtype=acc))
-            continue
-        keys = _keys(kv, k_chunks, runs)
-        flag = _on_the_flag(q_chunk, k_chunks, runs, causal, mask)
-        block = None if flag else _block_mask(q_chunk, tuple(k_chunks[j] for j in runs), causal, _mask_rows(mask, at, rows), q)
-        out, lse = device_attention.attention_forward(q_run, keys[0], keys[1], 0.0, flag, attn_mask=block, scale=scale)
-        lse = lse.to(acc)
-        if block is not None:
-            lse = torch.where(torch.isneginf(block).all(-1), NEG_INF, lse)
-        outs.append(out.to(acc))
-        lses.append(lse)
+        merged: tuple[torch.Tensor, torch.Tensor] | None = None
+        for group, flag in _kernel_calls(q_chunk, k_chunks, runs, causal, mask):
+            keys = _keys(kv, k_chunks, group)
+            block = None if flag else _block_mask(q_chunk, tuple(k_chunks[j] for j in group), causal, _mask_rows(mask, at, rows), q)
+            out, lse = device_attention.attention_forward(q_run, keys[0], keys[1], 0.0, flag, attn_mask=block, scale=scale)
+            lse = lse.to(acc)
+            if block is not None:
+                lse = torch.where(torch.isneginf(block).all(-1), NEG_INF, lse)
+            merged = (out.to(acc), lse) if merged is None else merge_blocks(merged, (out.to(acc), lse))
+        if merged is None:  # the block hides every key from these rows
+            merged = (q_run.new_zeros(q_run.shape, dtype=acc), q_run.new_full(q_run.shape[:-1], NEG_INF, dtype=acc))
+        outs.append(merged[0])
+        lses.append(merged[1])
     if len(outs) == 1:
         return outs[0], lses[0]
     return torch.cat(outs, SEQ), torch.cat(lses, SEQ)
@@ -263,37 +280,29 @@ def block_backward(
     """One backward ring step: the block's share of the query gradient and of its own key/value
     gradient (stacked like `kv`), from the whole rows' output and logsumexp; each run of rows
     against the runs of keys it sees, as in `block_forward`."""
-    grads_q = []
-    grads_kv: list[torch.Tensor | None] = [None] * len(k_chunks)
+    grad_q = torch.zeros_like(q)
+    grad_kv = torch.zeros_like(kv)  # both summed into in place: no call's gradients outlive it
     k_starts = _starts(k_chunks)
     for at, q_chunk in zip(_starts(q_chunks), q_chunks):
         rows = q_chunk[1]
         runs = _visible(q_chunk, k_chunks, causal)
         q_run = q.narrow(SEQ, at, rows)
-        if not runs:
-            grads_q.append(torch.zeros_like(q_run))
-            continue
-        keys = _keys(kv, k_chunks, runs)
-        flag = _on_the_flag(q_chunk, k_chunks, runs, causal, mask)
-        block = None if flag else _block_mask(q_chunk, tuple(k_chunks[j] for j in runs), causal, _mask_rows(mask, at, rows), q)
-        dq, dk, dv = device_attention.attention_backward(
-            grad_out.narrow(SEQ, at, rows), q_run, keys[0], keys[1], out.narrow(SEQ, at, rows),
-            lse.narrow(SEQ, at, rows), 0.0, flag, attn_mask=block, scale=scale,
-        )  # fmt: skip
-        grads_q.append(dq)
-        dkv = torch.stack([dk, dv])
-        at_key = 0
-        for j in runs:
-            part = dkv if len(runs) == 1 else dkv.narrow(SEQ + 1, at_key, k_chunks[j][1])
-            at_key += k_chunks[j][1]
-            held = grads_kv[j]
-            grads_kv[j] = part if held is None else held + part
-    whole = [
-        g if g is not None else kv.new_zeros(kv.narrow(SEQ + 1, k_starts[j], k_chunks[j][1]).shape)
-        for j, g in enumerate(grads_kv)
-    ]
-    grad_q = grads_q[0] if len(grads_q) == 1 else torch.cat(grads_q, SEQ)
-    return grad_q, whole[0] if len(whole) == 1 else torch.cat(whole, SEQ + 1)
+        for group, flag in _kernel_calls(q_chunk, k_chunks, runs, causal, mask):
+            keys = _keys(kv, k_chunks, group)
+            block = None if flag else _block_mask(q_chunk, tuple(k_chunks[j] for j in group), causal, _mask_rows(mask, at, rows), q)
+            dq, dk, dv = device_attention.attention_backward(
+                grad_out.narrow(SEQ, at, rows), q_run, keys[0], keys[1], out.narrow(SEQ, at, rows),
+                lse.narrow(SEQ, at, rows), 0.0, flag, attn_mask=block, scale=scale,
+            )  # fmt: skip
+            grad_q.narrow(SEQ, at, rows).add_(dq)
+            at_key = 0
+            for j in group:
+                n = k_chunks[j][1]
+                grad_kv[0].narrow(SEQ, k_starts[j], n).add_(dk.narrow(SEQ, at_key, n))
+                grad_kv[1].narrow(SEQ, k_starts[j], n).add_(dv.narrow(SEQ, at_key, n))
+                at_key += n
+            del dq, dk, dv
+    return grad_q, grad_kv
 
 
 # ---------------------------------------------------------------- the rank's nodes
@@ -325,11 +334,7 @@ class _Builder:
     def shift(self, payload: fx.Node, count: int) -> fx.Node:
         """Pass `payload` (`count` keys/values or gradients stacked on dim 0) to the next rank."""
         out_sizes, in_sizes = _shift_sizes(count, self.me, self.p)
-        block = Layout(
-            tuple(Shard(p.dim + 1) if isinstance(p, Shard) else p for p in self.kv.placements),
-            (count, *self.kv.shape),
-            self.kv.dtype,
-        )
+        block = exchanged_block(self.kv, count)
         sent = self.graph.call_function(c10d.all_to_all_single.default, (payload, out_sizes, in_sizes, self.group))
         step = CommStep("ring_shift", self.axis, block, block)
         set_info(sent, replace(self.comm, comm=step, comm_group=self.group))
@@ -422,16 +427,30 @@ def _gradients(grad_q: torch.Tensor, grad_kv: torch.Tensor) -> tuple[torch.Tenso
     return grad_q, grad_kv[0], grad_kv[1]
 
 
-def exposed_exchange_seconds(backward: bool, p: int, exchange: float, block: float) -> float:
-    """Modeled time a ring's exchanges add to its attention call: each exchange overlaps one block's
-    computation (`block` seconds), so only what exceeds it shows; `exchange` is one key/value block
-    to the next rank. Forward: p-1 exchanges of a block. Backward: block 0 alone, then blocks with
-    the previous block's gradient accumulator (twice the bytes), the last accumulator alone, and
-    its final pass after the last block, which nothing hides."""
+def exchanged_block(kv: Layout, count: int) -> Layout:
+    """The layout (global shape) of one ring exchange's payload: `count` keys, values or their
+    gradients (each laid out as `kv`) stacked on a new dim 0."""
+    placements = tuple(Shard(p.dim + 1) if isinstance(p, Shard) else p for p in kv.placements)
+    return Layout(placements, (count, *kv.shape), kv.dtype)
+
+
+Shift = tuple[float, float]  # one exchange's (seconds a block's compute can hide, seconds it cannot)
+
+
+def exposed_exchange_seconds(backward: bool, p: int, pair: Shift, double: Shift, block: float) -> float:
+    """Modeled time a ring's exchanges add to its attention call. Each exchange overlaps one block's
+    computation (`block` seconds), so only what of its wire time exceeds that shows, plus what the
+    exchange costs its own rank whatever the overlap (`Link.call`: on gloo, the copies and queueing
+    on the rank's cores). `pair`: passing a key/value block (keys and values), `double`: a block
+    with the previous block's gradient accumulator (twice the bytes). Forward: p-1 pairs. Backward:
+    block 0 alone, then blocks with the previous block's accumulator, the last accumulator alone,
+    and its final pass after the last block, which nothing hides."""
     if p <= 1:
         return 0.0
-    if not backward:
-        return (p - 1) * max(0.0, exchange - block)
-    middle = max(0, p - 2) * max(0.0, 2 * exchange - block)
-    return 2 * max(0.0, exchange - block) + middle + exchange
 
+    def shown(shift: Shift) -> float:
+        return max(0.0, shift[0] - block) + shift[1]
+
+    if not backward:
+        return (p - 1) * shown(pair)
+    return 2 * shown(pair) + max(0, p - 2) * shown(double) + pair[0] + pair[1]
