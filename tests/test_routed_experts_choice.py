@@ -67,9 +67,9 @@ def test_pipeline_depths_price_their_stage_meshes_with_the_dispatcher_asked_for(
     asked for. Forced to the all-to-all, its plan is modeled differently from the all-gather one
     (each rank's stage mesh exchanging the routed rows): the depth's priced step changes with it,
     while the ideal cut (no sub-mesh plan) does not. The tensor-only candidate, which this test
-    does not read, is left out (`with_tensor_only=False`: its mesh choice on 4 ranks was most of
-    the test's time; `test_the_mesh_choice_plans_every_mesh_with_the_dispatcher_asked_for` checks
-    the tensor-only choice with each dispatcher)."""
+    does not read, is left out (`with_tensor_only=False`: its mesh choice on 4 ranks was about
+    half of the test's CPU time; `test_the_mesh_choice_plans_every_mesh_with_the_dispatcher_asked_for`
+    checks the tensor-only choice with each dispatcher)."""
     rows = {}
     for token_dispatch in ("allgather", "alltoall"):
         torch.manual_seed(0)
