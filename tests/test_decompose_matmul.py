@@ -333,14 +333,14 @@ def test_decomposed_gpt_trains_as_serial_on_four_gloo_ranks() -> None:
 
 def test_the_mesh_choices_step_prices_the_decomposition() -> None:
     """`scheduled_step_time`, the step the mesh choice ranks its candidates by, decomposes the
-    collective matmuls as the compile does: on GPT-2 small cut to 4 layers on a (2, 2, 8) mesh (H100
+    collective matmuls as the compile does: on GPT-2 small cut to 2 layers on a (2, 2, 8) mesh (H100
     table) some pairs model shorter cut into pieces, so its step with "auto" is shorter than with
     "off" (the default, which the mesh choice uses), each equal to the step of the program
     `compile_for_rank` builds from the same plan with that mode (the compile, which also tries every
     pair decomposed, is never longer). (On (2, 4, 8), since the exchange-first reduce-scatter, the
     search's plan is cheaper by its objective and no pair shortens its scheduled step.)"""
     with torch.device("meta"):  # nothing runs: weights not allocated
-        model = GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=4, n_head=12, n_embd=768))
+        model = GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=2, n_head=12, n_embd=768))
     idx = torch.zeros(8, 1024, dtype=torch.long)
     mesh = Mesh.from_shape((2, 2, 8))
     gm = trace_for(model, mesh, (idx, idx))

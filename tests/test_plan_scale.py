@@ -283,17 +283,32 @@ def test_the_fast_path_picks_the_exhaustive_rankings_plan() -> None:
     """Issue 29 item 4: on a space small enough to rank exhaustively (16 ranks: 8 tensor meshes,
     pipeline depths 2 and 4 with their sub-meshes), the default choice (the screen searches the
     best 4 meshes of each choice, depths bounded by their ideal cut, stage graphs analysed once
-    per sub-mesh size) picks the plan of searching every mesh and pricing every depth."""
+    per sub-mesh size) picks the plan of searching every mesh and pricing every depth.
+
+    The exhaustive ranking is the fast path's depth rows beside a tensor-only choice searching
+    every mesh (`depths=[]`, `searched_candidates=0`), not a second call pricing every depth: here
+    the bound cuts off no depth (asserted) and each depth's stage sub-mesh choice (8 and 4 ranks:
+    4 and 2 meshes, asserted) searches every mesh under the default of 4 as under 0, so that call
+    ran the very same depth pricing again (55.3 against 46.7 CPU s for the exhaustive side, side by
+    side under load: the 16-rank tensor-only searches are most of it). Where the fast path can go
+    wrong is the same: the 4 of the 8 tensor meshes its screen leaves unsearched, and whether the
+    bound would cut off a depth (the next test holds a depth it does cut off to pricing every one)."""
     from autopar.compiler.pipeline_mesh import choose_pipeline_mesh
 
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128))
     idx = torch.zeros(16, 64, dtype=torch.long)
-    fast, exhaustive = (
-        choose_pipeline_mesh(model, 16, (idx, idx), microbatches=2, hardware=HW, **kwargs)  # type: ignore[arg-type]
-        for kwargs in ({}, {"bound_depths": False, "searched_candidates": 0})
+    fast = choose_pipeline_mesh(model, 16, (idx, idx), microbatches=2, hardware=HW)
+    searched = choose_pipeline_mesh(
+        model, 16, (idx, idx), microbatches=2, hardware=HW, depths=[], searched_candidates=0
     )
-    chosen, every = fast.chosen, exhaustive.chosen
+    assert {c.pp for c in fast.candidates if not c.error} == {1, 2, 4}, fast.table()
+    assert not [c for c in fast.candidates if c.error.startswith("not priced")], fast.table()
+    assert [len(mesh_candidates(16 // pp)) for pp in (2, 4)] == [4, 2]  # each searched in full by default
+    assert [c.pp for c in searched.candidates] == [1]
+    ranked = [*searched.candidates, *(c for c in fast.candidates if c.pp > 1)]
+    every = min(ranked, key=lambda c: (bool(c.error), not c.fits, c.step_time))
+    chosen = fast.chosen
     assert not chosen.error and chosen.fits
     assert (chosen.pp, chosen.mesh_shape, chosen.schedule, chosen.v) == (
         every.pp,
@@ -302,8 +317,8 @@ def test_the_fast_path_picks_the_exhaustive_rankings_plan() -> None:
         every.v,
     )
     assert chosen.step_time == every.step_time and chosen.memory == every.memory
-    # the fast path did skip work: meshes left unsearched by the screen, or depths not priced
-    assert fast.tensor_only is not None and exhaustive.tensor_only is not None
+    # the fast path did skip work: meshes left unsearched by the screen
+    assert fast.tensor_only is not None and searched.tensor_only is not None
     assert not all(c.searched for c in fast.tensor_only.candidates)
-    assert all(c.searched for c in exhaustive.tensor_only.candidates)
-    assert len(exhaustive.tensor_only.candidates) == 8
+    assert all(c.searched for c in searched.tensor_only.candidates)
+    assert len(searched.tensor_only.candidates) == 8
