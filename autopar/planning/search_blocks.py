@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar.planning.search_vars import Edge, Tally, Var
+from autopar.planning.search_vars import CACHED_ENTRIES, Edge, Tally, Var
 
 
 @dataclass(frozen=True)
@@ -298,16 +298,19 @@ def _grouped_message(value: np.ndarray, edge: Edge, child_is_u: bool) -> tuple[n
     return best_of[by_index][arg][col_of], per_col[col_of]
 
 
-def _column_message(value: np.ndarray, edge: Edge, child_is_u: bool) -> tuple[np.ndarray, np.ndarray] | None:
+def _column_message(
+    value: np.ndarray, edge: Edge, child_is_u: bool, smallest: int = CACHED_ENTRIES
+) -> tuple[np.ndarray, np.ndarray] | None:
     """The message of a member linked to its parent by one edge, computed once per distinct parent
     layout: parent candidates of one layout read the same column of the pair matrix, so their
     columns of `value[:, None] + matrix` are the same floats and have the same argmin (lowest
     index on ties) and minimum. Exact bit for bit whatever the costs (no rounding argument: the
     member's candidates are all kept), so it serves where `_grouped_message` declines. None where
-    the parent's layouts are not fewer than half its candidates or the matrix is small (the
-    caller takes the whole matrix, kept by `Edge.matrix` when small)."""
+    the parent's layouts are not fewer than half its candidates, or where the whole matrix has at
+    most `smallest` cells: `Edge.matrix` keeps such a matrix for the next solve, which then needs
+    no gather at all, where this one would gather its part again."""
     cols, col_of = edge.distinct(not child_is_u)
-    if len(value) * len(col_of) <= GROUPED_FROM or 2 * len(cols) > len(col_of):
+    if len(value) * len(col_of) <= smallest or 2 * len(cols) > len(col_of):
         return None
     if child_is_u:
         part = edge.table[np.ix_(edge.out_index, cols)]
