@@ -194,8 +194,10 @@ def views_stored(node: fx.Node, plan: Plan) -> bool:
     return info(current).role in ("param", "buffer", "constant")
 
 
-def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> PlanMemory:
-    """Memory per rank of `plan` on `gm` (see the module docstring for what is counted)."""
+def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int], working: bool = True) -> PlanMemory:
+    """Memory per rank of `plan` on `gm` (see the module docstring for what is counted).
+    `working=False` leaves the working memory at 0: a caller that reads only the saved values (the
+    search's per-value memory model) skips the walk over every op, as long as the whole graph."""
     shape = tuple(mesh_shape)
     param_bytes = float(
         sum(
@@ -234,5 +236,6 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int]) -> Pl
                 weight_chain(node, decided) is not None,
             )
         )
-    memory.working_bytes = working_bytes(gm, plan, shape, held)
+    if working:
+        memory.working_bytes = working_bytes(gm, plan, shape, held)
     return memory

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar.planning.search_vars import Edge, Tally, Var
+from autopar.planning.search_vars import CACHED_ENTRIES, Edge, Tally, Var
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,8 @@ def _tree_dp(block: Block, local: list[np.ndarray], grouped: bool = True) -> np.
     A member linked to its parent by one edge (most are) sends its message through the edge's
     small table of distinct layouts (`_grouped_message`; `grouped=False`: through the candidates'
     whole pair matrix, which gives the same choices and sums), or where that is not smaller adds
-    its cost to the edge's matrix directly, with no zero-filled pair table (`x + 0.0 == x`)."""
+    its cost to the edge's matrix directly, with no zero-filled pair table (`x + 0.0 == x`); where
+    the layouts do not group on the member's side, on the parent's only (`_column_message`)."""
     value = [vec.copy() for vec in local]
     back: list[np.ndarray | None] = [None] * len(local)
     for k in range(len(local) - 1, 0, -1):
@@ -229,6 +230,8 @@ def _tree_dp(block: Block, local: list[np.ndarray], grouped: bool = True) -> np.
         if len(links) == 1:
             edge, child_is_u = links[0]
             message = _grouped_message(value[k], edge, child_is_u) if grouped else None
+            if message is None and grouped:
+                message = _column_message(value[k], edge, child_is_u)
             if message is not None:
                 back[k], best = message
                 value[block.parents[k]] += best
@@ -293,3 +296,26 @@ def _grouped_message(value: np.ndarray, edge: Edge, child_is_u: bool) -> tuple[n
     arg = total.argmin(axis=0)
     per_col = total[arg, np.arange(total.shape[1])]
     return best_of[by_index][arg][col_of], per_col[col_of]
+
+
+def _column_message(
+    value: np.ndarray, edge: Edge, child_is_u: bool, smallest: int = CACHED_ENTRIES
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The message of a member linked to its parent by one edge, computed once per distinct parent
+    layout: parent candidates of one layout read the same column of the pair matrix, so their
+    columns of `value[:, None] + matrix` are the same floats and have the same argmin (lowest
+    index on ties) and minimum. Exact bit for bit whatever the costs (no rounding argument: the
+    member's candidates are all kept), so it serves where `_grouped_message` declines. None where
+    the parent's layouts are not fewer than half its candidates, or where the whole matrix has at
+    most `smallest` cells: `Edge.matrix` keeps such a matrix for the next solve, which then needs
+    no gather at all, where this one would gather its part again."""
+    cols, col_of = edge.distinct(not child_is_u)
+    if len(value) * len(col_of) <= smallest or 2 * len(cols) > len(col_of):
+        return None
+    if child_is_u:
+        part = edge.table[np.ix_(edge.out_index, cols)]
+    else:
+        part = edge.table.T[np.ix_(edge.in_index, cols)]
+    total = value[:, None] + part
+    arg = total.argmin(axis=0)
+    return arg[col_of], total[arg, np.arange(len(cols))][col_of]

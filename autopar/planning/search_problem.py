@@ -414,7 +414,7 @@ class Problem:
         if self._fixed_bytes is not None:
             return self._fixed_bytes
         gm, seed = self._gm, self.seed
-        memory = plan_memory(gm, seed, self.shape)
+        memory = plan_memory(gm, seed, self.shape, working=False)  # only `saved` is read
         nodes = {n.name: n for n in saved_nodes(gm)}
         decided = set(seed.decided)
         fixed = 0.0

@@ -183,13 +183,20 @@ def element_factor(kind: str, g: int) -> float:
     return 2 * (g - 1) / g if kind == "all_reduce" else (g - 1) / g
 
 
-@functools.lru_cache(maxsize=65536)
+@functools.lru_cache(maxsize=262144)
+def placement_template(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[TemplateStep, ...]:
+    """`coded_template` of two placements, worked out once for every mesh with as many axes: the
+    greedy passes of the screen's meshes ask the same pairs with other axis sizes."""
+    return coded_template(codes(src), codes(dst))
+
+
+@functools.lru_cache(maxsize=262144)
 def _even_scales(
     src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh_shape: tuple[int, ...]
 ) -> tuple[tuple[float, float, float], ...]:
     return tuple(
         (element_factor(kind, mesh_shape[a]), float(num), float(den))
-        for kind, a, num, den in even_steps(src, dst, mesh_shape)
+        for kind, a, num, den in instantiate(placement_template(src, dst), mesh_shape)
     )
 
 
