@@ -55,7 +55,14 @@ _LAYERS = (
 _SIZES: dict[int, tuple[str, ...]] = {
     32: ("hidden_size", "n_embd", "d_model", "embedding_size", "dim", "emb_dim", "d_latents"),
     2: (*_LAYERS, "n_layers", "num_key_value_heads", "num_experts_per_tok"),
-    4: ("num_attention_heads", "n_head", "n_heads", "decoder_attention_heads", "encoder_attention_heads"),
+    4: (
+        "num_attention_heads",
+        "n_head",
+        "n_heads",
+        "decoder_attention_heads",
+        "encoder_attention_heads",
+        "linear_num_key_heads",  # linear attention (Qwen3-Next's gated delta rule): 2 value heads a key head
+    ),
     64: (
         "intermediate_size",
         "n_inner",
@@ -84,6 +91,9 @@ _SIZES: dict[int, tuple[str, ...]] = {
         "qk_nope_head_dim",
         "v_head_dim",
         "hidden_size_per_layer_input",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
     ),
     16: (
         "kv_lora_rank",
@@ -221,6 +231,19 @@ VARIANTS: tuple[dict[str, Any], ...] = (
     dict.fromkeys(_LAYERS, 8),
     {"patch_size": None},
     {"patch_size": None, "image_size": 64},
+    # stage lists that constrain one another, still one or two blocks a stage: BiT's bottleneck
+    # (a quarter of a stage's width) under GroupNorm (8 groups), CvT's drop-path rates read at
+    # the stage's index (stage i needs i + 1 blocks), HGNetV2's stages chained from its stem
+    # (each stage's input is the last one's output; the last is the classifier's width)
+    {
+        "num_groups": 8,
+        "depth": lambda i: i + 1,
+        "stem_channels": lambda i: (CHANNELS, 16, 32)[i],
+        "stage_in_channels": lambda i: 32 * 2 ** max(i - 1, 0),
+        "stage_mid_channels": lambda i: 16 * 2**i,
+        "stage_out_channels": _STAGE_LISTS["hidden_sizes"],
+        "stage_num_blocks": lambda i: 1,
+    },
     {
         "patch_size": None,
         "image_size": 64,
@@ -264,7 +287,13 @@ def _sizes(config: Any, task: str, variant: dict[str, Any], applied: set[str]) -
         # labels shift in from it; released checkpoints' configs set it (T5's class default lacks it)
         out["decoder_start_token_id"] = _TOKEN_IDS["decoder_start_token_id"]
     for name, value in variant.items():
-        if name in out:
+        if callable(value) and isinstance(stored.get(name), (list, tuple)):  # per stage, as f(index)
+            applied.add(name)
+            out[name] = [value(i) for i in range(len(stored[name]))]
+        elif name not in out and isinstance(value, int) and isinstance(stored.get(name), int):
+            applied.add(name)  # a size the generic shrink leaves at the class default
+            out[name] = value
+        elif name in out and not callable(value):
             applied.add(name)
             if value is None:
                 del out[name]

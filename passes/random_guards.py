@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from autopar.core.errors import TraceError
-from autopar.core.graph_order import reachable
+from autopar.core.graph_order import inputs_with_writes, reachable
 
 aten = torch.ops.aten
 
@@ -79,9 +79,13 @@ def replayable(node: fx.Node) -> bool:
 
 
 def value_ancestors(start: Collection[fx.Node]) -> set[fx.Node]:
-    """`start` and every node whose value they depend on, transitively: the inputs of a draw whose
-    value is the draw alone (`SHAPE_ONLY`) give it only their shapes, so the walk stops at it."""
-    return reachable(start, lambda node: () if node.target in SHAPE_ONLY else node.all_input_nodes)
+    """`start` and every node whose value they depend on, transitively, in-place writes into what
+    they read included (`inputs_with_writes`): the inputs of a draw whose value is the draw alone
+    (`SHAPE_ONLY`) give it only their shapes, so the walk stops at it."""
+    if not start:
+        return set()
+    inputs = inputs_with_writes(next(iter(start)).graph)
+    return reachable(start, lambda node: () if node.target in SHAPE_ONLY else inputs(node))
 
 
 def draws_before(graph: fx.Graph, chain: set[fx.Node], where: Callable[[fx.Node], str]) -> list[fx.Node]:

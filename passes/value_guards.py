@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import operator
 from collections.abc import Callable, Iterator, Sequence
@@ -31,7 +32,7 @@ from torch._subclasses import meta_utils
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import TraceError
-from autopar.core.graph_order import ancestors, reachable
+from autopar.core.graph_order import ancestors, inputs_with_writes, reachable, written_root
 from autopar.core.value_guards import ValueGuards, generators_kept
 from autopar.passes.masked_writes import masked_writes_as_where
 from autopar.passes.random_guards import copy_drawing, draws, draws_before, replayable, value_ancestors
@@ -71,6 +72,7 @@ def split_value_guards(
     masked_writes_as_where(module)  # `x[mask] = v`: no size the mask decides, so no guard either
     counted = _fix_input_sizes(module, example) if example is not None else set()
     checks = [n for n in graph.nodes if n.target is _ASSERT or n.target in _CONSTRAINTS]
+    _sizes_as_numbers(module, checks)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     asserts = []
     for check in checks:
@@ -108,6 +110,7 @@ def split_value_guards(
         )
     if not asserts:
         return None
+    _pin_read_sizes(graph, asserts)
     chain = value_ancestors(asserts)
     replays = draws_before(graph, chain, where)
     guard_module, inputs = _guard_program(module, placeholders, chain, asserts, replays)
@@ -115,10 +118,11 @@ def split_value_guards(
     counts = tuple(a in counted for a in asserts if a.target is _ASSERT)
     for node in reversed(list(graph.nodes)):  # the asserts, then what only they used; draws stay
         unused_part = node.target is operator.getitem and node.args[0] in chain  # of a tuple they read
-        removable = node.op == "call_function" and not draws(node)
+        # an in-place write (`mask[:, 0] = 1`) has no users, and the program still needs it
+        removable = node.op == "call_function" and not draws(node) and written_root(node) is None
         if (node in chain or unused_part) and not node.users and removable:
             graph.erase_node(node)
-    _erase_constant_reads(module)
+    _erase_dead_reads(module)
     left = [n for n in graph.nodes if n.op == "call_function" and n.target in _VALUE_READS]
     if left:
         raise TraceError(
@@ -132,18 +136,81 @@ def split_value_guards(
     return ValueGuards(guard_module, inputs, conditions, draws=any(draws(n) for n in chain), counts=counts)
 
 
-def _erase_constant_reads(module: fx.GraphModule) -> None:
-    """Erase the value reads nothing uses whose value no input, weight or draw decides, with the
-    ops only they used: Longformer's chunk count, `torch.div(seq_len, w) - 1` on Python ints, is a
-    tensor whose value Python reads as a size; torch.export took the number (the same in every
-    call of these shapes) and left the read behind, dead."""
+def _sizes_as_numbers(module: fx.GraphModule, checks: list[fx.Node]) -> None:
+    """A size read (`sym_size`) in a check's chain, of a tensor computed from the weights, as the
+    number it is in this program. A plan is made for fixed shapes: a tensor's size is set by the
+    input shapes (the program's cache key) and by the values Python reads from the inputs (each a
+    guard, or refused), never by the weights' values, so the size is the same on every call this
+    program serves. Longformer checks `attn_scores.size(-1) - max_num_global_attn_indices` (the
+    scores concatenated with the global keys' columns): the size is set by the global-attention
+    count, and a walk into the scores' values would reach the weights and refuse the guard."""
+    chain = value_ancestors(checks)
+    for node in [n for n in module.graph.nodes if n in chain and n.target is torch.ops.aten.sym_size.int]:
+        tensor, dim = node.args[:2]
+        size = node.meta.get("val")
+        if isinstance(size, torch.SymInt):  # unbacked: the example's value the trace on real values took
+            size = _example_int(size)
+        if not isinstance(size, int) or not isinstance(tensor, fx.Node):
+            continue
+        if any(reads_state(module, n) for n in value_ancestors([tensor])):
+            node.replace_all_uses_with(size)  # type: ignore[arg-type]
+            module.graph.erase_node(node)
+
+
+def _example_int(size: torch.SymInt) -> int | None:
+    """The number a symbolic size took on the example (torch.export on real values records each
+    unbacked symbol's value); None where it is not known."""
+    node = size.node
+    known = node.maybe_as_int()
+    if known is not None:
+        return known
+    value = node.expr.xreplace(getattr(node.shape_env, "real_tensor_prop_unbacked_vals", {}))
+    return int(value) if value.is_number else None
+
+
+def _pin_read_sizes(graph: fx.Graph, asserts: list[fx.Node]) -> None:
+    """A value read that a guard pins to one number (`Eq(u2, 1)`: torch.export on real values
+    specialized a size on it) is that number everywhere outside the guards: Longformer's
+    `torch.arange(max_num_global_attn_indices)` and `new_zeros` of that many rows get the
+    example's count, which the guard checks on every call (another count: another program)."""
+    for check in asserts:
+        test = check.args[0]
+        if not (isinstance(test, fx.Node) and test.target is operator.eq and len(test.args) == 2):
+            continue
+        read, number = test.args
+        if not (isinstance(read, fx.Node) and read.target in _VALUE_READS and isinstance(number, (int, bool))):
+            continue
+        # tensor ops get the number; Python's arithmetic on it stays the guards' (or is refused)
+        users = [u for u in read.users if u.target is not _ASSERT and u.target not in _CONSTRAINTS]
+        pinned = functools.partial(_pinned, read, number)
+        for user in [u for u in users if getattr(u.target, "__module__", "") != "_operator"]:
+            user.args = fx.node.map_arg(user.args, pinned)
+            user.kwargs = fx.node.map_arg(user.kwargs, pinned)
+        # `x.narrow(-1, t, n)` with a 0-d tensor `t` reads `t`'s value inside the op
+        for user in list(read.args[0].users) if isinstance(read.args[0], fx.Node) else []:
+            if user.target is torch.ops.aten.narrow.Tensor and user.args[2] is read.args[0]:
+                user.target = torch.ops.aten.narrow.default
+                user.args = (*user.args[:2], number, *user.args[3:])
+
+
+def _pinned(read: fx.Node, number: int | bool, node: fx.Node) -> Any:
+    return number if node is read else node
+
+
+def _erase_dead_reads(module: fx.GraphModule) -> None:
+    """Erase the value reads nothing uses, with the ops only they used. Longformer's chunk count,
+    `torch.div(seq_len, w) - 1` on Python ints, is a tensor whose value Python reads as a size;
+    torch.export took the number (the same in every call of these shapes) and left the read
+    behind, dead. Its `max_num_global_attn_indices`, read again by every op that sizes a tensor
+    by it, leaves a dead read each time torch knew the value already (the first read's symbol,
+    pinned by its guard). A read nobody uses decides nothing; random draws and in-place writes
+    stay (the stream's position, the values written)."""
     graph = module.graph
     for read in [n for n in graph.nodes if n.target in _VALUE_READS and not n.users]:
         chain = ancestors([read])
-        if any(n.op == "placeholder" or reads_state(module, n) or draws(n) for n in chain):
-            continue
         for dead in reversed(list(graph.nodes)):  # the read, then what only it used
-            if dead in chain and not dead.users and dead.op == "call_function":
+            unused = dead in chain and not dead.users and dead.op == "call_function"
+            if unused and not draws(dead) and written_root(dead) is None:
                 graph.erase_node(dead)
 
 
@@ -218,11 +285,15 @@ def _fix_input_sizes(module: fx.GraphModule, example: Sequence[Any]) -> set[fx.N
     made: list[fx.Node] = []
     checks: set[fx.Node] = set()
 
+    def written_ancestors(nodes: list[fx.Node]) -> set[fx.Node]:  # the graph grows: a fresh walk each
+        return reachable(nodes, inputs_with_writes(graph))
+
     def input_only(node: fx.Node) -> bool:
-        return not any(reads_state(module, n) or draws(n) for n in ancestors([node]))
+        return not any(reads_state(module, n) or draws(n) for n in written_ancestors([node]))
 
     def static_nonzero(mask: fx.Node, near: fx.Node) -> fx.Node:
-        program, inputs = _subprogram(module, placeholders, ancestors([mask]), [mask])
+        # with the in-place writes into the mask's inputs (Longformer's `global_attention_mask[:, 0] = 1`)
+        program, inputs = _subprogram(module, placeholders, written_ancestors([mask]), [mask])
         count = int(torch.count_nonzero(program(*(example[i] for i in inputs))[0]))
         with graph.inserting_before(near):
             counted = graph.call_function(torch.ops.aten.count_nonzero.default, (mask,))

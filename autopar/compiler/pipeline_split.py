@@ -39,6 +39,7 @@ from autopar.compiler.pipeline_loss import (
     returns_loss,
 )
 from autopar.compiler.pipeline_random import RandomOp, draws, random_op, whole_shapes
+from autopar.core.graph_order import written_root
 from autopar.core.value_guards import ValueGuards
 from autopar.passes.trace_errors import node_where
 from autopar.passes.value_guards import inputs_have_values, split_value_guards
@@ -219,7 +220,7 @@ def assign_stages(gm: fx.GraphModule, boundaries: Sequence[str], num_stages: int
         readers = [stage[u] for u in n.users if stage.get(u, -1) >= 0]
         stage[n] = min(readers) if readers else last
     out: dict[fx.Node, set[int]] = {n: {s} for n, s in stage.items()}
-    writes = {n: root for n in gm.graph.nodes if (root := _written_root(n)) is not None}
+    writes = {n: root for n in gm.graph.nodes if (root := written_root(n)) is not None}
     changed = True
     while changed:  # an in-place write into a free value runs in every stage that reads the value
         changed = False
@@ -248,36 +249,6 @@ def assign_stages(gm: fx.GraphModule, boundaries: Sequence[str], num_stages: int
                 "without 'pp'",
             )
     return out
-
-
-def _written_root(node: fx.Node) -> fx.Node | None:
-    """The value an in-place op (`copy_` into a slice, `masked_fill_`, `index_put_`) writes into,
-    followed back through the views it was written through; None for an op that writes nothing.
-    Such a node has no users of its own (what it made is read through the value it wrote), so the
-    stage placement must follow the written value's readers."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None:
-        return None
-    written = [
-        node.args[i]
-        for i, arg in enumerate(schema.arguments)
-        if i < len(node.args) and arg.alias_info is not None and arg.alias_info.is_write
-    ]
-    if not written or not isinstance(written[0], fx.Node):
-        return None
-    root = written[0]
-    while root.op == "call_function" and root.args and isinstance(root.args[0], fx.Node) and _is_view(root):
-        root = root.args[0]
-    return root
-
-
-def _is_view(node: fx.Node) -> bool:
-    """Whether an op returns a view of its first argument (`slice`, `select`, `view`, `transpose`)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.arguments or not schema.returns:
-        return False
-    first, ret = schema.arguments[0].alias_info, schema.returns[0].alias_info
-    return first is not None and ret is not None and not first.is_write and first.before_set == ret.before_set
 
 
 def split_stages(
