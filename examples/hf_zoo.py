@@ -234,7 +234,8 @@ VARIANTS: tuple[dict[str, Any], ...] = (
     # stage lists that constrain one another, still one or two blocks a stage: BiT's bottleneck
     # (a quarter of a stage's width) under GroupNorm (8 groups), CvT's drop-path rates read at
     # the stage's index (stage i needs i + 1 blocks), HGNetV2's stages chained from its stem
-    # (each stage's input is the last one's output; the last is the classifier's width)
+    # (each stage's input is the last one's output; the last is the classifier's width; one
+    # convolution layer a block)
     {
         "num_groups": 8,
         "depth": lambda i: i + 1,
@@ -243,6 +244,7 @@ VARIANTS: tuple[dict[str, Any], ...] = (
         "stage_mid_channels": lambda i: 16 * 2**i,
         "stage_out_channels": _STAGE_LISTS["hidden_sizes"],
         "stage_num_blocks": lambda i: 1,
+        "stage_numb_of_layers": lambda i: 1,
     },
     {
         "patch_size": None,
