@@ -164,6 +164,13 @@ def instantiate(template: Sequence[TemplateStep], mesh_shape: Sequence[int]) -> 
     )
 
 
+@functools.lru_cache(maxsize=262144)
+def placement_template(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[TemplateStep, ...]:
+    """`coded_template` of two placements, worked out once for every mesh with as many axes: the
+    greedy passes of the screen's meshes ask the same pairs with other axis sizes."""
+    return coded_template(codes(src), codes(dst))
+
+
 def even_steps(
     src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int]
 ) -> tuple[Step, ...]:
@@ -171,7 +178,7 @@ def even_steps(
     any tensor, on axes of more than one rank: (kind, axis, num, den), the step's block being the
     source block times num / den. Even blocks stay even through every step, so every all_to_all
     moves equal blocks; the three phases are `redistribute_cost`'s."""
-    return instantiate(coded_template(codes(src), codes(dst)), mesh_shape)
+    return instantiate(placement_template(tuple(src), tuple(dst)), mesh_shape)
 
 
 def element_factor(kind: str, g: int) -> float:
@@ -184,19 +191,12 @@ def element_factor(kind: str, g: int) -> float:
 
 
 @functools.lru_cache(maxsize=262144)
-def placement_template(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[TemplateStep, ...]:
-    """`coded_template` of two placements, worked out once for every mesh with as many axes: the
-    greedy passes of the screen's meshes ask the same pairs with other axis sizes."""
-    return coded_template(codes(src), codes(dst))
-
-
-@functools.lru_cache(maxsize=262144)
 def _even_scales(
     src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh_shape: tuple[int, ...]
 ) -> tuple[tuple[float, float, float], ...]:
     return tuple(
         (element_factor(kind, mesh_shape[a]), float(num), float(den))
-        for kind, a, num, den in instantiate(placement_template(src, dst), mesh_shape)
+        for kind, a, num, den in even_steps(src, dst, mesh_shape)
     )
 
 
