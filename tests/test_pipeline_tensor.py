@@ -134,22 +134,21 @@ def _check_storage_and_messages(results: list[list[dict[str, Any]]], cases: list
 FOUR = ["blocks.1", "blocks.2", "blocks.3"]
 
 
-# pp=2 x (2,2): 1F1B on 3 layers with the cost model's cut (uneven depth) and M = 6 (not a multiple
-# of p: microbatches of 2 and 1 samples, one with every target ignored; two microbatch shapes, so
-# every stage compiles a second program); interleaved 1F1B with two virtual stages per rank and
-# M = p; zero-bubble ZB-V (v=2: the first and last stage on rank 0, so the tied embedding and head
-# are two copies on one rank).
+# pp=2 x (2,2): 1F1B on 3 layers with the cost model's cut (uneven depth); interleaved 1F1B with two
+# virtual stages per rank and M = p; zero-bubble ZB-V (v=2: the first and last stage on rank 0, so
+# the tied embedding and head are two copies on one rank).
 _PP2 = {"shape": (2, 2, 2), "names": ("pp", "x", "y")}
 PP2_BY_2X2: list[dict[str, Any]] = [
-    {**_PP2, "layers": 3, "M": 6},
+    {**_PP2, "layers": 3, "M": 4},
     {**_PP2, "layers": 4, "M": 2, "schedule": "interleaved-1f1b", "v": 2, "boundaries": FOUR},
     {**_PP2, "layers": 4, "M": 4, "schedule": "zero-bubble", "v": 2, "boundaries": FOUR},
 ]
-# pp=4 x 2: zero-bubble ZB-H1 with M = p. (The uneven microbatches ran here as a 1F1B case of their
-# own; they run in the first pp=2 case above, which every rank compiles anyway: one 8-rank build
-# and training fewer, every schedule, cut and microbatch shape still checked.)
+# pp=4 x 2: 1F1B with M = 6 (not a multiple of p; microbatches of 2 and 1 samples, one with every
+# target ignored: two microbatch shapes, so every stage compiles a second program), and
+# zero-bubble ZB-H1 with M = p.
 _PP4 = {"shape": (4, 2), "names": ("pp", "tp")}
 PP4_BY_2: list[dict[str, Any]] = [
+    {**_PP4, "layers": 4, "M": 6, "boundaries": FOUR},
     {**_PP4, "layers": 4, "M": 4, "schedule": "zero-bubble", "boundaries": FOUR},
 ]
 
@@ -163,13 +162,13 @@ def on_eight_ranks() -> dict[str, list[Any]]:
 
 
 @pytest.mark.multirank
-def test_pp2_by_2x2_chosen_cut_uneven_microbatches_interleaved_and_zero_bubble_v(on_eight_ranks: dict[str, list[Any]]) -> None:
+def test_pp2_by_2x2_chosen_cut_interleaved_and_zero_bubble_v(on_eight_ranks: dict[str, list[Any]]) -> None:
     """pp=2 x (2,2): the cases of PP2_BY_2X2."""
     _check_storage_and_messages(on_eight_ranks["pp2x2x2"], PP2_BY_2X2)
 
 
 @pytest.mark.multirank
-def test_pp4_by_2_zero_bubble(on_eight_ranks: dict[str, list[Any]]) -> None:
+def test_pp4_by_2_uneven_microbatches_and_zero_bubble(on_eight_ranks: dict[str, list[Any]]) -> None:
     """pp=4 x 2: the cases of PP4_BY_2."""
     _check_storage_and_messages(on_eight_ranks["pp4x2"], PP4_BY_2)
 
