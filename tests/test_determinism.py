@@ -12,39 +12,54 @@ from pathlib import Path
 import torch
 from pass_fixtures import compile_every_rank, lockstep_step
 
+from autopar.compiler.driver import compile_for_rank
+from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
 from examples.models import make_gpt
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PLAN_TEXT = """
-import torch
-from autopar.compiler.driver import compile_for_rank
-from autopar.core.mesh import Mesh
-from autopar.core.meta import has_info, info
-from examples.models import make_gpt
-model, batch = make_gpt(0)
-compiled = compile_for_rank(model, Mesh.from_shape((2, 2, 2)), batch, coords=(1, 0, 1))
-print(compiled.report)
-for node in compiled.graph.graph.nodes:
-    if has_info(node):
-        print(node.name, info(node).layouts)
-"""
+
+def plan_text() -> str:
+    """The plan of one GPT block on 2x2x2 as text (the report and every node's layouts), ~1000
+    lines; where Python's hash seed could reach it (set and dict orders over names) is the same
+    code at any depth, so a second block would only repeat it."""
+    model, batch = make_gpt(0, n_layer=1)
+    compiled = compile_for_rank(model, Mesh.from_shape((2, 2, 2)), batch, coords=(1, 0, 1))
+    nodes = [f"{node.name} {info(node).layouts}" for node in compiled.graph.graph.nodes if has_info(node)]
+    return "\n".join([str(compiled.report), *nodes])
 
 
-def _plan_text(hash_seed: str) -> str:
-    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(ROOT)}
+# `plan_text` and a string's hash, printed by a fresh process
+IN_A_PROCESS = 'import test_determinism as t; print(t.plan_text()); print("hash", hash("autopar"))'
+
+
+def _other_hash_seed() -> str:
+    """A hash seed other than this process's: its own plus one if it was set, else a fixed one
+    (this process's is then drawn at random; the test checks that the two differ)."""
+    mine = os.environ.get("PYTHONHASHSEED", "")
+    return str(int(mine) + 1) if mine.isdigit() else "4242"
+
+
+def _in_a_process(hash_seed: str) -> tuple[str, int]:
+    """`plan_text()` and `hash("autopar")` in a fresh process with that hash seed."""
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     done = subprocess.run(
-        [sys.executable, "-c", PLAN_TEXT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", IN_A_PROCESS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    text, hashed = done.stdout.rstrip("\n").rsplit("\nhash ", 1)
+    return text, int(hashed)
 
 
 def test_the_plan_is_the_same_text_in_processes_with_different_hash_seeds() -> None:
-    first, second = _plan_text("0"), _plan_text("4242")
-    assert first.count("\n") > 100 and "collectives per step" in first
-    assert first == second
+    """This process and a fresh one with another hash seed (each string hashes differently in the
+    two) print the same plan."""
+    plan_here = plan_text()
+    plan_there, hash_there = _in_a_process(_other_hash_seed())
+    assert hash("autopar") != hash_there, "the two processes hash alike: the test would show nothing"
+    assert plan_here.count("\n") > 100 and "collectives per step" in plan_here
+    assert plan_here == plan_there
 
 
 def _layouts(graph: torch.fx.GraphModule) -> list[str]:
@@ -55,7 +70,8 @@ def _layouts(graph: torch.fx.GraphModule) -> list[str]:
 
 
 def test_every_rank_reports_the_same_plan_and_two_runs_are_bit_identical() -> None:
-    model, batch = make_gpt(0)
+    """On one GPT block (as `plan_text`: a second block only repeats the same ops and plan)."""
+    model, batch = make_gpt(0, n_layer=1)
     runs = []
     for _ in range(2):
         compiled = compile_every_rank(model, (2, 2, 2), batch)
