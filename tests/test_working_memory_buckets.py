@@ -1,22 +1,15 @@
 """The gradient buckets in the working memory (`planning.working.with_buckets`, counted on the
 emitted program by `compiler.emitted_memory`), and a broadcast view's saved bytes
-(`core.meta.held_bytes`, `planning.memory.broadcast_source`), issue 36: by hand, and held against
-malloc's bytes in use while a ring plan's step runs on 4 gloo ranks."""
+(`core.meta.held_bytes`, `planning.memory.broadcast_source`), issue 36, by hand. Held against the
+live heap of gloo ranks by `benchmarks/long_context.py` (docs/long-context.md): a test that runs
+4 gloo ranks for it took over 2 minutes on the shared machine, so it is not here yet."""
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import math
 
-import pytest
 import torch
-import torch.distributed as dist
-from multirank import run_ranks
-from torch.distributed.device_mesh import init_device_mesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
-import autopar
 from autopar.compiler.driver import trace_for
 from autopar.core.mesh import Mesh
 from autopar.core.meta import held_bytes
@@ -26,8 +19,6 @@ from autopar.planning.working import GradientBucket, with_buckets
 from autopar.rules.context_parallel import BACKWARD, require_context_parallel
 from autopar.rules.registry import default_registry
 from examples.zoo import make_llama
-
-MiB = 2**20
 
 
 def test_a_bucket_holds_its_members_until_the_last_then_its_buffer_and_the_copy() -> None:
@@ -50,77 +41,6 @@ def test_a_broadcast_view_holds_the_block_it_expands() -> None:
     assert repeated.numel() * 4 == 16384 and held_bytes(repeated) == 4096
     assert held_bytes(k) == held_bytes(k.transpose(2, 3)) == 4096 and held_bytes(k[:, :, :32]) == 2048
     assert held_bytes(None) == 0
-
-
-class _LivePeak(TorchDispatchMode):
-    """The most bytes malloc holds in use after any ATen op."""
-
-    def __init__(self, live) -> None:  # type: ignore[no-untyped-def]
-        super().__init__()
-        self.live = live
-        self.peak = live()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, self.live())
-        return out
-
-
-class _MallInfo(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
-
-
-def _model() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
-    """The zoo's LLaMA at 2 layers of width 256, a sequence of 1024: on 4 ranks the gradients
-    (full on every rank until their buckets are reduce-scattered) weigh as much as a rank's saved
-    activations."""
-    return make_llama(0, batch_size=1, vocab_size=256, seq_len=1024, dim=256, n_layer=2, n_head=4, n_kv_head=1,
-                      hidden=688)  # fmt: skip
-
-
-PLANNING = autopar.PlanOptions(context_parallel="ring_balanced")
-
-
-def _live_rise(rank: int, world_size: int) -> float:
-    """One warm-up step, then the live heap's rise over one SGD-with-momentum step on this rank."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo
-
-    def live() -> int:
-        got = libc.mallinfo2()
-        return int(got.uordblks + got.hblkhd)
-
-    model, batch = _model()
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-    pmodel = autopar.parallelize(model, mesh, example_inputs=batch, planning=PLANNING)
-    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
-    rises = []
-    for _ in range(2):
-        gc.collect()
-        before = live()
-        dist.barrier()
-        with _LivePeak(live) as sampler:
-            opt.zero_grad(set_to_none=True)
-            pmodel(*batch).backward()
-            opt.step()
-        rises.append(sampler.peak - before)
-    return float(rises[-1])
-
-
-@pytest.mark.multirank
-def test_modeled_memory_meets_a_ring_step_with_its_buckets_on_gloo() -> None:
-    """Ring attention on a "cp" axis of 4 gloo ranks (weights stored split, their gradients
-    reduce-scattered in buckets): `autopar.plan`'s saved activations plus working memory meet the
-    live heap's rise over a step on every rank within 5 % (measured 23.9 MiB, modeled 24.0); the
-    working memory without the buckets (the search's figure) left the model 10 % short."""
-    model, batch = _model()
-    result = autopar.plan(model, (4,), batch, mesh_names=("cp",), planning=PLANNING, device_type="cpu")
-    modeled = result.memory.activations + result.memory.working
-    searched = result.memory.activations + result.compiled.graph.meta["autopar_search"].working
-    for rise in run_ranks(4, _live_rise):
-        assert modeled == pytest.approx(rise, rel=0.05), (modeled / MiB, rise / MiB)
-        assert searched < 0.93 * rise, (searched / MiB, rise / MiB)
 
 
 def test_gathered_keys_repeated_for_each_head_are_saved_once() -> None:
