@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from autopar.compiler.chunk_choice import chosen_chunks, chunk_candidates
 from autopar.compiler.decompose_choice import check_decompose, decompose_chosen
+from autopar.compiler.emitted_memory import EMITTED_WORKING_KEY, emitted_working
 from autopar.compiler.lowering import chunk_step_times, in_flight_budget, lower, prefer_scheduled
 from autopar.compiler.option_checks import check_context_parallel, check_options, check_token_dispatch
 from autopar.compiler.rank_share import RankShare
@@ -44,6 +45,7 @@ from autopar.passes.recompute import RECOMPUTE_KEY
 from autopar.passes.schedule import schedule as schedule_pass
 from autopar.passes.trace import trace
 from autopar.planning.greedy import choose_layouts
+from autopar.planning.memory import plan_memory
 from autopar.planning.recompute import has_checkpoint_regions
 from autopar.planning.search import SearchPlan, fit_memory, search_layouts
 from autopar.planning.search_cost import ElementCost, TimeCost
@@ -234,6 +236,7 @@ def compile_for_rank(
             agree_choice,
         )
     chunks = chunking.chunks
+    steps = plan_memory(gm, plan, mesh.shape).working_steps  # (the traced order: lowering rewrites gm)
     with stage("propagate / insert_comm"):
         gm, work = lower(gm, plan, mesh, registry, base, chunks, path)
     with stage("decompose matmuls"):
@@ -255,6 +258,7 @@ def compile_for_rank(
             else:
                 gm = run(gm)
     write_stage(path, "4_schedule", gm, work)
+    gm.meta[EMITTED_WORKING_KEY] = emitted_working(steps, gm, work)
     with stage("emit"):
         calls = share.calls if share is not None else None
         program = emit(gm, work, registry, (*base, *(0,) * work.in_process), calls).on_devices(mesh.ndim)

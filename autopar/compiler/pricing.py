@@ -12,14 +12,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from autopar.compiler.driver import Compiled, compile_conditions
+from autopar.compiler.emitted_memory import EMITTED_WORKING_KEY
 from autopar.compiler.pipeline_mesh import PipelineMeshChoice
 from autopar.core.errors import UnknownNameError
 from autopar.core.mesh import Mesh
-from autopar.core.meta import has_info, info
+from autopar.core.meta import has_info, held_bytes, info
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown, memory_per_rank
 from autopar.cost.timeline import overlap_summary
 from autopar.cost.work import causal_skipped, compute_rate, global_work, work_split
@@ -244,8 +244,12 @@ def price(compiled: Compiled, mesh: Mesh, hardware: str, planner: str) -> PlanRe
     activation_bytes = sum(_bytes(n) for n in saved if isinstance(n, fx.Node) and n.op != "placeholder")
     param_bytes = compiled.report.param_bytes_local
     memory = memory_per_rank(param_bytes, param_bytes, ADAMW_STATE_FACTOR, activation_bytes)
-    # the working memory the search counted for this plan (`planning.working`): not in the program's outputs
-    memory = dataclasses.replace(memory, working=getattr(compiled.graph.meta.get("autopar_search"), "working", 0.0))
+    # the working memory (`planning.working`), with the emitted gradient buckets where the compile
+    # counted them (`emitted_memory`), else the search's figure: not in the program's outputs
+    working = compiled.graph.meta.get(EMITTED_WORKING_KEY)
+    if not isinstance(working, float):
+        working = float(getattr(compiled.graph.meta.get("autopar_search"), "working", 0.0))
+    memory = dataclasses.replace(memory, working=working)
     return PlanResult(mesh, hardware, planner, compiled, comm, compute, memory)
 
 
@@ -260,5 +264,4 @@ def _node_compute(node: fx.Node, cost: TimeCost, shape: tuple[int, ...]) -> floa
 
 
 def _bytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    return int(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0
+    return held_bytes(node.meta.get("val"))

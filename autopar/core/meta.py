@@ -203,3 +203,17 @@ def where_of(node: fx.Node) -> str:
 
 def is_backward(node: fx.Node) -> bool:
     return has_info(node) and info(node).phase == "backward"
+
+
+def held_bytes(value: object) -> int:
+    """Bytes a tensor value holds of its own: its elements, except that a broadcast view (a stride-0
+    dim: `expand`, as grouped-query attention repeats one key/value head for every query head)
+    holds only the elements it spans in its storage. Counting the expanded shape counted a gathered
+    key block four times over where the program kept it once (`planning.memory`)."""
+    if not isinstance(value, torch.Tensor) or value.numel() == 0:
+        return 0
+    whole = value.numel() * value.element_size()
+    if all(st != 0 for st in value.stride()):
+        return int(whole)
+    span = 1 + sum((size - 1) * st for size, st in zip(value.shape, value.stride()) if st > 0)
+    return int(min(whole, span * value.element_size()))

@@ -36,7 +36,7 @@ from autopar.core.meta import activation_copies, gradient_copies, info, is_backw
 from autopar.core.plan import MAX_REGATHER_NODES, Plan
 from autopar.cost.formulas import ADAMW_STATE_FACTOR, MemoryBreakdown
 from autopar.cost.work import is_view
-from autopar.planning.working import working_bytes
+from autopar.planning.working import op_working_bytes
 from autopar.rules.calls import tensor_inputs
 
 MEMORY_HEADROOM = 0.9  # default limit: this share of device memory (as MemoryBreakdown.fits)
@@ -92,6 +92,8 @@ class PlanMemory:
     # the working memory at the step's peak op, beyond the saved values (`planning.working`):
     # held once, whatever the microbatches in flight (one op runs at a time)
     working_bytes: float = 0.0
+    # (op, working bytes while it runs) in the traced order, whose most is `working_bytes`
+    working_steps: list[tuple[str, float]] = field(default_factory=list)
 
     def activation_bytes(self, regather: Collection[str] = ()) -> float:
         return sum(s.bytes for s in self.saved if s.name not in regather)
@@ -194,6 +196,28 @@ def views_stored(node: fx.Node, plan: Plan) -> bool:
     return info(current).role in ("param", "buffer", "constant")
 
 
+def broadcast_source(node: fx.Node, plan: Plan) -> tuple[str, Layout] | None:
+    """(value, layout it is read in) whose block `node` shares if `node` is a view of a broadcast
+    (`expand`, through views that read their input in its own layout): grouped-query attention's
+    keys and values repeated for every query head are such views, and keep only the block they
+    expand (the all-gather strategy's gathered keys were counted once per query head)."""
+    current = node
+    while current.op == "call_function" and is_view(current) and not is_backward(current):
+        inputs = current.all_input_nodes
+        strategy = plan.strategies.get(current.name)
+        if strategy is None or len(inputs) != 1:
+            return None
+        wants = [w for i, w in zip(tensor_inputs(current), strategy.inputs) if i is inputs[0]]
+        if not wants:
+            return None
+        if current.target is torch.ops.aten.expand.default:
+            return inputs[0].name, wants[0]
+        if wants[0] != plan.layouts.get(inputs[0].name, (None,))[0]:  # redistributed first: a new tensor
+            return None
+        current = inputs[0]
+    return None
+
+
 def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int], working: bool = True) -> PlanMemory:
     """Memory per rank of `plan` on `gm` (see the module docstring for what is counted).
     `working=False` leaves the working memory at 0: a caller that reads only the saved values (the
@@ -228,14 +252,13 @@ def plan_memory(gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int], worki
             kept.discard(have)
             if not kept:
                 continue
-        memory.saved.append(
-            SavedValue(
-                node.name,
-                have,
-                float(sum(lay.local_bytes(shape) for lay in kept)),
-                weight_chain(node, decided) is not None,
-            )
-        )
+        nbytes = float(sum(lay.local_bytes(shape) for lay in kept))
+        source = broadcast_source(node, plan) if kept == {have} else None
+        if source is not None:  # the block it expands, once (not at all if that block is saved itself)
+            name, layout = source
+            nbytes = min(nbytes, 0.0 if layout in held.get(name, ()) else float(layout.local_bytes(shape)))
+        memory.saved.append(SavedValue(node.name, have, nbytes, weight_chain(node, decided) is not None))
     if working:
-        memory.working_bytes = working_bytes(gm, plan, shape, held)
+        memory.working_steps = op_working_bytes(gm, plan, shape, held)
+        memory.working_bytes = max((b for _, b in memory.working_steps), default=0.0)
     return memory

@@ -26,10 +26,16 @@ The term is the peak over the ops, in the traced order (forward, then backward),
   `ring_attention.block_backward`, so no more: on 2 gloo ranks, the live peak of a ring step
   41.9 MiB against 29.2 saved + 14.0 working modeled).
 
+The schedule's gradient buckets (`passes/bucket.py`) are not in the traced order, where each
+gradient is reduced as it is made: a bucket is issued after its last member is made, so its
+members are held until then, and it adds its concatenated buffer and, on gloo, the collective's own
+copy of that buffer (measured: the live peak of a ring plan on 8 gloo ranks is at the first
+bucket's reduce-scatter, docs/long-context.md). `with_buckets` adds them to the traced walk at the
+op after which the emitted program issues each bucket (`GradientBucket`, read off the scheduled
+graph by the compiler); the search, which plans before any collective exists, does not see them.
+
 Not counted: a kernel's internal workspace (the CPU flash kernel's per-thread score blocks, small
-against these), the schedule's gradient buckets (members held until the bucket leaves, its
-concatenated buffer, and on gloo the reduce-scatter's own copy of it: the live peak of a ring plan
-on 8 gloo ranks, docs/long-context.md), the allocator's cache (on CPU malloc keeps freed blocks, 1.5 to 1.7x the live
+against these), the allocator's cache (on CPU malloc keeps freed blocks, 1.5 to 1.7x the live
 rise measured), and saved values freed during the backward (they stay counted whole: the peak is
 bounded from above where it falls late in the backward). The order is the traced one, not the
 schedule's, which moves collectives and so their copies' lifetimes.
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -133,8 +140,41 @@ def op_working_bytes(
     return found
 
 
-def working_bytes(
-    gm: fx.GraphModule, plan: Plan, mesh_shape: Sequence[int], held: Mapping[str, Collection[Layout]]
-) -> float:
-    """The step's working memory per rank: the most `op_working_bytes` gives (0 without ops)."""
-    return max((b for _, b in op_working_bytes(gm, plan, mesh_shape, held)), default=0.0)
+@dataclass(frozen=True)
+class GradientBucket:
+    """A sum of gradients the emitted backward issues as one collective (a bucket of several, or
+    one alone), per rank: the traced ops that make its members, each member's bytes, the buffer's
+    bytes if the members are concatenated into one (else 0), and how many copies of the buffer
+    the collective makes beside it (gloo's reduce-scatter and all-reduce: one)."""
+
+    members: tuple[str, ...]
+    member_bytes: tuple[float, ...]
+    concatenated: float
+    copies: int
+
+    @property
+    def buffer_bytes(self) -> float:
+        return float(sum(self.member_bytes))
+
+
+def with_buckets(steps: Sequence[tuple[str, float]], buckets: Sequence[GradientBucket]) -> list[tuple[str, float]]:
+    """`steps` (`op_working_bytes`) with each bucket in it (module doc): each member held from the
+    op after the one that makes it until the bucket is issued, after the last member's op, where
+    the concatenated buffer and the collective's copies exist beside the members (a member made
+    by an op that `steps` does not list leaves its bucket out)."""
+    position = {name: i for i, (name, _) in enumerate(steps)}
+    change = [0.0] * (len(steps) + 1)  # held bytes start at one op and end after another: prefix sums
+    at_issue = [0.0] * len(steps)
+    for bucket in buckets:
+        if not bucket.members or any(m not in position for m in bucket.members):
+            continue
+        issue = max(position[m] for m in bucket.members)
+        for member, nbytes in zip(bucket.members, bucket.member_bytes):
+            change[position[member] + 1] += nbytes
+            change[issue + 1] -= nbytes
+        at_issue[issue] += bucket.concatenated + bucket.copies * bucket.buffer_bytes
+    found, held = [], 0.0
+    for (name, nbytes), moved, issued in zip(steps, change, at_issue):
+        held += moved
+        found.append((name, nbytes + held + issued))
+    return found

@@ -6,13 +6,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from autopar.core.collectives import DecomposedPair, bucket_members
 from autopar.core.layout import Replicate
 from autopar.core.mesh import Mesh
-from autopar.core.meta import NodeInfo, has_info, info
+from autopar.core.meta import NodeInfo, has_info, held_bytes, info
 from autopar.core.redistribute import CommStep
 from autopar.cost.formulas import format_bytes
 from autopar.reporting.experts import ExpertPlacement
@@ -222,13 +221,12 @@ def build_report(
 
 def _saved_bytes(program: Any) -> float:
     """Bytes of the tensors the forward program hands the backward (its outputs past the user's),
-    parameters and inputs aside (those are stored anyway)."""
+    parameters and inputs aside (those are stored anyway); a broadcast view by the storage it spans
+    (`held_bytes`)."""
     output = next(n for n in program.forward.graph.nodes if n.op == "output")
     total = 0.0
     for node in list(output.args[0])[len(program.output_layouts) :]:
         if not isinstance(node, fx.Node) or node.op == "placeholder":
             continue
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            total += val.numel() * val.element_size()
+        total += held_bytes(node.meta.get("val"))
     return total

@@ -1,0 +1,80 @@
+"""The working memory of the emitted program: the traced-order walk (`planning.working`) with the
+gradient buckets the schedule made, at the points the program issues them.
+
+The search counts the working memory before any collective exists. After the schedule stage the
+gradient sums are known: which gradients each bucket holds until its last member is made, its
+concatenated buffer, and (gloo) the collective's own copy of that buffer. Measured on gloo ranks,
+a ring plan's step peaks at the first bucket's reduce-scatter (docs/long-context.md), so the
+modeled memory `autopar.plan` reports counts them (`PlanResult.memory.working`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from autopar.core.collectives import BUCKET_KEY, BYTES_KEY
+from autopar.core.mesh import Mesh
+from autopar.core.meta import has_info, info
+from autopar.planning.working import GradientBucket, with_buckets
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+SUMS = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
+EMITTED_WORKING_KEY = "autopar_emitted_working"  # gm.meta of the scheduled graph: its working bytes per rank
+
+
+def _made_by(node: fx.Node) -> fx.Node:
+    """The op that made the tensor `node` carries: back through the comm glue (reshapes, views,
+    contiguous copies insert_comm and bucketing add) to the first node that is not comm."""
+    while has_info(node) and info(node).role == "comm" and len(node.all_input_nodes) == 1:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _feeds_output(node: fx.Node) -> bool:
+    """Whether `node`'s result reaches the graph output through comm nodes alone (a gradient)."""
+    frontier, seen = [node], {node}
+    while frontier:
+        current = frontier.pop()
+        for user in current.users:
+            if user.op == "output":
+                return True
+            if has_info(user) and info(user).role == "comm" and user not in seen:
+                seen.add(user)
+                frontier.append(user)
+    return False
+
+
+def gradient_buckets(gm: fx.GraphModule, mesh_shape: Sequence[int], copies: int) -> list[GradientBucket]:
+    """Every sum of the scheduled backward `gm` on a mesh of `mesh_shape`: a bucket (its members
+    the inputs of its concatenation, `passes/bucket.py`) or one collective alone that makes a
+    gradient. `copies`: what the backend copies of a sum's input (gloo: 1, NCCL: 0)."""
+    shape = tuple(mesh_shape)
+    buckets = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in SUMS or not has_info(node) or info(node).phase != "backward":
+            continue
+        buffer = node.args[0]
+        assert isinstance(buffer, fx.Node)
+        if buffer.target is aten.view.default:  # a reduce-scatter bucket's flat view of its rows
+            buffer = buffer.args[0]  # type: ignore[assignment]
+        if node.meta.get(BUCKET_KEY) and buffer.target is aten.cat.default:
+            flats = [f for f in buffer.args[0] if isinstance(f, fx.Node)]  # type: ignore[union-attr]
+            members = tuple(_made_by(f).name for f in flats)
+            sizes = tuple(float(f.meta[BYTES_KEY]) for f in flats)
+            buckets.append(GradientBucket(members, sizes, float(sum(sizes)), copies))
+        elif _feeds_output(node) and (step := info(node).comm) is not None:
+            size = float(step.before.local_bytes(shape))
+            buckets.append(GradientBucket((_made_by(node.args[0]).name,), (size,), 0.0, copies))  # type: ignore[arg-type]
+    return buckets
+
+
+def emitted_working(steps: list[tuple[str, float]], scheduled: fx.GraphModule, mesh: Mesh) -> float:
+    """The working memory per rank of the scheduled graph: the traced-order `steps` of its plan
+    (`PlanMemory.working_steps`) on `mesh` (the graph's, a chunk axis included) with its gradient buckets in them. On CPU the program's sums run
+    on gloo, which copies a sum's input (one copy); elsewhere (NCCL) none is counted."""
+    buckets = gradient_buckets(scheduled, mesh.shape, 1 if mesh.device_type == "cpu" else 0)
+    return max((b for _, b in with_buckets(steps, buckets)), default=0.0)

@@ -1,0 +1,63 @@
+"""The gradient buckets in the working memory (`planning.working.with_buckets`, counted on the
+emitted program by `compiler.emitted_memory`), and a broadcast view's saved bytes
+(`core.meta.held_bytes`, `planning.memory.broadcast_source`), issue 36, by hand. Held against the
+live heap of gloo ranks by `benchmarks/long_context.py` (docs/long-context.md): a test that runs
+4 gloo ranks for it took over 2 minutes on the shared machine, so it is not here yet."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autopar.compiler.driver import trace_for
+from autopar.core.mesh import Mesh
+from autopar.core.meta import held_bytes
+from autopar.planning.memory import broadcast_source, plan_memory
+from autopar.planning.search import search_layouts
+from autopar.planning.working import GradientBucket, with_buckets
+from autopar.rules.context_parallel import BACKWARD, require_context_parallel
+from autopar.rules.registry import default_registry
+from examples.zoo import make_llama
+
+
+def test_a_bucket_holds_its_members_until_the_last_then_its_buffer_and_the_copy() -> None:
+    """Members made at "a" (4 bytes) and "c" (6): "a"'s is held through "b" and "c"; after "c"
+    the bucket is issued, its buffer (10) and gloo's copy of it (10) beside the members. A bucket
+    with a member no step lists is left out."""
+    steps = [("a", 10.0), ("b", 20.0), ("c", 30.0), ("d", 5.0)]
+    bucket = GradientBucket(("a", "c"), (4.0, 6.0), 10.0, 1)
+    stray = GradientBucket(("x",), (100.0,), 0.0, 1)
+    assert with_buckets(steps, [bucket, stray]) == [("a", 10.0), ("b", 24.0), ("c", 54.0), ("d", 5.0)]
+    alone = GradientBucket(("b",), (8.0,), 0.0, 0)  # one sum, not concatenated, on NCCL: nothing more
+    assert with_buckets(steps, [alone]) == steps
+
+
+def test_a_broadcast_view_holds_the_block_it_expands() -> None:
+    """Grouped-query attention's repeated keys: (1, 1, 64, 16) expanded to 4 heads and reshaped
+    holds the one head's 4 KiB, not 16; a plain tensor, a transpose and a slice their elements."""
+    k = torch.randn(1, 1, 64, 16)
+    repeated = k[:, :, None].expand(1, 1, 4, 64, 16).reshape(1, 4, 64, 16)
+    assert repeated.numel() * 4 == 16384 and held_bytes(repeated) == 4096
+    assert held_bytes(k) == held_bytes(k.transpose(2, 3)) == 4096 and held_bytes(k[:, :, :32]) == 2048
+    assert held_bytes(None) == 0
+
+
+def test_gathered_keys_repeated_for_each_head_are_saved_once() -> None:
+    """The zoo's LLaMA (4 query heads, 1 key/value head, sequence 64) with keys and values
+    all-gathered on a "cp" axis of 2: backward keeps the gathered keys and values repeated for the
+    4 query heads as views of the gathered (1, 1, 64, 16) block, so each is saved at that block's
+    4 KiB, not the 16 KiB of the repeated shape."""
+    model, batch = make_llama(0, batch_size=1, vocab_size=64, seq_len=64, dim=64, n_layer=1, n_head=4, n_kv_head=1,
+                              hidden=128)  # fmt: skip
+    mesh = Mesh.from_shape((2,), ("cp",))
+    gm = trace_for(model, mesh, batch)
+    registry = require_context_parallel(default_registry(), 0, "balanced")
+    plan = search_layouts(gm, mesh, registry, memory_limit=math.inf)
+    saved = {s.name: s for s in plan_memory(gm, plan, (2,)).saved}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    repeated = [name for name in saved if broadcast_source(nodes[name], plan) is not None]
+    attention = next(n for n in gm.graph.nodes if n.target is BACKWARD)
+    assert {a.name for a in attention.all_input_nodes[2:4]} <= set(repeated), repeated  # its k and v
+    for name in repeated:
+        assert nodes[name].meta["val"].numel() * 4 == 16384 and saved[name].bytes == 4096, (name, saved[name])
