@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import multiprocessing
 import resource
+import signal
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -195,6 +196,7 @@ def run_limited(row: Row, cpu_limit: int) -> dict[str, Any]:
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(row, cpu_limit, child))
     start = time.monotonic()
+    before = _children_cpu()
     proc.start()
     child.close()
     try:
@@ -202,9 +204,23 @@ def run_limited(row: Row, cpu_limit: int) -> dict[str, Any]:
         proc.join()
     except EOFError:
         proc.join()
-        result = {"key": row.key, "not_finished": f"not finished in {cpu_limit} s CPU (exit {proc.exitcode})"}
+        result = {"key": row.key, "not_finished": not_finished(proc.exitcode, cpu_limit, _children_cpu() - before)}
     result["wall_s"] = time.monotonic() - start
+    result["cpu_s"] = _children_cpu() - before
     return result
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def not_finished(exitcode: int | None, cpu_limit: int, cpu_s: float) -> str:
+    """Why a row's child sent no result: its CPU limit (SIGXCPU, or SIGKILL at the hard limit),
+    or ended otherwise (stopped by hand, out of memory) after `cpu_s` of CPU."""
+    if exitcode is not None and -exitcode in (signal.SIGXCPU, signal.SIGKILL) and cpu_s >= cpu_limit:
+        return f"not finished in {cpu_limit} s CPU"
+    return f"stopped after {cpu_s:.0f} s CPU of its {cpu_limit} (exit {exitcode})"
 
 
 def report(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], dict[str, Any]]:

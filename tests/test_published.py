@@ -271,6 +271,20 @@ def test_a_plan_over_the_memory_limit_is_never_reported_as_the_winner() -> None:
     assert summary["no_fitting_candidate"] == 1 and summary["slower"] == summary["at_least_1.1x"] == 0
 
 
+def test_a_row_without_a_result_says_whether_its_cpu_limit_ended_it() -> None:
+    """A child killed by its CPU limit (SIGXCPU at the soft limit, SIGKILL at the hard one) is
+    "not finished in" the limit; one ended otherwise (by hand, out of memory) says after how much
+    CPU, so a row stopped early is never reported as having used its whole limit."""
+    import signal
+
+    from published_auto import not_finished
+
+    assert not_finished(-signal.SIGXCPU, 600, 600.4) == "not finished in 600 s CPU"
+    assert not_finished(-signal.SIGKILL, 600, 610.0) == "not finished in 600 s CPU"
+    assert not_finished(-signal.SIGTERM, 600, 172.0) == "stopped after 172 s CPU of its 600 (exit -15)"
+    assert not_finished(-signal.SIGKILL, 600, 90.0) == "stopped after 90 s CPU of its 600 (exit -9)"
+
+
 def test_attention_is_priced_at_its_kernels_published_rates() -> None:
     """A flash attention call runs at the published rate of the kernel its framework uses (the
     FlashAttention-3 paper's H100 figures), far below a matmul of the same flops: FA2 (torch's
