@@ -73,6 +73,8 @@ _SIZES: dict[int, tuple[str, ...]] = {
         "d_inner",
         "hidden_dim",
         "max_position_embeddings",
+        "max_encoder_position_embeddings",  # LED's (16384 by default: 0.5 M of its 0.6 M parameters)
+        "max_decoder_position_embeddings",
         "n_positions",
         "vocab_size",
         "src_vocab_size",
@@ -83,8 +85,11 @@ _SIZES: dict[int, tuple[str, ...]] = {
         "shape_vocab_size",
         "vocab_size_per_layer_input",
     ),
-    # head sizes, those of multi-head latent attention (DeepSeek) included
+    # head sizes, those of multi-head latent attention (DeepSeek) included; Longformer's and LED's
+    # sliding attention window (two windows in the sequence: at the default 512 the model pads
+    # the 16 tokens to 512 and the row runs past its budget)
     8: (
+        "attention_window",
         "head_dim",
         "d_kv",
         "qk_rope_head_dim",

@@ -17,7 +17,7 @@ on values) is refused, naming that op.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
@@ -78,14 +78,24 @@ def replayable(node: fx.Node) -> bool:
     return node.target in REPLAYABLE
 
 
-def value_ancestors(start: Collection[fx.Node]) -> set[fx.Node]:
-    """`start` and every node whose value they depend on, transitively, in-place writes into what
-    they read included (`inputs_with_writes`): the inputs of a draw whose value is the draw alone
-    (`SHAPE_ONLY`) give it only their shapes, so the walk stops at it."""
-    if not start:
-        return set()
-    inputs = inputs_with_writes(next(iter(start)).graph)
-    return reachable(start, lambda node: () if node.target in SHAPE_ONLY else inputs(node))
+# a step for `reachable`: the nodes one node's value depends on
+ValueStep = Callable[[fx.Node], Iterable[fx.Node]]
+
+
+def value_inputs(graph: fx.Graph) -> ValueStep:
+    """A step for `reachable` that walks to what a node's value depends on: its inputs and the
+    in-place writes into what they read (`inputs_with_writes`); the inputs of a draw whose value is
+    the draw alone (`SHAPE_ONLY`) give it only their shapes, so the walk stops at it. It scans the
+    whole graph once: build it once per graph and reuse it while nodes are only erased or their
+    arguments rewired; a node added afterwards is unknown to it (build it again)."""
+    inputs = inputs_with_writes(graph)
+    return lambda node: () if node.target in SHAPE_ONLY else inputs(node)
+
+
+def value_ancestors(start: Collection[fx.Node], inputs: ValueStep) -> set[fx.Node]:
+    """`start` and every node whose value they depend on, transitively, along `inputs` (the
+    graph's `value_inputs`)."""
+    return reachable(start, inputs)
 
 
 def draws_before(graph: fx.Graph, chain: set[fx.Node], where: Callable[[fx.Node], str]) -> list[fx.Node]:

@@ -164,13 +164,16 @@ def outputs_as_copies_of_views(module: fx.GraphModule) -> int:
 
 
 def windows_as_slices(module: fx.GraphModule) -> int:
-    """`as_strided` that cuts a contiguous tensor into overlapping windows (Longformer's and
-    LED's sliding-window chunks: windows of W rows every `step` rows, W a multiple of `step`)
-    rewritten as a view into blocks of `step` rows and the cat of W / step slices of them, one
-    block further each: the same values through ops that have rules, where an `as_strided` of
-    overlapping windows has none; one that is its input as it is (a single window) replaced by
-    the input. Only where nothing writes into the windows in place (the cat is a copy, the
-    `as_strided` a view); returns how many were rewritten."""
+    """`as_strided` that cuts a dense tensor into overlapping windows (Longformer's and LED's
+    sliding-window chunks: windows of W rows every `step` rows, W a multiple of `step`) rewritten
+    as a view into blocks of `step` rows and the cat of W / step slices of them, one block further
+    each: the same values through ops that have rules, where an `as_strided` of overlapping
+    windows has none; one that is its input as it is (a single window) replaced by the input.
+    `as_strided` reads storage, not the tensor's dims: a base whose dims are a permutation of its
+    memory order (Longformer's query and key, `transpose(1, 2).reshape(b * h, s, d)` of a
+    sequence-major projection, once the window is smaller than the sequence) is permuted to that
+    order first, and the windows permuted back. Only where nothing writes into the windows in
+    place (the cat is a copy, the `as_strided` a view); returns how many were rewritten."""
     graph = module.graph
     rewritten = 0
     for node in list(graph.nodes):
@@ -184,24 +187,30 @@ def windows_as_slices(module: fx.GraphModule) -> int:
         window = _window_of(node)
         if window is None or _written_through(node):
             continue
-        k, step, blocks_shape = window
-        size = _ints(node.args[1]) or []
+        base_order, out_order, k, step, blocks_shape = window
+        size = [(_ints(node.args[1]) or [])[d] for d in out_order]
+        aten = torch.ops.aten
+        new: list[fx.Node] = []
         with graph.inserting_before(node):
-            blocks = graph.call_function(torch.ops.aten.view.default, (node.args[0], blocks_shape))
+            base = node.args[0]
+            if base_order != sorted(base_order):
+                new.append(base := graph.call_function(aten.permute.default, (base, base_order)))
+            new.append(blocks := graph.call_function(aten.view.default, (base, blocks_shape)))
             parts = [
-                graph.call_function(torch.ops.aten.slice.Tensor, (blocks, k, j, j + size[k]))
+                graph.call_function(aten.slice.Tensor, (blocks, k, j, j + size[k]))
                 for j in range(size[k + 1] // step)
             ]
-            cat = graph.call_function(torch.ops.aten.cat.default, (parts, k + 1))
-        for new in (blocks, *parts, cat):
-            new.meta.update({key: value for key, value in node.meta.items() if key != "val"})
+            new += [*parts, graph.call_function(aten.cat.default, (parts, k + 1))]
+            if out_order != sorted(out_order):
+                back = [out_order.index(d) for d in range(len(out_order))]
+                new.append(graph.call_function(aten.permute.default, (new[-1], back)))
         base_val = node.args[0].meta["val"]  # type: ignore[union-attr]
         with base_val.fake_mode if hasattr(base_val, "fake_mode") else contextlib.nullcontext():
-            blocks.meta["val"] = base_val.view(blocks_shape)
-            for part, j in zip(parts, range(len(parts))):
-                part.meta["val"] = blocks.meta["val"][(slice(None),) * k + (slice(j, j + size[k]),)]
-            cat.meta["val"] = torch.cat([p.meta["val"] for p in parts], k + 1)
-        node.replace_all_uses_with(cat)
+            for made in new:  # each new node's value: its op on its inputs' values
+                made.meta.update({key: value for key, value in node.meta.items() if key != "val"})
+                args = fx.map_arg(made.args, lambda n: n.meta["val"])
+                made.meta["val"] = made.target(*args)  # type: ignore[operator]
+        node.replace_all_uses_with(new[-1])
         graph.erase_node(node)
         rewritten += 1
     if rewritten:
@@ -210,17 +219,23 @@ def windows_as_slices(module: fx.GraphModule) -> int:
     return rewritten
 
 
-def _window_of(node: fx.Node) -> tuple[int, int, list[int]] | None:
-    """(k, step, blocks' shape) when `as_strided(x, size, stride, 0)` reads, along dims k and k+1,
-    windows of size[k+1] rows every `step` rows of a contiguous x that they cover exactly."""
+def _window_of(node: fx.Node) -> tuple[list[int], list[int], int, int, list[int]] | None:
+    """(base's memory order, the windows' memory order, k, step, blocks' shape) when
+    `as_strided(x, size, stride, 0)` reads, along dims k and k+1 of the windows in memory order,
+    windows of size[k+1] rows every `step` rows of a dense x (its dims a permutation of a
+    contiguous tensor's, from storage offset 0) that they cover exactly. The blocks' shape is that
+    of x permuted to its memory order, whose view it is."""
     base = node.args[0]
     val = base.meta.get("val") if isinstance(base, fx.Node) else None
     offset = node.args[3] if len(node.args) > 3 else 0
-    if not isinstance(val, torch.Tensor) or not val.is_contiguous() or val.storage_offset() != 0 or offset not in (0, None):
+    if not isinstance(val, torch.Tensor) or val.storage_offset() != 0 or offset not in (0, None):
         return None
+    base_order = _memory_order(list(val.shape), list(val.stride()))
     size, stride = _ints(node.args[1]), _ints(node.args[2])
-    if size is None or stride is None:
+    if not base_order or size is None or stride is None:
         return None
+    out_order = _memory_order(size, stride, dense=False)
+    size, stride = [size[d] for d in out_order], [stride[d] for d in out_order]
     for k in range(len(size) - 1):
         count, width, inner = size[k], size[k + 1], stride[k + 1]
         if inner <= 0 or stride[k] % inner or count < 2:
@@ -231,10 +246,25 @@ def _window_of(node: fx.Node) -> tuple[int, int, list[int]] | None:
         length = (count - 1) * step + width
         merged_size = [*size[:k], length, *size[k + 2 :]]
         merged_stride = [*stride[:k], inner, *stride[k + 2 :]]
-        if math.prod(merged_size) != val.numel() or merged_stride != _row_major_strides(merged_size):
+        if math.prod(merged_size) != val.numel() or not _row_major(merged_size, merged_stride):
             continue
-        return k, step, [*size[:k], length // step, step, *size[k + 2 :]]
+        return base_order, out_order, k, step, [*size[:k], length // step, step, *size[k + 2 :]]
     return None
+
+
+def _memory_order(shape: list[int], stride: list[int], dense: bool = True) -> list[int]:
+    """The dims by decreasing stride, those of one element last (their stride means nothing):
+    the permutation that makes a dense tensor contiguous. `dense`: [] when the elements are not
+    one dense block (a slice, an expanded dim)."""
+    order = sorted(range(len(shape)), key=lambda d: (shape[d] == 1, -stride[d], d))
+    if dense and not _row_major([shape[d] for d in order], [stride[d] for d in order]):
+        return []
+    return order
+
+
+def _row_major(size: list[int], stride: list[int]) -> bool:
+    """Whether `stride` is the contiguous layout of `size` (a dim of one element may have any)."""
+    return all(n == 1 or s == t for n, s, t in zip(size, stride, _row_major_strides(size)))
 
 
 def _same_view(node: fx.Node) -> bool:

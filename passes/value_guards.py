@@ -35,7 +35,15 @@ from autopar.core.errors import TraceError
 from autopar.core.graph_order import ancestors, inputs_with_writes, reachable, written_root
 from autopar.core.value_guards import ValueGuards, generators_kept
 from autopar.passes.masked_writes import masked_writes_as_where
-from autopar.passes.random_guards import copy_drawing, draws, draws_before, replayable, value_ancestors
+from autopar.passes.random_guards import (
+    ValueStep,
+    copy_drawing,
+    draws,
+    draws_before,
+    replayable,
+    value_ancestors,
+    value_inputs,
+)
 from autopar.passes.trace_errors import DATA_DEPENDENT_HINT
 
 _ASSERT = torch.ops.aten._assert_scalar.default
@@ -72,11 +80,13 @@ def split_value_guards(
     masked_writes_as_where(module)  # `x[mask] = v`: no size the mask decides, so no guard either
     counted = _fix_input_sizes(module, example) if example is not None else set()
     checks = [n for n in graph.nodes if n.target is _ASSERT or n.target in _CONSTRAINTS]
-    _sizes_as_numbers(module, checks)
+    # one scan of the graph for every walk below: from here on nodes are only erased or rewired
+    inputs_of = value_inputs(graph)
+    _sizes_as_numbers(module, checks, inputs_of)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     asserts = []
     for check in checks:
-        chain = value_ancestors([check])
+        chain = value_ancestors([check], inputs_of)
         outside = next((n for n in chain if reads_state(module, n) or (draws(n) and not replayable(n))), None)
         if outside is None:  # a function of the inputs and of draws that depend on shapes alone: a guard
             asserts.append(check)
@@ -111,10 +121,10 @@ def split_value_guards(
     if not asserts:
         return None
     _pin_read_sizes(graph, asserts)
-    chain = value_ancestors(asserts)
+    chain = value_ancestors(asserts, inputs_of)
     replays = draws_before(graph, chain, where)
     guard_module, inputs = _guard_program(module, placeholders, chain, asserts, replays)
-    conditions = tuple(_condition(a, where) for a in asserts if a.target is _ASSERT)
+    conditions = tuple(_condition(a, where, inputs_of) for a in asserts if a.target is _ASSERT)
     counts = tuple(a in counted for a in asserts if a.target is _ASSERT)
     for node in reversed(list(graph.nodes)):  # the asserts, then what only they used; draws stay
         unused_part = node.target is operator.getitem and node.args[0] in chain  # of a tuple they read
@@ -136,7 +146,9 @@ def split_value_guards(
     return ValueGuards(guard_module, inputs, conditions, draws=any(draws(n) for n in chain), counts=counts)
 
 
-def _sizes_as_numbers(module: fx.GraphModule, checks: list[fx.Node]) -> None:
+def _sizes_as_numbers(
+    module: fx.GraphModule, checks: list[fx.Node], inputs_of: ValueStep
+) -> None:
     """A size read (`sym_size`) in a check's chain, of a tensor computed from the weights, as the
     number it is in this program. A plan is made for fixed shapes: a tensor's size is set by the
     input shapes (the program's cache key) and by the values Python reads from the inputs (each a
@@ -144,7 +156,7 @@ def _sizes_as_numbers(module: fx.GraphModule, checks: list[fx.Node]) -> None:
     program serves. Longformer checks `attn_scores.size(-1) - max_num_global_attn_indices` (the
     scores concatenated with the global keys' columns): the size is set by the global-attention
     count, and a walk into the scores' values would reach the weights and refuse the guard."""
-    chain = value_ancestors(checks)
+    chain = value_ancestors(checks, inputs_of)
     for node in [n for n in module.graph.nodes if n in chain and n.target is torch.ops.aten.sym_size.int]:
         tensor, dim = node.args[:2]
         size = node.meta.get("val")
@@ -152,7 +164,7 @@ def _sizes_as_numbers(module: fx.GraphModule, checks: list[fx.Node]) -> None:
             size = _example_int(size)
         if not isinstance(size, int) or not isinstance(tensor, fx.Node):
             continue
-        if any(reads_state(module, n) for n in value_ancestors([tensor])):
+        if any(reads_state(module, n) for n in value_ancestors([tensor], inputs_of)):
             node.replace_all_uses_with(size)  # type: ignore[arg-type]
             module.graph.erase_node(node)
 
@@ -424,9 +436,11 @@ def _guard_program(
     return _subprogram(module, placeholders, body, conditions or [True], replays)
 
 
-def _condition(check: fx.Node, where: Callable[[fx.Node], str]) -> str:
+def _condition(
+    check: fx.Node, where: Callable[[fx.Node], str], inputs_of: ValueStep
+) -> str:
     """What a guard's log line calls it: the value Python reads (or the random draw) and where."""
-    drawn = [n for n in value_ancestors([check]) if draws(n)]
+    drawn = [n for n in value_ancestors([check], inputs_of) if draws(n)]
     if drawn:
         return f"the random draw at {where(drawn[0])}"
     return f"the value Python reads at {where(_read_of(check))}"

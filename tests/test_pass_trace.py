@@ -275,8 +275,10 @@ def test_whole_buffer_strided_ops_become_views_and_the_model_matches_serial() ->
 
 class _SlidingWindows(nn.Module):
     """Longformer's chunking: overlapping windows of 2w rows every w rows cut by `as_strided` from
-    a contiguous view, windows of 3w rows from the padded values, and a single window (the
-    tensor itself, with a stride of its own on the one-window dim)."""
+    a contiguous view, windows of 3w rows from the padded values, a single window (the tensor
+    itself, with a stride of its own on the one-window dim), and windows of a view whose dims are
+    not in memory order (Longformer's query and key at a window below the sequence: a
+    sequence-major projection transposed to batch-major, whose storage the strides step through)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -294,7 +296,13 @@ class _SlidingWindows(nn.Module):
         triples = padded.as_strided((b, s // w, 3 * w, d), (padded.stride(0), w * d, d, 1))
         weights = torch.arange(1.0, 2 * w + 1)[None, None, :, None]
         single = h.view(b, 1, s, d).as_strided([b, 1, s, d], [s * d, 7, d, 1])
+        seq_major = self.proj(x.transpose(0, 1)).transpose(0, 1)  # (batch, tokens, 8), strides (8, 64, 1)
+        seq_blocks = seq_major.view(b, s // (2 * w), 2 * w, d)
+        seq_stride = list(seq_blocks.stride())
+        seq_stride[1] //= 2
+        seq_pairs = seq_blocks.as_strided([b, s // w - 1, 2 * w, d], seq_stride)
         pooled = (pairs * weights).mean(dim=(1, 2)) + triples.amax(dim=2).mean(dim=1) + single.std(dim=(1, 2))
+        pooled = pooled + (seq_pairs * weights).amax(dim=1).mean(dim=1)
         return nn.functional.cross_entropy(self.head(pooled), y)
 
 

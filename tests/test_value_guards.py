@@ -175,6 +175,46 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
     return {"max_error": max(errors), "programs": [why for why, _ in pmodel.programs]}
 
 
+class _OneGlobalToken(nn.Module):
+    """Longformer's global-attention count, read by Python in an `==` test: one token a row
+    (a classifier's CLS) takes its own path, more take a weighted sum. The export on the
+    example's values records the test as an `Eq` guard, held on one side or the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.glob = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if mask.sum(1).max() == 1:  # line: EQ
+            g = self.glob(h[:, 0])
+        else:
+            g = (h * mask[..., None]).sum(1)
+        return F.cross_entropy(self.head(h.mean(1) + g), y)
+
+
+def _count_batch(count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(4, 8, dtype=torch.long)
+    mask[:, :count] = 1  # `count` global tokens at the start of every row
+    return torch.randn(4, 8, 8, generator=gen), mask, torch.randint(3, (4,), generator=gen)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_an_eq_guard_holds_only_on_its_side(count: int) -> None:
+    """Each side of the `==` equals serial, and its guard holds on batches of its side only: the
+    program traced on one global token never serves two, nor the other way round."""
+    torch.manual_seed(0)
+    compiled = assert_call_matches_serial(_OneGlobalToken(), (2,), _count_batch(count))
+    guards = next(iter(compiled.values())).program.value_guards
+    assert guards is not None and all(_line("EQ") in c for c in guards.conditions), guards
+    assert guards.hold(list(_count_batch(count, seed=1)))
+    assert not guards.hold(list(_count_batch(3 - count, seed=1)))
+    assert guards.hold(list(_count_batch(3, seed=1))) == (count == 2)
+
+
 @pytest.fixture(scope="module")
 def on_two_ranks() -> dict[str, list[dict[str, Any]]]:
     """This file's two gloo jobs, run in one forked job (each test checks its own)."""

@@ -57,3 +57,19 @@ def test_model_reading_values_matches_serial_on_2(name: str) -> None:
     if name.startswith("M2M100"):
         assert model.config.encoder_layerdrop > 0 and guards.draws  # the library's default LayerDrop
         assert any("the random draw at model.encoder" in c for c in guards.conditions), guards.conditions
+
+
+def test_longformer_at_a_window_below_the_sequence_matches_serial_on_2() -> None:
+    """Longformer's classifier at the toy window (8 tokens: two windows in the sequence of 16,
+    where the default 512 pads the batch to 512 tokens). Its sliding-window chunks are
+    `as_strided` of a query and key whose dims are not in memory order, which no rule places: the
+    trace rewrites them into slices and a cat (`passes/trace_export.windows_as_slices`). Its CLS
+    token attends globally: the global-token count is a guard."""
+    model, kwargs, variant = hf_zoo.build_working(hf_zoo.find("LongformerForSequenceClassification"))
+    assert variant == 0 and set(model.config.attention_window) == {8} and hf_zoo.SEQ > 8
+    torch.manual_seed(0)
+    compiled = assert_call_matches_serial(model, (2,), (), kwargs)
+    for run in compiled.values():
+        for gm in (run.program.forward, run.program.backward):
+            assert torch.ops.aten.as_strided.default not in {n.target for n in gm.graph.nodes}
+    assert next(iter(compiled.values())).program.value_guards is not None
