@@ -2,8 +2,10 @@
 
 Run under torchrun (gloo, CPU). Each probe builds a serial model and a parallel one from the same
 seed, feeds both the same batches and compares loss, every gradient, parameters and buffers.
-timm needs torchvision at import time; where none is installed, put a PyPI torchvision on
-PYTHONPATH with probe/tv_preload.py imported first (see probe/README.md).
+timm needs torchvision at import time, and PyPI has only its CUDA build, whose extension cannot
+load on a CPU-only torch: install both into a folder of their own (`pip install --no-deps --target
+DIR timm torchvision==0.28.0`; in site-packages transformers then finds torchvision and fails to
+import), put DIR on PYTHONPATH and set TV_SHIM=1 (probe/tv_shim.py).
 """
 
 from __future__ import annotations
