@@ -3,7 +3,7 @@
 At 512 ranks there are 93 candidate meshes, and the search on one four-axis mesh of a 32-layer
 LLaMA takes tens of seconds (a greedy pass per assignment of axis roles, then the chain moves).
 The screen prices each candidate's cheapest plans instead: the greedy pass with the mesh's default
-roles, the fixed 1-D / 2-D / cube schemes that lay out on it (`search_seeds.fixed_seeds`) and, for
+roles, the fixed 1-D / 2-D / cube / 3-D grid layouts on it (`search_seeds.fixed_seeds`) and, for
 MoE layers traced as routed-experts ops (`PlanOptions.token_dispatch` "alltoall" or "auto"), each
 token dispatcher on each axis (`search_seeds.dispatcher_seeds`: the greedy pass cannot price the
 all-to-all's exchanges inside the op, so a mesh screened without them would be ranked by its
