@@ -45,7 +45,10 @@ def test_token_axis_larger_than_the_batch_uses_other_roles(gm: fx.GraphModule) -
     # every assignment with a token axis of 16 or more ranks fails; the others were all planned
     tried = {"/".join(r) for r in role_assignments(mesh)}
     seeds = {name.removeprefix("replicated:") for name in report.seeds}  # (each seed stored both ways)
-    assert set(report.failed_roles) | seeds == tried
+    # (three unequal axes: the 3-D grid seeds too, their tokens on x or y, which divide the batch)
+    grids = {name for name in seeds if name.startswith("fixed:3-D grid")}
+    assert grids and all("z=16: T" not in name for name in grids)
+    assert set(report.failed_roles) | (seeds - grids) == tried
     assert set(report.failed_roles) == {
         "tensor/tensor/token",
         "tensor/token/token",

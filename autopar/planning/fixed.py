@@ -19,6 +19,7 @@ Per mesh axis, a scheme names the letter it splits in the first and in the secon
 | 1-D Megatron | (p,) | n (column-parallel) | k (row-parallel) |
 | 2-D SUMMA | pr x pc grid | T on pr, n on pc | T on pr, n on pc |
 | 3-D cube | (q, q, q) | T, k, n | T, n, k |
+| 3-D grid (search seed only) | (gx, gy, gz), not all equal | T, k, n | T, n, k |
 
 Weights are stored split further over every axis that does not split them (SUMMA's pr, the cube's
 token axis) and all-gathered per use, as the planner does for any weight; insert_comm reuses a
@@ -58,7 +59,13 @@ MATMULS = (aten.mm.default, aten.addmm.default)
 _FLIPS = (aten.t.default, aten.transpose.int, aten.permute.default)
 _SAME = (aten.view.default, aten._unsafe_view.default, aten.alias.default, aten.clone.default, aten.detach.default)
 SCHEMES = ("megatron_1d", "summa_2d", "cube_3d")
-TITLES = {"megatron_1d": "1-D Megatron", "summa_2d": "2-D SUMMA", "cube_3d": "3-D cube"}
+# The cube's letters on three axes of unequal sizes (AxoNN's / Tensor3D's grid): a seed of the
+# search, not a comparison scheme (`plan_fixed` over every grid of p would plan dozens of layouts).
+# No role assignment's greedy pass reaches it: on 4x16x8 (GPT h = 4096, b = 8) the best role seed
+# searched ends at 75.1 M elements per rank per layer, the grid seed at 35.9.
+GRID_3D = "grid_3d"
+SEED_SCHEMES = (*SCHEMES, GRID_3D)
+TITLES = {"megatron_1d": "1-D Megatron", "summa_2d": "2-D SUMMA", "cube_3d": "3-D cube", GRID_3D: "3-D grid"}
 
 
 class InfeasibleScheme(AutoparError):
@@ -324,13 +331,36 @@ def scheme_variants(key: str, p: int, gm: fx.GraphModule, require_heads: bool = 
             raise InfeasibleScheme(f"the 3-D cube needs p = q^3 with q > 1; p = {p}")
         if batch is not None and batch % q:
             raise InfeasibleScheme(f"the 3-D cube splits whole sequences {q} ways: batch {batch} % {q} != 0")
-        variants = []
-        for order in itertools.permutations(range(3)):
-            first = tuple(("k", "n", "T")[i] for i in order)
-            second = tuple(("n", "k", "T")[i] for i in order)
-            variants.append(Scheme(key, (q, q, q), first, second))
+        return [Scheme(key, (q, q, q), first, second) for first, second in _cube_letters()]
+    if key == GRID_3D:
+        grid_shapes = [
+            (gx, gy, p // (gx * gy))
+            for gx in range(2, p // 4 + 1)
+            for gy in range(2, p // (2 * gx) + 1)
+            if p % (gx * gy) == 0 and p // (gx * gy) > 1 and len({gx, gy, p // (gx * gy)}) > 1
+        ]
+        variants = [
+            Scheme(key, grid, first, second)
+            for grid in grid_shapes
+            for first, second in _cube_letters()
+            if batch is None or batch % grid[first.index("T")] == 0
+        ]
+        if not variants:
+            raise InfeasibleScheme(
+                f"a 3-D grid of unequal axes needs p = gx * gy * gz with each > 1 and a token axis dividing the "
+                f"batch {batch}; p = {p}"
+            )
         return variants
-    raise AutoparError(f"unknown fixed scheme {key!r}", hint=f"use one of {', '.join(SCHEMES)}")
+    raise AutoparError(f"unknown fixed scheme {key!r}", hint=f"use one of {', '.join(SEED_SCHEMES)}")
+
+
+def _cube_letters() -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The cube's (first, second) letters per axis in every order over three axes: k, n, T in the
+    first linear of a pair, n, k, T in the second (the contracted and the split features swap)."""
+    return [
+        (tuple(("k", "n", "T")[i] for i in order), tuple(("n", "k", "T")[i] for i in order))
+        for order in itertools.permutations(range(3))
+    ]
 
 
 def variants_on(key: str, mesh_shape: Sequence[int], gm: fx.GraphModule) -> list[Scheme]:

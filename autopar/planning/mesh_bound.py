@@ -45,7 +45,7 @@ import torch.fx as fx
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
 from autopar.cost.hardware import Rate
-from autopar.planning.fixed import SCHEMES, Linear, find_linears, pair_linears, scheme_variants
+from autopar.planning.fixed import SEED_SCHEMES, Linear, find_linears, pair_linears, scheme_variants
 from autopar.planning.greedy_roles import axis_roles
 from autopar.planning.plan_cost import GraphFacts
 from autopar.planning.search_cost import ElementCost, TimeCost
@@ -152,7 +152,7 @@ class Bounds:
         found = self._variants.get(p)
         if found is None:
             found = []
-            for key in SCHEMES:
+            for key in SEED_SCHEMES:
                 try:
                     variants = scheme_variants(key, p, self.gm, require_heads=False)
                 except AutoparError:

@@ -3,7 +3,7 @@
 At 512 ranks there are 93 candidate meshes, and the search on one four-axis mesh of a 32-layer
 LLaMA takes tens of seconds (a greedy pass per assignment of axis roles, then the chain moves).
 The screen prices each candidate's cheapest plans instead: the greedy pass with the mesh's default
-roles, the fixed 1-D / 2-D / cube schemes that lay out on it (`search_seeds.fixed_seeds`) and, for
+roles, the fixed 1-D / 2-D / cube / 3-D grid layouts on it (`search_seeds.fixed_seeds`) and, for
 MoE layers traced as routed-experts ops (`PlanOptions.token_dispatch` "alltoall" or "auto"), each
 token dispatcher on each axis (`search_seeds.dispatcher_seeds`: the greedy pass cannot price the
 all-to-all's exchanges inside the op, so a mesh screened without them would be ranked by its
@@ -21,11 +21,19 @@ meshes of one or two axes (whose fixed-scheme seeds a plan of another mesh does 
 per number of axes, the `REPRESENTATIVES` meshes with the lowest bounds get their full estimate;
 every other mesh gets a first estimate, the cheapest of those representatives' plans priced on
 its own sizes (`plan_transplant.PlanPattern`: a few hundred cost questions instead of a graph
-walk), and only the `SECOND_STAGE` best by that first estimate get the full one. A first estimate
-is the price of a valid plan there, not of the mesh's own seeds, so this is a heuristic, like
-searching only the best few estimates; `tests/test_plan_scale.py` holds it to the whole screen's
-choice on spaces small enough to screen exhaustively. Below that many meshes the screen estimates
-every mesh (save those the bound skips).
+walk), and only the `SECOND_STAGE` best by that first estimate get the full one, and after them
+every mesh whose first estimate is at or below the `keep`-th best full estimate found (a plan
+known there beats a mesh that would be searched). A first estimate is the price of a valid plan
+there, not of the mesh's own seeds, and the two differ by more than the meshes do: the greedy pass
+around a fixed scheme's linears (the 3-D grid's attention, layer norms, residual stream) chooses
+by the mesh's sizes, so on 16 ranks the (4, 2, 2) representative's grid plan priced on (2, 4, 2) is
+9 % below that mesh's own seeds and on (2, 2, 4) 8 % above them (its own grid seed, with attention
+split by sequence on the contraction axis, is the cheapest of the three); the representatives'
+other grid orders, or the plans with axes permuted onto the mesh's sizes, do not reverse that. So
+this is a heuristic, like searching only the best few estimates; `tests/test_plan_scale.py` and
+`tests/test_plan_transplant.py` hold it to the whole screen's choice on spaces small enough to
+screen exhaustively. Below that many meshes the screen estimates every mesh (save those the bound
+skips).
 
 The token dispatchers' starts come in two layouts (`search_seeds.dispatcher_seeds`): with the
 mesh's default roles (tensor axes splitting the weights around the MoE layers) and with every axis
@@ -241,7 +249,9 @@ def _two_stages(
 ) -> tuple[list[int], list[Estimate]]:
     """`screen`'s two stages; `visit`: the meshes by bound, `groups`: those of `FIRST_STAGE_AXES`
     or more axes by their default roles, in `visit`'s order. A mesh whose bound exceeds the
-    `keep`-th best estimate found is skipped at any stage (its estimate could not be kept)."""
+    `keep`-th best estimate found is skipped at any stage (its estimate could not be kept). After
+    the `second_stage` best first estimates, every mesh whose first estimate is at or below the
+    `keep`-th best estimate found is estimated in full too (module doc)."""
     best = _Best(keep)
     patterns: dict[tuple[str, ...], list[PlanPattern]] = {roles: [] for roles in groups}
     group_of = {i: roles for roles, members in groups.items() for i in members}
@@ -269,7 +279,9 @@ def _two_stages(
         estimates[i].first = min(valid)
         firsts.append(i)
     firsts.sort(key=lambda i: (estimates[i].first, i))
-    for i in firsts[:second_stage]:
+    for n, i in enumerate(firsts):
+        if n >= second_stage and best.beats(estimates[i].first):
+            break  # (module doc: past `second_stage`, only meshes with a plan below the keep-th estimate)
         if not best.beats(estimates[i].bound):
             best.add(i, run.estimate(meshes[i], costs[i]), estimates)
     return _order(estimates), estimates

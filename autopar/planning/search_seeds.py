@@ -1,5 +1,5 @@
-"""Seeds of the plan search from the fixed schemes: 1-D Megatron, 2-D SUMMA and the 3-D cube,
-and from the expert split of mixture-of-experts layers (`expert_seeds`).
+"""Seeds of the plan search from the fixed schemes: 1-D Megatron, 2-D SUMMA, the 3-D cube and its
+letters on three unequal axes (the 3-D grid of AxoNN / Tensor3D), and from the expert split of mixture-of-experts layers (`expert_seeds`).
 
 The search starts from the cheapest of its seeds and only improves on it, so a fixed scheme that
 lays out on the search's own mesh is a seed too: its plan (`autopar.planning.fixed`: the paired
@@ -22,7 +22,7 @@ from autopar.core.layout import RowDisjoint
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
-from autopar.planning.fixed import SCHEMES, find_linears, forced_strategies, pair_linears, variants_on
+from autopar.planning.fixed import SEED_SCHEMES, find_linears, forced_strategies, pair_linears, variants_on
 from autopar.planning.greedy import greedy_plan
 from autopar.planning.greedy_roles import axis_roles
 from autopar.planning.greedy_scores import GreedyMemo
@@ -51,7 +51,7 @@ def fixed_seeds(
     if not pairs:
         return
     forcing: dict[Any, Strategy] = {}
-    for key in SCHEMES:
+    for key in SEED_SCHEMES:
         try:
             variants = variants_on(key, mesh.shape, gm)
         except AutoparError:
