@@ -59,10 +59,14 @@ class StepTemplates:
     program_of: np.ndarray = field(default_factory=lambda: np.full((0, 0), -1, dtype=np.intp))
     template_ids: dict[tuple[TemplateStep, ...], int] = field(default_factory=dict)
     templates: list[tuple[TemplateStep, ...]] = field(default_factory=list)
-    known_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # `canonical`
-    known_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))  # their templates
+    # `silent_free` pairs: their canonical keys (sorted), and beside them their steps' ids in `compact`
+    known_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    known_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))
+    compact_ids: dict[tuple[TemplateStep, ...], int] = field(default_factory=dict)
+    compact: list[tuple[TemplateStep, ...]] = field(default_factory=list)
+    placed: dict[int, int] = field(default_factory=dict)  # compact id * 2^ndim + kept axes -> template id
     code_array: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))  # `coded`
-    pairs: int = 0  # canonical pairs worked out (each once for all meshes of `ndim` axes)
+    pairs: int = 0  # compacted canonical pairs worked out (each once for all meshes of `ndim` axes)
 
     def ids(self, placements: Sequence[tuple[Placement, ...]]) -> np.ndarray:
         """Rows / columns of `program_of` for these placements (new ones get the next ids)."""
@@ -86,15 +90,19 @@ class StepTemplates:
     def programs(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """The template id of every pair (rows x cols), working out the pairs not met before.
 
-        A template names no dims, and the steps depend on the dims only through their order, so
-        pairs whose dims renumber in order to the same codes share it (`canonical`): about a
-        quarter of the pairs of a four-axis mesh are worked out, the rest looked up, in arrays
-        (`known_keys` sorted, `known_ids` beside it: a four-axis mesh meets ~10^6 canonical keys)."""
+        Axes on which a pair sends nothing whatever the others do (`silent_free`) are taken out and
+        the rest moved to the front, and the steps name no dims and depend on them only through
+        their order, so pairs whose kept axes' dims renumber in order to the same codes share
+        their steps up to which axes they name (`canonical`): the steps are worked out once per
+        such key, in arrays (`known_keys` sorted, `known_ids` beside it: a four-axis mesh meets
+        ~10^6 canonical pairs, about 0.6 of them distinct once compacted), and put back on the
+        pair's own axes once per (steps, kept axes)."""
         which = self.program_of[np.ix_(rows, cols)]
         new_i, new_j = np.nonzero(which < 0)
         if len(new_i):
             pairs = np.concatenate([self.code_array[rows[new_i]], self.code_array[cols[new_j]]], axis=1)
-            distinct, back = np.unique(canonical(pairs), return_inverse=True)
+            compacted, kept = silent_free(pairs)
+            distinct, back = np.unique(canonical(compacted), return_inverse=True)
             at = np.minimum(np.searchsorted(self.known_keys, distinct), max(len(self.known_keys) - 1, 0))
             hit = self.known_keys[at] == distinct if len(self.known_keys) else np.zeros(len(distinct), bool)
             found = np.where(hit, self.known_ids[at] if len(self.known_ids) else 0, -1)
@@ -102,22 +110,60 @@ class StepTemplates:
             if len(fresh):
                 first = np.zeros(len(distinct), dtype=np.intp)
                 first[back.reshape(-1)] = np.arange(len(pairs))  # a pair of each canonical form
-                ids, templates, n = self.template_ids, self.templates, self.ndim
-                for u, row in zip(fresh.tolist(), pairs[first[fresh]].tolist()):
+                ids, compact, n = self.compact_ids, self.compact, self.ndim
+                for u, row in zip(fresh.tolist(), compacted[first[fresh]].tolist()):
                     steps = coded_template(tuple(row[:n]), tuple(row[n:]))
                     k = ids.get(steps)
                     if k is None:
-                        k = ids[steps] = len(templates)
-                        templates.append(steps)
+                        k = ids[steps] = len(compact)
+                        compact.append(steps)
                     found[u] = k
                 self.pairs += len(fresh)
                 keys = np.concatenate([self.known_keys, distinct[fresh]])
                 order = np.argsort(keys, kind="stable")
                 self.known_keys = keys[order]
                 self.known_ids = np.concatenate([self.known_ids, found[fresh]])[order]
-            value = found[back.reshape(-1)]
+            combos, where = np.unique(found[back.reshape(-1)] * (1 << self.ndim) + kept, return_inverse=True)
+            value = np.array([self._placed(c) for c in combos.tolist()], dtype=np.intp)[where.reshape(-1)]
             which[new_i, new_j] = self.program_of[rows[new_i], cols[new_j]] = value
         return which
+
+    def _placed(self, combo: int) -> int:
+        """The template id of compact steps `combo >> ndim` on the axes whose bits `combo` sets."""
+        found = self.placed.get(combo)
+        if found is None:
+            axes = [a for a in range(self.ndim) if combo >> a & 1]
+            steps = tuple(
+                (kind, axes[a], tuple(axes[x] for x in num), tuple(axes[x] for x in den))
+                for kind, a, num, den in self.compact[combo >> self.ndim]
+            )
+            found = self.template_ids.get(steps)
+            if found is None:
+                found = self.template_ids[steps] = len(self.templates)
+                self.templates.append(steps)
+            self.placed[combo] = found
+        return found
+
+
+def silent_free(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of codes (source then target per mesh axis): the codes with the axes that send
+    nothing taken out, the others moved to the front in order and the freed places Replicate on
+    both sides, and a bit per axis kept. An axis sends nothing, and no other axis's steps look at
+    it, when neither side splits a dim on it and it is not made a row-disjoint sum (forbidden):
+    Replicate, Partial or row-disjoint on both sides alike, or a Replicate or row-disjoint block
+    read as a pending sum (`coded_template` reads such an axis nowhere: not a pending sum to
+    reduce, not in any dim's axes, and it compares the kept axes only by their order), so
+    `coded_template` of the compacted row names the kept axes by their places among them."""
+    n = pairs.shape[1] // 2
+    src, dst = pairs[:, :n], pairs[:, n:]
+    silent = (src < 0) & (dst < 0) & ((src == dst) | ((dst == PARTIAL) & (src != PARTIAL)))
+    kept = (~silent).astype(np.int64) @ (np.int64(1) << np.arange(n, dtype=np.int64))
+    order = np.argsort(silent, axis=1, kind="stable")
+    moved = np.take_along_axis(silent, order, axis=1)
+    compacted = np.concatenate(
+        [np.where(moved, REPLICATE, np.take_along_axis(side, order, axis=1)) for side in (src, dst)], axis=1
+    )
+    return compacted, kept
 
 
 def canonical(pairs: np.ndarray) -> np.ndarray:
