@@ -60,7 +60,6 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
-from autopar.planning.greedy import greedy_plan
 from autopar.planning.greedy_roles import axis_roles
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.mesh_bound import Bounds
@@ -116,7 +115,7 @@ def estimate(
     found = _Cheapest()
     roles = axis_roles(mesh)
     try:
-        plan = greedy_plan(gm, mesh, registry, roles=roles, expand_cache=shared.expand, memo=shared.greedy)
+        plan = shared.role_plan(gm, mesh, registry, roles)  # (the search's first seed)
     except Exception:  # noqa: BLE001 - as in the search: other roles may still split this model
         pass
     else:

@@ -257,9 +257,7 @@ def _starts(
     errors: list[tuple[tuple[str, ...], Exception]] = []
     for roles in role_assignments(mesh):
         try:
-            plan = greedy_plan(
-                gm, mesh, registry, roles=roles, expand_cache=shared.expand, memo=shared.greedy
-            )
+            plan = shared.role_plan(gm, mesh, registry, roles)
         except Exception as exc:  # a role assignment that cannot split this model evenly
             errors.append((roles, exc))
             report.failed_roles["/".join(roles)] = str(exc).splitlines()[0]

@@ -31,6 +31,7 @@ from autopar.core.plan import Plan
 from autopar.core.strategy import OpCall, Strategy
 from autopar.cost.hardware import Rate
 from autopar.cost.work import causal_skipped, compute_rate, global_work, work_split
+from autopar.planning.greedy import greedy_plan
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.memory import SavedValue, plan_memory, saved_nodes, weight_chain
 from autopar.planning.ring_cost import op_extra_cost
@@ -86,6 +87,24 @@ class Shared:
     pruned: int = 0  # pruned candidate lists so far
     # (id of an edge's index array, kept candidates) -> (that array, the pruned one): `_prune`
     pruned_indices: dict[tuple[int, bytes], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # axis roles -> the greedy plan with them (or what it raised): `role_plan`
+    role_plans: dict[tuple[str, ...], Plan | Exception] = field(default_factory=dict)
+
+    def role_plan(self, gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry, roles: tuple[str, ...]) -> Plan:
+        """`greedy_plan` with these axis roles and nothing forced, once per graph and mesh: the
+        screen's default-role pass is the search's first seed, and the search runs every role
+        assignment once per weight storage (`search._starts`), all of the same pass with the same
+        candidate lists and memo, so the same plan. Raises what the pass raised."""
+        found = self.role_plans.get(roles)
+        if found is None:
+            try:
+                found = greedy_plan(gm, mesh, registry, roles=roles, expand_cache=self.expand, memo=self.greedy)
+            except Exception as exc:  # noqa: BLE001 - kept, and raised to every caller alike
+                found = exc
+            self.role_plans[roles] = found
+        if isinstance(found, Exception):
+            raise found
+        return found
 
 
 class Problem:
