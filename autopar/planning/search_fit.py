@@ -75,8 +75,11 @@ class Fitted:
     def search_plan(self, gm: fx.GraphModule, mesh: Mesh) -> SearchPlan:
         memory = self.memory if self.memory is not None else plan_memory(gm, self.plan, mesh.shape)
         activations = self.savings.activation_bytes if self.memory is not None else memory.activation_bytes()
+        # notes copied: the search writes its own note into the plan it returns, and the plan
+        # fitted here may be a start shared with the screen (`Shared.role_plan`)
         return SearchPlan(
-            **{f.name: getattr(self.plan, f.name) for f in fields(Plan)},
+            **{f.name: getattr(self.plan, f.name) for f in fields(Plan) if f.name != "notes"},
+            notes=dict(self.plan.notes),
             regather=self.savings.regather,
             recompute=self.savings.recompute,
             savings=self.savings,
