@@ -134,12 +134,14 @@ def _check_storage_and_messages(results: list[list[dict[str, Any]]], cases: list
 FOUR = ["blocks.1", "blocks.2", "blocks.3"]
 
 
-# pp=2 x (2,2): 1F1B on 3 layers with the cost model's cut (uneven depth); interleaved 1F1B with two
-# virtual stages per rank and M = p; zero-bubble ZB-V (v=2: the first and last stage on rank 0, so
-# the tied embedding and head are two copies on one rank).
+# pp=2 x (2,2): 1F1B on 3 layers with the cost model's cut (uneven depth) and M = 6 (microbatches of
+# 2 and 1 samples: each stage's second program reads some weights in another layout than the first,
+# relaid from the stored ones, and its backward returns no weight gradient, left to the step's
+# reduction); interleaved 1F1B with two virtual stages per rank and M = p; zero-bubble ZB-V (v=2:
+# the first and last stage on rank 0, so the tied embedding and head are two copies on one rank).
 _PP2 = {"shape": (2, 2, 2), "names": ("pp", "x", "y")}
 PP2_BY_2X2: list[dict[str, Any]] = [
-    {**_PP2, "layers": 3, "M": 4},
+    {**_PP2, "layers": 3, "M": 6},
     {**_PP2, "layers": 4, "M": 2, "schedule": "interleaved-1f1b", "v": 2, "boundaries": FOUR},
     {**_PP2, "layers": 4, "M": 4, "schedule": "zero-bubble", "v": 2, "boundaries": FOUR},
 ]

@@ -78,7 +78,7 @@ class RunProgram(torch.autograd.Function):
         ctx.sources = [SourceMeta.of(s) for s in sources]
         # the calls that keep per-parameter views pass them one to one (`ParamFeed.one_to_one`)
         ctx.local_params = sources if isinstance(deferral, GradAccumulation) else ()
-        if isinstance(deferral, WeightDeferral):
+        if deferral is not None:  # the current call's views (a pipeline asks its backward of them)
             deferral.local_params = sources
         outputs, saved = results[:num_outputs], results[num_outputs:]
         ctx.program = program
