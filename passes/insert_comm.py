@@ -72,10 +72,14 @@ class _Inserter:
 
     def redistribute(self, producer: fx.Node, have: Layout, want: Layout, consumer: fx.Node) -> fx.Node:
         key = (producer, want)
-        if key in self.done:
-            return self.done[key]
         # user outputs are redistributed in forward, gradients in backward: follow the producer
         phase: Phase = info(consumer).phase if consumer.op != "output" else info(producer).phase
+        made = self.done.get(key)
+        # a forward value serves backward (saved), never the other way round: a user output (the
+        # output node comes last) whose layout only a backward consumer asked for before gets its
+        # own forward collective (BERT's multi-label logits: the loss's backward wanted them whole)
+        if made is not None and not (phase == "forward" and info(made).phase == "backward"):
+            return made
         base = NodeInfo(
             role="comm",
             phase=phase,

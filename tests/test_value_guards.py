@@ -215,10 +215,43 @@ def test_an_eq_guard_holds_only_on_its_side(count: int) -> None:
     assert guards.hold(list(_count_batch(3, seed=1))) == (count == 2)
 
 
+def _global_count_job(rank: int, world_size: int) -> dict[str, Any]:
+    """The user's loop with batches on both sides of the `Eq` guard, alternating, against serial:
+    the second side compiles its own program once, and each call runs the program of its side."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+    torch.manual_seed(0)
+    model = _OneGlobalToken()
+    serial = copy.deepcopy(model)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=_count_batch(1))
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
+    serial_opt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    errors: list[float] = []
+    for step, count in enumerate([1, 2, 1, 3, 2]):
+        batch = _count_batch(count, seed=step + 1)
+        loss, want = pmodel(*batch), serial(*batch)
+        loss.backward()
+        want.backward()
+        grads = {n: p.grad for n, p in serial.named_parameters()}
+        errors.append(abs(float(loss) - float(want)))
+        for n, p in pmodel.named_parameters():  # a side's unused layer has no gradient, in serial too
+            assert (p.grad is None) == (grads[n] is None), (step, n)
+            if p.grad is not None:
+                errors.append(float((p.grad.full_tensor() - grads[n]).abs().max()))
+        opt.step()
+        serial_opt.step()
+        opt.zero_grad()
+        serial_opt.zero_grad()
+    params = dict(serial.named_parameters())
+    errors += [float((p.full_tensor() - params[n]).abs().max()) for n, p in pmodel.named_parameters()]
+    return {"max_error": max(errors), "programs": [why for why, _ in pmodel.programs]}
+
+
 @pytest.fixture(scope="module")
 def on_two_ranks() -> dict[str, list[dict[str, Any]]]:
     """This file's two gloo jobs, run in one forked job (each test checks its own)."""
-    return run_scenarios(2, {"branches": _job, "layerdrop": _layerdrop_job}, timeout=600)
+    return run_scenarios(
+        2, {"branches": _job, "layerdrop": _layerdrop_job, "global_count": _global_count_job}, timeout=600
+    )
 
 
 @pytest.mark.multirank
@@ -230,6 +263,18 @@ def test_each_branch_gets_its_program_and_trains_like_serial_on_two_ranks(on_two
         assert first == "example inputs", (rank, result)
         assert other.startswith("new input values (the value Python reads at") and "decides another branch" in other
         assert _line("BRANCH") in other, (rank, result)
+
+
+@pytest.mark.multirank
+def test_a_flipped_eq_guard_compiles_the_other_side_once_and_trains_like_serial_on_two_ranks(
+    on_two_ranks: dict[str, list[Any]],
+) -> None:
+    for rank, result in enumerate(on_two_ranks["global_count"]):
+        assert result["max_error"] < 1e-5, (rank, result)
+        # two programs for five calls: 1, 2, 1, 3, 2 global tokens run the side they take
+        first, other = result["programs"]
+        assert first == "example inputs" and other.startswith("new input values"), (rank, result)
+        assert _line("EQ") in other and "decides another branch" in other, (rank, result)
 
 
 class _PicksEndOfSequence(nn.Module):

@@ -63,6 +63,7 @@ from autopar.runtime.param_feed import (
     contiguous_strides,
     plan_feed,
     to_dtensor_placements,
+    unread_params,
 )
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.program_cache import CachedProgram, CacheThrash
@@ -497,10 +498,11 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         device = self._mesh.device_mesh.device_type
         # constants are the program's, not the user's model's: not registered as buffers
         constants = {name: value.to(device) for name, value in program.constants.items()}
+        unread = unread_params(program)  # (on the fx graph, before Inductor wraps it)
         if self._inductor:
             program = compiled_by_inductor(program)
         layouts = program.source_layouts()
-        return CachedProgram(program, outputs, layouts, constants, plan_feed(program, constants, layouts), why)
+        return CachedProgram(program, outputs, layouts, constants, plan_feed(program, constants, layouts, unread), why)
 
     def _local_param(self, run: CachedProgram, name: str) -> torch.Tensor:
         """This rank's block of program parameter `name` in the layout the program wants: stored
@@ -512,14 +514,20 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             return constant
         part = run.program.param_parts.get(name)
         source = part.source if part is not None else name
-        local = self._local_as(lookup(self, source), run.source_layouts[source])
+        stored = lookup(self, source)
+        if name in run.feed.unread_names:  # no gradient comes back (`unread_params`)
+            stored = stored.detach()
+        local = self._local_as(stored, run.source_layouts[source])
         return part.of(local) if part is not None else local
 
     def _sources(self, plan: FeedPlan) -> list[torch.Tensor]:
         """The tensors a call hands its program (`ParamFeed`): each stored DTensor as it is where
         the program reads it as stored, else its local block in the layout the program wants."""
         sources = []
-        for name, layout, placements, constant in zip(plan.names, plan.layouts, plan.placements, plan.constants):
+        unread = plan.unread or (False,) * len(plan.names)
+        for name, layout, placements, constant, skipped in zip(
+            plan.names, plan.layouts, plan.placements, plan.constants, unread
+        ):
             if constant is not None:
                 sources.append(constant)
                 continue
@@ -529,8 +537,8 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             if isinstance(value, DTensor) and value._spec.placements == placements:
                 sources.append(value)
             else:
-                assert layout is not None
-                sources.append(self._local_as(value, layout))
+                assert layout is not None  # a source the program never reads: no gradient comes back
+                sources.append(self._local_as(value.detach() if skipped else value, layout))
         return sources
 
     def _local_as(self, value: Any, layout: Layout) -> torch.Tensor:
