@@ -215,6 +215,23 @@ def test_an_eq_guard_holds_only_on_its_side(count: int) -> None:
     assert guards.hold(list(_count_batch(3, seed=1))) == (count == 2)
 
 
+def _stepped_errors(
+    step: int, loss: torch.Tensor, want: torch.Tensor, pmodel: nn.Module, serial: nn.Module, opts: tuple[Any, Any]
+) -> list[float]:
+    """The loss's and every gradient's difference from serial after both backwards (a layer that
+    the step skips has no gradient, in serial too), then both optimizers stepped and zeroed."""
+    grads = {n: p.grad for n, p in serial.named_parameters()}
+    errors = [abs(float(loss) - float(want))]
+    for n, p in pmodel.named_parameters():
+        assert (p.grad is None) == (grads[n] is None), (step, n)
+        if p.grad is not None:
+            errors.append(float((p.grad.full_tensor() - grads[n]).abs().max()))
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    return errors
+
+
 def _global_count_job(rank: int, world_size: int) -> dict[str, Any]:
     """The user's loop with batches on both sides of the `Eq` guard, alternating, against serial:
     the second side compiles its own program once, and each call runs the program of its side."""
@@ -231,16 +248,7 @@ def _global_count_job(rank: int, world_size: int) -> dict[str, Any]:
         loss, want = pmodel(*batch), serial(*batch)
         loss.backward()
         want.backward()
-        grads = {n: p.grad for n, p in serial.named_parameters()}
-        errors.append(abs(float(loss) - float(want)))
-        for n, p in pmodel.named_parameters():  # a side's unused layer has no gradient, in serial too
-            assert (p.grad is None) == (grads[n] is None), (step, n)
-            if p.grad is not None:
-                errors.append(float((p.grad.full_tensor() - grads[n]).abs().max()))
-        opt.step()
-        serial_opt.step()
-        opt.zero_grad()
-        serial_opt.zero_grad()
+        errors += _stepped_errors(step, loss, want, pmodel, serial, (opt, serial_opt))
     params = dict(serial.named_parameters())
     errors += [float((p.full_tensor() - params[n]).abs().max()) for n, p in pmodel.named_parameters()]
     return {"max_error": max(errors), "programs": [why for why, _ in pmodel.programs]}
@@ -439,16 +447,7 @@ def _layerdrop_job(rank: int, world_size: int) -> dict[str, Any]:
         want = serial(*batch)
         want.backward()
         same_stream.append(torch.equal(after, torch.random.get_rng_state()))
-        grads = {n: p.grad for n, p in serial.named_parameters()}
-        errors.append(abs(float(loss) - float(want)))
-        for n, p in pmodel.named_parameters():  # a skipped layer has no gradient, in serial too
-            assert (p.grad is None) == (grads[n] is None), (step, n)
-            if p.grad is not None:
-                errors.append(float((p.grad.full_tensor() - grads[n]).abs().max()))
-        opt.step()
-        serial_opt.step()
-        opt.zero_grad()
-        serial_opt.zero_grad()
+        errors += _stepped_errors(step, loss, want, pmodel, serial, (opt, serial_opt))
     params = dict(serial.named_parameters())
     errors += [float((p.full_tensor() - params[n]).abs().max()) for n, p in pmodel.named_parameters()]
     return {"max_error": max(errors), "same_stream": same_stream, "programs": [why for why, _ in pmodel.programs]}
