@@ -143,6 +143,23 @@ def test_a_value_not_computed_from_the_inputs_alone_is_refused_naming_the_line(
     assert err.value.where is not None and line in err.value.where, err.value.where
 
 
+def _stepped_errors(
+    step: int, loss: torch.Tensor, want: torch.Tensor, pmodel: nn.Module, serial: nn.Module, opts: tuple[Any, Any]
+) -> list[float]:
+    """The loss's and every gradient's difference from serial after both backwards (a layer that
+    the step skips has no gradient, in serial too), then both optimizers stepped and zeroed."""
+    grads = {n: p.grad for n, p in serial.named_parameters()}
+    errors = [abs(float(loss) - float(want))]
+    for n, p in pmodel.named_parameters():
+        assert (p.grad is None) == (grads[n] is None), (step, n)
+        if p.grad is not None:
+            errors.append(float((p.grad.full_tensor() - grads[n]).abs().max()))
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    return errors
+
+
 def _job(rank: int, world_size: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
     torch.manual_seed(0)
@@ -157,13 +174,7 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
         loss, want = pmodel(*batch), serial(*batch)
         loss.backward()
         want.backward()
-        grads = {n: p.grad for n, p in serial.named_parameters()}
-        errors.append(abs(float(loss) - float(want)))
-        errors += [float((p.grad.full_tensor() - grads[n]).abs().max()) for n, p in pmodel.named_parameters()]
-        opt.step()
-        serial_opt.step()
-        opt.zero_grad()
-        serial_opt.zero_grad()
+        errors += _stepped_errors(step, loss, want, pmodel, serial, (opt, serial_opt))
     params = dict(serial.named_parameters())
     errors += [float((p.full_tensor() - params[n]).abs().max()) for n, p in pmodel.named_parameters()]
     x, y = _batch(1.0, seed=9)
@@ -213,23 +224,6 @@ def test_an_eq_guard_holds_only_on_its_side(count: int) -> None:
     assert guards.hold(list(_count_batch(count, seed=1)))
     assert not guards.hold(list(_count_batch(3 - count, seed=1)))
     assert guards.hold(list(_count_batch(3, seed=1))) == (count == 2)
-
-
-def _stepped_errors(
-    step: int, loss: torch.Tensor, want: torch.Tensor, pmodel: nn.Module, serial: nn.Module, opts: tuple[Any, Any]
-) -> list[float]:
-    """The loss's and every gradient's difference from serial after both backwards (a layer that
-    the step skips has no gradient, in serial too), then both optimizers stepped and zeroed."""
-    grads = {n: p.grad for n, p in serial.named_parameters()}
-    errors = [abs(float(loss) - float(want))]
-    for n, p in pmodel.named_parameters():
-        assert (p.grad is None) == (grads[n] is None), (step, n)
-        if p.grad is not None:
-            errors.append(float((p.grad.full_tensor() - grads[n]).abs().max()))
-    for opt in opts:
-        opt.step()
-        opt.zero_grad()
-    return errors
 
 
 def _global_count_job(rank: int, world_size: int) -> dict[str, Any]:
