@@ -505,7 +505,6 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         parallel = self.__dict__["stage_parallel"].get(stage)
         backward_weight = None
         accumulation: GradAccumulation | None = None
-        views: dict[int, tuple[torch.Tensor, ...]] = {}  # each microbatch's, until its backward
         if parallel is None:
             forward = stage_forward(self._model, stage, programs, flats, self._dropout.masks)
         else:
@@ -526,7 +525,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
                     return accumulation.reduce(params)
 
             forward = parallel_stage_forward(
-                stage, parallel, programs, flats, self._dropout.masks, deferrals, accumulation, views
+                stage, parallel, programs, flats, self._dropout.masks, deferrals, accumulation
             )
         return StageRunner(
             index=stage,
@@ -536,7 +535,6 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
             output_specs=stage_specs(programs, stage, "out"),
             backward_weight=backward_weight,
             reduce_grads=reduce_grads if accumulation is not None else None,
-            backward_inputs=views.pop if backward_weight is not None or accumulation is not None else None,
             input_leaves=(lambda m: [flats[m][i] for i in wanted]) if wanted else None,
         )
 

@@ -203,16 +203,14 @@ def parallel_stage_forward(
     masks: DropoutMasks,
     deferrals: dict[int, WeightDeferral] | None,
     accumulation: GradAccumulation | None = None,
-    views: dict[int, tuple[torch.Tensor, ...]] | None = None,
 ) -> Any:
     """Stage `stage` run by its parallel module: its outputs come back as DTensors, made whole
     here (free for a replicated one; a split one is gathered inside the stage's slice, whose
     links are the fast ones) so that each rank sends its 1/t of them (`BoundaryScatter`).
     With `deferrals`, microbatch m's backward runs its input part only and leaves the weight
     part in `deferrals[m]`; with `accumulation`, every microbatch's backward leaves its
-    unreduced gradients there (reduced once per step); either way `views[m]` gets the
-    parameter inputs microbatch m's program read (`StageRunner.backward_inputs`). Its dropouts
-    take microbatch m's rows of the step's `masks`, as inputs."""
+    unreduced gradients there (reduced once per step). Its dropouts take microbatch m's rows of
+    the step's `masks`, as inputs."""
 
     def run(m: int, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         graph = programs[m].stages[stage]
@@ -225,13 +223,9 @@ def parallel_stage_forward(
             deferrals[m] = WeightDeferral()
             with parallel.deferring_weights(deferrals[m]):
                 outs = parallel(*args, **variant)
-            if views is not None:
-                views[m] = deferrals[m].local_params
         elif accumulation is not None:
             with parallel.accumulating_gradients(accumulation):
                 outs = parallel(*args, **variant)
-            if views is not None:
-                views[m], accumulation.local_params = accumulation.local_params, ()
         else:
             outs = parallel(*args, **variant)
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)

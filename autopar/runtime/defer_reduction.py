@@ -303,7 +303,6 @@ class GradAccumulation:
 
     splits: dict[int, ReductionSplit] = field(default_factory=dict)  # the module's, by program backward
     by_program: dict[int, _Accumulated] = field(default_factory=dict)
-    local_params: tuple[torch.Tensor, ...] = ()  # the current call's (set by its forward)
 
     def split(self, program: EmittedProgram) -> ReductionSplit:
         found = self.splits.get(id(program.backward))

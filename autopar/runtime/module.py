@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import AutoparError, InputMismatchError, UsageError
@@ -63,10 +63,10 @@ from autopar.runtime.param_feed import (
     contiguous_strides,
     plan_feed,
     to_dtensor_placements,
-    unread_params,
 )
 from autopar.runtime.program import EmittedProgram, local_value
 from autopar.runtime.program_cache import CachedProgram, CacheThrash
+from autopar.runtime.relayout import relaid
 from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_inductor
 from autopar.runtime.source_attributes import SourceAttributes
 from autopar.runtime.source_watch import SourceWatch
@@ -498,11 +498,10 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         device = self._mesh.device_mesh.device_type
         # constants are the program's, not the user's model's: not registered as buffers
         constants = {name: value.to(device) for name, value in program.constants.items()}
-        unread = unread_params(program)  # (on the fx graph, before Inductor wraps it)
         if self._inductor:
             program = compiled_by_inductor(program)
         layouts = program.source_layouts()
-        return CachedProgram(program, outputs, layouts, constants, plan_feed(program, constants, layouts, unread), why)
+        return CachedProgram(program, outputs, layouts, constants, plan_feed(program, constants, layouts), why)
 
     def _local_param(self, run: CachedProgram, name: str) -> torch.Tensor:
         """This rank's block of program parameter `name` in the layout the program wants: stored
@@ -514,20 +513,14 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             return constant
         part = run.program.param_parts.get(name)
         source = part.source if part is not None else name
-        stored = lookup(self, source)
-        if name in run.feed.unread_names:  # no gradient comes back (`unread_params`)
-            stored = stored.detach()
-        local = self._local_as(stored, run.source_layouts[source])
+        local = self._local_as(lookup(self, source), run.source_layouts[source])
         return part.of(local) if part is not None else local
 
     def _sources(self, plan: FeedPlan) -> list[torch.Tensor]:
         """The tensors a call hands its program (`ParamFeed`): each stored DTensor as it is where
         the program reads it as stored, else its local block in the layout the program wants."""
         sources = []
-        unread = plan.unread or (False,) * len(plan.names)
-        for name, layout, placements, constant, skipped in zip(
-            plan.names, plan.layouts, plan.placements, plan.constants, unread
-        ):
+        for name, layout, placements, constant in zip(plan.names, plan.layouts, plan.placements, plan.constants):
             if constant is not None:
                 sources.append(constant)
                 continue
@@ -537,26 +530,17 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             if isinstance(value, DTensor) and value._spec.placements == placements:
                 sources.append(value)
             else:
-                assert layout is not None  # a source the program never reads: no gradient comes back
-                sources.append(self._local_as(value.detach() if skipped else value, layout))
+                assert layout is not None
+                sources.append(self._local_as(value, layout))
         return sources
 
     def _local_as(self, value: Any, layout: Layout) -> torch.Tensor:
-        """This rank's block of stored `value` in `layout`, differentiably: a plain (whole) stored
-        tensor that a later program reads split goes through a replicated DTensor, so that its
-        gradient is gathered back whole as a stored DTensor's would be."""
-        if not isinstance(value, DTensor):
-            if layout.is_replicated:
-                return value  # type: ignore[no-any-return]
-            assert self._mesh.device_mesh is not None
-            value = DTensor.from_local(
-                value, self._mesh.device_mesh, [Replicate()] * self._mesh.device_mesh.ndim, run_check=False
-            )
-        placements = to_dtensor_placements(layout)
-        if list(value.placements) != placements:
-            with without_gloo_alltoall_notice():
-                value = value.redistribute(value.device_mesh, placements)
-        return value.to_local()
+        """This rank's block of stored `value` in `layout`, differentiably (`relaid`): a plain
+        (whole) stored tensor that a later program reads split gets its gradient gathered back
+        whole, as a stored DTensor's comes back in its own layout, and a gradient the program
+        does not return (a layer its branch skips) stays missing, as in serial."""
+        assert self._mesh.device_mesh is not None
+        return relaid(value, self._mesh.device_mesh, to_dtensor_placements(layout))
 
     def _wrap(self, local: torch.Tensor, layout: Layout) -> Any:
         if layout.is_replicated and len(layout.shape) == 0:

@@ -144,28 +144,10 @@ class FeedPlan:
     placements: tuple[tuple[Placement, ...], ...]
     constants: tuple[torch.Tensor | None, ...]
     feed: ParamFeed
-    # the program parameters its forward never reads (`unread_params`), and per source whether
-    # none of its parts is read
-    unread_names: frozenset[str] = frozenset()
-    unread: tuple[bool, ...] = ()
-
-
-def unread_params(program: EmittedProgram) -> frozenset[str]:
-    """The program parameters whose placeholder nothing in the forward reads: a layer that one
-    side of a branch skips (a value guard's other program, LayerDrop). No gradient comes back for
-    them, in serial as here, so the module lays them out outside autograd: torch's
-    `DTensor.redistribute` backward fails on the zeros autograd makes of a missing gradient."""
-    placeholders = [node for node in program.forward.graph.nodes if node.op == "placeholder"]
-    return frozenset(
-        name for name, node in zip(program.param_names, placeholders[: len(program.param_names)]) if not node.users
-    )
 
 
 def plan_feed(
-    program: EmittedProgram,
-    constants: Mapping[str, torch.Tensor],
-    source_layouts: Mapping[str, Layout],
-    unread_names: frozenset[str] = frozenset(),
+    program: EmittedProgram, constants: Mapping[str, torch.Tensor], source_layouts: Mapping[str, Layout]
 ) -> FeedPlan:
     """Each stored tensor `program` reads becomes one source, however many parts it reads of it."""
     names: list[str] = []
@@ -193,9 +175,7 @@ def plan_feed(
         tuple(to_dtensor_placements(layout)) if layout is not None else () for layout in layouts
     )
     feed = ParamFeed(tuple(reads), len(names))
-    read_sources = {index for (index, _), name in zip(reads, program.param_names) if name not in unread_names}
-    unread = tuple(i not in read_sources for i in range(len(names)))
-    return FeedPlan(tuple(names), tuple(layouts), placements, tuple(values), feed, unread_names, unread)
+    return FeedPlan(tuple(names), tuple(layouts), placements, tuple(values), feed)
 
 
 def to_dtensor_placements(layout: Layout) -> list[Placement]:

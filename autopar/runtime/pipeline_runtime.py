@@ -58,13 +58,7 @@ class StageRunner:
     stage whose forward defers that part; None: the stage cannot split its backward).
     `reduce_grads()`, for stages whose backward accumulates its gradients unreduced over the step
     (`ParallelModule.accumulating_gradients`): its backwards return no parameter gradients, and
-    the runtime calls it once, after the stage's last backward, for the step's reduced gradients.
-    `backward_inputs(m)`, for stages whose backward returns no parameter gradients (split or
-    accumulating): the tensors microbatch m's backward is asked the gradients of when nothing
-    else is asked (a first stage), to run it: the inputs of the stage's own autograd node (the
-    views the call made of its parameters). Asking the parameters would also run the backwards
-    of those views on no gradient, which a relayout's (`DTensor.redistribute`, for a later
-    program that reads a parameter in another layout) cannot take; called once per backward."""
+    the runtime calls it once, after the stage's last backward, for the step's reduced gradients."""
 
     index: int
     forward: Callable[[int, Sequence[torch.Tensor]], Sequence[torch.Tensor]]
@@ -76,7 +70,6 @@ class StageRunner:
     # the user's inputs of microbatch m that require grad (leaves cut from the batch), whose
     # gradients the step returns in `StepResult.input_grads`
     input_leaves: Callable[[int], Sequence[torch.Tensor]] | None = None
-    backward_inputs: Callable[[int], Sequence[torch.Tensor]] | None = None
 
 
 @dataclass
@@ -343,7 +336,6 @@ class _Step:
         if stage in self.to_reduce:
             self.to_reduce[stage] -= 1
         leaves = list(runner.input_leaves(m)) if runner.input_leaves is not None else []
-        own = runner.backward_inputs(m) if runner.backward_inputs is not None else runner.params
         inputs = [t for t in received if _differentiable(t)]
         wrt = params + inputs + leaves
         found: tuple[torch.Tensor | None, ...]
@@ -351,10 +343,11 @@ class _Step:
             found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
         elif pairs and (not weights or runner.reduce_grads is not None):
             # nothing to return, but the backward must run (it keeps W's inputs / adds its gradients).
-            # Asked of the stage's own inputs (which get none here: W or the step's reduction gives
-            # them), never as `.backward()`: that would run the parameters' accumulation with no
-            # gradient, firing a user's post-accumulate-grad hooks once per microbatch with `.grad` empty
-            held = [p for p in own if p.requires_grad]
+            # Asked of the parameters (which get none here: W or the step's reduction gives them;
+            # a relayout of one for another program's layout passes the missing gradient through),
+            # never as `.backward()`: that would run the parameters' accumulation with no gradient,
+            # firing a user's post-accumulate-grad hooks once per microbatch with `.grad` empty
+            held = [p for p in runner.params if p.requires_grad]
             if held:
                 torch.autograd.grad([o for o, _ in pairs], held, [g for _, g in pairs], allow_unused=True)
             else:

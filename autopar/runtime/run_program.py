@@ -77,7 +77,7 @@ class RunProgram(torch.autograd.Function):
         ctx.sources = [SourceMeta.of(s) for s in sources]
         # the calls that keep per-parameter views pass them one to one (`ParamFeed.one_to_one`)
         ctx.local_params = sources if isinstance(deferral, GradAccumulation) else ()
-        if deferral is not None:  # the current call's views (a pipeline asks its backward of them)
+        if isinstance(deferral, WeightDeferral):
             deferral.local_params = sources
         outputs, saved = results[:num_outputs], results[num_outputs:]
         ctx.program = program
