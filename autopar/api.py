@@ -428,6 +428,7 @@ def plan(
         token_dispatch=planning.token_dispatch,
         autocast=regions,
         mixed_precision=mixed_precision,
+        priced=True,
     )
     result = price(compiled, mesh, hardware, planner)
     result.mesh_choice = choice

@@ -175,7 +175,7 @@ def test_the_routing_imbalance_follows_the_router() -> None:
     layer's experts are a sliver of its step, so by little)."""
     assert routing_imbalance(_deepseek_v3()) == LOSS_FREE_ROUTING_IMBALANCE
     assert routing_imbalance(_mixtral()) == routing_imbalance(_qwen3_moe()) == ROUTING_IMBALANCE
-    compiled = _compile_rank0(_deepseek_v3, (4,), token_dispatch="alltoall")
+    compiled = _compile_rank0(_deepseek_v3, (4,), token_dispatch="alltoall", priced=True)
     assert [routed_experts.node_routing_imbalance(n) for n in _routed_nodes(compiled)] == [1.04] * 2  # one MoE layer
     program = [
         n

@@ -26,10 +26,10 @@ def test_a_bucket_holds_its_members_until_the_last_then_its_buffer_and_the_copy(
     the bucket is issued, its buffer (10) and gloo's copy of it (10) beside the members. A bucket
     with a member no step lists is left out."""
     steps = [("a", 10.0), ("b", 20.0), ("c", 30.0), ("d", 5.0)]
-    bucket = GradientBucket(("a", "c"), (4.0, 6.0), 10.0, 1)
-    stray = GradientBucket(("x",), (100.0,), 0.0, 1)
+    bucket = GradientBucket(("a", "c"), (4.0, 6.0), True, 1)
+    stray = GradientBucket(("x",), (100.0,), False, 1)
     assert with_buckets(steps, [bucket, stray]) == [("a", 10.0), ("b", 24.0), ("c", 54.0), ("d", 5.0)]
-    alone = GradientBucket(("b",), (8.0,), 0.0, 0)  # one sum, not concatenated, on NCCL: nothing more
+    alone = GradientBucket(("b",), (8.0,), False, 0)  # one sum, not concatenated, on NCCL: nothing more
     assert with_buckets(steps, [alone]) == steps
 
 

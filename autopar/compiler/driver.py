@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from autopar.compiler.chunk_choice import chosen_chunks, chunk_candidates
 from autopar.compiler.decompose_choice import check_decompose, decompose_chosen
-from autopar.compiler.emitted_memory import EMITTED_WORKING_KEY, emitted_working
+from autopar.compiler.emitted_memory import emitted_working
 from autopar.compiler.lowering import chunk_step_times, in_flight_budget, lower, prefer_scheduled
 from autopar.compiler.option_checks import check_context_parallel, check_options, check_token_dispatch
 from autopar.compiler.rank_share import RankShare
@@ -75,6 +75,9 @@ class Compiled:
     graph_mesh: Mesh | None = None
     chunks: int = 1  # batch chunks per rank (over-decomposition); 1: off
     chunk_step_times: dict[int, float] | None = None  # over_decompose="auto": modeled step per choice
+    # bytes per rank: the emitted program's working memory with its gradient buckets
+    # (`emitted_memory`), what `price` reports; counted only by a compile for it (`priced=True`)
+    working: float | None = None
 
 
 _P = ParamSpec("_P")
@@ -138,6 +141,7 @@ def compile_for_rank(
     activation_copies: int = 1,
     gradient_copies: int = 0,
     share: RankShare | None = None,
+    priced: bool = False,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -182,6 +186,9 @@ def compile_for_rank(
     copied instead of traced again (an in-process run of every rank's program compiles each rank
     from one trace, as each process of a real job traces once); `share`, the same `RankShare` for
     every rank of such a run, schedules each distinct lowered graph once.
+    `priced=True`: the compile is for `price` (`autopar.plan`, the fixed schemes' comparison),
+    which reports the emitted program's working memory with its gradient buckets: counted only
+    then (one more memory walk of the traced graph), not on every rank of every `parallelize`.
     """
     example_inputs = example_tuple(example_inputs, example_kwargs)
     check_options(model, mesh, coords, memory_limit, in_flight_bytes)
@@ -236,7 +243,8 @@ def compile_for_rank(
             agree_choice,
         )
     chunks = chunking.chunks
-    steps = plan_memory(gm, plan, mesh.shape).working_steps  # (the traced order: lowering rewrites gm)
+    # (the traced order, walked before lowering rewrites gm)
+    steps = plan_memory(gm, plan, mesh.shape).working_steps if priced else None
     with stage("propagate / insert_comm"):
         gm, work = lower(gm, plan, mesh, registry, base, chunks, path)
     with stage("decompose matmuls"):
@@ -258,7 +266,7 @@ def compile_for_rank(
             else:
                 gm = run(gm)
     write_stage(path, "4_schedule", gm, work)
-    gm.meta[EMITTED_WORKING_KEY] = emitted_working(steps, gm, work)
+    working = emitted_working(steps, gm, work) if steps is not None else None
     with stage("emit"):
         calls = share.calls if share is not None else None
         program = emit(gm, work, registry, (*base, *(0,) * work.in_process), calls).on_devices(mesh.ndim)
@@ -293,7 +301,8 @@ def compile_for_rank(
     if unscheduled is not None and modeled_on is not None:
         timelines = (unscheduled, simulate(gm, work, modeled_on))
         write_timeline(path, timelines, rank)
-    return Compiled(gm, program, report, timelines, work, chunks, dict(chunking.steps) if chunking.steps else None)
+    steps_of = dict(chunking.steps) if chunking.steps else None
+    return Compiled(gm, program, report, timelines, work, chunks, steps_of, working)
 
 
 def example_tuple(example_inputs: Any, example_kwargs: Any = None) -> tuple[Any, ...]:

@@ -5,7 +5,9 @@ The search counts the working memory before any collective exists. After the sch
 gradient sums are known: which gradients each bucket holds until its last member is made, its
 concatenated buffer, and (gloo) the collective's own copy of that buffer. Measured on gloo ranks,
 a ring plan's step peaks at the first bucket's reduce-scatter (docs/long-context.md), so the
-modeled memory `autopar.plan` reports counts them (`PlanResult.memory.working`).
+modeled memory `autopar.plan` reports counts them (`PlanResult.memory.working`). Only a compile
+for that report counts them (`compile_for_rank(..., priced=True)`): `parallelize`'s compiles on
+every rank do not read the figure.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from autopar.planning.working import GradientBucket, with_buckets
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 SUMS = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
-EMITTED_WORKING_KEY = "autopar_emitted_working"  # gm.meta of the scheduled graph: its working bytes per rank
 
 
 def _made_by(node: fx.Node) -> fx.Node:
@@ -65,10 +66,10 @@ def gradient_buckets(gm: fx.GraphModule, mesh_shape: Sequence[int], copies: int)
             flats = [f for f in buffer.args[0] if isinstance(f, fx.Node)]  # type: ignore[union-attr]
             members = tuple(_made_by(f).name for f in flats)
             sizes = tuple(float(f.meta[BYTES_KEY]) for f in flats)
-            buckets.append(GradientBucket(members, sizes, float(sum(sizes)), copies))
+            buckets.append(GradientBucket(members, sizes, True, copies))
         elif _feeds_output(node) and (step := info(node).comm) is not None:
             size = float(step.before.local_bytes(shape))
-            buckets.append(GradientBucket((_made_by(node.args[0]).name,), (size,), 0.0, copies))  # type: ignore[arg-type]
+            buckets.append(GradientBucket((_made_by(node.args[0]).name,), (size,), False, copies))  # type: ignore[arg-type]
     return buckets
 
 

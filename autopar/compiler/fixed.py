@@ -33,8 +33,8 @@ def compile_fixed(
     autocast: AutocastState = (),
     mixed_precision: MixedPrecision | None = None,
 ) -> Compiled:
-    """`compile_for_rank` on the scheme's mesh with the fixed plan; the model is traced again and
-    must give the graph the plan was made on (`graph_fingerprint`), so the plan fits it."""
+    """`compile_for_rank` on the scheme's mesh with the fixed plan, for `price`; the model is traced
+    again and must give the graph the plan was made on (`graph_fingerprint`), so the plan fits it."""
     assert fixed.scheme is not None and fixed.plan is not None
     plan = fixed.plan
 
@@ -58,6 +58,7 @@ def compile_fixed(
         split_fused=split_fused,
         autocast=autocast,
         mixed_precision=mixed_precision,
+        priced=True,
     )
 
 

@@ -15,7 +15,6 @@ from typing import Any
 import torch.fx as fx
 
 from autopar.compiler.driver import Compiled, compile_conditions
-from autopar.compiler.emitted_memory import EMITTED_WORKING_KEY
 from autopar.compiler.pipeline_mesh import PipelineMeshChoice
 from autopar.core.errors import UnknownNameError
 from autopar.core.mesh import Mesh
@@ -244,12 +243,10 @@ def price(compiled: Compiled, mesh: Mesh, hardware: str, planner: str) -> PlanRe
     activation_bytes = sum(_bytes(n) for n in saved if isinstance(n, fx.Node) and n.op != "placeholder")
     param_bytes = compiled.report.param_bytes_local
     memory = memory_per_rank(param_bytes, param_bytes, ADAMW_STATE_FACTOR, activation_bytes)
-    # the working memory (`planning.working`), with the emitted gradient buckets where the compile
-    # counted them (`emitted_memory`), else the search's figure: not in the program's outputs
-    working = compiled.graph.meta.get(EMITTED_WORKING_KEY)
-    if not isinstance(working, float):
-        working = float(getattr(compiled.graph.meta.get("autopar_search"), "working", 0.0))
-    memory = dataclasses.replace(memory, working=working)
+    # the working memory (`planning.working`) with the emitted gradient buckets (`emitted_memory`):
+    # not in the program's outputs, counted by the compile when asked
+    assert compiled.working is not None, "price a compile made with compile_for_rank(..., priced=True)"
+    memory = dataclasses.replace(memory, working=compiled.working)
     return PlanResult(mesh, hardware, planner, compiled, comm, compute, memory)
 
 

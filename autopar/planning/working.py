@@ -143,18 +143,25 @@ def op_working_bytes(
 @dataclass(frozen=True)
 class GradientBucket:
     """A sum of gradients the emitted backward issues as one collective (a bucket of several, or
-    one alone), per rank: the traced ops that make its members, each member's bytes, the buffer's
-    bytes if the members are concatenated into one (else 0), and how many copies of the buffer
-    the collective makes beside it (gloo's reduce-scatter and all-reduce: one)."""
+    one alone), per rank: the traced ops that make its members, each member's bytes, whether the
+    members are concatenated into a buffer of their own (a bucket's `cat`; one sum alone reads its
+    member), and how many copies of the buffer the collective makes beside it (gloo's
+    reduce-scatter and all-reduce: one)."""
 
     members: tuple[str, ...]
     member_bytes: tuple[float, ...]
-    concatenated: float
+    concatenated: bool
     copies: int
 
     @property
     def buffer_bytes(self) -> float:
         return float(sum(self.member_bytes))
+
+    @property
+    def issued_bytes(self) -> float:
+        """What exists beside the members while the collective runs: the concatenated buffer and
+        the collective's copies of it."""
+        return (int(self.concatenated) + self.copies) * self.buffer_bytes
 
 
 def with_buckets(steps: Sequence[tuple[str, float]], buckets: Sequence[GradientBucket]) -> list[tuple[str, float]]:
@@ -172,7 +179,7 @@ def with_buckets(steps: Sequence[tuple[str, float]], buckets: Sequence[GradientB
         for member, nbytes in zip(bucket.members, bucket.member_bytes):
             change[position[member] + 1] += nbytes
             change[issue + 1] -= nbytes
-        at_issue[issue] += bucket.concatenated + bucket.copies * bucket.buffer_bytes
+        at_issue[issue] += bucket.issued_bytes
     found, held = [], 0.0
     for (name, nbytes), moved, issued in zip(steps, change, at_issue):
         held += moved
