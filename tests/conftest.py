@@ -6,6 +6,13 @@ workers use both cores of the CI machine. Tests that fork real gloo ranks (marke
 go to one worker's group, so that at most one set of rank processes competes with the other
 worker's test for the cores and no rendezvous waits on a starved rank. A test that forks ranks
 without the mark fails (`multirank.run_ranks` checks what `_note_multirank_marker` sets).
+
+Every other test is its own unit of work under `loadgroup`, and two workers pulling units in
+collection order split a module's consecutive tests between them: a module-scoped fixture (a
+compiled plan, a mesh choice) was then computed on both workers, once each. A test that reads a
+fixture wider than a function is grouped with its module's other such tests instead, so the
+fixture is computed once. xdist starts the biggest groups first (`--loadscope-reorder`, its
+default): the rank-forking group, then these modules, then single tests, which balance the tail.
 """
 
 from __future__ import annotations
@@ -33,6 +40,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("multirank") is not None:
             item.add_marker(pytest.mark.xdist_group("gloo_ranks"))
+        elif item.get_closest_marker("xdist_group") is None and _reads_a_shared_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _reads_a_shared_fixture(item: pytest.Item) -> bool:
+    """Whether the test requests a fixture set up once per module (or wider) from its own module:
+    the conftest's and pytest's own fixtures are not shared work."""
+    info = getattr(item, "_fixtureinfo", None)
+    module = getattr(item, "module", None)
+    if info is None or module is None:
+        return False
+    return any(
+        d.scope != "function" and getattr(d.func, "__module__", None) == module.__name__
+        for defs in info.name2fixturedefs.values()
+        for d in defs
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -252,30 +252,40 @@ def test_depths_bounded_by_their_ideal_cut_choose_as_pricing_every_depth() -> No
     """Branch and bound over pipeline depths (`choose_pipeline_mesh(bound_depths=True)`): a depth
     whose fastest fitting ideal cut is slower than the best priced is not given a sub-mesh choice.
     Here pp = 4 is cut off (its ideal cut is over the tensor-only 2x4's step); the choice, and every
-    row priced in both, is that of pricing every depth, and the depth cut off is slower there."""
+    row priced in both, is that of pricing every depth, and the depth cut off is slower there.
+
+    Pricing every depth is the depth rows of a call without the tensor-only candidate
+    (`with_tensor_only=False`) ranked beside the bounded call's tensor-only row, as the choice
+    ranks its rows: that row is the 8-rank mesh choice, which the bound does not enter (it only
+    bounds depths by it), so a second call would search the same meshes again for the same row."""
     from autopar.compiler.pipeline_mesh import choose_pipeline_mesh
 
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=1024, block_size=256, n_layer=2, n_head=8, n_embd=512))
     idx = torch.zeros(8, 256, dtype=torch.long)
-    bounded, every = (
-        choose_pipeline_mesh(model, 8, (idx, idx), microbatches=2, hardware=HW, depths=[2, 4], bound_depths=b)
-        for b in (True, False)
+    bounded = choose_pipeline_mesh(model, 8, (idx, idx), microbatches=2, hardware=HW, depths=[2, 4])
+    depth_rows = choose_pipeline_mesh(
+        model, 8, (idx, idx), microbatches=2, hardware=HW, depths=[2, 4], bound_depths=False,
+        with_tensor_only=False,
+    )  # fmt: skip
+    assert [c.pp for c in bounded.candidates if c.pp == 1] == [1]
+    assert {c.pp for c in depth_rows.candidates} == {2, 4}
+    every = sorted(
+        [*(c for c in bounded.candidates if c.pp == 1), *depth_rows.candidates],
+        key=lambda c: (bool(c.error), not c.fits, c.step_time),
     )
     assert (bounded.chosen.pp, bounded.chosen.mesh_shape, bounded.chosen.schedule) == (
-        every.chosen.pp,
-        every.chosen.mesh_shape,
-        every.chosen.schedule,
+        every[0].pp,
+        every[0].mesh_shape,
+        every[0].schedule,
     )
-    assert bounded.chosen.step_time == every.chosen.step_time
+    assert bounded.chosen.step_time == every[0].step_time
     cut_off = [c for c in bounded.candidates if c.error.startswith("not priced")]
     assert [c.pp for c in cut_off] == [4]
-    assert all(c.step_time > every.chosen.step_time for c in every.candidates if c.pp == 4 and not c.error)
+    assert all(c.step_time > every[0].step_time for c in every if c.pp == 4 and not c.error)
     priced = {(c.pp, c.schedule, c.v): c.step_time for c in bounded.candidates if not c.error}
     assert priced and all(
-        priced[(c.pp, c.schedule, c.v)] == c.step_time
-        for c in every.candidates
-        if (c.pp, c.schedule, c.v) in priced
+        priced[(c.pp, c.schedule, c.v)] == c.step_time for c in every if (c.pp, c.schedule, c.v) in priced
     )
 
 
