@@ -36,7 +36,7 @@ embedding and the LM head whole; the memory limit is not scaled. `--microbatches
 published count (and the global batch with it).
 
     python benchmarks/moe_pipelined.py --models mixtral-8x7b --layers 32 --depths 4 8  # 280 CPU s
-    python benchmarks/moe_pipelined.py --models deepseek-v3-256 --layers 8 --depths 2 4 --no-tensor-only  # 281 CPU s
+    python benchmarks/moe_pipelined.py --models deepseek-v3-256 --layers 8 --depths 2 4 --no-tensor-only  # 252 CPU s
     python benchmarks/moe_pipelined.py --models deepseek-v3-bridge --layers 16 --depths 4 8 --no-tensor-only
     python benchmarks/moe_pipelined.py --models deepseek-v3 --layers 16 --depths 8 16 --no-tensor-only  # 576 CPU s
 

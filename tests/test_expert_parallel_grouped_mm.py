@@ -31,9 +31,23 @@ GROUPED_MM = torch.ops.aten._grouped_mm.default
 TOLERANCE = 2e-2
 
 
-def _train(shape: tuple[int, ...], **options: Any) -> dict[str, Any]:
+# router logits COLD * (u . h) for one direction u: a token picks experts 0 and 1 (u . h > 0) or 6
+# and 5 (u . h < 0), so experts 2, 3, 4 and 7 get no row
+COLD = torch.tensor([5.0, 4.0, -1.0, -2.0, -3.0, -4.0, -5.0, 0.0])
+
+
+def _steer_router(model: torch_models.GroupedMoE) -> torch_models.GroupedMoE:
+    with torch.no_grad():
+        direction = torch.randn(model.router.weight.shape[1], generator=torch.Generator().manual_seed(3))
+        model.router.weight.copy_(torch.outer(COLD, direction))
+    return model
+
+
+def _train(shape: tuple[int, ...], cold: bool = False, **options: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     model = torch_models.GroupedMoE()
+    if cold:
+        _steer_router(model)
     result = train_in_lockstep(
         model,
         shape,
@@ -75,11 +89,20 @@ def test_search_plan_of_a_grouped_mm_moe_trains_like_serial() -> None:
     assert "8 experts of 1 MoE layers" in line and "with the split" in line, line
 
 
-@pytest.mark.parametrize("shape", [(4,), (2, 2)], ids=["4", "2x2"])
-def test_grouped_mm_experts_split_over_the_ranks_train_like_serial(shape: tuple[int, ...]) -> None:
-    """Each rank holds 2 of the 8 experts (w1, w3, w2 Shard(0) on every axis) and multiplies only
-    their rows; the ranks' row-disjoint sums add up to serial, the experts' gradients stay split."""
-    result = _train(shape, registry=_experts_split_registry(shape))
+@pytest.mark.parametrize(
+    ("shape", "cold"), [((4,), False), ((2, 2), False), ((2, 2, 2), True)], ids=["4", "2x2", "2x2x2-cold"]
+)
+def test_grouped_mm_experts_split_over_the_ranks_train_like_serial(shape: tuple[int, ...], cold: bool) -> None:
+    """Each rank holds 2 of the 8 experts (w1, w3, w2 Shard(0) on every axis; on (2, 2, 2) one
+    expert per rank, rank (i, j, l) expert 4i + 2j + l) and multiplies only their rows; the ranks'
+    row-disjoint sums add up to serial, the experts' gradients stay split. `cold`: the router is
+    steered so that experts 2, 3, 4 and 7 get no token (half the ranks multiply nothing)."""
+    if cold:
+        model = _steer_router(torch_models.GroupedMoE())
+        idx, _ = torch_models.batch(0)
+        chosen = model.router(model.emb(idx).reshape(-1, model.w1.shape[1])).softmax(-1).topk(model.k, -1).indices
+        assert set(chosen.unique().tolist()) == {0, 1, 5, 6}, chosen.unique()
+    result = _train(shape, cold=cold, registry=_experts_split_registry(shape))
     placements = "[" + ", ".join(["S(0)"] * len(shape)) + "]"
     layouts = _expert_layouts(result)
     assert layouts and all(lay == placements for lay in layouts.values()), layouts

@@ -5,6 +5,8 @@ without tokens), in float64."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -105,11 +107,12 @@ def test_every_strategy_of_the_op_equals_the_serial_layer(layer) -> None:  # typ
 
 
 @st.composite
-def _layers_on_two_axes(draw):  # type: ignore[no-untyped-def]
-    """A layer for a 2-D mesh: experts and tokens that every split over both axes divides, routed
-    uniformly, "hot" (nine tokens in ten choose expert 0 first) or "cold" (the last expert never)."""
-    mesh = draw(st.sampled_from([(2, 2), (2, 3)]))
-    ranks = mesh[0] * mesh[1]
+def _layers_on_several_axes(draw, meshes):  # type: ignore[no-untyped-def]
+    """A layer for a mesh of `meshes`: experts and tokens that every split over all its axes
+    divides, routed uniformly, "hot" (nine tokens in ten choose expert 0 first) or "cold" (the last
+    expert never)."""
+    mesh = draw(st.sampled_from(meshes))
+    ranks = math.prod(mesh)
     experts = ranks * draw(st.sampled_from([1, 2]))
     top_k = draw(st.sampled_from([1, 2]))
     tokens = ranks * draw(st.integers(0, 3))
@@ -139,7 +142,8 @@ def _run_strategy(op, args, strategy, mesh):  # type: ignore[no-untyped-def]
     pieces = [shard_tensor(t, lay, mesh) for t, lay in zip(args[:-1], strategy.inputs)]
     calls = {}
     for c in all_coords(mesh):
-        ctx = LocalContext(call, strategy, mesh, c, (*(p[c] for p in pieces), args[-1]), {}, groups=("x", "y"))
+        groups = ("x", "y", "z")[: len(mesh)]
+        ctx = LocalContext(call, strategy, mesh, c, (*(p[c] for p in pieces), args[-1]), {}, groups=groups)
         local = registry.get(op).localize(ctx)
         assert local.target is op
         calls[c] = local.args
@@ -152,7 +156,7 @@ def _run_strategy(op, args, strategy, mesh):  # type: ignore[no-untyped-def]
 
 
 @settings(max_examples=12, deadline=None)
-@given(_layers_on_two_axes())
+@given(_layers_on_several_axes([(2, 2), (2, 3)]))
 def test_experts_over_two_mesh_axes_equal_the_serial_op(layer) -> None:  # type: ignore[no-untyped-def]
     """The rule written for one axis, expanded over a 2-D mesh: every strategy it admits, forward
     and backward, run on the oracle's pieces through its own local calls and assembled by its
@@ -169,8 +173,35 @@ def test_experts_over_two_mesh_axes_equal_the_serial_op(layer) -> None:  # type:
         }
         assert ((0, 1), (0, 1)) in kinds and ((0, 1), ()) in kinds, kinds
         assert all(a2a in ((), axes) for axes, a2a in kinds), kinds
-        want = op(*args)
-        wants = want if isinstance(want, tuple) else (want,)
-        for strategy in options:
-            for got, expected in zip(_run_strategy(op, args, strategy, mesh), wants):
-                torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10, msg=f"{op} {strategy}")
+        _check_every_strategy(op, args, options, mesh)
+
+
+def _check_every_strategy(op, args, options, mesh) -> None:  # type: ignore[no-untyped-def]
+    want = op(*args)
+    wants = want if isinstance(want, tuple) else (want,)
+    for strategy in options:
+        for got, expected in zip(_run_strategy(op, args, strategy, mesh), wants):
+            torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10, msg=f"{op} {strategy}")
+
+
+@settings(max_examples=6, deadline=None)
+@given(_layers_on_several_axes([(2, 2, 2)]), st.integers(0, 2))
+def test_experts_over_three_mesh_axes_equal_the_serial_op(layer, third: int) -> None:  # type: ignore[no-untyped-def]
+    """The rule expanded over (2, 2, 2): the experts over all three axes (rank (i, j, l) expert
+    block 4i + 2j + l), with the all-to-all exchanging over the three axes' groups as one
+    (`token_dispatch.axes_exchange`: along x, then y, then z) and with the all-gather, among every
+    candidate it admits, forward and backward, each equal to the serial op on random routings (hot
+    and cold experts, ranks receiving no row). The all-to-all over three axes and over each pair
+    are checked on every example; of the other candidates (the all-gather, one axis, data) a third
+    drawn by the example (46 candidates per op in all)."""
+    mesh, (grad, *inputs) = layer
+    forward = (*inputs, "silu")
+    backward = (grad, *inputs, "silu")
+    for op, args in ((routed_experts.ROUTED_EXPERTS, forward), (routed_experts.ROUTED_EXPERTS_BACKWARD, backward)):
+        options = candidate_strategies(op, args, {}, mesh, default_registry())
+        kinds = {(routed_experts.expert_axes(op, s), routed_experts.all_to_all_axes(op, s)) for s in options}
+        assert ((0, 1, 2), (0, 1, 2)) in kinds and ((0, 1, 2), ()) in kinds, kinds
+        assert all(a2a in ((), axes) for axes, a2a in kinds), kinds
+        wide = [s for s in options if len(routed_experts.all_to_all_axes(op, s)) > 1]
+        rest = [s for s in options if len(routed_experts.all_to_all_axes(op, s)) <= 1]
+        _check_every_strategy(op, args, wide + rest[third::3], mesh)

@@ -6,6 +6,9 @@ starved ones (an expert gets none) and ranks without tokens. One test runs it on
 
 from __future__ import annotations
 
+import threading
+from collections import defaultdict
+
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -16,7 +19,7 @@ from autopar.core.errors import AutoparError
 from autopar.cost.dispatch import dispatch_cost
 from autopar.cost.hardware import Link
 from autopar.rules import token_dispatch
-from autopar.testing.threads import run_threads
+from autopar.testing.threads import ThreadExchange, run_threads
 
 HIDDEN, OUT = 4, 3
 
@@ -186,3 +189,46 @@ def test_modeled_bytes_are_the_rows_the_dispatcher_sends() -> None:
     assert skewed.seconds > a2a.seconds
     with pytest.raises(AutoparError, match="no token dispatcher"):
         dispatch_cost("ring", tokens, HIDDEN, top_k, experts, ranks, link)
+
+
+def test_an_exchange_over_three_axes_moves_each_row_across_each_axis_it_must_cross_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`token_dispatch.axes_exchange` over (2, 2, 2) (thread ranks, one group per axis): every rank
+    receives the rows sent to it in source order, and along each axis the ranks send off-rank
+    exactly the rows whose source and destination differ on that axis, so each row crosses each
+    axis once where it must and never otherwise (what `routed_exchange_cost` prices per axis).
+    Rank 3 receives nothing, rank 5 sends nothing."""
+    grid, ranks = (2, 2, 2), 8
+    sends = torch.randint(0, 4, (ranks, ranks), generator=torch.Generator().manual_seed(0))  # [source, destination]
+    sends[:, 3] = 0
+    sends[5, :] = 0
+    coords = [(r // 4, r // 2 % 2, r % 2) for r in range(ranks)]
+    sent: dict[int, list[int]] = defaultdict(list)  # thread -> rows sent off-rank by each row exchange, in order
+    original = ThreadExchange.all_to_all
+
+    def counting(self, x, out_splits, in_splits):  # type: ignore[no-untyped-def]
+        if x.ndim == 2:  # the rows (the relayed counts are 1-D)
+            sent[threading.get_ident()].append(sum(in_splits) - in_splits[self.rank])
+        return original(self, x, out_splits, in_splits)
+
+    monkeypatch.setattr(ThreadExchange, "all_to_all", counting)
+
+    def rows(source: int, destination: int) -> torch.Tensor:
+        n = int(sends[source, destination])
+        return torch.tensor([[source, destination, i] for i in range(n)], dtype=torch.float64).reshape(n, 3)
+
+    def rank_call(rank: int, exchange: token_dispatch.Exchange) -> torch.Tensor:
+        assert exchange.size == ranks and exchange.rank == rank
+        out = torch.cat([rows(rank, d) for d in range(ranks)])
+        return exchange.all_to_all(out, sends[:, rank].tolist(), sends[rank].tolist())
+
+    got = run_threads(ranks, rank_call, grid=grid)
+    for d in range(ranks):
+        torch.testing.assert_close(got[d], torch.cat([rows(s, d) for s in range(ranks)]), atol=0, rtol=0)
+    per_axis = [sum(counts[a] for counts in sent.values()) for a in range(3)]
+    assert all(len(counts) == 3 for counts in sent.values()), sent  # along x, then y, then z
+    crossing = [
+        sum(int(sends[s, d]) for s in range(ranks) for d in range(ranks) if coords[s][a] != coords[d][a]) for a in range(3)
+    ]
+    assert per_axis == crossing, (per_axis, crossing)

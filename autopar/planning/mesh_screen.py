@@ -35,6 +35,11 @@ this is a heuristic, like searching only the best few estimates; `tests/test_pla
 screen exhaustively. Below that many meshes the screen estimates every mesh (save those the bound
 skips).
 
+The screen starts from the experts over one mesh axis or two (`SCREENED_EXPERT_AXES`), not over
+three as the search of a kept mesh also does: on a four-axis mesh the four triples would add 8 of
+its 28 dispatcher passes, and a plan with the experts over three axes is still reached by the
+search of a mesh kept for its two-axis or one-axis starts.
+
 The token dispatchers' starts come in two layouts (`search_seeds.dispatcher_seeds`): with the
 mesh's default roles (tensor axes splitting the weights around the MoE layers) and with every axis
 a data axis (":data"). On a four-axis mesh that is 28 greedy passes, most of a DeepSeek-V3 screen
@@ -78,6 +83,8 @@ FIRST_STAGE_AXES = 3
 REPRESENTATIVES = 4
 # Meshes estimated in full after the first stage, the best by their first estimate.
 SECOND_STAGE = 16
+# The most mesh axes the screen's token-dispatcher starts put the experts over (module doc).
+SCREENED_EXPERT_AXES = 2
 
 
 @dataclass
@@ -122,7 +129,10 @@ def estimate(
         found.offer("/".join(roles), plan, plan_cost(gm, plan, mesh, cost, facts))
     price = functools.partial(_priced, gm, mesh, cost, facts)
     found.offer_all(price(fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy)))
-    starts = functools.partial(dispatcher_seeds, gm, mesh, registry, shared.expand, shared.greedy)
+    # the experts over one axis or two: the search of a kept mesh also starts from three (`SCREENED_EXPERT_AXES`)
+    starts = functools.partial(
+        dispatcher_seeds, gm, mesh, registry, shared.expand, shared.greedy, widest=SCREENED_EXPERT_AXES
+    )
     if all(role == "token" for role in roles):  # the default roles are the data layout: no second one
         found.offer_all(price(starts()))
     else:

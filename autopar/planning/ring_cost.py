@@ -93,8 +93,9 @@ def routed_exchange_cost(
       `cost.dispatch.PLANNED_EXCHANGES` as an all-to-all of the rank's routed pairs (t·k rows of
       that width over the axis), its rows scaled by the imbalance: the exchange ends when the
       busiest rank has received its rows. Nothing overlaps them: the experts' matmuls wait for
-      their rows. Over two mesh axes each exchange runs along the outer axis, then the inner one
-      (`token_dispatch.TwoAxisExchange`): both priced, with the counts each relays first."""
+      their rows. Over two or three mesh axes each exchange runs along each axis in turn, the
+      earlier first (`token_dispatch.axes_exchange`): every one priced, with the counts each axis
+      but the last relays first."""
     if op not in ROUTED_OPS or not expert_axes(op, strategy):
         return 0.0
     if cost.routing_imbalance is not None:
@@ -112,16 +113,16 @@ def routed_exchange_cost(
     blocks = math.prod(cost.shape[a] for a in x.shard_axes(0))
     rows = math.ceil(x.shape[0] * ids.shape[1] * imbalance / blocks) * blocks
     widths = PLANNED_EXCHANGES["backward" if op == ROUTED_EXPERTS_BACKWARD else "forward"]
-    for axis in axes:  # over two axes, the exchange runs along each in turn (`TwoAxisExchange`)
+    for axis in axes:  # over several axes, the exchange runs along each in turn (`axes_exchange`)
         ranks = cost.shape[axis]
         counts = Layout(
             tuple(Shard(0) if a == axis else R for a in range(len(cost.shape))),
             (ranks, experts.shape[0]),
             torch.int64,
         )
-        # the route's counts; over two axes, each exchange (the counts' and the rows') first relays its
-        # counts along the outer one (priced as the route's: an upper bound on their bytes)
-        relays = 1 + len(widths) if len(axes) > 1 and axis == axes[0] else 0
+        # the route's counts; over several axes, each exchange (the counts' and the rows') first relays
+        # its counts along every axis but the last (priced as the route's: an upper bound on their bytes)
+        relays = 1 + len(widths) if axis != axes[-1] else 0
         total += (1 + relays) * cost.redistribute(counts, counts.with_placement(axis, Shard(1)))
         for width in widths:
             pairs = Layout(x.placements, (rows, width * x.shape[1]), x.dtype)

@@ -191,8 +191,9 @@ def expert_placement(
 
 def _inside_bytes(split: Sequence[tuple[fx.Node, Any]], mesh: Mesh) -> float:
     """What the all-to-all dispatcher's exchanges inside the forward ops send per rank per step,
-    forward and backward (`dispatch_cost(..., planned=True)`, routing spread evenly); over two mesh
-    axes, the exchange along each (`token_dispatch.TwoAxisExchange` relays every row once)."""
+    forward and backward (`dispatch_cost(..., planned=True)`, routing spread evenly); over two or
+    three mesh axes, the exchange along each (`token_dispatch.axes_exchange` moves every row across
+    each axis at most once)."""
     total = 0.0
     link = Link(alpha=0.0, bandwidth=1.0)  # bytes do not depend on the link
     for node, strategy in split:

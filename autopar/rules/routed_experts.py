@@ -35,12 +35,13 @@ No insert_comm redistribution shows those exchanges, so the planners add
 `autopar.planning.ring_cost.routed_exchange_cost` to the candidate (as for ring attention).
 
 The rule is written for one axis and expanded over the mesh as every rule is; the product may split
-the experts over two mesh axes (`expert_split_admitted`), nested as any dim's split (the earlier
-axis outer: rank (i, j) of axes of sizes (a, b) holds expert block i * b + j), with one dispatcher
-on both: the all-gather (tokens whole on both, each rank its own block's offset) or the all-to-all
-(tokens split on both; the exchange runs over the two axes' groups as one,
-`token_dispatch.TwoAxisExchange`: Megatron-Core's expert group spanning its data and tensor
-groups). Other axes may split the tokens (data).
+the experts over two or three mesh axes (`expert_split_admitted`), nested as any dim's split (the
+earlier axis outer: rank (i, j) of axes of sizes (a, b) holds expert block i * b + j; rank (i, j, l)
+of (a, b, c) block (i * b + j) * c + l), with one dispatcher on all of them: the all-gather (tokens
+whole on each, each rank its own block's offset) or the all-to-all (tokens split on each; the
+exchange runs over the axes' groups as one, `token_dispatch.axes_exchange`: Megatron-Core's expert
+group spanning its data and tensor groups, or one expert per rank of a (2, 2, 2) mesh). Other axes
+may split the tokens (data).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +60,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.layout import P, R, Shard
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
 from autopar.rules.base import LocalCall, LocalContext, Requirement, RuleRegistry, both
-from autopar.rules.token_dispatch import Exchange, GroupExchange, TwoAxisExchange, _expert_major
+from autopar.rules.token_dispatch import Exchange, GroupExchange, _expert_major, axes_exchange
 
 aten = torch.ops.aten
 
@@ -228,21 +230,21 @@ def experts_backward(
     return grad_x.to(x.dtype), grad_weights.to(weights.dtype), grad_gate_up, grad_down
 
 
-def _exchange(group: str, inner_group: str = "") -> Exchange:
-    """The exchange of an all-to-all local call's process group ("" for none), over two mesh axes
-    where `inner_group` names the second one's (`TwoAxisExchange`)."""
-    if not group:
+def _exchange(*groups: str) -> Exchange:
+    """The exchange of an all-to-all local call's process groups, one per mesh axis in mesh-axis
+    order ("" for none: `SingleExchange`), over several axes as one (`token_dispatch.axes_exchange`)."""
+    named = [g for g in groups if g]
+    if not named:
         return SingleExchange()
-    outer = GroupExchange(dist.distributed_c10d._resolve_process_group(group))  # type: ignore[arg-type]
-    if not inner_group:
-        return outer
-    inner = GroupExchange(dist.distributed_c10d._resolve_process_group(inner_group))  # type: ignore[arg-type]
-    return TwoAxisExchange(outer, inner)
+    return axes_exchange(
+        [GroupExchange(dist.distributed_c10d._resolve_process_group(g)) for g in named]  # type: ignore[arg-type]
+    )
 
 
 # Custom ops (with fake kernels and a registered backward): one node each in the joint graph.
-# `first_expert`, `group`, `axis`, `inner_group` and `inner_axis` are the local call's (`localize`):
-# the global op leaves them at defaults.
+# `first_expert` and the (group, axis) pairs of up to `MAX_EXPERT_AXES` mesh axes (`group`, `axis`;
+# `inner_group`, `inner_axis`; `third_group`, `third_axis`) are the local call's (`localize`): the
+# global op leaves them at defaults. The schema has no list of strings, hence one pair per axis.
 @torch.library.custom_op("autopar::routed_experts", mutates_args=())
 def _routed_experts(
     x: torch.Tensor,
@@ -256,8 +258,11 @@ def _routed_experts(
     axis: int = -1,
     inner_group: str = "",
     inner_axis: int = -1,
+    third_group: str = "",
+    third_axis: int = -1,
 ) -> torch.Tensor:
-    return experts_forward(x, ids, weights, gate_up, down, act, first_expert, _exchange(group, inner_group))
+    exchange = _exchange(group, inner_group, third_group)
+    return experts_forward(x, ids, weights, gate_up, down, act, first_expert, exchange)
 
 
 @_routed_experts.register_fake
@@ -273,6 +278,8 @@ def _routed_experts_fake(
     axis: int = -1,
     inner_group: str = "",
     inner_axis: int = -1,
+    third_group: str = "",
+    third_axis: int = -1,
 ) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
@@ -291,8 +298,11 @@ def _routed_experts_backward(
     axis: int = -1,
     inner_group: str = "",
     inner_axis: int = -1,
+    third_group: str = "",
+    third_axis: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return experts_backward(grad, x, ids, weights, gate_up, down, act, first_expert, _exchange(group, inner_group))
+    exchange = _exchange(group, inner_group, third_group)
+    return experts_backward(grad, x, ids, weights, gate_up, down, act, first_expert, exchange)
 
 
 @_routed_experts_backward.register_fake
@@ -309,6 +319,8 @@ def _routed_experts_backward_fake(
     axis: int = -1,
     inner_group: str = "",
     inner_axis: int = -1,
+    third_group: str = "",
+    third_axis: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     contiguous = torch.contiguous_format
     return (
@@ -322,7 +334,7 @@ def _routed_experts_backward_fake(
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     x, ids, weights, gate_up, down, *args = inputs
     ctx.save_for_backward(x, ids, weights, gate_up, down)
-    ctx.args = tuple(args)  # act, first_expert, group, axis, inner_group, inner_axis
+    ctx.args = tuple(args)  # act, first_expert, then the (group, axis) pairs
 
 
 def _backward(ctx, grad):  # type: ignore[no-untyped-def]
@@ -416,11 +428,12 @@ def all_to_all_axis(op: object, strategy: Strategy) -> int | None:
     return axes[0] if axes else None
 
 
-MAX_EXPERT_AXES = 2  # the local call exchanges over one group or two (`TwoAxisExchange`)
+MAX_EXPERT_AXES = 3  # the local call exchanges over up to three groups (one (group, axis) pair each)
+_NO_EXCHANGE = ("", -1) * MAX_EXPERT_AXES  # the local call's (group, axis) pairs where it exchanges nothing
 
 
 def expert_split_admitted(call: OpCall, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
-    """Experts split evenly over at most two mesh axes, and one dispatcher on all of them: the
+    """Experts split evenly over at most three mesh axes, and one dispatcher on all of them: the
     tokens split on every expert axis (the all-to-all, one exchange over their ranks) or on none
     (the all-gather: each rank its own offset, the others' pairs summed by the P output). A mix
     would leave an exchange group holding experts that are not one contiguous block per rank.
@@ -451,8 +464,9 @@ def dispatcher_required(dispatcher: str) -> Requirement | None:
 
 def localize(ctx: LocalContext) -> LocalCall:
     """The op on the rank's blocks: its experts' offset (all-gather split) or the groups of the
-    one or two axes whose ranks exchange the tokens (all-to-all split; two: the earlier mesh axis
-    outer, `TwoAxisExchange`), as (..., act, first_expert, group, axis, inner_group, inner_axis)."""
+    one to three axes whose ranks exchange the tokens (all-to-all split; several: the earlier mesh
+    axis outer, `token_dispatch.axes_exchange`), as (..., act, first_expert, group, axis,
+    inner_group, inner_axis, third_group, third_axis)."""
     call = ctx.call
     tensors = ctx.args[: _offset(call) + 5]
     act = ctx.args[_offset(call) + 5] if len(ctx.args) > _offset(call) + 5 else ctx.kwargs["act"]
@@ -466,17 +480,24 @@ def localize(ctx: LocalContext) -> LocalCall:
                 op=str(call.op),
                 hint="compile through autopar (emit hands the rules the mesh's groups)",
             )
-        inner = (groups[1], a2a[1]) if len(a2a) > 1 else ("", -1)
-        return LocalCall(call.op, (*tensors, act, 0, groups[0], a2a[0], *inner), {})
+        pairs = [p for g, a in zip(groups, a2a) for p in (g, a)]
+        return LocalCall(call.op, (*tensors, act, 0, *pairs, *_NO_EXCHANGE[len(pairs) :]), {})
     first = ctx.strategy.inputs[_offset(call) + 3].local_offsets(ctx.mesh_shape, ctx.coords)[0] if axes else 0
-    return LocalCall(call.op, (*tensors, act, first, "", -1, "", -1), {})
+    return LocalCall(call.op, (*tensors, act, first, *_NO_EXCHANGE), {})
+
 
 
 def exchange_axes(local_args: Sequence[object]) -> tuple[int, ...]:
-    """The mesh axes of a local call's exchange (its `axis` and `inner_axis`, `localize`): ()
-    where it exchanges nothing (replicated, data, all-gather)."""
-    axis, inner = local_args[-3], local_args[-1]
-    return tuple(a for a in (axis, inner) if isinstance(a, int) and a >= 0)
+    """The mesh axes of a local call's exchange (the `axis` of each of its (group, axis) pairs,
+    `localize`): () where it exchanges nothing (replicated, data, all-gather)."""
+    axes = local_args[len(local_args) - len(_NO_EXCHANGE) + 1 :: 2]
+    return tuple(a for a in axes if isinstance(a, int) and a >= 0)
+
+
+def local_call_parts(local_args: Sequence[Any]) -> tuple[tuple[Any, ...], int]:
+    """(the op's arguments up to `first_expert`, how many of them are tensors) of a local call."""
+    head = tuple(local_args[: len(local_args) - len(_NO_EXCHANGE)])
+    return head, len(head) - 2
 
 
 def register(registry: RuleRegistry) -> None:

@@ -111,6 +111,24 @@ class TwoAxisExchange:
         return back[_expert_major(got.T.contiguous())]  # (from inner, from outer) -> source order
 
 
+def axes_exchange(exchanges: Sequence[Exchange]) -> Exchange:
+    """One `Exchange` among the ranks of several mesh axes, one exchange per axis in mesh-axis
+    order: `TwoAxisExchange`s nested from the last axis out, so that rank r of it holds expert
+    block r of a weight split over all of them (the earlier axis outer, as a dim split by several
+    axes is laid out). Over three axes (x, y, z) each row crosses x, then y, then z, at most once
+    each, and each axis but the last relays the counts of the axes after it."""
+    if not exchanges:
+        raise AutoparError(
+            "an exchange over no mesh axis",
+            op="token_dispatch.axes_exchange",
+            hint="name the exchange of at least one mesh axis",
+        )
+    combined = exchanges[-1]
+    for outer in reversed(exchanges[:-1]):
+        combined = TwoAxisExchange(outer, combined)
+    return combined
+
+
 class _AllToAll(torch.autograd.Function):
     """The row exchange; its backward sends the gradients back along the same routes."""
 

@@ -17,7 +17,7 @@ import torch
 
 from autopar.core.errors import AutoparError
 from autopar.rules import routed_experts
-from autopar.rules.token_dispatch import TwoAxisExchange
+from autopar.rules.token_dispatch import axes_exchange
 
 
 class ThreadGroup:
@@ -72,25 +72,28 @@ class ThreadExchange:
 
 
 def run_threads(
-    size: int, fn: Callable[[int, Any], Any], timeout: float = 60.0, grid: tuple[int, int] | None = None
+    size: int, fn: Callable[[int, Any], Any], timeout: float = 60.0, grid: tuple[int, ...] | None = None
 ) -> list[Any]:
     """`fn(rank, exchange)` on `size` thread ranks at once; their results in rank order. An
     exception on one rank releases the others (their barriers break) and is raised here.
 
-    `grid=(outer, inner)`: the ranks are those of two mesh axes, rank `i * inner + j`, each
-    exchanging through a `TwoAxisExchange` of its column's group (i varies) and its row's (j
-    varies), as processes do through the two axes' process groups."""
-    if grid is None:
+    `grid=(a, b, ...)`: the ranks are those of several mesh axes, numbered with the earlier axis
+    outer (rank `i * b + j` of (a, b)), each exchanging through `token_dispatch.axes_exchange` of
+    one thread group per axis (the ranks that differ only in that axis's coordinate), as
+    processes do through the axes' process groups."""
+    if grid is None or len(grid) == 1:
         groups = [ThreadGroup(size, timeout)]
         exchanges: list[Any] = [groups[0].exchange(r) for r in range(size)]
     else:
-        outer, inner = grid
-        columns = [ThreadGroup(outer, timeout) for _ in range(inner)]
-        rows = [ThreadGroup(inner, timeout) for _ in range(outer)]
-        groups = columns + rows
+        coords = list(itertools.product(*(range(n) for n in grid)))
+        # one group per axis and per setting of the other axes' coordinates
+        by_axis = [
+            {rest: ThreadGroup(n, timeout) for rest in {c[:a] + c[a + 1 :] for c in coords}}
+            for a, n in enumerate(grid)
+        ]
+        groups = [g for axis in by_axis for g in axis.values()]
         exchanges = [
-            TwoAxisExchange(columns[r % inner].exchange(r // inner), rows[r // inner].exchange(r % inner))
-            for r in range(outer * inner)
+            axes_exchange([by_axis[a][c[:a] + c[a + 1 :]].exchange(c[a]) for a in range(len(grid))]) for c in coords
         ]
     results: list[Any] = [None] * size
     errors: list[BaseException | None] = [None] * size
@@ -118,9 +121,10 @@ def run_threads(
 def run_routed_calls(calls: dict[tuple[int, ...], Sequence[Any]], mesh_shape: Sequence[int]) -> dict[tuple[int, ...], Any]:
     """Every rank's local call of an `autopar::routed_experts(_backward)` op (the arguments
     `routed_experts.localize` gives it, by mesh coordinates): where it exchanges tokens, the
-    ranks of each group of its one or two axes (`routed_experts.exchange_axes`) run it at once as
-    threads, through `ThreadExchange` or, over two axes, a `TwoAxisExchange` of the two axes'
-    thread groups, as processes do through their process groups; elsewhere each rank alone."""
+    ranks of each group of its one to three axes (`routed_experts.exchange_axes`) run it at once
+    as threads, through `ThreadExchange` or, over several axes, `token_dispatch.axes_exchange` of
+    the axes' thread groups, as processes do through their process groups; elsewhere each rank
+    alone."""
     axes = routed_experts.exchange_axes(next(iter(calls.values())))
     out: dict[tuple[int, ...], Any] = {}
     for c in calls:
@@ -130,18 +134,18 @@ def run_routed_calls(calls: dict[tuple[int, ...], Sequence[Any]], mesh_shape: Se
             tuple(ix[axes.index(a)] if a in axes else x for a, x in enumerate(c))
             for ix in itertools.product(*(range(mesh_shape[a]) for a in axes))
         ]  # the exchange's ranks in its order: the earlier mesh axis outer
-        grid = (mesh_shape[axes[0]], mesh_shape[axes[1]]) if len(axes) > 1 else None
+        grid = tuple(mesh_shape[a] for a in axes) if len(axes) > 1 else None
         ordered = [calls[g] for g in group]
         out.update(zip(group, run_threads(len(group), functools.partial(_routed_call, ordered), grid=grid)))
     return out
 
 
 def _routed_call(calls: list[Sequence[Any]], rank: int, exchange: Any) -> Any:
-    """One rank's local call (tensors, act, first_expert, group, axis, inner_group, inner_axis)
-    through `exchange`."""
-    args = calls[rank]
-    if len(args) == 12:  # the backward: the gradient first
-        grad, x, ids, weights, gate_up, down, act, first = args[:8]
+    """One rank's local call (tensors, act, first_expert, then its (group, axis) pairs) through
+    `exchange`."""
+    head, tensors = routed_experts.local_call_parts(calls[rank])
+    if tensors == 6:  # the backward: the gradient first
+        grad, x, ids, weights, gate_up, down, act, first = head
         return routed_experts.experts_backward(grad, x, ids, weights, gate_up, down, act, first, exchange)
-    x, ids, weights, gate_up, down, act, first = args[:7]
+    x, ids, weights, gate_up, down, act, first = head
     return routed_experts.experts_forward(x, ids, weights, gate_up, down, act, first, exchange)
