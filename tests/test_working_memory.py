@@ -5,16 +5,14 @@ program runs its step."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import math
-from collections.abc import Callable
 
 import pytest
 import torch
+from live_heap import LivePeak, malloc_in_use
 from pass_fixtures import compile_every_rank
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.compiler.driver import trace_for
 from autopar.core.layout import Layout, Shard
@@ -76,42 +74,13 @@ def test_working_memory_by_hand() -> None:
     )
 
 
-class _LivePeak(TorchDispatchMode):
-    """The most bytes malloc holds in use (heap chunks and mmapped ones) after any ATen op."""
-
-    def __init__(self, live: Callable[[], int]) -> None:
-        super().__init__()
-        self.live = live
-        self.peak = live()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, self.live())
-        return out
-
-
-def _malloc_in_use() -> Callable[[], int] | None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        info = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None
-
-    class MallInfo(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
-
-    info.restype = MallInfo
-    return lambda: int(info().uordblks + info().hblkhd)
-
-
 def test_saved_and_working_memory_meet_malloc() -> None:
     """The zoo's LLaMA (2 layers, width 128, 4 heads, 1 key/value head, sequence 512, vocabulary
     256) compiled for one rank, its forward and backward programs run under a sampler of malloc's
     bytes in use after every op: the step's live rise (14.3 MiB) is the saved activations (12.3
     MiB) plus the working memory (2.3 MiB) to within 5 %; the saved activations alone are 14 %
     short of it."""
-    live = _malloc_in_use()
+    live = malloc_in_use()
     if live is None:
         pytest.skip("needs glibc's mallinfo2")
     shape = (1,)
@@ -140,7 +109,7 @@ def test_saved_and_working_memory_meet_malloc() -> None:
         step()  # the first call's one-time allocations
         gc.collect()
         before = live()
-        with _LivePeak(live) as sampler:
+        with LivePeak(live) as sampler:
             step()
     rise = sampler.peak - before
     modeled = memory.activation_bytes() + memory.working_bytes
@@ -156,7 +125,7 @@ def test_a_ring_backward_step_holds_its_results_and_one_calls_gradients() -> Non
     whole block), never more than 6u. Before, each run's gradients were stacked, kept to the end
     and concatenated: 8 to 9u a step, what the working memory model (`ring_scratch_bytes`) did not
     count on the ring's 8 gloo ranks (docs/long-context.md)."""
-    live = _malloc_in_use()
+    live = malloc_in_use()
     if live is None:
         pytest.skip("needs glibc's mallinfo2")
     p, n, r = 4, 256, 1
@@ -177,7 +146,7 @@ def test_a_ring_backward_step_holds_its_results_and_one_calls_gradients() -> Non
         for out, lse, k_chunks in steps:
             gc.collect()
             before = live()
-            with _LivePeak(live) as sampler:
+            with LivePeak(live) as sampler:
                 grads = ring_attention.block_backward(out, q, kv, out, lse, None, q_chunks, k_chunks, True, None)
             assert sampler.peak - before <= 6 * u, ((sampler.peak - before) / u, k_chunks)
             del grads
