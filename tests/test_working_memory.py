@@ -10,18 +10,18 @@ import math
 
 import pytest
 import torch
-from live_heap import LivePeak, malloc_in_use
+from live_heap import LivePeak, malloc_in_use, settle
 from pass_fixtures import compile_every_rank
 from torch import nn
 
 from autopar.compiler.driver import trace_for
-from autopar.core.layout import Layout, Shard
+from autopar.core.layout import BalancedShard, Layout, P, R, Shard
 from autopar.core.mesh import Mesh
 from autopar.planning.memory import plan_memory
 from autopar.planning.search import search_layouts
 from autopar.planning.search_cost import TimeCost
-from autopar.planning.working import op_working_bytes, ring_scratch_bytes
-from autopar.rules import ring_attention
+from autopar.planning.working import causal_rows_scratch_bytes, op_working_bytes, ring_scratch_bytes
+from autopar.rules import device_attention, ring_attention
 from autopar.rules.registry import default_registry
 from autopar.rules.ring_attention import BACKWARD, FORWARD
 from autopar.runtime.program import local_value
@@ -150,3 +150,37 @@ def test_a_ring_backward_step_holds_its_results_and_one_calls_gradients() -> Non
                 grads = ring_attention.block_backward(out, q, kv, out, lse, None, q_chunks, k_chunks, True, None)
             assert sampler.peak - before <= 6 * u, ((sampler.peak - before) / u, k_chunks)
             del grads
+
+
+def test_a_causal_row_block_backward_holds_its_results_and_one_calls_gradients() -> None:
+    """The backward of causal attention with the queries in the load-balanced order and the keys
+    whole (`device_attention.attention_backward_chunks`, rank 0 of 4: chunks 0 and 7 of 8, 128
+    rows each, sequence 1024, 4 heads of 64; the keys' gradients u = 1 MiB each) under a sampler
+    of malloc's bytes in use: its results (dq, dk, dv: 2.25 MiB) and at most one kernel call's
+    gradients beside them (the mirror chunk's against the 896 keys before it, and the query
+    gradients: 2 MiB), as `causal_rows_scratch_bytes` counts them, to 2 % (measured 4.26 against
+    4.25 MiB: the kernel's small allocations). Before, each run's key gradients were padded with zeros and concatenated, and the two
+    runs' summed: 2u more at the peak, which the model did not count (a gathered-keys plan on 4
+    gloo ranks was 0.79 of its live heap, tests/test_context_parallel_multirank.py)."""
+    live = malloc_in_use()
+    if live is None:
+        pytest.skip("needs glibc's mallinfo2")
+    p, seq, rows = 4, 1024, 128
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, n, 64, generator=g) for n in (2 * rows, seq, seq))
+    offsets = (0, (2 * p - 1) * rows)
+    out, lse = device_attention.attention_forward_chunks(q, k, v, 0.0, row_offsets=offsets)
+    grad_out = torch.randn(out.shape, generator=g)
+    with torch.no_grad():
+        device_attention.attention_backward_chunks(grad_out, q, k, v, out, lse, 0.0, row_offsets=offsets)  # warm-up
+        settle()
+        before = live()
+        with LivePeak(live) as sampler:
+            grads = device_attention.attention_backward_chunks(grad_out, q, k, v, out, lse, 0.0, row_offsets=offsets)
+    rise = sampler.peak - before
+    split, whole = Layout((BalancedShard(2),), (1, 4, seq, 64)), Layout((P,), (1, 4, seq, 64))
+    inputs = (split, split, Layout((R,), whole.shape), Layout((R,), whole.shape), split, Layout((BalancedShard(2),), (1, 4, seq)))
+    results = sum(x.numel() * x.element_size() for x in grads)
+    modeled = results + causal_rows_scratch_bytes(2, inputs, (split, whole, whole), (p,))
+    assert results == split.local_bytes((p,)) + 2 * whole.local_bytes((p,))
+    assert 0.9 * modeled <= rise <= 1.02 * modeled, (rise / 2**20, modeled / 2**20)
