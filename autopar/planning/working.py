@@ -25,12 +25,15 @@ The term is the peak over the ops, in the traced order (forward, then backward),
   beside the blocks (a backward step sums each kernel call's gradients into its results in place,
   `ring_attention.block_backward`, so no more: on 2 gloo ranks, the live peak of a ring step
   41.9 MiB against 29.2 saved + 14.0 working modeled).
+- the causal attention backward of a rank's query block against whole keys
+  (`causal_rows_scratch_bytes`): one kernel call's key, value and query gradients beside its
+  results (its local call sums each into them in place, `device_attention.attention_backward`).
 
 The schedule's gradient buckets (`passes/bucket.py`) are not in the traced order, where each
 gradient is reduced as it is made: a bucket is issued after its last member is made, so its
 members are held until then, and it adds its concatenated buffer and, on gloo, the collective's own
-copy of that buffer (measured: the live peak of a ring plan on 8 gloo ranks is at the first
-bucket's reduce-scatter, docs/long-context.md). `with_buckets` adds them to the traced walk at the
+copy of that buffer, both held until the program waits on the sum (measured: the live peak of a
+ring plan on 8 gloo ranks is at the first bucket's reduce-scatter, docs/long-context.md). `with_buckets` adds them to the traced walk at the
 op after which the emitted program issues each bucket (`GradientBucket`, read off the scheduled
 graph by the compiler); the search, which plans before any collective exists, does not see them.
 
