@@ -1,8 +1,8 @@
 """The gradient buckets in the working memory (`planning.working.with_buckets`, counted on the
 emitted program by `compiler.emitted_memory`), and a broadcast view's saved bytes
 (`core.meta.held_bytes`, `planning.memory.broadcast_source`), issue 36, by hand. Held against the
-live heap of gloo ranks by `benchmarks/long_context.py` (docs/long-context.md): a test that runs
-4 gloo ranks for it took over 2 minutes on the shared machine, so it is not here yet."""
+live heap of gloo ranks by `benchmarks/long_context.py` (docs/long-context.md) and by
+tests/test_context_parallel_multirank.py (4 ranks, keys gathered in the balanced order)."""
 
 from __future__ import annotations
 
