@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import gc
 import math
 import resource
 import statistics
@@ -62,13 +60,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from _common import RunClock, git_state, on_meta, table, write_result  # noqa: E402
+from live_heap import LivePeak, malloc_in_use, settle  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 
 import autopar  # noqa: E402
@@ -215,48 +213,20 @@ def report(results: list[dict[str, Any]]) -> str:
 # ------------------------------------------------------------------ (a) measured on gloo ranks
 
 MiB = 2**20
-_libc = ctypes.CDLL("libc.so.6")
-
-
-class _MallInfo(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
-
-
-_libc.mallinfo2.restype = _MallInfo
-
-
-def _live_bytes() -> int:
-    """Bytes malloc holds in use now: the heap's allocated chunks and the mmapped ones (what the
-    process's tensors and the rest really occupy; RSS adds what malloc keeps free)."""
-    info_ = _libc.mallinfo2()
-    return int(info_.uordblks + info_.hblkhd)
-
-
-class _LivePeak(TorchDispatchMode):
-    """The most bytes in use (`_live_bytes`) after any ATen op run under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.peak = _live_bytes()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, _live_bytes())
-        return out
+_live_bytes = malloc_in_use()  # glibc's mallinfo2 (this benchmark runs on glibc machines)
 
 
 def _live_step(pmodel: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple) -> dict[str, float]:
     """One more step (not timed) with malloc's bytes in use sampled after every op: the step's live
     peak over the bytes in use before it, beside its RSS rise, to tell what the tensors hold from
     what the allocator keeps (the modeled memory counts the former)."""
-    gc.collect()
-    _libc.malloc_trim(0)
+    assert _live_bytes is not None, "needs glibc's mallinfo2"
+    settle()
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
     before, rss_before = _live_bytes(), _kib("VmRSS")
     dist.barrier()
-    with _LivePeak() as mode:
+    with LivePeak(_live_bytes) as mode:
         opt.zero_grad(set_to_none=True)
         pmodel(*batch).backward()
         opt.step()
@@ -309,8 +279,7 @@ def _measured_step(pmodel: torch.nn.Module, opt: torch.optim.Optimizer, batch: t
     """One SGD-with-momentum step: its loss, its wall time on the slowest rank, this rank's RSS
     before it and its peak RSS during it (the high-water mark reset after returning what malloc
     keeps free, so the peak is this step's)."""
-    gc.collect()
-    _libc.malloc_trim(0)
+    settle()
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # resets VmHWM to the current RSS
     before = _kib("VmRSS")

@@ -26,7 +26,9 @@ from examples.hf_models import VOCAB, tiny_causal_lm
 from examples.zoo import make_llama
 
 SHAPE = (2, 4)
-LIMIT = 0.95 * 2**20  # bytes per rank: a plan with CP fits it (0.85 does not), none without CP does
+# bytes per rank: a plan with CP fits it (0.95 does not: its causal attention backward holds one
+# kernel call's key gradients beside its own, `planning.working.causal_rows_scratch_bytes`), none without CP does
+LIMIT = 1.05 * 2**20
 TABLE = "h100-nvlink-ib"
 
 

@@ -6,25 +6,24 @@ program runs its step."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
+from live_heap import LivePeak, malloc_in_use, settle
 from pass_fixtures import compile_every_rank
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.compiler.driver import trace_for
-from autopar.core.layout import Layout, Shard
+from autopar.core.layout import BalancedShard, Layout, P, R, Shard
 from autopar.core.mesh import Mesh
 from autopar.planning.memory import plan_memory
 from autopar.planning.search import search_layouts
 from autopar.planning.search_cost import TimeCost
-from autopar.planning.working import op_working_bytes, ring_scratch_bytes
-from autopar.rules import ring_attention
+from autopar.planning.working import causal_rows_scratch_bytes, op_working_bytes, ring_scratch_bytes
+from autopar.rules import device_attention, ring_attention
 from autopar.rules.registry import default_registry
 from autopar.rules.ring_attention import BACKWARD, FORWARD
 from autopar.runtime.program import local_value
@@ -77,40 +76,6 @@ def test_working_memory_by_hand() -> None:
     )
 
 
-class _LivePeak(TorchDispatchMode):
-    """The most bytes malloc holds in use (heap chunks and mmapped ones) after any ATen op."""
-
-    def __init__(self, live: Callable[[], int]) -> None:
-        super().__init__()
-        self.live = live
-        self.peak = live()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, self.live())
-        return out
-
-
-def _malloc_in_use() -> Callable[[], int] | None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        info = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None
-
-    class MallInfo(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
-
-    info.restype = MallInfo
-
-    def in_use() -> int:  # one mallinfo2 call a sample: it walks every arena's free lists
-        got = info()
-        return int(got.uordblks + got.hblkhd)
-
-    return in_use
-
-
 @contextlib.contextmanager
 def _earlier_objects_frozen() -> Iterator[None]:
     """`gc.collect()` inside walks only the objects made since entering: the test's own garbage.
@@ -131,7 +96,7 @@ def test_saved_and_working_memory_meet_malloc() -> None:
     bytes in use after every op: the step's live rise (14.3 MiB) is the saved activations (12.3
     MiB) plus the working memory (2.3 MiB) to within 5 %; the saved activations alone are 14 %
     short of it."""
-    live = _malloc_in_use()
+    live = malloc_in_use()
     if live is None:
         pytest.skip("needs glibc's mallinfo2")
     shape = (1,)
@@ -160,7 +125,7 @@ def test_saved_and_working_memory_meet_malloc() -> None:
         step()  # the first call's one-time allocations
         gc.collect()
         before = live()
-        with _LivePeak(live) as sampler:
+        with LivePeak(live) as sampler:
             step()
     rise = sampler.peak - before
     modeled = memory.activation_bytes() + memory.working_bytes
@@ -176,7 +141,7 @@ def test_a_ring_backward_step_holds_its_results_and_one_calls_gradients() -> Non
     whole block), never more than 6u. Before, each run's gradients were stacked, kept to the end
     and concatenated: 8 to 9u a step, what the working memory model (`ring_scratch_bytes`) did not
     count on the ring's 8 gloo ranks (docs/long-context.md)."""
-    live = _malloc_in_use()
+    live = malloc_in_use()
     if live is None:
         pytest.skip("needs glibc's mallinfo2")
     p, n, r = 4, 256, 1
@@ -197,7 +162,41 @@ def test_a_ring_backward_step_holds_its_results_and_one_calls_gradients() -> Non
         for out, lse, k_chunks in steps:
             gc.collect()
             before = live()
-            with _LivePeak(live) as sampler:
+            with LivePeak(live) as sampler:
                 grads = ring_attention.block_backward(out, q, kv, out, lse, None, q_chunks, k_chunks, True, None)
             assert sampler.peak - before <= 6 * u, ((sampler.peak - before) / u, k_chunks)
             del grads
+
+
+def test_a_causal_row_block_backward_holds_its_results_and_one_calls_gradients() -> None:
+    """The backward of causal attention with the queries in the load-balanced order and the keys
+    whole (`device_attention.attention_backward_chunks`, rank 0 of 4: chunks 0 and 7 of 8, 128
+    rows each, sequence 1024, 4 heads of 64; the keys' gradients u = 1 MiB each) under a sampler
+    of malloc's bytes in use: its results (dq, dk, dv: 2.25 MiB) and at most one kernel call's
+    gradients beside them (the mirror chunk's against the 896 keys before it, and the query
+    gradients: 2 MiB), as `causal_rows_scratch_bytes` counts them, to 2 % (measured 4.26 against
+    4.25 MiB: the kernel's small allocations). Before, each run's key gradients were padded with zeros and concatenated, and the two
+    runs' summed: 2u more at the peak, which the model did not count (a gathered-keys plan on 4
+    gloo ranks was 0.79 of its live heap, tests/test_context_parallel_multirank.py)."""
+    live = malloc_in_use()
+    if live is None:
+        pytest.skip("needs glibc's mallinfo2")
+    p, seq, rows = 4, 1024, 128
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, n, 64, generator=g) for n in (2 * rows, seq, seq))
+    offsets = (0, (2 * p - 1) * rows)
+    out, lse = device_attention.attention_forward_chunks(q, k, v, 0.0, row_offsets=offsets)
+    grad_out = torch.randn(out.shape, generator=g)
+    with torch.no_grad():
+        device_attention.attention_backward_chunks(grad_out, q, k, v, out, lse, 0.0, row_offsets=offsets)  # warm-up
+        settle()
+        before = live()
+        with LivePeak(live) as sampler:
+            grads = device_attention.attention_backward_chunks(grad_out, q, k, v, out, lse, 0.0, row_offsets=offsets)
+    rise = sampler.peak - before
+    split, whole = Layout((BalancedShard(2),), (1, 4, seq, 64)), Layout((P,), (1, 4, seq, 64))
+    inputs = (split, split, Layout((R,), whole.shape), Layout((R,), whole.shape), split, Layout((BalancedShard(2),), (1, 4, seq)))
+    results = sum(x.numel() * x.element_size() for x in grads)
+    modeled = results + causal_rows_scratch_bytes(2, inputs, (split, whole, whole), (p,))
+    assert results == split.local_bytes((p,)) + 2 * whole.local_bytes((p,))
+    assert 0.9 * modeled <= rise <= 1.02 * modeled, (rise / 2**20, modeled / 2**20)

@@ -12,7 +12,7 @@ every rank do not read the figure.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.fx as fx
@@ -27,11 +27,14 @@ c10d = torch.ops._c10d_functional
 SUMS = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
 
 
-def _made_by(node: fx.Node) -> fx.Node:
+def _made_by(node: fx.Node, position: dict[fx.Node, int]) -> fx.Node:
     """The op that made the tensor `node` carries: back through the comm glue (reshapes, views,
-    contiguous copies insert_comm and bucketing add) to the first node that is not comm."""
-    while has_info(node) and info(node).role == "comm" and len(node.all_input_nodes) == 1:
-        node = node.all_input_nodes[0]
+    contiguous copies insert_comm and bucketing add, and the load-balanced layout's reorder, a cat
+    of slices of one tensor) to the first node that is not comm; through glue of several inputs,
+    the latest made (`position`: graph order). Stopping at the reorder's cat, which the traced
+    walk does not list, left the bucket of a balanced all-gather's key/value gradients out."""
+    while has_info(node) and info(node).role == "comm" and node.all_input_nodes:
+        node = max(node.all_input_nodes, key=position.__getitem__)
     return node
 
 
@@ -49,11 +52,30 @@ def _feeds_output(node: fx.Node) -> bool:
     return False
 
 
-def gradient_buckets(gm: fx.GraphModule, mesh_shape: Sequence[int], copies: int) -> list[GradientBucket]:
+def _released(collective: fx.Node, order: list[fx.Node], position: dict[fx.Node, int], traced: Collection[str]) -> str | None:
+    """The last op of `traced` (the traced walk's names) that the scheduled graph runs before it
+    waits on `collective`, or None (no wait, or none before it)."""
+    waits = [u for u in collective.users if u.target is c10d.wait_tensor.default]
+    if not waits:
+        return None
+    for node in reversed(order[position[collective] : position[waits[0]]]):
+        if node.name in traced:
+            return node.name
+    return None
+
+
+def gradient_buckets(
+    gm: fx.GraphModule, mesh_shape: Sequence[int], copies: int, traced: Collection[str] = ()
+) -> list[GradientBucket]:
     """Every sum of the scheduled backward `gm` on a mesh of `mesh_shape`: a bucket (its members
     the inputs of its concatenation, `passes/bucket.py`) or one collective alone that makes a
-    gradient. `copies`: what the backend copies of a sum's input (gloo: 1, NCCL: 0)."""
+    gradient. `copies`: what the backend copies of a sum's input (gloo: 1, NCCL: 0). `traced`:
+    the traced ops' names, to find the last one run before each sum's wait (measured on 4 gloo
+    ranks: a bucket's buffer and gloo's copy lived from the issue to the wait, over the attention
+    backward between them)."""
     shape = tuple(mesh_shape)
+    order = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(order)}
     buckets = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in SUMS or not has_info(node) or info(node).phase != "backward":
@@ -64,12 +86,14 @@ def gradient_buckets(gm: fx.GraphModule, mesh_shape: Sequence[int], copies: int)
             buffer = buffer.args[0]  # type: ignore[assignment]
         if node.meta.get(BUCKET_KEY) and buffer.target is aten.cat.default:
             flats = [f for f in buffer.args[0] if isinstance(f, fx.Node)]  # type: ignore[union-attr]
-            members = tuple(_made_by(f).name for f in flats)
+            members = tuple(_made_by(f, position).name for f in flats)
             sizes = tuple(float(f.meta[BYTES_KEY]) for f in flats)
-            buckets.append(GradientBucket(members, sizes, True, copies))
+            released = _released(node, order, position, traced)
+            buckets.append(GradientBucket(members, sizes, True, copies, released))
         elif _feeds_output(node) and (step := info(node).comm) is not None:
             size = float(step.before.local_bytes(shape))
-            buckets.append(GradientBucket((_made_by(node.args[0]).name,), (size,), False, copies))  # type: ignore[arg-type]
+            made = _made_by(node.args[0], position).name  # type: ignore[arg-type]
+            buckets.append(GradientBucket((made,), (size,), False, copies, _released(node, order, position, traced)))
     return buckets
 
 
@@ -77,5 +101,6 @@ def emitted_working(steps: list[tuple[str, float]], scheduled: fx.GraphModule, m
     """The working memory per rank of the scheduled graph: the traced-order `steps` of its plan
     (`PlanMemory.working_steps`) on `mesh` (the graph's, a chunk axis included) with its gradient buckets in them. On CPU the program's sums run
     on gloo, which copies a sum's input (one copy); elsewhere (NCCL) none is counted."""
-    buckets = gradient_buckets(scheduled, mesh.shape, 1 if mesh.device_type == "cpu" else 0)
+    traced = {name for name, _ in steps}
+    buckets = gradient_buckets(scheduled, mesh.shape, 1 if mesh.device_type == "cpu" else 0, traced)
     return max((b for _, b in with_buckets(steps, buckets)), default=0.0)

@@ -25,12 +25,15 @@ The term is the peak over the ops, in the traced order (forward, then backward),
   beside the blocks (a backward step sums each kernel call's gradients into its results in place,
   `ring_attention.block_backward`, so no more: on 2 gloo ranks, the live peak of a ring step
   41.9 MiB against 29.2 saved + 14.0 working modeled).
+- the causal attention backward of a rank's query block against whole keys
+  (`causal_rows_scratch_bytes`): one kernel call's key, value and query gradients beside its
+  results (its local call sums each into them in place, `device_attention.attention_backward`).
 
 The schedule's gradient buckets (`passes/bucket.py`) are not in the traced order, where each
 gradient is reduced as it is made: a bucket is issued after its last member is made, so its
 members are held until then, and it adds its concatenated buffer and, on gloo, the collective's own
-copy of that buffer (measured: the live peak of a ring plan on 8 gloo ranks is at the first
-bucket's reduce-scatter, docs/long-context.md). `with_buckets` adds them to the traced walk at the
+copy of that buffer, both held until the program waits on the sum (measured: the live peak of a
+ring plan on 8 gloo ranks is at the first bucket's reduce-scatter, docs/long-context.md). `with_buckets` adds them to the traced walk at the
 op after which the emitted program issues each bucket (`GradientBucket`, read off the scheduled
 graph by the compiler); the search, which plans before any collective exists, does not see them.
 
@@ -53,7 +56,8 @@ import torch.fx as fx
 from autopar.core.layout import Layout
 from autopar.core.plan import Plan
 from autopar.cost.work import is_view
-from autopar.rules.calls import tensor_inputs
+from autopar.rules.calls import op_call, tensor_inputs
+from autopar.rules.context_parallel import SEQ, row_runs
 from autopar.rules.ring_attention import BACKWARD, FORWARD, key_index, ring_axis
 
 
@@ -87,6 +91,27 @@ def ring_scratch_bytes(op: object, inputs: Sequence[Layout], outputs: Sequence[L
     if op == BACKWARD:
         return 2.0 * blocks + outputs[0].local_bytes(shape)  # blocks, accumulators, dq's partial
     return blocks + outputs[0].local_bytes(shape) + outputs[1].local_bytes(shape)  # out and lse partials
+
+
+def causal_rows_scratch_bytes(runs: int, inputs: Sequence[Layout], outputs: Sequence[Layout], shape: tuple[int, ...]) -> float:
+    """What the backward of a causal attention call with its queries split along the sequence and
+    its keys whole holds beyond its results, per rank (module doc): its local call
+    (`device_attention.attention_backward` at each of `runs` runs of rows' offsets) sums each
+    kernel call's key and value gradients into the whole ones in place, so one call's exist beside
+    them at a time: at most those of the keys before the rank's last run (the whole keys less one
+    run of rows), with that call's query gradient and the run's own. With a mask of the model's,
+    one call sees the keys up to the run's end, and the run's causal mask is added to its rows
+    of the model's.
+    `inputs`/`outputs`: the strategy's layouts of the backward op (grad_out, q, k, v, out, lse,
+    mask), (dq, dk, dv)."""
+    q, masked = inputs[1], len(inputs) > 6
+    # the share of the keys one kernel call sees at most: those before the last run (with a mask,
+    # up to the run's end: the keys it may see, in one call)
+    seen = 1.0 if masked else 1.0 - q.local_shape(shape)[SEQ] / runs / q.shape[SEQ]
+    scratch = seen * (outputs[1].local_bytes(shape) + outputs[2].local_bytes(shape)) + outputs[0].local_bytes(shape)
+    if masked:  # the run's causal mask, added to its rows of the model's
+        scratch += inputs[6].local_bytes(shape) / runs
+    return scratch
 
 
 def op_working_bytes(
@@ -134,6 +159,8 @@ def op_working_bytes(
                     extra += want.local_bytes(shape)
             if node.target in (FORWARD, BACKWARD) and ring_axis(node.target, strategy) is not None:
                 extra += ring_scratch_bytes(node.target, strategy.inputs, strategy.outputs, shape)
+            elif node.target is BACKWARD and (runs := row_runs(op_call(node), strategy)):
+                extra += causal_rows_scratch_bytes(runs, strategy.inputs, strategy.outputs, shape)
             found.append((node.name, live + extra))
         for root in ends.get(position[node], ()):
             live -= size[root]
@@ -145,13 +172,16 @@ class GradientBucket:
     """A sum of gradients the emitted backward issues as one collective (a bucket of several, or
     one alone), per rank: the traced ops that make its members, each member's bytes, whether the
     members are concatenated into a buffer of their own (a bucket's `cat`; one sum alone reads its
-    member), and how many copies of the buffer the collective makes beside it (gloo's
-    reduce-scatter and all-reduce: one)."""
+    member), how many copies of the buffer the collective makes beside it (gloo's reduce-scatter and
+    all-reduce: one), and the traced op after which the program waits on it (None: at once): the
+    buffer and the copies are held until then (the schedule waits late, to overlap the sum with the
+    ops after it)."""
 
     members: tuple[str, ...]
     member_bytes: tuple[float, ...]
     concatenated: bool
     copies: int
+    released: str | None = None
 
     @property
     def buffer_bytes(self) -> float:
@@ -167,8 +197,9 @@ class GradientBucket:
 def with_buckets(steps: Sequence[tuple[str, float]], buckets: Sequence[GradientBucket]) -> list[tuple[str, float]]:
     """`steps` (`op_working_bytes`) with each bucket in it (module doc): each member held from the
     op after the one that makes it until the bucket is issued, after the last member's op, where
-    the concatenated buffer and the collective's copies exist beside the members (a member made
-    by an op that `steps` does not list leaves its bucket out)."""
+    the concatenated buffer and the collective's copies exist beside the members, and are held
+    until the op after which the program waits on it (a member made by an op that `steps` does
+    not list leaves its bucket out)."""
     position = {name: i for i, (name, _) in enumerate(steps)}
     change = [0.0] * (len(steps) + 1)  # held bytes start at one op and end after another: prefix sums
     at_issue = [0.0] * len(steps)
@@ -179,7 +210,14 @@ def with_buckets(steps: Sequence[tuple[str, float]], buckets: Sequence[GradientB
         for member, nbytes in zip(bucket.members, bucket.member_bytes):
             change[position[member] + 1] += nbytes
             change[issue + 1] -= nbytes
-        at_issue[issue] += bucket.issued_bytes
+        buffers = bucket.issued_bytes
+        at_issue[issue] += buffers
+        released = position.get(bucket.released, issue) if bucket.released is not None else issue
+        if released > issue:  # waited on later: the collective's input (a lone member, or the
+            # buffer) and its copies held through the ops between
+            kept = buffers + (0.0 if bucket.concatenated else bucket.buffer_bytes)
+            change[issue + 1] += kept
+            change[released + 1] -= kept
     found, held = [], 0.0
     for (name, nbytes), moved, issued in zip(steps, change, at_issue):
         held += moved

@@ -183,6 +183,20 @@ def _localize_balanced(ctx: LocalContext, q_layout: Layout) -> LocalCall:
     return LocalCall(target, (*ctx.args[:n_main], _dropout_p(call)), kwargs)
 
 
+def row_runs(call: OpCall, strategy: Strategy) -> int:
+    """How many runs of rows, each at its own offset of the sequence, the local call of a causal
+    attention op cuts the rank's queries into (`localize_attention`): 2 in the load-balanced order
+    (its two chunks), 1 where the queries are split in contiguous blocks and the keys are whole,
+    0 where the local call is the op itself or the ring's. The memory model counts what such a
+    call holds beyond its results (`planning.working.causal_rows_scratch_bytes`)."""
+    if call.op not in (FORWARD, BACKWARD) or not is_causal(call) or ring_attention.ring_axis(call.op, strategy) is not None:
+        return 0
+    q_layout = strategy.inputs[_query_index(call)]
+    if any(dim == SEQ for dim, _ in q_layout.balanced_dims()):
+        return 2
+    return 1 if q_layout.shard_axes(SEQ) else 0
+
+
 def localize_attention(ctx: LocalContext) -> LocalCall | LocalGraph:
     """The local call of an attention op: the op itself, unless it is causal with the queries split
     along the sequence, where the rank's queries start at offset o of the whole sequence and must

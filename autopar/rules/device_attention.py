@@ -130,23 +130,31 @@ def attention_backward(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
     row_offset: int | None = None,
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_scaled_dot_product_flash_attention_for_cpu_backward` on the device of `q`.
 
     With `row_offset`, the backward of the causal block of `attention_forward`: the block's query
     gradient and its share of every key's and value's gradient (zero for the keys after the block,
-    which it never saw)."""
-    if row_offset is not None and _flag_fits(q, k, row_offset, attn_mask):
-        return _causal_rows_by_flag_backward(grad_out, q, k, v, out, logsumexp, row_offset, dropout_p, scale)
+    which it never saw), summed in place into `into` (the whole keys' and values' gradients, made
+    zero if not given) and returned as them: each kernel call's gradients of the keys it saw are
+    added where they belong and dropped, so no more than one call's exist beside the results.
+    Padding each call's with zeros and concatenating them (and summing two runs' of a balanced
+    split) held two more whole key/value gradients at the step's peak, which the memory model
+    did not count: a gathered-keys plan's live peak on 4 gloo ranks was 18 % over the model."""
     if row_offset is not None:
+        grad_k, grad_v = into if into is not None else (k.new_zeros(k.shape), v.new_zeros(v.shape))
+        if _flag_fits(q, k, row_offset, attn_mask):
+            grad_q = _causal_rows_by_flag_backward(
+                grad_out, q, k, v, out, logsumexp, row_offset, dropout_p, scale, (grad_k, grad_v)
+            )
+            return grad_q, grad_k, grad_v
         keys, values, mask = _causal_rows(q, k, v, row_offset, attn_mask)
-        grad_q, grad_k, grad_v = attention_backward(
+        grad_q, dk, dv = attention_backward(
             grad_out, q, keys, values, out, logsumexp, dropout_p, False, attn_mask=mask, scale=scale
         )
-        missing = k.shape[-2] - keys.shape[-2]
-        if missing:
-            grad_k = aten.constant_pad_nd.default(grad_k, [0, 0, 0, missing], 0.0)
-            grad_v = aten.constant_pad_nd.default(grad_v, [0, 0, 0, missing], 0.0)
+        grad_k.narrow(-2, 0, dk.shape[-2]).add_(dk)
+        grad_v.narrow(-2, 0, dv.shape[-2]).add_(dv)
         return grad_q, grad_k, grad_v
     if q.device.type == "cpu":
         return CPU_BACKWARD(
@@ -236,18 +244,18 @@ def attention_backward_chunks(
         _row_chunks(attn_mask, rows, parts),
         row_offsets,
     )
-    grads_q = []
-    grad_k: torch.Tensor | None = None
-    grad_v: torch.Tensor | None = None
+    grad_q = q.new_empty(q.shape)
+    grads = (k.new_zeros(k.shape), v.new_zeros(v.shape))  # every run's shares summed in place
+    at = 0
     for g_run, q_run, o_run, lse_run, mask, offset in runs:
-        dq, dk, dv = attention_backward(
-            g_run, q_run, k, v, o_run, lse_run, dropout_p, True, attn_mask=mask, scale=scale, row_offset=offset
-        )
-        grads_q.append(dq)
-        grad_k = dk if grad_k is None else grad_k + dk
-        grad_v = dv if grad_v is None else grad_v + dv
-    assert grad_k is not None and grad_v is not None
-    return torch.cat(grads_q, -2), grad_k, grad_v
+        dq, _, _ = attention_backward(
+            g_run, q_run, k, v, o_run, lse_run, dropout_p, True, attn_mask=mask, scale=scale, row_offset=offset,
+            into=grads,
+        )  # fmt: skip
+        grad_q.narrow(-2, at, dq.shape[-2]).copy_(dq)
+        at += dq.shape[-2]
+        del dq
+    return grad_q, grads[0], grads[1]
 
 
 def _flag_fits(q: torch.Tensor, k: torch.Tensor, row_offset: int, attn_mask: torch.Tensor | None) -> bool:
@@ -293,29 +301,30 @@ def _causal_rows_by_flag_backward(
     row_offset: int,
     dropout_p: float,
     scale: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    into: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
     """The backward of `_causal_rows_by_flag`: each of its two calls' backward against the whole
-    rows' output and logsumexp gives that call's exact share of the query gradient (summed) and
-    its keys' and values' gradients (put end to end, zeros for the keys after the block)."""
-    rows, keys = q.shape[-2], k.shape[-2]
-    dq, dk_diag, dv_diag = attention_backward(
+    rows' output and logsumexp gives that call's exact share of the query gradient (summed, and
+    returned) and of its keys' and values' gradients (added in place into `into`, the whole keys'
+    and values' gradients, where those keys are)."""
+    rows = q.shape[-2]
+    grad_k, grad_v = into
+    dq, dk, dv = attention_backward(
         grad_out, q, k.narrow(-2, row_offset, rows), v.narrow(-2, row_offset, rows), out, logsumexp,
         dropout_p, True, scale=scale,
     )  # fmt: skip
-    dks, dvs = [dk_diag], [dv_diag]
+    grad_k.narrow(-2, row_offset, rows).add_(dk)
+    grad_v.narrow(-2, row_offset, rows).add_(dv)
+    del dk, dv
     if row_offset:
-        dq_before, dk_before, dv_before = attention_backward(
+        dq_before, dk, dv = attention_backward(
             grad_out, q, k.narrow(-2, 0, row_offset), v.narrow(-2, 0, row_offset), out, logsumexp,
             dropout_p, False, scale=scale,
         )  # fmt: skip
-        dq = dq + dq_before
-        dks.insert(0, dk_before)
-        dvs.insert(0, dv_before)
-    after = keys - row_offset - rows
-    if after:
-        dks.append(dk_diag.new_zeros((*dk_diag.shape[:-2], after, dk_diag.shape[-1])))
-        dvs.append(dv_diag.new_zeros((*dv_diag.shape[:-2], after, dv_diag.shape[-1])))
-    return dq, torch.cat(dks, -2), torch.cat(dvs, -2)
+        dq.add_(dq_before)
+        grad_k.narrow(-2, 0, row_offset).add_(dk)
+        grad_v.narrow(-2, 0, row_offset).add_(dv)
+    return dq
 
 
 def _causal_rows(
