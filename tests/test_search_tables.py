@@ -209,6 +209,31 @@ def test_a_pair_table_holds_only_the_cells_kept_candidates_read() -> None:
     assert got.tolist() == whole[np.ix_(later[0][0], later[1][0])].tolist()
 
 
+def test_a_later_fill_prices_each_cell_once() -> None:
+    """A fill that adds rows and columns prices the new rows against every column wanted and the
+    earlier rows against the new columns only: no cell twice (an uneven table prices pair by
+    pair; re-pricing the whole block was half of the zoo Qwen3Next's search). The cells are the
+    whole table's."""
+    mesh = (2, 2, 2)
+    options = [R, P, Shard(0), Shard(1)]
+    layouts = tuple(Layout((a, b, c), (12, 7)) for a in options for b in options for c in options)  # 7: uneven
+    cost = ElementCost(mesh)
+    priced: list[tuple[int, int]] = []
+
+    def price(outs: tuple[Layout, ...], ins: tuple[Layout, ...], rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        priced.extend(itertools.product(rows.tolist(), cols.tolist()))
+        return cost.redistribute_table(outs, ins, rows, cols)
+
+    table = PairTable(layouts, layouts, share=1)
+    table.fill([np.arange(10)], [np.arange(10)], price)
+    later = np.arange(5, 20)
+    table.fill([later], [later], price)
+    assert len(priced) == len(set(priced)) == 10 * 10 + 10 * 15 + 5 * 10
+    whole = cost.redistribute_table(layouts, layouts)
+    got = table.data[np.ix_(table.compact(later, "out"), table.compact(later, "in"))]
+    assert got.tolist() == whole[np.ix_(later, later)].tolist()
+
+
 def test_a_search_keeps_no_starts_problem_until_it_picks_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """`search_layouts` holds every start's run until it picks one; a run keeps its plans and
     counts, not its problem (edge tables, memo, per-candidate vectors). The same start searched 6

@@ -24,7 +24,6 @@ from autopar.core.mesh import Mesh
 from autopar.passes.random_guards import RANDOM_ORDER_HINT
 from autopar.passes.trace_errors import DATA_DEPENDENT_HINT
 from autopar.passes.value_guards import WEIGHT_GUARD_HINT, reading_real_values
-from examples import hf_zoo
 
 
 def _line(marker: str) -> str:
@@ -189,20 +188,26 @@ def _job(rank: int, world_size: int) -> dict[str, Any]:
 class _OneGlobalToken(nn.Module):
     """Longformer's global-attention count, read by Python in an `==` test: one token a row
     (a classifier's CLS) takes its own path, more take a weighted sum. The export on the
-    example's values records the test as an `Eq` guard, held on one side or the other."""
+    example's values records the test as an `Eq` guard, held on one side or the other.
+    `read_again`: the count is read a second time, by `.item()`, as the size of a slice (as
+    Longformer pads to the most global tokens of a row), which gets its own guard."""
 
-    def __init__(self) -> None:
+    def __init__(self, read_again: bool = False) -> None:
         super().__init__()
         self.proj = nn.Linear(8, 8)
         self.glob = nn.Linear(8, 8)
         self.head = nn.Linear(8, 3)
+        self.read_again = read_again
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.proj(x)
-        if mask.sum(1).max() == 1:  # line: EQ
+        count = mask.sum(1).max()
+        if count == 1:  # line: EQ
             g = self.glob(h[:, 0])
         else:
             g = (h * mask[..., None]).sum(1)
+        if self.read_again:
+            g = g + h[:, : int(count.item())].mean(1)  # line: AGAIN
         return F.cross_entropy(self.head(h.mean(1) + g), y)
 
 
@@ -213,25 +218,36 @@ def _count_batch(count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor,
     return torch.randn(4, 8, 8, generator=gen), mask, torch.randint(3, (4,), generator=gen)
 
 
+@pytest.mark.parametrize("read_again", [False, True])
 @pytest.mark.parametrize("count", [1, 2])
-def test_an_eq_guard_holds_only_on_its_side(count: int) -> None:
+def test_an_eq_guard_holds_only_on_its_side(count: int, read_again: bool) -> None:
     """Each side of the `==` equals serial, and its guard holds on batches of its side only: the
-    program traced on one global token never serves two, nor the other way round."""
+    program traced on one global token never serves two, nor the other way round. The count read
+    again as a size is pinned by a guard of its own: a program made for two tokens never serves
+    three."""
     torch.manual_seed(0)
-    compiled = assert_call_matches_serial(_OneGlobalToken(), (2,), _count_batch(count))
+    compiled = assert_call_matches_serial(_OneGlobalToken(read_again), (2,), _count_batch(count))
     guards = next(iter(compiled.values())).program.value_guards
-    assert guards is not None and all(_line("EQ") in c for c in guards.conditions), guards
+    assert guards is not None and any(_line("EQ") in c for c in guards.conditions), guards
+    lines = (_line("EQ"), _line("AGAIN")) if read_again else (_line("EQ"),)
+    assert all(any(line in c for line in lines) for c in guards.conditions), guards.conditions
+    assert any(_line("AGAIN") in c for c in guards.conditions) == read_again, guards.conditions
     assert guards.hold(list(_count_batch(count, seed=1)))
     assert not guards.hold(list(_count_batch(3 - count, seed=1)))
-    assert guards.hold(list(_count_batch(3, seed=1))) == (count == 2)
+    assert guards.hold(list(_count_batch(3, seed=1))) == (count == 2 and not read_again)
+    if read_again:
+        assert any(_line("AGAIN") in c for c in guards.failing(list(_count_batch(3, seed=1))))
+    for run in compiled.values():  # the reads run apart, in the guards
+        assert torch.ops.aten.item.default not in {n.target for n in run.program.forward.graph.nodes}
 
 
 def _global_count_job(rank: int, world_size: int) -> dict[str, Any]:
-    """The user's loop with batches on both sides of the `Eq` guard, alternating, against serial:
-    the second side compiles its own program once, and each call runs the program of its side."""
+    """The user's loop with batches on both sides of the `Eq` guard, alternating, against serial,
+    the count read again as a size: each count compiles its own program once, and each call runs
+    the program of its count."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
     torch.manual_seed(0)
-    model = _OneGlobalToken()
+    model = _OneGlobalToken(read_again=True)
     serial = copy.deepcopy(model)
     pmodel = autopar.parallelize(model, mesh, example_inputs=_count_batch(1))
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
@@ -273,134 +289,13 @@ def test_a_flipped_eq_guard_compiles_the_other_side_once_and_trains_like_serial_
 ) -> None:
     for rank, result in enumerate(on_two_ranks["global_count"]):
         assert result["max_error"] < 1e-5, (rank, result)
-        # two programs for five calls: 1, 2, 1, 3, 2 global tokens run the side they take
-        first, other = result["programs"]
-        assert first == "example inputs" and other.startswith("new input values"), (rank, result)
-        assert _line("EQ") in other and "decides another branch" in other, (rank, result)
-
-
-class _PicksEndOfSequence(nn.Module):
-    """A BART-family sequence classifier's head: the hidden state at each row's end-of-sequence
-    token, picked by a boolean mask of the input ids (a size the inputs decide)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        eos = ids.eq(2)
-        torch._check(torch.unique_consecutive(eos.sum(1)).numel() == 1, lambda: "same number of <eos>")
-        picked = h[eos, :].view(h.size(0), -1, h.size(-1))[:, -1, :]
-        return F.cross_entropy(self.head(picked), y)
-
-
-def _eos_batch(per_row: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 16, (4, 8), generator=gen)
-    ids[:, 8 - per_row :] = 2  # per_row end-of-sequence tokens at the end of every row
-    return ids, torch.randint(3, (4,), generator=gen)
-
-
-@pytest.mark.parametrize("per_row", [1, 2])
-def test_boolean_indexing_by_an_input_mask_is_static_at_the_examples_count(per_row: int) -> None:
-    torch.manual_seed(0)
-    model = _PicksEndOfSequence()
-    compiled = assert_call_matches_serial(model, (2, 2), _eos_batch(per_row))
-    guards = next(iter(compiled.values())).program.value_guards
-    assert guards is not None
-    assert guards.hold(list(_eos_batch(per_row, seed=1)))
-    assert not guards.hold(list(_eos_batch(3 - per_row, seed=1)))  # another count: another program
-    for run in compiled.values():
-        targets = {n.target for n in run.program.forward.graph.nodes}
-        assert torch.ops.aten.nonzero.default not in targets and torch.ops.aten.nonzero_static.default in targets
-
-
-class _GlobalRows(nn.Module):
-    """Longformer's global-attention indices: the (row, column) pairs an input mask flags, in
-    `nonzero(as_tuple=True)`'s tuple form, behind a branch on whether any is flagged."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor, flags: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.proj(x)
-        if flags.flatten().any().item():
-            rows, cols = flags.nonzero(as_tuple=True)
-            h = h + (h[rows] * cols[:, None]).sum(0) / 8
-        return F.cross_entropy(h, y)
-
-
-def _flagged_batch(flagged: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    flags = torch.zeros(8, 16, dtype=torch.long)
-    flags[:flagged, 3] = 1
-    return torch.rand(8, 16, generator=gen), flags, torch.randint(4, (8,), generator=gen)
-
-
-@pytest.mark.parametrize("flagged", [2, 5])
-def test_the_tuple_form_of_nonzero_on_an_input_mask_is_a_count_guard(flagged: int) -> None:
-    """torch.export on real values loses the row count of `nonzero(as_tuple=True)` ("Pending
-    unbacked symbols"); the trace takes it as the columns of `nonzero()`, which the count guard
-    pins: equal to serial, and a batch with another count fails the guards."""
-    torch.manual_seed(0)
-    compiled = assert_call_matches_serial(_GlobalRows(), (2, 2), _flagged_batch(flagged))
-    guards = next(iter(compiled.values())).program.value_guards
-    assert guards is not None
-    assert guards.hold(list(_flagged_batch(flagged, seed=1)))
-    assert not guards.hold(list(_flagged_batch(7 - flagged, seed=1)))
-
-
-class _LabelledRows(nn.Module):
-    """DeBERTa's classifier loss as transformers writes it: the rows whose label is set (>= 0),
-    found by `nonzero`, and a Python branch on how many there are (a size the inputs decide)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.head(x)
-        index = (labels >= 0).nonzero()
-        if index.size(0) > 0:
-            picked = torch.gather(logits, 0, index.expand(index.size(0), logits.size(1)))
-            return F.cross_entropy(picked, torch.gather(labels, 0, index.view(-1)))
-        return logits.sum() * 0.0
-
-
-def _labelled_batch(unset: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    labels = torch.randint(3, (8,), generator=gen)
-    labels[torch.randperm(8, generator=gen)[:unset]] = -1
-    return torch.randn(8, 8, generator=gen), labels
-
-
-@pytest.mark.parametrize("unset", [0, 3])
-def test_a_branch_on_a_count_the_inputs_decide_takes_the_examples_count_as_a_guard(unset: int) -> None:
-    """torch.export refuses Python branching on a size-like symbol (`u0 > 0`); the trace on the
-    example's values takes the branch, makes the size static at the example's count and guards
-    the count: a batch with as many labelled rows runs this program, another count gets its own."""
-    torch.manual_seed(0)
-    compiled = assert_call_matches_serial(_LabelledRows(), (2, 2), _labelled_batch(unset))
-    guards = next(iter(compiled.values())).program.value_guards
-    assert guards is not None
-    assert guards.hold(list(_labelled_batch(unset, seed=1)))
-    assert not guards.hold(list(_labelled_batch(unset + 1, seed=1)))
-    for run in compiled.values():
-        targets = {n.target for n in run.program.forward.graph.nodes}
-        assert torch.ops.aten.nonzero.default not in targets and torch.ops.aten.nonzero_static.default in targets
-
-
-def test_deberta_v2_classifier_with_unlabelled_rows_equals_serial() -> None:
-    """transformers' DebertaV2ForSequenceClassification at its defaults (sizes shrunk), labels
-    with unset rows (-1, which its loss skips by counting the set ones)."""
-    model, kwargs, _ = hf_zoo.build_working(hf_zoo.find("DebertaV2ForSequenceClassification"))
-    kwargs["labels"][:2] = -1
-    compiled = assert_call_matches_serial(model, (2,), (), kwargs)
-    guards = next(iter(compiled.values())).program.value_guards
-    assert guards is not None and any(guards.counts)
+        # three programs for five calls: 1, 2, 1, 3, 2 global tokens, a program per count read
+        first, two, three = result["programs"]
+        assert first == "example inputs" and two.startswith("new input values"), (rank, result)
+        assert _line("EQ") in two and "decides another branch" in two, (rank, result)
+        # three global tokens fail the example's `==` (as two do) and the second read's guard of
+        # the program for two: a program of their own, never the one for two
+        assert three.startswith("new input values") and _line("EQ") in three, (rank, result)
 
 
 class _LayerDrop(nn.Module):

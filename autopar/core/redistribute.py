@@ -396,11 +396,13 @@ def redistribute_cost(src: Layout, dst: Layout, mesh_shape: Sequence[int]) -> fl
     exact = not (src.is_even(mesh_shape) and dst.is_even(mesh_shape))
 
     def block() -> float:
-        return float(
-            math.prod(
-                -(-size // math.prod(mesh_shape[b] for b in axes(d))) for d, size in enumerate(src.shape)
-            )
-        )
+        # each dim's split factor in one pass over the axes (`axes(d)` per dim walked them per dim:
+        # a quarter of the search's time on uneven tables, which price pair by pair)
+        split = [1] * len(src.shape)
+        for b, p in enumerate(cur):
+            if isinstance(p, Shard):
+                split[p.dim] *= mesh_shape[b]
+        return float(math.prod(-(-size // f) for size, f in zip(src.shape, split)))
 
     for a, p in enumerate(cur):
         if not isinstance(p, Partial) or isinstance(target[a], Partial):
