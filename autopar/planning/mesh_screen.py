@@ -72,7 +72,7 @@ from autopar.planning.plan_cost import GraphFacts, plan_cost
 from autopar.planning.plan_transplant import PlanPattern
 from autopar.planning.search_cost import ElementCost
 from autopar.planning.search_problem import Shared
-from autopar.planning.search_seeds import DATA, dispatcher_seeds, fixed_seeds
+from autopar.planning.search_seeds import DATA, dispatcher_seeds
 from autopar.rules.base import RuleRegistry
 from autopar.rules.calls import ExpandCache
 
@@ -126,9 +126,13 @@ def estimate(
     except Exception:  # noqa: BLE001 - as in the search: other roles may still split this model
         pass
     else:
-        found.offer("/".join(roles), plan, plan_cost(gm, plan, mesh, cost, facts))
+        found.offer("/".join(roles), plan, shared.priced(gm, plan, mesh, cost, facts))
     price = functools.partial(_priced, gm, mesh, cost, facts)
-    found.offer_all(price(fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy)))
+    found.offer_all(
+        (name, plan, shared.priced(gm, plan, mesh, cost, facts))
+        for name, plan in shared.fixed_plans(gm, mesh, registry)
+        if not isinstance(plan, AutoparError)
+    )
     # the experts over one axis or two: the search of a kept mesh also starts from three (`SCREENED_EXPERT_AXES`)
     starts = functools.partial(
         dispatcher_seeds, gm, mesh, registry, shared.expand, shared.greedy, widest=SCREENED_EXPERT_AXES

@@ -62,7 +62,6 @@ from autopar.planning.search_seeds import (
     ORDER,
     expert_axes,
     expert_seeds,
-    fixed_seeds,
     has_grouped_mm,
     has_routed_experts,
     note_cheapest,
@@ -263,7 +262,7 @@ def _starts(
             report.failed_roles["/".join(roles)] = str(exc).splitlines()[0]
             continue
         plan = _stored(gm, plan, mesh, storage)
-        value = report.seeds[prefix + "/".join(roles)] = plan_cost(gm, plan, mesh, cost, facts)
+        value = report.seeds[prefix + "/".join(roles)] = _price(gm, plan, mesh, cost, facts, shared, storage)
         if best is None or value < best[2]:
             best = ("/".join(roles), plan, value)
     starts = [best] if best is not None else []
@@ -295,12 +294,12 @@ def _starts(
             if alone not in experts or value < experts[alone][2]:
                 experts[alone] = (name, found, value)
         starts.extend(experts.values())
-        for name, found in fixed_seeds(gm, mesh, registry, shared.expand, shared.greedy):
+        for name, found in shared.fixed_plans(gm, mesh, registry):
             if isinstance(found, AutoparError):
                 report.failed_fixed[name] = found.message.splitlines()[0]
                 continue
             found = _stored(gm, found, mesh, storage)
-            value = report.seeds[prefix + name] = plan_cost(gm, found, mesh, cost, facts)
+            value = report.seeds[prefix + name] = _price(gm, found, mesh, cost, facts, shared, storage)
             if cheapest is None or value < cheapest[2]:
                 cheapest = (name, found, value)
         if cheapest is not None and (best is None or cheapest[2] < best[2]):
@@ -395,6 +394,16 @@ def _from_seed(
         option.storage = storage
     counts = (problem.tally, len(problem.vars), len(problem.chains))
     return _Run(name, seed, *counts, sweeps, kept, fitted_seed, first, lean, storage)
+
+
+def _price(
+    gm: fx.GraphModule, plan: Plan, mesh: Mesh, cost: ElementCost, facts: GraphFacts, shared: Shared, storage: str
+) -> float:
+    """A seed's `plan_cost`: sharded, the plan `shared` holds (the screen may have priced it
+    already, `Shared.priced`); replicated, a plan made for this storage, priced here."""
+    if storage == SHARDED:
+        return shared.priced(gm, plan, mesh, cost, facts)
+    return plan_cost(gm, plan, mesh, cost, facts)
 
 
 def _stored(gm: fx.GraphModule, plan: Plan, mesh: Mesh, storage: str) -> Plan:

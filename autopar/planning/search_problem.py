@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from autopar.core.errors import AutoparError
 from autopar.core.layout import Layout, settled, summed
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info, signature
@@ -34,8 +35,11 @@ from autopar.cost.work import causal_skipped, compute_rate, global_work, work_sp
 from autopar.planning.greedy import greedy_plan
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.planning.memory import SavedValue, plan_memory, saved_nodes, weight_chain
+from autopar.planning.plan_cost import GraphFacts, plan_cost
 from autopar.planning.ring_cost import op_extra_cost
 from autopar.planning.search_blocks import Clock, chains, make_blocks, sweep, trees
+from autopar.planning.search_cost import ElementCost
+from autopar.planning.search_seeds import fixed_seeds
 from autopar.planning.search_vars import Edge, PairTable, SharedMatrices, Tally, Var
 from autopar.planning.storage import part_dim_at, part_dims, part_storage, replicated_storage
 from autopar.rules.base import RuleRegistry
@@ -89,6 +93,11 @@ class Shared:
     pruned_indices: dict[tuple[int, bytes], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     # axis roles -> the greedy plan with them (or what it raised): `role_plan`
     role_plans: dict[tuple[str, ...], Plan | Exception] = field(default_factory=dict)
+    # the registry asked and the fixed schemes' plans on this mesh with it: `fixed_plans`
+    fixed: tuple[RuleRegistry, list[tuple[str, Plan | AutoparError]]] | None = None
+    # (id of a plan, id of a cost) -> (that plan, that cost: kept so the ids stay theirs; its
+    # `plan_cost`): `priced`
+    prices: dict[tuple[int, int], tuple[Plan, ElementCost, float]] = field(default_factory=dict)
 
     def role_plan(self, gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry, roles: tuple[str, ...]) -> Plan:
         """`greedy_plan` with these axis roles and nothing forced, once per graph and mesh: the
@@ -105,6 +114,29 @@ class Shared:
         if isinstance(found, Exception):
             raise found
         return found
+
+    def fixed_plans(
+        self, gm: fx.GraphModule, mesh: Mesh, registry: RuleRegistry
+    ) -> list[tuple[str, Plan | AutoparError]]:
+        """`search_seeds.fixed_seeds` (each scheme variant's plan, or why it failed), once per graph,
+        mesh and registry: the screen prices them for its estimate and the search of a kept mesh
+        starts from them once per weight storage (`search._starts`), every time the same greedy
+        passes (forced linears, the same candidate lists and memo), so the same plans. On the
+        LLaMA-7B shape at 64 ranks that is one to six passes of the whole graph per kept mesh
+        and storage, run once instead of two or three times."""
+        if self.fixed is None or self.fixed[0] is not registry:
+            self.fixed = registry, list(fixed_seeds(gm, mesh, registry, self.expand, self.greedy))
+        return self.fixed[1]
+
+    def priced(self, gm: fx.GraphModule, plan: Plan, mesh: Mesh, cost: ElementCost, facts: GraphFacts) -> float:
+        """`plan_cost` of one of the plans above (`role_plan`, `fixed_plans`) under `cost`, once: the
+        screen prices the default roles' plan and the fixed schemes' for its estimate, and the
+        search of a kept mesh prices them again as its seeds (same plan, same cost object)."""
+        key = (id(plan), id(cost))
+        found = self.prices.get(key)
+        if found is None:
+            found = self.prices[key] = (plan, cost, plan_cost(gm, plan, mesh, cost, facts))
+        return found[2]
 
 
 class Problem:
