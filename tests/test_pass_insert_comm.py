@@ -38,6 +38,7 @@ KIND_OF_TARGET = {
     c10d.all_gather_into_tensor.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
+    c10d.all_reduce_.default: "all_reduce",  # a gradient bucket's sum, in place on its cat (passes/bucket.py)
     c10d.all_to_all_single.default: "all_to_all",
 }
 
