@@ -28,13 +28,17 @@ from autopar.planning.greedy import FLOP_WEIGHT, _redist
 from autopar.planning.search_steps import StepCache, element_factor, even_steps, instantiate
 from autopar.planning.storage import gather_from_storage, storage_layout
 
-# What one collective costs beyond its elements, in element counts: one element, which breaks ties
-# between plans moving the same elements towards fewer collectives (one all-reduce of 2 numbers
-# against two of 1). gloo's measured per-call cost would be 91,275 (the cpu-gloo table's `call`,
-# 1.0 ms from torch.profiler of rank 0 in benchmarks/peers.py's 8-rank job, at its 365.1 MB/s, in
-# float32 elements), but at that price the tests' small shapes plan otherwise (test_search_golden's
-# 3-D grid regime, test_search_memory's stored transpose): weighing it against bandwidth is left open.
-CALL_ELEMENTS = 1.0
+# What one collective costs beyond its elements, in element counts: a tie-breaker, 2**-5 of an
+# element, so that of two plans moving the same elements the one with fewer collectives wins (one
+# all-reduce of a loss's [sum, count] pair against two of 1 number, `rules.decompositions`). It
+# must beat the flop term's credit to ops with a pending-sum output (`work_split` divides their
+# work over the axis: the pair's `unbind` and division, 3 (1 - 1/g) / 200 elements, at most 0.015)
+# and stay far below one element: at 1.0 (ddp15) it flipped plans 8 elements apart, here a plan
+# needs 32 collectives more to lose one element. A power of two keeps sums of halves exact.
+# gloo's measured per-call cost would be 91,275 (the cpu-gloo table's 1.0 ms `call` at its
+# 365.1 MB/s, in float32 elements), but at that price the tests' small shapes plan otherwise
+# (test_search_golden's 3-D grid regime, test_search_memory's stored transpose): left open.
+CALL_ELEMENTS = 2.0**-5
 
 # per step of a program: elements per block element, num, den, bandwidth, latency plus call, latency
 # (latency steps x alpha), call
