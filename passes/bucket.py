@@ -460,8 +460,8 @@ def _merge(gm: fx.GraphModule, members: list[_Candidate], shape: tuple[int, ...]
     rowwise = kind in ("reduce_scatter", "all_to_all")
     cat = after(aten.cat.default, (flats, 1 if rowwise else 0), total * bpe)
     step = _bucket_step(kind, axis, total, g, dtype, len(shape))
-    if kind == "all_reduce":
-        merged = after(c10d.all_reduce.default, (cat, "sum", group), total * bpe, comm=step, comm_group=group)
+    if kind == "all_reduce":  # in place on the buffer `cat` just made: the functional op would copy it first
+        merged = after(c10d.all_reduce_.default, (cat, "sum", group), total * bpe, comm=step, comm_group=group)
     elif kind == "all_gather":
         merged = after(
             c10d.all_gather_into_tensor.default, (cat, g, group), g * total * bpe, comm=step, comm_group=group

@@ -43,7 +43,7 @@ def _collective(
     group = [inputs[c] for c in group_of(coords, axis, mesh_shape)]
     me = coords[axis]
     g = mesh_shape[axis]
-    if node.target is c10d.all_reduce.default:
+    if node.target in (c10d.all_reduce.default, c10d.all_reduce_.default):  # (in place: its buffer is read once)
         assert node.args[1] == "sum"
         return sum(group[1:], group[0].clone())
     if node.target is c10d.all_gather_into_tensor.default:

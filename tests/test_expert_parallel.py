@@ -462,8 +462,10 @@ def test_plan_summary_prices_each_placement_of_the_experts() -> None:
     one axis alone, beside the plans keeping them whole; the summary lists its cheapest plan for
     each placement it reached, cheapest first, and the plan holds the experts on the first. On
     (2, 2) in element counts Qwen3-MoE's experts go over both axes (x alone costs more than
-    keeping them whole); on (2, 2, 2) over z alone is its cheapest split, but whole is cheaper."""
-    for shape, chosen in (((2, 2), ("x", "y")), ((2, 2, 2), ())):
+    keeping them whole); on (2, 2, 2) over all three (5.414e4 elements against 6.531e4 whole,
+    8.558e4 over x alone; the search reaches that plan since the loss's [sum, count] pair and
+    the per-collective tie-breaker `search_cost.CALL_ELEMENTS` came in, before them whole won)."""
+    for shape, chosen in (((2, 2), ("x", "y")), ((2, 2, 2), ("x", "y", "z"))):
         experts = _compile_rank0(_qwen3_moe, shape).report.experts
         assert experts is not None and experts.axes == chosen, experts
         costs = dict(experts.axes_costs)

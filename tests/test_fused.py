@@ -13,6 +13,7 @@ from autopar.core.meta import has_info, info, signature
 from autopar.core.redistribute import plan_redistribute, redistribute_cost
 from autopar.passes.trace import trace
 from autopar.planning.search import ElementCost, plan_cost_parts, search_layouts
+from autopar.planning.search_cost import CALL_ELEMENTS
 from autopar.planning.storage import part_dim_at, part_dims
 from autopar.rules.registry import default_registry
 
@@ -128,4 +129,5 @@ def test_the_search_prices_parts_in_the_storage_they_get() -> None:
     comm, _ = plan_cost_parts(gm, plan, mesh, ElementCost(mesh.shape), once=True)
     compiled = compile_for_rank(model, mesh, inputs, coords=(0, 0, 0), planner="search")
     assert signature(compiled.graph).param_parts  # split by default with the search
-    assert comm == pytest.approx(sum(c.elements for c in compiled.report.collectives), rel=1e-6)
+    emitted = compiled.report.collectives  # each one's elements, plus element counts' term per call
+    assert comm == pytest.approx(sum(c.elements for c in emitted) + CALL_ELEMENTS * len(emitted), rel=1e-6)

@@ -57,3 +57,34 @@ def test_bert_multi_label_classification_at_defaults_equals_serial() -> None:
     ids = torch.randint(64, (4, 8), generator=g)
     labels = torch.randint(0, 2, (4, 3), generator=g).float()
     assert_call_matches_serial(model, (2,), (), {"input_ids": ids, "labels": labels})
+
+
+class TokenLoss(nn.Module):
+    """A language model's head and its mean cross entropy over the tokens not ignored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 32)
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.emb(ids)))
+        return F.cross_entropy(logits.view(-1, 16), labels.view(-1))
+
+
+def test_a_token_mean_reduces_its_sum_and_count_in_one_all_reduce() -> None:
+    """With the tokens split, the loss's sum and its count of targets not ignored are one pending
+    sum of 2 numbers, all-reduced once in forward (were: the per-token losses and the ignore mask
+    all-gathered, two collectives); loss and gradients equal serial's."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(16, (8, 16), generator=g), torch.randint(16, (8, 16), generator=g)
+    labels[:, :3] = -100
+    compiled = assert_call_matches_serial(TokenLoss(), (2,), (ids, labels))
+    for rank in compiled.values():
+        at_loss = [
+            info.comm
+            for n in rank.graph.graph.nodes
+            if (info := n.meta.get("autopar")) is not None and info.comm is not None and info.module_path == "<root>"
+        ]
+        assert [(c.kind, c.before.shape) for c in at_loss] == [("all_reduce", (2,))]

@@ -20,6 +20,7 @@ from pass_fixtures import (
 )
 
 from autopar.compiler.driver import compile_for_rank
+from autopar.core.collectives import functional_sums
 from autopar.core.layout import Layout, P, R, Shard
 from autopar.core.mesh import Mesh
 from autopar.core.meta import info
@@ -61,7 +62,7 @@ def test_small_all_reduces_ready_together_become_one_bucket() -> None:
     calls = [n for n in bucketed.graph.nodes if n.op == "call_function"]
     assert [n.target for n in calls] == [
         aten.reshape.default, aten.reshape.default, aten.reshape.default, aten.cat.default,
-        c10d.all_reduce.default, c10d.wait_tensor.default,
+        c10d.all_reduce_.default, c10d.wait_tensor.default,
         aten.narrow.default, aten.view.default, aten.narrow.default, aten.view.default,
         aten.narrow.default, aten.view.default,
         aten.mul.Tensor, aten.mul.Tensor, aten.mul.Tensor,
@@ -81,6 +82,11 @@ def test_small_all_reduces_ready_together_become_one_bucket() -> None:
     want, got = _lockstep_small(plain), _lockstep_small(bucketed)
     for c in want:
         assert all(torch.equal(x, y) for x, y in zip(got[c], want[c]))
+    # for torch.compile the in-place sum goes back to the functional op (Inductor reinplaces it)
+    functional_sums(bucketed)
+    assert [n.target for n in collectives(bucketed)] == [c10d.all_reduce.default]
+    got = _lockstep_small(bucketed)
+    assert all(torch.equal(x, y) for c in want for x, y in zip(got[c], want[c]))
 
 
 def test_sums_on_larger_groups_merge_unless_bit_identity_is_asked_for() -> None:
@@ -88,7 +94,7 @@ def test_sums_on_larger_groups_merge_unless_bit_identity_is_asked_for() -> None:
     (float rounding, as DDP's buckets): merged by default, kept apart with `max_sum_group=2`."""
     on_four = schedule(_small_reductions(), Mesh.from_shape((4,)))
     assert on_four.meta["autopar_schedule"].buckets == 1
-    assert [n.target for n in collectives(on_four)] == [c10d.all_reduce.default]
+    assert [n.target for n in collectives(on_four)] == [c10d.all_reduce_.default]
     gm = _small_reductions()
     report = bucket(gm, (4,), max_sum_group=2)
     assert (report.buckets, report.merged) == (0, 0)
@@ -118,7 +124,7 @@ def test_collectives_ready_apart_merge_when_both_are_needed_later() -> None:
     report = bucket(gm, (2,))
     assert (report.buckets, report.merged) == (1, 2)
     assert node_names(gm) == [
-        "a", "b", "m", "reshape_default", "reshape_default_1", "cat_default", "all_reduce_default",
+        "a", "b", "m", "reshape_default", "reshape_default_1", "cat_default", "all_reduce__default",
         "wait_tensor_default", "narrow_default", "view_default", "t", "narrow_default_1",
         "view_default_1", "s", "output",
     ]  # fmt: skip
@@ -147,7 +153,7 @@ def test_the_clock_keeps_a_collective_out_when_waiting_would_expose_it(big: bool
     report = bucket(gm, (2,), clock=_SlowMul(Mesh.from_shape((2,)), "h100-nvlink-ib"))
     assert report.buckets == merged
     names = [n.name for n in collectives(gm)]
-    assert names == (["all_reduce_default"] if merged else ["ar_a", "ar_m"])
+    assert names == (["all_reduce__default"] if merged else ["ar_a", "ar_m"])
 
 
 def _two_all_to_alls() -> fx.GraphModule:
@@ -266,7 +272,7 @@ def test_a_bucket_of_gradients_stays_a_gradient() -> None:
     assert "h" not in {n.name for n in tail}  # it feeds two outputs
     # the bucket is issued as soon as its inputs exist and waited on only for the gradients
     assert node_names(schedule(gm)) == [
-        "g", "d", "reshape_default", "reshape_default_1", "cat_default", "all_reduce_default",
+        "g", "d", "reshape_default", "reshape_default_1", "cat_default", "all_reduce__default",
         "h", "k1", "k2",
         "wait_tensor_default", "narrow_default", "view_default", "gout1", "narrow_default_1",
         "view_default_1", "gout2", "output",
@@ -298,7 +304,7 @@ def test_a_collective_pulls_up_the_compute_it_needs_to_join_a_bucket() -> None:
     assert (report.buckets, report.merged) == (1, 2)
     assert node_names(gm) == [
         "g", "x", "s1", "gx", "s2", "d2", "reshape_default", "reshape_default_1", "cat_default",
-        "all_reduce_default", "wait_tensor_default", "narrow_default", "view_default",
+        "all_reduce__default", "wait_tensor_default", "narrow_default", "view_default",
         "narrow_default_1", "view_default_1", "u", "out", "output",
     ]  # fmt: skip
     gen = torch.Generator().manual_seed(6)

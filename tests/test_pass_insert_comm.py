@@ -16,6 +16,7 @@ from pass_fixtures import (
     COLLECTIVES,
     H,
     T,
+    aten,
     c10d,
     collectives,
     gpt_compiled,
@@ -27,6 +28,7 @@ from pass_fixtures import (
 from autopar.core.layout import Layout, P, R, Shard
 from autopar.core.mesh import Mesh
 from autopar.core.meta import NodeInfo, info, set_info, signature
+from autopar.core.strategy import Strategy
 from autopar.passes.insert_comm import insert_comm
 from autopar.testing import all_coords, assemble, shard_tensor
 from autopar.testing.strategies import layout_pairs
@@ -38,6 +40,7 @@ KIND_OF_TARGET = {
     c10d.all_gather_into_tensor.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
+    c10d.all_reduce_.default: "all_reduce",  # a gradient bucket's sum, in place on its cat (passes/bucket.py)
     c10d.all_to_all_single.default: "all_to_all",
 }
 
@@ -188,6 +191,32 @@ def test_every_consumer_reads_its_strategys_input_layouts() -> None:
         ]
         for inp, want in zip(inputs, info(node).strategy.inputs):
             assert info(inp).layouts[0] == want, (node.name, inp.name)
+
+
+def test_a_user_output_never_reuses_a_collective_made_in_backward() -> None:
+    """A forward value a backward op wants whole first (the graph's order: backward before the
+    output node), then the user output wants whole too: the output gets its own forward all-reduce.
+    Reusing the backward one would hand forward a value it runs before (emit splits the graphs
+    there: BertForSequenceClassification's multi-label logits stopped with a KeyError)."""
+    shape = (4,)
+    pending, whole = Layout((P,), shape, torch.float32), Layout((R,), shape, torch.float32)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(shape)
+    set_info(x, NodeInfo(role="input", phase="forward", layouts=(pending,), input_index=0))
+    grad = graph.call_function(aten.mul.Tensor, (x, x))
+    grad.meta["val"] = torch.empty(shape)
+    both_whole = Strategy((whole, whole), (whole,))
+    set_info(grad, NodeInfo(role="compute", phase="backward", strategy=both_whole, layouts=(whole,)))
+    out = graph.output((x, grad))
+    set_info(out, NodeInfo(role="output", phase="forward", layouts=(whole, whole)))
+    gm = insert_comm(fx.GraphModule(torch.nn.Module(), graph), Mesh.from_shape((2,)), (0,))
+    mul = next(iter(gm.graph.find_nodes(op="call_function", target=aten.mul.Tensor)))
+    returned = next(iter(gm.graph.find_nodes(op="output"))).args[0][0]
+    assert {info(n).phase for n in mul.args} == {"backward"} and mul.args[0] is mul.args[1]
+    assert returned is not mul.args[0] and info(returned).phase == "forward" and _source(returned) is x
+    reduces = [(info(n).phase, info(n).comm.kind) for n in collectives(gm)]
+    assert reduces == [("backward", "all_reduce"), ("forward", "all_reduce")]
 
 
 # ---- the lowered steps compute the redistribution (simulated on every rank) --------------------

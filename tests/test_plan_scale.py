@@ -38,7 +38,7 @@ from autopar.planning.mesh_choice import MeshChoice, mesh_candidates, rank_meshe
 from autopar.planning.mesh_screen import estimate, screen
 from autopar.planning.plan_cost import GraphFacts
 from autopar.planning.search import TimeCost, search_layouts
-from autopar.planning.search_cost import ElementCost
+from autopar.planning.search_cost import CALL_ELEMENTS, ElementCost, collective_count
 from autopar.planning.search_steps import REPLICATE, StepCache, canonical, coded_template
 from autopar.rules.base import admissible, all_replicated, combine, expand
 from autopar.rules.calls import ExpandCache, call_key, expand_cached, op_call
@@ -62,7 +62,11 @@ def test_a_shared_cache_gives_every_mesh_its_own_numbers() -> None:
         for layouts in (small, big):
             table = together.redistribute_table(layouts, layouts)
             assert table.tolist() == alone.redistribute_table(layouts, layouts).tolist()
-        direct = [[redistribute_cost(s, d, mesh) for d in small[:40]] for s in small[:40]]
+        # each pair's elements plus the per-collective term of element counts (`CALL_ELEMENTS`)
+        direct = [
+            [redistribute_cost(s, d, mesh) + CALL_ELEMENTS * collective_count(s, d, mesh) for d in small[:40]]
+            for s in small[:40]
+        ]
         assert together.redistribute_table(small[:40], small[:40]).tolist() == direct
     timed = TimeCost(HW, (8, 8), steps=shared)
     pair = _layouts(2, (64, 64))

@@ -19,6 +19,7 @@ from autopar.core.redistribute import redistribute_cost
 from autopar.passes.trace import trace
 from autopar.planning import search
 from autopar.planning.search import ElementCost, TimeCost, even_factor
+from autopar.planning.search_cost import CALL_ELEMENTS, collective_count
 from autopar.planning.search_steps import (
     StepTemplates,
     canonical,
@@ -76,7 +77,7 @@ def test_power_of_two_meshes_give_the_same_numbers_bit_for_bit() -> None:
         for c in options
     ]
     table = ElementCost(mesh).redistribute_table(layouts, layouts)
-    direct = [[redistribute_cost(s, d, mesh) for d in layouts] for s in layouts]
+    direct = [[_elements_and_calls(s, d, mesh) for d in layouts] for s in layouts]
     assert table.tolist() == direct
     assert table.shape == (125, 125) and table.max() > 0
 
@@ -90,10 +91,10 @@ def test_tables_of_other_sizes_share_factors_and_stay_exact() -> None:
     priced = len(cost._placement_ids)
     second = cost.redistribute_table(big, big)
     assert len(cost._placement_ids) == priced  # the same placements: nothing new to price
-    assert first.tolist() == [[redistribute_cost(s, d, mesh) for d in small] for s in small]
-    assert second.tolist() == [[redistribute_cost(s, d, mesh) for d in big] for s in big]
-    # (S0, R) -> (R, R): all-gather of a 4 x 16 block over x = 2: 64 elements
-    assert first[1, 0] == 64
+    assert first.tolist() == [[_elements_and_calls(s, d, mesh) for d in small] for s in small]
+    assert second.tolist() == [[_elements_and_calls(s, d, mesh) for d in big] for s in big]
+    # (S0, R) -> (R, R): all-gather of a 4 x 16 block over x = 2: 64 elements, one call
+    assert first[1, 0] == 64 + CALL_ELEMENTS
 
 
 def test_uneven_layouts_are_priced_pair_by_pair() -> None:
@@ -102,7 +103,7 @@ def test_uneven_layouts_are_priced_pair_by_pair() -> None:
     uneven = [Layout((Shard(0),), (10, 4)), Layout((R,), (10, 4))]
     cost = ElementCost(mesh)
     table = cost.redistribute_table(uneven, uneven)
-    assert table.tolist() == [[redistribute_cost(s, d, mesh) for d in uneven] for s in uneven]
+    assert table.tolist() == [[_elements_and_calls(s, d, mesh) for d in uneven] for s in uneven]
     # the uneven layout's pairs are priced alone: only the even one's placements enter the steps
     assert set(cost._placement_ids) == {(-2,)}
 
@@ -163,8 +164,29 @@ def test_the_greedy_pass_prices_even_pairs_as_the_tables_do(case: tuple[tuple[in
     if not (src.is_even(mesh) and dst.is_even(mesh)):
         return
     alone = even_redistribute_cost(src, dst, tuple(mesh))
-    assert alone == ElementCost(mesh).redistribute_table([src], [dst])[0, 0]
+    calls = CALL_ELEMENTS * collective_count(src, dst, tuple(mesh)) if src != dst else 0.0
+    assert alone + calls == ElementCost(mesh).redistribute_table([src], [dst])[0, 0]
     assert alone == pytest.approx(redistribute_cost(src, dst, mesh), rel=1e-12)
+
+
+def _elements_and_calls(src: Layout, dst: Layout, mesh: tuple[int, ...]) -> float:
+    """What `ElementCost` prices a redistribution at: its elements, plus one gloo call for each of
+    its collectives (`search_cost.CALL_ELEMENTS`)."""
+    if src == dst:
+        return 0.0
+    return redistribute_cost(src, dst, mesh) + CALL_ELEMENTS * collective_count(src, dst, tuple(mesh))
+
+
+def test_element_counts_price_each_collective_s_call() -> None:
+    """One all-reduce of a pair of numbers costs one gloo call where two all-reduces of one number
+    each cost two (in elements alone they tie); a collective the schedule stage buckets (a gradient
+    into its weight) pays none, a local slice is free."""
+    cost = ElementCost((2,))
+    pair, one = Layout((P,), (2,)), Layout((P,), ())
+    assert cost.redistribute(pair, Layout((R,), (2,))) == 2 + CALL_ELEMENTS
+    assert 2 * cost.redistribute(one, Layout((R,), ())) == 2 + 2 * CALL_ELEMENTS
+    assert cost.bucketed(pair, Layout((R,), (2,))) == 2
+    assert cost.redistribute(Layout((R,), (4,)), Layout((Shard(0),), (4,))) == 0
 
 
 def test_a_table_priced_piece_by_piece_is_the_whole_table() -> None:

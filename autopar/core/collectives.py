@@ -19,6 +19,7 @@ COLLECTIVES = (
     c10d.all_gather_into_tensor.default,
     c10d.reduce_scatter_tensor.default,
     c10d.all_reduce.default,
+    c10d.all_reduce_.default,  # a bucket's sum, in place on the buffer it just concatenated
     c10d.all_to_all_single.default,
 )
 
@@ -41,6 +42,19 @@ class BucketMember:
     name: str
     step: CommStep
     module_path: str
+
+
+def functional_sums(gm: fx.GraphModule) -> None:
+    """`gm` with its in-place all-reduces (a bucket's sum on the buffer it concatenated) as the
+    functional op, for `torch.compile`: AOT autograd's functionalization refuses a custom op whose
+    output aliases its input, and Inductor's reinplacing pass turns the functional op back into
+    the in-place one where the input is not read again (a bucket's buffer is not)."""
+    changed = False
+    for node in gm.graph.find_nodes(op="call_function", target=c10d.all_reduce_.default):
+        node.target = c10d.all_reduce.default
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 def comm_group(collective: fx.Node) -> str:

@@ -12,6 +12,7 @@ those of pricing each pair alone (tests/test_search_tables.py), only much cheape
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -20,12 +21,24 @@ import numpy as np
 import torch
 
 from autopar.core.layout import Layout, Placement, itemsize, summed
-from autopar.core.redistribute import CommStep
+from autopar.core.redistribute import CommStep, plan_redistribute
 from autopar.cost.formulas import MeshCost, latency_steps, redistribute_time
 from autopar.cost.hardware import Link, Rate, load_hardware
 from autopar.planning.greedy import FLOP_WEIGHT, _redist
 from autopar.planning.search_steps import StepCache, element_factor, even_steps, instantiate
 from autopar.planning.storage import gather_from_storage, storage_layout
+
+# What one collective costs beyond its elements, in element counts: a tie-breaker, 2**-5 of an
+# element, so that of two plans moving the same elements the one with fewer collectives wins (one
+# all-reduce of a loss's [sum, count] pair against two of 1 number, `rules.decompositions`). It
+# must beat the flop term's credit to ops with a pending-sum output (`work_split` divides their
+# work over the axis: the pair's `unbind` and division, 3 (1 - 1/g) / 200 elements, at most 0.015)
+# and stay far below one element: at 1.0 (ddp15) it flipped plans 8 elements apart, here a plan
+# needs 32 collectives more to lose one element. A power of two keeps sums of halves exact.
+# gloo's measured per-call cost would be 91,275 (the cpu-gloo table's 1.0 ms `call` at its
+# 365.1 MB/s, in float32 elements), but at that price the tests' small shapes plan otherwise
+# (test_search_golden's 3-D grid regime, test_search_memory's stored transpose): left open.
+CALL_ELEMENTS = 2.0**-5
 
 # per step of a program: elements per block element, num, den, bandwidth, latency plus call, latency
 # (latency steps x alpha), call
@@ -33,7 +46,11 @@ _FIELDS = 7
 
 
 class ElementCost:
-    """Elements sent per rank plus flops / 200: the greedy pass's units (no hardware table).
+    """Elements sent per rank plus flops / 200, plus `CALL_ELEMENTS` per collective: the greedy
+    pass's units (no hardware table) with a per-call tie-breaker, so that of two plans moving the
+    same elements the one with fewer collectives wins (a CPU mesh's default).
+    Collectives the schedule stage merges into buckets (`bucketed`: gradient reductions into their
+    weights; weight gathers from storage) pay no call each, as `TimeCost.bucketed` pays none.
 
     `steps`: where pairs of placements keep their steps (`search_steps.StepCache`); the mesh
     choice shares one between the candidates, so each pair is worked out once per number of axes."""
@@ -52,15 +69,19 @@ class ElementCost:
         self._programs = np.zeros((0, len(self.shape), _FIELDS))  # per template: its numbers here
 
     def redistribute(self, src: Layout, dst: Layout) -> float:
-        return _redist(src, dst, self.shape)
+        if src == dst:
+            return 0.0
+        return _redist(src, dst, self.shape) + CALL_ELEMENTS * collective_count(src, dst, self.shape)
 
     def gather_from_storage(self, want: Layout) -> float:
+        """Elements received to build `want` from storage, no call: the schedule stage gathers
+        weights in buckets (one call for many weights)."""
         return gather_from_storage(want, self.shape)
 
     def bucketed(self, src: Layout, dst: Layout) -> float:
-        """`redistribute` for a collective the schedule stage merges with many like it (gradient
-        reductions into their weights): element counts have no per-call part, so the same."""
-        return self.redistribute(src, dst)
+        """`redistribute` without the call: a collective the schedule stage merges with many like
+        it (gradient reductions into their weights) pays one call per bucket, a small share each."""
+        return _redist(src, dst, self.shape)
 
     def compute(self, work: float, split: int, rate: Rate = torch.float32) -> float:
         return FLOP_WEIGHT * work / split  # element counts: every dtype alike
@@ -68,8 +89,8 @@ class ElementCost:
     def ring_shift(self, block: Layout, axis: int) -> tuple[float, float]:
         """(what a block's compute can hide, what it cannot) of passing `block` to the next rank on
         `axis` (ring attention's exchange, `ring_cost.ring_exchange_cost`): in element counts
-        nothing overlaps (every collective's elements count whole), so all of it shows."""
-        return 0.0, CommStep("ring_shift", axis, block, block).elements_sent(self.shape)
+        nothing overlaps (every collective's elements count whole), so all of it shows, its call too."""
+        return 0.0, CommStep("ring_shift", axis, block, block).elements_sent(self.shape) + CALL_ELEMENTS
 
     def redistribute_table(
         self,
@@ -128,7 +149,13 @@ class ElementCost:
             step = programs[None, :, k]
             elements = step[..., 0] * (blocks[:, None] * step[..., 1] / step[..., 2])
             value = value + self._step_cost(elements, step, outs[0], exact)
+        value = value + self._calls(programs)  # (after the elements, as `redistribute` adds it)
         return value[block_of.reshape(-1, 1), program_of.reshape(which.shape)]
+
+    def _calls(self, programs: np.ndarray) -> np.ndarray:
+        """`CALL_ELEMENTS` per collective of each program (its steps that send: unused steps are
+        zeros), as `redistribute` adds it."""
+        return CALL_ELEMENTS * (programs[..., 0] > 0).sum(axis=1)
 
     def _step_cost(self, elements: np.ndarray, step: np.ndarray, layout: Layout, exact: bool) -> np.ndarray:
         return elements
@@ -209,12 +236,23 @@ class TimeCost(ElementCost):
         link = self.mesh.links[axis]
         return link.bandwidth, link.alpha, link.call
 
+    def _calls(self, programs: np.ndarray) -> np.ndarray:
+        return np.zeros(programs.shape[0])  # each step's latency and call are in `_step_cost`
+
     def _step_cost(self, elements: np.ndarray, step: np.ndarray, layout: Layout, exact: bool) -> np.ndarray:
         # `formulas.step_time`: bytes sent / bandwidth + latency steps * alpha + the call's own time
         # (`exact`: added in its order; else the latency and the call as one term, as the even
         # tables have always been priced: the same to a few ulps)
         sent = elements * itemsize(layout.dtype) / step[..., 3]
         return sent + step[..., 5] + step[..., 6] if exact else sent + step[..., 4]
+
+
+@functools.lru_cache(maxsize=200_000)
+def collective_count(src: Layout, dst: Layout, mesh_shape: tuple[int, ...]) -> int:
+    """How many collectives `redistribute(src, dst)` issues (its steps; a local slice is none)."""
+    if src.shape == dst.shape and src.is_even(mesh_shape) and dst.is_even(mesh_shape):
+        return len(even_steps(src.placements, dst.placements, mesh_shape))
+    return sum(step.is_collective for step in plan_redistribute(src, dst, mesh_shape))
 
 
 def _distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

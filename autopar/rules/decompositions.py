@@ -240,6 +240,30 @@ def _target_dtype_checked(decomposition: Callable[..., Any]) -> Callable[..., An
     return checked
 
 
+def _one_reduction_mean(decomposition: Callable[..., Any]) -> Callable[..., Any]:
+    """`nll_loss` with a mean over unweighted float32/64 rows, its two sums (the rows' losses, the
+    count of targets other than `ignore_index`) stacked into one pair: split rows then leave one
+    pending sum of 2 numbers, one all-reduce, where the sums apart were two collectives (the
+    count's bool summands cannot carry a pending sum, so the plan gathered the mask, then the
+    losses); the planners' per-collective cost (`search_cost.CALL_ELEMENTS` in element counts,
+    `Link.call` on a table) makes that one collective the cheaper plan. The pair has one reader,
+    `unbind`, so settling it is one edge of the search: read by two `select`s, both and the division
+    had to move at once, which the search's block moves do not reach. The count, summed in the
+    loss's float dtype, is exact below 2**24 targets. Half-precision counts would round, and
+    weighted or 1-D calls keep torch's decomposition."""
+
+    @functools.wraps(decomposition)
+    def stacked(x: torch.Tensor, target: torch.Tensor, weight: Any, reduction: int, ignore_index: int) -> Any:
+        if reduction != 1 or weight is not None or x.dim() != 2 or x.dtype not in (torch.float32, torch.float64):
+            return decomposition(x, target, weight, reduction, ignore_index)
+        rows, _ = decomposition(x, target, None, 0, ignore_index)
+        sums = torch.stack([rows.sum(), (target != ignore_index).to(x.dtype).sum()])
+        total, count = sums.unbind()
+        return total / count, count
+
+    return stacked
+
+
 TARGET_DTYPES = (torch.long, torch.uint8)  # the class-index targets torch's nll_loss kernels take
 _NLL_FORWARDS = (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)
 
@@ -307,6 +331,7 @@ def sharding_decompositions() -> dict[Any, Callable[..., Any]]:
         *LOSS_DECOMPOSED,
     ):
         table[op] = decomposition_table[op]
+    table[aten.nll_loss_forward.default] = _one_reduction_mean(table[aten.nll_loss_forward.default])
     for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default):
         table[op] = _target_dtype_checked(table[op])
     return table

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from autopar.core.collectives import functional_sums
 from autopar.core.precision import autocast_off
 from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.groups import failures_named
@@ -140,6 +141,7 @@ def compiled_by_inductor(program: EmittedProgram) -> EmittedProgram:
     FX graph cache lets ranks (and later runs) with an identical local graph reuse one compile."""
     graphs = []
     for gm in (program.forward, program.backward):
+        functional_sums(gm)  # (the same sums: Inductor makes them in place again)
         if isinstance(gm, _LazyGraphModule):
             gm.real_recompile()  # dynamo must see the real code, not the lazy stub (a graph break)
         graphs.append(torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False))
