@@ -12,6 +12,7 @@ out as the scheme's closed form has them (`_grid_attention_seed`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Callable, Iterator, Sequence
@@ -21,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.errors import AutoparError, ShardingError
-from autopar.core.layout import Partial, R, RowDisjoint, Shard
+from autopar.core.layout import Partial, Placement, R, RowDisjoint, Shard
 from autopar.core.mesh import Mesh
 from autopar.core.meta import has_info, info
 from autopar.core.plan import Plan
@@ -155,18 +156,13 @@ def _attention_forced(
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in (FORWARD, BACKWARD):
             continue
-        rule = registry.get(node.target)
         q = 1 if node.target == BACKWARD else 0  # (after grad_out in backward)
-        candidates = expand_cached(node, rule, op_call(node), mesh.shape, expand_cache) if rule else []
-        choice = next(
-            (
-                s
-                for s in candidates
-                if s.inputs[q].placements == query
-                and s.inputs[q + 1].placements == keys
-                and s.inputs[q + 2].placements == keys
-            ),
-            None,
+        choice = _first_candidate(
+            node,
+            mesh,
+            registry,
+            expand_cache,
+            functools.partial(_splits_attention, q, query, keys),
         )
         if choice is None:
             return {}
@@ -197,25 +193,47 @@ def _stream_forced(
             continue
         if (val.shape[:-1].numel(), val.shape[-1]) not in hidden or not has_info(node):
             continue
-        rule = registry.get(node.target)
-        if rule is None or (info(node).module_path + ".").startswith(inside):
+        if (info(node).module_path + ".").startswith(inside):
             continue
         tokens = 1 if val.dim() > 2 and val.shape[0] == 1 else 0  # the batch dim, or the sequence's at batch 1
         split = {"T": Shard(tokens), "k": Shard(val.dim() - 1)}
         want = tuple(split.get(letter, R) for letter in scheme.first)
-        choice = next(
-            (
-                s
-                for s in expand_cached(node, rule, op_call(node), mesh.shape, expand_cache)
-                if s.outputs
-                and s.outputs[0].placements == want
-                and not any(isinstance(p, Partial) for lay in s.inputs for p in lay.placements)
-            ),
-            None,
+        choice = _first_candidate(
+            node,
+            mesh,
+            registry,
+            expand_cache,
+            functools.partial(_lays_out, want),
         )
         if choice is not None:
             out[node.name] = choice
     return out
+
+
+def _splits_attention(q: int, query: tuple[Placement, ...], keys: tuple[Placement, ...], s: Strategy) -> bool:
+    """Whether an attention candidate takes its query (input `q`) as `query`, keys and values as `keys`."""
+    return s.inputs[q].placements == query and s.inputs[q + 1].placements == s.inputs[q + 2].placements == keys
+
+
+def _lays_out(want: tuple[Placement, ...], s: Strategy) -> bool:
+    """Whether a candidate's first output is laid out as `want` with no pending sum among its inputs."""
+    return bool(s.outputs) and s.outputs[0].placements == want and not any(
+        isinstance(p, Partial) for lay in s.inputs for p in lay.placements
+    )
+
+
+def _first_candidate(
+    node: fx.Node,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    expand_cache: dict[Any, list[Strategy]],
+    accept: Callable[[Strategy], bool],
+) -> Strategy | None:
+    """The first of `node`'s candidates on `mesh` that `accept` takes (None: none, or no rule)."""
+    rule = registry.get(node.target)
+    if rule is None:
+        return None
+    return next((s for s in expand_cached(node, rule, op_call(node), mesh.shape, expand_cache) if accept(s)), None)
 
 
 def order_seeds(
