@@ -23,7 +23,7 @@ module-path count and for the AxoNN grid, the others ranked by that count).
 "search" cuts fused projections into one linear per piece by default (split_fused, docs/planning.md), "greedy"
 does not; "+split" / "+fused" force the cut on / off.
 
-Writes benchmarks/results/plan_quality.json.
+Writes benchmarks/results/plan_quality.json (`--name`: another name, e.g. one file per p).
 """
 
 from __future__ import annotations
@@ -148,6 +148,7 @@ def main() -> None:
         "--best-marginal", action="store_true",
         help="the 2-layer compile only for the best mesh per (p, planner) and the AxoNN grid (faster)",
     )
+    parser.add_argument("--name", default="plan_quality", help="benchmarks/results/<name>.json (one run per p)")
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -269,7 +270,7 @@ def main() -> None:
     elapsed = time.perf_counter() - started
     print(f"\n{len(runs)} compiles (+{len(fewer)} with {LAYERS - 1} layers) in {elapsed:.0f} s")
     path = write_result(
-        "plan_quality",
+        args.name,
         {
             "model": {"n_layer": LAYERS, "counted_layer": LAYERS // 2, "h": H, "heads": HEADS, "seq": SEQ,
                       "batch": BATCH, "vocab": VOCAB},

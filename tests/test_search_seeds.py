@@ -17,7 +17,10 @@ import pytest
 import torch
 import torch.fx as fx
 
+from autopar.core.layout import R, Shard
 from autopar.core.mesh import Mesh
+from autopar.core.meta import info
+from autopar.core.plan import Plan
 from autopar.passes.trace import trace
 from autopar.planning import search_seeds
 from autopar.planning.fixed import (
@@ -30,7 +33,8 @@ from autopar.planning.fixed import (
     variants_on,
 )
 from autopar.planning.search import ElementCost, SearchReport, TimeCost, plan_cost, search_layouts
-from autopar.planning.search_seeds import PREFIX
+from autopar.planning.search_seeds import ATTENTION, PREFIX
+from autopar.rules import context_parallel
 from autopar.rules.registry import default_registry
 from examples.models import GPT, GPTConfig
 
@@ -66,7 +70,7 @@ def _searched(shape: tuple[int, ...], hardware: str | None) -> tuple[float, Sear
 @pytest.mark.parametrize("hardware", HARDWARE)
 @pytest.mark.parametrize(
     ("shape", "key", "variants"),
-    [((2, 2, 2), "cube_3d", 6), ((2, 4), "summa_2d", 2), ((4, 2), "summa_2d", 2), ((8,), "megatron_1d", 1)],
+    [((2, 2, 2), "cube_3d", 12), ((2, 4), "summa_2d", 2), ((4, 2), "summa_2d", 2), ((8,), "megatron_1d", 1)],
 )
 def test_search_is_at_most_every_fixed_seed(
     shape: tuple[int, ...], key: str, variants: int, hardware: str | None
@@ -141,15 +145,17 @@ def test_three_unequal_axes_take_the_cube_letters_as_a_grid_seed() -> None:
     assert variants_on(GRID_3D, (1, 2, 8), gm) == []  # two sized axes: 2-D's, not the grid's
     final, report = _searched((2, 2, 4), None)
     names = [name for name in report.seeds if name.startswith(PREFIX + TITLES[GRID_3D])]
-    assert len(names) == 6 and not report.failed_fixed
+    assert len(names) == 12 and not report.failed_fixed  # each order, and with attention forced too
     assert "fixed:3-D grid (x=2: k/n, y=2: n/k, z=4: T)" in names
     assert final <= min(report.seeds[name] for name in names) * (1 + 1e-12)
 
 
 def test_the_grid_seed_ends_below_the_other_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
     """On (2, 4, 2) on the H100 table (the graph cut as the search plans it, `split_fused`), the
-    search from the 3-D grid (tokens on y, the linears' features on x and z) ends 7 % below the
-    search from every other seed: no role assignment's greedy pass lays the linears out so."""
+    search from the 3-D grid ends 7 % below the search from every other seed: no role assignment's
+    greedy pass lays the linears out so. It starts from the grid's order with attention and the
+    residual stream forced too (tokens on z), and ends below the search from the grid's linears alone
+    (whose best order puts tokens on y)."""
     with torch.device("meta"):
         model = GPT(CFG)
     idx = torch.zeros(8, CFG.block_size, dtype=torch.long)
@@ -162,8 +168,42 @@ def test_the_grid_seed_ends_below_the_other_seeds(monkeypatch: pytest.MonkeyPatc
         return gm.meta["autopar_search"]
 
     with_grid = searched()
-    assert with_grid.chosen_seed == "fixed:3-D grid (x=2: k/n, y=4: T, z=2: n/k)"
+    assert with_grid.chosen_seed == f"fixed:3-D grid (x=2: k/n, y=4: n/k, z=2: T){ATTENTION}"
+    monkeypatch.setattr(search_seeds, "GRID_SCHEMES", ())  # the grid's orders without attention forced
+    linears_only = searched()
+    assert linears_only.chosen_seed == "fixed:3-D grid (x=2: k/n, y=4: T, z=2: n/k)"
+    assert with_grid.final_cost < linears_only.final_cost
     monkeypatch.setattr(search_seeds, "SEED_SCHEMES", SCHEMES)
     without = searched()
     assert not any(name.startswith(PREFIX + TITLES[GRID_3D]) for name in without.seeds)
     assert with_grid.final_cost < without.final_cost * 0.95
+
+
+def test_the_grid_seed_with_attention_and_the_residual_stream_forced() -> None:
+    """Beside each 3-D grid order, a seed with attention and the residual stream laid out as the
+    closed form has them: attention's batch on the token axis, heads on the first linear's n axis,
+    and on its k axis the sequence where k is the earlier mesh axis (x=2: k/n, y=2: n/k) or the
+    heads again where it nests inside n (x=2: n/k, y=2: k/n); the residual adds split as the first
+    linear's input (tokens on T, features on k, whole on n). On (2, 2, 4) both are cheaper than the
+    grid's plan without them."""
+    gm = _traced()
+    shape = (2, 2, 4)
+    mesh = Mesh.from_shape(shape)
+    seeds = dict(search_seeds.fixed_seeds(gm, mesh, REGISTRY, {}))
+    attention = next(n for n in gm.graph.nodes if n.target == context_parallel.FORWARD)
+    adds = [
+        n for n in gm.graph.nodes if n.target == torch.ops.aten.add.Tensor and info(n).module_path == "blocks.0"
+    ]
+    assert len(adds) == 2  # the two residual adds of the first block
+    for order, query, stream in [
+        ("x=2: k/n, y=2: n/k, z=4: T", (Shard(2), Shard(1), Shard(0)), (Shard(2), R, Shard(0))),
+        ("x=2: n/k, y=2: k/n, z=4: T", (Shard(1), Shard(1), Shard(0)), (R, Shard(2), Shard(0))),
+    ]:
+        plain, forced = seeds[f"fixed:3-D grid ({order})"], seeds[f"fixed:3-D grid ({order}){ATTENTION}"]
+        assert isinstance(plain, Plan) and isinstance(forced, Plan)
+        assert forced.strategies[attention.name].inputs[0].placements == query
+        assert all(forced.strategies[a.name].outputs[0].placements == stream for a in adds)
+        assert plain.strategies[attention.name].inputs[0].placements != query or any(
+            plain.strategies[a.name].outputs[0].placements != stream for a in adds
+        )
+        assert plan_cost(gm, forced, mesh, ElementCost(shape)) < plan_cost(gm, plain, mesh, ElementCost(shape))

@@ -5,35 +5,53 @@ The search starts from the cheapest of its seeds and only improves on it, so a f
 lays out on the search's own mesh is a seed too: its plan (`autopar.planning.fixed`: the paired
 linears forced to the scheme, the rest laid out by the greedy pass) is priced like the greedy plans
 of the axis roles. Only schemes whose mesh is the search's mesh (unit axes aside: (1, 8, 8) takes
-the 8x8 grids of 2-D) can seed it; a graph without paired linears has none.
+the 8x8 grids of 2-D) can seed it; a graph without paired linears has none. Each order of the
+3-D cube and grid seeds twice: its linears alone, and with attention and the residual stream laid
+out as the scheme's closed form has them (`_grid_attention_seed`).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from autopar.core.errors import AutoparError, ShardingError
-from autopar.core.layout import RowDisjoint
+from autopar.core.layout import Partial, Placement, R, RowDisjoint, Shard
 from autopar.core.mesh import Mesh
+from autopar.core.meta import has_info, info
 from autopar.core.plan import Plan
 from autopar.core.strategy import Strategy
-from autopar.planning.fixed import SEED_SCHEMES, find_linears, forced_strategies, pair_linears, variants_on
+from autopar.planning.fixed import (
+    GRID_3D,
+    SEED_SCHEMES,
+    Linear,
+    Scheme,
+    find_linears,
+    forced_strategies,
+    pair_linears,
+    variants_on,
+)
 from autopar.planning.greedy import greedy_plan
 from autopar.planning.greedy_roles import axis_roles
 from autopar.planning.greedy_scores import GreedyMemo
 from autopar.rules import expert_parallel, routed_experts
 from autopar.rules.base import RuleRegistry
 from autopar.rules.calls import expand_cached, op_call, tensor_inputs
+from autopar.rules.context_parallel import BACKWARD, FORWARD, SEQ
 
 PREFIX = "fixed:"
 EXPERTS = "experts"
 ORDER = "order:"  # seeds from a narrower registry (`order_seeds`)
 DATA = ":data"  # a dispatcher start laid out with every mesh axis a data axis (`dispatcher_seeds`)
+ATTENTION = " + attention, residual stream"  # a 3-D scheme's seed with those forced too (`_grid_attention_seed`)
+GRID_SCHEMES = ("cube_3d", GRID_3D)
+HEADS = (Shard(1), Shard(1))  # (query, key and value) of attention split by heads
 
 
 def fixed_seeds(
@@ -74,6 +92,148 @@ def fixed_seeds(
                 yield name, exc
                 continue
             yield name, plan
+            if scheme.key in GRID_SCHEMES:
+                yield from _grid_attention_seed(gm, mesh, registry, expand_cache, memo, scheme, forced, name, pairs)
+
+
+def _grid_attention_seed(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    expand_cache: dict[Any, list[Strategy]],
+    memo: GreedyMemo | None,
+    scheme: Scheme,
+    forced: dict[str, Strategy],
+    name: str,
+    pairs: Sequence[tuple[tuple[Linear, ...], Linear]],
+) -> Iterator[tuple[str, Plan | AutoparError]]:
+    """The 3-D scheme `scheme` (cube or grid) with attention and the residual stream forced beside
+    its linears, as the scheme's closed form lays them out (`cost.symbolic.axonn`): the greedy pass
+    around the linears alone does not (on the GPT of `benchmarks/plan_quality.py` at 2x4x8 its
+    plan of the grid's first order sends 151 M elements per rank per layer, this one 106 M).
+
+    - Attention (`_attention_forced`): the batch split on the token axis, the heads on the first
+      linear's n axis, and on its k axis (where the first linear's output is a pending sum) the
+      heads again where that axis nests inside the n axis, else the query sequence (keys and
+      values whole, their gradients partial sums). Either moves what the closed form's all-reduce
+      moves (reduce-scatter, then the output gathered) without running attention again on every
+      rank of the k axis. No start where a call offers no such strategy (heads or sequence not
+      divisible, a split refused).
+    - The residual stream (`_stream_forced`): every value of the hidden shape outside the
+      linears' own modules (layer norms, residual adds, their gradients) split as the first
+      linear's input, tokens on the token axis and features on the k axis. Left to itself the
+      greedy pass reshapes it at each layer norm (an all-to-all onto the sequence and back)."""
+    attention = _attention_forced(gm, mesh, registry, expand_cache, scheme)
+    if not attention:
+        return
+    forced = {**forced, **attention}
+    forced.update(_stream_forced(gm, mesh, registry, expand_cache, scheme, pairs, forced))
+    seeded = name + ATTENTION
+    try:
+        _check_required(gm, registry, forced, seeded)
+        yield seeded, greedy_plan(
+            gm, mesh, registry, roles=scheme.roles, forced=forced, expand_cache=expand_cache, memo=memo
+        )
+    except AutoparError as exc:
+        yield seeded, exc
+
+
+def _attention_forced(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    expand_cache: dict[Any, list[Strategy]],
+    scheme: Scheme,
+) -> dict[str, Strategy]:
+    """Every attention call's strategy under `scheme` (`_grid_attention_seed`), or {} where one
+    has no such candidate."""
+    # a later mesh axis nests inside an earlier one: heads split on n and then on k stay in place
+    k_axis = HEADS if scheme.first.index("k") > scheme.first.index("n") else (Shard(SEQ), R)
+    letters = {"T": (Shard(0), Shard(0)), "n": HEADS, "k": k_axis}
+    want = [letters.get(letter, (R, R)) for letter in scheme.first]
+    query, keys = tuple(q for q, _ in want), tuple(k for _, k in want)
+    out: dict[str, Strategy] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (FORWARD, BACKWARD):
+            continue
+        q = 1 if node.target == BACKWARD else 0  # (after grad_out in backward)
+        choice = _first_candidate(
+            node,
+            mesh,
+            registry,
+            expand_cache,
+            functools.partial(_splits_attention, q, query, keys),
+        )
+        if choice is None:
+            return {}
+        out[node.name] = choice
+    return out
+
+
+def _stream_forced(
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    expand_cache: dict[Any, list[Strategy]],
+    scheme: Scheme,
+    pairs: Sequence[tuple[tuple[Linear, ...], Linear]],
+    forced: dict[str, Strategy],
+) -> dict[str, Strategy]:
+    """The residual stream's strategies under `scheme` (`_grid_attention_seed`): each op outside
+    the paired linears' modules and not in `forced` whose output has the first linears' input
+    shape (tokens x k, as (T, k) or (b, s, k)) takes its first candidate with that output split
+    as their input (tokens on the token axis, k on the k axis, whole on the n axis) and no pending
+    sum among its inputs; an op with no such candidate is left to the greedy pass."""
+    hidden = {(lin.tokens, lin.k) for firsts, _ in pairs for lin in firsts}
+    inside = tuple({lin.module.rpartition(".")[0] + "." for firsts, second in pairs for lin in (*firsts, second)})
+    out: dict[str, Strategy] = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "call_function" or node.name in forced or not isinstance(val, torch.Tensor) or val.dim() < 2:
+            continue
+        if (val.shape[:-1].numel(), val.shape[-1]) not in hidden or not has_info(node):
+            continue
+        if (info(node).module_path + ".").startswith(inside):
+            continue
+        tokens = 1 if val.dim() > 2 and val.shape[0] == 1 else 0  # the batch dim, or the sequence's at batch 1
+        split = {"T": Shard(tokens), "k": Shard(val.dim() - 1)}
+        want = tuple(split.get(letter, R) for letter in scheme.first)
+        choice = _first_candidate(
+            node,
+            mesh,
+            registry,
+            expand_cache,
+            functools.partial(_lays_out, want),
+        )
+        if choice is not None:
+            out[node.name] = choice
+    return out
+
+
+def _splits_attention(q: int, query: tuple[Placement, ...], keys: tuple[Placement, ...], s: Strategy) -> bool:
+    """Whether an attention candidate takes its query (input `q`) as `query`, keys and values as `keys`."""
+    return s.inputs[q].placements == query and s.inputs[q + 1].placements == s.inputs[q + 2].placements == keys
+
+
+def _lays_out(want: tuple[Placement, ...], s: Strategy) -> bool:
+    """Whether a candidate's first output is laid out as `want` with no pending sum among its inputs."""
+    return bool(s.outputs) and s.outputs[0].placements == want and not any(
+        isinstance(p, Partial) for lay in s.inputs for p in lay.placements
+    )
+
+
+def _first_candidate(
+    node: fx.Node,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    expand_cache: dict[Any, list[Strategy]],
+    accept: Callable[[Strategy], bool],
+) -> Strategy | None:
+    """The first of `node`'s candidates on `mesh` that `accept` takes (None: none, or no rule)."""
+    rule = registry.get(node.target)
+    if rule is None:
+        return None
+    return next((s for s in expand_cached(node, rule, op_call(node), mesh.shape, expand_cache) if accept(s)), None)
 
 
 def order_seeds(
