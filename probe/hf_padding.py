@@ -180,4 +180,26 @@ with torch.no_grad():
     ev = maxdiff(loss_of(serial, data[1]), loss_of(pmodel, data[1]))
 say(f"eval (no_grad) loss diff {ev:.2e}")
 ok &= ev <= tol
+if kind in ("mistral", "gemma2", "gemma3"):  # other arguments than the example's: new programs
+    serial.train()
+    pmodel.train()
+    for tag, kw in (
+        ("no attention_mask", {"attention_mask": None}),
+        ("return_dict=False", {"return_dict": False}),
+    ):
+        b = {**data[1], **kw}
+        if b["attention_mask"] is None:
+            del b["attention_mask"]
+        losses = []
+        for m in (serial, pmodel):
+            torch.manual_seed(9)
+            out = m(**b)
+            loss = out[0] if isinstance(out, tuple) else out.loss
+            loss.backward()
+            losses.append(loss.detach())
+        gd, gat = worst((n, sp[n].grad, pp[n].grad) for n in sp)
+        say(f"{tag}: loss diff {maxdiff(*losses):.2e}, grad diff {gd:.2e} ({gat})")
+        ok &= maxdiff(*losses) <= tol and gd <= tol
+        for m in (serial, pmodel):
+            m.zero_grad(set_to_none=True)
 finish(ok)

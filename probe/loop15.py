@@ -9,6 +9,9 @@ GPT2LMHeadModel (toy, its default dropout 0.1), padded batches, labels inside. F
   sched     torch.optim.lr_scheduler.OneCycleLR stepped each step
   reload    after step 1 copy.deepcopy(model/optimizer/scheduler state_dict()); after step 2 load
             them back (a rewind) and step 2 again on another batch
+  load-full after step 0 the serial model's state_dict() (whole plain tensors) is copied; after
+            step 2 both models load it (pmodel.load_state_dict of whole tensors, as from a file
+            the serial model wrote)
   switch    model.eval(), a validation loss under torch.no_grad() after every step, model.train()
   compile   torch.compile(pmodel) called instead of pmodel
   second    a second parallelize of the same model; trained one step at the end against its own
@@ -146,6 +149,18 @@ ok = True
 saved = None
 for step, batch in enumerate(data[:3]):
     ok &= train_step(step, batch)
+    if "load-full" in features and step == 0:
+        snapshot = copy.deepcopy(serial.state_dict())
+    if "load-full" in features and step == 2:
+        serial.load_state_dict(snapshot)
+        try:
+            pmodel.load_state_dict(snapshot)
+        except autopar.AutoparError as e:
+            say(f"pmodel.load_state_dict(whole tensors) refused: {type(e).__name__}: {str(e)[:500]}")
+            ok = False
+        pd, pat = worst((n, sp[n].detach(), pp[n].detach()) for n in sp)
+        say(f"loaded the serial step-0 state_dict into both: param diff {pd:.2e} ({pat})")
+        ok &= pd <= tol
     if "reload" in features and step == 1:
         saved = [
             copy.deepcopy((m.state_dict(), o.state_dict(), s.state_dict() if s else None))

@@ -3,7 +3,9 @@ the parallel module's runtime. A probe (probe/loop15.py) found that it did: the 
 drew other dropout masks than serial under the same seed, and the first call needing a new program
 (eval() under no_grad, a smaller batch) stopped with an `InternalError` from dynamo rewriting the
 trace stage's bytecode. The runtime is now opaque to dynamo, so the wrapped module runs as
-`pmodel` does (`compile=True` is how its programs go through Inductor)."""
+`pmodel` does (`compile=True` is how its programs go through Inductor). The same probe passed the
+parallel module to `parallelize` again: DTensor's "mixed torch.Tensor and DTensor" RuntimeError
+reached the user; it is a `UsageError` naming what to parallelize instead."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from multirank import run_ranks
 from torch import nn
 
 import autopar
+from autopar.core.errors import UsageError
 
 
 def _wrapped(rank: int, world_size: int) -> dict[str, Any]:
@@ -41,10 +44,14 @@ def _wrapped(rank: int, world_size: int) -> dict[str, Any]:
     pmodel.eval()
     with torch.no_grad():  # a forward-only program, compiled at this call
         errors["eval"] = float((compiled(x[:5]).full_tensor() - serial(x[:5])).abs().max())
+    try:
+        autopar.parallelize(pmodel, mesh, example_inputs=(x,))
+    except UsageError as e:
+        errors["refused"] = 0.0 if "parallelize the original model" in str(e) else 1.0
     return errors
 
 
 @pytest.mark.multirank
-def test_torch_compile_of_the_parallel_module_trains_and_evaluates_as_serial() -> None:
+def test_torch_compile_of_the_parallel_module_trains_as_serial_and_parallelizing_it_is_refused() -> None:
     for errors in run_ranks(2, _wrapped, timeout=300):
-        assert max(errors.values()) < 1e-6, errors
+        assert "refused" in errors and max(errors.values()) < 1e-6, errors
