@@ -283,6 +283,12 @@ def _check_model(model: nn.Module) -> None:
             f"model must be an nn.Module, got {type(model).__name__}",
             hint="wrap a function in an nn.Module whose forward calls it",
         )
+    if isinstance(model, (ParallelModule, PipelinedModule)):  # its parameters are this rank's blocks
+        raise UsageError(
+            f"model is already a {type(model).__name__} (what parallelize returned): its parameters are "
+            "this rank's blocks, not the serial model's",
+            hint="parallelize the original model again, or a serial model loaded from pmodel.full_state_dict()",
+        )
 
 
 def plan(

@@ -390,6 +390,9 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
             wrappers[s] = wrapper
             parallel[s] = self._build_stage(wrapper, args, budget)
 
+    # torch.compile(pmodel) must not trace the runtime (checks, compiles, collectives):
+    # it runs as pmodel does; compile=True sends the programs through Inductor
+    @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         schedule = self.schedule
         pieces = split_microbatches((args, kwargs), schedule.microbatches)

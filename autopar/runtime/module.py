@@ -281,6 +281,9 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
         """autopar's process group over every rank (its timeout bounds collectives on it)."""
         return self._groups.world if self._groups is not None else None
 
+    # torch.compile(pmodel) must not trace the runtime (checks, compiles, collectives):
+    # it runs as pmodel does; compile=True sends the programs through Inductor
+    @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._history.calls += 1  # first: a call that fails on this rank alone still counts
         self._source_watch.check()
