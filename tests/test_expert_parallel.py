@@ -23,12 +23,13 @@ from autopar.compiler.driver import Compiled, compile_for_rank
 from autopar.core.errors import ShardingError
 from autopar.core.layout import D, R, Shard
 from autopar.core.mesh import Mesh
-from autopar.core.meta import info
+from autopar.core.meta import NodeInfo, info, set_info
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
 from autopar.rules import expert_parallel
 from autopar.rules.base import Requirement
 from autopar.rules.matmul import library_op
 from autopar.rules.registry import default_registry
+from autopar.reporting.experts import _parameter
 from autopar.testing import assemble
 
 transformers = pytest.importorskip("transformers")
@@ -498,3 +499,23 @@ def test_explain_says_why_the_experts_are_not_split() -> None:
     assert line in str(result).splitlines()
     grouped = next(n for n in result.compiled.graph.graph.nodes if n.target == GROUPED_MM)
     assert result.explain(grouped.name).splitlines()[-1] == f"  {line}"
+
+
+def test_the_experts_line_finds_a_weight_read_through_a_relayout() -> None:
+    """An expert weight stored in one split and used in another reaches the grouped matmul through
+    its relayout: an all-gather's chunks put back in order by a `cat` of several inputs, all made
+    from the one parameter (toy Mixtral, (2, 2, 2), token_dispatch="alltoall": stored
+    [S(0), S(1), S(0)], used [S(0), R, S(0)]). The summary's expert weights were 0.000 MiB of
+    0.000 MiB when the walk back to the parameter stopped at the `cat`; a value made from the
+    weight and another placeholder names no parameter."""
+    graph = fx.Graph()
+    weight, other = graph.placeholder("w"), graph.placeholder("x")
+    set_info(weight, NodeInfo(role="param", phase="forward", param_name="layers.0.experts.down_proj"))
+    set_info(other, NodeInfo(role="input", phase="forward"))
+    gathered = graph.call_function(torch.ops.aten.split.Tensor, (weight, 2, 1))
+    chunks = [graph.call_function(getattr, (gathered, "__getitem__")) for _ in range(2)]
+    whole = graph.call_function(torch.ops.aten.cat.default, (chunks, 1))
+    mixed = graph.call_function(torch.ops.aten.mul.Tensor, (whole, other))
+    assert _parameter(whole) == "layers.0.experts.down_proj"
+    assert _parameter(graph.call_function(torch.ops.aten.view.default, (whole, [-1]))) == "layers.0.experts.down_proj"
+    assert _parameter(mixed) is None

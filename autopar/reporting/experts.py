@@ -260,13 +260,24 @@ def _gathered_tokens(value: Any) -> int | None:
 
 
 def _parameter(value: Any) -> str | None:
-    """The parameter a grouped matmul's weight argument reads, through the views between them."""
-    node = value
-    while isinstance(node, fx.Node):
+    """The parameter a grouped matmul's weight argument reads, through the views and relayouts
+    between them: a relayout's collective and its glue can have several inputs (the chunks of one
+    all-gathered tensor put back in order), all made from the one parameter; any path that reaches
+    another placeholder, or none, names no parameter."""
+    found: set[str | None] = set()
+    seen: set[fx.Node] = set()
+    stack = [value] if isinstance(value, fx.Node) else []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
         if node.op == "placeholder":
-            return info(node).param_name if has_info(node) else None
-        inputs = node.all_input_nodes
-        if len(inputs) != 1:
+            found.add(info(node).param_name if has_info(node) else None)
+        elif node.all_input_nodes:
+            stack.extend(node.all_input_nodes)
+        else:
+            found.add(None)  # made from nothing (a factory): not a parameter's value
+        if len(found) > 1:
             return None
-        node = inputs[0]
-    return None
+    return next(iter(found)) if found else None
