@@ -25,11 +25,11 @@ from autopar.core.layout import D, R, Shard
 from autopar.core.mesh import Mesh
 from autopar.core.meta import NodeInfo, info, set_info
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
+from autopar.reporting.experts import _parameter
 from autopar.rules import expert_parallel
 from autopar.rules.base import Requirement
 from autopar.rules.matmul import library_op
 from autopar.rules.registry import default_registry
-from autopar.reporting.experts import _parameter
 from autopar.testing import assemble
 
 transformers = pytest.importorskip("transformers")
