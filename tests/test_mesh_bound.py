@@ -27,7 +27,7 @@ from autopar.planning.mesh_choice import mesh_candidates, rank_meshes
 from autopar.planning.mesh_screen import complete, screen
 from autopar.planning.plan_cost import GraphFacts, plan_cost
 from autopar.planning.search_cost import TimeCost
-from autopar.planning.search_seeds import ATTENTION, DATA, dispatcher_seeds, fixed_seeds
+from autopar.planning.search_seeds import DATA, dispatcher_seeds, fixed_seeds
 from autopar.planning.search_steps import StepCache
 from autopar.rules import routed_experts
 from autopar.rules.calls import ExpandCache
@@ -133,7 +133,8 @@ def test_the_bound_holds_for_moe_layers_with_their_experts_on_a_data_axis() -> N
     ranks, no weight split), which on this model are the cheapest plan of the 1-D mesh (whose
     default role is tensor) and of every 2- and 3-axis mesh of 8 ranks (the experts over one or two
     of its axes, the tokens split on the others: (2, 4) "experts:alltoall:y:data", (4, 2)
-    "x+y"; (2, 2, 2) the cube with attention and the residual stream forced). The data seeds pay
+    "x+y", (2, 2, 2) "y+z", at 3.375e-4 s against 4.197e-4 for the cheapest cube with attention
+    and the residual stream forced). The data seeds pay
     none of the tensor-axis collectives the bound claims for the default roles, so the bound
     claims none for such a graph (`Bounds.tensor_axes`); it stays under every mesh's estimate and
     the screen with it keeps the whole screen's meshes.
@@ -145,8 +146,7 @@ def test_the_bound_holds_for_moe_layers_with_their_experts_on_a_data_axis() -> N
     _, whole = screen(gm, meshes, default_registry(), costs, 2, bound=False)
     seeds = {mesh.shape: found.seed for mesh, found in zip(meshes, whole)}
     assert seeds[(8,)] == "experts:alltoall:x:data", seeds
-    # (2, 2, 2): the cube with attention and the residual stream forced is cheaper than "y+z" there
-    assert seeds.pop((2, 2, 2)).endswith(ATTENTION), seeds
+    assert seeds[(2, 2, 2)] == "experts:alltoall:y+z:data", seeds
     assert all(seed.startswith("experts:alltoall:") and seed.endswith(":data") for seed in seeds.values()), seeds
     mesh = next(m for m in meshes if m.shape == (4, 2))
     data = dict(dispatcher_seeds(gm, mesh, default_registry(), ExpandCache()))["experts:alltoall:x:data"]
