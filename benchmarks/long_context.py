@@ -66,13 +66,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from _common import RunClock, git_state, on_meta, table, write_result  # noqa: E402
-from live_heap import LivePeak, malloc_in_use, settle  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.core.meta import info  # noqa: E402
 from autopar.rules.context_parallel import BACKWARD, FORWARD, without_sequence_split  # noqa: E402
 from autopar.rules.registry import default_registry  # noqa: E402
+from autopar.testing.live_heap import LivePeak, malloc_in_use, settle  # noqa: E402
 
 NEMO_URL = "https://docs.nvidia.com/nemo-framework/user-guide/24.12/nemotoolkit/performance/performance_long_sequence.html"
 NEMO_B200_URL = "https://huggingface.co/Respair/NeMo_Canary/blob/main/docs/source/performance/performance_long_sequence.md"

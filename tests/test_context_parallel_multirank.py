@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from live_heap import LivePeak, malloc_in_use, settle
 from multirank import run_ranks, run_scenarios
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.core.meta import has_info, info
 from autopar.rules import device_attention
+from autopar.testing.live_heap import LivePeak, malloc_in_use, settle
 from examples.hf_models import VOCAB, tiny_causal_lm
 from examples.zoo import make_llama
 

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from live_heap import LivePeak, malloc_in_use, settle
 from pass_fixtures import compile_every_rank
 from torch import nn
 
@@ -27,6 +26,7 @@ from autopar.rules import device_attention, ring_attention
 from autopar.rules.registry import default_registry
 from autopar.rules.ring_attention import BACKWARD, FORWARD
 from autopar.runtime.program import local_value
+from autopar.testing.live_heap import LivePeak, malloc_in_use, settle
 from examples.zoo import make_llama
 
 
