@@ -11,6 +11,7 @@ wired into `autopar.parallelize` yet.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -63,6 +64,7 @@ from autopar.core.errors import UsageError
 from autopar.core.pipeline_schedule import Schedule
 from autopar.passes.routed_experts_trace import mark_routing_imbalance, routed_experts_traced
 from autopar.planning.stage_result import StageCut
+from autopar.runtime.clip_watch import watch_clipping
 from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.materialize import InitFn, meta_tensor_names
 from autopar.runtime.module_state import NotCopyable
@@ -159,6 +161,8 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         self.stage_modules: tuple[tuple[str, ...], ...] = ()
         self.__dict__["_stage_wrappers"] = {}  # stage -> StageModule (holds the user's tensors)
         self.__dict__["stage_parallel"] = {}  # stage -> its parallel module on the tensor sub-mesh
+        # torch's clip_grad_norm_ over this rank's stages alone: warned at the optimizer's step
+        self._clip_watch = watch_clipping(self)
 
     def _parameter_names(self) -> dict[int, str]:
         names: dict[int, str] = {}
@@ -279,7 +283,9 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         Returns the total norm (the serial model's), on every rank."""
         params = [param for _, param in self._local]
         counted = [param for param in params if id(param) in self._in_norm]
-        return clip_pipelined_grad_norm(params, counted, max_norm, norm_type, self.transport, self.device)
+        norm = clip_pipelined_grad_norm(params, counted, max_norm, norm_type, self.transport, self.device)
+        self._clip_watch.record(params)  # the serial clip: the next step has nothing to warn of
+        return norm
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -440,7 +446,8 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
             result, stage_params, self._shared, local, wanted, flats, given, self.transport, self.device,
             self._mesh_axes, self._stage_ranks,
         )
-        out: torch.Tensor = DepositGradients.apply(loss, ordered, *params)  # type: ignore[no-untyped-call]
+        done = functools.partial(self._clip_watch.after_backward, local)
+        out: torch.Tensor = DepositGradients.apply(loss, ordered, done, *params)  # type: ignore[no-untyped-call]
         return as_output(out, programs[0].output_type)
 
     def _draw_masks(self, programs: list[StageProgram], call: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
@@ -484,6 +491,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         stage_params = {s: runner.params for s, runner in runners.items()}
 
         def gradients(result: StepResult) -> list[torch.Tensor | None]:
+            self._clip_watch.after_backward(local)
             return step_gradients(
                 result, stage_params, self._shared, local, wanted, flats, given, self.transport, self.device,
                 self._mesh_axes, self._stage_ranks,
