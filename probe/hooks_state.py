@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import finish, maxdiff, rank, say, setup
+from hooks_state_hooks import attach
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -37,28 +38,6 @@ ok = True
 cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)
 torch.manual_seed(0)
 model = GPT2LMHeadModel(cfg).train()
-
-
-def pre_scale(mod, args, kwargs):  # changes the block's input, whichever way it is passed
-    if args:
-        return (args[0] * 1.1, *args[1:]), kwargs
-    kwargs = dict(kwargs)
-    kwargs["hidden_states"] = kwargs["hidden_states"] * 1.1
-    return args, kwargs
-
-
-def post_mlp(mod, args, out):  # changes the MLP's output
-    return out * 0.9 + 0.01
-
-
-def post_attn(mod, args, out):  # attention returns a tuple: changes its first element
-    return (out[0].tanh(), *out[1:]) if isinstance(out, tuple) else out.tanh()
-
-
-def attach(m: torch.nn.Module) -> None:
-    m.transformer.h[0].register_forward_pre_hook(pre_scale, with_kwargs=True)
-    m.transformer.h[1].mlp.register_forward_hook(post_mlp)
-    m.transformer.h[0].attn.register_forward_hook(post_attn)
 
 
 attach(model)

@@ -8,7 +8,8 @@ KIND: vit (timm ViT, `F.cross_entropy(pmodel(x), y)` outside) | unet2d (diffuser
 dropout 0.1, labels inside) | gpt2-outside (the same, shifted cross entropy on `.logits` outside).
 compile: train through `torch.compile(pmodel)` instead of `pmodel`; clip: `pmodel.clip_grad_norm_(0.05)`
 (docs/pipeline.md's) beside serial's torch clip; torchclip: `torch.nn.utils.clip_grad_norm_(pmodel.parameters(),
-0.05)`, the habit README.md's loop has on a tensor-only module.
+0.05)`, the habit README.md's loop has on a tensor-only module; hooks (gpt2): probe/hooks_state.py's
+forward pre-hook (with kwargs) and forward hooks on blocks, registered before `parallelize`.
 MESH=2 (pp), 2,2 (pp, x) or 2,2,2 (pp, x, y).
 """
 
@@ -86,6 +87,10 @@ elif kind in ("gpt2", "gpt2-outside"):
 else:
     raise SystemExit(kind)
 
+if "hooks" in sys.argv[2:]:
+    from hooks_state_hooks import attach
+
+    attach(model)
 model.train()
 serial = copy.deepcopy(model)
 data = [make() for _ in range(3)]

@@ -78,6 +78,12 @@ from autopar.runtime.pipeline_runtime import (
 )
 from autopar.runtime.pipeline_transport import PipelineTransport, ProcessGroupTransport
 from autopar.runtime.run_program import WeightDeferral
+from autopar.runtime.source_attributes import (
+    PIPELINE_WHOLE_WEIGHTS,
+    first_dtype,
+    remember_source,
+    source_attribute,
+)
 
 __all__ = ["MAX_PROGRAMS", "PipelinedModule", "split_microbatches"]
 
@@ -163,6 +169,18 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         self.__dict__["stage_parallel"] = {}  # stage -> its parallel module on the tensor sub-mesh
         # torch's clip_grad_norm_ over this rank's stages alone: warned at the optimizer's step
         self._clip_watch = watch_clipping(self)
+        remember_source(self, model)  # pmodel.config; what it lacks said with a hint (__getattr__)
+
+    def __getattr__(self, name: str) -> Any:
+        """The source model's plain attributes (`pmodel.config`) and `dtype`, as a tensor-only
+        module's; for anything else an AttributeError that says where to read it instead."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        if name == "dtype":
+            return first_dtype(self)
+        return source_attribute(self, name, PIPELINE_WHOLE_WEIGHTS)
 
     def _parameter_names(self) -> dict[int, str]:
         names: dict[int, str] = {}
