@@ -72,18 +72,19 @@ class ClipWatch:
         if not any(id(p) in mine for p, _ in kept):
             self._kept = kept  # another optimizer's step: keep for this module's own
             return
-        factors = []
+        befores, nows = [], []
         for p, before in kept:
             now = _kept(p.grad)
             if now is None or now.shape != before.shape:
                 return
-            nonzero = before != 0
-            if bool((now[~nonzero] != 0).any()):
-                return
-            factors.append(now[nonzero] / before[nonzero])
-        found = torch.cat(factors) if factors else torch.empty(0, dtype=torch.float64)
-        if found.numel() == 0:
+            befores.append(before)
+            nows.append(now)
+        both = torch.stack([torch.cat(befores), torch.cat(nows)]).cpu()  # one copy from the device
+        before_all, now_all = both[0], both[1]
+        nonzero = before_all != 0
+        if bool((now_all[~nonzero] != 0).any()) or not bool(nonzero.any()):
             return
+        found = now_all[nonzero] / before_all[nonzero]
         factor = float(found.mean())
         if float((found - factor).abs().max()) > SPREAD * abs(factor) or not 0.0 < factor < 1.0 - SPREAD:
             return
