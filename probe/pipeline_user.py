@@ -3,7 +3,7 @@ a mesh whose first axis is "pp", `PipelineOptions(microbatches=2)` at its defaul
 3 SGD-momentum steps against serial (loss, every gradient, parameters after the steps).
 
 torchrun --standalone --nproc_per_node=N probe/pipeline_user.py KIND [compile]
-KIND: vit (timm ViT, `F.cross_entropy(pmodel(x), y)` outside) | unet2d (diffusers UNet2DModel,
+KIND: unet2dcond (UNet2DConditionModel, `encoder_hidden_states=` by keyword, MSE outside) | vit (timm ViT, `F.cross_entropy(pmodel(x), y)` outside) | unet2d (diffusers UNet2DModel,
 `F.mse_loss(pmodel(noisy, t).sample, noise)` outside) | gpt2 (GPT2LMHeadModel at its defaults,
 dropout 0.1, labels inside) | gpt2-outside (the same, shifted cross entropy on `.logits` outside).
 compile: train through `torch.compile(pmodel)` instead of `pmodel`; clip: `pmodel.clip_grad_norm_(0.05)`
@@ -69,6 +69,26 @@ elif kind == "unet2d":
 
     def loss_of(m, inputs, target):
         return F.mse_loss(m(*inputs).sample, target)
+elif kind == "unet2dcond":
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+
+    model = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                                 block_out_channels=(32, 64), cross_attention_dim=32, norm_num_groups=8,
+                                 down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8)
+    sched = DDPMScheduler(num_train_timesteps=1000)
+    kwargs_call = True
+
+    def make():
+        lat = torch.randn(B, 4, 8, 8, generator=g)
+        noise = torch.randn(lat.shape, generator=g)
+        t = torch.randint(0, 1000, (B,), generator=g)
+        h = torch.randn(B, 7, 32, generator=g)
+        return (sched.add_noise(lat, noise, t), t, h), noise
+
+    def loss_of(m, inputs, target):
+        noisy, t, h = inputs
+        return F.mse_loss(m(noisy, t, encoder_hidden_states=h).sample, target)
 elif kind in ("gpt2", "gpt2-outside"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -96,7 +116,10 @@ serial = copy.deepcopy(model)
 data = [make() for _ in range(3)]
 options = autopar.PipelineOptions(microbatches=2)
 with Timer() as tm:
-    if kwargs_call:
+    if kind == "unet2dcond":
+        pmodel = autopar.parallelize(model, mesh, example_inputs=data[0][0][:2],
+                                     example_kwargs={"encoder_hidden_states": data[0][0][2]}, pipeline=options)
+    elif kwargs_call:
         pmodel = autopar.parallelize(model, mesh, example_kwargs={"input_ids": data[0][0][0], **(
             {"labels": data[0][1]} if kind == "gpt2" else {})}, pipeline=options)
     else:
