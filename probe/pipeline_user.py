@@ -3,7 +3,7 @@ a mesh whose first axis is "pp", `PipelineOptions(microbatches=2)` at its defaul
 3 SGD-momentum steps against serial (loss, every gradient, parameters after the steps).
 
 torchrun --standalone --nproc_per_node=N probe/pipeline_user.py KIND [compile]
-KIND: unet2dcond (UNet2DConditionModel, `encoder_hidden_states=` by keyword, MSE outside) | vit (timm ViT, `F.cross_entropy(pmodel(x), y)` outside) | unet2d (diffusers UNet2DModel,
+KIND: unet2dcond (UNet2DConditionModel, `encoder_hidden_states=` by keyword, MSE outside) | resnet-bn (timm ResNet with BatchNorm, CE outside) | vit (timm ViT, `F.cross_entropy(pmodel(x), y)` outside) | unet2d (diffusers UNet2DModel,
 `F.mse_loss(pmodel(noisy, t).sample, noise)` outside) | gpt2 (GPT2LMHeadModel at its defaults,
 dropout 0.1, labels inside) | gpt2-outside (the same, shifted cross entropy on `.logits` outside).
 compile: train through `torch.compile(pmodel)` instead of `pmodel`; clip: `pmodel.clip_grad_norm_(0.05)`
@@ -46,6 +46,16 @@ if kind == "vit":
 
     model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=4,
                               num_heads=4, num_classes=10)
+
+    def make():
+        return (torch.randn(B, 3, 32, 32, generator=g),), torch.randint(0, 10, (B,), generator=g)
+
+    def loss_of(m, inputs, target):
+        return F.cross_entropy(m(*inputs), target)
+elif kind == "resnet-bn":  # BatchNorm in training: batch statistics of a microbatch
+    from timm.models.resnet import BasicBlock, ResNet
+
+    model = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10, stem_width=8, channels=(8, 16, 32, 64))
 
     def make():
         return (torch.randn(B, 3, 32, 32, generator=g),), torch.randint(0, 10, (B,), generator=g)
