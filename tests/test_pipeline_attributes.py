@@ -7,6 +7,7 @@ AttributeError (found by user16's probes). Both ranks run in this process (locks
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -57,3 +58,35 @@ def test_a_pipelined_module_answers_the_source_attributes_and_says_what_it_lacks
         assert "save_checkpoint" in found["generate"][2], found["generate"]
         assert "no_sync" in found["no_sync"][1] and "backward" in found["no_sync"][2], found["no_sync"]
         assert "check the name" in found["no_such_thing"][2], found["no_such_thing"]
+
+
+def _late_hooks(rank: int, world: int, transport: LockstepTransport | None = None) -> dict[str, list[str]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x = torch.randn(8, 8)
+    options = autopar.PipelineOptions(microbatches=2, schedule="gpipe", stage_boundaries=["2"])
+    pmodel = pipelined(model, world, transport, example_inputs=(x,), pipeline=options)
+
+    def call() -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pmodel(x).sum().backward()
+        return [str(w.message) for w in caught if issubclass(w.category, autopar.OriginalModelWarning)]
+
+    found = {"first": call()}
+    pmodel.eval()
+    pmodel.train()
+    found["own flags"] = call()
+    model[2].register_forward_hook(lambda m, a, o: o * 100)  # the serial model's output changes
+    found["hooked"] = call()
+    found["again"] = call()  # once per change
+    return found
+
+
+def test_a_forward_hook_on_the_original_model_after_parallelize_is_said_on_a_pipeline() -> None:
+    """The pipeline runs the stage programs exported before the hook: it never runs, and serial
+    would (silently different before: no warning on a pipelined module)."""
+    for found in run_in_lockstep(2, _late_hooks):
+        assert found["first"] == [] and found["own flags"] == [] and found["again"] == [], found
+        (said,) = found["hooked"]
+        assert "a forward hook was added to or removed from model.2" in said, said

@@ -84,6 +84,7 @@ from autopar.runtime.source_attributes import (
     remember_source,
     source_attribute,
 )
+from autopar.runtime.source_watch import SourceWatch
 
 __all__ = ["MAX_PROGRAMS", "PipelinedModule", "split_microbatches"]
 
@@ -170,6 +171,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         # torch's clip_grad_norm_ over this rank's stages alone: warned at the optimizer's step
         self._clip_watch = watch_clipping(self)
         remember_source(self, model)  # pmodel.config; what it lacks said with a hint (__getattr__)
+        self._source_watch = SourceWatch(model, hooks_only=True)  # hooks put on the model later: said
 
     def __getattr__(self, name: str) -> Any:
         """The source model's plain attributes (`pmodel.config`) and `dtype`, as a tensor-only
@@ -418,6 +420,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
     # it runs as pmodel does; compile=True sends the programs through Inductor
     @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._source_watch.check()
         schedule = self.schedule
         pieces = split_microbatches((args, kwargs), schedule.microbatches)
         flats = [pytree.tree_leaves(mb) for mb in pieces]
