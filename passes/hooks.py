@@ -54,7 +54,7 @@ def refuse_gradient_hooks(model: nn.Module) -> None:
                 raise UsageError(
                     f"{name} has a gradient hook, {hook_name(hook)} ({method}): the trace runs no "
                     "backward, so it would never run and training would differ from serial",
-                    where=name,
+                    where=f"{name}{hook_site(hook)}",
                     hint=PARAMETER_HINT.format(name=name, method=method),
                 )
     for path, module in model.named_modules():
@@ -64,7 +64,7 @@ def refuse_gradient_hooks(model: nn.Module) -> None:
                 raise UsageError(
                     f"module {path or type(model).__name__} ({type(module).__name__}) has a backward "
                     f"hook, {hook_name(hook)} ({what})",
-                    where=path or type(model).__name__,
+                    where=f"{path or type(model).__name__}{hook_site(hook)}",
                     hint=MODULE_HINT,
                 )
     for what, hooks in (
@@ -75,6 +75,7 @@ def refuse_gradient_hooks(model: nn.Module) -> None:
             raise UsageError(
                 f"a global module backward hook, {hook_name(hook)} ({what}), is registered: it would "
                 "run on every module of the model",
+                where=f"every module{hook_site(hook)}",
                 hint=MODULE_HINT.replace("remove the hook", "remove it (handle.remove())"),
             )
 
@@ -86,6 +87,16 @@ def hook_name(hook: Callable[..., Any]) -> str:
     qualname = getattr(hook, "__qualname__", None) or type(hook).__qualname__
     module = getattr(hook, "__module__", None)
     return f"{module}.{qualname}" if module and module != "builtins" else qualname
+
+
+def hook_site(hook: Callable[..., Any]) -> str:
+    """Where the user's hook is written (` (the hook is defined at file:line)`), through
+    functools.partial and callable objects: the source line a refusal names, since the hook has
+    no op of its own; empty where Python keeps no code for it (a builtin)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    code = getattr(hook, "__code__", None) or getattr(type(hook).__call__, "__code__", None)
+    return f" (the hook is defined at {code.co_filename}:{code.co_firstlineno})" if code is not None else ""
 
 
 def _hooks(hooks: Mapping[Any, Callable[..., Any]] | None) -> Iterator[Callable[..., Any]]:

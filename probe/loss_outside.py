@@ -3,7 +3,10 @@
 the models' own randomness on (timm's drop_path: stochastic depth, one draw per sample).
 
 torchrun --standalone --nproc_per_node=2 probe/loss_outside.py KIND [fp32|fp64]
-KIND: convnext | efficientnet | vit-droppath | swin-droppath | unet2d
+KIND: convnext | efficientnet | vit-droppath | swin-droppath | resnet-bn | unet2d | unet2dcond | vae
+(unet2dcond: UNet2DConditionModel (32, 64), cross-attention dim 32, called as diffusers' tutorial does,
+`pmodel(noisy, t, encoder_hidden_states=h).sample`; vae: AutoencoderKL (32, 64) reconstruction MSE;
+resnet-bn: timm resnet18-style with BatchNorm at 0.25 width.)
 timm imports torchvision; where only PyPI's CUDA build is installed, its extension cannot load: run
 with TV_SHIM=1, which lets torchvision's Python parts import without its compiled ops (unused here).
 The last of the 3 batches has 5 rows (a data set's remainder: uneven over the ranks).
@@ -33,7 +36,8 @@ torch.manual_seed(0)
 B = 8
 g = torch.Generator().manual_seed(1234)
 
-if kind in ("convnext", "efficientnet", "vit-droppath", "swin-droppath"):
+kwarg_names: tuple[str, ...] = ()  # trailing inputs passed by keyword
+if kind in ("convnext", "efficientnet", "vit-droppath", "swin-droppath", "resnet-bn"):
     import timm
 
     if kind == "convnext":
@@ -49,6 +53,12 @@ if kind in ("convnext", "efficientnet", "vit-droppath", "swin-droppath"):
     elif kind == "vit-droppath":
         model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2,
                                   num_heads=4, num_classes=10, drop_path_rate=0.2)
+        shape = (3, 32, 32)
+    elif kind == "resnet-bn":
+        from timm.models.resnet import BasicBlock, ResNet
+
+        model = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10, stem_width=8,
+                       channels=(8, 16, 32, 64))
         shape = (3, 32, 32)
     else:
         model = timm.create_model("swin_tiny_patch4_window7_224", img_size=32, patch_size=2, embed_dim=16,
@@ -78,6 +88,39 @@ elif kind == "unet2d":
 
     def loss_of(m, inputs, target):
         return F.mse_loss(m(*inputs).sample, target)
+elif kind == "unet2dcond":
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+
+    model = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                                 block_out_channels=(32, 64), cross_attention_dim=32, norm_num_groups=8,
+                                 down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8)
+    sched = DDPMScheduler(num_train_timesteps=1000)
+    kwarg_names = ("encoder_hidden_states",)
+
+    def make(n=B):
+        lat = torch.randn(n, 4, 8, 8, generator=g, dtype=dtype)
+        noise = torch.randn(lat.shape, generator=g, dtype=dtype)
+        t = torch.randint(0, 1000, (n,), generator=g)
+        h = torch.randn(n, 7, 32, generator=g, dtype=dtype)
+        return (sched.add_noise(lat, noise, t), t, h), noise
+
+    def loss_of(m, inputs, target):
+        noisy, t, h = inputs
+        return F.mse_loss(m(noisy, t, encoder_hidden_states=h).sample, target)
+elif kind == "vae":
+    from diffusers import AutoencoderKL
+
+    model = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 64),
+                          down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                          layers_per_block=1, norm_num_groups=8, sample_size=16)
+
+    def make(n=B):
+        x = torch.randn(n, 3, 16, 16, generator=g, dtype=dtype)
+        return (x,), x.clone()
+
+    def loss_of(m, inputs, target):
+        return F.mse_loss(m(*inputs).sample, target)
 else:
     raise SystemExit(kind)
 
@@ -86,7 +129,9 @@ serial = copy.deepcopy(model)
 exact = copy.deepcopy(model).double()  # serial in float64: how far float32 itself drifts
 data = [make(), make(), make(B - 3)]  # the last batch: a data set's remainder (new shapes)
 with Timer() as tm:
-    pmodel = autopar.parallelize(model, mesh, example_inputs=data[0][0])
+    n_pos = len(data[0][0]) - len(kwarg_names)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=data[0][0][:n_pos],
+                                 example_kwargs=dict(zip(kwarg_names, data[0][0][n_pos:])) or None)
 say(f"{kind} {dtype} mesh {tuple(mesh.shape)}: parallelize cpu {tm.cpu:.1f}s wall {tm.wall:.1f}s")
 opt_s = torch.optim.SGD(serial.parameters(), lr=0.05, momentum=0.9)
 opt_e = torch.optim.SGD(exact.parameters(), lr=0.05, momentum=0.9)

@@ -152,6 +152,8 @@ IN_PROCESS: list[tuple[str, Callable[[], Any], type, str]] = [
     ("hook-on-parameter", lambda: _compile(model=_hooked("register_hook")), UsageError, "fc1.weight has a gradient hook, test_bad_inputs._clip_gradient (register_hook)"),
     ("hook-post-accumulate-grad", lambda: _compile(model=_hooked("post_accumulate")), UsageError, "_log_gradients (register_post_accumulate_grad_hook)"),
     ("hook-module-full-backward", lambda: _compile(model=_hooked("full_backward")), UsageError, "module fc1 (Linear) has a backward hook, test_bad_inputs._log_gradients (register_full_backward_hook)"),
+    ("hook-module-full-backward-site", lambda: _compile(model=_hooked("full_backward")), UsageError, f"at: fc1 (the hook is defined at {__file__}:{_log_gradients.__code__.co_firstlineno})"),
+    ("hook-on-parameter-site", lambda: _compile(model=_hooked("register_hook")), UsageError, f"at: fc1.weight (the hook is defined at {__file__}:{_clip_gradient.__code__.co_firstlineno})"),
     ("hook-module-backward-pre", lambda: _compile(model=_hooked("full_backward_pre")), UsageError, "_log_gradients (register_full_backward_pre_hook)"),
     ("hook-module-old-backward", lambda: _compile(model=_hooked("old_backward")), UsageError, "_log_gradients (register_backward_hook)"),
     ("hook-global-module-backward", _with_global_backward_hook, UsageError, "a global module backward hook, test_bad_inputs._log_gradients"),

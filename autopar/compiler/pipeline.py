@@ -11,6 +11,7 @@ wired into `autopar.parallelize` yet.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -63,6 +64,7 @@ from autopar.core.errors import UsageError
 from autopar.core.pipeline_schedule import Schedule
 from autopar.passes.routed_experts_trace import mark_routing_imbalance, routed_experts_traced
 from autopar.planning.stage_result import StageCut
+from autopar.runtime.clip_watch import watch_clipping
 from autopar.runtime.defer_reduction import GradAccumulation
 from autopar.runtime.materialize import InitFn, meta_tensor_names
 from autopar.runtime.module_state import NotCopyable
@@ -76,6 +78,13 @@ from autopar.runtime.pipeline_runtime import (
 )
 from autopar.runtime.pipeline_transport import PipelineTransport, ProcessGroupTransport
 from autopar.runtime.run_program import WeightDeferral
+from autopar.runtime.source_attributes import (
+    PIPELINE_WHOLE_WEIGHTS,
+    first_dtype,
+    remember_source,
+    source_attribute,
+)
+from autopar.runtime.source_watch import SourceWatch
 
 __all__ = ["MAX_PROGRAMS", "PipelinedModule", "split_microbatches"]
 
@@ -159,6 +168,21 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         self.stage_modules: tuple[tuple[str, ...], ...] = ()
         self.__dict__["_stage_wrappers"] = {}  # stage -> StageModule (holds the user's tensors)
         self.__dict__["stage_parallel"] = {}  # stage -> its parallel module on the tensor sub-mesh
+        # torch's clip_grad_norm_ over this rank's stages alone: warned at the optimizer's step
+        self._clip_watch = watch_clipping(self)
+        remember_source(self, model)  # pmodel.config; what it lacks said with a hint (__getattr__)
+        self._source_watch = SourceWatch(model, hooks_only=True)  # hooks put on the model later: said
+
+    def __getattr__(self, name: str) -> Any:
+        """The source model's plain attributes (`pmodel.config`) and `dtype`, as a tensor-only
+        module's; for anything else an AttributeError that says where to read it instead."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        if name == "dtype":
+            return first_dtype(self)
+        return source_attribute(self, name, PIPELINE_WHOLE_WEIGHTS)
 
     def _parameter_names(self) -> dict[int, str]:
         names: dict[int, str] = {}
@@ -279,7 +303,9 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         Returns the total norm (the serial model's), on every rank."""
         params = [param for _, param in self._local]
         counted = [param for param in params if id(param) in self._in_norm]
-        return clip_pipelined_grad_norm(params, counted, max_norm, norm_type, self.transport, self.device)
+        norm = clip_pipelined_grad_norm(params, counted, max_norm, norm_type, self.transport, self.device)
+        self._clip_watch.record(params)  # the serial clip: the next step has nothing to warn of
+        return norm
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -394,6 +420,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
     # it runs as pmodel does; compile=True sends the programs through Inductor
     @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._source_watch.check()
         schedule = self.schedule
         pieces = split_microbatches((args, kwargs), schedule.microbatches)
         flats = [pytree.tree_leaves(mb) for mb in pieces]
@@ -440,7 +467,8 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
             result, stage_params, self._shared, local, wanted, flats, given, self.transport, self.device,
             self._mesh_axes, self._stage_ranks,
         )
-        out: torch.Tensor = DepositGradients.apply(loss, ordered, *params)  # type: ignore[no-untyped-call]
+        done = functools.partial(self._clip_watch.after_backward, local)
+        out: torch.Tensor = DepositGradients.apply(loss, ordered, done, *params)  # type: ignore[no-untyped-call]
         return as_output(out, programs[0].output_type)
 
     def _draw_masks(self, programs: list[StageProgram], call: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
@@ -484,6 +512,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         stage_params = {s: runner.params for s, runner in runners.items()}
 
         def gradients(result: StepResult) -> list[torch.Tensor | None]:
+            self._clip_watch.after_backward(local)
             return step_gradients(
                 result, stage_params, self._shared, local, wanted, flats, given, self.transport, self.device,
                 self._mesh_axes, self._stage_ranks,

@@ -6,7 +6,7 @@ a loss (inference), the outputs put back together from the microbatches' on ever
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -86,9 +86,10 @@ class DepositGradients(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, loss: torch.Tensor, grads: list[torch.Tensor | None], *params: torch.Tensor
+        ctx: Any, loss: torch.Tensor, grads: list[torch.Tensor | None], done: Callable[[], None], *params: torch.Tensor
     ) -> torch.Tensor:
         ctx.grads = grads
+        ctx.done = done  # told inside the backward (the clipping watch records what `.grad` then holds)
         return loss.clone()
 
     @staticmethod
@@ -101,10 +102,11 @@ class DepositGradients(torch.autograd.Function):
                 hint="call the pipelined model again for another backward, or sum the losses before one backward",
             )
         ctx.grads = None
+        ctx.done()
         if not grad.requires_grad and float(grad) == 1.0:
-            return (None, None, *grads)
+            return (None, None, None, *grads)
         scale = grad.item() if any(isinstance(g, DTensor) for g in grads) else grad
-        return (None, None, *(None if g is None else g * scale for g in grads))
+        return (None, None, None, *(None if g is None else g * scale for g in grads))
 
 
 def broadcast_outputs(

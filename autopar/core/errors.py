@@ -122,6 +122,13 @@ class ForwardHookWarning(UserWarning):
     or a hook was registered on a submodule of the parallel module, which its program never calls."""
 
 
+class PipelineClipWarning(UserWarning):
+    """A pipelined module's gradients were all scaled by one factor after the backward, as
+    `torch.nn.utils.clip_grad_norm_(pmodel.parameters(), c)` does: it sees one rank's stages only,
+    so each stage is clipped by its own norm, unlike serial. `pmodel.clip_grad_norm_(c)` is the
+    serial clip (`autopar.runtime.clip_watch`)."""
+
+
 class OriginalModelWarning(UserWarning):
     """The model given to `parallelize` was changed afterwards (`model.eval()`, a hook registered on
     it): the parallel module, which holds its own flags and traced the hooks it had then, does not

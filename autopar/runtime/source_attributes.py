@@ -45,32 +45,94 @@ class ModuleAttributeError(AutoparError, AttributeError):
     behave as for a missing attribute."""
 
 
+# Where a module's whole trained weights are read: a tensor-only module gathers them itself; a
+# pipelined one holds only its stages, so they go through a checkpoint.
+WHOLE_WEIGHTS = "pmodel.full_state_dict() gives the whole trained weights"
+PIPELINE_WHOLE_WEIGHTS = (
+    "a pipelined module holds only its stages: autopar.save_checkpoint(pmodel, dir) on every rank, "
+    "then torch.distributed.checkpoint.load(model.state_dict(), checkpoint_id=dir) gives the serial "
+    "model the whole trained weights (docs/pipeline.md#checkpoints)"
+)
+
+
+def remember_source(module: nn.Module, source: nn.Module) -> None:
+    """Keep on `module` the source model's plain attributes (not tensors, modules or methods:
+    `config`, `name_or_path`, a flag) and, weakly, the source itself (the source may be freed;
+    `config` of a diffusers model is a property)."""
+    plain = {
+        name: value
+        for name, value in vars(source).items()
+        if not name.startswith("_")
+        and name not in _OWN
+        and not isinstance(value, (torch.Tensor, nn.Module))
+        and not callable(value)
+    }
+    for table in (source._modules, source._parameters, source._buffers):  # set to None in the source
+        plain.update({name: None for name, value in table.items() if value is None})
+    module.__dict__["_source_plain"] = plain
+    module.__dict__["_source_ref"] = weakref.ref(source)
+    module.__dict__["_source_type"] = type(source)
+
+
+def source_attribute(module: nn.Module, name: str, whole_weights: str = WHOLE_WEIGHTS) -> Any:
+    """`name` looked up on what `remember_source` kept, once nn.Module's own lookup failed: the
+    source's plain attribute, or an error saying where to read it instead (`whole_weights`: how
+    this kind of module gives the whole trained weights)."""
+    plain = module.__dict__.get("_source_plain", {})
+    if name in plain:
+        return plain[name]
+    source_type = module.__dict__.get("_source_type")
+    if source_type is None or name.startswith("__"):
+        raise AttributeError(f"{type(module).__name__!r} object has no attribute {name!r}")
+    kind = getattr(source_type, name, None)
+    ref = module.__dict__.get("_source_ref")
+    source = ref() if ref is not None else None
+    if isinstance(kind, property) and source is not None and name == "config":
+        return getattr(source, name)  # diffusers' config: a property over a frozen dict
+    model = source_type.__name__
+    if name in WRAPPER_HABITS and kind is None:
+        habit, hint = WRAPPER_HABITS[name]
+        raise ModuleAttributeError(
+            f"{habit} belongs to a wrapper the parallel module is not (it is the parallel "
+            f"{model}, not a DDP or FSDP wrapper around it)",
+            hint=hint.replace(WHOLE_WEIGHTS, whole_weights),
+        )
+    if name == "full_state_dict" and kind is None:
+        raise ModuleAttributeError(f"{type(module).__name__} has no full_state_dict()", hint=whole_weights)
+    if kind is None and source is not None and not hasattr(source, name):
+        raise ModuleAttributeError(
+            f"neither the parallel module nor {model} has an attribute {name!r}",
+            hint="check the name",
+        )
+    what = "method" if callable(kind) else "property" if isinstance(kind, property) else "attribute"
+    raise ModuleAttributeError(
+        f"{model}.{name} is a {what} of the source model, which the parallel module does not "
+        "offer: it holds this rank's blocks of the weights, and a method or property of the "
+        "source would read the source's own (whole, or freed) weights",
+        hint=f"call it on the original model (model.{name}) for what does not depend on the trained "
+        "weights; pmodel.config, pmodel.dtype, pmodel.device and the submodules (pmodel.encoder) "
+        f"are offered; {whole_weights}",
+    )
+
+
+def first_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype of the first floating-point parameter, as transformers' and diffusers' models
+    report theirs (float32 where there is none)."""
+    floating = (p.dtype for p in module.parameters() if p.is_floating_point())
+    return next(floating, torch.float32)
+
+
 class SourceAttributes(nn.Module):
-    """Mixin for the parallel module: remembers the source model's plain attributes (not tensors,
-    modules or methods: `config`, `name_or_path`, a flag) when it is built, and its properties
-    through a weak reference (the source may be freed; `config` of a diffusers model is one)."""
+    """Mixin for the parallel module: the source model's plain attributes (`remember_source`),
+    `dtype` and `device`, and for anything else an error saying where to read it."""
 
     def remember_source(self, source: nn.Module) -> None:
-        plain = {
-            name: value
-            for name, value in vars(source).items()
-            if not name.startswith("_")
-            and name not in _OWN
-            and not isinstance(value, (torch.Tensor, nn.Module))
-            and not callable(value)
-        }
-        for table in (source._modules, source._parameters, source._buffers):  # set to None in the source
-            plain.update({name: None for name, value in table.items() if value is None})
-        self.__dict__["_source_plain"] = plain
-        self.__dict__["_source_ref"] = weakref.ref(source)
-        self.__dict__["_source_type"] = type(source)
+        remember_source(self, source)
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of the first floating-point parameter, as transformers' and diffusers' models
-        report theirs (float32 where there is none)."""
-        floating = (p.dtype for p in self.parameters() if p.is_floating_point())
-        return next(floating, torch.float32)
+        """The dtype of the first floating-point parameter (`first_dtype`)."""
+        return first_dtype(self)
 
     @property
     def device(self) -> torch.device:
@@ -85,36 +147,4 @@ class SourceAttributes(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             pass
-        plain = self.__dict__.get("_source_plain", {})
-        if name in plain:
-            return plain[name]
-        source_type = self.__dict__.get("_source_type")
-        if source_type is None or name.startswith("__"):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        kind = getattr(source_type, name, None)
-        ref = self.__dict__.get("_source_ref")
-        source = ref() if ref is not None else None
-        if isinstance(kind, property) and source is not None and name == "config":
-            return getattr(source, name)  # diffusers' config: a property over a frozen dict
-        model = source_type.__name__
-        if name in WRAPPER_HABITS and kind is None:
-            habit, hint = WRAPPER_HABITS[name]
-            raise ModuleAttributeError(
-                f"{habit} belongs to a wrapper the parallel module is not (it is the parallel "
-                f"{model}, not a DDP or FSDP wrapper around it)",
-                hint=hint,
-            )
-        if kind is None and source is not None and not hasattr(source, name):
-            raise ModuleAttributeError(
-                f"neither the parallel module nor {model} has an attribute {name!r}",
-                hint="check the name",
-            )
-        what = "method" if callable(kind) else "property" if isinstance(kind, property) else "attribute"
-        raise ModuleAttributeError(
-            f"{model}.{name} is a {what} of the source model, which the parallel module does not "
-            "offer: it holds this rank's blocks of the weights, and a method or property of the "
-            "source would read the source's own (whole, or freed) weights",
-            hint=f"call it on the original model (model.{name}) for what does not depend on the trained "
-            "weights; pmodel.config, pmodel.dtype, pmodel.device and the submodules (pmodel.encoder) "
-            "are offered; pmodel.full_state_dict() gives the whole trained weights",
-        )
+        return source_attribute(self, name)

@@ -39,7 +39,13 @@ def _hook_ids(hooks: Any) -> tuple[int, ...]:
 class SourceWatch:
     """What the original model's flags and hooks were at `parallelize` (see the module doc)."""
 
-    def __init__(self, source: nn.Module, containers: list[tuple[str, nn.Module]] | None = None) -> None:
+    def __init__(
+        self, source: nn.Module, containers: list[tuple[str, nn.Module]] | None = None, *, hooks_only: bool = False
+    ) -> None:
+        # hooks_only: a pipelined module, which holds the source itself: its training flag is
+        # pmodel's to set and a gradient hook on one of its parameters may run (on a 1-D pp mesh
+        # they are pmodel's), so only the module hooks, which its exported stages never run, count
+        self._hooks_only = hooks_only
         self._modules = [(path, weakref.ref(m)) for path, m in source.named_modules()]
         # the parallel module's own submodule containers (`pmodel.get_submodule(path)`): their
         # training flags are the user's to set, but a hook on one never runs (the program does not
@@ -48,7 +54,7 @@ class SourceWatch:
         self._own_hooks = self._container_hooks()
         self._own_warned = self._own_hooks
         self._refs = [ref for _, ref in self._modules]
-        self._params = [(name, weakref.ref(p)) for name, p in source.named_parameters()]
+        self._params = [] if hooks_only else [(name, weakref.ref(p)) for name, p in source.named_parameters()]
         self._at_parallelize = self._state()
         self._warned = self._at_parallelize
         self._flags = self._flags_now()
@@ -58,7 +64,7 @@ class SourceWatch:
         modules = [ref() for ref in self._refs]
         if None in modules:
             return None  # the original model was freed: nothing to compare with
-        return tuple([m.training for m in modules])  # type: ignore[union-attr]
+        return tuple([False if self._hooks_only else m.training for m in modules])  # type: ignore[union-attr]
 
     def _state(self) -> tuple[Any, ...] | None:
         modules = []
@@ -66,7 +72,8 @@ class SourceWatch:
             m = ref()
             if m is None:
                 return None  # the original model was freed: nothing to compare with
-            modules.append((path, m.training, *(_hook_ids(getattr(m, attr)) for attr, _, _ in _MODULE_HOOKS)))
+            flag = False if self._hooks_only else m.training
+            modules.append((path, flag, *(_hook_ids(getattr(m, attr)) for attr, _, _ in _MODULE_HOOKS)))
         params = []
         for name, pref in self._params:
             p = pref()

@@ -1,0 +1,92 @@
+"""What a pipelined module answers besides its parameters, as the tensor-only module does
+(`runtime/source_attributes.py`): the source model's plain attributes (`pmodel.config`, which
+transformers and diffusers scripts read) and `dtype`; for a method of the source, a DDP habit or
+`full_state_dict()` (README's way to the serial model, which a pipelined module has not), an
+`AutoparError` that is an AttributeError and says what to do. Before, each was a bare
+AttributeError (found by user16's probes). Both ranks run in this process (lockstep)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from multirank import pipelined, run_in_lockstep
+
+import autopar
+from autopar.runtime.source_attributes import ModuleAttributeError
+from autopar.testing.pipeline_lockstep import LockstepTransport
+
+transformers = pytest.importorskip("transformers")
+
+
+def _attributes(rank: int, world: int, transport: LockstepTransport | None = None) -> dict[str, Any]:
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (4, 8))
+    options = autopar.PipelineOptions(microbatches=2, stage_boundaries=["model.layers.1"])
+    pmodel = pipelined(model, world, transport, example_kwargs={"input_ids": ids, "labels": ids}, pipeline=options)
+    found: dict[str, Any] = {
+        "config": pmodel.config is model.config,
+        "vocab": pmodel.config.vocab_size,
+        "dtype": pmodel.dtype,
+        "hasattr": hasattr(pmodel, "no_such_thing"),
+        "default": getattr(pmodel, "no_such_thing", "default"),
+    }
+    for name in ("full_state_dict", "generate", "no_sync", "no_such_thing"):
+        try:
+            getattr(pmodel, name)
+            found[name] = None
+        except AttributeError as error:
+            found[name] = (type(error), str(error), getattr(error, "hint", None))
+    return found
+
+
+def test_a_pipelined_module_answers_the_source_attributes_and_says_what_it_lacks() -> None:
+    for found in run_in_lockstep(2, _attributes):
+        assert found["config"] and found["vocab"] == 64 and found["dtype"] == torch.float32, found
+        assert found["hasattr"] is False and found["default"] == "default", found
+        for name in ("full_state_dict", "generate", "no_sync", "no_such_thing"):
+            kind, text, hint = found[name]
+            assert issubclass(kind, ModuleAttributeError) and hint, (name, found[name])
+        assert "save_checkpoint" in found["full_state_dict"][2], found["full_state_dict"]
+        assert "save_checkpoint" in found["generate"][2], found["generate"]
+        assert "no_sync" in found["no_sync"][1] and "backward" in found["no_sync"][2], found["no_sync"]
+        assert "check the name" in found["no_such_thing"][2], found["no_such_thing"]
+
+
+def _late_hooks(rank: int, world: int, transport: LockstepTransport | None = None) -> dict[str, list[str]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x = torch.randn(8, 8)
+    options = autopar.PipelineOptions(microbatches=2, schedule="gpipe", stage_boundaries=["2"])
+    pmodel = pipelined(model, world, transport, example_inputs=(x,), pipeline=options)
+
+    def call() -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pmodel(x).sum().backward()
+        return [str(w.message) for w in caught if issubclass(w.category, autopar.OriginalModelWarning)]
+
+    found = {"first": call()}
+    pmodel.eval()
+    pmodel.train()
+    found["own flags"] = call()
+    model[2].register_forward_hook(lambda m, a, o: o * 100)  # the serial model's output changes
+    found["hooked"] = call()
+    found["again"] = call()  # once per change
+    return found
+
+
+def test_a_forward_hook_on_the_original_model_after_parallelize_is_said_on_a_pipeline() -> None:
+    """The pipeline runs the stage programs exported before the hook: it never runs, and serial
+    would (silently different before: no warning on a pipelined module)."""
+    for found in run_in_lockstep(2, _late_hooks):
+        assert found["first"] == [] and found["own flags"] == [] and found["again"] == [], found
+        (said,) = found["hooked"]
+        assert "a forward hook was added to or removed from model.2" in said, said
