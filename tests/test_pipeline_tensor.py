@@ -145,13 +145,15 @@ PP2_BY_2X2: list[dict[str, Any]] = [
     {**_PP2, "layers": 4, "M": 2, "schedule": "interleaved-1f1b", "v": 2, "boundaries": FOUR},
     {**_PP2, "layers": 4, "M": 4, "schedule": "zero-bubble", "v": 2, "boundaries": FOUR},
 ]
-# pp=4 x 2: 1F1B with M = 6 (not a multiple of p; microbatches of 2 and 1 samples, one with every
-# target ignored: two microbatch shapes, so every stage compiles a second program), and
-# zero-bubble ZB-H1 with M = p.
+# pp=4 x 2: zero-bubble ZB-H1 with M = 6 (not a multiple of p; microbatches of 2 and 1 samples, one
+# with every target ignored: two microbatch shapes, so every stage compiles a second program, and
+# splits each backward into its input and weight parts). One case on 8 ranks: 1F1B at pp=4 with
+# M = 6 runs in this process (test_pipeline_runtime's `test_pp4_microbatch_counts`), 1F1B with
+# tensor axes in each stage is PP2_BY_2X2's first case, and ZB-H1 at pp=4 also runs on 1-rank stage
+# meshes (test_pipeline_runtime's `test_pp4_zero_bubble_on_gloo_ranks`).
 _PP4 = {"shape": (4, 2), "names": ("pp", "tp")}
 PP4_BY_2: list[dict[str, Any]] = [
-    {**_PP4, "layers": 4, "M": 6, "boundaries": FOUR},
-    {**_PP4, "layers": 4, "M": 4, "schedule": "zero-bubble", "boundaries": FOUR},
+    {**_PP4, "layers": 4, "M": 6, "schedule": "zero-bubble", "boundaries": FOUR},
 ]
 
 

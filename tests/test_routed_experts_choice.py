@@ -17,7 +17,7 @@ from test_routed_experts import experts_placed
 
 import autopar
 from autopar import PlanOptions
-from autopar.compiler.pipeline_mesh import choose_pipeline_mesh
+from autopar.compiler.pipeline_mesh import PipelineMeshChoice, choose_pipeline_mesh
 from autopar.core.meta import info
 from autopar.rules import routed_experts
 
@@ -62,7 +62,24 @@ def nodes_of(result: autopar.PlanResult) -> list:  # type: ignore[type-arg]
     return [n for n in result.compiled.graph.graph.nodes if n.target in routed_experts.ROUTED_OPS]
 
 
-def test_pipeline_depths_price_their_stage_meshes_with_the_dispatcher_asked_for() -> None:
+@pytest.fixture(scope="module")
+def depth_two() -> dict[str, PipelineMeshChoice]:
+    """Depth 2 of 4 ranks, every schedule, the stage sub-mesh left to the choice, priced with each
+    dispatcher; read by the next two tests (the all-gather one is also the free choice that a
+    given stage layout is priced against)."""
+    choices = {}
+    for token_dispatch in ("allgather", "alltoall"):
+        torch.manual_seed(0)
+        choices[token_dispatch] = choose_pipeline_mesh(
+            _mixtral(), 4, (), example_kwargs=_batch(1, False), microbatches=2, depths=[2],
+            recompute="none", bound_depths=False, token_dispatch=token_dispatch, with_tensor_only=False,
+        )  # fmt: skip
+    return choices
+
+
+def test_pipeline_depths_price_their_stage_meshes_with_the_dispatcher_asked_for(
+    depth_two: dict[str, PipelineMeshChoice],
+) -> None:
     """Depth 2 of 4 ranks: each stage sub-mesh (2 ranks) is the mesh choice with the dispatcher
     asked for. Forced to the all-to-all, its plan is modeled differently from the all-gather one
     (each rank's stage mesh exchanging the routed rows): the depth's priced step changes with it,
@@ -70,14 +87,10 @@ def test_pipeline_depths_price_their_stage_meshes_with_the_dispatcher_asked_for(
     does not read, is left out (`with_tensor_only=False`: its mesh choice on 4 ranks was about
     half of the test's CPU time; `test_the_mesh_choice_plans_every_mesh_with_the_dispatcher_asked_for`
     checks the tensor-only choice with each dispatcher)."""
-    rows = {}
-    for token_dispatch in ("allgather", "alltoall"):
-        torch.manual_seed(0)
-        choice = choose_pipeline_mesh(
-            _mixtral(), 4, (), example_kwargs=_batch(1, False), microbatches=2, depths=[2],
-            recompute="none", bound_depths=False, token_dispatch=token_dispatch, with_tensor_only=False,
-        )  # fmt: skip
-        rows[token_dispatch] = {c.schedule: c for c in choice.candidates if c.pp == 2 and not c.error}
+    rows = {
+        token_dispatch: {c.schedule: c for c in choice.candidates if c.pp == 2 and not c.error}
+        for token_dispatch, choice in depth_two.items()
+    }
     assert rows["allgather"].keys() == rows["alltoall"].keys() and "1f1b" in rows["alltoall"]
     for schedule, exchanged in rows["alltoall"].items():
         gathered = rows["allgather"][schedule]
@@ -85,11 +98,14 @@ def test_pipeline_depths_price_their_stage_meshes_with_the_dispatcher_asked_for(
         assert exchanged.factor != pytest.approx(gathered.factor, rel=1e-3), schedule
 
 
-def test_pipeline_choice_prices_a_given_layout_when_its_space_is_restricted() -> None:
+def test_pipeline_choice_prices_a_given_layout_when_its_space_is_restricted(
+    depth_two: dict[str, PipelineMeshChoice],
+) -> None:
     """A published pipelined job priced by the same accounting as the choice
     (`benchmarks/moe_pipelined.py`): one depth, one stage sub-mesh with its axis names, one
     schedule, no tensor-only candidate. The only candidate is that layout, priced as the choice
-    prices the same depth and stage shape when the sub-mesh is left to it."""
+    prices the same depth, stage shape and schedule when the sub-mesh is left to it (the 1F1B row
+    of `depth_two`'s all-gather choice, which prices every schedule of that depth)."""
     kwargs = {"example_kwargs": _batch(1, False), "microbatches": 2, "recompute": "none", "bound_depths": False}
     restricted = {"depths": [2], "schedules": [("1f1b", 1)], "with_tensor_only": False}
     torch.manual_seed(0)
@@ -98,10 +114,10 @@ def test_pipeline_choice_prices_a_given_layout_when_its_space_is_restricted() ->
     only = given.chosen
     assert (only.pp, only.schedule, only.v, only.mesh_names, only.mesh_shape) == (2, "1f1b", 1, ("pp", "ep"), (2, 2))
     assert only.fits and math.isfinite(only.step_time) and not only.error
-    torch.manual_seed(0)
-    free = choose_pipeline_mesh(_mixtral(), 4, (), **restricted, **kwargs)
-    assert [c.mesh_names for c in free.candidates] == [("pp", "x")], free.table()
-    assert free.chosen.step_time == pytest.approx(only.step_time, rel=1e-9)
+    free = depth_two["allgather"]
+    same = [c for c in free.candidates if (c.pp, c.schedule, c.v) == (2, "1f1b", 1)]
+    assert [c.mesh_names for c in same] == [("pp", "x")], free.table()
+    assert same[0].step_time == pytest.approx(only.step_time, rel=1e-9)
 
 
 @pytest.mark.parametrize(("axes", "recorded", "shown"), [((0,), ("ep",), "ep (EP 2)"), ((), (), "whole")])

@@ -2,7 +2,8 @@
 
 Layout arithmetic, which strategies are admissible, the rules on uneven blocks against the oracle,
 storage of weights that no axis divides, and whole models compiled for every rank and run in step
-against the serial model. (Real gloo ranks: `hf_gpt2_vocab` in test_zoo_multirank.py.)
+against the serial model. (Transformers' GPT-2 at its real vocabulary on 8 ranks: `hf_gpt2_vocab` in
+test_zoo_multirank.py.)
 """
 
 from __future__ import annotations
