@@ -20,6 +20,13 @@ module-path count and for the AxoNN grid, the others ranked by that count).
     python benchmarks/plan_quality.py --p 8 --planners greedy
     python benchmarks/plan_quality.py --planners greedy greedy+split search search+fused
 
+The search prices element counts (the reference's unit, every link alike) with compute weighed
+at the flops a rank of the machine this shape stands for does in the time it sends one element:
+`--flop-table h100-calibrated` (default), bfloat16 matmuls at the calibrated tensor-core rate against
+one bfloat16 element on NVLink, ~3,650 flops (`search_cost.table_flops_per_element`); `none`: the
+CPU/gloo-like 200 of a CPU mesh's default, at which repeated attention and a contiguous causal
+split's busiest rank cost ~18x what they cost on that machine.
+
 "search" cuts fused projections into one linear per piece by default (split_fused, docs/planning.md), "greedy"
 does not; "+split" / "+fused" force the cut on / off.
 
@@ -44,6 +51,7 @@ from _common import Mesh, factorizations, on_meta, staged_compile, table, write_
 
 from autopar.core.meta import has_info, info  # noqa: E402
 from autopar.cost import symbolic  # noqa: E402
+from autopar.planning.search_cost import table_flops_per_element  # noqa: E402
 
 H, HEADS, SEQ, BATCH, VOCAB = 4096, 32, 2048, 8, 512
 LAYERS = 3  # count the middle one (blocks.1); 2-layer compiles give the marginal check
@@ -62,7 +70,7 @@ def in_layer(module_path: str, layer: int) -> bool:
     return module_path == prefix or module_path.startswith(prefix + ".")
 
 
-def measure(mesh_shape: tuple[int, ...], planner: str, layers: int) -> dict[str, Any]:
+def measure(mesh_shape: tuple[int, ...], planner: str, layers: int, flops_per_element: float | None = None) -> dict[str, Any]:
     """Compile one configuration in this (worker) process; everything returned is plain data."""
     import torch
 
@@ -77,7 +85,8 @@ def measure(mesh_shape: tuple[int, ...], planner: str, layers: int) -> dict[str,
     try:
         base, _, variant = planner.partition("+")  # "search+split" / "search+fused": split_fused on / off
         split = {"split": True, "fused": False}.get(variant)  # None: the planner's default
-        compiled, times = staged_compile(model, Mesh.from_shape(mesh_shape), (idx, idx), base, split_fused=split)
+        compiled, times = staged_compile(model, Mesh.from_shape(mesh_shape), (idx, idx), base, split_fused=split,
+                                         flops_per_element=flops_per_element)
     except Exception as exc:  # report, do not stop the sweep
         out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         out["traceback"] = traceback.format_exc(limit=6)
@@ -149,7 +158,14 @@ def main() -> None:
         help="the 2-layer compile only for the best mesh per (p, planner) and the AxoNN grid (faster)",
     )
     parser.add_argument("--name", default="plan_quality", help="benchmarks/results/<name>.json (one run per p)")
+    parser.add_argument(
+        "--flop-table", default="h100-calibrated",
+        help="the hardware table whose flops per element weigh compute in the search's element counts "
+             "(`search_cost.table_flops_per_element`, bfloat16 on its NVLink); 'none': the CPU/gloo default, 200",
+    )
     args = parser.parse_args()
+    fpe = None if args.flop_table == "none" else table_flops_per_element(args.flop_table)
+    print(f"flops per element: {'200 (default)' if fpe is None else f'{fpe:.0f} ({args.flop_table}, bfloat16)'}")
 
     started = time.perf_counter()
     configs = [
@@ -160,7 +176,7 @@ def main() -> None:
     ]
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(measure, shape, planner, LAYERS) for shape, planner in configs]
+        futures = [pool.submit(measure, shape, planner, LAYERS, fpe) for shape, planner in configs]
         runs = []
         for (shape, planner), fut in zip(configs, futures):
             runs.append(fut.result())
@@ -180,7 +196,7 @@ def main() -> None:
                     extra.add((tuple(hands[p]["axonn_grid"]), planner))
                 else:
                     extra.update((tuple(r["mesh"]), planner) for r in ok)
-        fewer = {key: pool.submit(measure, key[0], key[1], LAYERS - 1) for key in sorted(extra)}
+        fewer = {key: pool.submit(measure, key[0], key[1], LAYERS - 1, fpe) for key in sorted(extra)}
         for key, fut in fewer.items():
             small = fut.result()
             big = next((r for r in runs if tuple(r["mesh"]) == key[0] and r["planner"] == key[1]), None)
@@ -235,7 +251,7 @@ def main() -> None:
         best = {}
         for planner in args.planners:
             ok = [r for r in runs if "error" not in r and r["planner"] == planner and _p(r) == p]
-            best[planner] = min(ok, key=_per_layer) if ok else None
+            best[planner] = _best(ok)
         best_rows[p] = {k: (v["mesh"], _per_layer(v)) if v else None for k, v in best.items()}
         cube = "n/a" if hand["cube_3d"] is None else f"{hand['cube_3d'] / 1e6:.0f}"
         if hand["cube_3d_note"]:
@@ -251,7 +267,7 @@ def main() -> None:
                 f"{hand['axonn_kept'] / 1e6:.0f} ({','.join(map(str, hand['axonn_kept_grid']))})",
                 f"{hand['practical_floor'] / 1e6:.0f}",
                 *[
-                    f"{_per_layer(b) / 1e6:.1f} ({'x'.join(map(str, b['mesh']))}) "
+                    f"{_per_layer(b) / 1e6:.1f} {_measure(b)} ({'x'.join(map(str, b['mesh']))}) "
                     f"= {_per_layer(b) / hand['practical_floor']:.2f}x floor, {_per_layer(b) / hand['best_hand']:.2f}x best hand"
                     if (b := best[planner])
                     else "none"
@@ -275,6 +291,8 @@ def main() -> None:
             "model": {"n_layer": LAYERS, "counted_layer": LAYERS // 2, "h": H, "heads": HEADS, "seq": SEQ,
                       "batch": BATCH, "vocab": VOCAB},
             "units": "elements sent per rank (ring collectives), forward + backward",
+            "flop_table": args.flop_table,
+            "flops_per_element": fpe,
             "closed_forms": {str(p): hands[p] for p in args.p},
             "best": {str(p): v for p, v in best_rows.items()},
             "runs": runs,
@@ -289,6 +307,19 @@ def _per_layer(run: dict[str, Any]) -> float:
     measured, since the module-path count misses the collectives attributed to `<root>` (the
     residual stream's gradient reductions), else the module-path count."""
     return float(run.get("marginal_elements", run["layer_elements"]))
+
+
+def _best(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run with the fewest elements per layer, like with like: among the runs with a marginal
+    where any has one (with `--best-marginal`, the best mesh by the module-path count and the
+    AxoNN grid), since the module-path count misses the `<root>` collectives (4x8x16 at p = 512:
+    29.6 M by module path, 33.6 M marginal, against 4x16x8's 33.3 M marginal)."""
+    measured = [r for r in runs if "marginal_elements" in r]
+    return min(measured or runs, key=_per_layer) if runs else None
+
+
+def _measure(run: dict[str, Any]) -> str:
+    return "marginal" if "marginal_elements" in run else "layer"
 
 
 def _p(run: dict[str, Any]) -> int:

@@ -142,6 +142,7 @@ def compile_for_rank(
     gradient_copies: int = 0,
     share: RankShare | None = None,
     priced: bool = False,
+    flops_per_element: float | None = None,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -157,6 +158,10 @@ def compile_for_rank(
     rank 0 plans, all check). `table` names the table the schedule stage and the in-flight budget
     model on when `hardware` is None (layouts by element counts; default: cpu-gloo for a CPU
     DeviceMesh, else h100-nvlink-ib): `plan(device_type="cpu")` passes cpu-gloo, as a CPU job's.
+    `flops_per_element` weighs compute against elements in element counts (`hardware` None): the
+    flops a rank does in the time it sends one element (default 200, CPU/gloo-like;
+    `search_cost.table_flops_per_element` gives a table's: `benchmarks/plan_quality.py` plans the
+    H100-sized GPT at the H100's).
     `schedule=False` skips the schedule stage (bucketing and reordering): insert_comm's order stays,
     each collective waited on right after it is issued (no overlap), for measuring what it buys.
     `memory_limit` (bytes per rank) bounds the plan's modeled memory: the search trades time for
@@ -214,7 +219,11 @@ def compile_for_rank(
 
     def make_plan() -> Plan:
         with stage("plan"):
-            cost = TimeCost(hardware, mesh.shape) if hardware is not None else ElementCost(mesh.shape)
+            cost = (
+                TimeCost(hardware, mesh.shape)
+                if hardware is not None
+                else ElementCost(mesh.shape, flops_per_element=flops_per_element)
+            )
             if planner == "greedy":
                 greedy = choose_layouts(gm, mesh, registry)
                 if memory_limit is None and not has_checkpoint_regions(gm):

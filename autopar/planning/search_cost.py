@@ -61,8 +61,15 @@ class ElementCost:
     # (recorded by the trace, `cost.dispatch.routing_imbalance`); a number overrides it everywhere
     routing_imbalance: float | None = None
 
-    def __init__(self, mesh_shape: Sequence[int], steps: StepCache | None = None) -> None:
+    def __init__(
+        self, mesh_shape: Sequence[int], steps: StepCache | None = None, flops_per_element: float | None = None
+    ) -> None:
+        """`flops_per_element`: the flops a rank does in the time it sends one element, which
+        weighs compute (repeated work, a causal split's busiest rank) against the elements: None,
+        the greedy pass's CPU/gloo-like 200 (`greedy.FLOP_WEIGHT`); `table_flops_per_element`
+        gives a hardware table's."""
         self.shape = tuple(mesh_shape)
+        self.flop_weight = FLOP_WEIGHT if flops_per_element is None else 1.0 / flops_per_element
         self._templates = (steps if steps is not None else StepCache()).templates(len(self.shape))
         self._placement_ids = self._templates.placement_ids  # codes -> row of the pair tables
         self._lists: dict[tuple[Layout, ...], tuple[np.ndarray, np.ndarray]] = {}  # `_blocks`
@@ -84,7 +91,7 @@ class ElementCost:
         return _redist(src, dst, self.shape)
 
     def compute(self, work: float, split: int, rate: Rate = torch.float32) -> float:
-        return FLOP_WEIGHT * work / split  # element counts: every dtype alike
+        return self.flop_weight * work / split  # element counts: every dtype alike
 
     def ring_shift(self, block: Layout, axis: int) -> tuple[float, float]:
         """(what a block's compute can hide, what it cannot) of passing `block` to the next rank on
@@ -245,6 +252,18 @@ class TimeCost(ElementCost):
         # tables have always been priced: the same to a few ulps)
         sent = elements * itemsize(layout.dtype) / step[..., 3]
         return sent + step[..., 5] + step[..., 6] if exact else sent + step[..., 4]
+
+
+def table_flops_per_element(hardware: Any, dtype: torch.dtype = torch.bfloat16) -> float:
+    """The flops a rank of `hardware` (a table or its name) does in the time it sends one element
+    of `dtype` on its fastest link: a large matmul's time at the table's rate for `dtype` (the
+    calibrated fraction of the peak where the table has measured kernels) against the element's
+    bytes at the intra-node bandwidth. The flop weight of element counts that stand for that
+    machine: h100-calibrated, bfloat16: ~3,800 (the greedy pass's default is 200, CPU/gloo-like)."""
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    flops = 2.0 * 8192**3  # a matmul large enough to run at the table's sustained rate
+    seconds = MeshCost.build(hw, (1,)).compute(flops, 0.0, dtype)
+    return flops / seconds * itemsize(dtype) / hw.intra_node.bandwidth
 
 
 @functools.lru_cache(maxsize=200_000)
