@@ -17,6 +17,11 @@ moves no data): tests and benchmarks/peers.py check them.
 
     python benchmarks/runtime_overhead.py               # ~1 min
     python benchmarks/runtime_overhead.py --steps 60
+    python benchmarks/runtime_overhead.py --decomposed-norms   # also: auto with its layer norms as traced
+
+`--decomposed-norms` adds a third variant, alternated with the two: the same plan with emit's
+`whole_norms` step skipped (each layer norm left as the trace's sums and pointwise ops), to
+measure what that step saves in one run.
 
 Writes benchmarks/results/runtime_overhead.json.
 """
@@ -40,11 +45,13 @@ from torch import nn  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 import autopar  # noqa: E402
+import autopar.passes.emit as emit_stage  # noqa: E402
 from examples.models import make_gpt  # noqa: E402
 
 WORLD = 8
 MODEL = {"n_embd": 256, "n_layer": 4, "n_head": 8, "block_size": 64, "vocab_size": 512}
 PHASES = ("forward", "backward", "optimizer")
+DECOMPOSED = "autopar auto, layer norms decomposed"
 FAULTS = "page faults"  # minor page faults per step (`ru_minflt`): pages the allocator handed back and touched again
 
 
@@ -53,13 +60,20 @@ def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.optim.O
     if name == "plain eager (1/8 batch)":
         module: nn.Module = model
         batch = tuple(t.chunk(WORLD)[0].contiguous() for t in batch)
+    elif name == DECOMPOSED:
+        whole = emit_stage.whole_layer_norms
+        emit_stage.whole_layer_norms = lambda gm: 0  # (this build only)
+        try:
+            module = autopar.parallelize(model, WORLD, example_inputs=batch, mesh_shape="auto")
+        finally:
+            emit_stage.whole_layer_norms = whole
     else:
         module = autopar.parallelize(model, WORLD, example_inputs=batch, mesh_shape="auto")
     return module, batch, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
 
 
-def measure(steps: int) -> dict[str, dict[str, float]]:
-    names = ["plain eager (1/8 batch)", "autopar auto"]
+def measure(steps: int, decomposed: bool = False) -> dict[str, dict[str, float]]:
+    names = ["plain eager (1/8 batch)", *([DECOMPOSED] if decomposed else []), "autopar auto"]
     built = {name: build(name) for name in names}
     for module, batch, opt in built.values():  # warm-up: momentum buffers, first-call paths
         for _ in range(2):
@@ -88,11 +102,12 @@ def measure(steps: int) -> dict[str, dict[str, float]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30, help="timed steps of each (default 30)")
+    parser.add_argument("--decomposed-norms", action="store_true", help="also time auto with its layer norms decomposed")
     args = parser.parse_args()
     torch.set_num_threads(1)  # as each rank of peers.py
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     load = [os.getloadavg()[0]]
-    result = measure(args.steps)
+    result = measure(args.steps, args.decomposed_norms)
     load.append(os.getloadavg()[0])
     dist.destroy_process_group()
     base = result["plain eager (1/8 batch)"]

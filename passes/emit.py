@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.errors import AutoparError, ShardingError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import MEMORY_ORDER_KEY, has_info, info, signature
+from autopar.passes.whole_norms import whole_layer_norms
 from autopar.rules import device_attention
 from autopar.rules.base import LocalContext, LocalGraph, RuleRegistry
 from autopar.rules.calls import op_call
@@ -130,6 +131,8 @@ def emit(
         device_type=mesh.device_type,
     )
     check_local_shapes(program, shape, calls)
+    for local in (program.forward, program.backward):
+        whole_layer_norms(local)  # (after the shape check: it reads the local values)
     _place_on(program, torch.device(mesh.device_type))
     return program
 

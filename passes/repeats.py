@@ -182,8 +182,10 @@ def _copy(
         fx.map_arg(node.kwargs, lambda x: env.get(x, x)),  # type: ignore[arg-type]
         name=f"{node.name}_b{k}",
     )
-    if "val" in node.meta:
-        new.meta["val"] = node.meta["val"]
+    # (the op a node was decomposed from: emit puts whole layer norms back by it, `whole_norms`)
+    for key in ("val", "original_aten"):
+        if key in node.meta:
+            new.meta[key] = node.meta[key]
     old = info(node)
     path = group.rename(old.module_path, k) if group.block_of(old.module_path) == 1 else old.module_path
     set_info(new, replace(old, module_path=path))

@@ -13,10 +13,9 @@ graph; the local gradients it returns flow through `DTensor.to_local` into DTens
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from autopar.core.errors import AutoparError, InputMismatchError, UsageError
 from autopar.core.layout import Layout
 from autopar.core.mesh import Mesh
 from autopar.core.meta import OutputStructure
-from autopar.core.precision import AutocastState, autocast_off, compilable_autocast
+from autopar.core.precision import AutocastState, compilable_autocast
 from autopar.core.user_warning import warn_at_caller, without_gloo_alltoall_notice
 from autopar.runtime.agreement import Fingerprint, fingerprint, stored_disagreement
 from autopar.runtime.call_checks import (
@@ -50,7 +49,7 @@ from autopar.runtime.call_keys import (
 )
 from autopar.runtime.checkpoint_names import transformers_renamer
 from autopar.runtime.checkpoint_prefix import model_prefixes
-from autopar.runtime.defer_reduction import GradAccumulation, ReductionSplit, add_grads, params_grads
+from autopar.runtime.defer_reduction import GradAccumulation, ReductionSplit
 from autopar.runtime.groups import Groups, failures_named
 from autopar.runtime.input_updates import write_inputs_back
 from autopar.runtime.local_batch import batch_tensor, global_stand_ins, shard_rows
@@ -71,6 +70,7 @@ from autopar.runtime.run_program import RunProgram, WeightDeferral, compiled_by_
 from autopar.runtime.source_attributes import SourceAttributes
 from autopar.runtime.source_watch import SourceWatch
 from autopar.runtime.split_backward import SplitBackward
+from autopar.runtime.stage_calls import StageCalls
 
 # Compiles `(args, kwargs, mode)` into this rank's program and its output structure; every rank
 # calls it together (it plans on rank 0 and broadcasts).
@@ -81,7 +81,7 @@ MAX_PROGRAMS = 8  # programs kept per module (input signatures x modes), least r
 _LOG = logging.getLogger("autopar")
 
 
-class ParallelModule(FullState, SourceAttributes, nn.Module):
+class ParallelModule(FullState, SourceAttributes, StageCalls, nn.Module):
     """This rank's share of the model; call it with the same global inputs on every rank.
 
     A call whose input shapes, dtypes or non-tensor arguments differ from every compiled one, or in
@@ -199,49 +199,6 @@ class ParallelModule(FullState, SourceAttributes, nn.Module):
             first_key = call_key(in_spec, example_flat, mode)
             self._programs[first_key] = first
             self._thrash.signatures.add(first_key)
-
-    @contextlib.contextmanager
-    def deferring_weights(self, deferral: WeightDeferral) -> Iterator[None]:
-        """Calls inside run their backward's input-gradient part only and leave the weight-gradient
-        part in `deferral` (zero-bubble pipelines); `weight_gradients` runs it."""
-        deferral.splits = self._splits
-        self._deferral = deferral
-        try:
-            yield
-        finally:
-            self._deferral = None
-
-    @property
-    def can_accumulate_gradients(self) -> bool:
-        """Whether `accumulating_gradients` works: the programs' backwards are fx graphs, not
-        compiled by Inductor (which would need the cut made before compiling)."""
-        return not self._inductor
-
-    @contextlib.contextmanager
-    def accumulating_gradients(self, accumulation: GradAccumulation) -> Iterator[None]:
-        """Calls inside run their backward without the parameter gradients' reductions, adding the
-        unreduced gradients to `accumulation` (and returning none); `accumulation.reduce(params)`
-        reduces the sums once (a pipeline step's microbatches, docs/pipeline.md)."""
-        assert self.can_accumulate_gradients
-        accumulation.splits = self._reduction_splits
-        self._accumulation = accumulation
-        try:
-            yield
-        finally:
-            self._accumulation = None
-
-    def weight_gradients(
-        self, deferral: WeightDeferral, params: Sequence[torch.Tensor]
-    ) -> list[torch.Tensor | None]:
-        """Run the weight-gradient parts `deferral` holds (after their input-gradient parts ran) and
-        return the gradients of `params` (this module's parameters: DTensors), summed over them."""
-        totals: list[torch.Tensor | None] = [None] * len(params)
-        for job in deferral.pending:
-            with failures_named(job.timeout), autocast_off():
-                local_grads = job.split.run_weight(job.saved, job.tangents, job.carried)
-            add_grads(totals, params_grads(job.local_params, local_grads, params))
-        deferral.pending.clear()
-        return totals
 
     def check_stored_agree(
         self, after: str, whole: Sequence[tuple[str, torch.Tensor | Fingerprint]] = ()
