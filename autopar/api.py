@@ -427,6 +427,7 @@ def plan(
         split_fused=split_fused,
         in_flight_bytes=in_flight_bytes,
         traced=kept.graph if kept is not None else None,
+        scheduled=kept.scheduled if kept is not None else None,  # (taken only if made for this plan)
         schedule=planning.overlap,
         dump_dir=debug.dump_dir,
         storage=planning.storage,
