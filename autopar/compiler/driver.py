@@ -262,8 +262,15 @@ def compile_for_rank(
     handed = scheduled if scheduled is not None and schedule and path is None else None
     if handed is not None and not handed.fits(asked, mesh, base, table, in_flight_bytes, chunks):
         handed = None
-    lowered = gm
-    whole = functools.partial(handed.take, lowered) if handed is not None else None
+    lowered_gm = gm
+    taken: list[tuple[Timeline, fx.GraphModule]] = []  # (the copy's timeline and graph, once taken)
+
+    def take() -> tuple[Timeline, fx.GraphModule]:
+        assert handed is not None
+        taken.append(handed.take(lowered_gm))
+        return taken[-1]
+
+    whole = take if handed is not None else None
     with stage("decompose matmuls"):
         gm, prescheduled = decompose_chosen(
             gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes, agree=agree_choice, whole=whole
@@ -280,8 +287,8 @@ def compile_for_rank(
 
             if prescheduled is not None:
                 gm = prescheduled
-            elif handed is not None and handed.graph is not None and _as_lowered(gm, lowered, decompose_matmuls):
-                gm = handed.take(lowered)[1]
+            elif handed is not None and handed.graph is not None and _as_lowered(gm, lowered_gm, decompose_matmuls):
+                gm = take()[1]
             elif share is not None:
                 gm = share.schedule(gm, (work, table, in_flight_bytes), run)
             else:
@@ -320,7 +327,9 @@ def compile_for_rank(
     write_collectives(path, report)
     timelines = None
     if unscheduled is not None and modeled_on is not None:
-        timelines = (unscheduled, simulate(gm, work, modeled_on))
+        # the copy's own timeline where its graph is the program's (simulated on this table already)
+        reused = taken[0][0] if taken and taken[0][1] is gm and modeled_on == table else None
+        timelines = (unscheduled, reused if reused is not None else simulate(gm, work, modeled_on))
         write_timeline(path, timelines, rank)
     steps_of = dict(chunking.steps) if chunking.steps else None
     return Compiled(gm, program, report, timelines, work, chunks, steps_of, working)
