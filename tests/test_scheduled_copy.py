@@ -164,3 +164,5 @@ def test_plan_auto_compiles_from_the_copy(model_and_batch: tuple[GPT, Any], monk
     assert result.mesh_choice is not None
     assert taken[0].mesh.shape == result.mesh_choice.chosen.shape
     assert taken[0].timeline.step_time == result.mesh_choice.chosen.scheduled_time
+    kept = result.mesh_choice.chosen_plan
+    assert kept is not None and kept.scheduled is None  # (no scheduled graph kept in the result)
