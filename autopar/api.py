@@ -427,6 +427,7 @@ def plan(
         split_fused=split_fused,
         in_flight_bytes=in_flight_bytes,
         traced=kept.graph if kept is not None else None,
+        scheduled=kept.scheduled if kept is not None else None,  # (taken only if made for this plan)
         schedule=planning.overlap,
         dump_dir=debug.dump_dir,
         storage=planning.storage,
@@ -437,6 +438,10 @@ def plan(
         priced=True,
     )
     result = price(compiled, mesh, hardware, planner)
+    # the choices' scheduled copies are taken or not this compile's: no scheduled graph stays in the result
+    for ranked in (choice, depth_choice.tensor_only if depth_choice is not None else None):
+        if ranked is not None and ranked.chosen_plan is not None:
+            ranked.chosen_plan.scheduled = None
     result.mesh_choice = choice
     result.pipeline_choice = depth_choice
     if compare:

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.compiler.driver import compile_conditions
-from autopar.compiler.lowering import scheduled_step_time
+from autopar.compiler.lowering import ScheduledCopies, scheduled_step_time
 from autopar.core.errors import MeshError
 from autopar.core.precision import AutocastState, MixedPrecision
 from autopar.passes import fused
@@ -99,10 +99,15 @@ def choose_mesh(
         steps=steps if steps is not None else StepCache(), storage=storage,
     )  # fmt: skip
 
+    # with the plan kept, the scheduled copies of the fastest too: the compile of the chosen plan
+    # takes its copy instead of scheduling it again (`ScheduledCopies`)
+    copies = ScheduledCopies() if keep_plan else None
+    step_time = copies if copies is not None else scheduled_step_time
+
     def rank(graph: fx.GraphModule, **changed: Any) -> MeshChoice:
         args = {**asked, **changed}
         args["candidates"] = candidates if args["candidates"] is None else args["candidates"]
-        return rank_meshes(graph, world_size, registry, scheduled_step_time, **args)
+        return rank_meshes(graph, world_size, registry, step_time, **args)
 
     choice = None
     group = folded_blocks(gm)
@@ -117,6 +122,7 @@ def choose_mesh(
     if choice.chosen_plan is not None:
         gm.meta.pop("autopar_search", None)  # (the last search's report: not the chosen mesh's)
         choice.chosen_plan.graph = gm
+        choice.chosen_plan.scheduled = copies.of(choice.chosen_plan.plan) if copies is not None else None
     return choice
 
 

@@ -4,6 +4,7 @@ the modeled step, scheduled as the schedule stage would schedule it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -90,13 +91,17 @@ def decompose_chosen(
     in_flight_bytes: int,
     every_pair: bool = True,
     agree: ChoiceAgreement | None = None,
+    whole: Callable[[], tuple[Timeline, fx.GraphModule]] | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     """The decomposition pass on the lowered graph; returns the graph and, where "auto" scheduled
     the graph it chose to decide so, that scheduled copy (the schedule stage's result).
 
     "auto" decides once per program (`agree`; None: this rank decides alone) and every rank
     applies that choice to its own graph; the rank that decided keeps the graph it scheduled to
-    decide. "on" rewrites every pair that qualifies on each rank, "off" none."""
+    decide. "on" rewrites every pair that qualifies on each rank, "off" none. `whole`, when given,
+    hands "auto" the timeline and schedule stage's graph of `gm` as it is (not decomposed), made
+    already (`lowering.ScheduledCopy`: the mesh choice scheduled this plan), instead of
+    scheduling a copy of `gm` again."""
     if mode == "off" or work.in_process:
         return gm, None
     if mode == "on":
@@ -106,7 +111,7 @@ def decompose_chosen(
     decided: list[tuple[fx.GraphModule, fx.GraphModule | None]] = []
 
     def decide() -> DecompositionChoice:
-        chosen, scheduled = _auto(gm, work, coords, table, schedule, in_flight_bytes, every_pair)
+        chosen, scheduled = _auto(gm, work, coords, table, schedule, in_flight_bytes, every_pair, whole)
         decided.append((chosen, scheduled))
         steps = chosen.meta.get(DECOMPOSED_STEPS_KEY, {})
         return DecompositionChoice(tuple(chosen.meta.get(DECOMPOSED_KEY, ())), tuple(steps.items()))
@@ -151,6 +156,7 @@ def _auto(
     schedule: bool,
     in_flight_bytes: int,
     every_pair: bool,
+    whole: Callable[[], tuple[Timeline, fx.GraphModule]] | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     """"auto" at this rank's coordinates: the graph with the pairs it keeps rewritten and, where
     it scheduled that graph to decide, the scheduled copy.
@@ -171,7 +177,8 @@ def _auto(
             graph = schedule_pass(graph, work, hardware=table, in_flight_bytes=in_flight_bytes)
         return simulate(graph, work, table), graph
 
-    timeline, scheduled = scheduled_step(graph_copy(gm))
+    # (`whole`: the choice's scheduled copy of this very lowered graph, when it is at hand)
+    timeline, scheduled = whole() if whole is not None and schedule else scheduled_step(graph_copy(gm))
     exposed = exposed_by_collective(scheduled, timeline)
     records = decompose_pass(gm, work, coords, hardware=table, exposed=exposed, rewrite=False).meta[DECOMPOSED_KEY]
     pieces = {r.collective: r.chunks for r in records}  # the trials cut each pair as it was priced

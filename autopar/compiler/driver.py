@@ -28,7 +28,13 @@ import torch.nn as nn
 from autopar.compiler.chunk_choice import chosen_chunks, chunk_candidates
 from autopar.compiler.decompose_choice import check_decompose, decompose_chosen
 from autopar.compiler.emitted_memory import emitted_working
-from autopar.compiler.lowering import chunk_step_times, in_flight_budget, lower, prefer_scheduled
+from autopar.compiler.lowering import (
+    ScheduledCopy,
+    chunk_step_times,
+    in_flight_budget,
+    lower,
+    prefer_scheduled,
+)
 from autopar.compiler.option_checks import check_context_parallel, check_options, check_token_dispatch
 from autopar.compiler.rank_share import RankShare
 from autopar.core.collectives import DECOMPOSED_KEY, DECOMPOSED_STEPS_KEY
@@ -143,6 +149,7 @@ def compile_for_rank(
     share: RankShare | None = None,
     priced: bool = False,
     flops_per_element: float | None = None,
+    scheduled: ScheduledCopy | None = None,
 ) -> Compiled:
     """Run the five stages for the rank at `coords` (default: this process's mesh coordinate).
 
@@ -194,6 +201,10 @@ def compile_for_rank(
     `priced=True`: the compile is for `price` (`autopar.plan`, the fixed schemes' comparison),
     which reports the emitted program's working memory with its gradient buckets: counted only
     then (one more memory walk of the traced graph), not on every rank of every `parallelize`.
+    `scheduled`: the mesh choice's scheduled copy of the plan `agree` hands (`lowering.ScheduledCopy`,
+    `MeshChoice.chosen_plan.scheduled`), taken instead of scheduling the lowered graph again where
+    it was made for this very plan, these coordinates, table and in-flight cap, not over-decomposed,
+    and the graph is scheduled as it is (no collective matmul decomposed; no dump written).
     """
     example_inputs = example_tuple(example_inputs, example_kwargs)
     check_options(model, mesh, coords, memory_limit, in_flight_bytes)
@@ -236,6 +247,7 @@ def compile_for_rank(
             return prefer_scheduled(gm, searched, mesh, registry, hardware, memory_limit)
 
     plan = agree(gm, make_plan) if agree is not None else make_plan()
+    asked = plan  # (the plan object a scheduled copy was made of, before its parts' storage is unified)
     searched = gm.meta.get("autopar_search")  # (the search's report: why the experts are where they are)
     with stage("plan"):
         plan = unify_part_storage(gm, plan, mesh.shape)
@@ -256,8 +268,22 @@ def compile_for_rank(
     steps = plan_memory(gm, plan, mesh.shape).working_steps if priced else None
     with stage("propagate / insert_comm"):
         gm, work = lower(gm, plan, mesh, registry, base, chunks, path)
+    handed = scheduled if scheduled is not None and schedule and path is None else None
+    if handed is not None and not handed.fits(asked, mesh, base, table, in_flight_bytes, chunks):
+        handed = None
+    lowered_gm = gm
+    taken: list[tuple[Timeline, fx.GraphModule]] = []  # (the copy's timeline and graph, once taken)
+
+    def take() -> tuple[Timeline, fx.GraphModule]:
+        assert handed is not None
+        taken.append(handed.take(lowered_gm))
+        return taken[-1]
+
+    whole = take if handed is not None else None
     with stage("decompose matmuls"):
-        gm, prescheduled = decompose_chosen(gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes, agree=agree_choice)
+        gm, prescheduled = decompose_chosen(
+            gm, work, base, table, decompose_matmuls, schedule, in_flight_bytes, agree=agree_choice, whole=whole
+        )
     write_stage(path, "3_insert_comm", gm, work)
     modeled_on = table if hardware is not None or path is not None else None
     # modeled before the schedule stage, which reorders the graph in place
@@ -270,6 +296,8 @@ def compile_for_rank(
 
             if prescheduled is not None:
                 gm = prescheduled
+            elif handed is not None and handed.graph is not None and _as_lowered(gm, lowered_gm, decompose_matmuls):
+                gm = take()[1]
             elif share is not None:
                 gm = share.schedule(gm, (work, table, in_flight_bytes), run)
             else:
@@ -308,10 +336,18 @@ def compile_for_rank(
     write_collectives(path, report)
     timelines = None
     if unscheduled is not None and modeled_on is not None:
-        timelines = (unscheduled, simulate(gm, work, modeled_on))
+        # the copy's own timeline where its graph is the program's (simulated on this table already)
+        reused = taken[0][0] if taken and taken[0][1] is gm and modeled_on == table else None
+        timelines = (unscheduled, reused if reused is not None else simulate(gm, work, modeled_on))
         write_timeline(path, timelines, rank)
     steps_of = dict(chunking.steps) if chunking.steps else None
     return Compiled(gm, program, report, timelines, work, chunks, steps_of, working)
+
+
+def _as_lowered(gm: fx.GraphModule, lowered: fx.GraphModule, mode: str) -> bool:
+    """Whether the decomposition stage left the lowered graph as it was (no pair rewritten), so
+    that a scheduled copy of it is the schedule stage's result."""
+    return gm is lowered and mode != "on" and not any(r.kept for r in gm.meta.get(DECOMPOSED_KEY, ()))
 
 
 def example_tuple(example_inputs: Any, example_kwargs: Any = None) -> tuple[Any, ...]:

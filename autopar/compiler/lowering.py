@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.fx as fx
 
 from autopar.compiler.decompose_choice import decompose_chosen
+from autopar.compiler.rank_share import SCHEDULE_REPORT_KEY
 from autopar.core.graph_copy import graph_copy
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.cost.formulas import MeshCost
 from autopar.cost.hardware import load_hardware
-from autopar.cost.timeline import simulate
+from autopar.cost.timeline import Timeline, simulate
 from autopar.passes.chunks import merge_chunks
 from autopar.passes.insert_comm import insert_comm
 from autopar.passes.propagate import propagate
@@ -80,10 +81,99 @@ def scheduled_step_time(
     candidates by this). "off" by default: pricing the decomposition ("auto") costs the mesh
     choice 2-2.5 s more per candidate at GPT-2 small's 12 layers and changed no benchmark's choice
     (docs/scheduling.md, "In the mesh choice")."""
+    if decompose_matmuls == "off":  # (the mesh choice's: `ScheduledCopies` keeps the copies)
+        return scheduled_copy(gm, plan, mesh, registry, hardware, memory_limit).timeline.step_time
     plan = unify_part_storage(gm, plan, mesh.shape)
     cap = in_flight_budget(gm, plan, mesh, hardware, memory_limit)
     coords = (0,) * mesh.ndim
     return chunk_step_times(gm, plan, mesh, registry, coords, [1], hardware, True, cap, decompose_matmuls, False)[1]
+
+
+@dataclass
+class ScheduledCopy:
+    """A plan as `scheduled_step_time` (decomposition "off") lowered, scheduled and simulated it
+    for the rank at coordinates 0: the schedule stage's graph, its timeline, and what they were
+    made for. The mesh choice schedules its best candidates so (`ScheduledCopies`), and the compile
+    of the chosen plan at those coordinates (`compile_for_rank(scheduled=)`) takes this copy where
+    it would schedule its own lowered graph again: the collective-matmul choice ("auto") first
+    schedules the whole graph to price the pairs, "off" schedules it for the program. The compile
+    still lowers the plan itself (its lowered graph is what the decomposition rewrites; copying a
+    lowered graph in the choice, for every candidate scheduled, would cost about what lowering the
+    chosen one once does)."""
+
+    source: Plan  # the plan as handed to `scheduled_step_time`, before `unify_part_storage`
+    mesh: Mesh
+    table: str
+    in_flight_bytes: int
+    graph: fx.GraphModule | None  # None once taken
+    timeline: Timeline
+
+    def fits(self, plan: Plan, mesh: Mesh, coords: Sequence[int], table: str, in_flight_bytes: int, chunks: int) -> bool:
+        """Whether this is the schedule stage's graph of `plan` lowered for `coords` on `mesh`,
+        modeled on `table` under the in-flight cap `in_flight_bytes`, not over-decomposed: the very
+        plan object the choice scheduled (a plan is chosen, not rebuilt, between the two)."""
+        return (
+            self.graph is not None and plan is self.source and mesh == self.mesh and not any(coords)
+            and table == self.table and in_flight_bytes == self.in_flight_bytes and chunks == 1
+        )  # fmt: skip
+
+    def take(self, lowered: fx.GraphModule) -> tuple[Timeline, fx.GraphModule]:
+        """The timeline and the scheduled graph, handed once, with the graph-level metadata of
+        the compile's own `lowered` graph (the choice lowered a copy of the same trace; only the
+        schedule stage's report is the copy's own), as scheduling a copy of `lowered` gives."""
+        graph, self.graph = self.graph, None
+        assert graph is not None, "a scheduled copy is handed to one compile"
+        graph.meta = {**lowered.meta, SCHEDULE_REPORT_KEY: graph.meta[SCHEDULE_REPORT_KEY]}
+        return self.timeline, graph
+
+
+def scheduled_copy(
+    gm: fx.GraphModule,
+    plan: Plan,
+    mesh: Mesh,
+    registry: RuleRegistry,
+    hardware: str,
+    memory_limit: float | None = None,
+) -> ScheduledCopy:
+    """`scheduled_step_time(gm, plan, ...)` (decomposition "off"), keeping the scheduled graph and
+    its timeline (`ScheduledCopy.timeline.step_time` is that step)."""
+    unified = unify_part_storage(gm, plan, mesh.shape)
+    cap = in_flight_budget(gm, unified, mesh, hardware, memory_limit)
+    lowered, work = lower(graph_copy(gm), unified, mesh, registry, (0,) * mesh.ndim, 1)
+    scheduled = schedule_pass(lowered, work, hardware=hardware, in_flight_bytes=cap)
+    return ScheduledCopy(plan, mesh, hardware, cap, scheduled, simulate(scheduled, work, hardware))
+
+
+class ScheduledCopies:
+    """`scheduled_step_time` for the mesh choice (its `StepTime`) that keeps the scheduled copies
+    of the plans with the shortest step so far (`ScheduledCopy`): the choice ranks its modeled
+    candidates by that step, so the chosen plan's copy is among them. Several only where steps
+    tie; one scheduled graph per candidate at most alive beside them."""
+
+    def __init__(self) -> None:
+        self.kept: list[ScheduledCopy] = []
+
+    def __call__(
+        self,
+        gm: fx.GraphModule,
+        plan: Plan,
+        mesh: Mesh,
+        registry: RuleRegistry,
+        hardware: str,
+        memory_limit: float | None = None,
+    ) -> float:
+        found = scheduled_copy(gm, plan, mesh, registry, hardware, memory_limit)
+        step = found.timeline.step_time
+        best = self.kept[0].timeline.step_time if self.kept else math.inf
+        if step < best:
+            self.kept = [found]
+        elif step == best:
+            self.kept.append(found)
+        return step
+
+    def of(self, plan: Plan) -> ScheduledCopy | None:
+        """The copy of this very plan object, if kept."""
+        return next((c for c in self.kept if c.source is plan), None)
 
 
 def prefer_scheduled(

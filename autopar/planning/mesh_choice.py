@@ -128,6 +128,9 @@ class ChosenPlan:
     plan: Plan
     report: Any = None
     graph: fx.GraphModule | None = None  # the traced graph it is a plan of, when kept (`choose_mesh`)
+    # the step model's scheduled copy of this plan (`compiler.lowering.ScheduledCopy`, opaque here),
+    # which the compile of it takes instead of scheduling it again; None: not kept
+    scheduled: Any = None
 
 
 @dataclass
