@@ -34,19 +34,7 @@ from autopar.core.redistribute import redistribute_cost
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
 from autopar.cost.work import global_work, work_split
 from autopar.planning.greedy_ahead import Readers, rerank
-from autopar.planning.greedy_replay import (
-    MISSING,
-    Blocks,
-    Compiled,
-    Record,
-    Run,
-    Tracked,
-    TrackedList,
-    TrackedSet,
-    compiled,
-    matches,
-    replay,
-)
+from autopar.planning.greedy_replay import walk
 from autopar.planning.greedy_roles import axis_roles, batch_error
 from autopar.planning.greedy_scores import GreedyMemo, ListFacts, ListShape, best, pending_elements, scores
 from autopar.planning.search_steps import even_redistribute_cost
@@ -162,86 +150,19 @@ class _Greedy:
         blocks = self.memo.blocks(self.gm) if replay else None
         if blocks is None:
             for node in self.gm.graph.nodes:
-                if node.op == "placeholder":
-                    self._placeholder(node)
-                elif node.op == "call_function":
-                    self._call(node)
+                self.visit(node)
         else:
-            self._walk(blocks)
+            self.memo.replayed += walk(self, blocks)
         self._outputs()
         self._check_storage()
         return self.plan
 
-    def _walk(self, blocks: Blocks) -> None:
-        """The nodes in graph order, each run of a copied block replayed from the record of the
-        same run of another block where the nodes it touched stand alike (`greedy_replay`)."""
-        records: dict[tuple[str, ...], Compiled] = {}
-        nodes, i = blocks.nodes, 0
-        dicts = self._dicts()
-        by_name = blocks.by_name
-
-        def state(dict_name: str, name: str) -> Any:  # a node's entry now (MISSING where absent)
-            if dict_name == "tangents":
-                return by_name[name] in self.tangents
-            if dict_name == "deferred":
-                return self.deferred.get(by_name[name], MISSING)
-            return dicts[dict_name].get(name, MISSING)
-
-        while i < len(nodes):
-            run = blocks.runs.get(i)
-            if run is None:
-                node = nodes[i]
-                if node.op == "placeholder":
-                    self._placeholder(node)
-                elif node.op == "call_function":
-                    self._call(node)
-                i += 1
-                continue
-            record = records.get(run.bases)
-            shift = run.block - record.block if record is not None else 0
-            if record is not None and shift and matches(record, shift, state):
-                replay(record, blocks, shift, dicts, frozenset({"deferred"}), {"tangents": self.tangents},
-                       {"decided": self.plan.decided})  # fmt: skip
-                self.memo.replayed += 1
-            elif 2 <= run.block <= blocks.count - 2:  # (blocks 1 and N-1 read outside values as neighbours)
-                records[run.bases] = compiled(self._recorded(run, blocks), blocks)
-            else:
-                for node in nodes[run.start : run.stop]:
-                    self._call(node)
-            i = run.stop
-
-    def _dicts(self) -> dict[str, dict[Any, Any]]:
-        plan = self.plan
-        return {"layouts": plan.layouts, "strategies": plan.strategies, "notes": plan.notes,
-                "deferred_inputs": plan.deferred_inputs, "resolved_by": plan.resolved_by,
-                "stored_from": plan.stored_from, "deferred": self.deferred, "forced": self.forced}  # fmt: skip
-
-    def _recorded(self, run: Run, blocks: Blocks) -> Record:
-        """Walk a run with the pass's state seen through a record of what it touches and writes."""
-        record = Record(run.block)
-        plan, readers = self.plan, self.readers
-        plain = (plan.layouts, plan.strategies, plan.notes, plan.deferred_inputs, plan.resolved_by,
-                 plan.stored_from, plan.decided, self.deferred, self.tangents, self.forced)  # fmt: skip
-        layouts = Tracked("layouts", plan.layouts, record, False)
-        deferred = Tracked("deferred", self.deferred, record, True)
-        tangents = TrackedSet("tangents", self.tangents, record)
-        forced = Tracked("forced", self.forced, record, False)
-        plan.layouts, plan.strategies, plan.notes = layouts, Tracked("strategies", plan.strategies, record, False), Tracked("notes", plan.notes, record, False)  # type: ignore[assignment]  # fmt: skip
-        plan.deferred_inputs = Tracked("deferred_inputs", plan.deferred_inputs, record, False)  # type: ignore[assignment]
-        plan.resolved_by = Tracked("resolved_by", plan.resolved_by, record, False)  # type: ignore[assignment]
-        plan.stored_from = Tracked("stored_from", plan.stored_from, record, False)  # type: ignore[assignment]
-        plan.decided = TrackedList("decided", plan.decided, record)  # type: ignore[assignment]
-        self.deferred, self.tangents, self.forced = deferred, tangents, forced  # type: ignore[assignment]
-        readers.layouts, readers.deferred, readers.tangents, readers.forced = layouts, deferred, tangents, forced  # type: ignore[assignment]
-        try:
-            for node in blocks.nodes[run.start : run.stop]:
-                self._call(node)
-        finally:
-            (plan.layouts, plan.strategies, plan.notes, plan.deferred_inputs, plan.resolved_by,
-             plan.stored_from, plan.decided, self.deferred, self.tangents, self.forced) = plain  # fmt: skip
-            readers.layouts, readers.deferred, readers.tangents, readers.forced = (
-                plan.layouts, self.deferred, self.tangents, self.forced)  # fmt: skip
-        return record
+    def visit(self, node: fx.Node) -> None:
+        """Lay out one node (`greedy_replay.walk` calls it for every node it does not replay)."""
+        if node.op == "placeholder":
+            self._placeholder(node)
+        elif node.op == "call_function":
+            self._call(node)
 
     def _check_batch(self) -> None:
         error = batch_error(self.gm, self.mesh, self.plan.roles)

@@ -25,11 +25,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch.fx as fx
 
 from autopar.core.meta import REPEATS_KEY, copy_name
+from autopar.core.plan import Plan
+from autopar.core.strategy import Strategy
 
 _COPY = re.compile(r"^(.*)_b(\d+)$")
 MISSING: Any = object()  # a key absent from a recorded dict (distinct from any stored value)
@@ -293,3 +295,86 @@ def replay(
             target.pop(key, None)
         else:
             del target[key]
+
+
+class PassState(Protocol):
+    """What `walk` reads and swaps of the greedy pass (`greedy._Greedy`)."""
+
+    plan: Plan
+    deferred: dict[fx.Node, str]
+    tangents: set[fx.Node]
+    forced: dict[str, Strategy]
+    readers: Any  # `greedy_ahead.Readers`: its layouts, deferred, tangents and forced are the pass's
+
+    def visit(self, node: fx.Node) -> None: ...
+
+
+def walk(p: PassState, blocks: Blocks) -> int:
+    """Lay out the graph's nodes in order (`p.visit`), each run of a copied block replayed from the
+    record of the same run of another block where the nodes it touched stand alike; the number of
+    runs replayed. Runs of blocks 2..N-2 are recorded: block 1 reads block 0's output and block
+    N-1's output is read after the blocks, values with no copy name that a shift would rename."""
+    records: dict[tuple[str, ...], Compiled] = {}
+    nodes, i, replayed = blocks.nodes, 0, 0
+    plan = p.plan
+    dicts: dict[str, dict[Any, Any]] = {
+        "layouts": plan.layouts, "strategies": plan.strategies, "notes": plan.notes,
+        "deferred_inputs": plan.deferred_inputs, "resolved_by": plan.resolved_by,
+        "stored_from": plan.stored_from, "deferred": p.deferred, "forced": p.forced,
+    }  # fmt: skip
+    by_name = blocks.by_name
+
+    def state(dict_name: str, name: str) -> Any:  # a node's entry now (MISSING where absent)
+        if dict_name == "tangents":
+            return by_name[name] in p.tangents
+        if dict_name == "deferred":
+            return p.deferred.get(by_name[name], MISSING)
+        return dicts[dict_name].get(name, MISSING)
+
+    while i < len(nodes):
+        run = blocks.runs.get(i)
+        if run is None:
+            p.visit(nodes[i])
+            i += 1
+            continue
+        record = records.get(run.bases)
+        shift = run.block - record.block if record is not None else 0
+        if record is not None and shift and matches(record, shift, state):
+            replay(record, blocks, shift, dicts, frozenset({"deferred"}), {"tangents": p.tangents}, {"decided": plan.decided})
+            replayed += 1
+        elif 2 <= run.block <= blocks.count - 2:
+            records[run.bases] = compiled(_recorded(p, run, blocks), blocks)
+        else:
+            for node in nodes[run.start : run.stop]:
+                p.visit(node)
+        i = run.stop
+    return replayed
+
+
+def _recorded(p: PassState, run: Run, blocks: Blocks) -> Record:
+    """Walk a run with the pass's state seen through a record of what it touches and writes."""
+    record = Record(run.block)
+    plan, readers = p.plan, p.readers
+    plain = (plan.layouts, plan.strategies, plan.notes, plan.deferred_inputs, plan.resolved_by,
+             plan.stored_from, plan.decided, p.deferred, p.tangents, p.forced)  # fmt: skip
+    layouts = Tracked("layouts", plan.layouts, record, False)
+    deferred = Tracked("deferred", p.deferred, record, True)
+    tangents = TrackedSet("tangents", p.tangents, record)
+    forced = Tracked("forced", p.forced, record, False)
+    plan.layouts = layouts  # type: ignore[assignment]
+    plan.strategies = Tracked("strategies", plan.strategies, record, False)  # type: ignore[assignment]
+    plan.notes = Tracked("notes", plan.notes, record, False)  # type: ignore[assignment]
+    plan.deferred_inputs = Tracked("deferred_inputs", plan.deferred_inputs, record, False)  # type: ignore[assignment]
+    plan.resolved_by = Tracked("resolved_by", plan.resolved_by, record, False)  # type: ignore[assignment]
+    plan.stored_from = Tracked("stored_from", plan.stored_from, record, False)  # type: ignore[assignment]
+    plan.decided = TrackedList("decided", plan.decided, record)  # type: ignore[assignment]
+    p.deferred, p.tangents, p.forced = deferred, tangents, forced  # type: ignore[assignment]
+    readers.layouts, readers.deferred, readers.tangents, readers.forced = layouts, deferred, tangents, forced  # type: ignore[assignment]
+    try:
+        for node in blocks.nodes[run.start : run.stop]:
+            p.visit(node)
+    finally:
+        (plan.layouts, plan.strategies, plan.notes, plan.deferred_inputs, plan.resolved_by,
+         plan.stored_from, plan.decided, p.deferred, p.tangents, p.forced) = plain  # fmt: skip
+        readers.layouts, readers.deferred, readers.tangents, readers.forced = plan.layouts, p.deferred, p.tangents, p.forced
+    return record
