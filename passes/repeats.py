@@ -24,10 +24,9 @@ from typing import Any
 
 import torch.fx as fx
 
-from autopar.core.meta import SIGNATURE_KEY, JointSignature, info, set_info
+from autopar.core.meta import REPEATS_KEY, SIGNATURE_KEY, JointSignature, copy_name, info, set_info
 
 MIN_BLOCKS = 3  # with two blocks there is nothing to copy
-REPEATS_KEY = "autopar_repeated_blocks"  # gm.meta: the RepeatedBlocks the trace copied
 
 
 @dataclass(frozen=True)
@@ -180,7 +179,7 @@ def _copy(
         node.target,
         fx.map_arg(node.args, lambda x: env.get(x, x)),  # type: ignore[arg-type]
         fx.map_arg(node.kwargs, lambda x: env.get(x, x)),  # type: ignore[arg-type]
-        name=f"{node.name}_b{k}",
+        name=copy_name(node.name, k),
     )
     # (the op a node was decomposed from: emit puts whole layer norms back by it, `whole_norms`)
     for key in ("val", "original_aten"):
@@ -204,7 +203,7 @@ def _stamp(gm: fx.GraphModule, group: RepeatedBlocks, b: _Block1) -> None:
         made = []
         for p in b.params:
             with graph.inserting_after(anchors[info(p).role]):
-                new = graph.placeholder(f"{p.name}_b{k}")
+                new = graph.placeholder(copy_name(p.name, k))
             new.meta["val"] = p.meta["val"]
             set_info(new, replace(info(p), param_name=group.rename(info(p).param_name or "", k)))
             anchors[info(p).role] = new

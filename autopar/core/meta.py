@@ -27,6 +27,16 @@ MEMORY_ORDER_KEY = "autopar_memory_order"
 SIGNATURE_KEY = "autopar_signature"
 ACTIVATION_COPIES_KEY = "autopar_activation_copies"
 GRADIENT_COPIES_KEY = "autopar_gradient_copies"
+# gm.meta: the repeated blocks the trace copied (`passes.repeats.RepeatedBlocks`); block 1's node or
+# parameter placeholder `name` is copied into block k >= 2 as `copy_name(name, k)`
+REPEATS_KEY = "autopar_repeated_blocks"
+
+
+def copy_name(name: str, block: int) -> str:
+    """The name of block 1's node (or parameter placeholder) `name` in its copy for `block` >= 2
+    (`passes.repeats`): the planner's replay of repeated blocks (`planning.greedy_replay`) pairs
+    nodes by it."""
+    return f"{name}_b{block}"
 
 # "constant": a tensor the forward made from Python data (`torch.tensor([])` in a cache), lifted by
 # export; its value is in `JointSignature.constants` and every rank holds it whole.

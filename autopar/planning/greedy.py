@@ -34,6 +34,7 @@ from autopar.core.redistribute import redistribute_cost
 from autopar.core.strategy import AxisStrategy, OpCall, Strategy
 from autopar.cost.work import global_work, work_split
 from autopar.planning.greedy_ahead import Readers, rerank
+from autopar.planning.greedy_replay import walk
 from autopar.planning.greedy_roles import axis_roles, batch_error
 from autopar.planning.greedy_scores import GreedyMemo, ListFacts, ListShape, best, pending_elements, scores
 from autopar.planning.search_steps import even_redistribute_cost
@@ -70,10 +71,13 @@ def greedy_plan(
     forced: dict[str, Strategy] | None = None,
     expand_cache: dict[Any, list[Strategy]] | None = None,
     memo: GreedyMemo | None = None,
+    replay: bool = True,
 ) -> Plan:
     """The greedy pass with other axis roles, or with some nodes' strategies fixed in advance.
-    Passes over the same graph and mesh may share `memo` and `expand_cache`."""
-    return _Greedy(gm, mesh, registry, roles=roles, forced=forced, expand_cache=expand_cache, memo=memo).run()
+    Passes over the same graph and mesh may share `memo` and `expand_cache`. `replay=False` walks
+    every node of repeated blocks (`greedy_replay`: the same plan, to compare with)."""
+    greedy = _Greedy(gm, mesh, registry, roles=roles, forced=forced, expand_cache=expand_cache, memo=memo)
+    return greedy.run(replay)
 
 
 @functools.lru_cache(maxsize=200_000)
@@ -141,16 +145,24 @@ class _Greedy:
         )
 
     # ---- driver -------------------------------------------------------------------------------
-    def run(self) -> Plan:
+    def run(self, replay: bool = True) -> Plan:
         self._check_batch()
-        for node in self.gm.graph.nodes:
-            if node.op == "placeholder":
-                self._placeholder(node)
-            elif node.op == "call_function":
-                self._call(node)
+        blocks = self.memo.blocks(self.gm) if replay else None
+        if blocks is None:
+            for node in self.gm.graph.nodes:
+                self.visit(node)
+        else:
+            self.memo.replayed += walk(self, blocks)
         self._outputs()
         self._check_storage()
         return self.plan
+
+    def visit(self, node: fx.Node) -> None:
+        """Lay out one node (`greedy_replay.walk` calls it for every node it does not replay)."""
+        if node.op == "placeholder":
+            self._placeholder(node)
+        elif node.op == "call_function":
+            self._call(node)
 
     def _check_batch(self) -> None:
         error = batch_error(self.gm, self.mesh, self.plan.roles)

@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from autopar.core.layout import Layout, Replicate, RowDisjoint
 from autopar.core.strategy import OpCall, Strategy
+from autopar.planning.greedy_replay import Blocks, blocks_of
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,15 @@ class GreedyMemo:
     lists: dict[int, ListFacts] = field(default_factory=dict)  # by id of an expanded list (kept in it)
     # by id of an expanded list: its mesh-free part, shared by the screen's meshes (`graph_memo`)
     shapes: dict[int, ListShape] = field(default_factory=dict)
+    # the graph's copied blocks (`greedy_replay.blocks_of`), worked out for the first pass
+    graph_blocks: tuple[fx.GraphModule, int, Blocks | None] | None = None
+    replayed: int = 0  # runs of copied blocks replayed, not walked (`greedy._Greedy._walk`)
+
+    def blocks(self, gm: fx.GraphModule) -> Blocks | None:
+        found = self.graph_blocks
+        if found is None or found[0] is not gm or found[1] != len(gm.graph.nodes):
+            found = self.graph_blocks = (gm, len(gm.graph.nodes), blocks_of(gm))
+        return found[2]
 
 
 def scores(
