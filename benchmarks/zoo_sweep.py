@@ -226,6 +226,8 @@ def run_forked(
         phase = row.get("phase", "build")
         unit = "CPU s" if clock == "cpu" else "s"
         what = f"over the {budget_s:.0f} {unit} budget" if over else f"child died (exit code {proc.exitcode})"
+        if over and clock == "cpu" and cpu < budget_s:  # the wall cap, not the CPU budget, ended it
+            what = f"over the wall cap ({budget_s * WALL_CAP:.0f} s) at {cpu:.0f} of {budget_s:.0f} CPU s"
         if over_memory:
             row.update(
                 result="fail",

@@ -6,6 +6,12 @@ keeps these families passing."""
 
 from __future__ import annotations
 
+import importlib.util
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from pass_fixtures import assert_call_matches_serial
@@ -73,3 +79,28 @@ def test_longformer_at_a_window_below_the_sequence_matches_serial_on_2() -> None
         for gm in (run.program.forward, run.program.backward):
             assert torch.ops.aten.as_strided.default not in {n.target for n in gm.graph.nodes}
     assert next(iter(compiled.values())).program.value_guards is not None
+
+
+def _sweep_module() -> Any:
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "zoo_sweep.py"
+    spec = importlib.util.spec_from_file_location("zoo_sweep_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _idle_child(conn: Connection) -> None:
+    conn.send({"phase": "compile"})
+    time.sleep(60)  # waits, spending no CPU: only the wall cap can stop it
+
+
+def test_a_row_stopped_by_the_wall_cap_does_not_claim_the_cpu_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `--budget-clock cpu` a child past `WALL_CAP` budgets of wall time is killed before its
+    CPU budget: its row said "over the 120 CPU s budget" (Zamba at 73 CPU s on a loaded machine);
+    it must name the wall cap and the CPU seconds spent."""
+    sweep = _sweep_module()
+    monkeypatch.setattr(sweep, "WALL_CAP", 2.0)
+    row = sweep.run_forked(_idle_child, (), budget_s=1.0, clock="cpu")
+    assert row["result"] == "timeout"
+    assert "over the wall cap (2 s)" in row["reason"] and "of 1 CPU s" in row["reason"], row["reason"]

@@ -27,6 +27,7 @@ from autopar.cost.hardware import Link, Rate, load_hardware
 from autopar.planning.greedy import FLOP_WEIGHT, _redist
 from autopar.planning.search_steps import StepCache, element_factor, even_steps, instantiate
 from autopar.planning.storage import gather_from_storage, storage_layout
+from autopar.planning.uneven_steps import UnevenPrograms
 
 # What one collective costs beyond its elements, in element counts: a tie-breaker, 2**-5 of an
 # element, so that of two plans moving the same elements the one with fewer collectives wins (one
@@ -74,6 +75,7 @@ class ElementCost:
         self._placement_ids = self._templates.placement_ids  # codes -> row of the pair tables
         self._lists: dict[tuple[Layout, ...], tuple[np.ndarray, np.ndarray]] = {}  # `_blocks`
         self._programs = np.zeros((0, len(self.shape), _FIELDS))  # per template: its numbers here
+        self._uneven = UnevenPrograms(self.shape)  # steps of pairs with an uneven side
 
     def redistribute(self, src: Layout, dst: Layout) -> float:
         if src == dst:
@@ -108,8 +110,9 @@ class ElementCost:
     ) -> np.ndarray:
         """`redistribute` between every pair (rows: `outs`, columns: `ins`, one tensor's layouts),
         or only between `outs[rows]` and `ins[cols]`: from the steps of each pair of placements
-        (`search_steps`) between even layouts, pair by pair where a side is uneven (uneven blocks
-        are recounted at every step); in lists holding an uneven layout the even pairs' steps are
+        (`search_steps`) between even layouts, from each pair's program per divisibility of the
+        shape where a side is uneven (`uneven_steps`: the blocks are recounted at every step; in
+        seconds pair by pair); in lists holding an uneven layout the even pairs' steps are
         added up as `redistribute` adds them (`_even_table(exact=True)`). A cell's number does not
         depend on which others are asked for, so a table may be filled piece by piece."""
         n, out_even = self._blocks(outs)
@@ -130,11 +133,19 @@ class ElementCost:
             table[np.ix_(at_rows, at_cols)] = self._even_table(
                 [outs[i] for i in at_rows.tolist()], [ins[j] for j in at_cols.tolist()], n[at_rows], exact=True
             )
-        for i, o in enumerate(outs):
-            row = table[i]
-            for j in range(len(ins)) if not out_even[i] else np.flatnonzero(~in_even).tolist():
-                row[j] = self.redistribute(o, ins[j])
+        uneven_rows, uneven_cols = np.nonzero(~out_even[:, None] | ~in_even[None, :])
+        if len(uneven_rows):
+            table[uneven_rows, uneven_cols] = self._uneven_cells(outs, ins, n, uneven_rows, uneven_cols)
         return table
+
+    def _uneven_cells(
+        self, outs: Sequence[Layout], ins: Sequence[Layout], n: np.ndarray, rows: np.ndarray, cols: np.ndarray
+    ) -> np.ndarray:
+        """`redistribute(outs[i], ins[j])` for the cells (i, j) of `rows`, `cols` with an uneven
+        side: from the programs of their placements (`uneven_steps`), each step's block recounted,
+        added up as `redistribute` adds them (its elements, then a call per collective)."""
+        elements, calls = self._uneven.price(outs, ins, n, rows, cols)
+        return elements + CALL_ELEMENTS * calls
 
     def _even_table(self, outs: Sequence[Layout], ins: Sequence[Layout], n: np.ndarray, exact: bool = False) -> np.ndarray:
         """`redistribute_table` between even layouts (`n`: the source blocks' elements, none 0) from
@@ -242,6 +253,13 @@ class TimeCost(ElementCost):
     def _link(self, axis: int) -> tuple[float, float, float]:
         link = self.mesh.links[axis]
         return link.bandwidth, link.alpha, link.call
+
+    def _uneven_cells(
+        self, outs: Sequence[Layout], ins: Sequence[Layout], n: np.ndarray, rows: np.ndarray, cols: np.ndarray
+    ) -> np.ndarray:
+        """Pair by pair: seconds add each step's latency and call beside its bytes
+        (`formulas.redistribute_time`), which the element programs do not carry."""
+        return np.array([self.redistribute(outs[i], ins[j]) for i, j in zip(rows.tolist(), cols.tolist())])
 
     def _calls(self, programs: np.ndarray) -> np.ndarray:
         return np.zeros(programs.shape[0])  # each step's latency and call are in `_step_cost`
