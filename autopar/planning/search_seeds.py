@@ -339,14 +339,14 @@ def dispatcher_seeds(
     expand_cache: dict[Any, list[Strategy]],
     memo: GreedyMemo | None = None,
     suffixes: tuple[str, ...] = ("", DATA),
-    widest: int | None = None,
+    widest: int = routed_experts.MAX_EXPERT_AXES,
 ) -> Iterator[tuple[str, Plan | AutoparError]]:
     """For MoE layers traced as `autopar::routed_experts` ops: every op's experts over one mesh
     axis with each dispatcher its rule offers there ("experts:alltoall:<axis>", the tokens
     exchanged inside the op; "experts:allgather:<axis>", the tokens gathered), and over each pair
-    and each larger set of axes (up to `widest` axes, default every axis of the mesh) with the
-    all-to-all ("experts:alltoall:<axis>+<axis>+<axis>": one expert per rank of a (2, 2, 2) mesh
-    with 8 experts), the rest laid out by the greedy pass. The greedy pass cannot price the exchanges inside the op, so each dispatcher
+    and each triple of axes (up to `widest` axes) with the all-to-all
+    ("experts:alltoall:<axis>+<axis>+<axis>": one expert per rank of a (2, 2, 2) mesh with 8
+    experts), the rest laid out by the greedy pass. The greedy pass cannot price the exchanges inside the op, so each dispatcher
     gets a start of its own and the search's objective (which does) compares them.
 
     Each such start is laid out twice where the mesh's default roles are not all data: with those
@@ -366,12 +366,12 @@ def dispatcher_seeds(
         layouts.append((DATA, data))
     layouts = [(suffix, roles) for suffix, roles in layouts if suffix in suffixes]
     split = [a for a, size in enumerate(mesh.shape) if size > 1] if routed else []
-    # each axis alone with either dispatcher; each pair, triple, ... of axes with the all-to-all (an
-    # expert group spanning several axes, Megatron-Core's EP over its data and tensor groups)
+    # each axis alone with either dispatcher; each pair (triple) of axes with the all-to-all (an expert
+    # group spanning several axes, Megatron-Core's EP over its data and tensor groups)
     starts: list[tuple[tuple[int, ...], tuple[str, tuple[str, ...] | None], str]] = [((a,), layout, kind) for a in split for layout, kind in itertools.product(layouts, ("alltoall", "allgather"))]
     starts += [
         (axes, layout, "alltoall")
-        for width in range(2, (mesh.ndim if widest is None else widest) + 1)
+        for width in range(2, widest + 1)
         for axes in itertools.combinations(split, width)
         for layout in layouts
     ]
