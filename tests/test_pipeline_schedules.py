@@ -364,3 +364,18 @@ def test_durations_per_stage() -> None:
     t = simulate(one_f_one_b(3, 6), Durations(forward=(1.0, 1.0, 2.0), backward=(2.0, 2.0, 4.0)))
     assert t.makespan == pytest.approx(6 * 6 + 2 * 3)
     assert bubble_fraction(t, rank=2) == pytest.approx(6 / 42)
+
+
+def test_idle_over_busy_is_pooled_over_ranks() -> None:
+    """By hand, 1F1B on 2 ranks with one microbatch, F = (1, 2), B = (2, 4): F0 [0, 1], F1 [1, 3],
+    B1 [3, 7], B0 [7, 9]; makespan 9, busy 3 and 6, idle 6 and 3: idle / busy = 9 / 9 = 1 (the mean
+    of the ranks' own ratios, 2 and 0.5, would be 1.25), and f / (1 - f) of the bubble fraction
+    f = 9 / 18. A rank with almost nothing to do (a stage holding an embedding alone) counts its
+    idle makespan once, not 1e9 times its busy time."""
+    t = simulate(one_f_one_b(2, 1), Durations(forward=(1.0, 2.0), backward=(2.0, 4.0)))
+    assert t.makespan == pytest.approx(9.0) and (t.busy(0), t.busy(1)) == pytest.approx((3.0, 6.0))
+    assert bubble_ratio(t) == pytest.approx(1.0)
+    assert bubble_fraction(t) == pytest.approx(0.5)
+    nearly_idle = simulate(one_f_one_b(2, 1), Durations(forward=(1e-9, 1.0), backward=(2e-9, 2.0)))
+    assert nearly_idle.makespan == pytest.approx(3.0)
+    assert bubble_ratio(nearly_idle) == pytest.approx(3.0 / 3.0, rel=1e-6)  # idle 3 + 0 over busy 0 + 3

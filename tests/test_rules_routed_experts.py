@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autopar.core.errors import AutoparError
 from autopar.rules import routed_experts
 from autopar.rules.base import LocalContext, make_call
 from autopar.rules.registry import default_registry
@@ -142,7 +144,7 @@ def _run_strategy(op, args, strategy, mesh):  # type: ignore[no-untyped-def]
     pieces = [shard_tensor(t, lay, mesh) for t, lay in zip(args[:-1], strategy.inputs)]
     calls = {}
     for c in all_coords(mesh):
-        groups = ("x", "y", "z")[: len(mesh)]
+        groups = tuple("xyzw"[: len(mesh)])
         ctx = LocalContext(call, strategy, mesh, c, (*(p[c] for p in pieces), args[-1]), {}, groups=groups)
         local = registry.get(op).localize(ctx)
         assert local.target is op
@@ -205,3 +207,78 @@ def test_experts_over_three_mesh_axes_equal_the_serial_op(layer, third: int) -> 
         wide = [s for s in options if len(routed_experts.all_to_all_axes(op, s)) > 1]
         rest = [s for s in options if len(routed_experts.all_to_all_axes(op, s)) <= 1]
         _check_every_strategy(op, args, wide + rest[third::3], mesh)
+
+
+@settings(max_examples=3, deadline=None)
+@given(_layers_on_several_axes([(2, 2, 2, 2)]))
+def test_the_op_exchanges_over_four_mesh_axes_like_the_serial_op(layer) -> None:  # type: ignore[no-untyped-def]
+    """Any number of expert axes takes the same op: on (2, 2, 2, 2) (16 or 32 experts, rank
+    (i, j, l, n) holding token and expert block ((i * 2 + j) * 2 + l) * 2 + n), each rank's local
+    call names the four axes' groups in its one `exchange` argument and the 16 ranks exchange over
+    them as one (`run_routed_calls`, as processes do), forward and backward equal to the serial op
+    on random routings. (The plan splits the experts over at most `MAX_EXPERT_AXES` = 3 axes: a
+    planning choice, the op's call is not the limit.)"""
+    mesh, (grad, x, ids, weights, gate_up, down) = layer
+    spec = routed_experts.encode_exchange([(name, a) for a, name in enumerate("xyzw")])
+    coords = all_coords(mesh)
+    tokens, local = x.shape[0] // len(coords), gate_up.shape[0] // len(coords)
+    for backward in (False, True):
+        calls = {}
+        for r, c in enumerate(coords):  # (all_coords: the earlier axis outer, as the blocks nest)
+            rows, experts = slice(r * tokens, (r + 1) * tokens), slice(r * local, (r + 1) * local)
+            head = (grad[rows],) if backward else ()
+            calls[c] = (*head, x[rows], ids[rows], weights[rows], gate_up[experts], down[experts], "silu", 0, spec)
+        got = run_routed_calls(calls, mesh)
+        op = routed_experts.ROUTED_EXPERTS_BACKWARD if backward else routed_experts.ROUTED_EXPERTS
+        want = op(*((grad,) if backward else ()), x, ids, weights, gate_up, down, "silu")
+        wants = want if backward else (want,)
+        for i, w in enumerate(wants):
+            pieces = [got[c][i] if backward else got[c] for c in coords]
+            torch.testing.assert_close(torch.cat(pieces), w, atol=1e-10, rtol=1e-10, msg=f"{op} output {i}")
+
+
+def _local_exchange(op, args, strategy, mesh) -> set[str]:  # type: ignore[no-untyped-def]
+    """The `exchange` argument of every rank's local call of `strategy` (`localize`)."""
+    call = make_call(op, args, {}, op(*args))
+    pieces = [shard_tensor(t, lay, mesh) for t, lay in zip(args[:-1], strategy.inputs)]
+    groups = tuple(f"group {name}" for name in "xyzw"[: len(mesh)])
+    out = set()
+    for c in all_coords(mesh):
+        ctx = LocalContext(call, strategy, mesh, c, (*(p[c] for p in pieces), args[-1]), {}, groups=groups)
+        out.add(default_registry().get(op).localize(ctx).args[-1])
+    return out
+
+
+def test_the_local_call_names_its_exchange_in_one_argument() -> None:
+    """`localize` encodes the exchange's (group, axis) pairs in mesh-axis order as one string,
+    the same on every rank; an all-gather split or a whole op exchanges nothing ("")."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 3, generator=g)
+    ids = torch.arange(8).remainder(4).reshape(8, 1)
+    args = (x, ids, torch.rand(8, 1, generator=g), torch.randn(4, 4, 3, generator=g), torch.randn(4, 3, 2, generator=g), "silu")
+    op = routed_experts.ROUTED_EXPERTS
+    mesh = (2, 2)
+    options = candidate_strategies(op, args, {}, mesh, default_registry())
+    by_kind = {(routed_experts.expert_axes(op, s), routed_experts.all_to_all_axes(op, s)): s for s in options}
+    assert _local_exchange(op, args, by_kind[((0, 1), (0, 1))], mesh) == {"group x:0;group y:1"}
+    assert _local_exchange(op, args, by_kind[((1,), (1,))], mesh) == {"group y:1"}
+    assert _local_exchange(op, args, by_kind[((0, 1), ())], mesh) == {""}
+    assert _local_exchange(op, args, by_kind[((), ())], mesh) == {""}
+
+
+@given(st.lists(st.tuples(st.text(min_size=1).filter(lambda s: ";" not in s), st.integers(0, 7)), max_size=5))
+def test_an_encoded_exchange_reads_back(pairs: list[tuple[str, int]]) -> None:
+    """`decode_exchange(encode_exchange(pairs)) == pairs` for any group names without the separator
+    (a ":" in a name included: the axis is read after the last one) and any number of axes."""
+    spec = routed_experts.encode_exchange(pairs)
+    assert routed_experts.decode_exchange(spec) == tuple(pairs)
+    assert routed_experts.exchange_axes(("x", "silu", 0, spec)) == tuple(a for _, a in pairs)
+
+
+def test_an_exchange_that_cannot_be_encoded_is_refused() -> None:
+    with pytest.raises(AutoparError, match="process group 'a;b'"):
+        routed_experts.encode_exchange([("a;b", 0)])
+    with pytest.raises(AutoparError, match="process group ''"):
+        routed_experts.encode_exchange([("", 0)])
+    with pytest.raises(AutoparError, match="malformed token exchange 'g:x'"):
+        routed_experts.decode_exchange("g:x")

@@ -113,14 +113,13 @@ def bubble_fraction(timeline: Timeline, rank: int | None = None) -> float:
 
 
 def bubble_ratio(timeline: Timeline) -> float:
-    """Idle time over busy time, averaged over ranks: the form of Megatron's (p-1)/(v*m)."""
+    """Idle time over busy time, summed over ranks: the form of Megatron's (p-1)/(v*m), equal to
+    `f / (1 - f)` of `bubble_fraction`'s f. Pooled, not a mean of each rank's ratio: a rank that
+    holds almost nothing (a stage of an embedding alone) would make that mean unbounded (7e9 on a
+    16-stage cut) while its idle time is only one rank's makespan."""
     span = timeline.makespan
-    ratios = [
-        (span - timeline.busy(r)) / timeline.busy(r)
-        for r in range(timeline.schedule.pp)
-        if timeline.busy(r) > 0
-    ]
-    return sum(ratios) / len(ratios) if ratios else 0.0
+    busy = sum(timeline.busy(r) for r in range(timeline.schedule.pp))
+    return (span * timeline.schedule.pp - busy) / busy if busy > 0 else 0.0
 
 
 def _source_of_recv(action: Action) -> tuple[ActionKind, int, int]:

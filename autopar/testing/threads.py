@@ -121,7 +121,7 @@ def run_threads(
 def run_routed_calls(calls: dict[tuple[int, ...], Sequence[Any]], mesh_shape: Sequence[int]) -> dict[tuple[int, ...], Any]:
     """Every rank's local call of an `autopar::routed_experts(_backward)` op (the arguments
     `routed_experts.localize` gives it, by mesh coordinates): where it exchanges tokens, the
-    ranks of each group of its one to three axes (`routed_experts.exchange_axes`) run it at once
+    ranks of the groups of its axes (`routed_experts.exchange_axes`) run it at once
     as threads, through `ThreadExchange` or, over several axes, `token_dispatch.axes_exchange` of
     the axes' thread groups, as processes do through their process groups; elsewhere each rank
     alone."""
@@ -141,7 +141,7 @@ def run_routed_calls(calls: dict[tuple[int, ...], Sequence[Any]], mesh_shape: Se
 
 
 def _routed_call(calls: list[Sequence[Any]], rank: int, exchange: Any) -> Any:
-    """One rank's local call (tensors, act, first_expert, then its (group, axis) pairs) through
+    """One rank's local call (tensors, act, first_expert, then its encoded exchange) through
     `exchange`."""
     head, tensors = routed_experts.local_call_parts(calls[rank])
     if tensors == 6:  # the backward: the gradient first
