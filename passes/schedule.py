@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -175,6 +176,20 @@ def schedule(
         return len(in_flight.get(group, ())) >= max_in_flight
 
     def emit(node: fx.Node) -> None:
+        """Place `node`, then each put-off gradient node its placing released (and what those
+        release, depth first): on a stack of our own, not Python's, as a gradient accumulated over
+        a long loop releases a chain as long as the loop."""
+        pending = [iter(place(node))]
+        while pending:
+            d = next(pending[-1], None)
+            if d is None:
+                pending.pop()
+            elif d not in emitted:  # a put-off gradient node whose wait came: it runs now, at no cost
+                pending.append(iter(place(d)))
+
+    def place(node: fx.Node) -> list[fx.Node]:
+        """Place one node: what it makes ready is queued and issued; the put-off nodes it releases
+        are returned, for `emit` to place."""
         order.append(node)
         emitted.add(node)
         if clock is not None:
@@ -205,9 +220,7 @@ def schedule(
                     heapq.heappush(ready, (original[c], c))
                 capped.clear()
         flush()
-        for d in released:  # a put-off gradient node whose wait came: it runs now, at no cost
-            if d not in emitted:
-                emit(d)
+        return released
 
     def flush() -> None:
         """Issue every ready collective whose group is free, right after what made it ready."""
@@ -326,19 +339,46 @@ def schedule(
                 emit(member)
 
     def ensure(node: fx.Node) -> None:
+        """Emit `node` after whatever it needs that is not emitted yet, depth first. The depth is
+        kept on a stack of our own, not Python's: a collective whose input is the wait of another,
+        whose input is the wait of another... (a sequential loop's carried state, resharded each
+        step) is first needed, and so ensured, only at its end, as deep as the loop is long."""
+        if node in emitted:
+            return
+        stack = [ensure_steps(node)]
+        thrown: BaseException | None = None
+        while stack:
+            try:
+                needed = stack[-1].throw(thrown) if thrown is not None else next(stack[-1])
+            except StopIteration:
+                stack.pop()
+                thrown = None
+                continue
+            except BaseException as exc:  # into the caller's frame, as a recursive call would
+                stack.pop()
+                if not stack:
+                    raise
+                thrown = exc
+                continue
+            thrown = None
+            if needed not in emitted:
+                stack.append(ensure_steps(needed))
+
+    def ensure_steps(node: fx.Node) -> Generator[fx.Node, None, None]:
+        """`ensure`'s work for one node; it yields each node to be ensured before it goes on."""
         if node in emitted:
             return
         c = chain_of.get(node)
         inputs = externals[c] if c is not None else node.all_input_nodes
         # collectives first, then the waits: a wait lands right before the node that needs it
         for i in inputs:
-            ensure(i.args[0] if i in waits else i)  # type: ignore[arg-type]
+            yield i.args[0] if i in waits else i  # type: ignore[misc]
         if any(i in waits and i not in emitted for i in inputs) or (c is not None and group_full(_group(c))):
             fill()
         filling, state["filling"] = state["filling"], True  # from here on, only its waits
         try:
             for i in inputs:
-                ensure(i)
+                yield i
             if c is not None:
                 emit_chain(c)
         finally:
