@@ -259,8 +259,12 @@ def test_a_later_fill_prices_each_cell_once() -> None:
 def test_a_search_keeps_no_starts_problem_until_it_picks_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """`search_layouts` holds every start's run until it picks one; a run keeps its plans and
     counts, not its problem (edge tables, memo, per-candidate vectors). The same start searched 6
-    times peaks no higher than searched twice (it peaked 60 % higher when every run kept its
-    problem; the Mixtral 8x7B stage sub-mesh choice ran out of memory)."""
+    times peaks at most 25 % above searched twice (it peaked 60 % higher when every run kept its
+    problem; the Mixtral 8x7B stage sub-mesh choice ran out of memory). Both are measured after one
+    search (k = 1, not compared) has filled the module-level price caches: measured cold, the twice-searched
+    peak held those fills and the ratio depended on which tests ran before in the process (1.05 after
+    this file's other tests, 1.18 late in the suite; warm, the six runs' kept plans and counts are
+    ~0.5 MB a run, 1.13-1.18x on a 12 MB peak)."""
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64))
     g = torch.Generator().manual_seed(0)
@@ -268,7 +272,7 @@ def test_a_search_keeps_no_starts_problem_until_it_picks_a_plan(monkeypatch: pyt
     mesh = Mesh.from_shape((2, 4))
     original = search._starts
     peaks, plans = {}, {}
-    for k in (2, 6):
+    for k in (1, 2, 6):  # 1: the warm-up, not measured
         monkeypatch.setattr(search, "_starts", lambda *a, k=k, **kw: original(*a, **kw)[:1] * k)
         gm = trace(model, batch, decompose=True)
         tracemalloc.start()
@@ -280,4 +284,4 @@ def test_a_search_keeps_no_starts_problem_until_it_picks_a_plan(monkeypatch: pyt
         finally:
             tracemalloc.stop()
     assert plans[6] == plans[2]
-    assert peaks[6] <= 1.15 * peaks[2], peaks
+    assert peaks[6] <= 1.25 * peaks[2], peaks
