@@ -13,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopar.core.layout import D, Layout, P, R, Shard
+from autopar.core.layout import BalancedShard, D, Layout, P, R, Shard, is_balanced
 from autopar.core.mesh import Mesh
-from autopar.core.redistribute import redistribute_cost
+from autopar.core.redistribute import plan_redistribute, redistribute_cost
 from autopar.passes.trace import trace
 from autopar.planning import search
 from autopar.planning.search import ElementCost, TimeCost, even_factor
@@ -128,10 +128,15 @@ def test_lists_with_an_uneven_layout_price_their_even_pairs_from_steps_bit_for_b
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(layout_pairs(uneven=False), st.sampled_from(["h100-nvlink-ib", "v100-cluster", "cpu-gloo"]))
+@given(
+    st.booleans().flatmap(lambda balanced: layout_pairs(uneven=False, balanced=balanced)),
+    st.sampled_from(["h100-nvlink-ib", "v100-cluster", "cpu-gloo"]),
+)
 def test_time_tables_are_the_seconds_of_every_pair(
     case: tuple[tuple[int, ...], Layout, Layout], hardware: str
 ) -> None:
+    """Load-balanced splits too: their tables' steps are the emitted ones (a split gathered and
+    cut again can take more steps than the mesh has axes)."""
     mesh, src, dst = case
     cost = TimeCost(hardware, mesh)
     pair = [src, dst]
@@ -167,6 +172,62 @@ def test_the_greedy_pass_prices_even_pairs_as_the_tables_do(case: tuple[tuple[in
     calls = CALL_ELEMENTS * collective_count(src, dst, tuple(mesh)) if src != dst else 0.0
     assert alone + calls == ElementCost(mesh).redistribute_table([src], [dst])[0, 0]
     assert alone == pytest.approx(redistribute_cost(src, dst, mesh), rel=1e-12)
+
+
+def test_a_balanced_split_is_priced_with_the_steps_emitted() -> None:
+    """`(Sb(0), P, R) -> (S(0), S(0), R)` on (1, 2, 1): the pending sum reduce-scatters into dim 0,
+    then the dim, in the balanced order on the first axis and wanted contiguous there, is gathered
+    and cut again, 2 collectives as `plan_redistribute` (what insert_comm emits) takes; the
+    templates once read Sb(0) as S(0), kept the split and counted 1."""
+    mesh = (1, 2, 1)
+    src = Layout((BalancedShard(0), P, R), (8, 4))
+    dst = Layout((Shard(0), Shard(0), R), (8, 4))
+    emitted = [step for step in plan_redistribute(src, dst, mesh) if step.is_collective]
+    assert [step.kind for step in emitted] == ["reduce_scatter", "all_gather"]
+    assert collective_count(src, dst, mesh) == 2
+    sent = sum(step.elements_sent(mesh) for step in emitted)
+    assert even_redistribute_cost(src, dst, mesh) == pytest.approx(sent, rel=1e-12) and sent > 0
+    table = ElementCost(mesh).redistribute_table([src], [dst])[0, 0]
+    assert table == pytest.approx(sent + 2 * CALL_ELEMENTS, rel=1e-12)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout_pairs(uneven=False, balanced=True))
+def test_even_tables_of_balanced_splits_price_the_emitted_steps(case: tuple[tuple[int, ...], Layout, Layout]) -> None:
+    """With load-balanced splits on either side, the templates (`even_steps`: collective counts,
+    the greedy pass's and the tables' elements) are `plan_redistribute`'s collectives."""
+    mesh, src, dst = case
+    dst = Layout(dst.placements, src.shape, dst.dtype)
+    if not (src.is_even(mesh) and dst.is_even(mesh)):
+        return
+    emitted = [step for step in plan_redistribute(src, dst, mesh) if step.is_collective]
+    sent = sum(step.elements_sent(mesh) for step in emitted)
+    assert collective_count(src, dst, tuple(mesh)) == len(emitted)
+    assert even_redistribute_cost(src, dst, tuple(mesh)) == pytest.approx(sent, rel=1e-12, abs=1e-9)
+    calls = CALL_ELEMENTS * len(emitted) if src != dst else 0.0
+    table = ElementCost(mesh).redistribute_table([src], [dst])[0, 0]
+    assert table == pytest.approx(sent + calls, rel=1e-12, abs=1e-9)
+
+
+def test_templates_of_balanced_pairs_are_worked_out_whole() -> None:
+    """`StepTemplates.programs` on pairs with load-balanced splits (keyed apart from contiguous
+    ones by `canonical`'s wide keys) gets `coded_template` of the whole codes, as without."""
+    options = [D, R, P, Shard(0), Shard(1), BalancedShard(0), BalancedShard(1)]
+    placements = [  # a load-balanced split is the innermost axis on its dim
+        p
+        for p in itertools.product(options, repeat=2)
+        if not (is_balanced(p[0]) and isinstance(p[1], Shard) and p[1].dim == p[0].dim)
+    ]
+    templates = StepTemplates(2)
+    ids = templates.ids(placements)
+    pieces = np.array_split(np.arange(len(placements)), 3)
+    got = [row for piece in pieces for row in templates.programs(ids[piece], ids).tolist()]
+    for src, row in zip(placements, got):
+        for dst, t in zip(placements, row):
+            assert templates.templates[t] == coded_template(codes(src), codes(dst)), (src, dst)
+    plain = codes((Shard(0), Shard(0))) + codes((R, R))
+    balanced = codes((Shard(0), BalancedShard(0))) + codes((R, R))
+    assert canonical(np.array([plain])) != canonical(np.array([balanced]))
 
 
 def _elements_and_calls(src: Layout, dst: Layout, mesh: tuple[int, ...]) -> float:

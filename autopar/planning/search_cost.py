@@ -196,10 +196,19 @@ class ElementCost:
         """Numbers for templates up to `upto`: per step its element factor (the arithmetic of
         `CommStep.elements_sent`), block scale and link; unused steps price 0."""
         start = len(self._programs)
-        rows = np.zeros((upto - start, len(self.shape), _FIELDS))
+        steps = [instantiate(template, self.shape) for template in self._templates.templates[start:upto]]
+        # a step per axis at most, but for a load-balanced split gathered and cut again on an axis
+        # that also reduce-scatters into it (`(Sb(0), P) -> (S(0), S(0))`: three steps on two axes)
+        width = max([self._programs.shape[1], *map(len, steps)])
+        if width > self._programs.shape[1]:
+            wider = np.zeros((start, width, _FIELDS))
+            wider[:, :, 2:4] = 1.0
+            wider[:, : self._programs.shape[1]] = self._programs
+            self._programs = wider
+        rows = np.zeros((upto - start, width, _FIELDS))
         rows[:, :, 2:4] = 1.0  # unused steps: nothing sent, den 1, bandwidth 1
-        for i, template in enumerate(self._templates.templates[start:upto]):
-            for k, (kind, a, num, den) in enumerate(instantiate(template, self.shape)):
+        for i, program in enumerate(steps):
+            for k, (kind, a, num, den) in enumerate(program):
                 g = self.shape[a]
                 bandwidth, alpha, call = self._link(a)
                 latency = latency_steps(kind, g) * alpha

@@ -20,12 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from autopar.core.layout import Layout, Partial, Placement, RowDisjoint, Shard
+from autopar.core.layout import Layout, Partial, Placement, RowDisjoint, Shard, is_balanced
 from autopar.core.redistribute import FORBIDDEN_FACTOR, exchanges_ahead, exchanges_before
 from autopar.core.strategy import Strategy
 
-# per-axis codes of `codes`; a dim d >= 0 is Shard(d)
+# per-axis codes of `codes`; a dim d >= 0 is Shard(d), BALANCED + d the load-balanced split of d
 DISJOINT, REPLICATE, PARTIAL = -3, -2, -1
+BALANCED = 32  # more than any tensor's dims
 
 # A step of `even_steps`: (kind, mesh axis, num, den): its block has `n * num / den` elements
 # when the source block has n.
@@ -35,9 +36,12 @@ TemplateStep = tuple[str, int, tuple[int, ...], tuple[int, ...]]
 
 
 def codes(placements: Sequence[Placement]) -> tuple[int, ...]:
-    """Per mesh axis: the dim it splits, `PARTIAL`, `DISJOINT` (a row-disjoint sum) or `REPLICATE`."""
+    """Per mesh axis: the dim it splits (`BALANCED` + the dim for a load-balanced split, whose
+    steps differ: `plan_redistribute` gathers and cuts again between the two orders of a dim, and
+    takes none of its exchange-first shortcuts with one involved), `PARTIAL`, `DISJOINT` (a
+    row-disjoint sum) or `REPLICATE`."""
     return tuple(
-        p.dim
+        p.dim + (BALANCED if is_balanced(p) else 0)
         if isinstance(p, Shard)
         else DISJOINT
         if isinstance(p, RowDisjoint)
@@ -202,18 +206,33 @@ def canonical(pairs: np.ndarray) -> np.ndarray:
     """One key (int64) per row of codes (source then target, per mesh axis) after renumbering the
     dims they split in order (0, 1, ... for the dims used): rows with equal keys have the same
     steps (`coded_template` compares dims only for equality and visits them in order). Each code
-    takes 4 bits: up to 15 per row, meshes of up to 7 axes."""
+    takes 4 bits: up to 15 per row, meshes of up to 7 axes. A row with a load-balanced split
+    takes 5 bits a code (the fifth: balanced) and bit 62 (no key of the 4-bit rows has it): up to
+    12 codes, meshes of up to 6 axes."""
     if pairs.shape[1] > 15:
         raise ValueError(f"canonical keys hold 15 codes per pair, not {pairs.shape[1]} (mesh of > 7 axes)")
-    top = int(pairs.max()) + 1
+    balanced = pairs >= BALANCED
+    dims = np.where(balanced, pairs - BALANCED, pairs)
+    top = int(dims.max()) + 1 if dims.size else 0
     used = np.zeros((len(pairs), max(top, 1)), dtype=bool)
     for d in range(top):
-        used[:, d] = (pairs == d).any(axis=1)
+        used[:, d] = (dims == d).any(axis=1)
     renumber = np.cumsum(used, axis=1) - 1
-    shard = pairs >= 0
-    renamed = np.where(shard, np.take_along_axis(renumber, np.where(shard, pairs, 0), axis=1), pairs)
+    shard = dims >= 0
+    renamed = np.where(shard, np.take_along_axis(renumber, np.where(shard, dims, 0), axis=1), dims)
     digits = (renamed - DISJOINT).astype(np.int64)  # 0 .. 3 + renumbered dims (< 16)
-    return digits @ (np.int64(16) ** np.arange(pairs.shape[1], dtype=np.int64))
+    keys = digits @ (np.int64(16) ** np.arange(pairs.shape[1], dtype=np.int64))
+    with_balanced = balanced.any(axis=1)
+    if with_balanced.any():
+        if pairs.shape[1] > 12:
+            raise ValueError(
+                f"canonical keys hold 12 codes per pair with a load-balanced split, not {pairs.shape[1]} "
+                "(mesh of > 6 axes)"
+            )
+        rows = np.flatnonzero(with_balanced)
+        wide = digits[rows] + 16 * balanced[rows]
+        keys[rows] = (wide @ (np.int64(32) ** np.arange(pairs.shape[1], dtype=np.int64))) | (np.int64(1) << 62)
+    return keys
 
 
 @dataclass
@@ -291,9 +310,22 @@ def even_redistribute_cost(src: Layout, dst: Layout, mesh_shape: tuple[int, ...]
 
 def coded_template(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[TemplateStep, ...]:
     """The steps from placements `src` to `dst` (per-axis codes) on a mesh whose axes all have more
-    than one rank, naming the axes that scale each step's block instead of multiplying sizes."""
+    than one rank, naming the axes that scale each step's block instead of multiplying sizes.
+
+    A load-balanced split (`BALANCED` + dim) splits its dim as a contiguous one does, but, as in
+    `plan_redistribute`, a dim is kept on an axis only in the same order (else gathered and cut
+    again), and with one on either side now no reduce-first, exchange-first or exchange-ahead
+    shortcut is taken (its chunk order would be a second reordering)."""
     if src == dst:
         return ()
+    want_balanced = tuple(c >= BALANCED for c in dst)
+    balanced = [c >= BALANCED for c in src]  # per axis, whether it holds a load-balanced split now
+    src = tuple(c - BALANCED if c >= BALANCED else c for c in src)
+    dst = tuple(c - BALANCED if c >= BALANCED else c for c in dst)
+
+    def plain() -> bool:  # no load-balanced split now nor in the target
+        return not (any(balanced) or any(want_balanced))
+
     forbidden = [a for a, (c, t) in enumerate(zip(src, dst)) if t == DISJOINT and c != DISJOINT]
     if forbidden:  # nothing makes a row-disjoint sum (`redistribute.forbidden_axes`)
         return tuple(("forbidden", a, (), ()) for a in forbidden)
@@ -309,7 +341,11 @@ def coded_template(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[Template
                 continue
             if t >= 0:  # move the axes nesting outside `a` there first (even: no shape check)
                 moves = exchanges_before(have, a, want.get(t, ()), t)
-                if len(moves) == 1 and _extends((*have.get(t, ()), moves[0][0]), a, want.get(t, ())):
+                if (
+                    len(moves) == 1
+                    and plain()
+                    and _extends((*have.get(t, ()), moves[0][0]), a, want.get(t, ()))
+                ):
                     (b, home) = moves[0]  # reduce first, then exchange the reduced block
                     steps.append(("reduce_scatter", a, num, den))
                     den = (*den, a)
@@ -317,21 +353,24 @@ def coded_template(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[Template
                     have[home].pop()
                     have.setdefault(t, []).extend((b, a))
                     continue
-                for b, home in moves:
+                for b, home in moves:  # b takes `a`'s target placement (`plan_redistribute`)
                     have[home].pop()
                     have.setdefault(t, []).append(b)
+                    balanced[b] = want_balanced[a]
                     steps.append(("all_to_all", b, num, den))
-                if not moves and not _extends(have.get(t, ()), a, want.get(t, ())):
+                if not moves and plain() and not _extends(have.get(t, ()), a, want.get(t, ())):
                     pending = [b for b, c in enumerate(src) if c in (PARTIAL, DISJOINT) and dst[b] >= 0]
                     targets = [d if d >= 0 else None for d in dst]
                     later = pending[pending.index(a) + 1 :]
                     for b, home, dest in exchanges_ahead(have, want, targets, a, later):
                         have[home].pop()
                         have.setdefault(dest, []).append(b)
+                        balanced[b] = want_balanced[b]
                         steps.append(("all_to_all", b, num, den))
             if t >= 0 and _extends(have.get(t, ()), a, want.get(t, ())):
                 steps.append(("reduce_scatter", a, num, den))
                 have.setdefault(t, []).append(a)
+                balanced[a] = want_balanced[a]
                 den = (*den, a)
             else:
                 steps.append(("all_reduce", a, num, den))
@@ -341,10 +380,15 @@ def coded_template(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[Template
             continue
         kept = want.get(d, ())
         keep = 0
-        while keep < len(axes) and keep < len(kept) and axes[keep] == kept[keep]:
+        while (
+            keep < len(axes)
+            and keep < len(kept)
+            and axes[keep] == kept[keep]
+            and balanced[axes[keep]] == want_balanced[axes[keep]]  # the same order too
+        ):
             keep += 1
         removed = axes[keep:]
-        moved = _exchange_first(removed, d, dst, have, want)
+        moved = _exchange_first(removed, d, dst, have, want) if plain() else None
         if moved is not None:  # the outermost axis exchanged on the small block, then the gathers
             del axes[keep:]
             steps.append(("all_to_all", removed[0], num, den))
@@ -361,8 +405,10 @@ def coded_template(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[Template
                 if (not there or there[-1] < a) and _extends(there, a, want.get(t, ())):
                     steps.append(("all_to_all", a, num, den))
                     have.setdefault(t, []).append(a)
+                    balanced[a] = want_balanced[a]
                     continue
             steps.append(("all_gather", a, num, den))
+            balanced[a] = False
             num = (*num, a)
     return tuple(steps)  # 3. slicing and zeroing replicas send nothing
 
