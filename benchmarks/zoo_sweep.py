@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT), str(ROOT / "tests")]
 
 from _common import LAZY_IMPORTS, environment, table  # noqa: E402
-from pass_fixtures import assert_call_matches_serial  # noqa: E402
+from pass_fixtures import assert_compiled_matches_serial, compile_every_rank  # noqa: E402
 
 from autopar.core.errors import AutoparError, InternalError  # noqa: E402
 from autopar.core.meta import has_info, info  # noqa: E402
@@ -120,11 +120,26 @@ def _run_one(arch: hf_zoo.Arch, conn: Connection) -> None:
     )
     conn.send(row)
     start = time.perf_counter()
-    check_float32_then_float64(
-        row,
-        lambda: assert_call_matches_serial(model, MESH, (), kwargs, explain=False),
-        lambda: assert_call_matches_serial(model.double(), MESH, (), _as_float64(kwargs), atol=1e-9, rtol=1e-9),
-    )
+
+    def in_float32() -> dict[tuple[int, ...], Any]:
+        row["phase"] = "compile"
+        conn.send(row)
+        began = time.process_time()
+        compiled = compile_every_rank(model, MESH, (), kwargs)
+        # so that a row stopped in the check says how long the compile took
+        row.update(phase="lockstep", compile_cpu_s=round(time.process_time() - began, 1))
+        conn.send(row)
+        assert_compiled_matches_serial(compiled, model, MESH, (), kwargs, explain=False)
+        return compiled
+
+    def in_float64() -> dict[tuple[int, ...], Any]:
+        inputs = _as_float64(kwargs)
+        compiled = compile_every_rank(model.double(), MESH, (), inputs)
+        assert_compiled_matches_serial(compiled, model, MESH, (), inputs, atol=1e-9, rtol=1e-9)
+        return compiled
+
+    check_float32_then_float64(row, in_float32, in_float64)
+    row.pop("phase", None)
     row["check_s"] = round(time.perf_counter() - start, 1)
     row["cpu_s"] = round(time.process_time(), 1)  # build included, as a killed child's count has it
     row["peak_rss_gib"] = peak_rss_gib()
@@ -231,16 +246,28 @@ def run_forked(
         if over_memory:
             row.update(
                 result="fail",
-                reason=f"OVER MEMORY: {rss:.2f} GiB resident, over the {max_rss_gib:g} GiB cap, at {cpu:.0f} CPU s ({phase})",
+                reason=f"OVER MEMORY: {rss:.2f} GiB resident, over the {max_rss_gib:g} GiB cap, at {cpu:.0f} CPU s ({where(row)})",
             )
         elif phase == "build":
             row.update(result="skipped", reason=f"TIMEOUT building or calling serially: {what}")
         elif over:
-            row.update(result="timeout", reason=f"TIMEOUT: {what} (compile + lockstep check)")
+            row.update(result="timeout", reason=f"TIMEOUT: {what} ({where(row)})")
         else:
             row.update(result="fail", reason=f"INTERNAL crash: {what}")
     row.pop("phase", None)
     return {**row, "seconds": round(seconds, 1), "cpu_s": round(cpu, 1), "max_rss_gib": round(rss, 2)}
+
+
+def where(row: dict[str, Any]) -> str:
+    """Where a stopped child was, from the last phase it sent: in the compile of every rank's
+    program (trace, plan search, lowering), or in the lockstep check with the compile's CPU
+    seconds (a child that sends no finer phase: "compile + lockstep check")."""
+    phase = row.get("phase")
+    if phase == "compile":
+        return "in the compile: trace, plan search, every rank's lowering"
+    if phase == "lockstep":
+        return f"in the lockstep check, after a compile of {row.get('compile_cpu_s', 0):.0f} CPU s"
+    return "compile + lockstep check"
 
 
 def _rss_gib(pid: int | None) -> float | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -104,3 +105,28 @@ def test_a_row_stopped_by_the_wall_cap_does_not_claim_the_cpu_budget(monkeypatch
     row = sweep.run_forked(_idle_child, (), budget_s=1.0, clock="cpu")
     assert row["result"] == "timeout"
     assert "over the wall cap (2 s)" in row["reason"] and "of 1 CPU s" in row["reason"], row["reason"]
+
+
+def _child_in(phase: dict[str, Any]) -> Callable[[Connection], None]:
+    def child(conn: Connection) -> None:
+        conn.send(phase)
+        time.sleep(60)  # stopped by the 1 s wall budget
+
+    return child
+
+
+@pytest.mark.parametrize(
+    ("phase", "said"),
+    [
+        ({"phase": "compile"}, "in the compile: trace, plan search, every rank's lowering"),
+        ({"phase": "lockstep", "compile_cpu_s": 41.6}, "in the lockstep check, after a compile of 42 CPU s"),
+        ({"phase": "check"}, "compile + lockstep check"),  # a child that sends no finer phase (diffusers)
+    ],
+)
+def test_a_stopped_row_says_where_it_was(phase: dict[str, Any], said: str) -> None:
+    """A timeout's reason names the phase the child last reported, so a row over its budget says
+    whether the compile or the check against serial took it (and the compile's CPU seconds)."""
+    sweep = _sweep_module()
+    row = sweep.run_forked(_child_in(phase), (), budget_s=1.0)
+    assert row["result"] == "timeout"
+    assert row["reason"] == f"TIMEOUT: over the 1 s budget ({said})", row["reason"]
