@@ -54,15 +54,48 @@ def export_error(model: nn.Module, exc: BaseException, traced: nn.Module | None 
             where=user_frame_of(exc),
             hint=PACKED_SEQUENCE_HINT,
         )
+    site = user_frame_of(exc)
+    module = failing_module(exc, traced or model)
     return TraceError(
         f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {first_lines(exc)}",
-        where=user_frame_of(exc),
+        op=failing_op(exc),
+        where=f"{module or '<root>'} @ {site}" if module is not None and site else site,
         hint=trace_hint(
             exc,
             "make the forward traceable by torch.export (no data-dependent Python control flow on "
             "tensor values, no unsupported Python side effects); see the torch.export docs",
         ),
     )
+
+
+# torch's note on a data-dependent guard: "Caused by: (_refs/__init__.py:4264 in unbind)"
+_CAUSED_BY = re.compile(r"Caused by: \(\S+:\d+ in (\w+)\)")
+
+
+def failing_op(exc: BaseException) -> str | None:
+    """The torch function a data-dependent guard failed in (`unbind` where Python iterates over a
+    tensor whose size values set, LongcatFlash's loop over the experts hit), as torch's message
+    names it; else the innermost torch frame's function under the user's frame; None if neither."""
+    found = _CAUSED_BY.search(str(exc))
+    if found:
+        return found.group(1)
+    frames = traceback.extract_tb(exc.__traceback__)
+    inside = [f for f in frames if _TORCH_FRAME.search(f.filename)]
+    return inside[-1].name if inside and not raised_in_user_code(exc) else None
+
+
+def failing_module(exc: BaseException, model: nn.Module) -> str | None:
+    """The module path of the innermost `forward` of `model` (or one of its submodules) the
+    failure passed through: "" for the model itself, None where no frame is one of its modules."""
+    names = {id(module): name for name, module in model.named_modules()}
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found
 
 
 NO_EXAMPLE_HINT = (

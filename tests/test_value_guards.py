@@ -142,6 +142,45 @@ def test_a_value_not_computed_from_the_inputs_alone_is_refused_naming_the_line(
     assert err.value.where is not None and line in err.value.where, err.value.where
 
 
+class _HitExperts(nn.Module):
+    """LongcatFlash's experts: Python iterates over the experts the router hit (`nonzero` of the
+    routed tokens' one-hot), a count the router's weights set, which torch.export cannot size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 16, 4) / 4)
+
+    def forward(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], 4)
+        hit = (F.one_hot(expert, 4).sum(0) > 0).nonzero()
+        for e in hit:  # line: HIT
+            rows = torch.where(expert == e)[0]
+            out = out.index_add(0, rows, x[rows] @ self.weight[int(e.item())])
+        return out
+
+
+class _LoopsOverHitExperts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4, bias=False)
+        self.moe = _HitExperts()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.moe(x, self.router(x).argmax(-1)), y)
+
+
+def test_a_loop_over_a_weight_sized_tensor_is_refused_naming_op_module_and_line() -> None:
+    """Where torch.export itself fails on a data-dependent size (LongcatFlash's loop over the hit
+    experts: iterating unbinds a tensor of `nonzero`'s size), the refusal still names the op
+    torch failed in, the module path and the line, with the data-dependent hint."""
+    with pytest.raises(autopar.TraceError) as err:
+        compile_for_rank(_LoopsOverHitExperts(), Mesh.from_shape((2,)), _batch(1.0), coords=(0,))
+    assert "data-dependent" in str(err.value) and err.value.hint == DATA_DEPENDENT_HINT, str(err.value)
+    assert err.value.op == "unbind" and "op: unbind" in str(err.value), str(err.value)
+    assert err.value.where is not None and err.value.where.startswith("moe @ "), err.value.where
+    assert _line("HIT") in err.value.where, err.value.where
+
+
 def _stepped_errors(
     step: int, loss: torch.Tensor, want: torch.Tensor, pmodel: nn.Module, serial: nn.Module, opts: tuple[Any, Any]
 ) -> list[float]:
