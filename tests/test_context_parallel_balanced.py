@@ -286,7 +286,12 @@ def test_balanced_plan_keeps_the_residual_stream_balanced(monkeypatch: pytest.Mo
     converts between the two orders. With the balanced copies of each op's strategies listed after
     the contiguous ones (as before), the greedy seeds were contiguous wherever nothing forced the
     balanced order, and the search, a local improvement, kept converting around every attention
-    call: more conversions and a dearer plan."""
+    call: more conversions and a dearer plan. That was while the even templates priced a
+    conversion under a pending sum as the reduce-scatter alone (a balanced split read as the
+    contiguous one): priced as emitted (the reduce-scatter, then the dim gathered and cut again),
+    the search from the contiguous-first seeds converts once, at 1.003 times the cost (measured at
+    30a1c6b: 0 conversions at 1.9759e-4 s against 1 at 1.9819e-4 s); the balanced-first listing
+    still gives the cheaper plan, with no more conversions."""
     model, batch = make_llama(0, batch_size=2, n_head=4, n_kv_head=2, seq_len=256, dim=64, hidden=128, vocab_size=128)
     mesh = Mesh.from_shape((2, CP), ("dp", "cp"))
     gm = trace_for(model, mesh, batch)
@@ -301,5 +306,5 @@ def test_balanced_plan_keeps_the_residual_stream_balanced(monkeypatch: pytest.Mo
     listed_after = balanced.balanced_variants
     monkeypatch.setattr(balanced, "balanced_variants", lambda call, found, first=False: listed_after(call, found))
     old_count, old_objective = searched()
-    assert count <= 4 < old_count, (count, old_count)
-    assert objective < 0.9 * old_objective, (objective, old_objective)
+    assert count <= min(4, old_count), (count, old_count)
+    assert objective < old_objective, (objective, old_objective)
