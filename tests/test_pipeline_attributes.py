@@ -7,11 +7,13 @@ AttributeError (found by user16's probes). Both ranks run in this process (locks
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from multirank import pipelined, run_in_lockstep
 
 import autopar
@@ -77,6 +79,10 @@ def _late_hooks(rank: int, world: int, transport: LockstepTransport | None = Non
     pmodel.eval()
     pmodel.train()
     found["own flags"] = call()
+    model.eval()  # the original's mode: not followed (pmodel keeps its own), said as on a tensor-only module
+    found["original eval"] = call()
+    model.train()
+    found["original train again"] = call()
     model[2].register_forward_hook(lambda m, a, o: o * 100)  # the serial model's output changes
     found["hooked"] = call()
     found["again"] = call()  # once per change
@@ -88,5 +94,61 @@ def test_a_forward_hook_on_the_original_model_after_parallelize_is_said_on_a_pip
     would (silently different before: no warning on a pipelined module)."""
     for found in run_in_lockstep(2, _late_hooks):
         assert found["first"] == [] and found["own flags"] == [] and found["again"] == [], found
+        (said,) = found["original eval"]  # silent before: pmodel trained on in training mode
+        assert "model.eval() was called" in said and "call pmodel.eval()" in said, said
+        assert found["original train again"] == [], found  # back as at parallelize
         (said,) = found["hooked"]
         assert "a forward hook was added to or removed from model.2" in said, said
+
+
+def _frozen(rank: int, world: int, transport: LockstepTransport | None = None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16),
+        torch.nn.Linear(16, 4),
+    )  # fmt: skip
+    model[1].eval()  # a frozen dropout and a frozen BatchNorm: the fine-tuning habit, before parallelize
+    model[3].eval()
+    serial = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    options = autopar.PipelineOptions(microbatches=2, schedule="gpipe", stage_boundaries=["2"])
+    pmodel = pipelined(model, world, transport, example_inputs=(x,), pipeline=options)
+    found: dict[str, Any] = {"flags kept": [m.training for m in model]}
+    for m in (serial, pmodel):
+        torch.manual_seed(1)
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        found.setdefault("losses", []).append(loss.detach())
+    sp = dict(serial.named_parameters())
+    found["grads"] = {name: (sp[name].grad, p.grad) for name, p in pmodel.named_parameters()}
+    found["flags after"] = [m.training for m in model]
+    for target in ("", "1", "0.weight", "4.weight", "nope.weight"):
+        try:
+            got = pmodel.get_parameter(target) if "." in target else pmodel.get_submodule(target)
+            found[target] = got is pmodel if not target else got is dict(pmodel.named_parameters())[target]
+        except AttributeError as error:
+            found[target] = (type(error), str(error), getattr(error, "hint", None))
+    return found
+
+
+def test_a_pipeline_keeps_the_submodule_modes_the_model_had_and_answers_get_submodule() -> None:
+    """A dropout and a BatchNorm put in eval() before parallelize stay so in the stage programs (the
+    dropout ran, loss 1.827 for serial's 1.759, and the BatchNorm was refused as training), the
+    model's own flags are left as the user set them (all reset to train before), and
+    `get_submodule` / `get_parameter` answer or say why (torch's bare AttributeError before)."""
+    for rank, found in enumerate(run_in_lockstep(2, _frozen)):
+        want = [True, False, True, False, True]
+        assert found["flags kept"] == want and found["flags after"] == want, found
+        serial_loss, loss = found["losses"]
+        torch.testing.assert_close(loss, serial_loss, rtol=0, atol=1e-6)
+        assert found["grads"], found
+        for name, (want_grad, grad) in found["grads"].items():
+            torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6, msg=name)
+        assert found[""] is True, found[""]
+        kind, text, hint = found["1"]
+        assert issubclass(kind, ModuleAttributeError) and "no submodule '1'" in text and "before parallelize" in hint
+        mine, other = ("0.weight", "4.weight") if rank == 0 else ("4.weight", "0.weight")
+        assert found[mine] is True, found[mine]
+        kind, text, hint = found[other]
+        assert issubclass(kind, ModuleAttributeError) and "another rank's stage" in text, found[other]
+        assert "not a parameter of the model" in found["nope.weight"][1] and "check the name" in found["nope.weight"][2]

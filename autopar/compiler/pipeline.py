@@ -47,6 +47,7 @@ from autopar.compiler.pipeline_split import (
     StageProgram,
     batch_random_ops,
     get_attr,
+    module_flags,
     split_stages,
 )
 from autopar.compiler.pipeline_stage import (
@@ -80,6 +81,7 @@ from autopar.runtime.pipeline_transport import PipelineTransport, ProcessGroupTr
 from autopar.runtime.run_program import WeightDeferral
 from autopar.runtime.source_attributes import (
     PIPELINE_WHOLE_WEIGHTS,
+    ModuleAttributeError,
     first_dtype,
     remember_source,
     source_attribute,
@@ -144,6 +146,8 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         self._stage_ranks = mesh.size() // mesh.size((mesh.mesh_dim_names or ()).index("pp")) if mesh is not None else 1
         self.stages = schedule.placement.stages_of(self.rank)
         self.training = model.training
+        # each submodule's mode (modules() order) as the model had it, until pmodel.train()/eval()
+        self._flags = tuple(m.training for m in model.modules())
         self._build_stage = build_stage
         # export transformers' experts modules as routed-experts ops (PlanOptions.token_dispatch),
         # so that each stage's plan can place the all-to-all dispatcher
@@ -171,7 +175,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         # torch's clip_grad_norm_ over this rank's stages alone: warned at the optimizer's step
         self._clip_watch = watch_clipping(self)
         remember_source(self, model)  # pmodel.config; what it lacks said with a hint (__getattr__)
-        self._source_watch = SourceWatch(model, hooks_only=True)  # hooks put on the model later: said
+        self._source_watch = SourceWatch(model, pipeline=True)  # hooks, modes set on the model later: said
 
     def __getattr__(self, name: str) -> Any:
         """The source model's plain attributes (`pmodel.config`) and `dtype`, as a tensor-only
@@ -183,6 +187,34 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         if name == "dtype":
             return first_dtype(self)
         return source_attribute(self, name, PIPELINE_WHOLE_WEIGHTS)
+
+    def get_submodule(self, target: str) -> nn.Module:
+        """Only `""` (the module itself): a pipelined module runs its stages' exported programs,
+        not the model's submodules, so there is none to switch or hook (torch's lookup gave a bare
+        AttributeError)."""
+        if not target:
+            return self
+        raise ModuleAttributeError(
+            f"a pipelined module has no submodule {target!r}: it runs this rank's stages {list(self.stages)} "
+            "as exported programs, not the model's modules",
+            hint="set a submodule's mode on the model before parallelize (model.get_submodule(path).eval(): the "
+            "pipeline keeps it); pmodel.train()/pmodel.eval() switch every module; register forward hooks on "
+            "the model before parallelize; a parameter is pmodel.get_parameter(name)",
+        )
+
+    def get_parameter(self, target: str) -> nn.Parameter:
+        """This rank's parameter `target` (the model's name), or an error saying which rank's stages
+        hold it."""
+        for name, p in self.named_parameters():
+            if name == target:
+                return p
+        known = target in self._names.values()
+        raise ModuleAttributeError(
+            f"{target!r} is " + ("held by another rank's stage" if known else "not a parameter of the model")
+            + f": this rank holds the parameters of stages {list(self.stages)}",
+            hint="dict(pmodel.named_parameters()) lists this rank's; run per-parameter code on every rank "
+            "for the names it holds" if known else "check the name (model.named_parameters() lists them)",
+        )
 
     def _parameter_names(self) -> dict[int, str]:
         names: dict[int, str] = {}
@@ -212,7 +244,10 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         return model
 
     def train(self, mode: bool = True) -> PipelinedModule:
+        """Every submodule in `mode`, as `nn.Module.train` sets them (the stage programs are
+        exported with these flags; the model's own are left alone)."""
         self.training = mode
+        self._flags = (mode,) * len(self._flags)
         for module in self.__dict__["stage_parallel"].values():
             module.train(mode)
         return self
@@ -336,7 +371,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         `whole` (whose microbatches are `others`), exported once per shape and, for a model whose
         Python reads its inputs' values, once per branch the whole batch takes
         (`pipeline_guards`)."""
-        key = program_key(flat, self.training, pytree.tree_structure(call))
+        key = program_key(flat, self._flags, pytree.tree_structure(call))
         found = self._programs.get(key, [])
         program = serving(found, whole, flat, self.device)
         if program is not None:
@@ -354,17 +389,13 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
             return split
 
         def same_key(example_flat: Sequence[Any], example: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
-            return program_key(example_flat, self.training, pytree.tree_structure(example)) == key
+            return program_key(example_flat, self._flags, pytree.tree_structure(example)) == key
 
-        was = self._model.training
-        self._model.train(self.training)
-        try:
+        with module_flags(self._model, self._flags):
             same_shape = [(f, c) for f, c in others if f is not flat and same_key(f, c)]
             program = export_for_branch(
                 self._model, (flat, call), whole, microbatch, found, same_shape, export, self.device
             )
-        finally:
-            self._model.train(was)
         program.variant = self._variants.get(key, 0)
         self._variants[key] = program.variant + 1
         if not self._programs:  # a model on meta: this rank's stages' tensors, made now
@@ -475,9 +506,9 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         """This step's dropout masks: the serial model's, drawn from the generator on every rank."""
 
         def export_batch() -> list[Any]:
-            return batch_random_ops(self._model, *call, training=self.training)
+            return batch_random_ops(self._model, *call, flags=self._flags)
 
-        key = program_key(pytree.tree_leaves(call), self.training, pytree.tree_structure(call))
+        key = program_key(pytree.tree_leaves(call), self._flags, pytree.tree_structure(call))
         key += tuple(p.variant for p in programs)  # a branch the inputs' values took may draw other ops
         micro = [p.random_ops for p in programs]
         self._dropout.prepare(key, export_batch, micro, self.stages, self.device)

@@ -58,8 +58,9 @@ def split_microbatches(args: Any, microbatches: int) -> list[Any]:
     return out
 
 
-def program_key(flat: Sequence[Any], training: bool, structure: Any = None) -> tuple[Any, ...]:
-    """What a stage program is exported for: each input's shape and dtype (other values as they are)."""
+def program_key(flat: Sequence[Any], training: bool | tuple[bool, ...], structure: Any = None) -> tuple[Any, ...]:
+    """What a stage program is exported for: the modules' training flags, each input's shape and
+    dtype (other values as they are)."""
     return (training, str(structure)) + tuple(
         (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x).__name__, repr(x))
         for x in flat
