@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from multirank import pipelined, run_in_lockstep
+from multirank import pipelined, run_in_lockstep, run_ranks
 
 import autopar
 from autopar.runtime.source_attributes import ModuleAttributeError
@@ -152,3 +152,43 @@ def test_a_pipeline_keeps_the_submodule_modes_the_model_had_and_answers_get_subm
         kind, text, hint = found[other]
         assert issubclass(kind, ModuleAttributeError) and "another rank's stage" in text, found[other]
         assert "not a parameter of the model" in found["nope.weight"][1] and "check the name" in found["nope.weight"][2]
+
+
+class _Doubling(torch.nn.Module):
+    """A mode branch with no random op: the stage programs of its two modes take the same arguments."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if self.training else x
+
+
+def _frozen_then_trained(rank: int, world: int) -> list[tuple[float, float]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), _Doubling(),
+                                torch.nn.Linear(16, 4))
+    model[3].eval()  # frozen before parallelize; pmodel.train() (as model.train()) unfreezes it
+    serial = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "x"))
+    options = autopar.PipelineOptions(microbatches=2, schedule="gpipe", stage_boundaries=["2"])
+    pmodel = autopar.parallelize(model, mesh, example_inputs=(x,), pipeline=options)
+    found = []
+    for m in (serial, pmodel):
+        frozen = F.mse_loss(m(x), y).item()
+        m.eval()
+        m.train()
+        found.append((frozen, F.mse_loss(m(x), y).item()))
+    return found
+
+
+@pytest.mark.multirank
+def test_tensor_axes_beside_pp_compile_the_program_of_each_module_mode() -> None:
+    """pp=2 x 2: the stage programs after pmodel.train() (every module training) are other
+    variants than those of the frozen submodule at parallelize, so each stage's parallel module
+    compiles them; with the same arguments it ran the frozen program again (1.7296 for serial's
+    1.9216) before."""
+    for serial, parallel in run_ranks(4, _frozen_then_trained, timeout=300):
+        assert serial[0] != serial[1], serial  # the branch changes the loss
+        for want, got in zip(serial, parallel, strict=True):
+            assert abs(want - got) <= 1e-6 * max(1.0, abs(want)), (serial, parallel)

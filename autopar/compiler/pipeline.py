@@ -278,8 +278,12 @@ class PipelinedModule(PipelineReports, PipelineParameters, NotCopyable, nn.Modul
             program = export_for_branch(
                 self._model, (flat, call), whole, microbatch, found, same_shape, export, self.device
             )
-        program.variant = self._variants.get(key, 0)
-        self._variants[key] = program.variant + 1
+        # numbered per mode and shape, not per module flags: programs of other flags (a submodule
+        # frozen at parallelize, all trained after pmodel.train()) are other variants, so a stage's
+        # parallel module (tensor axes), which keys its programs by its own mode, compiles each
+        same_call = program_key(flat, self.training, pytree.tree_structure(call))
+        program.variant = self._variants.get(same_call, 0)
+        self._variants[same_call] = program.variant + 1
         if not self._programs:  # a model on meta: this rank's stages' tensors, made now
             self._materialize(program)
         elif self._build_stage is None:
