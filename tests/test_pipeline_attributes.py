@@ -192,3 +192,41 @@ def test_tensor_axes_beside_pp_compile_the_program_of_each_module_mode() -> None
         assert serial[0] != serial[1], serial  # the branch changes the loss
         for want, got in zip(serial, parallel, strict=True):
             assert abs(want - got) <= 1e-6 * max(1.0, abs(want)), (serial, parallel)
+
+
+class _NormEval(torch.nn.Sequential):
+    """A model whose own train() keeps its BatchNorms in eval (mmdet's `norm_eval` backbones)."""
+
+    def train(self, mode: bool = True) -> _NormEval:
+        super().train(mode)
+        for m in self.modules():
+            if isinstance(m, torch.nn.BatchNorm1d):
+                m.eval()
+        return self
+
+
+def _norm_eval(rank: int, world: int, transport: LockstepTransport | None = None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _NormEval(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model.train()
+    serial = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    options = autopar.PipelineOptions(microbatches=2, schedule="gpipe", stage_boundaries=["2"])
+    pmodel = pipelined(model, world, transport, example_inputs=(x,), pipeline=options)
+    found: dict[str, Any] = {}
+    for m in (serial, pmodel):
+        m.eval()
+        m.train()  # the model's own train(): its BatchNorm stays in eval
+        found.setdefault("losses", []).append(F.mse_loss(m(x), y).detach())
+    found["flags"] = [m.training for m in model.modules()]
+    return found
+
+
+def test_pmodel_train_runs_the_models_own_train() -> None:
+    """`pmodel.train()` takes each submodule's mode from the model's own `train()` (an override that
+    keeps BatchNorms frozen); before, it set every module training, and the call was refused as
+    BatchNorm in training where serial trains with it frozen. The model's flags are left as they were."""
+    for found in run_in_lockstep(2, _norm_eval):
+        serial_loss, loss = found["losses"]
+        torch.testing.assert_close(loss, serial_loss, rtol=0, atol=1e-6)
+        assert found["flags"] == [True, True, False, True, True], found["flags"]

@@ -217,10 +217,14 @@ class PipelinedModule(PipelineReports, PipelineParameters, NotCopyable, nn.Modul
             self._names = self._parameter_names()
 
     def train(self, mode: bool = True) -> PipelinedModule:
-        """Every submodule in `mode`, as `nn.Module.train` sets them (the stage programs are
-        exported with these flags; the model's own are left alone)."""
+        """Every submodule's mode as the model's own `train(mode)` sets them: `nn.Module.train`
+        (all in `mode`) or the model's override (mmdet's backbones keep their BatchNorms in eval,
+        `norm_eval`). The stage programs are exported with these flags; the model's own flags are
+        put back as they were."""
         self.training = mode
-        self._flags = (mode,) * len(self._flags)
+        with module_flags(self._model, self._flags):
+            self._model.train(mode)
+            self._flags = tuple(m.training for m in self._model.modules())
         for module in self.__dict__["stage_parallel"].values():
             module.train(mode)
         return self
