@@ -123,8 +123,8 @@ def broadcast_outputs(
     transport = as_transport(group)
     whole = []
     for i, spec in enumerate(layouts[0].specs):
-        if kept:
-            value = torch.cat([kept[m][i] for m in range(len(layouts))], dim=0)
+        if kept:  # as the spec's dtype, as every other rank's buffer is (autocast makes bfloat16)
+            value = torch.cat([kept[m][i] for m in range(len(layouts))], dim=0).to(spec.dtype)
         else:
             rows = sum(layout.specs[i].shape[0] for layout in layouts)
             value = torch.empty((rows, *spec.shape[1:]), dtype=spec.dtype, device=device)
