@@ -23,6 +23,8 @@ FEATURE:
             statistics), the rest training
   freeze-drop the user's head dropout (Pooled.drop) put in eval() before parallelize; with
             switch, the first model.train() unfreezes it again in both (nn.Module.train sets all)
+  nodrop    (distilbert) the encoder's own dropouts at 0 (the head's nn.Dropout stays): under
+            autocast its attention dropout is drawn per microbatch on a pipeline (warned)
   save      at the end full_state_dict() -> torch.save -> torch.load(weights_only=True) into a
             fresh serial model and into a fresh parallel one (load_state_dict); their next loss
             and parameters compared
@@ -89,8 +91,9 @@ def build(seed: int) -> nn.Module:
                           decoder_start_token_id=0)
         m = tf.T5ForConditionalGeneration(cfg)
     elif kind == "distilbert":
+        nodrop = {"dropout": 0.0, "attention_dropout": 0.0} if "nodrop" in features else {}
         cfg = tf.DistilBertConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
-                                  max_position_embeddings=64)
+                                  max_position_embeddings=64, **nodrop)
         m = Pooled(tf.DistilBertModel(cfg), 32)
     elif kind == "modernbert":
         cfg = tf.ModernBertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
