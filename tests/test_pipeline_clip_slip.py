@@ -54,3 +54,47 @@ def test_torch_clip_grad_norm_on_a_pipelined_module_warns_at_the_step() -> None:
         (said,) = found["torch clip"]
         assert "clip_grad_norm_" in said and "pmodel.clip_grad_norm_(" in said, said
         assert said.endswith(f"at {__file__}"), said  # the warning points at the user's opt.step()
+
+
+def test_the_watch_keeps_every_gradient_in_one_conversion() -> None:
+    """`ClipWatch.record` runs after every pipelined backward: it gathers the kept elements with one
+    `cat` and one float64 conversion (not a copy per parameter: hundreds on a real model), gradients
+    of mixed dtypes and a parameter without one included, and still tells a common norm-clip factor
+    from a power-of-two unscale."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.runtime.clip_watch import ClipWatch
+
+    class Conversions(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.count += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(6).bfloat16()),
+              nn.Parameter(torch.randn(2)), nn.Parameter(torch.randn(3, 4).t())]
+    opt = torch.optim.SGD(params, lr=0.1)
+
+    def said(scale: float) -> list[str]:
+        for p in params[:2] + params[3:]:
+            p.grad = torch.randint(-8, 9, p.shape).to(p.dtype)  # times 0.75: exact in bfloat16 too
+        params[2].grad = None
+        watch = ClipWatch()
+        with Conversions() as mode:
+            watch.record(params)
+        assert mode.count == 1, mode.count
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            watch.check(opt)
+        return [str(w.message) for w in caught if issubclass(w.category, autopar.PipelineClipWarning)]
+
+    (clipped,) = said(0.75)
+    assert "scaled by 0.75" in clipped, clipped
+    assert said(0.5) == [] == said(1.0)  # GradScaler's unscale; nothing done

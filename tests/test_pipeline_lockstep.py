@@ -9,7 +9,10 @@ import warnings
 
 import pytest
 import torch
+from multirank import pipelined, run_in_lockstep
 
+import autopar
+from autopar.core.errors import AutoparError, UsageError
 from autopar.core.pipeline_schedule import schedule_by_name
 from autopar.runtime.pipeline_runtime import StageRunner, TensorSpec, run_step
 from autopar.testing.pipeline_lockstep import LockstepDeadlock, LockstepTransport, run_round_robin
@@ -186,3 +189,33 @@ def test_the_runtime_steps_a_1f1b_schedule_over_the_transport_like_serial() -> N
     torch.testing.assert_close(loss, serial.detach())
     torch.testing.assert_close(g0, whole[0].grad)
     torch.testing.assert_close(g1, whole[1].grad)
+
+
+def test_rank_0s_refusal_in_deciding_is_raised_on_every_rank() -> None:
+    """As on gloo ranks (`decided_on_rank0`): a refusal rank 0 meets while deciding the pipeline
+    (a module backward hook) is raised on every rank, so a test that expects it on each rank sees
+    it there; before, rank 1 waited for the decision and the run ended in `LockstepDeadlock`."""
+
+    def hooked(rank: int, world: int, transport: LockstepTransport | None = None) -> str:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        model[0].register_full_backward_hook(lambda m, gi, go: None)
+        options = autopar.PipelineOptions(microbatches=2, schedule="gpipe", stage_boundaries=["2"])
+        with pytest.raises(UsageError) as refused:
+            pipelined(model, world, transport, example_inputs=(torch.randn(8, 8),), pipeline=options)
+        return str(refused.value)
+
+    for said in run_in_lockstep(2, hooked):
+        assert "module 0 (Linear) has a backward hook" in said and "hint:" in said, said
+
+    def fails(rank: int, t: LockstepTransport) -> str:
+        try:
+            t.hub.agree(rank, lambda: 1 // 0)
+        except ZeroDivisionError as exc:
+            return f"own {exc}"
+        except AutoparError as exc:
+            return str(exc)
+        return "decided"
+
+    assert run_round_robin(2, fails) == ["own integer division or modulo by zero",
+                                         "rank 0 failed in deciding: ZeroDivisionError: integer division or modulo by zero"]

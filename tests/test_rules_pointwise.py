@@ -105,6 +105,8 @@ ARGS: dict[object, tuple[object, ...]] = {
     aten.mul.Tensor: ("f", "f"),
     aten.div.Tensor: ("f", "+"),
     aten.where.self: ("b", "f", "f"),
+    aten.addcmul.default: ("f", "f", "f"),
+    aten.addcdiv.default: ("f", "f", "+"),
     aten.sigmoid_backward.default: ("f", "f"),
     aten.tanh_backward.default: ("f", "f"),
     aten.silu_backward.default: ("f", "f"),
@@ -221,3 +223,14 @@ def test_complex(data: st.DataObject, mesh: tuple[int, ...], op: object) -> None
     re, im = random_tensor(shape, generator=g), random_tensor(shape, generator=g)
     args = (re.abs() + 0.1, im) if op == aten.polar.default else (torch.complex(re, im),)
     assert check_random_strategies(data, op, args, {}, mesh, REGISTRY)
+
+
+@pytest.mark.parametrize("op", [aten.addcmul.default, aten.addcdiv.default], ids=str)
+@PER_OP
+@given(data=st.data(), mesh=mesh_shapes(), value=st.sampled_from([0.5, -2.0]))
+def test_addcmul_addcdiv_with_a_value(data: st.DataObject, mesh: tuple[int, ...], op: object, value: float) -> None:
+    """`value=` scales the product only: the Partial pairs stay linear (timm's GRN passes none)."""
+    make = _maker(torch.Generator().manual_seed(data.draw(seeds())))
+    out = data.draw(tensor_shapes(mesh, min_dims=0, max_dims=3))
+    args = (make("f", out), make("f", data.draw(broadcast_shape(out))), make("+", data.draw(broadcast_shape(out))))
+    assert check_random_strategies(data, op, args, {"value": value}, mesh, REGISTRY)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,6 @@ from autopar.compiler.pipeline_batch import (
     DepositGradients,
     as_output,
     broadcast_outputs,
-    clip_pipelined_grad_norm,
     deposit_targets,
     gather_outputs,
     program_key,
@@ -34,11 +33,12 @@ from autopar.compiler.pipeline_batch import (
     split_microbatches,
     step_gradients,
 )
-from autopar.compiler.pipeline_checkpoint import pipelined_buffers, pipelined_state_dict
+from autopar.compiler.pipeline_checkpoint import pipelined_state_dict
 from autopar.compiler.pipeline_choice import ScheduleChoice
 from autopar.compiler.pipeline_guards import export_for_branch, serving
 from autopar.compiler.pipeline_meta import MetaHolders, make_stage_tensors
 from autopar.compiler.pipeline_outputs import TrainedOutputs, attach_backward, outside_loss_schedule
+from autopar.compiler.pipeline_params import PipelineParameters
 from autopar.compiler.pipeline_random import PipelineDropout
 from autopar.compiler.pipeline_reports import PipelineReports
 from autopar.compiler.pipeline_split import (
@@ -46,7 +46,7 @@ from autopar.compiler.pipeline_split import (
     PipelineSplitError,
     StageProgram,
     batch_random_ops,
-    get_attr,
+    module_flags,
     split_stages,
 )
 from autopar.compiler.pipeline_stage import (
@@ -80,6 +80,7 @@ from autopar.runtime.pipeline_transport import PipelineTransport, ProcessGroupTr
 from autopar.runtime.run_program import WeightDeferral
 from autopar.runtime.source_attributes import (
     PIPELINE_WHOLE_WEIGHTS,
+    ModuleAttributeError,
     first_dtype,
     remember_source,
     source_attribute,
@@ -92,7 +93,7 @@ __all__ = ["MAX_PROGRAMS", "PipelinedModule", "split_microbatches"]
 MAX_PROGRAMS = 8
 
 
-class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
+class PipelinedModule(PipelineReports, PipelineParameters, NotCopyable, nn.Module):
     """This rank's stages of a pipelined model. `pmodel(*batch)` runs one training step of the
     schedule and returns the batch's loss; under `torch.no_grad()` it runs the forwards only. A
     call without a loss (logits, a transformers model without labels) runs the forwards only and
@@ -144,6 +145,8 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         self._stage_ranks = mesh.size() // mesh.size((mesh.mesh_dim_names or ()).index("pp")) if mesh is not None else 1
         self.stages = schedule.placement.stages_of(self.rank)
         self.training = model.training
+        # each submodule's mode (modules() order) as the model had it, until pmodel.train()/eval()
+        self._flags = tuple(m.training for m in model.modules())
         self._build_stage = build_stage
         # export transformers' experts modules as routed-experts ops (PlanOptions.token_dispatch),
         # so that each stage's plan can place the all-to-all dispatcher
@@ -171,7 +174,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         # torch's clip_grad_norm_ over this rank's stages alone: warned at the optimizer's step
         self._clip_watch = watch_clipping(self)
         remember_source(self, model)  # pmodel.config; what it lacks said with a hint (__getattr__)
-        self._source_watch = SourceWatch(model, hooks_only=True)  # hooks put on the model later: said
+        self._source_watch = SourceWatch(model, pipeline=True)  # hooks, modes set on the model later: said
 
     def __getattr__(self, name: str) -> Any:
         """The source model's plain attributes (`pmodel.config`) and `dtype`, as a tensor-only
@@ -184,11 +187,19 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
             return first_dtype(self)
         return source_attribute(self, name, PIPELINE_WHOLE_WEIGHTS)
 
-    def _parameter_names(self) -> dict[int, str]:
-        names: dict[int, str] = {}
-        for name, p in self._model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), name)
-        return names
+    def get_submodule(self, target: str) -> nn.Module:
+        """Only `""` (the module itself): a pipelined module runs its stages' exported programs,
+        not the model's submodules, so there is none to switch or hook (torch's lookup gave a bare
+        AttributeError)."""
+        if not target:
+            return self
+        raise ModuleAttributeError(
+            f"a pipelined module has no submodule {target!r}: it runs this rank's stages {list(self.stages)} "
+            "as exported programs, not the model's modules",
+            hint="set a submodule's mode on the model before parallelize (model.get_submodule(path).eval(): the "
+            "pipeline keeps it); pmodel.train()/pmodel.eval() switch every module; register forward hooks on "
+            "the model before parallelize; a parameter is pmodel.get_parameter(name)",
+        )
 
     def _materialize(self, program: StageProgram) -> None:
         """A model built on meta: this rank's stages' tensors, made now (`make_stage_tensors`): on a
@@ -205,14 +216,15 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
             self.materialized_bytes = made
             self._names = self._parameter_names()
 
-    @property
-    def _model(self) -> nn.Module:
-        """The user's model (kept outside the module tree: it holds every stage's parameters)."""
-        model: nn.Module = self.__dict__["_model"]
-        return model
-
     def train(self, mode: bool = True) -> PipelinedModule:
+        """Every submodule's mode as the model's own `train(mode)` sets them: `nn.Module.train`
+        (all in `mode`) or the model's override (mmdet's backbones keep their BatchNorms in eval,
+        `norm_eval`). The stage programs are exported with these flags; the model's own flags are
+        put back as they were."""
         self.training = mode
+        with module_flags(self._model, self._flags):
+            self._model.train(mode)
+            self._flags = tuple(m.training for m in self._model.modules())
         for module in self.__dict__["stage_parallel"].values():
             module.train(mode)
         return self
@@ -231,97 +243,6 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         the model's names and global shapes, for `torch.distributed.checkpoint.save`."""
         return pipelined_state_dict(self, keep_vars=keep_vars)
 
-    # -- parameters ---------------------------------------------------------------------------
-
-    def _user_params(self, program: StageProgram, stage: int) -> list[nn.Parameter]:
-        """The user's trainable tensors that stage `stage` reads."""
-        found: dict[int, nn.Parameter] = {}
-        for attr in program.stages[stage].attrs:
-            value = program.constants.get(attr)
-            if value is None:
-                value = get_attr(self._model, attr)
-            if isinstance(value, nn.Parameter) and value.requires_grad:
-                found.setdefault(id(value), value)
-        return list(found.values())
-
-    def _stage_params(self, program: StageProgram, stage: int) -> list[nn.Parameter]:
-        """The tensors stage `stage` trains on this rank (its parallel module's, with tensor axes)."""
-        parallel = self.__dict__["stage_parallel"].get(stage)
-        if parallel is None:
-            return self._user_params(program, stage)
-        return [p for p in parallel.parameters() if p.requires_grad]
-
-    def _copies(
-        self, owner: dict[int, int]
-    ) -> tuple[list[tuple[str, nn.Parameter]], dict[int, list[nn.Parameter]]]:
-        """This rank's trained tensors by name, and the copies of each user tensor among them;
-        `owner` (user tensor -> the first stage reading it) marks the copies a norm counts."""
-        local: list[tuple[str, nn.Parameter]] = []
-        copies: dict[int, list[nn.Parameter]] = {}
-        wrappers: dict[int, StageModule] = self.__dict__["_stage_wrappers"]
-        for s in self.stages:
-            parallel = self.__dict__["stage_parallel"].get(s)
-            if parallel is None:
-                continue
-            for name, p in parallel.named_parameters():
-                if p.requires_grad:
-                    user = get_attr(wrappers[s], name)
-                    local.append((self._names.get(id(user), name), p))
-                    copies.setdefault(id(user), []).append(p)
-                    if owner.get(id(user)) == s:
-                        self._in_norm.add(id(p))
-        return local, copies
-
-    def _first_program(self, program: StageProgram) -> None:
-        """Which parameters this rank holds and which several stages read (their gradients summed:
-        over ranks, and over a rank's own copies when its stages are parallel modules)."""
-        holders: dict[int, set[int]] = {}
-        for s in range(self.schedule.num_stages):
-            for p in self._user_params(program, s):
-                holders.setdefault(id(p), set()).add(s)
-        order = [p for p in self._model.parameters() if id(p) in holders]
-        owner = {key: min(stages) for key, stages in holders.items()}
-        self._in_norm: set[int] = set()  # the tensors whose gradient this rank counts in a norm
-        if self.__dict__["stage_parallel"]:
-            self._local, copies = self._copies(owner)
-        else:
-            mine = {id(p) for s in self.stages for p in self._user_params(program, s)}
-            self._local = [(self._names[id(p)], p) for p in order if id(p) in mine]
-            copies = {id(p): [p] for _, p in self._local}
-            self._in_norm = {id(p) for _, p in self._local if owner[id(p)] in self.stages}
-        self._shared = [
-            (self._names[id(p)], p, copies.get(id(p), [])) for p in order if len(holders[id(p)]) > 1
-        ]
-        self.stage_modules = program.stage_units
-        self._readers = holders
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """`torch.nn.utils.clip_grad_norm_` over the whole model: every rank holds only its stages'
-        gradients, so torch's function would clip each stage by its own norm. Each stage's norm is
-        taken on its sub-mesh (DTensor gradients), a tied weight counted once (its first stage's
-        copy), the total reduced over the pp group; every gradient is scaled by the same factor.
-        Returns the total norm (the serial model's), on every rank."""
-        params = [param for _, param in self._local]
-        counted = [param for param in params if id(param) in self._in_norm]
-        norm = clip_pipelined_grad_norm(params, counted, max_norm, norm_type, self.transport, self.device)
-        self._clip_watch.record(params)  # the serial clip: the next step has nothing to warn of
-        return norm
-
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        for name, p in self._local:
-            yield prefix + name, p
-
-    def named_buffers(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's stages' buffers under the model's names (`pipelined_buffers`): those its
-        stages read, and the model's unread ones (BatchNorm's `num_batches_tracked` in eval) whose
-        module its stages hold."""
-        for name, b in pipelined_buffers(self):
-            yield prefix + name, b
-
     # -- one step -----------------------------------------------------------------------------
 
     def _program(
@@ -336,7 +257,7 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         `whole` (whose microbatches are `others`), exported once per shape and, for a model whose
         Python reads its inputs' values, once per branch the whole batch takes
         (`pipeline_guards`)."""
-        key = program_key(flat, self.training, pytree.tree_structure(call))
+        key = program_key(flat, self._flags, pytree.tree_structure(call))
         found = self._programs.get(key, [])
         program = serving(found, whole, flat, self.device)
         if program is not None:
@@ -354,19 +275,19 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
             return split
 
         def same_key(example_flat: Sequence[Any], example: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
-            return program_key(example_flat, self.training, pytree.tree_structure(example)) == key
+            return program_key(example_flat, self._flags, pytree.tree_structure(example)) == key
 
-        was = self._model.training
-        self._model.train(self.training)
-        try:
+        with module_flags(self._model, self._flags):
             same_shape = [(f, c) for f, c in others if f is not flat and same_key(f, c)]
             program = export_for_branch(
                 self._model, (flat, call), whole, microbatch, found, same_shape, export, self.device
             )
-        finally:
-            self._model.train(was)
-        program.variant = self._variants.get(key, 0)
-        self._variants[key] = program.variant + 1
+        # numbered per mode and shape, not per module flags: programs of other flags (a submodule
+        # frozen at parallelize, all trained after pmodel.train()) are other variants, so a stage's
+        # parallel module (tensor axes), which keys its programs by its own mode, compiles each
+        same_call = program_key(flat, self.training, pytree.tree_structure(call))
+        program.variant = self._variants.get(same_call, 0)
+        self._variants[same_call] = program.variant + 1
         if not self._programs:  # a model on meta: this rank's stages' tensors, made now
             self._materialize(program)
         elif self._build_stage is None:
@@ -475,9 +396,9 @@ class PipelinedModule(PipelineReports, NotCopyable, nn.Module):
         """This step's dropout masks: the serial model's, drawn from the generator on every rank."""
 
         def export_batch() -> list[Any]:
-            return batch_random_ops(self._model, *call, training=self.training)
+            return batch_random_ops(self._model, *call, flags=self._flags)
 
-        key = program_key(pytree.tree_leaves(call), self.training, pytree.tree_structure(call))
+        key = program_key(pytree.tree_leaves(call), self._flags, pytree.tree_structure(call))
         key += tuple(p.variant for p in programs)  # a branch the inputs' values took may draw other ops
         micro = [p.random_ops for p in programs]
         self._dropout.prepare(key, export_batch, micro, self.stages, self.device)

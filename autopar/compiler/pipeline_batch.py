@@ -58,8 +58,9 @@ def split_microbatches(args: Any, microbatches: int) -> list[Any]:
     return out
 
 
-def program_key(flat: Sequence[Any], training: bool, structure: Any = None) -> tuple[Any, ...]:
-    """What a stage program is exported for: each input's shape and dtype (other values as they are)."""
+def program_key(flat: Sequence[Any], training: bool | tuple[bool, ...], structure: Any = None) -> tuple[Any, ...]:
+    """What a stage program is exported for: the modules' training flags, each input's shape and
+    dtype (other values as they are)."""
     return (training, str(structure)) + tuple(
         (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x).__name__, repr(x))
         for x in flat
@@ -122,8 +123,8 @@ def broadcast_outputs(
     transport = as_transport(group)
     whole = []
     for i, spec in enumerate(layouts[0].specs):
-        if kept:
-            value = torch.cat([kept[m][i] for m in range(len(layouts))], dim=0)
+        if kept:  # as the spec's dtype, as every other rank's buffer is (autocast makes bfloat16)
+            value = torch.cat([kept[m][i] for m in range(len(layouts))], dim=0).to(spec.dtype)
         else:
             rows = sum(layout.specs[i].shape[0] for layout in layouts)
             value = torch.empty((rows, *spec.shape[1:]), dtype=spec.dtype, device=device)

@@ -15,8 +15,9 @@ count (`LossRule`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -432,17 +433,31 @@ def split_stages(
     )
 
 
-def batch_random_ops(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None, *, training: bool
-) -> list[RandomOp | None]:
-    """The random ops of the model called on the whole batch in mode `training`, in the serial
-    order (None: one the pipeline cannot draw as serial does). Exported once per batch shape, for the step's dropout masks (`pipeline_random`)."""
-    was = model.training
-    model.train(training)
+@contextlib.contextmanager
+def module_flags(model: nn.Module, flags: Sequence[bool]) -> Iterator[None]:
+    """Every submodule of `model` (in `modules()` order) in the training mode `flags` gives it while
+    a stage program or the batch's random ops are exported, each module's own flag put back after:
+    a submodule the user froze (`model.bn.eval()` before parallelize, a fine-tuning habit) stays
+    frozen, and the model's own flags are left as they were (`model.train(mode)` set them all)."""
+    modules = list(model.modules())
+    was = [m.training for m in modules]
+    for m, flag in zip(modules, flags, strict=True):
+        m.training = flag
     try:
-        ep, _, _ = export_loss(model, args, kwargs)
+        yield
     finally:
-        model.train(was)
+        for m, flag in zip(modules, was, strict=True):
+            m.training = flag
+
+
+def batch_random_ops(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None, *, flags: Sequence[bool]
+) -> list[RandomOp | None]:
+    """The random ops of the model called on the whole batch with its submodules in modes `flags`,
+    in the serial order (None: one the pipeline cannot draw as serial does). Exported once per
+    batch shape, for the step's dropout masks (`pipeline_random`)."""
+    with module_flags(model, flags):
+        ep, _, _ = export_loss(model, args, kwargs)
     gm = ep.module()
     assert isinstance(gm, fx.GraphModule)
     return whole_shapes(gm)

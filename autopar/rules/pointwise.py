@@ -219,6 +219,10 @@ TABLE: dict[object, Linearity] = {
     aten.sub.Tensor: BOTH,
     aten.mul.Tensor: EITHER,
     aten.div.Tensor: FIRST,
+    # addcmul(x, a, b, value=v) = x + v*a*b: linear in (x, a) or (x, b) together, never in x alone
+    # (ConvNeXt-V2's global response norm); addcdiv(x, a, b) = x + v*a/b in (x, a)
+    aten.addcmul.default: ((0, 1), (0, 2)),
+    aten.addcdiv.default: ((0, 1),),
     # where(cond, x, y) is linear in (x, y) together with the condition fixed
     aten.where.self: ((1, 2),),
     # backward of activations: linear in the incoming gradient

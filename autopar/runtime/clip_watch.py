@@ -9,8 +9,9 @@ serial's without an error (a timm ViT on pp=2 trained 4.5e-4 away from serial in
 
 torch's function cannot be seen while it runs (it reads plain tensors on a 1-D pp mesh); what it
 leaves can. After each backward the watch keeps a few elements of every gradient this rank holds
-(the first 8 of each local block: no pass over the gradients, no collective); at the next step of
-an optimizer over those parameters it compares. When every kept element changed by one common
+(the first 8 of each local block, gathered into one float64 vector by one `cat` and one
+conversion: no pass over the gradients, no collective); at the next step of an optimizer over
+those parameters it compares. When every kept element changed by one common
 factor below 1 that is not a power of two, some code scaled all of this rank's gradients alike,
 and not the module's own clip (which records what it leaves): that is a norm clip taken on this
 rank, and the step warns (`PipelineClipWarning`). Changes it leaves alone: none, an elementwise
@@ -39,13 +40,23 @@ KEPT = 8
 SPREAD = 1e-5
 
 
-def _kept(grad: torch.Tensor | None) -> torch.Tensor | None:
-    if grad is None:
-        return None
-    local = grad._local_tensor if isinstance(grad, DTensor) else grad
-    if local.numel() == 0:
-        return None
-    return local.detach().reshape(-1)[:KEPT].to(torch.float64, copy=True)
+def _slices(params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `KEPT` elements of each held gradient's local block, as views (no copy yet)."""
+    out = []
+    for p in params:
+        grad = p.grad
+        if grad is None:
+            continue
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        if local.numel():
+            out.append((p, local.detach().reshape(-1)[:KEPT]))
+    return out
+
+
+def _gathered(slices: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The slices as one float64 vector: one `cat` (which promotes mixed float dtypes exactly) and
+    one conversion, not a copy per parameter (a model has hundreds of gradients)."""
+    return torch.cat(list(slices)).to(torch.float64, copy=True)
 
 
 class ClipWatch:
@@ -53,7 +64,9 @@ class ClipWatch:
     tell at the next optimizer step whether a norm clip of this rank alone scaled them."""
 
     def __init__(self) -> None:
-        self._kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # The parameters whose gradients were kept, each slice's length, and the slices in one
+        # float64 vector.
+        self._kept: tuple[list[torch.Tensor], list[int], torch.Tensor] | None = None
 
     def after_backward(self, params: Sequence[torch.Tensor]) -> None:
         """Called inside a backward: records `params`' gradients once the backward has accumulated
@@ -61,25 +74,25 @@ class ClipWatch:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self.record(params))  # type: ignore[attr-defined]
 
     def record(self, params: Sequence[torch.Tensor]) -> None:
-        kept = [(p, _kept(p.grad)) for p in params]
-        self._kept = [(p, k) for p, k in kept if k is not None]
+        kept = _slices(params)
+        if not kept:
+            self._kept = None
+            return
+        self._kept = ([p for p, _ in kept], [len(v) for _, v in kept], _gathered([v for _, v in kept]))
 
     def check(self, optimizer: Optimizer) -> None:
         kept, self._kept = self._kept, None
-        if not kept:
+        if kept is None:
             return
+        params, lengths, before_all = kept
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if not any(id(p) in mine for p, _ in kept):
+        if not any(id(p) in mine for p in params):
             self._kept = kept  # another optimizer's step: keep for this module's own
             return
-        befores, nows = [], []
-        for p, before in kept:
-            now = _kept(p.grad)
-            if now is None or now.shape != before.shape:
-                return
-            befores.append(before)
-            nows.append(now)
-        both = torch.stack([torch.cat(befores), torch.cat(nows)]).cpu()  # one copy from the device
+        now = _slices(params)
+        if [id(p) for p, _ in now] != [id(p) for p in params] or [len(v) for _, v in now] != lengths:
+            return  # a gradient set to None or resized since the backward: not a clip
+        both = torch.stack([before_all, _gathered([v for _, v in now])]).cpu()  # one copy from the device
         before_all, now_all = both[0], both[1]
         nonzero = before_all != 0
         if bool((now_all[~nonzero] != 0).any()) or not bool(nonzero.any()):

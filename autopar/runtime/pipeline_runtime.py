@@ -222,7 +222,7 @@ class _Step:
         elif kind == ActionKind.BACKWARD_WEIGHT:
             self.backward_weight(a.stage, a.microbatch)
         elif kind == ActionKind.SEND_F:
-            self.send(a, self.kept[(a.stage, a.microbatch)][1])
+            self.send(a, self.kept[(a.stage, a.microbatch)][1], self.stages[a.stage].output_specs(a.microbatch))
         elif kind == ActionKind.SEND_B:
             self.send(a, self.in_grads.pop((a.stage, a.microbatch)))
         elif kind == ActionKind.RECV_F:
@@ -268,10 +268,16 @@ class _Step:
                 acc[i] = before + g
                 self.owned.add((stage, i))
 
-    def send(self, a: Action, tensors: Sequence[torch.Tensor]) -> None:
+    def send(self, a: Action, tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec] | None = None) -> None:
+        """Send `tensors`, each as its boundary spec's dtype where `specs` are given: the receiver
+        allocates its buffer from the spec, and a stage run under the user's `torch.autocast`
+        makes bfloat16 where the programs were exported in float32 (a Linear's output). Its values
+        go as float32, exactly (before, the bytes were read as float32: a loss of 1e29 on gloo)."""
         assert a.peer is not None
         for i, t in enumerate(tensors):
             tag = message_tag(a.kind, a.stage, a.microbatch, i, self.schedule)
+            if specs is not None and t.dtype != specs[i].dtype:
+                t = t.to(specs[i].dtype)
             data = self.scatter.chunk(t) if self.scatter is not None else t.detach().contiguous()
             work = self.transport.isend(data, a.peer, tag)
             if work is not None:

@@ -40,12 +40,13 @@ class SourceWatch:
     """What the original model's flags and hooks were at `parallelize` (see the module doc)."""
 
     def __init__(
-        self, source: nn.Module, containers: list[tuple[str, nn.Module]] | None = None, *, hooks_only: bool = False
+        self, source: nn.Module, containers: list[tuple[str, nn.Module]] | None = None, *, pipeline: bool = False
     ) -> None:
-        # hooks_only: a pipelined module, which holds the source itself: its training flag is
-        # pmodel's to set and a gradient hook on one of its parameters may run (on a 1-D pp mesh
-        # they are pmodel's), so only the module hooks, which its exported stages never run, count
-        self._hooks_only = hooks_only
+        # pipeline: a pipelined module, which holds the source itself: a gradient hook on one of its
+        # parameters may run (on a 1-D pp mesh they are pmodel's), so the module hooks, which its
+        # exported stages never run, and the training flags (pmodel keeps its own, taken at
+        # parallelize) count
+        self._pipeline = pipeline
         self._modules = [(path, weakref.ref(m)) for path, m in source.named_modules()]
         # the parallel module's own submodule containers (`pmodel.get_submodule(path)`): their
         # training flags are the user's to set, but a hook on one never runs (the program does not
@@ -54,7 +55,7 @@ class SourceWatch:
         self._own_hooks = self._container_hooks()
         self._own_warned = self._own_hooks
         self._refs = [ref for _, ref in self._modules]
-        self._params = [] if hooks_only else [(name, weakref.ref(p)) for name, p in source.named_parameters()]
+        self._params = [] if pipeline else [(name, weakref.ref(p)) for name, p in source.named_parameters()]
         self._at_parallelize = self._state()
         self._warned = self._at_parallelize
         self._flags = self._flags_now()
@@ -64,7 +65,7 @@ class SourceWatch:
         modules = [ref() for ref in self._refs]
         if None in modules:
             return None  # the original model was freed: nothing to compare with
-        return tuple([False if self._hooks_only else m.training for m in modules])  # type: ignore[union-attr]
+        return tuple([m.training for m in modules])  # type: ignore[union-attr]
 
     def _state(self) -> tuple[Any, ...] | None:
         modules = []
@@ -72,7 +73,7 @@ class SourceWatch:
             m = ref()
             if m is None:
                 return None  # the original model was freed: nothing to compare with
-            flag = False if self._hooks_only else m.training
+            flag = m.training
             modules.append((path, flag, *(_hook_ids(getattr(m, attr)) for attr, _, _ in _MODULE_HOOKS)))
         params = []
         for name, pref in self._params:
@@ -98,7 +99,7 @@ class SourceWatch:
         if now is None or now == self._at_parallelize or now == self._warned:
             return
         self._warned = now
-        warnings.warn(_describe(self._at_parallelize, now), OriginalModelWarning, stacklevel=4)
+        warnings.warn(_describe(self._at_parallelize, now, self._pipeline), OriginalModelWarning, stacklevel=4)
 
 
     def _container_hooks(self) -> tuple[Any, ...]:
@@ -129,7 +130,7 @@ class SourceWatch:
                     return
 
 
-def _describe(then: tuple[Any, ...] | None, now: tuple[Any, ...]) -> str:
+def _describe(then: tuple[Any, ...] | None, now: tuple[Any, ...], pipeline: bool = False) -> str:
     assert then is not None
     lead = "the original model changed after parallelize, and the parallel module does not see it: "
     tail = " (use pmodel, the module parallelize returned; the original model is a serial copy)"
@@ -138,6 +139,12 @@ def _describe(then: tuple[Any, ...] | None, now: tuple[Any, ...]) -> str:
         pwhere = f"pmodel.get_submodule({path!r})" if path else "pmodel"
         if was != is_:
             call = "train()" if is_ else "eval()"
+            if pipeline:  # no submodule containers: the whole pipeline switches, as nn.Module.train does
+                return (
+                    f"{lead}{where}.{call} was called; this call runs as pmodel is set (each submodule's mode "
+                    f"as the model had it at parallelize, or as pmodel.train()/pmodel.eval() last set them "
+                    f"all): call pmodel.{call}, or set a submodule's mode on the model before parallelize{tail}"
+                )
             return f"{lead}{where}.{call} was called; this call runs as pmodel is set: call {pwhere}.{call}{tail}"
         for (_, what, hint), old, new in zip(_MODULE_HOOKS, hooks_then, hooks_now, strict=True):
             if old != new:

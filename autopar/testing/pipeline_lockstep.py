@@ -20,6 +20,7 @@ mask it draws, or a `warnings.catch_warnings` it is inside never touches another
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 from collections import deque
@@ -33,7 +34,7 @@ from torch import nn
 from autopar.compiler.pipeline import PipelinedModule
 from autopar.compiler.pipeline_choice import PipelineDecision, decide_pipeline
 from autopar.compiler.pipeline_entry import pipeline_parallelize
-from autopar.core.errors import AutoparError, UsageError
+from autopar.core.errors import AutoparError, InternalError, UsageError
 from autopar.options import PipelineOptions, default_tables
 from autopar.planning.memory import MEMORY_HEADROOM
 from autopar.runtime.device_memory import rank_memory
@@ -186,15 +187,39 @@ class RoundRobin:
         return parts
 
     def agree(self, rank: int, decide: Callable[[], T]) -> T:
-        """`decide()` on rank 0, its result on every rank (`decided_on_rank0` in one process)."""
+        """`decide()` on rank 0, its result on every rank (`decided_on_rank0` in one process). Its
+        error too, as on gloo ranks: an `AutoparError` (a refusal) is raised alike on every rank,
+        another error is rank 0's own and an `AutoparError` naming it on the others. (Before, the
+        others waited for a decision that never came: a refusal rank 0's caller caught, as a test
+        of the refusal does on every rank, showed as `LockstepDeadlock` on rank 1.)"""
         k = self._agreements[rank]
         self._agreements[rank] += 1
         if rank == 0:
-            self._agreed[k] = decide()
-            self.progress()
+            try:
+                self._agreed[k] = decide()
+            except Exception as exc:
+                self._agreed[k] = _Refused(exc)
+                raise
+            finally:
+                self.progress()
         else:
             self.wait_until(rank, lambda: k in self._agreed, f"rank 0's decision {k}")
-        return self._agreed[k]  # type: ignore[no-any-return]
+        found = self._agreed[k]
+        if isinstance(found, _Refused):
+            raise found.on_other_rank()
+        return found  # type: ignore[no-any-return]
+
+
+@dataclass
+class _Refused:
+    """Rank 0's error in deciding, for the other ranks of an agreement."""
+
+    error: Exception
+
+    def on_other_rank(self) -> AutoparError:
+        if isinstance(self.error, AutoparError) and not isinstance(self.error, InternalError):
+            return copy.copy(self.error)  # each rank's own exception object (its own traceback)
+        return AutoparError(f"rank 0 failed in deciding: {type(self.error).__name__}: {self.error}")
 
 
 class LockstepTransport:
