@@ -14,21 +14,23 @@ chosen mesh's modeled step with overlap, "step ms" its no-overlap sum of the com
     python benchmarks/plan_scale.py --searched 0 --ranks 64   # search every candidate (slow)
     python benchmarks/plan_scale.py --ranks 64 --fold         # rank on the model cut to 4 and 5 blocks
     python benchmarks/plan_scale.py --model gpt3-175b --layers 4 --ranks 64 --microbatches 8
-    python benchmarks/plan_scale.py --model gpt3-175b --ranks 1536 --microbatches 96 --cpu-limit 900
+    python benchmarks/plan_scale.py --model gpt3-175b --ranks 1536 --microbatches 96 --cpu-limit 600
+    python benchmarks/plan_scale.py --model gpt-1t --ranks 3072 --microbatches 512 --cpu-limit 600
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --microbatches 96 --cuts-only
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --screen-only 24
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --bounds-only 54.94
     python benchmarks/plan_scale.py --model gpt3-175b --layers 96 --ranks 1536 --search-only 192x8
 
 `--model gpt3-175b` / `gpt-1t` is the PTD-P shape of benchmarks/ptdp_modeled.py (GPT, hidden 12288 /
-25600, 96 / 160 heads, sequence 2048, vocabulary 51200, bfloat16, batch = ranks) on the A100 table
-with an 80 GB limit; `--microbatches M` makes pipeline depths compete
+25600, 96 / 160 heads, sequence 2048, vocabulary 51200, bfloat16, batch = ranks; 96 / 128 layers
+unless `--layers` says otherwise) on the A100 table with an 80 GB limit; `--microbatches M` makes pipeline depths compete
 (`autopar.compiler.pipeline_mesh.choose_pipeline_mesh`, every factorization up to 4 axes for every
 stage sub-mesh), `--no-bound` prices every depth (no branch and bound). `--cpu-limit S` stops a
 run after S CPU seconds and records it as not finished, with what it measured so far. GPT runs
 record the CPU seconds of each stage (`stages`: the traces, the tensor-only choice and the depths'
 sub-mesh choices, inside them the screen, the searches of the meshes kept and the schedule stage,
-and the depths' cuts; inclusive, so nested stages are also in their parent's time). `--cuts-only` times the part of the pipeline
+and the depths' cuts; inclusive, so nested stages are also in their parent's time), the peak RSS
+and, where it finished, every tensor-only mesh's row (`tensor_only_ranking`: estimate, bound). `--cuts-only` times the part of the pipeline
 choice that prices every depth's ideal cuts (every schedule of `AUTO_CANDIDATES`, work divided
 ideally by the stage sub-mesh) on the full-depth trace, without the sub-mesh choices.
 `--screen-only K` times the tensor-only choice's screen (a cheap plan per mesh) on K of the
@@ -67,6 +69,8 @@ BATCH, SEQ = 16, 2048
 
 
 MODELS = {"gpt3-175b": (12288, 96), "gpt-1t": (25600, 160)}  # hidden, heads (PTD-P, ptdp_modeled.py)
+# the layers each shape has (without `--layers`): a GPT run is the whole model unless asked otherwise
+DEPTHS = {"llama-7b": 32, "gpt3-175b": 96, "gpt-1t": 128}
 
 
 def measure_gpt(
@@ -112,7 +116,10 @@ def measure_gpt(
         return out
     out["wall_s"], out["cpu_s"] = time.perf_counter() - wall, time.process_time() - cpu
     out["load_average_end"] = os.getloadavg()
+    out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     depth = result.pipeline_choice
+    if depth is not None and depth.tensor_only is not None:  # every tensor-only mesh's row (screen, bound)
+        out["tensor_only_ranking"] = depth.tensor_only.to_json()
     if depth is not None:
         best = depth.chosen
         out.update(mesh=f"{best.pp} x {best.stage_mesh}" if best.pp > 1 else best.stage_mesh,
@@ -396,7 +403,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--ranks", type=int, nargs="*", default=[8, 64, 512])
-    parser.add_argument("--layers", type=int, nargs="*", default=[32])
+    parser.add_argument(
+        "--layers", type=int, nargs="*", default=None, help="default: the model's own (32, 96 for 175B, 128 for 1T)"
+    )
     parser.add_argument("--hardware", default="h100-nvlink-ib")
     parser.add_argument(
         "--searched",
@@ -425,6 +434,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--search-only", default="", metavar="SHAPE", help="time one mesh's search (e.g. 192x8)")
     args = parser.parse_args()
+    if args.layers is None:
+        args.layers = [DEPTHS[args.model]]
     clock = RunClock()
     ctx = multiprocessing.get_context("spawn")
     if args.search_only:
