@@ -110,9 +110,9 @@ VARIANTS = (
     "autopar 2x4",
     "autopar 2x2x2",
     "autopar 8 dp greedy",
-    "autopar auto, check blocking",
+    "autopar auto (check blocking)",
 )
-BLOCKING = "autopar auto, check blocking"  # not run by default: `--only` names it to compare
+BLOCKING = "autopar auto (check blocking)"  # not run by default: `--only` names it to compare
 ONE_OVER_P = 1.25  # a variant "stores 1/p" when its parameters per rank are within this of total / p
 
 
