@@ -221,7 +221,8 @@ def gate_forward(gm: fx.GraphModule) -> InputGate:
     graph = gm.graph
     first = next(n for n in graph.nodes if _may_communicate(n))
     with graph.inserting_before(first):
-        graph.call_function(settle_gate, (graph.get_attr(GATE),))
+        # (create_node: `get_attr` warns about an attribute that is not a module, parameter or buffer)
+        graph.call_function(settle_gate, (graph.create_node("get_attr", GATE),))
     gm.recompile()
     return gate
 
