@@ -50,6 +50,10 @@ DDP and FSDP2 ranks each take their 1/dp of the batch rows. `autopar 8 dp greedy
 stores every weight split (gathered where used, gradients reduce-scattered): FSDP's pattern, which
 the search does not choose.
 
+Not run by default: `autopar auto (check blocking)`, the same plan as `auto` with the per-call
+input check waited on before the forward (as before it was settled inside it), to time the
+difference in one job: `--only 'DDP,FSDP2,autopar auto,autopar auto (check blocking)'`.
+
     python benchmarks/peers.py            # ~5 min on 2 busy cores: fresh jobs for memory, then timing
     python benchmarks/peers.py --quick    # ~2 min: no fresh jobs (RSS is each rank's process peak
                                           # with every variant built), 3 rounds of 1 step
