@@ -50,6 +50,10 @@ DDP and FSDP2 ranks each take their 1/dp of the batch rows. `autopar 8 dp greedy
 stores every weight split (gathered where used, gradients reduce-scattered): FSDP's pattern, which
 the search does not choose.
 
+Not run by default: `autopar auto (check blocking)`, the same plan as `auto` with the per-call
+input check waited on before the forward (as before it was settled inside it), to time the
+difference in one job: `--only 'DDP,FSDP2,autopar auto,autopar auto (check blocking)'`.
+
     python benchmarks/peers.py            # ~5 min on 2 busy cores: fresh jobs for memory, then timing
     python benchmarks/peers.py --quick    # ~2 min: no fresh jobs (RSS is each rank's process peak
                                           # with every variant built), 3 rounds of 1 step
@@ -110,7 +114,9 @@ VARIANTS = (
     "autopar 2x4",
     "autopar 2x2x2",
     "autopar 8 dp greedy",
+    "autopar auto (check blocking)",
 )
+BLOCKING = "autopar auto (check blocking)"  # not run by default: `--only` names it to compare
 ONE_OVER_P = 1.25  # a variant "stores 1/p" when its parameters per rank are within this of total / p
 
 
@@ -204,6 +210,11 @@ def build(name: str, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Built
         pmodel = autopar.parallelize(model, WORLD, example_inputs=batch, mesh_shape="auto")
         chosen = tuple(pmodel.mesh_choice.chosen.shape)  # type: ignore[union-attr, arg-type]
         return Built(pmodel, batch, "auto: " + "x".join(map(str, chosen)))
+    if name == BLOCKING:  # auto whose input check settles before the forward (as before peers17)
+        built = build("autopar auto", model, batch)
+        for run in built.module._programs.values():  # type: ignore[union-attr]
+            run.gate = None  # no gate: `ParallelModule.forward` settles the check at once
+        return built
     if name == "autopar 8 dp greedy":  # FSDP's pattern: every axis splits the batch (a "dp" name)
         mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
         pmodel = autopar.parallelize(model, mesh, example_inputs=batch, planning=autopar.PlanOptions(planner="greedy"))
@@ -550,7 +561,7 @@ def main() -> int:
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 7)
     steps = args.steps or (1 if args.quick else 2)
-    names = tuple(args.only.split(",")) if args.only else VARIANTS
+    names = tuple(args.only.split(",")) if args.only else tuple(v for v in VARIANTS if v != BLOCKING)
     unknown = set(names) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
@@ -592,7 +603,15 @@ def main() -> int:
             f"per round (range {min(against):.2f}-{max(against):.2f}); "
             f"goal {'met' if goal['met_every_peer'] else 'not met'}"
         )
-    for name, r in summary["rows"].items():
+    rows = summary["rows"]
+    if BLOCKING in rows and "autopar auto" in rows:  # the same plan, the check settled at once or in the forward
+        gated = [a / b for a, b in zip(rows["autopar auto"]["step_ms"], rows[BLOCKING]["step_ms"])]
+        summary["auto_over_blocking_per_round"] = gated
+        print(
+            f"autopar auto / {BLOCKING}: median {statistics.median(gated):.2f} per round "
+            f"(range {min(gated):.2f}-{max(gated):.2f})"
+        )
+    for name, r in rows.items():
         print(f"  {name}: {r['collectives_rank0']['counts']}")
     payload = {
         "model": {"factory": "examples.models.make_gpt", "batch": WORLD, "seed": SEED, **MODEL},

@@ -23,7 +23,8 @@ moves no data): tests and benchmarks/peers.py check them.
 `whole_norms` step skipped (each layer norm left as the trace's sums and pointwise ops), to
 measure what that step saves in one run.
 
-Writes benchmarks/results/runtime_overhead.json.
+Writes benchmarks/results/runtime_overhead.json (or <name>.json), with the ATen calls of the
+program's forward and backward graphs.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 import autopar  # noqa: E402
 import autopar.passes.emit as emit_stage  # noqa: E402
+from autopar.runtime.module import ParallelModule  # noqa: E402
 from examples.models import make_gpt  # noqa: E402
 
 WORLD = 8
@@ -72,7 +74,7 @@ def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.optim.O
     return module, batch, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
 
 
-def measure(steps: int, decomposed: bool = False) -> dict[str, dict[str, float]]:
+def measure(steps: int, decomposed: bool = False) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, int]]]:
     names = ["plain eager (1/8 batch)", *([DECOMPOSED] if decomposed else []), "autopar auto"]
     built = {name: build(name) for name in names}
     for module, batch, opt in built.values():  # warm-up: momentum buffers, first-call paths
@@ -96,18 +98,30 @@ def measure(steps: int, decomposed: bool = False) -> dict[str, dict[str, float]]
             for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
                 times[name][phase].append(seconds)
             times[name][FAULTS].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 1e3)
-    return {n: {p: 1e3 * statistics.median(v) for p, v in times[n].items()} for n in names}
+    return {n: {p: 1e3 * statistics.median(v) for p, v in times[n].items()} for n in names}, {
+        n: aten_calls(module) for n, (module, _, _) in built.items() if isinstance(module, ParallelModule)
+    }
+
+
+def aten_calls(module: ParallelModule) -> dict[str, int]:
+    """The ATen calls one step of the module's program makes, by graph (collectives included)."""
+    program = module.program
+    return {
+        name: sum(1 for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
+        for name, gm in (("forward", program.forward), ("backward", program.backward))
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30, help="timed steps of each (default 30)")
     parser.add_argument("--decomposed-norms", action="store_true", help="also time auto with its layer norms decomposed")
+    parser.add_argument("--name", default="runtime_overhead", help="writes benchmarks/results/<name>.json")
     args = parser.parse_args()
     torch.set_num_threads(1)  # as each rank of peers.py
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     load = [os.getloadavg()[0]]
-    result = measure(args.steps, args.decomposed_norms)
+    result, calls = measure(args.steps, args.decomposed_norms)
     load.append(os.getloadavg()[0])
     dist.destroy_process_group()
     base = result["plain eager (1/8 batch)"]
@@ -126,8 +140,17 @@ def main() -> int:
     text = table(["rank 0 of 8, CPU ms", *PHASES, "step", "x plain", f"{FAULTS} per step"], rows)
     print(text)
     print(f"load average (1 min) {load[0]:.1f} -> {load[1]:.1f}")
-    payload = {"model": MODEL, "steps": args.steps, "ms": result, "load_average_1min": load, "git": git_state()}
-    print(f"wrote {write_result('runtime_overhead', payload)}")
+    for name, counts in calls.items():
+        print(f"{name}: ATen calls in the forward graph {counts['forward']}, backward {counts['backward']}")
+    payload = {
+        "model": MODEL,
+        "steps": args.steps,
+        "ms": result,
+        "aten_calls": calls,
+        "load_average_1min": load,
+        "git": git_state(),
+    }
+    print(f"wrote {write_result(args.name, payload)}")
     return 0
 
 

@@ -28,6 +28,7 @@ columns are cut out of the received rows.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -495,18 +496,20 @@ def _merge(gm: fx.GraphModule, members: list[_Candidate], shape: tuple[int, ...]
         rows = after(aten.view.default, (wait, [g, total // g]), out_total * bpe)
     else:
         rows = wait
-    offset = 0
-    for c, numel, out_shape in zip(members, numels, out_shapes):
-        n = numel // g if kind in ("reduce_scatter", "all_to_all") else numel
-        if kind in ("all_gather", "all_to_all"):  # member i's block of every rank: strided, copied out
-            piece = after(aten.narrow.default, (rows, 1, offset, n), g * n * bpe)
+    # one split cuts every member's piece out (one ATen call, not one narrow per member); the
+    # split itself is views only, so the model prices each piece as it priced a narrow
+    gathered = kind in ("all_gather", "all_to_all")  # member i's block of every rank: strided, copied out
+    lengths = [numel // g if kind in ("reduce_scatter", "all_to_all") else numel for numel in numels]
+    pieces = after(aten.split_with_sizes.default, (rows, lengths, 1 if gathered else 0), 0)
+    for i, (c, n, out_shape) in enumerate(zip(members, lengths, out_shapes)):
+        if gathered:
+            piece = after(operator.getitem, (pieces, i), g * n * bpe)
             rows_i = after(aten.clone.default, (piece,), g * n * bpe)
             rows_i.kwargs = {"memory_format": torch.contiguous_format}
             result = after(aten.view.default, (rows_i, list(out_shape)), g * n * bpe)
         else:
-            piece = after(aten.narrow.default, (wait, 0, offset, n), n * bpe)
+            piece = after(operator.getitem, (pieces, i), n * bpe)
             result = after(aten.view.default, (piece, list(out_shape)), n * bpe)
-        offset += n
         old = info(c.wait)
         set_info(result, replace(info(result), layouts=old.layouts))  # the old wait's promise
         if "val" in c.wait.meta:

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.errors import AutoparError, ShardingError
 from autopar.core.mesh import Mesh
 from autopar.core.meta import MEMORY_ORDER_KEY, has_info, info, signature
+from autopar.passes.view_folds import fold_double_transposes, fold_reshape_chains
 from autopar.passes.whole_norms import whole_layer_norms
 from autopar.rules import device_attention
 from autopar.rules.base import LocalContext, LocalGraph, RuleRegistry
@@ -133,6 +134,8 @@ def emit(
     check_local_shapes(program, shape, calls)
     for local in (program.forward, program.backward):
         whole_layer_norms(local)  # (after the shape check: it reads the local values)
+        fold_double_transposes(local)
+        fold_reshape_chains(local)
     _place_on(program, torch.device(mesh.device_type))
     return program
 

@@ -120,3 +120,33 @@ def test_reorderings_and_ranks_out_of_step_are_named() -> None:
         assert "after load_state_dict, emb.weight of the state dict differs between rank 0 and rank 1" in found["load_state_dict"], found
         assert "after load_checkpoint, a sample of the checkpoint's files differs between rank 0 and rank 1" in found["load_checkpoint"], found
         assert "InputMismatchError: rank 0 is 1 call(s) behind the others" in found["out of step"], found
+
+
+def _gated_order(*targets: Any) -> list[str]:
+    """The node names of a chain of `targets` (each a call on the previous value) once gated."""
+    from autopar.runtime.call_checks import gate_forward
+
+    graph = torch.fx.Graph()
+    value = graph.placeholder("x")
+    for target in targets:
+        args = (value, "sum", "0") if "c10d" in str(target) else (value,)
+        value = graph.call_function(target, args)
+    graph.output((value,))
+    gm = torch.fx.GraphModule(nn.Module(), graph)
+    gate = gate_forward(gm)
+    assert gate_forward(gm) is gate  # once per graph
+    return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_the_input_check_settles_before_the_first_node_that_may_communicate() -> None:
+    """`gate_forward`: right before the forward's first collective (ATen ops before it run while
+    the check's all-reduce travels), before a custom op (it may exchange tokens), and before the
+    output of a forward that has neither."""
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    assert _gated_order(aten.relu.default, c10d.all_reduce.default, aten.neg.default) == [
+        "relu.default", "settle_gate", "all_reduce.default", "neg.default",
+    ]  # fmt: skip
+    assert _gated_order(aten.relu.default, torch.ops.autopar.ctc_loss.default) == [
+        "relu.default", "settle_gate", "ctc_loss.default",
+    ]  # fmt: skip
+    assert _gated_order(aten.relu.default, aten.neg.default) == ["relu.default", "neg.default", "settle_gate"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 
 import pytest
 import torch
@@ -62,16 +63,18 @@ def test_small_all_reduces_ready_together_become_one_bucket() -> None:
     calls = [n for n in bucketed.graph.nodes if n.op == "call_function"]
     assert [n.target for n in calls] == [
         aten.reshape.default, aten.reshape.default, aten.reshape.default, aten.cat.default,
-        c10d.all_reduce_.default, c10d.wait_tensor.default,
-        aten.narrow.default, aten.view.default, aten.narrow.default, aten.view.default,
-        aten.narrow.default, aten.view.default,
+        c10d.all_reduce_.default, c10d.wait_tensor.default, aten.split_with_sizes.default,
+        operator.getitem, aten.view.default, operator.getitem, aten.view.default,
+        operator.getitem, aten.view.default,
         aten.mul.Tensor, aten.mul.Tensor, aten.mul.Tensor,
     ]  # fmt: skip
-    flats, cat, merged = calls[:3], calls[3], calls[4]
+    flats, cat, merged, split = calls[:3], calls[3], calls[4], calls[6]
     assert [f.args[1] for f in flats] == [[24], [3], [10]] and cat.args == (flats, 0)
     assert merged.args == (cat, "sum", "<x>")
-    assert [(n.args[2], n.args[3]) for n in calls[6:12:2]] == [(0, 24), (24, 3), (27, 10)]
-    assert [n.args[1] for n in calls[7:12:2]] == [[4, 6], [3], [2, 5]]
+    # one split unpacks the bucket (not a narrow per member), its pieces in buffer order
+    assert split.args == (calls[5], [24, 3, 10], 0)
+    assert [n.args for n in calls[7:13:2]] == [(split, 0), (split, 1), (split, 2)]
+    assert [n.args[1] for n in calls[8:13:2]] == [[4, 6], [3], [2, 5]]
     # the merged collective is priced as one all-reduce of the 37 elements and reports its members
     step = info(merged).comm
     assert step.kind == "all_reduce" and step.before.local_numel((2,)) == 37
@@ -125,8 +128,8 @@ def test_collectives_ready_apart_merge_when_both_are_needed_later() -> None:
     assert (report.buckets, report.merged) == (1, 2)
     assert node_names(gm) == [
         "a", "b", "m", "reshape_default", "reshape_default_1", "cat_default", "all_reduce__default",
-        "wait_tensor_default", "narrow_default", "view_default", "t", "narrow_default_1",
-        "view_default_1", "s", "output",
+        "wait_tensor_default", "split_with_sizes_default", "getitem", "view_default", "t",
+        "getitem_1", "view_default_1", "s", "output",
     ]  # fmt: skip
     (merged,) = collectives(gm)
     assert merged.args[0].args[0][0].args[0].name == "a" and merged.args[0].args[0][1].args[0].name == "m"
@@ -197,15 +200,16 @@ def test_all_to_alls_merge_row_by_row_and_stay_bit_identical() -> None:
     assert [n.target for n in calls] == [
         aten.reshape.default, aten.reshape.default, aten.cat.default, aten.view.default,
         c10d.all_to_all_single.default, c10d.wait_tensor.default, aten.view.default,
-        aten.narrow.default, aten.clone.default, aten.view.default,
-        aten.narrow.default, aten.clone.default, aten.view.default,
+        aten.split_with_sizes.default, operator.getitem, aten.clone.default, aten.view.default,
+        operator.getitem, aten.clone.default, aten.view.default,
         aten.mul.Tensor, aten.mul.Tensor,
     ]  # fmt: skip
     assert [c.args[1] for c in calls[:2]] == [[2, 6], [2, 6]] and calls[2].args[1] == 1
     assert calls[4].args[1:] == ([12, 12], [12, 12], "<x>")
     assert calls[6].args[1] == [2, 12]
-    assert [c.args[1:] for c in (calls[7], calls[10])] == [(1, 0, 6), (1, 6, 6)]
-    assert [c.args[1] for c in (calls[9], calls[12])] == [[4, 3], [6, 2]]
+    assert calls[7].args == (calls[6], [6, 6], 1)  # each member's columns of the received rows
+    assert [c.args for c in (calls[8], calls[11])] == [(calls[7], 0), (calls[7], 1)]
+    assert [c.args[1] for c in (calls[10], calls[13])] == [[4, 3], [6, 2]]
     step = info(calls[4]).comm
     assert step.kind == "all_to_all" and step.bytes_sent((2,)) == sum(
         m.step.bytes_sent((2,)) for m in calls[4].meta["autopar_bucket"]
@@ -267,15 +271,15 @@ def test_a_bucket_of_gradients_stays_a_gradient() -> None:
     # every node the bucket added (its buffer, collective, wait and pieces) is in the tail, and
     # so are the gradients after it; the input gradient's path is not
     added = [n for n in nodes if n.op == "call_function" and info(n).note == "bucket"]
-    assert merged in added and len(added) == 9 and set(added) <= tail
+    assert merged in added and len(added) == 10 and set(added) <= tail
     assert {"gout1", "gout2"} <= {n.name for n in tail}
     assert "h" not in {n.name for n in tail}  # it feeds two outputs
     # the bucket is issued as soon as its inputs exist and waited on only for the gradients
     assert node_names(schedule(gm)) == [
         "g", "d", "reshape_default", "reshape_default_1", "cat_default", "all_reduce__default",
         "h", "k1", "k2",
-        "wait_tensor_default", "narrow_default", "view_default", "gout1", "narrow_default_1",
-        "view_default_1", "gout2", "output",
+        "wait_tensor_default", "split_with_sizes_default", "getitem", "view_default", "gout1",
+        "getitem_1", "view_default_1", "gout2", "output",
     ]  # fmt: skip
 
 
@@ -304,8 +308,8 @@ def test_a_collective_pulls_up_the_compute_it_needs_to_join_a_bucket() -> None:
     assert (report.buckets, report.merged) == (1, 2)
     assert node_names(gm) == [
         "g", "x", "s1", "gx", "s2", "d2", "reshape_default", "reshape_default_1", "cat_default",
-        "all_reduce__default", "wait_tensor_default", "narrow_default", "view_default",
-        "narrow_default_1", "view_default_1", "u", "out", "output",
+        "all_reduce__default", "wait_tensor_default", "split_with_sizes_default", "getitem",
+        "view_default", "getitem_1", "view_default_1", "u", "out", "output",
     ]  # fmt: skip
     gen = torch.Generator().manual_seed(6)
     args = {c: [torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen)] for c in [(0,), (1,)]}

@@ -192,7 +192,11 @@ def _gloo_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
         isinstance(t, DTensor) for t in [*pmodel.parameters(), *pmodel.buffers()]
     )
     out["note"] = pmodel.plan_summary() if rank == 0 else ""
-    for _ in range(STEPS):
+    for step in range(STEPS):
+        if step == 1:  # bad batches between two steps: refused on every rank, nothing computed
+            out["refused"] = _bad_batches(pmodel, batch, rank)
+            out["untouched"] = all(p.grad is None for p in pmodel.parameters())
+            out["gated"] = _gated_collectives(pmodel.program.forward)
         loss, serial_loss = pmodel(*batch), serial(*batch)
         loss.backward()
         serial_loss.backward()
@@ -245,11 +249,50 @@ def _gloo_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
+def _gated_collectives(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """The forward's collectives, each with the call before it (the input check's gate, or not)."""
+    nodes = list(gm.graph.nodes)
+    return [
+        (str(n.target), getattr(before.target, "__name__", str(before.target)))
+        for before, n in zip(nodes, nodes[1:])
+        if n.op == "call_function" and "_c10d_functional" in str(n.target) and "wait" not in str(n.target)
+    ]
+
+
+def _bad_batches(pmodel: torch.nn.Module, batch: tuple[torch.Tensor, ...], rank: int) -> list[str]:
+    """Rank 1 passes, in turn, a batch with one token changed (the same program: every rank
+    settles the check where the forward's first collective is, the loss's all-reduce) and a batch
+    of another length (it compiles: it settles before the compile's collectives, the others in
+    their forward). Each call's refusal on this rank."""
+    ids, labels = batch
+    changed = ids.clone()
+    changed[1, 2] = (changed[1, 2] + 1) % MODEL["vocab_size"]
+    calls = [(changed, labels), (ids[:, :-1], labels[:, :-1])]
+    refused = []
+    for bad in calls:
+        try:
+            pmodel(*(bad if rank == 1 else batch)).backward()
+            refused.append("no error")
+        except autopar.InputMismatchError as exc:
+            refused.append(str(exc))  # (the same batch at every step: named a call ahead)
+    return refused
+
+
 @pytest.mark.multirank
 def test_replicated_plan_trains_as_serial_on_gloo(tmp_path: Path) -> None:
     results = run_ranks(SHAPE[0], _gloo_job, str(tmp_path), timeout=600)
     for r in results:
         assert r["replicated"], results[0]["note"]
+        # a bad batch on one rank is refused on every rank before any result or gradient, and
+        # the steps after it still equal serial's
+        changed, shorter = r["refused"]
+        assert "differs between rank 0 and rank 1" in changed, r
+        assert "rank 1 calls the module differently from rank 0" in shorter, r
+        assert r["untouched"], r
+        # the check's all-reduce no longer blocks at the start of the forward: it is settled right
+        # before the forward's one collective (the loss's [sum, count]), the whole forward later
+        ((collective, before),) = r["gated"]
+        assert collective == "_c10d_functional.all_reduce.default" and before == "settle_gate", r
         assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["param_err"] < 1e-5, r
         assert r["norm_err"] < 1e-5, r  # clip_grad_norm_ over the plain tensors: the serial norm
         assert r["no_grad_err"] < 1e-5 and r["half_err"] < 1e-5 and r["programs"] == 3, r

@@ -208,20 +208,41 @@ def first_disagreement_among_holders(
     rank's block or its fingerprint, which block it is, how many blocks there are)`; ranks that
     hold the same block must agree on it, and blocks are never compared with each other. Still
     one all-reduce for all of them together."""
-    mine = [fingerprint(t) if isinstance(t, torch.Tensor) else t for _, t, _, _ in named]
-    slots = [(slot, count) for _, _, slot, count in named]
-    if _all_agree(mine, slots, group):
+    return PendingAgreement(named, group).result()
+
+
+class PendingAgreement:
+    """`first_disagreement_among_holders` in two halves, so that a rank can compute while the
+    all-reduce travels: made, it fingerprints and issues the all-reduce without waiting;
+    `result()` waits and, only where some differ, all-gathers to find which and where. Every rank
+    must call `result()` before its next collective on `group` (the all-gather of a disagreement
+    is one) and gets the same answer."""
+
+    def __init__(
+        self, named: Sequence[tuple[str, torch.Tensor | Fingerprint, int, int]], group: dist.ProcessGroup | None
+    ) -> None:
+        self.named = list(named)
+        self.group = group
+        self.mine = [fingerprint(t) if isinstance(t, torch.Tensor) else t for _, t, _, _ in named]
+        self.slots = [(slot, count) for _, _, slot, count in named]
+        self.reduced = _agreement_buffer(self.mine, self.slots, collective_device(group))
+        self.work = dist.all_reduce(self.reduced, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def result(self) -> Disagreement | None:
+        if self.work is not None:
+            self.work.wait()
+        if _agreed(self.reduced):
+            return None
+        everyone = all_gathered((self.mine, [slot for slot, _ in self.slots]), self.group, collective_device(self.group))
+        for index, (name, _, _, count) in enumerate(self.named):
+            held = [(rank, tuple(prints[index]), where[index]) for rank, (prints, where) in enumerate(everyone)]
+            for block in range(count):
+                holders = [(rank, value) for rank, value, at in held if at == block]
+                for rank, value in holders[1:]:
+                    if not _same(value, holders[0][1]):
+                        values = [value if at == block else None for _, value, at in held]
+                        return Disagreement(name, rank, values, holders[0][0])
         return None
-    everyone = all_gathered((mine, [slot for slot, _ in slots]), group, collective_device(group))
-    for index, (name, _, _, count) in enumerate(named):
-        held = [(rank, tuple(prints[index]), where[index]) for rank, (prints, where) in enumerate(everyone)]
-        for block in range(count):
-            holders = [(rank, value) for rank, value, at in held if at == block]
-            for rank, value in holders[1:]:
-                if not _same(value, holders[0][1]):
-                    values = [value if at == block else None for _, value, at in held]
-                    return Disagreement(name, rank, values, holders[0][0])
-    return None
 
 
 def stored_disagreement(
@@ -260,27 +281,31 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_agree(
-    prints: Sequence[Fingerprint], slots: Sequence[tuple[int, int]], group: dist.ProcessGroup | None
-) -> bool:
-    """One all-reduce: each fingerprint goes in its block's place among its tensor's blocks; the
-    places of blocks this rank does not hold read -inf, so the largest of each number and of its
-    negation come from the ranks holding that block only."""
+def _agreement_buffer(
+    prints: Sequence[Fingerprint], slots: Sequence[tuple[int, int]], device: torch.device
+) -> torch.Tensor:
+    """What the agreement's one all-reduce (MAX) takes: each fingerprint goes in its block's place
+    among its tensor's blocks; the places of blocks this rank does not hold read -inf, so the
+    largest of each number and of its negation come from the ranks holding that block only."""
     values: list[float] = []
     present: list[bool] = []
     for fp, (slot, count) in zip(prints, slots, strict=True):
         for block in range(count):
             values += fp if block == slot else [0.0] * len(fp)
             present += [block == slot] * len(fp)
-    device = collective_device(group)
     numbers = torch.tensor(values, dtype=torch.float64, device=device)
     held = torch.tensor(present, dtype=torch.bool, device=device).repeat(4)
     nan = torch.isnan(numbers)
     numbers = torch.where(nan, 0.0, numbers)  # NaN equals NaN here, as in `_same`
     both = torch.cat([numbers, -numbers, nan.double(), -nan.double()])
-    both = torch.where(held, both, -torch.inf)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    largest, smallest = both[: 2 * len(values)].chunk(2), both[2 * len(values) :].chunk(2)
+    return torch.where(held, both, -torch.inf)
+
+
+def _agreed(both: torch.Tensor) -> bool:
+    """Whether every rank holding a block agrees, from the all-reduced `_agreement_buffer`: the
+    largest of each number equals minus the largest of its negation."""
+    half = both.numel() // 2
+    largest, smallest = both[:half].chunk(2), both[half:].chunk(2)
     unheld = largest[0] == -torch.inf  # no rank holds that block: nothing to compare
     return bool(
         ((largest[0] == -largest[1]) | unheld).all() and ((smallest[0] == -smallest[1]) | unheld).all()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import operator
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,12 +15,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import IndexOutOfRangeError, InputMismatchError
 from autopar.core.meta import IndexCheck
-from autopar.runtime.agreement import Fingerprint, collective_device, fingerprint, first_disagreement
+from autopar.runtime.agreement import (
+    Disagreement,
+    Fingerprint,
+    PendingAgreement,
+    collective_device,
+    fingerprint,
+)
 from autopar.runtime.local_batch import index_extremes
 from autopar.runtime.wire import all_gathered
 
@@ -137,14 +145,103 @@ def refuse_differing_inputs(
     of step (a batch repeated or a call that failed on it alone). The count of calls goes into the
     same all-reduce as the inputs' fingerprints; the call is refused on every rank alike, naming a
     rank whose count differs, or whose inputs are the ones the others passed a call before, as a
-    call behind."""
-    prints = [fingerprint(x) for x in flat if isinstance(x, torch.Tensor)]
-    previous, history.previous = history.previous, prints
-    differing = first_disagreement(
-        [(CALLS, (float(history.calls),)), (STRUCTURE, (structure,)), *zip(names, prints)], group
-    )
-    if differing is None:
-        return
+    call behind. (`InputCheck` without waiting: this is its start and its `settle` at once.)"""
+    InputCheck(flat, names, history, group, structure).settle()
+
+
+class InputCheck:
+    """`refuse_differing_inputs` in two halves: made at the start of a call, it fingerprints the
+    inputs and issues the all-reduce without waiting; `settle()` waits for it and raises what
+    `refuse_differing_inputs` raises. Every rank must settle before its first other collective of
+    the call (a compile's, the program's first: `InputGate`), since ranks that passed different
+    calls may be about to run different programs, whose collectives would not match; settled
+    there, every rank still refuses together before any result leaves the call, and the
+    all-reduce travels while the rank computes its forward up to that collective."""
+
+    def __init__(
+        self,
+        flat: Sequence[Any],
+        names: Sequence[str],
+        history: CallHistory,
+        group: dist.ProcessGroup | None,
+        structure: float = 0.0,
+    ) -> None:
+        self.prints = [fingerprint(x) for x in flat if isinstance(x, torch.Tensor)]
+        self.previous, history.previous = history.previous, self.prints
+        self.group = group
+        self.named = [(CALLS, (float(history.calls),)), (STRUCTURE, (structure,)), *zip(names, self.prints)]
+        self.pending: PendingAgreement | None = PendingAgreement([(n, t, 0, 1) for n, t in self.named], group)
+
+    def settle(self) -> None:
+        """Wait for the all-reduce (once) and refuse the call on every rank alike if the ranks differ."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        differing = pending.result()
+        if differing is not None:
+            _refuse(differing, self.prints, self.previous, self.group)
+
+
+GATE = "autopar_input_gate"  # the forward graph's attribute holding its `InputGate`
+
+
+class InputGate:
+    """Where a program's forward settles its call's `InputCheck` (`gate_forward`): the module
+    hands the gate the check it started, and the forward settles it right before the first node
+    that may communicate. A copy of the graph gets a gate of its own, with no check."""
+
+    def __init__(self) -> None:
+        self.check: InputCheck | None = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> InputGate:
+        return InputGate()
+
+    def settle(self) -> None:
+        check, self.check = self.check, None
+        if check is not None:
+            check.settle()
+
+
+def settle_gate(gate: InputGate) -> None:
+    """The forward graph's call of its gate (a function, so that the graph's code names it)."""
+    gate.settle()
+
+
+def gate_forward(gm: fx.GraphModule) -> InputGate:
+    """`gm`'s `InputGate`, inserted once before its first node that may communicate: anything but
+    an ATen op or a tuple's item (a functional collective, a custom op that exchanges tokens, a
+    call of a module), or its output. Under DDP's plan that is the loss's all-reduce, at the end
+    of the forward: the check's all-reduce travels while the forward computes, and the rank waits
+    at one collective where it waited at two."""
+    found = getattr(gm, GATE, None)
+    if isinstance(found, InputGate):
+        return found
+    gate = InputGate()
+    setattr(gm, GATE, gate)
+    graph = gm.graph
+    first = next(n for n in graph.nodes if _may_communicate(n))
+    with graph.inserting_before(first):
+        # (create_node: `get_attr` warns about an attribute that is not a module, parameter or buffer)
+        graph.call_function(settle_gate, (graph.create_node("get_attr", GATE),))
+    gm.recompile()
+    return gate
+
+
+def _may_communicate(node: fx.Node) -> bool:
+    if node.op in ("placeholder", "get_attr"):
+        return False
+    if node.op != "call_function":
+        return True  # the output, a module's call
+    if node.target is operator.getitem:
+        return False
+    return not (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in ("aten", "prims"))
+
+
+def _refuse(
+    differing: Disagreement, prints: list[Fingerprint], previous: list[Fingerprint], group: dist.ProcessGroup | None
+) -> None:
+    """Raise the error of `InputCheck`'s disagreement: a rank calls behind, a call's structure, a
+    rank one call behind or ahead, or another batch."""
     hint = (
         "every rank must call the module the same number of times, with the same batches in the "
         "same order: a rank that repeated a batch, or whose call failed alone, must be brought back in step"

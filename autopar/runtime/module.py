@@ -33,10 +33,11 @@ from autopar.core.user_warning import warn_at_caller, without_gloo_alltoall_noti
 from autopar.runtime.agreement import Fingerprint, fingerprint, stored_disagreement
 from autopar.runtime.call_checks import (
     CallHistory,
+    InputCheck,
     check_indices,
+    gate_forward,
     input_names,
     positional_names,
-    refuse_differing_inputs,
     refuse_input_gradients,
     structure_digest,
 )
@@ -258,18 +259,29 @@ class ParallelModule(FullState, SourceAttributes, StageCalls, nn.Module):
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         timeout = self._groups.timeout if self._groups is not None else None
         world = self._groups.world if self._groups else None
+        check: InputCheck | None = None  # the same inputs on every rank: settled before any collective
         with failures_named(timeout):  # the input checks and a compile's agreement are collectives
             if self._local_inputs:  # the program is traced for the batch the shards make together
                 shard_rows(tensors, names, world, self._history.calls)
                 program_args, program_kwargs = global_stand_ins((args, kwargs), self._mesh.size)
             else:
                 if self._check_inputs_agree:
-                    refuse_differing_inputs(flat, names, self._history, world, structure_digest(flat, spec))
+                    check = InputCheck(flat, names, self._history, world, structure_digest(flat, spec))
                 program_args, program_kwargs = args, kwargs
-            run = self._program_for(program_args, program_kwargs, flat, spec)
-            program = run.program
-            refuse_input_gradients(tensors, names, program.input_grads)
-            check_indices(program.index_checks, tensors, names, world, across_ranks=self._local_inputs)
+            try:
+                run = self._program_for(program_args, program_kwargs, flat, spec, check)
+                program = run.program
+                refuse_input_gradients(tensors, names, program.input_grads)
+                check_indices(program.index_checks, tensors, names, world, across_ranks=self._local_inputs)
+            except AutoparError:
+                if check is not None:  # ranks whose inputs differ refuse that, together, first
+                    check.settle()
+                raise
+            if check is not None:  # the forward settles it before its first collective (`InputGate`)
+                if run.gate is not None:
+                    run.gate.check = check
+                else:
+                    check.settle()
         local_inputs = self._local_inputs_of(tensors, program)
         num_outputs = len(program.output_layouts)
         # the inputs that want a gradient go in whole: the backward returns theirs whole
@@ -294,6 +306,9 @@ class ParallelModule(FullState, SourceAttributes, StageCalls, nn.Module):
         outputs = RunProgram.apply(
             program, feed, num_outputs, timeout, deferral, *sources, *local_inputs, *wanting
         )
+        if check is not None:  # (settled in the forward: a graph without a gate settles here)
+            with failures_named(timeout):
+                check.settle()
         user = num_outputs - len(program.buffer_updates) - len(program.input_updates)
         with torch.no_grad():  # the forward's updates of its buffers (BatchNorm running stats)
             for name, value in zip(program.buffer_updates, outputs[user + len(program.input_updates) :]):
@@ -324,9 +339,10 @@ class ParallelModule(FullState, SourceAttributes, StageCalls, nn.Module):
             ]
 
     def _program_for(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], spec: Any
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], spec: Any, check: InputCheck | None = None
     ) -> CachedProgram:
-        """The compiled program for this call, compiling one if none fits (see the class doc)."""
+        """The compiled program for this call, compiling one if none fits (see the class doc); a
+        compile's collectives wait for the call's input `check` to settle."""
         grad = torch.is_grad_enabled()
         if self._compile is None:  # a module built around one program: it takes only that call
             check_example_call(flat, spec, self._in_spec, self._example_specs)
@@ -361,6 +377,8 @@ class ParallelModule(FullState, SourceAttributes, StageCalls, nn.Module):
             self._note_values(key)
         _LOG.info("autopar: compiling a program for %s", why)
         self._thrash.compiling(key)
+        if check is not None:
+            check.settle()
         program, outputs = self._compile(args, kwargs, mode)
         compiled = self._prepared(program, outputs, why)
         self._refuse_other_branch(compiled, flat)
@@ -458,10 +476,14 @@ class ParallelModule(FullState, SourceAttributes, StageCalls, nn.Module):
         device = self._mesh.device_mesh.device_type
         # constants are the program's, not the user's model's: not registered as buffers
         constants = {name: value.to(device) for name, value in program.constants.items()}
-        if self._inductor:
+        gate = None
+        if self._inductor:  # (Inductor compiles the whole graph: the check settles before it runs)
             program = compiled_by_inductor(program)
+        elif self._check_inputs_agree and not self._local_inputs:
+            gate = gate_forward(program.forward)
         layouts = program.source_layouts()
-        return CachedProgram(program, outputs, layouts, constants, plan_feed(program, constants, layouts), why)
+        feed = plan_feed(program, constants, layouts)
+        return CachedProgram(program, outputs, layouts, constants, feed, why, gate=gate)
 
     def _local_param(self, run: CachedProgram, name: str) -> torch.Tensor:
         """This rank's block of program parameter `name` in the layout the program wants: stored

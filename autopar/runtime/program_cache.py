@@ -16,6 +16,7 @@ import torch
 from autopar.core.layout import Layout
 from autopar.core.meta import OutputStructure
 from autopar.core.user_warning import warn_at_caller
+from autopar.runtime.call_checks import InputGate
 from autopar.runtime.param_feed import FeedPlan
 from autopar.runtime.program import EmittedProgram
 
@@ -68,6 +69,7 @@ class CachedProgram:
     constants: dict[str, torch.Tensor]
     feed: FeedPlan
     why: str = ""
+    gate: InputGate | None = None  # where the forward settles the call's input check (`gate_forward`)
     # programs for the same call signature traced under other input values (`ValueGuards`)
     others: list[CachedProgram] = field(default_factory=list)
 
