@@ -55,11 +55,11 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.core.layout import R, Shard  # noqa: E402
-from autopar.core.strategy import AxisStrategy, OpCall  # noqa: E402
+from autopar.core.strategy import AxisStrategy, OpCall, Strategy  # noqa: E402
 from autopar.cost.dispatch import DISPATCHERS, dispatch_cost  # noqa: E402
 from autopar.cost.hardware import load_hardware, span_link  # noqa: E402
-from autopar.rules import expert_parallel  # noqa: E402
-from autopar.rules.base import RuleRegistry  # noqa: E402
+from autopar.rules import expert_parallel, routed_experts  # noqa: E402
+from autopar.rules.base import Requirement, RuleRegistry  # noqa: E402
 from autopar.rules.matmul import library_op  # noqa: E402
 from autopar.rules.registry import default_registry  # noqa: E402
 
@@ -240,7 +240,26 @@ def measure(shape_name: str, mesh: tuple[int, ...], forced: bool, token_dispatch
     }
 
 
-GLOO_PLANS = {"expert split": experts_only, "split inside experts": _inside_only}
+def _all_to_all_only() -> RuleRegistry:
+    """The default rules with every routed-experts op's experts split over the mesh's one axis and
+    the tokens exchanged inside the op (the all-to-all dispatcher; with token_dispatch="alltoall"
+    the trace puts one routed-experts op in place of each experts module)."""
+    registry = default_registry().copy()
+
+    def admits(call: OpCall, strategy: Strategy) -> bool:
+        return routed_experts.expert_axes(call.op, strategy) == (0,) == routed_experts.all_to_all_axes(call.op, strategy)
+
+    for op in routed_experts.ROUTED_OPS:
+        registry.require(op, Requirement(admits, "experts and the all-to-all over mesh axis 0"))
+    return registry
+
+
+# name -> (the rules, PlanOptions.token_dispatch) of each plan part (a) parallelizes
+GLOO_PLANS: dict[str, tuple[Callable[[], RuleRegistry], str]] = {
+    "expert split, all-gather": (experts_only, "allgather"),
+    "expert split, all-to-all": (_all_to_all_only, "alltoall"),
+    "split inside experts": (_inside_only, "allgather"),
+}
 # issue 35 item 3's three placements of the experts, each forced, against the search's own choice
 PLACEMENTS: dict[str, Callable[[], RuleRegistry] | None] = {
     "expert split (EP)": experts_only,
@@ -295,11 +314,11 @@ def _gloo_job(rank: int, world_size: int, shape_name: str, steps: int) -> dict[s
     make, batch, seq = SHAPES[shape_name]
     ids = torch.randint(VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
     out: dict[str, Any] = {}
-    for name, registry in GLOO_PLANS.items():
+    for name, (registry, dispatch) in GLOO_PLANS.items():
         torch.manual_seed(0)
         pmodel = autopar.parallelize(
             make(), mesh, example_inputs=(), example_kwargs={"input_ids": ids, "labels": ids},
-            planning=autopar.PlanOptions(registry=registry()),
+            planning=autopar.PlanOptions(registry=registry(), token_dispatch=dispatch),
         )
         held = sum(
             p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()

@@ -18,7 +18,15 @@ from typing import Any
 import pytest
 import torch
 import torch.fx as fx
-from test_expert_parallel import _compile_rank0, _deepseek_v3, _mixtral, _qwen3_moe, _train_like_serial
+from test_expert_parallel import (
+    _compile_rank0,
+    _deepseek_v3,
+    _expert_weight_layouts,
+    _experts_only_registry,
+    _mixtral,
+    _qwen3_moe,
+    _train_like_serial,
+)
 
 from autopar.compiler.driver import compile_for_rank
 from autopar.compiler.pricing import price
@@ -97,6 +105,20 @@ def _mixtral_with_cold_experts() -> torch.nn.Module:
     return model
 
 
+def _mixtral_with_a_hot_expert() -> torch.nn.Module:
+    """Every token's first choice in layer 0 is expert 0: the embeddings share one direction v
+    (as large as their own parts) and the router's row for expert 0 is 5 v, far above the others'
+    logits. The second choices spread over a few experts; experts 1 to 4 get (nearly) none."""
+    model = _mixtral()
+    with torch.no_grad():
+        embeddings = model.model.embed_tokens.weight
+        direction = torch.randn(embeddings.shape[1], generator=torch.Generator().manual_seed(4))
+        direction /= direction.norm()
+        embeddings.add_(embeddings.norm(dim=1).mean() * direction)
+        model.model.layers[0].mlp.gate.weight[0] = 5.0 * direction
+    return model
+
+
 def _routed_ids(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Layer 0's top-k expert indices of the model's forward on `batch`."""
     seen: list[torch.Tensor] = []
@@ -126,6 +148,27 @@ def test_mixtral_with_the_all_to_all_dispatcher_trains_like_serial(make: Any, sh
     receive all); on (2, 2) the tiny batch routes unevenly by itself."""
     compiled = _train_like_serial(make, shape, token_dispatch="alltoall")
     _assert_all_to_all_plan(compiled, shape)
+
+
+@pytest.mark.parametrize("all_to_all", [True, False], ids=["alltoall", "allgather"])
+def test_a_hot_expert_trains_like_serial_with_each_dispatcher(all_to_all: bool) -> None:
+    """Issue 35 item 2's imbalance, one expert getting most tokens: layer 0 routes every token to
+    expert 0 first (on (4,) rank 0 receives at least half of the 64 (token, choice) rows of each batch,
+    rank 1 none). Dropless with each dispatcher: the all-to-all one inside the routed-experts op,
+    and the all-gather one over the traced grouped matmuls with the experts forced split (2 of the
+    8 per rank). Loss, every gradient and every parameter after 2 SGD-momentum steps equal serial."""
+    for seed in (1, 10, 11):  # the compile's batch and the two steps' (test_expert_parallel._batch)
+        torch.manual_seed(0)  # the model _train_like_serial makes
+        ids = _routed_ids(_mixtral_with_a_hot_expert(), torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(seed)))
+        per_rank = torch.bincount(ids.flatten() // 2, minlength=4).tolist()
+        assert (ids[:, 0] == 0).all() and per_rank[0] >= 32 and per_rank[1] == 0, per_rank
+    if all_to_all:
+        compiled = _train_like_serial(_mixtral_with_a_hot_expert, (4,), token_dispatch="alltoall")
+        _assert_all_to_all_plan(compiled, (4,))
+    else:
+        compiled = _train_like_serial(_mixtral_with_a_hot_expert, (4,), registry=_experts_only_registry())
+        layouts = _expert_weight_layouts(compiled)
+        assert layouts and set(layouts.values()) == {"[S(0)]"}, layouts
 
 
 def test_all_to_all_forced_on_a_model_without_experts_is_refused() -> None:
