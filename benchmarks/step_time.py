@@ -122,7 +122,10 @@ class StretchedGraph(fx.Interpreter):
 
 def stretched(pmodel: ParallelModule, factor: float) -> ParallelModule:
     """A copy of `pmodel` sharing its parameters, whose graphs run under StretchedGraph."""
-    clone = copy.copy(pmodel)  # shallow: same parameters and mesh, own _program slot
+    # Shallow: same parameters and mesh, own _program slot. Not `copy.copy`, which goes through
+    # `__reduce_ex__`, which a ParallelModule refuses (a user's pickle of it could not run anywhere).
+    clone = type(pmodel).__new__(type(pmodel))
+    clone.__dict__.update(pmodel.__dict__)
     program = pmodel.program
     clone._program = replace(  # a benchmark-only swap of the runtime's program
         program,
