@@ -1,10 +1,10 @@
 """Context parallelism asked for: a mesh axis named "cp" splits the sequence over it, with attention
 by the all-gather strategy or Ulysses' heads split (`PlanOptions.context_parallel`,
 `rules.context_parallel.require_context_parallel`). In lockstep against serial (loss, every
-gradient, and the parameters after SGD-with-momentum steps on the gradients the ranks computed):
-transformers' LlamaForCausalLM and Qwen3ForCausalLM at their defaults, called with a padding
-`attention_mask`, on a (2, 4) mesh ("dp", "cp"). And the all-to-all that Ulysses is, in the emitted
-programs of a model whose activations are split along the sequence by its embedding."""
+gradient): the all-to-all that Ulysses is, in the emitted programs of a model whose activations
+are split along the sequence by its embedding; the "cp" axis at its defaults; the refusals. The
+forced strategies on transformers' Llama, Qwen3 and Mistral with padding, on (8,), (2, 4) and
+(2, 2, 2) meshes, trained against serial: test_context_parallel_models.py."""
 
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from pass_fixtures import assert_call_matches_serial, compile_every_rank
 from torch import nn
-from train_fixtures import train_hf_in_lockstep
 
 import autopar
-from autopar.compiler.driver import Compiled
 from autopar.core.errors import UsageError
 from autopar.core.layout import Shard
 from autopar.core.meta import info
@@ -29,7 +27,7 @@ from autopar.rules.registry import default_registry
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-VOCAB, SEQ, BATCH, STEPS = 64, 16, 2, 2
+VOCAB, SEQ, BATCH = 64, 16, 2
 A2A = torch.ops._c10d_functional.all_to_all_single.default
 QUERY_SPLIT = {"allgather": Shard(2), "ulysses": Shard(1)}  # the query's placement on "cp"
 
@@ -97,40 +95,6 @@ def _hf_llama() -> nn.Module:
         num_attention_heads=4, num_key_value_heads=2,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config)
-
-
-def _hf_qwen3() -> nn.Module:
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-    )  # fmt: skip
-    return transformers.Qwen3ForCausalLM(config)
-
-
-@pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
-@pytest.mark.parametrize("make", [_hf_llama, _hf_qwen3], ids=["llama", "qwen3"])
-def test_hf_causal_lm_on_a_cp_axis_trains_like_serial(make: object, strategy: str) -> None:
-    """(2, 4) mesh ("dp", "cp"), batch 2 with left padding in one sample: the batch over "dp",
-    the sequence over "cp", attention by the strategy asked for."""
-    torch.manual_seed(0)
-    model = make()  # type: ignore[operator]
-    ids = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-    mask[0, :5] = 0
-    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
-    registry = require_context_parallel(default_registry(), 1, strategy)
-    compiled = compile_every_rank(model, (2, 4), (), kwargs, names=("dp", "cp"), registry=registry)
-    first: Compiled = next(iter(compiled.values()))
-    calls = [n for n in first.graph.graph.nodes if n.target in (FORWARD, BACKWARD)]
-    assert len(calls) == 2, "one layer, forward and backward"
-    for node in calls:
-        strategy_of = info(node).strategy
-        assert strategy_of is not None
-        query = strategy_of.inputs[1 if node.target is BACKWARD else 0]
-        assert query.placements[1] == QUERY_SPLIT[strategy], (node.name, strategy_of)
-    embeddings = [n for n in first.graph.graph.nodes if n.target is EMBEDDING]
-    assert embeddings and all(info(n).layouts[0].placements[1] == Shard(1) for n in embeddings)
-    train_hf_in_lockstep(compiled, model, kwargs, (2, 4), STEPS)
 
 
 def test_cp_axis_at_defaults_splits_the_sequence() -> None:

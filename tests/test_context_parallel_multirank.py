@@ -173,12 +173,14 @@ def test_causal_llama_with_ring_attention_trains_like_serial(on_four_ranks: dict
 def test_the_gathered_keys_memory_meets_the_live_heap_of_gloo_ranks(on_four_ranks: dict[str, list[Any]]) -> None:
     """Keys and values all-gathered in the load-balanced order (`MEMORY_CASE`): the saved
     activations and the working memory `autopar.plan` models for the plan `parallelize` runs are
-    the step's live heap rise on the 4 gloo ranks (the most of any rank) to within -10 % / +20 %
-    (measured: 12.4 against 11.1 MiB, 1.12; the model counts the step's gradients whole with the
-    weight state, where the step frees the last ones first). Before the attention backward summed
-    its key and value gradients in place (`device_attention.attention_backward`) and the model
-    counted what it holds (`planning.working.causal_rows_scratch_bytes`) and a gradient bucket's
-    buffer and gloo's copy held until its wait, the model was 0.79 of the rise (9.6 against 12.2)."""
+    the step's live heap rise on the 4 gloo ranks (the most of any rank) to within 8 % (measured:
+    10.91 against 10.60 to 10.98 MiB, 0.99). The walk had held the first gradient bucket's buffer
+    and gloo's copy of it over the next layer's attention backward, where the program had waited on
+    them before it (the schedule hoists a norm's backward ops above the wait, and the walk took the
+    last traced op before the wait for its end, `compiler.emitted_memory._released`): 12.76, 1.16
+    to 1.20 of the rise. Before the attention backward summed its key and value gradients in place
+    (`device_attention.attention_backward`) and the model counted what it holds
+    (`planning.working.causal_rows_scratch_bytes`) and the buckets, it was 0.79 of the rise."""
     rises = [r["rise"] for r in on_four_ranks["memory"]]
     if None in rises:
         pytest.skip("needs glibc's mallinfo2")
@@ -186,7 +188,7 @@ def test_the_gathered_keys_memory_meets_the_live_heap_of_gloo_ranks(on_four_rank
     result = autopar.plan(model, (4,), batch, mesh_names=("cp",), planning=MEMORY_PLANNING, device_type="cpu")
     modeled = result.memory.activations + result.memory.working
     rise = max(rises)
-    assert 0.9 * rise <= modeled <= 1.2 * rise, (modeled / 2**20, [r / 2**20 for r in rises])
+    assert 0.92 * rise <= modeled <= 1.08 * rise, (modeled / 2**20, [r / 2**20 for r in rises])
 
 
 def _balanced_llama_job(rank: int, world_size: int, strategy: str) -> dict[str, Any]:

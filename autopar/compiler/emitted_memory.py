@@ -12,7 +12,8 @@ every rank do not read the figure.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import itertools
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -52,30 +53,39 @@ def _feeds_output(node: fx.Node) -> bool:
     return False
 
 
-def _released(collective: fx.Node, order: list[fx.Node], position: dict[fx.Node, int], traced: Collection[str]) -> str | None:
-    """The last op of `traced` (the traced walk's names) that the scheduled graph runs before it
-    waits on `collective`, or None (no wait, or none before it)."""
+def _released(collective: fx.Node, run_before: list[int], position: dict[fx.Node, int], traced: Sequence[str]) -> str | None:
+    """The op of `traced` (the traced walk's names, in its order) at which the walk stops holding
+    what `collective` holds until the program waits on it: the walk's op as far along it as the
+    scheduled graph is when it waits (as many traced ops run before the wait: `run_before[i]` of
+    them before the scheduled graph's node i), or None (no wait, or no traced op before it).
+
+    By count, not by the last traced op before the wait: the schedule hoists ops that read only
+    saved values (an RMSNorm backward's `pow` and `mul` of its saved input) above a wait, and the
+    last of them before it was the norm of the first layer, the walk's last ops; a balanced plan
+    on 4 gloo ranks then held the first bucket's buffer and gloo's copy (1.9 MiB) over the next
+    layer's attention backward, where the program had waited on them before it (the model 1.16 of
+    the measured live rise at the step's peak)."""
     waits = [u for u in collective.users if u.target is c10d.wait_tensor.default]
     if not waits:
         return None
-    for node in reversed(order[position[collective] : position[waits[0]]]):
-        if node.name in traced:
-            return node.name
-    return None
+    run = run_before[position[waits[0]]]
+    return traced[min(run, len(traced)) - 1] if run else None
 
 
 def gradient_buckets(
-    gm: fx.GraphModule, mesh_shape: Sequence[int], copies: int, traced: Collection[str] = ()
+    gm: fx.GraphModule, mesh_shape: Sequence[int], copies: int, traced: Sequence[str] = ()
 ) -> list[GradientBucket]:
     """Every sum of the scheduled backward `gm` on a mesh of `mesh_shape`: a bucket (its members
     the inputs of its concatenation, `passes/bucket.py`) or one collective alone that makes a
     gradient. `copies`: what the backend copies of a sum's input (gloo: 1, NCCL: 0). `traced`:
-    the traced ops' names, to find the last one run before each sum's wait (measured on 4 gloo
-    ranks: a bucket's buffer and gloo's copy lived from the issue to the wait, over the attention
+    the traced ops' names in the walk's order, to find where the walk stands at each sum's wait
+    (measured on 4 gloo ranks: a bucket's buffer and gloo's copy lived from the issue to the wait, over the attention
     backward between them)."""
     shape = tuple(mesh_shape)
     order = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(order)}
+    names = set(traced)
+    run_before = list(itertools.accumulate((node.name in names for node in order), initial=0))
     buckets = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in SUMS or not has_info(node) or info(node).phase != "backward":
@@ -88,12 +98,12 @@ def gradient_buckets(
             flats = [f for f in buffer.args[0] if isinstance(f, fx.Node)]  # type: ignore[union-attr]
             members = tuple(_made_by(f, position).name for f in flats)
             sizes = tuple(float(f.meta[BYTES_KEY]) for f in flats)
-            released = _released(node, order, position, traced)
+            released = _released(node, run_before, position, traced)
             buckets.append(GradientBucket(members, sizes, True, copies, released))
         elif _feeds_output(node) and (step := info(node).comm) is not None:
             size = float(step.before.local_bytes(shape))
             made = _made_by(node.args[0], position).name  # type: ignore[arg-type]
-            buckets.append(GradientBucket((made,), (size,), False, copies, _released(node, order, position, traced)))
+            buckets.append(GradientBucket((made,), (size,), False, copies, _released(node, run_before, position, traced)))
     return buckets
 
 
@@ -101,6 +111,6 @@ def emitted_working(steps: list[tuple[str, float]], scheduled: fx.GraphModule, m
     """The working memory per rank of the scheduled graph: the traced-order `steps` of its plan
     (`PlanMemory.working_steps`) on `mesh` (the graph's, a chunk axis included) with its gradient buckets in them. On CPU the program's sums run
     on gloo, which copies a sum's input (one copy); elsewhere (NCCL) none is counted."""
-    traced = {name for name, _ in steps}
+    traced = [name for name, _ in steps]
     buckets = gradient_buckets(scheduled, mesh.shape, 1 if mesh.device_type == "cpu" else 0, traced)
     return max((b for _, b in with_buckets(steps, buckets)), default=0.0)

@@ -31,11 +31,12 @@ The term is the peak over the ops, in the traced order (forward, then backward),
 
 The schedule's gradient buckets (`passes/bucket.py`) are not in the traced order, where each
 gradient is reduced as it is made: a bucket is issued after its last member is made, so its
-members are held until then, and it adds its concatenated buffer and, on gloo, the collective's own
-copy of that buffer, both held until the program waits on the sum (measured: the live peak of a
-ring plan on 8 gloo ranks is at the first bucket's reduce-scatter, docs/long-context.md). `with_buckets` adds them to the traced walk at the
-op after which the emitted program issues each bucket (`GradientBucket`, read off the scheduled
-graph by the compiler); the search, which plans before any collective exists, does not see them.
+members are held until then, and it adds its concatenated buffer (made beside the members, which
+are freed after it) and, on gloo, the collective's own copy of that buffer, both held until the
+program waits on the sum (measured: the live peak of a ring plan on gloo ranks is at its bucket's
+reduce-scatter, docs/long-context.md). `with_buckets` adds them to the traced walk at the op after
+which the emitted program issues each bucket (`GradientBucket`, read off the scheduled graph by the
+compiler); the search, which plans before any collective exists, does not see them.
 
 Not counted: a kernel's internal workspace (the CPU flash kernel's per-thread score blocks, small
 against these), the allocator's cache (on CPU malloc keeps freed blocks, 1.5 to 1.7x the live
@@ -189,9 +190,22 @@ class GradientBucket:
 
     @property
     def issued_bytes(self) -> float:
-        """What exists beside the members while the collective runs: the concatenated buffer and
-        the collective's copies of it."""
-        return (int(self.concatenated) + self.copies) * self.buffer_bytes
+        """The most that exists beside the members' bytes while the bucket is issued. Concatenated:
+        the concatenation makes the buffer beside the members, which it reads last (they are
+        freed after it), and the collective then makes its copies beside the buffer, so one
+        buffer or the copies, whichever is more. On 4 gloo ranks a ring plan's one bucket (1.57
+        MiB) rose the live heap by 1.57 at its `cat` and 1.97 at its reduce-scatter (the copy and
+        the reduced block), where the members, buffer and copy counted together had made the model
+        1.14 of the live rise. A lone member: the collective reads it, its copies beside it."""
+        if self.concatenated:
+            return max(1, self.copies) * self.buffer_bytes
+        return self.copies * self.buffer_bytes
+
+    @property
+    def waited_bytes(self) -> float:
+        """What the collective holds from its issue until the program waits on it: its input (the
+        buffer, or the lone member) and its copies of it."""
+        return (1 + self.copies) * self.buffer_bytes
 
 
 def with_buckets(steps: Sequence[tuple[str, float]], buckets: Sequence[GradientBucket]) -> list[tuple[str, float]]:
@@ -210,14 +224,12 @@ def with_buckets(steps: Sequence[tuple[str, float]], buckets: Sequence[GradientB
         for member, nbytes in zip(bucket.members, bucket.member_bytes):
             change[position[member] + 1] += nbytes
             change[issue + 1] -= nbytes
-        buffers = bucket.issued_bytes
-        at_issue[issue] += buffers
+        at_issue[issue] += bucket.issued_bytes
         released = position.get(bucket.released, issue) if bucket.released is not None else issue
         if released > issue:  # waited on later: the collective's input (a lone member, or the
             # buffer) and its copies held through the ops between
-            kept = buffers + (0.0 if bucket.concatenated else bucket.buffer_bytes)
-            change[issue + 1] += kept
-            change[released + 1] -= kept
+            change[issue + 1] += bucket.waited_bytes
+            change[released + 1] -= bucket.waited_bytes
     found, held = [], 0.0
     for (name, nbytes), moved, issued in zip(steps, change, at_issue):
         held += moved
