@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from case_matrix import pairwise
 from pass_fixtures import assert_call_matches_serial, compile_every_rank
 from train_fixtures import train_hf_in_lockstep
 
@@ -141,7 +142,11 @@ def _padded() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids}
 
 
-@pytest.mark.parametrize(("family", "shape"), sorted(HF_LIMITS), ids=[f"{f}-{'x'.join(map(str, s))}" for f, s in sorted(HF_LIMITS)])
+# each model and each mesh once (all 9 pairs with AUTOPAR_FULL_MATRIX=1: tests/case_matrix.py)
+HF_CASES = pairwise(sorted(HF_MODELS), [(8,), (2, 4), (2, 2, 2)])
+
+
+@pytest.mark.parametrize(("family", "shape"), HF_CASES, ids=[f"{f}-{'x'.join(map(str, s))}" for f, s in HF_CASES])
 def test_memory_limit_chooses_the_sequence_split(family: str, shape: tuple[int, ...]) -> None:
     """Issue 36 item 4, the search's own choice under a memory limit: transformers' Llama, Qwen3 and
     Mistral (a sliding window of 32 keys in the mask) at their defaults (1 layer, 2 query and 2

@@ -3,8 +3,9 @@ transformers' LlamaForCausalLM, Qwen3ForCausalLM (q/k norms) and MistralForCausa
 of 32 keys, which transformers writes into the mask) at their defaults, 1 layer, 8 query heads and 2
 key/value heads, called with a padding `attention_mask` (37 tokens of left padding in one sample) at
 sequence 128, with `"allgather"`, `"ring"` and `"ulysses"` asked for on each of the (8,) ("cp",),
-(2, 4) ("dp", "cp") and (2, 2, 2) ("dp", "tp", "cp") meshes: 27 cases, and Mistral's window with the
-load-balanced layout on (2, 4). Every attention call, forward and backward, takes the query and key
+(2, 4) ("dp", "cp") and (2, 2, 2) ("dp", "tp", "cp") meshes (27 cases with AUTOPAR_FULL_MATRIX=1;
+by default the 9 of a Latin square, every pair of model, strategy and mesh once: tests/case_matrix.py),
+and Mistral's window with the load-balanced layout on (2, 4). Every attention call, forward and backward, takes the query and key
 layouts asked for on "cp", the embedding splits the sequence there, and two SGD-with-momentum steps
 of the ranks' programs in lockstep give serial's loss, every gradient and every parameter
 (`train_hf_in_lockstep`). Under `"ulysses"` the plan is DeepSpeed-Ulysses: every op reads its
@@ -17,11 +18,11 @@ CPU cost: 4 to 9 s a case on the shared machine (compile every rank, two lockste
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import pytest
 import torch
+from case_matrix import pairwise
 from pass_fixtures import compile_every_rank
 from train_fixtures import train_hf_in_lockstep
 
@@ -60,8 +61,9 @@ MODELS = {
     # rows see at most their 32 latest keys: the window is in the mask
     "mistral": lambda: tiny_causal_lm("mistral", n_layer=1, heads=8, kv_heads=2, sliding_window=32),
 }
+# every (model, strategy), (model, mesh) and (strategy, mesh) pair once; all 27 with AUTOPAR_FULL_MATRIX=1
 CASES = [
-    *itertools.product(sorted(MODELS), ("allgather", "ring", "ulysses"), MESHES),
+    *pairwise(sorted(MODELS), ("allgather", "ring", "ulysses"), list(MESHES)),
     ("mistral", "balanced", "2x4"),
 ]
 

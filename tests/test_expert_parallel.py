@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.fx as fx
 import transformers.integrations.moe  # noqa: F401  (registers transformers' grouped-matmul ops)
+from case_matrix import pairwise
 from pass_fixtures import compile_every_rank, lockstep_step
 
 import autopar
@@ -306,28 +307,11 @@ def test_router_auxiliary_loss_trains_like_serial(
     assert layouts and all(lay == placements for lay in layouts.values()), layouts
 
 
-SEARCH_CASES = [
-    (_mixtral, (8,)),
-    (_mixtral, (2, 4)),
-    (_mixtral, (2, 2, 2)),
-    (_qwen3_moe, (8,)),
-    (_qwen3_moe, (2, 4)),
-    (_qwen3_moe, (2, 2, 2)),
-    (_deepseek_v3_wide_experts, (8,)),
-    (_deepseek_v3_wide_experts, (2, 4)),
-    (_deepseek_v3_wide_experts, (2, 2, 2)),
-]
-SEARCH_IDS = [
-    "mixtral-8",
-    "mixtral-2x4",
-    "mixtral-2x2x2",
-    "qwen3moe-8",
-    "qwen3moe-2x4",
-    "qwen3moe-2x2x2",
-    "deepseek-v3-8",
-    "deepseek-v3-2x4",
-    "deepseek-v3-2x2x2",
-]
+# each model and each mesh once (all 9 pairs with AUTOPAR_FULL_MATRIX=1: tests/case_matrix.py)
+SEARCH_MODELS = {"mixtral": _mixtral, "qwen3moe": _qwen3_moe, "deepseek-v3": _deepseek_v3_wide_experts}
+SEARCH_PAIRS = pairwise(list(SEARCH_MODELS), [(8,), (2, 4), (2, 2, 2)])
+SEARCH_CASES = [(SEARCH_MODELS[name], shape) for name, shape in SEARCH_PAIRS]
+SEARCH_IDS = [f"{name}-{'x'.join(map(str, shape))}" for name, shape in SEARCH_PAIRS]
 
 
 @pytest.mark.parametrize(("make", "shape"), SEARCH_CASES, ids=SEARCH_IDS)
