@@ -200,3 +200,5 @@ class Tally:
     solves: int = 0
     memo_hits: int = 0
     distinct_chains: int = 0
+    polished: int = 0  # ops the one-op polish priced (`search_polish.polish`)
+    polish_skipped: int = 0  # and those it did not price again: nothing they read had moved
