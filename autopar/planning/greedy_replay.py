@@ -235,10 +235,9 @@ def compiled(record: Record, blocks: Blocks) -> Compiled:
         else:
             writes.append((d, op, place.get(name, _FIXED), name, value, value_place(d, value)))
     # a name of block k renames by `shift` into block k + shift, which must lie in 1..count-1
-    blocks_seen = [at[1] for _, at, _, _, named in before for at in (at, named) if at is not None and at[1]]
-    blocks_seen += [
-        at[1] for _, _, at, _, _, named in writes for at in (at, named) if at is not None and at[1]
-    ]
+    places = [p for _, at, _, _, named in before for p in (at, named)]
+    places += [p for _, _, at, _, _, named in writes for p in (at, named)]
+    blocks_seen = [p[1] for p in places if p is not None and p[1]]
     low, high = (
         (1 - min(blocks_seen), blocks.count - 1 - max(blocks_seen))
         if blocks_seen
