@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch.fx as fx
 
+import autopar.planning.greedy_replay as greedy_replay
 import autopar.planning.search_problem as search_problem
 import autopar.planning.search_seeds as search_seeds
 from autopar.core.mesh import Mesh
@@ -104,3 +105,40 @@ def test_a_graph_traced_whole_is_walked_plainly() -> None:
     memo = GreedyMemo()
     greedy_plan(gm, Mesh.from_shape((2, 2), ("x", "y")), default_registry(), memo=memo)
     assert memo.replayed == 0
+
+
+def test_a_records_shifts_are_those_that_rename_every_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Compiled.shifts` (worked out once per record) holds exactly the shifts under which every
+    name the record reads or writes, and every name a `resolved_by` value holds, renames into
+    blocks 1..N-1: the check `matches` made name by name before."""
+    gm = _traced("llama")
+    blocks = blocks_of(gm)
+    assert blocks is not None
+    made: list[greedy_replay.Compiled] = []
+    original = greedy_replay.compiled
+
+    def keep(record: greedy_replay.Record, where: greedy_replay.Blocks) -> greedy_replay.Compiled:
+        made.append(original(record, where))
+        return made[-1]
+
+    monkeypatch.setattr(greedy_replay, "compiled", keep)
+    greedy_plan(gm, Mesh.from_shape((2, 2, 2), ("x", "y", "z")), default_registry(), memo=GreedyMemo())
+    assert made
+
+    def renames(record: greedy_replay.Compiled, shift: int) -> bool:
+        moved = greedy_replay._moved
+        for _, at, name, was, named in record.before:
+            if moved(at, name, at[1] + shift) is None:
+                return False
+            if named is not None and moved(named, was[0], named[1] + shift) is None:
+                return False
+        for _, _, at, name, value, named in record.writes:
+            if moved(at, name, at[1] + shift) is None:
+                return False
+            if named is not None and moved(named, value[0], named[1] + shift) is None:
+                return False
+        return True
+
+    for record in made:
+        for shift in range(-blocks.count, blocks.count + 1):
+            assert (shift in record.shifts) == renames(record, shift), (record.block, shift)

@@ -129,3 +129,33 @@ def test_polish_moves_every_op_as_pricing_every_candidate_in_full(shape: tuple[i
     assert _polish_reference(problems[0]) == polish(problems[1])
     assert problems[0].snapshot() == problems[1].snapshot()
     assert [v.current for v in problems[0].vars] == [v.current for v in problems[1].vars]
+
+
+@pytest.mark.parametrize("layers", [2, 6])
+def test_polish_prices_again_only_ops_whose_neighbours_moved(layers: int) -> None:
+    """After the first sweep the polish prices an op again only where an op its objective reads
+    moved: from seeds it moves (the second round's optimum of a searched GPT, and the greedy seed
+    itself), it ends where pricing every op in every sweep ends, and skips most of them."""
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=4, n_embd=32)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    gm = trace(model, (torch.zeros(8, 16, dtype=torch.long),) * 2, decompose=True)
+    mesh = Mesh.from_shape((2, 2, 2))
+    registry, cost, shared = default_registry(), TimeCost("a100-cluster", mesh.shape), Shared()
+    skipped = 0
+    for roles in [("tensor", "token", "tensor"), ("token", "tensor", "tensor")]:
+        seed = greedy_plan(gm, mesh, registry, roles=roles, expand_cache=shared.expand, memo=shared.greedy)
+        for optimize in (False, True):
+            problems = [
+                Problem(gm, mesh, registry, seed, cost, shared.expand, shared, share_readers=True)
+                for _ in range(2)
+            ]
+            for problem in problems:
+                if optimize:
+                    problem.optimize(8)
+            assert _polish_reference(problems[0]) == polish(problems[1])
+            assert problems[0].snapshot() == problems[1].snapshot()
+            tally = problems[1].tally
+            assert tally.polished > 0
+            skipped += tally.polish_skipped
+    assert skipped > 0

@@ -20,6 +20,7 @@ from autopar.passes.trace import trace
 from autopar.planning import search
 from autopar.planning.search import ElementCost, TimeCost, even_factor
 from autopar.planning.search_cost import CALL_ELEMENTS, collective_count
+from autopar.planning.search_problem import Problem, Shared
 from autopar.planning.search_steps import (
     StepTemplates,
     canonical,
@@ -346,3 +347,36 @@ def test_a_search_keeps_no_starts_problem_until_it_picks_a_plan(monkeypatch: pyt
             tracemalloc.stop()
     assert plans[6] == plans[2]
     assert peaks[6] <= 1.25 * peaks[2], peaks
+
+
+def test_an_edges_lines_are_its_tables_cells_shared_between_repeated_layers() -> None:
+    """A block's solve reads, per edge leaving it, the row (or column) of the edge's costs at the
+    other op's candidate (`Edge.for_consumer`, `for_producer`): one read-only copy per table,
+    index array and row (`SharedMatrices.line`) serves every edge of the repeated layers, and each
+    is the table's cells as indexing gives them; the search from those lines finds the plan it
+    finds from lines indexed afresh."""
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    gm = trace(model, (torch.zeros(8, 16, dtype=torch.long),) * 2, decompose=True)
+    mesh = Mesh.from_shape((2, 2, 2))
+    registry, cost, shared = default_registry(), TimeCost("a100-cluster", mesh.shape), Shared()
+    seed = search.greedy_plan(gm, mesh, registry, expand_cache=shared.expand, memo=shared.greedy)
+    problem = Problem(gm, mesh, registry, seed, cost, shared.expand, shared)
+    asked = 0
+    for edge in problem.edges:
+        for c in {0, len(edge.out_index) - 1}:
+            line = edge.for_consumer(c)
+            assert not line.flags.writeable and line is edge.for_consumer(c)
+            assert line.tolist() == edge.table[edge.out_index[c], edge.in_index].tolist()
+        for c in {0, len(edge.in_index) - 1}:
+            line = edge.for_producer(c)
+            assert line.tolist() == edge.table[edge.out_index, edge.in_index[c]].tolist()
+        asked += 2 * len({0, len(edge.out_index) - 1})
+    assert 0 < len(problem.matrices._lines) < asked / 2  # the layers' edges share their lines
+    problem.optimize(8)
+    plain = Problem(gm, mesh, registry, seed, cost, shared.expand, shared)
+    for edge in plain.edges:  # every line and matrix indexed afresh
+        edge.matrices = None
+    plain.optimize(8)
+    assert plain.snapshot() == problem.snapshot()

@@ -97,7 +97,11 @@ def blocks_of(gm: fx.GraphModule) -> Blocks | None:
             i += 1
             continue
         j = i
-        while j < len(nodes) and nodes[j].op == "call_function" and place.get(nodes[j].name, ((), -1))[1] == found[1]:
+        while (
+            j < len(nodes)
+            and nodes[j].op == "call_function"
+            and place.get(nodes[j].name, ((), -1))[1] == found[1]
+        ):
             j += 1
         runs[i] = Run(i, j, found[1], tuple(place[n.name][0][1] for n in nodes[i:j]))
         i = j
@@ -208,6 +212,8 @@ class Compiled:
     block: int
     before: list[tuple[str, Place, str, Any, Place | None]]  # dict, place, name, value (its name's place)
     writes: list[tuple[str, str, Place, str, Any, Place | None]]  # dict, op, place, key, value, ...
+    # the shifts that rename every name of the record (its keys and named values) into the copies
+    shifts: range = range(0)
 
 
 def compiled(record: Record, blocks: Blocks) -> Compiled:
@@ -218,14 +224,26 @@ def compiled(record: Record, blocks: Blocks) -> Compiled:
             return place.get(value[0], _FIXED)
         return None
 
-    before = [(d, place.get(name, _FIXED), name, was, value_place(d, was)) for (d, name), was in record.before.items()]
+    before = [
+        (d, place.get(name, _FIXED), name, was, value_place(d, was))
+        for (d, name), was in record.before.items()
+    ]
     writes: list[tuple[str, str, Place, str, Any, Place | None]] = []
     for d, op, name, value in record.writes:
         if d == "decided":
             writes.append((d, op, place.get(value, _FIXED), value, value, None))
         else:
             writes.append((d, op, place.get(name, _FIXED), name, value, value_place(d, value)))
-    return Compiled(record.block, before, writes)
+    # a name of block k renames by `shift` into block k + shift, which must lie in 1..count-1
+    places = [p for _, at, _, _, named in before for p in (at, named)]
+    places += [p for _, _, at, _, _, named in writes for p in (at, named)]
+    blocks_seen = [p[1] for p in places if p is not None and p[1]]
+    low, high = (
+        (1 - min(blocks_seen), blocks.count - 1 - max(blocks_seen))
+        if blocks_seen
+        else (-blocks.count, blocks.count)
+    )
+    return Compiled(record.block, before, writes, range(low, high + 1))
 
 
 def _moved(at: Place, name: str, block: int) -> str | None:
@@ -239,23 +257,15 @@ def _moved(at: Place, name: str, block: int) -> str | None:
 def matches(record: Compiled, shift: int, state: Callable[[str, str], Any]) -> bool:
     """Whether every node the record touched stands, renamed `shift` blocks on, as it stood before
     the recorded run touched it (`state(dict, name)`: its value now, MISSING if absent), and every
-    write renames (a replay writes nothing it cannot name)."""
-    for dict_name, at, name, was, named in record.before:
-        renamed = _moved(at, name, at[1] + shift)
-        if renamed is None:
-            return False
+    write renames (a replay writes nothing it cannot name: `Compiled.shifts`)."""
+    if shift not in record.shifts:
+        return False
+    for dict_name, (row, k), name, was, named in record.before:
+        renamed = row[k + shift] if k else name
         if named is not None:
-            moved = _moved(named, was[0], named[1] + shift)
-            if moved is None:
-                return False
-            was = (moved, was[1])
+            was = (named[0][named[1] + shift] if named[1] else was[0], was[1])
         now = state(dict_name, renamed)
         if now is not was and now != was:
-            return False
-    for _, _, at, name, value, named in record.writes:
-        if _moved(at, name, at[1] + shift) is None:
-            return False
-        if named is not None and _moved(named, value[0], named[1] + shift) is None:
             return False
     return True
 
@@ -340,7 +350,15 @@ def walk(p: PassState, blocks: Blocks) -> int:
         record = records.get(run.bases)
         shift = run.block - record.block if record is not None else 0
         if record is not None and shift and matches(record, shift, state):
-            replay(record, blocks, shift, dicts, frozenset({"deferred"}), {"tangents": p.tangents}, {"decided": plan.decided})
+            replay(
+                record,
+                blocks,
+                shift,
+                dicts,
+                frozenset({"deferred"}),
+                {"tangents": p.tangents},
+                {"decided": plan.decided},
+            )
             replayed += 1
         elif 2 <= run.block <= blocks.count - 2:
             records[run.bases] = compiled(_recorded(p, run, blocks), blocks)
@@ -376,5 +394,10 @@ def _recorded(p: PassState, run: Run, blocks: Blocks) -> Record:
     finally:
         (plan.layouts, plan.strategies, plan.notes, plan.deferred_inputs, plan.resolved_by,
          plan.stored_from, plan.decided, p.deferred, p.tangents, p.forced) = plain  # fmt: skip
-        readers.layouts, readers.deferred, readers.tangents, readers.forced = plan.layouts, p.deferred, p.tangents, p.forced
+        readers.layouts, readers.deferred, readers.tangents, readers.forced = (
+            plan.layouts,
+            p.deferred,
+            p.tangents,
+            p.forced,
+        )
     return record

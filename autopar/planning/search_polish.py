@@ -41,13 +41,27 @@ def polish(problem: Problem, max_sweeps: int = POLISH_SWEEPS) -> bool:
     reads, and most of an op's hundreds of candidates share them, so each group is priced once per
     distinct one (`_Group.facing`); a candidate stops being summed once it can no longer win
     (every cost is >= 0). The sums are the same, added in the same order, as pricing every
-    candidate in full (`tests/test_search_polish.py` holds it to that)."""
+    candidate in full (`tests/test_search_polish.py` holds it to that).
+
+    An op is evaluated again only when something its objective reads (its groups' producer and
+    readers, itself included) moved since its last evaluation: the objective is a function of
+    those ops' candidates alone, and an op that did not move and sees the same objective again
+    does not move (the same sums, the same ties). After the first sweep only the neighbourhoods of
+    the ops that moved are priced again."""
     lists = _Lists()
     groups = [_Group(edges, lists) for edges in _reader_groups(problem)]
     touching: list[list[int]] = [[] for _ in problem.vars]  # per var: the groups it reads or feeds
     for g, group in enumerate(groups):
         for op in {group.u, *group.readers}:
             touching[op].append(g)
+    # per op: the ops its objective reads (itself included), when it was last evaluated and when
+    # it last moved (`tick` counts evaluations and moves)
+    reads = [
+        sorted({v, *(x for g in near for x in (groups[g].u, *groups[g].readers))})
+        for v, near in enumerate(touching)
+    ]
+    evaluated, changed = [-1] * len(problem.vars), [-1] * len(problem.vars)
+    tick = 0
     current = [var.current for var in problem.vars]
     moved = False
     for _ in range(max_sweeps):
@@ -55,6 +69,13 @@ def polish(problem: Problem, max_sweeps: int = POLISH_SWEEPS) -> bool:
         for v, var in enumerate(problem.vars):
             if len(var.cands) < 2 or not touching[v]:
                 continue
+            last = evaluated[v]
+            if last >= 0 and all(changed[x] < last for x in reads[v]):
+                problem.tally.polish_skipped += 1
+                continue  # it would stand where it stands: nothing it reads moved since
+            problem.tally.polished += 1
+            tick += 1
+            evaluated[v] = tick
             mine = [groups[g].facing(v, current) for g in touching[v]]
             unary = var.unary.tolist()
             now = float(unary[current[v]]) + sum(cost(current[v]) for cost in mine)
@@ -75,6 +96,8 @@ def polish(problem: Problem, max_sweeps: int = POLISH_SWEEPS) -> bool:
             if best != current[v] and best_value < now - 1e-9 * max(1.0, abs(now)):
                 current[v] = var.current = best
                 moves += 1
+                tick += 1
+                changed[v] = tick
         if not moves:
             break
         moved = True

@@ -47,10 +47,16 @@ class Edge:
     matrices: SharedMatrices | None = field(default=None, repr=False)
 
     def for_consumer(self, u_choice: int) -> np.ndarray:
-        return self.table[self.out_index[u_choice], self.in_index]
+        """The cost of each v candidate with u at `u_choice` (read only: it may be shared)."""
+        if self.matrices is None:
+            return self.table[self.out_index[u_choice], self.in_index]
+        return self.matrices.line(self.table, self.in_index, int(self.out_index[u_choice]), True)
 
     def for_producer(self, v_choice: int) -> np.ndarray:
-        return self.table[self.out_index, self.in_index[v_choice]]
+        """The cost of each u candidate with v at `v_choice` (read only: it may be shared)."""
+        if self.matrices is None:
+            return self.table[self.out_index, self.in_index[v_choice]]
+        return self.matrices.line(self.table, self.out_index, int(self.in_index[v_choice]), False)
 
     def matrix(self) -> np.ndarray:
         """The cost of every (u candidate, v candidate) pair. Kept for the next solve only up to
@@ -90,6 +96,8 @@ class SharedMatrices:
     def __init__(self) -> None:
         # keyed by the arrays' ids; the arrays are kept in the value, so no id is reused meanwhile
         self._found: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        # (table, index array, row or column, which) -> (those arrays, the line): `line`
+        self._lines: dict[tuple[int, int, int, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def get(self, table: np.ndarray, out_index: np.ndarray, in_index: np.ndarray) -> np.ndarray:
         key = (id(table), id(out_index), id(in_index))
@@ -97,6 +105,18 @@ class SharedMatrices:
         if found is None:
             found = self._found[key] = (table, out_index, in_index, table[np.ix_(out_index, in_index)])
         return found[3]
+
+    def line(self, table: np.ndarray, index: np.ndarray, at: int, row: bool) -> np.ndarray:
+        """`table[at, index]` (`row`) or `table[index, at]`, one read-only copy per (table, index
+        array, row or column): a block's solve reads one per edge leaving it (`search_blocks._local`),
+        and the edges of repeated layers read the same tables through the same index arrays."""
+        key = (id(table), id(index), at, row)
+        found = self._lines.get(key)
+        if found is None:
+            line = table[at, index] if row else table[index, at]
+            line.flags.writeable = False
+            found = self._lines[key] = (table, index, line)
+        return found[2]
 
     def __len__(self) -> int:
         return len(self._found)
@@ -200,3 +220,5 @@ class Tally:
     solves: int = 0
     memo_hits: int = 0
     distinct_chains: int = 0
+    polished: int = 0  # ops the one-op polish priced (`search_polish.polish`)
+    polish_skipped: int = 0  # and those it did not price again: nothing they read had moved
