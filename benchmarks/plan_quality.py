@@ -24,10 +24,8 @@ The search prices element counts (the reference's unit, every link alike) with c
 at the flops a rank of the machine this shape stands for does in the time it sends one element:
 `--flop-table h100-calibrated` (default), bfloat16 matmuls at the calibrated tensor-core rate against
 one bfloat16 element on NVLink, ~3,650 flops (`search_cost.table_flops_per_element`); `none`: the
-fixed 200 that was compile_for_rank's default before it took the mesh's table's, at which repeated
-attention and a contiguous causal split's busiest rank cost ~18x what they cost on that machine;
-`mesh`: compile_for_rank's default, the planning mesh's table (h100-nvlink-ib) at the dtype the
-model's matmuls run in (float32 here, as the benchmark traces it: ~600).
+CPU/gloo-like 200 of a CPU mesh's default, at which repeated attention and a contiguous causal
+split's busiest rank cost ~18x what they cost on that machine.
 
 "search" cuts fused projections into one linear per piece by default (split_fused, docs/planning.md), "greedy"
 does not; "+split" / "+fused" force the cut on / off.
@@ -163,19 +161,11 @@ def main() -> None:
     parser.add_argument(
         "--flop-table", default="h100-calibrated",
         help="the hardware table whose flops per element weigh compute in the search's element counts "
-             "(`search_cost.table_flops_per_element`, bfloat16 on its NVLink); 'none': the old fixed 200; "
-             "'mesh': compile_for_rank's default (the mesh's table at the model's matmul dtype)",
+             "(`search_cost.table_flops_per_element`, bfloat16 on its NVLink); 'none': the CPU/gloo default, 200",
     )
     args = parser.parse_args()
-    fpe: float | None
-    if args.flop_table == "mesh":
-        fpe = None  # compile_for_rank's default
-    elif args.flop_table == "none":
-        fpe = 200.0
-    else:
-        fpe = table_flops_per_element(args.flop_table)
-    shown = "the mesh's table" if fpe is None else f"{fpe:.0f}"
-    print(f"flops per element: {shown} (--flop-table {args.flop_table})")
+    fpe = None if args.flop_table == "none" else table_flops_per_element(args.flop_table)
+    print(f"flops per element: {'200 (default)' if fpe is None else f'{fpe:.0f} ({args.flop_table}, bfloat16)'}")
 
     started = time.perf_counter()
     configs = [

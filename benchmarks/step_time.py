@@ -44,7 +44,6 @@ so the gain under stretch is a function of k, not a prediction for a given GPU.
     python benchmarks/step_time.py --mesh 2,2,2 --reorder-only --reps 6 --name step_time_reorder_only
     python benchmarks/step_time.py --mesh 2,2,2 --chunks 2 --name step_time_chunks   # ~4 min
     python benchmarks/step_time.py --mesh 2,4 --decompose on --decompose off --name step_time_decomposed
-    python benchmarks/step_time.py --mesh 2,2,2 --flop-weight 200 --name step_time_flops_tp17   # the old weight
 
 Writes benchmarks/results/step_time.json (or <name>.json).
 """
@@ -170,10 +169,6 @@ def _alternate(
 
 
 def _compile(model: torch.nn.Module, mesh: Any, batch: Any, variant: str) -> ParallelModule:
-    if variant.startswith("flops "):  # scheduled, element counts weighing compute at W flops per element
-        weight = float(variant.split()[1])
-        with mock.patch.object(autopar.compiler.driver, "default_flops_per_element", lambda gm, table: weight):
-            return autopar.parallelize(model, mesh, example_inputs=batch)
     if variant.startswith("decompose "):  # scheduled, collective matmuls decomposed "on" / "off"
         mode = variant.split()[1]
         return autopar.parallelize(model, mesh, example_inputs=batch, planning=autopar.PlanOptions(decompose_matmuls=mode))
@@ -274,11 +269,6 @@ def main() -> int:
         "--decompose", action="append", default=[], choices=["on", "off"],
         help='also time decompose_matmuls="on" / "off" (the scheduled default is "auto"; repeatable)',
     )  # fmt: skip
-    parser.add_argument(
-        "--flop-weight", type=float, action="append", default=[],
-        help="also time the plan of element counts at W flops per element (the default: the cpu-gloo "
-        "table's, ~1,050; 200 was the fixed default before; repeatable)",
-    )  # fmt: skip
     parser.add_argument("--name", default="step_time", help="writes benchmarks/results/<name>.json")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--n-embd", type=int, default=32)
@@ -292,7 +282,6 @@ def main() -> int:
         *(("reorder-only",) if args.reorder_only else ()),
         *(f"{k} chunks" for k in args.chunks),
         *(f"decompose {mode}" for mode in args.decompose),
-        *(f"flops {w:g}" for w in args.flop_weight),
     )
     cfg = {"n_embd": args.n_embd, "block_size": args.block_size, "n_layer": args.n_layer}
 

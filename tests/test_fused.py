@@ -13,7 +13,7 @@ from autopar.core.meta import has_info, info, signature
 from autopar.core.redistribute import plan_redistribute, redistribute_cost
 from autopar.passes.trace import trace
 from autopar.planning.search import ElementCost, plan_cost_parts, search_layouts
-from autopar.planning.search_cost import CALL_ELEMENTS, default_flops_per_element
+from autopar.planning.search_cost import CALL_ELEMENTS
 from autopar.planning.storage import part_dim_at, part_dims
 from autopar.rules.registry import default_registry
 
@@ -123,12 +123,10 @@ def test_the_search_prices_parts_in_the_storage_they_get() -> None:
     weights = [n for n in gm.graph.nodes if n.target is aten.t.default and n.args[0].name in dims]
     assert weights and all(part_dim_at(n, dims) == 1 for n in weights)  # the matmul reads W^T
     assert all(part_dim_at(nodes[name], dims) == 0 for name in dims)
-    # priced as compile_for_rank prices it: element counts at the mesh's table's flop weight
-    cost = ElementCost(mesh.shape, flops_per_element=default_flops_per_element(gm, "h100-nvlink-ib"))
-    plan = search_layouts(gm, mesh, default_registry(), cost=cost)
+    plan = search_layouts(gm, mesh, default_registry())
     for name, dim in dims.items():
         assert not plan.layouts[name][0].shard_axes(dim), name
-    comm, _ = plan_cost_parts(gm, plan, mesh, cost, once=True)
+    comm, _ = plan_cost_parts(gm, plan, mesh, ElementCost(mesh.shape), once=True)
     compiled = compile_for_rank(model, mesh, inputs, coords=(0, 0, 0), planner="search")
     assert signature(compiled.graph).param_parts  # split by default with the search
     emitted = compiled.report.collectives  # each one's elements, plus element counts' term per call

@@ -54,7 +54,7 @@ from autopar.planning.greedy import choose_layouts
 from autopar.planning.memory import plan_memory
 from autopar.planning.recompute import has_checkpoint_regions
 from autopar.planning.search import SearchPlan, fit_memory, search_layouts
-from autopar.planning.search_cost import ElementCost, TimeCost, default_flops_per_element
+from autopar.planning.search_cost import ElementCost, TimeCost
 from autopar.planning.storage import unify_part_storage
 from autopar.reporting.dump import dump_dir_from, write_collectives, write_stage, write_timeline
 from autopar.reporting.experts import expert_placement
@@ -166,10 +166,9 @@ def compile_for_rank(
     model on when `hardware` is None (layouts by element counts; default: cpu-gloo for a CPU
     DeviceMesh, else h100-nvlink-ib): `plan(device_type="cpu")` passes cpu-gloo, as a CPU job's.
     `flops_per_element` weighs compute against elements in element counts (`hardware` None): the
-    flops a rank does in the time it sends one element (default: the `table`'s at the dtype the
-    model's matmuls run in, `search_cost.default_flops_per_element`: ~1,050 on a CPU mesh, ~4,400
-    for bfloat16 on the H100 table; `benchmarks/plan_quality.py` plans the H100-sized GPT at the
-    calibrated H100's).
+    flops a rank does in the time it sends one element (default 200, CPU/gloo-like;
+    `search_cost.table_flops_per_element` gives a table's: `benchmarks/plan_quality.py` plans the
+    H100-sized GPT at the H100's).
     `schedule=False` skips the schedule stage (bucketing and reordering): insert_comm's order stays,
     each collective waited on right after it is issued (no overlap), for measuring what it buys.
     `memory_limit` (bytes per rank) bounds the plan's modeled memory: the search trades time for
@@ -231,13 +230,11 @@ def compile_for_rank(
 
     def make_plan() -> Plan:
         with stage("plan"):
-            if hardware is not None:
-                cost: ElementCost = TimeCost(hardware, mesh.shape)
-            else:
-                weight = flops_per_element
-                if weight is None:
-                    weight = default_flops_per_element(gm, default_hardware(mesh, table))
-                cost = ElementCost(mesh.shape, flops_per_element=weight)
+            cost = (
+                TimeCost(hardware, mesh.shape)
+                if hardware is not None
+                else ElementCost(mesh.shape, flops_per_element=flops_per_element)
+            )
             if planner == "greedy":
                 greedy = choose_layouts(gm, mesh, registry)
                 if memory_limit is None and not has_checkpoint_regions(gm):

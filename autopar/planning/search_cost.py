@@ -19,13 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.fx as fx
 
 from autopar.core.layout import Layout, Placement, itemsize, summed
 from autopar.core.redistribute import CommStep, plan_redistribute
 from autopar.cost.formulas import MeshCost, latency_steps, redistribute_time
 from autopar.cost.hardware import Link, Rate, load_hardware
-from autopar.cost.work import compute_rate, global_work
 from autopar.planning.greedy import FLOP_WEIGHT, _redist
 from autopar.planning.search_steps import StepCache, element_factor, even_steps, instantiate
 from autopar.planning.storage import gather_from_storage, storage_layout
@@ -49,7 +47,7 @@ _FIELDS = 7
 
 
 class ElementCost:
-    """Elements sent per rank plus flops / `flops_per_element`, plus `CALL_ELEMENTS` per collective: the greedy
+    """Elements sent per rank plus flops / 200, plus `CALL_ELEMENTS` per collective: the greedy
     pass's units (no hardware table) with a per-call tie-breaker, so that of two plans moving the
     same elements the one with fewer collectives wins (a CPU mesh's default).
     Collectives the schedule stage merges into buckets (`bucketed`: gradient reductions into their
@@ -293,30 +291,6 @@ def table_flops_per_element(hardware: Any, dtype: torch.dtype = torch.bfloat16) 
     flops = 2.0 * 8192**3  # a matmul large enough to run at the table's sustained rate
     seconds = MeshCost.build(hw, (1,)).compute(flops, 0.0, dtype)
     return flops / seconds * itemsize(dtype) / hw.intra_node.bandwidth
-
-
-def matmul_dtype(gm: fx.GraphModule) -> torch.dtype:
-    """The dtype most of `gm`'s matmul flops compute in (`cost.work.compute_rate`: under autocast
-    a matmul's result is bfloat16), float32 for a graph without matmuls: the dtype whose rate and
-    element size a table's flop weight is taken at (`default_flops_per_element`)."""
-    flops: dict[torch.dtype, float] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        rate = compute_rate(node)
-        if isinstance(rate, torch.dtype):  # matmuls (and attention priced at the matmul rate)
-            flops[rate] = flops.get(rate, 0.0) + global_work(node)
-    return max(flops, key=lambda d: (flops[d], str(d))) if flops else torch.float32
-
-
-def default_flops_per_element(gm: fx.GraphModule, table: str) -> float:
-    """The flop weight of element counts when none is given: the flops a rank of `table` (the
-    mesh's: cpu-gloo for a CPU mesh, else h100-nvlink-ib, `cost.timeline.default_hardware`) does
-    in the time it sends one element, at the dtype the graph's matmuls run in. The fixed 200 it
-    replaces stood for no machine: a CPU/gloo rank does ~1,050 (float32), an H100 ~4,400 in
-    bfloat16 and ~600 in float32, so on a GPU mesh the plan no longer pays ~20x the real time for
-    repeated or unbalanced compute (docs/planning.md, the flop term)."""
-    return table_flops_per_element(table, matmul_dtype(gm))
 
 
 @functools.lru_cache(maxsize=200_000)
