@@ -145,9 +145,11 @@ def test_a_cp_axis_at_its_defaults_gathers_the_keys_where_the_ring_costs_more() 
     (4,) ("cp",) CPU mesh at the defaults (layouts planned by element counts): the ring's exchanges
     send more than gathering the keys and values does (p-1 blocks forward, 2p-1 backward with the
     gradient accumulators, against p-1 each way), and element counts hide none of them behind
-    compute, as none of any other collective. The plan gathers them (the balanced layout), where
-    the ring's exchanges counted as hidden behind its blocks' flops made it take the ring, which
-    ran slower on 8 gloo ranks (docs/long-context.md)."""
+    compute, as none of any other collective. The plan takes no ring, where the ring's exchanges
+    counted as hidden behind its blocks' flops made it take the ring, which ran slower on 8 gloo
+    ranks (docs/long-context.md). It splits attention's queries along the sequence with the keys
+    gathered, or (since the load-balanced layout's conversions are priced as the two collectives
+    insert_comm emits, zoo17) the heads, Ulysses' way: both without ring exchanges."""
     model, batch = make_llama(0, batch_size=1, vocab_size=256, seq_len=1024, dim=256, n_layer=1, n_head=4,
                               n_kv_head=1, hidden=688)  # fmt: skip
     result = autopar.plan(model, (4,), batch, mesh_names=("cp",), device_type="cpu")
@@ -156,4 +158,5 @@ def test_a_cp_axis_at_its_defaults_gathers_the_keys_where_the_ring_costs_more() 
     for node in attention:
         chosen = info(node).strategy
         assert chosen is not None and ring_axis(node.target, chosen) is None, chosen
-        assert chosen.inputs[1 if node.target is BACKWARD else 0].shard_axes(2) == (0,), chosen
+        queries = chosen.inputs[1 if node.target is BACKWARD else 0]
+        assert (0,) in (queries.shard_axes(2), queries.shard_axes(1)), chosen

@@ -41,8 +41,16 @@ def _wait_gaps(gm: fx.GraphModule) -> list[int]:
     return gaps
 
 
+# views emit's `passes/view_folds.py` may fold (a reshape of a reshape, a transpose of a transpose),
+# which depends on where the collectives' waits stand between them: not the schedule's computation
+_FOLDABLE = (torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+             torch.ops.aten.t.default)  # fmt: skip
+
+
 def _compute_nodes(gm: fx.GraphModule) -> list[str]:
-    return sorted(n.name for n in gm.graph.nodes if has_info(n) and info(n).role == "compute")
+    return sorted(
+        n.name for n in gm.graph.nodes if has_info(n) and info(n).role == "compute" and n.target not in _FOLDABLE
+    )
 
 
 def test_unscheduled_waits_follow_their_collectives_and_scheduled_ones_move() -> None:
